@@ -1,0 +1,55 @@
+"""Exceptions of our own, so the CLI can turn user errors into one line and a non-zero exit.
+
+Every message names the file (or URL) at fault and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardkitError",
+    "InputError",
+    "OutputError",
+    "ShardFormatError",
+    "ManifestError",
+    "SampleError",
+    "StorageError",
+]
+
+
+class ShardkitError(Exception):
+    """Base class: anything the user can act on. The CLI prints ``error: <message>`` and exits 1."""
+
+    exit_code = 1
+
+
+class InputError(ShardkitError):
+    """A source path or argument is unusable (missing, empty, wrong type, bad option value)."""
+
+    exit_code = 2
+
+
+class OutputError(ShardkitError):
+    """The output location cannot be written as asked (non-empty without --overwrite, ...)."""
+
+    exit_code = 2
+
+
+class ShardFormatError(ShardkitError):
+    """A shard's bytes do not follow FORMAT.md: truncated, bad header, wrong record layout."""
+
+
+class ManifestError(ShardkitError):
+    """manifest.json is missing a field, has the wrong version, or disagrees with the shards."""
+
+
+class SampleError(ShardkitError):
+    """One sample cannot be decoded; carries the shard and key so it can be found and removed."""
+
+    def __init__(self, message: str, *, shard: str = "", key: str = ""):
+        super().__init__(message)
+        self.shard = shard
+        self.key = key
+
+
+class StorageError(ShardkitError):
+    """Remote storage failed after retries, or an object is missing; never includes credentials."""

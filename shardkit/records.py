@@ -1,0 +1,48 @@
+"""The typed records that flow between the shard readers, the streaming stages and the packer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Record", "ShardSlice", "ShardStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One stored sample as read from a shard, before decoding.
+
+    ``ext`` is the image member's extension (``jpg``, ``png`` ...), so decoders and ``decode="raw"``
+    users know what the bytes are. ``label`` is -1 when the shard stores none.
+    """
+
+    key: str
+    ext: str
+    data: bytes
+    label: int
+    shard: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSlice:
+    """Samples ``[start, stop)`` of shard number ``shard`` in the dataset's shard list.
+
+    The unit of work handed to one DataLoader worker: splitting by slices rather than whole shards
+    is what keeps every worker busy when there are fewer shards than ranks x workers.
+    """
+
+    shard: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStats:
+    """What a writer reports when a shard is complete: the manifest's per-shard facts."""
+
+    path: str
+    samples: int
+    bytes: int
+    sha256: str
