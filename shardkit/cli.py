@@ -39,7 +39,92 @@ def main() -> None:
 # --- pack ------------------------------------------------------------------------------------
 
 
+@main.command("pack")
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["tar", "lmdb"]), default="tar",
+              show_default=True, help="Shard format.")
+@click.option("--shard-size", default="256MB", show_default=True,
+              help="Largest shard: 256MB, 64MiB, 1G or bytes. A bigger sample gets its own shard.")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+              help="Shuffle the sample order once, so that sequential shards are well mixed.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of that shuffle.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Reader threads (the main thread writes).")
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip",
+              show_default=True,
+              help="Bad or unreadable image: list it in the manifest and go on, or stop.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the shards and manifest already in OUT (once the new ones are done).")
+@click.option("--resize-short", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Re-encode (JPEG q90) so the shorter side is at most N pixels.")
+@click.option("--validate", type=click.Choice(["header", "decode", "none"]), default="header",
+              show_default=True,
+              help="header: magic bytes and end markers (cheap); decode: full decode with PIL.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwrite,
+             resize_short, validate, quiet) -> None:
+    """Pack the class-per-folder image tree SRC into shards and a manifest in OUT."""
+    import warnings
+
+    from .pack import pack
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = pack(
+            src, out, shard_size=shard_size, format=fmt, shuffle=shuffle, seed=seed,
+            workers=workers, on_error=on_error, overwrite=overwrite, resize_short=resize_short,
+            validate=validate, progress=not quiet,
+        )
+    for w in caught:
+        click.echo(f"warning: {w.message}", err=True)
+    click.echo(report.summary())
+
+
 # --- info / verify ---------------------------------------------------------------------------
+
+
+@main.command("info")
+@click.argument("out", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
+def info_cmd(out, as_json) -> None:
+    """Show what the packed dataset in OUT holds: shards, samples, bytes, classes, format."""
+    from .verify import dataset_info
+
+    info = dataset_info(out)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(info, indent=1, ensure_ascii=False))
+        return
+    names = info["classes"]
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    click.echo(
+        f"format:   {info['format']}\n"
+        f"shards:   {info['shards']}\n"
+        f"samples:  {info['samples']}\n"
+        f"bytes:    {info['bytes']} ({info['bytes'] / 1e6:.1f} MB)\n"
+        f"classes:  {info['num_classes']} ({shown})\n"
+        f"skipped:  {info['skipped']}\n"
+        f"manifest: {info['manifest']}"
+    )
+
+
+@main.command("verify")
+@click.argument("out", type=click.Path())
+@click.option("--decode", is_flag=True, help="Also decode every image.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def verify_cmd(out, decode, quiet) -> None:
+    """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
+    from .errors import ShardFormatError
+    from .verify import verify
+
+    report = verify(out, decode=decode, progress=not quiet)
+    for bad in report.bad:
+        click.echo(f"BAD {bad}")
+    if not report.ok:
+        raise ShardFormatError(report.summary() + "; re-copy them or re-pack")
+    click.echo(report.summary())
 
 
 # --- bench -----------------------------------------------------------------------------------

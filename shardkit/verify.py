@@ -1,0 +1,171 @@
+"""``shardkit verify``: check every shard against its manifest entry.
+
+Per shard: size, sha256, the number of samples actually readable, labels within the class list,
+and with ``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry,
+so remote storage can fetch a shard and reuse it unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+
+from .formats import ShardFormat, get_format
+from .manifest import MANIFEST_NAME, ShardEntry, read_manifest
+from .pack import decode_error
+
+__all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
+
+_CHUNK = 1 << 20
+
+
+@dataclass
+class ShardProblem:
+    """One bad shard and everything wrong with it."""
+
+    path: str
+    problems: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.path}: {'; '.join(self.problems)}"
+
+
+@dataclass
+class VerifyReport:
+    out: str
+    shards: int
+    samples: int
+    bytes: int
+    decoded: int
+    bad: list[ShardProblem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def summary(self) -> str:
+        checks = "size, sha256, sample count" + (", decoded every image" if self.decoded else "")
+        if self.ok:
+            return (
+                f"OK: {self.shards} shards, {self.samples} samples, {self.bytes / 1e6:.1f} MB "
+                f"in {self.out} ({checks})"
+            )
+        return (
+            f"{len(self.bad)} of {self.shards} shards in {self.out} failed verification: "
+            + ", ".join(b.path for b in self.bad)
+        )
+
+
+def _sha256_and_size(path: str) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            size += n
+    return digest.hexdigest(), size
+
+
+def verify_shard(
+    path: str,
+    entry: ShardEntry,
+    shard_format: ShardFormat,
+    *,
+    decode: bool = False,
+    num_classes: int | None = None,
+) -> tuple[list[str], int]:
+    """Problems found in the local shard file ``path`` (empty when it is good), and images decoded.
+
+    Never raises for a damaged shard: every failure becomes a problem string, so one bad shard
+    does not hide the others.
+    """
+    problems: list[str] = []
+    try:
+        sha, size = _sha256_and_size(path)
+    except FileNotFoundError:
+        return ["missing"], 0
+    except OSError as exc:
+        return [f"unreadable ({exc.strerror})"], 0
+    if size != entry.bytes:
+        problems.append(f"size {size} bytes, manifest says {entry.bytes}")
+    if sha != entry.sha256:
+        problems.append("sha256 differs from the manifest")
+    count = decoded = 0
+    bad_labels = 0
+    first_bad_image = None
+    try:
+        for rec in shard_format.iter_records(path, shard=entry.path):
+            count += 1
+            if num_classes is not None and not 0 <= rec.label < num_classes:
+                bad_labels += 1
+            if decode:
+                reason = decode_error(rec.data)
+                decoded += 1
+                if reason and first_bad_image is None:
+                    first_bad_image = f"sample {rec.key!r}: {reason}"
+    except Exception as exc:  # noqa: BLE001 - a damaged shard may break a reader in any way
+        problems.append(f"unreadable after {count} samples ({exc})")
+    else:
+        if count != entry.samples:
+            problems.append(f"{count} samples, manifest says {entry.samples}")
+    if bad_labels:
+        problems.append(f"{bad_labels} labels outside 0..{num_classes - 1}")
+    if first_bad_image:
+        problems.append(f"image does not decode ({first_bad_image})")
+    return problems, decoded
+
+
+def verify(out: str, *, decode: bool = False, progress: bool = False) -> VerifyReport:
+    """Check every shard of the packed dataset in directory ``out`` against its manifest.
+
+    Raises ManifestError when the manifest itself is missing or unreadable; bad shards are
+    reported, not raised, so the caller sees all of them.
+    """
+    from tqdm import tqdm
+
+    out = os.fspath(out)
+    manifest = read_manifest(out)
+    fmt = get_format(manifest.shard_format)
+    bad: list[ShardProblem] = []
+    decoded = 0
+    entries = manifest.shards
+    bar = tqdm(
+        entries, unit="shard", desc="verify", file=sys.stderr, disable=None if progress else True
+    )
+    for entry in bar:
+        problems, n = verify_shard(
+            os.path.join(out, entry.path), entry, fmt, decode=decode,
+            num_classes=len(manifest.classes),
+        )
+        decoded += n
+        if problems:
+            bad.append(ShardProblem(entry.path, problems))
+    return VerifyReport(
+        out=out,
+        shards=len(entries),
+        samples=manifest.num_samples,
+        bytes=manifest.total_bytes,
+        decoded=decoded,
+        bad=bad,
+    )
+
+
+def dataset_info(out: str) -> dict:
+    """The facts ``shardkit info`` prints, from the manifest alone (no shard is opened)."""
+    out = os.fspath(out)
+    m = read_manifest(out)
+    return {
+        "manifest": os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out,
+        "format": m.shard_format,
+        "shards": len(m.shards),
+        "samples": m.num_samples,
+        "bytes": m.total_bytes,
+        "num_classes": len(m.classes),
+        "classes": list(m.classes),
+        "skipped": len(m.skipped),
+        "pack": m.pack,
+    }
