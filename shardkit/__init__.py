@@ -1,0 +1,61 @@
+"""shardkit: pack folders of small images into sequential shards and stream them into PyTorch.
+
+``pack`` and the format/manifest helpers import without torch; ``ShardDataset`` and
+``FolderDataset`` load torch on first use, so ``shardkit info`` and friends start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    InputError,
+    ManifestError,
+    OutputError,
+    SampleError,
+    ShardFormatError,
+    ShardkitError,
+    StorageError,
+)
+from .manifest import Manifest, ShardEntry, read_manifest
+from .records import Record
+
+if TYPE_CHECKING:
+    from .dataset import FolderDataset, ShardDataset
+    from .pack import PackReport, pack
+
+__all__ = [
+    "FolderDataset",
+    "InputError",
+    "Manifest",
+    "ManifestError",
+    "OutputError",
+    "PackReport",
+    "Record",
+    "SampleError",
+    "ShardDataset",
+    "ShardEntry",
+    "ShardFormatError",
+    "ShardkitError",
+    "StorageError",
+    "pack",
+    "read_manifest",
+]
+
+_LAZY = {
+    "ShardDataset": "dataset",
+    "FolderDataset": "dataset",
+    "pack": "pack",
+    "PackReport": "pack",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

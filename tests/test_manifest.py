@@ -1,0 +1,82 @@
+"""manifest.json: round trip, atomic write, and clear errors for every malformed input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from shardkit.errors import ManifestError
+from shardkit.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    SkippedFile,
+    read_manifest,
+    write_manifest,
+)
+
+
+def _manifest() -> Manifest:
+    return Manifest(
+        shard_format="tar",
+        classes=["a", "b", "ü"],
+        shards=[
+            ShardEntry("shard-000000.tar", 3, 4096, "ab" * 32),
+            ShardEntry("shard-000001.tar", 2, 2048, "cd" * 32),
+        ],
+        skipped=[SkippedFile("a/bad.jpg", "truncated JPEG")],
+        pack={"seed": 0, "shard_size": 1024},
+    )
+
+
+def test_round_trip_and_derived_fields(tmp_path):
+    m = _manifest()
+    path = write_manifest(m, str(tmp_path))
+    assert path == str(tmp_path / MANIFEST_NAME)
+    doc = json.loads((tmp_path / MANIFEST_NAME).read_text(encoding="utf-8"))
+    assert doc["num_samples"] == 5 and doc["total_bytes"] == 6144 and doc["version"] == 1
+    assert doc["shards"][0] == {
+        "path": "shard-000000.tar",
+        "samples": 3,
+        "bytes": 4096,
+        "sha256": "ab" * 32,
+    }
+    back = read_manifest(str(tmp_path))
+    assert back == m
+    assert read_manifest(path) == m
+
+
+def test_write_leaves_no_temporary_files(tmp_path):
+    write_manifest(_manifest(), str(tmp_path))
+    write_manifest(_manifest(), str(tmp_path))
+    assert os.listdir(tmp_path) == [MANIFEST_NAME]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(version=99), "version 99 is not supported"),
+        (lambda d: d.pop("shards"), "missing or malformed field"),
+        (lambda d: d["shards"][0].pop("sha256"), "missing or malformed field"),
+        (lambda d: d.update(num_samples=6), "disagrees with the shard counts"),
+        (lambda d: d["shards"][1].update(path="../../etc/passwd"), "outside the manifest"),
+        (lambda d: d["shards"][1].update(path="/abs.tar"), "outside the manifest"),
+    ],
+)
+def test_malformed_manifests_name_the_file(tmp_path, edit, message):
+    doc = json.loads(_manifest().to_json())
+    edit(doc)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=message) as info:
+        read_manifest(str(tmp_path))
+    assert str(tmp_path / MANIFEST_NAME) in str(info.value)
+
+
+def test_missing_and_invalid_json(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest; pack the folder"):
+        read_manifest(str(tmp_path))
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(str(tmp_path))
