@@ -1,0 +1,266 @@
+"""Turn what a user writes as a dataset source into a concrete, ordered shard list.
+
+Accepted: a glob (``out/*.tar``), a brace pattern (``out/shard-{000000..000051}.tar``), a list of
+shard paths, a shard directory, or its ``manifest.json``; each as a local path or a URL
+(``s3://``, ``https://``, ``file://``), URLs resolved through fsspec. A manifest beside the shards
+is used for exact per-shard counts and the class list, so nothing has to be opened to plan an
+epoch; shards without one (e.g. tars written by other WebDataset tools) get counted later.
+"""
+
+from __future__ import annotations
+
+import glob as globmod
+import os
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from braceexpand import braceexpand
+
+from .errors import InputError, ManifestError
+from .formats import FORMATS, format_for_path
+from .manifest import MANIFEST_NAME, Manifest
+from .storage import is_url
+
+__all__ = ["ShardSource", "resolve_source", "UNKNOWN"]
+
+#: Count of a shard that no manifest describes: the dataset counts it by reading headers.
+UNKNOWN = -1
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """An ordered shard list and what is known about it without opening a shard.
+
+    ``counts[i]`` is shard i's sample count from a manifest, or ``UNKNOWN``. ``classes`` is set
+    only when manifests cover every shard and agree; ``manifest`` only when one manifest does.
+    """
+
+    urls: tuple[str, ...]
+    format: str
+    counts: tuple[int, ...]
+    classes: tuple[str, ...] | None = None
+    manifest: Manifest | None = None
+    manifest_path: str | None = None
+
+
+class _Fs:
+    """The few filesystem calls resolution needs, over os for paths and fsspec for URLs."""
+
+    def __init__(self, remote: bool, url: str = "", storage_options: dict | None = None):
+        self.remote = remote
+        self.fs = None
+        if remote:
+            import fsspec
+
+            self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path) if self.remote else os.path.isdir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path) if self.remote else os.path.exists(path)
+
+    def join(self, base: str, rel: str) -> str:
+        return posixpath.join(base.rstrip("/"), rel) if self.remote else os.path.join(base, rel)
+
+    def dirname(self, path: str) -> str:
+        return posixpath.dirname(path.rstrip("/")) if self.remote else os.path.dirname(path)
+
+    def basename(self, path: str) -> str:
+        return posixpath.basename(path.rstrip("/")) if self.remote else os.path.basename(path)
+
+    def glob(self, pattern: str) -> list[str]:
+        if not self.remote:
+            return sorted(globmod.glob(pattern))
+        return sorted(self.fs.unstrip_protocol(p) for p in self.fs.glob(pattern))
+
+    def listdir(self, path: str) -> list[str]:
+        if not self.remote:
+            return [os.path.join(path, n) for n in sorted(os.listdir(path))]
+        return sorted(self.fs.unstrip_protocol(p) for p in self.fs.ls(path, detail=False))
+
+    def read_manifest(self, path: str) -> Manifest:
+        try:
+            if self.remote:
+                with self.fs.open(path, "rb") as f:
+                    text = f.read()
+            else:
+                with open(path, "rb") as f:
+                    text = f.read()
+        except OSError as exc:
+            raise ManifestError(f"{path}: cannot read manifest ({exc})") from None
+        return Manifest.from_json(text, source=path)
+
+
+def resolve_source(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    storage_options: dict | None = None,
+) -> ShardSource:
+    """Resolve ``source`` to shards; raises InputError/ManifestError naming what is wrong."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if not text:
+            raise InputError("empty dataset source: pass a shard directory, glob or list of shards")
+        fs = _Fs(is_url(text), text, storage_options)
+        name = fs.basename(text)
+        if name == MANIFEST_NAME:
+            return _from_manifest(fs, text)
+        if not _has_pattern(text) and fs.isdir(text):
+            manifest_path = fs.join(text, MANIFEST_NAME)
+            if fs.exists(manifest_path):
+                return _from_manifest(fs, manifest_path)
+            urls = [
+                p
+                for p in fs.listdir(text)
+                if any(fs.basename(p).endswith(f.suffix) for f in FORMATS.values())
+                and not fs.basename(p).startswith(".")
+            ]
+            if not urls:
+                suffixes = " or ".join(f.suffix for f in FORMATS.values())
+                raise InputError(
+                    f"{text}: no shards ({suffixes} files) and no {MANIFEST_NAME} in this "
+                    "directory; pack it first with `shardkit pack`"
+                )
+            return _from_urls(fs, urls, text)
+        return _from_urls(fs, _expand(fs, text), text)
+    items = [os.fspath(s) for s in source]
+    if not items:
+        raise InputError("empty list of shards: pass at least one shard path")
+    remote = {is_url(s) for s in items}
+    if len(remote) > 1:
+        raise InputError("the shard list mixes URLs and local paths: use one kind")
+    fs = _Fs(remote.pop(), items[0], storage_options)
+    return _from_urls(fs, items, f"the list of {len(items)} shards")
+
+
+def _has_pattern(text: str) -> bool:
+    return any(c in text for c in _GLOB_CHARS) or ("{" in text and "}" in text)
+
+
+def _expand(fs: _Fs, pattern: str) -> list[str]:
+    """Brace-expand, then glob the parts that hold wildcards; literal parts must exist."""
+    urls: list[str] = []
+    for part in braceexpand(pattern):
+        if any(c in part for c in _GLOB_CHARS):
+            found = fs.glob(part)
+            if not found:
+                raise InputError(f"{part}: no shards match this pattern; check the path")
+            urls.extend(found)
+        else:
+            urls.append(part)
+    return urls
+
+
+def _shard_format(urls: list[str], where: str) -> str:
+    fmts: dict[str, str] = {}
+    for u in urls:
+        fmts.setdefault(format_for_path(u).name, u)
+    if len(fmts) > 1:
+        examples = ", ".join(f"{u} ({name})" for name, u in fmts.items())
+        raise InputError(
+            f"{where}: mixes shard formats ({examples}); stream one format per dataset"
+        )
+    return next(iter(fmts))
+
+
+def _check_exist(fs: _Fs, urls: list[str]) -> None:
+    """Local shards are checked up front (cheap); remote ones fail when opened, naming the URL."""
+    if fs.remote:
+        return
+    missing = [u for u in urls if not os.path.exists(u)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(f"{missing[0]}: shard not found{more}; check the source pattern or list")
+
+
+def _check_unique(urls: list[str], where: str) -> None:
+    seen: set[str] = set()
+    for u in urls:
+        if u in seen:
+            raise InputError(
+                f"{where}: shard {u} is listed twice; each sample must appear once per epoch"
+            )
+        seen.add(u)
+
+
+def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
+    if not fs.exists(manifest_path):
+        raise InputError(f"{manifest_path}: no such manifest; check the path")
+    manifest = fs.read_manifest(manifest_path)
+    if manifest.shard_format not in FORMATS:
+        raise ManifestError(
+            f"{manifest_path}: unknown shard_format {manifest.shard_format!r}; "
+            "upgrade shardkit or re-pack"
+        )
+    if not manifest.shards:
+        raise ManifestError(f"{manifest_path}: lists no shards; the pack was empty, re-pack")
+    base = fs.dirname(manifest_path)
+    urls = [fs.join(base, e.path) for e in manifest.shards]
+    _check_unique(urls, manifest_path)
+    _check_exist(fs, urls)
+    return ShardSource(
+        urls=tuple(urls),
+        format=manifest.shard_format,
+        counts=tuple(e.samples for e in manifest.shards),
+        classes=tuple(manifest.classes),
+        manifest=manifest,
+        manifest_path=manifest_path,
+    )
+
+
+def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
+    fmt = _shard_format(urls, where)
+    _check_unique(urls, where)
+    _check_exist(fs, urls)
+    # A manifest beside the shards gives counts and classes; each directory is read once.
+    manifests: dict[str, tuple[str, Manifest, dict[str, int]] | None] = {}
+    counts: list[int] = []
+    covering: list[tuple[str, Manifest]] = []
+    for u in urls:
+        d = fs.dirname(u)
+        if d not in manifests:
+            mpath = fs.join(d, MANIFEST_NAME)
+            if fs.exists(mpath):
+                m = fs.read_manifest(mpath)
+                by_name = {e.path: e.samples for e in m.shards}
+                manifests[d] = (mpath, m, by_name)
+            else:
+                manifests[d] = None
+        entry = manifests[d]
+        if entry is None:
+            counts.append(UNKNOWN)
+            continue
+        mpath, m, by_name = entry
+        rel = fs.basename(u)
+        if rel not in by_name or m.shard_format != fmt:
+            raise ManifestError(
+                f"{u} is not listed in {mpath}: the manifest belongs to another pack; remove "
+                "the stray shard, or re-pack the directory"
+            )
+        counts.append(by_name[rel])
+        covering.append((mpath, m))
+    classes = None
+    manifest = manifest_path = None
+    if covering and len(covering) == len(urls):
+        distinct = {p: m for p, m in covering}
+        class_lists = {tuple(m.classes) for m in distinct.values()}
+        if len(class_lists) > 1:
+            raise ManifestError(
+                f"{where}: the shards come from packs with different class lists "
+                f"({', '.join(distinct)}); their labels do not mean the same classes"
+            )
+        classes = class_lists.pop()
+        if len(distinct) == 1:
+            manifest_path, manifest = next(iter(distinct.items()))
+    return ShardSource(
+        urls=tuple(urls),
+        format=fmt,
+        counts=tuple(counts),
+        classes=classes,
+        manifest=manifest,
+        manifest_path=manifest_path,
+    )
