@@ -1,0 +1,161 @@
+"""shardkit info / verify on real packed shards, good and damaged."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from shardkit.errors import ManifestError
+from shardkit.manifest import read_manifest
+from shardkit.pack import pack
+from shardkit.verify import dataset_info, verify
+
+
+def _tree(root, classes: dict[str, int], seed=0) -> int:
+    rng = np.random.default_rng(seed)
+    n = 0
+    for cls, count in classes.items():
+        os.makedirs(os.path.join(root, cls))
+        for i in range(count):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(buf, "JPEG")
+            with open(os.path.join(root, cls, f"{i:03d}.jpg"), "wb") as f:
+                f.write(buf.getvalue())
+            n += 1
+    return n
+
+
+def _pack(src, out, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pack(str(src), str(out), progress=False, **kw)
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardkit.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(params=["tar", "lmdb"])
+def packed(request, tmp_path):
+    src = tmp_path / "src"
+    n = _tree(src, {f"class_{c}": 6 for c in range(7)})
+    out = tmp_path / "out"
+    _pack(src, out, format=request.param, shard_size=8192 if request.param == "tar" else 96_000)
+    assert len(read_manifest(str(out)).shards) >= 3
+    return out, n
+
+
+def test_verify_good_dataset(packed):
+    out, n = packed
+    report = verify(str(out), decode=True)
+    assert report.ok and report.bad == []
+    assert (report.samples, report.decoded) == (n, n)
+    r = run_cli("verify", out, "--decode", "-q")
+    assert r.returncode == 0, r.stderr
+    m = read_manifest(str(out))
+    assert r.stdout.strip() == (
+        f"OK: {len(m.shards)} shards, {n} samples, {m.total_bytes / 1e6:.1f} MB in {out} "
+        "(size, sha256, sample count, decoded every image)"
+    )
+
+
+def test_verify_names_every_bad_shard(packed):
+    out, _ = packed
+    shards = read_manifest(str(out)).shards
+    flipped, cut, gone = (str(out / s.path) for s in shards[:3])
+    with open(flipped, "r+b") as f:  # one byte inside an image: only the checksum can tell
+        f.seek(shards[0].bytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(cut, "r+b") as f:
+        f.truncate(shards[1].bytes // 2)
+    os.unlink(gone)
+    report = verify(str(out))
+    assert not report.ok
+    bad = {b.path: b.problems for b in report.bad}
+    assert sorted(bad) == sorted(s.path for s in shards[:3])
+    assert bad[shards[0].path] == ["sha256 differs from the manifest"]
+    assert bad[shards[1].path][:2] == [
+        f"size {shards[1].bytes // 2} bytes, manifest says {shards[1].bytes}",
+        "sha256 differs from the manifest",
+    ]
+    assert len(bad[shards[1].path]) == 3  # and the reader fails or finds too few samples
+    assert bad[shards[2].path] == ["missing"]
+
+    r = run_cli("verify", out, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"BAD {s.path}" for s in shards[:3]]
+    assert r.stderr.splitlines() == [
+        f"error: 3 of {len(shards)} shards in {out} failed verification: "
+        + ", ".join(s.path for s in shards[:3])
+        + "; re-copy them or re-pack"
+    ]
+
+
+def test_verify_decode_finds_images_that_do_not_decode(tmp_path):
+    src = tmp_path / "src"
+    _tree(src, {"a": 4})
+    (src / "a" / "fake.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 100 + b"\xff\xd9")
+    _pack(src, tmp_path / "out", validate="none")
+    assert verify(str(tmp_path / "out")).ok  # bytes match the manifest ...
+    report = verify(str(tmp_path / "out"), decode=True)  # ... but one image is not an image
+    assert [b.path for b in report.bad] == ["shard-000000.tar"]
+    assert "image does not decode (sample 'a/fake'" in report.bad[0].problems[0]
+
+
+def test_verify_detects_wrong_sample_count(tmp_path):
+    src = tmp_path / "src"
+    _tree(src, {"a": 3})
+    _pack(src, tmp_path / "out")
+    path = tmp_path / "out" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["shards"][0]["samples"] = 4
+    doc["num_samples"] = 4
+    path.write_text(json.dumps(doc))
+    report = verify(str(tmp_path / "out"))
+    assert report.bad[0].problems == ["3 samples, manifest says 4"]
+
+
+def test_info_text_and_json(packed):
+    out, n = packed
+    m = read_manifest(str(out))
+    r = run_cli("info", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"format:   {m.shard_format}",
+        f"shards:   {len(m.shards)}",
+        f"samples:  {n}",
+        f"bytes:    {m.total_bytes} ({m.total_bytes / 1e6:.1f} MB)",
+        "classes:  7 (class_0, class_1, class_2, class_3, class_4, ...)",
+        "skipped:  0",
+        f"manifest: {out / 'manifest.json'}",
+    ]
+    r = run_cli("info", out, "--json")
+    doc = json.loads(r.stdout)
+    assert doc == dataset_info(str(out))
+    assert (doc["shards"], doc["samples"], doc["num_classes"]) == (len(m.shards), n, 7)
+    assert doc["classes"] == [f"class_{c}" for c in range(7)]
+    assert doc["format"] == m.shard_format and doc["bytes"] == m.total_bytes
+
+
+def test_info_and_verify_without_manifest(tmp_path):
+    with pytest.raises(ManifestError):
+        verify(str(tmp_path))
+    for cmd in ("info", "verify"):
+        r = run_cli(cmd, tmp_path)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.stderr.splitlines() == [
+            f"error: {tmp_path / 'manifest.json'}: no manifest; pack the folder with "
+            "`shardkit pack`"
+        ]
