@@ -36,6 +36,51 @@ def main() -> None:
 # --- synth -----------------------------------------------------------------------------------
 
 
+@main.group()
+def synth() -> None:
+    """Make LFW- or ImageNet-shaped JPEG folder trees from the photographs shipped in our deps.
+
+    Same seed and options, same bytes; a complete tree made with the same options is reused.
+    """
+
+
+@synth.command("lfw")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Fraction of LFW's 5,749 people / 13,233 images; the long tail is kept.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--size", type=int, default=250, show_default=True, help="Image side in pixels.")
+@click.option("--workers", type=int, default=None, help="Threads (default: usable CPUs).")
+def synth_lfw(out: str, scale: float, seed: int, size: int, workers: int | None) -> None:
+    """LFW layout: OUT/Person_Name/Person_Name_0001.jpg."""
+    from .synth import make_lfw
+
+    click.echo(make_lfw(out, scale=scale, seed=seed, size=size, workers=workers).summary())
+
+
+@synth.command("imagenet")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--classes", type=int, default=10, show_default=True)
+@click.option("--images-per-class", type=int, default=100, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--workers", type=int, default=None, help="Threads (default: usable CPUs).")
+def synth_imagenet(
+    out: str, classes: int, images_per_class: int, seed: int, workers: int | None
+) -> None:
+    """ImageNet layout: OUT/n01440764/n01440764_10026.JPEG, sizes around 500x375."""
+    from .synth import make_imagenet
+
+    report = make_imagenet(
+        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=workers
+    )
+    click.echo(report.summary())
+
+
 # --- pack ------------------------------------------------------------------------------------
 
 
