@@ -63,6 +63,9 @@ RESIZE_QUALITY = 90
 TRAILER_WINDOW = 256
 #: Files each reader-thread task reads: amortises the thread hand-off over several files.
 READ_BATCH = 32
+#: Bytes from the start of each upcoming file that the kernel is asked to read ahead
+#: (``POSIX_FADV_WILLNEED``); bounded so one huge file cannot flood the page cache.
+PREFETCH_BYTES = 2 << 20
 #: Tasks in flight per reader thread: enough to keep every thread busy, bounded for memory.
 READ_AHEAD = 4
 
@@ -376,12 +379,42 @@ def _read_file(path: str) -> bytes:
         os.close(fd)
 
 
+def _advise_willneed(paths: Iterable[str]) -> None:
+    """Start the kernel reading these files now, asynchronously, without waiting for the data.
+
+    Reading small files one after another waits on the disk once per file (queue depth 1, as tar
+    does); hinting the next batch keeps dozens of reads in flight from a single reader thread,
+    which is what makes a cold-cache pack faster than tar. Advice only: errors are ignored.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    for path in paths:
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def _make_loader(
     root: str, files: list[str], exts: list[str], validate: str, resize_short: int | None
-) -> Callable[[list[int]], list[tuple[int, bytes | None, str, str | None]]]:
-    """The reader-thread task: read, check and maybe resize a batch of files by index."""
+) -> Callable[[tuple], list[tuple[int, bytes | None, str, str | None]]]:
+    """The reader-thread task: read, check and maybe resize a batch of files by index.
 
-    def load(batch: list[int]) -> list[tuple[int, bytes | None, str, str | None]]:
+    A task is ``(batch, ahead, hint_own)``: it first hints ``ahead`` (the batch this thread will
+    most likely read next) to the kernel, so those reads overlap this batch's.
+    """
+    advise = _advise_willneed if hasattr(os, "posix_fadvise") else lambda paths: None
+
+    def load(task: tuple) -> list[tuple[int, bytes | None, str, str | None]]:
+        batch, ahead, hint_own = task
+        if hint_own:
+            advise([os.path.join(root, files[i]) for i in batch])
+        advise([os.path.join(root, files[i]) for i in ahead])
         out = []
         for i in batch:
             ext = exts[i]
@@ -713,7 +746,17 @@ def _write_shards(
     root = os.path.abspath(scan.root)
     load = _make_loader(root, scan.files, scan.exts, validate, resize_short)
     idx = order.tolist()
-    batches = (idx[i : i + READ_BATCH] for i in range(0, len(idx), READ_BATCH))
+    # Task k reads batch k and hints batch k + workers: with `workers` tasks running at once,
+    # that is the batch its thread picks up next.
+    nb = (len(idx) + READ_BATCH - 1) // READ_BATCH
+    tasks = (
+        (
+            idx[k * READ_BATCH : (k + 1) * READ_BATCH],
+            idx[(k + workers) * READ_BATCH : (k + workers + 1) * READ_BATCH],
+            k < workers,
+        )
+        for k in range(nb)
+    )
     keys, labels = scan.keys, scan.labels
     errors: list[SkippedFile] = []
     names: list[str] = []
@@ -736,7 +779,7 @@ def _write_shards(
         total += stats.bytes
 
     try:
-        for results in _ordered_map(load, batches, workers, READ_AHEAD * workers):
+        for results in _ordered_map(load, tasks, workers, READ_AHEAD * workers):
             for i, data, ext, reason in results:
                 if data is None:
                     if on_error == "fail":

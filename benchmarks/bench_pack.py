@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Pack benchmark: ``shardkit pack`` against ``tar -cf`` of the same folder, cold cache, one run.
+
+Goal (issue 2, section 6): pack with one worker takes at most 1.2x tar's wall time, and less than
+tar's with two. Every timed command is a fresh subprocess, timed from start to exit, so Python's
+start-up counts against pack as it would for a user. Before each command the source files are
+evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed) and ``mincore``
+confirms it; earlier outputs are deleted and synced so their write-back does not land in the next
+timing. The order of the commands rotates between repeats, and ratios are taken within a repeat.
+
+    python benchmarks/bench_pack.py                   # data/lfw (made if missing), 5 repeats
+    python benchmarks/bench_pack.py --src data/lfw --repeats 7 --json bench-out/pack.json
+
+Caveats printed with the result: directory entries and inodes stay cached (dropping them needs
+root and would disturb the whole machine), so this is a cold *data* cache for both commands alike;
+and our shards are fsync'ed before they are renamed, tar's archive is not (the ``tar+sync``
+column shows what that costs tar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from shardkit.pagecache import evict, resident_fraction  # noqa: E402
+
+
+def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
+    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
+    common = ["-q", "--shard-size", shard_size]
+    return {
+        "tar": ["tar", "-cf", str(work / "src.tar"), "-C", str(src.parent), src.name],
+        "tar+sync": [
+            "sh", "-c",
+            f'tar -cf "{work / "src_sync.tar"}" -C "{src.parent}" "{src.name}" && '
+            f'sync "{work / "src_sync.tar"}"',
+        ],
+        "pack-w1": pack + [str(work / "pack-w1"), "--workers", "1", *common],
+        "pack-w2": pack + [str(work / "pack-w2"), "--workers", "2", *common],
+    }
+
+
+def _clean(work: Path) -> None:
+    for p in work.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    os.sync()
+
+
+def _time(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"benchmark command failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr}")
+    return dt
+
+
+def _tree_size(src: Path) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, _dirs, names in os.walk(src):
+        for n in names:
+            if not n.startswith("."):
+                files += 1
+                size += os.path.getsize(os.path.join(dirpath, n))
+    return files, size
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", default=str(ROOT / "data" / "lfw"),
+                    help="class-per-folder tree (default data/lfw, made with synth if missing)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--work", default=str(ROOT / "bench-out" / "pack-work"),
+                    help="scratch directory for outputs (emptied before every command)")
+    ap.add_argument("--shard-size", default="256MB")
+    ap.add_argument("--json", default=str(ROOT / "bench-out" / "bench_pack.json"),
+                    help="where to write the raw timings and ratios")
+    ap.add_argument("--private-copy", action="store_true",
+                    help="time a copy of SRC made next to --work, so other processes reading SRC "
+                    "on a shared machine cannot warm its page cache between eviction and timing")
+    args = ap.parse_args(argv)
+
+    src = Path(args.src).resolve()
+    if not src.is_dir():
+        if src != (ROOT / "data" / "lfw").resolve():
+            raise SystemExit(f"error: source {src} does not exist")
+        from shardkit.synth import make_lfw
+
+        print(f"making the default LFW set at {src} ...", file=sys.stderr)
+        make_lfw(src)
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.private_copy:
+        copy = work.parent / "pack-src" / src.name
+        if not copy.is_dir():
+            print(f"copying {src} to {copy} ...", file=sys.stderr)
+            shutil.copytree(src, copy.with_name(copy.name + ".tmp"), dirs_exist_ok=True)
+            os.replace(copy.with_name(copy.name + ".tmp"), copy)
+        src = copy
+    files, size = _tree_size(src)
+    cmds = _commands(src, work, args.shard_size)
+    names = list(cmds)
+    print(f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats, "
+          f"cold page cache before every command", flush=True)
+
+    runs: list[dict[str, float]] = []
+    residency: list[float] = []
+    resident: list[dict[str, float]] = []
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        times: dict[str, float] = {}
+        res: dict[str, float] = {}
+        for name in order:
+            _clean(work)
+            evict(src)
+            res[name] = resident_fraction(src)
+            times[name] = _time(cmds[name])
+        runs.append(times)
+        resident.append(res)
+        residency += res.values()
+        print(f"repeat {rep + 1}: " + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+              + f"  | pack-w1/tar {times['pack-w1'] / times['tar']:.2f}"
+              + f"  pack-w2/tar {times['pack-w2'] / times['tar']:.2f}", flush=True)
+    _clean(work)
+
+    def ratios(name: str) -> list[float]:
+        return [r[name] / r["tar"] for r in runs]
+
+    summary = {
+        "source": str(src),
+        "files": files,
+        "bytes": size,
+        "repeats": args.repeats,
+        "max_resident_fraction_before_run": max(residency),
+        "median_seconds": {n: statistics.median(r[n] for r in runs) for n in names},
+        "ratio_median": {n: statistics.median(ratios(n)) for n in names if n != "tar"},
+        "ratio_min": {n: min(ratios(n)) for n in names if n != "tar"},
+        "ratio_max": {n: max(ratios(n)) for n in names if n != "tar"},
+        "runs": runs,
+        "resident_fraction_before": resident,
+        "cpus": os.cpu_count(),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+
+    med = summary["median_seconds"]
+    print()
+    print(f"{'command':<10} {'median s':>9} {'MB/s':>7} {'ratio to tar (median [min-max])':>34}")
+    for n in names:
+        rng = (f"{summary['ratio_median'][n]:.2f} [{summary['ratio_min'][n]:.2f}-"
+               f"{summary['ratio_max'][n]:.2f}]") if n != "tar" else "1.00"
+        print(f"{n:<10} {med[n]:>9.2f} {size / 1e6 / med[n]:>7.1f} {rng:>34}")
+    w1, w2 = summary["ratio_median"]["pack-w1"], summary["ratio_median"]["pack-w2"]
+    print(f"\ngoal pack-w1/tar <= 1.20: {w1:.2f} {'met' if w1 <= 1.2 else 'MISSED'};  "
+          f"goal pack-w2/tar < 1.00: {w2:.2f} {'met' if w2 < 1.0 else 'MISSED'}")
+    print(f"page cache before each command: at most {max(residency):.1%} of the source resident; "
+          "directory entries and inodes stay cached for all commands alike")
+    print(f"raw timings: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
