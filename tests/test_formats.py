@@ -211,3 +211,11 @@ def test_format_lookup_errors():
     with pytest.raises(InputError, match="shards end in"):
         format_for_path("out/shard.bin")
     assert format_for_path("s3://b/p/shard-000001.tar?versionId=3").name == "tar"
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_same_input_gives_identical_bytes(tmp_path, fmt_name):
+    suffix = FORMATS[fmt_name].suffix
+    for name in ("a", "b"):
+        _write(fmt_name, tmp_path / f"{name}{suffix}", _samples(60, seed=4))
+    assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()

@@ -520,14 +520,7 @@ def test_sample_bigger_than_limit_gets_its_own_shard(tmp_path, fmt):
 # --- determinism and order -------------------------------------------------------------------
 
 
-_LMDB_MEMINIT = pytest.mark.xfail(
-    strict=True,
-    reason="formats/lmdb.py opens with meminit=False: unused page space holds uninitialised heap "
-    "bytes (reported to the lead; remove this mark when fixed)",
-)
-
-
-@pytest.mark.parametrize("fmt", ["tar", pytest.param("lmdb", marks=_LMDB_MEMINIT)])
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
 def test_same_input_and_seed_give_identical_bytes(tree, tmp_path, fmt):
     src, _ = tree
     quiet_pack(src, tmp_path / "one", format=fmt, shard_size=4096, seed=7)

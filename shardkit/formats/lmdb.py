@@ -78,7 +78,7 @@ class LmdbShardWriter:
             sync=False,
             metasync=False,
             readahead=False,
-            meminit=False,
+            meminit=True,  # zero unused page space: same input, same bytes
             max_dbs=0,
         )
 
