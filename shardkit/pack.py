@@ -69,6 +69,10 @@ PREFETCH_BYTES = 2 << 20
 #: Tasks in flight per reader thread: enough to keep every thread busy, bounded for memory.
 READ_AHEAD = 4
 
+#: Non-image files listed one by one in the manifest's ``skipped``; past this they are only
+#: counted (by extension), so a tree with a sidecar .json per image keeps a small manifest.
+LIST_NON_IMAGES = 1000
+
 STAGING_PREFIX = ".partial-"
 _COMMIT_JOURNAL = "commit.json"
 _SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)(-lock)?$")
@@ -117,8 +121,9 @@ class SourceScan:
     """What is in SRC, in the sorted order that shuffling permutes.
 
     ``files``/``keys``/``labels``/``exts`` are parallel lists; ``errors`` are image-named entries
-    that cannot be read (subject to ``on_error``); ``ignored`` are non-images and directories met
-    twice (never errors, but listed in the manifest so nothing disappears silently).
+    that cannot be read (subject to ``on_error``); ``ignored`` are non-images (the first
+    ``LIST_NON_IMAGES``) and directories met twice: never errors, but listed in the manifest so
+    nothing disappears silently. ``non_image_exts`` counts every non-image by extension.
     """
 
     root: str
@@ -130,7 +135,16 @@ class SourceScan:
     errors: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
     not_images: int = 0
+    non_image_exts: dict[str, int] = field(default_factory=dict)
     empty_classes: list[str] = field(default_factory=list)
+
+    def add_non_image(self, rel: str, reason: str) -> None:
+        name = rel.rsplit("/", 1)[-1]
+        ext = name[name.rfind(".") :].lower() if name.rfind(".") > 0 else "(none)"
+        self.non_image_exts[ext] = self.non_image_exts.get(ext, 0) + 1
+        self.not_images += 1
+        if self.not_images <= LIST_NON_IMAGES:
+            self.ignored.append(SkippedFile(rel, reason))
 
 
 def _image_ext(name: str) -> str | None:
@@ -182,8 +196,7 @@ def scan_source(src: str) -> SourceScan:
         if _is_dir(entry):
             scan.classes.append(entry.name)
         else:
-            scan.ignored.append(SkippedFile(entry.name, "not in a class folder"))
-            scan.not_images += 1
+            scan.add_non_image(entry.name, "not in a class folder")
     seen = {_ident(root)}
     for label, cls in enumerate(scan.classes):
         rels: list[str] = []
@@ -267,8 +280,7 @@ def _walk_class(
                 continue
             ext = _image_ext(entry.name)
             if ext is None:
-                scan.ignored.append(SkippedFile(rel, "not an image"))
-                scan.not_images += 1
+                scan.add_non_image(rel, "not an image")
                 continue
             try:
                 regular = entry.is_file()
@@ -648,6 +660,8 @@ def pack(
         raise InputError(f"invalid workers {workers!r}; use 1 or more reader threads")
     if resize_short is not None and (not isinstance(resize_short, int) or resize_short < 1):
         raise InputError(f"invalid resize_short {resize_short!r}; use a positive number of pixels")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"invalid seed {seed!r}; use an integer >= 0")
     src, out = os.fspath(src), os.fspath(out)
     _check_source_dir(src)
     _prepare_out(out, src, overwrite)
@@ -669,9 +683,14 @@ def pack(
     n = len(scan.files)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
 
-    os.makedirs(out, exist_ok=True)
     staging = os.path.join(out, STAGING_PREFIX + secrets.token_hex(6))
-    os.mkdir(staging)
+    try:
+        os.makedirs(out, exist_ok=True)
+        os.mkdir(staging)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot create {exc.filename or out!r}: {exc.strerror}; choose a writable output"
+        ) from None
     try:
         errors, shard_names, entries, total_bytes = _write_shards(
             scan, order, fmt, limit, staging, workers, validate, resize_short, on_error, progress
@@ -693,12 +712,14 @@ def pack(
                 "format": fmt.name,
                 "on_error": on_error,
                 "shardkit_version": _pack_version(),
+                "non_image_files": dict(sorted(scan.non_image_exts.items())),
             },
         )
         if not entries:
+            first = (scan.errors + errors)[0]
             raise InputError(
                 f"source {src!r}: none of its {n + len(scan.errors)} images could be packed "
-                f"(first: {skipped[0].path}: {skipped[0].reason})"
+                f"(first: {first.path}: {first.reason}); see --validate and --on-error"
             )
         manifest_path = _commit(out, staging, shard_names, manifest)
     except BaseException:

@@ -730,3 +730,39 @@ def test_scan_source_is_sorted_and_labelled(tree):
     scan = scan_source(str(src))
     assert scan.files == sorted(files)
     assert scan.labels == [scan.classes.index(f.split("/")[0]) for f in scan.files]
+
+
+def test_all_images_bad_is_an_input_error(tmp_path):
+    src = tmp_path / "src"
+    os.makedirs(src / "a")
+    (src / "a" / "x.jpg").write_bytes(b"junk")
+    (src / "a" / "y.png").write_bytes(b"")
+    with pytest.raises(InputError, match=r"none of its 2 images could be packed \(first: a/x.jpg"):
+        quiet_pack(src, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
+    import shardkit.pack as pack_module
+
+    src, files = tree
+    monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)
+    for i in range(4):
+        (src / "cat" / f"cat_{i:04d}.json").write_text("{}")
+    (src / "dog" / "Makefile").write_text("")
+    report, _ = quiet_pack(src, tmp_path / "out")
+    m = read_manifest(str(tmp_path / "out"))
+    assert report.not_images == 5 and report.samples == len(files)
+    assert [s.path for s in m.skipped] == ["cat/cat_0000.json", "cat/cat_0001.json"]
+    assert m.pack["non_image_files"] == {"(none)": 1, ".json": 4}
+
+
+def test_bad_seed_and_unwritable_output(tree, tmp_path):
+    src, _ = tree
+    r = run_cli("pack", src, tmp_path / "out", "--seed", "-1")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: invalid seed -1; use an integer >= 0"
+    ]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="cannot create"):
+        quiet_pack(src, tmp_path / "file" / "out")
