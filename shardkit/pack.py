@@ -484,27 +484,30 @@ def _within(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def _clean_stale_staging(out: str) -> None:
-    """Remove what an interrupted pack left: its staging dirs, and shards it was moving into OUT.
+def _discard_staging(out: str, staging: str) -> None:
+    """Remove a staging dir, and the shards its commit had moved into OUT if that was cut short.
 
     A staging dir holding a commit journal was stopped while renaming shards into OUT; without a
     manifest those shards are incomplete output, so the names the journal lists are removed.
     """
+    journal = os.path.join(staging, _COMMIT_JOURNAL)
+    if os.path.exists(journal) and not os.path.exists(os.path.join(out, MANIFEST_NAME)):
+        try:
+            with open(journal, encoding="utf-8") as f:
+                names = json.load(f)["shards"]
+        except (OSError, ValueError, KeyError, TypeError):
+            names = []
+        for shard in names:
+            if isinstance(shard, str) and _SHARD_NAME.match(shard):
+                _unlink(os.path.join(out, shard))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _clean_stale_staging(out: str) -> None:
+    """Remove what interrupted packs left in OUT (a SIGKILL gives no chance to clean up)."""
     for name in os.listdir(out):
-        if not name.startswith(STAGING_PREFIX):
-            continue
-        staging = os.path.join(out, name)
-        journal = os.path.join(staging, _COMMIT_JOURNAL)
-        if os.path.exists(journal) and not os.path.exists(os.path.join(out, MANIFEST_NAME)):
-            try:
-                with open(journal, encoding="utf-8") as f:
-                    names = json.load(f)["shards"]
-            except (OSError, ValueError, KeyError, TypeError):
-                names = []
-            for shard in names:
-                if isinstance(shard, str) and _SHARD_NAME.match(shard):
-                    _unlink(os.path.join(out, shard))
-        shutil.rmtree(staging, ignore_errors=True)
+        if name.startswith(STAGING_PREFIX):
+            _discard_staging(out, os.path.join(out, name))
 
 
 def _unlink(path: str) -> None:
@@ -723,7 +726,7 @@ def pack(
             )
         manifest_path = _commit(out, staging, shard_names, manifest)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard_staging(out, staging)
         raise
     bad = len(scan.errors) + len(errors)
     if bad:

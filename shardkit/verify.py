@@ -49,7 +49,8 @@ class VerifyReport:
         checks = "size, sha256, sample count" + (", decoded every image" if self.decoded else "")
         if self.ok:
             return (
-                f"OK: {self.shards} shards, {self.samples} samples, {self.bytes / 1e6:.1f} MB "
+                f"OK: {self.shards} shard{'s' if self.shards != 1 else ''}, {self.samples} "
+                f"samples, {self.bytes / 1e6:.1f} MB "
                 f"in {self.out} ({checks})"
             )
         return (

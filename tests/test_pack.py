@@ -766,3 +766,23 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="cannot create"):
         quiet_pack(src, tmp_path / "file" / "out")
+
+
+def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
+    """Ctrl-C between the last rename and the manifest: the moved shards go too."""
+    import shardkit.pack as pack_module
+
+    src, files = tree
+    out = tmp_path / "out"
+
+    def interrupted(manifest, out_dir):
+        assert len(shard_files(out_dir)) > 1  # the shards are under their final names now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack_module, "write_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quiet_pack(src, out, shard_size=4096)
+    assert os.listdir(out) == []
+    monkeypatch.undo()
+    report, _ = quiet_pack(src, out, shard_size=4096)
+    assert report.samples == len(files)
