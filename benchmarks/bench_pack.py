@@ -41,7 +41,8 @@ def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
     return {
         "tar": ["tar", "-cf", str(work / "src.tar"), "-C", str(src.parent), src.name],
         "tar+sync": [
-            "sh", "-c",
+            "sh",
+            "-c",
             f'tar -cf "{work / "src_sync.tar"}" -C "{src.parent}" "{src.name}" && '
             f'sync "{work / "src_sync.tar"}"',
         ],
@@ -80,17 +81,29 @@ def _tree_size(src: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", default=str(ROOT / "data" / "lfw"),
-                    help="class-per-folder tree (default data/lfw, made with synth if missing)")
+    ap.add_argument(
+        "--src",
+        default=str(ROOT / "data" / "lfw"),
+        help="class-per-folder tree (default data/lfw, made with synth if missing)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--work", default=str(ROOT / "bench-out" / "pack-work"),
-                    help="scratch directory for outputs (emptied before every command)")
+    ap.add_argument(
+        "--work",
+        default=str(ROOT / "bench-out" / "pack-work"),
+        help="scratch directory for outputs (emptied before every command)",
+    )
     ap.add_argument("--shard-size", default="256MB")
-    ap.add_argument("--json", default=str(ROOT / "bench-out" / "bench_pack.json"),
-                    help="where to write the raw timings and ratios")
-    ap.add_argument("--private-copy", action="store_true",
-                    help="time a copy of SRC made next to --work, so other processes reading SRC "
-                    "on a shared machine cannot warm its page cache between eviction and timing")
+    ap.add_argument(
+        "--json",
+        default=str(ROOT / "bench-out" / "bench_pack.json"),
+        help="where to write the raw timings and ratios",
+    )
+    ap.add_argument(
+        "--private-copy",
+        action="store_true",
+        help="time a copy of SRC made next to --work, so other processes reading SRC "
+        "on a shared machine cannot warm its page cache between eviction and timing",
+    )
     args = ap.parse_args(argv)
 
     src = Path(args.src).resolve()
@@ -113,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     files, size = _tree_size(src)
     cmds = _commands(src, work, args.shard_size)
     names = list(cmds)
-    print(f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats, "
-          f"cold page cache before every command", flush=True)
+    print(
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats, "
+        f"cold page cache before every command",
+        flush=True,
+    )
 
     runs: list[dict[str, float]] = []
     residency: list[float] = []
     resident: list[dict[str, float]] = []
     for rep in range(args.repeats):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         times: dict[str, float] = {}
         res: dict[str, float] = {}
         for name in order:
@@ -131,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(times)
         resident.append(res)
         residency += res.values()
-        print(f"repeat {rep + 1}: " + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
-              + f"  | pack-w1/tar {times['pack-w1'] / times['tar']:.2f}"
-              + f"  pack-w2/tar {times['pack-w2'] / times['tar']:.2f}", flush=True)
+        print(
+            f"repeat {rep + 1}: "
+            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+            + f"  | pack-w1/tar {times['pack-w1'] / times['tar']:.2f}"
+            + f"  pack-w2/tar {times['pack-w2'] / times['tar']:.2f}",
+            flush=True,
+        )
     _clean(work)
 
     def ratios(name: str) -> list[float]:
@@ -160,14 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'command':<10} {'median s':>9} {'MB/s':>7} {'ratio to tar (median [min-max])':>34}")
     for n in names:
-        rng = (f"{summary['ratio_median'][n]:.2f} [{summary['ratio_min'][n]:.2f}-"
-               f"{summary['ratio_max'][n]:.2f}]") if n != "tar" else "1.00"
+        rng = (
+            (
+                f"{summary['ratio_median'][n]:.2f} [{summary['ratio_min'][n]:.2f}-"
+                f"{summary['ratio_max'][n]:.2f}]"
+            )
+            if n != "tar"
+            else "1.00"
+        )
         print(f"{n:<10} {med[n]:>9.2f} {size / 1e6 / med[n]:>7.1f} {rng:>34}")
     w1, w2 = summary["ratio_median"]["pack-w1"], summary["ratio_median"]["pack-w2"]
-    print(f"\ngoal pack-w1/tar <= 1.20: {w1:.2f} {'met' if w1 <= 1.2 else 'MISSED'};  "
-          f"goal pack-w2/tar < 1.00: {w2:.2f} {'met' if w2 < 1.0 else 'MISSED'}")
-    print(f"page cache before each command: at most {max(residency):.1%} of the source resident; "
-          "directory entries and inodes stay cached for all commands alike")
+    print(
+        f"\ngoal pack-w1/tar <= 1.20: {w1:.2f} {'met' if w1 <= 1.2 else 'MISSED'};  "
+        f"goal pack-w2/tar < 1.00: {w2:.2f} {'met' if w2 < 1.0 else 'MISSED'}"
+    )
+    print(
+        f"page cache before each command: at most {max(residency):.1%} of the source resident; "
+        "directory entries and inodes stay cached for all commands alike"
+    )
     print(f"raw timings: {args.json}")
     return 0
 

@@ -547,7 +547,9 @@ def _old_outputs(out: str) -> list[str]:
         names |= {
             s["path"]
             for s in listed
-            if isinstance(s, dict) and isinstance(s.get("path"), str) and "/" not in s["path"]
+            if isinstance(s, dict)
+            and isinstance(s.get("path"), str)
+            and "/" not in s["path"]
             and not s["path"].startswith(".")
         }
     except (OSError, ValueError, AttributeError, TypeError, KeyError):
@@ -788,8 +790,12 @@ def _write_shards(
     total = 0
     writer = None
     bar = tqdm(
-        total=len(idx), unit="img", file=sys.stderr, disable=None if progress else True,
-        desc="pack", smoothing=0.1,
+        total=len(idx),
+        unit="img",
+        file=sys.stderr,
+        disable=None if progress else True,
+        desc="pack",
+        smoothing=0.1,
     )
     t0 = time.perf_counter()
     done_bytes = 0
@@ -798,8 +804,9 @@ def _write_shards(
         nonlocal writer, total
         stats = writer.close()
         writer = None
-        entries.append(ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes,
-                                  stats.sha256))
+        entries.append(
+            ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256)
+        )
         total += stats.bytes
 
     try:
@@ -840,4 +847,3 @@ def _write_shards(
     finally:
         bar.close()
     return errors, names, entries, total
-

@@ -91,7 +91,11 @@ def _load_libc():
         lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
             ctypes.c_long,
         ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -144,7 +144,10 @@ def verify(out: str, *, decode: bool = False, progress: bool = False) -> VerifyR
     )
     for entry in bar:
         problems, n = verify_shard(
-            os.path.join(out, entry.path), entry, fmt, decode=decode,
+            os.path.join(out, entry.path),
+            entry,
+            fmt,
+            decode=decode,
             num_classes=len(manifest.classes),
         )
         decoded += n

@@ -91,7 +91,10 @@ def shard_files(out) -> dict[str, bytes]:
 def run_cli(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "shardkit.cli", *map(str, args)],
-        capture_output=True, text=True, timeout=120, **kw,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
     )
 
 
@@ -198,8 +201,12 @@ def test_nested_unicode_and_long_names_read_by_every_tar_reader(tmp_path):
     quiet_pack(src, tmp_path / "out", shuffle=False)
     names = [n for n, _ in tar_members(tmp_path / "out" / "shard-000000.tar")]
     assert f"José/{long_dir}/{'n' * 60}.jpg" in names and "Zoë/sub/deeper/ü.png" in names
-    gnu = subprocess.run(["tar", "-tf", tmp_path / "out" / "shard-000000.tar"],
-                         capture_output=True, text=True, check=True)
+    gnu = subprocess.run(
+        ["tar", "-tf", tmp_path / "out" / "shard-000000.tar"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert gnu.stdout.splitlines() == names
 
 
@@ -387,8 +394,11 @@ def _drop_file_permission_override():
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
 
     caps = (1, 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
     for cap in caps:
@@ -421,8 +431,7 @@ def test_unreadable_file_permission_denied(tree, tmp_path):
     r = run_cli("pack", src, tmp_path / "out2", "-q", "--on-error", "fail", **kw)
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
-        f"error: {locked}: unreadable: Permission denied; remove or fix it, or pass "
-        "--on-error skip"
+        f"error: {locked}: unreadable: Permission denied; remove or fix it, or pass --on-error skip"
     ]
 
 
@@ -509,8 +518,9 @@ def test_sample_bigger_than_limit_gets_its_own_shard(tmp_path, fmt):
     assert len(big) > limit
     quiet_pack(src, tmp_path / "out", format=fmt, shard_size=limit, shuffle=False)
     m = read_manifest(str(tmp_path / "out"))
-    per_shard = [[r.key for r in get_format(fmt).iter_records(tmp_path / "out" / s.path)]
-                 for s in m.shards]
+    per_shard = [
+        [r.key for r in get_format(fmt).iter_records(tmp_path / "out" / s.path)] for s in m.shards
+    ]
     assert ["a/big"] in per_shard
     assert sum(map(len, per_shard)) == 7
     for s, keys in zip(m.shards, per_shard, strict=True):
@@ -556,7 +566,10 @@ def test_manifest_records_pack_parameters(tree, tmp_path):
     assert m.pack["shard_size"] == 64 * 2**20
     assert (m.pack["shuffle"], m.pack["seed"], m.pack["format"]) == (False, 3, "tar")
     assert (m.pack["validate"], m.pack["on_error"], m.pack["resize_short"]) == (
-        "header", "skip", None)
+        "header",
+        "skip",
+        None,
+    )
     assert m.pack["shardkit_version"]
     assert report.manifest_path == str(tmp_path / "out" / "manifest.json")
     assert report.shards == 1 and report.classes == 3 and report.bytes == m.total_bytes
@@ -650,18 +663,35 @@ def slow_tree(tmp_path_factory):
 def _start_and_signal(src, out, sig) -> int:
     """Start a real pack, wait until it has finished a shard in staging, then send ``sig``."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "-q",
-         "--shard-size", "300kB", "--validate", "decode", "--resize-short", "200"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "shardkit.cli",
+            "pack",
+            str(src),
+            str(out),
+            "-q",
+            "--shard-size",
+            "300kB",
+            "--validate",
+            "decode",
+            "--resize-short",
+            "200",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline and proc.poll() is None:
+            dirs = os.listdir(out) if os.path.isdir(out) else []
             staged = [
-                n for d in (os.listdir(out) if os.path.isdir(out) else [])
+                n
+                for d in dirs
                 if d.startswith(STAGING_PREFIX)
                 for n in os.listdir(os.path.join(out, d))
-            ] if os.path.isdir(out) else []
+            ]
             if "shard-000001.tar" in staged:  # shard 0 is complete
                 break
             time.sleep(0.005)
