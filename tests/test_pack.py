@@ -685,13 +685,13 @@ def _start_and_signal(src, out, sig) -> int:
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            dirs = os.listdir(out) if os.path.isdir(out) else []
-            staged = [
-                n
-                for d in dirs
-                if d.startswith(STAGING_PREFIX)
-                for n in os.listdir(os.path.join(out, d))
-            ]
+            staged = []
+            for d in os.listdir(out) if os.path.isdir(out) else []:
+                if d.startswith(STAGING_PREFIX):
+                    try:
+                        staged += os.listdir(os.path.join(out, d))
+                    except FileNotFoundError:  # the pack finished meanwhile: asserted below
+                        pass
             if "shard-000001.tar" in staged:  # shard 0 is complete
                 break
             time.sleep(0.005)
