@@ -1,0 +1,276 @@
+"""What a bench run tells the user: the table, the verdict in words, the JSON for machines.
+
+The verdict only says what this run measured: it compares the formats and worker counts that
+ran, in the one mode that ran, and says which knob to try and why, with the numbers behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ..fsutil import atomic_write_bytes
+from .runner import BenchResult, Row
+
+__all__ = ["INPUT_BOUND", "format_table", "verdict", "to_json", "write_json"]
+
+#: Wait fraction above which the training loop counts as input-bound (it waits for data for more
+#: than this share of its time instead of stepping).
+INPUT_BOUND = 0.10
+
+
+def _title(result: BenchResult) -> str:
+    cfg = result.config
+    parts = [
+        f"mode={cfg.mode}",
+        "cold cache" if cfg.cold else "warm cache",
+        f"latency {cfg.latency_ms:g} ms/open",
+    ]
+    if cfg.step_ms:
+        parts.append(f"step {cfg.step_ms:g} ms")
+    parts.append(f"batch {cfg.batch_size}")
+    return ", ".join(parts)
+
+
+def format_table(result: BenchResult) -> str:
+    """Format x workers: samples/s mean +- std, MB/s, first-batch time, wait and stall
+    fractions, % of the decode ceiling."""
+    has_ceiling = result.ceiling_single is not None
+    head = ["format", "workers", "samples/s (mean ± std)", "MB/s", "first batch", "wait", "stall"]
+    if has_ceiling:
+        head.append("% of ceiling")
+    lines = []
+    for row in result.rows:
+        mb = row.mb_per_s
+        cells = [
+            row.format,
+            str(row.workers),
+            f"{row.mean:,.0f} ± {row.std:,.0f}",
+            f"{mb:,.1f}" if mb is not None else "-",
+            f"{row.first_batch_s:.2f} s",
+            f"{row.wait_fraction:.0%}",
+            f"{row.stall_fraction:.0%}",
+        ]
+        if has_ceiling:
+            frac = row.ceiling_fraction
+            cells.append(f"{frac:.0%}" if frac is not None else "-")
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+    align = ["<", ">", ">", ">", ">", ">", ">", ">"]
+
+    def fmt(cells: list[str]) -> str:
+        padded = (f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=False))
+        return "  ".join(padded).rstrip()
+
+    out = [_title(result), fmt(head), fmt(["-" * w for w in widths])]
+    prev = None
+    for row, cells in zip(result.rows, lines, strict=True):
+        if prev is not None and row.format != prev:
+            out.append("")
+        out.append(fmt(cells))
+        prev = row.format
+    if has_ceiling:
+        out.append(
+            f"ceiling: one process {result.config.mode}s {result.ceiling_single:,.0f} samples/s "
+            f"from memory; x min(workers, {result.cores} cores)"
+        )
+    return "\n".join(out)
+
+
+def _runner_up(result: BenchResult, best: Row) -> Row | None:
+    others = [r for r in result.rows if r.format == best.format and r is not best]
+    return max(others, key=lambda r: r.mean) if others else None
+
+
+def _noise(a: Row, b: Row) -> bool:
+    """True when two rows' means are closer than their spread (one std, combined)."""
+    return abs(a.mean - b.mean) <= math.hypot(a.std, b.std)
+
+
+def verdict(result: BenchResult) -> list[str]:
+    """Plain-words conclusions, each grounded in numbers from this run."""
+    cfg = result.config
+    lines: list[str] = []
+    formats = result.formats()
+    bests = {f: result.best(f) for f in formats}
+    max_w = max(cfg.workers)
+
+    for fmt, best in bests.items():
+        text = (
+            f"{fmt}: best at {best.workers} workers, {best.mean:,.0f} ± {best.std:,.0f} samples/s"
+        )
+        other = _runner_up(result, best)
+        if other is not None and _noise(best, other):
+            text += f" (within noise of {other.workers} workers: {other.mean:,.0f})"
+        if best.workers > result.cores:
+            text += f"; more workers than the {result.cores} cores still helped (I/O waits overlap)"
+        lines.append(text + ".")
+
+    if "folder" in bests:
+        base = bests["folder"]
+        for fmt, best in bests.items():
+            if fmt == "folder":
+                continue
+            lines.append(
+                f"{fmt} vs folder, each at its best: {best.mean / base.mean:.1f}x "
+                f"({best.mean:,.0f} vs {base.mean:,.0f} samples/s)."
+            )
+
+    if cfg.latency_ms:
+        parts = []
+        for fmt, best in bests.items():
+            opens = [r.opens for r in best.runs if r.opens is not None]
+            if opens:
+                per = sum(opens) / max(1, sum(r.timed_samples for r in best.runs))
+                parts.append(f"{fmt} {per:.3g} opens/sample")
+        if parts:
+            lines.append(
+                f"Each open paid {cfg.latency_ms:g} ms (folder: one per image; shards: one per "
+                f"shard slice a worker opens): {', '.join(parts)} (prefetch included)."
+            )
+
+    if result.ceiling_single is not None:
+        parts = []
+        for fmt, best in bests.items():
+            frac = best.ceiling_fraction
+            if frac is not None:
+                parts.append(f"{fmt} {frac:.0%} at {best.workers} workers")
+        lines.append(
+            f"{cfg.mode} ceiling: one process {cfg.mode}s {result.ceiling_single:,.0f} samples/s "
+            f"in memory, {result.ceiling(max_w):,.0f} with {min(max(max_w, 1), result.cores)} "
+            f"processes; reached: {', '.join(parts)}."
+        )
+        at_ceiling = [f for f, b in bests.items() if (b.ceiling_fraction or 0) >= 0.8]
+        if at_ceiling:
+            lines.append(
+                f"{', '.join(at_ceiling)} run at >= 80% of what the {result.cores} cores can "
+                f"{cfg.mode}: the loader is CPU-bound on {cfg.mode}, not on storage; more "
+                "workers than cores will not help, fewer pixels will (`shardkit pack "
+                "--resize-short N`)"
+                + (", and a cheaper augmentation" if cfg.mode == "augment" else "")
+                + "."
+            )
+    elif cfg.mode == "raw":
+        lines.append(
+            "This run read bytes only (--mode raw): it measures storage and transport, not "
+            "decoding; run --mode decode to see whether JPEG decoding is the limit."
+        )
+
+    if cfg.step_ms:
+        need = cfg.batch_size / (cfg.step_ms / 1000.0)
+        lines.append(
+            f"A {cfg.step_ms:g} ms step at batch {cfg.batch_size} consumes up to {need:,.0f} "
+            "samples/s."
+        )
+        for fmt, best in bests.items():
+            lines.append(_step_advice(result, fmt, best, need))
+    return lines
+
+
+def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
+    cfg = result.config
+    wait = best.wait_fraction
+    rows = [r for r in result.rows if r.format == fmt]
+    if wait <= INPUT_BOUND:
+        enough = [r for r in rows if r.wait_fraction <= INPUT_BOUND]
+        fewest = min(enough, key=lambda r: r.workers)
+        return (
+            f"{fmt}: not input-bound: the loop waits {wait:.0%} of its time at {best.workers} "
+            f"workers; {fewest.workers} workers already keep the wait under "
+            f"{INPUT_BOUND:.0%}."
+        )
+    stall = best.stall_fraction
+    if stall < wait / 2:
+        per_batch = (wait - stall) * (1000.0 / max(best.mean / cfg.batch_size, 1e-9))
+        return (
+            f"{fmt}: INPUT-BOUND by transfer, not loading: the loop waits {wait:.0%} of its time "
+            f"at {best.workers} workers but only {stall:.0%} before a batch was ready; the rest, "
+            f"~{per_batch:.1f} ms per batch, is the DataLoader handing a ready batch over. Fewer "
+            "bytes per batch help (pre-resize with `shardkit pack --resize-short N`, crop in the "
+            "worker); more workers do not."
+        )
+    fixes = []
+    other_ok = [
+        f for f in result.formats() if f != fmt and result.best(f).wait_fraction <= INPUT_BOUND
+    ]
+    if fmt == "folder" and other_ok:
+        fixes.append(f"switch to shards ({', '.join(other_ok)} kept the wait under 10%)")
+    by_w = sorted(rows, key=lambda r: r.workers)
+    if best.workers == by_w[-1].workers and len(by_w) > 1 and not _noise(by_w[-1], by_w[-2]):
+        fixes.append("more workers (the rate still rose at the largest count tried)")
+    frac = best.ceiling_fraction
+    if frac is not None and frac >= 0.8:
+        fixes.append(
+            f"fewer pixels per sample: the CPU is saturated ({frac:.0%} of the {cfg.mode} "
+            "ceiling), so pre-resize with `shardkit pack --resize-short N`"
+            + (" or use a cheaper augmentation" if cfg.mode == "augment" else "")
+        )
+    elif cfg.mode == "augment":
+        fixes.append("a cheaper augmentation, or pre-resize with `shardkit pack --resize-short N`")
+    if cfg.mode == "raw" and fmt != "folder":
+        fixes.append("more workers or larger reads; storage is the limit in raw mode")
+    if not fixes:
+        fixes.append(
+            "more workers, shards, or pre-resizing; this run cannot tell which limit dominates"
+        )
+    return (
+        f"{fmt}: INPUT-BOUND: the loop waits {wait:.0%} of its time even at its best "
+        f"({best.workers} workers, {best.mean:,.0f} of the {need:,.0f} samples/s the step could "
+        f"take). Try: {'; '.join(fixes)}."
+    )
+
+
+def to_json(result: BenchResult) -> dict:
+    """One row per (format, workers) plus the configuration and machine facts."""
+    cfg = result.config
+    rows = []
+    for r in result.rows:
+        rows.append(
+            {
+                "format": r.format,
+                "workers": r.workers,
+                "mean_samples_per_s": r.mean,
+                "std_samples_per_s": r.std,
+                "runs": [run.samples_per_s for run in r.runs],
+                "first_batch_s": r.first_batch_s,
+                "wait_fraction": r.wait_fraction,
+                "stall_fraction": r.stall_fraction,
+                "mb_per_s": r.mb_per_s,
+                "ceiling_samples_per_s": r.ceiling,
+                "ceiling_fraction": r.ceiling_fraction,
+                "first_batch_s_runs": [run.first_batch_s for run in r.runs],
+                "wait_fraction_runs": [run.wait_fraction for run in r.runs],
+                "opens_runs": [run.opens for run in r.runs],
+                "timed_samples_runs": [run.timed_samples for run in r.runs],
+                "resident_before_runs": [run.resident_before for run in r.runs],
+            }
+        )
+    return {
+        "shardkit_bench": 1,
+        "config": cfg.as_dict(),
+        "sources": result.sources,
+        "bytes_per_sample": result.bytes_per_sample,
+        "machine": result.machine,
+        "decode_ceiling_single_process": result.ceiling_single,
+        "seconds": result.seconds,
+        "rows": rows,
+        "verdict": verdict(result),
+        "notes": result.notes,
+        "definitions": {
+            "samples_per_s": "timed samples / timed wall time; warm-up: first max(1, workers) "
+            "batches excluded",
+            "mb_per_s": "samples_per_s x stored bytes per sample (image files for folder, shard "
+            "bytes for shards)",
+            "first_batch_s": "DataLoader start to the first batch in hand",
+            "wait_fraction": "time blocked in next(loader) / timed wall time",
+            "stall_fraction": "the part of that wait before the batch was ready in its worker",
+            "opens": "storage opens (each charged latency_ms) during the run, prefetch included",
+            "ceiling": "one process decoding the same JPEG bytes x min(max(workers,1), cores)",
+        },
+    }
+
+
+def write_json(result: BenchResult, path: str) -> None:
+    """Write ``to_json`` atomically (temporary name, then rename)."""
+    text = json.dumps(to_json(result), indent=1, ensure_ascii=False)
+    atomic_write_bytes(path, text.encode() + b"\n")
