@@ -175,5 +175,97 @@ def verify_cmd(out, decode, quiet) -> None:
 # --- bench -----------------------------------------------------------------------------------
 
 
+def _timeline_config(text: str | None) -> tuple[str, int] | None:
+    from .errors import InputError
+
+    if text is None:
+        return None
+    fmt, sep, workers = text.partition(":")
+    if not sep or not workers.strip().isdigit():
+        raise InputError(f"--timeline-config {text!r} is malformed: use FORMAT:WORKERS, e.g. tar:4")
+    return fmt.strip().lower(), int(workers)
+
+
+@main.command("bench")
+@click.option("--workers", default="0,2,4,8", show_default=True,
+              help="Comma-separated DataLoader worker counts (0: load in the main process).")
+@click.option("--data", type=click.Path(), default=None,
+              help="Image folder (class-per-folder). Default: the embedded LFW-shaped set in "
+                   "data/lfw, made and packed on first use.")
+@click.option("--shards", default=None, metavar="PATH",
+              help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
+                   "{format} is replaced per shard format. Default: <data>-shards-{format}.")
+@click.option("--formats", default=None, metavar="LIST",
+              help="Comma-separated, from folder,tar,lmdb. Default: all three (folder only when "
+                   "a source folder is known).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--batches", type=click.IntRange(min=1), default=None,
+              help="Timed batches per run, after a warm-up of one batch per worker. Default by "
+                   "mode: raw 150, decode 30, augment 12.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Runs per (format, workers); the table shows mean ± std over them.")
+@click.option("--cold/--warm", default=True, show_default=True,
+              help="cold: evict the files read from the page cache before every run; warm: read "
+                   "them all once first.")
+@click.option("--latency-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sleep this long on every storage open: per image for folder, per shard "
+                   "slice a worker opens for shards (an object store's time to first byte).")
+@click.option("--mode", type=click.Choice(["raw", "decode", "augment"]), default="decode",
+              show_default=True,
+              help="raw: bytes only; decode: uint8 CHW tensors; augment: decode + a CPU-heavy "
+                   "PIL/numpy augmentation.")
+@click.option("--step-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The training step: the loop sleeps this long per batch (a GPU step); the "
+                   "table's wait column is then the input-bound share.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write results (one row per format x workers) and machine facts as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write an error-bar PNG: samples/s against workers, one line per format.")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of one run over time: each worker's batches, the loop's waits.")
+@click.option("--timeline-config", default=None, metavar="FORMAT:WORKERS",
+              help="The run drawn by --timeline. Default: first shard format, most workers.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
+@click.option("--shard-size", default="32MB", show_default=True,
+              help="Shard size when packing on the fly.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
+def bench_cmd(workers, data, shards, formats, batch_size, batches, repeats, cold, latency_ms,
+              mode, step_ms, json_path, plot_path, timeline_path, timeline_config, seed,
+              shard_size, quiet) -> None:
+    """Measure folder-of-files vs shards through real DataLoaders across worker counts.
+
+    Prints a table (format x workers: samples/s mean ± std, MB/s, first-batch time, share of
+    time waiting for data) and a verdict: best worker count per format, shards vs folder, and
+    with --step-ms whether training would be input-bound and what to change.
+    """
+    from .bench import BenchConfig, format_table, parse_formats, parse_workers, run_bench, verdict
+
+    config = BenchConfig(
+        data=data,
+        shards=shards,
+        formats=parse_formats(formats) if formats is not None else None,
+        workers=parse_workers(workers),
+        batch_size=batch_size,
+        batches=batches,
+        repeats=repeats,
+        cold=cold,
+        latency_ms=latency_ms,
+        mode=mode,
+        step_ms=step_ms,
+        seed=seed,
+        shard_size=shard_size,
+        timeline_config=_timeline_config(timeline_config),
+        json_path=json_path,
+        plot_path=plot_path,
+        timeline_path=timeline_path,
+        progress=None if quiet else (lambda msg: click.echo(msg, err=True)),
+    )
+    result = run_bench(config)
+    click.echo(format_table(result))
+    click.echo("")
+    for line in verdict(result):
+        click.echo(f"- {line}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
