@@ -1,0 +1,436 @@
+"""Real servers on 127.0.0.1 for the remote-storage tests and benchmark.
+
+- :class:`S3Server`: moto's S3 backend behind werkzeug (what ``moto.server.ThreadedMotoServer``
+  runs), wrapped in a WSGI layer that logs every request and can answer the next GETs with
+  ``503 SlowDown``, the throttling reply of real S3.
+- :class:`HttpServer`: a static file server with ``Range`` support, keep-alive and the same log.
+- :class:`FaultProxy`: a TCP proxy that forwards bytes both ways and, on command, resets or
+  stalls connections after N response bytes, or adds first-byte latency per request. It counts
+  connections and bytes, so a test can tell a resumed download from a restarted one.
+
+Nothing here listens anywhere but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+__all__ = ["S3Server", "HttpServer", "FaultProxy", "RequestLog", "FAKE_KEY", "FAKE_SECRET"]
+
+# Fake credentials that look real enough for a redaction test to catch a leak.
+FAKE_KEY = "AKIAFAKEFAKE12345678"
+FAKE_SECRET = "fAkEsEcReT/shardkit+tests/0123456789abcdef"
+
+
+class RequestLog:
+    """Every request a server answered: (method, path, Range header or '')."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.entries: list[tuple[str, str, str]] = []
+
+    def add(self, method: str, path: str, rng: str) -> None:
+        with self._lock:
+            self.entries.append((method, path, rng))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+
+    def gets(self, contains: str = "") -> list[tuple[str, str, str]]:
+        """GET requests whose path contains ``contains``."""
+        with self._lock:
+            return [e for e in self.entries if e[0] == "GET" and contains in e[1]]
+
+
+class _Faults:
+    """Answer the next ``n`` matching GETs with an error status, then behave."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.remaining = 0
+        self.status = 503
+        self.contains = ""
+
+    def set(self, n: int, status: int = 503, contains: str = "") -> None:
+        with self._lock:
+            self.remaining, self.status, self.contains = n, status, contains
+
+    def take(self, method: str, path: str) -> int | None:
+        with self._lock:
+            if self.remaining > 0 and method == "GET" and self.contains in path:
+                self.remaining -= 1
+                return self.status
+            return None
+
+
+class S3Server:
+    """moto's S3 on an ephemeral loopback port. Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.log = RequestLog()
+        self.faults = _Faults()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> S3Server:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        class QuietHandler(MotoRequestHandler):
+            def log_request(self, *args, **kwargs) -> None:  # keep test output quiet
+                pass
+
+        app = DomainDispatcherApplication(create_backend_app)
+        log, faults = self.log, self.faults
+
+        def logged(environ, start_response):
+            method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+            log.add(method, path, environ.get("HTTP_RANGE", ""))
+            status = faults.take(method, path)
+            if status is not None:
+                body = (
+                    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                    b"<Message>Please reduce your request rate.</Message></Error>"
+                )
+                start_response(
+                    f"{status} {HTTPStatus(status).phrase}",
+                    [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+                )
+                return [body]
+            return app(environ, start_response)
+
+        self._server = make_server(
+            "127.0.0.1", 0, logged, threaded=True, request_handler=QuietHandler
+        )
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def options(endpoint: str) -> dict:
+        """s3fs storage_options for an endpoint (the server's own, or a proxy in front of it)."""
+        return {
+            "key": FAKE_KEY,
+            "secret": FAKE_SECRET,
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+
+    def client(self):
+        """A boto3 client for test setup, independent of the code under test."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=FAKE_KEY,
+            aws_secret_access_key=FAKE_SECRET,
+            region_name="us-east-1",
+        )
+
+    def upload_dir(self, bucket: str, prefix: str, folder: Path) -> list[str]:
+        """Create ``bucket`` (if needed) and put every file of ``folder`` under ``prefix``."""
+        c = self.client()
+        try:
+            c.create_bucket(Bucket=bucket)
+        except c.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        keys = []
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_file():
+                key = f"{prefix.strip('/')}/{p.relative_to(folder).as_posix()}".lstrip("/")
+                c.put_object(Bucket=bucket, Key=key, Body=p.read_bytes())
+                keys.append(key)
+        return keys
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like real object stores
+    server: _Httpd
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def _serve(self, head: bool) -> None:
+        srv = self.server
+        path = self.path.split("?", 1)[0]
+        srv.log.add(self.command, path, self.headers.get("Range", ""))
+        status = srv.faults.take("GET" if head else self.command, path) if not head else None
+        if status is not None:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        file = (srv.root / path.lstrip("/")).resolve()
+        if srv.root not in file.parents or not file.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        size = file.stat().st_size
+        start, end = 0, size - 1
+        rng = self.headers.get("Range", "")
+        partial = rng.startswith("bytes=") and not srv.ignore_range
+        if partial:
+            a, _, b = rng[6:].partition("-")
+            start = int(a) if a else max(0, size - int(b))
+            end = min(size - 1, int(b)) if (a and b) else size - 1
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        self.send_response(206 if partial else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Accept-Ranges", "none" if srv.ignore_range else "bytes")
+        self.send_header("Content-Length", str(end - start + 1))
+        if partial:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if head:
+            return
+        with open(file, "rb") as f:
+            f.seek(start)
+            left = end - start + 1
+            while left > 0:
+                data = f.read(min(left, 1 << 16))
+                if not data:
+                    break
+                self.wfile.write(data)
+                left -= len(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._serve(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._serve(head=True)
+
+
+class _Httpd(ThreadingHTTPServer):
+    daemon_threads = True
+    root: Path
+    log: RequestLog
+    faults: _Faults
+    ignore_range = False
+
+
+class HttpServer:
+    """Serves the files under ``root`` on an ephemeral loopback port, with Range support."""
+
+    def __init__(self, root: Path) -> None:
+        self._httpd = _Httpd(("127.0.0.1", 0), _Handler)
+        self._httpd.root = Path(root).resolve()
+        self._httpd.log = self.log = RequestLog()
+        self._httpd.faults = self.faults = _Faults()
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> HttpServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+    @property
+    def ignore_range(self) -> bool:
+        return self._httpd.ignore_range
+
+    @ignore_range.setter
+    def ignore_range(self, value: bool) -> None:
+        self._httpd.ignore_range = value
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class FaultProxy:
+    """TCP proxy from an ephemeral loopback port to ``target`` (host, port).
+
+    ``fail(times, drop_after=N)`` resets the next ``times`` connections once they have carried N
+    response bytes (``times=None``: every connection); ``stall_after=N`` instead stops forwarding
+    and holds the connection open, which only a client timeout ends. ``latency`` delays every
+    request chunk (client to server) by that many seconds: first-byte latency of a remote store.
+    """
+
+    def __init__(self, target: tuple[str, int], latency: float = 0.0) -> None:
+        self.target = target
+        self.latency = latency
+        self._lock = threading.Lock()
+        self._times: int | None = 0
+        self._drop_after: int | None = None
+        self._stall_after: int | None = None
+        self.connections = 0
+        self.bytes_down = 0
+        self.faults_injected = 0
+        self._closed = threading.Event()
+        self._socks: set[socket.socket] = set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in the other thread
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._thread.join(5)
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def fail(
+        self, times: int | None, drop_after: int | None = None, stall_after: int | None = None
+    ) -> None:
+        with self._lock:
+            self._times, self._drop_after, self._stall_after = times, drop_after, stall_after
+
+    def heal(self) -> None:
+        self.fail(0)
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.connections = self.bytes_down = self.faults_injected = 0
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+                fault = self._times is None or self._times > 0
+                if fault and self._times is not None:
+                    self._times -= 1
+                drop = self._drop_after if fault else None
+                stall = self._stall_after if fault else None
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks.update((client, upstream))
+            threading.Thread(
+                target=self._pump, args=(client, upstream, drop, stall), daemon=True
+            ).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket, drop, stall) -> None:
+        """Both directions in one thread (select), so a reset closes the socket at once."""
+        limit = drop if drop is not None else stall
+        sent = 0
+        stalled = False
+        sel = selectors.DefaultSelector()
+        sel.register(client, selectors.EVENT_READ)
+        sel.register(upstream, selectors.EVENT_READ)
+        try:
+            while not self._closed.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    src = key.fileobj
+                    if src is client:
+                        data = client.recv(1 << 16)
+                        if not data:
+                            return
+                        if self.latency:
+                            time.sleep(self.latency)
+                        upstream.sendall(data)
+                        continue
+                    data = upstream.recv(1 << 16)
+                    if not data:
+                        return
+                    if limit is not None and sent + len(data) >= limit:
+                        data = data[: limit - sent]
+                        client.sendall(data)
+                        self._count(len(data), fault=True)
+                        if drop is not None:
+                            # RST, not FIN: what a crashed load balancer's reset looks like.
+                            client.setsockopt(
+                                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                            )
+                            return
+                        # Stall: stop forwarding, hold the connection until the client gives up.
+                        sel.unregister(upstream)
+                        stalled = True
+                        limit = None
+                        continue
+                    if not stalled:
+                        client.sendall(data)
+                        sent += len(data)
+                        self._count(len(data))
+        except OSError:
+            pass
+        finally:
+            sel.close()
+            for sock in (client, upstream):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            with self._lock:
+                self._socks.discard(client)
+                self._socks.discard(upstream)
+
+    def _count(self, n: int, fault: bool = False) -> None:
+        with self._lock:
+            self.bytes_down += n
+            self.faults_injected += int(fault)
+
+
+def free_env() -> dict[str, str]:
+    """Environment for child processes with fake AWS settings and no real credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ACCESS_KEY_ID=FAKE_KEY, AWS_SECRET_ACCESS_KEY=FAKE_SECRET)
+    env["AWS_DEFAULT_REGION"] = "us-east-1"
+    return env
+
