@@ -77,6 +77,7 @@ def test_tiny_bench_writes_every_row_json_plot_and_timeline(tiny, tmp_path):
     cfg = _config(
         tiny,
         mode="decode",
+        formats=("folder", "tar", "lmdb", "memory"),
         repeats=2,
         step_ms=1.0,
         json_path=str(out / "bench.json"),
@@ -87,7 +88,7 @@ def test_tiny_bench_writes_every_row_json_plot_and_timeline(tiny, tmp_path):
 
     data = json.loads((out / "bench.json").read_text())
     got = {(r["format"], r["workers"]) for r in data["rows"]}
-    assert got == {(f, w) for f in ("folder", "tar", "lmdb") for w in (0, 2)}
+    assert got == {(f, w) for f in ("folder", "tar", "lmdb", "memory") for w in (0, 2)}
     for row in data["rows"]:
         assert len(row["runs"]) == 2  # the repeat count is honoured
         assert row["mean_samples_per_s"] == pytest.approx(np.mean(row["runs"]))
@@ -101,6 +102,9 @@ def test_tiny_bench_writes_every_row_json_plot_and_timeline(tiny, tmp_path):
     assert data["config"]["mode"] == "decode" and data["config"]["repeats"] == 2
     assert data["decode_ceiling_single_process"] > 0
     assert data["verdict"] and any("vs folder" in line for line in data["verdict"])
+    assert any(line.startswith("memory reference") for line in data["verdict"])
+    memory = [r for r in data["rows"] if r["format"] == "memory"]
+    assert all(r["opens_runs"] == [None, None] for r in memory)  # no storage behind it
 
     for name in ("bench.png", "timeline.png"):
         with Image.open(out / name) as img:

@@ -13,7 +13,7 @@ from .runner import BenchResult, Timeline
 
 __all__ = ["plot_throughput", "plot_timeline"]
 
-_COLOURS = {"folder": "#d62728", "tar": "#1f77b4", "lmdb": "#2ca02c"}
+_COLOURS = {"folder": "#d62728", "tar": "#1f77b4", "lmdb": "#2ca02c", "memory": "#9467bd"}
 
 
 def _pyplot():
@@ -63,7 +63,8 @@ def plot_throughput(result: BenchResult, path: str) -> None:
                 yerr=[r.std for r in rows],
                 marker="o",
                 capsize=4,
-                label=fmt,
+                linestyle=":" if fmt == "memory" else "-",
+                label="memory (reference: bytes in RAM)" if fmt == "memory" else fmt,
                 color=_COLOURS.get(fmt),
             )
         if result.ceiling_single is not None:

@@ -102,18 +102,45 @@ def verdict(result: BenchResult) -> list[str]:
         other = _runner_up(result, best)
         if other is not None and _noise(best, other):
             text += f" (within noise of {other.workers} workers: {other.mean:,.0f})"
-        if best.workers > result.cores:
-            text += f"; more workers than the {result.cores} cores still helped (I/O waits overlap)"
+        fitting = [r for r in result.rows if r.format == fmt and r.workers <= result.cores]
+        if best.workers > result.cores and fitting:
+            top = max(fitting, key=lambda r: r.mean)
+            if not _noise(best, top):
+                text += (
+                    f"; more workers than the {result.cores} cores still helped "
+                    f"({best.mean / top.mean:.2f}x {top.workers} workers): they overlap waiting "
+                    "(storage, latency) with work"
+                )
         lines.append(text + ".")
 
     if "folder" in bests:
         base = bests["folder"]
         for fmt, best in bests.items():
-            if fmt == "folder":
+            if fmt in ("folder", "memory"):
                 continue
             lines.append(
                 f"{fmt} vs folder, each at its best: {best.mean / base.mean:.1f}x "
                 f"({best.mean:,.0f} vs {base.mean:,.0f} samples/s)."
+            )
+
+    if "memory" in bests:
+        ref = bests["memory"]
+        parts = [
+            f"{fmt} {best.mean / ref.mean:.0%}" for fmt, best in bests.items() if fmt != "memory"
+        ]
+        lines.append(
+            f"memory reference (the same bytes in RAM, same {cfg.mode}, same DataLoader): "
+            f"{ref.mean:,.0f} samples/s at {ref.workers} workers; each format at its best "
+            f"reaches {', '.join(parts)} of it. What a format misses of it is its storage and "
+            "reading cost; no format can beat it."
+        )
+        frac = ref.ceiling_fraction
+        if frac is not None and not cfg.step_ms and frac < 0.8:
+            lines.append(
+                f"Even with no storage at all, the DataLoader delivers {frac:.0%} of the "
+                f"{cfg.mode} ceiling: the rest is the DataLoader itself (each batch handed from "
+                "worker to main process through fresh shared memory, and the main process "
+                "sharing the cores), not the data format."
             )
 
     if cfg.latency_ms:
@@ -141,7 +168,17 @@ def verdict(result: BenchResult) -> list[str]:
             f"processes; reached: {', '.join(parts)}."
         )
         at_ceiling = [f for f, b in bests.items() if (b.ceiling_fraction or 0) >= 0.8]
-        if at_ceiling:
+        if cfg.step_ms:
+            lines.append(
+                f"(With --step-ms the {cfg.step_ms:g} ms step caps every rate; compare with the "
+                "ceiling from a run without it.)"
+            )
+        elif not at_ceiling and "memory" not in bests:
+            lines.append(
+                f"No format reaches 80% of the {cfg.mode} ceiling; add memory to --formats to "
+                "see how much of the gap is storage and how much the DataLoader itself."
+            )
+        elif at_ceiling:
             lines.append(
                 f"{', '.join(at_ceiling)} run at >= 80% of what the {result.cores} cores can "
                 f"{cfg.mode}: the loader is CPU-bound on {cfg.mode}, not on storage; more "
@@ -191,7 +228,9 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
         )
     fixes = []
     other_ok = [
-        f for f in result.formats() if f != fmt and result.best(f).wait_fraction <= INPUT_BOUND
+        f
+        for f in result.formats()
+        if f not in (fmt, "folder", "memory") and result.best(f).wait_fraction <= INPUT_BOUND
     ]
     if fmt == "folder" and other_ok:
         fixes.append(f"switch to shards ({', '.join(other_ok)} kept the wait under 10%)")
@@ -199,10 +238,10 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
     if best.workers == by_w[-1].workers and len(by_w) > 1 and not _noise(by_w[-1], by_w[-2]):
         fixes.append("more workers (the rate still rose at the largest count tried)")
     frac = best.ceiling_fraction
-    if frac is not None and frac >= 0.8:
+    if frac is not None and frac >= 0.5:
         fixes.append(
-            f"fewer pixels per sample: the CPU is saturated ({frac:.0%} of the {cfg.mode} "
-            "ceiling), so pre-resize with `shardkit pack --resize-short N`"
+            f"fewer pixels per sample: the loader already runs at {frac:.0%} of what the cores "
+            f"can {cfg.mode}, so pre-resize with `shardkit pack --resize-short N`"
             + (" or use a cheaper augmentation" if cfg.mode == "augment" else "")
         )
     elif cfg.mode == "augment":

@@ -46,6 +46,7 @@ from .workloads import (
     Augment,
     Collate,
     CountingStorage,
+    MemoryDataset,
     TimedIterable,
     TimedMap,
     clock,
@@ -69,7 +70,9 @@ __all__ = [
 ]
 
 SHARD_FORMATS = ("tar", "lmdb")
-ALL_FORMATS = ("folder", *SHARD_FORMATS)
+#: "memory" is a reference, not a storage format: the same JPEG bytes held in RAM, decoded and
+#: batched through the same DataLoader (``workloads.MemoryDataset``). Opt-in via --formats.
+ALL_FORMATS = ("folder", *SHARD_FORMATS, "memory")
 #: Where the embedded LFW-shaped set is made when no data is given (relative to the cwd).
 DEFAULT_DATA = os.path.join("data", "lfw")
 #: Timed batches per run when ``--batches`` is not given: enough for a few tenths of a second of
@@ -396,9 +399,11 @@ def _plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
         else:
             shard_fmts = SHARD_FORMATS
         formats = (("folder",) if data is not None else ()) + shard_fmts
-    shard_fmts = tuple(f for f in formats if f != "folder")
+    shard_fmts = tuple(f for f in formats if f in SHARD_FORMATS)
     sources: dict[str, str] = {}
     for fmt in formats:
+        if fmt == "memory":
+            continue  # loaded from whichever source comes first, once the others are ready
         if fmt == "folder":
             if data is None:
                 raise InputError(
@@ -436,6 +441,11 @@ def _plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
                 "change --formats"
             )
         sources[fmt] = target
+    if "memory" in formats:
+        if not sources:
+            raise InputError("the memory reference needs a source: add folder, tar or lmdb")
+        first = "folder" if "folder" in sources else next(iter(sources))
+        sources["memory"] = sources[first]
     return sources, data
 
 
@@ -444,6 +454,9 @@ def _make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
 
     decode = DATASET_DECODE[cfg.mode]
     transform = Augment() if cfg.mode == "augment" else None
+    if fmt == "memory":
+        blobs, labels = _load_all(path)
+        return MemoryDataset(blobs, labels, decode=decode, transform=transform, seed=cfg.seed)
     if fmt == "folder":
         return FolderDataset(path, decode=decode, transform=transform, storage=storage)
     if is_url(path):
@@ -453,8 +466,29 @@ def _make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
     )
 
 
+def _load_all(path: str) -> tuple[list[bytes], list[int]]:
+    """Every sample's stored bytes and label, from an image folder or from shards."""
+    from ..dataset import FolderDataset, ShardDataset
+
+    if os.path.isdir(path) and not _complete_shards(path):
+        folder = FolderDataset(path, decode="raw")
+        blobs = []
+        for i in range(len(folder)):
+            with open(os.path.join(folder.root, folder.relpath(i)), "rb") as f:
+                blobs.append(f.read())
+        return blobs, folder.targets.tolist()
+    pairs = list(ShardDataset(path, decode="raw", shuffle=False))
+    return [d for d, _ in pairs], [lab for _, lab in pairs]
+
+
+def _complete_shards(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
 def _read_paths(fmt: str, ds) -> list[str] | None:
-    """The local files a run of this dataset reads (None: remote, nothing to evict)."""
+    """The local files a run of this dataset reads (None: nothing on local storage)."""
+    if fmt == "memory":
+        return None
     if fmt == "folder":
         return [ds.root]
     if any(is_url(u) and not u.startswith("file://") for u in ds.urls):
@@ -464,6 +498,8 @@ def _read_paths(fmt: str, ds) -> list[str] | None:
 
 def _bytes_per_sample(fmt: str, ds, paths: list[str] | None) -> float | None:
     """Stored bytes per sample: image file sizes for the folder, shard bytes for shards."""
+    if fmt == "memory":
+        return len(ds.blob) / len(ds)
     if fmt == "folder":
         total = sum(os.path.getsize(os.path.join(ds.root, ds.relpath(i))) for i in range(len(ds)))
         return total / len(ds)
@@ -712,7 +748,7 @@ def _timeline_choice(cfg: BenchConfig, formats: list[str]) -> tuple[str, int]:
                 f"{', '.join(formats)}"
             )
         return fmt, int(w)
-    shard = [f for f in formats if f != "folder"]
+    shard = [f for f in formats if f in SHARD_FORMATS]
     return (shard[0] if shard else formats[0]), max(cfg.workers)
 
 
@@ -741,9 +777,14 @@ def run_bench(config: BenchConfig) -> BenchResult:
         datasets[fmt] = ds
         paths[fmt] = _read_paths(fmt, ds)
         per_sample[fmt] = _bytes_per_sample(fmt, ds, paths[fmt])
-        if paths[fmt] is None:
+        if fmt == "memory":
+            notes.append(
+                "memory: a reference, not a format: the same bytes held in RAM, decoded and "
+                "batched through the same DataLoader; no storage, so no eviction or latency"
+            )
+        elif paths[fmt] is None:
             notes.append(f"{fmt}: remote shards; not evicted (--cold has no effect on them)")
-        if storages[fmt] is None and cfg.latency_ms:
+        if storages[fmt] is None and cfg.latency_ms and fmt != "memory":
             notes.append(f"{fmt}: remote shards; --latency-ms not injected (real latency)")
         need = (max(1, max(cfg.workers)) + cfg.batches) * cfg.batch_size
         if len(ds) < need:
@@ -756,7 +797,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
     ceiling_single = None
     samples_for_ceiling: list[bytes] = []
     if cfg.mode in ("decode", "augment"):
-        samples_for_ceiling = _sample_bytes(formats[0], datasets[formats[0]], 256, cfg.seed)
+        ref = next(f for f in formats if f != "memory")
+        samples_for_ceiling = _sample_bytes(ref, datasets[ref], 256, cfg.seed)
         _say(cfg, f"measuring the {cfg.mode} ceiling (1 process, {len(samples_for_ceiling)} JPEGs)")
         ceiling_single = measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds)
 

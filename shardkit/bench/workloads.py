@@ -30,6 +30,7 @@ __all__ = [
     "Augment",
     "Collate",
     "CountingStorage",
+    "MemoryDataset",
     "TimedIterable",
     "TimedMap",
     "stack_images",
@@ -176,6 +177,56 @@ def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
         out = torch.empty(shape, dtype=first.dtype)
     torch.stack(parts, out=out)
     return out.permute(0, 3, 1, 2) if hwc else out
+
+
+class MemoryDataset(IterableDataset):
+    """The same JPEG bytes held in memory: the bench's no-storage reference ("memory" format).
+
+    Decodes exactly as the datasets do and goes through the same DataLoader, so what separates
+    a format from this reference is its storage and reading cost, and what separates this
+    reference from the decode ceiling is the DataLoader itself (moving batches between
+    processes) and core sharing. Bytes live in one numpy array with offsets, so forked workers
+    share them without copying pages. Shuffled per epoch; worker ``k`` of ``n`` takes every n-th.
+    """
+
+    def __init__(
+        self,
+        blobs: list[bytes],
+        labels: list[int],
+        *,
+        decode: str,
+        transform=None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        lengths = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
+        self.offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        self.blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.decode = decode
+        self.transform = transform
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __iter__(self):
+        from ..stream import decode_image
+
+        info = get_worker_info()
+        k, n = (0, 1) if info is None else (info.id, info.num_workers)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.labels))
+        blob, offsets, labels = self.blob, self.offsets, self.labels
+        for i in order[k::n].tolist():
+            img = decode_image(blob[offsets[i] : offsets[i + 1]].tobytes(), self.decode)
+            if self.transform is not None:
+                img = self.transform(img)
+            yield img, int(labels[i])
 
 
 # --- the consumer's step ---------------------------------------------------------------------
