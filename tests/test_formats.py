@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import tarfile
 
 import lmdb
@@ -219,3 +220,23 @@ def test_same_input_gives_identical_bytes(tmp_path, fmt_name):
     for name in ("a", "b"):
         _write(fmt_name, tmp_path / f"{name}{suffix}", _samples(60, seed=4))
     assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.001])
+def test_truncated_lmdb_is_an_error_not_a_crash(tmp_path, keep):
+    # Run in a child: before the size check, touching the unmapped tail killed it with SIGBUS.
+    _write("lmdb", tmp_path / "s.lmdb", _samples(60))
+    data = (tmp_path / "s.lmdb").read_bytes()
+    (tmp_path / "t.lmdb").write_bytes(data[: int(len(data) * keep)])
+    code = (
+        "import sys\n"
+        "from shardkit.formats import get_format\n"
+        "from shardkit.errors import ShardFormatError\n"
+        "try:\n"
+        f"    list(get_format('lmdb').iter_records({str(tmp_path / 't.lmdb')!r}))\n"
+        "except ShardFormatError as e:\n"
+        "    print(e); sys.exit(3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert "t.lmdb: truncated LMDB shard" in out.stdout

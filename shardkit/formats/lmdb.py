@@ -142,13 +142,33 @@ def _remove(path: str) -> None:
 
 
 def _open_env(path: str | os.PathLike) -> lmdb.Environment:
+    """Open read-only, refusing a file shorter than its own meta page says.
+
+    LMDB maps the file: touching a page past the end of a truncated copy kills the process with
+    SIGBUS (a DataLoader worker would die without a word), so the size is checked first.
+    """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ShardFormatError(f"{path}: LMDB shard not found (expected a single-file LMDB)")
     try:
-        return lmdb.open(path, subdir=False, readonly=True, lock=False, max_readers=1, max_dbs=0)
+        size = os.path.getsize(path)
+    except OSError:
+        raise ShardFormatError(
+            f"{path}: LMDB shard not found (expected a single-file LMDB)"
+        ) from None
+    if size < 2 * PAGE:
+        raise ShardFormatError(
+            f"{path}: truncated LMDB shard ({size} bytes); re-copy or re-pack it"
+        )
+    try:
+        env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_readers=1, max_dbs=0)
     except lmdb.Error as exc:
         raise ShardFormatError(f"{path}: not a readable LMDB shard ({exc}); re-pack it") from None
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if size < needed:
+        env.close()
+        raise ShardFormatError(
+            f"{path}: truncated LMDB shard ({size} of {needed} bytes); re-copy or re-pack it"
+        )
+    return env
 
 
 def iter_lmdb_records(
