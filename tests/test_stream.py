@@ -202,6 +202,7 @@ def test_decode_modes():
     t = decode_image(data, "tensor")
     assert t.dtype == torch.uint8 and tuple(t.shape) == (3, 4, 6)
     assert torch.equal(t, torch.from_numpy(np.array(img)).permute(2, 0, 1))
+    assert t.is_contiguous()  # collate then stacks with plain copies
     t[0, 0, 0] = 1  # writable, no aliasing of internal buffers
 
 

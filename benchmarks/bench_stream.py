@@ -1,0 +1,596 @@
+#!/usr/bin/env python3
+"""Streaming benchmark: ShardDataset against WebDataset, the decode ceiling and FolderDataset.
+
+Issue 3, section 5. Every comparison is a ratio of two measurements taken side by side in this one
+run (repeats interleaved, median of the per-repeat ratios), so a busy machine moves both sides:
+
+- raw: ShardDataset(decode="raw"), one process, shards in the page cache, against
+  ``webdataset.WebDataset(shards)`` iterated raw on the same shards. Goal >= 10x.
+- end to end: DataLoader(ShardDataset(decode="tensor"), batch 64, 2 workers) against the decode
+  ceiling (one process decoding the same JPEG bytes with PIL to uint8 arrays, times the worker
+  count). Goal >= 80%. Also FolderDataset with the same decode and loader.
+- worker memory: VmRSS / VmHWM of each DataLoader worker after each of 5 epochs (flat within 5%)
+  and peak worker memory for several buffer sizes (bounded by the shuffle buffer).
+- shuffle quality per buffer size: how far samples move from the order they come off the shards,
+  and how many distinct shards and classes a batch of 64 mixes.
+
+    python benchmarks/bench_stream.py                       # data/lfw (made if missing)
+    python benchmarks/bench_stream.py --repeats 7 --json bench-out/bench_stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from shardkit.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.formats import get_format  # noqa: E402
+from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
+    """The LFW tree (synthesised if missing) packed to tar shards (reused when up to date)."""
+    if not src.exists():
+        from shardkit.synth import make_lfw
+
+        print(f"making {src} with shardkit.synth.make_lfw ...", flush=True)
+        make_lfw(src)
+    manifest = shards / MANIFEST_NAME
+    if manifest.exists():
+        m = read_manifest(str(shards))
+        same_src = os.path.abspath(m.pack.get("source", "")) == os.path.abspath(src)
+        from shardkit.pack import parse_size
+
+        if same_src and m.pack.get("shard_size") == parse_size(shard_size):
+            return
+    from shardkit.pack import pack
+
+    print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
+    pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)
+
+
+def warm(paths: list[str]) -> int:
+    """Read files once so every measurement sees them in the page cache."""
+    total = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(4 << 20):
+                total += len(chunk)
+    return total
+
+
+def folder_files(src: Path) -> list[str]:
+    return [str(p) for p in sorted(src.glob("*/*")) if p.is_file()]
+
+
+# --- measurements -----------------------------------------------------------------------------
+
+
+def rate(iterable) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    n = 0
+    for _ in iterable:
+        n += 1
+    return n / (time.perf_counter() - t0), n
+
+
+def bench_raw(urls: list[str], repeats: int) -> dict:
+    import webdataset as wds
+
+    def ours(**kw):
+        return ShardDataset(urls, decode="raw", **kw)
+
+    def theirs():
+        return wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+
+    def theirs_shuffled():
+        return wds.WebDataset(urls, shardshuffle=False, empty_check=False).shuffle(1000)
+
+    sides = {
+        "shardkit (default: shard shuffle + 1000-sample buffer)": lambda e: ours(seed=e),
+        "shardkit (shuffle=False)": lambda e: ours(shuffle=False),
+        "webdataset WebDataset(shards)": lambda e: theirs(),
+        "webdataset .shuffle(1000)": lambda e: theirs_shuffled(),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in sides}
+    counts = {}
+    for rep in range(repeats):
+        names = list(sides)
+        names = names[rep % len(names) :] + names[: rep % len(names)]  # rotate the order
+        for name in names:
+            ds = sides[name](rep)
+            if isinstance(ds, ShardDataset):
+                ds.set_epoch(rep)
+            r, n = rate(ds)
+            rates[name].append(r)
+            counts[name] = n
+    keys = list(sides)
+    wds_plain, wds_shuf = rates[keys[2]], rates[keys[3]]
+    return {
+        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "samples": counts,
+        "ratio_default_vs_webdataset": statistics.median(
+            a / b for a, b in zip(rates[keys[0]], wds_plain, strict=True)
+        ),
+        "ratio_noshuffle_vs_webdataset": statistics.median(
+            a / b for a, b in zip(rates[keys[1]], wds_plain, strict=True)
+        ),
+        "ratio_default_vs_webdataset_shuffled": statistics.median(
+            a / b for a, b in zip(rates[keys[0]], wds_shuf, strict=True)
+        ),
+        "repeats": repeats,
+    }
+
+
+def pil_decode(data: bytes) -> np.ndarray:
+    img = Image.open(io.BytesIO(data))
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return np.array(img)
+
+
+def decode_ceiling(blobs: list[bytes]) -> float:
+    """Images/s of one process doing nothing but PIL-decoding JPEG bytes already in memory."""
+    t0 = time.perf_counter()
+    for b in blobs:
+        pil_decode(b)
+    return len(blobs) / (time.perf_counter() - t0)
+
+
+class _Epochs:
+    """Hands out fresh epoch numbers, so no measured pass repeats an earlier order."""
+
+    def __init__(self, ds: ShardDataset | None = None):
+        self.ds, self.next = ds, 0
+
+    def __call__(self) -> None:
+        if self.ds is not None:
+            self.ds.set_epoch(self.next)
+        self.next += 1
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_pass(loader: DataLoader, epochs: _Epochs) -> tuple[float, float, float]:
+    """One timed epoch of a persistent-worker loader: (images/s, worker CPU s, main CPU s)."""
+    epochs()
+    pids = _worker_pids(loader) if loader._iterator is not None else []
+    cpu0 = sum(_cpu_s(p) for p in pids)
+    main0 = time.process_time()
+    t0 = time.perf_counter()
+    n = 0
+    for batch in loader:
+        n += len(batch[1])
+    wall = time.perf_counter() - t0
+    main = time.process_time() - main0
+    pids = pids or _worker_pids(loader)
+    return n / wall, sum(_cpu_s(p) for p in pids) - cpu0, main
+
+
+class ConstantImages(torch.utils.data.IterableDataset):
+    """``n`` copies of one uint8 CHW tensor, split across workers: DataLoader transport alone."""
+
+    def __init__(self, n: int, shape: tuple[int, int, int]):
+        self.n, self.shape = n, shape
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        w, k = (info.id, info.num_workers) if info else (0, 1)
+        img = torch.zeros(self.shape, dtype=torch.uint8)
+        for _ in range(w * self.n // k, (w + 1) * self.n // k):
+            yield img, 0
+
+
+def _decode_n(blobs: list[bytes]) -> int:
+    for b in blobs:
+        pil_decode(b)
+    return len(blobs)
+
+
+def parallel_ceiling(blobs: list[bytes], workers: int) -> float:
+    """Images/s of ``workers`` processes decoding at the same time (what the cores really give)."""
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(workers) as pool:
+        pool.map(_decode_n, [blobs[:50]] * workers)  # start-up outside the timing
+        t0 = time.perf_counter()
+        n = sum(pool.map(_decode_n, [blobs] * workers))
+        return n / (time.perf_counter() - t0)
+
+
+def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, blobs) -> dict:
+    ds = ShardDataset(urls, decode="tensor")
+    shape = tuple(ds_first_shape(ds))
+    folder = FolderDataset(str(src), decode="tensor")
+    loaders = {
+        "shards": (
+            DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True),
+            _Epochs(ds),
+        ),
+        "folder": (
+            DataLoader(
+                folder,
+                batch_size=batch,
+                num_workers=workers,
+                shuffle=True,
+                persistent_workers=True,
+            ),
+            _Epochs(),
+        ),
+        "transport": (
+            DataLoader(
+                ConstantImages(len(folder), shape),
+                batch_size=batch,
+                num_workers=workers,
+                persistent_workers=True,
+            ),
+            _Epochs(),
+        ),
+    }
+    for loader, epochs in loaders.values():  # warm-up: start the workers, fill caches
+        loader_pass(loader, epochs)
+    runs: dict[str, list] = {k: [] for k in ["ceiling", "ceiling_cpu", "parallel", *loaders]}
+    for rep in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        single = _decode_n(blobs) / (time.perf_counter() - t0)
+        runs["ceiling_cpu"].append((time.process_time() - c0) / len(blobs))
+        runs["ceiling"].append(single * workers)
+        runs["parallel"].append(parallel_ceiling(blobs, workers))
+        names = list(loaders)
+        for name in names[rep % 3 :] + names[: rep % 3]:  # rotate the order
+            loader, epochs = loaders[name]
+            rate_, wcpu, mcpu = loader_pass(loader, epochs)
+            n = len(folder)
+            runs[name].append((rate_, wcpu / n, mcpu / n))
+    del loaders
+    med = statistics.median
+
+    def ratio(a, b):  # median of per-repeat ratios: both sides measured in the same repeat
+        return med(x / y for x, y in zip(a, b, strict=True))
+
+    def rates(name):
+        return [r[0] for r in runs[name]]
+
+    return {
+        "decode_ceiling_per_s": med(runs["ceiling"]),
+        "parallel_decode_per_s": med(runs["parallel"]),
+        "shard_loader_per_s": med(rates("shards")),
+        "folder_loader_per_s": med(rates("folder")),
+        "transport_only_per_s": med(rates("transport")),
+        "ratio_shards_vs_ceiling": ratio(rates("shards"), runs["ceiling"]),
+        "ratio_folder_vs_ceiling": ratio(rates("folder"), runs["ceiling"]),
+        "ratio_shards_vs_parallel": ratio(rates("shards"), runs["parallel"]),
+        "ratio_shards_vs_folder": ratio(rates("shards"), rates("folder")),
+        "cpu_us_per_image": {
+            "ceiling_decode": med(runs["ceiling_cpu"]) * 1e6,
+            "shards_workers": med(r[1] for r in runs["shards"]) * 1e6,
+            "shards_main": med(r[2] for r in runs["shards"]) * 1e6,
+            "folder_workers": med(r[1] for r in runs["folder"]) * 1e6,
+            "folder_main": med(r[2] for r in runs["folder"]) * 1e6,
+            "transport_workers": med(r[1] for r in runs["transport"]) * 1e6,
+            "transport_main": med(r[2] for r in runs["transport"]) * 1e6,
+        },
+        "image_shape": list(shape),
+        "workers": workers,
+        "batch_size": batch,
+        "repeats": repeats,
+    }
+
+
+def ds_first_shape(ds: ShardDataset) -> torch.Size:
+    probe = ShardDataset(list(ds.urls)[:1], decode="tensor", shuffle=False)
+    return next(iter(probe))[0].shape
+
+
+def _proc_kb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _worker_pids(loader: DataLoader) -> list[int]:
+    """Pids of a persistent-worker loader's processes (they live as long as the loader)."""
+    return [w.pid for w in loader._iterator._workers]
+
+
+def _uss_kb(pid: int) -> int:
+    """Memory only this process holds (Private_Clean + Private_Dirty): what a worker adds.
+
+    VmRSS of a forked worker also counts every page it shares with the parent, so it says more
+    about when the worker was forked than about the worker.
+    """
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1])
+    return total
+
+
+def _epoch_memory(loader: DataLoader, epochs: _Epochs, every: int = 2) -> tuple[list, list, list]:
+    """One epoch, sampling each worker's USS every ``every`` batches.
+
+    Returns per worker: peak USS during the epoch, USS at its end (what stays: a leak shows here)
+    and VmRSS at its end.
+    """
+    epochs()
+    peak: dict[int, int] = {}
+    for i, _ in enumerate(loader):
+        if i % every == 0:
+            for p in _worker_pids(loader):
+                peak[p] = max(peak.get(p, 0), _uss_kb(p))
+    pids = _worker_pids(loader)
+    end = [_uss_kb(p) for p in pids]
+    return (
+        [max(peak.get(p, 0), u) for p, u in zip(pids, end, strict=True)],
+        end,
+        [_proc_kb(p, "VmRSS") for p in pids],
+    )
+
+
+def bench_memory(urls, workers: int, batch: int, epochs: int, buffer_sizes, mean_bytes) -> dict:
+    """Per-worker memory over ``epochs`` epochs, and peak worker memory per buffer size."""
+    out: dict = {"epochs": epochs}
+    ds = ShardDataset(urls, decode="tensor")
+    loader = DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True)
+    counter = _Epochs(ds)
+    peak, end, rss = [], [], []
+    for _ in range(epochs):
+        p, e, r = _epoch_memory(loader, counter)
+        peak.append(p)
+        end.append(e)
+        rss.append(r)
+    del loader
+    out["peak_uss_kb_per_epoch"] = peak
+    out["end_uss_kb_per_epoch"] = end
+    out["rss_kb_per_epoch"] = rss
+
+    def spread(rows):  # each worker's max-min across epochs over its mean; worst worker
+        a = np.array(rows, dtype=np.float64)
+        return float(((a.max(0) - a.min(0)) / a.mean(0)).max())
+
+    out["rss_spread"] = spread(rss)
+    out["end_uss_spread"] = spread(end)
+    out["peak_uss_spread"] = spread(peak)
+    peaks = {}
+    for size in buffer_sizes:
+        ds = ShardDataset(urls, decode="raw", buffer_size=size, shuffle=size > 0)
+        loader = DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True)
+        counter = _Epochs(ds)
+        peaks[size] = max(max(_epoch_memory(loader, counter)[0]) for _ in range(2))
+        del loader
+    out["peak_uss_kb_by_buffer"] = peaks
+    base = peaks[min(buffer_sizes)]
+    out["uss_growth_mb_vs_buffer_mb"] = {
+        s: ((peaks[s] - base) / 1024, s * mean_bytes / 2**20) for s in buffer_sizes
+    }
+    return out
+
+
+def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
+    """Displacement of samples by the buffer, and the mix of shards/classes per batch."""
+    fmt = get_format("tar")
+    shard_of, label_of = {}, {}
+    for i, u in enumerate(urls):
+        for r in fmt.iter_records(u):
+            shard_of[r.key] = i
+            label_of[r.key] = r.label
+    # The order samples come off the shards in epoch 1 (shard permutation, no buffer).
+    ref = ShardDataset(urls, decode="raw", with_keys=True, buffer_size=0, seed=0)
+    ref.set_epoch(1)
+    read_pos = {k: i for i, (_, _, k) in enumerate(ref)}
+    out = {}
+    for size in buffer_sizes:
+        ds = ShardDataset(
+            urls, decode="raw", with_keys=True, buffer_size=size, shuffle=True, seed=0
+        )
+        ds.set_epoch(1)
+        keys = [k for _, _, k in ds]
+        disp = np.abs(np.arange(len(keys)) - np.array([read_pos[k] for k in keys]))
+        n_batches = len(keys) // batch
+        shards_per_batch = [
+            len({shard_of[k] for k in keys[b * batch : (b + 1) * batch]}) for b in range(n_batches)
+        ]
+        classes_per_batch = [
+            len({label_of[k] for k in keys[b * batch : (b + 1) * batch]}) for b in range(n_batches)
+        ]
+        out[size] = {
+            "mean_displacement": float(disp.mean()),
+            "p50_displacement": float(np.percentile(disp, 50)),
+            "p90_displacement": float(np.percentile(disp, 90)),
+            "p99_displacement": float(np.percentile(disp, 99)),
+            "distinct_shards_per_batch": float(np.mean(shards_per_batch)),
+            "distinct_classes_per_batch": float(np.mean(classes_per_batch)),
+        }
+    return out
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", default=str(ROOT / "data" / "lfw"), help="class-per-folder tree")
+    ap.add_argument("--shards", default="/tmp/bench-shards", help="where to pack the tar shards")
+    ap.add_argument("--shard-size", default="16MB", help="13 shards for LFW at the default")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=5, help="epochs for the memory check")
+    ap.add_argument("--decode-samples", type=int, default=3000, help="images in the ceiling")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--only",
+        choices=["raw", "end_to_end", "memory", "shuffle"],
+        action="append",
+        help="run only these parts (repeatable)",
+    )
+    args = ap.parse_args()
+
+    src, shards = Path(args.src), Path(args.shards)
+    ensure_data(src, shards, args.shard_size)
+    manifest = read_manifest(str(shards))
+    urls = [str(shards / e.path) for e in manifest.shards]
+    shard_bytes = warm(urls)
+    warm(folder_files(src))
+    mean_bytes = shard_bytes / manifest.num_samples
+    fmt = get_format("tar")
+    blobs = []
+    for u in urls:
+        for r in fmt.iter_records(u):
+            blobs.append(r.data)
+            if len(blobs) >= args.decode_samples:
+                break
+        if len(blobs) >= args.decode_samples:
+            break
+
+    results: dict = {
+        "dataset": {
+            "src": str(src),
+            "shards": len(urls),
+            "samples": manifest.num_samples,
+            "mean_sample_bytes_in_shard": mean_bytes,
+        },
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+    }
+    print(f"{manifest.num_samples} samples in {len(urls)} shards, {mean_bytes / 1e3:.1f} KB each")
+    parts = set(args.only or ["raw", "end_to_end", "memory", "shuffle"])
+    if "raw" in parts:
+        print("raw iteration ...", flush=True)
+        results["raw"] = bench_raw(urls, args.repeats)
+    if "end_to_end" in parts:
+        print("end to end ...", flush=True)
+        results["end_to_end"] = bench_end_to_end(
+            urls, src, args.workers, args.batch, args.repeats, blobs
+        )
+    if "memory" in parts:
+        print("worker memory ...", flush=True)
+        results["memory"] = bench_memory(
+            urls, args.workers, args.batch, args.epochs, [0, 1000, 4000], mean_bytes
+        )
+    if "shuffle" in parts:
+        print("shuffle quality ...", flush=True)
+        results["shuffle"] = bench_shuffle(urls, [0, 10, 100, 1000, 5000], args.batch)
+    report(results)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"\nresults: {args.json}")
+
+
+def report(r: dict) -> None:
+    for part in ("raw", "end_to_end", "memory", "shuffle"):
+        if part in r:
+            globals()[f"report_{part}"](r[part])
+
+
+def report_raw(raw: dict) -> None:
+    print(f"\n== raw iteration, one process, page cache (median of {raw['repeats']}) ==")
+    for name, v in raw["samples_per_s"].items():
+        print(f"  {name:55s} {v:>10,.0f} samples/s")
+    print(
+        f"  ratio default / WebDataset            {raw['ratio_default_vs_webdataset']:6.1f}x"
+        "  (goal >= 10x)"
+    )
+    print(f"  ratio shuffle=False / WebDataset      {raw['ratio_noshuffle_vs_webdataset']:6.1f}x")
+    print(
+        f"  ratio default / WebDataset.shuffle    "
+        f"{raw['ratio_default_vs_webdataset_shuffled']:6.1f}x"
+    )
+
+
+def report_end_to_end(e2e: dict) -> None:
+    w = e2e["workers"]
+    print(
+        f"\n== end to end: DataLoader, uint8 CHW tensors {e2e['image_shape']}, batch "
+        f"{e2e['batch_size']}, {w} workers (median of {e2e['repeats']}) =="
+    )
+    ceiling, parallel = e2e["decode_ceiling_per_s"], e2e["parallel_decode_per_s"]
+    print(f"  decode ceiling (1 process x {w})         {ceiling:>8,.0f} images/s")
+    print(f"  {w} processes decoding at once           {parallel:>8,.0f} images/s")
+    print(
+        f"  ShardDataset                           {e2e['shard_loader_per_s']:>8,.0f} images/s"
+        f"  {e2e['ratio_shards_vs_ceiling']:6.1%} of ceiling (goal >= 80%), "
+        f"{e2e['ratio_shards_vs_parallel']:6.1%} of parallel decode"
+    )
+    print(
+        f"  FolderDataset                          {e2e['folder_loader_per_s']:>8,.0f} images/s"
+        f"  {e2e['ratio_folder_vs_ceiling']:6.1%} of ceiling"
+    )
+    print(f"  DataLoader transport only (no decode)  {e2e['transport_only_per_s']:>8,.0f} images/s")
+    print(f"  ShardDataset / FolderDataset           {e2e['ratio_shards_vs_folder']:6.2f}x")
+    cpu = e2e["cpu_us_per_image"]
+    print(
+        f"  CPU per image: decode alone {cpu['ceiling_decode']:.0f} us; ShardDataset "
+        f"{cpu['shards_workers']:.0f} (workers) + {cpu['shards_main']:.0f} (main); "
+        f"FolderDataset {cpu['folder_workers']:.0f} + {cpu['folder_main']:.0f}; "
+        f"transport only {cpu['transport_workers']:.0f} + {cpu['transport_main']:.0f}"
+    )
+
+
+def report_memory(mem: dict) -> None:
+    print(f"\n== worker memory over {mem['epochs']} epochs (decode=tensor, default buffer) ==")
+    rows = zip(
+        mem["rss_kb_per_epoch"],
+        mem["end_uss_kb_per_epoch"],
+        mem["peak_uss_kb_per_epoch"],
+        strict=True,
+    )
+    for e, cols in enumerate(rows):
+        cells = "   ".join(
+            f"w{i}: RSS {r / 1024:5.1f}, USS {u / 1024:5.1f} (peak {p / 1024:5.1f})"
+            for i, (r, u, p) in enumerate(zip(*cols, strict=True))
+        )
+        print(f"  epoch {e}: {cells}  MB")
+    print(
+        f"  largest spread across epochs (max-min over mean): RSS {mem['rss_spread']:.2%}, "
+        f"USS at epoch end {mem['end_uss_spread']:.2%} (goal <= 5%); "
+        f"USS peak {mem['peak_uss_spread']:.2%}"
+    )
+    print("  peak worker USS by shuffle buffer (decode=raw): growth over no buffer vs bytes held")
+    for size, (grow, buf) in mem["uss_growth_mb_vs_buffer_mb"].items():
+        peak = mem["peak_uss_kb_by_buffer"][size] / 1024
+        print(
+            f"    buffer {size:>5}: peak {peak:6.1f} MB  (+{grow:5.1f} MB; buffer holds "
+            f"{buf:5.1f} MB)"
+        )
+
+
+def report_shuffle(shuf: dict) -> None:
+    print("\n== shuffle quality, epoch 1: displacement from the order read off the shards ==")
+    print("  buffer    mean     p50     p90     p99  shards/batch  classes/batch")
+    for size, q in shuf.items():
+        print(
+            f"  {size:>6} {q['mean_displacement']:7.0f} {q['p50_displacement']:7.0f} "
+            f"{q['p90_displacement']:7.0f} {q['p99_displacement']:7.0f} "
+            f"{q['distinct_shards_per_batch']:13.1f} {q['distinct_classes_per_batch']:14.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
