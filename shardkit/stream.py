@@ -125,7 +125,7 @@ def read_slices(
     upcoming = [urls[s.shard] for s in slices]
     for n, sl in enumerate(slices):
         url = urls[sl.shard]
-        storage.prefetch(upcoming[n + 1 :])
+        storage.prefetch(upcoming[n:])  # this shard first: it is opened next
         got = 0
         try:
             if fmt.needs_local_file:

@@ -128,10 +128,17 @@ def test_one_shard_three_workers_all_yield(data):
     assert sorted(per_worker.values()) == [7, 7, 8]
 
 
-def test_spawned_workers(data):
-    ds = ShardDataset(data["tar"], with_keys=True, decode="tensor")
-    keys = _keys(ds, num_workers=2, multiprocessing_context="spawn")
-    assert sorted(keys) == ALL_KEYS
+def test_spawned_persistent_workers_follow_set_epoch(data):
+    ds = ShardDataset(data["tar"], with_keys=True, decode="tensor", buffer_size=4)
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
+    )
+    orders = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        orders.append([k for batch in loader for k in batch[2]])
+    assert sorted(orders[0]) == sorted(orders[1]) == ALL_KEYS
+    assert orders[0] != orders[1]
 
 
 def test_dataset_pickles_without_open_handles(data):
@@ -452,3 +459,11 @@ def test_folder_dataset_errors(tmp_path):
     (bad / "x.jpg").write_bytes(b"\xff\xd8\xff nope")
     with pytest.raises(SampleError, match=r"x\.jpg"):
         FolderDataset(str(tmp_path / "bad"))[0]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_url_sources_stream_through_remote_storage(data, fmt):
+    ds = ShardDataset(f"file://{data[fmt]}", with_keys=True, decode="raw")
+    assert type(ds.storage).__name__ == "RemoteStorage"
+    assert all(u.startswith("file://") for u in ds.urls) and len(ds) == N
+    assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS

@@ -188,7 +188,7 @@ def test_storage_hears_about_upcoming_shards(shards):
     fmt, urls = shards["tar"]
     storage = _RecordingStorage()
     list(read_slices([ShardSlice(1, 0, 1), ShardSlice(0, 0, 1)], urls, fmt, storage))
-    assert storage.hints == [[urls[0]], []]
+    assert storage.hints == [[urls[1], urls[0]], [urls[0]]]
 
 
 # --- decoding ---------------------------------------------------------------------------------
