@@ -16,6 +16,12 @@ run (repeats interleaved, median of the per-repeat ratios), so a busy machine mo
 
     python benchmarks/bench_stream.py                       # data/lfw (made if missing)
     python benchmarks/bench_stream.py --repeats 7 --json bench-out/bench_stream.json
+    python benchmarks/bench_stream.py --only raw --only shuffle     # some parts only
+
+Diagnostics printed beside the goals, because this runs on shared machines: "2 processes decoding
+at once" (what the cores really give right now), "DataLoader transport only" (the same loader
+over constant tensors: the cost of moving batches through shared memory), and CPU microseconds per
+image of the workers and the main process, which contention does not change much.
 """
 
 from __future__ import annotations
