@@ -196,12 +196,15 @@ def _timeline_config(text: str | None) -> tuple[str, int] | None:
               help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
                    "{format} is replaced per shard format. Default: <data>-shards-{format}.")
 @click.option("--formats", default=None, metavar="LIST",
-              help="Comma-separated, from folder,tar,lmdb. Default: all three (folder only when "
-                   "a source folder is known).")
+              help="Comma-separated, from folder,tar,lmdb,memory. Default: folder,tar,lmdb (folder "
+                   "only when a source folder is known). memory: a reference, the same bytes "
+                   "held in RAM through the same DataLoader.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--batches", type=click.IntRange(min=1), default=None,
               help="Timed batches per run, after a warm-up of one batch per worker. Default by "
                    "mode: raw 150, decode 30, augment 12.")
+@click.option("--max-seconds", type=click.FloatRange(min=0), default=2.5, show_default=True,
+              help="Also stop timing a run after this long (at least 5 batches); 0: no limit.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Runs per (format, workers); the table shows mean ± std over them.")
 @click.option("--cold/--warm", default=True, show_default=True,
@@ -229,9 +232,9 @@ def _timeline_config(text: str | None) -> tuple[str, int] | None:
 @click.option("--shard-size", default="32MB", show_default=True,
               help="Shard size when packing on the fly.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def bench_cmd(workers, data, shards, formats, batch_size, batches, repeats, cold, latency_ms,
-              mode, step_ms, json_path, plot_path, timeline_path, timeline_config, seed,
-              shard_size, quiet) -> None:
+def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, repeats, cold,
+              latency_ms, mode, step_ms, json_path, plot_path, timeline_path, timeline_config,
+              seed, shard_size, quiet) -> None:
     """Measure folder-of-files vs shards through real DataLoaders across worker counts.
 
     Prints a table (format x workers: samples/s mean ± std, MB/s, first-batch time, share of
@@ -247,6 +250,7 @@ def bench_cmd(workers, data, shards, formats, batch_size, batches, repeats, cold
         workers=parse_workers(workers),
         batch_size=batch_size,
         batches=batches,
+        max_seconds=max_seconds or None,
         repeats=repeats,
         cold=cold,
         latency_ms=latency_ms,

@@ -98,8 +98,9 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
 
     Worker rows show when each consumed batch was being produced (first sample requested to
     batch collated) and are numbered by the order the loop consumed them; the main row shows
-    waiting in ``next(loader)`` (red) and the step (green). Stalls are red gaps in the main row
-    while every worker row is busy.
+    the time in ``next(loader)``, split into stalled (red: the batch was not ready yet) and
+    receiving (orange: the batch was ready, the DataLoader was handing it over), and the step
+    (green). Input-bound training shows as red in the main row while every worker is busy.
     """
     from matplotlib.patches import Patch
 
@@ -111,9 +112,17 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
     try:
         y_main = len(workers)
         ax.broken_barh([(0, timeline.started)], (y_main - 0.4, 0.8), color="#999999")
-        ax.broken_barh(
-            [(a, b - a) for a, b in timeline.waits], (y_main - 0.4, 0.8), color="#d62728"
-        )
+        # Each wait splits where its batch was ready in the worker: before, the loop stalled on
+        # loading (red); after, it was receiving a finished batch (orange).
+        stalls, transfers = [], []
+        for (tw, tr), (_w, _start, ready, _got) in zip(
+            timeline.waits, timeline.batches, strict=True
+        ):
+            cut = min(max(ready, tw), tr)
+            stalls.append((tw, cut - tw))
+            transfers.append((cut, tr - cut))
+        ax.broken_barh(stalls, (y_main - 0.4, 0.8), color="#d62728")
+        ax.broken_barh(transfers, (y_main - 0.4, 0.8), color="#ff9f1c")
         if timeline.steps:
             ax.broken_barh(
                 [(a, b - a) for a, b in timeline.steps], (y_main - 0.4, 0.8), color="#2ca02c"
@@ -148,7 +157,8 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
             Patch(color="#1f77b4", label="worker producing batch n (n = order consumed)"),
             Patch(color="#bbbbbb", label="warm-up batches (untimed)"),
             Patch(color="#999999", label="main loop starting the workers (iter(loader))"),
-            Patch(color="#d62728", label="main loop waiting in next(loader)"),
+            Patch(color="#d62728", label="main loop stalled: batch not ready yet"),
+            Patch(color="#ff9f1c", label="main loop receiving a ready batch"),
         ]
         if timeline.steps:
             handles.append(

@@ -79,6 +79,10 @@ DEFAULT_DATA = os.path.join("data", "lfw")
 #: steady state at the rates each mode reaches on 2 cores (raw ~10^5, decode ~10^3, augment
 #: ~10^2 samples/s), so that the default run of 60 runs takes a few minutes.
 DEFAULT_BATCHES = {"raw": 150, "decode": 30, "augment": 12}
+#: A run's timing also stops after ``max_seconds`` of timed wall time (once it has at least this
+#: many timed batches), so slow configurations (a folder paying latency per image) do not
+#: stretch the whole bench; the rate is samples over the window either way.
+MIN_TIMED_BATCHES = 5
 #: Shard size when the bench packs on the fly. Smaller than ``pack``'s 256 MB default because
 #: LFW (176 MB) would fit one shard, and a worker whose slice starts mid-shard reads the tar from
 #: the shard's start to reach it: 32 MB shards bound that start-up read.
@@ -138,7 +142,9 @@ class BenchConfig:
     packed dataset (directory, manifest, glob or URL) or a directory to pack into; ``{format}`` in
     it is replaced by each shard format (default: ``<data>-shards-{format}``). ``timeline_config``:
     ``(format, workers)`` whose first repeat is drawn by ``timeline_path`` (default: the first
-    shard format at the largest worker count). ``before_run``: called with a ``RunContext`` after
+    shard format at the largest worker count). ``max_seconds``: a run also stops timing after
+    this long (at least ``MIN_TIMED_BATCHES`` batches); None or 0: only ``batches`` counts.
+    ``before_run``: called with a ``RunContext`` after
     the cache step and right before the DataLoader starts (tests check eviction there).
     """
 
@@ -156,6 +162,7 @@ class BenchConfig:
     seed: int = 0
     shard_size: str = BENCH_SHARD_SIZE
     timeline_config: tuple[str, int] | None = None
+    max_seconds: float | None = 2.5
     ceiling_seconds: float = 1.0
     default_data: str = DEFAULT_DATA
     json_path: str | None = None
@@ -180,6 +187,8 @@ class BenchConfig:
         ):
             if not isinstance(value, int) or value < least:
                 raise InputError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if self.max_seconds is not None and self.max_seconds < 0:
+            raise InputError(f"--max-seconds must be >= 0 (0: no limit), got {self.max_seconds}")
         if self.latency_ms < 0 or self.step_ms < 0:
             raise InputError("--latency-ms and --step-ms must be >= 0")
         if self.timeline_config is not None:
@@ -672,6 +681,12 @@ def run_once(
                 wait_total += tr - tw
                 stall_total += max(0.0, min(b1, tr) - tw)
                 t_end = te
+                if (
+                    cfg.max_seconds
+                    and te - t_start >= cfg.max_seconds
+                    and timed_batches >= MIN_TIMED_BATCHES
+                ):
+                    break
     finally:
         del it  # shuts the workers down before the next run
     if timed_batches == 0:
