@@ -221,10 +221,6 @@ class _Buffer:
             self.end += got
         return True
 
-    def take(self, n: int) -> bytes:
-        data = bytes(self.mv[self.pos : self.pos + n])
-        return data
-
     def skip(self, n: int, what: str) -> None:
         """Move ``n`` bytes forward, seeking over data outside the window when possible."""
         ahead = self.end - self.pos
@@ -267,11 +263,13 @@ def _scan(
     """The one tar parsing loop: yields Records for samples in ``[start, stop)``.
 
     With ``stop == -1`` it reads headers only and yields the sample count at the end. Samples
-    outside the range are hopped over without reading their data. Kept as one function with
-    local variables on purpose: this is the hottest loop in shardkit.
+    outside the range are hopped over without reading their data. Kept as one function working
+    on local copies of the window (``buf``, ``mv``, ``pos``, ``end``) on purpose: this is the
+    hottest loop in shardkit, and attribute access per member showed up in profiles.
     """
     count_only = stop == -1
     b = _Buffer(f, shard, chunk)
+    buf, mv, pos, end = b.buf, b.mv, 0, 0
     index = -1  # sample number of the current key
     key: bytes | None = None
     image: bytes | None = None
@@ -279,15 +277,18 @@ def _scan(
     label = -1
     wanted = False
     long_name: bytes | None = None
+    ext_kind = _EXT_KIND.get
     while True:
-        if b.end - b.pos < BLOCK and not b.fill(BLOCK):
-            raise ShardFormatError(
-                f"{shard}: truncated tar: the shard ends at byte {b.base + b.end} without "
-                "its end-of-archive blocks; re-copy or re-pack the shard"
-            )
-        buf, pos = b.buf, b.pos
+        if end - pos < BLOCK:
+            b.pos, b.end = pos, end
+            if not b.fill(BLOCK):
+                raise ShardFormatError(
+                    f"{shard}: truncated tar: the shard ends at byte {b.base + b.end} without "
+                    "its end-of-archive blocks; re-copy or re-pack the shard"
+                )
+            buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
         if buf[pos + 257 : pos + 262] != b"ustar":
-            hdr = buf[pos : pos + BLOCK]
+            hdr = bytes(mv[pos : pos + BLOCK])
             if hdr == _ZERO_BLOCK:
                 break
             offset = b.base + pos
@@ -296,58 +297,79 @@ def _scan(
                     f"{shard}: corrupt tar header at byte {offset} (checksum mismatch); the "
                     "shard is damaged, re-copy or re-pack it"
                 )
-        size_field = buf[pos + 124 : pos + 136]
         try:
-            size = int(size_field[:11], 8)
+            size = int(buf[pos + 124 : pos + 135], 8)
         except ValueError:
-            size = _octal(size_field, shard, b.base + pos)
+            size = _octal(bytes(buf[pos + 124 : pos + 136]), shard, b.base + pos)
         typeflag = buf[pos + 156]
         padded = (size + 511) & ~511
         if long_name is not None:
             name, long_name = long_name, None
         else:
-            end = buf.find(b"\x00", pos, pos + 100)
-            name = bytes(b.mv[pos : end if end >= 0 else pos + 100])
+            nul = buf.find(0, pos, pos + 100)
+            name = bytes(mv[pos : nul if nul >= 0 else pos + 100])
             if buf[pos + 262] == 0 and buf[pos + 345]:  # POSIX ustar (not GNU) with a prefix
-                prefix = bytes(buf[pos + 345 : pos + 500]).split(b"\x00", 1)[0]
-                name = prefix + b"/" + name
-        b.pos = pos + BLOCK
-        if typeflag not in (48, 0, 55):  # not a regular file ('0', NUL, '7')
+                name = bytes(buf[pos + 345 : pos + 500]).split(b"\x00", 1)[0] + b"/" + name
+        pos += BLOCK
+        if typeflag != 48 and typeflag not in (0, 55):  # not a regular file ('0', NUL, '7')
             if typeflag in (76, 120):  # 'L' GNU long name, 'x' PAX header: name of the next one
-                if b.end - b.pos < padded and not b.fill(padded):
-                    b.truncated("a long-name record", padded)
-                data = b.take(size)
-                b.pos += padded
+                if end - pos < padded:
+                    b.pos, b.end = pos, end
+                    if not b.fill(padded):
+                        b.truncated("a long-name record", padded)
+                    buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
+                data = bytes(mv[pos : pos + size])
+                pos += padded
                 long_name = data.rstrip(b"\x00") if typeflag == 76 else _pax_path(data)
-            else:  # directories, links, PAX globals ...: no sample data
+                continue
+            kind = None  # directories, links, PAX globals ...: no sample data
+        else:
+            slash = name.rfind(b"/") + 1
+            dot = name.find(b".", slash)
+            if dot < 0:
+                kind = None
+            else:
+                if name[:dot] != key:  # first member of the next sample
+                    if wanted:
+                        if image is None:
+                            raise ShardFormatError(
+                                f"{shard}: sample {key.decode()!r} has no image member"
+                            )
+                        yield Record(
+                            key.decode("utf-8", "surrogateescape"),
+                            image_ext.decode(),
+                            image,
+                            label,
+                            shard,
+                        )
+                    index += 1
+                    if stop is not None and index >= stop and not count_only:
+                        return
+                    key, image, label = name[:dot], None, -1
+                    wanted = index >= start and not count_only
+                if wanted:
+                    ext = name[dot + 1 :]
+                    kind = ext_kind(ext)
+                    if kind is None:
+                        ext = ext.lower()
+                        kind = ext_kind(ext)
+                else:
+                    kind = None
+        if kind is None:  # hop over the data
+            if padded <= end - pos:
+                pos += padded
+            else:
+                b.pos, b.end = pos, end
                 b.skip(padded, "a member")
+                buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
             continue
-        slash = name.rfind(b"/") + 1
-        dot = name.find(b".", slash)
-        if dot < 0:
-            b.skip(padded, "a member without extension")
-            continue
-        if name[:dot] != key:  # first member of the next sample
-            if wanted:
-                if image is None:
-                    raise ShardFormatError(f"{shard}: sample {key.decode()!r} has no image member")
-                yield Record(
-                    key.decode("utf-8", "surrogateescape"), image_ext.decode(), image, label, shard
-                )
-            index += 1
-            if stop is not None and index >= stop and not count_only:
-                return
-            key, image, label = name[:dot], None, -1
-            wanted = index >= start and not count_only
-        ext = name[dot + 1 :].lower()
-        kind = _EXT_KIND.get(ext) if wanted else None
-        if kind is None:
-            b.skip(padded, "a member")
-            continue
-        if b.end - b.pos < padded and not b.fill(padded):
-            b.truncated(f"member {name.decode(errors='replace')}", padded)
-        data = b.take(size)
-        b.pos += padded
+        if end - pos < padded:
+            b.pos, b.end = pos, end
+            if not b.fill(padded):
+                b.truncated(f"member {name.decode(errors='replace')}", padded)
+            buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
+        data = bytes(mv[pos : pos + size])
+        pos += padded
         if kind is _LABEL:
             try:
                 label = int(data)
