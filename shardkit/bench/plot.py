@@ -130,8 +130,14 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
         shades = ("#1f77b4", "#6baed6")
         for n, (w, start, end, _got) in enumerate(timeline.batches):
             y = len(workers) - 1 - workers.index(w)
-            colour = "#bbbbbb" if n < timeline.warmup else shades[n % 2]
-            ax.broken_barh([(start, end - start)], (y - 0.35, 0.7), color=colour)
+            colour = "#bbbbbb" if n < timeline.warmup else shades[(n // len(workers)) % 2]
+            ax.broken_barh(
+                [(start, end - start)],
+                (y - 0.35, 0.7),
+                color=colour,
+                edgecolor="white",
+                linewidth=0.6,
+            )
             if len(timeline.batches) <= 60:
                 ax.text(
                     (start + end) / 2,

@@ -132,7 +132,7 @@ def verdict(result: BenchResult) -> list[str]:
             f"memory reference (the same bytes in RAM, same {cfg.mode}, same DataLoader): "
             f"{ref.mean:,.0f} samples/s at {ref.workers} workers; each format at its best "
             f"reaches {', '.join(parts)} of it. What a format misses of it is its storage and "
-            "reading cost; no format can beat it."
+            "reading cost (above 100% is noise)."
         )
         frac = ref.ceiling_fraction
         if frac is not None and not cfg.step_ms and frac < 0.8:
@@ -170,8 +170,8 @@ def verdict(result: BenchResult) -> list[str]:
         at_ceiling = [f for f, b in bests.items() if (b.ceiling_fraction or 0) >= 0.8]
         if cfg.step_ms:
             lines.append(
-                f"(With --step-ms the {cfg.step_ms:g} ms step caps every rate; compare with the "
-                "ceiling from a run without it.)"
+                f"(With --step-ms, a run that is not input-bound is paced by the {cfg.step_ms:g} "
+                "ms step, not by the loader: compare with the ceiling from a run without it.)"
             )
         elif not at_ceiling and "memory" not in bests:
             lines.append(
@@ -239,11 +239,17 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
         fixes.append("more workers (the rate still rose at the largest count tried)")
     frac = best.ceiling_fraction
     if frac is not None and frac >= 0.5:
-        fixes.append(
-            f"fewer pixels per sample: the loader already runs at {frac:.0%} of what the cores "
-            f"can {cfg.mode}, so pre-resize with `shardkit pack --resize-short N`"
-            + (" or use a cheaper augmentation" if cfg.mode == "augment" else "")
-        )
+        if cfg.mode == "augment":
+            fixes.append(
+                f"less CPU per sample: the loader already runs at {frac:.0%} of what the cores "
+                "can augment, so use a cheaper augmentation (or run it on the GPU), and "
+                "pre-resize with `shardkit pack --resize-short N` to cut the decode share"
+            )
+        else:
+            fixes.append(
+                f"fewer pixels per sample: the loader already runs at {frac:.0%} of what the "
+                f"cores can {cfg.mode}, so pre-resize with `shardkit pack --resize-short N`"
+            )
     elif cfg.mode == "augment":
         fixes.append("a cheaper augmentation, or pre-resize with `shardkit pack --resize-short N`")
     if cfg.mode == "raw" and fmt != "folder":
