@@ -372,9 +372,9 @@ class FaultProxy:
         sent = 0
         stalled = False
         sel = selectors.DefaultSelector()
-        sel.register(client, selectors.EVENT_READ)
-        sel.register(upstream, selectors.EVENT_READ)
         try:
+            sel.register(client, selectors.EVENT_READ)
+            sel.register(upstream, selectors.EVENT_READ)
             while not self._closed.is_set():
                 for key, _ in sel.select(timeout=0.2):
                     src = key.fileobj
@@ -408,10 +408,13 @@ class FaultProxy:
                         client.sendall(data)
                         sent += len(data)
                         self._count(len(data))
-        except OSError:
+        except (OSError, ValueError):  # closed under us by __exit__
             pass
         finally:
-            sel.close()
+            try:
+                sel.close()
+            except OSError:
+                pass
             for sock in (client, upstream):
                 try:
                     sock.close()

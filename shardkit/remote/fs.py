@@ -41,6 +41,28 @@ _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _lock = threading.Lock()
 _pid = os.getpid()
 _instances: dict[str, Any] = {}
+# Filesystems a forked child inherited: held forever, never used, never garbage collected there.
+_inherited: list[Any] = []
+_fork_keepalive: list[Any] = []
+
+
+def _before_fork() -> None:
+    """Pin every fsspec instance across ``fork``; see the note below."""
+    try:
+        from fsspec.spec import _registered_classes
+    except ImportError:  # pragma: no cover - a future fsspec without it
+        return
+    _fork_keepalive[:] = [i for cls in list(_registered_classes) for i in cls._cache.values()]
+
+
+# The fork hazard this guards against: fsspec empties its instance cache in a forked child, so an
+# s3fs/HTTP filesystem the parent made (e.g. while resolving the dataset's URLs) is garbage
+# collected in the DataLoader worker; its finalizer then closes the aiohttp connector, which
+# unregisters the parent's sockets from the epoll instance that parent and child share. The
+# parent's next request on that filesystem then waits forever for a reply that has arrived. Any
+# reference that survives into the child stops it; the child never uses those instances.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork)
 
 
 def protocol_of(url: str) -> str:
@@ -99,6 +121,7 @@ def filesystem(
     key = tokenize(protocol, options)
     with _lock:
         if os.getpid() != _pid:  # forked: the parent's instances hold its loop and sockets
+            _inherited.extend(_instances.values())  # kept alive: see _before_fork
             _instances.clear()
             _pid = os.getpid()
         fs = _instances.get(key)

@@ -1,0 +1,262 @@
+"""ShardDataset over s3:// and http:// URLs through real DataLoader worker processes, with the
+servers (moto S3, a Range-capable HTTP server, a fault-injecting proxy) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import traceback
+import uuid
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("aiohttp")
+pytest.importorskip("moto.server")
+
+from PIL import Image  # noqa: E402
+from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, HttpServer, S3Server  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from shardkit.dataset import ShardDataset  # noqa: E402
+from shardkit.errors import OutputError, StorageError  # noqa: E402
+from shardkit.pack import pack  # noqa: E402
+from shardkit.remote import ShardCache, pack_to_url  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+N = 40
+ALL_KEYS = sorted(f"class{i % 3}/img{i:03d}" for i in range(N))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """40 tiny JPEGs in 3 classes, packed as ~10 tar shards and as LMDB shards."""
+    base = tmp_path_factory.mktemp("remote-ds")
+    src = base / "src"
+    for i in range(N):
+        d = src / f"class{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 6), (i * 5, 40, 255 - i)).save(d / f"img{i:03d}.jpg")
+    out = {"src": str(src), "tar": base / "tar", "lmdb": base / "lmdb"}
+    pack(str(src), str(out["tar"]), shard_size=12000, progress=False)
+    pack(str(src), str(out["lmdb"]), shard_size=40000, format="lmdb", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server, data):
+    """One bucket with the tar dataset under tar/ and the LMDB one under lmdb/."""
+    name = f"ds-{uuid.uuid4().hex[:10]}"
+    s3_server.upload_dir(name, "tar", data["tar"])
+    s3_server.upload_dir(name, "lmdb", data["lmdb"])
+    return name
+
+
+@pytest.fixture()
+def s3(s3_server):
+    s3_server.log.clear()
+    yield s3_server
+
+
+def _shards(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith("shard-"))
+
+
+def _keys(ds, num_workers=2, **kw) -> list[str]:
+    loader = DataLoader(ds, batch_size=4, num_workers=num_workers, **kw)
+    return [k for batch in loader for k in batch[2]]
+
+
+def _ds(source, opts, **kw) -> ShardDataset:
+    return ShardDataset(source, storage_options=opts, decode="raw", with_keys=True, **kw)
+
+
+# --- what works ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["s3://{b}/tar/", "s3://{b}/tar/manifest.json", "s3://{b}/tar/shard-{{000000..{last}}}.tar"],
+)
+def test_s3_sources_stream_every_sample_exactly_once_through_workers(s3, bucket, data, source):
+    last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
+    ds = _ds(source.format(b=bucket, last=last), S3Server.options(s3.endpoint))
+    assert len(ds.urls) == len(_shards(data["tar"])) >= 5
+    assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+
+
+def test_http_brace_pattern_and_manifest_url(data):
+    with HttpServer(data["tar"].parent) as http:
+        last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
+        for source in [
+            f"{http.url}/tar/shard-{{000000..{last}}}.tar",
+            f"{http.url}/tar/manifest.json",
+        ]:
+            ds = _ds(source, None)
+            assert ds.classes == ["class0", "class1", "class2"]
+            assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+
+
+def test_lmdb_shards_over_s3_with_and_without_cache(s3, bucket, tmp_path):
+    opts = S3Server.options(s3.endpoint)
+    for cache_dir in (None, str(tmp_path / "cache")):
+        ds = _ds(f"s3://{bucket}/lmdb/", opts, cache_dir=cache_dir)
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+
+
+def test_ranks_get_equal_lengths_and_cover_the_epoch(s3, bucket):
+    opts = S3Server.options(s3.endpoint)
+    per_rank = []
+    for rank in range(3):
+        ds = _ds(f"s3://{bucket}/tar/", opts, rank=rank, world_size=3, equalize="pad")
+        keys = _keys(ds, num_workers=2)
+        assert len(keys) == len(ds) == -(-N // 3)
+        per_rank.append(keys)
+    counts = Counter(k for keys in per_rank for k in keys)
+    assert sorted(counts) == ALL_KEYS and sum(counts.values()) - N == 3 * 14 - N  # pad only
+
+
+# --- cache --------------------------------------------------------------------------------------
+
+
+def test_second_epoch_is_served_from_the_cache(s3, bucket, data, tmp_path):
+    ds = _ds(f"s3://{bucket}/tar/", S3Server.options(s3.endpoint), cache_dir=str(tmp_path))
+    shard_gets = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        s3.log.clear()
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+        shard_gets.append(len(s3.log.gets("/tar/shard-")))
+    assert shard_gets == [len(_shards(data["tar"])), 0]
+
+
+def test_cache_limit_is_respected_during_an_epoch(s3, bucket, data, tmp_path):
+    sizes = sorted(os.path.getsize(data["tar"] / n) for n in _shards(data["tar"]))
+    limit = sum(sizes[-3:])  # room for three of the largest shards, not for all of them
+    ds = _ds(
+        f"s3://{bucket}/tar/",
+        S3Server.options(s3.endpoint),
+        cache_dir=str(tmp_path),
+        cache_limit=limit,
+    )
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+        assert 0 < ShardCache(tmp_path).size() <= limit
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, bucket, data, tmp_path):
+    """Two ranks x two workers = four processes reading one cache dir at the same time."""
+    opts = S3Server.options(s3.endpoint)
+    results: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            ds = _ds(
+                f"s3://{bucket}/tar/",
+                opts,
+                rank=rank,
+                world_size=2,
+                equalize="none",
+                cache_dir=str(tmp_path),
+                shuffle=False,
+            )
+            results[rank] = _keys(ds, num_workers=2)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert sorted(results[0] + results[1]) == ALL_KEYS
+    gets = Counter(p for _, p, _ in s3.log.gets("/tar/shard-"))
+    assert len(gets) == len(_shards(data["tar"])) and set(gets.values()) == {1}
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+
+def test_epoch_completes_through_a_proxy_that_resets_connections(s3, bucket, data):
+    with FaultProxy(("127.0.0.1", s3.port)) as proxy:
+        ds = _ds(f"s3://{bucket}/tar/", S3Server.options(proxy.url))
+        proxy.fail(None, drop_after=5000)  # every shard (~12 kB) needs several connections
+        ds.storage.policy = ds.storage.policy.__class__(retries=6, backoff=0.01, max_backoff=0.05)
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+        assert proxy.faults_injected >= len(_shards(data["tar"]))
+    ranged = [r for _, _, r in s3.log.gets("/tar/shard-") if r]
+    assert ranged and all(int(r[6:-1]) > 0 for r in ranged)  # resumed, never restarted
+
+
+def test_exhausted_retries_in_a_worker_raise_a_clean_error(s3, bucket):
+    with FaultProxy(("127.0.0.1", s3.port)) as proxy:
+        ds = _ds(f"s3://{bucket}/tar/", S3Server.options(proxy.url))
+        ds.storage.policy = ds.storage.policy.__class__(retries=2, backoff=0.01)
+        proxy.fail(None, drop_after=0)
+        with pytest.raises(StorageError) as info:
+            _keys(ds, num_workers=2)
+    text = "".join(traceback.format_exception(info.value))
+    # The first object a worker asks for is the manifest beside the shards (to verify them).
+    assert f"s3://{bucket}/tar/" in text and "gave up after 3 attempts" in text
+    assert FAKE_KEY not in text and FAKE_SECRET not in text
+
+
+def test_truncated_shard_fails_instead_of_a_short_epoch(s3, data):
+    b = f"trunc-{uuid.uuid4().hex[:8]}"
+    s3.upload_dir(b, "tar", data["tar"])
+    first = _shards(data["tar"])[0]
+    body = (data["tar"] / first).read_bytes()
+    s3.client().put_object(Bucket=b, Key=f"tar/{first}", Body=body[: len(body) // 2])
+    ds = _ds(f"s3://{b}/tar/", S3Server.options(s3.endpoint))
+    with pytest.raises(StorageError, match=f"{first}: object is .* manifest says"):
+        _keys(ds, num_workers=2)
+
+
+def test_missing_shard_fails_with_its_url(s3, data):
+    b = f"miss-{uuid.uuid4().hex[:8]}"
+    s3.upload_dir(b, "tar", data["tar"])
+    gone = _shards(data["tar"])[1]
+    s3.client().delete_object(Bucket=b, Key=f"tar/{gone}")
+    ds = _ds(f"s3://{b}/tar/", S3Server.options(s3.endpoint))
+    with pytest.raises(StorageError, match=f"{gone}: no such object"):
+        _keys(ds, num_workers=0)
+
+
+# --- pack to a URL ------------------------------------------------------------------------------
+
+
+def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
+    b = f"pack-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=b)
+    s3.log.clear()
+    opts = S3Server.options(s3.endpoint)
+    report = pack_to_url(
+        data["src"],
+        f"s3://{b}/lfw/",
+        storage_options=opts,
+        shard_size=12000,
+        progress=False,
+        work_dir=str(tmp_path),
+    )
+    assert report.out == f"s3://{b}/lfw/"
+    puts = [p for m, p, _ in s3.log.entries if m == "PUT" and "/lfw/" in p]
+    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == report.shards + 1
+    assert os.listdir(tmp_path) == []  # the local staging copy is gone
+    ds = _ds(f"s3://{b}/lfw/", opts)
+    assert sorted(_keys(ds, num_workers=0)) == ALL_KEYS
+    with pytest.raises(OutputError, match="already holds a packed dataset"):
+        pack_to_url(data["src"], f"s3://{b}/lfw/", storage_options=opts, progress=False)
+    shutil.rmtree(tmp_path, ignore_errors=True)
