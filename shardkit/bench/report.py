@@ -113,6 +113,19 @@ def verdict(result: BenchResult) -> list[str]:
                 )
         lines.append(text + ".")
 
+    for fmt, best in bests.items():
+        with_workers = [r for r in result.rows if r.format == fmt and r.workers > 0]
+        if best.workers == 0 and with_workers and not cfg.step_ms:
+            top = max(with_workers, key=lambda r: r.mean)
+            if top.stall_fraction < top.wait_fraction / 2 and not _noise(best, top):
+                lines.append(
+                    f"{fmt}: with workers its batches were mostly ready before the loop asked "
+                    f"(stalled {top.stall_fraction:.0%} of the time at {top.workers} workers): "
+                    f"handing batches from workers to the main process caps it at "
+                    f"{top.mean:,.0f} samples/s, below the {best.mean:,.0f} one process reads "
+                    "alone."
+                )
+
     if "folder" in bests:
         base = bests["folder"]
         for fmt, best in bests.items():

@@ -449,6 +449,8 @@ def _plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
                 f"{target} holds {found} shards, not {fmt}: point --shards at {fmt} shards or "
                 "change --formats"
             )
+        elif data is not None:
+            _check_packed_from(cfg, target, data)
         sources[fmt] = target
     if "memory" in formats:
         if not sources:
@@ -456,6 +458,19 @@ def _plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
         first = "folder" if "folder" in sources else next(iter(sources))
         sources["memory"] = sources[first]
     return sources, data
+
+
+def _check_packed_from(cfg: BenchConfig, target: str, data: str) -> None:
+    """Say so when reused shards were packed from another folder than the one benchmarked."""
+    if is_url(target) or not _complete_shards(target):
+        return
+    source = read_manifest(target).pack.get("source")
+    if source and os.path.realpath(source) != os.path.realpath(data):
+        _say(
+            cfg,
+            f"note: {target} was packed from {source}, not {data}; the comparison is only fair "
+            "if they hold the same images (delete it to re-pack)",
+        )
 
 
 def _make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
@@ -781,6 +796,12 @@ def run_bench(config: BenchConfig) -> BenchResult:
     n_cores = cores()
     notes: list[str] = []
 
+    if cfg.cold:
+        notes.append(
+            "cold: file data pages are evicted before each run (posix_fadvise DONTNEED, checked "
+            "with mincore); directory entries and inodes stay cached (dropping them needs root), "
+            "so a folder's cold cost here is a lower bound of a truly cold one"
+        )
     storages: dict[str, CountingStorage | None] = {}
     datasets: dict[str, object] = {}
     paths: dict[str, list[str] | None] = {}
