@@ -269,6 +269,8 @@ def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, 
     click.echo("")
     for line in verdict(result):
         click.echo(f"- {line}")
+    for note in result.notes:
+        click.echo(f"note: {note}")
 
 
 if __name__ == "__main__":  # pragma: no cover
