@@ -22,6 +22,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 __all__ = ["S3Server", "HttpServer", "FaultProxy", "RequestLog", "FAKE_KEY", "FAKE_SECRET"]
 
@@ -90,6 +91,8 @@ class S3Server:
         from werkzeug.serving import make_server
 
         class QuietHandler(MotoRequestHandler):
+            disable_nagle_algorithm = True
+
             def log_request(self, *args, **kwargs) -> None:  # keep test output quiet
                 pass
 
@@ -172,6 +175,7 @@ class S3Server:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like real object stores
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stall
     server: _Httpd
 
     def log_message(self, *args) -> None:  # keep test output quiet
@@ -187,7 +191,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        file = (srv.root / path.lstrip("/")).resolve()
+        # abspath, not resolve(): symlinked folders may be served, ".." may not climb out.
+        file = Path(os.path.abspath(srv.root / unquote(path).lstrip("/")))
         if srv.root not in file.parents or not file.is_file():
             self.send_response(404)
             self.send_header("Content-Length", "0")
@@ -223,7 +228,11 @@ class _Handler(BaseHTTPRequestHandler):
                 data = f.read(min(left, 1 << 16))
                 if not data:
                     break
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client stopped reading (a probe, a fault)
+                    return
                 left -= len(data)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
@@ -246,7 +255,7 @@ class HttpServer:
 
     def __init__(self, root: Path) -> None:
         self._httpd = _Httpd(("127.0.0.1", 0), _Handler)
-        self._httpd.root = Path(root).resolve()
+        self._httpd.root = Path(os.path.abspath(root))
         self._httpd.log = self.log = RequestLog()
         self._httpd.faults = self.faults = _Faults()
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
@@ -284,11 +293,16 @@ class FaultProxy:
     response bytes (``times=None``: every connection); ``stall_after=N`` instead stops forwarding
     and holds the connection open, which only a client timeout ends. ``latency`` delays every
     request chunk (client to server) by that many seconds: first-byte latency of a remote store.
+    ``rate`` caps each connection's response bytes per second, as object stores do per request
+    (throughput then comes from requests in parallel).
     """
 
-    def __init__(self, target: tuple[str, int], latency: float = 0.0) -> None:
+    def __init__(
+        self, target: tuple[str, int], latency: float = 0.0, rate: float | None = None
+    ) -> None:
         self.target = target
         self.latency = latency
+        self.rate = rate  # bytes/s per connection, server to client (None: unlimited)
         self._lock = threading.Lock()
         self._times: int | None = 0
         self._drop_after: int | None = None
@@ -360,6 +374,8 @@ class FaultProxy:
             except OSError:
                 client.close()
                 continue
+            for sock in (client, upstream):  # forward small writes at once, as a router would
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._socks.update((client, upstream))
             threading.Thread(
@@ -371,6 +387,7 @@ class FaultProxy:
         limit = drop if drop is not None else stall
         sent = 0
         stalled = False
+        bucket = _Bucket(self.rate) if self.rate else None
         sel = selectors.DefaultSelector()
         try:
             sel.register(client, selectors.EVENT_READ)
@@ -405,6 +422,8 @@ class FaultProxy:
                         limit = None
                         continue
                     if not stalled:
+                        if bucket is not None:
+                            bucket.take(len(data))
                         client.sendall(data)
                         sent += len(data)
                         self._count(len(data))
@@ -430,10 +449,24 @@ class FaultProxy:
             self.faults_injected += int(fault)
 
 
+class _Bucket:
+    """Token bucket: paces one connection to ``rate`` bytes/s with a 256 kB burst."""
+
+    def __init__(self, rate: float, burst: float = 256 << 10):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.t = burst, time.perf_counter()
+
+    def take(self, n: int) -> None:
+        now = time.perf_counter()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate) - n
+        self.t = now
+        if self.tokens < 0:
+            time.sleep(-self.tokens / self.rate)
+
+
 def free_env() -> dict[str, str]:
     """Environment for child processes with fake AWS settings and no real credentials."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID=FAKE_KEY, AWS_SECRET_ACCESS_KEY=FAKE_SECRET)
     env["AWS_DEFAULT_REGION"] = "us-east-1"
     return env
-

@@ -125,7 +125,7 @@ class ShardCache:
                 f"{_TMP}{os.path.basename(final)}.{os.getpid()}.{secrets.token_hex(4)}",
             )
             try:
-                with open(tmp, "wb") as out:
+                with open(tmp, "w+b") as out:  # read back for the sha256
                     fill(out)
                     out.flush()
                     os.fsync(out.fileno())

@@ -1,15 +1,15 @@
 """Whole-object downloads that survive flaky links and never hand back wrong bytes.
 
 An object is copied with one request from byte 0; when the link fails mid-way the next attempt asks
-for ``bytes=<reached>-`` and appends, so a 1 GB shard dropped at 900 MB costs 100 MB, not 1 GB. The
-sha256 is computed incrementally as bytes arrive (no second pass), and size and checksum are
-checked against the manifest before anyone sees the data.
+for ``bytes=<reached>-`` and appends, so a 1 GB shard dropped at 900 MB costs 100 MB, not 1 GB. Size
+and sha256 are checked against the manifest before anyone sees the data.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,18 +67,37 @@ def storage_error(
 
 
 class _Sink:
-    """Appends to ``out`` and hashes on the way, so resuming only needs ``pos``."""
+    """Appends to ``out`` and counts, so resuming only needs ``pos``.
 
-    def __init__(self, out: BinaryIO, want_hash: bool):
+    It runs on the event loop that serves every download of the process, so it does no more
+    than copy: the sha256 is taken afterwards in the fetching thread (:func:`_sha256_of`), where
+    hashlib releases the GIL and the loop keeps receiving the other shards meanwhile.
+    """
+
+    def __init__(self, out: BinaryIO):
         self.out = out
-        self.hash = hashlib.sha256() if want_hash else None
         self.pos = 0
 
     def write(self, data: bytes) -> None:
         self.out.write(data)
-        if self.hash is not None:
-            self.hash.update(data)
         self.pos += len(data)
+
+
+def _sha256_of(out: BinaryIO) -> str:
+    """sha256 of everything written to ``out`` (an in-memory buffer, or a file just written)."""
+    h = hashlib.sha256()
+    getbuffer = getattr(out, "getbuffer", None)
+    if getbuffer is not None:
+        with getbuffer() as view:
+            h.update(view)
+        return h.hexdigest()
+    out.flush()
+    fd = out.fileno()
+    offset, step = 0, 8 << 20
+    while data := os.pread(fd, step, offset):  # the page cache still holds it
+        h.update(data)
+        offset += len(data)
+    return h.hexdigest()
 
 
 def fetch(
@@ -93,7 +112,8 @@ def fetch(
     stats: FetchStats | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """Copy the whole object at ``url`` into ``out`` (positioned at 0, empty); return its size.
+    """Copy the whole object at ``url`` into ``out`` (empty; a file must be open for reading too,
+    ``w+b``, when ``expected.sha256`` is set); return its size.
 
     Raises :class:`StorageError` for a missing object, a refused one, a size or sha256 that
     disagrees with ``expected``, or transient failures beyond ``policy``'s budget.
@@ -102,7 +122,7 @@ def fetch(
     expected = expected or Expected()
     stats = stats if stats is not None else FetchStats()
     fs = filesystem(protocol_of(url), storage_options, timeout)
-    sink = _Sink(out, expected.sha256 is not None)
+    sink = _Sink(out)
 
     def check_total(total: int | None) -> None:
         if total is not None and expected.size is not None and total != expected.size:
@@ -160,14 +180,16 @@ def fetch(
             "truncated; re-upload the shard",
             options=storage_options,
         )
-    if sink.hash is not None and sink.hash.hexdigest() != expected.sha256:
-        raise storage_error(
-            url,
-            f"sha256 {sink.hash.hexdigest()[:16]}... does not match the manifest's "
-            f"{str(expected.sha256)[:16]}...: the object is corrupt or was replaced after packing; "
-            "re-upload the shard or re-pack the dataset",
-            options=storage_options,
-        )
+    if expected.sha256 is not None:
+        got = _sha256_of(out)
+        if got != expected.sha256:
+            raise storage_error(
+                url,
+                f"sha256 {got[:16]}... does not match the manifest's {expected.sha256[:16]}...: "
+                "the object is corrupt or was replaced after packing; re-upload the shard or "
+                "re-pack the dataset",
+                options=storage_options,
+            )
     return sink.pos
 
 

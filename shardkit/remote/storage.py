@@ -258,7 +258,7 @@ class RemoteStorage:
             fd, path = tempfile.mkstemp(dir=rt.scratch, suffix="-" + url.rpartition("/")[2])
             os.close(fd)
             try:
-                with open(path, "wb") as out:
+                with open(path, "w+b") as out:
                     self._fetch_into(url, out, exp)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Remote-shard benchmark (issue 5, section 2): shards over a loopback object store, side by side.
+
+A server process (moto S3 or a static HTTP server) serves the packed default LFW shards, behind a
+proxy that adds first-byte latency to every request (default 20 ms, a same-region object store).
+In this one run, repeats interleaved, medians reported:
+
+- raw transfer: every shard downloaded whole with the same client (``shardkit.remote.fetch``) and
+  the same concurrency as the stream (``workers`` processes x ``prefetch + 1`` requests in
+  flight): the rate the store and link give, the ceiling for the stream.
+- shard stream: ``DataLoader(ShardDataset(url, decode="raw"), num_workers=workers)`` with
+  ``prefetch`` on, and with it off (0). Reported as MB/s and as a fraction of raw (goal >= 80%
+  with prefetch on), plus the time to the first batch.
+- folder: the same images as one object each, read through the same ``RemoteStorage`` by
+  ``FolderDataset`` (one request per image), on a random subset; shard/folder speed-up in
+  samples/s.
+
+    python benchmarks/bench_remote.py                         # HTTP server, 20 ms, 2 workers
+    python benchmarks/bench_remote.py --server s3 --latency-ms 20 --repeats 3
+    python benchmarks/bench_remote.py --json bench-out/bench_remote.json
+
+decode="raw" throughout: this measures getting bytes to the loader, not JPEG decoding (see
+bench_stream.py for that). Loopback has no bandwidth limit, so the raw rate here is bounded by
+the CPUs (server, proxy and client share them), not by a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+sys.path.insert(0, str(ROOT / "tests"))  # the loopback servers live beside the tests
+
+from torch.utils.data import DataLoader, Subset  # noqa: E402
+
+from shardkit.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from shardkit.remote import RemoteStorage, RetryPolicy, fetch  # noqa: E402
+
+BUCKET = "bench"
+BATCH = 64
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
+    if not src.is_dir():
+        from shardkit.synth import make_lfw
+
+        print(f"making {src} ...", flush=True)
+        make_lfw(str(src))
+    from shardkit.pack import pack, parse_size
+
+    if (shards / MANIFEST_NAME).exists():
+        if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):
+            return
+    print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
+    pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)
+
+
+# --- the server process -----------------------------------------------------------------------
+
+
+def _serve(kind, shards, src, images, latency, rate, conn) -> None:
+    """Runs in its own process, so serving never competes with the client for one GIL."""
+    from remote_servers import FaultProxy, HttpServer, S3Server
+
+    if kind == "http":
+        root = tempfile.mkdtemp(prefix="bench-remote-")
+        os.symlink(shards, os.path.join(root, "shards"))
+        os.symlink(src, os.path.join(root, "folder"))
+        server = HttpServer(Path(root))
+        with server:
+            _serve_until_closed(server.port, latency, rate, conn, FaultProxy)
+        return
+    with S3Server() as server:
+        c = server.client()
+        c.create_bucket(Bucket=BUCKET)
+        for name in sorted(os.listdir(shards)):
+            c.upload_file(os.path.join(shards, name), BUCKET, f"shards/{name}")
+
+        def put(rel: str) -> None:
+            c.upload_file(os.path.join(src, rel), BUCKET, f"folder/{rel}")
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(put, images))
+        _serve_until_closed(server.port, latency, rate, conn, FaultProxy)
+
+
+def _serve_until_closed(port, latency, rate, conn, proxy_cls) -> None:
+    with proxy_cls(("127.0.0.1", port), latency=latency, rate=rate) as proxy:
+        conn.send(proxy.port)
+        conn.recv()  # the parent says when to stop
+
+
+# --- measurements -----------------------------------------------------------------------------
+
+
+def _download_part(args) -> int:
+    urls, opts, threads = args
+    total = 0
+
+    class Null:
+        def write(self, b):
+            nonlocal total
+            total += len(b)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda u: fetch(u, Null(), storage_options=opts), urls))
+    return total
+
+
+def raw_transfer(pool, urls, opts, workers, in_flight) -> tuple[float, int]:
+    """All shards, ``workers`` processes with ``in_flight`` downloads each: the stream's layout."""
+    parts = [urls[w::workers] for w in range(workers)]
+    t0 = time.perf_counter()
+    total = sum(pool.map(_download_part, [(p, opts, in_flight) for p in parts if p]))
+    return total / (time.perf_counter() - t0) / 1e6, total
+
+
+def stream(loader, nbytes: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for batch in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        n += len(batch[1])
+    secs = time.perf_counter() - t0
+    return {"mb_s": nbytes / secs / 1e6, "samples_s": n / secs, "first_batch_s": first, "n": n}
+
+
+class RemoteFolder:
+    """FolderDataset lists the local tree; every image is then fetched as its own object."""
+
+    def __init__(self, local_root: str, base_url: str, remote: RemoteStorage):
+        self.local_root, self.base_url, self.remote = local_root, base_url, remote
+
+    def open(self, path: str):
+        rel = os.path.relpath(path, self.local_root)
+        return self.remote.open(f"{self.base_url}/{rel}")
+
+    def local_path(self, path: str) -> str:  # pragma: no cover - folders never need it
+        raise NotImplementedError
+
+    def prefetch(self, urls) -> None:
+        pass
+
+
+def collate_raw(batch):
+    return [b[0] for b in batch], [b[1] for b in batch]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", default=str(ROOT / "data/lfw"))
+    ap.add_argument("--shards", default=str(ROOT / "bench-out/remote/lfw-tar"))
+    ap.add_argument(
+        "--shard-size",
+        default="4MB",
+        help="pack size (default 4MB: ~50 LFW shards, several per worker; a remote worker "
+        "fetches whole shards, so fewer shards than workers would fetch some twice)",
+    )
+    ap.add_argument("--server", choices=["http", "s3"], default="http")
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument(
+        "--mb-per-conn",
+        type=float,
+        default=0.0,
+        help="cap each connection's throughput (MB/s), as object stores do per request; "
+        "0: unlimited (loopback, CPU-bound)",
+    )
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--folder-images", type=int, default=600, help="folder subset size")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    src, shards = Path(args.src), Path(args.shards)
+    ensure_data(src, shards, args.shard_size)
+    manifest = read_manifest(str(shards))
+    nbytes = manifest.total_bytes
+    # DataLoader hands out batches round-robin, and a worker may run only prefetch_factor
+    # batches ahead: with the default 2 (128 samples) a worker whose next shard is still in
+    # flight stalls the others. One shard's worth of batches lets each worker run a shard ahead.
+    batches_per_shard = max(2, -(-manifest.num_samples // len(manifest.shards) // BATCH))
+    in_flight = max(1, args.prefetch)  # downloads a streaming worker keeps going once warm
+    folder = FolderDataset(str(src), decode="raw")
+    rng = random.Random(0)
+    subset = sorted(rng.sample(range(len(folder)), min(args.folder_images, len(folder))))
+    rels = [folder.relpath(i) for i in subset]
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(
+        target=_serve,
+        args=(
+            args.server,
+            str(shards.resolve()),
+            str(src.resolve()),
+            rels,
+            args.latency_ms / 1000,
+            args.mb_per_conn * 1e6 or None,
+            child,
+        ),
+        daemon=True,
+    )
+    server.start()
+    port = parent.recv()
+    endpoint = f"http://127.0.0.1:{port}"
+    if args.server == "http":
+        base, opts = endpoint, None
+    else:
+        from remote_servers import S3Server
+
+        base, opts = f"s3://{BUCKET}", S3Server.options(endpoint)
+    shard_url = f"{base}/shards/"
+    urls = [f"{base}/shards/{e.path}" for e in manifest.shards]
+    print(
+        f"{args.server} server on loopback, +{args.latency_ms:g} ms per request, "
+        f"{f'{args.mb_per_conn:g} MB/s per connection' if args.mb_per_conn else 'no rate cap'}; "
+        f"{len(urls)} shards, {nbytes / 1e6:.0f} MB, {manifest.num_samples} images; "
+        f"{args.workers} workers, prefetch {args.prefetch}",
+        flush=True,
+    )
+
+    def shard_loader(prefetch: int):
+        ds = ShardDataset(
+            shard_url if args.server == "s3" else f"{shard_url}{MANIFEST_NAME}",
+            decode="raw",
+            storage_options=opts,
+            shuffle=False,
+        )
+        ds.storage = RemoteStorage(opts, prefetch=prefetch)
+        return DataLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=args.workers,
+            persistent_workers=True,
+            collate_fn=collate_raw,
+            prefetch_factor=batches_per_shard,
+        )
+
+    loaders = {"stream": shard_loader(args.prefetch), "stream_p0": shard_loader(0)}
+    remote = RemoteStorage(opts, prefetch=0, verify=False, retries=RetryPolicy.retries)
+    folder.storage = RemoteFolder(str(src), f"{base}/folder", remote)
+    folder_loader = DataLoader(
+        Subset(folder, subset),
+        batch_size=BATCH,
+        num_workers=args.workers,
+        persistent_workers=True,
+        collate_fn=collate_raw,
+    )
+    pool = ctx.Pool(args.workers)
+    results: dict[str, list] = {k: [] for k in ("raw", "stream", "stream_p0", "folder")}
+    # Warm-up: start the persistent workers and the pool, fill server-side caches.
+    for ld in loaders.values():
+        stream(ld, nbytes)
+    stream(folder_loader, 0)
+    raw_transfer(pool, urls, opts, args.workers, in_flight)
+    for rep in range(args.repeats):
+        order = ["raw", "stream", "stream_p0", "folder"]
+        random.Random(rep).shuffle(order)
+        for name in order:
+            if name == "raw":
+                mb_s, _ = raw_transfer(pool, urls, opts, args.workers, in_flight)
+                results["raw"].append({"mb_s": mb_s})
+            elif name == "folder":
+                results["folder"].append(stream(folder_loader, 0))
+            else:
+                results[name].append(stream(loaders[name], nbytes))
+        print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
+    pool.close()
+    parent.send("stop")
+    server.join(10)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name])
+
+    raw = med("raw", "mb_s")
+    ratios = [s["mb_s"] / r["mb_s"] for s, r in zip(results["stream"], results["raw"], strict=True)]
+    ratios0 = [
+        s["mb_s"] / r["mb_s"] for s, r in zip(results["stream_p0"], results["raw"], strict=True)
+    ]
+    speedups = [
+        s["samples_s"] / f["samples_s"]
+        for s, f in zip(results["stream"], results["folder"], strict=True)
+    ]
+    summary = {
+        "server": args.server,
+        "latency_ms": args.latency_ms,
+        "mb_per_conn": args.mb_per_conn,
+        "workers": args.workers,
+        "prefetch": args.prefetch,
+        "raw_in_flight_per_worker": in_flight,
+        "loader_prefetch_factor": batches_per_shard,
+        "shards": len(urls),
+        "mb": nbytes / 1e6,
+        "raw_mb_s": raw,
+        "stream_mb_s": med("stream", "mb_s"),
+        "stream_samples_s": med("stream", "samples_s"),
+        "stream_first_batch_s": med("stream", "first_batch_s"),
+        "stream_p0_mb_s": med("stream_p0", "mb_s"),
+        "folder_samples_s": med("folder", "samples_s"),
+        "stream_vs_raw": statistics.median(ratios),
+        "stream_p0_vs_raw": statistics.median(ratios0),
+        "shards_vs_folder": statistics.median(speedups),
+        "raw": results,
+    }
+    print(
+        f"raw transfer          {raw:8.1f} MB/s  (same client, {args.workers} x "
+        f"{in_flight} requests in flight)\n"
+        f"shard stream (p={args.prefetch})    {summary['stream_mb_s']:8.1f} MB/s  "
+        f"{summary['stream_samples_s']:8.0f} img/s  = {summary['stream_vs_raw']:.0%} of raw "
+        f"(goal >= 80%), first batch after {summary['stream_first_batch_s']:.2f} s\n"
+        f"shard stream (p=0)    {summary['stream_p0_mb_s']:8.1f} MB/s            "
+        f"  = {summary['stream_p0_vs_raw']:.0%} of raw\n"
+        f"folder, 1 req/image   {summary['folder_samples_s']:17.0f} img/s  -> shards are "
+        f"{summary['shards_vs_folder']:.1f}x faster"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
