@@ -222,7 +222,7 @@ def test_truncated_shard_fails_instead_of_a_short_epoch(s3, data):
     s3.client().put_object(Bucket=b, Key=f"tar/{first}", Body=body[: len(body) // 2])
     ds = _ds(f"s3://{b}/tar/", S3Server.options(s3.endpoint))
     with pytest.raises(StorageError, match=f"{first}: object is .* manifest says"):
-        _keys(ds, num_workers=2)
+        _keys(ds, num_workers=0)  # in-process: a worker error's teardown costs 5 s per worker
 
 
 def test_missing_shard_fails_with_its_url(s3, data):
@@ -260,3 +260,40 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     with pytest.raises(OutputError, match="already holds a packed dataset"):
         pack_to_url(data["src"], f"s3://{b}/lfw/", storage_options=opts, progress=False)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# --- info / verify on URLs ----------------------------------------------------------------------
+
+
+def test_info_and_verify_read_a_remote_dataset(s3, data):
+    from shardkit.remote import remote_dataset_info, remote_verify
+
+    b = f"verify-{uuid.uuid4().hex[:8]}"
+    s3.upload_dir(b, "tar", data["tar"])
+    opts = S3Server.options(s3.endpoint)
+    info = remote_dataset_info(f"s3://{b}/tar/", opts)
+    assert info["samples"] == N and info["manifest"] == f"s3://{b}/tar/manifest.json"
+    report = remote_verify(f"s3://{b}/tar/manifest.json", opts, decode=True)
+    assert report.ok and report.decoded == N
+    names = _shards(data["tar"])
+    c = s3.client()
+    body = (data["tar"] / names[0]).read_bytes()
+    c.put_object(Bucket=b, Key=f"tar/{names[0]}", Body=body[:-1024])
+    c.delete_object(Bucket=b, Key=f"tar/{names[1]}")
+    report = remote_verify(f"s3://{b}/tar/", opts)
+    problems = {p.path: p.problems for p in report.bad}
+    assert set(problems) == {names[0], names[1]} and problems[names[1]] == ["missing"]
+    assert any("manifest says" in p for p in problems[names[0]])
+
+
+def test_a_corrupt_object_never_enters_the_cache(s3, data, tmp_path):
+    b = f"corrupt-{uuid.uuid4().hex[:8]}"
+    s3.upload_dir(b, "tar", data["tar"])
+    first = _shards(data["tar"])[0]
+    body = bytearray((data["tar"] / first).read_bytes())
+    body[700] ^= 0xFF  # same size, different bytes
+    s3.client().put_object(Bucket=b, Key=f"tar/{first}", Body=bytes(body))
+    ds = _ds(f"s3://{b}/tar/", S3Server.options(s3.endpoint), cache_dir=str(tmp_path))
+    with pytest.raises(StorageError, match=f"{first}: sha256 .* does not match"):
+        _keys(ds, num_workers=0)
+    assert not any(n.endswith(first) for n in os.listdir(tmp_path))

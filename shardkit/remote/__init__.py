@@ -5,13 +5,15 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
 
 - ``RemoteStorage``: the ``Storage`` that ``ShardDataset`` uses for URL sources.
 - ``ShardCache``: the shared on-disk cache behind ``cache_dir=``.
-- ``fetch``/``read_bytes``: whole-object reads with resume, for ``info``/``verify`` on URLs.
+- ``fetch``/``read_bytes``: whole-object reads with retries and resume.
+- ``remote_dataset_info``/``remote_verify``: ``shardkit info``/``verify`` for URLs.
 - ``upload_file``/``Uploader``/``pack_to_url``: ``shardkit pack SRC s3://bucket/prefix/``.
 """
 
 from .cache import CacheStats, ShardCache
 from .fetch import Expected, FetchStats, MissingObjectError, fetch, read_bytes
 from .fs import filesystem, is_remote_url
+from .inspect import local_copy, read_manifest_url, remote_dataset_info, remote_verify
 from .redact import redact
 from .retry import RetryPolicy, is_transient
 from .storage import RemoteStorage, expected_from_manifest
@@ -32,8 +34,12 @@ __all__ = [
     "is_remote_url",
     "is_transient",
     "join_url",
+    "local_copy",
     "pack_to_url",
     "read_bytes",
+    "read_manifest_url",
     "redact",
+    "remote_dataset_info",
+    "remote_verify",
     "upload_file",
 ]
