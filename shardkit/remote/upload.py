@@ -199,6 +199,7 @@ def pack_to_url(
     """
     from ..pack import pack
 
+    started = time.perf_counter()
     _check_writable(url)
     fs = filesystem(protocol_of(url), storage_options)
     manifest_url = join_url(url, MANIFEST_NAME)
@@ -233,6 +234,7 @@ def pack_to_url(
     try:
         report.out = url
         report.manifest_path = manifest_url
+        report.seconds = time.perf_counter() - started  # the rates then include the upload
     except AttributeError:  # a frozen report: leave it as pack made it
         pass
     return report
