@@ -115,6 +115,13 @@ def verdict(result: BenchResult) -> list[str]:
 
     for fmt, best in bests.items():
         with_workers = [r for r in result.rows if r.format == fmt and r.workers > 0]
+        if best.workers > 0 and not cfg.step_ms and best.stall_fraction < best.wait_fraction / 4:
+            lines.append(
+                f"{fmt} at {best.workers} workers: the loop stalled on loading only "
+                f"{best.stall_fraction:.0%} of the time; the rest it was receiving batches the "
+                "workers had already finished: the DataLoader's hand-over from worker to main "
+                "process is the limit there, not storage or decoding."
+            )
         if best.workers == 0 and with_workers and not cfg.step_ms:
             top = max(with_workers, key=lambda r: r.mean)
             if top.stall_fraction < top.wait_fraction / 2 and not _noise(best, top):
