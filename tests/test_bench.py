@@ -207,6 +207,10 @@ def test_bench_reports_opens_per_run_with_the_latency_it_was_given(tiny):
         (["--workers", "0,-1"], "out of range"),
         (["--timeline-config", "tar"], "FORMAT:WORKERS"),
         (["--data", "/nonexistent/shardkit-bench"], "no such directory"),
+        (["--shards", "/nonexistent/s", "--formats", "tar,lmdb"], "put {format} in it"),
+        (["--shards", "/nonexistent/s", "--formats", "folder,tar"], "needs the image folder"),
+        (["--shards", "/nonexistent/s", "--formats", "tar"], "no packed dataset there"),
+        (["--mode", "fast"], "Invalid value for '--mode'"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_clear_line(args, message):
@@ -214,7 +218,7 @@ def test_bad_arguments_exit_nonzero_with_one_clear_line(args, message):
     assert res.exit_code != 0
     assert message in res.output
     assert "Traceback" not in res.output
-    assert [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert [line for line in res.output.splitlines() if line.lower().startswith("error:")]
 
 
 def test_folder_without_images_is_a_clear_error(tmp_path):
