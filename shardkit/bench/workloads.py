@@ -158,13 +158,13 @@ class Collate:
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
     """Stack CHW uint8 images into a (B, C, H, W) batch, in shared memory inside a worker.
 
-    ``decode="tensor"`` yields CHW *views* of HWC pixel memory (PIL's layout). Stacking those
-    into a contiguous NCHW batch, as ``default_collate`` does, is a strided transpose that torch
-    does slowly for uint8 (measured 8-14 ms per 64 x 250 x 250 batch, a third of the decode
-    time). When the views are HWC underneath, they are stacked as HWC (a plain copy) and the
-    batch is returned as the NCHW-shaped channels-last view of it, which convolutions accept
-    as is. Like ``default_collate``, the batch is allocated in shared memory inside a worker so
-    it leaves the worker without another copy.
+    Contiguous CHW images (what ``decode="tensor"`` yields) are stacked as they are, like
+    ``default_collate``. CHW *views* of HWC memory (PIL's layout; ``Augment`` returns those to
+    skip a transpose) are stacked as HWC, a plain copy, and the batch is the NCHW-shaped
+    channels-last view of it, which convolutions accept as is: stacking them into contiguous
+    NCHW is a strided uint8 transpose that torch does slowly (measured 8-14 ms per
+    64 x 250 x 250 batch, a third of the decode time). Like ``default_collate``, the batch is
+    allocated in shared memory inside a worker so it leaves the worker without another copy.
     """
     first = images[0]
     hwc = first.dim() == 3 and first.permute(1, 2, 0).is_contiguous()
@@ -254,7 +254,7 @@ class Augment:
     Random resized crop to ``size`` (area ``scale``, aspect ``ratio``), random affine (rotation
     within +-``degrees``, shear within +-``shear`` degrees, bicubic), colour jitter (brightness,
     contrast, saturation each by a factor in 1 +- ``jitter``, in float32) and a horizontal flip
-    half the time. Returns a uint8 CHW tensor (a view of HWC memory, like ``decode="tensor"``).
+    half the time. Returns a uint8 CHW tensor, a view of HWC memory (see ``stack_images``).
     Each process draws from its own generator, seeded from ``torch.initial_seed()``, which
     DataLoader makes distinct per worker and per epoch.
     """
@@ -331,4 +331,4 @@ class Augment:
         if rng.random() < 0.5:
             arr = arr[:, ::-1]
         out = np.ascontiguousarray(np.clip(arr, 0, 255).astype(np.uint8))
-        return torch.from_numpy(out).permute(2, 0, 1)  # CHW view of HWC, as decode="tensor"
+        return torch.from_numpy(out).permute(2, 0, 1)  # CHW view of HWC memory
