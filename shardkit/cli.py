@@ -33,6 +33,13 @@ def main() -> None:
     """Pack folders of images into sequential shards and stream them into PyTorch."""
 
 
+def _is_remote(path: str) -> bool:
+    """Object-store and HTTP URLs go through shardkit.remote; plain paths never import it."""
+    from .storage import is_url
+
+    return is_url(path) and not path.startswith("file://")
+
+
 # --- synth -----------------------------------------------------------------------------------
 
 
@@ -109,10 +116,16 @@ def synth_imagenet(
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwrite,
              resize_short, validate, quiet) -> None:
-    """Pack the class-per-folder image tree SRC into shards and a manifest in OUT."""
+    """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
+
+    OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
+    """
     import warnings
 
     from .pack import pack
+
+    if _is_remote(out):
+        from .remote import pack_to_url as pack  # noqa: F811 - same options, remote destination
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -133,8 +146,11 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
 @click.argument("out", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def info_cmd(out, as_json) -> None:
-    """Show what the packed dataset in OUT holds: shards, samples, bytes, classes, format."""
-    from .verify import dataset_info
+    """Show what the packed dataset in OUT (a directory or URL) holds."""
+    if _is_remote(out):
+        from .remote import remote_dataset_info as dataset_info
+    else:
+        from .verify import dataset_info
 
     info = dataset_info(out)
     if as_json:
@@ -162,9 +178,15 @@ def info_cmd(out, as_json) -> None:
 def verify_cmd(out, decode, quiet) -> None:
     """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
     from .errors import ShardFormatError
-    from .verify import verify
 
-    report = verify(out, decode=decode, progress=not quiet)
+    if _is_remote(out):
+        from .remote import remote_verify
+
+        report = remote_verify(out, decode=decode, progress=not quiet)
+    else:
+        from .verify import verify
+
+        report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
         click.echo(f"BAD {bad}")
     if not report.ok:

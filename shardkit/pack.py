@@ -645,6 +645,7 @@ def pack(
     resize_short: int | None = None,
     validate: str = "header",
     progress: bool = True,
+    on_shard: Callable[[str], None] | None = None,
 ) -> PackReport:
     """Pack the class-per-folder tree ``src`` into shards in ``out``; see the module docstring.
 
@@ -652,7 +653,9 @@ def pack(
     pack should not die on file 900,000 of a million: each one is listed with its reason in the
     manifest's ``skipped`` and a ``PackWarning`` gives the count. ``on_error="fail"`` stops at
     the first one, naming it. ``workers`` is the number of reader threads (the calling thread
-    writes). Raises InputError / OutputError for unusable arguments.
+    writes). ``on_shard(path)`` is called as each shard is complete (still under its staging
+    name, renamed later): uploads to object storage start while later shards are packed. Raises
+    InputError / OutputError for unusable arguments.
     """
     started = time.perf_counter()
     fmt = get_format(format)
@@ -698,7 +701,17 @@ def pack(
         ) from None
     try:
         errors, shard_names, entries, total_bytes = _write_shards(
-            scan, order, fmt, limit, staging, workers, validate, resize_short, on_error, progress
+            scan,
+            order,
+            fmt,
+            limit,
+            staging,
+            workers,
+            validate,
+            resize_short,
+            on_error,
+            progress,
+            on_shard,
         )
         skipped = sorted(scan.errors + errors + scan.ignored, key=lambda s: s.path)
         manifest = Manifest(
@@ -765,6 +778,7 @@ def _write_shards(
     resize_short: int | None,
     on_error: str,
     progress: bool,
+    on_shard: Callable[[str], None] | None = None,
 ) -> tuple[list[SkippedFile], list[str], list[ShardEntry], int]:
     """The main-thread loop: consume reads in shuffled order, roll shards at the size limit."""
     from tqdm import tqdm
@@ -808,6 +822,8 @@ def _write_shards(
             ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256)
         )
         total += stats.bytes
+        if on_shard is not None:
+            on_shard(stats.path)
 
     try:
         for results in _ordered_map(load, tasks, workers, READ_AHEAD * workers):

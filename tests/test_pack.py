@@ -816,3 +816,19 @@ def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monke
     monkeypatch.undo()
     report, _ = quiet_pack(src, out, shard_size=4096)
     assert report.samples == len(files)
+
+
+def test_on_shard_reports_each_finished_shard_before_the_manifest(tree, tmp_path):
+    """The hook remote uploads hang off: each shard complete (its final bytes) as it is done."""
+    src, _ = tree
+    out = tmp_path / "out"
+    seen = []
+
+    def on_shard(path):
+        assert not (out / "manifest.json").exists()
+        seen.append((os.path.basename(path), hashlib.sha256(open(path, "rb").read()).hexdigest()))
+
+    report, _ = quiet_pack(src, out, shard_size=4096, on_shard=on_shard)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert report.shards > 2
+    assert seen == [(s["path"], s["sha256"]) for s in manifest["shards"]]

@@ -3,8 +3,11 @@ servers (moto S3, a Range-capable HTTP server, a fault-injecting proxy) on 127.0
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import traceback
 import uuid
@@ -17,7 +20,14 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("moto.server")
 
 from PIL import Image  # noqa: E402
-from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, HttpServer, S3Server  # noqa: E402
+from remote_servers import (  # noqa: E402
+    FAKE_KEY,
+    FAKE_SECRET,
+    FaultProxy,
+    HttpServer,
+    S3Server,
+    free_env,
+)
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit.dataset import ShardDataset  # noqa: E402
@@ -297,3 +307,36 @@ def test_a_corrupt_object_never_enters_the_cache(s3, data, tmp_path):
     with pytest.raises(StorageError, match=f"{first}: sha256 .* does not match"):
         _keys(ds, num_workers=0)
     assert not any(n.endswith(first) for n in os.listdir(tmp_path))
+
+
+def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
+    """`shardkit pack SRC s3://...`, `info` and `verify` as a user runs them: endpoint and
+    credentials from the environment, shards uploaded before the manifest."""
+    b = f"cli-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=b)
+    s3.log.clear()
+    env = free_env() | {"AWS_ENDPOINT_URL": s3.endpoint, "TMPDIR": str(tmp_path)}
+    exe = [sys.executable, "-m", "shardkit.cli"]
+
+    def run(*args):
+        return subprocess.run([*exe, *args], env=env, capture_output=True, text=True, timeout=120)
+
+    url = f"s3://{b}/lfw/"
+    out = run("pack", data["src"], url, "--shard-size", "12000", "-q")
+    assert out.returncode == 0, out.stderr
+    assert f"in {url}" in out.stdout
+    puts = [p for m, p, _ in s3.log.entries if m == "PUT" and "/lfw/" in p]
+    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) > 2
+
+    info = run("info", url, "--json")
+    assert info.returncode == 0, info.stderr
+    doc = json.loads(info.stdout)
+    assert doc["samples"] == N and doc["shards"] == len(puts) - 1
+
+    ok = run("verify", url, "-q")
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stderr
+    s3.client().put_object(Bucket=b, Key="lfw/shard-000001.tar", Body=b"damaged")
+    bad = run("verify", url, "-q")
+    assert bad.returncode != 0
+    assert "shard-000001.tar" in bad.stderr and "Traceback" not in bad.stderr
+    assert FAKE_SECRET not in bad.stderr + bad.stdout

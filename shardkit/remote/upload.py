@@ -8,7 +8,6 @@ A pack that dies part-way leaves shards without a manifest, which readers of the
 
 from __future__ import annotations
 
-import inspect
 import os
 import posixpath
 import queue
@@ -194,8 +193,8 @@ def pack_to_url(
     """``pack(src, <local staging dir>)`` with every finished shard uploaded to ``url`` at once,
     and the manifest uploaded last. Returns pack's report with ``out`` set to ``url``.
 
-    When ``pack`` offers an ``on_shard(path)`` hook, shards upload while later ones are packed;
-    otherwise they upload after packing, still before the manifest.
+    Shards upload while later ones are packed (pack's ``on_shard`` hook); the manifest is
+    uploaded only after every shard has arrived.
     """
     from ..pack import pack
 
@@ -218,16 +217,18 @@ def pack_to_url(
     out = os.path.join(tmp, "out")
     uploader = Uploader(url, storage_options, concurrency=concurrency)
     try:
-        hook = "on_shard" in inspect.signature(pack).parameters
-        if hook:
-            pack_kwargs["on_shard"] = lambda path, *_: uploader.submit(path)
-        report = pack(src, out, **pack_kwargs)
-        manifest_local = os.path.join(out, MANIFEST_NAME)
-        if not hook:
-            for name in sorted(os.listdir(out)):
-                if name != MANIFEST_NAME and not name.startswith("."):
-                    uploader.submit(os.path.join(out, name))
-        uploader.finish(manifest_local)
+        links = os.path.join(tmp, "upload")
+        os.mkdir(links)
+
+        def on_shard(path: str) -> None:
+            # pack renames its staged shards at the end; a hard link keeps this name valid
+            # for the upload thread whatever happens to the staging name.
+            link = os.path.join(links, os.path.basename(path))
+            os.link(path, link)
+            uploader.submit(link)
+
+        report = pack(src, out, on_shard=on_shard, **pack_kwargs)
+        uploader.finish(os.path.join(out, MANIFEST_NAME))
     finally:
         uploader.close()
         shutil.rmtree(tmp, ignore_errors=True)
