@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from .formats import ShardFormat, get_format
-from .manifest import MANIFEST_NAME, ShardEntry, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .pack import decode_error
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
@@ -167,8 +167,13 @@ def dataset_info(out: str) -> dict:
     """The facts ``shardkit info`` prints, from the manifest alone (no shard is opened)."""
     out = os.fspath(out)
     m = read_manifest(out)
+    return manifest_info(m, os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out)
+
+
+def manifest_info(m: Manifest, manifest_path: str) -> dict:
+    """``shardkit info``'s facts of a manifest, wherever it was read from (disk or URL)."""
     return {
-        "manifest": os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out,
+        "manifest": manifest_path,
         "format": m.shard_format,
         "shards": len(m.shards),
         "samples": m.num_samples,

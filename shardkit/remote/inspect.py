@@ -59,18 +59,10 @@ def local_copy(
 
 def remote_dataset_info(url: str, storage_options: Mapping[str, Any] | None = None) -> dict:
     """What ``shardkit info URL`` prints: ``shardkit.verify.dataset_info``'s dict, from a URL."""
+    from ..verify import manifest_info
+
     m, manifest_url = read_manifest_url(url, storage_options)
-    return {
-        "manifest": manifest_url,
-        "format": m.shard_format,
-        "shards": len(m.shards),
-        "samples": m.num_samples,
-        "bytes": m.total_bytes,
-        "num_classes": len(m.classes),
-        "classes": list(m.classes),
-        "skipped": len(m.skipped),
-        "pack": m.pack,
-    }
+    return manifest_info(m, manifest_url)
 
 
 def remote_verify(
