@@ -18,11 +18,14 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, ShardEntry, read_manifest
+
+# Imported eagerly: the submodule ``shardkit.pack`` would otherwise shadow the function ``pack``
+# as soon as anything imports the module (Python binds a submodule on its package when loaded).
+from .pack import PackReport, pack
 from .records import Record
 
 if TYPE_CHECKING:
     from .dataset import FolderDataset, ShardDataset
-    from .pack import PackReport, pack
 
 __all__ = [
     "FolderDataset",
@@ -42,12 +45,7 @@ __all__ = [
     "read_manifest",
 ]
 
-_LAZY = {
-    "ShardDataset": "dataset",
-    "FolderDataset": "dataset",
-    "pack": "pack",
-    "PackReport": "pack",
-}
+_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset"}
 
 
 def __getattr__(name: str) -> Any:

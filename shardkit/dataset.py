@@ -123,6 +123,7 @@ class ShardDataset(IterableDataset):
         self.shard_format: str = resolved.format
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
+        self.indexes: tuple[tuple[int, ...], ...] = resolved.indexes
         self.storage: Storage = storage or storage_for(
             list(resolved.urls),
             storage_options=storage_options,
@@ -197,7 +198,9 @@ class ShardDataset(IterableDataset):
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
         slices = self.plan(world, epoch)
-        records = read_slices(slices, self.urls, FORMATS[self.shard_format], self.storage)
+        records = read_slices(
+            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+        )
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)

@@ -819,7 +819,10 @@ def _write_shards(
         stats = writer.close()
         writer = None
         entries.append(
-            ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256)
+            ShardEntry(
+                os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256,
+                stats.index,
+            )
         )
         total += stats.bytes
         if on_shard is not None:

@@ -49,3 +49,6 @@ class ShardStats:
     samples: int
     bytes: int
     sha256: str
+    #: Byte offset of every ``INDEX_EVERY``-th sample (0, 64, 128, ...); empty where the format
+    #: needs none (LMDB seeks by key). Lets a reader start mid-shard without reading the prefix.
+    index: tuple[int, ...] = ()

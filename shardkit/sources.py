@@ -19,7 +19,7 @@ from braceexpand import braceexpand
 
 from .errors import InputError, ManifestError
 from .formats import FORMATS, format_for_path
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .storage import is_url
 
 __all__ = ["ShardSource", "resolve_source", "UNKNOWN"]
@@ -44,6 +44,8 @@ class ShardSource:
     classes: tuple[str, ...] | None = None
     manifest: Manifest | None = None
     manifest_path: str | None = None
+    #: Per shard, the manifest's sparse byte-offset index (empty when none is known).
+    indexes: tuple[tuple[int, ...], ...] = ()
 
 
 class _Fs:
@@ -209,6 +211,7 @@ def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
         classes=tuple(manifest.classes),
         manifest=manifest,
         manifest_path=manifest_path,
+        indexes=tuple(e.index for e in manifest.shards),
     )
 
 
@@ -217,8 +220,9 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
     _check_unique(urls, where)
     _check_exist(fs, urls)
     # A manifest beside the shards gives counts and classes; each directory is read once.
-    manifests: dict[str, tuple[str, Manifest, dict[str, int]] | None] = {}
+    manifests: dict[str, tuple[str, Manifest, dict[str, ShardEntry]] | None] = {}
     counts: list[int] = []
+    indexes: list[tuple[int, ...]] = []
     covering: list[tuple[str, Manifest]] = []
     for u in urls:
         d = fs.dirname(u)
@@ -226,13 +230,14 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
             mpath = fs.join(d, MANIFEST_NAME)
             if fs.exists(mpath):
                 m = fs.read_manifest(mpath)
-                by_name = {e.path: e.samples for e in m.shards}
+                by_name = {e.path: e for e in m.shards}
                 manifests[d] = (mpath, m, by_name)
             else:
                 manifests[d] = None
         entry = manifests[d]
         if entry is None:
             counts.append(UNKNOWN)
+            indexes.append(())
             continue
         mpath, m, by_name = entry
         rel = fs.basename(u)
@@ -241,7 +246,8 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
                 f"{u} is not listed in {mpath}: the manifest belongs to another pack; remove "
                 "the stray shard, or re-pack the directory"
             )
-        counts.append(by_name[rel])
+        counts.append(by_name[rel].samples)
+        indexes.append(by_name[rel].index)
         covering.append((mpath, m))
     classes = None
     manifest = manifest_path = None
@@ -263,4 +269,5 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
         classes=classes,
         manifest=manifest,
         manifest_path=manifest_path,
+        indexes=tuple(indexes),
     )

@@ -115,8 +115,12 @@ def read_slices(
     urls: Sequence[str],
     fmt,
     storage: Storage,
+    indexes: Sequence[Sequence[int]] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
+
+    ``indexes[i]`` is shard i's sparse byte-offset index from the manifest (if any), so a slice
+    that starts mid-shard seeks near its start instead of reading the shard's prefix.
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
@@ -125,19 +129,22 @@ def read_slices(
     upcoming = [urls[s.shard] for s in slices]
     for n, sl in enumerate(slices):
         url = urls[sl.shard]
+        index = indexes[sl.shard] if indexes else ()
         storage.prefetch(upcoming[n:])  # this shard first: it is opened next
         got = 0
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=sl.stop
+                    storage.local_path(url), shard=url, start=sl.start, stop=sl.stop, index=index
                 )
                 for rec in records:
                     yield rec
                     got += 1
             else:
                 with storage.open(url) as stream:
-                    records = fmt.iter_records(stream, shard=url, start=sl.start, stop=sl.stop)
+                    records = fmt.iter_records(
+                        stream, shard=url, start=sl.start, stop=sl.stop, index=index
+                    )
                     for rec in records:
                         yield rec
                         got += 1

@@ -240,3 +240,50 @@ def test_truncated_lmdb_is_an_error_not_a_crash(tmp_path, keep):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 3, (out.returncode, out.stderr)
     assert "t.lmdb: truncated LMDB shard" in out.stdout
+
+
+class _CountingFile(io.FileIO):
+    """A real file that counts the bytes handed to the reader."""
+
+    read_bytes = 0
+
+    def readinto(self, buf):
+        n = super().readinto(buf)
+        self.read_bytes += n or 0
+        return n
+
+
+def test_tar_index_points_at_every_64th_sample(tmp_path):
+    from shardkit.manifest import INDEX_EVERY
+
+    samples = _samples(200, seed=5)
+    w = get_format("tar").open_writer(str(tmp_path / "s.tar"))
+    for s in samples:
+        w.add(*s)
+    stats = w.close()
+    assert len(stats.index) == 4 and stats.index[0] == 0
+    with tarfile.open(tmp_path / "s.tar") as tf:
+        offsets = {m.name: m.offset for m in tf.getmembers()}
+    for k, offset in enumerate(stats.index):
+        key, ext = samples[k * INDEX_EVERY][:2]
+        assert offsets[f"{key}.{ext}"] == offset or offset < offsets[f"{key}.{ext}"] < offset + 2048
+
+
+@pytest.mark.parametrize("start, stop", [(0, 10), (63, 70), (64, 65), (130, None), (149, 150)])
+def test_tar_index_gives_the_same_samples_and_skips_the_prefix(tmp_path, start, stop):
+    samples = _samples(150, seed=6)  # ~3 MB: less than the reader's 4 MB window
+    w = get_format("tar").open_writer(str(tmp_path / "s.tar"))
+    for s in samples:
+        w.add(*s)
+    index = w.close().index
+    fmt = get_format("tar")
+    size = os.path.getsize(tmp_path / "s.tar")
+    read = {}
+    for name, idx in [("plain", ()), ("indexed", index)]:
+        with _CountingFile(tmp_path / "s.tar") as f:
+            got = [r.key for r in fmt.iter_records(f, start=start, stop=stop, index=idx)]
+            read[name] = f.read_bytes
+        assert got == [s[0] for s in samples[start:stop]]
+    prefix = index[start // 64]
+    assert read["plain"] == size  # one big window: the prefix is read and thrown away
+    assert read["indexed"] == size - prefix  # the prefix before the indexed sample is not

@@ -80,3 +80,20 @@ def test_missing_and_invalid_json(tmp_path):
     (tmp_path / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ManifestError, match="not valid JSON"):
         read_manifest(str(tmp_path))
+
+
+def test_offset_index_round_trips_and_is_checked(tmp_path):
+    m = Manifest(
+        shard_format="tar",
+        classes=["a"],
+        shards=[ShardEntry("shard-000000.tar", 130, 900_000, "ab" * 32, (0, 300_000, 600_000))],
+    )
+    write_manifest(m, str(tmp_path))
+    doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert doc["shards"][0]["index_every"] == 64
+    assert read_manifest(str(tmp_path)).shards[0].index == (0, 300_000, 600_000)
+    for bad in ([0, 300_000], [0, 600_000, 300_000], [0, 300_000, 950_000]):
+        doc["shards"][0]["index"] = bad
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+        with pytest.raises(ManifestError, match="offset index of shard"):
+            read_manifest(str(tmp_path))

@@ -7,7 +7,7 @@ of them branches on the format anywhere else. FORMAT.md specifies the bytes of e
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,9 +51,16 @@ class ShardFormat:
         return self._writer(path)
 
     def iter_records(
-        self, source: Any, *, shard: str = "", start: int = 0, stop: int | None = None
+        self,
+        source: Any,
+        *,
+        shard: str = "",
+        start: int = 0,
+        stop: int | None = None,
+        index: Sequence[int] = (),
     ) -> Iterator[Record]:
-        return self._iter(source, shard=shard, start=start, stop=stop)
+        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any."""
+        return self._iter(source, shard=shard, start=start, stop=stop, index=index)
 
     def count_samples(self, source: Any, *, shard: str = "") -> int:
         return self._count(source, shard=shard)

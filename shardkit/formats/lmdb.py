@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import lmdb
 
@@ -172,9 +172,15 @@ def _open_env(path: str | os.PathLike) -> lmdb.Environment:
 
 
 def iter_lmdb_records(
-    source: str | os.PathLike, *, shard: str = "", start: int = 0, stop: int | None = None
+    source: str | os.PathLike,
+    *,
+    shard: str = "",
+    start: int = 0,
+    stop: int | None = None,
+    index: Sequence[int] = (),
 ) -> Iterator[Record]:
-    """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree."""
+    """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
+    needs no offset ``index`` (accepted for a uniform reader signature)."""
     shard = shard or os.fspath(source)
     env = _open_env(source)
     try:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 from ..errors import ShardFormatError
+from ..manifest import INDEX_EVERY
 from ..records import Record, ShardStats
 
 __all__ = ["TarShardWriter", "iter_tar_records", "count_tar_samples", "IMAGE_EXTS"]
@@ -93,6 +94,7 @@ class TarShardWriter:
         self.path = path
         self.samples = 0
         self._bytes = 0
+        self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
         self._hash = hashlib.sha256()
         self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)  # noqa: SIM115
 
@@ -110,6 +112,8 @@ class TarShardWriter:
         if "." in key.rsplit("/", 1)[-1]:
             raise ShardFormatError(f"key {key!r} contains a dot; encode it with encode_key()")
         kb = key.encode()
+        if self.samples % INDEX_EVERY == 0:
+            self._index.append(self._bytes)
         parts = _member(kb + b"." + ext.encode(), data) + _member(kb + b".cls", b"%d" % label)
         self._write(b"".join(parts))
         self.samples += 1
@@ -128,7 +132,9 @@ class TarShardWriter:
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        return ShardStats(self.path, self.samples, self._bytes, self._hash.hexdigest())
+        return ShardStats(
+            self.path, self.samples, self._bytes, self._hash.hexdigest(), tuple(self._index)
+        )
 
     def abort(self) -> None:
         if self._file is not None:
@@ -258,7 +264,8 @@ def _open(source: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str, bool]:
 
 
 def _scan(
-    f: BinaryIO, shard: str, start: int, stop: int | None, chunk: int
+    f: BinaryIO, shard: str, start: int, stop: int | None, chunk: int, first: int = 0,
+    offset: int = 0,
 ) -> Iterator[Record | int]:
     """The one tar parsing loop: yields Records for samples in ``[start, stop)``.
 
@@ -269,8 +276,9 @@ def _scan(
     """
     count_only = stop == -1
     b = _Buffer(f, shard, chunk)
+    b.base = offset  # the stream starts at sample ``first``, ``offset`` bytes into the shard
     buf, mv, pos, end = b.buf, b.mv, 0, 0
-    index = -1  # sample number of the current key
+    index = first - 1  # sample number of the current key
     key: bytes | None = None
     image: bytes | None = None
     image_ext = b""
@@ -399,17 +407,29 @@ def iter_tar_records(
     shard: str = "",
     start: int = 0,
     stop: int | None = None,
+    index: Sequence[int] = (),
     chunk: int = 4 << 20,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)`` of a tar shard as Records, grouping members by key.
 
     Reads any readable binary stream front to back in ``chunk``-sized reads; samples before
-    ``start`` are hopped over. A shard that ends without its end-of-archive blocks, or
-    mid-member, raises ShardFormatError: a truncated copy never passes as a short epoch.
+    ``start`` are hopped over. With the manifest's sparse ``index`` (byte offsets of samples 0,
+    64, 128, ...) and a seekable stream positioned at the shard's start, it first seeks to the
+    nearest indexed sample, so starting mid-shard reads at most 63 samples too many. A shard
+    that ends without its end-of-archive blocks, or mid-member, raises ShardFormatError: a
+    truncated copy never passes as a short epoch.
     """
     f, name, owned = _open(source)
+    first = offset = 0
+    k = start // INDEX_EVERY
+    if k and k < len(index):
+        try:
+            f.seek(index[k])
+            first, offset = k * INDEX_EVERY, index[k]
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            pass  # not seekable: hop from the start
     try:
-        yield from _scan(f, shard or name, start, stop, chunk)
+        yield from _scan(f, shard or name, start, stop, chunk, first, offset)
     finally:
         if owned:
             f.close()
