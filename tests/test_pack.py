@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -773,7 +774,7 @@ def test_all_images_bad_is_an_input_error(tmp_path):
 
 
 def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
-    import shardkit.pack as pack_module
+    pack_module = importlib.import_module("shardkit.pack")
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)
@@ -800,7 +801,7 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
     """Ctrl-C between the last rename and the manifest: the moved shards go too."""
-    import shardkit.pack as pack_module
+    pack_module = importlib.import_module("shardkit.pack")
 
     src, files = tree
     out = tmp_path / "out"
