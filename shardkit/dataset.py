@@ -129,6 +129,8 @@ class ShardDataset(IterableDataset):
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
+            manifest=resolved.manifest,
+            manifest_path=resolved.manifest_path,
         )
         # Counted once here, in the main process, so workers never open a shard just to plan.
         self.counts: np.ndarray = _shard_counts(resolved, self.storage)

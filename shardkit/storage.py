@@ -104,22 +104,30 @@ def storage_for(
     cache_dir: str | None = None,
     cache_limit: int | None = None,
     prefetch: int = 2,
+    manifest=None,
+    manifest_path: str | None = None,
 ) -> Storage:
     """The storage a source needs: ``LocalStorage`` for paths, ``RemoteStorage`` for URLs.
 
     ``storage_options`` (fsspec options, e.g. credentials or endpoint), ``cache_dir`` and
     ``cache_limit`` (bytes) and ``prefetch`` (shards fetched ahead) only matter for URLs; they are
     handed to ``shardkit.remote.RemoteStorage``, imported only when needed so local use never
-    touches network libraries.
+    touches network libraries. ``manifest`` (already read by source resolution, at
+    ``manifest_path``) gives the remote reader each shard's size and sha256, so worker processes
+    do not download the manifest again.
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not any(is_url(os.fspath(s)) for s in items):
         return LocalStorage()
-    from .remote import RemoteStorage
+    from .remote import RemoteStorage, expected_from_manifest
 
+    expected = None
+    if manifest is not None and manifest_path and is_url(manifest_path):
+        expected = expected_from_manifest(manifest, manifest_path)
     return RemoteStorage(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_limit=cache_limit,
         prefetch=prefetch,
+        expected=expected,
     )

@@ -135,6 +135,17 @@ def test_ranks_get_equal_lengths_and_cover_the_epoch(s3, bucket):
     assert sorted(counts) == ALL_KEYS and sum(counts.values()) - N == 3 * 14 - N  # pad only
 
 
+def test_workers_reuse_the_manifest_read_at_construction(s3, bucket):
+    """The manifest is fetched once, by source resolution; workers get its sizes and checksums."""
+    s3.log.clear()
+    ds = _ds(f"s3://{bucket}/tar/", S3Server.options(s3.endpoint))
+    assert len(s3.log.gets("/tar/manifest.json")) == 1
+    s3.log.clear()
+    assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+    assert s3.log.gets("/tar/manifest.json") == []
+    assert len(s3.log.gets("/tar/shard-")) == len(ds.urls)
+
+
 # --- cache --------------------------------------------------------------------------------------
 
 
@@ -219,8 +230,9 @@ def test_exhausted_retries_in_a_worker_raise_a_clean_error(s3, bucket):
         with pytest.raises(StorageError) as info:
             _keys(ds, num_workers=2)
     text = "".join(traceback.format_exception(info.value))
-    # The first object a worker asks for is the manifest beside the shards (to verify them).
-    assert f"s3://{bucket}/tar/" in text and "gave up after 3 attempts" in text
+    # Workers know the shards' sizes from the manifest read at construction: the first object
+    # they ask for is a shard, and the error names it with this URL's own attempt count.
+    assert f"s3://{bucket}/tar/shard-" in text and "gave up after 3 attempts" in text
     assert FAKE_KEY not in text and FAKE_SECRET not in text
 
 

@@ -24,7 +24,6 @@ BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 _END_OF_ARCHIVE = bytes(2 * BLOCK)
 _GNU_MAGIC = b"ustar  \x00"  # magic + version of GNU format, as tarfile.GNU_FORMAT writes
-_POSIX_MAGIC = b"ustar\x00"
 _MAX_OCTAL_SIZE = 8**11 - 1  # 11 octal digits: 8 GiB - 1
 
 #: Member extensions treated as the sample's image (the first one found in a sample wins).

@@ -133,9 +133,10 @@ def fetch(
                 options=storage_options,
             )
 
-    failures = 0
+    failures = attempts = 0  # this URL's; ``stats`` may be shared by every fetch of a process
     while True:
         before = sink.pos
+        attempts += 1
         stats.attempts += 1
         try:
             open_range(fs, url, sink.pos, check_total).pump(sink.write, chunk)
@@ -166,7 +167,7 @@ def fetch(
             if failures > policy.retries:
                 raise storage_error(
                     url,
-                    f"gave up after {stats.attempts} attempts ({policy.retries} retries in a row "
+                    f"gave up after {attempts} attempts ({policy.retries} retries in a row "
                     f"without progress, {sink.pos} bytes received)",
                     exc,
                     storage_options,
