@@ -19,18 +19,28 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 from __future__ import annotations
 
 import os
+import secrets
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .errors import InputError, SampleError, ShardkitError
 from .formats import FORMATS
 from .images import IMAGE_EXTENSIONS, decode_image
 from .records import ShardSlice
-from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
+from .resume import (
+    EpochLayout,
+    EpochState,
+    arrange,
+    count_delivered,
+    dataset_facts,
+    rank_state,
+    worker_plan,
+)
+from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
 from .sources import UNKNOWN, ShardSource, resolve_source
 from .storage import LocalStorage, Storage, storage_for
 from .stream import (
@@ -49,7 +59,10 @@ __all__ = ["ShardDataset", "FolderDataset"]
 # Layout of the shared int64 state tensor (shared memory, so persistent workers see updates).
 _EPOCH, _LAST_STARTED, _WARNED, _SKIPPED = 0, 1, 2, 3
 _SKIP_SLOTS = 256  # one skip counter per worker id (mod 256): no lost updates between workers
-_STATE_LEN = _SKIPPED + _SKIP_SLOTS
+# Per worker id: the token of the loaded state it resumed from, so each resumes only once.
+_RESUMED = _SKIPPED + _SKIP_SLOTS
+_IN_WORKERS = _RESUMED + _SKIP_SLOTS  # 1 once DataLoader workers iterated this dataset
+_STATE_LEN = _IN_WORKERS + 1
 
 
 def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -78,6 +91,14 @@ class ShardDataset(IterableDataset):
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
     ``cache_dir`` and ``cache_limit`` configure remote storage for URL sources.
+
+    ``batch_size``: give the DataLoader's batch size and worker parts are cut at whole batches, so
+    ``DataLoader(ds, batch_size=B, num_workers=N)`` yields exactly ``len(loader)`` batches, at
+    most one of them partial, the same number on every rank.
+
+    ``state_dict()`` / ``load_state_dict(state)`` checkpoint the position in the epoch (plain
+    data; see shardkit.resume): resuming reads and decodes nothing already delivered, continues
+    in the same order, and may change the world size (the rest of the epoch is re-split).
     """
 
     def __init__(
@@ -99,6 +120,7 @@ class ShardDataset(IterableDataset):
         cache_limit: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        batch_size: int | None = None,
     ):
         super().__init__()
         _check_choice("decode", decode, DECODE_MODES)
@@ -106,6 +128,9 @@ class ShardDataset(IterableDataset):
         _check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
+        if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
+            raise InputError(f"batch_size={batch_size!r} must be a positive int or None")
+        self.batch_size = None if batch_size is None else int(batch_size)
         self.decode = decode
         self.transform = transform
         self.target_transform = target_transform
@@ -143,6 +168,19 @@ class ShardDataset(IterableDataset):
             )
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
+        self._facts = dataset_facts(
+            self.urls,
+            self.counts.tolist(),
+            self.shard_format,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            buffer_size=self.buffer_size,
+            equalize=self.equalize,
+            batch_size=self.batch_size,
+        )
+        self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
+        self._resume_token = 0
+        self._progress = None  # this process's live position (shardkit.resume.Progress)
 
     # --- epochs -------------------------------------------------------------------------------
 
@@ -151,6 +189,8 @@ class ShardDataset(IterableDataset):
         if epoch < 0:
             raise InputError(f"epoch must be >= 0, got {epoch}")
         self._state[_EPOCH] = int(epoch)
+        if self._resume is not None and self._resume.epoch != epoch:
+            self._resume = None  # a loaded state continues its own epoch only
 
     @property
     def epoch(self) -> int:
@@ -159,7 +199,7 @@ class ShardDataset(IterableDataset):
     @property
     def skipped(self) -> int:
         """Samples skipped by ``on_error="skip"`` so far, summed over all workers."""
-        return int(self._state[_SKIPPED:].sum())
+        return int(self._state[_SKIPPED:_RESUMED].sum())
 
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
@@ -177,6 +217,7 @@ class ShardDataset(IterableDataset):
             worker=world.worker,
             num_workers=world.num_workers,
             equalize=self.equalize,
+            batch_size=self.batch_size,
         )
 
     def _start_epoch(self, world: World) -> int:
@@ -198,13 +239,22 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
-        slices = self.plan(world, epoch)
+        in_worker = get_worker_info() is not None
+        if in_worker:
+            self._state[_IN_WORKERS] = 1
+        plan = worker_plan(
+            self._layout(epoch), world, self._facts, self._take_resume(world, epoch),
+            in_worker=in_worker,
+        )  # fmt: skip
+        self._progress = plan.progress
         records = read_slices(
-            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+            plan.slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
         )
+        if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
+            records = arrange(records, plan.arrangement)
         if self.shuffle and self.buffer_size > 1:
-            rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
-            records = shuffle_buffer(records, self.buffer_size, rng)
+            records = shuffle_buffer(records, self.buffer_size, plan.rng, resume=plan.buffer)
+        records = count_delivered(records, plan.progress)
         samples = decode_records(
             records,
             self.decode,
@@ -215,6 +265,78 @@ class ShardDataset(IterableDataset):
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
         return samples
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(
+        self,
+        *,
+        batches: int | None = None,
+        num_workers: int = 0,
+        batch_size: int | None = None,
+    ) -> dict:
+        """The position in the current epoch, as plain data (``json`` / ``torch.save``).
+
+        Without arguments: what this process has delivered (``num_workers=0``, or called inside
+        a DataLoader worker, as torchdata's ``StatefulDataLoader`` does). A plain DataLoader's
+        workers are other processes: pass ``batches`` (batches the loop has taken since it
+        started, e.g. ``enumerate``'s count), the loader's ``num_workers`` and, unless the
+        dataset has one, ``batch_size``; the position is then worked out, not observed.
+        """
+        epoch = self.epoch
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        if batches is not None:
+            size = batch_size or self.batch_size
+            if not size:
+                raise InputError("state_dict(batches=...) needs batch_size= (the DataLoader's)")
+            if batches < 0:
+                raise InputError(f"batches={batches} must be >= 0")
+            state = rank_state(
+                self._layout(epoch), self._facts, resume, rank=self.rank,
+                world_size=self.world_size, num_workers=max(1, num_workers),
+                batch_size=size, batches=batches,
+            )  # fmt: skip
+            return state.to_dict()
+        progress = self._progress
+        if progress is not None and progress.epoch == epoch:
+            return progress.snapshot().to_dict()
+        if resume is not None:
+            return resume.to_dict()
+        if int(self._state[_IN_WORKERS]):
+            raise InputError(
+                "ShardDataset.state_dict(): DataLoader worker processes iterated this dataset "
+                "and this process cannot see how far; pass batches= and num_workers= (and "
+                "batch_size=), or use torchdata's StatefulDataLoader or shardkit.ShardLoader"
+            )
+        return EpochState.start(epoch, self.rank, self._facts, self.world_size).to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the epoch ``state`` was saved in, from where it stood, on the next iteration:
+        no ``set_epoch`` needed. A state from another world size re-splits what is left."""
+        parsed = EpochState.from_dict(state, self._facts)
+        if parsed.segments[-1].world_size != self.world_size:
+            parsed.on_world(self.world_size, 1)  # raises now if it cannot re-split
+        self._state[_EPOCH] = parsed.epoch
+        self._state[_LAST_STARTED] = -1
+        self._resume = parsed
+        self._resume_token = secrets.randbits(62) + 1
+        self._progress = None
+
+    def _take_resume(self, world: World, epoch: int) -> EpochState | None:
+        """The loaded state if this worker has not resumed from it yet (then it has)."""
+        if self._resume is None or self._resume.epoch != epoch:
+            return None
+        slot = _RESUMED + world.worker % _SKIP_SLOTS
+        if int(self._state[slot]) == self._resume_token:
+            return None
+        self._state[slot] = self._resume_token
+        return self._resume
+
+    def _layout(self, epoch: int) -> EpochLayout:
+        return EpochLayout(
+            self.counts, self.seed, epoch, self.shuffle, self.buffer_size, self.equalize,
+            self.batch_size,
+        )  # fmt: skip
 
     def _skip_counter(self, worker: int) -> Callable[[], None]:
         state, slot = self._state, _SKIPPED + worker % _SKIP_SLOTS
@@ -229,7 +351,8 @@ class ShardDataset(IterableDataset):
             f"ShardDataset({len(self.urls)} {self.shard_format} shards, {self.num_samples} "
             f"samples, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
             f"shuffle={self.shuffle}, buffer_size={self.buffer_size}, "
-            f"equalize={self.equalize!r})"
+            f"equalize={self.equalize!r}"
+            + (f", batch_size={self.batch_size})" if self.batch_size else ")")
         )
 
 

@@ -20,7 +20,14 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "rng_for", "shard_order", "shuffle_buffer"]
+__all__ = [
+    "DEFAULT_BUFFER_SIZE",
+    "buffer_rng",
+    "draw_block",
+    "rng_for",
+    "shard_order",
+    "shuffle_buffer",
+]
 
 T = TypeVar("T")
 
@@ -47,32 +54,63 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     return rng_for(seed, epoch, _SHARDS).permutation(num_shards).astype(np.int64)
 
 
-def buffer_rng(seed: int, epoch: int, rank: int, worker: int) -> np.random.Generator:
-    """The buffer's generator: distinct per (rank, worker) so workers do not mirror each other."""
+def buffer_rng(
+    seed: int, epoch: int, rank: int, worker: int, segment: int = 0
+) -> np.random.Generator:
+    """The buffer's generator: distinct per (rank, worker) so workers do not mirror each other.
+
+    ``segment`` > 0 numbers the worlds an epoch was re-split over after an elastic resume
+    (shardkit.resume); segment 0 is the ordinary epoch.
+    """
+    if segment:
+        return rng_for(seed, epoch, _BUFFER, rank, worker, segment)
     return rng_for(seed, epoch, _BUFFER, rank, worker)
 
 
-def shuffle_buffer(items: Iterable[T], size: int, rng: np.random.Generator) -> Iterator[T]:
+def draw_block(rng: np.random.Generator, size: int) -> np.ndarray:
+    """The next ``_DRAW_BLOCK`` slot choices; shuffle_buffer and its index-only replay
+    (shardkit.resume) both draw through here, so they consume the generator identically."""
+    return rng.integers(0, size, _DRAW_BLOCK)
+
+
+def shuffle_buffer(
+    items: Iterable[T], size: int, rng: np.random.Generator, *, resume: tuple[int, int] = (0, 0)
+) -> Iterator[T]:
     """Yield ``items`` locally shuffled through a buffer of at most ``size`` items.
 
     ``size`` <= 1 passes items through unchanged. The first item comes out after ``size`` have
     been read; at the end the remaining buffer is emitted in a random order. Every item is emitted
-    exactly once.
+    exactly once. The choices depend only on ``rng`` and on positions, never on the items, which
+    is what lets shardkit.resume recompute a mid-epoch buffer from indices alone.
+
+    ``resume=(steps, flushed)`` continues a buffer that had made ``steps`` replacements and
+    emitted ``flushed`` items of its final flush: ``items`` then starts with the buffer's
+    residents in slot order (placeholders where the flush already emitted), followed by the
+    unread items.
     """
     it = iter(items)
     if size <= 1:
         yield from it
         return
+    steps, flushed = resume
     buf = list(itertools.islice(it, size))
     if len(buf) == size:
-        draws: Iterator[int] = iter(())
+        draws: Iterator[int] = _skip_draws(rng, size, steps)
         for item in it:
             j = next(draws, -1)
             if j < 0:
-                draws = iter(rng.integers(0, size, _DRAW_BLOCK).tolist())
+                draws = iter(draw_block(rng, size).tolist())
                 j = next(draws)
             out = buf[j]
             buf[j] = item
             yield out
-    for j in rng.permutation(len(buf)).tolist():
+    for j in rng.permutation(len(buf)).tolist()[flushed:]:
         yield buf[j]
+
+
+def _skip_draws(rng: np.random.Generator, size: int, steps: int) -> Iterator[int]:
+    """Advance ``rng`` past the draws of ``steps`` replacements; the rest of the current block."""
+    full, part = divmod(steps, _DRAW_BLOCK)
+    for _ in range(full):
+        draw_block(rng, size)
+    return iter(draw_block(rng, size)[part:].tolist()) if part else iter(())

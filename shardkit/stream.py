@@ -26,6 +26,7 @@ __all__ = [
     "DECODE_MODES",
     "rank_samples",
     "plan_epoch",
+    "worker_span",
     "read_slices",
     "decode_records",
     "apply_transforms",
@@ -57,6 +58,32 @@ def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
     return stop - start
 
 
+def worker_span(
+    total: int,
+    *,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    equalize: str = "pad",
+    batch_size: int | None = None,
+) -> tuple[int, int]:
+    """[lo, hi) of worker ``worker``'s part of the epoch stream (positions past ``total`` wrap).
+
+    With ``batch_size`` the rank part is cut at multiples of it: whole batches are dealt to the
+    workers, so only the rank's last batch can be partial and a DataLoader over the workers yields
+    exactly ceil(len / batch_size) batches, which is the ``len(loader)`` it reports.
+    """
+    start, stop = _rank_span(total, rank, world_size, equalize)
+    length = stop - start
+    if batch_size:
+        batches = -(-length // batch_size)
+        lo = min(length, worker * batches // num_workers * batch_size)
+        hi = min(length, (worker + 1) * batches // num_workers * batch_size)
+        return start + lo, start + hi
+    return start + worker * length // num_workers, start + (worker + 1) * length // num_workers
+
+
 def plan_epoch(
     counts: Sequence[int] | np.ndarray,
     order: Sequence[int] | np.ndarray,
@@ -66,6 +93,7 @@ def plan_epoch(
     worker: int,
     num_workers: int,
     equalize: str = "pad",
+    batch_size: int | None = None,
 ) -> list[ShardSlice]:
     """The slices worker ``worker`` of rank ``rank`` reads this epoch, in reading order.
 
@@ -75,16 +103,22 @@ def plan_epoch(
     "none" gives parts differing by at most one), then each rank part into ``num_workers``
     contiguous worker parts whose sizes differ by at most one and are the same on every rank.
     Parts are cut at sample boundaries, not shard boundaries, so a single shard can feed many
-    workers and no worker idles while another has work.
+    workers and no worker idles while another has work. ``batch_size`` cuts worker parts at
+    whole batches (see ``worker_span``).
     """
     counts = np.asarray(counts, dtype=np.int64)
     order = np.asarray(order, dtype=np.int64)
     ordered = counts[order]
     total = int(ordered.sum())
-    start, stop = _rank_span(total, rank, world_size, equalize)
-    length = stop - start
-    lo = start + worker * length // num_workers
-    hi = start + (worker + 1) * length // num_workers
+    lo, hi = worker_span(
+        total,
+        rank=rank,
+        world_size=world_size,
+        worker=worker,
+        num_workers=num_workers,
+        equalize=equalize,
+        batch_size=batch_size,
+    )
     if lo >= hi:
         return []
     ends = np.cumsum(ordered)  # ends[i]: stream position just after the i-th shard read

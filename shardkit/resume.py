@@ -1,0 +1,545 @@
+"""Mid-epoch checkpoints: where an epoch stands, recomputed from sample positions alone.
+
+An epoch's plan is a pure function of (seed, epoch, world) (``stream.plan_epoch``) and the shuffle
+buffer's choices depend only on its generator and on positions, never on bytes
+(``shuffle.shuffle_buffer``). So "worker w has delivered c samples" is enough to know, without
+reading a byte, which samples it delivered, which sit in its buffer and where its reading stops.
+A resumed worker reads the buffer's residents and then the unread rest, seeking through the
+shards' offset index; the consumed prefix is neither read nor decoded.
+
+A state is plain data (ints, strings, lists, None): ``json`` and ``torch.save`` both round-trip
+it. It holds the epoch, a fingerprint of the dataset, and one *segment* per world the epoch was
+played on: world size, DataLoader workers, samples delivered by each worker. DDP ranks step
+together, so one rank's segment describes every rank. Loading it on another world (elastic)
+freezes the segment: the samples the old world planned but did not deliver become the stream of a
+new segment, split over the new world with the usual rules (``equalize``, ``batch_size``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import posixpath
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .errors import InputError
+from .records import Record, ShardSlice
+from .shuffle import buffer_rng, draw_block, shard_order
+from .stream import plan_epoch, worker_span
+from .world import World
+
+__all__ = [
+    "STATE_FORMAT",
+    "Segment",
+    "EpochState",
+    "EpochLayout",
+    "WorkerPlan",
+    "Progress",
+    "dataset_facts",
+    "worker_plan",
+    "rank_state",
+    "round_robin",
+    "arrange",
+    "count_delivered",
+]
+
+STATE_FORMAT = "shardkit.resume/1"
+
+#: Holes of at most this many samples between wanted samples are read through rather than
+#: sought over: the offset index has an entry every 64 samples, so a seek saves nothing smaller.
+_MERGE_GAP = 64
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of an epoch played on one world.
+
+    ``delivered[w]``: samples worker w's stream has delivered (None where unknown: a DataLoader
+    worker knows only its own). ``slot0``: the plan worker that DataLoader worker 0 plays, so that
+    a DataLoader, whose round robin always starts at worker 0, continues where the old one was.
+    """
+
+    world_size: int
+    num_workers: int
+    delivered: tuple[int | None, ...]
+    slot0: int = 0
+
+    def fresh(self) -> bool:
+        return all(c == 0 for c in self.delivered)
+
+
+@dataclass(frozen=True)
+class EpochState:
+    """Where an epoch stands: the parsed form of ``ShardDataset.state_dict()``."""
+
+    epoch: int
+    rank: int
+    dataset: dict
+    segments: tuple[Segment, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "format": STATE_FORMAT,
+            "dataset": dict(self.dataset),
+            "epoch": self.epoch,
+            "rank": self.rank,
+            "segments": [
+                {
+                    "world_size": s.world_size,
+                    "num_workers": s.num_workers,
+                    "slot0": s.slot0,
+                    "delivered": list(s.delivered),
+                }
+                for s in self.segments
+            ],
+        }
+
+    @classmethod
+    def start(cls, epoch: int, rank: int, dataset: dict, world_size: int, num_workers: int = 1):
+        """The state at the start of an epoch: nothing delivered."""
+        return cls(epoch, rank, dataset, (Segment(world_size, num_workers, (0,) * num_workers),))
+
+    @classmethod
+    def from_dict(cls, state, facts: dict) -> EpochState:
+        """Parse and check a saved state against this dataset's ``facts``; InputError if wrong."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise InputError(
+                f"state is not a ShardDataset state (no 'format': {STATE_FORMAT!r}); pass what "
+                "ds.state_dict() (or ShardLoader.state_dict()) returned"
+            )
+        saved = state.get("dataset")
+        if not isinstance(saved, dict):
+            raise InputError("state has no 'dataset' facts; pass what ds.state_dict() returned")
+        for key, value in facts.items():
+            if key == "fingerprint":
+                continue
+            if saved.get(key) != value:
+                raise InputError(
+                    f"state was saved for a dataset with {key}={saved.get(key)!r}, this one has "
+                    f"{key}={value!r}: resuming would silently give another order; build the "
+                    "dataset with the settings the state was saved with"
+                )
+        if saved.get("fingerprint") != facts["fingerprint"]:
+            raise InputError(
+                "state was saved for other shards (their names or sample counts differ from "
+                "this dataset's): resuming would silently give another order; load it into a "
+                "dataset over the shards it was saved with"
+            )
+        try:
+            epoch, rank = _nonneg(state["epoch"]), _nonneg(state["rank"])
+            segments = tuple(_segment(s) for s in state["segments"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(
+                f"state is malformed ({exc}); pass what ds.state_dict() returned"
+            ) from None
+        if not segments:
+            raise InputError("state is malformed (no segments); pass what ds.state_dict() returned")
+        return cls(epoch, rank, dict(saved), segments)
+
+    def on_world(self, world_size: int, num_workers: int) -> EpochState:
+        """This state continued on a (possibly) different world: same world, same segment;
+        else the current segment is frozen and a fresh one starts (elastic resume)."""
+        cur = self.segments[-1]
+        if (cur.world_size, cur.num_workers) == (world_size, num_workers):
+            return self
+        segments = self.segments[:-1] if cur.fresh() else self.segments
+        if any(c is None for c in cur.delivered):
+            raise InputError(
+                f"state describes one DataLoader worker of {cur.num_workers} on world size "
+                f"{cur.world_size}; it resumes only there. To resume on another world, save a "
+                "whole rank's state: ShardLoader.state_dict(), ds.state_dict(batches=...), or "
+                "shardkit.resume.merge_worker_states"
+            )
+        return replace(
+            self, segments=segments + (Segment(world_size, num_workers, (0,) * num_workers),)
+        )
+
+
+def _nonneg(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _segment(d: dict) -> Segment:
+    world_size, num_workers = _nonneg(d["world_size"]), _nonneg(d["num_workers"])
+    slot0 = _nonneg(d.get("slot0", 0))
+    delivered = tuple(None if c is None else _nonneg(c) for c in d["delivered"])
+    if world_size < 1 or num_workers < 1 or len(delivered) != num_workers or slot0 >= num_workers:
+        raise ValueError(f"segment {d!r} is inconsistent")
+    return Segment(world_size, num_workers, delivered, slot0)
+
+
+def dataset_facts(
+    urls: Sequence[str],
+    counts: Sequence[int],
+    shard_format: str,
+    *,
+    seed: int,
+    shuffle: bool,
+    buffer_size: int,
+    equalize: str,
+    batch_size: int | None,
+) -> dict:
+    """What a state must agree on with the dataset it is loaded into.
+
+    The fingerprint covers shard file names (not directories: a dataset moved or mounted
+    elsewhere still resumes) and their sample counts, in order.
+    """
+    names = [posixpath.basename(u.replace("\\", "/").rstrip("/")) for u in urls]
+    blob = json.dumps([shard_format, names, [int(c) for c in counts]]).encode()
+    return {
+        "shards": len(urls),
+        "samples": int(sum(int(c) for c in counts)),
+        "seed": int(seed),
+        "shuffle": bool(shuffle),
+        "buffer_size": int(buffer_size),
+        "equalize": equalize,
+        "batch_size": batch_size,
+        "fingerprint": hashlib.sha256(blob).hexdigest()[:32],
+    }
+
+
+# --- epoch geometry on positions ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpochLayout:
+    """What planning an epoch needs: shard counts and the settings that shape the order."""
+
+    counts: np.ndarray
+    seed: int
+    epoch: int
+    shuffle: bool
+    buffer_size: int
+    equalize: str
+    batch_size: int | None
+    order: np.ndarray = field(init=False)
+    ends: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        order = shard_order(len(self.counts), self.seed, self.epoch, self.shuffle)
+        object.__setattr__(self, "order", order)
+        object.__setattr__(self, "ends", np.cumsum(np.asarray(self.counts)[order]))
+
+    @property
+    def total(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def buffered(self) -> int:
+        """The buffer size in effect (0: no buffer)."""
+        return self.buffer_size if self.shuffle and self.buffer_size > 1 else 0
+
+    def span(self, total: int, rank: int, world_size: int, worker: int, num_workers: int):
+        return worker_span(
+            total,
+            rank=rank,
+            world_size=world_size,
+            worker=worker,
+            num_workers=num_workers,
+            equalize=self.equalize,
+            batch_size=self.batch_size,
+        )
+
+    def planned(self, total: int, world_size: int) -> int:
+        """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
+        return world_size * (total // world_size) if self.equalize == "drop" else total
+
+
+@dataclass(frozen=True)
+class BufferPoint:
+    """A shuffle buffer after delivering some items, worked out on stream indices.
+
+    ``slots[j]``: stream index resident in slot j (-1: already emitted by the final flush).
+    ``frontier``: first stream index not read yet. ``steps``/``flushed``: see shuffle_buffer.
+    """
+
+    slots: np.ndarray
+    frontier: int
+    steps: int
+    flushed: int
+
+    def consumed(self) -> np.ndarray:
+        """Stream indices delivered so far."""
+        done = np.ones(self.frontier, dtype=bool)
+        done[self.slots[self.slots >= 0]] = False
+        return np.flatnonzero(done)
+
+
+def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) -> BufferPoint:
+    """Replay ``shuffle_buffer`` over a stream of ``n`` items, on indices, for ``delivered``
+    outputs. Mirrors it draw for draw; tests check the two agree."""
+    if size <= 1:
+        return BufferPoint(np.empty(0, np.int64), delivered, 0, 0)
+    fill = min(n, size)
+    total_steps = n - size if n >= size else 0
+    steps = min(delivered, total_steps)
+    blocks = -(-steps // 4096) if steps else 0
+    draws = np.concatenate([draw_block(rng, size) for _ in range(blocks)] or [np.empty(0, int)])
+    last = np.full(fill, -1, dtype=np.int64)
+    np.maximum.at(last, draws[:steps], np.arange(steps, dtype=np.int64))
+    slots = np.where(last >= 0, size + last, np.arange(fill, dtype=np.int64))
+    flushed = delivered - steps
+    if flushed:
+        slots[rng.permutation(fill)[:flushed]] = -1
+    return BufferPoint(slots, fill + steps, steps, flushed)
+
+
+def _segment_rng(layout: EpochLayout, rank: int, worker: int, segment: int):
+    return buffer_rng(layout.seed, layout.epoch, rank, worker, segment)
+
+
+def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndarray:
+    """The epoch positions the last segment splits: everything for the first, then for each
+    frozen segment what its world planned and did not deliver, in epoch stream order."""
+    stream = np.arange(layout.total, dtype=np.int64)
+    for number, seg in enumerate(segments[:-1]):
+        total = len(stream)
+        planned = np.zeros(total, dtype=bool)
+        planned[: layout.planned(total, seg.world_size)] = True
+        consumed = np.zeros(total, dtype=bool)
+        for rank in range(seg.world_size):
+            for w in range(seg.num_workers):
+                lo, hi = layout.span(total, rank, seg.world_size, w, seg.num_workers)
+                idx = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
+                c = min(seg.delivered[w], hi - lo)
+                rng = _segment_rng(layout, rank, w, number)
+                consumed[idx[buffer_point(hi - lo, layout.buffered, rng, c).consumed()]] = True
+        stream = stream[planned & ~consumed]
+    return stream
+
+
+def positions_to_slices(
+    layout: EpochLayout, positions: np.ndarray
+) -> tuple[list[ShardSlice], np.ndarray]:
+    """Slices that read ``positions`` (epoch stream positions) in the given order, and a mask
+    over the records they yield of those wanted (small holes are read through, not sought)."""
+    if not len(positions):
+        return [], np.zeros(0, dtype=bool)
+    shard_at = np.searchsorted(layout.ends, positions, side="right")
+    first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.order[shard_at]]
+    offsets = positions - first
+    step = np.diff(positions)
+    cut = (np.diff(shard_at) != 0) | (step < 1) | (step > _MERGE_GAP)
+    starts = np.concatenate(([0], np.flatnonzero(cut) + 1))
+    stops = np.concatenate((starts[1:], [len(positions)]))
+    slices, masks = [], []
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        lo, hi = int(offsets[a]), int(offsets[b - 1]) + 1
+        slices.append(ShardSlice(int(layout.order[shard_at[a]]), lo, hi))
+        mask = np.zeros(hi - lo, dtype=bool)
+        mask[offsets[a:b] - lo] = True
+        masks.append(mask)
+    return slices, np.concatenate(masks)
+
+
+# --- one worker's iteration -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """How a resumed worker's records become the shuffle buffer's input: drop the records read
+    only to bridge small holes (``keep``), put the first ``len(slots)`` kept ones in their buffer
+    slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
+
+    keep: np.ndarray
+    slots: list[int]
+    fill: int
+
+
+def arrange(records: Iterable[Record], how: Arrangement) -> Iterator[Record | None]:
+    it = iter(records)
+    holes = np.flatnonzero(~how.keep)
+    checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
+    kept = itertools.chain(
+        itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
+    )
+    if how.fill:
+        buf: list[Record | None] = [None] * how.fill
+        for slot, rec in zip(how.slots, kept, strict=False):
+            buf[slot] = rec
+        yield from buf
+    yield from kept
+
+
+@dataclass
+class Progress:
+    """The live count of one worker's deliveries, from which ``state_dict`` is written."""
+
+    state: EpochState
+    worker: int  # the plan worker this process plays
+    in_worker: bool  # a DataLoader worker: it knows only its own count
+    delivered: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    def snapshot(self) -> EpochState:
+        seg = self.state.segments[-1]
+        counts = [None if self.in_worker else c for c in seg.delivered]
+        counts[self.worker] = self.delivered
+        last = replace(seg, delivered=tuple(counts))
+        return replace(self.state, segments=self.state.segments[:-1] + (last,))
+
+
+def count_delivered(records: Iterable, progress: Progress) -> Iterator:
+    """Count what leaves the shuffle buffer (before decoding, so skipped samples count too)."""
+    for rec in records:
+        progress.delivered += 1
+        yield rec
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What one worker reads and how: the pipeline in ShardDataset.__iter__ follows it."""
+
+    slices: list[ShardSlice]
+    rng: np.random.Generator
+    buffer: tuple[int, int]
+    arrangement: Arrangement | None
+    progress: Progress
+
+
+def worker_plan(
+    layout: EpochLayout,
+    world: World,
+    facts: dict,
+    state: EpochState | None = None,
+    *,
+    in_worker: bool = False,
+) -> WorkerPlan:
+    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given."""
+    if state is None:
+        slices = plan_epoch(
+            layout.counts,
+            layout.order,
+            rank=world.rank,
+            world_size=world.world_size,
+            worker=world.worker,
+            num_workers=world.num_workers,
+            equalize=layout.equalize,
+            batch_size=layout.batch_size,
+        )
+        start = EpochState.start(
+            layout.epoch, world.rank, facts, world.world_size, world.num_workers
+        )
+        rng = buffer_rng(layout.seed, layout.epoch, world.rank, world.worker)
+        return WorkerPlan(slices, rng, (0, 0), None, Progress(start, world.worker, in_worker))
+    state = replace(state.on_world(world.world_size, world.num_workers), rank=world.rank)
+    seg, number = state.segments[-1], len(state.segments) - 1
+    stream = segment_streams(layout, state.segments)
+    total = len(stream)
+    worker = (seg.slot0 + world.worker) % world.num_workers
+    lo, hi = layout.span(total, world.rank, world.world_size, worker, world.num_workers)
+    n = hi - lo
+    done = seg.delivered[worker]
+    if done is None:
+        raise InputError(
+            f"state holds no count for DataLoader worker {worker}: it was saved by another "
+            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
+        )
+    done = min(done, n)
+    size = layout.buffered
+    point = buffer_point(n, size, _segment_rng(layout, world.rank, worker, number), done)
+    held = np.flatnonzero(point.slots >= 0)
+    by_position = np.argsort(point.slots[held], kind="stable")
+    wanted = np.concatenate(
+        (point.slots[held][by_position], np.arange(point.frontier, n, dtype=np.int64))
+    )
+    positions = stream[(lo + wanted) % max(total, 1)] if total else wanted
+    slices, keep = positions_to_slices(layout, positions)
+    how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
+    rng = _segment_rng(layout, world.rank, worker, number)
+    progress = Progress(state, worker, in_worker, done)
+    return WorkerPlan(slices, rng, (point.steps, point.flushed), how, progress)
+
+
+# --- a whole rank's position from a batch count ------------------------------------------------
+
+
+def round_robin(batches: Sequence[int], k: int) -> tuple[list[int], int]:
+    """How many of ``k`` batches come from each DataLoader worker, and whose batch is next.
+
+    A DataLoader over an IterableDataset asks its workers in turn and skips those that are
+    exhausted, so the first k batches are this fixed deal.
+    """
+    taken = [0] * len(batches)
+    while True:
+        active = [i for i, b in enumerate(batches) if b > taken[i]]
+        if k == 0:
+            return taken, (active[0] if active else 0)
+        if not active:
+            raise InputError(
+                f"batches is {sum(taken) + k}, but this rank has only {sum(batches)} batches "
+                "left in the epoch; pass the batches delivered since the loop started"
+            )
+        m = min(batches[i] - taken[i] for i in active)
+        if k >= m * len(active):
+            for i in active:
+                taken[i] += m
+            k -= m * len(active)
+        else:
+            rounds, extra = divmod(k, len(active))
+            for j, i in enumerate(active):
+                taken[i] += rounds + (j < extra)
+            return taken, active[extra]
+
+
+def rank_state(
+    layout: EpochLayout,
+    facts: dict,
+    base: EpochState | None,
+    *,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    batches: int,
+) -> EpochState:
+    """The state after a DataLoader with ``num_workers`` workers delivered ``batches`` batches of
+    ``batch_size`` from ``base`` (the loaded state, or the epoch's start)."""
+    if base is None:
+        base = EpochState.start(layout.epoch, rank, facts, world_size, num_workers)
+    state = replace(base.on_world(world_size, num_workers), rank=rank)
+    seg = state.segments[-1]
+    if any(c is None for c in seg.delivered):
+        raise InputError("state holds one DataLoader worker's count; it cannot be advanced here")
+    total = len(segment_streams(layout, state.segments))
+    left, plays = [], []
+    for slot in range(num_workers):
+        w = (seg.slot0 + slot) % num_workers
+        lo, hi = layout.span(total, rank, world_size, w, num_workers)
+        plays.append(w)
+        left.append(max(0, hi - lo - seg.delivered[w]))
+    taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
+    delivered = list(seg.delivered)
+    for slot, w in enumerate(plays):
+        delivered[w] += min(taken[slot] * batch_size, left[slot])
+    last = Segment(world_size, num_workers, tuple(delivered), plays[nxt])
+    return replace(state, segments=state.segments[:-1] + (last,))
+
+
+def merge_worker_states(states: Iterable[dict]) -> dict:
+    """One rank's state from its DataLoader workers' states (e.g. the ``dataset_state`` of each
+    worker snapshot in a StatefulDataLoader's state), so it can resume on another world."""
+    merged = None
+    for st in states:
+        if merged is None:
+            merged = json.loads(json.dumps(st))
+            continue
+        for seg, other in zip(merged["segments"][-1:], st["segments"][-1:], strict=False):
+            for i, c in enumerate(other["delivered"]):
+                if c is not None:
+                    seg["delivered"][i] = c
+    if merged is None:
+        raise InputError("no worker states to merge")
+    return merged
