@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from .errors import InputError, SampleError, ShardkitError
 from .formats import FORMATS
 from .images import IMAGE_EXTENSIONS, decode_image
-from .records import ShardSlice
+from .records import Record, ShardSlice
 from .resume import (
     EpochLayout,
     EpochState,
@@ -176,7 +176,6 @@ class ShardDataset(IterableDataset):
             shuffle=self.shuffle,
             buffer_size=self.buffer_size,
             equalize=self.equalize,
-            batch_size=self.batch_size,
         )
         self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
         self._resume_token = 0
@@ -204,8 +203,11 @@ class ShardDataset(IterableDataset):
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
 
-    def plan(self, world: World | None = None, epoch: int | None = None) -> list[ShardSlice]:
-        """The slices one worker reads in an epoch (default: the caller's, current epoch)."""
+    def plan(
+        self, world: World | None = None, epoch: int | None = None, batch_size: int | None = None
+    ) -> list[ShardSlice]:
+        """The slices one worker reads in an epoch (default: the caller's, current epoch);
+        ``batch_size`` cuts worker parts at its multiples (``stream.worker_span``)."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
         order = shard_order(len(self.urls), self.seed, epoch, self.shuffle)
@@ -217,7 +219,7 @@ class ShardDataset(IterableDataset):
             worker=world.worker,
             num_workers=world.num_workers,
             equalize=self.equalize,
-            batch_size=self.batch_size,
+            batch_size=batch_size or self.batch_size,
         )
 
     def _start_epoch(self, world: World) -> int:
@@ -239,22 +241,7 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
-        in_worker = get_worker_info() is not None
-        if in_worker:
-            self._state[_IN_WORKERS] = 1
-        plan = worker_plan(
-            self._layout(epoch), world, self._facts, self._take_resume(world, epoch),
-            in_worker=in_worker,
-        )  # fmt: skip
-        self._progress = plan.progress
-        records = read_slices(
-            plan.slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
-        )
-        if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
-            records = arrange(records, plan.arrangement)
-        if self.shuffle and self.buffer_size > 1:
-            records = shuffle_buffer(records, self.buffer_size, plan.rng, resume=plan.buffer)
-        records = count_delivered(records, plan.progress)
+        records = self.records(world, epoch)
         samples = decode_records(
             records,
             self.decode,
@@ -265,6 +252,30 @@ class ShardDataset(IterableDataset):
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
         return samples
+
+    def records(
+        self, world: World, epoch: int, batch_size: int | None = None
+    ) -> Iterator[Record]:
+        """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->
+        read -> (resumed: arrange) -> shuffle buffer -> count. ``batch_size`` (default: the
+        dataset's) cuts worker parts at whole batches. A loaded state is continued once per
+        worker; what leaves the buffer is counted for ``state_dict``."""
+        in_worker = get_worker_info() is not None
+        if in_worker:
+            self._state[_IN_WORKERS] = 1
+        plan = worker_plan(
+            self._layout(epoch), world, self._facts, self._take_resume(world, epoch),
+            batch_size=batch_size or self.batch_size, in_worker=in_worker,
+        )  # fmt: skip
+        self._progress = plan.progress
+        records = read_slices(
+            plan.slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+        )
+        if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
+            records = arrange(records, plan.arrangement)
+        if self.shuffle and self.buffer_size > 1:
+            records = shuffle_buffer(records, self.buffer_size, plan.rng, resume=plan.buffer)
+        return count_delivered(records, plan.progress)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -294,7 +305,7 @@ class ShardDataset(IterableDataset):
             state = rank_state(
                 self._layout(epoch), self._facts, resume, rank=self.rank,
                 world_size=self.world_size, num_workers=max(1, num_workers),
-                batch_size=size, batches=batches,
+                batch_size=size, batches=batches, cut=self.batch_size,
             )  # fmt: skip
             return state.to_dict()
         progress = self._progress
@@ -308,14 +319,15 @@ class ShardDataset(IterableDataset):
                 "and this process cannot see how far; pass batches= and num_workers= (and "
                 "batch_size=), or use torchdata's StatefulDataLoader or shardkit.ShardLoader"
             )
-        return EpochState.start(epoch, self.rank, self._facts, self.world_size).to_dict()
+        start = EpochState.start(epoch, self.rank, self._facts, self.world_size)
+        return start.to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the epoch ``state`` was saved in, from where it stood, on the next iteration:
         no ``set_epoch`` needed. A state from another world size re-splits what is left."""
         parsed = EpochState.from_dict(state, self._facts)
         if parsed.segments[-1].world_size != self.world_size:
-            parsed.on_world(self.world_size, 1)  # raises now if it cannot re-split
+            parsed.on_world(self.world_size, 1, None)  # raises now if it cannot re-split
         self._state[_EPOCH] = parsed.epoch
         self._state[_LAST_STARTED] = -1
         self._resume = parsed
@@ -334,9 +346,8 @@ class ShardDataset(IterableDataset):
 
     def _layout(self, epoch: int) -> EpochLayout:
         return EpochLayout(
-            self.counts, self.seed, epoch, self.shuffle, self.buffer_size, self.equalize,
-            self.batch_size,
-        )  # fmt: skip
+            self.counts, self.seed, epoch, self.shuffle, self.buffer_size, self.equalize
+        )
 
     def _skip_counter(self, worker: int) -> Callable[[], None]:
         state, slot = self._state, _SKIPPED + worker % _SKIP_SLOTS

@@ -29,7 +29,7 @@ import numpy as np
 from .errors import InputError
 from .records import Record, ShardSlice
 from .shuffle import buffer_rng, draw_block, shard_order
-from .stream import plan_epoch, worker_span
+from .stream import _rank_span, plan_epoch, worker_span
 from .world import World
 
 __all__ = [
@@ -61,6 +61,7 @@ _MERGE_GAP = 64
 class Segment:
     """Part of an epoch played on one world.
 
+    ``batch_size``: the multiple worker parts were cut at (None: not cut at batches).
     ``delivered[w]``: samples worker w's stream has delivered (None where unknown: a DataLoader
     worker knows only its own). ``slot0``: the plan worker that DataLoader worker 0 plays, so that
     a DataLoader, whose round robin always starts at worker 0, continues where the old one was.
@@ -68,8 +69,12 @@ class Segment:
 
     world_size: int
     num_workers: int
+    batch_size: int | None
     delivered: tuple[int | None, ...]
     slot0: int = 0
+
+    def world(self) -> tuple[int, int, int | None]:
+        return self.world_size, self.num_workers, self.batch_size
 
     def fresh(self) -> bool:
         return all(c == 0 for c in self.delivered)
@@ -94,6 +99,7 @@ class EpochState:
                 {
                     "world_size": s.world_size,
                     "num_workers": s.num_workers,
+                    "batch_size": s.batch_size,
                     "slot0": s.slot0,
                     "delivered": list(s.delivered),
                 }
@@ -102,9 +108,18 @@ class EpochState:
         }
 
     @classmethod
-    def start(cls, epoch: int, rank: int, dataset: dict, world_size: int, num_workers: int = 1):
+    def start(
+        cls,
+        epoch: int,
+        rank: int,
+        dataset: dict,
+        world_size: int,
+        num_workers: int = 1,
+        batch_size: int | None = None,
+    ) -> EpochState:
         """The state at the start of an epoch: nothing delivered."""
-        return cls(epoch, rank, dataset, (Segment(world_size, num_workers, (0,) * num_workers),))
+        first = Segment(world_size, num_workers, batch_size, (0,) * num_workers)
+        return cls(epoch, rank, dataset, (first,))
 
     @classmethod
     def from_dict(cls, state, facts: dict) -> EpochState:
@@ -143,11 +158,13 @@ class EpochState:
             raise InputError("state is malformed (no segments); pass what ds.state_dict() returned")
         return cls(epoch, rank, dict(saved), segments)
 
-    def on_world(self, world_size: int, num_workers: int) -> EpochState:
+    def on_world(
+        self, world_size: int, num_workers: int, batch_size: int | None = None
+    ) -> EpochState:
         """This state continued on a (possibly) different world: same world, same segment;
         else the current segment is frozen and a fresh one starts (elastic resume)."""
         cur = self.segments[-1]
-        if (cur.world_size, cur.num_workers) == (world_size, num_workers):
+        if cur.world() == (world_size, num_workers, batch_size):
             return self
         segments = self.segments[:-1] if cur.fresh() else self.segments
         if any(c is None for c in cur.delivered):
@@ -157,9 +174,8 @@ class EpochState:
                 "whole rank's state: ShardLoader.state_dict(), ds.state_dict(batches=...), or "
                 "shardkit.resume.merge_worker_states"
             )
-        return replace(
-            self, segments=segments + (Segment(world_size, num_workers, (0,) * num_workers),)
-        )
+        fresh = Segment(world_size, num_workers, batch_size, (0,) * num_workers)
+        return replace(self, segments=segments + (fresh,))
 
 
 def _nonneg(value) -> int:
@@ -171,10 +187,11 @@ def _nonneg(value) -> int:
 def _segment(d: dict) -> Segment:
     world_size, num_workers = _nonneg(d["world_size"]), _nonneg(d["num_workers"])
     slot0 = _nonneg(d.get("slot0", 0))
+    batch_size = None if d.get("batch_size") is None else _nonneg(d["batch_size"])
     delivered = tuple(None if c is None else _nonneg(c) for c in d["delivered"])
     if world_size < 1 or num_workers < 1 or len(delivered) != num_workers or slot0 >= num_workers:
         raise ValueError(f"segment {d!r} is inconsistent")
-    return Segment(world_size, num_workers, delivered, slot0)
+    return Segment(world_size, num_workers, batch_size or None, delivered, slot0)
 
 
 def dataset_facts(
@@ -186,7 +203,6 @@ def dataset_facts(
     shuffle: bool,
     buffer_size: int,
     equalize: str,
-    batch_size: int | None,
 ) -> dict:
     """What a state must agree on with the dataset it is loaded into.
 
@@ -202,7 +218,6 @@ def dataset_facts(
         "shuffle": bool(shuffle),
         "buffer_size": int(buffer_size),
         "equalize": equalize,
-        "batch_size": batch_size,
         "fingerprint": hashlib.sha256(blob).hexdigest()[:32],
     }
 
@@ -220,7 +235,6 @@ class EpochLayout:
     shuffle: bool
     buffer_size: int
     equalize: str
-    batch_size: int | None
     order: np.ndarray = field(init=False)
     ends: np.ndarray = field(init=False)
 
@@ -238,16 +252,11 @@ class EpochLayout:
         """The buffer size in effect (0: no buffer)."""
         return self.buffer_size if self.shuffle and self.buffer_size > 1 else 0
 
-    def span(self, total: int, rank: int, world_size: int, worker: int, num_workers: int):
-        return worker_span(
-            total,
-            rank=rank,
-            world_size=world_size,
-            worker=worker,
-            num_workers=num_workers,
-            equalize=self.equalize,
-            batch_size=self.batch_size,
-        )
+    def span(self, total: int, rank: int, seg: Segment, worker: int) -> tuple[int, int]:
+        """[lo, hi) of a worker's part of a stream of ``total`` (past ``total``: wraps)."""
+        start, stop = _rank_span(total, rank, seg.world_size, self.equalize)
+        lo, hi = worker_span(stop - start, worker, seg.num_workers, seg.batch_size)
+        return start + lo, start + hi
 
     def planned(self, total: int, world_size: int) -> int:
         """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
@@ -308,7 +317,7 @@ def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndar
         consumed = np.zeros(total, dtype=bool)
         for rank in range(seg.world_size):
             for w in range(seg.num_workers):
-                lo, hi = layout.span(total, rank, seg.world_size, w, seg.num_workers)
+                lo, hi = layout.span(total, rank, seg, w)
                 idx = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
                 c = min(seg.delivered[w], hi - lo)
                 rng = _segment_rng(layout, rank, w, number)
@@ -415,9 +424,11 @@ def worker_plan(
     facts: dict,
     state: EpochState | None = None,
     *,
+    batch_size: int | None = None,
     in_worker: bool = False,
 ) -> WorkerPlan:
-    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given."""
+    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given;
+    ``batch_size``: cut worker parts at its multiples (``stream.worker_span``)."""
     if state is None:
         slices = plan_epoch(
             layout.counts,
@@ -427,19 +438,20 @@ def worker_plan(
             worker=world.worker,
             num_workers=world.num_workers,
             equalize=layout.equalize,
-            batch_size=layout.batch_size,
+            batch_size=batch_size,
         )
         start = EpochState.start(
-            layout.epoch, world.rank, facts, world.world_size, world.num_workers
+            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
         )
         rng = buffer_rng(layout.seed, layout.epoch, world.rank, world.worker)
         return WorkerPlan(slices, rng, (0, 0), None, Progress(start, world.worker, in_worker))
-    state = replace(state.on_world(world.world_size, world.num_workers), rank=world.rank)
+    state = state.on_world(world.world_size, world.num_workers, batch_size)
+    state = replace(state, rank=world.rank)
     seg, number = state.segments[-1], len(state.segments) - 1
     stream = segment_streams(layout, state.segments)
     total = len(stream)
     worker = (seg.slot0 + world.worker) % world.num_workers
-    lo, hi = layout.span(total, world.rank, world.world_size, worker, world.num_workers)
+    lo, hi = layout.span(total, world.rank, seg, worker)
     n = hi - lo
     done = seg.delivered[worker]
     if done is None:
@@ -504,12 +516,14 @@ def rank_state(
     num_workers: int,
     batch_size: int,
     batches: int,
+    cut: int | None = None,
 ) -> EpochState:
     """The state after a DataLoader with ``num_workers`` workers delivered ``batches`` batches of
-    ``batch_size`` from ``base`` (the loaded state, or the epoch's start)."""
+    ``batch_size`` from ``base`` (the loaded state, or the epoch's start); ``cut``: the batch
+    size worker parts are cut at (the dataset's ``batch_size``; None: not cut)."""
     if base is None:
-        base = EpochState.start(layout.epoch, rank, facts, world_size, num_workers)
-    state = replace(base.on_world(world_size, num_workers), rank=rank)
+        base = EpochState.start(layout.epoch, rank, facts, world_size, num_workers, cut)
+    state = replace(base.on_world(world_size, num_workers, cut), rank=rank)
     seg = state.segments[-1]
     if any(c is None for c in seg.delivered):
         raise InputError("state holds one DataLoader worker's count; it cannot be advanced here")
@@ -517,14 +531,14 @@ def rank_state(
     left, plays = [], []
     for slot in range(num_workers):
         w = (seg.slot0 + slot) % num_workers
-        lo, hi = layout.span(total, rank, world_size, w, num_workers)
+        lo, hi = layout.span(total, rank, seg, w)
         plays.append(w)
         left.append(max(0, hi - lo - seg.delivered[w]))
     taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
     delivered = list(seg.delivered)
     for slot, w in enumerate(plays):
         delivered[w] += min(taken[slot] * batch_size, left[slot])
-    last = Segment(world_size, num_workers, tuple(delivered), plays[nxt])
+    last = replace(seg, delivered=tuple(delivered), slot0=plays[nxt])
     return replace(state, segments=state.segments[:-1] + (last,))
 
 

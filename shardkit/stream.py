@@ -25,8 +25,8 @@ __all__ = [
     "EQUALIZE_MODES",
     "DECODE_MODES",
     "rank_samples",
-    "plan_epoch",
     "worker_span",
+    "plan_epoch",
     "read_slices",
     "decode_records",
     "apply_transforms",
@@ -59,29 +59,27 @@ def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
 
 
 def worker_span(
-    total: int,
-    *,
-    rank: int,
-    world_size: int,
-    worker: int,
-    num_workers: int,
-    equalize: str = "pad",
-    batch_size: int | None = None,
+    length: int, worker: int, num_workers: int, batch_size: int | None = None
 ) -> tuple[int, int]:
-    """[lo, hi) of worker ``worker``'s part of the epoch stream (positions past ``total`` wrap).
+    """[lo, hi) of worker ``worker``'s contiguous part of a rank part of ``length`` samples.
 
-    With ``batch_size`` the rank part is cut at multiples of it: whole batches are dealt to the
-    workers, so only the rank's last batch can be partial and a DataLoader over the workers yields
-    exactly ceil(len / batch_size) batches, which is the ``len(loader)`` it reports.
+    ``batch_size`` None: parts differ by at most one sample. Otherwise parts are cut at multiples
+    of ``batch_size`` the way a DataLoader draws batches from an IterableDataset's workers: batch
+    k of the rank comes from worker ``k % num_workers``, only the rank's last batch is short,
+    so the rank yields exactly ceil(length / batch_size) batches (not up to one short batch per
+    worker) and ranks with equal ``length`` take equal steps.
     """
-    start, stop = _rank_span(total, rank, world_size, equalize)
-    length = stop - start
-    if batch_size:
-        batches = -(-length // batch_size)
-        lo = min(length, worker * batches // num_workers * batch_size)
-        hi = min(length, (worker + 1) * batches // num_workers * batch_size)
-        return start + lo, start + hi
-    return start + worker * length // num_workers, start + (worker + 1) * length // num_workers
+    if not batch_size:
+        return worker * length // num_workers, (worker + 1) * length // num_workers
+    batches = -(-length // batch_size)
+    short_owner = (batches - 1) % num_workers  # holds the rank's last, possibly short, batch
+    deficit = batches * batch_size - length
+
+    def start(w: int) -> int:
+        full = sum((batches - v + num_workers - 1) // num_workers for v in range(w))
+        return full * batch_size - (deficit if short_owner < w else 0)
+
+    return start(worker), start(worker + 1)
 
 
 def plan_epoch(
@@ -101,24 +99,18 @@ def plan_epoch(
     ``world_size`` contiguous rank parts (``equalize``: "pad" gives every rank ceil(N/W) samples,
     the surplus re-read from the start of the stream; "drop" gives floor(N/W), the tail unread;
     "none" gives parts differing by at most one), then each rank part into ``num_workers``
-    contiguous worker parts whose sizes differ by at most one and are the same on every rank.
-    Parts are cut at sample boundaries, not shard boundaries, so a single shard can feed many
-    workers and no worker idles while another has work. ``batch_size`` cuts worker parts at
-    whole batches (see ``worker_span``).
+    contiguous worker parts whose sizes differ by at most one and are the same on every rank
+    (with ``batch_size``, cut at multiples of it: see ``worker_span``). Parts are cut at sample
+    boundaries, not shard boundaries, so a single shard can feed many workers and no worker idles
+    while another has work.
     """
     counts = np.asarray(counts, dtype=np.int64)
     order = np.asarray(order, dtype=np.int64)
     ordered = counts[order]
     total = int(ordered.sum())
-    lo, hi = worker_span(
-        total,
-        rank=rank,
-        world_size=world_size,
-        worker=worker,
-        num_workers=num_workers,
-        equalize=equalize,
-        batch_size=batch_size,
-    )
+    start, stop = _rank_span(total, rank, world_size, equalize)
+    lo, hi = worker_span(stop - start, worker, num_workers, batch_size)
+    lo, hi = start + lo, start + hi
     if lo >= hi:
         return []
     ends = np.cumsum(ordered)  # ends[i]: stream position just after the i-th shard read

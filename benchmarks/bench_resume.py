@@ -1,0 +1,105 @@
+"""Time to the first batch after resuming mid-epoch vs at the start of a fresh epoch.
+
+Resuming recomputes the position from sample indices and seeks (shardkit.resume), so it should
+cost about what starting an epoch costs, wherever in the epoch it resumes. Both are measured side
+by side, interleaved, through a real DataLoader with worker processes (their start-up counted in
+both), on shards in page cache. For scale, one run also times what a loader without resume
+support does: iterate and discard the consumed batches (torchdata's "naive fast-forward").
+
+    shardkit synth lfw /tmp/lfw && shardkit pack /tmp/lfw /tmp/lfw-tar --shard-size 16MB
+    python benchmarks/bench_resume.py /tmp/lfw-tar --at 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from torch.utils.data import DataLoader
+
+from shardkit import ShardDataset
+
+
+def first_batch(ds: ShardDataset, args) -> float:
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    dt = time.perf_counter() - t0
+    del it
+    return dt
+
+
+def make(args) -> ShardDataset:
+    return ShardDataset(args.shards, decode="tensor", seed=0, batch_size=args.batch_size)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shards", help="shard directory (e.g. packed LFW)")
+    p.add_argument("--at", type=float, default=0.9, help="resume point, fraction of the epoch")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--epoch", type=int, default=3)
+    p.add_argument("--no-naive", action="store_true", help="skip the fast-forward reference")
+    args = p.parse_args()
+
+    for name in sorted(os.listdir(args.shards)):  # page cache: measure the loader, not the disk
+        with open(os.path.join(args.shards, name), "rb") as f:
+            while f.read(1 << 24):
+                pass
+    probe = make(args)
+    batches = -(-len(probe) // args.batch_size)
+    k = int(batches * args.at)
+    probe.set_epoch(args.epoch)
+    state = probe.state_dict(batches=k, num_workers=args.workers)
+    load_before = os.getloadavg()
+
+    fresh, resumed = [], []
+    for _ in range(args.repeats):
+        ds = make(args)
+        ds.set_epoch(args.epoch)
+        fresh.append(first_batch(ds, args))
+        ds = make(args)
+        ds.load_state_dict(state)
+        resumed.append(first_batch(ds, args))
+    naive = None
+    if not args.no_naive:
+        ds = make(args)
+        ds.set_epoch(args.epoch)
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+        t0 = time.perf_counter()
+        it = iter(loader)
+        for _ in range(k + 1):
+            next(it)
+        naive = time.perf_counter() - t0
+        del it
+    load_after = os.getloadavg()
+
+    f_med, r_med = statistics.median(fresh), statistics.median(resumed)
+    print(f"{probe!r}")
+    print(
+        f"resume after {k} of {batches} batches ({args.at:.0%}), batch {args.batch_size}, "
+        f"{args.workers} workers, {args.repeats} interleaved repeats"
+    )
+    print(f"first batch, fresh epoch:   median {f_med * 1000:7.1f} ms  {_ms(fresh)}")
+    print(f"first batch, resumed epoch: median {r_med * 1000:7.1f} ms  {_ms(resumed)}")
+    print(f"resumed / fresh = {r_med / f_med:.2f}x")
+    if naive is not None:
+        print(f"fast-forward by iterating (one run): {naive * 1000:,.0f} ms = {naive / r_med:.0f}x")
+    print(f"load average before {_load(load_before)}, after {_load(load_after)}")
+
+
+def _ms(values) -> str:
+    return "[" + ", ".join(f"{v * 1000:.0f}" for v in values) + "] ms"
+
+
+def _load(avg) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
+
+
+if __name__ == "__main__":
+    main()
