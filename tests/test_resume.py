@@ -24,7 +24,7 @@ from shardkit.errors import InputError
 from shardkit.formats import get_format
 from shardkit.manifest import read_manifest
 from shardkit.packer import pack
-from shardkit.resume import buffer_point, round_robin
+from shardkit.resume import buffer_point, merge_worker_states, round_robin
 from shardkit.shuffle import rng_for, shuffle_buffer
 from shardkit.storage import LocalStorage
 
@@ -263,6 +263,27 @@ def test_elastic_resume_keeps_ranks_in_step(data, old, new):
     counts = Counter(before + after)
     assert len(counts) == N
     assert sum(c - 1 for c in counts.values()) < old + new
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_states_merged_for_a_resize(data, num_workers):
+    kw = dict(buffer_size=40, equalize="none", batch_size=B)
+    before, k = [], 6
+    for rank in range(3):
+        ds = _ds(data, rank=rank, world_size=3, **kw)
+        loader = StatefulDataLoader(ds, batch_size=B, num_workers=num_workers)
+        it = iter(loader)
+        before += _flat([list(next(it)[2]) for _ in range(k)])
+        if rank == 0:
+            state = merge_worker_states(_roundtrip(loader.state_dict(), "torch"))
+        del it
+    after = []
+    for rank in range(2):
+        ds = _ds(data, rank=rank, world_size=2, **kw)
+        ds.load_state_dict(state)
+        after += _flat(_batches(DataLoader(ds, batch_size=B, num_workers=2)))
+    counts = Counter(before + after)
+    assert len(counts) == N and set(counts.values()) == {1}
 
 
 def test_elastic_twice_and_back(data):
