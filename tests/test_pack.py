@@ -140,7 +140,8 @@ def test_invalid_shard_size_cli_exit_code(tree, tmp_path):
     r = run_cli("pack", src, tmp_path / "out", "--shard-size", "12XB")
     assert r.returncode == 2
     assert r.stderr.strip() == (
-        "error: invalid --shard-size '12XB'; use e.g. 256MB, 64MiB, 1G or a plain number of bytes"
+        "error: Invalid value for '--shard-size': '12XB' is not a size; use e.g. 256MB, 64MiB, 1G "
+        "or a plain number of bytes; see 'python -m shardkit.cli pack -h'"
     )
     assert not (tmp_path / "out").exists()
 
@@ -320,7 +321,7 @@ def test_corrupt_image_fail_names_the_path(tree, tmp_path):
     assert str(src / "cat" / "cat_0001.jpg") in str(err.value)
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert [n for n in os.listdir(tmp_path / "out") if n.startswith("shard-")] == []
-    r = run_cli("pack", src, tmp_path / "out2", "--on-error", "fail", "-q")
+    r = run_cli("pack", src, tmp_path / "out2", "--on-error", "raise", "-q")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.splitlines() == [
         f"error: {src / 'cat' / 'cat_0001.jpg'}: truncated JPEG (no end-of-image marker); remove "
@@ -429,7 +430,7 @@ def test_unreadable_file_permission_denied(tree, tmp_path):
     reasons = {s.path: s.reason for s in read_manifest(str(tmp_path / "out")).skipped}
     assert reasons == {"cat/cat_0002.jpg": "unreadable: Permission denied"}
     assert read_manifest(str(tmp_path / "out")).num_samples == len(files) - 1
-    r = run_cli("pack", src, tmp_path / "out2", "-q", "--on-error", "fail", **kw)
+    r = run_cli("pack", src, tmp_path / "out2", "-q", "--on-error", "raise", **kw)
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
         f"error: {locked}: unreadable: Permission denied; remove or fix it, or pass --on-error skip"
