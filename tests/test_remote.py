@@ -18,7 +18,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto.server")
 
-from remote_servers import (  # noqa: E402
+from remote_servers import (
     FAKE_KEY,
     FAKE_SECRET,
     FaultProxy,
@@ -26,8 +26,8 @@ from remote_servers import (  # noqa: E402
     S3Server,
 )
 
-from shardkit.errors import InputError, StorageError  # noqa: E402
-from shardkit.remote import (  # noqa: E402
+from shardkit.errors import InputError, StorageError
+from shardkit.remote import (
     Expected,
     FetchStats,
     MissingObjectError,
@@ -41,7 +41,7 @@ from shardkit.remote import (  # noqa: E402
     redact,
     upload_file,
 )
-from shardkit.remote.prefetch import Prefetcher  # noqa: E402
+from shardkit.remote.prefetch import Prefetcher
 
 FAST = RetryPolicy(retries=4, backoff=0.01, max_backoff=0.05)
 SIZE = 600_000

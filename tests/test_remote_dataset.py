@@ -19,8 +19,8 @@ pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto.server")
 
-from PIL import Image  # noqa: E402
-from remote_servers import (  # noqa: E402
+from PIL import Image
+from remote_servers import (
     FAKE_KEY,
     FAKE_SECRET,
     FaultProxy,
@@ -28,12 +28,12 @@ from remote_servers import (  # noqa: E402
     S3Server,
     free_env,
 )
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader
 
-from shardkit.dataset import ShardDataset  # noqa: E402
-from shardkit.errors import OutputError, StorageError  # noqa: E402
-from shardkit.pack import pack  # noqa: E402
-from shardkit.remote import ShardCache, pack_to_url  # noqa: E402
+from shardkit.dataset import ShardDataset
+from shardkit.errors import OutputError, StorageError
+from shardkit.pack import pack
+from shardkit.remote import ShardCache, pack_to_url
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -194,7 +194,7 @@ def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, buck
                 shuffle=False,
             )
             results[rank] = _keys(ds, num_workers=2)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
