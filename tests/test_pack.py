@@ -18,6 +18,7 @@ import warnings
 import lmdb
 import numpy as np
 import pytest
+from conftest import run_cli
 from PIL import Image
 
 from shardkit.errors import InputError, OutputError
@@ -87,16 +88,6 @@ def shard_files(out) -> dict[str, bytes]:
         for n in sorted(os.listdir(out))
         if n.startswith("shard-")
     }
-
-
-def run_cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **kw,
-    )
 
 
 @pytest.fixture
@@ -713,6 +704,7 @@ def _assert_nothing_final(out):
     assert [n for n in names if n.startswith("shard-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_pack_leaves_nothing_final_and_rerun_succeeds(slow_tree, tmp_path, sig):
     out = tmp_path / "out"

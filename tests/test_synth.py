@@ -370,6 +370,7 @@ def test_tools_script_makes_a_set(tmp_path):
     assert refused.returncode == 2 and refused.stderr.startswith("error: ")
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_nothing_behind(tmp_path):
     out = tmp_path / "lfw"
     proc = subprocess.Popen(
