@@ -53,7 +53,7 @@ from .workloads import (
     step,
 )
 
-__all__ = ["cores", "machine_facts", "measure_ceiling", "run_bench", "run_once"]
+__all__ = ["cores", "machine_facts", "make_loader", "measure_ceiling", "run_bench", "run_once"]
 
 
 def measure_ceiling(samples: Sequence[bytes], mode: str, seconds: float = 1.0) -> float:
@@ -91,6 +91,32 @@ def _quiet_worker_count():
         yield
 
 
+def make_loader(ds, fmt: str, workers: int, cfg: BenchConfig, epoch: int):
+    """The iterable a run times, yielding ``(images, labels, (worker, start, end))`` batches.
+
+    The one place a contender plugs in: a new entry of ``config.ALL_FORMATS`` gets its dataset
+    from ``sources.make_dataset`` and, if it batches differently than a DataLoader over that
+    dataset, its loader here (batches stamped as ``workloads.Collate`` stamps them).
+    """
+    shuffle_in_loader = fmt == "folder"
+    if shuffle_in_loader:
+        wrapped = TimedMap(ds)
+        generator = torch.Generator()
+        generator.manual_seed(cfg.seed * 1_000_003 + epoch)
+    else:
+        ds.set_epoch(epoch)
+        wrapped, generator = TimedIterable(ds), None
+    with _quiet_worker_count():
+        return DataLoader(
+            wrapped,
+            batch_size=cfg.batch_size,
+            shuffle=shuffle_in_loader,
+            generator=generator,
+            num_workers=workers,
+            collate_fn=Collate(cfg.mode),
+        )
+
+
 def run_once(
     ds,
     fmt: str,
@@ -104,23 +130,7 @@ def run_once(
     resident_before: float | None,
 ) -> tuple[RunResult, Timeline]:
     """One DataLoader run; see the module docstring for what is timed."""
-    shuffle_in_loader = fmt == "folder"
-    if shuffle_in_loader:
-        wrapped = TimedMap(ds)
-        generator = torch.Generator()
-        generator.manual_seed(cfg.seed * 1_000_003 + epoch)
-    else:
-        ds.set_epoch(epoch)
-        wrapped, generator = TimedIterable(ds), None
-    with _quiet_worker_count():
-        loader = DataLoader(
-            wrapped,
-            batch_size=cfg.batch_size,
-            shuffle=shuffle_in_loader,
-            generator=generator,
-            num_workers=workers,
-            collate_fn=Collate(cfg.mode),
-        )
+    loader = make_loader(ds, fmt, workers, cfg, epoch)
     warmup = max(1, workers)
     opens0 = storage.opens() if storage is not None else 0
     batches: list[tuple[int, float, float, float]] = []
