@@ -71,4 +71,3 @@ def run_cli(*args, **kw) -> subprocess.CompletedProcess:
         timeout=kw.pop("timeout", 120),
         **kw,
     )
-
