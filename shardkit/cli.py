@@ -69,7 +69,7 @@ class Size(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        from .pack import parse_size  # moves to shardkit.sizes
+        from .packer import parse_size  # moves to shardkit.sizes
 
         try:
             return parse_size(value)
@@ -213,7 +213,7 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwr
     """
     import warnings
 
-    from .pack import pack
+    from .packer import pack
 
     if _is_remote(out):
         from .remote import pack_to_url as pack

@@ -35,7 +35,7 @@ def packed_tree(tmp_path_factory) -> Callable[..., dict[str, str]]:
     "lmdb": ...}`` (paths as str); each format maps to its shard size in bytes, or give a list
     of formats and one ``shard_size``. Every call makes a fresh directory.
     """
-    from shardkit.pack import pack
+    from shardkit.packer import pack
 
     def make(
         n: int,

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from shardkit.pack import pack
+from shardkit.packer import pack
 
 pytestmark = pytest.mark.slow  # spawned ranks over gloo
 

@@ -62,7 +62,7 @@ def measure_ceiling(samples: Sequence[bytes], mode: str, seconds: float = 1.0) -
     ``decode``: ``decode_image(data, "tensor")``, the datasets' own decode; ``augment``: PIL
     decode then ``Augment``. No reading, no DataLoader: the best a single core can do.
     """
-    from ..stream import decode_image
+    from ..images import decode_image
 
     decode = DATASET_DECODE[mode]
     aug = Augment() if mode == "augment" else None

@@ -93,7 +93,7 @@ def _shards_for(cfg: BenchConfig, data: str | None, fmt: str, target: str) -> st
                 f"{target}: no packed dataset there; pass the image folder (data, --data) to "
                 "pack it on the fly, or point shards (--shards) at packed shards"
             )
-        from ..pack import pack
+        from ..packer import pack
 
         say(cfg, f"packing {data} into {target} ({fmt}, {cfg.shard_size} shards)")
         report = pack(data, target, format=fmt, shard_size=cfg.shard_size, progress=False)
