@@ -300,14 +300,9 @@ class ShardDataset(IterableDataset):
             size = batch_size or self.batch_size
             if not size:
                 raise InputError("state_dict(batches=...) needs batch_size= (the DataLoader's)")
-            if batches < 0:
-                raise InputError(f"batches={batches} must be >= 0")
-            state = rank_state(
-                self._layout(epoch), self._facts, resume, rank=self.rank,
-                world_size=self.world_size, num_workers=max(1, num_workers),
-                batch_size=size, batches=batches, cut=self.batch_size,
-            )  # fmt: skip
-            return state.to_dict()
+            return self.position(
+                batches, num_workers=max(1, num_workers), batch_size=size, cut=self.batch_size
+            )
         progress = self._progress
         if progress is not None and progress.epoch == epoch:
             return progress.snapshot().to_dict()
@@ -321,6 +316,21 @@ class ShardDataset(IterableDataset):
             )
         start = EpochState.start(epoch, self.rank, self._facts, self.world_size)
         return start.to_dict()
+
+    def position(self, batches: int, *, num_workers: int, batch_size: int, cut: int | None) -> dict:
+        """The state after ``batches`` batches of ``batch_size`` were dealt, DataLoader-style
+        (in turn, skipping exhausted streams), from ``num_workers`` worker streams whose parts
+        were cut at multiples of ``cut`` (``records(batch_size=cut)``), counted from the loaded
+        state or the epoch's start. ``ShardLoader.state_dict`` is this with its batch size."""
+        if batches < 0:
+            raise InputError(f"batches={batches} must be >= 0")
+        epoch = self.epoch
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        state = rank_state(
+            self._layout(epoch), self._facts, resume, rank=self.rank, world_size=self.world_size,
+            num_workers=num_workers, batch_size=batch_size, batches=batches, cut=cut,
+        )  # fmt: skip
+        return state.to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the epoch ``state`` was saved in, from where it stood, on the next iteration:
