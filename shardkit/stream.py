@@ -116,6 +116,7 @@ def read_slices(
     fmt,
     storage: Storage,
     indexes: Sequence[Sequence[int]] = (),
+    counts: Sequence[int] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
 
@@ -124,7 +125,9 @@ def read_slices(
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
-    epoch would desynchronise DDP ranks.
+    epoch would desynchronise DDP ranks. With ``counts`` (the per-shard counts the plan used), a
+    slice that ends at its shard's end reads on to the real end, and a shard holding more
+    samples than its count raises too, instead of dropping them silently.
     """
     upcoming = [urls[s.shard] for s in slices]
     for n, sl in enumerate(slices):
@@ -132,33 +135,47 @@ def read_slices(
         index = indexes[sl.shard] if indexes else ()
         storage.prefetch(upcoming[n:])  # this shard first: it is opened next
         got = 0
+        want = sl.stop - sl.start
+        to_end = bool(counts) and sl.stop == counts[sl.shard]
+        stop = None if to_end else sl.stop
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=sl.stop, index=index
+                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index
                 )
                 for rec in records:
+                    if got == want:
+                        _more_than_counted(url, sl.stop)
                     yield rec
                     got += 1
             else:
                 with storage.open(url) as stream:
                     records = fmt.iter_records(
-                        stream, shard=url, start=sl.start, stop=sl.stop, index=index
+                        stream, shard=url, start=sl.start, stop=stop, index=index
                     )
                     for rec in records:
+                        if got == want:
+                            _more_than_counted(url, sl.stop)
                         yield rec
                         got += 1
         except ShardkitError:
             raise
         except OSError as exc:
             raise StorageError(f"{url}: read failed: {exc}") from exc
-        want = sl.stop - sl.start
         if got != want:
             raise ShardFormatError(
                 f"{url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended after "
                 f"{sl.start + got}: it is shorter than its manifest or count says (truncated or "
                 "replaced after packing?); re-pack it or rebuild the manifest"
             )
+
+
+def _more_than_counted(url: str, count: int):
+    raise ShardFormatError(
+        f"{url}: the shard holds more samples than the {count} its manifest (or count) says; "
+        "the manifest belongs to another version of the shard: rebuild it (`shardkit index`) "
+        "or re-pack"
+    )
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -149,8 +149,13 @@ class TarShardWriter:
 
 
 def _octal(field: bytes, shard: str, offset: int) -> int:
-    if field[0] & 0x80:  # GNU base-256 for big numbers
+    if field[0] == 0x80:  # GNU base-256 for big numbers (0xff: negative, never valid here)
         return int.from_bytes(field[1:], "big")
+    if field[0] & 0x80:
+        raise ShardFormatError(
+            f"{shard}: corrupt tar header at byte {offset} (negative number); the shard is "
+            "damaged, re-copy or re-pack it"
+        )
     try:
         return int(field.split(b"\x00", 1)[0].strip() or b"0", 8)
     except ValueError:
@@ -160,15 +165,27 @@ def _octal(field: bytes, shard: str, offset: int) -> int:
         ) from None
 
 
-def _pax_path(data: bytes) -> bytes | None:
-    """The ``path`` record of a PAX extended header (written by tarfile for long/unicode names)."""
+def _pax_path(data: bytes, shard: str = "", offset: int = 0) -> bytes | None:
+    """The ``path`` record of a PAX extended header (written by tarfile for long/unicode names).
+
+    Every record is ``"<length> <key>=<value>\n"``; a length that is not a decimal number, does
+    not cover its own digits or runs past the data is an error: a hostile 0 or negative length
+    would otherwise loop forever.
+    """
     pos = 0
     path = None
     while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
+        space = data.find(b" ", pos, pos + 21)
+        digits = data[pos:space] if space > pos else data[pos : pos + 20]
+        length = int(digits) if space > pos and digits.isdigit() else -1
+        if not 0 < space - pos + 1 < length <= len(data) - pos:
+            if not data[pos:].strip(b"\x00"):
+                break  # zero padding after the last record
+            raise ShardFormatError(
+                f"{shard}: corrupt PAX header at byte {offset}: record length "
+                f"{digits[:20].decode('ascii', 'replace') or '(none)'!r} is invalid; the shard is "
+                "damaged, re-copy or re-pack it"
+            )
         k, _, v = data[space + 1 : pos + length - 1].partition(b"=")
         if k == b"path":
             path = v
@@ -184,7 +201,9 @@ class _Buffer:
     bytearray leaves a single copy of each image's bytes (the slice handed to the Record).
     """
 
-    __slots__ = ("f", "buf", "mv", "pos", "end", "base", "seekable", "shard", "_readinto")
+    __slots__ = (
+        "f", "buf", "mv", "pos", "end", "base", "seekable", "size", "shard", "_readinto"
+    )
 
     def __init__(self, f: BinaryIO, shard: str, chunk: int):
         self.f, self.shard = f, shard
@@ -197,6 +216,9 @@ class _Buffer:
             self.seekable = f.seekable()
         except (AttributeError, OSError):
             self.seekable = False
+        #: The stream's physical size when it can be known (a seekable file), else None: every
+        #: length read from a header is checked against it before anything is allocated.
+        self.size = _stream_size(f) if self.seekable else None
 
     def _read_more(self) -> int:
         if self._readinto is not None:
@@ -215,11 +237,14 @@ class _Buffer:
             self.mv[:have] = self.mv[self.pos : self.end]
             self.base += self.pos
             self.pos, self.end = 0, have
-        if n > len(self.buf):  # one member larger than the window: grow it
-            self.mv.release()
-            self.buf.extend(bytes(n - len(self.buf)))
-            self.mv = memoryview(self.buf)
+        if self.size is not None and self.base + n > self.size:
+            return False  # claims more bytes than the file holds: allocate nothing
         while self.end < n:
+            if self.end == len(self.buf):  # one member larger than the window: grow it, but
+                # only as far as bytes actually arrive (a lying header costs no memory)
+                self.mv.release()
+                self.buf.extend(bytes(min(n, 2 * len(self.buf)) - len(self.buf)))
+                self.mv = memoryview(self.buf)
             got = self._read_more()
             if not got:
                 return False
@@ -233,6 +258,8 @@ class _Buffer:
             self.pos += n
             return
         if self.seekable:
+            if self.size is not None and self.base + self.pos + n > self.size:
+                self.truncated(what, n)
             self.f.seek(n - ahead, io.SEEK_CUR)
             self.base += self.end + (n - ahead)
             self.pos = self.end = 0
@@ -245,11 +272,25 @@ class _Buffer:
             n -= step
 
     def truncated(self, what: str, n: int):
-        end = self.base + self.end
+        end = self.size if self.size is not None else self.base + self.end
         raise ShardFormatError(
             f"{self.shard}: truncated tar: {what} needs {n} bytes at byte {self.base + self.pos} "
             f"but the shard ends at byte {end}; re-copy or re-pack the shard"
         )
+
+
+def _stream_size(f: BinaryIO) -> int | None:
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        pass
+    try:
+        here = f.tell()
+        size = f.seek(0, io.SEEK_END)
+        f.seek(here)
+        return size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
 
 
 def _open(source: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str, bool]:
@@ -290,7 +331,8 @@ def _scan(
             b.pos, b.end = pos, end
             if not b.fill(BLOCK):
                 raise ShardFormatError(
-                    f"{shard}: truncated tar: the shard ends at byte {b.base + b.end} without "
+                    f"{shard}: truncated tar: the shard ends at byte "
+                    f"{b.size if b.size is not None else b.base + b.end} without "
                     "its end-of-archive blocks; re-copy or re-pack the shard"
                 )
             buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
@@ -327,7 +369,11 @@ def _scan(
                     buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
                 data = bytes(mv[pos : pos + size])
                 pos += padded
-                long_name = data.rstrip(b"\x00") if typeflag == 76 else _pax_path(data)
+                long_name = (
+                    data.rstrip(b"\x00")
+                    if typeflag == 76
+                    else _pax_path(data, shard, b.base + pos - padded - BLOCK)
+                )
                 continue
             kind = None  # directories, links, PAX globals ...: no sample data
         else:
