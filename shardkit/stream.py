@@ -117,6 +117,7 @@ def read_slices(
     storage: Storage,
     indexes: Sequence[Sequence[int]] = (),
     counts: Sequence[int] = (),
+    fields: Sequence[str] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
 
@@ -141,7 +142,8 @@ def read_slices(
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index
+                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index,
+                    fields=fields,
                 )
                 for rec in records:
                     if got == want:
@@ -151,7 +153,7 @@ def read_slices(
             else:
                 with storage.open(url) as stream:
                     records = fmt.iter_records(
-                        stream, shard=url, start=sl.start, stop=stop, index=index
+                        stream, shard=url, start=sl.start, stop=stop, index=index, fields=fields
                     )
                     for rec in records:
                         if got == want:
@@ -217,17 +219,20 @@ def decode_records(
     on_error: str = "raise",
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
+    fields: Sequence[str] = (),
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
-    ``skipped()`` (the dataset counts) and goes on.
+    ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
+    of these extra members, in this order, after the key (None where a sample has none).
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if mode == "raw":  # nothing can fail: skip the try block entirely
+    names = [f.lower() for f in fields]
+    if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -251,7 +256,11 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if with_keys:
+        if names:
+            extra = rec.fields or {}
+            head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+            yield head + tuple(extra.get(n) for n in names)
+        elif with_keys:
             yield img, rec.label, rec.key
         else:
             yield img, rec.label
