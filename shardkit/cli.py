@@ -194,6 +194,22 @@ def verify_cmd(out, decode, quiet) -> None:
     click.echo(report.summary())
 
 
+# --- index -----------------------------------------------------------------------------------
+
+
+@main.command("index")
+@click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--overwrite", is_flag=True, help="Replace an existing manifest.json.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def index_cmd(shards, overwrite, quiet) -> None:
+    """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
+    them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
+    from .index import index_shards
+
+    for result in index_shards(shards, overwrite=overwrite, progress=not quiet):
+        click.echo(result.summary())
+
+
 # --- bench -----------------------------------------------------------------------------------
 
 

@@ -439,7 +439,9 @@ def _scan(
     image_ext = b""
     has_image = labelled = wanted = False
     label = -1
-    seen: list[bytes] = []
+    ext0 = b""
+    ext1: bytes | None = None
+    more: list[bytes] | None = None
     extra: dict[str, bytes] | None = None
     long_name: bytes | None = None
     ext_kind = _EXT_KIND.get
@@ -499,13 +501,15 @@ def _scan(
         else:
             slash = name.rfind(b"/") + 1
             dot = name.find(b".", slash)
-            if dot > slash and name[:2] != b"__" and b"\n" not in name:
+            if dot > slash and name[0] != 95 and b"\n" not in name:  # 95: "_" (meta names)
                 k, ext = name[:dot], name[dot + 1 :]
             else:
                 k, ext = _split_slow(name)
             if k is not None:
-                ext = ext.lower()
-                kind = ext_kind(ext) or _kind(ext)
+                kind = ext_kind(ext)  # known extensions are lower case already
+                if kind is None:
+                    ext = ext.lower()
+                    kind = ext_kind(ext) or _kind(ext)
                 if k != key:  # first member of the next group: the current one is complete
                     if has_image:
                         if wanted:
@@ -520,25 +524,31 @@ def _scan(
                         done += 1
                         if stop is not None and done >= stop:
                             return
-                    key, image, label, seen = k, None, -1, [ext]
+                    key, image, label, ext0, ext1, more = k, None, -1, ext, None, None
                     has_image = labelled = False
                     wanted = done >= start
                     extra = {} if fields and wanted else None
-                elif ext in seen:
+                # a sample holds each extension once; kept without a per-sample set (hot path)
+                elif ext1 is None:
+                    if ext == ext0:
+                        raise _duplicate(shard, k, ext)
+                    ext1 = ext
+                elif ext == ext0 or ext == ext1 or (more is not None and ext in more):
                     raise _duplicate(shard, k, ext)
+                elif more is None:
+                    more = [ext]
                 else:
-                    seen.append(ext)
+                    more.append(ext)
                 if kind is _IMAGE:
                     if has_image:
                         kind = _OTHER  # a second image rides along like any other member
                     else:
                         has_image = True
-                if wanted:
-                    use = (
-                        kind is _IMAGE
-                        or (kind is _LABEL and not labelled)
-                        or (extra is not None and ext in fields)
-                    )
+                        use = wanted
+                elif kind is _LABEL:
+                    use = wanted and not labelled
+                if extra is not None and ext in fields:
+                    use = True
         if not use:  # hop over the data
             if padded <= end - pos:
                 pos += padded
