@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .errors import InputError, SampleError, ShardkitError
 from .formats import FORMATS
-from .pack import IMAGE_EXTENSIONS
+from .images import IMAGE_EXTENSIONS, decode_image
 from .records import ShardSlice
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
 from .sources import UNKNOWN, ShardSource, resolve_source
@@ -37,7 +37,6 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
-    decode_image,
     decode_records,
     plan_epoch,
     rank_samples,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..errors import ShardFormatError
+from ..images import IMAGE_EXTENSIONS
 from ..manifest import INDEX_EVERY
 from ..records import Record, ShardStats
 
@@ -42,7 +43,7 @@ _MAX_OCTAL_SIZE = 8**11 - 1  # 11 octal digits: 8 GiB - 1
 
 #: Member extensions treated as the sample's image: a member whose extension (lowercased) ends in
 #: one of these (``jpg``, ``input.jpg``) is the image; the first one in a sample wins.
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
+IMAGE_EXTS = IMAGE_EXTENSIONS  # one answer to "is this an image?" (shardkit.images)
 #: Member extensions that carry the integer class label as decimal ASCII.
 LABEL_EXTS = frozenset({"cls", "label", "cls.txt", "index"})
 
