@@ -689,7 +689,8 @@ def tally_tar(
 
         key: bytes | None = None
         seen: list[bytes] = []
-        has_image = labelled = False
+        has_image = False
+        label: int | None = None
         start = 0
 
         def close_group() -> None:
@@ -699,13 +700,15 @@ def tally_tar(
                 if tally.samples % INDEX_EVERY == 0:
                     tally.index.append(start)
                 tally.samples += 1
+                if label is not None:
+                    tally.labels.add(label)
             else:
                 tally.imageless += 1
 
         for offset, k, ext, data in _walk(b, wants):
             if k != key:
                 close_group()
-                key, seen, has_image, labelled, start = k, [ext], False, False, offset
+                key, seen, has_image, label, start = k, [ext], False, None, offset
             elif ext in seen:
                 raise _duplicate(shard, k, ext)
             else:
@@ -713,10 +716,9 @@ def tally_tar(
             kind = _kind(ext)
             if kind is _IMAGE:
                 has_image = True
-            elif kind is _LABEL and data is not None and not labelled:
-                labelled = True
+            elif kind is _LABEL and data is not None and label is None:
                 try:
-                    tally.labels.add(int(data))
+                    label = int(data)
                 except ValueError:
                     raise _bad_label(shard, k, data) from None
         close_group()
