@@ -204,9 +204,14 @@ def verify_cmd(out, decode, quiet) -> None:
 def index_cmd(shards, overwrite, quiet) -> None:
     """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
     them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
+    import warnings
+
     from .index import index_shards
 
-    for result in index_shards(shards, overwrite=overwrite, progress=not quiet):
+    with warnings.catch_warnings():  # the summary line reports records passed over
+        warnings.simplefilter("ignore", RuntimeWarning)
+        results = index_shards(shards, overwrite=overwrite, progress=not quiet)
+    for result in results:
         click.echo(result.summary())
 
 

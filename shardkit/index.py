@@ -40,7 +40,8 @@ class IndexResult:
 
     def summary(self) -> str:
         m = self.manifest
-        extra = f", {self.imageless} records without an image passed over" if self.imageless else ""
+        n = self.imageless
+        extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
         return (
             f"indexed {len(m.shards)} shard{'s' if len(m.shards) != 1 else ''}: "
             f"{m.num_samples} samples, {m.total_bytes / 1e6:.1f} MB, {len(m.classes)} classes"
