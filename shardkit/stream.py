@@ -226,14 +226,16 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if names:
-            extra = rec.fields or {}
-            head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
-            yield head + tuple(extra.get(n) for n in names)
-        elif with_keys:
-            yield img, rec.label, rec.key
-        else:
-            yield img, rec.label
+        yield _sample(img, rec, with_keys, names)
+
+
+def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:
+    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents."""
+    head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+    if names:
+        extra = rec.fields or {}
+        return head + tuple(extra.get(n) for n in names)
+    return head
 
 
 def apply_transforms(
