@@ -516,7 +516,9 @@ def test_state_dict_in_the_main_process_after_workers_names_the_way_out(data):
 # --- a real two-rank gloo run -------------------------------------------------------------------
 
 
-def _gloo_rank(rank: int, port: int, data_dir: str, out_dir: str, stop: int, state_path: str):
+def _gloo_rank(rank: int, port: int, data_dir: str, out_dir: str, stop: int):
+    """Take ``stop`` steps and checkpoint; then, as a restarted job would, build a new dataset
+    and loader, load rank 0's state and finish the epoch."""
     import datetime
 
     import torch.distributed as dist
@@ -529,29 +531,37 @@ def _gloo_rank(rank: int, port: int, data_dir: str, out_dir: str, stop: int, sta
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        ds = _ds(data_dir, buffer_size=40, batch_size=B)  # rank and world from torch.distributed
-        if state_path:
-            with open(state_path) as f:
-                ds.load_state_dict(json.load(f))
-        else:
-            ds.set_epoch(1)
-        keys, steps = [], 0
-        for _, _, batch_keys in DataLoader(ds, batch_size=B, num_workers=2):
-            one = torch.ones(1)
-            dist.all_reduce(one)  # the ranks step together, as DDP's gradient all-reduce makes them
-            steps += 1
-            keys += list(batch_keys)
-            if steps == stop:
-                with open(os.path.join(out_dir, f"state{rank}.json"), "w") as f:
-                    json.dump(ds.state_dict(batches=steps, num_workers=2), f)
-                break
+        out = {}
+        for phase in ("before", "after"):
+            ds = _ds(data_dir, buffer_size=40, batch_size=B)  # rank, world: torch.distributed
+            if phase == "after":
+                with open(os.path.join(out_dir, "state0.json")) as f:
+                    ds.load_state_dict(json.load(f))
+            else:
+                ds.set_epoch(1)
+            keys, steps = [], 0
+            for _, _, batch_keys in DataLoader(ds, batch_size=B, num_workers=2):
+                one = torch.ones(1)
+                dist.all_reduce(one)  # ranks step together, as DDP's gradient all-reduce makes them
+                steps += 1
+                keys += list(batch_keys)
+                if phase == "before" and steps == stop:
+                    with open(os.path.join(out_dir, f"state{rank}.json"), "w") as f:
+                        json.dump(ds.state_dict(batches=steps, num_workers=2), f)
+                    break
+            out[phase] = {"keys": keys, "steps": steps, "epoch": ds.epoch}
+            dist.barrier()  # rank 0's state is on disk before anyone loads it
         with open(os.path.join(out_dir, f"keys{rank}.json"), "w") as f:
-            json.dump({"keys": keys, "steps": steps, "epoch": ds.epoch}, f)
+            json.dump(out, f)
     finally:
         dist.destroy_process_group()
 
 
-def _run_gloo(*args):
+@pytest.mark.slow
+def test_two_gloo_ranks_checkpoint_and_resume(data, tmp_path):
+    """Two real ranks stop after 7 steps; their states agree (one stands for the world); then
+    each loads rank 0's into a new dataset and finishes: each rank's keys are its uninterrupted
+    epoch's, and the ranks took equal steps."""
     import socket
 
     import torch.multiprocessing as mp
@@ -560,7 +570,11 @@ def _run_gloo(*args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.start_processes(
-        _gloo_rank, args=(port, *args), nprocs=2, join=False, start_method="spawn"
+        _gloo_rank,
+        args=(port, str(data), str(tmp_path), 7),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
     )
     try:
         while not ctx.join():
@@ -569,25 +583,16 @@ def _run_gloo(*args):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-
-
-def test_two_gloo_ranks_checkpoint_and_resume(data, tmp_path):
-    """Two real ranks stop after 7 steps; their states agree (one stands for the world); two
-    new ranks load rank 0's and finish the epoch: each rank's keys are its uninterrupted ones."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    _run_gloo(str(data), str(first), 7, "")
-    states = [json.loads((first / f"state{r}.json").read_text()) for r in range(2)]
+    states = [json.loads((tmp_path / f"state{r}.json").read_text()) for r in range(2)]
     assert states[0]["rank"] == 0 and states[1]["rank"] == 1
     assert {**states[0], "rank": 1} == states[1]
-    _run_gloo(str(data), str(second), 0, str(first / "state0.json"))
+    steps = []
     for rank in range(2):
         ds = _ds(data, buffer_size=40, batch_size=B, rank=rank, world_size=2)
         ds.set_epoch(1)
         full = _flat(_batches(DataLoader(ds, batch_size=B, num_workers=2)))
-        before = json.loads((first / f"keys{rank}.json").read_text())
-        after = json.loads((second / f"keys{rank}.json").read_text())
-        assert after["epoch"] == 1  # from the state, not set_epoch
-        assert before["keys"] + after["keys"] == full
-        assert before["steps"] + after["steps"] == -(-len(ds) // B)
+        got = json.loads((tmp_path / f"keys{rank}.json").read_text())
+        assert got["after"]["epoch"] == 1  # from the state, not set_epoch
+        assert got["before"]["keys"] + got["after"]["keys"] == full
+        steps.append(got["before"]["steps"] + got["after"]["steps"])
+    assert steps[0] == steps[1] == -(-len(ds) // B)
