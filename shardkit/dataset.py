@@ -38,6 +38,8 @@ from .resume import (
     count_delivered,
     dataset_facts,
     rank_state,
+    samples_left,
+    worker_left,
     worker_plan,
 )
 from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
@@ -188,6 +190,7 @@ class ShardDataset(IterableDataset):
         )
         self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
         self._resume_token = 0
+        self._resume_local = False  # loaded inside a DataLoader worker (StatefulDataLoader)
         self._progress = None  # this process's live position (shardkit.resume.Progress)
 
     # --- epochs -------------------------------------------------------------------------------
@@ -273,8 +276,10 @@ class ShardDataset(IterableDataset):
         in_worker = get_worker_info() is not None
         if in_worker:
             self._state[_IN_WORKERS] = 1
+        resume = self._take_resume(world, epoch)
+        epoch = epoch if resume is None else resume.epoch
         plan = worker_plan(
-            self._layout(epoch), world, self._facts, self._take_resume(world, epoch),
+            self._layout(epoch), world, self._facts, resume,
             batch_size=batch_size or self.batch_size, in_worker=in_worker,
         )  # fmt: skip
         self._progress = plan.progress
@@ -316,8 +321,8 @@ class ShardDataset(IterableDataset):
                 batches, num_workers=max(1, num_workers), batch_size=size, cut=self.batch_size
             )
         progress = self._progress
-        if progress is not None and progress.epoch == epoch:
-            return progress.snapshot().to_dict()
+        if progress is not None and (progress.epoch == epoch or get_worker_info() is not None):
+            return progress.snapshot().to_dict()  # a worker's progress is its iteration's
         if resume is not None:
             return resume.to_dict()
         if int(self._state[_IN_WORKERS]):
@@ -350,15 +355,30 @@ class ShardDataset(IterableDataset):
         parsed = EpochState.from_dict(state, self._facts)
         if parsed.segments[-1].world_size != self.world_size:
             parsed.on_world(self.world_size, 1, None)  # raises now if it cannot re-split
-        self._state[_EPOCH] = parsed.epoch
         self._state[_LAST_STARTED] = -1
-        self._resume = parsed
         self._resume_token = secrets.randbits(62) + 1
         self._progress = None
+        layout = self._layout(parsed.epoch)
+        if get_worker_info() is not None:
+            # StatefulDataLoader hands each worker its own state. It resumes the saved epoch
+            # whatever the shared epoch says; only a worker with samples left writes the epoch,
+            # so a state saved at an epoch's end cannot undo the set_epoch of the next one.
+            self._resume, self._resume_local = parsed, True
+            world = current_world(self.rank, self.world_size)
+            if worker_left(layout, parsed, world, self.batch_size) != 0:
+                self._state[_EPOCH] = parsed.epoch
+            return
+        self._resume_local = False
+        if samples_left(layout, parsed) == 0:  # saved at the epoch's end: the next one follows
+            self._resume = None
+            self._state[_EPOCH] = parsed.epoch + 1
+            return
+        self._resume = parsed
+        self._state[_EPOCH] = parsed.epoch
 
     def _take_resume(self, world: World, epoch: int) -> EpochState | None:
         """The loaded state if this worker has not resumed from it yet (then it has)."""
-        if self._resume is None or self._resume.epoch != epoch:
+        if self._resume is None or (self._resume.epoch != epoch and not self._resume_local):
             return None
         slot = _RESUMED + world.worker % _SKIP_SLOTS
         if int(self._state[slot]) == self._resume_token:

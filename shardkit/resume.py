@@ -46,6 +46,8 @@ __all__ = [
     "arrange",
     "count_delivered",
     "merge_worker_states",
+    "samples_left",
+    "worker_left",
 ]
 
 STATE_FORMAT = "shardkit.resume/1"
@@ -326,6 +328,28 @@ def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndar
                 consumed[idx[buffer_point(hi - lo, layout.buffered, rng, c).consumed()]] = True
         stream = stream[planned & ~consumed]
     return stream
+
+
+def samples_left(layout: EpochLayout, state: EpochState) -> int | None:
+    """Samples of the epoch no rank has delivered yet (None: unknown, a one-worker state)."""
+    last = state.segments[-1]
+    if any(c is None for c in last.delivered):
+        return None
+    return len(segment_streams(layout, state.segments + (last,)))
+
+
+def worker_left(layout: EpochLayout, state: EpochState, world: World, batch_size) -> int | None:
+    """Samples DataLoader worker ``world.worker`` still has to deliver if it continues
+    ``state`` (None: unknown, e.g. the world changed and the rest will be re-split)."""
+    seg = state.segments[-1]
+    if seg.world() != (world.world_size, world.num_workers, batch_size):
+        return None
+    worker = (seg.slot0 + world.worker) % world.num_workers
+    if seg.delivered[worker] is None:
+        return None
+    total = len(segment_streams(layout, state.segments))
+    lo, hi = layout.span(total, world.rank, seg, worker)
+    return max(0, hi - lo - seg.delivered[worker])
 
 
 def positions_to_slices(

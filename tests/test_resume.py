@@ -198,6 +198,36 @@ def _epoch(src, epoch, **kw):
     return list(ds)
 
 
+def test_state_saved_at_an_epochs_end_leads_to_the_next_epoch(data):
+    ds = _ds(data, buffer_size=40)
+    ds.set_epoch(3)
+    list(ds)
+    fresh = _ds(data, buffer_size=40)
+    fresh.load_state_dict(ds.state_dict())
+    assert fresh.epoch == 4
+    assert [s[2] for s in fresh] == [s[2] for s in _epoch(data, 4, buffer_size=40)]
+
+
+# torchdata builds an iterator for the finished state and drops it unused: "epoch 4 again".
+@pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch 4 again:RuntimeWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_loader_state_at_an_epochs_end_keeps_the_next_set_epoch(data, num_workers):
+    """torchdata restarts a finished state's iteration; loading it must not undo set_epoch(4)."""
+    ds = _ds(data, buffer_size=40, batch_size=B)
+    ds.set_epoch(3)
+    loader = StatefulDataLoader(ds, batch_size=B, num_workers=num_workers)
+    epoch3 = _batches(loader)
+    state = loader.state_dict()
+    ds = _ds(data, buffer_size=40, batch_size=B)
+    loader = StatefulDataLoader(ds, batch_size=B, num_workers=num_workers)
+    loader.load_state_dict(state)
+    ds.set_epoch(4)  # the training loop's next epoch
+    fresh = _ds(data, buffer_size=40, batch_size=B)
+    fresh.set_epoch(4)
+    epoch4 = _batches(DataLoader(fresh, batch_size=B, num_workers=num_workers))
+    assert _batches(loader) == epoch4 != epoch3
+
+
 def test_loaded_state_survives_set_epoch_of_its_own_epoch_only(data):
     ds = _ds(data, shuffle=False)
     it = iter(ds)
