@@ -6,6 +6,7 @@ Each command parses options, calls one library function and prints its summary. 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -20,7 +21,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except ShardkitError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {as_flags(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was left under a final name", err=True)
@@ -33,11 +34,20 @@ def main() -> None:
     """Pack folders of images into sequential shards and stream them into PyTorch."""
 
 
-def _is_remote(path: str) -> bool:
-    """Object-store and HTTP URLs go through shardkit.remote; plain paths never import it."""
-    from .storage import is_url
+_PARAM = re.compile(r'\b([a-z][a-z_]*)=(True\b|False\b|"([^"]*)"|(?=[\s,;)]|$))')
 
-    return is_url(path) and not path.startswith("file://")
+
+def as_flags(message: str) -> str:
+    """Library errors name Python parameters (``overwrite=True``, ``on_error="skip"``); on the
+    command line the same advice names the flags (``--overwrite``, ``--on-error skip``)."""
+
+    def flag(m: re.Match) -> str:
+        name, value, text = m.group(1).replace("_", "-"), m.group(2), m.group(3)
+        if value == "False":
+            return f"--no-{name}"
+        return f"--{name}" + (f" {text}" if text is not None else "")
+
+    return _PARAM.sub(flag, message)
 
 
 # --- synth -----------------------------------------------------------------------------------
@@ -103,7 +113,7 @@ def synth_imagenet(
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of that shuffle.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Reader threads (the main thread writes).")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip",
+@click.option("--on-error", type=click.Choice(["skip", "raise", "fail"]), default="skip",
               show_default=True,
               help="Bad or unreadable image: list it in the manifest and go on, or stop.")
 @click.option("--overwrite", is_flag=True,
@@ -123,9 +133,6 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
     import warnings
 
     from .packer import pack
-
-    if _is_remote(out):
-        from .remote import pack_to_url as pack  # noqa: F811 - same options, remote destination
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -147,10 +154,7 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def info_cmd(out, as_json) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
-    if _is_remote(out):
-        from .remote import remote_dataset_info as dataset_info
-    else:
-        from .verify import dataset_info
+    from .verify import dataset_info
 
     info = dataset_info(out)
     if as_json:
@@ -178,15 +182,9 @@ def info_cmd(out, as_json) -> None:
 def verify_cmd(out, decode, quiet) -> None:
     """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
     from .errors import ShardFormatError
+    from .verify import verify
 
-    if _is_remote(out):
-        from .remote import remote_verify
-
-        report = remote_verify(out, decode=decode, progress=not quiet)
-    else:
-        from .verify import verify
-
-        report = verify(out, decode=decode, progress=not quiet)
+    report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
         click.echo(f"BAD {bad}")
     if not report.ok:
