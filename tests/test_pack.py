@@ -22,9 +22,9 @@ from PIL import Image
 
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
+from shardkit.fsutil import STAGING_PREFIX
 from shardkit.images import check_image_bytes
 from shardkit.manifest import read_manifest
-from shardkit.fsutil import STAGING_PREFIX
 from shardkit.packer import (
     PackWarning,
     pack,
@@ -775,7 +775,7 @@ def test_all_images_bad_is_an_input_error(tmp_path):
 
 
 def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
-    pack_module = importlib.import_module("shardkit.scan")  # the scanner pack and FolderDataset share
+    pack_module = importlib.import_module("shardkit.scan")  # shared by pack and FolderDataset
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tarfile
 import textwrap
-import time
 
 import lmdb
 import numpy as np
@@ -50,7 +49,8 @@ def final_names(out):
 def test_writer_rolls_shards_and_round_trips_through_shard_dataset(tmp_path, fmt, limit):
     out = tmp_path / "out"
     images = {f"s{i:03d}": jpeg(i) for i in range(30)}
-    with ShardWriter(str(out), format=fmt, shard_size=f"{limit // 1000}kB", classes=list("abc")) as w:
+    size = f"{limit // 1000}kB"
+    with ShardWriter(str(out), format=fmt, shard_size=size, classes=list("abc")) as w:
         for i, (key, data) in enumerate(images.items()):
             w.write(key, data, i % 3, json={"i": i}, txt=f"caption {i}")
     m = read_manifest(str(out))
