@@ -374,7 +374,7 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        if exc_type is None and not self._closed:
             self.close()
         elif not self._closed:
             self.abort()
