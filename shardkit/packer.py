@@ -198,27 +198,6 @@ def _folder_tasks(order: np.ndarray, workers: int) -> Iterator[tuple]:
         )
 
 
-def _sample_loader(source: Any, validate: str, resize_short: int | None):
-    """The reader-thread task for Python samples: fetch (``source[i]``) if needed, encode, check.
-
-    A task is a list of ``(i, sample)``; ``sample`` is None where the thread fetches it by index.
-    """
-
-    def load(task: list) -> list[Loaded]:
-        out = []
-        for i, sample in task:
-            key = _samples.sample_key(i)
-            try:
-                data, ext, label = _samples.load_sample(source[i] if sample is None else sample)
-            except (ValueError, TypeError, OSError) as exc:
-                out.append((i, key, None, "", f"unusable sample: {exc}", -1))
-                continue
-            out.append((i, key, *_check(data, ext, validate, resize_short), label))
-        return out
-
-    return load
-
-
 def _ordered_map(fn: Callable, items: Iterable, workers: int, window: int) -> Iterator:
     """``map(fn, items)`` on ``workers`` threads, at most ``window`` tasks ahead, in input order.
 
@@ -470,22 +449,15 @@ def _samples_run(source, writer, shuffle, seed, workers, validate, resize_short,
         if isinstance(names, (list, tuple)) and all(isinstance(c, str) for c in names):
             writer.classes = list(names)
     name = f"<{type(source).__name__}>"
-    if _samples.is_indexable(source):
-        n = len(source)
-        order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-        idx = order.tolist()
-        tasks = ([(i, None) for i in idx[k : k + READ_BATCH]] for k in range(0, n, READ_BATCH))
-    else:
-        n, shuffle = -1, False  # an iterator is packed in its own order
-        tasks = _samples.batches(source, READ_BATCH)
+    tasks, n, shuffled = _samples.tasks(source, shuffle, seed, READ_BATCH)
     return _Run(
         name=name,
         total=n,
         tasks=tasks,
-        load=_sample_loader(source, validate, resize_short),
+        load=_samples.loader(source, lambda d, e: _check(d, e, validate, resize_short)),
         describe=lambda i: f"sample {i} of {name}",
         skip_name=lambda i, key: key,
-        shuffled=bool(shuffle),
+        shuffled=shuffled,
         errors=[],
         ignored=[],
         extra={"keys": "position in the source, 9 digits"},

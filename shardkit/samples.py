@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,16 @@ import numpy as np
 from .images import RESIZE_QUALITY
 from .writer import image_ext
 
-__all__ = ["SAMPLE_JPEG_QUALITY", "encode_image", "is_indexable", "sample_key", "split_sample"]
+__all__ = [
+    "SAMPLE_JPEG_QUALITY",
+    "encode_image",
+    "is_indexable",
+    "load_sample",
+    "loader",
+    "sample_key",
+    "split_sample",
+    "tasks",
+]
 
 #: Quality of the JPEG an array/PIL image is encoded as: the same as ``resize_short`` uses.
 SAMPLE_JPEG_QUALITY = RESIZE_QUALITY
@@ -121,8 +130,23 @@ def load_sample(sample: Any) -> tuple[bytes, str, int]:
     return data, ext, _label(label)
 
 
-def batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
-    """``[(0, s0), (1, s1), ...]`` in lists of ``size``: an iterator read on the calling thread."""
+def tasks(
+    source: Any, shuffle: bool, seed: int, size: int
+) -> tuple[Iterable[list[tuple[int, Any]]], int, bool]:
+    """Reader-thread tasks ``[(i, sample or None), ...]`` in pack order, the count (-1: unknown
+    until the end) and whether the order is shuffled.
+
+    With random access the tasks carry positions (a thread fetches ``source[i]``) in a seeded
+    permutation; an iterator is read on the calling thread, in its own order.
+    """
+    if is_indexable(source):
+        n = len(source)
+        order = (np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)).tolist()
+        return ([(i, None) for i in order[k : k + size]] for k in range(0, n, size)), n, shuffle
+    return _batches(source, size), -1, False
+
+
+def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
     batch: list[Any] = []
     for i, item in enumerate(items):
         batch.append((i, item))
@@ -131,3 +155,23 @@ def batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
             batch = []
     if batch:
         yield batch
+
+
+def loader(source: Any, check: Callable[[bytes, str], tuple]) -> Callable[[list], list]:
+    """The reader-thread task: fetch (``source[i]``) where needed, encode, then ``check`` (pack's
+    validate + resize) each sample; a loaded sample is ``(i, key, bytes|None, ext, reason,
+    label)``."""
+
+    def load(task: list) -> list:
+        out = []
+        for i, sample in task:
+            key = sample_key(i)
+            try:
+                data, ext, label = load_sample(source[i] if sample is None else sample)
+            except (ValueError, TypeError, OSError) as exc:
+                out.append((i, key, None, "", f"unusable sample: {exc}", -1))
+                continue
+            out.append((i, key, *check(data, ext), label))
+        return out
+
+    return load
