@@ -32,6 +32,7 @@ from .errors import InputError, OutputError
 from .formats import get_format
 from .formats.tar import LABEL_EXTS
 from .fsutil import (
+    JOURNAL_NAME,
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
@@ -179,6 +180,7 @@ class ShardWriter:
         try:
             recover(out)  # a commit killed after its commit point is finished first
             remove_stale_staging(out)
+            remove_stale_staging(out, f".{JOURNAL_NAME}.tmp-")  # a journal killed mid-write
             leftovers = [n for n in os.listdir(out) if not n.startswith(STAGING_PREFIX)]
             if leftovers and not overwrite:
                 raise OutputError(
@@ -256,8 +258,8 @@ class ShardWriter:
             )
         fields = [
             (_check_field(name, key), _field_bytes(name, value, key))
-            for name, value in (extra or {}).items()
-        ]
+            for name, value in extra.items()
+        ] if extra else ()
         data = bytes(data) if not isinstance(data, bytes) else data
         try:
             if self._shard is not None and (

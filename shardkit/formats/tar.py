@@ -107,7 +107,8 @@ class TarShardWriter:
             self._bytes
             + _member_size(klen + 1 + len(ext), nbytes)
             + _member_size(klen + 4, 12)
-            + sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
+            + (sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
+               if extra else 0)
             + len(_END_OF_ARCHIVE)
         )
 

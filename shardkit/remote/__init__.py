@@ -6,8 +6,10 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
 - ``RemoteStorage``: the ``Storage`` that ``ShardDataset`` uses for URL sources.
 - ``ShardCache``: the shared on-disk cache behind ``cache_dir=``.
 - ``fetch``/``read_bytes``: whole-object reads with retries and resume.
-- ``remote_dataset_info``/``remote_verify``: ``shardkit info``/``verify`` for URLs.
-- ``upload_file``/``Uploader``/``pack_to_url``: ``shardkit pack SRC s3://bucket/prefix/``.
+- ``read_manifest_url``/``local_copy``: what ``verify``/``dataset_info`` use for URLs.
+- ``upload_file``/``Uploader``: what ``ShardWriter`` uses for a URL ``out``.
+- ``pack_to_url``/``remote_verify``/``remote_dataset_info``: kept for existing code;
+  ``shardkit.pack``, ``verify`` and ``dataset_info`` take URLs themselves.
 """
 
 from .cache import CacheStats, ShardCache
