@@ -15,7 +15,6 @@ What is left after any interruption is the writer's business: nothing under a fi
 from __future__ import annotations
 
 import os
-import re
 import stat
 import sys
 import time
@@ -34,6 +33,7 @@ from .errors import InputError
 from .images import RESIZE_QUALITY, check_image_bytes, decode_error, resize_short_side
 from .manifest import SkippedFile
 from .scan import SourceScan, check_source_dir, scan_source
+from .sizes import parse_size
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
 __all__ = [
@@ -64,35 +64,6 @@ Loaded = tuple[int, str, "bytes | None", str, int, "str | None"]
 
 class PackWarning(UserWarning):
     """Something to look at that did not stop the pack (skipped files, empty classes)."""
-
-
-# --- options ---------------------------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?(b)?\s*$", re.IGNORECASE)
-_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``256MB``, ``64MiB``, ``1G``, ``1.5GiB`` or a plain byte count.
-
-    Decimal units (kB, MB, GB, with or without the B) are powers of 1000, binary ones (KiB, MiB,
-    GiB) powers of 1024, as disk and cloud tools count them.
-    """
-    example = "use e.g. 256MB, 64MiB, 1G or a plain number of bytes"
-    if isinstance(value, bool):
-        raise InputError(f"invalid --shard-size {value!r}; {example}")
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE_RE.match(str(value))
-        if not m:
-            raise InputError(f"invalid --shard-size {value!r}; {example}")
-        digits, unit, binary, _b = m.groups()
-        mult = (1024 if binary else 1000) ** _POWERS[unit.lower()] if unit else 1
-        size = int(float(digits) * mult) if "." in digits else int(digits) * mult
-    if size < 1:
-        raise InputError(f"invalid --shard-size {value!r}: must be at least 1 byte; {example}")
-    return size
 
 
 # --- read + validate ---------------------------------------------------------------------------
@@ -149,7 +120,7 @@ def _check(data: bytes, ext: str, validate: str, resize_short: int | None):
     if reason is None and resize_short is not None:
         try:
             small = resize_short_side(data, resize_short)
-        except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
+        except Exception as exc:
             reason = f"cannot decode: {exc}"
         else:
             if small is not None:
@@ -259,7 +230,7 @@ def _pack_version() -> str:
         from importlib.metadata import version
 
         return version("shardkit")
-    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    except Exception:
         return "unknown"
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .formats import ShardFormat, get_format
+from .fsutil import is_remote
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 
@@ -116,7 +117,7 @@ def verify_shard(
                 decoded += 1
                 if reason and first_bad_image is None:
                     first_bad_image = f"sample {rec.key!r}: {reason}"
-    except Exception as exc:  # noqa: BLE001 - a damaged shard may break a reader in any way
+    except Exception as exc:
         problems.append(f"unreadable after {count} samples ({exc})")
     else:
         if count != entry.samples:
@@ -134,9 +135,7 @@ def _dataset(out: str, storage_options, work_dir):
     The one difference between a local and a remote dataset: a remote shard is first fetched
     whole into a temporary file (deleted after), so one shard at a time is on disk.
     """
-    from .storage import is_url
-
-    if is_url(out) and not out.startswith("file://"):
+    if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
         from .remote.upload import join_url

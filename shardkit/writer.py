@@ -36,6 +36,7 @@ from .fsutil import (
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
+    is_remote,
     publish,
     recover,
     remove_stale_staging,
@@ -43,7 +44,7 @@ from .fsutil import (
 )
 from .images import IMAGE_EXTENSIONS
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from .storage import is_url
+from .sizes import parse_size
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "WriterReport", "image_ext", "shard_name"]
 
@@ -132,8 +133,6 @@ class ShardWriter:
         upload_concurrency: int = 4,
         _forbid_inside: str | None = None,
     ):
-        from .packer import parse_size  # packer imports this module at its top
-
         self.format = get_format(format)
         self.limit = parse_size(shard_size)
         self.out = os.fspath(out)
@@ -149,7 +148,7 @@ class ShardWriter:
         self._max_label = -1
         self._lock: DirLock | None = None
         self._uploader = None
-        self._remote = is_url(self.out) and not self.out.startswith("file://")
+        self._remote = is_remote(self.out)
         self._replaced: list[str] = []
         self._closed = False
         if self.out.startswith("file://"):
@@ -208,7 +207,7 @@ class ShardWriter:
         manifest_url = join_url(url, MANIFEST_NAME)
         try:
             exists = fs.exists(strip(fs, manifest_url))
-        except Exception as exc:  # noqa: BLE001 - classified by storage_error
+        except Exception as exc:
             raise storage_error(url, "cannot list the destination", exc, storage_options) from None
         if exists and not overwrite:
             raise OutputError(
@@ -446,6 +445,6 @@ def _old_remote_outputs(url: str, storage_options) -> list[str]:
 
     try:
         manifest, _ = read_manifest_url(url, storage_options)
-    except Exception:  # noqa: BLE001 - an unreadable old manifest: delete nothing
+    except Exception:
         return []
     return [s.path for s in manifest.shards if _SHARD_NAME.match(s.path)]

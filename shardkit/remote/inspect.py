@@ -18,7 +18,7 @@ from .fetch import MissingObjectError, fetch, read_bytes
 from .retry import RetryPolicy
 from .upload import join_url
 
-__all__ = ["read_manifest_url", "local_copy", "remote_dataset_info", "remote_verify"]
+__all__ = ["read_manifest_url", "local_copy"]
 
 MANIFEST_NAME = "manifest.json"
 
@@ -54,26 +54,3 @@ def local_copy(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-def remote_dataset_info(url: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """Kept for existing code: ``shardkit.verify.dataset_info(url)`` reads URLs itself now."""
-    from ..verify import dataset_info
-
-    return dataset_info(url, storage_options)
-
-
-def remote_verify(
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    decode: bool = False,
-    progress: bool = False,
-    work_dir: str | None = None,
-):
-    """Kept for existing code: ``shardkit.verify.verify(url)`` reads URLs itself now."""
-    from ..verify import verify
-
-    return verify(
-        url, decode=decode, progress=progress, storage_options=storage_options, work_dir=work_dir
-    )

@@ -22,7 +22,7 @@ from .fetch import storage_error
 from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of, strip
 from .retry import RetryPolicy, is_transient
 
-__all__ = ["upload_file", "Uploader", "pack_to_url", "join_url"]
+__all__ = ["check_writable", "join_url", "upload_file", "Uploader"]
 
 MANIFEST_NAME = "manifest.json"
 
@@ -74,7 +74,7 @@ def upload_file(
             raise storage_error(
                 url, "upload refused; check the credentials and bucket", exc, storage_options
             ) from None
-        except Exception as exc:  # noqa: BLE001 - classified, re-raised as StorageError
+        except Exception as exc:
             transient = is_transient(exc) or isinstance(exc, StorageError)
             delay = next(delays, None) if transient else None
             if delay is None:
@@ -137,7 +137,7 @@ class Uploader:
                     with self._lock:
                         self.uploaded.append(url)
                         self.bytes += n
-                except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+                except BaseException as exc:
                     with self._lock:
                         self._errors.append(exc)
             finally:
@@ -177,24 +177,3 @@ class Uploader:
         for _ in self._threads:
             self._jobs.put(None)
         self._threads = []
-
-
-def pack_to_url(
-    src,
-    url: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    work_dir: str | None = None,
-    concurrency: int = 4,
-    **pack_kwargs: Any,
-):
-    """Kept for existing code: ``shardkit.pack(src, url)`` does this itself now.
-
-    Every finished shard is uploaded at once, the manifest last (``ShardWriter`` with a URL out).
-    """
-    from ..packer import pack
-
-    return pack(
-        src, url, storage_options=storage_options, work_dir=work_dir,
-        upload_concurrency=concurrency, **pack_kwargs,
-    )
