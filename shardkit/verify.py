@@ -189,7 +189,11 @@ def verify(
                 problems, n = ["missing"], 0
             else:
                 problems, n = verify_shard(
-                    path, entry, fmt, decode=decode, num_classes=len(manifest.classes)
+                    path,
+                    entry,
+                    fmt,
+                    decode=decode,
+                    num_classes=len(manifest.classes) or None,  # no classes (foreign tars)
                 )
         decoded += n
         if problems:
