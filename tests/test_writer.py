@@ -82,6 +82,10 @@ def test_writer_extra_fields_are_tar_members_webdataset_reads(tmp_path):
         (b"hello", b"0.5", b"0"), (b"bye", b"2", b"1")
     ]
     assert [r.key for r in records(out)] == ["a/x", "a/y"]  # our reader: extra fields ride along
+    ds = ShardDataset(str(out), decode="raw", with_keys=True, fields=("json", "txt"), shuffle=False)
+    assert [(k, json.loads(j), t) for _, _, k, j, t in ds] == [
+        ("a/x", {"k": [1, 2]}, b"hello"), ("a/y", {"k": []}, b"bye")
+    ]
 
 
 def test_writer_extra_fields_in_lmdb_sit_outside_the_sample_keys(tmp_path):
