@@ -201,7 +201,7 @@ class ShardDataset(IterableDataset):
         epoch = self._start_epoch(world)
         slices = self.plan(world, epoch)
         records = read_slices(
-            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes, self.counts
         )
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)

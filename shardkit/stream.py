@@ -116,6 +116,7 @@ def read_slices(
     fmt,
     storage: Storage,
     indexes: Sequence[Sequence[int]] = (),
+    counts: Sequence[int] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
 
@@ -135,7 +136,12 @@ def read_slices(
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=sl.stop, index=index
+                    storage.local_path(url),
+                    shard=url,
+                    start=sl.start,
+                    stop=sl.stop,
+                    index=index,
+                    samples=int(counts[sl.shard]) if len(counts) else None,
                 )
                 for rec in records:
                     yield rec

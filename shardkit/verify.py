@@ -98,10 +98,11 @@ def verify_shard(
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
-    if shard_format.needs_local_file and size < entry.bytes:
-        # A memory-mapped format touching pages past the end of a truncated file gets SIGBUS,
-        # which kills the process instead of raising: do not open it.
-        problems.append("truncated; not opened (mapping it would crash the reader)")
+    if shard_format.needs_local_file and problems:
+        # A memory-mapped format trusts the bytes it maps: a damaged file can kill the process
+        # (SIGBUS) instead of raising. A shard whose size or checksum failed is not opened.
+        if size < entry.bytes:
+            problems.append("truncated; not opened (mapping it would crash the reader)")
         return problems, 0
     try:
         for rec in shard_format.iter_records(path, shard=entry.path):

@@ -58,9 +58,13 @@ class ShardFormat:
         start: int = 0,
         stop: int | None = None,
         index: Sequence[int] = (),
+        samples: int | None = None,
     ) -> Iterator[Record]:
-        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any."""
-        return self._iter(source, shard=shard, start=start, stop=stop, index=index)
+        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any;
+        ``samples`` the manifest's count of the shard, which a reader that knows its own total
+        checks (a shard holding more would otherwise lose its tail silently)."""
+        extra = {} if samples is None else {"samples": samples}
+        return self._iter(source, shard=shard, start=start, stop=stop, index=index, **extra)
 
     def count_samples(self, source: Any, *, shard: str = "") -> int:
         return self._count(source, shard=shard)
