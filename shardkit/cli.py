@@ -152,15 +152,17 @@ def info_cmd(out, as_json) -> None:
     else:
         from .verify import dataset_info
 
+    from .remote.redact import redact
+
     info = dataset_info(out)
     if as_json:
         import json
 
-        click.echo(json.dumps(info, indent=1, ensure_ascii=False))
+        click.echo(redact(json.dumps(info, indent=1, ensure_ascii=False)))
         return
     names = info["classes"]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    click.echo(
+    click.echo(redact(
         f"format:   {info['format']}\n"
         f"shards:   {info['shards']}\n"
         f"samples:  {info['samples']}\n"
@@ -168,7 +170,7 @@ def info_cmd(out, as_json) -> None:
         f"classes:  {info['num_classes']} ({shown})\n"
         f"skipped:  {info['skipped']}\n"
         f"manifest: {info['manifest']}"
-    )
+    ))
 
 
 @main.command("verify")
@@ -187,11 +189,13 @@ def verify_cmd(out, decode, quiet) -> None:
         from .verify import verify
 
         report = verify(out, decode=decode, progress=not quiet)
+    from .remote.redact import redact
+
     for bad in report.bad:
-        click.echo(f"BAD {bad}")
+        click.echo(redact(f"BAD {bad}"))
     if not report.ok:
         raise ShardFormatError(report.summary() + "; re-copy them or re-pack")
-    click.echo(report.summary())
+    click.echo(redact(report.summary()))
 
 
 # --- bench -----------------------------------------------------------------------------------

@@ -317,3 +317,89 @@ def test_manifest_fuzz_raises_only_manifest_errors(tmp_path):
             assert str(exc).startswith("m.json: ")
 
     run()
+
+
+# --- item 11: credentials in URLs never shown ---------------------------------------------------
+
+SECRET_URL = "https://alice:hunter22@example.org/ds/shard-000000.tar?X-Amz-Signature=deadbeef99"
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        __import__("shardkit.errors", fromlist=["x"]).__dict__[name]
+        for name in __import__("shardkit.errors", fromlist=["x"]).__all__
+    ],
+)
+def test_every_error_class_masks_urls(cls):
+    exc = cls(f"{SECRET_URL}: something failed")
+    for text in (str(exc), f"{exc}", f"skipped: {exc}"):
+        assert "hunter22" not in text and "deadbeef99" not in text, text
+        assert "example.org/ds/shard-000000.tar" in text  # the URL is still named
+
+
+def test_skip_warning_masks_urls():
+    from shardkit.records import Record
+    from shardkit.stream import decode_records
+
+    rec = Record("k", "jpg", b"not an image", 0, SECRET_URL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert list(decode_records([rec], "pil", on_error="skip")) == []
+    (w,) = caught
+    assert "hunter22" not in str(w.message) and "deadbeef99" not in str(w.message)
+    assert "shard-000000.tar" in str(w.message)
+
+
+def test_join_url_keeps_the_query_last():
+    from shardkit.remote.upload import join_url, url_parent
+
+    assert join_url("https://h/p?tok=1", "manifest.json") == "https://h/p/manifest.json?tok=1"
+    assert join_url("s3://b/p/", "s.tar") == "s3://b/p/s.tar"
+    assert url_parent("https://h/p/manifest.json?tok=1") == "https://h/p?tok=1"
+
+
+def test_cli_info_and_verify_mask_userinfo_and_signed_queries(tmp_path):
+    """A loopback HTTP server behind URLs with credentials: nothing secret reaches the output,
+    and a signed manifest URL is read as is (not with /manifest.json after its query)."""
+    from remote_servers import HttpServer
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    import hashlib
+
+    _lmdb_shard(ds / "shard-000000.lmdb")
+    good = (ds / "shard-000000.lmdb").read_bytes()
+    entry = ShardEntry("shard-000000.lmdb", 40, len(good), hashlib.sha256(good).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(ds))
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TMPDIR=str(tmp_path))
+    exe = [sys.executable, "-m", "shardkit.cli"]
+
+    def run(*args):
+        return subprocess.run([*exe, *args], env=env, capture_output=True, text=True, timeout=120)
+
+    with HttpServer(tmp_path) as http:
+        host = http.url.removeprefix("http://")
+        signed = f"http://{host}/ds/manifest.json?X-Amz-Signature=deadbeef99&X-Amz-Credential=AKIAX"
+        userinfo = f"http://alice:hunter22@{host}/ds/"
+        outputs = []
+        for url in (signed, userinfo):
+            info = run("info", url)
+            assert info.returncode == 0, info.stderr
+            outputs.append(info.stdout + info.stderr)
+            ok = run("verify", url, "-q")
+            assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stderr
+            outputs.append(ok.stdout + ok.stderr)
+        assert ("GET", "/ds/manifest.json", "") in http.log.gets("manifest") or any(
+            p == "/ds/manifest.json" for _, p, _ in http.log.gets("manifest")
+        )
+        (ds / "shard-000000.lmdb").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        bad = run("verify", userinfo, "-q")
+        assert bad.returncode == 1
+        outputs.append(bad.stdout + bad.stderr)
+        missing = run("info", f"http://alice:hunter22@{host}/nothing/")
+        assert missing.returncode != 0 and "Traceback" not in missing.stderr
+        outputs.append(missing.stdout + missing.stderr)
+    for text in outputs:
+        assert "hunter22" not in text and "deadbeef99" not in text and "AKIAX" not in text, text
+    assert f"{host}/ds/manifest.json" in outputs[0]

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import ManifestError
 from .fetch import MissingObjectError, fetch, read_bytes
 from .retry import RetryPolicy
-from .upload import join_url
+from .upload import join_url, url_name, url_parent
 
 __all__ = ["read_manifest_url", "local_copy", "remote_dataset_info", "remote_verify"]
 
@@ -28,7 +28,7 @@ def read_manifest_url(url: str, storage_options: Mapping[str, Any] | None = None
     """The manifest at ``url`` (a ``.../manifest.json`` URL or its prefix) and its own URL."""
     from ..manifest import Manifest
 
-    manifest_url = url if url.rstrip("/").endswith(MANIFEST_NAME) else join_url(url, MANIFEST_NAME)
+    manifest_url = url if url_name(url) == MANIFEST_NAME else join_url(url, MANIFEST_NAME)
     try:
         text = read_bytes(manifest_url, storage_options)
     except MissingObjectError:
@@ -80,7 +80,7 @@ def remote_verify(
     from ..verify import ShardProblem, VerifyReport, verify_shard
 
     m, manifest_url = read_manifest_url(url, storage_options)
-    base = manifest_url.rpartition("/")[0]
+    base = url_parent(manifest_url)
     fmt = get_format(m.shard_format)
     bad: list[ShardProblem] = []
     decoded = 0
@@ -97,7 +97,7 @@ def remote_verify(
         if problems:
             bad.append(ShardProblem(entry.path, problems))
     return VerifyReport(
-        out=base + "/",
+        out=join_url(base, ""),
         shards=len(m.shards),
         samples=m.num_samples,
         bytes=m.total_bytes,
