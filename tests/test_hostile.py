@@ -403,3 +403,68 @@ def test_cli_info_and_verify_mask_userinfo_and_signed_queries(tmp_path):
     for text in outputs:
         assert "hunter22" not in text and "deadbeef99" not in text and "AKIAX" not in text, text
     assert f"{host}/ds/manifest.json" in outputs[0]
+
+
+# --- item 12: a cache_dir shared with other files -----------------------------------------------
+
+
+def _user_files(folder) -> dict[str, bytes]:
+    """A user's things in the cache folder, all older than anything the cache writes."""
+    files = {"notes.txt": b"mine" * 1000, ".tmp-plan.txt": b"keep", "g" * 20 + "-x": b"not hex"}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+        os.utime(folder / name, (1, 1))
+    (folder / "subdir").mkdir()
+    (folder / "subdir" / "inner.bin").write_bytes(b"x" * 5000)
+    os.utime(folder / "subdir", (1, 1))
+    (folder / "link").symlink_to(folder / "notes.txt")
+    return files
+
+
+def test_cache_evicts_only_its_own_entries(tmp_path):
+    from shardkit.remote.cache import ShardCache
+
+    cache = ShardCache(tmp_path, limit=10)
+    files = _user_files(tmp_path)
+    for i in range(3):
+        f, _ = cache.get(f"https://h/s{i}.tar", lambda out, i=i: out.write(bytes([i]) * 100))
+        f.close()
+    for name, data in files.items():
+        assert (tmp_path / name).read_bytes() == data
+    assert (tmp_path / "subdir" / "inner.bin").exists() and (tmp_path / "link").is_symlink()
+    own = [os.path.basename(p) for _, _, p in cache.entries()]
+    assert len(own) == 1 and own[0].endswith("-s2.tar")  # the last one stays, the others went
+    assert cache.stats.evicted == 2
+
+
+def test_streaming_through_a_cache_dir_with_foreign_files(tmp_path):
+    from remote_servers import HttpServer
+
+    from shardkit import ShardDataset
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    import hashlib
+
+    entries = []
+    for i in range(3):
+        name = f"shard-{i:06d}.lmdb"
+        _lmdb_shard(ds / name, n=10, seed=i)
+        data = (ds / name).read_bytes()
+        entries.append(ShardEntry(name, 10, len(data), hashlib.sha256(data).hexdigest()))
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], entries), str(ds))
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    files = _user_files(cache_dir)
+    with HttpServer(tmp_path) as http:
+        got = ShardDataset(
+            f"{http.url}/ds/manifest.json",
+            decode="raw",
+            shuffle=False,
+            cache_dir=str(cache_dir),
+            cache_limit=sum(e.bytes for e in entries),  # room for the shards, not the user's
+        )
+        assert len(list(got)) == 30
+    for name, data in files.items():
+        assert (cache_dir / name).read_bytes() == data
+    assert (cache_dir / "subdir" / "inner.bin").exists()
