@@ -37,6 +37,7 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_labels,
     decode_image,
     decode_records,
     plan_epoch,
@@ -203,6 +204,8 @@ class ShardDataset(IterableDataset):
         records = read_slices(
             slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes, self.counts
         )
+        if self.classes:
+            records = check_labels(records, len(self.classes))
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)

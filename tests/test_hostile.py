@@ -468,3 +468,27 @@ def test_streaming_through_a_cache_dir_with_foreign_files(tmp_path):
     for name, data in files.items():
         assert (cache_dir / name).read_bytes() == data
     assert (cache_dir / "subdir" / "inner.bin").exists()
+
+
+# --- a label outside the class range -----------------------------------------------------------
+
+
+def test_label_outside_the_classes_is_a_sample_error(tmp_path):
+    import hashlib
+
+    from shardkit import ShardDataset
+    from shardkit.errors import SampleError
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    w = get_format("lmdb").open_writer(str(out / "shard-000000.lmdb"))
+    w.add("c0/a", "jpg", b"x", 0)
+    w.add("c1/b", "jpg", b"y", 7)  # only 3 classes
+    w.close()
+    data = (out / "shard-000000.lmdb").read_bytes()
+    entry = ShardEntry("shard-000000.lmdb", 2, len(data), hashlib.sha256(data).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    ds = ShardDataset(str(out), decode="raw", shuffle=False)
+    with pytest.raises(SampleError, match=r"shard-000000\.lmdb: sample 'c1/b' has label 7") as info:
+        list(ds)
+    assert info.value.key == "c1/b" and info.value.shard.endswith("shard-000000.lmdb")
