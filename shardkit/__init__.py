@@ -18,11 +18,9 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, ShardEntry, read_manifest
-
-# Imported eagerly: the submodule ``shardkit.pack`` would otherwise shadow the function ``pack``
-# as soon as anything imports the module (Python binds a submodule on its package when loaded).
-from .pack import PackReport, pack
+from .packer import PackReport, pack
 from .records import Record
+from .writer import ShardWriter
 
 if TYPE_CHECKING:
     from .dataset import FolderDataset, ShardDataset
@@ -39,6 +37,7 @@ __all__ = [
     "ShardDataset",
     "ShardEntry",
     "ShardFormatError",
+    "ShardWriter",
     "ShardkitError",
     "StorageError",
     "pack",

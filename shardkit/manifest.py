@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ManifestError
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
 
 __all__ = [
     "MANIFEST_NAME",
@@ -35,7 +35,7 @@ def _version() -> str:
         from importlib.metadata import version
 
         return f"shardkit {version('shardkit')}"
-    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    except Exception:
         return "shardkit"
 
 
@@ -149,6 +149,12 @@ class SkippedFile:
     path: str
     reason: str
 
+    @classmethod
+    def from_dict(cls, item: Any) -> SkippedFile:
+        if not isinstance(item, dict):
+            raise _Bad("a skipped item is not an object")
+        return cls(_text(item.get("path"), "skipped path"), _text(item.get("reason"), "reason"))
+
 
 @dataclass
 class Manifest:
@@ -211,16 +217,9 @@ class Manifest:
             )
         try:
             shards = [ShardEntry.from_dict(s) for s in _list(doc, "shards")]
-            skipped = []
-            for item in _list(doc, "skipped", required=False):
-                if not isinstance(item, dict):
-                    raise _Bad("a skipped item is not an object")
-                skipped.append(
-                    SkippedFile(
-                        _text(item.get("path"), "skipped path"),
-                        _text(item.get("reason"), "skipped reason"),
-                    )
-                )
+            skipped = [
+                SkippedFile.from_dict(item) for item in _list(doc, "skipped", required=False)
+            ]
             pack = doc.get("pack", {})
             if not isinstance(pack, dict):
                 raise _Bad(f"'pack' is {_short(pack)}, expected an object")
@@ -274,6 +273,8 @@ def read_manifest(path_or_dir: str) -> Manifest:
         with open(path, "rb") as f:
             text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
     except FileNotFoundError:
+        if interrupted_commit(os.path.dirname(path)):
+            raise ManifestError(interrupted_message(os.path.dirname(path))) from None
         raise ManifestError(f"{path}: no manifest; pack the folder with `shardkit pack`") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest ({exc.strerror})") from None

@@ -11,13 +11,13 @@ re-planning.
 
 from __future__ import annotations
 
-import io
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from .errors import SampleError, ShardFormatError, ShardkitError, StorageError
+from .images import decode_image
 from .records import Record, ShardSlice
 from .storage import Storage
 
@@ -28,7 +28,6 @@ __all__ = [
     "plan_epoch",
     "read_slices",
     "check_labels",
-    "decode_image",
     "decode_records",
     "apply_transforms",
 ]
@@ -118,6 +117,7 @@ def read_slices(
     storage: Storage,
     indexes: Sequence[Sequence[int]] = (),
     counts: Sequence[int] = (),
+    fields: Sequence[str] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
 
@@ -126,7 +126,9 @@ def read_slices(
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
-    epoch would desynchronise DDP ranks.
+    epoch would desynchronise DDP ranks. With ``counts`` (the per-shard counts the plan used), a
+    slice that ends at its shard's end reads on to the real end, and a shard holding more
+    samples than its count raises too, instead of dropping them silently.
     """
     upcoming = [urls[s.shard] for s in slices]
     for n, sl in enumerate(slices):
@@ -134,38 +136,48 @@ def read_slices(
         index = indexes[sl.shard] if indexes else ()
         storage.prefetch(upcoming[n:])  # this shard first: it is opened next
         got = 0
+        want = sl.stop - sl.start
+        to_end = bool(counts) and sl.stop == counts[sl.shard]
+        stop = None if to_end else sl.stop
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url),
-                    shard=url,
-                    start=sl.start,
-                    stop=sl.stop,
-                    index=index,
-                    samples=int(counts[sl.shard]) if len(counts) else None,
+                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index,
+                    fields=fields,
                 )
                 for rec in records:
+                    if got == want:
+                        _more_than_counted(url, sl.stop)
                     yield rec
                     got += 1
             else:
                 with storage.open(url) as stream:
                     records = fmt.iter_records(
-                        stream, shard=url, start=sl.start, stop=sl.stop, index=index
+                        stream, shard=url, start=sl.start, stop=stop, index=index, fields=fields
                     )
                     for rec in records:
+                        if got == want:
+                            _more_than_counted(url, sl.stop)
                         yield rec
                         got += 1
         except ShardkitError:
             raise
         except OSError as exc:
             raise StorageError(f"{url}: read failed: {exc}") from exc
-        want = sl.stop - sl.start
         if got != want:
             raise ShardFormatError(
                 f"{url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended after "
                 f"{sl.start + got}: it is shorter than its manifest or count says (truncated or "
                 "replaced after packing?); re-pack it or rebuild the manifest"
             )
+
+
+def _more_than_counted(url: str, count: int):
+    raise ShardFormatError(
+        f"{url}: the shard holds more samples than the {count} its manifest (or count) says; "
+        "the manifest belongs to another version of the shard: rebuild it (`shardkit index`) "
+        "or re-pack"
+    )
 
 
 def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record]:
@@ -188,35 +200,6 @@ def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def decode_image(data: bytes, mode: str):
-    """Decode one stored image: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB), "raw" (bytes).
-
-    Shared by ShardDataset and FolderDataset so both pay exactly the same decode cost.
-    """
-    if mode == "raw":
-        return data
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(data))
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    else:
-        img.load()
-    if mode == "pil":
-        return img
-    import torch
-
-    # Planar copy band by band straight into a contiguous CHW tensor. A permuted view of the
-    # HWC array would cost the same here but make the DataLoader's collate a strided transpose
-    # of every image (measured: ~40 us more per 250x250 image in the workers).
-    width, height = img.size
-    out = torch.empty((3, height, width), dtype=torch.uint8)
-    planes = out.numpy()
-    for c, band in enumerate(img.split()):
-        planes[c] = np.asarray(band)
-    return out
-
-
 def decode_records(
     records: Iterable[Record],
     mode: str = "pil",
@@ -224,17 +207,20 @@ def decode_records(
     on_error: str = "raise",
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
+    fields: Sequence[str] = (),
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
-    ``skipped()`` (the dataset counts) and goes on.
+    ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
+    of these extra members, in this order, after the key (None where a sample has none).
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if mode == "raw":  # nothing can fail: skip the try block entirely
+    names = [f.lower() for f in fields]
+    if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -258,10 +244,16 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if with_keys:
-            yield img, rec.label, rec.key
-        else:
-            yield img, rec.label
+        yield _sample(img, rec, with_keys, names)
+
+
+def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:
+    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents."""
+    head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+    if names:
+        extra = rec.fields or {}
+        return head + tuple(extra.get(n) for n in names)
+    return head
 
 
 def apply_transforms(

@@ -20,19 +20,29 @@ __all__ = [
     "FORMATS",
     "IMAGE_EXTS",
     "ShardFormat",
-    "ShardWriter",
+    "FormatWriter",
     "decode_key",
     "encode_key",
     "format_for_path",
     "get_format",
+    "is_shard_name",
 ]
 
 
-class ShardWriter(Protocol):
+class FormatWriter(Protocol):
+    """One shard file of one format (``shardkit.ShardWriter`` rolls them and writes the manifest).
+
+    ``extra`` holds a sample's extra fields as ``(name, bytes)`` pairs.
+    """
+
     samples: int
 
-    def projected_size(self, key: str, ext: str, nbytes: int) -> int: ...
-    def add(self, key: str, ext: str, data: bytes, label: int) -> None: ...
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int: ...
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None: ...
     def close(self) -> ShardStats: ...
     def abort(self) -> None: ...
 
@@ -43,11 +53,16 @@ class ShardFormat:
     suffix: str
     #: LMDB maps a file, so remote shards must be fetched to a local file first; tar streams.
     needs_local_file: bool
-    _writer: Callable[[str], ShardWriter]
+    _writer: Callable[[str], FormatWriter]
     _iter: Callable[..., Iterator[Record]]
     _count: Callable[..., int]
+    #: Other name endings read as this format (compressed tars: ``.tar.gz``, ``.tgz``).
+    also: tuple[str, ...] = ()
 
-    def open_writer(self, path: str) -> ShardWriter:
+    def matches(self, name: str) -> bool:
+        return name.endswith((self.suffix, *self.also))
+
+    def open_writer(self, path: str) -> FormatWriter:
         return self._writer(path)
 
     def iter_records(
@@ -58,12 +73,11 @@ class ShardFormat:
         start: int = 0,
         stop: int | None = None,
         index: Sequence[int] = (),
-        samples: int | None = None,
+        fields: Sequence[str] = (),
     ) -> Iterator[Record]:
         """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any;
-        ``samples`` the manifest's count of the shard, which a reader that knows its own total
-        checks (a shard holding more would otherwise lose its tail silently)."""
-        extra = {} if samples is None else {"samples": samples}
+        ``fields``: extra members to carry in ``Record.fields`` (tar only)."""
+        extra = {"fields": fields} if fields else {}
         return self._iter(source, shard=shard, start=start, stop=stop, index=index, **extra)
 
     def count_samples(self, source: Any, *, shard: str = "") -> int:
@@ -71,7 +85,10 @@ class ShardFormat:
 
 
 FORMATS: dict[str, ShardFormat] = {
-    "tar": ShardFormat("tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples),
+    "tar": ShardFormat(
+        "tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples,
+        also=(".tar.gz", ".tgz"),
+    ),
     "lmdb": ShardFormat(
         "lmdb", ".lmdb", True, LmdbShardWriter, iter_lmdb_records, count_lmdb_samples
     ),
@@ -91,12 +108,17 @@ def format_for_path(path: str) -> ShardFormat:
     """The format of a shard path or URL, by its suffix (query strings ignored)."""
     base = os.fspath(path).split("?", 1)[0].rstrip("/")
     for fmt in FORMATS.values():
-        if base.endswith(fmt.suffix):
+        if fmt.matches(base):
             return fmt
     raise InputError(
         f"{path}: cannot tell the shard format from the name; shards end in "
-        + " or ".join(f.suffix for f in FORMATS.values())
+        + " or ".join(s for f in FORMATS.values() for s in (f.suffix, *f.also))
     )
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether a file name ends like a shard (``.tar``, ``.tar.gz``, ``.tgz``, ``.lmdb``)."""
+    return any(f.matches(name) for f in FORMATS.values())
 
 
 def encode_key(stem: str) -> str:

@@ -34,6 +34,15 @@ def sample_key(index: int) -> bytes:
     return b"%010d" % index
 
 
+def field_key(index: int, name: str) -> bytes:
+    """Key of extra field ``name`` of sample ``index``: ``+0000000042.json``.
+
+    ``+`` sorts before the digits, so fields never sit between two samples (a cursor reads the
+    samples back to back) and sample keys can still be appended.
+    """
+    return b"+%010d.%s" % (index, name.encode())
+
+
 def encode_value(key: str, ext: str, data: bytes, label: int) -> bytes:
     kb, eb = key.encode(), ext.encode()
     return _VALUE_HEADER.pack(label, len(kb), len(eb)) + kb + eb + data
@@ -89,16 +98,26 @@ class LmdbShardWriter:
             max_dbs=0,
         )
 
-    def projected_size(self, key: str, ext: str, nbytes: int) -> int:
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int:
         value_len = _VALUE_HEADER.size + len(key.encode()) + len(ext) + nbytes
         commits = self._commits + 2  # this batch and the meta record's
-        return self._estimate + _stored_size(value_len) + commits * 4 * PAGE
+        fields = sum(_stored_size(len(v) + len(n) + 2) for n, v in extra)
+        return self._estimate + _stored_size(value_len) + fields + commits * 4 * PAGE
 
-    def add(self, key: str, ext: str, data: bytes, label: int) -> None:
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """The sample under ``sample_key(i)``; extra fields under ``field_key(i, name)``."""
         value = encode_value(key, ext, data, label)
         self._pending.append((sample_key(self.samples), value))
         self._pending_bytes += len(value)
         self._estimate += _stored_size(len(value))
+        for name, field in extra:
+            self._pending.append((field_key(self.samples, name), field))
+            self._pending_bytes += len(field)
+            self._estimate += _stored_size(len(field) + len(name) + 2)
         self.samples += 1
         if self._pending_bytes >= _COMMIT_BYTES:
             self._commit()
@@ -111,7 +130,8 @@ class LmdbShardWriter:
             try:
                 with env.begin(write=True) as txn:
                     for k, v in items:
-                        txn.put(k, v, append=k != META_KEY)
+                        # samples append (sorted, fastest); meta and fields sort elsewhere
+                        txn.put(k, v, append=k[:1].isdigit())
                 break
             except lmdb.MapFullError:
                 env.set_mapsize(env.info()["map_size"] * 2)
@@ -193,12 +213,8 @@ def _read_meta(f, off: int) -> tuple[int, int, int, tuple]:
     return txnid, last_pgno, free[0], main
 
 
-def _check_structure(fd: int, size: int) -> tuple[int, int, int, tuple]:
-    """Walk the main B-tree of the meta LMDB will pick; raise _Damaged at the first unsafe field.
-
-    Returns (txnid, last_pgno, psize, main DB record) so the caller can confirm LMDB chose the
-    same meta page after opening.
-    """
+def _pick_meta(fd: int, size: int) -> tuple[int, int, int, tuple]:
+    """The meta page LMDB will use (the newer transaction), checked against the file size."""
     first = _read_meta(fd, 0)
     psize = first[2]
     if psize < 512 or psize > 65536 or psize & (psize - 1):
@@ -209,67 +225,81 @@ def _check_structure(fd: int, size: int) -> tuple[int, int, int, tuple]:
     txnid, last_pgno, _, main = max(first, second, key=lambda m: m[0])  # LMDB: newest txn wins
     if (last_pgno + 1) * psize > size:
         raise _Damaged(f"{size} of {(last_pgno + 1) * psize} bytes", "truncated")
-    _, db_flags, depth, n_branch, n_leaf, n_over, entries, root = main
-    if db_flags != 0:
-        raise _Damaged(f"database flags {db_flags:#x}; shardkit writes none")
-    seen = [0, 0, 0, 0]  # branch pages, leaf pages, overflow pages, entries
+    if main[1] != 0:
+        raise _Damaged(f"database flags {main[1]:#x}; shardkit writes none")
+    return txnid, last_pgno, psize, main
 
-    def page(pgno: int) -> tuple[bytes, int, int, int]:
-        if not 2 <= pgno <= last_pgno:
-            raise _Damaged(f"page number {pgno} outside 2..{last_pgno}")
-        raw = os.pread(fd, psize, pgno * psize)
+
+class _Walker:
+    """Visits every branch, leaf and overflow page of the tree, counting them as it goes."""
+
+    def __init__(self, fd: int, psize: int, last_pgno: int):
+        self.fd, self.psize, self.last = fd, psize, last_pgno
+        self.seen = [0, 0, 0, 0]  # branch pages, leaf pages, overflow pages, entries
+
+    def page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
+        """The page's bytes and node offsets, after checking its header."""
+        if not 2 <= pgno <= self.last:
+            raise _Damaged(f"page number {pgno} outside 2..{self.last}")
+        raw = os.pread(self.fd, self.psize, pgno * self.psize)
         got, _, flags, lower, upper = _PAGE_HDR.unpack_from(raw)
-        if got != pgno:
-            raise _Damaged(f"page {pgno} says it is page {got}")
-        return raw, flags, lower, upper
-
-    def walk(pgno: int, level: int) -> None:
-        raw, flags, lower, upper = page(pgno)
-        want = _P_LEAF if level == 1 else _P_BRANCH
-        if flags != want:
-            raise _Damaged(f"page {pgno} has flags {flags:#x}, expected {want:#x}")
-        if not (_HDR <= lower <= upper <= psize) or lower % 2:
+        if got != pgno or flags != want:
+            raise _Damaged(f"page {pgno} says it is page {got} with flags {flags:#x}")
+        if not (_HDR < lower <= upper <= self.psize) or lower % 2:
             raise _Damaged(f"page {pgno} has bounds {lower}..{upper}")
-        nkeys = (lower - _HDR) // 2
-        if nkeys == 0:
-            raise _Damaged(f"page {pgno} is empty")
-        seen[0 if level > 1 else 1] += 1
-        for ptr in struct.unpack_from(f"<{nkeys}H", raw, _HDR):
-            if not upper <= ptr <= psize - _NODE_HDR:
-                raise _Damaged(f"page {pgno} has a node at offset {ptr}")
+        ptrs = struct.unpack_from(f"<{(lower - _HDR) // 2}H", raw, _HDR)
+        if any(not upper <= p <= self.psize - _NODE_HDR for p in ptrs):
+            raise _Damaged(f"page {pgno} has a node outside its free space")
+        return raw, ptrs
+
+    def walk(self, pgno: int, level: int) -> None:
+        raw, ptrs = self.page(pgno, _P_LEAF if level == 1 else _P_BRANCH)
+        self.seen[0 if level > 1 else 1] += 1
+        for ptr in ptrs:
             lo, hi, nflags, ksize = _NODE.unpack_from(raw, ptr)
             end = ptr + _NODE_HDR + ksize
-            if level > 1:  # branch node: lo/hi/flags are the child's page number
-                if end > psize:
-                    raise _Damaged(f"page {pgno} has a key running past the page")
-                walk(lo | hi << 16 | nflags << 32, level - 1)
-                continue
-            dsize = lo | hi << 16
-            seen[3] += 1
-            if nflags == 0:
-                if end + dsize > psize:
-                    raise _Damaged(f"page {pgno} has a value running past the page")
-            elif nflags == _F_BIGDATA:
-                if end + 8 > psize:
-                    raise _Damaged(f"page {pgno} has a value running past the page")
-                (opg,) = struct.unpack_from("<Q", raw, end)
-                pages = (_HDR - 1 + dsize) // psize + 1
-                if not 2 <= opg <= last_pgno + 1 - pages:
-                    raise _Damaged(f"page {pgno} points to overflow pages {opg}+{pages}")
-                got, _, oflags, opages = struct.unpack("<QHHI", os.pread(fd, _HDR, opg * psize))
-                if got != opg or oflags != _P_OVERFLOW or opages != pages:
-                    raise _Damaged(f"overflow page {opg} does not match its {dsize}-byte value")
-                seen[2] += pages
-            else:
-                raise _Damaged(f"page {pgno} has node flags {nflags:#x}; shardkit writes none")
+            if level == 1:
+                self.leaf_node(raw, pgno, end, lo | hi << 16, nflags)
+            elif end > self.psize:
+                raise _Damaged(f"page {pgno} has a key running past the page")
+            else:  # branch node: lo/hi/flags are the child's page number
+                self.walk(lo | hi << 16 | nflags << 32, level - 1)
 
+    def leaf_node(self, raw: bytes, pgno: int, end: int, dsize: int, nflags: int) -> None:
+        self.seen[3] += 1
+        if nflags not in (0, _F_BIGDATA):
+            raise _Damaged(f"page {pgno} has node flags {nflags:#x}; shardkit writes none")
+        if end + (8 if nflags else dsize) > self.psize:
+            raise _Damaged(f"page {pgno} has a value running past the page")
+        if not nflags:
+            return
+        (opg,) = struct.unpack_from("<Q", raw, end)
+        pages = (_HDR - 1 + dsize) // self.psize + 1
+        if not 2 <= opg <= self.last + 1 - pages:
+            raise _Damaged(f"page {pgno} points to overflow pages {opg}+{pages}")
+        got, _, oflags, opages = struct.unpack("<QHHI", os.pread(self.fd, _HDR, opg * self.psize))
+        if got != opg or oflags != _P_OVERFLOW or opages != pages:
+            raise _Damaged(f"overflow page {opg} does not match its {dsize}-byte value")
+        self.seen[2] += pages
+
+
+def _check_structure(fd: int, size: int) -> tuple[int, int, int, tuple]:
+    """Walk the main B-tree of the meta LMDB will pick; raise _Damaged at the first unsafe field.
+
+    Returns (txnid, last_pgno, psize, main DB record) so the caller can confirm LMDB chose the
+    same meta page after opening.
+    """
+    txnid, last_pgno, psize, main = _pick_meta(fd, size)
+    _, _, depth, n_branch, n_leaf, n_over, entries, root = main
+    walker = _Walker(fd, psize, last_pgno)
     if depth == 0:
         if entries != 0 or root != 2**64 - 1:
             raise _Damaged("empty tree with entries")
     elif depth > _MAX_DEPTH:
         raise _Damaged(f"tree depth {depth}")
     else:
-        walk(root, depth)
+        walker.walk(root, depth)
+    seen = walker.seen
     if seen != [n_branch, n_leaf, n_over, entries]:
         raise _Damaged(
             f"tree holds {seen[0]}/{seen[1]}/{seen[2]} branch/leaf/overflow pages and {seen[3]} "
@@ -341,26 +371,15 @@ def iter_lmdb_records(
     start: int = 0,
     stop: int | None = None,
     index: Sequence[int] = (),
-    samples: int | None = None,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
-    needs no offset ``index`` (accepted for a uniform reader signature).
-
-    ``samples`` is the manifest's count of this shard: a shard holding another number is refused
-    (a slice stopping at the manifest's count would otherwise drop the surplus silently).
-    """
+    needs no offset ``index`` (accepted for a uniform reader signature)."""
     shard = shard or os.fspath(source)
     env = _open_env(source, shard)
     index = start
     try:
         with env.begin(buffers=False) as txn:
             total = _count(txn, shard)
-            if samples is not None and samples != total:
-                raise ShardFormatError(
-                    f"{shard}: holds {total} samples but its manifest says {samples}; the "
-                    "manifest belongs to another pack or was edited: re-pack, or rebuild the "
-                    "manifest"
-                )
             end = total if stop is None else min(stop, total)
             if stop is not None and stop > total:
                 raise ShardFormatError(
