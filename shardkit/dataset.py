@@ -50,6 +50,7 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_labels,
     decode_records,
     plan_epoch,
     rank_samples,
@@ -289,6 +290,8 @@ class ShardDataset(IterableDataset):
             counts=self.counts.tolist(),
             fields=self.fields,
         )
+        if self.classes:
+            records = check_labels(records, len(self.classes))
         if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
             records = arrange(records, plan.arrangement)
         if self.shuffle and self.buffer_size > 1:
