@@ -20,7 +20,7 @@ from shardkit.dataset import FolderDataset, ShardDataset
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
 from shardkit.pack import pack
-from shardkit.storage import LocalStorage
+from shardkit.storage import LocalStorage, url_of
 
 # Two cores are enough: three workers are deliberate (fewer shards than workers).
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -389,9 +389,9 @@ class _CountingStorage(LocalStorage):
         super().__init__()
         self.opened = []
 
-    def open(self, url):
-        self.opened.append(url)
-        return super().open(url)
+    def open(self, shard):
+        self.opened.append(url_of(shard))
+        return super().open(shard)
 
 
 def test_shards_are_opened_through_the_given_storage(data):

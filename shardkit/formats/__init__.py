@@ -1,7 +1,9 @@
 """Shard formats by name: one module per format, each holding its writer and reader.
 
 A ``ShardFormat`` bundles the few operations the packer and the streaming path need, so neither
-of them branches on the format anywhere else. FORMAT.md specifies the bytes of each.
+of them branches on the format anywhere else: in particular the format, not its callers, decides
+how a shard is reached through a ``Storage`` (tar streams front to back from ``open()``; LMDB maps
+a file, so it asks for ``local_path()``). FORMAT.md specifies the bytes of each.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import InputError
-from ..records import Record, ShardStats
+from ..records import Record, ShardInfo, ShardStats
 from .lmdb import LmdbShardWriter, count_lmdb_samples, iter_lmdb_records
 from .tar import IMAGE_EXTS, TarShardWriter, count_tar_samples, iter_tar_records
 
@@ -37,18 +39,58 @@ class ShardWriter(Protocol):
     def abort(self) -> None: ...
 
 
+def _streamed(iter_records: Callable[..., Iterator[Record]], count_fn: Callable[..., int]):
+    """Records of a format read front to back from ``storage.open()``."""
+
+    def records(storage, shard: ShardInfo, start: int, stop: int | None) -> Iterator[Record]:
+        with storage.open(shard) as stream:
+            yield from iter_records(
+                stream, shard=shard.url, start=start, stop=stop, index=shard.index
+            )
+
+    def count(storage, shard: ShardInfo) -> int:
+        with storage.open(shard) as stream:
+            return count_fn(stream, shard=shard.url)
+
+    return records, count
+
+
+def _mapped(iter_records: Callable[..., Iterator[Record]], count_fn: Callable[..., int]):
+    """Records of a format that maps a whole file: it needs ``storage.local_path()``."""
+
+    def records(storage, shard: ShardInfo, start: int, stop: int | None) -> Iterator[Record]:
+        path = storage.local_path(shard)
+        return iter_records(path, shard=shard.url, start=start, stop=stop, index=shard.index)
+
+    def count(storage, shard: ShardInfo) -> int:
+        return count_fn(storage.local_path(shard), shard=shard.url)
+
+    return records, count
+
+
 @dataclass(frozen=True)
 class ShardFormat:
     name: str
     suffix: str
-    #: LMDB maps a file, so remote shards must be fetched to a local file first; tar streams.
-    needs_local_file: bool
     _writer: Callable[[str], ShardWriter]
     _iter: Callable[..., Iterator[Record]]
     _count: Callable[..., int]
+    #: How a shard is reached through a Storage: (records, count) from ``_streamed``/``_mapped``.
+    _access: tuple[Callable[..., Iterator[Record]], Callable[..., int]]
 
     def open_writer(self, path: str) -> ShardWriter:
         return self._writer(path)
+
+    def records(
+        self, storage: Any, shard: ShardInfo, start: int = 0, stop: int | None = None
+    ) -> Iterator[Record]:
+        """Samples ``[start, stop)`` of ``shard``, reached through ``storage`` as this format
+        needs (a stream or a local file), seeking with ``shard.index`` where it helps."""
+        return self._access[0](storage, shard, start, stop)
+
+    def count(self, storage: Any, shard: ShardInfo) -> int:
+        """Samples in ``shard`` (no manifest says), reached through ``storage``."""
+        return self._access[1](storage, shard)
 
     def iter_records(
         self,
@@ -59,7 +101,8 @@ class ShardFormat:
         stop: int | None = None,
         index: Sequence[int] = (),
     ) -> Iterator[Record]:
-        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any."""
+        """Samples ``[start, stop)`` of a local file (or, for tar, a stream); ``index`` is the
+        manifest's sparse offset index, if any."""
         return self._iter(source, shard=shard, start=start, stop=stop, index=index)
 
     def count_samples(self, source: Any, *, shard: str = "") -> int:
@@ -67,9 +110,21 @@ class ShardFormat:
 
 
 FORMATS: dict[str, ShardFormat] = {
-    "tar": ShardFormat("tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples),
+    "tar": ShardFormat(
+        "tar",
+        ".tar",
+        TarShardWriter,
+        iter_tar_records,
+        count_tar_samples,
+        _streamed(iter_tar_records, count_tar_samples),
+    ),
     "lmdb": ShardFormat(
-        "lmdb", ".lmdb", True, LmdbShardWriter, iter_lmdb_records, count_lmdb_samples
+        "lmdb",
+        ".lmdb",
+        LmdbShardWriter,
+        iter_lmdb_records,
+        count_lmdb_samples,
+        _mapped(iter_lmdb_records, count_lmdb_samples),
     ),
 }
 

@@ -16,7 +16,7 @@ from .fs import filesystem, is_remote_url
 from .inspect import local_copy, read_manifest_url, remote_dataset_info, remote_verify
 from .redact import redact
 from .retry import RetryPolicy, is_transient
-from .storage import RemoteStorage, expected_from_manifest
+from .storage import RemoteStorage
 from .upload import Uploader, join_url, pack_to_url, upload_file
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "RetryPolicy",
     "ShardCache",
     "Uploader",
-    "expected_from_manifest",
     "fetch",
     "filesystem",
     "is_remote_url",
