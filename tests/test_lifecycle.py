@@ -144,3 +144,20 @@ def test_abandoned_remote_reads_with_a_cache_close_their_cache_files(packed, req
     assert not [t for t in threading.enumerate() if t.name.startswith("shardkit")]
     assert _fds() == fds  # no cache entry or lock file left open
     assert os.listdir(tmp_path / "cache")  # the reads did go through the cache
+
+
+def test_remote_datasets_abandoned_and_deleted_leak_no_prefetch_thread_or_shard(packed, request):
+    """Issue 13, item 13: 12 remote datasets, each read part way with ``break`` and deleted, left
+    2 prefetch threads and a prefetched shard apiece (threads 1 -> 26, RSS +130 MB)."""
+    from shardkit.remote.storage import _Shard
+
+    threads, children = set(threading.enumerate()), _children()
+    for _ in range(12):
+        ds = _dataset("remote", "tar", packed, request)
+        _break(ds)
+        del ds
+    gc.collect()
+    assert leftovers(threads, children) == ([], set())
+    assert [t.name for t in threading.enumerate() if t.name.startswith("shardkit")] == []
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, _Shard)] == []  # no shard held
