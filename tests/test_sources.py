@@ -11,6 +11,7 @@ from PIL import Image
 from shardkit.errors import InputError, ManifestError
 from shardkit.manifest import MANIFEST_NAME, read_manifest
 from shardkit.pack import pack
+from shardkit.records import ShardInfo
 from shardkit.sources import UNKNOWN, resolve_source
 from shardkit.storage import LocalStorage, is_url, storage_for
 
@@ -67,6 +68,9 @@ def test_subset_of_shards_takes_counts_from_the_manifest(packed):
     res = resolve_source(shards[1:3])
     m = read_manifest(packed["tar"])
     assert [s.samples for s in res.shards] == [m.shards[1].samples, m.shards[2].samples]
+    # every manifest fact of a shard travels with it, in one record
+    e = m.shards[1]
+    assert res.shards[0] == ShardInfo(shards[1], e.samples, e.bytes, e.sha256, e.index)
 
 
 def test_tars_without_manifest_have_unknown_counts(packed, tmp_path):
