@@ -61,7 +61,7 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
 
         print(f"making {src} ...", flush=True)
         make_lfw(str(src))
-    from shardkit.pack import pack, parse_size
+    from shardkit.packer import pack, parse_size
 
     if (shards / MANIFEST_NAME).exists():
         if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):

@@ -61,11 +61,11 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
     if manifest.exists():
         m = read_manifest(str(shards))
         same_src = os.path.abspath(m.pack.get("source", "")) == os.path.abspath(src)
-        from shardkit.pack import parse_size
+        from shardkit.packer import parse_size
 
         if same_src and m.pack.get("shard_size") == parse_size(shard_size):
             return
-    from shardkit.pack import pack
+    from shardkit.packer import pack
 
     print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
     pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)

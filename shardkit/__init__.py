@@ -18,10 +18,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, ShardEntry, read_manifest
-
-# Imported eagerly: the submodule ``shardkit.pack`` would otherwise shadow the function ``pack``
-# as soon as anything imports the module (Python binds a submodule on its package when loaded).
-from .pack import PackReport, pack
+from .packer import PackReport, pack
 from .records import Record
 
 if TYPE_CHECKING:

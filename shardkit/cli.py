@@ -122,7 +122,7 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
     """
     import warnings
 
-    from .pack import pack
+    from .packer import pack
 
     if _is_remote(out):
         from .remote import pack_to_url as pack  # noqa: F811 - same options, remote destination

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
-from .pack import IMAGE_EXTENSIONS
+from .images import IMAGE_EXTENSIONS, decode_image
 from .records import UNKNOWN, ShardInfo, ShardSlice
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
 from .sizes import parse_size
@@ -39,7 +39,6 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
-    decode_image,
     decode_records,
     plan_epoch,
     rank_samples,

@@ -11,13 +11,13 @@ re-planning.
 
 from __future__ import annotations
 
-import io
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from .errors import InputError, SampleError, ShardFormatError, ShardkitError, StorageError
+from .images import decode_image
 from .records import Record, ShardInfo, ShardSlice
 from .storage import Storage
 
@@ -28,7 +28,6 @@ __all__ = [
     "plan_epoch",
     "read_slices",
     "sample_counts",
-    "decode_image",
     "decode_records",
     "apply_transforms",
 ]
@@ -167,35 +166,6 @@ def read_slices(
 
 
 # --- decoding ---------------------------------------------------------------------------------
-
-
-def decode_image(data: bytes, mode: str):
-    """Decode one stored image: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB), "raw" (bytes).
-
-    Shared by ShardDataset and FolderDataset so both pay exactly the same decode cost.
-    """
-    if mode == "raw":
-        return data
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(data))
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    else:
-        img.load()
-    if mode == "pil":
-        return img
-    import torch
-
-    # Planar copy band by band straight into a contiguous CHW tensor. A permuted view of the
-    # HWC array would cost the same here but make the DataLoader's collate a strided transpose
-    # of every image (measured: ~40 us more per 250x250 image in the workers).
-    width, height = img.size
-    out = torch.empty((3, height, width), dtype=torch.uint8)
-    planes = out.numpy()
-    for c, band in enumerate(img.split()):
-        planes[c] = np.asarray(band)
-    return out
 
 
 def decode_records(

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 
 from .formats import ShardFormat, get_format
+from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
-from .pack import decode_error
 from .records import ShardInfo
 from .storage import LocalStorage
 

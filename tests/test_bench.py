@@ -32,7 +32,7 @@ from shardkit.bench.runner import BenchResult, Row, RunResult, _make_dataset
 from shardkit.bench.workloads import Collate, TimedMap, stack_images
 from shardkit.cli import main
 from shardkit.errors import InputError
-from shardkit.pack import pack
+from shardkit.packer import pack
 from shardkit.pagecache import evict, resident_fraction
 from shardkit.world import World
 

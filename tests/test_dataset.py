@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from shardkit.dataset import FolderDataset, ShardDataset
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
-from shardkit.pack import pack
+from shardkit.packer import pack
 from shardkit.storage import LocalStorage, url_of
 
 # Two cores are enough: three workers are deliberate (fewer shards than workers).

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from shardkit.pack import pack
+from shardkit.packer import pack
 
 N = 22  # even: with 2 ranks nothing is padded, so "exactly once" is exact
 WORLD = 2

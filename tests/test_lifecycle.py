@@ -19,7 +19,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from shardkit.dataset import ShardDataset
-from shardkit.pack import pack
+from shardkit.packer import pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

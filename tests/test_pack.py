@@ -22,11 +22,11 @@ from PIL import Image
 
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
+from shardkit.images import check_image_bytes
 from shardkit.manifest import read_manifest
-from shardkit.pack import (
+from shardkit.packer import (
     STAGING_PREFIX,
     PackWarning,
-    check_image_bytes,
     pack,
     parse_size,
     scan_source,
@@ -303,7 +303,7 @@ def test_corrupt_and_truncated_images_skip(tree, tmp_path):
     assert report.samples == len(files) - 3  # 3 bad jpgs; the truncated png is an extra file
     reasons = {s.path: s.reason for s in read_manifest(str(tmp_path / "out")).skipped}
     assert reasons["cat/cat_0001.jpg"] == "truncated JPEG (no end-of-image marker)"
-    assert reasons["dog/dog_0002.jpg"].startswith("not a JPEG, PNG, WebP or BMP file")
+    assert reasons["dog/dog_0002.jpg"].startswith("not a JPEG, PNG, WebP, BMP, GIF, TIFF or PPM/PGM file")
     assert reasons["dog/dog_0003.jpg"] == "empty file"
     assert reasons["bird/bird_0000.png"] == "truncated PNG (no IEND chunk)"
     assert report.errors == 4
@@ -362,7 +362,7 @@ def test_validate_modes(tmp_path):
 
 def test_check_image_bytes_accepts_real_formats():
     rng = np.random.default_rng(3)
-    for fmt in ("JPEG", "PNG", "WEBP", "BMP"):
+    for fmt in ("JPEG", "PNG", "WEBP", "BMP", "GIF", "PPM"):
         data = image_bytes(rng, fmt=fmt)
         assert check_image_bytes(data) is None, fmt
         assert check_image_bytes(data[: len(data) // 2]) is not None, fmt
@@ -774,7 +774,7 @@ def test_all_images_bad_is_an_input_error(tmp_path):
 
 
 def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
-    pack_module = importlib.import_module("shardkit.pack")
+    pack_module = importlib.import_module("shardkit.packer")
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)
@@ -801,7 +801,7 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
     """Ctrl-C between the last rename and the manifest: the moved shards go too."""
-    pack_module = importlib.import_module("shardkit.pack")
+    pack_module = importlib.import_module("shardkit.packer")
 
     src, files = tree
     out = tmp_path / "out"

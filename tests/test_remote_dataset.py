@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit.dataset import ShardDataset  # noqa: E402
 from shardkit.errors import OutputError, StorageError  # noqa: E402
-from shardkit.pack import pack  # noqa: E402
+from shardkit.packer import pack  # noqa: E402
 from shardkit.remote import ShardCache, pack_to_url  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

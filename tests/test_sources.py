@@ -10,7 +10,7 @@ from PIL import Image
 
 from shardkit.errors import InputError, ManifestError
 from shardkit.manifest import MANIFEST_NAME, read_manifest
-from shardkit.pack import pack
+from shardkit.packer import pack
 from shardkit.records import ShardInfo
 from shardkit.sources import UNKNOWN, resolve_source
 from shardkit.storage import LocalStorage, is_url, storage_for

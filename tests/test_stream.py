@@ -12,12 +12,12 @@ from PIL import Image
 
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
+from shardkit.images import decode_image
 from shardkit.records import Record, ShardInfo, ShardSlice
 from shardkit.shuffle import shard_order
 from shardkit.storage import LocalStorage
 from shardkit.stream import (
     apply_transforms,
-    decode_image,
     decode_records,
     plan_epoch,
     rank_samples,

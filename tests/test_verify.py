@@ -15,7 +15,7 @@ from PIL import Image
 
 from shardkit.errors import ManifestError
 from shardkit.manifest import read_manifest
-from shardkit.pack import pack
+from shardkit.packer import pack
 from shardkit.verify import dataset_info, verify
 
 

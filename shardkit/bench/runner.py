@@ -439,7 +439,7 @@ def _plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
                     f"{target}: no packed dataset there; pass --data SRC to pack it on the fly, "
                     "or point --shards at packed shards"
                 )
-            from ..pack import pack
+            from ..packer import pack
 
             _say(cfg, f"packing {data} into {target} ({fmt}, {cfg.shard_size} shards)")
             report = pack(data, target, format=fmt, shard_size=cfg.shard_size, progress=False)
@@ -609,7 +609,7 @@ def measure_ceiling(samples: Sequence[bytes], mode: str, seconds: float = 1.0) -
     ``decode``: ``decode_image(data, "tensor")``, the datasets' own decode; ``augment``: PIL
     decode then ``Augment``. No reading, no DataLoader: the best a single core can do.
     """
-    from ..stream import decode_image
+    from ..images import decode_image
 
     decode = DATASET_DECODE[mode]
     aug = Augment() if mode == "augment" else None

@@ -8,7 +8,7 @@ every process on the machine, so a worker's stamps and the main loop's stamps sh
 - ``raw`` mode: the dataset yields the stored JPEG bytes; ``Collate`` keeps a batch as
   ``(list of bytes, labels)``: storage and transport only, no decoding.
 - ``decode`` mode: the dataset decodes with ``decode="tensor"`` (uint8 CHW, the same
-  ``shardkit.stream.decode_image`` both datasets use); batches are stacked ``(B, 3, H, W)``.
+  ``shardkit.images.decode_image`` both datasets use); batches are stacked ``(B, 3, H, W)``.
 - ``augment`` mode: ``decode="pil"`` then ``Augment``, a CPU-heavy PIL/numpy augmentation.
 """
 
@@ -217,7 +217,7 @@ class MemoryDataset(IterableDataset):
         return len(self.labels)
 
     def __iter__(self):
-        from ..stream import decode_image
+        from ..images import decode_image
 
         info = get_worker_info()
         k, n = (0, 1) if info is None else (info.id, info.num_workers)

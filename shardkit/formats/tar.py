@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 from ..errors import ShardFormatError
+from ..images import IMAGE_EXTENSIONS
 from ..manifest import INDEX_EVERY
 from ..records import Record, ShardStats
 
@@ -27,7 +28,7 @@ _GNU_MAGIC = b"ustar  \x00"  # magic + version of GNU format, as tarfile.GNU_FOR
 _MAX_OCTAL_SIZE = 8**11 - 1  # 11 octal digits: 8 GiB - 1
 
 #: Member extensions treated as the sample's image (the first one found in a sample wins).
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
+IMAGE_EXTS = IMAGE_EXTENSIONS  # one answer to "is this an image?" (shardkit.images)
 #: Member extensions that carry the integer class label as decimal ASCII.
 LABEL_EXTS = frozenset({"cls", "label", "cls.txt", "index"})
 

@@ -196,7 +196,7 @@ def pack_to_url(
     Shards upload while later ones are packed (pack's ``on_shard`` hook); the manifest is
     uploaded only after every shard has arrived.
     """
-    from ..pack import pack
+    from ..packer import pack
 
     started = time.perf_counter()
     _check_writable(url)

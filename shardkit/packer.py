@@ -14,7 +14,6 @@ under a final name, and the next run removes what the stopped one left behind.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -35,33 +34,27 @@ import numpy as np
 from .errors import InputError, OutputError
 from .formats import encode_key, get_format
 from .fsutil import fsync_dir
+from .images import (
+    IMAGE_EXTENSIONS,
+    RESIZE_QUALITY,
+    check_image_bytes,
+    decode_error,
+    resize_short_side,
+)
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from .sizes import parse_size
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
-    "IMAGE_EXTENSIONS",
-    "RESIZE_QUALITY",
     "PackReport",
     "PackWarning",
     "SourceScan",
-    "check_image_bytes",
-    "decode_error",
     "pack",
     "parse_size",
-    "resize_short_side",
     "scan_source",
 ]
 
-#: File extensions (lowercase, no dot) taken as images; matched case-insensitively.
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp"})
 DEFAULT_SHARD_SIZE = "256MB"
-#: JPEG quality of images re-encoded by ``resize_short`` (high enough that training accuracy does
-#: not notice, as in FFCV's and ImageNet-resize pipelines).
-RESIZE_QUALITY = 90
-#: How far from the end of a file the JPEG end-of-image marker / PNG IEND chunk may sit: writers
-#: sometimes pad a few bytes after it.
-TRAILER_WINDOW = 256
 #: Files each reader-thread task reads: amortises the thread hand-off over several files.
 READ_BATCH = 32
 #: Bytes from the start of each upcoming file that the kernel is asked to read ahead
@@ -273,79 +266,6 @@ def _walk_class(
 
 
 # --- read + validate -------------------------------------------------------------------------
-
-_JPEG = b"\xff\xd8\xff"
-_PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def check_image_bytes(data: bytes) -> str | None:
-    """Cheap structural check: the reason the bytes are not a complete image, or None.
-
-    Magic bytes say the format; the end says whether the file is whole (JPEG end-of-image marker,
-    PNG IEND chunk, the sizes in RIFF/BMP headers). Costs microseconds, unlike a decode.
-    """
-    n = len(data)
-    if n == 0:
-        return "empty file"
-    tail = max(0, n - TRAILER_WINDOW)
-    if data.startswith(_JPEG):
-        if data.rfind(b"\xff\xd9", tail) < 0:
-            return "truncated JPEG (no end-of-image marker)"
-        return None
-    if data.startswith(_PNG):
-        if data.rfind(b"IEND", tail) < 0:
-            return "truncated PNG (no IEND chunk)"
-        return None
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        if n < int.from_bytes(data[4:8], "little") + 8:
-            return "truncated WebP"
-        return None
-    if data[:2] == b"BM" and n >= 6:
-        if n < int.from_bytes(data[2:6], "little"):
-            return "truncated BMP"
-        return None
-    return f"not a JPEG, PNG, WebP or BMP file (starts with {data[:8]!r})"
-
-
-def decode_error(data: bytes) -> str | None:
-    """Full decode with PIL: the reason it fails, or None."""
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data)) as img:
-                img.load()
-    except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
-        return f"cannot decode: {exc}"
-    return None
-
-
-def resize_short_side(data: bytes, short: int, quality: int = RESIZE_QUALITY) -> bytes | None:
-    """Re-encode as JPEG with the shorter side ``short`` pixels; None if it is already that small.
-
-    Pixels are kept as stored (EXIF orientation is not applied), so a resized image looks the
-    same to a decoder as its original does; alpha is dropped, other modes become RGB.
-    """
-    from PIL import Image
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Image.open(io.BytesIO(data)) as img:
-            w, h = img.size
-            if min(w, h) <= short:
-                return None
-            if w <= h:
-                size = (short, max(1, round(h * short / w)))
-            else:
-                size = (max(1, round(w * short / h)), short)
-            img.draft("RGB", size)  # JPEG: let libjpeg scale by 1/2, 1/4, 1/8 while decoding
-            img = img.convert("L" if img.mode in ("L", "1", "I;16", "I", "F") else "RGB")
-            img = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
-            buf = io.BytesIO()
-            img.save(buf, "JPEG", quality=quality)
-            return buf.getvalue()
-
 
 def _read_file(path: str) -> bytes:
     """Whole file in one read; O_NONBLOCK so a FIFO swapped in after the scan cannot hang us."""
