@@ -123,7 +123,9 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
     import warnings
 
     from .packer import pack
+    from .sizes import parse_size
 
+    shard_size = parse_size(shard_size, "--shard-size")  # the error names the flag
     if _is_remote(out):
         from .remote import pack_to_url as pack  # noqa: F811 - same options, remote destination
 

@@ -21,23 +21,26 @@ def parse_size(value: str | int, name: str = "shard_size", *, minimum: int = 1) 
 
     Decimal units (kB, MB, GB, with or without the B) are powers of 1000, binary ones (KiB, MiB,
     GiB) powers of 1024, as disk and cloud tools count them. Raises ``InputError`` naming
-    ``name``; sizes below ``minimum`` are refused.
+    ``name`` (a Python parameter, or a CLI flag such as ``--shard-size``); sizes below ``minimum``
+    are refused.
     """
     example = "use e.g. 256MB, 64MiB, 1G or a plain number of bytes"
+    # ``--flag 'x'`` for the CLI, ``param='x'`` for Python callers
+    given = f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
     if isinstance(value, bool):
-        raise InputError(f"invalid {name}={value!r}; {example}")
+        raise InputError(f"invalid {given}; {example}")
     if isinstance(value, int):
         size = value
     else:
         m = _SIZE_RE.match(str(value))
         if not m:
-            raise InputError(f"invalid {name}={value!r}; {example}")
+            raise InputError(f"invalid {given}; {example}")
         digits, unit, binary, _b = m.groups()
         mult = (1024 if binary else 1000) ** _POWERS[unit.lower()] if unit else 1
         size = int(float(digits) * mult) if "." in digits else int(digits) * mult
     if size < minimum:
         raise InputError(
-            f"invalid {name}={value!r}: must be at least {minimum} byte"
+            f"invalid {given}: must be at least {minimum} byte"
             f"{'s' if minimum != 1 else ''}; {example}"
         )
     return size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -20,12 +21,14 @@ import pytest
 
 #: Substrings of thread names that session-scoped server fixtures may keep running.
 POLICE_ALLOWED_THREADS = ("serve_forever", "S3Server", "HttpServer", "FaultProxy", "moto")
+#: Per-interpreter helpers multiprocessing starts once and keeps until exit (spawn contexts).
+POLICE_ALLOWED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 #: Seconds a leftover thread or child gets to finish before the test fails.
 POLICE_GRACE = 5.0
 
 
 def _children() -> set[int]:
-    """Pids of this process's live children (from /proc; zombies are already gone once reaped)."""
+    """Pids of this process's live children (from /proc), but multiprocessing's own helpers."""
     pids: set[int] = set()
     task_dir = f"/proc/{os.getpid()}/task"
     try:
@@ -38,7 +41,16 @@ def _children() -> set[int]:
                 pids.update(int(p) for p in f.read().split())
         except OSError:
             continue
-    return pids
+    return {p for p in pids if not _allowed_child(p)}
+
+
+def _allowed_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+    except OSError:  # already gone
+        return True
+    return any(name in cmdline for name in POLICE_ALLOWED_CHILDREN)
 
 
 def _suspect(t: threading.Thread) -> bool:
@@ -53,6 +65,7 @@ def leftovers(
     """Threads and children started since the snapshot that are still alive after ``grace``."""
     deadline = time.monotonic() + grace
     while True:
+        gc.collect()  # a traceback cycle may hold a DataLoader iterator: its __del__ ends workers
         threads = [
             t
             for t in threading.enumerate()

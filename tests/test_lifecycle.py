@@ -55,15 +55,16 @@ def s3_bucket(packed):
 
 
 def _fds() -> dict[int, str]:
-    """Open descriptors of this process, except sockets: fsspec keeps one pool of keep-alive
-    connections per process and filesystem, reused by every read (not per iteration)."""
+    """Open descriptors of this process: files, pipes, shared memory. Not sockets and event-loop
+    inodes: fsspec and aiohttp keep one loop and one pool of keep-alive connections per process
+    and filesystem, reused by every read and collected by the GC on its own schedule."""
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the descriptor listdir itself used
             continue
-        if not target.startswith("socket:"):
+        if not target.startswith(("socket:", "anon_inode:")):
             out[int(fd)] = target
     return out
 
