@@ -81,8 +81,8 @@ class ShardDataset(IterableDataset):
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
     ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
-    (shards fetched ahead per worker, 0: none) configure remote storage for URL sources and
-    cannot be combined with ``storage``.
+    (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
+    sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
     """
 
     def __init__(

@@ -21,7 +21,10 @@ from torch.utils.data import DataLoader
 from shardkit.dataset import ShardDataset
 from shardkit.packer import pack
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning"),  # on purpose
+]
 
 N = 60
 
