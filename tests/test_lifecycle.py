@@ -164,4 +164,4 @@ def test_remote_datasets_abandoned_and_deleted_leak_no_prefetch_thread_or_shard(
     assert leftovers(threads, children) == ([], set())
     assert [t.name for t in threading.enumerate() if t.name.startswith("shardkit")] == []
     gc.collect()
-    assert [o for o in gc.get_objects() if isinstance(o, _Shard)] == []  # no shard held
+    assert [o for o in gc.get_objects() if type(o) is _Shard] == []  # no shard held
