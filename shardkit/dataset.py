@@ -31,6 +31,7 @@ from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
 from .images import IMAGE_EXTENSIONS, decode_image
 from .records import UNKNOWN, ShardInfo, ShardSlice
+from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
 from .sizes import parse_size
 from .sources import resolve_source
@@ -75,8 +76,10 @@ class ShardDataset(IterableDataset):
     or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
     bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
     samples held per worker for the sample-level shuffle. ``with_keys=True`` yields
-    ``(image, label, key)``. ``on_error="skip"`` warns and counts undecodable samples in
-    ``ds.skipped`` instead of raising (that rank then yields fewer than ``len(ds)``).
+    ``(image, label, key)``. ``fields=("json", ...)`` (tar): each sample gains the raw bytes of
+    those extra members after the key, None where a sample has none. ``on_error="skip"`` warns
+    and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
+    fewer than ``len(ds)``).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
@@ -98,6 +101,7 @@ class ShardDataset(IterableDataset):
         equalize: str = "pad",
         with_keys: bool = False,
         on_error: str = "raise",
+        fields: Sequence[str] = (),
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
@@ -130,10 +134,16 @@ class ShardDataset(IterableDataset):
         self.equalize = equalize
         self.with_keys = bool(with_keys)
         self.on_error = on_error
+        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
         self.rank, self.world_size = distributed_rank(rank, world_size)
 
         resolved = resolve_source(source, storage_options=storage_options)
         self.shard_format: str = resolved.format
+        if self.fields and self.shard_format != "tar":
+            raise InputError(
+                f"fields={self.fields!r}: only tar shards carry extra members; drop fields= "
+                f"for {self.shard_format} shards"
+            )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self.storage: Storage = storage or storage_for(
@@ -219,7 +229,9 @@ class ShardDataset(IterableDataset):
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
         slices = self.plan(world, epoch)
-        records = read_slices(slices, self.shards, FORMATS[self.shard_format], self.storage)
+        records = read_slices(
+            slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
+        )
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)
@@ -229,6 +241,7 @@ class ShardDataset(IterableDataset):
             on_error=self.on_error,
             with_keys=self.with_keys,
             skipped=self._skip_counter(world.worker),
+            fields=self.fields,
         )
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
@@ -282,7 +295,9 @@ class FolderDataset(Dataset):
     """Map-style dataset over a class-per-folder tree: the per-file baseline shards are measured
     against, decoding exactly as ``ShardDataset`` does.
 
-    Labels are the indices of the sorted class folder names (``.classes``). Relative paths live in
+    Listed by ``shardkit.scan``, the scanner ``pack`` uses: the same classes, labels and skipped
+    entries (FIFOs, broken links: warned about, never opened). Labels are the indices of the
+    sorted class folder names (``.classes``). Relative paths live in
     one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
     a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
     Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
@@ -308,26 +323,27 @@ class FolderDataset(Dataset):
         self.target_transform = target_transform
         self.storage: Storage = storage or LocalStorage()
         self.with_keys = bool(with_keys)
-        exts = tuple("." + e.lower().lstrip(".") for e in extensions)
-        self.classes: list[str] = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-        )
-        encoded: list[bytes] = []
-        labels: list[int] = []
-        for label, name in enumerate(self.classes):
-            for rel in _walk_images(self.root, name, exts):
-                encoded.append(rel.encode("utf-8", "surrogateescape"))
-                labels.append(label)
-        if not encoded:
+        exts = {e.lower().lstrip(".") for e in extensions}
+        scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        self.classes: list[str] = list(scan.classes)
+        keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        if not keep.any():
             raise InputError(
-                f"{self.root}: no images ({', '.join(exts)}) in class folders; expected "
-                "root/<class>/<image>"
+                f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
+                "expected root/<class>/<image>"
             )
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        self.path_bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        self.targets = np.asarray(labels, dtype=np.int64)
+        if scan.errors:
+            first = scan.errors[0]
+            warnings.warn(
+                f"{self.root}: skipped {len(scan.errors)} unreadable image entries (first: "
+                f"{first.path}: {first.reason})",
+                stacklevel=2,
+            )
+        files = scan.files
+        if not keep.all():
+            files = StrTable(f for f, k in zip(scan.files, keep, strict=True) if k)
+        self.path_bytes, self.offsets = files.blob, files.offsets
+        self.targets = scan.labels[keep]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -362,32 +378,3 @@ class FolderDataset(Dataset):
     def __repr__(self) -> str:
         return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
 
-
-def _walk_images(root: str, cls: str, exts: tuple[str, ...]) -> list[str]:
-    """Sorted relative paths of the images below ``root/cls``, skipping hidden names as ``pack``
-    does; each directory is visited once, so symlink loops end."""
-    found: list[str] = []
-    seen: set[tuple[int, int]] = set()
-    stack = [cls]
-    while stack:
-        rel_dir = stack.pop()
-        path = os.path.join(root, rel_dir)
-        try:
-            st = os.stat(path)
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            with os.scandir(path) as it:
-                entries = [e for e in it if not e.name.startswith(".")]
-        except OSError as exc:
-            raise InputError(f"{path}: cannot list directory ({exc.strerror})") from None
-        subdirs = []
-        for e in entries:
-            rel = f"{rel_dir}/{e.name}"
-            if e.is_dir():
-                subdirs.append(rel)
-            elif e.name.lower().endswith(exts):
-                found.append(rel)
-        stack.extend(sorted(subdirs, reverse=True))
-    found.sort()
-    return found

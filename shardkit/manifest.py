@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ManifestError
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
 from .storage import is_url
 
 __all__ = [
@@ -36,7 +36,7 @@ def _version() -> str:
         from importlib.metadata import version
 
         return f"shardkit {version('shardkit')}"
-    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    except Exception:
         return "shardkit"
 
 
@@ -215,6 +215,8 @@ def read_manifest(
         with open(path, "rb") as f:
             text = f.read()
     except FileNotFoundError:
+        if interrupted_commit(os.path.dirname(path)):
+            raise ManifestError(interrupted_message(os.path.dirname(path))) from None
         raise ManifestError(f"{path}: no manifest; pack the folder with `shardkit pack`") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest ({exc.strerror})") from None

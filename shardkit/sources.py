@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from braceexpand import braceexpand
 
 from .errors import InputError, ManifestError
-from .formats import FORMATS, format_for_path
+from .formats import FORMATS, format_for_path, is_shard_name
+from .fsutil import interrupted_commit, interrupted_message
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .records import UNKNOWN, ShardInfo
 from .storage import is_url
@@ -107,14 +108,15 @@ def resolve_source(
             manifest_path = fs.join(text, MANIFEST_NAME)
             if fs.exists(manifest_path):
                 return _from_manifest(fs, manifest_path)
+            if not fs.remote and interrupted_commit(text):  # shards of a killed pack: refuse
+                raise ManifestError(interrupted_message(text))
             urls = [
                 p
                 for p in fs.listdir(text)
-                if any(fs.basename(p).endswith(f.suffix) for f in FORMATS.values())
-                and not fs.basename(p).startswith(".")
+                if is_shard_name(fs.basename(p)) and not fs.basename(p).startswith(".")
             ]
             if not urls:
-                suffixes = " or ".join(f.suffix for f in FORMATS.values())
+                suffixes = " or ".join(s for f in FORMATS.values() for s in (f.suffix, *f.also))
                 raise InputError(
                     f"{text}: no shards ({suffixes} files) and no {MANIFEST_NAME} in this "
                     "directory; pack it first with `shardkit pack`"

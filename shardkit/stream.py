@@ -121,6 +121,7 @@ def read_slices(
     shards: Sequence[ShardInfo],
     fmt,
     storage: Storage,
+    fields: Sequence[str] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
@@ -129,7 +130,9 @@ def read_slices(
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
-    epoch would desynchronise DDP ranks.
+    epoch would desynchronise DDP ranks. A slice that ends at its shard's end (by the shard's
+    ``samples``) reads on to the real end, and a shard holding more samples than that raises
+    too, instead of dropping them silently. ``fields``: extra members to carry (tar only).
 
     ``storage.close()`` runs when the read ends, fails or is abandoned (``break``, an exception
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
@@ -141,10 +144,14 @@ def read_slices(
             shard = upcoming[n]
             storage.prefetch(upcoming[n:])  # this shard first: it is opened next
             got = 0
+            want = sl.stop - sl.start
+            stop = None if sl.stop == shard.samples else sl.stop
             records = None
             try:
-                records = fmt.records(storage, shard, sl.start, sl.stop)
+                records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
+                    if got == want:
+                        _more_than_counted(shard.url, sl.stop)
                     yield rec
                     got += 1
             except ShardkitError:
@@ -154,7 +161,6 @@ def read_slices(
             finally:
                 if records is not None:
                     records.close()  # the shard's file or mapping, before the storage closes
-            want = sl.stop - sl.start
             if got != want:
                 raise ShardFormatError(
                     f"{shard.url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended "
@@ -163,6 +169,14 @@ def read_slices(
                 )
     finally:
         storage.close()
+
+
+def _more_than_counted(url: str, count: int):
+    raise ShardFormatError(
+        f"{url}: the shard holds more samples than the {count} its manifest (or count) says; "
+        "the manifest belongs to another version of the shard: rebuild it (`shardkit index`) "
+        "or re-pack"
+    )
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -175,17 +189,20 @@ def decode_records(
     on_error: str = "raise",
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
+    fields: Sequence[str] = (),
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
-    ``skipped()`` (the dataset counts) and goes on.
+    ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
+    of these extra members, in this order, after the key (None where a sample has none).
     """
     if mode not in DECODE_MODES:
         raise InputError(f"decode={mode!r} is not one of: {', '.join(map(repr, DECODE_MODES))}")
     if on_error not in ("raise", "skip"):
         raise InputError(f"on_error={on_error!r} is not one of: 'raise', 'skip'")
-    if mode == "raw":  # nothing can fail: skip the try block entirely
+    names = [f.lower() for f in fields]
+    if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -209,10 +226,16 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if with_keys:
-            yield img, rec.label, rec.key
-        else:
-            yield img, rec.label
+        yield _sample(img, rec, with_keys, names)
+
+
+def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:
+    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents."""
+    head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+    if names:
+        extra = rec.fields or {}
+        return head + tuple(extra.get(n) for n in names)
+    return head
 
 
 def apply_transforms(

@@ -12,54 +12,33 @@ import threading
 import traceback
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server, free_env
+from torch.utils.data import DataLoader
+
+from shardkit.dataset import ShardDataset
+from shardkit.errors import OutputError, StorageError
+from shardkit.remote import ShardCache, pack_to_url
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto.server")
-
-from PIL import Image  # noqa: E402
-from remote_servers import (  # noqa: E402
-    FAKE_KEY,
-    FAKE_SECRET,
-    FaultProxy,
-    HttpServer,
-    S3Server,
-    free_env,
-)
-from torch.utils.data import DataLoader  # noqa: E402
-
-from shardkit.dataset import ShardDataset  # noqa: E402
-from shardkit.errors import OutputError, StorageError  # noqa: E402
-from shardkit.packer import pack  # noqa: E402
-from shardkit.remote import ShardCache, pack_to_url  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.slow,  # real servers and DataLoader worker processes
+]
 
 N = 40
 ALL_KEYS = sorted(f"class{i % 3}/img{i:03d}" for i in range(N))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(packed_tree):
     """40 tiny JPEGs in 3 classes, packed as ~10 tar shards and as LMDB shards."""
-    base = tmp_path_factory.mktemp("remote-ds")
-    src = base / "src"
-    for i in range(N):
-        d = src / f"class{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 6), (i * 5, 40, 255 - i)).save(d / f"img{i:03d}.jpg")
-    out = {"src": str(src), "tar": base / "tar", "lmdb": base / "lmdb"}
-    pack(str(src), str(out["tar"]), shard_size=12000, progress=False)
-    pack(str(src), str(out["lmdb"]), shard_size=40000, format="lmdb", progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    with S3Server() as server:
-        yield server
+    out = packed_tree(N, 3, {"tar": 12000, "lmdb": 40000})
+    return {"src": out["src"], "tar": Path(out["tar"]), "lmdb": Path(out["lmdb"])}
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +48,6 @@ def bucket(s3_server, data):
     s3_server.upload_dir(name, "tar", data["tar"])
     s3_server.upload_dir(name, "lmdb", data["lmdb"])
     return name
-
-
-@pytest.fixture()
-def s3(s3_server):
-    s3_server.log.clear()
-    yield s3_server
 
 
 def _shards(folder) -> list[str]:
@@ -104,16 +77,16 @@ def test_s3_sources_stream_every_sample_exactly_once_through_workers(s3, bucket,
     assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
-def test_http_brace_pattern_and_manifest_url(data):
-    with HttpServer(data["tar"].parent) as http:
-        last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
-        for source in [
-            f"{http.url}/tar/shard-{{000000..{last}}}.tar",
-            f"{http.url}/tar/manifest.json",
-        ]:
-            ds = _ds(source, None)
-            assert ds.classes == ["class0", "class1", "class2"]
-            assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+def test_http_brace_pattern_and_manifest_url(data, http):
+    http.root = data["tar"].parent
+    last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
+    for source in [
+        f"{http.url}/tar/shard-{{000000..{last}}}.tar",
+        f"{http.url}/tar/manifest.json",
+    ]:
+        ds = _ds(source, None)
+        assert ds.classes == ["class0", "class1", "class2"]
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
 def test_lmdb_shards_over_s3_with_and_without_cache(s3, bucket, tmp_path):
@@ -194,7 +167,7 @@ def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, buck
                 shuffle=False,
             )
             results[rank] = _keys(ds, num_workers=2)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
@@ -352,3 +325,34 @@ def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
     assert bad.returncode != 0
     assert "shard-000001.tar" in bad.stderr and "Traceback" not in bad.stderr
     assert FAKE_SECRET not in bad.stderr + bad.stdout
+
+
+def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
+    """One entry point each: pack(src, url), verify(url), dataset_info(url); no remote_* needed."""
+    from shardkit import ShardWriter, pack
+    from shardkit.verify import dataset_info, verify
+
+    b = f"urls-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=b)
+    opts = S3Server.options(s3.endpoint)
+    url = f"s3://{b}/ds/"
+    report = pack(
+        data["src"], url, storage_options=opts, shard_size=12000, progress=False,
+        work_dir=str(tmp_path),
+    )
+    assert report.out == url and report.manifest_path == f"{url}manifest.json"
+    assert os.listdir(tmp_path) == []
+    info = dataset_info(url, storage_options=opts)
+    assert (info["samples"], info["shards"]) == (N, report.shards)
+    checked = verify(url, storage_options=opts, decode=True, work_dir=str(tmp_path))
+    assert checked.ok and checked.decoded == N and checked.out == url
+    # Overwrite with one big shard: the old manifest's other shards go, a user's object stays.
+    s3.client().put_object(Bucket=b, Key="ds/notes.txt", Body=b"keep me")
+    with ShardWriter(url, shard_size="1GB", overwrite=True, storage_options=opts) as w:
+        with open(os.path.join(data["src"], "class0", "img000.jpg"), "rb") as f:
+            w.write("k", f.read(), 0, txt="one")
+    listed = sorted(
+        o["Key"] for o in s3.client().list_objects_v2(Bucket=b, Prefix="ds/")["Contents"]
+    )
+    assert listed == ["ds/manifest.json", "ds/notes.txt", "ds/shard-000000.tar"]
+    assert len(ShardDataset(url, storage_options=opts)) == 1
