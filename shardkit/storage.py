@@ -133,7 +133,7 @@ def storage_for(
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not any(is_url(os.fspath(s)) for s in items):
         return LocalStorage()
-    from .remote import RemoteStorage
+    from .remote.storage import RemoteStorage
 
     return RemoteStorage(
         storage_options=storage_options,
