@@ -40,6 +40,7 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_labels,
     decode_records,
     plan_epoch,
     rank_samples,
@@ -232,6 +233,8 @@ class ShardDataset(IterableDataset):
         records = read_slices(
             slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
         )
+        if self.classes:
+            records = check_labels(records, len(self.classes))
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)

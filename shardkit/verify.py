@@ -104,8 +104,12 @@ def verify_shard(
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
-    # The format opens the file its own way; a mapped one (LMDB) refuses a truncated file
-    # before touching it (a page past the end would be SIGBUS, not an exception).
+    if shard_format.maps_file and problems:
+        # A memory-mapped format trusts the bytes it maps: a damaged file can kill the process
+        # (SIGBUS) instead of raising. A shard whose size or checksum failed is not opened.
+        if size < entry.bytes:
+            problems.append("truncated; not opened (mapping it would crash the reader)")
+        return problems, 0
     shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
     try:
         for rec in shard_format.records(LocalStorage(), shard):
@@ -138,10 +142,10 @@ def _dataset(out: str, storage_options, work_dir):
     if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
-        from .remote.upload import join_url
+        from .remote.upload import join_url, url_parent
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
-        base = manifest_url.rpartition("/")[0]
+        base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs
 
         @contextlib.contextmanager
         def local(entry: ShardEntry):
@@ -151,7 +155,7 @@ def _dataset(out: str, storage_options, work_dir):
             except MissingObjectError:
                 yield None
 
-        return manifest, manifest_url, base + "/", local
+        return manifest, manifest_url, join_url(base, ""), local
     out = out[len("file://") :] if out.startswith("file://") else out
     manifest = read_manifest(out)
     base = out if os.path.isdir(out) else os.path.dirname(out)

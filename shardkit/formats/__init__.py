@@ -97,6 +97,11 @@ class ShardFormat:
     def matches(self, name: str) -> bool:
         return name.endswith((self.suffix, *self.also))
 
+    @property
+    def maps_file(self) -> bool:
+        """True when the reader maps the file (LMDB): damaged bytes can crash it, not raise."""
+        return self._access[0].__qualname__.startswith("_mapped")
+
     def open_writer(self, path: str) -> FormatWriter:
         return self._writer(path)
 
