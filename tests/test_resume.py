@@ -360,8 +360,9 @@ class ReadLog(LocalStorage):
         super().__init__()
         self.log_dir = log_dir
 
-    def open(self, url):
-        raw = _LoggedFile(super().open(url).detach(), url, self.log_dir)
+    def open(self, shard):
+        url = getattr(shard, "url", shard)  # a ShardInfo (or a plain URL)
+        raw = _LoggedFile(super().open(shard).detach(), url, self.log_dir)
         return io.BufferedReader(raw, buffer_size=self.buffer_size)
 
 
