@@ -627,3 +627,32 @@ def test_two_gloo_ranks_checkpoint_and_resume(data, tmp_path):
         assert got["before"]["keys"] + got["after"]["keys"] == full
         steps.append(got["before"]["steps"] + got["after"]["steps"])
     assert steps[0] == steps[1] == -(-len(ds) // B)
+
+
+# --- remote shards ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffer_size", [0, 40])
+def test_resume_over_s3_equals_the_uninterrupted_epoch(data, s3, buffer_size):
+    """Through RemoteStorage (moto S3 on loopback): a resumed worker reads several slices of one
+    shard (buffer residents, then the rest); prefetch and cache cope."""
+    pytest.importorskip("s3fs")
+    from pathlib import Path
+
+    from remote_servers import S3Server
+
+    bucket = f"resume-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(bucket, "tar", Path(data))
+    source = f"s3://{bucket}/tar/"
+    kw = dict(buffer_size=buffer_size, batch_size=B, storage_options=S3Server.options(s3.endpoint))
+    full = _batches(StatefulDataLoader(_ds(source, **kw), batch_size=B, num_workers=2))
+    k = len(full) * 3 // 4
+    loader = StatefulDataLoader(_ds(source, **kw), batch_size=B, num_workers=2)
+    it = iter(loader)
+    before = [list(next(it)[2]) for _ in range(k)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = StatefulDataLoader(_ds(source, **kw), batch_size=B, num_workers=2)
+    resumed.load_state_dict(state)
+    assert before + _batches(resumed) == full
