@@ -60,6 +60,11 @@ def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
     return stop - start
 
 
+def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
+    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on."""
+    return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
+
+
 def worker_span(
     length: int, worker: int, num_workers: int, batch_size: int | None = None
 ) -> tuple[int, int]:
@@ -84,11 +89,6 @@ def worker_span(
     return start(worker), start(worker + 1)
 
 
-def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
-    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on."""
-    return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
-
-
 def plan_epoch(
     shards: Sequence[ShardInfo] | np.ndarray,
     order: Sequence[int] | np.ndarray,
@@ -109,8 +109,8 @@ def plan_epoch(
     contiguous worker parts whose sizes differ by at most one and are the same on every rank
     (with ``batch_size``, cut at multiples of it: see ``worker_span``). Parts are cut at sample
     boundaries, not shard boundaries, so a single shard can feed many workers and no worker idles
-    while another has work. ``shards`` may also be their ``sample_counts`` array, computed once by
-    a caller that plans many epochs.
+    while another has work. ``shards`` may also be their ``sample_counts`` array, computed once
+    by a caller that plans many epochs.
     """
     counts = shards if isinstance(shards, np.ndarray) else sample_counts(shards)
     order = np.asarray(order, dtype=np.int64)
