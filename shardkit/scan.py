@@ -22,7 +22,7 @@ import numpy as np
 from .errors import InputError
 from .formats import encode_key
 from .images import IMAGE_EXTENSIONS
-from .manifest import SkippedFile
+from .manifest import SkippedFile, portable_text
 
 __all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]
 
@@ -149,9 +149,11 @@ def scan_source(src: str) -> SourceScan:
     except OSError as exc:
         raise InputError(f"cannot list source {src!r}: {exc.strerror}") from None
     scan = SourceScan(root=src, classes=[])
+    folders: list[str] = []  # the class folders' own names; scan.classes are their text names
     for entry in top:
         if _is_dir(entry):
-            scan.classes.append(entry.name)
+            folders.append(entry.name)
+            scan.classes.append(portable_text(entry.name))
         else:
             scan.add_non_image(entry.name, "not in a class folder")
     seen = {_ident(root)}
@@ -159,12 +161,12 @@ def scan_source(src: str) -> SourceScan:
     exts: list[str] = []
     keys: list[str] = []
     labels: list[int] = []
-    for label, cls in enumerate(scan.classes):
+    for label, cls in enumerate(folders):
         rels: list[str] = []
         cls_exts: list[str] = []
         _walk_class(root, cls, seen, scan, rels, cls_exts)
         if not rels:
-            scan.empty_classes.append(cls)
+            scan.empty_classes.append(scan.classes[label])
             continue
         order = sorted(range(len(rels)), key=rels.__getitem__)
         rels = [rels[i] for i in order]

@@ -405,6 +405,14 @@ def _check_key(key: str) -> None:
             f"key={key!r}: a key is a relative path whose last part holds no dot (WebDataset "
             "splits member names at the first dot); shardkit.formats.encode_key() makes one"
         )
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a name os.fsdecode() made from bytes that are not UTF-8
+            raise InputError(
+                f"key={key!r} is not valid Unicode text (a file name that is not UTF-8?); "
+                "shardkit.formats.encode_key() escapes its bytes as %XX"
+            ) from None
 
 
 def _check_field(name: str, key: str) -> str:
