@@ -37,6 +37,7 @@ __all__ = [
     "remove_stale_staging",
     "staging_name",
     "temp_name",
+    "write_error",
 ]
 
 #: Prefix of a writer's staging directory inside its output: ``.partial-<pid>-<hex>``.
@@ -91,6 +92,37 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         _unlink(tmp)
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def write_error(out: str, exc: BaseException, what: str) -> OutputError:
+    """The one-line error for a failed write into ``out`` (disk full, quota, I/O error).
+
+    Says what was being written, the system's reason and how much room is left on the disk
+    holding ``out``, and the fix; the callers have already removed what they had half-written.
+    """
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    try:
+        free = shutil.disk_usage(out).free
+        room = f" ({_human(free)} free on its disk)"
+    except OSError:
+        free, room = None, ""
+    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or (
+        free is not None and free < 1 << 20
+    )
+    fix = (
+        "free space on that disk (or choose another output) and pack again"
+        if full
+        else "check the disk holding it (or choose another output) and pack again"
+    )
+    return OutputError(f"cannot write {what} in {out!r}: {reason}{room}; {fix}")
+
+
+def _human(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def _unlink(path: str) -> None:

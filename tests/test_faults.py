@@ -7,9 +7,12 @@ step under test, an ``ENOSPC`` raised by the os-level ``fsync`` of the file bein
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -17,7 +20,7 @@ import pytest
 from PIL import Image
 
 from shardkit import FolderDataset, ShardDataset, ShardWriter, pack
-from shardkit.errors import InputError
+from shardkit.errors import InputError, OutputError
 from shardkit.formats import decode_key, encode_key
 from shardkit.manifest import read_manifest
 from shardkit.verify import verify
@@ -118,3 +121,162 @@ def test_writer_refuses_a_key_that_is_not_unicode_text(tmp_path):
         with pytest.raises(InputError, match="encode_key"):
             w.write(os.fsdecode(b"caf\xe9"), _jpeg(0), 0)
         w.write(encode_key(os.fsdecode(b"caf\xe9")), _jpeg(0), 0)
+
+
+# --- item 3: disk full -------------------------------------------------------------------------
+
+_PAGE = 4096
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MB tmpfs (root only); skipped where it cannot be mounted: the fsync-injection
+    tests below cover the same steps everywhere."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+            check=True, capture_output=True, timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot mount a tmpfs here (needs root); ENOSPC injection covers this")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+def _fill(disk, leave: int = 0) -> None:
+    """Fill ``disk`` until the kernel says ENOSPC, then give back ``leave`` bytes (pages)."""
+    path = disk / "filler"
+    with open(path, "ab") as f:
+        try:
+            while True:
+                f.write(b"\x01" * (1 << 16))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            f.truncate(f.tell())  # whatever the failed flush left pending
+    size = os.path.getsize(path)
+    os.truncate(path, max(0, size // _PAGE * _PAGE - leave))
+
+
+@pytest.fixture(scope="module")
+def big_tree(tmp_path_factory):
+    """~3 MB of incompressible JPEGs: more than the small disk holds."""
+    root = tmp_path_factory.mktemp("big") / "src"
+    rng = np.random.default_rng(7)
+    for i in range(90):
+        d = root / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        arr = rng.integers(0, 256, (160, 200, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(d / f"{i:03d}.jpg", quality=95)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small") / "src"
+    for i in range(6):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        (root / f"c{i % 2}" / f"{i}.jpg").write_bytes(_jpeg(i))
+    return root
+
+
+def _snapshot(out) -> dict[str, bytes]:
+    return {n: (out / n).read_bytes() for n in sorted(os.listdir(out))}
+
+
+def _left_as_before(out, before: dict[str, bytes]) -> None:
+    assert _snapshot(out) == before  # no staging, no journal, no half shard: all as before
+    if before:
+        assert verify(str(out)).ok
+        assert len(list(ShardDataset(str(out), shuffle=False))) == 6
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+@pytest.mark.parametrize("old", [False, True], ids=["fresh", "overwrite"])
+def test_disk_full_while_writing_shards_is_one_error(small_disk, big_tree, small_tree, fmt, old):
+    out = small_disk / "out"
+    if old:
+        _quiet_pack(str(small_tree), str(out), format=fmt)
+    before = _snapshot(out) if old else {}
+    with pytest.raises(OutputError) as err:
+        _quiet_pack(str(big_tree), str(out), format=fmt, shard_size="1MB", overwrite=old)
+    msg = str(err.value)
+    assert f"cannot write shards in {str(out)!r}" in msg and "free space" in msg
+    assert "\n" not in msg
+    _left_as_before(out, before)
+
+
+@pytest.mark.parametrize("step", ["manifest", "journal"])
+@pytest.mark.parametrize("old", [False, True], ids=["fresh", "overwrite"])
+def test_disk_full_at_the_manifest_or_the_journal(small_disk, small_tree, step, old):
+    """The disk fills up after the last shard: the manifest (in staging) or, with one page
+    left for the manifest, the commit journal cannot be written."""
+    out = small_disk / "out"
+    if old:
+        _quiet_pack(str(small_tree), str(out))
+    before = _snapshot(out) if old else {}
+
+    def fill(path):
+        _fill(small_disk, leave=_PAGE if step == "journal" else 0)
+
+    with pytest.raises(OutputError) as err:
+        _quiet_pack(str(small_tree), str(out), overwrite=old, on_shard=fill)
+    what = "manifest.json" if step == "manifest" else "the commit journal .shardkit-commit.json"
+    assert f"cannot write {what} in {str(out)!r}: No space left on device" in str(err.value)
+    os.unlink(small_disk / "filler")
+    _left_as_before(out, before)
+    _quiet_pack(str(small_tree), str(out), overwrite=True)  # with room again, it just works
+    assert verify(str(out)).ok
+
+
+@pytest.mark.parametrize("target", ["shard-", "manifest.json", ".shardkit-commit.json"])
+def test_enospc_injected_at_fsync_of_each_file(small_tree, tmp_path, monkeypatch, target):
+    """Where no tmpfs can be mounted: the os-level ``fsync`` of the shard, the manifest or the
+    journal fails with ENOSPC (as it does on a full disk with delayed allocation)."""
+    out = tmp_path / "out"
+    _quiet_pack(str(small_tree), str(out))
+    before = _snapshot(out)
+    real = os.fsync
+
+    def fsync(fd):
+        if target in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OutputError, match="No space left on device.*free space") as err:
+        _quiet_pack(str(small_tree), str(out), overwrite=True, seed=3)
+    what = {"shard-": "shards", "manifest.json": "manifest.json"}.get(target, "the commit journal")
+    assert f"cannot write {what}" in str(err.value)
+    monkeypatch.undo()
+    _left_as_before(out, before)
+
+
+_FSIZE_CHILD = """
+import resource, signal, sys, warnings
+from shardkit import pack
+from shardkit.errors import OutputError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+warnings.simplefilter("ignore")
+try:
+    pack(sys.argv[1], sys.argv[2], format=sys.argv[3], progress=False)
+except OutputError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_file_size_limit_hit_by_the_shard_writer_is_one_error(big_tree, tmp_path, fmt):
+    """No root needed: ``RLIMIT_FSIZE`` makes the kernel refuse the shard's write (EFBIG)."""
+    out = tmp_path / "out"
+    child = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(big_tree), str(out), fmt],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert child.returncode == 3, child.stderr
+    assert f"cannot write shards in {str(out)!r}" in child.stdout
+    assert os.listdir(out) == []

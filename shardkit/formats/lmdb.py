@@ -7,6 +7,8 @@ a fixed little-endian header plus key, extension and bytes (FORMAT.md), never pi
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -79,17 +81,18 @@ class LmdbShardWriter:
         self._pending_bytes = 0
         self._commits = 0
         _remove(path)  # like open("wb"): a fresh shard, never records appended to an old one
-        self._env: lmdb.Environment | None = lmdb.open(
-            path,
-            subdir=False,
-            map_size=map_size,
-            lock=False,
-            sync=False,
-            metasync=False,
-            readahead=False,
-            meminit=True,  # zero unused page space: same input, same bytes
-            max_dbs=0,
-        )
+        with _as_os_error(path):
+            self._env: lmdb.Environment | None = lmdb.open(
+                path,
+                subdir=False,
+                map_size=map_size,
+                lock=False,
+                sync=False,
+                metasync=False,
+                readahead=False,
+                meminit=True,  # zero unused page space: same input, same bytes
+                max_dbs=0,
+            )
 
     def projected_size(
         self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
@@ -121,13 +124,14 @@ class LmdbShardWriter:
         assert env is not None, "writer is closed"
         while True:
             try:
-                with env.begin(write=True) as txn:
+                with _as_os_error(self.path), env.begin(write=True) as txn:
                     for k, v in items:
                         # samples append (sorted, fastest); meta and fields sort elsewhere
                         txn.put(k, v, append=k[:1].isdigit())
                 break
             except lmdb.MapFullError:
-                env.set_mapsize(env.info()["map_size"] * 2)
+                with _as_os_error(self.path):
+                    env.set_mapsize(env.info()["map_size"] * 2)
         self._pending, self._pending_bytes = [], 0
         self._commits += 1
 
@@ -136,8 +140,11 @@ class LmdbShardWriter:
         self._commit([(META_KEY, meta.encode())])
         env, self._env = self._env, None
         assert env is not None
-        env.sync(True)
-        env.close()
+        try:
+            with _as_os_error(self.path):
+                env.sync(True)
+        finally:
+            env.close()
         digest = hashlib.sha256()
         size = 0
         with open(self.path, "rb") as f:
@@ -151,6 +158,25 @@ class LmdbShardWriter:
             self._env.close()
             self._env = None
         _remove(self.path)
+
+
+@contextlib.contextmanager
+def _as_os_error(path: str) -> Iterator[None]:
+    """An ``lmdb.Error`` of a write (disk full, I/O error) as the ``OSError`` writers handle.
+
+    LMDB reports a short ``pwrite`` on a full disk as EIO, so the writer's message also says
+    how much room is left (``fsutil.write_error``). ``MapFullError`` passes: the map grows.
+    """
+    try:
+        yield
+    except lmdb.MapFullError:
+        raise
+    except lmdb.Error as exc:
+        text = str(exc)
+        code = next(
+            (c for c in (errno.ENOSPC, errno.EDQUOT, errno.EIO) if os.strerror(c) in text), None
+        )
+        raise OSError(code, f"LMDB: {text}", path) from None
 
 
 def _remove(path: str) -> None:
