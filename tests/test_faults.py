@@ -280,3 +280,24 @@ def test_file_size_limit_hit_by_the_shard_writer_is_one_error(big_tree, tmp_path
     assert child.returncode == 3, child.stderr
     assert f"cannot write shards in {str(out)!r}" in child.stdout
     assert os.listdir(out) == []
+
+
+# --- decisions: links that lead outside SRC ----------------------------------------------------
+
+
+def test_links_outside_the_source_are_followed_and_warned_about_once(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "more").mkdir(parents=True)
+    for i in range(3):
+        (elsewhere / "more" / f"{i}.jpg").write_bytes(_jpeg(i))
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "own.jpg").write_bytes(_jpeg(9))
+    (src / "a" / "inside.jpg").symlink_to(src / "a" / "own.jpg")  # inside SRC: not counted
+    (src / "a" / "file.jpg").symlink_to(elsewhere / "more" / "0.jpg")
+    (src / "b").symlink_to(elsewhere / "more", target_is_directory=True)
+    with pytest.warns(UserWarning, match=r"^2 symbolic link\(s\) under .* lead outside it") as rec:
+        report = pack(str(src), str(tmp_path / "out"), progress=False)
+    assert sum("lead outside" in str(w.message) for w in rec) == 1
+    assert report.samples == 6  # own, inside, file, and the three behind the folder link
+    assert read_manifest(str(tmp_path / "out")).pack["links_outside_source"] == 2
