@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 
 from .errors import OutputError
 
@@ -27,10 +28,12 @@ __all__ = [
     "STAGING_PREFIX",
     "DirLock",
     "atomic_write_bytes",
+    "check_regular",
     "fsync_dir",
     "interrupted_commit",
     "interrupted_message",
     "is_remote",
+    "open_regular",
     "pid_alive",
     "publish",
     "recover",
@@ -57,6 +60,54 @@ def is_remote(path: str) -> bool:
     head, sep, _ = path.partition("://")
     scheme = head.replace("+", "").replace("-", "")
     return bool(sep) and len(head) > 1 and scheme.isalnum() and head != "file"
+
+
+def open_regular(path: str, buffering: int = -1):
+    """Open a user-given path for reading in binary, refusing anything but a regular file.
+
+    ``open()`` of a FIFO blocks until a writer appears (forever, for a FIFO named like
+    ``manifest.json`` or a shard), and a device can stream without end: the path is opened with
+    ``O_NONBLOCK`` (which never blocks), checked with ``fstat`` on that same descriptor (no race
+    with a swap), and only then made blocking again. A refusal is an ``OSError`` whose
+    ``strerror`` says what the path is, so callers' ``except OSError`` turn it into their own
+    one-line error. ``buffering=0`` gives a raw ``FileIO`` (``readinto`` without a copy).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+            raise OSError(code, f"not a regular file ({_kind(mode)}); expected a file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str) -> int:
+    """``open_regular``'s check for readers that open by path themselves (LMDB): the size.
+
+    Raises the same ``OSError``; ``stat`` never blocks on a FIFO.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+        raise OSError(code, f"not a regular file ({_kind(st.st_mode)}); expected a file", path)
+    return st.st_size
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 def temp_name(path: str) -> str:
@@ -200,7 +251,7 @@ def _roll_back_legacy(directory: str, staging: str) -> None:
     if not os.path.isfile(journal) or os.path.exists(os.path.join(directory, "manifest.json")):
         return
     try:
-        with open(journal, encoding="utf-8") as f:
+        with open_regular(journal) as f:
             names = json.load(f)["shards"]
     except (OSError, ValueError, KeyError, TypeError):
         return
@@ -321,7 +372,7 @@ def recover(directory: str) -> bool:
     if path is None:
         return False
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             journal = json.load(f)
         ok = (
             isinstance(journal, dict)

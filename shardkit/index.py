@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .errors import InputError, OutputError
 from .formats import format_for_path, is_shard_name
 from .formats.tar import is_gzip_name, tally_tar, warn_imageless
+from .fsutil import open_regular
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
 
 __all__ = ["IndexResult", "index_shards"]
@@ -140,7 +141,7 @@ def index_shards(
     )
     for p in bar:
         d = os.path.dirname(os.path.abspath(p))
-        with open(p, "rb", buffering=0) as raw:
+        with open_regular(p, buffering=0) as raw:
             hashing = _Hashing(raw)
             tally = tally_tar(hashing, shard=p, labels=True)
             hashing.drain()

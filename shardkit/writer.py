@@ -37,6 +37,7 @@ from .fsutil import (
     DirLock,
     interrupted_commit,
     is_remote,
+    open_regular,
     publish,
     recover,
     remove_stale_staging,
@@ -448,7 +449,7 @@ def _old_outputs(out: str) -> list[str]:
     (a path outside ``out``, a user's file) never gets it deleted.
     """
     try:
-        with open(os.path.join(out, MANIFEST_NAME), encoding="utf-8") as f:
+        with open_regular(os.path.join(out, MANIFEST_NAME)) as f:
             listed = json.load(f).get("shards", [])
     except (OSError, ValueError, AttributeError):
         return []

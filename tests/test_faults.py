@@ -20,10 +20,10 @@ import pytest
 from PIL import Image
 
 from shardkit import FolderDataset, ShardDataset, ShardWriter, pack
-from shardkit.errors import InputError, OutputError
-from shardkit.formats import decode_key, encode_key
+from shardkit.errors import InputError, ManifestError, OutputError, ShardkitError
+from shardkit.formats import decode_key, encode_key, get_format
 from shardkit.manifest import read_manifest
-from shardkit.verify import verify
+from shardkit.verify import dataset_info, verify
 
 
 def _jpeg(seed: int) -> bytes:
@@ -301,3 +301,57 @@ def test_links_outside_the_source_are_followed_and_warned_about_once(tmp_path):
     assert sum("lead outside" in str(w.message) for w in rec) == 1
     assert report.samples == 6  # own, inside, file, and the three behind the folder link
     assert read_manifest(str(tmp_path / "out")).pack["links_outside_source"] == 2
+
+
+# --- item 2: FIFOs (and other non-files) where a reader expects a file -------------------------
+
+
+@pytest.fixture
+def packed(tmp_path, small_tree):
+    return {fmt: str(_quiet_pack(str(small_tree), str(tmp_path / fmt), format=fmt,
+                                 shard_size=3000).out) for fmt in ("tar", "lmdb")}
+
+
+def _fifo_in_place_of(path: str) -> None:
+    os.unlink(path)
+    os.mkfifo(path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_fifo_named_like_a_shard_is_refused_by_every_reader(packed, fmt):
+    from conftest import run_cli
+
+    out = packed[fmt]
+    shard = os.path.join(out, f"shard-000001.{fmt}")
+    _fifo_in_place_of(shard)
+    with pytest.raises(ShardkitError, match=r"shard-000001.*not a regular file \(a FIFO\)"):
+        list(ShardDataset(out, shuffle=False))
+    report = verify(out)
+    assert [b.path for b in report.bad] == [f"shard-000001.{fmt}"]
+    assert "not a regular file (a FIFO)" in str(report.bad[0].problems)
+    with pytest.raises(ShardkitError, match="not a regular file"):
+        list(get_format(fmt).iter_records(shard))
+    done = run_cli("verify", out, timeout=60)
+    assert done.returncode != 0 and "shard-000001" in done.stdout + done.stderr
+    with pytest.raises(ShardkitError, match="not a regular file"):  # a dir without manifest
+        os.unlink(os.path.join(out, "manifest.json"))
+        list(ShardDataset(out, shuffle=False))
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_named_manifest_json_is_refused_by_every_reader(packed, tmp_path, small_tree):
+    from conftest import run_cli
+
+    out = packed["tar"]
+    _fifo_in_place_of(os.path.join(out, "manifest.json"))
+    for call in (read_manifest, ShardDataset, verify, dataset_info):
+        with pytest.raises(ManifestError, match=r"manifest\.json.*not a regular file \(a FIFO\)"):
+            call(out)
+    for cmd in ("info", "verify"):
+        done = run_cli(cmd, out, timeout=60)
+        assert done.returncode != 0
+        assert "not a regular file (a FIFO)" in done.stderr and "Traceback" not in done.stderr
+    # an overwrite reads the old manifest to know what it may delete: no hang there either
+    _quiet_pack(str(small_tree), out, overwrite=True)
+    assert verify(out).ok

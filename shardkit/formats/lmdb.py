@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import lmdb
 
 from ..errors import ShardFormatError
+from ..fsutil import check_regular
 from ..records import Record, ShardStats
 
 __all__ = ["LmdbShardWriter", "iter_lmdb_records", "count_lmdb_samples", "sample_key"]
@@ -195,11 +196,13 @@ def _open_env(path: str | os.PathLike) -> lmdb.Environment:
     """
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
-    except OSError:
+        size = check_regular(path)  # lmdb.open of a FIFO would block forever
+    except FileNotFoundError:
         raise ShardFormatError(
             f"{path}: LMDB shard not found (expected a single-file LMDB)"
         ) from None
+    except OSError as exc:
+        raise ShardFormatError(f"{path}: cannot open LMDB shard ({exc.strerror})") from None
     if size < 2 * PAGE:
         raise ShardFormatError(
             f"{path}: truncated LMDB shard ({size} bytes); re-copy or re-pack it"
