@@ -28,7 +28,6 @@ __all__ = [
     "STAGING_PREFIX",
     "DirLock",
     "atomic_write_bytes",
-    "check_regular",
     "fsync_dir",
     "interrupted_commit",
     "interrupted_message",
@@ -83,18 +82,6 @@ def open_regular(path: str, buffering: int = -1):
     except BaseException:
         os.close(fd)
         raise
-
-
-def check_regular(path: str) -> int:
-    """``open_regular``'s check for readers that open by path themselves (LMDB): the size.
-
-    Raises the same ``OSError``; ``stat`` never blocks on a FIFO.
-    """
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-        raise OSError(code, f"not a regular file ({_kind(st.st_mode)}); expected a file", path)
-    return st.st_size
 
 
 def _kind(mode: int) -> str:
