@@ -11,6 +11,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -355,3 +356,30 @@ def test_a_fifo_named_manifest_json_is_refused_by_every_reader(packed, tmp_path,
     # an overwrite reads the old manifest to know what it may delete: no hang there either
     _quiet_pack(str(small_tree), out, overwrite=True)
     assert verify(out).ok
+
+
+@pytest.mark.timeout(60)
+def test_index_refuses_a_fifo_and_reports_a_full_disk(packed, tmp_path, monkeypatch):
+    from shardkit.index import index_shards
+
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "a.tar")
+    with pytest.raises(InputError, match=r"a\.tar: cannot read \(not a regular file \(a FIFO\)"):
+        index_shards([str(fifo_dir)], progress=False)  # listed from its directory
+    with pytest.raises(InputError, match=r"a\.tar: not a regular file"):
+        index_shards([str(fifo_dir / "a.tar")], progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    shutil.copy(os.path.join(packed["tar"], "shard-000000.tar"), foreign / "x.tar")
+    real = os.fsync
+
+    def fsync(fd):
+        if "manifest.json" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OutputError, match="cannot write manifest.json in .*No space left"):
+        index_shards([str(foreign / "x.tar")], progress=False)
+    assert os.listdir(foreign) == ["x.tar"]
