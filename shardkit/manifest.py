@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ManifestError
-from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
+from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message, open_regular
 from .storage import is_url
 
 __all__ = [
@@ -335,7 +335,7 @@ def read_manifest(
             ) from None
         return Manifest.from_json(text, source=path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO named manifest.json: refused, not waited on
             text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
     except FileNotFoundError:
         if interrupted_commit(os.path.dirname(path)):
