@@ -40,8 +40,16 @@ from ..errors import InputError, OutputError
 from ..extras import require
 from ..pagecache import evict_until_cold, prime, residency
 from .config import MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
-from .results import BenchResult, Row, RunContext, RunResult, Timeline
-from .sources import bytes_per_sample, make_dataset, plan_sources, read_paths, sample_bytes
+from .estimate import Estimate, clock_text, estimate
+from .results import BenchResult, Load, Row, RunContext, RunResult, Timeline
+from .sources import (
+    bytes_per_sample,
+    make_dataset,
+    pending,
+    plan_sources,
+    read_paths,
+    sample_bytes,
+)
 from .workloads import (
     DATASET_DECODE,
     Augment,
@@ -117,6 +125,18 @@ def make_loader(ds, fmt: str, workers: int, cfg: BenchConfig, epoch: int):
         )
 
 
+def _stop(cfg: BenchConfig, batches: int, samples: int, seconds: float) -> str | None:
+    """Why timing should end now (see ``RunResult.stopped``); None to go on."""
+    if cfg.batches:
+        if batches >= cfg.batches:
+            return "target"
+    elif samples >= cfg.min_samples and seconds >= cfg.min_seconds:
+        return "target"
+    if cfg.max_seconds and seconds >= cfg.max_seconds:
+        return "max_seconds"
+    return None
+
+
 def run_once(
     ds,
     fmt: str,
@@ -139,12 +159,14 @@ def run_once(
     samples = timed_batches = 0
     wait_total = stall_total = 0.0
     first = t_start = t_end = 0.0
+    stopped = "data"
     t0 = clock()
     with _quiet_worker_count():
         it = iter(loader)
     started = clock() - t0
     try:
-        for k in range(warmup + cfg.batches):
+        k = 0
+        while True:
             tw = clock()
             try:
                 _images, labels, (wid, b0, b1) = next(it)
@@ -167,19 +189,19 @@ def run_once(
                 wait_total += tr - tw
                 stall_total += max(0.0, min(b1, tr) - tw)
                 t_end = te
-                if (
-                    cfg.max_seconds
-                    and te - t_start >= cfg.max_seconds
-                    and timed_batches >= MIN_TIMED_BATCHES
-                ):
+                why = _stop(cfg, timed_batches, samples, te - t_start)
+                if why:
+                    stopped = why
                     break
+            k += 1
     finally:
         del it  # shuts the workers down before the next run
+    wall = clock() - t0
     if timed_batches == 0:
         raise InputError(
             f"{fmt} with {workers} workers delivered only {len(batches)} batches of "
-            f"{cfg.batch_size}: the dataset is too small for {warmup} warm-up + {cfg.batches} "
-            "timed batches; lower batch_size or batches"
+            f"{cfg.batch_size}: the dataset is too small for {warmup} warm-up batches and a "
+            "timed one; lower batch_size or workers"
         )
     timed = t_end - t_start
     rate = samples / timed
@@ -195,6 +217,8 @@ def run_once(
         timed_s=timed,
         opens=storage.opens() - opens0 if storage is not None else None,
         resident_before=resident_before,
+        stopped=stopped,
+        wall_s=wall,
     )
     timeline = Timeline(fmt, workers, repeat, cfg.step_ms, warmup, started, batches, waits, steps)
     return result, timeline
@@ -289,12 +313,14 @@ def _prepare(cfg: BenchConfig, sources: dict[str, str]) -> _Prepared:
         prep.per_sample[fmt] = bytes_per_sample(fmt, ds, prep.paths[fmt])
         prep.epochs[fmt] = 0
         prep.notes.extend(_format_notes(cfg, fmt, prep))
-        need = (max(1, max(cfg.workers)) + cfg.batches) * cfg.batch_size
+        warm = max(1, max(cfg.workers)) * cfg.batch_size
+        need = warm + cfg.timed_samples_needed
         if len(ds) < need:
+            what = "batches" if cfg.batches else "min_samples"
             raise InputError(
                 f"{source}: {len(ds)} samples, but a run with {max(cfg.workers)} workers "
-                f"reads {need} ((warm-up {max(1, max(cfg.workers))} + batches {cfg.batches}) x "
-                f"batch_size {cfg.batch_size}); lower batches or batch_size"
+                f"reads {need} (warm-up {warm} + {cfg.timed_samples_needed} timed); lower "
+                f"{what} or batch_size"
             )
     return prep
 
@@ -339,6 +365,7 @@ def _measure(cfg: BenchConfig, prep: _Prepared) -> tuple[list[Row], Timeline | N
     chosen = _timeline_choice(cfg, formats)
     timeline: Timeline | None = None
     total, done = len(rows) * cfg.repeats, 0
+    started = clock()
     for repeat in range(cfg.repeats):
         for fmt in formats:
             for w in cfg.workers:
@@ -354,11 +381,16 @@ def _measure(cfg: BenchConfig, prep: _Prepared) -> tuple[list[Row], Timeline | N
                 if (fmt, w) == chosen and timeline is None:
                     timeline = tl
                 done += 1
+                elapsed = clock() - started
+                left = elapsed / done * (total - done)
+                cut = {"max_seconds": ", capped", "data": ", end of data"}.get(result.stopped, "")
                 say(
                     cfg,
                     f"[{done}/{total}] repeat {repeat + 1}/{cfg.repeats} {fmt:>6} "
-                    f"workers={w}: {result.samples_per_s:,.0f} samples/s, first batch "
-                    f"{result.first_batch_s:.2f} s, wait {result.wait_fraction:.0%}",
+                    f"workers={w}: {result.samples_per_s:,.0f} samples/s "
+                    f"({result.timed_samples:,} in {result.timed_s:.1f} s{cut}), first batch "
+                    f"{result.first_batch_s:.2f} s, wait {result.wait_fraction:.0%}; "
+                    f"{clock_text(elapsed)} elapsed, ~{clock_text(left)} left",
                 )
     return list(rows.values()), timeline
 
@@ -371,6 +403,14 @@ def run_bench(config: BenchConfig) -> BenchResult:
     cfg = config.resolved()
     _check_outputs(cfg)
     started = clock()
+    load_before = Load.now(cores())
+    steps, formats = pending(cfg)
+    est = estimate(cfg, steps, len(formats))
+    say(
+        cfg,
+        f"{est.line(cfg, list(formats))}; load {load_before.load_1m:.2f} on "
+        f"{load_before.cores} cores",
+    )
     sources, _data = plan_sources(cfg)
     prep = _prepare(cfg, sources)
 
@@ -390,7 +430,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
     # One untimed burn-in run: the first run in a process pays one-time costs (allocator growth,
     # decoder set-up); measured 429 samples/s for a first folder run vs ~2,000 for its repeats.
-    burn = replace(cfg, batches=MIN_TIMED_BATCHES, max_seconds=0.2)
+    burn = replace(cfg, batches=MIN_TIMED_BATCHES, max_seconds=0.2, min_seconds=0.0)
     _run(burn, prep, prep.formats[0], 0, repeat=-1)
     rows, timeline = _measure(cfg, prep)
 
@@ -409,11 +449,21 @@ def run_bench(config: BenchConfig) -> BenchResult:
         machine=machine_facts(),
         seconds=clock() - started,
         notes=prep.notes,
+        num_samples={f: len(ds) for f, ds in prep.datasets.items()},
+        load_before=load_before,
+        load_after=Load.now(cores()),
+        estimate_s=est.total_s,
     )
+    _say_done(cfg, result, est)
     for row in result.rows:
         row.ceiling = result.ceiling(row.workers)
     _write_outputs(result)
     return result
+
+
+def _say_done(cfg: BenchConfig, result: BenchResult, est: Estimate) -> None:
+    bound = f" (estimate: up to {clock_text(est.total_s)})" if est.total_s else ""
+    say(cfg, f"done in {clock_text(result.seconds)}{bound}")
 
 
 def _check_outputs(cfg: BenchConfig) -> None:
