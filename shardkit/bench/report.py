@@ -124,15 +124,6 @@ def best_workers_line(result: BenchResult, fmt: str) -> str:
         text += "; faster than " + ", ".join(
             f"{r.workers} workers ({r.mean:,.0f}, {c.describe()})" for r, c in slower
         )
-    fitting = [r for r in rows if 0 < r.workers <= result.cores]
-    if best.workers > result.cores and fitting:
-        top = max(fitting, key=lambda r: r.mean)
-        c = compare(best, top)
-        if c.real:
-            text += (
-                f"; more workers than the {result.cores} cores were faster "
-                f"({c.ratio:.2f}x {top.workers} workers, {c.describe()})"
-            )
     return text + "."
 
 
