@@ -10,8 +10,10 @@ How one run is measured (``run_once``):
    starts, and the time until the first batch arrives is the *first-batch time* (worker start-up,
    shard opening, the shuffle buffer filling).
 3. The first ``max(1, workers)`` batches are warm-up: the workers all started together, so their
-   first batches arrive back to back and timing them would inflate the rate. Then ``batches``
-   batches are timed: samples/s = timed samples / timed wall time. Each timed iteration is
+   first batches arrive back to back and timing them would inflate the rate. Then batches are
+   timed until the run has ``min_samples`` samples and ``min_seconds`` seconds (or exactly
+   ``batches`` batches, if given), at most ``max_seconds``, or the epoch ends (``RunResult.stopped``
+   says which): samples/s = timed samples / timed wall time. Each timed iteration is
    ``next(loader)`` (the wait) then the consumer's step (``workloads.step``, a sleep of
    ``step_ms``); the wait fraction is total wait / timed wall time.
 4. The loader is shut down (workers exit); the next run starts from nothing.
