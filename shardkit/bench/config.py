@@ -32,6 +32,7 @@ __all__ = [
     "BenchConfig",
     "parse_formats",
     "RUN_OVERHEAD_S",
+    "WORKER_OVERHEAD_S",
     "parse_workers",
     "say",
 ]
@@ -53,9 +54,12 @@ DEFAULT_DATA = os.path.join("data", "lfw")
 MIN_SAMPLES = 1024
 MIN_SECONDS = 1.5
 MAX_SECONDS = 3.0
-#: Untimed seconds a run may add around its timed window (forking workers, the warm-up batches,
-#: eviction, shutting down); used only for the estimate printed before the bench starts.
-RUN_OVERHEAD_S = 1.0
+#: Untimed seconds a run adds around its timed window (forking workers, their warm-up batches,
+#: eviction, shutdown): ``RUN_OVERHEAD_S + WORKER_OVERHEAD_S * max(1, workers)``. Measured at
+#: load ~10 on the 2-core VM (decode, LFW): 1.3-1.5 s at 0-2 workers, 3.9-5.6 s at 8. Used only
+#: for the estimate printed before the bench starts.
+RUN_OVERHEAD_S = 0.5
+WORKER_OVERHEAD_S = 0.5
 #: The untimed burn-in run and an absolute floor for a run: a few batches.
 MIN_TIMED_BATCHES = 5
 #: Shard size when the bench packs on the fly. Smaller than ``pack``'s 256 MB default because
@@ -222,11 +226,11 @@ class BenchConfig:
         """Samples one run must be able to time (after its warm-up)."""
         return self.batches * self.batch_size if self.batches else self.min_samples
 
-    def run_bound_s(self) -> float | None:
-        """Upper bound of one run's wall time, for the estimate; None when nothing caps it."""
+    def run_bound_s(self, workers: int) -> float | None:
+        """Bound of one run's wall time at ``workers``, for the estimate; None when uncapped."""
         if not self.max_seconds:
             return None
-        return self.max_seconds + RUN_OVERHEAD_S
+        return self.max_seconds + RUN_OVERHEAD_S + WORKER_OVERHEAD_S * max(1, workers)
 
     def as_dict(self) -> dict:
         skip = {"progress", "before_run"}

@@ -1,8 +1,9 @@
 """How long a bench will take, said before it starts, and how far along it is while it runs.
 
-The bound is simple on purpose, so a user can check it: runs x (``max_seconds`` + a start-up
-allowance), plus the fixed steps (the decode ceiling, the burn-in run) and, when the data or its
-shards are missing, making and packing them. The per-run progress line then replaces the bound
+The bound is simple on purpose, so a user can check it: per run ``max_seconds`` plus a start-up
+allowance that grows with the workers (``config.RUN_OVERHEAD_S``, ``WORKER_OVERHEAD_S``), plus
+the fixed steps (the decode ceiling, the burn-in run) and, when the data or its shards are
+missing, making and packing them. The per-run progress line then replaces the bound
 with the mean of the runs so far.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .config import RUN_OVERHEAD_S, BenchConfig
+from .config import BenchConfig
 
 __all__ = ["Estimate", "clock_text", "estimate"]
 
@@ -20,15 +21,16 @@ __all__ = ["Estimate", "clock_text", "estimate"]
 SYNTH_LFW_S = 60.0
 #: Bytes of the default set, for the packing estimate before it exists.
 LFW_BYTES = 176e6
-#: Packing rate for the estimate (``pack`` of the LFW set on the 2-core VM, cold, under load).
-PACK_MB_PER_S = 8.0
+#: Packing rate for the estimate: ``pack`` of the LFW set on the 2-core VM measured 82 MB/s from
+#: page cache at load 4.6; a cold read is several times slower.
+PACK_MB_PER_S = 20.0
 #: Fixed steps besides the runs: loading datasets, the burn-in run (the ceiling is added apart).
 FIXED_S = 3.0
 
 
 @dataclass
 class Estimate:
-    """``runs`` runs of at most ``per_run_s`` each, plus ``prep`` steps (what, seconds)."""
+    """``runs`` runs of ``per_run_s`` each on average (bound), plus ``prep`` steps (what, s)."""
 
     runs: int
     per_run_s: float | None
@@ -42,7 +44,7 @@ class Estimate:
         return self.runs * self.per_run_s + self.fixed_s + sum(s for _, s in self.prep)
 
     def line(self, cfg: BenchConfig, formats: list[str]) -> str:
-        """``estimate: 60 runs (...) x up to 4.0 s = up to 4:00 min, plus ...``."""
+        """``estimate: 60 runs (...) x up to 5.4 s each (...) = up to 5:28 min, plus ...``."""
         what = (
             f"{self.runs} runs ({','.join(formats)} x workers "
             f"{','.join(map(str, cfg.workers))} x {cfg.repeats} repeats)"
@@ -50,7 +52,10 @@ class Estimate:
         if self.per_run_s is None:
             return f"estimate: {what}; no bound (max_seconds 0: runs are not capped)"
         runs_s = self.runs * self.per_run_s + self.fixed_s
-        text = f"estimate: {what} x up to {self.per_run_s:.1f} s each = up to {clock_text(runs_s)}"
+        text = (
+            f"estimate: {what} x up to {self.per_run_s:.1f} s each (timed up to "
+            f"{cfg.max_seconds:g} s, plus start-up) = up to {clock_text(runs_s)}"
+        )
         for step, seconds in self.prep:
             text += f", plus ~{clock_text(seconds)} {step}"
         if self.prep:
@@ -84,7 +89,8 @@ def estimate(cfg: BenchConfig, pending: list[tuple[str, str | None]], formats: i
     to pack (``sources.pending``).
     """
     runs = formats * len(cfg.workers) * cfg.repeats
-    per_run = cfg.max_seconds + RUN_OVERHEAD_S if cfg.max_seconds else None
+    bounds = [cfg.run_bound_s(w) for w in cfg.workers]
+    per_run = None if None in bounds else sum(bounds) / len(bounds)
     fixed = FIXED_S + (2 * cfg.ceiling_seconds if cfg.mode != "raw" else 0.0)
     prep: list[tuple[str, float]] = []
     sizes: dict[str, float] = {}

@@ -93,7 +93,7 @@ def _shards_for(cfg: BenchConfig, data: str | None, fmt: str, target: str) -> st
             raise _nothing_packed(target)
         from ..packer import pack
 
-        say(cfg, f"packing {data} into {target} ({fmt}, {cfg.shard_size} shards)")
+        say(cfg, f"packing {data} into {target} ({fmt}, {_size_text(cfg.shard_size)} shards)")
         report = pack(data, target, format=fmt, shard_size=cfg.shard_size, progress=False)
         say(cfg, report.summary())
     elif found != fmt:
@@ -156,6 +156,11 @@ def _nothing_packed(target: str) -> InputError:
         f"{target}: no packed dataset there; pass the image folder (data, --data) to "
         "pack it on the fly, or point shards (--shards) at packed shards"
     )
+
+
+def _size_text(size: int | str) -> str:
+    """``32000000`` -> ``"32 MB"`` (the CLI passes bytes); strings are shown as given."""
+    return f"{size / 1e6:g} MB" if isinstance(size, int) else str(size)
 
 
 def plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
