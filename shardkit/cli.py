@@ -321,7 +321,7 @@ class FormatWorkers(click.ParamType):
                    "worker) instead of --min-samples/--min-seconds.")
 @click.option("--min-samples", type=click.IntRange(min=0), default=1024, show_default=True,
               help="Time each run until it has at least this many samples...")
-@click.option("--min-seconds", type=click.FloatRange(min=0), default=1.5, show_default=True,
+@click.option("--min-seconds", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="...and at least this many seconds (or the epoch ends).")
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
               help="Stop timing a run after this long even if short of the minimums, so the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -375,8 +376,9 @@ def test_cli_prints_an_estimate_then_one_progress_line_per_run_to_a_pipe(tiny, t
 
 
 def test_estimate_is_runs_times_the_per_run_bound_plus_preparation(tmp_path):
-    cfg = BenchConfig(workers=(0, 2, 4, 8), repeats=5, max_seconds=3.0, mode="raw").resolved()
-    est = estimate(cfg, [], 3)
+    cfg = BenchConfig(workers=(0, 2, 4, 8), repeats=5, max_seconds=3.0, mode="raw", cold=False)
+    cfg = cfg.resolved()
+    est = estimate(cfg, [], ("folder", "tar", "lmdb"))
     # 3 s timed + 0.5 s + 0.5 s x max(1, workers): 4, 4.5, 5.5, 7.5 s -> 5.375 s on average
     assert est.runs == 60 and est.per_run_s == pytest.approx(5.375)
     assert est.total_s == pytest.approx(60 * 5.375 + est.fixed_s)
@@ -393,7 +395,7 @@ def test_estimate_is_runs_times_the_per_run_bound_plus_preparation(tmp_path):
             ("making the default LFW-shaped set", None),
             ("packing src into src-shards-tar", str(src)),
         ],
-        3,
+        ("folder", "tar", "lmdb"),
     )
     assert [s for s, _ in est.prep] == [
         "making the default LFW-shaped set",
@@ -406,6 +408,10 @@ def test_estimate_is_runs_times_the_per_run_bound_plus_preparation(tmp_path):
         "plus ~" in line and "making the default LFW-shaped set" in line and "total up to" in line
     )
     assert BenchConfig(max_seconds=None).resolved().run_bound_s(2) is None
+    # Cold: the folder's eviction before each of its runs is added (1.5 s over 20 of 60 runs).
+    cold = replace(cfg, cold=True)
+    assert estimate(cold, [], ("folder", "tar", "lmdb")).per_run_s == pytest.approx(5.875)
+    assert estimate(cold, [], ("tar", "lmdb")).per_run_s == pytest.approx(5.375)
 
 
 def test_bench_records_load_and_cpu_count_before_and_after(tiny, tmp_path):

@@ -10,6 +10,7 @@ with the mean of the runs so far.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .config import BenchConfig
@@ -24,6 +25,9 @@ LFW_BYTES = 176e6
 #: Packing rate for the estimate: ``pack`` of the LFW set on the 2-core VM measured 82 MB/s from
 #: page cache at load 4.6; a cold read is several times slower.
 PACK_MB_PER_S = 20.0
+#: Evicting the folder's files before each cold run (``pagecache.evict_until_cold`` on 13k files:
+#: fadvise, then mincore to check): measured 1.3 s at load 5 on the 2-core VM.
+EVICT_FOLDER_S = 1.5
 #: Fixed steps besides the runs: loading datasets, the burn-in run (the ceiling is added apart).
 FIXED_S = 3.0
 
@@ -82,15 +86,19 @@ def _tree_bytes(root: str) -> int:
     return total
 
 
-def estimate(cfg: BenchConfig, pending: list[tuple[str, str | None]], formats: int) -> Estimate:
-    """The bound for ``cfg`` with ``formats`` formats and ``pending`` preparation steps.
+def estimate(
+    cfg: BenchConfig, pending: list[tuple[str, str | None]], formats: Sequence[str]
+) -> Estimate:
+    """The bound for ``cfg`` over ``formats`` with ``pending`` preparation steps.
 
     ``pending``: (what, None) for making the default set, (what, source folder) per shard format
     to pack (``sources.pending``).
     """
-    runs = formats * len(cfg.workers) * cfg.repeats
+    runs = len(formats) * len(cfg.workers) * cfg.repeats
     bounds = [cfg.run_bound_s(w) for w in cfg.workers]
     per_run = None if None in bounds else sum(bounds) / len(bounds)
+    if per_run is not None and cfg.cold and "folder" in formats:
+        per_run += EVICT_FOLDER_S / len(formats)  # spread over all runs: one line, one bound
     fixed = FIXED_S + (2 * cfg.ceiling_seconds if cfg.mode != "raw" else 0.0)
     prep: list[tuple[str, float]] = []
     sizes: dict[str, float] = {}

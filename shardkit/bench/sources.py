@@ -238,11 +238,13 @@ def load_all(path: str) -> tuple[list[bytes], list[int]]:
 
 
 def read_paths(fmt: str, ds) -> list[str] | None:
-    """The local files a run of this dataset reads (None: nothing on local storage)."""
+    """The local files (or shard URLs' paths) a run of this dataset reads; None: none local."""
     if fmt == "memory":
         return None
     if fmt == "folder":
-        return [ds.root]
+        # The files themselves, not the root: eviction before every run then skips walking
+        # the tree (measured 1 s of 4 on the 13k-file LFW set).
+        return [os.path.join(ds.root, ds.relpath(i)) for i in range(len(ds))]
     if any(is_url(u) and not u.startswith("file://") for u in ds.urls):
         return None
     return [u[len("file://") :] if u.startswith("file://") else u for u in ds.urls]
