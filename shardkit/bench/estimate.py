@@ -28,6 +28,8 @@ PACK_MB_PER_S = 20.0
 #: Evicting the folder's files before each cold run (``pagecache.evict_until_cold`` on 13k files:
 #: fadvise, then mincore to check): measured 1.3 s at load 5 on the 2-core VM.
 EVICT_FOLDER_S = 1.5
+#: The one write-back (fdatasync) of the folder's files before the cold runs: 2.7 s at load 5.
+WRITE_BACK_FOLDER_S = 5.0
 #: Fixed steps besides the runs: loading datasets, the burn-in run (the ceiling is added apart).
 FIXED_S = 3.0
 
@@ -95,11 +97,12 @@ def estimate(
     to pack (``sources.pending``).
     """
     runs = len(formats) * len(cfg.workers) * cfg.repeats
+    fixed = FIXED_S + (2 * cfg.ceiling_seconds if cfg.mode != "raw" else 0.0)
     bounds = [cfg.run_bound_s(w) for w in cfg.workers]
     per_run = None if None in bounds else sum(bounds) / len(bounds)
     if per_run is not None and cfg.cold and "folder" in formats:
         per_run += EVICT_FOLDER_S / len(formats)  # spread over all runs: one line, one bound
-    fixed = FIXED_S + (2 * cfg.ceiling_seconds if cfg.mode != "raw" else 0.0)
+        fixed += WRITE_BACK_FOLDER_S
     prep: list[tuple[str, float]] = []
     sizes: dict[str, float] = {}
     for step, source in pending:
