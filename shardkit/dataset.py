@@ -18,6 +18,7 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,21 +27,25 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .errors import InputError, SampleError, ShardkitError
+from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
 from .images import IMAGE_EXTENSIONS, decode_image
-from .records import ShardSlice
+from .records import UNKNOWN, ShardInfo, ShardSlice
+from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
-from .sources import UNKNOWN, ShardSource, resolve_source
+from .sizes import parse_size
+from .sources import resolve_source
 from .storage import LocalStorage, Storage, storage_for
 from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_labels,
     decode_records,
     plan_epoch,
     rank_samples,
     read_slices,
+    sample_counts,
 )
 from .world import World, current_world, distributed_rank
 
@@ -72,12 +77,16 @@ class ShardDataset(IterableDataset):
     or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
     bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
     samples held per worker for the sample-level shuffle. ``with_keys=True`` yields
-    ``(image, label, key)``. ``on_error="skip"`` warns and counts undecodable samples in
-    ``ds.skipped`` instead of raising (that rank then yields fewer than ``len(ds)``).
+    ``(image, label, key)``. ``fields=("json", ...)`` (tar): each sample gains the raw bytes of
+    those extra members after the key, None where a sample has none. ``on_error="skip"`` warns
+    and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
+    fewer than ``len(ds)``).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
-    ``cache_dir`` and ``cache_limit`` configure remote storage for URL sources.
+    ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
+    (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
+    sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
     """
 
     def __init__(
@@ -93,10 +102,12 @@ class ShardDataset(IterableDataset):
         equalize: str = "pad",
         with_keys: bool = False,
         on_error: str = "raise",
+        fields: Sequence[str] = (),
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
-        cache_limit: int | None = None,
+        cache_limit: int | str | None = None,
+        prefetch: int = 2,
         rank: int | None = None,
         world_size: int | None = None,
     ):
@@ -106,6 +117,15 @@ class ShardDataset(IterableDataset):
         _check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InputError(f"prefetch={prefetch!r} must be an int >= 0 (0: no prefetch)")
+        if cache_limit is not None:
+            cache_limit = parse_size(cache_limit, "cache_limit", minimum=0)
+        if storage is not None and (cache_dir is not None or cache_limit is not None):
+            raise InputError(
+                "cache_dir/cache_limit configure the storage shardkit builds; with storage= pass "
+                "them to that storage instead (e.g. RemoteStorage(cache_dir=...))"
+            )
         self.decode = decode
         self.transform = transform
         self.target_transform = target_transform
@@ -115,24 +135,30 @@ class ShardDataset(IterableDataset):
         self.equalize = equalize
         self.with_keys = bool(with_keys)
         self.on_error = on_error
+        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
         self.rank, self.world_size = distributed_rank(rank, world_size)
 
         resolved = resolve_source(source, storage_options=storage_options)
-        self.urls: tuple[str, ...] = resolved.urls
         self.shard_format: str = resolved.format
+        if self.fields and self.shard_format != "tar":
+            raise InputError(
+                f"fields={self.fields!r}: only tar shards carry extra members; drop fields= "
+                f"for {self.shard_format} shards"
+            )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
-        self.indexes: tuple[tuple[int, ...], ...] = resolved.indexes
         self.storage: Storage = storage or storage_for(
             list(resolved.urls),
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
-            manifest=resolved.manifest,
-            manifest_path=resolved.manifest_path,
+            prefetch=prefetch,
         )
         # Counted once here, in the main process, so workers never open a shard just to plan.
-        self.counts: np.ndarray = _shard_counts(resolved, self.storage)
+        self.shards: tuple[ShardInfo, ...] = _counted(
+            resolved.shards, resolved.format, self.storage
+        )
+        self.counts: np.ndarray = sample_counts(self.shards)
         self.num_samples = int(self.counts.sum())
         if self.num_samples == 0:
             raise InputError(f"{_describe(source)}: the shards hold no samples")
@@ -161,6 +187,11 @@ class ShardDataset(IterableDataset):
         """Samples skipped by ``on_error="skip"`` so far, summed over all workers."""
         return int(self._state[_SKIPPED:].sum())
 
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The shard URLs (or paths), in the dataset's shard order."""
+        return tuple(s.url for s in self.shards)
+
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
 
@@ -168,7 +199,7 @@ class ShardDataset(IterableDataset):
         """The slices one worker reads in an epoch (default: the caller's, current epoch)."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
-        order = shard_order(len(self.urls), self.seed, epoch, self.shuffle)
+        order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
         return plan_epoch(
             self.counts,
             order,
@@ -200,8 +231,10 @@ class ShardDataset(IterableDataset):
         epoch = self._start_epoch(world)
         slices = self.plan(world, epoch)
         records = read_slices(
-            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+            slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
         )
+        if self.classes:
+            records = check_labels(records, len(self.classes))
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)
@@ -211,6 +244,7 @@ class ShardDataset(IterableDataset):
             on_error=self.on_error,
             with_keys=self.with_keys,
             skipped=self._skip_counter(world.worker),
+            fields=self.fields,
         )
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
@@ -226,7 +260,7 @@ class ShardDataset(IterableDataset):
 
     def __repr__(self) -> str:
         return (
-            f"ShardDataset({len(self.urls)} {self.shard_format} shards, {self.num_samples} "
+            f"ShardDataset({len(self.shards)} {self.shard_format} shards, {self.num_samples} "
             f"samples, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
             f"shuffle={self.shuffle}, buffer_size={self.buffer_size}, "
             f"equalize={self.equalize!r})"
@@ -239,30 +273,34 @@ def _describe(source) -> str:
     return f"the list of {len(source)} shards"
 
 
-def _shard_counts(resolved: ShardSource, storage: Storage) -> np.ndarray:
-    """Manifest counts, with shards no manifest covers counted by reading their headers."""
-    counts = np.asarray(resolved.counts, dtype=np.int64)
-    fmt = FORMATS[resolved.format]
-    for i in np.flatnonzero(counts == UNKNOWN).tolist():
-        url = resolved.urls[i]
-        try:
-            if fmt.needs_local_file:
-                counts[i] = fmt.count_samples(storage.local_path(url), shard=url)
-            else:
-                with storage.open(url) as f:
-                    counts[i] = fmt.count_samples(f, shard=url)
-        except ShardkitError:
-            raise
-        except OSError as exc:
-            raise ShardkitError(f"{url}: cannot count samples ({exc})") from exc
-    return counts
+def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> tuple[ShardInfo, ...]:
+    """The shards with every count known: shards no manifest covers are counted by reading."""
+    if all(s.samples != UNKNOWN for s in shards):
+        return tuple(shards)
+    fmt = FORMATS[format]
+    out = list(shards)
+    try:
+        for i, shard in enumerate(shards):
+            if shard.samples != UNKNOWN:
+                continue
+            try:
+                out[i] = dataclasses.replace(shard, samples=fmt.count(storage, shard))
+            except ShardkitError:
+                raise
+            except OSError as exc:
+                raise StorageError(f"{shard.url}: cannot count samples ({exc})") from exc
+    finally:
+        storage.close()
+    return tuple(out)
 
 
 class FolderDataset(Dataset):
     """Map-style dataset over a class-per-folder tree: the per-file baseline shards are measured
     against, decoding exactly as ``ShardDataset`` does.
 
-    Labels are the indices of the sorted class folder names (``.classes``). Relative paths live in
+    Listed by ``shardkit.scan``, the scanner ``pack`` uses: the same classes, labels and skipped
+    entries (FIFOs, broken links: warned about, never opened). Labels are the indices of the
+    sorted class folder names (``.classes``). Relative paths live in
     one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
     a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
     Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
@@ -288,26 +326,27 @@ class FolderDataset(Dataset):
         self.target_transform = target_transform
         self.storage: Storage = storage or LocalStorage()
         self.with_keys = bool(with_keys)
-        exts = tuple("." + e.lower().lstrip(".") for e in extensions)
-        self.classes: list[str] = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-        )
-        encoded: list[bytes] = []
-        labels: list[int] = []
-        for label, name in enumerate(self.classes):
-            for rel in _walk_images(self.root, name, exts):
-                encoded.append(rel.encode("utf-8", "surrogateescape"))
-                labels.append(label)
-        if not encoded:
+        exts = {e.lower().lstrip(".") for e in extensions}
+        scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        self.classes: list[str] = list(scan.classes)
+        keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        if not keep.any():
             raise InputError(
-                f"{self.root}: no images ({', '.join(exts)}) in class folders; expected "
-                "root/<class>/<image>"
+                f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
+                "expected root/<class>/<image>"
             )
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        self.path_bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        self.targets = np.asarray(labels, dtype=np.int64)
+        if scan.errors:
+            first = scan.errors[0]
+            warnings.warn(
+                f"{self.root}: skipped {len(scan.errors)} unreadable image entries (first: "
+                f"{first.path}: {first.reason})",
+                stacklevel=2,
+            )
+        files = scan.files
+        if not keep.all():
+            files = StrTable(f for f, k in zip(scan.files, keep, strict=True) if k)
+        self.path_bytes, self.offsets = files.blob, files.offsets
+        self.targets = scan.labels[keep]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -342,32 +381,3 @@ class FolderDataset(Dataset):
     def __repr__(self) -> str:
         return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
 
-
-def _walk_images(root: str, cls: str, exts: tuple[str, ...]) -> list[str]:
-    """Sorted relative paths of the images below ``root/cls``, skipping hidden names as ``pack``
-    does; each directory is visited once, so symlink loops end."""
-    found: list[str] = []
-    seen: set[tuple[int, int]] = set()
-    stack = [cls]
-    while stack:
-        rel_dir = stack.pop()
-        path = os.path.join(root, rel_dir)
-        try:
-            st = os.stat(path)
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            with os.scandir(path) as it:
-                entries = [e for e in it if not e.name.startswith(".")]
-        except OSError as exc:
-            raise InputError(f"{path}: cannot list directory ({exc.strerror})") from None
-        subdirs = []
-        for e in entries:
-            rel = f"{rel_dir}/{e.name}"
-            if e.is_dir():
-                subdirs.append(rel)
-            elif e.name.lower().endswith(exts):
-                found.append(rel)
-        stack.extend(sorted(subdirs, reverse=True))
-    found.sort()
-    return found
