@@ -23,6 +23,7 @@ from .records import Record
 
 if TYPE_CHECKING:
     from .dataset import FolderDataset, ShardDataset
+    from .loader import ShardLoader
 
 __all__ = [
     "FolderDataset",
@@ -36,13 +37,14 @@ __all__ = [
     "ShardDataset",
     "ShardEntry",
     "ShardFormatError",
+    "ShardLoader",
     "ShardkitError",
     "StorageError",
     "pack",
     "read_manifest",
 ]
 
-_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset"}
+_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset", "ShardLoader": "loader"}
 
 
 def __getattr__(name: str) -> Any:
