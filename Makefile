@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,8 +18,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The suite without the tests marked slow (DDP, signals, real servers): a quick check while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# Lint and the format check, as CI runs them (`ruff format` without --check rewrites files).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardkit tests tools benchmarks
+	$(VENV)/bin/ruff format --check shardkit tests tools benchmarks
+
+# The default bench: LFW-shaped data made and packed on first use; a few minutes on 2 cores.
+bench: $(STAMP)
+	$(PY) -m shardkit.cli bench --json bench-out/bench.json --plot bench-out/bench.png
 
 clean:
 	rm -rf $(VENV) data out bench-out

@@ -46,8 +46,8 @@ def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
             f'tar -cf "{work / "src_sync.tar"}" -C "{src.parent}" "{src.name}" && '
             f'sync "{work / "src_sync.tar"}"',
         ],
-        "pack-w1": pack + [str(work / "pack-w1"), "--workers", "1", *common],
-        "pack-w2": pack + [str(work / "pack-w2"), "--workers", "2", *common],
+        "pack-w1": pack + [str(work / "pack-w1"), "--threads", "1", *common],
+        "pack-w2": pack + [str(work / "pack-w2"), "--threads", "2", *common],
     }
 
 

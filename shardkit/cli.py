@@ -1,7 +1,11 @@
 """The ``shardkit`` command line: thin click wrappers over the library.
 
 Each command parses options, calls one library function and prints its summary. User errors are
-``ShardkitError``s, turned here into one ``error: ...`` line and a non-zero exit, never a traceback.
+``ShardkitError``s, turned here into one ``error: ...`` line and a non-zero exit, never a traceback;
+click's parameter types (``Size``, ``IntList``) reject malformed flag values the same way.
+
+One meaning per flag name across commands: ``--threads`` is threads inside one process (pack's
+readers, synth's renderers); ``--workers`` is DataLoader worker processes (bench).
 """
 
 from __future__ import annotations
@@ -13,18 +17,103 @@ import click
 from .errors import ShardkitError
 
 
+class _Failure(click.ClickException):
+    """A ``ShardkitError`` on its way out: click's exception path, with the error's exit code."""
+
+    def __init__(self, exc: ShardkitError):
+        super().__init__(str(exc))
+        self.exit_code = exc.exit_code
+
+
 class _Group(click.Group):
-    """Turns our exceptions into one line on stderr and the exception's exit code."""
+    """One way out for every user error: ``error: <message>`` on stderr, one line, and the code.
+
+    Bad flag values (click's ``UsageError``, exit 2) and our ``ShardkitError``s (their
+    ``exit_code``) are printed the same way, so scripts and tests see one prefix.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except ShardkitError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
+            raise _Failure(exc) from None
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was left under a final name", err=True)
             sys.exit(130)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            hint = f"; see '{exc.ctx.command_path} -h'" if exc.ctx is not None else ""
+            _fail(exc.format_message().rstrip(".") + hint, exc.exit_code)
+        except click.ClickException as exc:
+            _fail(exc.format_message(), exc.exit_code)
+        except click.Abort:
+            _fail("aborted", 1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+class Size(click.ParamType):
+    """``256MB``, ``64MiB``, ``1G`` or a byte count -> bytes; click reports a bad value itself."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        from .packer import parse_size  # moves to shardkit.sizes
+
+        try:
+            return parse_size(value)
+        except ShardkitError:
+            self.fail(
+                f"{value!r} is not a size; use e.g. 256MB, 64MiB, 1G or a plain number of bytes",
+                param,
+                ctx,
+            )
+
+
+class IntList(click.ParamType):
+    """``0,2,4,8`` -> ``(0, 2, 4, 8)``: comma-separated whole numbers from ``low`` to ``high``."""
+
+    name = "list"
+
+    def __init__(self, low: int = 0, high: int = 256):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        from .bench.config import int_list
+
+        try:
+            return int_list(str(value), self.low, self.high)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class NameList(click.ParamType):
+    """``folder,tar`` -> ``("folder", "tar")``: comma-separated bench formats."""
+
+    name = "list"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        from .bench.config import format_list
+
+        try:
+            return format_list(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,12 +151,13 @@ def synth() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--size", type=int, default=250, show_default=True, help="Image side in pixels.")
-@click.option("--workers", type=int, default=None, help="Threads (default: usable CPUs).")
-def synth_lfw(out: str, scale: float, seed: int, size: int, workers: int | None) -> None:
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Rendering threads (default: usable CPUs); never changes the bytes.")
+def synth_lfw(out: str, scale: float, seed: int, size: int, threads: int | None) -> None:
     """LFW layout: OUT/Person_Name/Person_Name_0001.jpg."""
     from .synth import make_lfw
 
-    click.echo(make_lfw(out, scale=scale, seed=seed, size=size, workers=workers).summary())
+    click.echo(make_lfw(out, scale=scale, seed=seed, size=size, workers=threads).summary())
 
 
 @synth.command("imagenet")
@@ -75,15 +165,16 @@ def synth_lfw(out: str, scale: float, seed: int, size: int, workers: int | None)
 @click.option("--classes", type=int, default=10, show_default=True)
 @click.option("--images-per-class", type=int, default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--workers", type=int, default=None, help="Threads (default: usable CPUs).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Rendering threads (default: usable CPUs); never changes the bytes.")
 def synth_imagenet(
-    out: str, classes: int, images_per_class: int, seed: int, workers: int | None
+    out: str, classes: int, images_per_class: int, seed: int, threads: int | None
 ) -> None:
     """ImageNet layout: OUT/n01440764/n01440764_10026.JPEG, sizes around 500x375."""
     from .synth import make_imagenet
 
     report = make_imagenet(
-        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=workers
+        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=threads
     )
     click.echo(report.summary())
 
@@ -96,14 +187,14 @@ def synth_imagenet(
 @click.argument("out", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["tar", "lmdb"]), default="tar",
               show_default=True, help="Shard format.")
-@click.option("--shard-size", default="256MB", show_default=True,
+@click.option("--shard-size", type=Size(), default="256MB", show_default=True,
               help="Largest shard: 256MB, 64MiB, 1G or bytes. A bigger sample gets its own shard.")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle the sample order once, so that sequential shards are well mixed.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of that shuffle.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Reader threads (the main thread writes).")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip",
+@click.option("--on-error", type=click.Choice(["skip", "raise"]), default="skip",
               show_default=True,
               help="Bad or unreadable image: list it in the manifest and go on, or stop.")
 @click.option("--overwrite", is_flag=True,
@@ -114,7 +205,7 @@ def synth_imagenet(
               show_default=True,
               help="header: magic bytes and end markers (cheap); decode: full decode with PIL.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwrite,
+def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwrite,
              resize_short, validate, quiet) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
@@ -125,13 +216,13 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, workers, on_error, overwr
     from .packer import pack
 
     if _is_remote(out):
-        from .remote import pack_to_url as pack  # noqa: F811 - same options, remote destination
+        from .remote import pack_to_url as pack
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = pack(
             src, out, shard_size=shard_size, format=fmt, shuffle=shuffle, seed=seed,
-            workers=workers, on_error=on_error, overwrite=overwrite, resize_short=resize_short,
+            workers=threads, on_error=on_error, overwrite=overwrite, resize_short=resize_short,
             validate=validate, progress=not quiet,
         )
     for w in caught:
@@ -197,19 +288,22 @@ def verify_cmd(out, decode, quiet) -> None:
 # --- bench -----------------------------------------------------------------------------------
 
 
-def _timeline_config(text: str | None) -> tuple[str, int] | None:
-    from .errors import InputError
+class FormatWorkers(click.ParamType):
+    """``tar:4`` -> ``("tar", 4)``: the (format, workers) run that ``--timeline`` draws."""
 
-    if text is None:
-        return None
-    fmt, sep, workers = text.partition(":")
-    if not sep or not workers.strip().isdigit():
-        raise InputError(f"--timeline-config {text!r} is malformed: use FORMAT:WORKERS, e.g. tar:4")
-    return fmt.strip().lower(), int(workers)
+    name = "FORMAT:WORKERS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        fmt, sep, workers = value.partition(":")
+        if not sep or not workers.strip().isdigit():
+            self.fail(f"{value!r} is malformed: use FORMAT:WORKERS, e.g. tar:4", param, ctx)
+        return fmt.strip().lower(), int(workers)
 
 
 @main.command("bench")
-@click.option("--workers", default="0,2,4,8", show_default=True,
+@click.option("--workers", type=IntList(0, 256), default="0,2,4,8", show_default=True,
               help="Comma-separated DataLoader worker counts (0: load in the main process).")
 @click.option("--data", type=click.Path(), default=None,
               help="Image folder (class-per-folder). Default: the embedded LFW-shaped set in "
@@ -217,7 +311,7 @@ def _timeline_config(text: str | None) -> tuple[str, int] | None:
 @click.option("--shards", default=None, metavar="PATH",
               help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
                    "{format} is replaced per shard format. Default: <data>-shards-{format}.")
-@click.option("--formats", default=None, metavar="LIST",
+@click.option("--formats", type=NameList(), default=None, metavar="LIST",
               help="Comma-separated, from folder,tar,lmdb,memory. Default: folder,tar,lmdb (folder "
                    "only when a source folder is known). memory: a reference, the same bytes "
                    "held in RAM through the same DataLoader.")
@@ -248,10 +342,10 @@ def _timeline_config(text: str | None) -> tuple[str, int] | None:
               help="Write an error-bar PNG: samples/s against workers, one line per format.")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of one run over time: each worker's batches, the loop's waits.")
-@click.option("--timeline-config", default=None, metavar="FORMAT:WORKERS",
+@click.option("--timeline-config", type=FormatWorkers(), default=None,
               help="The run drawn by --timeline. Default: first shard format, most workers.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
-@click.option("--shard-size", default="32MB", show_default=True,
+@click.option("--shard-size", type=Size(), default="32MB", show_default=True,
               help="Shard size when packing on the fly.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
 def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, repeats, cold,
@@ -263,13 +357,13 @@ def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, 
     time waiting for data) and a verdict: best worker count per format, shards vs folder, and
     with --step-ms whether training would be input-bound and what to change.
     """
-    from .bench import BenchConfig, format_table, parse_formats, parse_workers, run_bench, verdict
+    from .bench import BenchConfig, format_table, run_bench, verdict
 
     config = BenchConfig(
         data=data,
         shards=shards,
-        formats=parse_formats(formats) if formats is not None else None,
-        workers=parse_workers(workers),
+        formats=formats,
+        workers=workers,
         batch_size=batch_size,
         batches=batches,
         max_seconds=max_seconds or None,
@@ -280,7 +374,7 @@ def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, 
         step_ms=step_ms,
         seed=seed,
         shard_size=shard_size,
-        timeline_config=_timeline_config(timeline_config),
+        timeline_config=timeline_config,
         json_path=json_path,
         plot_path=plot_path,
         timeline_path=timeline_path,

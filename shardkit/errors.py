@@ -13,6 +13,7 @@ __all__ = [
     "ManifestError",
     "SampleError",
     "StorageError",
+    "MissingExtraError",
 ]
 
 
@@ -53,3 +54,7 @@ class SampleError(ShardkitError):
 
 class StorageError(ShardkitError):
     """Remote storage failed after retries, or an object is missing; never includes credentials."""
+
+
+class MissingExtraError(ShardkitError):
+    """An optional dependency is not installed; the message names the extra to install."""

@@ -117,7 +117,7 @@ def decode_error(data: bytes) -> str | None:
             warnings.simplefilter("ignore")
             with Image.open(io.BytesIO(data)) as img:
                 img.load()
-    except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
+    except Exception as exc:
         return f"cannot decode: {exc}"
     return None
 

@@ -34,7 +34,7 @@ def _version() -> str:
         from importlib.metadata import version
 
         return f"shardkit {version('shardkit')}"
-    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    except Exception:
         return "shardkit"
 
 

@@ -70,7 +70,7 @@ STAGING_PREFIX = ".partial-"
 _COMMIT_JOURNAL = "commit.json"
 _SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)(-lock)?$")
 _VALIDATE = ("header", "decode", "none")
-_ON_ERROR = ("skip", "fail")
+_ON_ERROR = ("skip", "raise")  # ShardDataset's on_error vocabulary; "fail" is the old "raise"
 
 
 class PackWarning(UserWarning):
@@ -365,7 +365,7 @@ def _make_loader(
             if reason is None and resize_short is not None:
                 try:
                     small = resize_short_side(data, resize_short)
-                except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
+                except Exception as exc:
                     reason = f"cannot decode: {exc}"
                 else:
                     if small is not None:
@@ -547,7 +547,7 @@ def _pack_version() -> str:
         from importlib.metadata import version
 
         return version("shardkit")
-    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+    except Exception:
         return "unknown"
 
 
@@ -571,7 +571,7 @@ def pack(
 
     ``on_error="skip"`` is the default because real datasets carry a few bad files and a long
     pack should not die on file 900,000 of a million: each one is listed with its reason in the
-    manifest's ``skipped`` and a ``PackWarning`` gives the count. ``on_error="fail"`` stops at
+    manifest's ``skipped`` and a ``PackWarning`` gives the count. ``on_error="raise"`` stops at
     the first one, naming it. ``workers`` is the number of reader threads (the calling thread
     writes). ``on_shard(path)`` is called as each shard is complete (still under its staging
     name, renamed later): uploads to object storage start while later shards are packed. Raises
@@ -582,6 +582,7 @@ def pack(
     limit = parse_size(shard_size)
     if validate not in _VALIDATE:
         raise InputError(f"invalid validate {validate!r}; choose one of: {', '.join(_VALIDATE)}")
+    on_error = "raise" if on_error == "fail" else on_error
     if on_error not in _ON_ERROR:
         raise InputError(f"invalid on_error {on_error!r}; choose one of: {', '.join(_ON_ERROR)}")
     if not isinstance(workers, int) or workers < 1:
@@ -595,7 +596,7 @@ def pack(
     _prepare_out(out, src, overwrite)
 
     scan = scan_source(src)
-    if scan.errors and on_error == "fail":
+    if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         raise InputError(
             f"{os.path.join(src, bad.path)}: {bad.reason}; remove or fix it, or pass "
@@ -752,7 +753,7 @@ def _write_shards(
         for results in _ordered_map(load, tasks, workers, READ_AHEAD * workers):
             for i, data, ext, reason in results:
                 if data is None:
-                    if on_error == "fail":
+                    if on_error == "raise":
                         raise InputError(
                             f"{os.path.join(scan.root, scan.files[i])}: {reason}; remove or fix "
                             "it, or pass --on-error skip"

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
-__all__ = ["World", "distributed_rank", "worker_slot", "current_world"]
+__all__ = [
+    "World",
+    "WorkerCounter",
+    "current_world",
+    "dataloader_worker",
+    "distributed_rank",
+    "worker_slot",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +80,34 @@ def worker_slot() -> tuple[int, int]:
     if info is None:
         return 0, 1
     return info.id, info.num_workers
+
+
+def dataloader_worker() -> int | None:
+    """The DataLoader worker id of this process; None in the main process (``num_workers=0``)."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return None if info is None else info.id
+
+
+class WorkerCounter:
+    """A count that DataLoader workers add to and the main process reads, after or during a run.
+
+    One shared-memory int64 slot per worker (the main process in slot 0), so every slot has a
+    single writer and no increment is lost between processes; ``total`` sums the slots.
+    """
+
+    def __init__(self, slots: int = 257):
+        import torch
+
+        self.slots = torch.zeros(slots, dtype=torch.int64).share_memory_()
+
+    def add(self, n: int = 1) -> None:
+        worker = dataloader_worker()
+        self.slots[(0 if worker is None else worker + 1) % len(self.slots)] += n
+
+    def total(self) -> int:
+        return int(self.slots.sum())
 
 
 def current_world(rank: int, world_size: int) -> World:

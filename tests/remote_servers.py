@@ -9,6 +9,10 @@
   connections and bytes, so a test can tell a resumed download from a restarted one.
 
 Nothing here listens anywhere but 127.0.0.1.
+
+Loaded as a pytest plugin by ``conftest.py``: the fixtures at the end (``s3_server``/``s3``,
+``http_server``/``http``) start each server once per session and reset its log and faults
+around every test. The benchmarks import the classes directly.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
+
+import pytest
 
 __all__ = ["S3Server", "HttpServer", "FaultProxy", "RequestLog", "FAKE_KEY", "FAKE_SECRET"]
 
@@ -235,10 +241,10 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 left -= len(data)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self._serve(head=False)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve(head=True)
 
 
@@ -255,10 +261,12 @@ class HttpServer:
 
     def __init__(self, root: Path) -> None:
         self._httpd = _Httpd(("127.0.0.1", 0), _Handler)
-        self._httpd.root = Path(os.path.abspath(root))
+        self.root = root
         self._httpd.log = self.log = RequestLog()
         self._httpd.faults = self.faults = _Faults()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, daemon=True, name="test-http-server"
+        )
 
     def __enter__(self) -> HttpServer:
         self._thread.start()
@@ -268,6 +276,15 @@ class HttpServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
+
+    @property
+    def root(self) -> Path:
+        """The directory served; a test may point a running server elsewhere."""
+        return self._httpd.root
+
+    @root.setter
+    def root(self, value: Path) -> None:
+        self._httpd.root = Path(os.path.abspath(value))
 
     @property
     def ignore_range(self) -> bool:
@@ -470,3 +487,43 @@ def free_env() -> dict[str, str]:
     env.update(AWS_ACCESS_KEY_ID=FAKE_KEY, AWS_SECRET_ACCESS_KEY=FAKE_SECRET)
     env["AWS_DEFAULT_REGION"] = "us-east-1"
     return env
+
+
+# --- pytest fixtures (this module is a plugin, see conftest.py) ------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto S3 on loopback, one per session; each test makes its own bucket."""
+    pytest.importorskip("moto.server")
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture()
+def s3(s3_server):
+    """The session's S3 server with an empty request log and no pending faults."""
+    s3_server.log.clear()
+    s3_server.faults.set(0)
+    yield s3_server
+    s3_server.faults.set(0)
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory):
+    """One HTTP server (Range support) for the session; tests point ``root`` where they need."""
+    with HttpServer(tmp_path_factory.mktemp("http")) as server:
+        yield server
+
+
+@pytest.fixture()
+def http(http_server):
+    """The session's HTTP server with an empty log, no faults and Range honoured."""
+    root = http_server.root
+    http_server.log.clear()
+    http_server.faults.set(0)
+    http_server.ignore_range = False
+    yield http_server
+    http_server.faults.set(0)
+    http_server.ignore_range = False
+    http_server.root = root

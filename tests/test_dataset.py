@@ -28,23 +28,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 N = 22  # not divisible by 2 or 3, so pad and drop differ
 
 
-def _tree(root, n=N, classes=3):
-    for i in range(n):
-        d = root / f"class{i % classes}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 6), (i * 11 % 256, 40, 255 - i)).save(d / f"img{i:03d}.jpg")
-    return root
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(packed_tree):
     """A 22-image tree, packed as several tar shards, several LMDB shards and one tar shard."""
-    base = tmp_path_factory.mktemp("dataset")
-    src = _tree(base / "src")
-    out = {"src": str(src)}
-    for name, fmt, size in [("tar", "tar", 12000), ("lmdb", "lmdb", 12000), ("one", "tar", 10**9)]:
-        out[name] = str(base / name)
-        pack(str(src), out[name], shard_size=size, format=fmt, progress=False)
+    out = packed_tree(N, 3, {"tar": 12000, "lmdb": 12000})
+    out["one"] = os.path.join(os.path.dirname(out["src"]), "one")
+    pack(out["src"], out["one"], shard_size=10**9, progress=False)
     return out
 
 

@@ -18,6 +18,7 @@ import warnings
 import lmdb
 import numpy as np
 import pytest
+from conftest import run_cli
 from PIL import Image
 
 from shardkit.errors import InputError, OutputError
@@ -89,16 +90,6 @@ def shard_files(out) -> dict[str, bytes]:
     }
 
 
-def run_cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **kw,
-    )
-
-
 @pytest.fixture
 def tree(tmp_path):
     src = tmp_path / "src"
@@ -140,7 +131,8 @@ def test_invalid_shard_size_cli_exit_code(tree, tmp_path):
     r = run_cli("pack", src, tmp_path / "out", "--shard-size", "12XB")
     assert r.returncode == 2
     assert r.stderr.strip() == (
-        "error: invalid --shard-size '12XB'; use e.g. 256MB, 64MiB, 1G or a plain number of bytes"
+        "error: Invalid value for '--shard-size': '12XB' is not a size; use e.g. 256MB, 64MiB, 1G "
+        "or a plain number of bytes; see 'python -m shardkit.cli pack -h'"
     )
     assert not (tmp_path / "out").exists()
 
@@ -320,7 +312,7 @@ def test_corrupt_image_fail_names_the_path(tree, tmp_path):
     assert str(src / "cat" / "cat_0001.jpg") in str(err.value)
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert [n for n in os.listdir(tmp_path / "out") if n.startswith("shard-")] == []
-    r = run_cli("pack", src, tmp_path / "out2", "--on-error", "fail", "-q")
+    r = run_cli("pack", src, tmp_path / "out2", "--on-error", "raise", "-q")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.splitlines() == [
         f"error: {src / 'cat' / 'cat_0001.jpg'}: truncated JPEG (no end-of-image marker); remove "
@@ -429,7 +421,7 @@ def test_unreadable_file_permission_denied(tree, tmp_path):
     reasons = {s.path: s.reason for s in read_manifest(str(tmp_path / "out")).skipped}
     assert reasons == {"cat/cat_0002.jpg": "unreadable: Permission denied"}
     assert read_manifest(str(tmp_path / "out")).num_samples == len(files) - 1
-    r = run_cli("pack", src, tmp_path / "out2", "-q", "--on-error", "fail", **kw)
+    r = run_cli("pack", src, tmp_path / "out2", "-q", "--on-error", "raise", **kw)
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
         f"error: {locked}: unreadable: Permission denied; remove or fix it, or pass --on-error skip"
@@ -712,6 +704,7 @@ def _assert_nothing_final(out):
     assert [n for n in names if n.startswith("shard-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_pack_leaves_nothing_final_and_rerun_succeeds(slow_tree, tmp_path, sig):
     out = tmp_path / "out"

@@ -13,21 +13,10 @@ import traceback
 import uuid
 
 import pytest
+from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server
 
-pytest.importorskip("s3fs")
-pytest.importorskip("aiohttp")
-pytest.importorskip("moto.server")
-
-from remote_servers import (  # noqa: E402
-    FAKE_KEY,
-    FAKE_SECRET,
-    FaultProxy,
-    HttpServer,
-    S3Server,
-)
-
-from shardkit.errors import InputError, StorageError  # noqa: E402
-from shardkit.remote import (  # noqa: E402
+from shardkit.errors import InputError, StorageError
+from shardkit.remote import (
     Expected,
     FetchStats,
     MissingObjectError,
@@ -41,7 +30,12 @@ from shardkit.remote import (  # noqa: E402
     redact,
     upload_file,
 )
-from shardkit.remote.prefetch import Prefetcher  # noqa: E402
+from shardkit.remote.prefetch import Prefetcher
+
+pytest.importorskip("s3fs")
+pytest.importorskip("aiohttp")
+pytest.importorskip("moto.server")
+pytestmark = pytest.mark.slow  # real servers on loopback
 
 FAST = RetryPolicy(retries=4, backoff=0.01, max_backoff=0.05)
 SIZE = 600_000
@@ -59,20 +53,6 @@ def _bucket(s3server: S3Server, files: dict[str, bytes]) -> str:
 
 
 @pytest.fixture(scope="module")
-def s3_server():
-    """moto S3 on loopback, one per module; each test makes its own bucket."""
-    with S3Server() as server:
-        yield server
-
-
-@pytest.fixture()
-def s3(s3_server):
-    s3_server.log.clear()
-    yield s3_server
-    s3_server.faults.set(0)
-
-
-@pytest.fixture(scope="module")
 def blob() -> bytes:
     return os.urandom(SIZE)
 
@@ -85,9 +65,10 @@ def http_root(tmp_path_factory, blob):
 
 
 @pytest.fixture()
-def http(http_root):
-    with HttpServer(http_root) as server:
-        yield server
+def http(http, http_root):
+    """The session's HTTP server (remote_servers.py), serving ``obj.bin`` for this module."""
+    http.root = http_root
+    return http
 
 
 def _get(url, opts=None, **kw) -> tuple[bytes, FetchStats]:

@@ -12,54 +12,33 @@ import threading
 import traceback
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server, free_env
+from torch.utils.data import DataLoader
+
+from shardkit.dataset import ShardDataset
+from shardkit.errors import OutputError, StorageError
+from shardkit.remote import ShardCache, pack_to_url
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
 pytest.importorskip("moto.server")
-
-from PIL import Image  # noqa: E402
-from remote_servers import (  # noqa: E402
-    FAKE_KEY,
-    FAKE_SECRET,
-    FaultProxy,
-    HttpServer,
-    S3Server,
-    free_env,
-)
-from torch.utils.data import DataLoader  # noqa: E402
-
-from shardkit.dataset import ShardDataset  # noqa: E402
-from shardkit.errors import OutputError, StorageError  # noqa: E402
-from shardkit.packer import pack  # noqa: E402
-from shardkit.remote import ShardCache, pack_to_url  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.slow,  # real servers and DataLoader worker processes
+]
 
 N = 40
 ALL_KEYS = sorted(f"class{i % 3}/img{i:03d}" for i in range(N))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(packed_tree):
     """40 tiny JPEGs in 3 classes, packed as ~10 tar shards and as LMDB shards."""
-    base = tmp_path_factory.mktemp("remote-ds")
-    src = base / "src"
-    for i in range(N):
-        d = src / f"class{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 6), (i * 5, 40, 255 - i)).save(d / f"img{i:03d}.jpg")
-    out = {"src": str(src), "tar": base / "tar", "lmdb": base / "lmdb"}
-    pack(str(src), str(out["tar"]), shard_size=12000, progress=False)
-    pack(str(src), str(out["lmdb"]), shard_size=40000, format="lmdb", progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    with S3Server() as server:
-        yield server
+    out = packed_tree(N, 3, {"tar": 12000, "lmdb": 40000})
+    return {"src": out["src"], "tar": Path(out["tar"]), "lmdb": Path(out["lmdb"])}
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +48,6 @@ def bucket(s3_server, data):
     s3_server.upload_dir(name, "tar", data["tar"])
     s3_server.upload_dir(name, "lmdb", data["lmdb"])
     return name
-
-
-@pytest.fixture()
-def s3(s3_server):
-    s3_server.log.clear()
-    yield s3_server
 
 
 def _shards(folder) -> list[str]:
@@ -104,16 +77,16 @@ def test_s3_sources_stream_every_sample_exactly_once_through_workers(s3, bucket,
     assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
-def test_http_brace_pattern_and_manifest_url(data):
-    with HttpServer(data["tar"].parent) as http:
-        last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
-        for source in [
-            f"{http.url}/tar/shard-{{000000..{last}}}.tar",
-            f"{http.url}/tar/manifest.json",
-        ]:
-            ds = _ds(source, None)
-            assert ds.classes == ["class0", "class1", "class2"]
-            assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+def test_http_brace_pattern_and_manifest_url(data, http):
+    http.root = data["tar"].parent
+    last = _shards(data["tar"])[-1][len("shard-") : -len(".tar")]
+    for source in [
+        f"{http.url}/tar/shard-{{000000..{last}}}.tar",
+        f"{http.url}/tar/manifest.json",
+    ]:
+        ds = _ds(source, None)
+        assert ds.classes == ["class0", "class1", "class2"]
+        assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
 def test_lmdb_shards_over_s3_with_and_without_cache(s3, bucket, tmp_path):
@@ -194,7 +167,7 @@ def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, buck
                 shuffle=False,
             )
             results[rank] = _keys(ds, num_workers=2)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]

@@ -6,33 +6,17 @@ import os
 import shutil
 
 import pytest
-from PIL import Image
 
 from shardkit.errors import InputError, ManifestError
 from shardkit.manifest import MANIFEST_NAME, read_manifest
-from shardkit.packer import pack
 from shardkit.sources import UNKNOWN, resolve_source
 from shardkit.storage import LocalStorage, is_url, storage_for
 
 
-def _tree(root, n=12, classes=3):
-    for i in range(n):
-        d = root / f"class{i % classes}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 8), (i * 9, 3, 200)).save(d / f"img{i:03d}.jpg")
-    return root
-
-
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
+def packed(packed_tree):
     """The same 12 images packed as tar and as LMDB, several shards each."""
-    base = tmp_path_factory.mktemp("sources")
-    src = _tree(base / "src")
-    out = {}
-    for fmt in ("tar", "lmdb"):
-        out[fmt] = str(base / fmt)
-        pack(str(src), out[fmt], shard_size=9000, format=fmt, progress=False)
-    return out
+    return packed_tree(12, 3, ("tar", "lmdb"), shard_size=9000, size=(8, 8))
 
 
 def _shards(d, suffix):

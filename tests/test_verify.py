@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from PIL import Image
 
 from shardkit.errors import ManifestError
@@ -37,15 +36,6 @@ def _pack(src, out, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return pack(str(src), str(out), progress=False, **kw)
-
-
-def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.fixture(params=["tar", "lmdb"])

@@ -53,9 +53,9 @@ def main() -> None:
     step("make the embedded LFW-shaped dataset (skipped if already made)",
          "shardkit", "synth", "lfw", "data/lfw")
     step("pack it into tar shards", "shardkit", "pack", "data/lfw", "out/lfw-tar",
-         "--shard-size", "32MB", "--workers", "2", "--overwrite")
+         "--shard-size", "32MB", "--threads", "2", "--overwrite")
     step("pack it into LMDB shards", "shardkit", "pack", "data/lfw", "out/lfw-lmdb",
-         "--format", "lmdb", "--shard-size", "32MB", "--workers", "2", "--overwrite")
+         "--format", "lmdb", "--shard-size", "32MB", "--threads", "2", "--overwrite")
     step("what was packed", "shardkit", "info", "out/lfw-tar")
     step("check every shard against the manifest", "shardkit", "verify", "out/lfw-tar")
     stream("out/lfw-tar")

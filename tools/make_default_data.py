@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from shardkit.errors import ShardkitError  # noqa: E402
-from shardkit.synth import make_imagenet, make_lfw  # noqa: E402
+from shardkit.errors import ShardkitError
+from shardkit.synth import make_imagenet, make_lfw
 
 
 def main(argv: list[str] | None = None) -> int:

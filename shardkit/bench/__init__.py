@@ -1,28 +1,26 @@
 """``shardkit bench``: is training input-bound, why, and which knob fixes it.
 
 Measures folder-of-files against tar and LMDB shards through real DataLoaders across worker
-counts (see ``runner`` for exactly what is timed), and reports a table, a verdict in words, JSON,
-an error-bar plot and a measured worker timeline.
+counts, and reports a table, a verdict in words, JSON, an error-bar plot and a measured worker
+timeline. One concern per module: ``config`` (what to measure), ``sources`` (where each format
+reads from), ``workloads`` (what a run asks of the pipeline, the probes), ``runner`` (exactly
+what is timed), ``results``, ``report`` (table, verdict, JSON) and ``plot`` (the ``bench``
+extra).
 """
 
 from __future__ import annotations
 
-from .report import format_table, to_json, verdict, write_json
-from .runner import (
+from .config import (
     ALL_FORMATS,
     DEFAULT_DATA,
     SHARD_FORMATS,
     BenchConfig,
-    BenchResult,
-    Row,
-    RunContext,
-    RunResult,
-    Timeline,
-    measure_ceiling,
     parse_formats,
     parse_workers,
-    run_bench,
 )
+from .report import format_table, to_json, verdict, write_json
+from .results import BenchResult, Row, RunContext, RunResult, Timeline
+from .runner import measure_ceiling, run_bench
 from .workloads import MODES, Augment, CountingStorage
 
 __all__ = [

@@ -1,28 +1,33 @@
 """Pictures of a bench run: throughput with error bars, and one run's measured timeline.
 
-matplotlib with the Agg backend (no display needed); files are written under a temporary name
-and renamed, so a reader never sees half a PNG.
+matplotlib (the ``bench`` extra) through a bare ``Figure`` on an Agg canvas: no display needed,
+and no ``matplotlib.use`` or pyplot state, so an interactive caller's backend and open figures
+are left alone. Files are written under a temporary name and renamed, so a reader never sees
+half a PNG.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..extras import require
 from ..fsutil import temp_name
-from .runner import BenchResult, Timeline
+from .results import BenchResult, Timeline
 
 __all__ = ["plot_throughput", "plot_timeline"]
 
 _COLOURS = {"folder": "#d62728", "tar": "#1f77b4", "lmdb": "#2ca02c", "memory": "#9467bd"}
 
 
-def _pyplot():
-    import matplotlib
+def _figure(figsize: tuple[float, float]):
+    """A figure drawn by the Agg canvas, outside pyplot (nothing global is switched)."""
+    require("bench", "plotting (--plot, --timeline)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def _save(fig, path: str) -> None:
@@ -51,46 +56,43 @@ def _title(result: BenchResult) -> str:
 
 def plot_throughput(result: BenchResult, path: str) -> None:
     """Worker count on x, samples/s on y, error bars = std over repeats, one line per format."""
-    plt = _pyplot()
     cfg = result.config
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    try:
-        for fmt in result.formats():
-            rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
-            ax.errorbar(
-                [r.workers for r in rows],
-                [r.mean for r in rows],
-                yerr=[r.std for r in rows],
-                marker="o",
-                capsize=4,
-                linestyle=":" if fmt == "memory" else "-",
-                label="memory (reference: bytes in RAM)" if fmt == "memory" else fmt,
-                color=_COLOURS.get(fmt),
-            )
-        if result.ceiling_single is not None:
-            ws = sorted(cfg.workers)
-            ax.plot(
-                ws,
-                [result.ceiling(w) for w in ws],
-                linestyle="--",
-                color="grey",
-                label=f"{cfg.mode} ceiling (1 process x min(workers, {result.cores} cores))",
-            )
-        ax.set_xticks(sorted(cfg.workers))
-        ax.set_xlabel("DataLoader workers")
-        ax.set_ylabel("samples/s (mean ± std over repeats)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(
-            f"shardkit bench: {_title(result)}\n"
-            f"batch {cfg.batch_size}, {cfg.repeats} repeats, {result.cores} cores",
-            fontsize=10,
+    fig = _figure((7, 4.5))
+    ax = fig.subplots()
+    for fmt in result.formats():
+        rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
+        ax.errorbar(
+            [r.workers for r in rows],
+            [r.mean for r in rows],
+            yerr=[r.std for r in rows],
+            marker="o",
+            capsize=4,
+            linestyle=":" if fmt == "memory" else "-",
+            label="memory (reference: bytes in RAM)" if fmt == "memory" else fmt,
+            color=_COLOURS.get(fmt),
         )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    if result.ceiling_single is not None:
+        ws = sorted(cfg.workers)
+        ax.plot(
+            ws,
+            [result.ceiling(w) for w in ws],
+            linestyle="--",
+            color="grey",
+            label=f"{cfg.mode} ceiling (1 process x min(workers, {result.cores} cores))",
+        )
+    ax.set_xticks(sorted(cfg.workers))
+    ax.set_xlabel("DataLoader workers")
+    ax.set_ylabel("samples/s (mean ± std over repeats)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"shardkit bench: {_title(result)}\n"
+        f"batch {cfg.batch_size}, {cfg.repeats} repeats, {result.cores} cores",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
 
 
 def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = None) -> None:
@@ -102,77 +104,72 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
     receiving (orange: the batch was ready, the DataLoader was handing it over), and the step
     (green). Input-bound training shows as red in the main row while every worker is busy.
     """
-    from matplotlib.patches import Patch
-
-    plt = _pyplot()
     workers = sorted({b[0] for b in timeline.batches})
     labels = ["main loop"] + [("main (no workers)" if w < 0 else f"worker {w}") for w in workers]
     height = 1.2 + 0.45 * len(labels)
-    fig, ax = plt.subplots(figsize=(11, max(2.8, height)))
-    try:
-        y_main = len(workers)
-        ax.broken_barh([(0, timeline.started)], (y_main - 0.4, 0.8), color="#999999")
-        # Each wait splits where its batch was ready in the worker: before, the loop stalled on
-        # loading (red); after, it was receiving a finished batch (orange).
-        stalls, transfers = [], []
-        for (tw, tr), (_w, _start, ready, _got) in zip(
-            timeline.waits, timeline.batches, strict=True
-        ):
-            cut = min(max(ready, tw), tr)
-            stalls.append((tw, cut - tw))
-            transfers.append((cut, tr - cut))
-        ax.broken_barh(stalls, (y_main - 0.4, 0.8), color="#d62728")
-        ax.broken_barh(transfers, (y_main - 0.4, 0.8), color="#ff9f1c")
-        if timeline.steps:
-            ax.broken_barh(
-                [(a, b - a) for a, b in timeline.steps], (y_main - 0.4, 0.8), color="#2ca02c"
+    fig = _figure((11, max(2.8, height)))
+    ax = fig.subplots()
+    from matplotlib.patches import Patch  # after _figure: the extra is checked
+
+    y_main = len(workers)
+    ax.broken_barh([(0, timeline.started)], (y_main - 0.4, 0.8), color="#999999")
+    # Each wait splits where its batch was ready in the worker: before, the loop stalled on
+    # loading (red); after, it was receiving a finished batch (orange).
+    stalls, transfers = [], []
+    for (tw, tr), (_w, _start, ready, _got) in zip(timeline.waits, timeline.batches, strict=True):
+        cut = min(max(ready, tw), tr)
+        stalls.append((tw, cut - tw))
+        transfers.append((cut, tr - cut))
+    ax.broken_barh(stalls, (y_main - 0.4, 0.8), color="#d62728")
+    ax.broken_barh(transfers, (y_main - 0.4, 0.8), color="#ff9f1c")
+    if timeline.steps:
+        ax.broken_barh(
+            [(a, b - a) for a, b in timeline.steps], (y_main - 0.4, 0.8), color="#2ca02c"
+        )
+    shades = ("#1f77b4", "#6baed6")
+    for n, (w, start, end, _got) in enumerate(timeline.batches):
+        y = len(workers) - 1 - workers.index(w)
+        colour = "#bbbbbb" if n < timeline.warmup else shades[(n // len(workers)) % 2]
+        ax.broken_barh(
+            [(start, end - start)],
+            (y - 0.35, 0.7),
+            color=colour,
+            edgecolor="white",
+            linewidth=0.6,
+        )
+        if len(timeline.batches) <= 60:
+            ax.text(
+                (start + end) / 2,
+                y,
+                str(n),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
             )
-        shades = ("#1f77b4", "#6baed6")
-        for n, (w, start, end, _got) in enumerate(timeline.batches):
-            y = len(workers) - 1 - workers.index(w)
-            colour = "#bbbbbb" if n < timeline.warmup else shades[(n // len(workers)) % 2]
-            ax.broken_barh(
-                [(start, end - start)],
-                (y - 0.35, 0.7),
-                color=colour,
-                edgecolor="white",
-                linewidth=0.6,
-            )
-            if len(timeline.batches) <= 60:
-                ax.text(
-                    (start + end) / 2,
-                    y,
-                    str(n),
-                    ha="center",
-                    va="center",
-                    fontsize=6,
-                    color="white",
-                )
-        if len(timeline.batches) > timeline.warmup:
-            t_timed = timeline.waits[timeline.warmup][0]
-            ax.axvline(t_timed, color="black", linestyle=":", linewidth=1)
-        ax.set_yticks(range(len(labels)))
-        ax.set_yticklabels(list(reversed(labels[1:])) + [labels[0]])
-        ax.set_xlabel("seconds since the DataLoader was started")
-        ax.set_xlim(left=0)
-        title = f"{timeline.format}, {timeline.workers} workers, repeat {timeline.repeat + 1}"
-        if result is not None:
-            title += f" - {_title(result)}, batch {result.config.batch_size}"
-        ax.set_title(title, fontsize=10)
-        handles = [
-            Patch(color="#1f77b4", label="worker producing batch n (n = order consumed)"),
-            Patch(color="#bbbbbb", label="warm-up batches (untimed)"),
-            Patch(color="#999999", label="main loop starting the workers (iter(loader))"),
-            Patch(color="#d62728", label="main loop stalled: batch not ready yet"),
-            Patch(color="#ff9f1c", label="main loop receiving a ready batch"),
-        ]
-        if timeline.steps:
-            handles.append(
-                Patch(color="#2ca02c", label=f"main loop step ({timeline.step_ms:g} ms sleep)")
-            )
-        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.grid(axis="x", alpha=0.3)
-        fig.tight_layout()
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    if len(timeline.batches) > timeline.warmup:
+        t_timed = timeline.waits[timeline.warmup][0]
+        ax.axvline(t_timed, color="black", linestyle=":", linewidth=1)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(list(reversed(labels[1:])) + [labels[0]])
+    ax.set_xlabel("seconds since the DataLoader was started")
+    ax.set_xlim(left=0)
+    title = f"{timeline.format}, {timeline.workers} workers, repeat {timeline.repeat + 1}"
+    if result is not None:
+        title += f" - {_title(result)}, batch {result.config.batch_size}"
+    ax.set_title(title, fontsize=10)
+    handles = [
+        Patch(color="#1f77b4", label="worker producing batch n (n = order consumed)"),
+        Patch(color="#bbbbbb", label="warm-up batches (untimed)"),
+        Patch(color="#999999", label="main loop starting the workers (iter(loader))"),
+        Patch(color="#d62728", label="main loop stalled: batch not ready yet"),
+        Patch(color="#ff9f1c", label="main loop receiving a ready batch"),
+    ]
+    if timeline.steps:
+        handles.append(
+            Patch(color="#2ca02c", label=f"main loop step ({timeline.step_ms:g} ms sleep)")
+        )
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)

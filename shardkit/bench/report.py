@@ -10,7 +10,7 @@ import json
 import math
 
 from ..fsutil import atomic_write_bytes
-from .runner import BenchResult, Row
+from .results import BenchResult, Row
 
 __all__ = ["INPUT_BOUND", "format_table", "verdict", "to_json", "write_json"]
 

@@ -20,9 +20,11 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset
 
+from ..errors import InputError
 from ..storage import LocalStorage
+from ..world import WorkerCounter, dataloader_worker, worker_slot
 
 __all__ = [
     "MODES",
@@ -44,15 +46,11 @@ DATASET_DECODE = {"raw": "raw", "decode": "tensor", "augment": "pil"}
 
 clock = time.monotonic
 
-#: Slots in CountingStorage's counter: one per DataLoader worker (+ the main process in slot 0),
-#: so each slot has a single writer and no increment is lost between processes.
-_COUNTER_SLOTS = 257
-
 
 def worker_id() -> int:
     """The DataLoader worker id of this process, -1 in the main process (``num_workers=0``)."""
-    info = get_worker_info()
-    return -1 if info is None else info.id
+    worker = dataloader_worker()
+    return -1 if worker is None else worker
 
 
 # --- storage probe ---------------------------------------------------------------------------
@@ -63,16 +61,16 @@ class CountingStorage(LocalStorage):
 
     Those two calls are exactly where ``LocalStorage`` charges ``latency_ms``, so ``opens()`` is
     the number of times the latency was paid: per image for a folder, per shard slice for shards.
-    The counter is a shared-memory tensor with one slot per worker, readable from the main process
-    after the workers are gone.
+    The counter is a ``world.WorkerCounter`` (a shared-memory slot per worker), readable from the
+    main process after the workers are gone.
     """
 
     def __init__(self, latency_ms: float = 0.0, **kwargs):
         super().__init__(latency_ms=latency_ms, **kwargs)
-        self._opens = torch.zeros(_COUNTER_SLOTS, dtype=torch.int64).share_memory_()
+        self._opens = WorkerCounter()
 
     def _count(self) -> None:
-        self._opens[(worker_id() + 1) % _COUNTER_SLOTS] += 1
+        self._opens.add()
 
     def open(self, url: str):
         self._count()
@@ -84,7 +82,7 @@ class CountingStorage(LocalStorage):
 
     def opens(self) -> int:
         """Opens (latency charges) so far, all processes together."""
-        return int(self._opens.sum())
+        return self._opens.total()
 
 
 # --- timing wrappers -------------------------------------------------------------------------
@@ -142,7 +140,7 @@ class Collate:
 
     def __init__(self, mode: str):
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InputError(f"mode={mode!r} is not one of: {', '.join(MODES)}")
         self.mode = mode
 
     def __call__(self, samples: list[tuple]):
@@ -170,7 +168,7 @@ def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
     hwc = first.dim() == 3 and first.permute(1, 2, 0).is_contiguous()
     parts = [im.permute(1, 2, 0) for im in images] if hwc else images
     shape = (len(parts), *parts[0].shape)
-    if get_worker_info() is not None:
+    if dataloader_worker() is not None:
         numel = len(parts) * parts[0].numel()
         storage = first._typed_storage()._new_shared(numel, device=first.device)
         out = first.new(storage).resize_(shape)
@@ -219,8 +217,7 @@ class MemoryDataset(IterableDataset):
     def __iter__(self):
         from ..images import decode_image
 
-        info = get_worker_info()
-        k, n = (0, 1) if info is None else (info.id, info.num_workers)
+        k, n = worker_slot()
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.labels))
         blob, offsets, labels = self.blob, self.offsets, self.labels
         for i in order[k::n].tolist():

@@ -96,7 +96,7 @@ class TarShardWriter:
         self._bytes = 0
         self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
         self._hash = hashlib.sha256()
-        self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)  # noqa: SIM115
+        self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
 
     def projected_size(self, key: str, ext: str, nbytes: int) -> int:
         """Size of the finished shard (end-of-archive included) if this sample were added now."""
@@ -257,7 +257,7 @@ def _open(source: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str, bool]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         try:
-            return open(path, "rb", buffering=0), path, True  # noqa: SIM115 - we read big chunks
+            return open(path, "rb", buffering=0), path, True
         except OSError as exc:
             raise ShardFormatError(f"{path}: cannot open shard ({exc.strerror})") from None
     return source, getattr(source, "name", "<stream>"), False

@@ -159,7 +159,7 @@ def fetch(
                 exc,
                 storage_options,
             ) from None
-        except Exception as exc:  # noqa: BLE001 - classified below, re-raised as StorageError
+        except Exception as exc:
             stats.bytes = sink.pos
             if not is_transient(exc):
                 raise storage_error(url, "read failed", exc, storage_options) from None

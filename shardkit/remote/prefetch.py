@@ -54,7 +54,7 @@ class Prefetcher(Generic[T]):
                 continue
             try:
                 fut.set_result(self._fetch(url))
-            except BaseException as exc:  # noqa: BLE001 - delivered to the consumer by take()
+            except BaseException as exc:
                 fut.set_exception(exc)
 
     def _submit(self, url: str) -> None:

@@ -280,5 +280,5 @@ def _needs_local_file(url: str) -> bool:
 
     try:
         return format_for_path(url).needs_local_file
-    except Exception:  # noqa: BLE001 - not a shard suffix we know: stream it
+    except Exception:
         return False

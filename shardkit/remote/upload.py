@@ -75,7 +75,7 @@ def upload_file(
             raise storage_error(
                 url, "upload refused; check the credentials and bucket", exc, storage_options
             ) from None
-        except Exception as exc:  # noqa: BLE001 - classified, re-raised as StorageError
+        except Exception as exc:
             transient = is_transient(exc) or isinstance(exc, StorageError)
             delay = next(delays, None) if transient else None
             if delay is None:
@@ -138,7 +138,7 @@ class Uploader:
                     with self._lock:
                         self.uploaded.append(url)
                         self.bytes += n
-                except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+                except BaseException as exc:
                     with self._lock:
                         self._errors.append(exc)
             finally:
@@ -204,7 +204,7 @@ def pack_to_url(
     manifest_url = join_url(url, MANIFEST_NAME)
     try:
         exists = fs.exists(strip(fs, manifest_url))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise storage_error(url, "cannot list the destination", exc, storage_options) from None
     if exists and not overwrite:
         raise OutputError(

@@ -1,0 +1,239 @@
+"""Where each benchmarked format reads from: planning (make and pack what is missing) and datasets.
+
+``plan_sources`` turns a ``BenchConfig`` into one path per format. What counts as a packed
+dataset is decided by ``shardkit.sources.resolve_source``, the same resolution ``ShardDataset``
+uses, so the bench never reuses something the dataset would read differently.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+
+from ..errors import InputError
+from ..manifest import MANIFEST_NAME
+from ..sources import resolve_source
+from ..storage import is_url
+from .config import SHARD_FORMATS, BenchConfig, say
+from .workloads import DATASET_DECODE, Augment, MemoryDataset
+
+__all__ = [
+    "bytes_per_sample",
+    "load_all",
+    "make_dataset",
+    "packed_format",
+    "plan_sources",
+    "read_paths",
+    "sample_bytes",
+]
+
+
+def packed_format(path: str) -> str | None:
+    """The shard format packed at ``path``; None when nothing is packed there yet.
+
+    "Nothing yet" is a missing local path or a directory holding only hidden entries (a pack's
+    staging); anything else must resolve, and its InputError says what is wrong with it.
+    """
+    if not is_url(path) and not _has_pattern(path):
+        if not os.path.exists(path):
+            return None
+        if os.path.isdir(path) and all(n.startswith(".") for n in os.listdir(path)):
+            return None
+    return resolve_source(path).format
+
+
+def _has_pattern(path: str) -> bool:
+    return glob.escape(path) != path or ("{" in path and "}" in path)
+
+
+def _default_data(cfg: BenchConfig) -> str:
+    """Make (once) the embedded LFW-shaped set at ``cfg.default_data``."""
+    from ..synth import MARKER, make_lfw
+
+    data = cfg.default_data
+    if not os.path.isfile(os.path.join(data, MARKER)):
+        say(cfg, f"making the default LFW-shaped set in {data} (once; ~30 s on 2 cores)")
+    report = make_lfw(data)
+    say(cfg, report.summary())
+    return data
+
+
+def _formats(cfg: BenchConfig, data: str | None) -> tuple[str, ...]:
+    if cfg.formats is not None:
+        return cfg.formats
+    if cfg.shards is not None and "{format}" not in cfg.shards:
+        shard_fmts: tuple[str, ...] = (packed_format(cfg.shards) or "tar",)
+    else:
+        shard_fmts = SHARD_FORMATS
+    return (("folder",) if data is not None else ()) + shard_fmts
+
+
+def _target(cfg: BenchConfig, data: str | None, fmt: str, shard_fmts: tuple[str, ...]) -> str:
+    """Where the ``fmt`` shards are (or will be packed)."""
+    if cfg.shards is None:
+        return f"{data.rstrip('/')}-shards-{fmt}"
+    if "{format}" in cfg.shards:
+        return cfg.shards.replace("{format}", fmt)
+    if len(shard_fmts) > 1:
+        raise InputError(
+            f"shards={cfg.shards!r} names one dataset but formats asks for "
+            f"{', '.join(shard_fmts)}: put {{format}} in it, e.g. out/lfw-{{format}}"
+        )
+    return cfg.shards
+
+
+def _shards_for(cfg: BenchConfig, data: str | None, fmt: str, target: str) -> str:
+    """Reuse the shards at ``target``, or pack ``data`` there; returns ``target``."""
+    found = packed_format(target)
+    if found is None:
+        if data is None:
+            raise InputError(
+                f"{target}: no packed dataset there; pass the image folder (data, --data) to "
+                "pack it on the fly, or point shards (--shards) at packed shards"
+            )
+        from ..packer import pack
+
+        say(cfg, f"packing {data} into {target} ({fmt}, {cfg.shard_size} shards)")
+        report = pack(data, target, format=fmt, shard_size=cfg.shard_size, progress=False)
+        say(cfg, report.summary())
+    elif found != fmt:
+        raise InputError(
+            f"{target} holds {found} shards, not {fmt}: point shards at {fmt} shards or "
+            "change formats"
+        )
+    elif data is not None:
+        _check_packed_from(cfg, target, data)
+    return target
+
+
+def plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
+    """format -> path to read, making and packing what is missing; and the source folder."""
+    data = cfg.data
+    if data is None and cfg.shards is None:
+        data = _default_data(cfg)
+    if data is not None:
+        data = os.fspath(data)
+        if not os.path.isdir(data):
+            raise InputError(
+                f"{data}: no such directory; pass an image folder (class-per-folder tree) as data"
+            )
+    formats = _formats(cfg, data)
+    shard_fmts = tuple(f for f in formats if f in SHARD_FORMATS)
+    sources: dict[str, str] = {}
+    for fmt in formats:
+        if fmt == "memory":
+            continue  # loaded from whichever source comes first, once the others are ready
+        if fmt == "folder":
+            if data is None:
+                raise InputError(
+                    "the folder baseline needs the image folder: pass data (--data SRC), or "
+                    "drop folder from formats"
+                )
+            sources[fmt] = data
+        else:
+            target = _target(cfg, data, fmt, shard_fmts)
+            sources[fmt] = _shards_for(cfg, data, fmt, target)
+    if "memory" in formats:
+        if not sources:
+            raise InputError("the memory reference needs a source: add folder, tar or lmdb")
+        first = "folder" if "folder" in sources else next(iter(sources))
+        sources["memory"] = sources[first]
+    return sources, data
+
+
+def _check_packed_from(cfg: BenchConfig, target: str, data: str) -> None:
+    """Say so when reused shards were packed from another folder than the one benchmarked."""
+    if is_url(target):
+        return
+    manifest = resolve_source(target).manifest
+    source = manifest.pack.get("source") if manifest is not None else None
+    if source and os.path.realpath(source) != os.path.realpath(data):
+        say(
+            cfg,
+            f"note: {target} was packed from {source}, not {data}; the comparison is only fair "
+            "if they hold the same images (delete it to re-pack)",
+        )
+
+
+def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
+    """The dataset a run of ``fmt`` iterates, decoding as ``cfg.mode`` asks."""
+    from ..dataset import FolderDataset, ShardDataset
+
+    decode = DATASET_DECODE[cfg.mode]
+    transform = Augment() if cfg.mode == "augment" else None
+    if fmt == "memory":
+        blobs, labels = load_all(path)
+        return MemoryDataset(blobs, labels, decode=decode, transform=transform, seed=cfg.seed)
+    if fmt == "folder":
+        return FolderDataset(path, decode=decode, transform=transform, storage=storage)
+    if is_url(path):
+        storage = None  # remote storage: LocalStorage cannot open URLs
+    return ShardDataset(
+        path, decode=decode, transform=transform, shuffle=True, seed=cfg.seed, storage=storage
+    )
+
+
+def load_all(path: str) -> tuple[list[bytes], list[int]]:
+    """Every sample's stored bytes and label, from an image folder or from packed shards."""
+    from ..dataset import FolderDataset, ShardDataset
+
+    packed = is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME))
+    if os.path.isdir(path) and not packed:
+        folder = FolderDataset(path, decode="raw")
+        blobs = []
+        for i in range(len(folder)):
+            with open(os.path.join(folder.root, folder.relpath(i)), "rb") as f:
+                blobs.append(f.read())
+        return blobs, folder.targets.tolist()
+    pairs = list(ShardDataset(path, decode="raw", shuffle=False))
+    return [d for d, _ in pairs], [lab for _, lab in pairs]
+
+
+def read_paths(fmt: str, ds) -> list[str] | None:
+    """The local files a run of this dataset reads (None: nothing on local storage)."""
+    if fmt == "memory":
+        return None
+    if fmt == "folder":
+        return [ds.root]
+    if any(is_url(u) and not u.startswith("file://") for u in ds.urls):
+        return None
+    return [u[len("file://") :] if u.startswith("file://") else u for u in ds.urls]
+
+
+def bytes_per_sample(fmt: str, ds, paths: list[str] | None) -> float | None:
+    """Stored bytes per sample: image file sizes for the folder, shard bytes for shards."""
+    if fmt == "memory":
+        return len(ds.blob) / len(ds)
+    if fmt == "folder":
+        total = sum(os.path.getsize(os.path.join(ds.root, ds.relpath(i))) for i in range(len(ds)))
+        return total / len(ds)
+    if ds.manifest_path and not is_url(ds.manifest_path):
+        man = resolve_source(ds.manifest_path).manifest
+        if man is not None and man.num_samples:
+            return man.total_bytes / man.num_samples
+    if paths:
+        return sum(os.path.getsize(p) for p in paths) / ds.num_samples
+    return None
+
+
+def sample_bytes(fmt: str, ds, count: int, seed: int) -> list[bytes]:
+    """Up to ``count`` stored samples (JPEG bytes), for measuring the decode ceiling."""
+    if fmt == "folder":
+        rng = np.random.default_rng(seed)
+        idx = rng.choice(len(ds), size=min(count, len(ds)), replace=False)
+        out = []
+        for i in idx.tolist():
+            with open(os.path.join(ds.root, ds.relpath(i)), "rb") as f:
+                out.append(f.read())
+        return out
+    from ..dataset import ShardDataset
+
+    raw = ShardDataset(ds.urls, decode="raw", shuffle=False, storage=ds.storage)
+    out = []
+    for data, _label in raw:
+        out.append(data)
+        if len(out) >= count:
+            break
+    return out
