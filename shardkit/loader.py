@@ -38,7 +38,6 @@ import torch
 from .dataset import ShardDataset
 from .errors import InputError, ShardkitError
 from .geometry import ShapeError
-from .images import image_size
 from .records import Record
 from .stream import sample_error
 from .world import World
@@ -238,7 +237,7 @@ class _Epoch:
             for batch in self._fill(w):
                 self.queues[w].put(batch)
             self.queues[w].put(_End())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             self.queues[w].put(_End(exc))
 
     def _fill(self, w: int) -> Iterator[_Batch]:
@@ -257,21 +256,14 @@ class _Epoch:
                 keys: list = []
                 n = 0
                 for rec in records:
-                    if buf is None:
-                        buf = self._new_buffer(w, slot, rec)
-                    elif n == 0:
+                    if buf is not None and n == 0:
                         buf = self._reusable(w, slot, buf)
-                    try:
-                        self.decoder(rec.data, rec.key, buf.images[n])
-                    except ShapeError as exc:
-                        raise ShapeError(f"{rec.shard}: {exc}") from None
-                    except Exception as exc:  # noqa: BLE001 - decoders raise many types
-                        err = sample_error(rec, exc)
-                        if on_error == "raise":
-                            raise err from exc
-                        warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)
-                        skipped()
+                    img = self._decode(rec, buf.images[n] if buf else None, on_error, skipped)
+                    if img is None:
                         continue
+                    if buf is None:  # this thread's first image: its size sizes the buffer
+                        buf = self._new_buffer(w, slot, img.shape[-2:])
+                        buf.images[0].copy_(img)
                     labels.append(rec.label)
                     keys.append(rec.key)
                     n += 1
@@ -288,6 +280,20 @@ class _Epoch:
             if close is not None:
                 close()
 
+    def _decode(self, rec: Record, out: torch.Tensor | None, on_error: str, skipped):
+        """Decode ``rec`` into ``out`` (None: a new tensor); None if skipped (on_error)."""
+        try:
+            return self.decoder(rec.data, rec.key, out)
+        except ShapeError as exc:
+            raise ShapeError(f"{rec.shard}: {exc}") from None
+        except Exception as exc:  # decoders raise many types for bad data
+            err = sample_error(rec, exc)
+            if on_error == "raise":
+                raise err from exc
+            warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)
+            skipped()
+            return None
+
     def _acquire(self, w: int) -> bool:
         """Wait for a free buffer of thread ``w``; False once the iteration is stopping."""
         if self.loader.num_workers == 0:
@@ -297,14 +303,8 @@ class _Epoch:
                 return True
         return False
 
-    def _new_buffer(self, w: int, slot: int, first: Record) -> _Buffer:
-        if self.decoder.geometry is not None:
-            height = width = self.decoder.geometry.size
-        else:
-            try:
-                height, width = image_size(first.data)
-            except Exception as exc:  # noqa: BLE001
-                raise sample_error(first, exc) from exc
+    def _new_buffer(self, w: int, slot: int, size: tuple[int, int]) -> _Buffer:
+        height, width = size
         if self.nhwc:
             raw = torch.empty(
                 (self.batch_size, height, width, 3), dtype=torch.uint8, pin_memory=self.pin

@@ -319,3 +319,15 @@ def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
     assert worker == 0 and start <= end
     assert torch.equal(images, torch.stack([ds[i][0] for i in range(8)]))
     assert labels.tolist() == [ds[i][1] for i in range(8)]
+
+
+def test_the_loader_contender_runs_on_the_tar_shards(tiny, tmp_path):
+    """--formats loader: ShardLoader threads over the tar shards, stamped like DataLoader rows."""
+    out = str(tmp_path / "b.json")
+    run_bench(_config(tiny, mode="decode", formats=("tar", "loader"), json_path=out))
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    loader = {r["workers"]: r for r in rows if r["format"] == "loader"}
+    assert set(loader) == {0, 2}
+    assert all(r["timed_samples_runs"] == [3 * 8] and r["mean_samples_per_s"] > 0 for r in rows)
+    with pytest.raises(InputError, match="--formats loader.*--mode decode"):
+        run_bench(_config(tiny, mode="raw", formats=("loader",)))
