@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InputError
-from .images import decode_rgb, image_size
+from .images import BufferShapeError, decode_rgb, image_size
 
 __all__ = [
     "CROP_MODES",
@@ -130,13 +130,14 @@ class TensorDecoder:
     Bound to one (seed, epoch, rank): build one per epoch and worker. ``out`` (a (3, H, W) uint8
     tensor, any strides: a slot of a batch buffer) receives the pixels instead of a new tensor;
     when its memory is HWC (a channels_last batch) a full-size JPEG is decoded straight into it.
+    Without geometry ``out`` may also be an (H, W, 3) numpy array (the loader's fastest path).
     """
 
     def __init__(self, geometry: Geometry | None, seed: int = 0, epoch: int = 0, rank: int = 0):
         self.geometry = geometry
         self.seed, self.epoch, self.rank = int(seed), int(epoch), int(rank)
 
-    def __call__(self, data: bytes, key: str = "", out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, data: bytes, key: str = "", out=None):
         if self.geometry is None:
             return self._full(data, key, out)
         g = self.geometry
@@ -177,25 +178,30 @@ class TensorDecoder:
         out.copy_(img)
         return out
 
-    def _full(self, data: bytes, key: str, out: torch.Tensor | None) -> torch.Tensor:
+    def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
         if out is None:
             rgb = decode_rgb(data)
             res = torch.empty((3, rgb.shape[0], rgb.shape[1]), dtype=torch.uint8)
             np.copyto(res.numpy(), rgb.transpose(2, 0, 1))
             return res
-        _, bh, bw = out.shape
-        height, width = image_size(data)
-        if (height, width) != (bh, bw):
+        try:
+            if isinstance(out, np.ndarray):  # an HWC slot of a channels_last batch: straight in
+                return decode_rgb(data, out=out)
+            hwc = out.permute(1, 2, 0)
+            if hwc.is_contiguous():
+                decode_rgb(data, out=hwc.numpy())
+            else:
+                height, width = image_size(data)
+                if (height, width, 3) != hwc.shape:
+                    raise BufferShapeError((height, width, 3), tuple(hwc.shape))
+                np.copyto(out.numpy(), decode_rgb(data).transpose(2, 0, 1))
+            return out
+        except BufferShapeError as exc:
+            (height, width, _), (bh, bw, _) = exc.shape, exc.buffer
             raise ShapeError(
                 f"sample {key!r} is {width}x{height} but its batch holds {bw}x{bh} images; "
                 "pass size= (and crop=) to ShardDataset for fixed-size batches"
-            )
-        hwc = out.permute(1, 2, 0)
-        if hwc.is_contiguous():  # a channels_last batch: decode straight into it
-            decode_rgb(data, out=hwc.numpy())
-        else:
-            np.copyto(out.numpy(), decode_rgb(data).transpose(2, 0, 1))
-        return out
+            ) from None
 
 
 class ShapeError(InputError):

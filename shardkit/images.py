@@ -20,12 +20,14 @@ import io
 import warnings
 
 import numpy as np
+import simplejpeg
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "RESIZE_QUALITY",
     "TRAILER_WINDOW",
     "MAX_PATH_DIFFERENCE",
+    "BufferShapeError",
     "check_image_bytes",
     "decode_error",
     "decode_image",
@@ -174,8 +176,6 @@ def jpeg_scale(height: int, width: int, min_size: tuple[int, int] | None) -> int
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from the header alone (microseconds for JPEG: no pixels are decoded)."""
     if is_jpeg(data):
-        import simplejpeg
-
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return height, width
@@ -186,6 +186,14 @@ def image_size(data: bytes) -> tuple[int, int]:
     with Image.open(io.BytesIO(data)) as img:
         width, height = img.size
     return height, width
+
+
+class BufferShapeError(ValueError):
+    """The image does not have the shape of the buffer it was to be decoded into."""
+
+    def __init__(self, shape: tuple[int, ...], buffer: tuple[int, ...]):
+        super().__init__(f"decoded {tuple(shape)} does not fit the buffer {tuple(buffer)}")
+        self.shape, self.buffer = tuple(shape), tuple(buffer)
 
 
 def decode_rgb(
@@ -202,9 +210,7 @@ def decode_rgb(
     forces the Pillow path (tests compare the two). Raises whatever the decoder raises for
     corrupt data; callers wrap it in ``SampleError`` naming shard and key.
     """
-    if not pillow and is_jpeg(data):
-        import simplejpeg
-
+    if not pillow and data[:3] == _JPEG:
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError:
@@ -213,7 +219,7 @@ def decode_rgb(
             d = jpeg_scale(height, width, min_size)
             shape = (-(-height // d), -(-width // d), 3)
             if out is not None and out.shape != shape:
-                raise ValueError(f"decoded {shape} does not fit the buffer {out.shape}")
+                raise BufferShapeError(shape, out.shape)
             try:
                 return simplejpeg.decode_jpeg(
                     data, colorspace="RGB", min_height=shape[0], min_width=shape[1], buffer=out
@@ -240,7 +246,7 @@ def _decode_pillow(
     if out is None:
         return np.array(arr)  # writable, like simplejpeg's (torch warns on read-only arrays)
     if out.shape != arr.shape:
-        raise ValueError(f"decoded {arr.shape} does not fit the buffer {out.shape}")
+        raise BufferShapeError(arr.shape, out.shape)
     np.copyto(out, arr)
     return out
 

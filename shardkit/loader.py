@@ -49,11 +49,20 @@ _POLL_S = 0.05  # how often a blocked thread looks at the stop flag
 
 @dataclass
 class _Buffer:
-    """One batch buffer of a decode thread. ``images``: (N, 3, H, W) uint8, NHWC in memory when
-    ``nhwc``; ``copied``: CUDA event after which the host copy may be overwritten."""
+    """One batch buffer of a decode thread: ``images`` (N, 3, H, W) uint8, NHWC in memory for
+    the device path and channels_last; ``targets[i]``: what image i is decoded into (an HWC
+    numpy view when a JPEG can land there as decoded, else a (3, H, W) tensor view);
+    ``baseline``: the storage's use count with only the loader's own references; ``copied``:
+    CUDA event after which the host copy may be overwritten."""
 
     images: torch.Tensor
+    targets: list
+    baseline: int
     copied: object | None = None
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 @dataclass
@@ -258,7 +267,7 @@ class _Epoch:
                 for rec in records:
                     if buf is not None and n == 0:
                         buf = self._reusable(w, slot, buf)
-                    img = self._decode(rec, buf.images[n] if buf else None, on_error, skipped)
+                    img = self._decode(rec, buf.targets[n] if buf else None, on_error, skipped)
                     if img is None:
                         continue
                     if buf is None:  # this thread's first image: its size sizes the buffer
@@ -280,7 +289,7 @@ class _Epoch:
             if close is not None:
                 close()
 
-    def _decode(self, rec: Record, out: torch.Tensor | None, on_error: str, skipped):
+    def _decode(self, rec: Record, out, on_error: str, skipped):
         """Decode ``rec`` into ``out`` (None: a new tensor); None if skipped (on_error)."""
         try:
             return self.decoder(rec.data, rec.key, out)
@@ -310,9 +319,14 @@ class _Epoch:
                 (self.batch_size, height, width, 3), dtype=torch.uint8, pin_memory=self.pin
             )
             images = raw.permute(0, 3, 1, 2)
+            if self.decoder.geometry is None:  # JPEG rows land in place: hand the decoder numpy
+                targets = list(raw.numpy())
+            else:
+                targets = list(images.unbind(0))
         else:
             images = torch.empty((self.batch_size, 3, height, width), dtype=torch.uint8)
-        buf = _Buffer(images)
+            targets = list(images.unbind(0))
+        buf = _Buffer(images, targets, _use_count(images))
         self.buffers[w][slot] = buf
         return buf
 
@@ -321,13 +335,10 @@ class _Epoch:
         if buf.copied is not None:
             buf.copied.synchronize()  # the device copy of its last batch has finished
             buf.copied = None
-        # 2: our tensor, plus the storage object made for this call. More: a kept batch.
-        if torch._C._storage_Use_Count(buf.images.untyped_storage()._cdata) <= 2:
+        if _use_count(buf.images) <= buf.baseline:
             return buf
-        fresh = torch.empty_like(buf.images)  # same strides (NHWC or NCHW)
-        new = _Buffer(fresh.pin_memory() if self.pin else fresh)
-        self.buffers[w][slot] = new
-        return new
+        # A kept batch (or a view or numpy array of it): it is the caller's now.
+        return self._new_buffer(w, slot, buf.images.shape[-2:])
 
     # --- consumer side (the caller's thread) ----------------------------------------------------
 
@@ -370,60 +381,69 @@ class _Epoch:
             for batch in self._ready():
                 staged.append(self._stage(batch))
                 while len(staged) > ahead:
-                    out, release = staged.popleft()
-                    yield self._finish(out)
+                    out, ready, release = staged.popleft()
+                    yield self._finish(out, ready)
                     out = None
                     drawn.append(release)
                     if len(drawn) > 1:
                         drawn.popleft()()
             while staged:
-                out, release = staged.popleft()
-                yield self._finish(out)
+                out, ready, _ = staged.popleft()
+                yield self._finish(out, ready)
                 out = None
         finally:
             self._shutdown()
 
     def _stage(self, batch: _Batch):
-        """Start moving ``batch`` to the device and converting it; returns (output, release)."""
+        """Start moving ``batch`` to the device and converting it there.
+
+        Returns (output, ready event or None, release): ``release`` gives the host buffer back
+        to its thread.
+        """
         buf = self.buffers[batch.worker][batch.slot]
         images = buf.images[: batch.count]
         labels = torch.tensor(batch.labels, dtype=torch.int64)
         tt = self.loader.dataset.target_transform
         if tt is not None:
             labels = torch.utils.data.default_collate([tt(int(v)) for v in batch.labels])
-        device = self.loader.device
+        device, ready = self.loader.device, None
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             if device is not None:
-                images = images.to(device, non_blocking=True)
+                images = images.to(device, non_blocking=True)  # from pinned memory: async
                 if self.cuda:
                     buf.copied = torch.cuda.Event()
                     buf.copied.record(self.stream)
                 labels = labels.to(device, non_blocking=True)
             images = self._convert(images)
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
         out = (images, labels, batch.keys) if self.loader.with_keys else (images, labels)
         worker = batch.worker
 
         def release() -> None:
             self.free[worker].release()
 
-        return out, release
+        return out, ready, release
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         fmt = torch.channels_last if self.loader.channels_last else torch.contiguous_format
         if self.loader.normalize is not None:
-            out = torch.empty(images.shape, dtype=torch.float32, device=images.device)
-            out = out.contiguous(memory_format=fmt)
+            out = torch.empty(
+                images.shape, dtype=torch.float32, device=images.device, memory_format=fmt
+            )
             # One pass: x * (1 / (255 std)) - mean / std  ==  (x / 255 - mean) / std.
             return torch.addcmul(self.shift, images, self.scale, out=out)
         if self.nhwc and not self.loader.channels_last:
             return images.contiguous()  # a uint8 batch moved to a device as NHWC
         return images
 
-    def _finish(self, out: tuple) -> tuple:
-        if self.cuda:
+    def _finish(self, out: tuple, ready) -> tuple:
+        """Make the caller's stream wait for this batch only (not the one staged behind it)."""
+        if ready is not None:
             current = torch.cuda.current_stream(self.loader.device)
-            current.wait_stream(self.stream)
+            current.wait_event(ready)
             for t in out[:2]:
                 t.record_stream(current)
         return out
