@@ -14,8 +14,10 @@ in the same repeat. Two workloads:
 
 The ceiling is one process decoding the same JPEG bytes from memory with simplejpeg, times
 min(2, cores) (the issue's definition). Beside it, "2 processes at once": what the cores really
-give right now on a shared machine. Also: first-batch time, and resident memory of the main
-process (and DataLoader workers) after each of ``--epochs`` epochs.
+give right now on a shared machine, and CPU microseconds per image of each contender (workers
+included) against the decoder's own: wall-clock ratios swing with other processes' load, CPU
+per image barely does. Also: first-batch time, and resident memory of the main process (and
+DataLoader workers) after each of ``--epochs`` epochs.
 
     python benchmarks/bench_loader.py --lfw data/lfw --imagenet data/imagenet --repeats 3
     python benchmarks/bench_loader.py --json bench-out/bench_loader.json --only a
@@ -27,10 +29,12 @@ Data: ``--lfw`` / ``--imagenet`` image trees (made with shardkit synth when miss
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
@@ -98,12 +102,14 @@ def _decode_all(datas: list[bytes]) -> None:
         simplejpeg.decode_jpeg(d)
 
 
-def ceiling_one(datas: list[bytes]) -> float:
-    """Images/s of one process decoding from memory, times min(2, cores)."""
-    t = time.perf_counter()
+def ceiling_one(datas: list[bytes]) -> tuple[float, float]:
+    """Images/s of one process decoding from memory, times min(2, cores); and its CPU
+    microseconds per image (what contention from other processes changes least)."""
+    t, c = time.perf_counter(), time.thread_time()
     _decode_all(datas)
+    cpu = (time.thread_time() - c) / len(datas) * 1e6
     cores = min(2, len(os.sched_getaffinity(0)))
-    return len(datas) / (time.perf_counter() - t) * cores
+    return len(datas) / (time.perf_counter() - t) * cores, cpu
 
 
 def _half(datas, start, done):
@@ -131,18 +137,31 @@ def ceiling_two(datas: list[bytes]) -> float:
 # --- contenders --------------------------------------------------------------------------------
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process (all threads) plus its exited children (DataLoader workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def timed_epoch(batches) -> dict:
-    """Iterate one epoch: first-batch time, images/s after the first batch and overall."""
+    """Iterate one epoch: first-batch time, images/s after the first batch and overall, and
+    CPU microseconds per image over the whole epoch, workers included."""
+    gc.collect()
+    c0 = _cpu_s()
     t0 = time.perf_counter()
     it = iter(batches)
     first = next(it)
     t1 = time.perf_counter()
     n_first = len(first[0])
-    n = 0
+    n, b = 0, None
     for b in it:
         n += len(b[0])
     t2 = time.perf_counter()
+    del it, first, b
+    gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
+    cpu = (_cpu_s() - c0) / (n + n_first) * 1e6
     return {
+        "cpu_us_per_image": cpu,
         "first_batch_s": t1 - t0,
         "images_per_s": n / (t2 - t1) if n else float("nan"),
         "epoch_images_per_s": (n + n_first) / (t2 - t0),
@@ -222,32 +241,37 @@ def contenders_b(shards: Path) -> dict:
 
 def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> dict:
     rows: dict[str, list[dict]] = {k: [] for k in contenders}
-    ceil1, ceil2, loads = [], [], []
+    ceil1, ceil2, cpu1, loads = [], [], [], []
     epoch = 0
     for r in range(repeats):
         loads.append(os.getloadavg()[0])
-        ceil1.append(ceiling_one(datas))
+        rate, cpu = ceiling_one(datas)
+        ceil1.append(rate)
+        cpu1.append(cpu)
         ceil2.append(ceiling_two(datas))
         for cname, make in contenders.items():
             epoch += 1
             res = timed_epoch(make(epoch))
             res["ratio_to_ceiling"] = res["images_per_s"] / ceil1[-1]
             res["ratio_to_two_processes"] = res["images_per_s"] / ceil2[-1]
+            res["cpu_efficiency"] = cpu1[-1] / res["cpu_us_per_image"]
             rows[cname].append(res)
             print(
                 f"  [{name} {r + 1}/{repeats}] {cname:40s} {res['images_per_s']:7.0f} img/s  "
                 f"{res['ratio_to_ceiling']:5.2f} of ceiling  first batch "
-                f"{res['first_batch_s']:.2f} s",
+                f"{res['first_batch_s']:.2f} s  {res['cpu_us_per_image']:.0f} CPU us/image",
                 flush=True,
             )
         print(
             f"  [{name} {r + 1}/{repeats}] ceiling (1 process x2) {ceil1[-1]:.0f}, "
-            f"2 processes {ceil2[-1]:.0f} img/s, load {loads[-1]:.1f}",
+            f"2 processes {ceil2[-1]:.0f} img/s, {cpu1[-1]:.0f} CPU us/image decoding alone, "
+            f"load {loads[-1]:.1f}",
             flush=True,
         )
     summary = {
         "ceiling_one_x2": ceil1,
         "ceiling_two_processes": ceil2,
+        "ceiling_cpu_us_per_image": cpu1,
         "load_1min": loads,
         "contenders": {},
     }
@@ -260,6 +284,8 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
                 x["ratio_to_two_processes"] for x in runs
             ),
             "median_first_batch_s": statistics.median(x["first_batch_s"] for x in runs),
+            "median_cpu_us_per_image": statistics.median(x["cpu_us_per_image"] for x in runs),
+            "median_cpu_efficiency": statistics.median(x["cpu_efficiency"] for x in runs),
         }
     return summary
 
@@ -336,7 +362,9 @@ def main() -> None:
                     f"  {cname:40s} {c['median_images_per_s']:7.0f} img/s  "
                     f"{c['median_ratio_to_ceiling']:5.2f} of ceiling  "
                     f"{c['median_ratio_to_two_processes']:5.2f} of 2 processes  "
-                    f"first batch {c['median_first_batch_s']:.2f} s"
+                    f"first batch {c['median_first_batch_s']:.2f} s  "
+                    f"CPU {c['median_cpu_us_per_image']:.0f} us/image = "
+                    f"{c['median_cpu_efficiency']:.2f} of decode-only CPU"
                 )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
