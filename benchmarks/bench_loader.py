@@ -182,19 +182,32 @@ def webdataset_loader(shards: Path, epoch: int):
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
 
+def _once(build):
+    """A contender built on first use and kept, as a training script keeps its loader; each
+    call sets the next epoch. (DataLoader workers still start afresh every epoch, their
+    default; ShardLoader keeps its batch buffers.)"""
+    state: dict = {}
+
+    def run(epoch):
+        if not state:
+            state["ds"], state["loader"] = build()
+        state["ds"].set_epoch(epoch)
+        return state["loader"]
+
+    return run
+
+
 def contenders_a(src: Path, shards: Path) -> dict:
     def shard_loader(channels_last):
-        def run(epoch):
+        def build():
             ds = ShardDataset(str(shards), decode="tensor")
-            ds.set_epoch(epoch)
-            return ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
+            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
-        return run
+        return _once(build)
 
-    def dl_shard(epoch):
+    def dl_shard():
         ds = ShardDataset(str(shards), decode="tensor")
-        ds.set_epoch(epoch)
-        return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
     def dl_folder(epoch):
         g = torch.Generator().manual_seed(epoch)
@@ -204,7 +217,7 @@ def contenders_a(src: Path, shards: Path) -> dict:
     return {
         "ShardLoader": shard_loader(False),
         "ShardLoader channels_last": shard_loader(True),
-        "DataLoader(ShardDataset)": dl_shard,
+        "DataLoader(ShardDataset)": _once(dl_shard),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
     }
@@ -213,29 +226,22 @@ def contenders_a(src: Path, shards: Path) -> dict:
 def contenders_b(shards: Path) -> dict:
     geo = dict(decode="tensor", size=224, crop="random", flip=True)
 
-    def shard_loader(channels_last):
-        def run(epoch):
-            ds = ShardDataset(str(shards), **geo)
-            ds.set_epoch(epoch)
-            return ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
+    def shard_loader(channels_last, **kw):
+        def build():
+            ds = ShardDataset(str(shards), **{**geo, **kw})
+            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
-        return run
+        return _once(build)
 
-    def dl_shard(epoch):
+    def dl_shard():
         ds = ShardDataset(str(shards), **geo)
-        ds.set_epoch(epoch)
-        return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
-    def full_decode_loader(epoch):  # for reference: ShardLoader can't batch mixed sizes, so
-        ds = ShardDataset(str(shards), decode="tensor", size=224, crop="center")
-        ds.set_epoch(epoch)
-        return ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=True)
+        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
     return {
         "ShardLoader RRC224+flip": shard_loader(False),
         "ShardLoader RRC224+flip channels_last": shard_loader(True),
-        "ShardLoader center224 channels_last": full_decode_loader,
-        "DataLoader(ShardDataset RRC224+flip)": dl_shard,
+        "ShardLoader center224 channels_last": shard_loader(True, crop="center", flip=False),
+        "DataLoader(ShardDataset RRC224+flip)": _once(dl_shard),
     }
 
 

@@ -158,6 +158,9 @@ class ShardLoader:
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"device={device!r} but CUDA is not available; use device='cpu'")
         self._current: weakref.ref | None = None
+        # Batch buffers per thread, kept across epochs: pinned memory is slow to allocate, and
+        # fresh pages fault in on first touch. Only one iteration runs at a time.
+        self._buffers: list[list] = []
 
     # --- the DataLoader-like surface -----------------------------------------------------------
 
@@ -217,9 +220,9 @@ class _Epoch:
         self.stop = threading.Event()
         # One buffer per batch a thread may have ready ahead, plus the one the caller holds.
         self.slots = loader.prefetch_factor + 1
-        self.buffers: list[list[_Buffer | None]] = [
-            [None] * self.slots for _ in range(self.threads_n)
-        ]
+        if len(loader._buffers) != self.threads_n or len(loader._buffers[0]) != self.slots:
+            loader._buffers = [[None] * self.slots for _ in range(self.threads_n)]
+        self.buffers: list[list[_Buffer | None]] = loader._buffers
         self.free = [threading.Semaphore(self.slots) for _ in range(self.threads_n)]
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.threads_n)]
         self.skipped = [ds._skip_counter(w) for w in range(self.threads_n)]
