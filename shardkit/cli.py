@@ -285,6 +285,27 @@ def verify_cmd(out, decode, quiet) -> None:
     click.echo(report.summary())
 
 
+# --- index -----------------------------------------------------------------------------------
+
+
+@main.command("index")
+@click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--overwrite", is_flag=True, help="Replace an existing manifest.json.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def index_cmd(shards, overwrite, quiet) -> None:
+    """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
+    them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
+    import warnings
+
+    from .index import index_shards
+
+    with warnings.catch_warnings():  # the summary line reports records passed over
+        warnings.simplefilter("ignore", RuntimeWarning)
+        results = index_shards(shards, overwrite=overwrite, progress=not quiet)
+    for result in results:
+        click.echo(result.summary())
+
+
 # --- bench -----------------------------------------------------------------------------------
 
 

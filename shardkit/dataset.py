@@ -73,8 +73,10 @@ class ShardDataset(IterableDataset):
     or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
     bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
     samples held per worker for the sample-level shuffle. ``with_keys=True`` yields
-    ``(image, label, key)``. ``on_error="skip"`` warns and counts undecodable samples in
-    ``ds.skipped`` instead of raising (that rank then yields fewer than ``len(ds)``).
+    ``(image, label, key)``. ``fields=("json", ...)`` (tar): each sample gains the raw bytes of
+    those extra members after the key, None where a sample has none. ``on_error="skip"`` warns
+    and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
+    fewer than ``len(ds)``).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
@@ -99,6 +101,7 @@ class ShardDataset(IterableDataset):
         equalize: str = "pad",
         with_keys: bool = False,
         on_error: str = "raise",
+        fields: Sequence[str] = (),
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
@@ -127,11 +130,17 @@ class ShardDataset(IterableDataset):
         self.equalize = equalize
         self.with_keys = bool(with_keys)
         self.on_error = on_error
+        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
         self.rank, self.world_size = distributed_rank(rank, world_size)
 
         resolved = resolve_source(source, storage_options=storage_options)
         self.urls: tuple[str, ...] = resolved.urls
         self.shard_format: str = resolved.format
+        if self.fields and self.shard_format != "tar":
+            raise InputError(
+                f"fields={self.fields!r}: only tar shards carry extra members; drop fields= "
+                f"for {self.shard_format} shards"
+            )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self.indexes: tuple[tuple[int, ...], ...] = resolved.indexes
@@ -221,6 +230,7 @@ class ShardDataset(IterableDataset):
             on_error=self.on_error,
             with_keys=self.with_keys,
             skipped=self._skip_counter(world.worker),
+            fields=self.fields,
             decoder=self.tensor_decoder(epoch) if self.geometry is not None else None,
         )
         if self.transform is not None or self.target_transform is not None:
@@ -234,7 +244,9 @@ class ShardDataset(IterableDataset):
         -> shuffle buffer. ``ShardLoader``'s decode threads each iterate one of these."""
         slices = self.plan(world, epoch, batch_size)
         records = read_slices(
-            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes
+            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes,
+            counts=self.counts.tolist(),
+            fields=self.fields,
         )
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)

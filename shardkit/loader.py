@@ -130,6 +130,11 @@ class ShardLoader:
                 "transform cannot run; use size=/crop=/flip= on the dataset, transform the "
                 "batch, or use a DataLoader"
             )
+        if getattr(dataset, "fields", ()):
+            raise InputError(
+                f"ShardLoader yields images, labels and keys; the dataset's fields="
+                f"{dataset.fields!r} would be dropped: use a DataLoader for extra members"
+            )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
         if num_workers is None:

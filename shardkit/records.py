@@ -23,6 +23,8 @@ class Record:
     data: bytes
     label: int
     shard: str = ""
+    #: Extra members asked for by extension (``{"json": b"..."}``), raw; None when none were.
+    fields: dict[str, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from braceexpand import braceexpand
 
 from .errors import InputError, ManifestError
-from .formats import FORMATS, format_for_path
+from .formats import FORMATS, format_for_path, is_shard_name
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .storage import is_url
 
@@ -118,11 +118,10 @@ def resolve_source(
             urls = [
                 p
                 for p in fs.listdir(text)
-                if any(fs.basename(p).endswith(f.suffix) for f in FORMATS.values())
-                and not fs.basename(p).startswith(".")
+                if is_shard_name(fs.basename(p)) and not fs.basename(p).startswith(".")
             ]
             if not urls:
-                suffixes = " or ".join(f.suffix for f in FORMATS.values())
+                suffixes = " or ".join(s for f in FORMATS.values() for s in (f.suffix, *f.also))
                 raise InputError(
                     f"{text}: no shards ({suffixes} files) and no {MANIFEST_NAME} in this "
                     "directory; pack it first with `shardkit pack`"

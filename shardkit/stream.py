@@ -142,6 +142,8 @@ def read_slices(
     fmt,
     storage: Storage,
     indexes: Sequence[Sequence[int]] = (),
+    counts: Sequence[int] = (),
+    fields: Sequence[str] = (),
 ) -> Iterator[Record]:
     """Records of each slice in turn, opened through ``storage``.
 
@@ -150,7 +152,9 @@ def read_slices(
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
-    epoch would desynchronise DDP ranks.
+    epoch would desynchronise DDP ranks. With ``counts`` (the per-shard counts the plan used), a
+    slice that ends at its shard's end reads on to the real end, and a shard holding more
+    samples than its count raises too, instead of dropping them silently.
     """
     upcoming = [urls[s.shard] for s in slices]
     for n, sl in enumerate(slices):
@@ -158,33 +162,48 @@ def read_slices(
         index = indexes[sl.shard] if indexes else ()
         storage.prefetch(upcoming[n:])  # this shard first: it is opened next
         got = 0
+        want = sl.stop - sl.start
+        to_end = bool(counts) and sl.stop == counts[sl.shard]
+        stop = None if to_end else sl.stop
         try:
             if fmt.needs_local_file:
                 records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=sl.stop, index=index
+                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index,
+                    fields=fields,
                 )
                 for rec in records:
+                    if got == want:
+                        _more_than_counted(url, sl.stop)
                     yield rec
                     got += 1
             else:
                 with storage.open(url) as stream:
                     records = fmt.iter_records(
-                        stream, shard=url, start=sl.start, stop=sl.stop, index=index
+                        stream, shard=url, start=sl.start, stop=stop, index=index, fields=fields
                     )
                     for rec in records:
+                        if got == want:
+                            _more_than_counted(url, sl.stop)
                         yield rec
                         got += 1
         except ShardkitError:
             raise
         except OSError as exc:
             raise StorageError(f"{url}: read failed: {exc}") from exc
-        want = sl.stop - sl.start
         if got != want:
             raise ShardFormatError(
                 f"{url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended after "
                 f"{sl.start + got}: it is shorter than its manifest or count says (truncated or "
                 "replaced after packing?); re-pack it or rebuild the manifest"
             )
+
+
+def _more_than_counted(url: str, count: int):
+    raise ShardFormatError(
+        f"{url}: the shard holds more samples than the {count} its manifest (or count) says; "
+        "the manifest belongs to another version of the shard: rebuild it (`shardkit index`) "
+        "or re-pack"
+    )
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -207,20 +226,23 @@ def decode_records(
     on_error: str = "raise",
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
+    fields: Sequence[str] = (),
     decoder: Callable[[bytes, str], object] | None = None,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
+    ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
+    ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
+    of these extra members, in this order, after the key (None where a sample has none).
     ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
-    of ``shardkit.geometry``, whose randomness depends on the key). ``on_error="raise"`` raises
-    ``SampleError`` naming shard and key; ``"skip"`` warns, calls ``skipped()`` (the dataset
-    counts) and goes on.
+    of ``shardkit.geometry``, whose randomness depends on the key).
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if mode == "raw":  # nothing can fail: skip the try block entirely
+    names = [f.lower() for f in fields]
+    if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -239,10 +261,16 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if with_keys:
-            yield img, rec.label, rec.key
-        else:
-            yield img, rec.label
+        yield _sample(img, rec, with_keys, names)
+
+
+def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:
+    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents."""
+    head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+    if names:
+        extra = rec.fields or {}
+        return head + tuple(extra.get(n) for n in names)
+    return head
 
 
 def apply_transforms(

@@ -25,6 +25,7 @@ __all__ = [
     "encode_key",
     "format_for_path",
     "get_format",
+    "is_shard_name",
 ]
 
 
@@ -46,6 +47,11 @@ class ShardFormat:
     _writer: Callable[[str], ShardWriter]
     _iter: Callable[..., Iterator[Record]]
     _count: Callable[..., int]
+    #: Other name endings read as this format (compressed tars: ``.tar.gz``, ``.tgz``).
+    also: tuple[str, ...] = ()
+
+    def matches(self, name: str) -> bool:
+        return name.endswith((self.suffix, *self.also))
 
     def open_writer(self, path: str) -> ShardWriter:
         return self._writer(path)
@@ -58,16 +64,22 @@ class ShardFormat:
         start: int = 0,
         stop: int | None = None,
         index: Sequence[int] = (),
+        fields: Sequence[str] = (),
     ) -> Iterator[Record]:
-        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any."""
-        return self._iter(source, shard=shard, start=start, stop=stop, index=index)
+        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any;
+        ``fields``: extra members to carry in ``Record.fields`` (tar only)."""
+        extra = {"fields": fields} if fields else {}
+        return self._iter(source, shard=shard, start=start, stop=stop, index=index, **extra)
 
     def count_samples(self, source: Any, *, shard: str = "") -> int:
         return self._count(source, shard=shard)
 
 
 FORMATS: dict[str, ShardFormat] = {
-    "tar": ShardFormat("tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples),
+    "tar": ShardFormat(
+        "tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples,
+        also=(".tar.gz", ".tgz"),
+    ),
     "lmdb": ShardFormat(
         "lmdb", ".lmdb", True, LmdbShardWriter, iter_lmdb_records, count_lmdb_samples
     ),
@@ -87,12 +99,17 @@ def format_for_path(path: str) -> ShardFormat:
     """The format of a shard path or URL, by its suffix (query strings ignored)."""
     base = os.fspath(path).split("?", 1)[0].rstrip("/")
     for fmt in FORMATS.values():
-        if base.endswith(fmt.suffix):
+        if fmt.matches(base):
             return fmt
     raise InputError(
         f"{path}: cannot tell the shard format from the name; shards end in "
-        + " or ".join(f.suffix for f in FORMATS.values())
+        + " or ".join(s for f in FORMATS.values() for s in (f.suffix, *f.also))
     )
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether a file name ends like a shard (``.tar``, ``.tar.gz``, ``.tgz``, ``.lmdb``)."""
+    return any(f.matches(name) for f in FORMATS.values())
 
 
 def encode_key(stem: str) -> str:

@@ -1,0 +1,181 @@
+"""``shardkit index``: a manifest for tar shards written elsewhere, without rewriting them.
+
+Tars made by webdataset, GNU tar or any WebDataset-convention tool stream without a manifest,
+but then ``len()`` needs a header pass at construction, nothing can be checked, and a worker
+starting mid-shard reads the whole prefix. One pass over each tar here (headers parsed, every
+byte hashed) records what a pack would have: sample counts, sizes, sha256, the sparse offset
+index, and classes from ``cls`` members. The manifest goes beside the shards it lists (one per
+directory), written atomically, and an existing one is only replaced on request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import InputError, OutputError
+from .formats import format_for_path, is_shard_name
+from .formats.tar import is_gzip_name, tally_tar, warn_imageless
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
+
+__all__ = ["IndexResult", "index_shards"]
+
+#: Labels at or above this are not taken as class indices (a list that long is not a class list).
+MAX_CLASSES = 1 << 20
+
+
+@dataclass
+class IndexResult:
+    """One manifest written: where, and what it lists."""
+
+    manifest_path: str
+    manifest: Manifest
+    #: Records without an image member, passed over (not samples).
+    imageless: int
+
+    def summary(self) -> str:
+        m = self.manifest
+        n = self.imageless
+        extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
+        return (
+            f"indexed {len(m.shards)} shard{'s' if len(m.shards) != 1 else ''}: "
+            f"{m.num_samples} samples, {m.total_bytes / 1e6:.1f} MB, {len(m.classes)} classes"
+            f"{extra} -> {self.manifest_path}"
+        )
+
+
+class _Hashing(io.RawIOBase):
+    """A non-seekable view of a file that hashes and counts every byte read through it."""
+
+    def __init__(self, f):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, buf) -> int:
+        n = self._f.readinto(buf) or 0
+        self.sha.update(memoryview(buf)[:n])
+        self.bytes += n
+        return n
+
+    def drain(self) -> None:
+        """Hash what follows the end-of-archive blocks (record padding, a gzip trailer)."""
+        chunk = bytearray(1 << 20)
+        while self.readinto(chunk):
+            pass
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+    """Shard files as given; a directory stands for the tar shards in it, sorted by name."""
+    out: list[str] = []
+    for p in map(os.fspath, paths):
+        if os.path.isdir(p):
+            found = sorted(
+                os.path.join(p, n)
+                for n in os.listdir(p)
+                if is_shard_name(n) and not n.startswith(".")
+            )
+            if not found:
+                raise InputError(f"{p}: no .tar, .tar.gz or .tgz files in this directory")
+            out.extend(found)
+        elif not os.path.isfile(p):
+            raise InputError(f"{p}: no such shard file; check the path")
+        else:
+            out.append(p)
+    if not out:
+        raise InputError("no shards given: pass tar files or a directory of them")
+    return out
+
+
+def index_shards(
+    paths: Sequence[str | os.PathLike], *, overwrite: bool = False, progress: bool = False
+) -> list[IndexResult]:
+    """Write ``manifest.json`` beside the given tar shards (one per directory), reading each once.
+
+    ``paths``: tar shards (``.tar``, ``.tar.gz``, ``.tgz``) or directories of them; the manifest
+    lists them in the order given (a directory's in name order). Classes are ``"0" .. "K-1"``
+    when ``cls``/``label`` members hold integers up to K-1, else empty (labels -1). Compressed
+    shards get counts and checksums but no offset index (they cannot seek). Raises OutputError
+    if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``).
+    """
+    from tqdm import tqdm
+
+    files = _expand([os.fspath(p) for p in paths])
+    by_dir: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for p in files:
+        real = os.path.realpath(p)
+        if real in seen:
+            raise InputError(f"{p}: listed twice; each shard must appear once")
+        seen.add(real)
+        if format_for_path(p).name != "tar":
+            raise InputError(
+                f"{p}: shardkit index reads tar shards (.tar, .tar.gz, .tgz); LMDB shards are "
+                "only written by `shardkit pack`, which writes their manifest"
+            )
+        by_dir.setdefault(os.path.dirname(os.path.abspath(p)), []).append(p)
+    for d in by_dir:
+        target = os.path.join(d, MANIFEST_NAME)
+        if os.path.lexists(target) and not overwrite:
+            raise OutputError(
+                f"{target} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+
+    entries: dict[str, list[ShardEntry]] = {d: [] for d in by_dir}
+    labels: set[int] = set()
+    imageless: dict[str, int] = dict.fromkeys(by_dir, 0)
+    bar = tqdm(
+        files, unit="shard", desc="index", file=sys.stderr, disable=None if progress else True
+    )
+    for p in bar:
+        d = os.path.dirname(os.path.abspath(p))
+        with open(p, "rb", buffering=0) as raw:
+            hashing = _Hashing(raw)
+            tally = tally_tar(hashing, shard=p, labels=True)
+            hashing.drain()
+        labels |= tally.labels
+        imageless[d] += tally.imageless
+        index = () if is_gzip_name(p) else tuple(tally.index)
+        sha = hashing.sha.hexdigest()
+        entries[d].append(ShardEntry(os.path.basename(p), tally.samples, hashing.bytes, sha, index))
+    classes = _classes(labels)
+    results = []
+    for d, shard_entries in entries.items():
+        manifest = Manifest(
+            "tar",
+            classes,
+            shard_entries,
+            pack={"indexed_by": "shardkit index", "records_without_image": imageless[d]},
+        )
+        if imageless[d]:
+            warn_imageless(d, imageless[d])
+        path = write_manifest(manifest, d)
+        results.append(IndexResult(path, manifest, imageless[d]))
+    return results
+
+
+def _classes(labels: set[int]) -> list[str]:
+    """``"0" .. "K-1"`` for integer labels 0..K-1 (a foreign tar has no class names)."""
+    if not labels:
+        return []
+    low, high = min(labels), max(labels)
+    if low < 0 or high >= MAX_CLASSES:
+        warnings.warn(
+            f"labels range over {low}..{high}: not class indices, so the manifest lists no "
+            "classes (labels are still read as stored)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return []
+    return [str(i) for i in range(high + 1)]
