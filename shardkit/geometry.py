@@ -157,8 +157,11 @@ class TensorDecoder:
         t1 = max(t0 + 1, min(rgb.shape[0], round((top + h) * sh)))
         l1 = max(l0 + 1, min(rgb.shape[1], round((left + w) * sw)))
         # (1, 3, h, w) channels_last: the layout of torch's AVX uint8 resize, which runs 2x
-        # slower on the strided view of a crop than on a contiguous copy of it.
+        # slower on the strided view of a crop than on a contiguous copy of it. The flip is
+        # made in that copy (flip and resize commute), so it costs no extra pass.
         crop = torch.from_numpy(rgb[t0:t1, l0:l1]).permute(2, 0, 1).unsqueeze(0)
+        if flip:
+            crop = crop.flip(-1)  # a channels_last copy, like .contiguous() below
         ch, cw = crop.shape[-2:]
         if (ch, cw) != (size, size):
             crop = F.interpolate(
@@ -171,8 +174,6 @@ class TensorDecoder:
                 align_corners=False,
             )
         img = crop[0]
-        if flip:
-            img = img.flip(-1)
         if out is None:
             return img.contiguous()
         out.copy_(img)
