@@ -20,6 +20,7 @@ from .errors import (
 from .manifest import Manifest, ShardEntry, read_manifest
 from .packer import PackReport, pack
 from .records import Record
+from .writer import ShardWriter
 
 if TYPE_CHECKING:
     from .dataset import FolderDataset, ShardDataset
@@ -38,6 +39,7 @@ __all__ = [
     "ShardEntry",
     "ShardFormatError",
     "ShardLoader",
+    "ShardWriter",
     "ShardkitError",
     "StorageError",
     "pack",

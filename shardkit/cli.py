@@ -10,6 +10,7 @@ readers, synth's renderers); ``--workers`` is DataLoader worker processes (bench
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -21,7 +22,7 @@ class _Failure(click.ClickException):
     """A ``ShardkitError`` on its way out: click's exception path, with the error's exit code."""
 
     def __init__(self, exc: ShardkitError):
-        super().__init__(str(exc))
+        super().__init__(as_flags(str(exc)))
         self.exit_code = exc.exit_code
 
 
@@ -122,11 +123,20 @@ def main() -> None:
     """Pack folders of images into sequential shards and stream them into PyTorch."""
 
 
-def _is_remote(path: str) -> bool:
-    """Object-store and HTTP URLs go through shardkit.remote; plain paths never import it."""
-    from .storage import is_url
+_PARAM = re.compile(r'\b([a-z][a-z_]*)=(True\b|False\b|"([^"]*)"|(?=[\s,;)]|$))')
 
-    return is_url(path) and not path.startswith("file://")
+
+def as_flags(message: str) -> str:
+    """Library errors name Python parameters (``overwrite=True``, ``on_error="skip"``); on the
+    command line the same advice names the flags (``--overwrite``, ``--on-error skip``)."""
+
+    def flag(m: re.Match) -> str:
+        name, value, text = m.group(1).replace("_", "-"), m.group(2), m.group(3)
+        if value == "False":
+            return f"--no-{name}"
+        return f"--{name}" + (f" {text}" if text is not None else "")
+
+    return _PARAM.sub(flag, message)
 
 
 # --- synth -----------------------------------------------------------------------------------
@@ -215,9 +225,6 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwr
 
     from .packer import pack
 
-    if _is_remote(out):
-        from .remote import pack_to_url as pack
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = pack(
@@ -238,10 +245,7 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwr
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def info_cmd(out, as_json) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
-    if _is_remote(out):
-        from .remote import remote_dataset_info as dataset_info
-    else:
-        from .verify import dataset_info
+    from .verify import dataset_info
 
     info = dataset_info(out)
     if as_json:
@@ -269,15 +273,9 @@ def info_cmd(out, as_json) -> None:
 def verify_cmd(out, decode, quiet) -> None:
     """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
     from .errors import ShardFormatError
+    from .verify import verify
 
-    if _is_remote(out):
-        from .remote import remote_verify
-
-        report = remote_verify(out, decode=decode, progress=not quiet)
-    else:
-        from .verify import verify
-
-        report = verify(out, decode=decode, progress=not quiet)
+    report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
         click.echo(f"BAD {bad}")
     if not report.ok:

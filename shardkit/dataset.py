@@ -31,6 +31,7 @@ from .formats import FORMATS
 from .geometry import Geometry, TensorDecoder
 from .images import IMAGE_EXTENSIONS, decode_image
 from .records import Record, ShardSlice
+from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
 from .sources import UNKNOWN, ShardSource, resolve_source
 from .storage import LocalStorage, Storage, storage_for
@@ -303,7 +304,9 @@ class FolderDataset(Dataset):
     """Map-style dataset over a class-per-folder tree: the per-file baseline shards are measured
     against, decoding exactly as ``ShardDataset`` does.
 
-    Labels are the indices of the sorted class folder names (``.classes``). Relative paths live in
+    Listed by ``shardkit.scan``, the scanner ``pack`` uses: the same classes, labels and skipped
+    entries (FIFOs, broken links: warned about, never opened). Labels are the indices of the
+    sorted class folder names (``.classes``). Relative paths live in
     one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
     a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
     Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
@@ -329,26 +332,27 @@ class FolderDataset(Dataset):
         self.target_transform = target_transform
         self.storage: Storage = storage or LocalStorage()
         self.with_keys = bool(with_keys)
-        exts = tuple("." + e.lower().lstrip(".") for e in extensions)
-        self.classes: list[str] = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-        )
-        encoded: list[bytes] = []
-        labels: list[int] = []
-        for label, name in enumerate(self.classes):
-            for rel in _walk_images(self.root, name, exts):
-                encoded.append(rel.encode("utf-8", "surrogateescape"))
-                labels.append(label)
-        if not encoded:
+        exts = {e.lower().lstrip(".") for e in extensions}
+        scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        self.classes: list[str] = list(scan.classes)
+        keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        if not keep.any():
             raise InputError(
-                f"{self.root}: no images ({', '.join(exts)}) in class folders; expected "
-                "root/<class>/<image>"
+                f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
+                "expected root/<class>/<image>"
             )
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        self.path_bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        self.targets = np.asarray(labels, dtype=np.int64)
+        if scan.errors:
+            first = scan.errors[0]
+            warnings.warn(
+                f"{self.root}: skipped {len(scan.errors)} unreadable image entries (first: "
+                f"{first.path}: {first.reason})",
+                stacklevel=2,
+            )
+        files = scan.files
+        if not keep.all():
+            files = StrTable(f for f, k in zip(scan.files, keep, strict=True) if k)
+        self.path_bytes, self.offsets = files.blob, files.offsets
+        self.targets = scan.labels[keep]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -383,32 +387,3 @@ class FolderDataset(Dataset):
     def __repr__(self) -> str:
         return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
 
-
-def _walk_images(root: str, cls: str, exts: tuple[str, ...]) -> list[str]:
-    """Sorted relative paths of the images below ``root/cls``, skipping hidden names as ``pack``
-    does; each directory is visited once, so symlink loops end."""
-    found: list[str] = []
-    seen: set[tuple[int, int]] = set()
-    stack = [cls]
-    while stack:
-        rel_dir = stack.pop()
-        path = os.path.join(root, rel_dir)
-        try:
-            st = os.stat(path)
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            with os.scandir(path) as it:
-                entries = [e for e in it if not e.name.startswith(".")]
-        except OSError as exc:
-            raise InputError(f"{path}: cannot list directory ({exc.strerror})") from None
-        subdirs = []
-        for e in entries:
-            rel = f"{rel_dir}/{e.name}"
-            if e.is_dir():
-                subdirs.append(rel)
-            elif e.name.lower().endswith(exts):
-                found.append(rel)
-        stack.extend(sorted(subdirs, reverse=True))
-    found.sort()
-    return found

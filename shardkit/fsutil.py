@@ -1,11 +1,61 @@
-"""Crash-safe file writes: the temporary-name-then-rename rule every output follows."""
+"""Crash-safe file output: temporary names, one lock per output, and one all-or-nothing publish.
+
+Every writer in shardkit follows the same rules, kept here so there is one policy:
+
+- files are written under a temporary (hidden) name and renamed when complete;
+- a staging name carries its owner's pid (``.partial-<pid>-<random>``), and staging is removed
+  only when its owner is provably gone: the remover holds the output's lock (so no other
+  shardkit writer is live there) *and* the pid is dead. A concurrent writer's files are never
+  touched;
+- a directory of many files is published by ``publish``: a journal written atomically is the
+  commit point, so a kill before it leaves the old contents intact and a kill after it is
+  finished (rolled forward) by the next writer, and readers refuse the directory meanwhile.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import secrets
+import shutil
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "temp_name"]
+from .errors import OutputError
+
+__all__ = [
+    "JOURNAL_NAME",
+    "STAGING_PREFIX",
+    "DirLock",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "interrupted_commit",
+    "interrupted_message",
+    "is_remote",
+    "pid_alive",
+    "publish",
+    "recover",
+    "remove_stale_staging",
+    "staging_name",
+    "temp_name",
+]
+
+#: Prefix of a writer's staging directory inside its output: ``.partial-<pid>-<hex>``.
+STAGING_PREFIX = ".partial-"
+#: The commit journal: present in a directory only between a commit point and its completion.
+JOURNAL_NAME = ".shardkit-commit.json"
+#: The journal a pre-journal shardkit left inside its staging dir (rolled back, never forward).
+_LEGACY_JOURNAL = "commit.json"
+
+
+def is_remote(path: str) -> bool:
+    """An object-store or HTTP URL (``s3://``, ``https://`` ...), not a path or ``file://``.
+
+    Same rule as ``storage.is_url``, kept here so writers and ``verify`` can tell without
+    importing the streaming side (and, through it, the remote package).
+    """
+    head, sep, _ = path.partition("://")
+    scheme = head.replace("+", "").replace("-", "")
+    return bool(sep) and len(head) > 1 and scheme.isalnum() and head != "file"
 
 
 def temp_name(path: str) -> str:
@@ -38,9 +88,227 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink(tmp)
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --- ownership ---------------------------------------------------------------------------------
+
+
+def staging_name(prefix: str = STAGING_PREFIX) -> str:
+    """``<prefix><pid>-<random>``: unique, and says which process owns it."""
+    return f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _owner(name: str, prefix: str) -> int | None:
+    pid, _, rest = name[len(prefix) :].partition("-")
+    return int(pid) if pid.isdigit() and rest else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (signal 0 checks without sending)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_staging(directory: str, prefix: str = STAGING_PREFIX) -> list[str]:
+    """Remove the staging entries in ``directory`` whose owner is dead; return their names.
+
+    The caller holds ``directory``'s ``DirLock``: that proves no other shardkit writer is live in
+    it, and the pid check keeps a writer of another kind (or version) safe too. A name without a
+    pid comes from an older shardkit, which took no lock; holding ours, it is stale. A legacy
+    staging dir that was stopped mid-commit has its moved shards removed again (it rolled back).
+    """
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        pid = _owner(name, prefix)
+        if pid is not None and (pid == os.getpid() or pid_alive(pid)):
+            continue
+        path = os.path.join(directory, name)
+        _roll_back_legacy(directory, path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink(path)
+        removed.append(name)
+    return removed
+
+
+def _safe_name(name: object) -> bool:
+    """A plain file name inside the directory: what a journal may name, nothing else."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\x00" not in name
+        and not name.startswith(".")
+    )
+
+
+def _roll_back_legacy(directory: str, staging: str) -> None:
+    """An older shardkit journaled inside staging and rolled back: remove what it had moved."""
+    journal = os.path.join(staging, _LEGACY_JOURNAL)
+    if not os.path.isfile(journal) or os.path.exists(os.path.join(directory, "manifest.json")):
+        return
+    try:
+        with open(journal, encoding="utf-8") as f:
+            names = json.load(f)["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for name in names if isinstance(names, list) else []:
+        if _safe_name(name) and name.startswith("shard-"):
+            _unlink(os.path.join(directory, name))
+
+
+# --- one lock per output -----------------------------------------------------------------------
+
+
+class DirLock:
+    """An exclusive ``flock`` on the directory itself: one writer per output, refused at once.
+
+    Locking the directory's own descriptor needs no lock file (nothing to clean up, no
+    OS-global name) and the kernel drops it when the process dies, even by SIGKILL.
+    """
+
+    def __init__(self, path: str, what: str = "output"):
+        import fcntl
+
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._fd)
+            self._fd = None
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputError(
+                    f"{what} {path!r} is in use by another shardkit writer (pack or ShardWriter); "
+                    "wait for it to finish or choose another output"
+                ) from None
+            raise
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --- publish: many files, one commit point -----------------------------------------------------
+
+
+def interrupted_commit(directory: str) -> str | None:
+    """The journal's path if a publish into ``directory`` was cut short after its commit point."""
+    path = os.path.join(directory, JOURNAL_NAME)
+    return path if os.path.lexists(path) else None
+
+
+def interrupted_message(directory: str) -> str:
+    """What readers say about a directory whose publish was cut short: refuse, and the fix."""
+    return (
+        f"{directory}: a pack into this directory was interrupted while committing its shards "
+        f"({JOURNAL_NAME} is there, manifest.json is not), so the shards are incomplete; pack "
+        "into it again (shardkit pack ... --overwrite), which first finishes the commit"
+    )
+
+
+def publish(
+    directory: str, staging: str, names: list[str], last: str, *, remove: list[str] = ()
+) -> str:
+    """Move ``staging/<names>`` into ``directory``, then ``staging/<last>``, all or nothing.
+
+    ``last`` (the manifest) must already be complete in ``staging``. The commit point is the
+    atomic creation of the journal: before it ``directory`` is untouched (old dataset intact);
+    after it the move is decided and ``recover`` finishes it after any crash. ``remove`` are
+    old files of ``directory`` that the new contents replace (deleted before ``last`` lands).
+    Returns the path of ``directory/<last>``.
+    """
+    journal = {
+        "staging": os.path.basename(staging),
+        "names": list(names),
+        "last": last,
+        "remove": [n for n in remove if n not in set(names)],
+        "pid": os.getpid(),
+    }
+    atomic_write_bytes(os.path.join(directory, JOURNAL_NAME), json.dumps(journal).encode())
+    _roll_forward(directory, journal)
+    return os.path.join(directory, last)
+
+
+def _roll_forward(directory: str, journal: dict) -> None:
+    """Finish a committed publish; idempotent, so a kill at any step is finished by a rerun."""
+    staging = os.path.join(directory, journal["staging"])
+    last = journal["last"]
+    if os.path.exists(os.path.join(staging, last)):
+        # No manifest may describe a mix: the old one goes before the first shard is replaced.
+        _unlink(os.path.join(directory, last))
+        fsync_dir(directory)
+        for name in journal["names"]:
+            src = os.path.join(staging, name)
+            if os.path.lexists(src):
+                os.replace(src, os.path.join(directory, name))
+        for name in journal["remove"]:
+            _unlink(os.path.join(directory, name))
+        fsync_dir(directory)
+        os.replace(os.path.join(staging, last), os.path.join(directory, last))
+        fsync_dir(directory)
+    _unlink(os.path.join(directory, JOURNAL_NAME))
+    fsync_dir(directory)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def recover(directory: str) -> bool:
+    """Finish a publish that a crash interrupted after its commit point; True if there was one.
+
+    Call it holding ``directory``'s ``DirLock``. A journal that does not parse, or names
+    anything but plain files and a ``.partial-`` staging dir, was not written by us: refused.
+    """
+    path = interrupted_commit(directory)
+    if path is None:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            journal = json.load(f)
+        ok = (
+            isinstance(journal, dict)
+            and isinstance(journal.get("staging"), str)
+            and journal["staging"].startswith(STAGING_PREFIX)
+            and "/" not in journal["staging"]
+            and _safe_name(journal.get("last"))
+            and isinstance(journal.get("names"), list)
+            and isinstance(journal.get("remove", []), list)
+            and all(_safe_name(n) for n in journal["names"])
+            and all(_safe_name(n) for n in journal.get("remove", []))
+        )
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise OutputError(
+            f"{path}: unreadable commit journal; remove it by hand if no shardkit writer is "
+            "running, then pack again"
+        )
+    journal.setdefault("remove", [])
+    _roll_forward(directory, journal)
+    return True

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ManifestError
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
 
 __all__ = [
     "MANIFEST_NAME",
@@ -183,6 +183,8 @@ def read_manifest(path_or_dir: str) -> Manifest:
         with open(path, "rb") as f:
             text = f.read()
     except FileNotFoundError:
+        if interrupted_commit(os.path.dirname(path)):
+            raise ManifestError(interrupted_message(os.path.dirname(path))) from None
         raise ManifestError(f"{path}: no manifest; pack the folder with `shardkit pack`") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest ({exc.strerror})") from None

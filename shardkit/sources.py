@@ -19,6 +19,7 @@ from braceexpand import braceexpand
 
 from .errors import InputError, ManifestError
 from .formats import FORMATS, format_for_path, is_shard_name
+from .fsutil import interrupted_commit, interrupted_message
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .storage import is_url
 
@@ -115,6 +116,8 @@ def resolve_source(
             manifest_path = fs.join(text, MANIFEST_NAME)
             if fs.exists(manifest_path):
                 return _from_manifest(fs, manifest_path)
+            if not fs.remote and interrupted_commit(text):  # shards of a killed pack: refuse
+                raise ManifestError(interrupted_message(text))
             urls = [
                 p
                 for p in fs.listdir(text)

@@ -1,18 +1,22 @@
 """``shardkit verify``: check every shard against its manifest entry.
 
 Per shard: size, sha256, the number of samples actually readable, labels within the class list,
-and with ``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry,
-so remote storage can fetch a shard and reuse it unchanged.
+and with ``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry;
+for a URL dataset each shard is fetched to a temporary file first, the loop is the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .formats import ShardFormat, get_format
+from .fsutil import is_remote
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 
@@ -125,16 +129,53 @@ def verify_shard(
     return problems, decoded
 
 
-def verify(out: str, *, decode: bool = False, progress: bool = False) -> VerifyReport:
-    """Check every shard of the packed dataset in directory ``out`` against its manifest.
+def _dataset(out: str, storage_options, work_dir):
+    """(manifest, manifest path/URL, display name, entry -> context manager of a local path).
+
+    The one difference between a local and a remote dataset: a remote shard is first fetched
+    whole into a temporary file (deleted after), so one shard at a time is on disk.
+    """
+    if is_remote(out):
+        from .remote.fetch import MissingObjectError
+        from .remote.inspect import local_copy, read_manifest_url
+        from .remote.upload import join_url
+
+        manifest, manifest_url = read_manifest_url(out, storage_options)
+        base = manifest_url.rpartition("/")[0]
+
+        @contextlib.contextmanager
+        def local(entry: ShardEntry):
+            try:
+                with local_copy(join_url(base, entry.path), storage_options, dir=work_dir) as p:
+                    yield p
+            except MissingObjectError:
+                yield None
+
+        return manifest, manifest_url, base + "/", local
+    out = out[len("file://") :] if out.startswith("file://") else out
+    manifest = read_manifest(out)
+    base = out if os.path.isdir(out) else os.path.dirname(out)
+    path = os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out
+    return manifest, path, out, lambda e: contextlib.nullcontext(os.path.join(base, e.path))
+
+
+def verify(
+    out: str,
+    *,
+    decode: bool = False,
+    progress: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    work_dir: str | None = None,
+) -> VerifyReport:
+    """Check every shard of the packed dataset ``out`` (a directory or URL) against its manifest.
 
     Raises ManifestError when the manifest itself is missing or unreadable; bad shards are
-    reported, not raised, so the caller sees all of them.
+    reported, not raised, so the caller sees all of them. A remote shard is downloaded to a
+    temporary file in ``work_dir`` (default: the system's) and deleted after its check.
     """
     from tqdm import tqdm
 
-    out = os.fspath(out)
-    manifest = read_manifest(out)
+    manifest, _, name, local = _dataset(os.fspath(out), storage_options, work_dir)
     fmt = get_format(manifest.shard_format)
     bad: list[ShardProblem] = []
     decoded = 0
@@ -143,18 +184,22 @@ def verify(out: str, *, decode: bool = False, progress: bool = False) -> VerifyR
         entries, unit="shard", desc="verify", file=sys.stderr, disable=None if progress else True
     )
     for entry in bar:
-        problems, n = verify_shard(
-            os.path.join(out, entry.path),
-            entry,
-            fmt,
-            decode=decode,
-            num_classes=len(manifest.classes) or None,  # no classes (foreign tars): no check
-        )
+        with local(entry) as path:
+            if path is None:
+                problems, n = ["missing"], 0
+            else:
+                problems, n = verify_shard(
+                    path,
+                    entry,
+                    fmt,
+                    decode=decode,
+                    num_classes=len(manifest.classes) or None,  # no classes (foreign tars)
+                )
         decoded += n
         if problems:
             bad.append(ShardProblem(entry.path, problems))
     return VerifyReport(
-        out=out,
+        out=name,
         shards=len(entries),
         samples=manifest.num_samples,
         bytes=manifest.total_bytes,
@@ -163,11 +208,10 @@ def verify(out: str, *, decode: bool = False, progress: bool = False) -> VerifyR
     )
 
 
-def dataset_info(out: str) -> dict:
+def dataset_info(out: str, storage_options: Mapping[str, Any] | None = None) -> dict:
     """The facts ``shardkit info`` prints, from the manifest alone (no shard is opened)."""
-    out = os.fspath(out)
-    m = read_manifest(out)
-    return manifest_info(m, os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out)
+    manifest, path, _, _ = _dataset(os.fspath(out), storage_options, None)
+    return manifest_info(manifest, path)
 
 
 def manifest_info(m: Manifest, manifest_path: str) -> dict:

@@ -23,10 +23,10 @@ from PIL import Image
 
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
+from shardkit.fsutil import STAGING_PREFIX
 from shardkit.images import check_image_bytes
 from shardkit.manifest import read_manifest
 from shardkit.packer import (
-    STAGING_PREFIX,
     PackWarning,
     pack,
     parse_size,
@@ -450,7 +450,7 @@ def test_out_not_empty_needs_overwrite(tree, tmp_path):
     (out / "something.txt").write_text("keep me")
     with pytest.raises(OutputError) as err:
         quiet_pack(src, out)
-    assert str(out) in str(err.value) and "--overwrite" in str(err.value)
+    assert str(out) in str(err.value) and "overwrite=True" in str(err.value)  # Python's name
     r = run_cli("pack", src, out, "-q")
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
@@ -753,7 +753,8 @@ def test_scan_source_is_sorted_and_labelled(tree):
     src, files = tree
     scan = scan_source(str(src))
     assert scan.files == sorted(files)
-    assert scan.labels == [scan.classes.index(f.split("/")[0]) for f in scan.files]
+    assert scan.labels.tolist() == [scan.classes.index(f.split("/")[0]) for f in scan.files]
+    assert isinstance(scan.labels, np.ndarray)  # per-sample state in arrays, not lists
 
 
 def test_all_images_bad_is_an_input_error(tmp_path):
@@ -767,7 +768,7 @@ def test_all_images_bad_is_an_input_error(tmp_path):
 
 
 def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
-    pack_module = importlib.import_module("shardkit.packer")
+    pack_module = importlib.import_module("shardkit.scan")  # shared by pack and FolderDataset
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)
@@ -793,14 +794,14 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
-    """Ctrl-C between the last rename and the manifest: the moved shards go too."""
-    pack_module = importlib.import_module("shardkit.packer")
+    """Ctrl-C once every shard is complete, as the manifest is written: nothing is left."""
+    pack_module = importlib.import_module("shardkit.writer")  # the writer commits now
 
     src, files = tree
     out = tmp_path / "out"
 
     def interrupted(manifest, out_dir):
-        assert len(shard_files(out_dir)) > 1  # the shards are under their final names now
+        assert len(shard_files(out_dir)) > 1  # every shard is complete (in staging, before commit)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pack_module, "write_manifest", interrupted)

@@ -325,3 +325,34 @@ def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
     assert bad.returncode != 0
     assert "shard-000001.tar" in bad.stderr and "Traceback" not in bad.stderr
     assert FAKE_SECRET not in bad.stderr + bad.stdout
+
+
+def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
+    """One entry point each: pack(src, url), verify(url), dataset_info(url); no remote_* needed."""
+    from shardkit import ShardWriter, pack
+    from shardkit.verify import dataset_info, verify
+
+    b = f"urls-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=b)
+    opts = S3Server.options(s3.endpoint)
+    url = f"s3://{b}/ds/"
+    report = pack(
+        data["src"], url, storage_options=opts, shard_size=12000, progress=False,
+        work_dir=str(tmp_path),
+    )
+    assert report.out == url and report.manifest_path == f"{url}manifest.json"
+    assert os.listdir(tmp_path) == []
+    info = dataset_info(url, storage_options=opts)
+    assert (info["samples"], info["shards"]) == (N, report.shards)
+    checked = verify(url, storage_options=opts, decode=True, work_dir=str(tmp_path))
+    assert checked.ok and checked.decoded == N and checked.out == url
+    # Overwrite with one big shard: the old manifest's other shards go, a user's object stays.
+    s3.client().put_object(Bucket=b, Key="ds/notes.txt", Body=b"keep me")
+    with ShardWriter(url, shard_size="1GB", overwrite=True, storage_options=opts) as w:
+        with open(os.path.join(data["src"], "class0", "img000.jpg"), "rb") as f:
+            w.write("k", f.read(), 0, txt="one")
+    listed = sorted(
+        o["Key"] for o in s3.client().list_objects_v2(Bucket=b, Prefix="ds/")["Contents"]
+    )
+    assert listed == ["ds/manifest.json", "ds/notes.txt", "ds/shard-000000.tar"]
+    assert len(ShardDataset(url, storage_options=opts)) == 1

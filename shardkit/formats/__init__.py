@@ -20,7 +20,7 @@ __all__ = [
     "FORMATS",
     "IMAGE_EXTS",
     "ShardFormat",
-    "ShardWriter",
+    "FormatWriter",
     "decode_key",
     "encode_key",
     "format_for_path",
@@ -29,11 +29,20 @@ __all__ = [
 ]
 
 
-class ShardWriter(Protocol):
+class FormatWriter(Protocol):
+    """One shard file of one format (``shardkit.ShardWriter`` rolls them and writes the manifest).
+
+    ``extra`` holds a sample's extra fields as ``(name, bytes)`` pairs.
+    """
+
     samples: int
 
-    def projected_size(self, key: str, ext: str, nbytes: int) -> int: ...
-    def add(self, key: str, ext: str, data: bytes, label: int) -> None: ...
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int: ...
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None: ...
     def close(self) -> ShardStats: ...
     def abort(self) -> None: ...
 
@@ -44,7 +53,7 @@ class ShardFormat:
     suffix: str
     #: LMDB maps a file, so remote shards must be fetched to a local file first; tar streams.
     needs_local_file: bool
-    _writer: Callable[[str], ShardWriter]
+    _writer: Callable[[str], FormatWriter]
     _iter: Callable[..., Iterator[Record]]
     _count: Callable[..., int]
     #: Other name endings read as this format (compressed tars: ``.tar.gz``, ``.tgz``).
@@ -53,7 +62,7 @@ class ShardFormat:
     def matches(self, name: str) -> bool:
         return name.endswith((self.suffix, *self.also))
 
-    def open_writer(self, path: str) -> ShardWriter:
+    def open_writer(self, path: str) -> FormatWriter:
         return self._writer(path)
 
     def iter_records(

@@ -34,6 +34,15 @@ def sample_key(index: int) -> bytes:
     return b"%010d" % index
 
 
+def field_key(index: int, name: str) -> bytes:
+    """Key of extra field ``name`` of sample ``index``: ``+0000000042.json``.
+
+    ``+`` sorts before the digits, so fields never sit between two samples (a cursor reads the
+    samples back to back) and sample keys can still be appended.
+    """
+    return b"+%010d.%s" % (index, name.encode())
+
+
 def encode_value(key: str, ext: str, data: bytes, label: int) -> bytes:
     kb, eb = key.encode(), ext.encode()
     return _VALUE_HEADER.pack(label, len(kb), len(eb)) + kb + eb + data
@@ -82,16 +91,26 @@ class LmdbShardWriter:
             max_dbs=0,
         )
 
-    def projected_size(self, key: str, ext: str, nbytes: int) -> int:
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int:
         value_len = _VALUE_HEADER.size + len(key.encode()) + len(ext) + nbytes
         commits = self._commits + 2  # this batch and the meta record's
-        return self._estimate + _stored_size(value_len) + commits * 4 * PAGE
+        fields = sum(_stored_size(len(v) + len(n) + 2) for n, v in extra)
+        return self._estimate + _stored_size(value_len) + fields + commits * 4 * PAGE
 
-    def add(self, key: str, ext: str, data: bytes, label: int) -> None:
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """The sample under ``sample_key(i)``; extra fields under ``field_key(i, name)``."""
         value = encode_value(key, ext, data, label)
         self._pending.append((sample_key(self.samples), value))
         self._pending_bytes += len(value)
         self._estimate += _stored_size(len(value))
+        for name, field in extra:
+            self._pending.append((field_key(self.samples, name), field))
+            self._pending_bytes += len(field)
+            self._estimate += _stored_size(len(field) + len(name) + 2)
         self.samples += 1
         if self._pending_bytes >= _COMMIT_BYTES:
             self._commit()
@@ -104,7 +123,8 @@ class LmdbShardWriter:
             try:
                 with env.begin(write=True) as txn:
                     for k, v in items:
-                        txn.put(k, v, append=k != META_KEY)
+                        # samples append (sorted, fastest); meta and fields sort elsewhere
+                        txn.put(k, v, append=k[:1].isdigit())
                 break
             except lmdb.MapFullError:
                 env.set_mapsize(env.info()["map_size"] * 2)

@@ -113,23 +113,32 @@ class TarShardWriter:
         self._hash = hashlib.sha256()
         self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
 
-    def projected_size(self, key: str, ext: str, nbytes: int) -> int:
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int:
         """Size of the finished shard (end-of-archive included) if this sample were added now."""
         klen = len(key.encode())
         return (
             self._bytes
             + _member_size(klen + 1 + len(ext), nbytes)
             + _member_size(klen + 4, 12)
+            + (sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
+               if extra else 0)
             + len(_END_OF_ARCHIVE)
         )
 
-    def add(self, key: str, ext: str, data: bytes, label: int) -> None:
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """``<key>.<ext>``, ``<key>.cls``, then one ``<key>.<name>`` member per extra field."""
         if "." in key.rsplit("/", 1)[-1]:
             raise ShardFormatError(f"key {key!r} contains a dot; encode it with encode_key()")
         kb = key.encode()
         if self.samples % INDEX_EVERY == 0:
             self._index.append(self._bytes)
         parts = _member(kb + b"." + ext.encode(), data) + _member(kb + b".cls", b"%d" % label)
+        for name, value in extra:
+            parts += _member(kb + b"." + name.encode(), value)
         self._write(b"".join(parts))
         self.samples += 1
 

@@ -1,15 +1,14 @@
-"""``shardkit info`` and ``shardkit verify`` for datasets behind a URL.
+"""What ``shardkit.verify`` needs for datasets behind a URL: the manifest and local shard copies.
 
-Same reports as the local commands (``shardkit.verify``): the manifest is read over the network,
-and each shard is downloaded whole (with retries and resume) to a temporary file, handed to the
-local ``verify_shard`` unchanged, and deleted, so at most one shard is on disk at a time.
+``verify``/``dataset_info`` read the manifest over the network with ``read_manifest_url``, and
+download each shard whole (with retries and resume) with ``local_copy`` to a temporary file that
+is deleted after, so at most one shard is on disk at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -19,7 +18,7 @@ from .fetch import MissingObjectError, fetch, read_bytes
 from .retry import RetryPolicy
 from .upload import join_url
 
-__all__ = ["read_manifest_url", "local_copy", "remote_dataset_info", "remote_verify"]
+__all__ = ["read_manifest_url", "local_copy"]
 
 MANIFEST_NAME = "manifest.json"
 
@@ -55,52 +54,3 @@ def local_copy(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-def remote_dataset_info(url: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """What ``shardkit info URL`` prints: ``shardkit.verify.dataset_info``'s dict, from a URL."""
-    from ..verify import manifest_info
-
-    m, manifest_url = read_manifest_url(url, storage_options)
-    return manifest_info(m, manifest_url)
-
-
-def remote_verify(
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    decode: bool = False,
-    progress: bool = False,
-    work_dir: str | None = None,
-):
-    """``shardkit verify URL``: a ``shardkit.verify.VerifyReport`` for a remote dataset."""
-    from tqdm import tqdm
-
-    from ..formats import get_format
-    from ..verify import ShardProblem, VerifyReport, verify_shard
-
-    m, manifest_url = read_manifest_url(url, storage_options)
-    base = manifest_url.rpartition("/")[0]
-    fmt = get_format(m.shard_format)
-    bad: list[ShardProblem] = []
-    decoded = 0
-    bar = tqdm(m.shards, unit="shard", desc="verify", file=sys.stderr, disable=not progress or None)
-    for entry in bar:
-        try:
-            with local_copy(join_url(base, entry.path), storage_options, dir=work_dir) as path:
-                problems, n = verify_shard(
-                    path, entry, fmt, decode=decode, num_classes=len(m.classes)
-                )
-        except MissingObjectError:
-            problems, n = ["missing"], 0
-        decoded += n
-        if problems:
-            bad.append(ShardProblem(entry.path, problems))
-    return VerifyReport(
-        out=base + "/",
-        shards=len(m.shards),
-        samples=m.num_samples,
-        bytes=m.total_bytes,
-        decoded=decoded,
-        bad=bad,
-    )

@@ -1,9 +1,10 @@
-"""Uploads for ``shardkit pack SRC s3://bucket/prefix/``: shards as they complete, manifest last.
+"""Uploads for a ``ShardWriter`` (or ``pack``) whose ``out`` is a URL: shards as they complete,
+the manifest last.
 
 Object stores make a PUT visible only when it is complete, so a shard needs no temporary name;
-what makes a remote dataset safe to read mid-upload is the order: ``manifest.json`` (the commit
-point, as locally) goes up only after every shard it lists has been uploaded and its size checked.
-A pack that dies part-way leaves shards without a manifest, which readers of the prefix ignore.
+what makes a remote dataset safe to read is the order: ``manifest.json`` (the commit point, as
+locally) goes up only after every shard it lists has been uploaded and its size checked. A pack
+that dies part-way leaves shards without a manifest (FORMAT.md says what readers then do).
 """
 
 from __future__ import annotations
@@ -11,19 +12,17 @@ from __future__ import annotations
 import os
 import posixpath
 import queue
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import InputError, OutputError, StorageError
+from ..errors import InputError, StorageError
 from .fetch import storage_error
 from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of, strip
 from .retry import RetryPolicy, is_transient
 
-__all__ = ["upload_file", "Uploader", "pack_to_url", "join_url"]
+__all__ = ["check_writable", "join_url", "upload_file", "Uploader"]
 
 MANIFEST_NAME = "manifest.json"
 
@@ -33,7 +32,7 @@ def join_url(base: str, name: str) -> str:
     return posixpath.join(base.rstrip("/"), name) if base.rstrip("/") else name
 
 
-def _check_writable(url: str) -> None:
+def check_writable(url: str) -> None:
     if protocol_of(url) in ("http", "https"):
         raise InputError(
             f"{url}: HTTP(S) URLs are read-only here; upload to an object store "
@@ -54,7 +53,7 @@ def upload_file(
     A transient failure re-sends the whole file (a PUT cannot resume); the size check after the
     upload catches a store that acknowledged a short object.
     """
-    _check_writable(url)
+    check_writable(url)
     policy = policy or RetryPolicy()
     local_path = os.fspath(local_path)
     size = os.path.getsize(local_path)
@@ -101,7 +100,7 @@ class Uploader:
         timeout: float = DEFAULT_TIMEOUT,
         delete_after: bool = False,
     ):
-        _check_writable(base_url)
+        check_writable(base_url)
         self.base_url = base_url
         self.storage_options = dict(storage_options or {})
         self.policy = policy or RetryPolicy()
@@ -178,64 +177,3 @@ class Uploader:
         for _ in self._threads:
             self._jobs.put(None)
         self._threads = []
-
-
-def pack_to_url(
-    src: str,
-    url: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    work_dir: str | None = None,
-    concurrency: int = 4,
-    **pack_kwargs: Any,
-):
-    """``pack(src, <local staging dir>)`` with every finished shard uploaded to ``url`` at once,
-    and the manifest uploaded last. Returns pack's report with ``out`` set to ``url``.
-
-    Shards upload while later ones are packed (pack's ``on_shard`` hook); the manifest is
-    uploaded only after every shard has arrived.
-    """
-    from ..packer import pack
-
-    started = time.perf_counter()
-    _check_writable(url)
-    fs = filesystem(protocol_of(url), storage_options)
-    manifest_url = join_url(url, MANIFEST_NAME)
-    try:
-        exists = fs.exists(strip(fs, manifest_url))
-    except Exception as exc:
-        raise storage_error(url, "cannot list the destination", exc, storage_options) from None
-    if exists and not overwrite:
-        raise OutputError(
-            f"{url} already holds a packed dataset ({MANIFEST_NAME}); pass --overwrite to "
-            "replace it, or choose another prefix"
-        )
-    if exists:  # no manifest may ever describe a mix of old and new shards
-        fs.rm_file(strip(fs, manifest_url))
-    tmp = tempfile.mkdtemp(prefix="shardkit-pack-", dir=work_dir)
-    out = os.path.join(tmp, "out")
-    uploader = Uploader(url, storage_options, concurrency=concurrency)
-    try:
-        links = os.path.join(tmp, "upload")
-        os.mkdir(links)
-
-        def on_shard(path: str) -> None:
-            # pack renames its staged shards at the end; a hard link keeps this name valid
-            # for the upload thread whatever happens to the staging name.
-            link = os.path.join(links, os.path.basename(path))
-            os.link(path, link)
-            uploader.submit(link)
-
-        report = pack(src, out, on_shard=on_shard, **pack_kwargs)
-        uploader.finish(os.path.join(out, MANIFEST_NAME))
-    finally:
-        uploader.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        report.out = url
-        report.manifest_path = manifest_url
-        report.seconds = time.perf_counter() - started  # the rates then include the upload
-    except AttributeError:  # a frozen report: leave it as pack made it
-        pass
-    return report

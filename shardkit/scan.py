@@ -1,0 +1,261 @@
+"""The one folder scanner: what ``pack`` packs and what ``FolderDataset`` reads, by construction.
+
+A class-per-folder tree (``SRC/<class>/.../<image>``) becomes sorted classes, sorted files,
+labels and keys. Both users share every policy: hidden names ignored, directory symlinks followed
+once (a directory met again is listed, never re-walked, so loops end), and only regular files
+named like images are images: FIFOs, sockets, devices and broken links are listed as errors
+(opening a FIFO would block forever).
+
+Per-sample state lives in numpy arrays (``StrTable``: one byte blob plus offsets), not lists
+of str: DataLoader workers forked from a process holding a million Python strings would copy
+every page they touch through refcount writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InputError
+from .formats import encode_key
+from .images import IMAGE_EXTENSIONS
+from .manifest import SkippedFile
+
+__all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]
+
+#: Non-image files listed one by one in the manifest's ``skipped``; past this they are only
+#: counted (by extension), so a tree with a sidecar .json per image keeps a small manifest.
+LIST_NON_IMAGES = 1000
+
+
+class StrTable(Sequence[str]):
+    """An immutable list of str stored as one uint8 blob and int64 offsets (fork-friendly)."""
+
+    def __init__(self, strings: Iterable[str] = ()):
+        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
+        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        raw = self.blob[self.offsets[index] : self.offsets[index + 1]].tobytes()
+        return raw.decode("utf-8", "surrogateescape")
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StrTable):
+            return np.array_equal(self.offsets, other.offsets) and np.array_equal(
+                self.blob, other.blob
+            )
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StrTable({len(self)} strings, {self.blob.nbytes} bytes)"
+
+
+@dataclass
+class SourceScan:
+    """What is in SRC, in the sorted order that shuffling permutes.
+
+    ``files``/``keys``/``exts`` (``StrTable``) and ``labels`` (int64 array) are parallel;
+    ``errors`` are image-named entries that cannot be read (subject to ``on_error``);
+    ``ignored`` are non-images (the first ``LIST_NON_IMAGES``) and directories met twice: never
+    errors, but listed in the manifest so nothing disappears silently. ``non_image_exts``
+    counts every non-image by extension.
+    """
+
+    root: str
+    classes: list[str]
+    files: StrTable = field(default_factory=StrTable)
+    keys: StrTable = field(default_factory=StrTable)
+    exts: StrTable = field(default_factory=StrTable)
+    labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    errors: list[SkippedFile] = field(default_factory=list)
+    ignored: list[SkippedFile] = field(default_factory=list)
+    not_images: int = 0
+    non_image_exts: dict[str, int] = field(default_factory=dict)
+    empty_classes: list[str] = field(default_factory=list)
+
+    def add_non_image(self, rel: str, reason: str) -> None:
+        name = rel.rsplit("/", 1)[-1]
+        ext = name[name.rfind(".") :].lower() if name.rfind(".") > 0 else "(none)"
+        self.non_image_exts[ext] = self.non_image_exts.get(ext, 0) + 1
+        self.not_images += 1
+        if self.not_images <= LIST_NON_IMAGES:
+            self.ignored.append(SkippedFile(rel, reason))
+
+
+def _image_ext(name: str) -> str | None:
+    dot = name.rfind(".")
+    if dot <= 0:
+        return None
+    ext = name[dot + 1 :].lower()
+    return ext if ext in IMAGE_EXTENSIONS else None
+
+
+def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
+    """Key = relative path without extension; with it where two files share a stem (x.jpg, x.png).
+
+    ``encode_key`` makes keys dot-free, so the with-extension form stays a valid key.
+    """
+    stems = [rel[: -len(ext) - 1] for rel, ext in zip(rels, exts, strict=True)]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[s] = counts.get(s, 0) + 1
+    keys, used = [], set()
+    for rel, stem in zip(rels, stems, strict=True):
+        key = encode_key(stem if counts[stem] == 1 else rel)
+        base, n = key, 1
+        while key in used:  # only for contrived names like x.jpg.png beside x.jpg + x.png
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+def scan_source(src: str) -> SourceScan:
+    """List the images of a class-per-folder tree.
+
+    Classes are the sorted names of SRC's sub-directories; images anywhere below a class folder
+    belong to it. Hidden names (leading dot: ``.DS_Store``, ``._x.jpg``, ``.ipynb_checkpoints``)
+    are ignored. Directory symlinks are followed once: a directory met again (a loop, or two links
+    to one folder) is listed as ignored, so the walk always ends.
+    """
+    check_source_dir(src)
+    root = os.path.abspath(src)
+    try:
+        with os.scandir(root) as it:
+            top = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError as exc:
+        raise InputError(f"cannot list source {src!r}: {exc.strerror}") from None
+    scan = SourceScan(root=src, classes=[])
+    for entry in top:
+        if _is_dir(entry):
+            scan.classes.append(entry.name)
+        else:
+            scan.add_non_image(entry.name, "not in a class folder")
+    seen = {_ident(root)}
+    files: list[str] = []
+    exts: list[str] = []
+    keys: list[str] = []
+    labels: list[int] = []
+    for label, cls in enumerate(scan.classes):
+        rels: list[str] = []
+        cls_exts: list[str] = []
+        _walk_class(root, cls, seen, scan, rels, cls_exts)
+        if not rels:
+            scan.empty_classes.append(cls)
+            continue
+        order = sorted(range(len(rels)), key=rels.__getitem__)
+        rels = [rels[i] for i in order]
+        cls_exts = [cls_exts[i] for i in order]
+        files += rels
+        exts += cls_exts
+        keys += _assign_keys(rels, cls_exts)
+        labels += [label] * len(rels)
+    scan.files, scan.exts, scan.keys = StrTable(files), StrTable(exts), StrTable(keys)
+    scan.labels = np.asarray(labels, dtype=np.int64)
+    if not scan.classes:
+        raise InputError(
+            f"source {src!r} has no class folders; expected one sub-folder of images per class "
+            "(SRC/<class>/<image>.jpg)"
+        )
+    if not len(scan.files) and not scan.errors:
+        raise InputError(
+            f"source {src!r} has no images (.{', .'.join(sorted(IMAGE_EXTENSIONS))}) in its "
+            f"{len(scan.classes)} class folder(s)"
+        )
+    return scan
+
+
+def check_source_dir(src: str) -> None:
+    if not os.path.exists(src):
+        raise InputError(
+            f"source {src!r} does not exist; pass a folder with one sub-folder per class"
+        )
+    if not os.path.isdir(src):
+        raise InputError(
+            f"source {src!r} is not a directory; pass a folder with one sub-folder per class"
+        )
+
+
+def _ident(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()  # follows symlinks; a link to itself raises ELOOP
+    except OSError:
+        return False
+
+
+def _walk_class(
+    root: str, cls: str, seen: set, scan: SourceScan, rels: list[str], exts: list[str]
+) -> None:
+    stack = [cls]
+    while stack:
+        rel_dir = stack.pop()
+        path = os.path.join(root, rel_dir)
+        try:
+            ident = _ident(path)
+        except OSError as exc:
+            scan.errors.append(SkippedFile(rel_dir + "/", f"unreadable directory: {exc.strerror}"))
+            continue
+        if ident in seen:
+            scan.ignored.append(
+                SkippedFile(rel_dir + "/", "directory already visited (symlink loop or 2nd link)")
+            )
+            continue
+        seen.add(ident)
+        try:
+            with os.scandir(path) as it:
+                entries = [e for e in it if not e.name.startswith(".")]
+        except OSError as exc:
+            scan.errors.append(SkippedFile(rel_dir + "/", f"unreadable directory: {exc.strerror}"))
+            continue
+        subdirs = []
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}"
+            if _is_dir(entry):
+                subdirs.append(rel)
+                continue
+            ext = _image_ext(entry.name)
+            if ext is None:
+                scan.add_non_image(rel, "not an image")
+                continue
+            try:
+                regular = entry.is_file()
+            except OSError:
+                regular = False
+            if regular:
+                rels.append(rel)
+                exts.append(ext)
+            elif entry.is_symlink() and not os.path.exists(entry.path):
+                scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))
+            else:
+                scan.errors.append(
+                    SkippedFile(rel, "unreadable: not a regular file (FIFO, socket or device)")
+                )
+        stack.extend(sorted(subdirs, reverse=True))

@@ -1,0 +1,450 @@
+"""``ShardWriter``: samples in, shards rolled at a size limit, manifest.json committed last.
+
+The one writer every producer shares: ``pack`` (a folder, a list of samples, a torch Dataset),
+remote uploads (``out`` a URL) and any user code::
+
+    with ShardWriter("out/", format="tar", shard_size="64MB") as w:
+        for key, jpeg, label in samples:
+            w.write(key, jpeg, label, json={"source": "camera-3"})
+
+Local ``out``: shards are written into ``out/.partial-<pid>-<hex>/`` and published by
+``fsutil.publish`` (all or nothing, manifest last); the output is locked for the writer's
+lifetime, so a second writer into it is refused at once. URL ``out`` (``s3://``, ``gs://``,
+``az://``): each shard is uploaded as soon as it is complete, the manifest after all of them.
+On an exception (or a kill) nothing appears under a final name locally; see FORMAT.md for what a
+killed upload leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, OutputError
+from .formats import get_format
+from .formats.tar import LABEL_EXTS
+from .fsutil import (
+    JOURNAL_NAME,
+    STAGING_PREFIX,
+    DirLock,
+    interrupted_commit,
+    is_remote,
+    publish,
+    recover,
+    remove_stale_staging,
+    staging_name,
+)
+from .images import IMAGE_EXTENSIONS
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
+from .sizes import parse_size
+
+__all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "WriterReport", "image_ext", "shard_name"]
+
+DEFAULT_SHARD_SIZE = "256MB"
+_SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)$")
+_FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_RESERVED = frozenset(IMAGE_EXTENSIONS) | frozenset(LABEL_EXTS)
+
+
+def shard_name(index: int, suffix: str) -> str:
+    return f"shard-{index:06d}{suffix}"
+
+
+def image_ext(data: bytes) -> str | None:
+    """The member extension for encoded image bytes, from their magic number (None: unknown)."""
+    head = bytes(data[:12])
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpg"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head.startswith((b"GIF87a", b"GIF89a")):
+        return "gif"
+    if head.startswith(b"BM"):
+        return "bmp"
+    if head.startswith((b"II*\x00", b"MM\x00*")):
+        return "tiff"
+    if head[:2] in (b"P5", b"P6"):
+        return "pgm" if head[:2] == b"P5" else "ppm"
+    return None
+
+
+def _field_bytes(name: str, value: Any, key: str) -> bytes:
+    """Extra fields as stored: bytes as is, text UTF-8, numbers decimal, lists/dicts JSON."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bool, int, float, np.integer, np.floating)):
+        return str(value.item() if isinstance(value, np.generic) else value).encode()
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    raise InputError(
+        f"sample {key!r}: field {name}= is a {type(value).__name__}; pass bytes, str, a number, "
+        "or a JSON-serialisable list/dict"
+    )
+
+
+@dataclass
+class WriterReport:
+    """What a closed ``ShardWriter`` committed."""
+
+    out: str
+    manifest_path: str
+    format: str
+    shards: int
+    samples: int
+    bytes: int
+    classes: int
+
+
+class ShardWriter:
+    """Write samples into size-limited shards plus a manifest; a context manager.
+
+    ``shard_size`` is the largest shard (``"256MB"``, ``"64MiB"``, bytes); a sample bigger than
+    that gets a shard of its own. ``classes`` names the labels (default: ``"0"``, ``"1"``, ...
+    up to the largest label written). ``overwrite=True`` replaces the dataset already in ``out``
+    when (and only when) the new one commits; only files shardkit wrote are removed. Leaving the
+    ``with`` block by an exception aborts: nothing is left under a final name.
+    ``on_shard(path)`` is called as each shard is complete (under its staging name).
+    ``storage_options`` and ``work_dir`` (where shards wait for their upload) apply to URLs.
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        format: str = "tar",
+        shard_size: str | int = DEFAULT_SHARD_SIZE,
+        *,
+        classes: Sequence[str] | None = None,
+        overwrite: bool = False,
+        on_shard: Callable[[str], None] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        work_dir: str | None = None,
+        upload_concurrency: int = 4,
+        _forbid_inside: str | None = None,
+    ):
+        self.format = get_format(format)
+        self.limit = parse_size(shard_size)
+        self.out = os.fspath(out)
+        self.classes = list(classes) if classes is not None else None
+        #: Listed in the manifest's ``skipped`` (pack puts its unreadable files here).
+        self.skipped: list[SkippedFile] = []
+        #: The manifest's ``pack`` section: how the dataset was made.
+        self.pack_info: dict[str, Any] = {}
+        self.report: WriterReport | None = None
+        self._on_shard = on_shard
+        self._entries: list[ShardEntry] = []
+        self._shard = None
+        self._max_label = -1
+        self._lock: DirLock | None = None
+        self._uploader = None
+        self._remote = is_remote(self.out)
+        self._replaced: list[str] = []
+        self._closed = False
+        if self.out.startswith("file://"):
+            self.out = self.out[len("file://") :]
+        if self._remote:
+            self._open_remote(overwrite, storage_options, work_dir, upload_concurrency)
+        else:
+            self._open_local(overwrite, _forbid_inside)
+
+    # --- opening -------------------------------------------------------------------------------
+
+    def _open_local(self, overwrite: bool, forbid_inside: str | None) -> None:
+        out = self.out
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise OutputError(f"output {out!r} exists and is not a directory; choose a directory")
+        if forbid_inside is not None and _within(out, forbid_inside):
+            raise OutputError(
+                f"output {out!r} is inside the source {forbid_inside!r}; choose a folder outside "
+                "the source tree"
+            )
+        try:
+            os.makedirs(out, exist_ok=True)
+            self._lock = DirLock(out)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot create {exc.filename or out!r}: {exc.strerror}; choose a writable output"
+            ) from None
+        try:
+            recover(out)  # a commit killed after its commit point is finished first
+            remove_stale_staging(out)
+            remove_stale_staging(out, f".{JOURNAL_NAME}.tmp-")  # a journal killed mid-write
+            leftovers = [n for n in os.listdir(out) if not n.startswith(STAGING_PREFIX)]
+            if leftovers and not overwrite:
+                raise OutputError(
+                    f"output directory {out!r} is not empty; pass overwrite=True to replace the "
+                    "shards and manifest in it, or choose an empty directory"
+                )
+            self._replaced = _old_outputs(out)
+            self._staging = os.path.join(out, staging_name())
+            os.mkdir(self._staging)
+        except OSError as exc:
+            self._lock.release()
+            raise OutputError(f"cannot use output {out!r}: {exc.strerror}") from None
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
+        from .remote.fetch import storage_error
+        from .remote.fs import filesystem, protocol_of, strip
+        from .remote.upload import Uploader, check_writable, join_url
+
+        url = self.out
+        check_writable(url)
+        fs = filesystem(protocol_of(url), storage_options)
+        manifest_url = join_url(url, MANIFEST_NAME)
+        try:
+            exists = fs.exists(strip(fs, manifest_url))
+        except Exception as exc:
+            raise storage_error(url, "cannot list the destination", exc, storage_options) from None
+        if exists and not overwrite:
+            raise OutputError(
+                f"{url} already holds a packed dataset ({MANIFEST_NAME}); pass overwrite=True "
+                "to replace it, or choose another prefix"
+            )
+        if exists:  # no manifest may ever describe a mix of old and new shards
+            self._replaced = _old_remote_outputs(url, storage_options)
+            fs.rm_file(strip(fs, manifest_url))
+        self._fs, self._strip = fs, strip
+        self._storage_options = storage_options
+        self._tmp = tempfile.mkdtemp(prefix="shardkit-pack-", dir=work_dir)
+        self._staging = os.path.join(self._tmp, "out")
+        os.mkdir(self._staging)
+        self._uploader = Uploader(url, storage_options, concurrency=concurrency, delete_after=True)
+
+    # --- writing -------------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> int:
+        return sum(e.samples for e in self._entries) + (self._shard.samples if self._shard else 0)
+
+    def write(self, key: str, image_bytes: bytes, label: int, **extra_fields: Any) -> None:
+        """Add one sample: encoded image bytes (JPEG, PNG, WebP ...), its integer label, and
+        extra fields stored beside it (``<key>.<name>`` tar members; see FORMAT.md)."""
+        ext = image_ext(image_bytes)
+        if ext is None:
+            raise InputError(
+                f"sample {key!r}: image_bytes is not an encoded image (JPEG, PNG, WebP, GIF, BMP, "
+                "TIFF, PNM); encode it first, or let pack() encode arrays and PIL images"
+            )
+        self.add(key, ext, image_bytes, label, extra_fields)
+
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        """``write`` with the image's member extension given (pack keeps the file's own)."""
+        if self._closed:
+            raise OutputError(f"ShardWriter for {self.out!r} is closed; open a new one")
+        _check_key(key)
+        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < 0:
+            raise InputError(f"sample {key!r}: label={label!r}; labels are integers >= 0")
+        label = int(label)
+        if self.classes is not None and label >= len(self.classes):
+            raise InputError(
+                f"sample {key!r}: label={label} is outside classes= ({len(self.classes)} names)"
+            )
+        fields = [
+            (_check_field(name, key), _field_bytes(name, value, key))
+            for name, value in extra.items()
+        ] if extra else ()
+        data = bytes(data) if not isinstance(data, bytes) else data
+        try:
+            if self._shard is not None and (
+                self._shard.projected_size(key, ext, len(data), fields) > self.limit
+            ):
+                self._finish_shard()
+            if self._shard is None:
+                name = shard_name(len(self._entries), self.format.suffix)
+                self._shard = self.format.open_writer(os.path.join(self._staging, name))
+            self._shard.add(key, ext, data, label, fields)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write shards under {self.out!r}: {exc.strerror or exc}"
+            ) from None
+        self._max_label = max(self._max_label, label)
+
+    def _finish_shard(self) -> None:
+        shard, self._shard = self._shard, None
+        stats = shard.close()
+        self._entries.append(
+            ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256,
+                       stats.index)
+        )
+        if self._on_shard is not None:
+            self._on_shard(stats.path)
+        if self._uploader is not None:
+            self._uploader.submit(stats.path)
+
+    # --- commit / abort ------------------------------------------------------------------------
+
+    def close(self) -> WriterReport:
+        """Finish the last shard and commit: every shard in place, then the manifest."""
+        if self.report is not None:
+            return self.report
+        try:
+            if self._shard is not None:
+                self._finish_shard()
+            if not self._entries:
+                raise OutputError(f"no samples were written to {self.out!r}; nothing to commit")
+            classes = self.classes
+            if classes is None:
+                classes = [str(i) for i in range(self._max_label + 1)]
+            manifest = Manifest(
+                shard_format=self.format.name,
+                classes=list(classes),
+                shards=list(self._entries),
+                skipped=sorted(self.skipped, key=lambda s: s.path),
+                pack=dict(self.pack_info),
+            )
+            local_manifest = write_manifest(manifest, self._staging)
+            if self._remote:
+                path = self._commit_remote(local_manifest)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError):
+                raise OutputError(f"cannot write {self.out!r}: {exc.strerror or exc}") from None
+            raise
+        if not self._remote:
+            try:
+                path = publish(
+                    self.out, self._staging, [e.path for e in self._entries], MANIFEST_NAME,
+                    remove=self._replaced,
+                )
+            except BaseException as exc:
+                if interrupted_commit(self.out) is None:  # before the commit point: drop it all
+                    shutil.rmtree(self._staging, ignore_errors=True)
+                self._release()
+                if isinstance(exc, OSError):  # past the commit point: the next writer finishes
+                    raise OutputError(
+                        f"cannot finish the commit in {self.out!r}: {exc.strerror or exc}; "
+                        "packing into it again completes it"
+                    ) from None
+                raise
+        self._release()
+        self.report = WriterReport(
+            self.out, path, self.format.name, len(manifest.shards), manifest.num_samples,
+            manifest.total_bytes, len(manifest.classes),
+        )
+        return self.report
+
+    def _commit_remote(self, local_manifest: str) -> str:
+        from .remote.upload import join_url
+
+        url = self._uploader.finish(local_manifest)
+        new = {e.path for e in self._entries}
+        for name in self._replaced:  # old shards the new manifest does not list
+            if name not in new:
+                try:
+                    self._fs.rm_file(self._strip(self._fs, join_url(self.out, name)))
+                except FileNotFoundError:
+                    pass
+        return url
+
+    def abort(self) -> None:
+        """Drop everything written so far; nothing appears under a final name."""
+        if self._shard is not None:
+            self._shard.abort()
+            self._shard = None
+        if self._uploader is not None:
+            self._uploader.close()
+        shutil.rmtree(getattr(self, "_tmp", None) or self._staging, ignore_errors=True)
+        self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._uploader is not None:
+            self._uploader.close()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self._closed:
+            self.close()
+        elif not self._closed:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardWriter({self.out!r}, format={self.format.name!r}, shard_size={self.limit}, "
+            f"{len(self._entries)} shards done)"
+        )
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise InputError(f"key={key!r}: keys are non-empty strings")
+    last = key.rsplit("/", 1)[-1]
+    if (
+        "." in last
+        or not last
+        or key.startswith("/")
+        or "\x00" in key
+        or ".." in key.split("/")
+    ):
+        raise InputError(
+            f"key={key!r}: a key is a relative path whose last part holds no dot (WebDataset "
+            "splits member names at the first dot); shardkit.formats.encode_key() makes one"
+        )
+
+
+def _check_field(name: str, key: str) -> str:
+    if not _FIELD_NAME.match(name) or name.lower() in _RESERVED:
+        raise InputError(
+            f"sample {key!r}: field name {name!r} cannot be used; extra fields are named like "
+            "file extensions (json, txt, meta.json) other than image types and cls/label/index"
+        )
+    return name
+
+
+def _within(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _old_outputs(out: str) -> list[str]:
+    """Files of the dataset in ``out`` that an overwrite replaces: its manifest's shards.
+
+    Only shard names shardkit writes, directly inside ``out``: a manifest listing anything else
+    (a path outside ``out``, a user's file) never gets it deleted.
+    """
+    try:
+        with open(os.path.join(out, MANIFEST_NAME), encoding="utf-8") as f:
+            listed = json.load(f).get("shards", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    names = {
+        s["path"]
+        for s in (listed if isinstance(listed, list) else [])
+        if isinstance(s, dict) and isinstance(s.get("path"), str) and _SHARD_NAME.match(s["path"])
+    }
+    return sorted(n for n in names if os.path.isfile(os.path.join(out, n)))
+
+
+def _old_remote_outputs(url: str, storage_options) -> list[str]:
+    from .remote.inspect import read_manifest_url
+
+    try:
+        manifest, _ = read_manifest_url(url, storage_options)
+    except Exception:
+        return []
+    return [s.path for s in manifest.shards if _SHARD_NAME.match(s.path)]
