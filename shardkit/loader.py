@@ -24,6 +24,7 @@ data_prefetcher), and converted and normalised there; ``device="cpu"`` runs the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import threading
@@ -32,6 +33,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import torch
 
@@ -39,6 +41,7 @@ from .dataset import ShardDataset
 from .errors import InputError, ShardkitError
 from .geometry import ShapeError
 from .records import Record
+from .storage import LocalStorage
 from .stream import sample_error
 from .world import World
 
@@ -72,6 +75,40 @@ class _Batch:
     count: int
     labels: list
     keys: list
+
+
+class _SharedStorage:
+    """A storage read by several decode threads. A remote storage's prefetcher has a single
+    consumer (``remote/prefetch.py``), so calls are serialised, and the upcoming shards of all
+    threads are interleaved into one prefetch list instead of each thread's replacing the
+    other's."""
+
+    def __init__(self, storage):
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._wants: dict[int, list[str]] = {}
+
+    def prefetch(self, urls) -> None:
+        with self._lock:
+            self._wants[threading.get_ident()] = list(urls)
+            merged = [u for group in zip_longest(*self._wants.values()) for u in group if u]
+            self.storage.prefetch(merged)
+
+    def done(self) -> None:
+        """The calling thread reads no more: its upcoming shards are no longer wanted."""
+        with self._lock:
+            self._wants.pop(threading.get_ident(), None)
+
+    def open(self, url: str):
+        with self._lock:
+            return self.storage.open(url)
+
+    def local_path(self, url: str) -> str:
+        with self._lock:
+            return self.storage.local_path(url)
+
+    def __getattr__(self, name: str):
+        return getattr(self.storage, name)
 
 
 class _End:
@@ -216,6 +253,12 @@ class _Epoch:
         self.threads_n = max(1, loader.num_workers)
         self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
         self.decoder = ds.tensor_decoder(self.epoch)
+        # The threads read through one storage; all but the stateless local one take a single
+        # consumer (remote prefetch), so they share it through a serialising proxy.
+        self.view = ds
+        if loader.num_workers > 1 and type(ds.storage) is not LocalStorage:
+            self.view = copy.copy(ds)
+            self.view.storage = _SharedStorage(ds.storage)
         device = loader.device
         self.cuda = device is not None and device.type == "cuda"
         self.pin = self.cuda
@@ -261,7 +304,7 @@ class _Epoch:
         """Worker ``w``'s batches, decoded into its buffers, in its stream's order."""
         ds, loader, bs = self.loader.dataset, self.loader, self.batch_size
         world = World(ds.rank, ds.world_size, w, self.threads_n)
-        records = ds.records(world, self.epoch, bs)
+        records = self.view.records(world, self.epoch, bs)
         on_error, skipped = ds.on_error, self.skipped[w]
         try:
             slot = 0
@@ -296,6 +339,8 @@ class _Epoch:
             close = getattr(records, "close", None)
             if close is not None:
                 close()
+            if isinstance(self.view.storage, _SharedStorage):
+                self.view.storage.done()
 
     def _decode(self, rec: Record, out, on_error: str, skipped):
         """Decode ``rec`` into ``out`` (None: a new tensor); None if skipped (on_error)."""

@@ -407,3 +407,24 @@ def test_three_real_ranks_step_together(shards, tmp_path):
     assert {r["steps"] for r in results} == {r["len"] for r in results} == {4}  # 7 each, by 2
     keys = [k for r in results for k in r["keys"]]
     assert len(keys) == len(set(keys)) == 21
+
+
+# --- remote shards --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_remote_shards_stream_through_the_threads(shards, http):
+    """Over HTTP the threads share the storage's single-consumer prefetcher through a
+    serialising proxy: every epoch still delivers every sample once, and no thread is left."""
+    from pathlib import Path
+
+    http.root = Path(shards).parent
+    ds = ShardDataset(
+        f"{http.url}/{Path(shards).name}/manifest.json", decode="tensor", with_keys=True
+    )
+    assert type(ds.storage).__name__ == "RemoteStorage"  # not the stateless local one
+    loader = ShardLoader(ds, 4, num_workers=3)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sorted(k for _, _, keys in loader for k in keys) == ALL_KEYS
+    assert _decode_threads() == []
