@@ -393,7 +393,10 @@ def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
 
 def test_three_real_ranks_step_together(shards, tmp_path):
     ctx = mp.start_processes(
-        _rank, args=(_free_port(), shards, str(tmp_path)), nprocs=3, join=False,
+        _rank,
+        args=(_free_port(), shards, str(tmp_path)),
+        nprocs=3,
+        join=False,
         start_method="spawn",
     )
     waited = 0
