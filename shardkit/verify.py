@@ -102,10 +102,11 @@ def verify_shard(
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
-    if shard_format.needs_local_file and size < entry.bytes:
-        # A memory-mapped format touching pages past the end of a truncated file gets SIGBUS,
-        # which kills the process instead of raising: do not open it.
-        problems.append("truncated; not opened (mapping it would crash the reader)")
+    if shard_format.needs_local_file and problems:
+        # A memory-mapped format trusts the bytes it maps: a damaged file can kill the process
+        # (SIGBUS) instead of raising. A shard whose size or checksum failed is not opened.
+        if size < entry.bytes:
+            problems.append("truncated; not opened (mapping it would crash the reader)")
         return problems, 0
     try:
         for rec in shard_format.iter_records(path, shard=entry.path):
@@ -138,10 +139,10 @@ def _dataset(out: str, storage_options, work_dir):
     if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
-        from .remote.upload import join_url
+        from .remote.upload import join_url, url_parent
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
-        base = manifest_url.rpartition("/")[0]
+        base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs
 
         @contextlib.contextmanager
         def local(entry: ShardEntry):
@@ -151,7 +152,7 @@ def _dataset(out: str, storage_options, work_dir):
             except MissingObjectError:
                 yield None
 
-        return manifest, manifest_url, base + "/", local
+        return manifest, manifest_url, join_url(base, ""), local
     out = out[len("file://") :] if out.startswith("file://") else out
     manifest = read_manifest(out)
     base = out if os.path.isdir(out) else os.path.dirname(out)
