@@ -243,7 +243,7 @@ class ShardDataset(IterableDataset):
         self, world: World, epoch: int, batch_size: int | None = None
     ) -> Iterator[Record]:
         """The stored records worker ``world.worker`` reads in ``epoch``, in order: plan -> read
-        -> shuffle buffer. ``ShardLoader``'s decode threads each iterate one of these."""
+        -> label check -> shuffle buffer. ``ShardLoader``'s decode threads each iterate one."""
         slices = self.plan(world, epoch, batch_size)
         records = read_slices(
             slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes,
