@@ -19,6 +19,8 @@ from .formats import ShardFormat, get_format
 from .fsutil import is_remote
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from .records import ShardInfo
+from .storage import LocalStorage
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
 
@@ -102,14 +104,15 @@ def verify_shard(
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
-    if shard_format.needs_local_file and problems:
+    if shard_format.maps_file and problems:
         # A memory-mapped format trusts the bytes it maps: a damaged file can kill the process
         # (SIGBUS) instead of raising. A shard whose size or checksum failed is not opened.
         if size < entry.bytes:
             problems.append("truncated; not opened (mapping it would crash the reader)")
         return problems, 0
+    shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
     try:
-        for rec in shard_format.iter_records(path, shard=entry.path):
+        for rec in shard_format.records(LocalStorage(), shard):
             count += 1
             if num_classes is not None and not 0 <= rec.label < num_classes:
                 bad_labels += 1
