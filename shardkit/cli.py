@@ -333,9 +333,10 @@ class FormatWorkers(click.ParamType):
               help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
                    "{format} is replaced per shard format. Default: <data>-shards-{format}.")
 @click.option("--formats", type=NameList(), default=None, metavar="LIST",
-              help="Comma-separated, from folder,tar,lmdb,memory. Default: folder,tar,lmdb (folder "
-                   "only when a source folder is known). memory: a reference, the same bytes "
-                   "held in RAM through the same DataLoader.")
+              help="Comma-separated, from folder,tar,lmdb,memory,loader. Default: folder,tar,lmdb "
+                   "(folder only when a source folder is known). memory: a reference, the same "
+                   "bytes held in RAM through the same DataLoader. loader: the tar shards "
+                   "through ShardLoader (decode threads, --workers of them), decode mode only.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--batches", type=click.IntRange(min=1), default=None,
               help="Time exactly this many batches per run (after a warm-up of one batch per "

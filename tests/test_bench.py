@@ -599,3 +599,15 @@ def test_timeline_legend_explains_every_colour_and_the_numbering(tiny, tmp_path)
     plot_timeline(result.timeline, str(tmp_path / "tl.png"), result)
     with Image.open(tmp_path / "tl.png") as img:
         assert img.format == "PNG"
+
+
+def test_the_loader_contender_runs_on_the_tar_shards(tiny, tmp_path):
+    """--formats loader: ShardLoader threads over the tar shards, stamped like DataLoader rows."""
+    out = str(tmp_path / "b.json")
+    run_bench(_config(tiny, mode="decode", formats=("tar", "loader"), json_path=out))
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    loader = {r["workers"]: r for r in rows if r["format"] == "loader"}
+    assert set(loader) == {0, 2}
+    assert all(r["timed_samples_runs"] == [3 * 8] and r["mean_samples_per_s"] > 0 for r in rows)
+    with pytest.raises(InputError, match="--formats loader.*--mode decode"):
+        run_bench(_config(tiny, mode="raw", formats=("loader",)))

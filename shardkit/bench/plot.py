@@ -17,7 +17,13 @@ from .results import BenchResult, Timeline
 
 __all__ = ["plot_throughput", "plot_timeline", "throughput_figure", "timeline_figure"]
 
-_COLOURS = {"folder": "#d62728", "tar": "#1f77b4", "lmdb": "#2ca02c", "memory": "#9467bd"}
+_COLOURS = {
+    "folder": "#d62728",
+    "tar": "#1f77b4",
+    "lmdb": "#2ca02c",
+    "memory": "#9467bd",
+    "loader": "#ff7f0e",
+}
 
 
 def _figure(figsize: tuple[float, float]):

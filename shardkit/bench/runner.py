@@ -108,6 +108,11 @@ def make_loader(ds, fmt: str, workers: int, cfg: BenchConfig, epoch: int):
     from ``sources.make_dataset`` and, if it batches differently than a DataLoader over that
     dataset, its loader here (batches stamped as ``workloads.Collate`` stamps them).
     """
+    if fmt == "loader":
+        from ..loader import ShardLoader
+
+        ds.set_epoch(epoch)
+        return StampedBatches(ShardLoader(ds, cfg.batch_size, num_workers=workers), workers)
     shuffle_in_loader = fmt == "folder"
     if shuffle_in_loader:
         wrapped = TimedMap(ds)
@@ -137,6 +142,22 @@ def _stop(cfg: BenchConfig, batches: int, samples: int, seconds: float) -> str |
     if cfg.max_seconds and seconds >= cfg.max_seconds:
         return "max_seconds"
     return None
+
+
+class StampedBatches:
+    """ShardLoader batches stamped as ``workloads.Collate`` stamps DataLoader ones. Thread k
+    fills batch k % workers; a batch counts as ready when it reaches the caller (the loader
+    keeps no per-batch timestamps), so its stall is its whole wait."""
+
+    def __init__(self, loader, workers: int):
+        self.loader, self.workers = loader, max(1, workers)
+
+    def __iter__(self):
+        t = clock()
+        for k, (images, labels) in enumerate(self.loader):
+            now = clock()
+            yield images, labels, (k % self.workers, t, now)
+            t = now
 
 
 def run_once(

@@ -178,6 +178,9 @@ def plan_sources(cfg: BenchConfig) -> tuple[dict[str, str], str | None]:
     for fmt in formats:
         if fmt == "memory":
             continue  # loaded from whichever source comes first, once the others are ready
+        if fmt == "loader":  # ShardLoader over the tar shards, packed as the tar format's
+            sources[fmt] = _shards_for(cfg, data, "tar", _target(cfg, data, "tar", ("tar",)))
+            continue
         if fmt == "folder":
             sources[fmt] = data
         else:
@@ -216,6 +219,13 @@ def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
         return FolderDataset(path, decode=decode, transform=transform, storage=storage)
     if is_url(path):
         storage = None  # remote storage: LocalStorage cannot open URLs
+    if fmt == "loader":
+        if decode != "tensor" or transform is not None:
+            raise InputError(
+                f"--formats loader measures ShardLoader's decoded batches; use --mode decode "
+                f"(not {cfg.mode})"
+            )
+        return ShardDataset(path, decode="tensor", shuffle=True, seed=cfg.seed, storage=storage)
     return ShardDataset(
         path, decode=decode, transform=transform, shuffle=True, seed=cfg.seed, storage=storage
     )
