@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
+from .geometry import Geometry, TensorDecoder
 from .images import IMAGE_EXTENSIONS, decode_image
 from .records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .resume import (
@@ -103,6 +104,11 @@ class ShardDataset(IterableDataset):
     (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
     sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
 
+    ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
+    (see shardkit.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
+    ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
+    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat.
+
     ``batch_size``: give the DataLoader's batch size and worker parts are cut at whole batches, so
     ``DataLoader(ds, batch_size=B, num_workers=N)`` yields exactly ``len(loader)`` batches, at
     most one of them partial, the same number on every rank.
@@ -134,9 +140,15 @@ class ShardDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         batch_size: int | None = None,
+        size: int | None = None,
+        crop: str = "center",
+        flip: bool = False,
     ):
         super().__init__()
         _check_choice("decode", decode, DECODE_MODES)
+        if size is not None and decode != "tensor":
+            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
+        self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
         _check_choice("equalize", equalize, EQUALIZE_MODES)
         _check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
@@ -283,10 +295,15 @@ class ShardDataset(IterableDataset):
             with_keys=self.with_keys,
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
+            decoder=self.tensor_decoder(epoch) if self.geometry is not None else None,
         )
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
         return samples
+
+    def tensor_decoder(self, epoch: int) -> TensorDecoder:
+        """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
+        return TensorDecoder(self.geometry, self.seed, epoch, self.rank)
 
     def records(
         self, world: World, epoch: int, batch_size: int | None = None

@@ -27,6 +27,7 @@ __all__ = [
     "rank_samples",
     "worker_span",
     "plan_epoch",
+    "sample_error",
     "read_slices",
     "sample_counts",
     "check_labels",
@@ -226,6 +227,16 @@ def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record
 # --- decoding ---------------------------------------------------------------------------------
 
 
+def sample_error(rec: Record, exc: BaseException) -> SampleError:
+    """The error for a record that cannot be decoded: names shard and key, and the way out."""
+    return SampleError(
+        f"{rec.shard}: sample {rec.key!r} ({rec.ext}) cannot be decoded: {exc}; "
+        'remove it and re-pack, or pass on_error="skip"',
+        shard=rec.shard,
+        key=rec.key,
+    )
+
+
 def decode_records(
     records: Iterable[Record],
     mode: str = "pil",
@@ -234,12 +245,15 @@ def decode_records(
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
     fields: Sequence[str] = (),
+    decoder: Callable[[bytes, str], object] | None = None,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
     of these extra members, in this order, after the key (None where a sample has none).
+    ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
+    of ``shardkit.geometry``, whose randomness depends on the key).
     """
     if mode not in DECODE_MODES:
         raise InputError(f"decode={mode!r} is not one of: {', '.join(map(repr, DECODE_MODES))}")
@@ -256,14 +270,9 @@ def decode_records(
         return
     for rec in records:
         try:
-            img = decode_image(rec.data, mode)
+            img = decode_image(rec.data, mode) if decoder is None else decoder(rec.data, rec.key)
         except Exception as exc:
-            err = SampleError(
-                f"{rec.shard}: sample {rec.key!r} ({rec.ext}) cannot be decoded: {exc}; "
-                'remove it and re-pack, or pass on_error="skip"',
-                shard=rec.shard,
-                key=rec.key,
-            )
+            err = sample_error(rec, exc)
             if on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)
