@@ -200,6 +200,7 @@ class ShardLoader:
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"device={device!r} but CUDA is not available; use device='cpu'")
         self._current: weakref.ref | None = None
+        self._yielded = [-1, 0]  # [epoch, batches yielded by its latest iteration] (state_dict)
         # Batch buffers per thread, kept across epochs: pinned memory is slow to allocate, and
         # fresh pages fault in on first touch. Only one iteration runs at a time.
         self._buffers: list[list] = []
@@ -222,6 +223,26 @@ class ShardLoader:
         # Weak: dropping the iterator (break, an exception) must be what stops its threads.
         self._current = weakref.ref(batches)
         return batches
+
+    def state_dict(self) -> dict:
+        """The position in the epoch as plain data (``json``, ``torch.save``): the batches this
+        iteration has yielded. Threads deal batches as DataLoader workers do, so the dataset
+        works out from that count alone which samples were delivered (shardkit.resume)."""
+        epoch, batches = self._yielded
+        return self.dataset.position(
+            batches if epoch == self.dataset.epoch else 0,
+            num_workers=max(1, self.num_workers),
+            batch_size=self.batch_size,
+            cut=self.batch_size,
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the epoch ``state`` was saved in on the next iteration, in the same order and
+        reading nothing already delivered; no ``set_epoch`` needed. A state saved on another
+        world size (or worker count) re-splits what is left (``ShardDataset.load_state_dict``)."""
+        self.close()
+        self._yielded = [-1, 0]
+        self.dataset.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the current iteration's threads now (also done on break, errors and exit)."""
@@ -253,6 +274,7 @@ class _Epoch:
         self.threads_n = max(1, loader.num_workers)
         self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
         self.decoder = ds.tensor_decoder(self.epoch)
+        self.yielded = loader._yielded = [self.epoch, 0]  # counted as batches reach the caller
         # The threads read through one storage; all but the stateless local one take a single
         # consumer (remote prefetch), so they share it through a serialising proxy.
         self.view = ds
@@ -494,6 +516,7 @@ class _Epoch:
 
     def _finish(self, out: tuple, ready) -> tuple:
         """Make the caller's stream wait for this batch only (not the one staged behind it)."""
+        self.yielded[1] += 1
         if ready is not None:
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(ready)
