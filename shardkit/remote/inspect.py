@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ManifestError
 from .fetch import MissingObjectError, fetch, read_bytes
 from .retry import RetryPolicy
-from .upload import join_url
+from .upload import check_bucket, join_url
 
 __all__ = ["read_manifest_url", "local_copy"]
 
@@ -31,6 +31,7 @@ def read_manifest_url(url: str, storage_options: Mapping[str, Any] | None = None
     try:
         text = read_bytes(manifest_url, storage_options)
     except MissingObjectError:
+        check_bucket(url, storage_options)  # a missing bucket is named as such
         raise ManifestError(
             f"{manifest_url}: no manifest; pack into this prefix with `shardkit pack SRC {url}`"
         ) from None
