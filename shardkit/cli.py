@@ -256,17 +256,18 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwr
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def info_cmd(out, as_json) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
+    from .remote.redact import redact
     from .verify import dataset_info
 
     info = dataset_info(out)
     if as_json:
         import json
 
-        click.echo(json.dumps(info, indent=1, ensure_ascii=False))
+        click.echo(redact(json.dumps(info, indent=1, ensure_ascii=False)))
         return
     names = info["classes"]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    click.echo(
+    click.echo(redact(
         f"format:   {info['format']}\n"
         f"shards:   {info['shards']}\n"
         f"samples:  {info['samples']}\n"
@@ -274,7 +275,7 @@ def info_cmd(out, as_json) -> None:
         f"classes:  {info['num_classes']} ({shown})\n"
         f"skipped:  {info['skipped']}\n"
         f"manifest: {info['manifest']}"
-    )
+    ))
 
 
 @main.command("verify")
@@ -284,14 +285,15 @@ def info_cmd(out, as_json) -> None:
 def verify_cmd(out, decode, quiet) -> None:
     """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
     from .errors import ShardFormatError
+    from .remote.redact import redact
     from .verify import verify
 
     report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
-        click.echo(f"BAD {bad}")
+        click.echo(redact(f"BAD {bad}"))
     if not report.ok:
         raise ShardFormatError(report.summary() + "; re-copy them or re-pack")
-    click.echo(report.summary())
+    click.echo(redact(report.summary()))
 
 
 # --- index -----------------------------------------------------------------------------------

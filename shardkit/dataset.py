@@ -39,6 +39,7 @@ from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_labels,
     decode_records,
     plan_epoch,
     rank_samples,
@@ -238,6 +239,8 @@ class ShardDataset(IterableDataset):
             counts=self.counts.tolist(),
             fields=self.fields,
         )
+        if self.classes:
+            records = check_labels(records, len(self.classes))
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)

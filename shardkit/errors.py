@@ -22,6 +22,13 @@ class ShardkitError(Exception):
 
     exit_code = 1
 
+    def __str__(self) -> str:
+        # Every message we show passes here: URLs with user:password@ or signed query strings
+        # are masked whatever code built the message (imported late: remote imports errors).
+        from .remote.redact import redact
+
+        return redact(super().__str__())
+
 
 class InputError(ShardkitError):
     """A source path or argument is unusable (missing, empty, wrong type, bad option value)."""

@@ -17,6 +17,7 @@ from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
     "Manifest",
     "INDEX_EVERY",
     "ShardEntry",
@@ -42,6 +43,56 @@ def _version() -> str:
 INDEX_EVERY = 64
 
 
+#: manifest.json larger than this is refused before parsing: a million-shard manifest with offset
+#: indexes is a few hundred MB; anything bigger is not ours.
+MAX_MANIFEST_BYTES = 512 << 20
+#: Counts and byte sizes above this are damage (2^53: still exact as a JSON number anywhere).
+MAX_COUNT = 2**53
+_HEX = frozenset("0123456789abcdef")
+
+
+class _Bad(Exception):
+    """What is wrong with a manifest field; ``Manifest.from_json`` adds the file name."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative JSON integer (not a bool, float or string) within ``MAX_COUNT``."""
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise _Bad(f"{what} is {_short(value)}, expected an integer 0..{MAX_COUNT}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or "\0" in value:
+        raise _Bad(f"{what} is {_short(value)}, expected a string without NUL")
+    return value
+
+
+def _name(value: Any, what: str) -> str:
+    """A file name inside the manifest's directory: no separators, no ``..``, no NUL."""
+    name = _text(value, what)
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise _Bad(
+            f"{what} {_short(name)} points outside the manifest's directory "
+            "(a plain file name is expected)"
+        )
+    return name
+
+
+def _list(doc: dict, key: str, *, required: bool = True) -> list:
+    if key not in doc and not required:
+        return []
+    value = doc.get(key)
+    if not isinstance(value, list):
+        raise _Bad(f"{key!r} is {_short(value)}, expected a list")
+    return value
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     """One shard: ``path`` is relative to the manifest's directory (or URL prefix).
@@ -59,7 +110,10 @@ class ShardEntry:
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256
+            "path": self.path,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
         }
         if self.index:
             doc["index_every"] = INDEX_EVERY
@@ -67,19 +121,39 @@ class ShardEntry:
         return doc
 
     @classmethod
-    def from_dict(cls, s: dict[str, Any]) -> ShardEntry:
+    def from_dict(cls, s: Any) -> ShardEntry:
+        """One ``shards`` item, every field type- and range-checked (raises ``_Bad``)."""
+        if not isinstance(s, dict):
+            raise _Bad(f"a shards item is {type(s).__name__}, not an object")
+        path = _name(s.get("path"), "shard path")
         index: tuple[int, ...] = ()
         if "index" in s:
-            if int(s.get("index_every", 0)) != INDEX_EVERY:
-                raise ValueError("index_every")  # another spacing: ignore nothing, refuse
-            index = tuple(int(x) for x in s["index"])
-        return cls(str(s["path"]), int(s["samples"]), int(s["bytes"]), str(s["sha256"]), index)
+            if s.get("index_every") != INDEX_EVERY:
+                raise _Bad(
+                    f"shard {path!r}: index_every {s.get('index_every')!r} is not {INDEX_EVERY}"
+                )
+            raw = s["index"]
+            if not isinstance(raw, list):
+                raise _Bad(f"shard {path!r}: index is not a list")
+            index = tuple(_count(x, f"shard {path!r} index entry") for x in raw)
+        samples = _count(s.get("samples"), f"shard {path!r} samples")
+        size = _count(s.get("bytes"), f"shard {path!r} bytes")
+        sha = s.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64 or not all(c in _HEX for c in sha):
+            raise _Bad(f"shard {path!r}: sha256 {_short(sha)} is not 64 hex digits")
+        return cls(path, samples, size, sha, index)
 
 
 @dataclass(frozen=True)
 class SkippedFile:
     path: str
     reason: str
+
+    @classmethod
+    def from_dict(cls, item: Any) -> SkippedFile:
+        if not isinstance(item, dict):
+            raise _Bad("a skipped item is not an object")
+        return cls(_text(item.get("path"), "skipped path"), _text(item.get("reason"), "reason"))
 
 
 @dataclass
@@ -116,41 +190,61 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:
+        """Parse and validate; any malformed manifest is a ``ManifestError`` naming ``source``.
+
+        Every value is type- and range-checked here, so nothing downstream meets a float count,
+        a string where a list belongs, a NUL or a path leaving the directory.
+        """
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{source}: {len(text)} bytes, more than any manifest shardkit writes "
+                f"({MAX_MANIFEST_BYTES}); not a shardkit manifest, re-pack"
+            )
         try:
             doc = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise ManifestError(
-                f"{source}: not valid JSON ({exc}); re-pack or restore it"
+                f"{source}: not valid JSON ({reason}); re-pack or restore it"
             ) from None
         if not isinstance(doc, dict):
             raise ManifestError(f"{source}: expected a JSON object at the top level")
         version = doc.get("version")
-        if version != MANIFEST_VERSION:
+        if type(version) is not int or version != MANIFEST_VERSION:
             raise ManifestError(
-                f"{source}: manifest version {version!r} is not supported (this shardkit reads "
-                f"version {MANIFEST_VERSION}); upgrade shardkit or re-pack"
+                f"{source}: manifest version {_short(version)} is not supported (this shardkit "
+                f"reads version {MANIFEST_VERSION}); upgrade shardkit or re-pack"
             )
         try:
-            shards = [ShardEntry.from_dict(s) for s in doc["shards"]]
+            shards = [ShardEntry.from_dict(s) for s in _list(doc, "shards")]
             skipped = [
-                SkippedFile(str(s["path"]), str(s["reason"])) for s in doc.get("skipped", [])
+                SkippedFile.from_dict(item) for item in _list(doc, "skipped", required=False)
             ]
+            pack = doc.get("pack", {})
+            if not isinstance(pack, dict):
+                raise _Bad(f"'pack' is {_short(pack)}, expected an object")
+            shard_format = _text(doc.get("shard_format"), "shard_format")
             manifest = cls(
-                shard_format=str(doc["shard_format"]),
-                classes=[str(c) for c in doc["classes"]],
+                shard_format=shard_format,
+                classes=[_text(c, "class name") for c in _list(doc, "classes")],
                 shards=shards,
                 skipped=skipped,
-                pack=dict(doc.get("pack", {})),
+                pack=pack,
                 version=version,
-                created_by=str(doc.get("created_by", "")),
+                created_by=_text(doc.get("created_by", ""), "created_by"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{source}: missing or malformed field {exc}; re-pack") from None
+            if "num_samples" in doc:
+                _count(doc["num_samples"], "num_samples")
+        except _Bad as exc:
+            raise ManifestError(f"{source}: missing or malformed field: {exc}; re-pack") from None
         if "num_samples" in doc and doc["num_samples"] != manifest.num_samples:
             raise ManifestError(
                 f"{source}: num_samples {doc['num_samples']} disagrees with the shard counts "
                 f"({manifest.num_samples}); the manifest was edited or damaged, re-pack"
             )
+        names = [s.path for s in shards]
+        if len(set(names)) != len(names):
+            raise ManifestError(f"{source}: lists a shard twice; the manifest is damaged, re-pack")
         for s in shards:
             if s.index and (
                 len(s.index) != (s.samples + INDEX_EVERY - 1) // INDEX_EVERY
@@ -160,10 +254,6 @@ class Manifest:
                 raise ManifestError(
                     f"{source}: the offset index of shard {s.path!r} does not fit its "
                     f"{s.samples} samples and {s.bytes} bytes; re-pack"
-                )
-            if os.path.isabs(s.path) or ".." in s.path.split("/"):
-                raise ManifestError(
-                    f"{source}: shard path {s.path!r} points outside the manifest's directory"
                 )
         return manifest
 
@@ -181,7 +271,7 @@ def read_manifest(path_or_dir: str) -> Manifest:
         path = os.path.join(path, MANIFEST_NAME)
     try:
         with open(path, "rb") as f:
-            text = f.read()
+            text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
     except FileNotFoundError:
         if interrupted_commit(os.path.dirname(path)):
             raise ManifestError(interrupted_message(os.path.dirname(path))) from None

@@ -27,6 +27,7 @@ __all__ = [
     "rank_samples",
     "plan_epoch",
     "read_slices",
+    "check_labels",
     "decode_records",
     "apply_transforms",
 ]
@@ -177,6 +178,23 @@ def _more_than_counted(url: str, count: int):
         "the manifest belongs to another version of the shard: rebuild it (`shardkit index`) "
         "or re-pack"
     )
+
+
+def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record]:
+    """Pass records through, refusing a label outside ``0..num_classes-1`` (or -1, "none").
+
+    A damaged or hand-edited shard could otherwise feed a class index the model has no output
+    for, which fails far away (a CUDA assert in the loss) or silently trains on garbage.
+    """
+    for rec in records:
+        if not -1 <= rec.label < num_classes:
+            raise SampleError(
+                f"{rec.shard}: sample {rec.key!r} has label {rec.label}, outside the "
+                f"{num_classes} classes of the manifest; the shard is damaged, re-pack it",
+                shard=rec.shard,
+                key=rec.key,
+            )
+        yield rec
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -98,15 +98,15 @@ def verify_shard(
             return ["missing"], 0
         except OSError as exc:
             return [f"unreadable ({exc.strerror})"], 0
-        if size < entry.bytes:
-            # A memory-mapped format touching pages past the end of a truncated file gets
-            # SIGBUS, which kills the process instead of raising: do not open it.
-            return [
-                *_digest_problems(sha, size, entry),
-                "truncated; not opened (mapping it would crash the reader)",
-            ], 0
-        problems, decoded = _check_records(path, entry, shard_format, decode, num_classes)
-        return _digest_problems(sha, size, entry) + problems, decoded
+        digest = _digest_problems(sha, size, entry)
+        if digest:
+            # A memory-mapped format trusts the bytes it maps: a damaged file can kill the
+            # process (SIGBUS) instead of raising. A shard whose size or checksum failed is not
+            # opened.
+            if size < entry.bytes:
+                digest.append("truncated; not opened (mapping it would crash the reader)")
+            return digest, 0
+        return _check_records(path, entry, shard_format, decode, num_classes)
     # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
         raw = open(path, "rb", buffering=0)
@@ -197,10 +197,10 @@ def _dataset(out: str, storage_options, work_dir):
     if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
-        from .remote.upload import join_url
+        from .remote.upload import join_url, url_parent
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
-        base = manifest_url.rpartition("/")[0]
+        base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs
 
         @contextlib.contextmanager
         def local(entry: ShardEntry):
@@ -210,7 +210,7 @@ def _dataset(out: str, storage_options, work_dir):
             except MissingObjectError:
                 yield None
 
-        return manifest, manifest_url, base + "/", local
+        return manifest, manifest_url, join_url(base, ""), local
     out = out[len("file://") :] if out.startswith("file://") else out
     check_dataset_path(out)
     manifest = read_manifest(out)

@@ -55,8 +55,15 @@ def decode_value(value: bytes, shard: str, index: int) -> Record:
         )
     label, klen, elen = _VALUE_HEADER.unpack_from(value)
     body = _VALUE_HEADER.size
+    if body + klen + elen > len(value):
+        raise ShardFormatError(f"{shard}: record {index} is shorter than its header says")
     key = value[body : body + klen].decode("utf-8", "surrogateescape")
-    ext = value[body + klen : body + klen + elen].decode("ascii")
+    try:
+        ext = value[body + klen : body + klen + elen].decode("ascii")
+    except UnicodeDecodeError:
+        raise ShardFormatError(
+            f"{shard}: record {index} ({key!r}) has a non-ASCII extension; the shard is damaged"
+        ) from None
     return Record(key, ext, value[body + klen + elen :], label, shard)
 
 
@@ -161,33 +168,199 @@ def _remove(path: str) -> None:
             pass
 
 
-def _open_env(path: str | os.PathLike) -> lmdb.Environment:
-    """Open read-only, refusing a file shorter than its own meta page says.
+# --- structural check before mapping ----------------------------------------------------------
+#
+# LMDB trusts every offset, size and page number it finds in the file: one flipped byte in a node
+# pointer or an overflow size makes it read outside the page (SIGBUS past the end of the file, or
+# another process's worth of garbage), and a child pointer to a page of the wrong type trips an
+# assert() that aborts the process. Neither can be caught in Python, so before LMDB maps a shard we
+# walk the B-tree ourselves with plain reads (bounds-checked, never mapped) and refuse any page
+# LMDB could not follow safely. Layout constants are LMDB 0.9's (mdb.c), which FORMAT.md pins.
 
-    LMDB maps the file: touching a page past the end of a truncated copy kills the process with
-    SIGBUS (a DataLoader worker would die without a word), so the size is checked first.
+_META = struct.Struct("<IIQQ")  # magic, version, address, mapsize (at page offset 16)
+_DB = struct.Struct(
+    "<IHHQQQQQ"
+)  # pad (psize for the free DB), flags, depth, branch/leaf/ovf, entries, root
+_PAGE_HDR = struct.Struct(
+    "<QHHHH"
+)  # pgno, pad, flags, lower, upper (upper/lower = pages on overflow)
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
+_HDR, _NODE_HDR = 16, 8
+_MAGIC, _DATA_VERSION = 0xBEEFC0DE, 1
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA = 0x01
+_MAX_DEPTH = 32  # 2^32 samples at the smallest fan-out; anything deeper is damage
+#: (dev, inode, size, mtime_ns) of files this process already walked: a worker re-opens its shard
+#: for every slice, and the walk costs one read per page.
+_checked: set[tuple[int, int, int, int]] = set()
+
+
+class _Damaged(Exception):
+    """A structural fault, as text for the ShardFormatError that names the shard."""
+
+
+def _read_meta(f, off: int) -> tuple[int, int, int, tuple]:
+    """(txnid, last_pgno, psize, main DB record) of the meta page at ``off``."""
+    raw = os.pread(f, _HDR + 136, off)
+    if len(raw) < _HDR + 136:
+        raise _Damaged("meta page is short")
+    magic, version, _, _ = _META.unpack_from(raw, _HDR)
+    if magic != _MAGIC or version != _DATA_VERSION:
+        raise _Damaged("meta page has no LMDB magic number")
+    free = _DB.unpack_from(raw, _HDR + _META.size)
+    main = _DB.unpack_from(raw, _HDR + _META.size + _DB.size)
+    last_pgno, txnid = struct.unpack_from("<QQ", raw, _HDR + _META.size + 2 * _DB.size)
+    return txnid, last_pgno, free[0], main
+
+
+def _pick_meta(fd: int, size: int) -> tuple[int, int, int, tuple]:
+    """The meta page LMDB will use (the newer transaction), checked against the file size."""
+    first = _read_meta(fd, 0)
+    psize = first[2]
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        raise _Damaged(f"meta page gives page size {psize}")
+    second = _read_meta(fd, psize)
+    if second[2] != psize:
+        raise _Damaged("the two meta pages disagree on the page size")
+    txnid, last_pgno, _, main = max(first, second, key=lambda m: m[0])  # LMDB: newest txn wins
+    if (last_pgno + 1) * psize > size:
+        raise _Damaged(f"{size} of {(last_pgno + 1) * psize} bytes", "truncated")
+    if main[1] != 0:
+        raise _Damaged(f"database flags {main[1]:#x}; shardkit writes none")
+    return txnid, last_pgno, psize, main
+
+
+class _Walker:
+    """Visits every branch, leaf and overflow page of the tree, counting them as it goes."""
+
+    def __init__(self, fd: int, psize: int, last_pgno: int):
+        self.fd, self.psize, self.last = fd, psize, last_pgno
+        self.seen = [0, 0, 0, 0]  # branch pages, leaf pages, overflow pages, entries
+
+    def page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
+        """The page's bytes and node offsets, after checking its header."""
+        if not 2 <= pgno <= self.last:
+            raise _Damaged(f"page number {pgno} outside 2..{self.last}")
+        raw = os.pread(self.fd, self.psize, pgno * self.psize)
+        got, _, flags, lower, upper = _PAGE_HDR.unpack_from(raw)
+        if got != pgno or flags != want:
+            raise _Damaged(f"page {pgno} says it is page {got} with flags {flags:#x}")
+        if not (_HDR < lower <= upper <= self.psize) or lower % 2:
+            raise _Damaged(f"page {pgno} has bounds {lower}..{upper}")
+        ptrs = struct.unpack_from(f"<{(lower - _HDR) // 2}H", raw, _HDR)
+        if any(not upper <= p <= self.psize - _NODE_HDR for p in ptrs):
+            raise _Damaged(f"page {pgno} has a node outside its free space")
+        return raw, ptrs
+
+    def walk(self, pgno: int, level: int) -> None:
+        raw, ptrs = self.page(pgno, _P_LEAF if level == 1 else _P_BRANCH)
+        self.seen[0 if level > 1 else 1] += 1
+        for ptr in ptrs:
+            lo, hi, nflags, ksize = _NODE.unpack_from(raw, ptr)
+            end = ptr + _NODE_HDR + ksize
+            if level == 1:
+                self.leaf_node(raw, pgno, end, lo | hi << 16, nflags)
+            elif end > self.psize:
+                raise _Damaged(f"page {pgno} has a key running past the page")
+            else:  # branch node: lo/hi/flags are the child's page number
+                self.walk(lo | hi << 16 | nflags << 32, level - 1)
+
+    def leaf_node(self, raw: bytes, pgno: int, end: int, dsize: int, nflags: int) -> None:
+        self.seen[3] += 1
+        if nflags not in (0, _F_BIGDATA):
+            raise _Damaged(f"page {pgno} has node flags {nflags:#x}; shardkit writes none")
+        if end + (8 if nflags else dsize) > self.psize:
+            raise _Damaged(f"page {pgno} has a value running past the page")
+        if not nflags:
+            return
+        (opg,) = struct.unpack_from("<Q", raw, end)
+        pages = (_HDR - 1 + dsize) // self.psize + 1
+        if not 2 <= opg <= self.last + 1 - pages:
+            raise _Damaged(f"page {pgno} points to overflow pages {opg}+{pages}")
+        got, _, oflags, opages = struct.unpack("<QHHI", os.pread(self.fd, _HDR, opg * self.psize))
+        if got != opg or oflags != _P_OVERFLOW or opages != pages:
+            raise _Damaged(f"overflow page {opg} does not match its {dsize}-byte value")
+        self.seen[2] += pages
+
+
+def _check_structure(fd: int, size: int) -> tuple[int, int, int, tuple]:
+    """Walk the main B-tree of the meta LMDB will pick; raise _Damaged at the first unsafe field.
+
+    Returns (txnid, last_pgno, psize, main DB record) so the caller can confirm LMDB chose the
+    same meta page after opening.
+    """
+    txnid, last_pgno, psize, main = _pick_meta(fd, size)
+    _, _, depth, n_branch, n_leaf, n_over, entries, root = main
+    walker = _Walker(fd, psize, last_pgno)
+    if depth == 0:
+        if entries != 0 or root != 2**64 - 1:
+            raise _Damaged("empty tree with entries")
+    elif depth > _MAX_DEPTH:
+        raise _Damaged(f"tree depth {depth}")
+    else:
+        walker.walk(root, depth)
+    seen = walker.seen
+    if seen != [n_branch, n_leaf, n_over, entries]:
+        raise _Damaged(
+            f"tree holds {seen[0]}/{seen[1]}/{seen[2]} branch/leaf/overflow pages and {seen[3]} "
+            f"entries, the meta page says {n_branch}/{n_leaf}/{n_over} and {entries}"
+        )
+    return txnid, last_pgno, psize, main
+
+
+def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
+    """Open read-only, after checking every page LMDB could touch lies inside the file.
+
+    LMDB maps the file and trusts it: touching a page past the end of a truncated copy, or
+    following a damaged offset, kills the process with SIGBUS (a DataLoader worker dies without a
+    word) or aborts it; so the file is walked first (``_check_structure``) and refused with a
+    ``ShardFormatError`` naming the shard.
     """
     path = os.fspath(path)
+    shard = shard or path
     try:
-        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         raise ShardFormatError(
-            f"{path}: LMDB shard not found (expected a single-file LMDB)"
+            f"{shard}: LMDB shard not found (expected a single-file LMDB)"
         ) from None
-    if size < 2 * PAGE:
-        raise ShardFormatError(
-            f"{path}: truncated LMDB shard ({size} bytes); re-copy or re-pack it"
-        )
+    try:
+        st = os.fstat(fd)
+        if st.st_size < 2 * PAGE:
+            raise ShardFormatError(
+                f"{shard}: truncated LMDB shard ({st.st_size} bytes); re-copy or re-pack it"
+            )
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        expect = None
+        if stamp not in _checked:
+            try:
+                expect = _check_structure(fd, st.st_size)
+            except (_Damaged, OSError, struct.error) as exc:
+                what = exc.args[1] if len(exc.args) > 1 else "damaged"
+                raise ShardFormatError(
+                    f"{shard}: {what} LMDB shard ({exc.args[0]}); re-copy it, or re-pack it "
+                    "from the source images"
+                ) from None
+    finally:
+        os.close(fd)
     try:
         env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_readers=1, max_dbs=0)
     except lmdb.Error as exc:
-        raise ShardFormatError(f"{path}: not a readable LMDB shard ({exc}); re-pack it") from None
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    if size < needed:
-        env.close()
-        raise ShardFormatError(
-            f"{path}: truncated LMDB shard ({size} of {needed} bytes); re-copy or re-pack it"
+        raise ShardFormatError(f"{shard}: not a readable LMDB shard ({exc}); re-pack it") from None
+    if expect is not None:
+        info, stat = env.info(), env.stat()
+        txnid, last_pgno, psize, main = expect
+        seen = (
+            info["last_txnid"],
+            info["last_pgno"],
+            stat["psize"],
+            stat["depth"],
+            stat["entries"],
         )
+        if seen != (txnid, last_pgno, psize, main[2], main[6]):
+            env.close()  # LMDB picked another meta page than the one we walked: trust neither
+            raise ShardFormatError(f"{shard}: damaged LMDB shard (meta pages disagree); re-pack it")
+        _checked.add(stamp)
     return env
 
 
@@ -202,7 +375,8 @@ def iter_lmdb_records(
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
     needs no offset ``index`` (accepted for a uniform reader signature)."""
     shard = shard or os.fspath(source)
-    env = _open_env(source)
+    env = _open_env(source, shard)
+    index = start
     try:
         with env.begin(buffers=False) as txn:
             total = _count(txn, shard)
@@ -212,16 +386,21 @@ def iter_lmdb_records(
                     f"{shard}: asked for samples up to {stop} but the shard holds {total}"
                 )
             cursor = txn.cursor()
-            index = start
             if index < end and not cursor.set_key(sample_key(index)):
                 raise ShardFormatError(f"{shard}: sample {index} is missing; re-pack the shard")
             while index < end:
                 k, v = cursor.item()
                 if k != sample_key(index):
                     raise ShardFormatError(f"{shard}: sample {index} is missing; re-pack the shard")
-                yield decode_value(v, shard, index)
+                rec = decode_value(v, shard, index)
+                yield rec
                 index += 1
                 cursor.next()
+    except lmdb.Error as exc:
+        raise ShardFormatError(
+            f"{shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); re-copy "
+            "or re-pack it"
+        ) from None
     finally:
         env.close()
 
@@ -231,15 +410,23 @@ def _count(txn: lmdb.Transaction, shard: str) -> int:
     if meta is None:
         raise ShardFormatError(f"{shard}: no {META_KEY.decode()} record; not a shardkit LMDB shard")
     try:
-        return int(json.loads(meta)["samples"])
+        n = json.loads(meta)["samples"]
     except (ValueError, KeyError, TypeError):
         raise ShardFormatError(f"{shard}: unreadable {META_KEY.decode()} record") from None
+    if type(n) is not int or n < 0:
+        raise ShardFormatError(f"{shard}: {META_KEY.decode()} record gives {n!r} samples")
+    return n
 
 
 def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
-    env = _open_env(source)
+    shard = shard or os.fspath(source)
+    env = _open_env(source, shard)
     try:
         with env.begin() as txn:
-            return _count(txn, shard or os.fspath(source))
+            return _count(txn, shard)
+    except lmdb.Error as exc:
+        raise ShardFormatError(
+            f"{shard}: damaged LMDB shard ({exc}); re-copy or re-pack it"
+        ) from None
     finally:
         env.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,11 @@ __all__ = ["ShardCache", "CacheStats", "STALE_TEMP_SECONDS"]
 #: A temporary download untouched this long belongs to a writer that died; eviction removes it.
 STALE_TEMP_SECONDS = 3600.0
 _TMP, _LOCK = ".tmp-", ".lock-"
+#: The names this cache writes (``entry_name``, and its temporaries). ``cache_dir`` may be a folder
+#: the user also keeps other things in: eviction and temp cleanup touch only regular files whose
+#: names match these, never anything else there (a user's file, a subdirectory, a symlink).
+_ENTRY = re.compile(r"[0-9a-f]{20}-[\w.-]{1,80}")
+_TEMP = re.compile(r"\.tmp-[0-9a-f]{20}-[\w.-]{1,80}\.[0-9]+\.[0-9a-f]{8}")
 
 
 @dataclass
@@ -168,13 +174,15 @@ class ShardCache:
             os.close(fd)
 
     def entries(self) -> list[tuple[float, int, str]]:
-        """(mtime, size, path) of every complete entry, oldest first."""
+        """(mtime, size, path) of every complete entry, oldest first; other files are not ours."""
         out = []
         with os.scandir(self.root) as it:
             for e in it:
-                if e.name.startswith("."):
+                if not _ENTRY.fullmatch(e.name):
                     continue
                 try:
+                    if not e.is_file(follow_symlinks=False):
+                        continue
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
@@ -205,6 +213,8 @@ class ShardCache:
                 freed += size
             except FileNotFoundError:
                 pass  # another process evicted it first; it is gone either way
+            except OSError:
+                continue  # replaced by something we cannot remove: leave it, count it
             total -= size
         return freed
 
@@ -212,7 +222,7 @@ class ShardCache:
         cutoff = time.time() - STALE_TEMP_SECONDS
         with os.scandir(self.root) as it:
             for e in it:
-                if e.name.startswith(_TMP):
+                if _TEMP.fullmatch(e.name):
                     with contextlib.suppress(FileNotFoundError):
-                        if e.stat().st_mtime < cutoff:
+                        if e.is_file(follow_symlinks=False) and e.stat().st_mtime < cutoff:
                             os.unlink(e.path)

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ManifestError
 from .fetch import MissingObjectError, fetch, read_bytes
 from .retry import RetryPolicy
-from .upload import check_bucket, join_url
+from .upload import check_bucket, join_url, url_name
 
 __all__ = ["read_manifest_url", "local_copy"]
 
@@ -27,7 +27,7 @@ def read_manifest_url(url: str, storage_options: Mapping[str, Any] | None = None
     """The manifest at ``url`` (a ``.../manifest.json`` URL or its prefix) and its own URL."""
     from ..manifest import Manifest
 
-    manifest_url = url if url.rstrip("/").endswith(MANIFEST_NAME) else join_url(url, MANIFEST_NAME)
+    manifest_url = url if url_name(url) == MANIFEST_NAME else join_url(url, MANIFEST_NAME)
     try:
         text = read_bytes(manifest_url, storage_options)
     except MissingObjectError:
