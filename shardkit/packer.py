@@ -341,7 +341,8 @@ def pack(
     )
     with writer:
         if from_folder:
-            run = _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error)
+            run = _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error,
+                              progress)
         else:
             run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short,
                                on_error)
@@ -410,8 +411,10 @@ class _Run:
     extra: dict[str, Any] | None = None
 
 
-def _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error) -> _Run:
-    scan = scan_source(src)
+def _folder_run(
+    src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress=False
+) -> _Run:
+    scan = scan_source(src, progress=progress)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         raise InputError(

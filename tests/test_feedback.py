@@ -189,3 +189,13 @@ def test_strtable_concat_matches_one_table():
     assert joined == StrTable([s for p in parts for s in p])
     assert list(joined) == ["a/b.jpg", "é/x", "zz"]
     assert len(StrTable.concat([])) == 0
+
+
+def test_scan_shows_progress_off_a_terminal(tmp_path):
+    src = image_tree(tmp_path / "src", 9, classes=3)
+    env = {**os.environ, "SHARDKIT_PROGRESS_INTERVAL": "0"}
+    proc = run_cli("pack", src, tmp_path / "out", env=env)
+    scans = [x for x in proc.stderr.splitlines() if x.startswith("scan ")]
+    assert scans and scans[-1].startswith(f"scan {src}: 3/3 class (100%)")
+    quiet = run_cli("pack", src, tmp_path / "out2", "-q", env=env)
+    assert quiet.returncode == 0 and quiet.stderr == ""
