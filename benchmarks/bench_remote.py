@@ -158,6 +158,9 @@ class RemoteFolder:
     def prefetch(self, urls) -> None:
         pass
 
+    def close(self) -> None:
+        self.remote.close()
+
 
 def collate_raw(batch):
     return [b[0] for b in batch], [b[1] for b in batch]

@@ -18,6 +18,7 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,14 +27,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .errors import InputError, SampleError, ShardkitError
+from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
 from .images import IMAGE_EXTENSIONS, decode_image
 from .paths import check_source
-from .records import ShardSlice
+from .records import UNKNOWN, ShardInfo, ShardSlice
 from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
-from .sources import UNKNOWN, ShardSource, resolve_source
+from .sizes import parse_size
+from .sources import resolve_source
 from .storage import LocalStorage, Storage, storage_for
 from .stream import (
     DECODE_MODES,
@@ -44,6 +46,7 @@ from .stream import (
     plan_epoch,
     rank_samples,
     read_slices,
+    sample_counts,
 )
 from .world import World, current_world, distributed_rank
 
@@ -104,7 +107,9 @@ class ShardDataset(IterableDataset):
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
-    ``cache_dir`` and ``cache_limit`` configure remote storage for URL sources.
+    ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
+    (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
+    sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
     """
 
     def __init__(
@@ -124,7 +129,8 @@ class ShardDataset(IterableDataset):
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
-        cache_limit: int | None = None,
+        cache_limit: int | str | None = None,
+        prefetch: int = 2,
         rank: int | None = None,
         world_size: int | None = None,
     ):
@@ -134,6 +140,15 @@ class ShardDataset(IterableDataset):
         _check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InputError(f"prefetch={prefetch!r} must be an int >= 0 (0: no prefetch)")
+        if cache_limit is not None:
+            cache_limit = parse_size(cache_limit, "cache_limit", minimum=0)
+        if storage is not None and (cache_dir is not None or cache_limit is not None):
+            raise InputError(
+                "cache_dir/cache_limit configure the storage shardkit builds; with storage= pass "
+                "them to that storage instead (e.g. RemoteStorage(cache_dir=...))"
+            )
         self.decode = decode
         self.transform = transform
         self.target_transform = target_transform
@@ -148,7 +163,6 @@ class ShardDataset(IterableDataset):
 
         check_source(source, storage_options)  # "no such file", "no such bucket": named first
         resolved = resolve_source(source, storage_options=storage_options)
-        self.urls: tuple[str, ...] = resolved.urls
         self.shard_format: str = resolved.format
         if self.fields and self.shard_format != "tar":
             raise InputError(
@@ -157,17 +171,18 @@ class ShardDataset(IterableDataset):
             )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
-        self.indexes: tuple[tuple[int, ...], ...] = resolved.indexes
         self.storage: Storage = storage or storage_for(
             list(resolved.urls),
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
-            manifest=resolved.manifest,
-            manifest_path=resolved.manifest_path,
+            prefetch=prefetch,
         )
         # Counted once here, in the main process, so workers never open a shard just to plan.
-        self.counts: np.ndarray = _shard_counts(resolved, self.storage)
+        self.shards: tuple[ShardInfo, ...] = _counted(
+            resolved.shards, resolved.format, self.storage
+        )
+        self.counts: np.ndarray = sample_counts(self.shards)
         self.num_samples = int(self.counts.sum())
         if self.num_samples == 0:
             raise InputError(f"{_describe(source)}: the shards hold no samples")
@@ -196,6 +211,11 @@ class ShardDataset(IterableDataset):
         """Samples skipped by ``on_error="skip"`` so far, summed over all workers."""
         return int(self._state[_SKIPPED:].sum())
 
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The shard URLs (or paths), in the dataset's shard order."""
+        return tuple(s.url for s in self.shards)
+
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
 
@@ -203,7 +223,7 @@ class ShardDataset(IterableDataset):
         """The slices one worker reads in an epoch (default: the caller's, current epoch)."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
-        order = shard_order(len(self.urls), self.seed, epoch, self.shuffle)
+        order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
         return plan_epoch(
             self.counts,
             order,
@@ -235,9 +255,7 @@ class ShardDataset(IterableDataset):
         epoch = self._start_epoch(world)
         slices = self.plan(world, epoch)
         records = read_slices(
-            slices, self.urls, FORMATS[self.shard_format], self.storage, self.indexes,
-            counts=self.counts.tolist(),
-            fields=self.fields,
+            slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
         )
         if self.classes:
             records = check_labels(records, len(self.classes))
@@ -266,7 +284,7 @@ class ShardDataset(IterableDataset):
 
     def __repr__(self) -> str:
         return (
-            f"ShardDataset({len(self.urls)} {self.shard_format} shards, {self.num_samples} "
+            f"ShardDataset({len(self.shards)} {self.shard_format} shards, {self.num_samples} "
             f"samples, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
             f"shuffle={self.shuffle}, buffer_size={self.buffer_size}, "
             f"equalize={self.equalize!r})"
@@ -279,23 +297,25 @@ def _describe(source) -> str:
     return f"the list of {len(source)} shards"
 
 
-def _shard_counts(resolved: ShardSource, storage: Storage) -> np.ndarray:
-    """Manifest counts, with shards no manifest covers counted by reading their headers."""
-    counts = np.asarray(resolved.counts, dtype=np.int64)
-    fmt = FORMATS[resolved.format]
-    for i in np.flatnonzero(counts == UNKNOWN).tolist():
-        url = resolved.urls[i]
-        try:
-            if fmt.needs_local_file:
-                counts[i] = fmt.count_samples(storage.local_path(url), shard=url)
-            else:
-                with storage.open(url) as f:
-                    counts[i] = fmt.count_samples(f, shard=url)
-        except ShardkitError:
-            raise
-        except OSError as exc:
-            raise ShardkitError(f"{url}: cannot count samples ({exc})") from exc
-    return counts
+def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> tuple[ShardInfo, ...]:
+    """The shards with every count known: shards no manifest covers are counted by reading."""
+    if all(s.samples != UNKNOWN for s in shards):
+        return tuple(shards)
+    fmt = FORMATS[format]
+    out = list(shards)
+    try:
+        for i, shard in enumerate(shards):
+            if shard.samples != UNKNOWN:
+                continue
+            try:
+                out[i] = dataclasses.replace(shard, samples=fmt.count(storage, shard))
+            except ShardkitError:
+                raise
+            except OSError as exc:
+                raise StorageError(f"{shard.url}: cannot count samples ({exc})") from exc
+    finally:
+        storage.close()
+    return tuple(out)
 
 
 class FolderDataset(Dataset):

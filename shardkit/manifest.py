@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
+from .storage import is_url
 
 __all__ = [
     "MANIFEST_NAME",
@@ -22,6 +23,7 @@ __all__ = [
     "INDEX_EVERY",
     "ShardEntry",
     "SkippedFile",
+    "manifest_location",
     "read_manifest",
     "write_manifest",
 ]
@@ -265,10 +267,43 @@ def write_manifest(manifest: Manifest, out_dir: str) -> str:
     return path
 
 
-def read_manifest(path_or_dir: str) -> Manifest:
-    path = os.fspath(path_or_dir)
-    if os.path.isdir(path):
-        path = os.path.join(path, MANIFEST_NAME)
+def manifest_location(where: str | os.PathLike) -> str:
+    """The manifest's own path or URL, given it, its dataset directory or its URL prefix."""
+    where = os.fspath(where)
+    if is_url(where):
+        if where.rstrip("/").endswith("/" + MANIFEST_NAME):
+            return where
+        return where.rstrip("/") + "/" + MANIFEST_NAME
+    return os.path.join(where, MANIFEST_NAME) if os.path.isdir(where) else where
+
+
+def read_manifest(
+    where: str | os.PathLike,
+    *,
+    storage_options: dict | None = None,
+    policy=None,
+) -> Manifest:
+    """The one manifest reader: ``where`` is a manifest, its directory, or a URL of either.
+
+    Fetching bytes is the only part that differs by location (a local read, or
+    ``shardkit.remote.read_bytes`` with retries for URLs; ``storage_options`` and the retry
+    ``policy`` go there); parsing and validation are ``Manifest.from_json`` for every caller.
+    """
+    path = manifest_location(where)
+    if is_url(path):
+        from .remote.fetch import MissingObjectError, read_bytes
+
+        try:
+            text = read_bytes(path, storage_options, policy=policy)
+        except MissingObjectError:
+            from .remote.upload import check_bucket
+
+            check_bucket(path, storage_options)  # a missing bucket is named as such
+            prefix = path.rpartition("/")[0] + "/"
+            raise ManifestError(
+                f"{path}: no manifest; pack into this prefix with `shardkit pack SRC {prefix}`"
+            ) from None
+        return Manifest.from_json(text, source=path)
     try:
         with open(path, "rb") as f:
             text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer

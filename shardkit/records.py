@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Record", "ShardSlice", "ShardStats"]
+__all__ = ["Record", "ShardInfo", "ShardSlice", "ShardStats", "UNKNOWN"]
+
+#: A sample count or size that no manifest gives (e.g. tars written by other tools).
+UNKNOWN = -1
 
 
 @dataclass(slots=True)
@@ -25,6 +28,23 @@ class Record:
     shard: str = ""
     #: Extra members asked for by extension (``{"json": b"..."}``), raw; None when none were.
     fields: dict[str, bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """One shard of a dataset, as known before it is opened: the record that travels from source
+    resolution through planning and reading to the storage that fetches it.
+
+    ``samples`` and ``bytes`` are ``UNKNOWN`` and ``sha256`` empty when no manifest describes the
+    shard (the dataset counts its samples; remote storage then cannot verify it). ``index`` is the
+    manifest's sparse byte-offset index (tar), so a reader starting mid-shard can seek.
+    """
+
+    url: str
+    samples: int = UNKNOWN
+    bytes: int = UNKNOWN
+    sha256: str = ""
+    index: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

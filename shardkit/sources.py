@@ -20,13 +20,11 @@ from braceexpand import braceexpand
 from .errors import InputError, ManifestError
 from .formats import FORMATS, format_for_path, is_shard_name
 from .fsutil import interrupted_commit, interrupted_message
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from .records import UNKNOWN, ShardInfo
 from .storage import is_url
 
 __all__ = ["ShardSource", "resolve_source", "UNKNOWN"]
-
-#: Count of a shard that no manifest describes: the dataset counts it by reading headers.
-UNKNOWN = -1
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -35,18 +33,20 @@ _GLOB_CHARS = frozenset("*?[")
 class ShardSource:
     """An ordered shard list and what is known about it without opening a shard.
 
-    ``counts[i]`` is shard i's sample count from a manifest, or ``UNKNOWN``. ``classes`` is set
-    only when manifests cover every shard and agree; ``manifest`` only when one manifest does.
+    ``shards[i]`` carries shard i's URL and what a manifest says about it (samples, bytes,
+    sha256, offset index), or ``UNKNOWN`` counts where none does. ``classes`` is set only when
+    manifests cover every shard and agree; ``manifest`` only when one manifest does.
     """
 
-    urls: tuple[str, ...]
+    shards: tuple[ShardInfo, ...]
     format: str
-    counts: tuple[int, ...]
     classes: tuple[str, ...] | None = None
     manifest: Manifest | None = None
     manifest_path: str | None = None
-    #: Per shard, the manifest's sparse byte-offset index (empty when none is known).
-    indexes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.shards)
 
 
 class _Fs:
@@ -54,6 +54,7 @@ class _Fs:
 
     def __init__(self, remote: bool, url: str = "", storage_options: dict | None = None):
         self.remote = remote
+        self.storage_options = storage_options
         self.fs = None
         if remote:
             import fsspec
@@ -86,16 +87,7 @@ class _Fs:
         return sorted(self.fs.unstrip_protocol(p) for p in self.fs.ls(path, detail=False))
 
     def read_manifest(self, path: str) -> Manifest:
-        try:
-            if self.remote:
-                with self.fs.open(path, "rb") as f:
-                    text = f.read()
-            else:
-                with open(path, "rb") as f:
-                    text = f.read()
-        except OSError as exc:
-            raise ManifestError(f"{path}: cannot read manifest ({exc})") from None
-        return Manifest.from_json(text, source=path)
+        return read_manifest(path, storage_options=self.storage_options)
 
 
 def resolve_source(
@@ -207,14 +199,16 @@ def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
     _check_unique(urls, manifest_path)
     _check_exist(fs, urls)
     return ShardSource(
-        urls=tuple(urls),
+        shards=tuple(_info(u, e) for u, e in zip(urls, manifest.shards, strict=True)),
         format=manifest.shard_format,
-        counts=tuple(e.samples for e in manifest.shards),
         classes=tuple(manifest.classes),
         manifest=manifest,
         manifest_path=manifest_path,
-        indexes=tuple(e.index for e in manifest.shards),
     )
+
+
+def _info(url: str, entry: ShardEntry) -> ShardInfo:
+    return ShardInfo(url, entry.samples, entry.bytes, entry.sha256, entry.index)
 
 
 def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
@@ -223,8 +217,7 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
     _check_exist(fs, urls)
     # A manifest beside the shards gives counts and classes; each directory is read once.
     manifests: dict[str, tuple[str, Manifest, dict[str, ShardEntry]] | None] = {}
-    counts: list[int] = []
-    indexes: list[tuple[int, ...]] = []
+    shards: list[ShardInfo] = []
     covering: list[tuple[str, Manifest]] = []
     for u in urls:
         d = fs.dirname(u)
@@ -238,8 +231,7 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
                 manifests[d] = None
         entry = manifests[d]
         if entry is None:
-            counts.append(UNKNOWN)
-            indexes.append(())
+            shards.append(ShardInfo(u))
             continue
         mpath, m, by_name = entry
         rel = fs.basename(u)
@@ -248,8 +240,7 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
                 f"{u} is not listed in {mpath}: the manifest belongs to another pack; remove "
                 "the stray shard, or re-pack the directory"
             )
-        counts.append(by_name[rel].samples)
-        indexes.append(by_name[rel].index)
+        shards.append(_info(u, by_name[rel]))
         covering.append((mpath, m))
     classes = None
     manifest = manifest_path = None
@@ -265,11 +256,9 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
         if len(distinct) == 1:
             manifest_path, manifest = next(iter(distinct.items()))
     return ShardSource(
-        urls=tuple(urls),
+        shards=tuple(shards),
         format=fmt,
-        counts=tuple(counts),
         classes=classes,
         manifest=manifest,
         manifest_path=manifest_path,
-        indexes=tuple(indexes),
     )

@@ -1,9 +1,13 @@
-"""How datasets reach bytes: a three-method ``Storage`` protocol and its local implementation.
+"""How datasets reach bytes: a small ``Storage`` protocol and its local implementation.
 
 Datasets never call ``open()`` on a shard or image themselves; they ask a ``Storage``. That is the
 seam where remote object stores plug in (``shardkit.remote.RemoteStorage``, chosen by
 ``storage_for`` for URLs), and where the benchmarks inject latency to show that a folder of files
 pays a storage round trip per image while shards pay it once per shard.
+
+A storage has a lifecycle: ``close()`` ends whatever it runs in the background (prefetch threads,
+fetched shards nobody took). The read path (``shardkit.stream.read_slices``) calls it when a read
+ends or is abandoned, so nothing outlives an iteration; the storage stays usable afterwards.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from .errors import StorageError
+from .errors import InputError, StorageError
+from .records import ShardInfo
 
-__all__ = ["Storage", "LocalStorage", "storage_for", "is_url"]
+__all__ = ["Storage", "LocalStorage", "storage_for", "is_url", "url_of"]
 
 #: Read buffer for local shards: large sequential reads, few syscalls per shard.
 DEFAULT_BUFFER = 1 << 20
@@ -26,20 +31,30 @@ class Storage(Protocol):
     """What a dataset needs from wherever the shards live.
 
     Implementations must be picklable without open handles (DataLoader workers may be spawned),
-    and safe to use from several worker processes at once.
+    and safe to use from several worker processes at once. Objects are named by a ``ShardInfo``
+    (what the manifest says about a shard: size and sha256 to verify against) or a plain URL/path.
     """
 
-    def open(self, url: str) -> BinaryIO:
+    def open(self, shard: ShardInfo | str) -> BinaryIO:
         """A readable binary stream over the whole object, read front to back."""
         ...
 
-    def local_path(self, url: str) -> str:
+    def local_path(self, shard: ShardInfo | str) -> str:
         """A path on this machine with the object's bytes (LMDB can only open local files)."""
         ...
 
-    def prefetch(self, urls: Sequence[str]) -> None:
+    def prefetch(self, shards: Sequence[ShardInfo | str]) -> None:
         """A hint: these objects will be opened next, in this order. May do nothing."""
         ...
+
+    def close(self) -> None:
+        """Stop background work and drop what was fetched ahead; later calls start afresh."""
+        ...
+
+
+def url_of(shard: ShardInfo | str) -> str:
+    """The URL or path of a ``ShardInfo`` or of a plain string."""
+    return shard if isinstance(shard, str) else shard.url
 
 
 class LocalStorage:
@@ -52,7 +67,7 @@ class LocalStorage:
 
     def __init__(self, latency_ms: float = 0.0, buffer_size: int = DEFAULT_BUFFER):
         if latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+            raise InputError(f"latency_ms={latency_ms} must be >= 0")
         self.latency_ms = float(latency_ms)
         self.buffer_size = int(buffer_size)
 
@@ -63,9 +78,9 @@ class LocalStorage:
         if self.latency_ms:
             time.sleep(self.latency_ms / 1000.0)
 
-    def open(self, url: str) -> BinaryIO:
+    def open(self, shard: ShardInfo | str) -> BinaryIO:
         self._wait()
-        path = _strip_file_scheme(url)
+        path = _strip_file_scheme(url_of(shard))
         try:
             return open(path, "rb", buffering=self.buffer_size)
         except FileNotFoundError:
@@ -75,17 +90,20 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"{path}: cannot open: {exc.strerror or exc}") from None
 
-    def local_path(self, url: str) -> str:
+    def local_path(self, shard: ShardInfo | str) -> str:
         self._wait()
-        path = _strip_file_scheme(url)
+        path = _strip_file_scheme(url_of(shard))
         if not os.path.exists(path):
             raise StorageError(
                 f"{path}: no such file (was it moved or deleted after the dataset was built?)"
             )
         return path
 
-    def prefetch(self, urls: Sequence[str]) -> None:
+    def prefetch(self, shards: Sequence[ShardInfo | str]) -> None:
         """Local files need no prefetch; the page cache and read-ahead do that job."""
+
+    def close(self) -> None:
+        """Nothing runs in the background: nothing to stop."""
 
 
 def is_url(source: str) -> bool:
@@ -102,32 +120,24 @@ def storage_for(
     source: str | os.PathLike | Sequence[str | os.PathLike],
     storage_options: dict | None = None,
     cache_dir: str | None = None,
-    cache_limit: int | None = None,
+    cache_limit: int | str | None = None,
     prefetch: int = 2,
-    manifest=None,
-    manifest_path: str | None = None,
 ) -> Storage:
     """The storage a source needs: ``LocalStorage`` for paths, ``RemoteStorage`` for URLs.
 
     ``storage_options`` (fsspec options, e.g. credentials or endpoint), ``cache_dir`` and
-    ``cache_limit`` (bytes) and ``prefetch`` (shards fetched ahead) only matter for URLs; they are
-    handed to ``shardkit.remote.RemoteStorage``, imported only when needed so local use never
-    touches network libraries. ``manifest`` (already read by source resolution, at
-    ``manifest_path``) gives the remote reader each shard's size and sha256, so worker processes
-    do not download the manifest again.
+    ``cache_limit`` (bytes or a size string like "10GB") and ``prefetch`` (shards fetched ahead)
+    only matter for URLs; they are handed to ``shardkit.remote.RemoteStorage``, imported only when
+    needed so local use never touches network libraries.
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not any(is_url(os.fspath(s)) for s in items):
         return LocalStorage()
-    from .remote import RemoteStorage, expected_from_manifest
+    from .remote.storage import RemoteStorage
 
-    expected = None
-    if manifest is not None and manifest_path and is_url(manifest_path):
-        expected = expected_from_manifest(manifest, manifest_path)
     return RemoteStorage(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_limit=cache_limit,
         prefetch=prefetch,
-        expected=expected,
     )

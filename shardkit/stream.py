@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import SampleError, ShardFormatError, ShardkitError, StorageError
+from .errors import InputError, SampleError, ShardFormatError, ShardkitError, StorageError
 from .images import decode_image
-from .records import Record, ShardSlice
+from .records import Record, ShardInfo, ShardSlice
 from .storage import Storage
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "rank_samples",
     "plan_epoch",
     "read_slices",
+    "sample_counts",
     "check_labels",
     "decode_records",
     "apply_transforms",
@@ -49,7 +50,7 @@ def _rank_span(total: int, rank: int, world_size: int, equalize: str) -> tuple[i
         return rank * per, (rank + 1) * per
     if equalize == "none":
         return rank * total // world_size, (rank + 1) * total // world_size
-    raise ValueError(f"equalize must be one of {EQUALIZE_MODES}, got {equalize!r}")
+    raise InputError(f"equalize={equalize!r} is not one of: {', '.join(map(repr, EQUALIZE_MODES))}")
 
 
 def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
@@ -58,8 +59,13 @@ def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
     return stop - start
 
 
+def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
+    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on."""
+    return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
+
+
 def plan_epoch(
-    counts: Sequence[int] | np.ndarray,
+    shards: Sequence[ShardInfo] | np.ndarray,
     order: Sequence[int] | np.ndarray,
     *,
     rank: int,
@@ -76,9 +82,10 @@ def plan_epoch(
     "none" gives parts differing by at most one), then each rank part into ``num_workers``
     contiguous worker parts whose sizes differ by at most one and are the same on every rank.
     Parts are cut at sample boundaries, not shard boundaries, so a single shard can feed many
-    workers and no worker idles while another has work.
+    workers and no worker idles while another has work. ``shards`` may also be their
+    ``sample_counts`` array, computed once by a caller that plans many epochs.
     """
-    counts = np.asarray(counts, dtype=np.int64)
+    counts = shards if isinstance(shards, np.ndarray) else sample_counts(shards)
     order = np.asarray(order, dtype=np.int64)
     ordered = counts[order]
     total = int(ordered.sum())
@@ -112,64 +119,57 @@ def plan_epoch(
 
 def read_slices(
     slices: Sequence[ShardSlice],
-    urls: Sequence[str],
+    shards: Sequence[ShardInfo],
     fmt,
     storage: Storage,
-    indexes: Sequence[Sequence[int]] = (),
-    counts: Sequence[int] = (),
     fields: Sequence[str] = (),
 ) -> Iterator[Record]:
-    """Records of each slice in turn, opened through ``storage``.
+    """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
-    ``indexes[i]`` is shard i's sparse byte-offset index from the manifest (if any), so a slice
-    that starts mid-shard seeks near its start instead of reading the shard's prefix.
+    ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
+    remote verification, the offset index for a mid-shard start) travel with it.
 
     Errors name the shard. A slice that yields fewer records than planned raises: the shard is
     shorter than the manifest (or the count taken at construction) says, and a silently short
-    epoch would desynchronise DDP ranks. With ``counts`` (the per-shard counts the plan used), a
-    slice that ends at its shard's end reads on to the real end, and a shard holding more
-    samples than its count raises too, instead of dropping them silently.
+    epoch would desynchronise DDP ranks. A slice that ends at its shard's end (by the shard's
+    ``samples``) reads on to the real end, and a shard holding more samples than that raises
+    too, instead of dropping them silently. ``fields``: extra members to carry (tar only).
+
+    ``storage.close()`` runs when the read ends, fails or is abandoned (``break``, an exception
+    in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
+    threads and fetched shards never outlive the iteration.
     """
-    upcoming = [urls[s.shard] for s in slices]
-    for n, sl in enumerate(slices):
-        url = urls[sl.shard]
-        index = indexes[sl.shard] if indexes else ()
-        storage.prefetch(upcoming[n:])  # this shard first: it is opened next
-        got = 0
-        want = sl.stop - sl.start
-        to_end = bool(counts) and sl.stop == counts[sl.shard]
-        stop = None if to_end else sl.stop
-        try:
-            if fmt.needs_local_file:
-                records = fmt.iter_records(
-                    storage.local_path(url), shard=url, start=sl.start, stop=stop, index=index,
-                    fields=fields,
-                )
+    upcoming = [shards[s.shard] for s in slices]
+    try:
+        for n, sl in enumerate(slices):
+            shard = upcoming[n]
+            storage.prefetch(upcoming[n:])  # this shard first: it is opened next
+            got = 0
+            want = sl.stop - sl.start
+            stop = None if sl.stop == shard.samples else sl.stop
+            records = None
+            try:
+                records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
                     if got == want:
-                        _more_than_counted(url, sl.stop)
+                        _more_than_counted(shard.url, sl.stop)
                     yield rec
                     got += 1
-            else:
-                with storage.open(url) as stream:
-                    records = fmt.iter_records(
-                        stream, shard=url, start=sl.start, stop=stop, index=index, fields=fields
-                    )
-                    for rec in records:
-                        if got == want:
-                            _more_than_counted(url, sl.stop)
-                        yield rec
-                        got += 1
-        except ShardkitError:
-            raise
-        except OSError as exc:
-            raise StorageError(f"{url}: read failed: {exc}") from exc
-        if got != want:
-            raise ShardFormatError(
-                f"{url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended after "
-                f"{sl.start + got}: it is shorter than its manifest or count says (truncated or "
-                "replaced after packing?); re-pack it or rebuild the manifest"
-            )
+            except ShardkitError:
+                raise
+            except OSError as exc:
+                raise StorageError(f"{shard.url}: read failed: {exc}") from exc
+            finally:
+                if records is not None:
+                    records.close()  # the shard's file or mapping, before the storage closes
+            if got != want:
+                raise ShardFormatError(
+                    f"{shard.url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended "
+                    f"after {sl.start + got}: it is shorter than its manifest or count says "
+                    "(truncated or replaced after packing?); re-pack it or rebuild the manifest"
+                )
+    finally:
+        storage.close()
 
 
 def _more_than_counted(url: str, count: int):
@@ -216,9 +216,9 @@ def decode_records(
     of these extra members, in this order, after the key (None where a sample has none).
     """
     if mode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
+        raise InputError(f"decode={mode!r} is not one of: {', '.join(map(repr, DECODE_MODES))}")
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise InputError(f"on_error={on_error!r} is not one of: 'raise', 'skip'")
     names = [f.lower() for f in fields]
     if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:

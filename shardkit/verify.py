@@ -22,6 +22,8 @@ from .fsutil import is_remote
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .paths import check_dataset_path
+from .records import ShardInfo
+from .storage import LocalStorage
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
 
@@ -91,7 +93,7 @@ def verify_shard(
     Never raises for a damaged shard: every failure becomes a problem string, so one bad shard
     does not hide the others.
     """
-    if shard_format.needs_local_file:  # memory-mapped (LMDB): hash first, then open
+    if shard_format.maps_file:  # memory-mapped (LMDB): hash first, then open
         try:
             sha, size = _sha256_and_size(path)
         except FileNotFoundError:
@@ -106,7 +108,10 @@ def verify_shard(
             if size < entry.bytes:
                 digest.append("truncated; not opened (mapping it would crash the reader)")
             return digest, 0
-        return _check_records(path, entry, shard_format, decode, num_classes)
+        shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
+        return _check_records(
+            shard_format.records(LocalStorage(), shard), entry, decode, num_classes
+        )
     # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
         raw = open(path, "rb", buffering=0)
@@ -116,7 +121,8 @@ def verify_shard(
         return [f"unreadable ({exc.strerror})"], 0
     with raw:
         hashing = HashingReader(raw)
-        problems, decoded = _check_records(hashing, entry, shard_format, decode, num_classes)
+        records = shard_format.iter_records(hashing, shard=entry.path)
+        problems, decoded = _check_records(records, entry, decode, num_classes)
         try:
             hashing.drain()
         except OSError as exc:
@@ -133,14 +139,14 @@ def _digest_problems(sha: str, size: int, entry: ShardEntry) -> list[str]:
     return problems
 
 
-def _check_records(source, entry, shard_format, decode, num_classes) -> tuple[list[str], int]:
-    """Problems in the records of ``source`` (a path or a readable stream), images decoded."""
+def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]:
+    """Problems in ``records`` (an iterator over one shard), and the images decoded."""
     problems: list[str] = []
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
     try:
-        for rec in shard_format.iter_records(source, shard=entry.path):
+        for rec in records:
             count += 1
             if num_classes is not None and not 0 <= rec.label < num_classes:
                 bad_labels += 1

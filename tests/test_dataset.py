@@ -20,7 +20,7 @@ from shardkit.dataset import FolderDataset, ShardDataset
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
 from shardkit.packer import pack
-from shardkit.storage import LocalStorage
+from shardkit.storage import LocalStorage, url_of
 
 # Two cores are enough: three workers are deliberate (fewer shards than workers).
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -378,9 +378,9 @@ class _CountingStorage(LocalStorage):
         super().__init__()
         self.opened = []
 
-    def open(self, url):
-        self.opened.append(url)
-        return super().open(url)
+    def open(self, shard):
+        self.opened.append(url_of(shard))
+        return super().open(shard)
 
 
 def test_shards_are_opened_through_the_given_storage(data):
@@ -456,3 +456,14 @@ def test_url_sources_stream_through_remote_storage(data, fmt):
     assert type(ds.storage).__name__ == "RemoteStorage"
     assert all(u.startswith("file://") for u in ds.urls) and len(ds) == N
     assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
+
+
+def test_remote_options_are_checked_and_sizes_accepted(data):
+    with pytest.raises(InputError, match="prefetch=-1"):
+        ShardDataset(data["tar"], prefetch=-1)
+    with pytest.raises(InputError, match="cache_limit='lots'"):
+        ShardDataset(data["tar"], cache_limit="lots")
+    with pytest.raises(InputError, match="with storage= pass them to that storage"):
+        ShardDataset(data["tar"], storage=LocalStorage(), cache_dir="/tmp/x")
+    ds = ShardDataset(data["tar"], cache_limit="1GB", prefetch=0)  # local: options unused
+    assert isinstance(ds.storage, LocalStorage) and len(ds) == N

@@ -131,8 +131,8 @@ def test_index_offsets_seek_to_the_right_sample(foreign):
 
     ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
     parts = [
-        [r.key for r in read_slices(ds.plan(World(0, 1, w, 3)), ds.urls, get_format("tar"),
-                                    ds.storage, ds.indexes, counts=ds.counts.tolist())]
+        [r.key for r in read_slices(ds.plan(World(0, 1, w, 3)), ds.shards, get_format("tar"),
+                                    ds.storage)]
         for w in range(3)
     ]
     assert sum(parts, []) == [k for _, _, k in ds]

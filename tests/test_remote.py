@@ -372,6 +372,8 @@ def test_remote_storage_pickles_without_threads_or_sockets(s3, tmp_path):
 def test_remote_storage_verifies_against_the_manifest_found_beside_the_shards(s3):
     import json
 
+    from shardkit.sources import resolve_source
+
     good, bad = os.urandom(3000), os.urandom(3000)
     manifest = {
         "version": 1,
@@ -383,20 +385,31 @@ def test_remote_storage_verifies_against_the_manifest_found_beside_the_shards(s3
         ],
     }
     b = _bucket(s3, {"good.tar": good, "bad.tar": bad, "manifest.json": json.dumps(manifest)})
-    storage = RemoteStorage(S3Server.options(s3.endpoint), prefetch=0)
-    with storage.open(f"s3://{b}/good.tar") as f:
+    opts = S3Server.options(s3.endpoint)
+    # The manifest beside a brace pattern's shards is read once, by resolution; the ShardInfo
+    # it yields is what the storage verifies against.
+    shards = resolve_source(f"s3://{b}/{{good,bad}}.tar", storage_options=opts).shards
+    storage = RemoteStorage(opts, prefetch=0)
+    with storage.open(shards[0]) as f:
         assert f.read() == good
     with pytest.raises(StorageError, match="bad.tar: sha256"):
-        storage.open(f"s3://{b}/bad.tar")
+        storage.open(shards[1])
     assert len(s3.log.gets("manifest.json")) == 1  # read once per process
+    storage.close()
+    plain = RemoteStorage(opts, prefetch=0)
+    with plain.open(f"s3://{b}/bad.tar") as f:  # a plain URL promises nothing: unchecked
+        assert f.read() == bad
 
 
 def test_local_path_for_lmdb_without_cache_is_a_private_copy(s3):
     b = _bucket(s3, {"a.lmdb": b"A" * 10, "b.lmdb": b"B" * 10, "c.lmdb": b"C" * 10})
     storage = RemoteStorage(S3Server.options(s3.endpoint), prefetch=1, verify=False)
     paths = [storage.local_path(f"s3://{b}/{n}.lmdb") for n in "abc"]
-    assert open(paths[2], "rb").read() == b"C" * 10
+    with open(paths[2], "rb") as f:
+        assert f.read() == b"C" * 10
     assert not os.path.exists(paths[0])  # only the last two private copies are kept
+    storage.close()
+    assert not any(os.path.exists(p) for p in paths)  # close() drops the private copies
 
 
 def test_bad_arguments_are_input_errors():
@@ -404,6 +417,9 @@ def test_bad_arguments_are_input_errors():
         RemoteStorage(cache_limit=10)
     with pytest.raises(InputError, match="prefetch"):
         RemoteStorage(prefetch=-1)
+    with pytest.raises(InputError, match="cache_limit='lots'"):
+        RemoteStorage(cache_dir="/nonexistent", cache_limit="lots")
+    assert RemoteStorage(cache_dir="/nonexistent", cache_limit="1GB").cache_limit == 10**9
 
 
 # --- uploads ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from shardkit.errors import InputError, ManifestError
 from shardkit.manifest import MANIFEST_NAME, read_manifest
+from shardkit.records import ShardInfo
 from shardkit.sources import UNKNOWN, resolve_source
 from shardkit.storage import LocalStorage, is_url, storage_for
 
@@ -41,7 +42,7 @@ def test_directory_manifest_glob_brace_and_list_agree(packed, fmt):
         res = resolve_source(source)
         assert list(res.urls) == shards, source
         assert res.format == fmt
-        assert list(res.counts) == [e.samples for e in manifest.shards]
+        assert [s.samples for s in res.shards] == [e.samples for e in manifest.shards]
         assert list(res.classes) == ["class0", "class1", "class2"]
         assert res.manifest is not None and res.manifest.num_samples == 12
 
@@ -50,7 +51,10 @@ def test_subset_of_shards_takes_counts_from_the_manifest(packed):
     shards = _shards(packed["tar"], ".tar")
     res = resolve_source(shards[1:3])
     m = read_manifest(packed["tar"])
-    assert list(res.counts) == [m.shards[1].samples, m.shards[2].samples]
+    assert [s.samples for s in res.shards] == [m.shards[1].samples, m.shards[2].samples]
+    # every manifest fact of a shard travels with it, in one record
+    e = m.shards[1]
+    assert res.shards[0] == ShardInfo(shards[1], e.samples, e.bytes, e.sha256, e.index)
 
 
 def test_tars_without_manifest_have_unknown_counts(packed, tmp_path):
@@ -58,7 +62,7 @@ def test_tars_without_manifest_have_unknown_counts(packed, tmp_path):
         shutil.copy(p, tmp_path)
     res = resolve_source(str(tmp_path))
     assert res.manifest is None and res.classes is None
-    assert set(res.counts) == {UNKNOWN}
+    assert {s.samples for s in res.shards} == {UNKNOWN}
 
 
 def test_mixed_formats_are_refused(packed, tmp_path):
@@ -119,7 +123,7 @@ def test_file_urls_resolve_through_fsspec(packed):
     res = resolve_source(f"file://{d}/*.tar")
     assert all(u.startswith("file://") for u in res.urls)
     assert [u[len("file://") :] for u in res.urls] == _shards(d, ".tar")
-    assert list(res.counts) == [e.samples for e in read_manifest(d).shards]
+    assert [s.samples for s in res.shards] == [e.samples for e in read_manifest(d).shards]
     res = resolve_source(f"file://{d}")
     assert res.manifest is not None and len(res.urls) == len(_shards(d, ".tar"))
 
@@ -143,5 +147,5 @@ def test_local_storage_latency_and_errors(tmp_path):
     assert st.local_path(f"file://{p}") == str(p)
     with pytest.raises(Exception, match="no such file"):
         st.open(str(tmp_path / "nope.tar"))
-    with pytest.raises(ValueError):
+    with pytest.raises(InputError, match="latency_ms"):
         LocalStorage(latency_ms=-1)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from shardkit.errors import SampleError, ShardFormatError, StorageError
+from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
 from shardkit.images import decode_image
-from shardkit.records import Record, ShardSlice
+from shardkit.records import Record, ShardInfo, ShardSlice
 from shardkit.shuffle import shard_order
 from shardkit.storage import LocalStorage
 from shardkit.stream import (
@@ -32,10 +32,15 @@ def _positions(counts, slices):
     return [(s.shard, i) for s in slices for i in range(s.start, s.stop)]
 
 
+def _infos(counts):
+    """Shard records with these sample counts: what plan_epoch is given."""
+    return [ShardInfo(f"s{i}.tar", c) for i, c in enumerate(counts)]
+
+
 def _plan_all(counts, order, world_size, num_workers, equalize):
     return {
         (r, w): plan_epoch(
-            counts,
+            _infos(counts),
             order,
             rank=r,
             world_size=world_size,
@@ -115,13 +120,13 @@ def test_drop_leaves_out_the_tail_of_the_epoch_stream():
 
 def test_plan_follows_shard_order():
     order = shard_order(6, seed=0, epoch=3)
-    sl = plan_epoch([2] * 6, order, rank=0, world_size=1, worker=0, num_workers=1)
+    sl = plan_epoch(_infos([2] * 6), order, rank=0, world_size=1, worker=0, num_workers=1)
     assert [s.shard for s in sl] == order.tolist()
 
 
 def test_unknown_equalize_mode():
-    with pytest.raises(ValueError, match="equalize"):
-        plan_epoch([3], [0], rank=0, world_size=1, worker=0, num_workers=1, equalize="even")
+    with pytest.raises(InputError, match="equalize"):
+        plan_epoch(_infos([3]), [0], rank=0, world_size=1, worker=0, num_workers=1, equalize="even")
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -148,7 +153,7 @@ def shards(tmp_path):
                 w.add(f"cls/k{k}", "jpg", _jpeg(10 * k), k % 2)
                 k += 1
             w.close()
-            urls.append(path)
+            urls.append(ShardInfo(path, n))
         out[fmt_name] = (fmt, urls)
     return out
 
@@ -170,7 +175,7 @@ def test_a_shard_shorter_than_planned_raises_naming_it(shards, fmt_name):
 
 def test_a_missing_shard_raises_naming_it(shards, tmp_path):
     fmt, urls = shards["tar"]
-    gone = str(tmp_path / "shard-000009.tar")
+    gone = ShardInfo(str(tmp_path / "shard-000009.tar"), 1)
     with pytest.raises(StorageError, match="shard-000009.tar"):
         list(read_slices([ShardSlice(0, 0, 1)], [gone], fmt, LocalStorage()))
 
@@ -180,15 +185,15 @@ class _RecordingStorage(LocalStorage):
         super().__init__()
         self.hints = []
 
-    def prefetch(self, urls):
-        self.hints.append(list(urls))
+    def prefetch(self, shards):
+        self.hints.append([s.url for s in shards])
 
 
 def test_storage_hears_about_upcoming_shards(shards):
     fmt, urls = shards["tar"]
     storage = _RecordingStorage()
     list(read_slices([ShardSlice(1, 0, 1), ShardSlice(0, 0, 1)], urls, fmt, storage))
-    assert storage.hints == [[urls[1], urls[0]], [urls[0]]]
+    assert storage.hints == [[urls[1].url, urls[0].url], [urls[0].url]]
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Shard formats by name: one module per format, each holding its writer and reader.
 
 A ``ShardFormat`` bundles the few operations the packer and the streaming path need, so neither
-of them branches on the format anywhere else. FORMAT.md specifies the bytes of each.
+of them branches on the format anywhere else: in particular the format, not its callers, decides
+how a shard is reached through a ``Storage`` (tar streams front to back from ``open()``; LMDB maps
+a file, so it asks for ``local_path()``). FORMAT.md specifies the bytes of each.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import InputError
-from ..records import Record, ShardStats
+from ..records import Record, ShardInfo, ShardStats
 from .lmdb import LmdbShardWriter, count_lmdb_samples, iter_lmdb_records
 from .tar import IMAGE_EXTS, TarShardWriter, count_tar_samples, iter_tar_records
 
@@ -47,23 +49,78 @@ class FormatWriter(Protocol):
     def abort(self) -> None: ...
 
 
+def _streamed(iter_records: Callable[..., Iterator[Record]], count_fn: Callable[..., int]):
+    """Records of a format read front to back from ``storage.open()``."""
+
+    def records(storage, shard: ShardInfo, start: int, stop: int | None, fields=()):
+        extra = {"fields": fields} if fields else {}
+        with storage.open(shard) as stream:
+            yield from iter_records(
+                stream, shard=shard.url, start=start, stop=stop, index=shard.index, **extra
+            )
+
+    def count(storage, shard: ShardInfo) -> int:
+        with storage.open(shard) as stream:
+            return count_fn(stream, shard=shard.url)
+
+    return records, count
+
+
+def _mapped(iter_records: Callable[..., Iterator[Record]], count_fn: Callable[..., int]):
+    """Records of a format that maps a whole file: it needs ``storage.local_path()``."""
+
+    def records(storage, shard: ShardInfo, start: int, stop: int | None, fields=()):
+        extra = {"fields": fields} if fields else {}
+        path = storage.local_path(shard)
+        return iter_records(
+            path, shard=shard.url, start=start, stop=stop, index=shard.index, **extra
+        )
+
+    def count(storage, shard: ShardInfo) -> int:
+        return count_fn(storage.local_path(shard), shard=shard.url)
+
+    return records, count
+
+
 @dataclass(frozen=True)
 class ShardFormat:
     name: str
     suffix: str
-    #: LMDB maps a file, so remote shards must be fetched to a local file first; tar streams.
-    needs_local_file: bool
     _writer: Callable[[str], FormatWriter]
     _iter: Callable[..., Iterator[Record]]
     _count: Callable[..., int]
+    #: How a shard is reached through a Storage: (records, count) from ``_streamed``/``_mapped``.
+    _access: tuple[Callable[..., Iterator[Record]], Callable[..., int]]
     #: Other name endings read as this format (compressed tars: ``.tar.gz``, ``.tgz``).
     also: tuple[str, ...] = ()
 
     def matches(self, name: str) -> bool:
         return name.endswith((self.suffix, *self.also))
 
+    @property
+    def maps_file(self) -> bool:
+        """True when the reader maps the file (LMDB): damaged bytes can crash it, not raise."""
+        return self._access[0].__qualname__.startswith("_mapped")
+
     def open_writer(self, path: str) -> FormatWriter:
         return self._writer(path)
+
+    def records(
+        self,
+        storage: Any,
+        shard: ShardInfo,
+        start: int = 0,
+        stop: int | None = None,
+        fields: Sequence[str] = (),
+    ) -> Iterator[Record]:
+        """Samples ``[start, stop)`` of ``shard``, reached through ``storage`` as this format
+        needs (a stream or a local file), seeking with ``shard.index`` where it helps;
+        ``fields``: extra members to carry in ``Record.fields`` (tar only)."""
+        return self._access[0](storage, shard, start, stop, fields)
+
+    def count(self, storage: Any, shard: ShardInfo) -> int:
+        """Samples in ``shard`` (no manifest says), reached through ``storage``."""
+        return self._access[1](storage, shard)
 
     def iter_records(
         self,
@@ -75,8 +132,9 @@ class ShardFormat:
         index: Sequence[int] = (),
         fields: Sequence[str] = (),
     ) -> Iterator[Record]:
-        """Samples ``[start, stop)``; ``index`` is the manifest's sparse offset index, if any;
-        ``fields``: extra members to carry in ``Record.fields`` (tar only)."""
+        """Samples ``[start, stop)`` of a local file (or, for tar, a stream); ``index`` is the
+        manifest's sparse offset index, if any; ``fields``: extra members to carry in
+        ``Record.fields`` (tar only)."""
         extra = {"fields": fields} if fields else {}
         return self._iter(source, shard=shard, start=start, stop=stop, index=index, **extra)
 
@@ -86,11 +144,21 @@ class ShardFormat:
 
 FORMATS: dict[str, ShardFormat] = {
     "tar": ShardFormat(
-        "tar", ".tar", False, TarShardWriter, iter_tar_records, count_tar_samples,
+        "tar",
+        ".tar",
+        TarShardWriter,
+        iter_tar_records,
+        count_tar_samples,
+        _streamed(iter_tar_records, count_tar_samples),
         also=(".tar.gz", ".tgz"),
     ),
     "lmdb": ShardFormat(
-        "lmdb", ".lmdb", True, LmdbShardWriter, iter_lmdb_records, count_lmdb_samples
+        "lmdb",
+        ".lmdb",
+        LmdbShardWriter,
+        iter_lmdb_records,
+        count_lmdb_samples,
+        _mapped(iter_lmdb_records, count_lmdb_samples),
     ),
 }
 

@@ -18,7 +18,7 @@ from .fs import filesystem, is_remote_url
 from .inspect import local_copy, read_manifest_url
 from .redact import redact
 from .retry import RetryPolicy, is_transient
-from .storage import RemoteStorage, expected_from_manifest
+from .storage import RemoteStorage
 from .upload import Uploader, join_url, upload_file
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "RetryPolicy",
     "ShardCache",
     "Uploader",
-    "expected_from_manifest",
     "fetch",
     "filesystem",
     "is_remote_url",

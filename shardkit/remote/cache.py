@@ -45,6 +45,8 @@ try:  # POSIX only; elsewhere the cache works without cross-process de-duplicati
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
+from ..errors import InputError
+
 __all__ = ["ShardCache", "CacheStats", "STALE_TEMP_SECONDS"]
 
 #: A temporary download untouched this long belongs to a writer that died; eviction removes it.
@@ -71,7 +73,7 @@ class ShardCache:
 
     def __init__(self, root: str | os.PathLike, limit: int | None = None):
         if limit is not None and limit < 0:
-            raise ValueError(f"cache_limit must be >= 0 bytes, got {limit}")
+            raise InputError(f"cache_limit={limit} must be >= 0 bytes")
         self.root = os.path.abspath(os.fspath(root))
         self.limit = limit
         self.stats = CacheStats()

@@ -13,29 +13,20 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import ManifestError
-from .fetch import MissingObjectError, fetch, read_bytes
+from .fetch import fetch
 from .retry import RetryPolicy
-from .upload import check_bucket, join_url, url_name
 
 __all__ = ["read_manifest_url", "local_copy"]
 
-MANIFEST_NAME = "manifest.json"
-
 
 def read_manifest_url(url: str, storage_options: Mapping[str, Any] | None = None):
-    """The manifest at ``url`` (a ``.../manifest.json`` URL or its prefix) and its own URL."""
-    from ..manifest import Manifest
+    """The manifest at ``url`` (a ``.../manifest.json`` URL or its prefix) and its own URL.
 
-    manifest_url = url if url_name(url) == MANIFEST_NAME else join_url(url, MANIFEST_NAME)
-    try:
-        text = read_bytes(manifest_url, storage_options)
-    except MissingObjectError:
-        check_bucket(url, storage_options)  # a missing bucket is named as such
-        raise ManifestError(
-            f"{manifest_url}: no manifest; pack into this prefix with `shardkit pack SRC {url}`"
-        ) from None
-    return Manifest.from_json(text, source=manifest_url), manifest_url
+    A thin wrapper: ``shardkit.manifest.read_manifest`` is the one reader.
+    """
+    from ..manifest import manifest_location, read_manifest
+
+    return read_manifest(url, storage_options=dict(storage_options or {})), manifest_location(url)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,12 @@
 What a DataLoader worker gets from it: the shard it asks for, fetched whole with one large
 sequential read (retried and resumed on failure), verified against the manifest's size and sha256,
 while the next ``prefetch`` shards of its plan download in the background; with ``cache_dir``, from
-a machine-wide cache that every worker and rank shares.
+a machine-wide cache that every worker and rank shares. What to verify against comes with each
+request: a ``ShardInfo`` carries the manifest's size and sha256 (a plain URL is fetched unchecked).
+
+Lifecycle: ``close()`` stops the prefetch threads and drops shards fetched ahead that nobody took;
+the read path calls it whenever a read ends or is abandoned. The storage stays usable: the next
+call builds a fresh runtime.
 
 Process model: the object holds configuration only. Filesystems, threads and the cache handle are
 built lazily in the process that uses them and rebuilt when the pid changes, so the object pickles
@@ -17,35 +22,22 @@ import contextlib
 import io
 import multiprocessing.util
 import os
-import posixpath
 import shutil
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ..errors import InputError
+from ..records import ShardInfo
+from ..sizes import parse_size
 from .cache import ShardCache
-from .fetch import CHUNK, Expected, FetchStats, MissingObjectError, fetch, read_bytes
+from .fetch import CHUNK, Expected, FetchStats, fetch
 from .fs import DEFAULT_TIMEOUT
 from .prefetch import Prefetcher
 from .retry import RetryPolicy
 
-__all__ = ["RemoteStorage", "expected_from_manifest"]
-
-MANIFEST_NAME = "manifest.json"
-
-
-def expected_from_manifest(manifest: Any, manifest_url: str) -> dict[str, Expected]:
-    """URL -> (size, sha256) for every shard of a ``shardkit.manifest.Manifest`` at that URL."""
-    base = manifest_url.rsplit("/", 1)[0]
-    return {
-        posixpath.join(base, e.path) if "://" not in e.path else e.path: Expected(
-            int(e.bytes), str(e.sha256) or None
-        )
-        for e in manifest.shards
-    }
+__all__ = ["RemoteStorage"]
 
 
 @dataclass
@@ -63,11 +55,13 @@ class _Runtime:
     pid: int
     prefetcher: Prefetcher
     cache: ShardCache | None
-    manifests: dict[str, dict[str, Expected]] = field(default_factory=dict)
-    manifest_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: URL -> the ShardInfo it was last asked for by (what prefetch threads verify against).
+    infos: dict[str, ShardInfo] = field(default_factory=dict)
     fetch_stats: FetchStats = field(default_factory=FetchStats)
     fetched: int = 0
+    prefetched: int = 0  # background fetches begun by prefetchers already closed
     scratch: str | None = None  # private dir for LMDB shards when there is no cache
+    scratch_finalizer: multiprocessing.util.Finalize | None = None
     local_files: list[str] = field(default_factory=list)
 
 
@@ -76,33 +70,31 @@ class RemoteStorage:
 
     ``storage_options``: fsspec options (credentials, ``endpoint_url`` for S3-compatible stores,
     ``client_kwargs``); credentials otherwise come from the environment and config files as the
-    backend (s3fs, gcsfs, adlfs) looks them up. ``cache_dir``/``cache_limit`` (bytes): the shared
-    shard cache (see ``shardkit.remote.cache``). ``prefetch``: shards fetched ahead per worker
-    (0 turns it off). ``retries``/``backoff``: the retry budget (see ``RetryPolicy``).
-    ``timeout``: seconds without progress before an attempt counts as stalled. ``expected``: URL ->
-    ``Expected(size, sha256)``; without it (and with ``verify=True``) each directory's
-    ``manifest.json`` is read once per process, when present, to verify its shards.
+    backend (s3fs, gcsfs, adlfs) looks them up. ``cache_dir``/``cache_limit`` (bytes or a size
+    string such as "10GB"): the shared shard cache (see ``shardkit.remote.cache``). ``prefetch``:
+    shards fetched ahead per worker (0 turns it off). ``retries``/``backoff``: the retry budget
+    (see ``RetryPolicy``). ``timeout``: seconds without progress before an attempt counts as
+    stalled. ``verify=False`` skips the size and sha256 checks a ``ShardInfo`` asks for.
     """
 
     def __init__(
         self,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike | None = None,
-        cache_limit: int | None = None,
+        cache_limit: int | str | None = None,
         prefetch: int = 2,
         *,
         retries: int = RetryPolicy.retries,
         backoff: float = RetryPolicy.backoff,
         max_backoff: float = RetryPolicy.max_backoff,
         timeout: float = DEFAULT_TIMEOUT,
-        expected: Mapping[str, Expected] | None = None,
         verify: bool = True,
         chunk: int = CHUNK,
     ):
         if cache_limit is not None and cache_dir is None:
             raise InputError("cache_limit needs cache_dir: pass cache_dir= too, or drop the limit")
-        if cache_limit is not None and int(cache_limit) < 0:
-            raise InputError(f"cache_limit={cache_limit} must be >= 0 bytes")
+        if cache_limit is not None:
+            cache_limit = parse_size(cache_limit, "cache_limit", minimum=0)
         if int(prefetch) < 0:
             raise InputError(f"prefetch={prefetch} must be >= 0 (0: no prefetch)")
         if int(retries) < 0:
@@ -113,7 +105,6 @@ class RemoteStorage:
         self.depth = int(prefetch)
         self.policy = RetryPolicy(int(retries), float(backoff), float(max_backoff))
         self.timeout = float(timeout)
-        self.expected = dict(expected or {})
         self.verify = bool(verify)
         self.chunk = int(chunk)
         self._rt: _Runtime | None = None
@@ -133,19 +124,34 @@ class RemoteStorage:
         rt = self._rt
         if rt is None or rt.pid != os.getpid():
             cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir else None
-            rt = _Runtime(
-                pid=os.getpid(),
-                prefetcher=Prefetcher(self._get, self.depth, discard=_close_shard),
-                cache=cache,
-            )
+            rt = _Runtime(pid=os.getpid(), prefetcher=None, cache=cache)  # type: ignore[arg-type]
+            rt.prefetcher = self._prefetcher(rt)
             self._rt = rt
         return rt
 
+    def _prefetcher(self, rt: _Runtime) -> Prefetcher:
+        return Prefetcher(lambda url: self._get(rt, url), self.depth, discard=_close_shard)
+
     def close(self) -> None:
-        """Stop prefetching and drop fetched shards nobody took (threads exit when idle)."""
+        """Stop prefetching, drop fetched shards nobody took and private LMDB copies.
+
+        Prefetch threads exit once the download they are in (if any) ends; its result is
+        discarded. Safe to call twice, from ``finally`` blocks, and in a process that never used
+        the storage; the next ``prefetch`` starts new threads. The cache and counters stay.
+        """
         rt = self._rt
-        if rt is not None and rt.pid == os.getpid():
-            rt.prefetcher.close()
+        if rt is None or rt.pid != os.getpid():
+            return
+        old, rt.prefetcher = rt.prefetcher, self._prefetcher(rt)
+        rt.prefetched += old.started
+        old.close()
+        for path in rt.local_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        rt.local_files.clear()
+        if rt.scratch_finalizer is not None:
+            rt.scratch_finalizer()  # removes the private directory now, not at exit
+            rt.scratch = rt.scratch_finalizer = None
 
     def stats(self) -> dict[str, int]:
         """This process's counters: fetches, attempts, bytes, cache hits/misses/evictions."""
@@ -154,7 +160,7 @@ class RemoteStorage:
             "fetched": rt.fetched,
             "attempts": rt.fetch_stats.attempts,
             "bytes": rt.fetch_stats.bytes,
-            "prefetched": rt.prefetcher.started,
+            "prefetched": rt.prefetched + rt.prefetcher.started,
         }
         if rt.cache is not None:
             out |= {
@@ -166,63 +172,72 @@ class RemoteStorage:
 
     # --- Storage protocol ----------------------------------------------------------------------
 
-    def open(self, url: str) -> BinaryIO:
+    def open(self, shard: ShardInfo | str) -> BinaryIO:
         """The whole shard as a readable stream (bytes in memory, or a cache file)."""
-        return self._runtime().prefetcher.take(url).file
+        rt = self._runtime()
+        return rt.prefetcher.take(self._remember(rt, shard)).file
 
-    def local_path(self, url: str) -> str:
+    def local_path(self, shard: ShardInfo | str) -> str:
         """A local file with the shard's bytes (for LMDB): the cache entry, or a private copy.
 
         A private copy (no cache) lives until two more ``local_path`` calls have been made, then
         is deleted; an open LMDB environment keeps reading it after that (POSIX unlink semantics).
         """
         rt = self._runtime()
-        shard = rt.prefetcher.take(url)
-        shard.file.close()
-        assert shard.path is not None
-        if rt.cache is None:
-            rt.local_files.append(shard.path)
-            while len(rt.local_files) > 2:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(rt.local_files.pop(0))
-        return shard.path
+        url = self._remember(rt, shard)
+        got = rt.prefetcher.take(url)
+        if got.path is not None:  # a cache entry: the path outlives the descriptor
+            got.file.close()
+            return got.path
+        path = self._private_copy(rt, url, got)
+        rt.local_files.append(path)
+        while len(rt.local_files) > 2:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(rt.local_files.pop(0))
+        return path
 
-    def prefetch(self, urls: Sequence[str]) -> None:
-        """Start fetching the first ``prefetch`` of ``urls``; they are opened next, in order."""
-        if self.depth:
-            self._runtime().prefetcher.want(urls)
+    def prefetch(self, shards: Sequence[ShardInfo | str]) -> None:
+        """Start fetching the first ``prefetch`` of ``shards``; they are opened next, in order.
+
+        Prefetched shards are held in memory (or in the cache); a format that maps files
+        (LMDB) asks ``local_path``, which then copies the bytes to a private file.
+        """
+        if not self.depth:
+            return
+        rt = self._runtime()
+        wanted: list[str] = []
+        for shard in shards:  # a plan may name a shard twice in a row: look past repeats
+            url = self._remember(rt, shard)
+            if url not in wanted:
+                wanted.append(url)
+                if len(wanted) == self.depth:
+                    break
+        rt.prefetcher.want(wanted)
+
+    @staticmethod
+    def _remember(rt: _Runtime, shard: ShardInfo | str) -> str:
+        """The URL of ``shard``, noting what it should hold for the fetch that follows."""
+        if isinstance(shard, str):
+            url = shard
+            shard = rt.infos.get(url) or ShardInfo(url)
+        else:
+            url = shard.url
+        rt.infos[url] = shard
+        return url
 
     # --- fetching ------------------------------------------------------------------------------
 
     def expected_for(self, url: str) -> Expected:
-        """What the manifest says about ``url``: given at construction, or found beside it."""
-        known = self.expected.get(url)
-        if known is not None or not self.verify:
-            return known or Expected()
-        rt = self._runtime()
-        base, _, name = url.rpartition("/")
-        with rt.manifest_lock:  # prefetch threads ask at once: one request per directory
-            if base not in rt.manifests:
-                rt.manifests[base] = self._load_manifest(f"{base}/{MANIFEST_NAME}")
-        return rt.manifests[base].get(name, Expected())
+        """What the last ``ShardInfo`` asked for at ``url`` says it holds (size and sha256)."""
+        return self._expected(self._runtime(), url)
 
-    def _load_manifest(self, manifest_url: str) -> dict[str, Expected]:
-        from ..manifest import Manifest
+    def _expected(self, rt: _Runtime, url: str) -> Expected:
+        info = rt.infos.get(url)
+        if info is None or not self.verify:
+            return Expected()
+        return Expected(info.bytes if info.bytes >= 0 else None, info.sha256 or None)
 
-        try:
-            text = read_bytes(
-                manifest_url, self.storage_options, policy=self.policy, timeout=self.timeout
-            )
-        except MissingObjectError:
-            return {}  # shards without a manifest (e.g. a brace pattern): nothing to check against
-        manifest = Manifest.from_json(text, source=manifest_url)
-        return {
-            url.rpartition("/")[2]: exp
-            for url, exp in expected_from_manifest(manifest, manifest_url).items()
-        }
-
-    def _fetch_into(self, url: str, out: BinaryIO, expected: Expected) -> None:
-        rt = self._runtime()
+    def _fetch_into(self, rt: _Runtime, url: str, out: BinaryIO, expected: Expected) -> None:
         fetch(
             url,
             out,
@@ -235,50 +250,48 @@ class RemoteStorage:
         )
         rt.fetched += 1
 
-    def _get(self, url: str) -> _Shard:
-        """Fetch one shard (runs on a prefetch thread, or in the consumer when not prefetched)."""
-        rt = self._runtime()
-        exp = self.expected_for(url)
+    def _get(self, rt: _Runtime, url: str) -> _Shard:
+        """Fetch one shard (on a prefetch thread, or in the consumer when not prefetched).
+
+        ``rt`` is the runtime that asked: a thread finishing after ``close()`` fills a runtime
+        nobody uses any more, never a new one.
+        """
+        exp = self._expected(rt, url)
         if rt.cache is not None:
             f, path = rt.cache.get(
-                url, lambda out: self._fetch_into(url, out, exp), sha256=exp.sha256, size=exp.size
+                url,
+                lambda out: self._fetch_into(rt, url, out, exp),
+                sha256=exp.sha256,
+                size=exp.size,
             )
             return _Shard(f, path)
-        if _needs_local_file(url):
-            if rt.scratch is None:
-                rt.scratch = tempfile.mkdtemp(prefix="shardkit-remote-")
-                # Finalize, not atexit: forked DataLoader workers leave through os._exit.
-                multiprocessing.util.Finalize(
-                    self,
-                    shutil.rmtree,
-                    args=(rt.scratch,),
-                    kwargs={"ignore_errors": True},
-                    exitpriority=10,
-                )
-            fd, path = tempfile.mkstemp(dir=rt.scratch, suffix="-" + url.rpartition("/")[2])
-            os.close(fd)
-            try:
-                with open(path, "w+b") as out:
-                    self._fetch_into(url, out, exp)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                raise
-            return _Shard(open(path, "rb", buffering=0), path)
         buf = io.BytesIO()
-        self._fetch_into(url, buf, exp)
+        self._fetch_into(rt, url, buf, exp)
         buf.seek(0)
         return _Shard(buf)
+
+    def _private_copy(self, rt: _Runtime, url: str, got: _Shard) -> str:
+        """Write a shard fetched into memory to a private file (no cache; for LMDB)."""
+        if rt.scratch is None:
+            rt.scratch = tempfile.mkdtemp(prefix="shardkit-remote-")
+            # Finalize, not atexit: forked DataLoader workers leave through os._exit.
+            rt.scratch_finalizer = multiprocessing.util.Finalize(
+                self,
+                shutil.rmtree,
+                args=(rt.scratch,),
+                kwargs={"ignore_errors": True},
+                exitpriority=10,
+            )
+        fd, path = tempfile.mkstemp(dir=rt.scratch, suffix="-" + url.rpartition("/")[2])
+        try:
+            with os.fdopen(fd, "wb") as out, got.file as src:
+                shutil.copyfileobj(src, out, self.chunk)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return path
 
 
 def _close_shard(shard: _Shard) -> None:
     shard.file.close()
-
-
-def _needs_local_file(url: str) -> bool:
-    from ..formats import format_for_path
-
-    try:
-        return format_for_path(url).needs_local_file
-    except Exception:
-        return False
