@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..errors import ShardFormatError
+from ..fsutil import open_regular
 from ..images import IMAGE_EXTENSIONS
 from ..manifest import INDEX_EVERY
 from ..records import Record, ShardStats
@@ -162,8 +163,11 @@ class TarShardWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            f, self._file = self._file, None
+            try:
+                f.close()  # flushes the buffer: fails again on a full disk, which is known
+            except OSError:
+                pass
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -322,7 +326,7 @@ def _open(source: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str, bool]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         try:
-            return open(path, "rb", buffering=0), path, True
+            return open_regular(path, buffering=0), path, True
         except OSError as exc:
             raise ShardFormatError(f"{path}: cannot open shard ({exc.strerror})") from None
     return source, _name_of(source), False
