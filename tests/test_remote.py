@@ -285,6 +285,26 @@ def test_cache_limit_evicts_least_recently_used(tmp_path):
     assert opened[1].read() == b"b" * 100  # an evicted entry stays readable through its open fd
 
 
+def _dead_pid() -> int:
+    child = multiprocessing.get_context("spawn").Process(target=int)
+    child.start()
+    child.join()
+    return child.pid
+
+
+def test_cache_removes_temporaries_only_of_dead_processes(tmp_path):
+    """One stale-temp policy (fsutil): by owner pid, never by age; a live writer's stays."""
+    cache = ShardCache(tmp_path, limit=10**6)
+    entry = os.path.basename(cache.path("s3://b/x.tar"))
+    dead = tmp_path / f".tmp-{entry}.{_dead_pid()}.0123abcd"
+    live = tmp_path / f".tmp-{entry}.{os.getppid()}.4567abcd"  # pytest's parent: alive
+    for p in (dead, live):
+        p.write_bytes(b"partial")
+        os.utime(p, (1, 1))  # ancient: age alone would have removed both
+    cache.evict()
+    assert sorted(os.listdir(tmp_path)) == [live.name]
+
+
 def test_entry_depends_on_content_hash(tmp_path):
     cache = ShardCache(tmp_path)
     assert cache.path("s3://b/a.tar", "00") != cache.path("s3://b/a.tar", "11")

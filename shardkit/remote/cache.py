@@ -26,6 +26,11 @@ entry handed out is already an open file descriptor, and on POSIX an unlinked fi
 through its open descriptors, so eviction by another process never breaks a reader. The space of a
 file evicted while open is freed when it is closed, so the disk can briefly hold ``limit`` plus the
 shards being read. A single shard larger than ``limit`` is kept until the next insert evicts it.
+
+Temporaries carry their owner's pid and are removed (by whoever evicts next) only once that
+process is gone, the one stale-temp policy of ``shardkit.fsutil``: never a live writer's
+download, however slow. Pids are per machine, so ``cache_dir`` is one machine's cache; sharing it
+over a network filesystem between hosts is not supported.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import hashlib
 import os
 import re
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -46,17 +50,16 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import InputError
+from ..fsutil import pid_alive
 
-__all__ = ["ShardCache", "CacheStats", "STALE_TEMP_SECONDS"]
+__all__ = ["ShardCache", "CacheStats"]
 
-#: A temporary download untouched this long belongs to a writer that died; eviction removes it.
-STALE_TEMP_SECONDS = 3600.0
 _TMP, _LOCK = ".tmp-", ".lock-"
 #: The names this cache writes (``entry_name``, and its temporaries). ``cache_dir`` may be a folder
 #: the user also keeps other things in: eviction and temp cleanup touch only regular files whose
 #: names match these, never anything else there (a user's file, a subdirectory, a symlink).
 _ENTRY = re.compile(r"[0-9a-f]{20}-[\w.-]{1,80}")
-_TEMP = re.compile(r"\.tmp-[0-9a-f]{20}-[\w.-]{1,80}\.[0-9]+\.[0-9a-f]{8}")
+_TEMP = re.compile(r"\.tmp-[0-9a-f]{20}-[\w.-]{1,80}\.([0-9]+)\.[0-9a-f]{8}")
 
 
 @dataclass
@@ -221,10 +224,13 @@ class ShardCache:
         return freed
 
     def _remove_stale_temps(self) -> None:
-        cutoff = time.time() - STALE_TEMP_SECONDS
+        """Remove downloads whose process is gone (never a live one's, however old)."""
+        me = os.getpid()
         with os.scandir(self.root) as it:
             for e in it:
-                if _TEMP.fullmatch(e.name):
-                    with contextlib.suppress(FileNotFoundError):
-                        if e.is_file(follow_symlinks=False) and e.stat().st_mtime < cutoff:
-                            os.unlink(e.path)
+                m = _TEMP.fullmatch(e.name)
+                if m is None or int(m.group(1)) == me or pid_alive(int(m.group(1))):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if e.is_file(follow_symlinks=False):
+                        os.unlink(e.path)
