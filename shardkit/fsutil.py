@@ -30,7 +30,6 @@ __all__ = [
     "fsync_dir",
     "interrupted_commit",
     "interrupted_message",
-    "is_remote",
     "pid_alive",
     "publish",
     "recover",
@@ -45,17 +44,6 @@ STAGING_PREFIX = ".partial-"
 JOURNAL_NAME = ".shardkit-commit.json"
 #: The journal a pre-journal shardkit left inside its staging dir (rolled back, never forward).
 _LEGACY_JOURNAL = "commit.json"
-
-
-def is_remote(path: str) -> bool:
-    """An object-store or HTTP URL (``s3://``, ``https://`` ...), not a path or ``file://``.
-
-    Same rule as ``storage.is_url``, kept here so writers and ``verify`` can tell without
-    importing the streaming side (and, through it, the remote package).
-    """
-    head, sep, _ = path.partition("://")
-    scheme = head.replace("+", "").replace("-", "")
-    return bool(sep) and len(head) > 1 and scheme.isalnum() and head != "file"
 
 
 def temp_name(path: str) -> str:

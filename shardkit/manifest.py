@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
-from .storage import is_url
+from .urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = [
     "MANIFEST_NAME",
@@ -198,10 +198,7 @@ class Manifest:
         a string where a list belongs, a NUL or a path leaving the directory.
         """
         if len(text) > MAX_MANIFEST_BYTES:
-            raise ManifestError(
-                f"{source}: {len(text)} bytes, more than any manifest shardkit writes "
-                f"({MAX_MANIFEST_BYTES}); not a shardkit manifest, re-pack"
-            )
+            raise _too_large(source, f"{len(text)} bytes")
         try:
             doc = json.loads(text)
         except (ValueError, RecursionError) as exc:
@@ -260,6 +257,13 @@ class Manifest:
         return manifest
 
 
+def _too_large(source: str, size: str) -> ManifestError:
+    return ManifestError(
+        f"{source}: {size}, more than any manifest shardkit writes ({MAX_MANIFEST_BYTES}); "
+        "not a shardkit manifest, re-pack"
+    )
+
+
 def write_manifest(manifest: Manifest, out_dir: str) -> str:
     """Write ``out_dir/manifest.json`` atomically; callers write it after every shard is final."""
     path = os.path.join(out_dir, MANIFEST_NAME)
@@ -271,9 +275,7 @@ def manifest_location(where: str | os.PathLike) -> str:
     """The manifest's own path or URL, given it, its dataset directory or its URL prefix."""
     where = os.fspath(where)
     if is_url(where):
-        if where.rstrip("/").endswith("/" + MANIFEST_NAME):
-            return where
-        return where.rstrip("/") + "/" + MANIFEST_NAME
+        return where if url_name(where) == MANIFEST_NAME else join_url(where, MANIFEST_NAME)
     return os.path.join(where, MANIFEST_NAME) if os.path.isdir(where) else where
 
 
@@ -291,15 +293,17 @@ def read_manifest(
     """
     path = manifest_location(where)
     if is_url(path):
-        from .remote.fetch import MissingObjectError, read_bytes
+        from .remote.fetch import MissingObjectError, TooLargeError, read_bytes
 
         try:
-            text = read_bytes(path, storage_options, policy=policy)
+            text = read_bytes(path, storage_options, policy=policy, max_size=MAX_MANIFEST_BYTES)
         except MissingObjectError:
-            prefix = path.rpartition("/")[0] + "/"
+            prefix = url_path(url_parent(path)) + "/"
             raise ManifestError(
                 f"{path}: no manifest; pack into this prefix with `shardkit pack SRC {prefix}`"
             ) from None
+        except TooLargeError:  # refused while it arrives, before it fills memory
+            raise _too_large(path, f"over {MAX_MANIFEST_BYTES} bytes") from None
         return Manifest.from_json(text, source=path)
     try:
         with open(path, "rb") as f:

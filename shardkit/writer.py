@@ -36,7 +36,6 @@ from .fsutil import (
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
-    is_remote,
     publish,
     recover,
     remove_stale_staging,
@@ -45,6 +44,7 @@ from .fsutil import (
 from .images import IMAGE_EXTENSIONS
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from .sizes import parse_size
+from .urls import is_remote, join_url
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "WriterReport", "image_ext", "shard_name"]
 
@@ -199,7 +199,7 @@ class ShardWriter:
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
         from .remote.fetch import storage_error
         from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_writable, join_url
+        from .remote.upload import Uploader, check_writable
 
         url = self.out
         check_writable(url)
@@ -340,8 +340,6 @@ class ShardWriter:
         return self.report
 
     def _commit_remote(self, local_manifest: str) -> str:
-        from .remote.upload import join_url
-
         url = self._uploader.finish(local_manifest)
         new = {e.path for e in self._entries}
         for name in self._replaced:  # old shards the new manifest does not list
