@@ -225,7 +225,8 @@ def interrupted_message(directory: str) -> str:
     return (
         f"{directory}: a pack into this directory was interrupted while committing its shards "
         f"({JOURNAL_NAME} is there, manifest.json is not), so the shards are incomplete; pack "
-        "into it again (shardkit pack ... --overwrite), which first finishes the commit"
+        "into it again with overwrite=True (`shardkit pack ... --overwrite`), which first finishes "
+        "the commit"
     )
 
 
