@@ -17,14 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InputError, StorageError
+from ..manifest import MANIFEST_NAME
 from ..urls import join_url, url_name, url_parent  # re-exported: the one URL module
 from .fetch import storage_error
 from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of, strip
 from .retry import RetryPolicy, is_transient
 
 __all__ = ["check_writable", "join_url", "url_name", "url_parent", "upload_file", "Uploader"]
-
-MANIFEST_NAME = "manifest.json"
 
 
 def check_writable(url: str) -> None:

@@ -114,7 +114,7 @@ def _complete(out: Path, marker: dict | None, params: dict) -> bool:
     return found == marker.get("images")
 
 
-def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
+def _report_from(out: Path, marker: dict, started: float, reused: bool = True) -> SynthReport:
     return SynthReport(
         path=out,
         images=marker["images"],
@@ -122,7 +122,7 @@ def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
         total_bytes=marker["total_bytes"],
         mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
         seconds=time.perf_counter() - started,
-        reused=True,
+        reused=reused,
     )
 
 
@@ -199,15 +199,7 @@ def _build(
         raise
     if not placed:  # a concurrent run with the same parameters finished first: same bytes
         return _report_from(out, marker, started)
-    return SynthReport(
-        path=out,
-        images=marker["images"],
-        folders=marker["folders"],
-        total_bytes=marker["total_bytes"],
-        mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
-        seconds=time.perf_counter() - started,
-        reused=False,
-    )
+    return _report_from(out, marker, started, reused=False)
 
 
 def _run(job: _Job, n: int, workers: int) -> int:
