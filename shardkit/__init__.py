@@ -24,6 +24,7 @@ from .writer import ShardWriter
 
 if TYPE_CHECKING:
     from .dataset import FolderDataset, ShardDataset
+    from .loader import ShardLoader
 
 __all__ = [
     "FolderDataset",
@@ -37,6 +38,7 @@ __all__ = [
     "ShardDataset",
     "ShardEntry",
     "ShardFormatError",
+    "ShardLoader",
     "ShardWriter",
     "ShardkitError",
     "StorageError",
@@ -44,7 +46,7 @@ __all__ = [
     "read_manifest",
 ]
 
-_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset"}
+_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset", "ShardLoader": "loader"}
 
 
 def __getattr__(name: str) -> Any:

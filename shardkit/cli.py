@@ -333,15 +333,21 @@ class FormatWorkers(click.ParamType):
               help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
                    "{format} is replaced per shard format. Default: <data>-shards-{format}.")
 @click.option("--formats", type=NameList(), default=None, metavar="LIST",
-              help="Comma-separated, from folder,tar,lmdb,memory. Default: folder,tar,lmdb (folder "
-                   "only when a source folder is known). memory: a reference, the same bytes "
-                   "held in RAM through the same DataLoader.")
+              help="Comma-separated, from folder,tar,lmdb,memory,loader. Default: folder,tar,lmdb "
+                   "(folder only when a source folder is known). memory: a reference, the same "
+                   "bytes held in RAM through the same DataLoader. loader: the tar shards "
+                   "through ShardLoader (decode threads, --workers of them), decode mode only.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--batches", type=click.IntRange(min=1), default=None,
-              help="Timed batches per run, after a warm-up of one batch per worker. Default by "
-                   "mode: raw 150, decode 30, augment 12.")
-@click.option("--max-seconds", type=click.FloatRange(min=0), default=2.5, show_default=True,
-              help="Also stop timing a run after this long (at least 5 batches); 0: no limit.")
+              help="Time exactly this many batches per run (after a warm-up of one batch per "
+                   "worker) instead of --min-samples/--min-seconds.")
+@click.option("--min-samples", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Time each run until it has at least this many samples...")
+@click.option("--min-seconds", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="...and at least this many seconds (or the epoch ends).")
+@click.option("--max-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Stop timing a run after this long even if short of the minimums, so the "
+                   "bench's time is known up front; 0: no limit.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Runs per (format, workers); the table shows mean ± std over them.")
 @click.option("--cold/--warm", default=True, show_default=True,
@@ -369,7 +375,8 @@ class FormatWorkers(click.ParamType):
 @click.option("--shard-size", type=Size(), default="32MB", show_default=True,
               help="Shard size when packing on the fly.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, repeats, cold,
+def bench_cmd(workers, data, shards, formats, batch_size, batches, min_samples, min_seconds,
+              max_seconds, repeats, cold,
               latency_ms, mode, step_ms, json_path, plot_path, timeline_path, timeline_config,
               seed, shard_size, quiet) -> None:
     """Measure folder-of-files vs shards through real DataLoaders across worker counts.
@@ -387,6 +394,8 @@ def bench_cmd(workers, data, shards, formats, batch_size, batches, max_seconds, 
         workers=workers,
         batch_size=batch_size,
         batches=batches,
+        min_samples=min_samples,
+        min_seconds=min_seconds,
         max_seconds=max_seconds or None,
         repeats=repeats,
         cold=cold,

@@ -29,8 +29,9 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
+from .geometry import Geometry, TensorDecoder
 from .images import IMAGE_EXTENSIONS, decode_image
-from .records import UNKNOWN, ShardInfo, ShardSlice
+from .records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, buffer_rng, shard_order, shuffle_buffer
 from .sizes import parse_size
@@ -87,6 +88,11 @@ class ShardDataset(IterableDataset):
     ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
     (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
     sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
+
+    ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
+    (see shardkit.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
+    ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
+    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat.
     """
 
     def __init__(
@@ -110,9 +116,15 @@ class ShardDataset(IterableDataset):
         prefetch: int = 2,
         rank: int | None = None,
         world_size: int | None = None,
+        size: int | None = None,
+        crop: str = "center",
+        flip: bool = False,
     ):
         super().__init__()
         _check_choice("decode", decode, DECODE_MODES)
+        if size is not None and decode != "tensor":
+            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
+        self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
         _check_choice("equalize", equalize, EQUALIZE_MODES)
         _check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
@@ -195,8 +207,11 @@ class ShardDataset(IterableDataset):
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
 
-    def plan(self, world: World | None = None, epoch: int | None = None) -> list[ShardSlice]:
-        """The slices one worker reads in an epoch (default: the caller's, current epoch)."""
+    def plan(
+        self, world: World | None = None, epoch: int | None = None, batch_size: int | None = None
+    ) -> list[ShardSlice]:
+        """The slices one worker reads in an epoch (default: the caller's, current epoch);
+        ``batch_size`` cuts worker parts at its multiples (``stream.worker_span``)."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
         order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
@@ -208,6 +223,7 @@ class ShardDataset(IterableDataset):
             worker=world.worker,
             num_workers=world.num_workers,
             equalize=self.equalize,
+            batch_size=batch_size,
         )
 
     def _start_epoch(self, world: World) -> int:
@@ -229,7 +245,26 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
-        slices = self.plan(world, epoch)
+        records = self.records(world, epoch)
+        samples = decode_records(
+            records,
+            self.decode,
+            on_error=self.on_error,
+            with_keys=self.with_keys,
+            skipped=self._skip_counter(world.worker),
+            fields=self.fields,
+            decoder=self.tensor_decoder(epoch) if self.geometry is not None else None,
+        )
+        if self.transform is not None or self.target_transform is not None:
+            samples = apply_transforms(samples, self.transform, self.target_transform)
+        return samples
+
+    def records(
+        self, world: World, epoch: int, batch_size: int | None = None
+    ) -> Iterator[Record]:
+        """The stored records worker ``world.worker`` reads in ``epoch``, in order: plan -> read
+        -> label check -> shuffle buffer. ``ShardLoader``'s decode threads each iterate one."""
+        slices = self.plan(world, epoch, batch_size)
         records = read_slices(
             slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
         )
@@ -238,17 +273,11 @@ class ShardDataset(IterableDataset):
         if self.shuffle and self.buffer_size > 1:
             rng = buffer_rng(self.seed, epoch, world.rank, world.worker)
             records = shuffle_buffer(records, self.buffer_size, rng)
-        samples = decode_records(
-            records,
-            self.decode,
-            on_error=self.on_error,
-            with_keys=self.with_keys,
-            skipped=self._skip_counter(world.worker),
-            fields=self.fields,
-        )
-        if self.transform is not None or self.target_transform is not None:
-            samples = apply_transforms(samples, self.transform, self.target_transform)
-        return samples
+        return records
+
+    def tensor_decoder(self, epoch: int) -> TensorDecoder:
+        """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
+        return TensorDecoder(self.geometry, self.seed, epoch, self.rank)
 
     def _skip_counter(self, worker: int) -> Callable[[], None]:
         state, slot = self._state, _SKIPPED + worker % _SKIP_SLOTS

@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 
 from .errors import OutputError
 
@@ -30,12 +31,14 @@ __all__ = [
     "fsync_dir",
     "interrupted_commit",
     "interrupted_message",
+    "open_regular",
     "pid_alive",
     "publish",
     "recover",
     "remove_stale_staging",
     "staging_name",
     "temp_name",
+    "write_error",
 ]
 
 #: Prefix of a writer's staging directory inside its output: ``.partial-<pid>-<hex>``.
@@ -44,6 +47,42 @@ STAGING_PREFIX = ".partial-"
 JOURNAL_NAME = ".shardkit-commit.json"
 #: The journal a pre-journal shardkit left inside its staging dir (rolled back, never forward).
 _LEGACY_JOURNAL = "commit.json"
+
+
+def open_regular(path: str, buffering: int = -1):
+    """Open a user-given path for reading in binary, refusing anything but a regular file.
+
+    ``open()`` of a FIFO blocks until a writer appears (forever, for a FIFO named like
+    ``manifest.json`` or a shard), and a device can stream without end: the path is opened with
+    ``O_NONBLOCK`` (which never blocks), checked with ``fstat`` on that same descriptor (no race
+    with a swap), and only then made blocking again. A refusal is an ``OSError`` whose
+    ``strerror`` says what the path is, so callers' ``except OSError`` turn it into their own
+    one-line error. ``buffering=0`` gives a raw ``FileIO`` (``readinto`` without a copy).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+            raise OSError(code, f"not a regular file ({_kind(mode)}); expected a file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 def temp_name(path: str) -> str:
@@ -79,6 +118,37 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         _unlink(tmp)
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def write_error(out: str, exc: BaseException, what: str) -> OutputError:
+    """The one-line error for a failed write into ``out`` (disk full, quota, I/O error).
+
+    Says what was being written, the system's reason and how much room is left on the disk
+    holding ``out``, and the fix; the callers have already removed what they had half-written.
+    """
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    try:
+        free = shutil.disk_usage(out).free
+        room = f" ({_human(free)} free on its disk)"
+    except OSError:
+        free, room = None, ""
+    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or (
+        free is not None and free < 1 << 20
+    )
+    fix = (
+        "free space on that disk (or choose another output) and pack again"
+        if full
+        else "check the disk holding it (or choose another output) and pack again"
+    )
+    return OutputError(f"cannot write {what} in {out!r}: {reason}{room}; {fix}")
+
+
+def _human(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def _unlink(path: str) -> None:
@@ -163,7 +233,7 @@ def _roll_back_legacy(directory: str, staging: str) -> None:
     if not os.path.isfile(journal) or os.path.exists(os.path.join(directory, "manifest.json")):
         return
     try:
-        with open(journal, encoding="utf-8") as f:
+        with open_regular(journal) as f:
             names = json.load(f)["shards"]
     except (OSError, ValueError, KeyError, TypeError):
         return
@@ -285,7 +355,7 @@ def recover(directory: str) -> bool:
     if path is None:
         return False
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             journal = json.load(f)
         ok = (
             isinstance(journal, dict)

@@ -2,6 +2,16 @@
 
 One home for what pack, verify, the folder reader and the streaming decode stage all need, so
 "is this an image?" has one answer everywhere (pack used to accept 5 types, the tar reader 10).
+
+Two decoders. JPEG goes through libjpeg-turbo's TurboJPEG API (``simplejpeg``): from memory, into
+a caller-given buffer, at a reduced DCT scale when a smaller image will do, with the GIL released.
+Pillow decodes everything else (PNG, WebP, ...) and is the fallback for any JPEG TurboJPEG
+refuses (12-bit, damaged but still readable); if Pillow fails too, the sample is corrupt. Both
+link libjpeg-turbo with the same settings (accurate integer DCT, fancy upsampling), so their
+pixels agree: measured on the synthetic LFW and ImageNet sets, full-size decodes are identical
+(max abs difference 0) and CMYK JPEGs differ by at most 1 level (``MAX_PATH_DIFFERENCE``).
+Neither library decodes a region of interest: TurboJPEG's cropping (``tj3SetCroppingRegion``)
+is not exposed by simplejpeg nor by Pillow, so only the DCT scale reduces the work.
 """
 
 from __future__ import annotations
@@ -10,14 +20,21 @@ import io
 import warnings
 
 import numpy as np
+import simplejpeg
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "RESIZE_QUALITY",
     "TRAILER_WINDOW",
+    "MAX_PATH_DIFFERENCE",
+    "BufferShapeError",
     "check_image_bytes",
     "decode_error",
     "decode_image",
+    "decode_rgb",
+    "image_size",
+    "is_jpeg",
+    "jpeg_scale",
     "resize_short_side",
 ]
 
@@ -33,6 +50,10 @@ RESIZE_QUALITY = 90
 #: sometimes pad a few bytes after it.
 TRAILER_WINDOW = 256
 
+
+#: Largest difference in 8-bit levels between a pixel decoded by simplejpeg and by Pillow from the
+#: same JPEG at the same scale (CMYK conversion rounds differently; RGB/gray JPEGs agree exactly).
+MAX_PATH_DIFFERENCE = 1
 
 _JPEG = b"\xff\xd8\xff"
 _PNG = b"\x89PNG\r\n\x1a\n"
@@ -129,6 +150,107 @@ def resize_short_side(data: bytes, short: int, quality: int = RESIZE_QUALITY) ->
             return buf.getvalue()
 
 
+# --- decoding ----------------------------------------------------------------------------------
+
+
+def is_jpeg(data: bytes) -> bool:
+    return data[:3] == _JPEG
+
+
+def jpeg_scale(height: int, width: int, min_size: tuple[int, int] | None) -> int:
+    """The largest DCT down-scaling divisor (8, 4, 2 or 1) that keeps the image >= ``min_size``.
+
+    Only powers of two: libjpeg-turbo's other factors (7/8, 3/4, 5/8 ...) measured 20-60% SLOWER
+    than a full decode on ImageNet-sized JPEGs, and 1/2 only ~20% faster (at quality 90 Huffman
+    decoding, which no scale skips, is most of the cost).
+    """
+    if not min_size:
+        return 1
+    need_h, need_w = min_size
+    for d in (8, 4, 2):
+        if -(-height // d) >= need_h and -(-width // d) >= need_w:
+            return d
+    return 1
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(height, width) from the header alone (microseconds for JPEG: no pixels are decoded)."""
+    if is_jpeg(data):
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            return height, width
+        except ValueError:
+            pass  # Pillow may still read it
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+    return height, width
+
+
+class BufferShapeError(ValueError):
+    """The image does not have the shape of the buffer it was to be decoded into."""
+
+    def __init__(self, shape: tuple[int, ...], buffer: tuple[int, ...]):
+        super().__init__(f"decoded {tuple(shape)} does not fit the buffer {tuple(buffer)}")
+        self.shape, self.buffer = tuple(shape), tuple(buffer)
+
+
+def decode_rgb(
+    data: bytes,
+    *,
+    min_size: tuple[int, int] | None = None,
+    out: np.ndarray | None = None,
+    pillow: bool = False,
+) -> np.ndarray:
+    """Decode to an HWC uint8 RGB array, at the smallest DCT scale still >= ``min_size`` (h, w).
+
+    ``min_size`` None decodes at full size. ``out``: a C-contiguous HWC array of exactly the
+    decoded shape to write into (saves an allocation and a copy per image). ``pillow=True``
+    forces the Pillow path (tests compare the two). Raises whatever the decoder raises for
+    corrupt data; callers wrap it in ``SampleError`` naming shard and key.
+    """
+    if not pillow and data[:3] == _JPEG:
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError:
+            height = 0  # TurboJPEG cannot read the header: Pillow decides
+        if height:
+            d = jpeg_scale(height, width, min_size)
+            shape = (-(-height // d), -(-width // d), 3)
+            if out is not None and out.shape != shape:
+                raise BufferShapeError(shape, out.shape)
+            try:
+                return simplejpeg.decode_jpeg(
+                    data, colorspace="RGB", min_height=shape[0], min_width=shape[1], buffer=out
+                )
+            except ValueError:
+                pass  # not for TurboJPEG (12-bit, lossless, damaged): Pillow decides
+    return _decode_pillow(data, min_size, out)
+
+
+def _decode_pillow(
+    data: bytes, min_size: tuple[int, int] | None, out: np.ndarray | None
+) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        if min_size and img.format == "JPEG":
+            width, height = img.size
+            d = jpeg_scale(height, width, min_size)
+            if d > 1:  # draft's divisor is the largest power of two <= min(W // w, H // h)
+                img.draft("RGB", (max(1, width // d), max(1, height // d)))
+        rgb = img.convert("RGB") if img.mode != "RGB" else img
+        rgb.load()
+        arr = np.asarray(rgb)
+    if out is None:
+        return np.array(arr)  # writable, like simplejpeg's (torch warns on read-only arrays)
+    if out.shape != arr.shape:
+        raise BufferShapeError(arr.shape, out.shape)
+    np.copyto(out, arr)
+    return out
+
+
 def decode_image(data: bytes, mode: str):
     """Decode one stored image: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB), "raw" (bytes).
 
@@ -136,23 +258,21 @@ def decode_image(data: bytes, mode: str):
     """
     if mode == "raw":
         return data
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(data))
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    else:
-        img.load()
     if mode == "pil":
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(data))
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        else:
+            img.load()
         return img
     import torch
 
-    # Planar copy band by band straight into a contiguous CHW tensor. A permuted view of the
-    # HWC array would cost the same here but make the DataLoader's collate a strided transpose
-    # of every image (measured: ~40 us more per 250x250 image in the workers).
-    width, height = img.size
+    # A contiguous CHW tensor: a permuted view of the HWC array would make the DataLoader's
+    # collate a strided transpose of every image (measured: ~40 us more per 250x250 image).
+    rgb = decode_rgb(data)
+    height, width, _ = rgb.shape
     out = torch.empty((3, height, width), dtype=torch.uint8)
-    planes = out.numpy()
-    for c, band in enumerate(img.split()):
-        planes[c] = np.asarray(band)
+    np.copyto(out.numpy(), rgb.transpose(2, 0, 1))
     return out

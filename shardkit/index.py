@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .errors import InputError, OutputError
 from .formats import format_for_path, is_shard_name
 from .formats.tar import is_gzip_name, tally_tar, warn_imageless
+from .fsutil import open_regular, write_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
 
 __all__ = ["IndexResult", "index_shards"]
@@ -90,7 +91,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
                 raise InputError(f"{p}: no .tar, .tar.gz or .tgz files in this directory")
             out.extend(found)
         elif not os.path.isfile(p):
-            raise InputError(f"{p}: no such shard file; check the path")
+            what = "not a regular file" if os.path.exists(p) else "no such shard file"
+            raise InputError(f"{p}: {what}; check the path")
         else:
             out.append(p)
     if not out:
@@ -140,7 +142,11 @@ def index_shards(
     )
     for p in bar:
         d = os.path.dirname(os.path.abspath(p))
-        with open(p, "rb", buffering=0) as raw:
+        try:
+            raw = open_regular(p, buffering=0)
+        except OSError as exc:
+            raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
+        with raw:
             hashing = _Hashing(raw)
             tally = tally_tar(hashing, shard=p, labels=True)
             hashing.drain()
@@ -160,7 +166,10 @@ def index_shards(
         )
         if imageless[d]:
             warn_imageless(d, imageless[d])
-        path = write_manifest(manifest, d)
+        try:
+            path = write_manifest(manifest, d)
+        except OSError as exc:  # disk full, read-only folder: one line, no temp file left
+            raise write_error(d, exc, MANIFEST_NAME) from None
         results.append(IndexResult(path, manifest, imageless[d]))
     return results
 

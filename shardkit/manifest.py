@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ManifestError
-from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message
+from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message, open_regular
 from .urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ShardEntry",
     "SkippedFile",
     "manifest_location",
+    "portable_text",
     "read_manifest",
     "write_manifest",
 ]
@@ -39,6 +40,38 @@ def _version() -> str:
         return f"shardkit {version('shardkit')}"
     except Exception:
         return "shardkit"
+
+
+def portable_text(text: str) -> str:
+    """``text`` as valid Unicode: a name that is not UTF-8 shows its bad bytes as ``\\xff``.
+
+    ``os.fsdecode`` turns such bytes into lone surrogates, which no UTF-8 file (the manifest)
+    can hold; a class folder ``b"caf\\xe9"`` is named ``caf\\xe9`` (Python's backslashreplace,
+    as ``ls -b`` shows it), so the pack goes on and the name still says which folder it was.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # surrogates that no file name gave: show their code points
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _portable(value: Any) -> Any:
+    """A JSON document with every string made ``portable_text`` (keys included)."""
+    if isinstance(value, str):
+        return portable_text(value)
+    if isinstance(value, dict):
+        return {_portable(k): _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    return value
 
 
 #: Samples between two entries of a shard's sparse byte-offset index.
@@ -188,7 +221,7 @@ class Manifest:
             "skipped": [asdict(s) for s in self.skipped],
             "pack": self.pack,
         }
-        return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+        return json.dumps(_portable(doc), indent=1, ensure_ascii=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:
@@ -306,7 +339,7 @@ def read_manifest(
             raise _too_large(path, f"over {MAX_MANIFEST_BYTES} bytes") from None
         return Manifest.from_json(text, source=path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO named manifest.json: refused, not waited on
             text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
     except FileNotFoundError:
         if interrupted_commit(os.path.dirname(path)):

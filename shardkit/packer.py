@@ -395,6 +395,13 @@ def _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_
             PackWarning,
             stacklevel=3,
         )
+    if scan.outside_links:
+        warnings.warn(
+            f"{scan.outside_links} symbolic link(s) under {src!r} lead outside it; their targets "
+            "were packed like files of the source (see pack.links_outside_source in the manifest)",
+            PackWarning,
+            stacklevel=3,
+        )
     writer.classes = list(scan.classes)
     n = len(scan.files)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
@@ -410,7 +417,10 @@ def _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_
         ignored=list(scan.ignored),
         not_images=scan.not_images,
         empty_classes=scan.empty_classes,
-        extra={"non_image_files": dict(sorted(scan.non_image_exts.items()))},
+        extra={
+            "non_image_files": dict(sorted(scan.non_image_exts.items())),
+            "links_outside_source": scan.outside_links,
+        },
     )
 
 

@@ -166,16 +166,20 @@ def residency(paths: Iterable[PathLike]) -> float:
 EVICT_ATTEMPTS = 5
 
 
-def evict_until_cold(paths: Iterable[PathLike], attempts: int = EVICT_ATTEMPTS) -> float:
+def evict_until_cold(
+    paths: Iterable[PathLike], attempts: int = EVICT_ATTEMPTS, *, sync: bool = True
+) -> float:
     """Evict until mincore reports nothing cached; return the residency left.
 
     Retried because DONTNEED skips pages it cannot drop at that moment: pages still under
     writeback right after a pack (measured: 62% stayed cached after a first pass over a
     freshly made folder) and read-ahead of the previous run still landing (up to 1% here).
+    ``sync=False`` skips ``evict``'s write-back for files known to be clean (only read since
+    the last eviction): on 13k files it is most of the time (measured 2.7 s vs 0.4 s).
     """
     left = 1.0
     for _ in range(attempts):
-        evict(paths)
+        evict(paths, sync=sync)
         left = residency(paths)
         if left == 0.0:
             break

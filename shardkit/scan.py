@@ -2,7 +2,8 @@
 
 A class-per-folder tree (``SRC/<class>/.../<image>``) becomes sorted classes, sorted files,
 labels and keys. Both users share every policy: hidden names ignored, directory symlinks followed
-once (a directory met again is listed, never re-walked, so loops end), and only regular files
+once (a directory met again is listed, never re-walked, so loops end), links that lead outside
+SRC followed but counted (``pack`` warns once with the count), and only regular files
 named like images are images: FIFOs, sockets, devices and broken links are listed as errors
 (opening a FIFO would block forever).
 
@@ -22,7 +23,7 @@ import numpy as np
 from .errors import InputError
 from .formats import encode_key
 from .images import IMAGE_EXTENSIONS
-from .manifest import SkippedFile
+from .manifest import SkippedFile, portable_text
 
 __all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]
 
@@ -94,6 +95,9 @@ class SourceScan:
     not_images: int = 0
     non_image_exts: dict[str, int] = field(default_factory=dict)
     empty_classes: list[str] = field(default_factory=list)
+    #: Symbolic links (to files or folders) that lead outside SRC: followed, and counted so
+    #: ``pack`` can say so once (a symlink farm is a normal dataset layout, a stray link is not).
+    outside_links: int = 0
 
     def add_non_image(self, rel: str, reason: str) -> None:
         name = rel.rsplit("/", 1)[-1]
@@ -149,22 +153,26 @@ def scan_source(src: str) -> SourceScan:
     except OSError as exc:
         raise InputError(f"cannot list source {src!r}: {exc.strerror}") from None
     scan = SourceScan(root=src, classes=[])
+    folders: list[str] = []  # the class folders' own names; scan.classes are their text names
     for entry in top:
         if _is_dir(entry):
-            scan.classes.append(entry.name)
+            folders.append(entry.name)
+            scan.classes.append(portable_text(entry.name))
         else:
             scan.add_non_image(entry.name, "not in a class folder")
+    real_root = os.path.realpath(root)
+    scan.outside_links = sum(_leaves(e, real_root) for e in top if e.name in folders)
     seen = {_ident(root)}
     files: list[str] = []
     exts: list[str] = []
     keys: list[str] = []
     labels: list[int] = []
-    for label, cls in enumerate(scan.classes):
+    for label, cls in enumerate(folders):
         rels: list[str] = []
         cls_exts: list[str] = []
-        _walk_class(root, cls, seen, scan, rels, cls_exts)
+        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root)
         if not rels:
-            scan.empty_classes.append(cls)
+            scan.empty_classes.append(scan.classes[label])
             continue
         order = sorted(range(len(rels)), key=rels.__getitem__)
         rels = [rels[i] for i in order]
@@ -211,8 +219,25 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
+def _leaves(entry: os.DirEntry, real_root: str) -> bool:
+    """Whether ``entry`` is a symbolic link whose target lies outside ``real_root``."""
+    try:
+        if not entry.is_symlink():
+            return False
+    except OSError:
+        return False
+    target = os.path.realpath(entry.path)
+    return target != real_root and not target.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
 def _walk_class(
-    root: str, cls: str, seen: set, scan: SourceScan, rels: list[str], exts: list[str]
+    root: str,
+    cls: str,
+    seen: set,
+    scan: SourceScan,
+    rels: list[str],
+    exts: list[str],
+    real_root: str,
 ) -> None:
     stack = [cls]
     while stack:
@@ -238,6 +263,7 @@ def _walk_class(
         subdirs = []
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}"
+            scan.outside_links += _leaves(entry, real_root)
             if _is_dir(entry):
                 subdirs.append(rel)
                 continue

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import BinaryIO, Protocol, runtime_checkable
 
 from .errors import InputError, StorageError
+from .fsutil import open_regular
 from .records import ShardInfo
 from .urls import is_url
 
@@ -83,7 +84,7 @@ class LocalStorage:
         self._wait()
         path = _strip_file_scheme(url_of(shard))
         try:
-            return open(path, "rb", buffering=self.buffer_size)
+            return open_regular(path, buffering=self.buffer_size)  # a FIFO: refused
         except FileNotFoundError:
             raise StorageError(
                 f"{path}: no such file (was it moved or deleted after the dataset was built?)"

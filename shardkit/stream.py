@@ -25,7 +25,9 @@ __all__ = [
     "EQUALIZE_MODES",
     "DECODE_MODES",
     "rank_samples",
+    "worker_span",
     "plan_epoch",
+    "sample_error",
     "read_slices",
     "sample_counts",
     "check_labels",
@@ -64,6 +66,30 @@ def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
     return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
 
 
+def worker_span(
+    length: int, worker: int, num_workers: int, batch_size: int | None = None
+) -> tuple[int, int]:
+    """[lo, hi) of worker ``worker``'s contiguous part of a rank part of ``length`` samples.
+
+    ``batch_size`` None: parts differ by at most one sample. Otherwise parts are cut at multiples
+    of ``batch_size`` the way a DataLoader draws batches from an IterableDataset's workers: batch
+    k of the rank comes from worker ``k % num_workers``, only the rank's last batch is short,
+    so the rank yields exactly ceil(length / batch_size) batches (not up to one short batch per
+    worker) and ranks with equal ``length`` take equal steps.
+    """
+    if not batch_size:
+        return worker * length // num_workers, (worker + 1) * length // num_workers
+    batches = -(-length // batch_size)
+    short_owner = (batches - 1) % num_workers  # holds the rank's last, possibly short, batch
+    deficit = batches * batch_size - length
+
+    def start(w: int) -> int:
+        full = sum((batches - v + num_workers - 1) // num_workers for v in range(w))
+        return full * batch_size - (deficit if short_owner < w else 0)
+
+    return start(worker), start(worker + 1)
+
+
 def plan_epoch(
     shards: Sequence[ShardInfo] | np.ndarray,
     order: Sequence[int] | np.ndarray,
@@ -73,6 +99,7 @@ def plan_epoch(
     worker: int,
     num_workers: int,
     equalize: str = "pad",
+    batch_size: int | None = None,
 ) -> list[ShardSlice]:
     """The slices worker ``worker`` of rank ``rank`` reads this epoch, in reading order.
 
@@ -80,19 +107,19 @@ def plan_epoch(
     ``world_size`` contiguous rank parts (``equalize``: "pad" gives every rank ceil(N/W) samples,
     the surplus re-read from the start of the stream; "drop" gives floor(N/W), the tail unread;
     "none" gives parts differing by at most one), then each rank part into ``num_workers``
-    contiguous worker parts whose sizes differ by at most one and are the same on every rank.
-    Parts are cut at sample boundaries, not shard boundaries, so a single shard can feed many
-    workers and no worker idles while another has work. ``shards`` may also be their
-    ``sample_counts`` array, computed once by a caller that plans many epochs.
+    contiguous worker parts whose sizes differ by at most one and are the same on every rank
+    (with ``batch_size``, cut at multiples of it: see ``worker_span``). Parts are cut at sample
+    boundaries, not shard boundaries, so a single shard can feed many workers and no worker idles
+    while another has work. ``shards`` may also be their ``sample_counts`` array, computed once
+    by a caller that plans many epochs.
     """
     counts = shards if isinstance(shards, np.ndarray) else sample_counts(shards)
     order = np.asarray(order, dtype=np.int64)
     ordered = counts[order]
     total = int(ordered.sum())
     start, stop = _rank_span(total, rank, world_size, equalize)
-    length = stop - start
-    lo = start + worker * length // num_workers
-    hi = start + (worker + 1) * length // num_workers
+    lo, hi = worker_span(stop - start, worker, num_workers, batch_size)
+    lo, hi = start + lo, start + hi
     if lo >= hi:
         return []
     ends = np.cumsum(ordered)  # ends[i]: stream position just after the i-th shard read
@@ -200,6 +227,16 @@ def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record
 # --- decoding ---------------------------------------------------------------------------------
 
 
+def sample_error(rec: Record, exc: BaseException) -> SampleError:
+    """The error for a record that cannot be decoded: names shard and key, and the way out."""
+    return SampleError(
+        f"{rec.shard}: sample {rec.key!r} ({rec.ext}) cannot be decoded: {exc}; "
+        'remove it and re-pack, or pass on_error="skip"',
+        shard=rec.shard,
+        key=rec.key,
+    )
+
+
 def decode_records(
     records: Iterable[Record],
     mode: str = "pil",
@@ -208,12 +245,15 @@ def decode_records(
     with_keys: bool = False,
     skipped: Callable[[], None] | None = None,
     fields: Sequence[str] = (),
+    decoder: Callable[[bytes, str], object] | None = None,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
     of these extra members, in this order, after the key (None where a sample has none).
+    ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
+    of ``shardkit.geometry``, whose randomness depends on the key).
     """
     if mode not in DECODE_MODES:
         raise InputError(f"decode={mode!r} is not one of: {', '.join(map(repr, DECODE_MODES))}")
@@ -230,14 +270,9 @@ def decode_records(
         return
     for rec in records:
         try:
-            img = decode_image(rec.data, mode)
+            img = decode_image(rec.data, mode) if decoder is None else decoder(rec.data, rec.key)
         except Exception as exc:
-            err = SampleError(
-                f"{rec.shard}: sample {rec.key!r} ({rec.ext}) cannot be decoded: {exc}; "
-                'remove it and re-pack, or pass on_error="skip"',
-                shard=rec.shard,
-                key=rec.key,
-            )
+            err = sample_error(rec, exc)
             if on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)

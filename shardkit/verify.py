@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .formats import ShardFormat, get_format
+from .fsutil import open_regular
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .records import ShardInfo
@@ -68,7 +69,7 @@ class VerifyReport:
 def _sha256_and_size(path: str) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):

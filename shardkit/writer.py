@@ -36,10 +36,12 @@ from .fsutil import (
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
+    open_regular,
     publish,
     recover,
     remove_stale_staging,
     staging_name,
+    write_error,
 )
 from .images import IMAGE_EXTENSIONS
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
@@ -270,9 +272,7 @@ class ShardWriter:
                 self._shard = self.format.open_writer(os.path.join(self._staging, name))
             self._shard.add(key, ext, data, label, fields)
         except OSError as exc:
-            raise OutputError(
-                f"cannot write shards under {self.out!r}: {exc.strerror or exc}"
-            ) from None
+            raise write_error(self.out, exc, "shards") from None
         self._max_label = max(self._max_label, label)
 
     def _finish_shard(self) -> None:
@@ -293,6 +293,7 @@ class ShardWriter:
         """Finish the last shard and commit: every shard in place, then the manifest."""
         if self.report is not None:
             return self.report
+        what = "shards"  # what a failed write was writing, for the error message
         try:
             if self._shard is not None:
                 self._finish_shard()
@@ -308,13 +309,15 @@ class ShardWriter:
                 skipped=sorted(self.skipped, key=lambda s: s.path),
                 pack=dict(self.pack_info),
             )
+            what = MANIFEST_NAME
             local_manifest = write_manifest(manifest, self._staging)
             if self._remote:
+                what = "the upload"
                 path = self._commit_remote(local_manifest)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
-                raise OutputError(f"cannot write {self.out!r}: {exc.strerror or exc}") from None
+                raise write_error(self.out, exc, what) from None
             raise
         if not self._remote:
             try:
@@ -323,21 +326,31 @@ class ShardWriter:
                     remove=self._replaced,
                 )
             except BaseException as exc:
-                if interrupted_commit(self.out) is None:  # before the commit point: drop it all
-                    shutil.rmtree(self._staging, ignore_errors=True)
-                self._release()
-                if isinstance(exc, OSError):  # past the commit point: the next writer finishes
-                    raise OutputError(
-                        f"cannot finish the commit in {self.out!r}: {exc.strerror or exc}; "
-                        "packing into it again completes it"
-                    ) from None
-                raise
+                error = self._publish_failed(exc)
+                if error is exc:
+                    raise
+                raise error from None
         self._release()
         self.report = WriterReport(
             self.out, path, self.format.name, len(manifest.shards), manifest.num_samples,
             manifest.total_bytes, len(manifest.classes),
         )
         return self.report
+
+    def _publish_failed(self, exc: BaseException) -> BaseException:
+        """Clean up after a failed local publish; the error to raise (``exc`` unless an OSError)."""
+        committed = interrupted_commit(self.out) is not None
+        if not committed:  # before the commit point: drop it all, the old dataset stays
+            shutil.rmtree(self._staging, ignore_errors=True)
+        self._release()
+        if not isinstance(exc, OSError):
+            return exc
+        if committed:  # past the commit point: the next writer finishes it
+            return OutputError(
+                f"cannot finish the commit in {self.out!r}: {exc.strerror or exc}; "
+                "packing into it again completes it"
+            )
+        return write_error(self.out, exc, f"the commit journal {JOURNAL_NAME}")
 
     def _commit_remote(self, local_manifest: str) -> str:
         url = self._uploader.finish(local_manifest)
@@ -403,6 +416,14 @@ def _check_key(key: str) -> None:
             f"key={key!r}: a key is a relative path whose last part holds no dot (WebDataset "
             "splits member names at the first dot); shardkit.formats.encode_key() makes one"
         )
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a name os.fsdecode() made from bytes that are not UTF-8
+            raise InputError(
+                f"key={key!r} is not valid Unicode text (a file name that is not UTF-8?); "
+                "shardkit.formats.encode_key() escapes its bytes as %XX"
+            ) from None
 
 
 def _check_field(name: str, key: str) -> str:
@@ -426,7 +447,7 @@ def _old_outputs(out: str) -> list[str]:
     (a path outside ``out``, a user's file) never gets it deleted.
     """
     try:
-        with open(os.path.join(out, MANIFEST_NAME), encoding="utf-8") as f:
+        with open_regular(os.path.join(out, MANIFEST_NAME)) as f:
             listed = json.load(f).get("shards", [])
     except (OSError, ValueError, AttributeError):
         return []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,8 +29,10 @@ from shardkit.bench import (
     run_bench,
     verdict,
 )
-from shardkit.bench.results import BenchResult, Row, RunResult
+from shardkit.bench.estimate import estimate
+from shardkit.bench.results import BenchResult, Load, Row, RunResult
 from shardkit.bench.sources import make_dataset
+from shardkit.bench.stats import student_t_sf2, welch
 from shardkit.bench.workloads import Collate, TimedMap, stack_images
 from shardkit.cli import main
 from shardkit.errors import InputError
@@ -284,7 +287,7 @@ def test_verdict_says_input_bound_and_what_to_change():
     ]
     result = BenchResult(cfg, rows, {}, {}, 2, None, None, {}, 1.0)
     text = "\n".join(verdict(result))
-    assert "folder: best at 4 workers" in text
+    assert "folder: fastest mean at 4 workers" in text and "faster than 0 workers" in text
     assert "tar vs folder, each at its best: 4.6x" in text
     assert "folder: INPUT-BOUND" in text and "switch to shards (tar" in text
     assert "more workers" in text  # folder still rose at the largest count tried
@@ -319,3 +322,292 @@ def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
     assert worker == 0 and start <= end
     assert torch.equal(images, torch.stack([ds[i][0] for i in range(8)]))
     assert labels.tolist() == [ds[i][1] for i in range(8)]
+
+
+# --- estimate, progress, load (#14) ----------------------------------------------------------
+
+
+def test_cli_prints_an_estimate_then_one_progress_line_per_run_to_a_pipe(tiny, tmp_path):
+    """stderr is a pipe here (not a terminal): still one plain line per run, no \\r bars."""
+    from conftest import run_cli
+
+    args = [
+        "bench",
+        "--data",
+        tiny / "src",
+        "--shards",
+        tiny / "shards-{format}",
+        "--workers",
+        "0,2",
+        "--formats",
+        "folder,tar",
+        "--batch-size",
+        "8",
+        "--batches",
+        "2",
+        "--repeats",
+        "2",
+        "--warm",
+        "--mode",
+        "raw",
+        "--max-seconds",
+        "2",
+    ]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert "\r" not in res.stderr
+    # 2 formats x 2 worker counts x 2 repeats, each bounded by max_seconds + the allowance.
+    # 2 s timed + 0.5 s + 0.5 s per worker (at least one): 3.0 s at 0 workers, 3.5 at 2.
+    assert lines[0].startswith(
+        "estimate: 8 runs (folder,tar x workers 0,2 x 2 repeats) x up to 3.2 s each (timed up "
+        "to 2 s, plus start-up) = up to"
+    )
+    assert "; load " in lines[0] and " cores" in lines[0]
+    progress = [line for line in lines if line.startswith("[")]
+    assert [p.split("]")[0] for p in progress] == [f"[{i}/8" for i in range(1, 9)]
+    assert all("samples/s" in p and "elapsed" in p and "left" in p for p in progress)
+    assert lines[-1].startswith("done in ") and "(estimate: up to " in lines[-1]
+    assert "load 1/5/15 min: " in res.stdout  # the table header
+
+    quiet = run_cli(*args, "-q")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert "load 1/5/15 min: " in quiet.stdout
+
+
+def test_estimate_is_runs_times_the_per_run_bound_plus_preparation(tmp_path):
+    cfg = BenchConfig(workers=(0, 2, 4, 8), repeats=5, max_seconds=3.0, mode="raw", cold=False)
+    cfg = cfg.resolved()
+    est = estimate(cfg, [], ("folder", "tar", "lmdb"))
+    # 3 s timed + 0.5 s + 0.5 s x max(1, workers): 4, 4.5, 5.5, 7.5 s -> 5.375 s on average
+    assert est.runs == 60 and est.per_run_s == pytest.approx(5.375)
+    assert est.total_s == pytest.approx(60 * 5.375 + est.fixed_s)
+    assert est.line(cfg, ["folder", "tar", "lmdb"]).startswith(
+        "estimate: 60 runs (folder,tar,lmdb x workers 0,2,4,8 x 5 repeats) x up to 5.4 s each"
+    )
+    # Packing is estimated from the bytes to pack; making the default set from its measured time.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"x" * 8_000_000)
+    est = estimate(
+        cfg,
+        [
+            ("making the default LFW-shaped set", None),
+            ("packing src into src-shards-tar", str(src)),
+        ],
+        ("folder", "tar", "lmdb"),
+    )
+    assert [s for s, _ in est.prep] == [
+        "making the default LFW-shaped set",
+        "packing src into src-shards-tar",
+    ]
+    assert est.prep[1][1] > 0
+    assert est.total_s == pytest.approx(60 * 5.375 + est.fixed_s + sum(s for _, s in est.prep))
+    line = est.line(cfg, ["folder", "tar", "lmdb"])
+    assert (
+        "plus ~" in line and "making the default LFW-shaped set" in line and "total up to" in line
+    )
+    assert BenchConfig(max_seconds=None).resolved().run_bound_s(2) is None
+    # Cold: the folder's eviction before each of its runs is added (1.5 s over 20 of 60 runs).
+    cold = replace(cfg, cold=True)
+    assert estimate(cold, [], ("folder", "tar", "lmdb")).per_run_s == pytest.approx(5.875)
+    assert estimate(cold, [], ("tar", "lmdb")).per_run_s == pytest.approx(5.375)
+
+
+def test_bench_records_load_and_cpu_count_before_and_after(tiny, tmp_path):
+    out = tmp_path / "b.json"
+    result = run_bench(_config(tiny, formats=("tar",), workers=(0,), json_path=str(out)))
+    data = json.loads(out.read_text())
+    for when in ("before", "after"):
+        load = data["load"][when]
+        assert set(load) == {"load_1m", "load_5m", "load_15m", "cores", "cpu_count"}
+        assert load["cpu_count"] == os.cpu_count() and load["load_1m"] >= 0
+    header = format_table(result).splitlines()[1]
+    assert header.startswith("load 1/5/15 min: ") and " before, " in header and " after; " in header
+    assert data["estimate_s"] > 0 and data["rows"][0]["stopped_runs"] == ["target"]
+
+
+def _result(rows, cores=2, workers=(0, 2, 4), repeats=5, **kw) -> BenchResult:
+    cfg = BenchConfig(workers=workers, mode="raw", repeats=repeats).resolved()
+    return BenchResult(cfg, rows, {}, {}, cores, None, None, {}, 1.0, **kw)
+
+
+def test_load_above_the_cores_is_one_warning_line_in_the_table():
+    rows = [_row("tar", 0, [100, 110], 1.0)]
+    busy = _result(rows, load_before=Load(6.37, 7.0, 7.2, 2, 2), load_after=Load(1.5, 6, 7, 2, 2))
+    table = format_table(busy).splitlines()
+    assert (
+        table[1]
+        == "load 1/5/15 min: 6.37/7.00/7.20 before, 1.50/6.00/7.00 after; 2 cores (cpu_count 2)"
+    )
+    assert table[2].startswith("warning: load average 6.37 before the bench exceeded its 2 cores")
+    assert sum(line.startswith("warning:") for line in table) == 1
+    idle = _result(rows, load_before=Load(0.3, 0.2, 0.1, 2, 2), load_after=Load(1.9, 1, 1, 2, 2))
+    assert idle.load_warning() is None and "warning" not in format_table(idle)
+
+
+# --- the verdict's significance test (#14) ----------------------------------------------------
+
+
+def _planted(mean: float, std: float, n: int = 5) -> list[float]:
+    """n rates with exactly this mean and sample standard deviation."""
+    z = np.linspace(-1.0, 1.0, n)
+    return list(mean + std * z / z.std(ddof=1))
+
+
+def test_student_t_tail_matches_tables_and_scipy():
+    assert student_t_sf2(2.228, 10) == pytest.approx(0.05, abs=2e-4)  # t table, 95%, df 10
+    assert student_t_sf2(12.706, 1) == pytest.approx(0.05, abs=2e-4)
+    assert student_t_sf2(0.0, 4) == 1.0
+    stats = pytest.importorskip("scipy.stats")  # a test-only cross-check; core needs no scipy
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a, b = rng.normal(100, 20, 5), rng.normal(120, 35, 4)
+        expected = stats.ttest_ind(a, b, equal_var=False).pvalue
+        assert welch(a.tolist(), b.tolist()).p == pytest.approx(expected, rel=1e-9)
+
+
+def test_welch_untestable_with_one_run_and_exact_with_no_spread():
+    assert welch([5.0], [1.0, 2.0]).p is None and not welch([5.0], [1.0, 2.0]).real
+    assert welch([3.0, 3.0], [3.0, 3.0]).p == 1.0
+    assert welch([3.0, 3.0], [4.0, 4.0]).real
+
+
+def test_verdict_calls_the_issue_example_within_noise():
+    """The issue's "tar vs folder 1.2x (408 ± 223 vs 336 ± 188)" over 5 repeats is a tie."""
+    rows = [_row("folder", 2, _planted(336, 188), 1.0), _row("tar", 2, _planted(408, 223), 1.0)]
+    text = "\n".join(verdict(_result(rows, workers=(2,))))
+    assert (
+        "tar vs folder, each at its best: 1.2x (408 ± 223 vs 336 ± 188 samples/s): within noise (p="
+        in text
+    )
+    assert "a real difference" not in text
+
+
+def test_verdict_calls_a_planted_3x_gap_real_and_a_planted_tie_noise():
+    rows = [
+        _row("folder", 0, _planted(1000, 60), 1.0),
+        _row("folder", 2, _planted(1040, 80), 1.0),
+        _row("folder", 4, _planted(1010, 90), 1.0),
+        _row("tar", 0, _planted(1500, 100), 1.0),
+        _row("tar", 2, _planted(3100, 150), 1.0),
+        _row("tar", 4, _planted(3000, 200), 1.0),
+    ]
+    lines = verdict(_result(rows))
+    text = "\n".join(lines)
+    assert (
+        "tar vs folder, each at its best: 3.0x (3,100 ± 150 vs 1,040 ± 80 samples/s, p<0.001: "
+        "a real difference)." in text
+    )
+    # folder: 2 workers has the fastest mean, but the repeats cannot tell 0, 2 and 4 apart.
+    folder = next(line for line in lines if line.startswith("folder:"))
+    assert folder.startswith(
+        "folder: fastest mean at 2 workers, 1,040 ± 80 samples/s; within noise of 0 workers "
+        "(1,000 ± 60, p="
+    )
+    assert "4 workers (1,010 ± 90, p=" in folder and "so 0 workers do as well" in folder
+    assert "faster than" not in folder
+    tar = next(line for line in lines if line.startswith("tar:"))
+    assert "within noise of 4 workers" in tar and "faster than 0 workers (1,500, p<0.001)" in tar
+    assert "overlap waiting" not in text  # no explanation the run did not measure
+    assert any(line.startswith("Differences are called real when Welch's t-test") for line in lines)
+
+
+# --- plots (#14) -------------------------------------------------------------------------------
+
+
+def _result_with(rows, workers, sources, num_samples, load_before):
+    cfg = BenchConfig(workers=workers, mode="raw", repeats=5).resolved()
+    return BenchResult(
+        cfg,
+        rows,
+        sources,
+        {},
+        2,
+        None,
+        None,
+        {},
+        1.0,
+        num_samples=num_samples,
+        load_before=load_before,
+    )
+
+
+def test_throughput_plot_names_the_data_marks_the_best_and_keeps_the_legend_outside(tmp_path):
+    pytest.importorskip("matplotlib")
+    from shardkit.bench.plot import plot_throughput, throughput_figure
+
+    rows = [
+        _row("folder", 0, _planted(1000, 60), 1.0),
+        _row("folder", 2, _planted(1040, 80), 1.0),
+        _row("tar", 0, _planted(1500, 100), 1.0),
+        _row("tar", 2, _planted(3100, 150), 1.0),
+    ]
+    result = _result_with(
+        rows,
+        (0, 2),
+        {"folder": "data/lfw", "tar": "data/lfw-shards-tar"},
+        {"folder": 13233, "tar": 13233},
+        Load(3.1, 2, 1, 2, 2),
+    )
+    fig = throughput_figure(result)
+    ax = fig.axes[0]
+    assert "data/lfw (13,233 samples)" in ax.get_title()
+    best = {
+        line.get_gid(): (line.get_xdata()[0], line.get_ydata()[0])
+        for line in ax.lines
+        if (line.get_gid() or "").startswith("best-")
+    }
+    assert best == {"best-folder": (2, pytest.approx(1040)), "best-tar": (2, pytest.approx(3100))}
+    tied = {
+        line.get_gid(): list(line.get_xdata())
+        for line in ax.lines
+        if (line.get_gid() or "").startswith("tied-")
+    }
+    assert tied == {"tied-folder": [0]}  # tar at 0 workers is really slower: no ring
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    axes = ax.get_window_extent(renderer)
+    assert legend.x0 >= axes.x1  # right of the axes: it cannot cover a point
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "fastest mean of the format" in labels and any("within noise" in x for x in labels)
+    plot_throughput(result, str(tmp_path / "t.png"))
+    with Image.open(tmp_path / "t.png") as img:
+        assert img.format == "PNG"
+
+
+def test_timeline_legend_explains_every_colour_and_the_numbering(tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from shardkit.bench.plot import plot_timeline, timeline_figure
+
+    result = run_bench(_config(tiny, formats=("tar",), workers=(2,), step_ms=1.0, batches=4))
+    fig = timeline_figure(result.timeline, result)
+    ax = fig.axes[0]
+    drawn = {to_hex(c) for coll in ax.collections for c in coll.get_facecolors()}
+    legend = ax.get_legend()
+    explained = {
+        to_hex(h.get_facecolor()) for h in legend.legend_handles if hasattr(h, "get_facecolor")
+    }
+    assert drawn and drawn <= explained, drawn - explained
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert any("white number: the order the loop consumed it" in x for x in labels)
+    assert any(x.startswith("timing starts") for x in labels)  # the dotted line
+    assert [t.get_text() for t in ax.texts] == [str(n) for n in range(len(result.timeline.batches))]
+    plot_timeline(result.timeline, str(tmp_path / "tl.png"), result)
+    with Image.open(tmp_path / "tl.png") as img:
+        assert img.format == "PNG"
+
+
+def test_the_loader_contender_runs_on_the_tar_shards(tiny, tmp_path):
+    """--formats loader: ShardLoader threads over the tar shards, stamped like DataLoader rows."""
+    out = str(tmp_path / "b.json")
+    run_bench(_config(tiny, mode="decode", formats=("tar", "loader"), json_path=out))
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    loader = {r["workers"]: r for r in rows if r["format"] == "loader"}
+    assert set(loader) == {0, 2}
+    assert all(r["timed_samples_runs"] == [3 * 8] and r["mean_samples_per_s"] > 0 for r in rows)
+    with pytest.raises(InputError, match="--formats loader.*--mode decode"):
+        run_bench(_config(tiny, mode="raw", formats=("loader",)))

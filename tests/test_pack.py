@@ -295,7 +295,9 @@ def test_corrupt_and_truncated_images_skip(tree, tmp_path):
     assert report.samples == len(files) - 3  # 3 bad jpgs; the truncated png is an extra file
     reasons = {s.path: s.reason for s in read_manifest(str(tmp_path / "out")).skipped}
     assert reasons["cat/cat_0001.jpg"] == "truncated JPEG (no end-of-image marker)"
-    assert reasons["dog/dog_0002.jpg"].startswith("not a JPEG, PNG, WebP, BMP, GIF, TIFF or PPM/PGM file")
+    assert reasons["dog/dog_0002.jpg"].startswith(
+        "not a JPEG, PNG, WebP, BMP, GIF, TIFF or PPM/PGM file"
+    )
     assert reasons["dog/dog_0003.jpg"] == "empty file"
     assert reasons["bird/bird_0000.png"] == "truncated PNG (no IEND chunk)"
     assert report.errors == 4

@@ -23,12 +23,16 @@ __all__ = [
     "int_list",
     "ALL_FORMATS",
     "BENCH_SHARD_SIZE",
-    "DEFAULT_BATCHES",
     "DEFAULT_DATA",
+    "MAX_SECONDS",
+    "MIN_SAMPLES",
+    "MIN_SECONDS",
     "MIN_TIMED_BATCHES",
     "SHARD_FORMATS",
     "BenchConfig",
     "parse_formats",
+    "RUN_OVERHEAD_S",
+    "WORKER_OVERHEAD_S",
     "parse_workers",
     "say",
 ]
@@ -37,16 +41,31 @@ __all__ = [
 SHARD_FORMATS = ("tar", "lmdb")
 #: "memory" is a reference, not a storage format: the same JPEG bytes held in RAM, decoded and
 #: batched through the same DataLoader (``workloads.MemoryDataset``). Opt-in via --formats.
-ALL_FORMATS = ("folder", *SHARD_FORMATS, "memory")
+#: "loader" reads the tar shards through ``ShardLoader`` (decode threads into reused batch
+#: buffers) instead of a DataLoader; ``--workers`` is its thread count. Opt-in, decode mode only.
+ALL_FORMATS = ("folder", *SHARD_FORMATS, "memory", "loader")
 #: Where the embedded LFW-shaped set is made when no data is given (relative to the cwd).
 DEFAULT_DATA = os.path.join("data", "lfw")
-#: Timed batches per run when ``--batches`` is not given: enough for a few tenths of a second of
-#: steady state at the rates each mode reaches on 2 cores (raw ~10^5, decode ~10^3, augment
-#: ~10^2 samples/s), so that the default run of 60 runs takes a few minutes.
-DEFAULT_BATCHES = {"raw": 150, "decode": 30, "augment": 12}
-#: A run's timing also stops after ``max_seconds`` of timed wall time (once it has at least this
-#: many timed batches), so slow configurations (a folder paying latency per image) do not
-#: stretch the whole bench; the rate is samples over the window either way.
+#: How long a run is timed (``--batches`` not given): until it has at least ``min_samples``
+#: timed samples AND ``min_seconds`` of timed wall time, or ``max_seconds`` at most, or the epoch
+#: ends. Chosen from measured spread (``benchmarks/bench_run_length.py``, LFW set, decode, cold,
+#: 5 repeats, load 8-12 on 2 cores): the median coefficient of variation of samples/s between
+#: repeats over four configurations was 0.48, 0.57, 0.58, 0.50, 0.39, 0.39 for runs timed 0.25,
+#: 0.5, 1, 1.5, 2 and 3 s: it stops falling at about 2 s, so 2 s is the minimum; load noise,
+#: not run length, is what is left, and the verdict's t-test accounts for it. 1024 samples (16
+#: batches of 64) keep two rounds of 8 workers' bursts in even a slow run. ``max_seconds`` bounds
+#: a slow configuration (a folder paying latency per image, augment mode) so the whole bench's
+#: time is known before it starts.
+MIN_SAMPLES = 1024
+MIN_SECONDS = 2.0
+MAX_SECONDS = 3.0
+#: Untimed seconds a run adds around its timed window (forking workers, their warm-up batches,
+#: eviction, shutdown): ``RUN_OVERHEAD_S + WORKER_OVERHEAD_S * max(1, workers)``. Measured at
+#: load ~10 on the 2-core VM (decode, LFW): 1.3-1.5 s at 0-2 workers, 3.9-5.6 s at 8. Used only
+#: for the estimate printed before the bench starts.
+RUN_OVERHEAD_S = 0.5
+WORKER_OVERHEAD_S = 0.5
+#: The untimed burn-in run and an absolute floor for a run: a few batches.
 MIN_TIMED_BATCHES = 5
 #: Shard size when the bench packs on the fly. Smaller than ``pack``'s 256 MB default because
 #: LFW (176 MB) would fit one shard, and a worker whose slice starts mid-shard reads the tar from
@@ -118,6 +137,20 @@ def say(cfg: BenchConfig, msg: str) -> None:
         cfg.progress(msg)
 
 
+def _check_run_length(cfg: BenchConfig) -> None:
+    if not isinstance(cfg.min_samples, int) or cfg.min_samples < 0:
+        raise InputError(f"min_samples must be a whole number >= 0, got {cfg.min_samples!r}")
+    if cfg.min_seconds < 0:
+        raise InputError(f"min_seconds must be >= 0, got {cfg.min_seconds}")
+    if cfg.max_seconds is not None and cfg.max_seconds < 0:
+        raise InputError(f"max_seconds must be >= 0 (0: no limit), got {cfg.max_seconds}")
+    if cfg.max_seconds and cfg.max_seconds < cfg.min_seconds:
+        raise InputError(
+            f"max_seconds {cfg.max_seconds:g} is below min_seconds {cfg.min_seconds:g}; "
+            "raise max_seconds or lower min_seconds"
+        )
+
+
 @dataclass
 class BenchConfig:
     """What to measure. Defaults give the few-minute default run on the LFW-shaped set.
@@ -127,8 +160,9 @@ class BenchConfig:
     packed dataset (directory, manifest, glob or URL) or a directory to pack into; ``{format}`` in
     it is replaced by each shard format (default: ``<data>-shards-{format}``). ``timeline_config``:
     ``(format, workers)`` whose first repeat is drawn by ``timeline_path`` (default: the first
-    shard format at the largest worker count). ``max_seconds``: a run also stops timing after
-    this long (at least ``MIN_TIMED_BATCHES`` batches); None or 0: only ``batches`` counts.
+    shard format at the largest worker count). A run is timed until it has ``min_samples``
+    samples and ``min_seconds`` seconds, at most ``max_seconds`` (None or 0: no cap), or the epoch
+    ends; ``batches``, if given, times exactly that many batches instead (the cap still holds).
     ``before_run``: called with a ``RunContext`` after
     the cache step and right before the DataLoader starts (tests check eviction there).
     """
@@ -147,7 +181,9 @@ class BenchConfig:
     seed: int = 0
     shard_size: str = BENCH_SHARD_SIZE
     timeline_config: tuple[str, int] | None = None
-    max_seconds: float | None = 2.5
+    min_samples: int = MIN_SAMPLES
+    min_seconds: float = MIN_SECONDS
+    max_seconds: float | None = MAX_SECONDS
     ceiling_seconds: float = 1.0
     default_data: str = DEFAULT_DATA
     json_path: str | None = None
@@ -166,17 +202,14 @@ class BenchConfig:
             cfg.formats = parse_formats(cfg.formats)
         if cfg.mode not in MODES:
             raise InputError(f"mode={cfg.mode!r} is unknown; choose from {', '.join(MODES)}")
-        if cfg.batches is None:
-            cfg.batches = DEFAULT_BATCHES[cfg.mode]
         for name, value in (
             ("batch_size", cfg.batch_size),
-            ("batches", cfg.batches),
+            ("batches", 1 if cfg.batches is None else cfg.batches),
             ("repeats", cfg.repeats),
         ):
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
-        if cfg.max_seconds is not None and cfg.max_seconds < 0:
-            raise InputError(f"max_seconds must be >= 0 (0: no limit), got {cfg.max_seconds}")
+        _check_run_length(cfg)
         if cfg.latency_ms < 0 or cfg.step_ms < 0:
             raise InputError("latency_ms and step_ms must be >= 0")
         if cfg.timeline_config is not None:
@@ -192,6 +225,17 @@ class BenchConfig:
                     f"{','.join(map(str, cfg.workers))}"
                 )
         return cfg
+
+    @property
+    def timed_samples_needed(self) -> int:
+        """Samples one run must be able to time (after its warm-up)."""
+        return self.batches * self.batch_size if self.batches else self.min_samples
+
+    def run_bound_s(self, workers: int) -> float | None:
+        """Bound of one run's wall time at ``workers``, for the estimate; None when uncapped."""
+        if not self.max_seconds:
+            return None
+        return self.max_seconds + RUN_OVERHEAD_S + WORKER_OVERHEAD_S * max(1, workers)
 
     def as_dict(self) -> dict:
         skip = {"progress", "before_run"}

@@ -12,11 +12,18 @@ import os
 
 from ..extras import require
 from ..fsutil import temp_name
+from .report import compare
 from .results import BenchResult, Timeline
 
-__all__ = ["plot_throughput", "plot_timeline"]
+__all__ = ["plot_throughput", "plot_timeline", "throughput_figure", "timeline_figure"]
 
-_COLOURS = {"folder": "#d62728", "tar": "#1f77b4", "lmdb": "#2ca02c", "memory": "#9467bd"}
+_COLOURS = {
+    "folder": "#d62728",
+    "tar": "#1f77b4",
+    "lmdb": "#2ca02c",
+    "memory": "#9467bd",
+    "loader": "#ff7f0e",
+}
 
 
 def _figure(figsize: tuple[float, float]):
@@ -54,14 +61,34 @@ def _title(result: BenchResult) -> str:
     return text
 
 
+def dataset_label(result: BenchResult) -> str:
+    """``data/lfw (13,233 samples)``: the folder if one was read, else the first source."""
+    if not result.sources:
+        return "dataset unknown"
+    fmt = "folder" if "folder" in result.sources else next(iter(result.sources))
+    n = result.num_samples.get(fmt)
+    return f"{result.sources[fmt]}" + (f" ({n:,} samples)" if n is not None else "")
+
+
 def plot_throughput(result: BenchResult, path: str) -> None:
-    """Worker count on x, samples/s on y, error bars = std over repeats, one line per format."""
+    """Write ``throughput_figure`` as a PNG at ``path``."""
+    _save(throughput_figure(result), path)
+
+
+def throughput_figure(result: BenchResult):
+    """Worker count on x, samples/s on y, error bars = std over repeats, one line per format.
+
+    Each format's fastest mean is starred; worker counts within noise of it (Welch, 95%) get a
+    ring, so the eye does not pick a "best" the repeats cannot tell apart. The legend sits
+    outside the axes, right of them, so it can never cover a point.
+    """
     cfg = result.config
-    fig = _figure((7, 4.5))
+    fig = _figure((9, 4.5))
     ax = fig.subplots()
     for fmt in result.formats():
         rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
-        ax.errorbar(
+        colour = _COLOURS.get(fmt)
+        lines = ax.errorbar(
             [r.workers for r in rows],
             [r.mean for r in rows],
             yerr=[r.std for r in rows],
@@ -69,8 +96,34 @@ def plot_throughput(result: BenchResult, path: str) -> None:
             capsize=4,
             linestyle=":" if fmt == "memory" else "-",
             label="memory (reference: bytes in RAM)" if fmt == "memory" else fmt,
-            color=_COLOURS.get(fmt),
+            color=colour,
         )
+        colour = lines[0].get_color()
+        best = result.best(fmt)
+        ax.plot(
+            [best.workers],
+            [best.mean],
+            marker="*",
+            markersize=16,
+            color=colour,
+            markeredgecolor="black",
+            linestyle="none",
+            gid=f"best-{fmt}",
+            zorder=5,
+        )
+        tied = [r for r in rows if r is not best and not compare(best, r).real]
+        if tied:
+            ax.plot(
+                [r.workers for r in tied],
+                [r.mean for r in tied],
+                marker="o",
+                markersize=13,
+                markerfacecolor="none",
+                markeredgecolor=colour,
+                linestyle="none",
+                gid=f"tied-{fmt}",
+                zorder=4,
+            )
     if result.ceiling_single is not None:
         ws = sorted(cfg.workers)
         ax.plot(
@@ -80,22 +133,60 @@ def plot_throughput(result: BenchResult, path: str) -> None:
             color="grey",
             label=f"{cfg.mode} ceiling (1 process x min(workers, {result.cores} cores))",
         )
+    from matplotlib.lines import Line2D
+
+    handles, _labels = ax.get_legend_handles_labels()
+    handles += [
+        Line2D(
+            [],
+            [],
+            marker="*",
+            markersize=12,
+            color="grey",
+            markeredgecolor="black",
+            linestyle="none",
+            label="fastest mean of the format",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            markersize=10,
+            markerfacecolor="none",
+            markeredgecolor="grey",
+            linestyle="none",
+            label="within noise of it (Welch's t, 95%)",
+        ),
+    ]
     ax.set_xticks(sorted(cfg.workers))
     ax.set_xlabel("DataLoader workers")
     ax.set_ylabel("samples/s (mean ± std over repeats)")
     ax.set_ylim(bottom=0)
+    load = f", load {result.load_before.load_1m:.1f}" if result.load_before else ""
     ax.set_title(
-        f"shardkit bench: {_title(result)}\n"
-        f"batch {cfg.batch_size}, {cfg.repeats} repeats, {result.cores} cores",
+        f"shardkit bench: {dataset_label(result)}\n{_title(result)}, batch {cfg.batch_size}, "
+        f"{cfg.repeats} repeats, {result.cores} cores{load}",
         fontsize=10,
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(
+        handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0
+    )
     fig.tight_layout()
-    _save(fig, path)
+    return fig
 
 
 def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = None) -> None:
+    """Write ``timeline_figure`` as a PNG at ``path``."""
+    _save(timeline_figure(timeline, result), path)
+
+
+#: Worker batches alternate two shades by round (one batch per worker per round), so that
+#: neighbouring batches of one worker stay apart.
+_SHADES = ("#1f77b4", "#6baed6")
+
+
+def timeline_figure(timeline: Timeline, result: BenchResult | None = None):
     """One run over time: a row per worker with its batches, and the main loop's waits/steps.
 
     Worker rows show when each consumed batch was being produced (first sample requested to
@@ -126,7 +217,8 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
         ax.broken_barh(
             [(a, b - a) for a, b in timeline.steps], (y_main - 0.4, 0.8), color="#2ca02c"
         )
-    shades = ("#1f77b4", "#6baed6")
+    shades = _SHADES
+    numbered = len(timeline.batches) <= 60
     for n, (w, start, end, _got) in enumerate(timeline.batches):
         y = len(workers) - 1 - workers.index(w)
         colour = "#bbbbbb" if n < timeline.warmup else shades[(n // len(workers)) % 2]
@@ -137,7 +229,7 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
             edgecolor="white",
             linewidth=0.6,
         )
-        if len(timeline.batches) <= 60:
+        if numbered:
             ax.text(
                 (start + end) / 2,
                 y,
@@ -158,8 +250,12 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
     if result is not None:
         title += f" - {_title(result)}, batch {result.config.batch_size}"
     ax.set_title(title, fontsize=10)
+    from matplotlib.lines import Line2D
+
+    number = " n (white number: the order the loop consumed it)" if numbered else ""
     handles = [
-        Patch(color="#1f77b4", label="worker producing batch n (n = order consumed)"),
+        Patch(color=_SHADES[0], label=f"worker producing batch{number}"),
+        Patch(color=_SHADES[1], label="same, next round (shades alternate per round)"),
         Patch(color="#bbbbbb", label="warm-up batches (untimed)"),
         Patch(color="#999999", label="main loop starting the workers (iter(loader))"),
         Patch(color="#d62728", label="main loop stalled: batch not ready yet"),
@@ -169,7 +265,18 @@ def plot_timeline(timeline: Timeline, path: str, result: BenchResult | None = No
         handles.append(
             Patch(color="#2ca02c", label=f"main loop step ({timeline.step_ms:g} ms sleep)")
         )
+    if len(timeline.batches) > timeline.warmup:
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color="black",
+                linestyle=":",
+                linewidth=1,
+                label="timing starts (warm-up over)",
+            )
+        )
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    _save(fig, path)
+    return fig

@@ -7,10 +7,10 @@ ran, in the one mode that ran, and says which knob to try and why, with the numb
 from __future__ import annotations
 
 import json
-import math
 
 from ..fsutil import atomic_write_bytes
 from .results import BenchResult, Row
+from .stats import ALPHA, Comparison, welch
 
 __all__ = ["INPUT_BOUND", "format_table", "verdict", "to_json", "write_json"]
 
@@ -30,6 +30,16 @@ def _title(result: BenchResult) -> str:
         parts.append(f"step {cfg.step_ms:g} ms")
     parts.append(f"batch {cfg.batch_size}")
     return ", ".join(parts)
+
+
+def load_line(result: BenchResult) -> str | None:
+    """``load 1/5/15 min: 4.95/6.37/7.16 before, 5.10/6.20/7.00 after; 2 cores (cpu_count 2)``."""
+    before, after = result.load_before, result.load_after
+    if before is None and after is None:
+        return None
+    parts = [f"{x.text()} {w}" for w, x in (("before", before), ("after", after)) if x]
+    ref = before or after
+    return f"load 1/5/15 min: {', '.join(parts)}; {ref.cores} cores (cpu_count {ref.cpu_count})"
 
 
 def format_table(result: BenchResult) -> str:
@@ -62,7 +72,9 @@ def format_table(result: BenchResult) -> str:
         padded = (f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=False))
         return "  ".join(padded).rstrip()
 
-    out = [_title(result), fmt(head), fmt(["-" * w for w in widths])]
+    out = [_title(result)]
+    out += [line for line in (load_line(result), result.load_warning()) if line]
+    out += [fmt(head), fmt(["-" * w for w in widths])]
     prev = None
     for row, cells in zip(result.rows, lines, strict=True):
         if prev is not None and row.format != prev:
@@ -77,41 +89,72 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(out)
 
 
-def _runner_up(result: BenchResult, best: Row) -> Row | None:
-    others = [r for r in result.rows if r.format == best.format and r is not best]
-    return max(others, key=lambda r: r.mean) if others else None
+def compare(a: Row, b: Row) -> Comparison:
+    """Welch's t-test of ``a``'s per-run rates against ``b``'s."""
+    return welch(a.rates, b.rates)
 
 
-def _noise(a: Row, b: Row) -> bool:
-    """True when two rows' means are closer than their spread (one std, combined)."""
-    return abs(a.mean - b.mean) <= math.hypot(a.std, b.std)
+def _pm(row: Row) -> str:
+    return f"{row.mean:,.0f} ± {row.std:,.0f}"
+
+
+def best_workers_line(result: BenchResult, fmt: str) -> str:
+    """The fastest worker count of ``fmt``, and which others are within noise of it or slower.
+
+    Only a significant difference (Welch, 95%) ranks two worker counts; the others are named as
+    within noise, so two runs of the same command cannot name different "best" counts without
+    saying that the choice between them is noise.
+    """
+    rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
+    best = result.best(fmt)
+    text = f"{fmt}: fastest mean at {best.workers} workers, {_pm(best)} samples/s"
+    tied, slower = [], []
+    for row in rows:
+        if row is not best:
+            c = compare(best, row)
+            (slower if c.real else tied).append((row, c))
+    if tied:
+        text += "; within noise of " + ", ".join(
+            f"{r.workers} workers ({_pm(r)}, {c.describe()})" for r, c in tied
+        )
+        fewest = min([best, *(r for r, _ in tied)], key=lambda r: r.workers)
+        if fewest is not best:
+            text += f", so {fewest.workers} workers do as well as far as this run can tell"
+    if slower:
+        text += "; faster than " + ", ".join(
+            f"{r.workers} workers ({r.mean:,.0f}, {c.describe()})" for r, c in slower
+        )
+    return text + "."
+
+
+def vs_line(result: BenchResult, fmt: str, base_fmt: str = "folder") -> str:
+    """``tar vs folder, each at its best: 1.2x (408 ± 223 vs 336 ± 188 samples/s): within noise
+    (p=0.59).``"""
+    best, base = result.best(fmt), result.best(base_fmt)
+    c = compare(best, base)
+    text = (
+        f"{fmt} vs {base_fmt}, each at its best: {c.ratio:.1f}x ({_pm(best)} vs {_pm(base)} "
+        f"samples/s"
+    )
+    if c.real:
+        return text + f", {c.describe()}: a real difference)."
+    return text + f"): within noise ({c.describe()})."
 
 
 def verdict(result: BenchResult) -> list[str]:
-    """Plain-words conclusions, each grounded in numbers from this run."""
+    """Plain-words conclusions, each grounded in numbers from this run.
+
+    A difference between two configurations is called real only when Welch's t-test on their
+    per-run rates says so (p < ``stats.ALPHA``); otherwise the verdict says "within noise".
+    """
     cfg = result.config
     lines: list[str] = []
     formats = result.formats()
     bests = {f: result.best(f) for f in formats}
     max_w = max(cfg.workers)
 
-    for fmt, best in bests.items():
-        text = (
-            f"{fmt}: best at {best.workers} workers, {best.mean:,.0f} ± {best.std:,.0f} samples/s"
-        )
-        other = _runner_up(result, best)
-        if other is not None and _noise(best, other):
-            text += f" (within noise of {other.workers} workers: {other.mean:,.0f})"
-        fitting = [r for r in result.rows if r.format == fmt and r.workers <= result.cores]
-        if best.workers > result.cores and fitting:
-            top = max(fitting, key=lambda r: r.mean)
-            if not _noise(best, top):
-                text += (
-                    f"; more workers than the {result.cores} cores still helped "
-                    f"({best.mean / top.mean:.2f}x {top.workers} workers): they overlap waiting "
-                    "(storage, latency) with work"
-                )
-        lines.append(text + ".")
+    for fmt in bests:
+        lines.append(best_workers_line(result, fmt))
 
     for fmt, best in bests.items():
         with_workers = [r for r in result.rows if r.format == fmt and r.workers > 0]
@@ -124,7 +167,7 @@ def verdict(result: BenchResult) -> list[str]:
             )
         if best.workers == 0 and with_workers and not cfg.step_ms:
             top = max(with_workers, key=lambda r: r.mean)
-            if top.stall_fraction < top.wait_fraction / 2 and not _noise(best, top):
+            if top.stall_fraction < top.wait_fraction / 2 and compare(best, top).real:
                 lines.append(
                     f"{fmt}: with workers its batches were mostly ready before the loop asked "
                     f"(stalled {top.stall_fraction:.0%} of the time at {top.workers} workers): "
@@ -134,33 +177,28 @@ def verdict(result: BenchResult) -> list[str]:
                 )
 
     if "folder" in bests:
-        base = bests["folder"]
-        for fmt, best in bests.items():
-            if fmt in ("folder", "memory"):
-                continue
-            lines.append(
-                f"{fmt} vs folder, each at its best: {best.mean / base.mean:.1f}x "
-                f"({best.mean:,.0f} vs {base.mean:,.0f} samples/s)."
-            )
+        for fmt in bests:
+            if fmt not in ("folder", "memory"):
+                lines.append(vs_line(result, fmt))
 
     if "memory" in bests:
         ref = bests["memory"]
-        parts = [
-            f"{fmt} {best.mean / ref.mean:.0%}" for fmt, best in bests.items() if fmt != "memory"
-        ]
+        parts = []
+        for fmt, best in bests.items():
+            if fmt != "memory":
+                noise = "" if compare(best, ref).real else " (within noise)"
+                parts.append(f"{fmt} {best.mean / ref.mean:.0%}{noise}")
         lines.append(
             f"memory reference (the same bytes in RAM, same {cfg.mode}, same DataLoader): "
             f"{ref.mean:,.0f} samples/s at {ref.workers} workers; each format at its best "
             f"reaches {', '.join(parts)} of it. What a format misses of it is its storage and "
-            "reading cost (above 100% is noise)."
+            "reading cost."
         )
         frac = ref.ceiling_fraction
         if frac is not None and not cfg.step_ms and frac < 0.8:
             lines.append(
                 f"Even with no storage at all, the DataLoader delivers {frac:.0%} of the "
-                f"{cfg.mode} ceiling: the rest is the DataLoader itself (each batch handed from "
-                "worker to main process through fresh shared memory, and the main process "
-                "sharing the cores), not the data format."
+                f"{cfg.mode} ceiling: that gap is not the data format."
             )
 
     if cfg.latency_ms:
@@ -201,9 +239,8 @@ def verdict(result: BenchResult) -> list[str]:
         elif at_ceiling:
             lines.append(
                 f"{', '.join(at_ceiling)} run at >= 80% of what the {result.cores} cores can "
-                f"{cfg.mode}: the loader is CPU-bound on {cfg.mode}, not on storage; more "
-                "workers than cores will not help, fewer pixels will (`shardkit pack "
-                "--resize-short N`)"
+                f"{cfg.mode}: the loader is CPU-bound on {cfg.mode}, not on storage; fewer "
+                "pixels per sample are the lever (`shardkit pack --resize-short N`)"
                 + (", and a cheaper augmentation" if cfg.mode == "augment" else "")
                 + "."
             )
@@ -213,6 +250,12 @@ def verdict(result: BenchResult) -> list[str]:
             "decoding; run --mode decode to see whether JPEG decoding is the limit."
         )
 
+    lines.extend(_run_length_lines(result))
+    lines.append(
+        f"Differences are called real when Welch's t-test on the {cfg.repeats} per-run rates "
+        f"gives p < {ALPHA:g}; otherwise within noise."
+    )
+
     if cfg.step_ms:
         need = cfg.batch_size / (cfg.step_ms / 1000.0)
         lines.append(
@@ -221,6 +264,26 @@ def verdict(result: BenchResult) -> list[str]:
         )
         for fmt, best in bests.items():
             lines.append(_step_advice(result, fmt, best, need))
+    return lines
+
+
+def _run_length_lines(result: BenchResult) -> list[str]:
+    """Say when runs were cut short: by the time cap or by the end of the data."""
+    cfg = result.config
+    runs = [r for row in result.rows for r in row.runs]
+    lines = []
+    capped = sum(r.stopped == "max_seconds" for r in runs)
+    ran_out = sum(r.stopped == "data" for r in runs)
+    if capped:
+        lines.append(
+            f"{capped} of {len(runs)} runs reached max_seconds ({cfg.max_seconds:g} s) before "
+            f"{cfg.min_samples} samples: their rates rest on fewer samples."
+        )
+    if ran_out:
+        lines.append(
+            f"{ran_out} of {len(runs)} runs reached the end of the data before their minimum "
+            "time: a bigger data set gives longer, steadier runs."
+        )
     return lines
 
 
@@ -255,7 +318,7 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
     if fmt == "folder" and other_ok:
         fixes.append(f"switch to shards ({', '.join(other_ok)} kept the wait under 10%)")
     by_w = sorted(rows, key=lambda r: r.workers)
-    if best.workers == by_w[-1].workers and len(by_w) > 1 and not _noise(by_w[-1], by_w[-2]):
+    if best.workers == by_w[-1].workers and len(by_w) > 1 and compare(by_w[-1], by_w[-2]).real:
         fixes.append("more workers (the rate still rose at the largest count tried)")
     frac = best.ceiling_fraction
     if frac is not None and frac >= 0.5:
@@ -308,6 +371,9 @@ def to_json(result: BenchResult) -> dict:
                 "opens_runs": [run.opens for run in r.runs],
                 "timed_samples_runs": [run.timed_samples for run in r.runs],
                 "resident_before_runs": [run.resident_before for run in r.runs],
+                "timed_s_runs": [run.timed_s for run in r.runs],
+                "wall_s_runs": [run.wall_s for run in r.runs],
+                "stopped_runs": [run.stopped for run in r.runs],
             }
         )
     return {
@@ -316,8 +382,14 @@ def to_json(result: BenchResult) -> dict:
         "sources": result.sources,
         "bytes_per_sample": result.bytes_per_sample,
         "machine": result.machine,
+        "load": {
+            "before": result.load_before.as_dict() if result.load_before else None,
+            "after": result.load_after.as_dict() if result.load_after else None,
+        },
+        "load_warning": result.load_warning(),
         "decode_ceiling_single_process": result.ceiling_single,
         "seconds": result.seconds,
+        "estimate_s": result.estimate_s,
         "rows": rows,
         "verdict": verdict(result),
         "notes": result.notes,
@@ -331,6 +403,9 @@ def to_json(result: BenchResult) -> dict:
             "stall_fraction": "the part of that wait before the batch was ready in its worker",
             "opens": "storage opens (each charged latency_ms) during the run, prefetch included",
             "ceiling": "one process decoding the same JPEG bytes x min(max(workers,1), cores)",
+            "load": "os.getloadavg() (1, 5, 15 min) with the usable cores and os.cpu_count(), "
+            "before and after the whole bench",
+            "within noise": "Welch's t-test on the per-run rates gives p >= 0.05",
         },
     }
 

@@ -6,13 +6,41 @@ them without importing the runner that fills them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .config import BenchConfig
 
-__all__ = ["BenchResult", "Row", "RunContext", "RunResult", "Timeline"]
+__all__ = ["BenchResult", "Load", "Row", "RunContext", "RunResult", "Timeline"]
+
+
+@dataclass(frozen=True)
+class Load:
+    """The machine's load average (1, 5, 15 min) and CPU counts at one moment.
+
+    Recorded before and after the whole bench: on a shared machine the load decides whether the
+    figures mean anything (a load above the cores means other processes took CPU time from the
+    runs). ``cores``: CPUs this process may use; ``cpu_count``: the machine's.
+    """
+
+    load_1m: float
+    load_5m: float
+    load_15m: float
+    cores: int
+    cpu_count: int | None
+
+    @classmethod
+    def now(cls, cores: int) -> Load:
+        one, five, fifteen = os.getloadavg()
+        return cls(round(one, 2), round(five, 2), round(fifteen, 2), cores, os.cpu_count())
+
+    def text(self) -> str:
+        return f"{self.load_1m:.2f}/{self.load_5m:.2f}/{self.load_15m:.2f}"
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -24,6 +52,9 @@ class RunResult:
     loading; the rest of the wait is receiving a ready batch (the DataLoader's transfer).
     ``opens``: latency charges paid during the run (workers' prefetch included);
     ``resident_before``: page-cache residency of the read files as the run started.
+    ``stopped``: why timing ended: "target" (min samples and seconds reached, or ``batches``),
+    "max_seconds" (the cap, before the target) or "data" (the epoch ended first).
+    ``wall_s``: the whole run, DataLoader start to shutdown (what the estimate bounds).
     """
 
     repeat: int
@@ -37,6 +68,8 @@ class RunResult:
     timed_s: float
     opens: int | None
     resident_before: float | None
+    stopped: str = "target"
+    wall_s: float = 0.0
 
 
 @dataclass
@@ -50,6 +83,11 @@ class Row:
 
     def _values(self, name: str) -> np.ndarray:
         return np.array([getattr(r, name) for r in self.runs], dtype=np.float64)
+
+    @property
+    def rates(self) -> list[float]:
+        """samples/s of each repeat: what the verdict's significance test compares."""
+        return [r.samples_per_s for r in self.runs]
 
     @property
     def mean(self) -> float:
@@ -129,6 +167,23 @@ class BenchResult:
     machine: dict
     seconds: float
     notes: list[str] = field(default_factory=list)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    load_before: Load | None = None
+    load_after: Load | None = None
+    estimate_s: float | None = None
+
+    def load_warning(self) -> str | None:
+        """One line when the load average exceeded the cores before or after the bench."""
+        loads = [(w, x) for w, x in (("before", self.load_before), ("after", self.load_after)) if x]
+        over = [(w, x) for w, x in loads if x.load_1m > x.cores]
+        if not over:
+            return None
+        when = " and ".join(f"{x.load_1m:.2f} {w}" for w, x in over)
+        return (
+            f"warning: load average {when} the bench exceeded its {over[0][1].cores} cores: "
+            "other processes took CPU time from the runs, so rates are lower and noisier than "
+            "on an idle machine"
+        )
 
     def row(self, fmt: str, workers: int) -> Row:
         for r in self.rows:

@@ -10,8 +10,10 @@ How one run is measured (``run_once``):
    starts, and the time until the first batch arrives is the *first-batch time* (worker start-up,
    shard opening, the shuffle buffer filling).
 3. The first ``max(1, workers)`` batches are warm-up: the workers all started together, so their
-   first batches arrive back to back and timing them would inflate the rate. Then ``batches``
-   batches are timed: samples/s = timed samples / timed wall time. Each timed iteration is
+   first batches arrive back to back and timing them would inflate the rate. Then batches are
+   timed until the run has ``min_samples`` samples and ``min_seconds`` seconds (or exactly
+   ``batches`` batches, if given), at most ``max_seconds``, or the epoch ends (``RunResult.stopped``
+   says which): samples/s = timed samples / timed wall time. Each timed iteration is
    ``next(loader)`` (the wait) then the consumer's step (``workloads.step``, a sleep of
    ``step_ms``); the wait fraction is total wait / timed wall time.
 4. The loader is shut down (workers exit); the next run starts from nothing.
@@ -40,8 +42,16 @@ from ..errors import InputError, OutputError
 from ..extras import require
 from ..pagecache import evict_until_cold, prime, residency
 from .config import MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
-from .results import BenchResult, Row, RunContext, RunResult, Timeline
-from .sources import bytes_per_sample, make_dataset, plan_sources, read_paths, sample_bytes
+from .estimate import Estimate, clock_text, estimate
+from .results import BenchResult, Load, Row, RunContext, RunResult, Timeline
+from .sources import (
+    bytes_per_sample,
+    make_dataset,
+    pending,
+    plan_sources,
+    read_paths,
+    sample_bytes,
+)
 from .workloads import (
     DATASET_DECODE,
     Augment,
@@ -98,6 +108,11 @@ def make_loader(ds, fmt: str, workers: int, cfg: BenchConfig, epoch: int):
     from ``sources.make_dataset`` and, if it batches differently than a DataLoader over that
     dataset, its loader here (batches stamped as ``workloads.Collate`` stamps them).
     """
+    if fmt == "loader":
+        from ..loader import ShardLoader
+
+        ds.set_epoch(epoch)
+        return StampedBatches(ShardLoader(ds, cfg.batch_size, num_workers=workers), workers)
     shuffle_in_loader = fmt == "folder"
     if shuffle_in_loader:
         wrapped = TimedMap(ds)
@@ -115,6 +130,34 @@ def make_loader(ds, fmt: str, workers: int, cfg: BenchConfig, epoch: int):
             num_workers=workers,
             collate_fn=Collate(cfg.mode),
         )
+
+
+def _stop(cfg: BenchConfig, batches: int, samples: int, seconds: float) -> str | None:
+    """Why timing should end now (see ``RunResult.stopped``); None to go on."""
+    if cfg.batches:
+        if batches >= cfg.batches:
+            return "target"
+    elif samples >= cfg.min_samples and seconds >= cfg.min_seconds:
+        return "target"
+    if cfg.max_seconds and seconds >= cfg.max_seconds:
+        return "max_seconds"
+    return None
+
+
+class StampedBatches:
+    """ShardLoader batches stamped as ``workloads.Collate`` stamps DataLoader ones. Thread k
+    fills batch k % workers; a batch counts as ready when it reaches the caller (the loader
+    keeps no per-batch timestamps), so its stall is its whole wait."""
+
+    def __init__(self, loader, workers: int):
+        self.loader, self.workers = loader, max(1, workers)
+
+    def __iter__(self):
+        t = clock()
+        for k, (images, labels) in enumerate(self.loader):
+            now = clock()
+            yield images, labels, (k % self.workers, t, now)
+            t = now
 
 
 def run_once(
@@ -139,12 +182,14 @@ def run_once(
     samples = timed_batches = 0
     wait_total = stall_total = 0.0
     first = t_start = t_end = 0.0
+    stopped = "data"
     t0 = clock()
     with _quiet_worker_count():
         it = iter(loader)
     started = clock() - t0
     try:
-        for k in range(warmup + cfg.batches):
+        k = 0
+        while True:
             tw = clock()
             try:
                 _images, labels, (wid, b0, b1) = next(it)
@@ -167,19 +212,19 @@ def run_once(
                 wait_total += tr - tw
                 stall_total += max(0.0, min(b1, tr) - tw)
                 t_end = te
-                if (
-                    cfg.max_seconds
-                    and te - t_start >= cfg.max_seconds
-                    and timed_batches >= MIN_TIMED_BATCHES
-                ):
+                why = _stop(cfg, timed_batches, samples, te - t_start)
+                if why:
+                    stopped = why
                     break
+            k += 1
     finally:
         del it  # shuts the workers down before the next run
+    wall = clock() - t0
     if timed_batches == 0:
         raise InputError(
             f"{fmt} with {workers} workers delivered only {len(batches)} batches of "
-            f"{cfg.batch_size}: the dataset is too small for {warmup} warm-up + {cfg.batches} "
-            "timed batches; lower batch_size or batches"
+            f"{cfg.batch_size}: the dataset is too small for {warmup} warm-up batches and a "
+            "timed one; lower batch_size or workers"
         )
     timed = t_end - t_start
     rate = samples / timed
@@ -195,6 +240,8 @@ def run_once(
         timed_s=timed,
         opens=storage.opens() - opens0 if storage is not None else None,
         resident_before=resident_before,
+        stopped=stopped,
+        wall_s=wall,
     )
     timeline = Timeline(fmt, workers, repeat, cfg.step_ms, warmup, started, batches, waits, steps)
     return result, timeline
@@ -289,12 +336,14 @@ def _prepare(cfg: BenchConfig, sources: dict[str, str]) -> _Prepared:
         prep.per_sample[fmt] = bytes_per_sample(fmt, ds, prep.paths[fmt])
         prep.epochs[fmt] = 0
         prep.notes.extend(_format_notes(cfg, fmt, prep))
-        need = (max(1, max(cfg.workers)) + cfg.batches) * cfg.batch_size
+        warm = max(1, max(cfg.workers)) * cfg.batch_size
+        need = warm + cfg.timed_samples_needed
         if len(ds) < need:
+            what = "batches" if cfg.batches else "min_samples"
             raise InputError(
                 f"{source}: {len(ds)} samples, but a run with {max(cfg.workers)} workers "
-                f"reads {need} ((warm-up {max(1, max(cfg.workers))} + batches {cfg.batches}) x "
-                f"batch_size {cfg.batch_size}); lower batches or batch_size"
+                f"reads {need} (warm-up {warm} + {cfg.timed_samples_needed} timed); lower "
+                f"{what} or batch_size"
             )
     return prep
 
@@ -339,13 +388,18 @@ def _measure(cfg: BenchConfig, prep: _Prepared) -> tuple[list[Row], Timeline | N
     chosen = _timeline_choice(cfg, formats)
     timeline: Timeline | None = None
     total, done = len(rows) * cfg.repeats, 0
+    started = clock()
     for repeat in range(cfg.repeats):
         for fmt in formats:
             for w in cfg.workers:
                 fpaths = prep.paths[fmt]
                 resident = None
                 if fpaths:
-                    resident = evict_until_cold(fpaths) if cfg.cold else residency(fpaths)
+                    # Written back once before the runs (``_write_back``): since then the
+                    # files were only read, so eviction need not sync them again.
+                    resident = (
+                        evict_until_cold(fpaths, sync=False) if cfg.cold else residency(fpaths)
+                    )
                 if cfg.before_run is not None:
                     ds = prep.datasets[fmt]
                     cfg.before_run(RunContext(fmt, w, repeat, cfg.cold, list(fpaths or []), ds))
@@ -354,11 +408,16 @@ def _measure(cfg: BenchConfig, prep: _Prepared) -> tuple[list[Row], Timeline | N
                 if (fmt, w) == chosen and timeline is None:
                     timeline = tl
                 done += 1
+                elapsed = clock() - started
+                left = elapsed / done * (total - done)
+                cut = {"max_seconds": ", capped", "data": ", end of data"}.get(result.stopped, "")
                 say(
                     cfg,
                     f"[{done}/{total}] repeat {repeat + 1}/{cfg.repeats} {fmt:>6} "
-                    f"workers={w}: {result.samples_per_s:,.0f} samples/s, first batch "
-                    f"{result.first_batch_s:.2f} s, wait {result.wait_fraction:.0%}",
+                    f"workers={w}: {result.samples_per_s:,.0f} samples/s "
+                    f"({result.timed_samples:,} in {result.timed_s:.1f} s{cut}), first batch "
+                    f"{result.first_batch_s:.2f} s, wait {result.wait_fraction:.0%}; "
+                    f"{clock_text(elapsed)} elapsed, ~{clock_text(left)} left",
                 )
     return list(rows.values()), timeline
 
@@ -371,6 +430,14 @@ def run_bench(config: BenchConfig) -> BenchResult:
     cfg = config.resolved()
     _check_outputs(cfg)
     started = clock()
+    load_before = Load.now(cores())
+    steps, formats = pending(cfg)
+    est = estimate(cfg, steps, formats)
+    say(
+        cfg,
+        f"{est.line(cfg, list(formats))}; load {load_before.load_1m:.2f} on "
+        f"{load_before.cores} cores",
+    )
     sources, _data = plan_sources(cfg)
     prep = _prepare(cfg, sources)
 
@@ -382,7 +449,9 @@ def run_bench(config: BenchConfig) -> BenchResult:
         say(cfg, f"measuring the {cfg.mode} ceiling (1 process, {len(samples_for_ceiling)} JPEGs)")
         ceiling_single = measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds)
 
-    if not cfg.cold:
+    if cfg.cold:
+        _write_back(cfg, prep)
+    else:
         for fmt in prep.formats:
             if prep.paths[fmt]:
                 left = prime(prep.paths[fmt])
@@ -390,7 +459,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
     # One untimed burn-in run: the first run in a process pays one-time costs (allocator growth,
     # decoder set-up); measured 429 samples/s for a first folder run vs ~2,000 for its repeats.
-    burn = replace(cfg, batches=MIN_TIMED_BATCHES, max_seconds=0.2)
+    burn = replace(cfg, batches=MIN_TIMED_BATCHES, max_seconds=0.2, min_seconds=0.0)
     _run(burn, prep, prep.formats[0], 0, repeat=-1)
     rows, timeline = _measure(cfg, prep)
 
@@ -409,11 +478,33 @@ def run_bench(config: BenchConfig) -> BenchResult:
         machine=machine_facts(),
         seconds=clock() - started,
         notes=prep.notes,
+        num_samples={f: len(ds) for f, ds in prep.datasets.items()},
+        load_before=load_before,
+        load_after=Load.now(cores()),
+        estimate_s=est.total_s,
     )
+    _say_done(cfg, result, est)
     for row in result.rows:
         row.ceiling = result.ceiling(row.workers)
     _write_outputs(result)
     return result
+
+
+def _write_back(cfg: BenchConfig, prep: _Prepared) -> None:
+    """Write back and evict every format's files once, before the timed runs and their clock.
+
+    Freshly packed shards may still be dirty, and the kernel does not drop dirty pages; syncing
+    13k files takes seconds under load, so it is done here once, not before every run.
+    """
+    for fmt in prep.formats:
+        if prep.paths[fmt]:
+            say(cfg, f"cold: writing back and evicting {prep.sources[fmt]} once")
+            evict_until_cold(prep.paths[fmt], sync=True)
+
+
+def _say_done(cfg: BenchConfig, result: BenchResult, est: Estimate) -> None:
+    bound = f" (estimate: up to {clock_text(est.total_s)})" if est.total_s else ""
+    say(cfg, f"done in {clock_text(result.seconds)}{bound}")
 
 
 def _check_outputs(cfg: BenchConfig) -> None:

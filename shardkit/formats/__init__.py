@@ -9,6 +9,7 @@ a file, so it asks for ``local_path()``). FORMAT.md specifies the bytes of each.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -194,9 +195,30 @@ def encode_key(stem: str) -> str:
 
     WebDataset readers split a member name at the first dot of its basename, so keys must hold
     none; percent-encoding keeps distinct paths distinct and is reversible with decode_key.
+    A name that is not valid UTF-8 (``os.fsdecode`` gives lone surrogates for its bad bytes)
+    has each undecodable byte written as ``%XX`` (``b"caf\\xe9"`` -> ``caf%E9``): a key is always
+    UTF-8 text, so every reader can store and show it, and decode_key gives the name back.
     """
-    return stem.replace("%", "%25").replace(".", "%2E")
+    key = stem.replace("%", "%25").replace(".", "%2E")
+    if not key.isascii() and _SURROGATE.search(key):
+        key = _SURROGATE.sub(lambda m: "%%%02X" % (ord(m.group()) - 0xDC00), key)
+    return key
 
 
 def decode_key(key: str) -> str:
-    return key.replace("%2E", ".").replace("%25", "%")
+    """The relative path (without extension) a key was made from; inverse of encode_key.
+
+    Only the escapes encode_key writes are undone (``%25``, ``%2E``, and ``%80``-``%FF`` for
+    bytes of a name that is not UTF-8, which come back as ``os.fsdecode`` would give them).
+    """
+    if "%" not in key:
+        return key
+    raw = key.encode("utf-8", "surrogateescape")
+    raw = _ESCAPE.sub(lambda m: bytes([int(m.group()[1:], 16)]), raw)
+    return raw.decode("utf-8", "surrogateescape")
+
+
+#: A byte of a name that is not valid UTF-8, as ``os.fsdecode`` (surrogateescape) gives it.
+_SURROGATE = re.compile("[\udc80-\udcff]")
+#: The escapes encode_key writes: ``%25``, ``%2E``, and one undecodable byte ``%80``-``%FF``.
+_ESCAPE = re.compile(rb"%(?:25|2E|[89A-F][0-9A-F])")

@@ -7,6 +7,8 @@ a fixed little-endian header plus key, extension and bytes (FORMAT.md), never pi
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -16,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import lmdb
 
 from ..errors import ShardFormatError
+from ..fsutil import open_regular
 from ..records import Record, ShardStats
 
 __all__ = ["LmdbShardWriter", "iter_lmdb_records", "count_lmdb_samples", "sample_key"]
@@ -86,17 +89,18 @@ class LmdbShardWriter:
         self._pending_bytes = 0
         self._commits = 0
         _remove(path)  # like open("wb"): a fresh shard, never records appended to an old one
-        self._env: lmdb.Environment | None = lmdb.open(
-            path,
-            subdir=False,
-            map_size=map_size,
-            lock=False,
-            sync=False,
-            metasync=False,
-            readahead=False,
-            meminit=True,  # zero unused page space: same input, same bytes
-            max_dbs=0,
-        )
+        with _as_os_error(path):
+            self._env: lmdb.Environment | None = lmdb.open(
+                path,
+                subdir=False,
+                map_size=map_size,
+                lock=False,
+                sync=False,
+                metasync=False,
+                readahead=False,
+                meminit=True,  # zero unused page space: same input, same bytes
+                max_dbs=0,
+            )
 
     def projected_size(
         self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
@@ -128,13 +132,14 @@ class LmdbShardWriter:
         assert env is not None, "writer is closed"
         while True:
             try:
-                with env.begin(write=True) as txn:
+                with _as_os_error(self.path), env.begin(write=True) as txn:
                     for k, v in items:
                         # samples append (sorted, fastest); meta and fields sort elsewhere
                         txn.put(k, v, append=k[:1].isdigit())
                 break
             except lmdb.MapFullError:
-                env.set_mapsize(env.info()["map_size"] * 2)
+                with _as_os_error(self.path):
+                    env.set_mapsize(env.info()["map_size"] * 2)
         self._pending, self._pending_bytes = [], 0
         self._commits += 1
 
@@ -143,8 +148,11 @@ class LmdbShardWriter:
         self._commit([(META_KEY, meta.encode())])
         env, self._env = self._env, None
         assert env is not None
-        env.sync(True)
-        env.close()
+        try:
+            with _as_os_error(self.path):
+                env.sync(True)
+        finally:
+            env.close()
         digest = hashlib.sha256()
         size = 0
         with open(self.path, "rb") as f:
@@ -158,6 +166,25 @@ class LmdbShardWriter:
             self._env.close()
             self._env = None
         _remove(self.path)
+
+
+@contextlib.contextmanager
+def _as_os_error(path: str) -> Iterator[None]:
+    """An ``lmdb.Error`` of a write (disk full, I/O error) as the ``OSError`` writers handle.
+
+    LMDB reports a short ``pwrite`` on a full disk as EIO, so the writer's message also says
+    how much room is left (``fsutil.write_error``). ``MapFullError`` passes: the map grows.
+    """
+    try:
+        yield
+    except lmdb.MapFullError:
+        raise
+    except lmdb.Error as exc:
+        text = str(exc)
+        code = next(
+            (c for c in (errno.ENOSPC, errno.EDQUOT, errno.EIO) if os.strerror(c) in text), None
+        )
+        raise OSError(code, f"LMDB: {text}", path) from None
 
 
 def _remove(path: str) -> None:
@@ -319,12 +346,15 @@ def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
     path = os.fspath(path)
     shard = shard or path
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        f = open_regular(path, buffering=0)  # lmdb.open of a FIFO would block forever
+    except FileNotFoundError:
         raise ShardFormatError(
             f"{shard}: LMDB shard not found (expected a single-file LMDB)"
         ) from None
-    try:
+    except OSError as exc:
+        raise ShardFormatError(f"{shard}: cannot open LMDB shard ({exc.strerror})") from None
+    with f:
+        fd = f.fileno()
         st = os.fstat(fd)
         if st.st_size < 2 * PAGE:
             raise ShardFormatError(
@@ -341,8 +371,6 @@ def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
                     f"{shard}: {what} LMDB shard ({exc.args[0]}); re-copy it, or re-pack it "
                     "from the source images"
                 ) from None
-    finally:
-        os.close(fd)
     try:
         env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_readers=1, max_dbs=0)
     except lmdb.Error as exc:

@@ -14,6 +14,7 @@ import zlib
 from typing import BinaryIO
 
 from ...errors import ShardFormatError
+from ...fsutil import open_regular
 from ...images import IMAGE_EXTENSIONS
 
 BLOCK = 512
@@ -176,7 +177,7 @@ def _open(source: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str, bool]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         try:
-            return open(path, "rb", buffering=0), path, True
+            return open_regular(path, buffering=0), path, True
         except OSError as exc:
             raise ShardFormatError(f"{path}: cannot open shard ({exc.strerror})") from None
     return source, _name_of(source), False

@@ -132,8 +132,11 @@ class TarShardWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            f, self._file = self._file, None
+            try:
+                f.close()  # flushes the buffer: fails again on a full disk, which is known
+            except OSError:
+                pass
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -1,0 +1,433 @@
+"""ShardLoader: decode threads into reused batch buffers, with every ShardDataset guarantee."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import json
+import multiprocessing
+import os
+import socket
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from PIL import Image
+
+from shardkit import ShardDataset, ShardLoader
+from shardkit.errors import InputError, SampleError
+from shardkit.packer import pack
+from shardkit.stream import worker_span
+from shardkit.world import World
+
+# Most tests iterate epoch 0 more than once on purpose (a reference pass, then the loader).
+pytestmark = pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning")
+
+N = 23  # odd and prime: no rank, worker or batch count divides it
+W, H = 20, 14
+
+
+def _image(i: int) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, (H, W, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """23 JPEGs of one size (one of them a PNG) in 3 classes, packed into several tar shards."""
+    base = tmp_path_factory.mktemp("loader")
+    for i in range(N):
+        d = base / "src" / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(_image(i))
+        if i == 5:
+            img.save(d / f"im{i:02d}.png")
+        else:
+            img.save(d / f"im{i:02d}.jpg", quality=90)
+    pack(str(base / "src"), str(base / "tar"), shard_size=6000, progress=False)
+    return str(base / "tar")
+
+
+ALL_KEYS = sorted(f"c{i % 3}/im{i:02d}" for i in range(N))
+
+
+def _ds(path, **kw):
+    kw.setdefault("decode", "tensor")
+    kw.setdefault("with_keys", True)
+    return ShardDataset(path, **kw)
+
+
+def _run(loader):
+    """(batch sizes, keys in order, images by key) of one epoch."""
+    sizes, keys, images = [], [], {}
+    for x, _, k in loader:
+        sizes.append(len(x))
+        keys += k
+        images.update(zip(k, x.clone(), strict=True))
+    return sizes, keys, images
+
+
+def _decode_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("shardkit-decode")]
+
+
+def _fds():
+    gc.collect()  # datasets of earlier tests hold shared-memory files until collected
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --- splitting, length, order ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 4, 5, 23, 30])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_is_exactly_the_batches_yielded(shards, workers, batch_size, drop_last):
+    loader = ShardLoader(_ds(shards), batch_size, num_workers=workers, drop_last=drop_last)
+    sizes, keys, _ = _run(loader)
+    assert len(sizes) == len(loader)
+    assert len(loader) == (N // batch_size if drop_last else -(-N // batch_size))
+    assert all(s == batch_size for s in sizes[:-1])  # only the last batch may be short
+    if not drop_last:
+        assert sorted(keys) == ALL_KEYS  # every sample once
+
+
+@pytest.mark.parametrize("equalize", ["pad", "drop", "none"])
+def test_three_ranks_with_two_workers_take_equal_steps_and_cover_the_epoch(shards, equalize):
+    results = []
+    for rank in range(3):
+        ds = _ds(shards, rank=rank, world_size=3, equalize=equalize)
+        loader = ShardLoader(ds, 3, num_workers=2)
+        sizes, keys, _ = _run(loader)
+        assert len(sizes) == len(loader) and sum(sizes) == len(ds)
+        results.append((len(sizes), keys))
+    steps = [s for s, _ in results]
+    keys = [k for _, ks in results for k in ks]
+    if equalize == "none":
+        assert Counter(keys) == Counter(ALL_KEYS)  # exactly once over all ranks
+    else:
+        assert len(set(steps)) == 1  # DDP-safe: every rank steps the same number of times
+        assert set(keys) == set(ALL_KEYS) if equalize == "pad" else len(set(keys)) == len(keys)
+
+
+def test_batches_are_the_dataloader_workers_streams_in_turn(shards):
+    """Thread w reads what DataLoader worker w reads (the dataset's own per-worker stream, cut
+    at batch multiples); batch k comes from thread k % num_workers."""
+    ds = _ds(shards, seed=3)
+    ds.set_epoch(2)
+    _, keys, _ = _run(ShardLoader(ds, 4, num_workers=3))
+    streams = [[r.key for r in ds.records(World(0, 1, w, 3), 2, 4)] for w in range(3)]
+    batches = [[s[i : i + 4] for i in range(0, len(s), 4)] for s in streams]
+    expect = []
+    for k in range(max(map(len, batches))):
+        for b in batches:
+            if k < len(b):
+                expect += b[k]
+    assert keys == expect
+
+
+def test_worker_parts_are_cut_at_batch_multiples():
+    for length in range(1, 60):
+        for bs in (1, 4, 7):
+            for nw in (1, 2, 3, 5):
+                spans = [worker_span(length, w, nw, bs) for w in range(nw)]
+                assert spans[0][0] == 0 and spans[-1][1] == length
+                assert all(spans[w][1] == spans[w + 1][0] for w in range(nw - 1))
+                short = [(hi - lo) % bs for lo, hi in spans if (hi - lo) % bs]
+                assert len(short) <= 1  # only one worker holds a short batch
+                assert sum(-(-(hi - lo) // bs) for lo, hi in spans) == -(-length // bs)
+
+
+def test_same_epoch_repeats_and_a_new_epoch_reorders(shards):
+    ds = _ds(shards, seed=7)
+    loader = ShardLoader(ds, 4, num_workers=2)
+    loader.set_epoch(1)
+    _, a, images_a = _run(loader)
+    _, b, images_b = _run(loader)
+    ds.set_epoch(2)  # on the dataset works as on the loader
+    _, c, _ = _run(loader)
+    assert a == b and a != c and sorted(c) == ALL_KEYS
+    assert all(torch.equal(images_a[k], images_b[k]) for k in a)
+
+
+def test_iterating_the_same_epoch_again_warns_as_the_dataset_does(shards):
+    loader = ShardLoader(_ds(shards), 8, num_workers=2)
+    _run(loader)
+    with pytest.warns(RuntimeWarning, match="iterated epoch 0 again"):
+        _run(loader)
+
+
+# --- pixels ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_images_are_what_the_dataset_decodes(shards, workers, channels_last):
+    """Also the PNG among them: non-JPEG samples take the Pillow path into the same buffers."""
+    ds = _ds(shards)
+    reference = {k: img for img, _, k in ds}
+    loader = ShardLoader(ds, 4, num_workers=workers, channels_last=channels_last)
+    for x, y, keys in loader:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (3, H, W) and y.dtype == torch.int64
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert x.is_contiguous(memory_format=fmt)
+        for img, key in zip(x, keys, strict=True):
+            assert torch.equal(img, reference[key])
+    png = reference["c2/im05"]
+    assert torch.equal(png, torch.from_numpy(_image(5)).permute(2, 0, 1))  # lossless: exact
+
+
+def test_labels_are_the_class_indices(shards):
+    for _, y, keys in ShardLoader(_ds(shards), 5, num_workers=2):
+        assert y.tolist() == [int(k[1]) for k in keys]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalised_batch_equals_the_formula_on_the_uint8_batch(shards, channels_last):
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    ds = _ds(shards)
+    _, _, raw = _run(ShardLoader(ds, 4, num_workers=2))
+    loader = ShardLoader(
+        ds, 4, num_workers=2, device="cpu", normalize=(mean, std), channels_last=channels_last
+    )
+    m, s = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+    for x, _, keys in loader:
+        assert x.dtype == torch.float32
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert x.is_contiguous(memory_format=fmt)
+        for img, key in zip(x, keys, strict=True):
+            want = (raw[key].float() / 255 - m) / s
+            torch.testing.assert_close(img, want, atol=1e-5, rtol=0)
+
+
+def test_geometry_batches_have_the_fixed_size(shards):
+    ds = _ds(shards, size=8, crop="random", flip=True)
+    sizes, keys, images = _run(ShardLoader(ds, 6, num_workers=2))
+    assert sorted(keys) == ALL_KEYS and all(v.shape == (3, 8, 8) for v in images.values())
+    reference = {k: img for img, _, k in ds}  # same (seed, epoch, rank, key): same crop
+    assert all(torch.equal(images[k], reference[k]) for k in keys)
+
+
+def test_kept_batches_stay_valid(shards):
+    """Buffers are reused only when nothing outside refers to them."""
+    ds = _ds(shards)
+    kept = list(ShardLoader(ds, 2, num_workers=2, prefetch_factor=1))
+    reference = {k: img for img, _, k in ds}
+    assert sum(len(x) for x, _, _ in kept) == N
+    for x, _, keys in kept:
+        for img, key in zip(x, keys, strict=True):
+            assert torch.equal(img, reference[key])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_loop_reuses_its_buffers(shards, workers):
+    """No allocation per batch: 23 batches of 1 come out of (prefetch_factor + 1) buffers per
+    thread."""
+    storages = set()
+    for x, _, _ in ShardLoader(_ds(shards), 1, num_workers=workers, prefetch_factor=1):
+        storages.add(x.untyped_storage().data_ptr())
+    assert len(storages) <= max(1, workers) * 2
+
+
+def test_batches_differ_in_size_without_size_raises_naming_the_key(tmp_path):
+    for i, wh in enumerate([(20, 14), (20, 14), (30, 14)]):
+        d = tmp_path / "src" / "c"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((wh[1], wh[0], 3), np.uint8)).save(d / f"im{i}.jpg")
+    pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
+    loader = ShardLoader(_ds(str(tmp_path / "tar"), shuffle=False), 3, num_workers=1)
+    message = r"sample 'c/im\d' is \d+x14 but its batch holds \d+x14 images; pass size="
+    with pytest.raises(InputError, match=message):
+        list(loader)
+
+
+# --- errors and cleanup ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory):
+    """12 images, one of them a JPEG whose data is garbage after the header."""
+    base = tmp_path_factory.mktemp("corrupt")
+    for i in range(12):
+        d = base / "src" / "c"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(_image(i)).save(d / f"im{i:02d}.jpg")
+    buf = io.BytesIO()
+    Image.fromarray(_image(99)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    data[200:-2] = b"\x00" * (len(data) - 202)  # header intact, entropy data destroyed
+    (base / "src" / "c" / "im07.jpg").write_bytes(bytes(data))
+    pack(str(base / "src"), str(base / "tar"), shard_size=4000, on_error="skip", progress=False)
+    return str(base / "tar")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_corrupt_jpeg_raises_in_the_caller_naming_shard_and_key(corrupt, workers):
+    ds = _ds(corrupt)  # before counting: its epoch state is a shared-memory file
+    before = _fds()
+    with pytest.raises(SampleError, match=r"shard-\d+\.tar: sample 'c/im07'") as info:
+        list(ShardLoader(ds, 4, num_workers=workers))
+    assert info.value.key == "c/im07" and info.value.shard.endswith(".tar")
+    assert _decode_threads() == [] and _fds() == before
+
+
+def test_on_error_skip_counts_and_goes_on(corrupt):
+    ds = _ds(corrupt, on_error="skip")
+    with pytest.warns(RuntimeWarning, match="skipped: .*c/im07"):
+        _, keys, _ = _run(ShardLoader(ds, 4, num_workers=2))
+    assert ds.skipped == 1 and len(keys) == 11 and "c/im07" not in keys
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_break_and_exceptions_leave_no_thread_process_or_fd_behind(shards, workers):
+    ds = _ds(shards)
+    gc.collect()
+    fds, threads = _fds(), threading.active_count()
+    for _ in range(3):
+        for _ in ShardLoader(ds, 2, num_workers=workers):
+            break
+    assert _decode_threads() == [] and threading.active_count() == threads
+
+    def failing_step():
+        for i, _ in enumerate(ShardLoader(ds, 2, num_workers=workers)):
+            if i == 1:
+                raise ZeroDivisionError("the training step failed")
+
+    with pytest.raises(ZeroDivisionError):
+        failing_step()
+    assert _decode_threads() == [] and threading.active_count() == threads
+    loader = ShardLoader(ds, 2, num_workers=workers)
+    it = iter(loader)
+    next(it)
+    loader.close()  # explicit, while the iterator is still referenced
+    assert _decode_threads() == []
+    with pytest.raises(StopIteration):
+        next(it)
+    assert _fds() == fds and multiprocessing.active_children() == []
+
+
+def test_a_new_iteration_stops_the_previous_one(shards):
+    loader = ShardLoader(_ds(shards), 2, num_workers=2)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    assert len(_decode_threads()) == 2  # only the second iteration's
+    assert sum(len(x) for x, _, _ in second) == N
+    assert _decode_threads() == []
+    del first
+
+
+def test_arguments_are_checked(shards):
+    with pytest.raises(InputError, match='decode="tensor"'):
+        ShardLoader(_ds(shards, decode="pil"), 4)
+    with pytest.raises(InputError, match="transform"):
+        ShardLoader(_ds(shards, transform=lambda x: x), 4)
+    with pytest.raises(InputError, match="batch_size"):
+        ShardLoader(_ds(shards), 0)
+    with pytest.raises(InputError, match="fields="):
+        ShardLoader(_ds(shards, fields=("json",)), 4)
+    with pytest.raises(InputError, match="normalize"):
+        ShardLoader(_ds(shards), 4, normalize=((0.5,), (0.5,)))
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="CUDA is not available"):
+            ShardLoader(_ds(shards), 4, device="cuda")
+
+
+# --- CUDA (skipped without a GPU) ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_batches_match_the_cpu_path(shards, channels_last):
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    ds = _ds(shards)
+    kw = dict(num_workers=2, normalize=(mean, std), channels_last=channels_last)
+    cpu = {}
+    for x, _, keys in ShardLoader(ds, 4, device="cpu", **kw):
+        cpu.update(zip(keys, x, strict=True))
+    for x, y, keys in ShardLoader(ds, 4, device="cuda", **kw):
+        assert x.is_cuda and y.is_cuda and x.dtype == torch.float32
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert x.is_contiguous(memory_format=fmt)
+        for img, key in zip(x.cpu(), keys, strict=True):
+            torch.testing.assert_close(img, cpu[key], atol=1e-5, rtol=0)
+
+
+# --- a real 3-rank DDP run --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=3,
+        timeout=datetime.timedelta(seconds=60),  # a rank with an extra step fails, never hangs
+    )
+    try:
+        ds = ShardDataset(data_dir, decode="tensor", with_keys=True, equalize="drop")
+        loader = ShardLoader(ds, 2, num_workers=2)
+        steps, keys = 0, []
+        for x, _, k in loader:
+            total = x.float().sum()
+            dist.all_reduce(total)  # every rank must take part in every step
+            steps += 1
+            keys += k
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"steps": steps, "len": len(loader), "keys": keys}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_real_ranks_step_together(shards, tmp_path):
+    ctx = mp.start_processes(
+        _rank,
+        args=(_free_port(), shards, str(tmp_path)),
+        nprocs=3,
+        join=False,
+        start_method="spawn",
+    )
+    waited = 0
+    while not ctx.join(timeout=5):
+        waited += 5
+        if waited >= 150:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not finish within 150 s")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert {r["steps"] for r in results} == {r["len"] for r in results} == {4}  # 7 each, by 2
+    keys = [k for r in results for k in r["keys"]]
+    assert len(keys) == len(set(keys)) == 21
+
+
+# --- remote shards --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_remote_shards_stream_through_the_threads(shards, http):
+    """Over HTTP the threads share the storage's single-consumer prefetcher through a
+    serialising proxy: every epoch still delivers every sample once, and no thread is left."""
+    from pathlib import Path
+
+    http.root = Path(shards).parent
+    ds = ShardDataset(
+        f"{http.url}/{Path(shards).name}/manifest.json", decode="tensor", with_keys=True
+    )
+    assert type(ds.storage).__name__ == "RemoteStorage"  # not the stateless local one
+    loader = ShardLoader(ds, 4, num_workers=3)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sorted(k for _, _, keys in loader for k in keys) == ALL_KEYS
+    assert _decode_threads() == []
