@@ -18,12 +18,13 @@ from typing import Any
 
 from .errors import InputError
 from .formats import ShardFormat, get_format
-from .fsutil import is_remote, open_regular
+from .fsutil import open_regular
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .paths import check_dataset_path
 from .records import ShardInfo
 from .storage import LocalStorage
+from .urls import is_remote, join_url, url_parent
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
 
@@ -203,7 +204,6 @@ def _dataset(out: str, storage_options, work_dir):
     if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
-        from .remote.upload import join_url, url_parent
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
         base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs

@@ -37,7 +37,6 @@ from .fsutil import (
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
-    is_remote,
     open_regular,
     publish,
     recover,
@@ -48,6 +47,7 @@ from .fsutil import (
 from .images import IMAGE_EXTENSIONS
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from .sizes import parse_size
+from .urls import is_remote, join_url
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -214,7 +214,7 @@ class ShardWriter:
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
         from .remote.fetch import storage_error
         from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_bucket, check_writable, join_url
+        from .remote.upload import Uploader, check_bucket, check_writable
 
         url = self.out
         check_writable(url)
@@ -381,8 +381,6 @@ class ShardWriter:
         return write_error(self.out, exc, f"the commit journal {JOURNAL_NAME}")
 
     def _commit_remote(self, local_manifest: str) -> str:
-        from .remote.upload import join_url
-
         url = self._uploader.finish(local_manifest)
         new = {e.path for e in self._entries}
         for name in self._replaced:  # old shards the new manifest does not list

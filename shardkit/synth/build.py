@@ -6,13 +6,11 @@ it and reuses the tree instead of rendering again.
 
 from __future__ import annotations
 
-import glob
 import json
 import operator
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, OutputError
+from ..fsutil import remove_stale_staging, staging_name
 from ..progress import Progress
 from .names import _check_scale, imagenet_wnids, lfw_counts, lfw_names
 from .render import _IMAGENET_LOOK, _LFW_LOOK, _Look, _photos, _render, photo_sources
@@ -119,7 +118,7 @@ def _complete(out: Path, marker: dict | None, params: dict) -> bool:
     return found == marker.get("images")
 
 
-def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
+def _report_from(out: Path, marker: dict, started: float, reused: bool = True) -> SynthReport:
     return SynthReport(
         path=out,
         images=marker["images"],
@@ -127,7 +126,7 @@ def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
         total_bytes=marker["total_bytes"],
         mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
         seconds=time.perf_counter() - started,
-        reused=True,
+        reused=reused,
     )
 
 
@@ -165,7 +164,7 @@ def _build(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _clear_stale_temps(out)
-    tmp = out.parent / f".{out.name}.synth-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / staging_name(_temp_prefix(out, "tmp"))
     try:
         tmp.mkdir()
         for name in folders:
@@ -205,15 +204,7 @@ def _build(
         raise
     if not placed:  # a concurrent run with the same parameters finished first: same bytes
         return _report_from(out, marker, started)
-    return SynthReport(
-        path=out,
-        images=marker["images"],
-        folders=marker["folders"],
-        total_bytes=marker["total_bytes"],
-        mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
-        seconds=time.perf_counter() - started,
-        reused=False,
-    )
+    return _report_from(out, marker, started, reused=False)
 
 
 def _run(job: _Job, n: int, workers: int, progress: bool = False, out: Path | None = None) -> int:
@@ -265,28 +256,27 @@ def _move_into_place(tmp: Path, out: Path, params: dict) -> bool:
     if _complete(out, marker, params):
         shutil.rmtree(tmp, ignore_errors=True)
         return False
-    old = out.parent / f".{out.name}.synth-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = out.parent / staging_name(_temp_prefix(out, "old"))
     os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
     return True
 
 
+def _temp_prefix(out: Path, kind: str) -> str:
+    """Siblings of ``out``: ``.<name>.synth-tmp-<pid>-<hex>`` (being built) and ``...-old-...``
+    (the tree being replaced), named by ``fsutil.staging_name`` so they carry their owner's pid."""
+    return f".{out.name}.synth-{kind}-"
+
+
 def _clear_stale_temps(out: Path) -> None:
-    """Remove temporaries left by runs that were killed (their pid no longer exists)."""
-    for sibling in out.parent.glob(f".{glob.escape(out.name)}.synth-*-*-*"):
-        try:
-            pid = int(sibling.name.rsplit("-", 2)[-2])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(sibling, ignore_errors=True)
-        except OSError:
-            pass
+    """Remove temporaries left by runs that were killed, by the one stale-temp policy.
+
+    No lock guards the parent directory (it is the user's), so only the pid decides: a
+    temporary whose owner is alive (a concurrent synth) is kept, and so is a name without one.
+    """
+    for kind in ("tmp", "old"):
+        remove_stale_staging(str(out.parent), _temp_prefix(out, kind), keep_unowned=True)
 
 
 # --- public entry points -------------------------------------------------------------------------
