@@ -117,7 +117,13 @@ class NameList(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+# auto_envvar_prefix: every option can also come from SHARDKIT_<COMMAND>_<OPTION> (e.g.
+# SHARDKIT_BENCH_REPEATS=1); a flag on the command line wins. The README doc test bounds the
+# bench this way without editing the commands it runs.
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SHARDKIT"},
+)
 @click.version_option(package_name="shardkit")
 def main() -> None:
     """Pack folders of images into sequential shards and stream them into PyTorch."""
@@ -155,19 +161,22 @@ def synth() -> None:
 @click.option(
     "--scale",
     type=float,
-    default=1.0,
-    show_default=True,
-    help="Fraction of LFW's 5,749 people / 13,233 images; the long tail is kept.",
+    default=None,
+    help="Fraction of LFW's 5,749 people / 13,233 images; the long tail is kept. "
+    "Default: $SHARDKIT_LFW_SCALE or 1.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--size", type=int, default=250, show_default=True, help="Image side in pixels.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Rendering threads (default: usable CPUs); never changes the bytes.")
-def synth_lfw(out: str, scale: float, seed: int, size: int, threads: int | None) -> None:
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def synth_lfw(out: str, scale: float | None, seed: int, size: int, threads: int | None,
+              quiet: bool) -> None:
     """LFW layout: OUT/Person_Name/Person_Name_0001.jpg."""
     from .synth import make_lfw
 
-    click.echo(make_lfw(out, scale=scale, seed=seed, size=size, workers=threads).summary())
+    report = make_lfw(out, scale=scale, seed=seed, size=size, workers=threads, progress=not quiet)
+    click.echo(report.summary())
 
 
 @synth.command("imagenet")
@@ -177,14 +186,16 @@ def synth_lfw(out: str, scale: float, seed: int, size: int, threads: int | None)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Rendering threads (default: usable CPUs); never changes the bytes.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def synth_imagenet(
-    out: str, classes: int, images_per_class: int, seed: int, threads: int | None
+    out: str, classes: int, images_per_class: int, seed: int, threads: int | None, quiet: bool
 ) -> None:
     """ImageNet layout: OUT/n01440764/n01440764_10026.JPEG, sizes around 500x375."""
     from .synth import make_imagenet
 
     report = make_imagenet(
-        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=threads
+        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=threads,
+        progress=not quiet,
     )
     click.echo(report.summary())
 

@@ -32,6 +32,7 @@ from .errors import InputError, SampleError, ShardkitError, StorageError
 from .formats import FORMATS
 from .geometry import Geometry, TensorDecoder
 from .images import IMAGE_EXTENSIONS, decode_image
+from .paths import check_source
 from .records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .resume import (
     EpochLayout,
@@ -63,6 +64,28 @@ from .stream import (
 from .world import World, current_world, distributed_rank
 
 __all__ = ["ShardDataset", "FolderDataset"]
+
+
+def _pil_collate(batch, *, collate_fn_map=None):
+    raise InputError(
+        "DataLoader cannot batch PIL images: ShardDataset/FolderDataset decode=\"pil\" (the "
+        "default, for PIL transforms) yields PIL images; pass decode=\"tensor\" for uint8 CHW "
+        "tensors, or a transform= that returns tensors (or a collate_fn of your own)"
+    )
+
+
+def _hint_pil_collate() -> None:
+    """torch's default_collate meets a PIL image with its own TypeError, which does not say
+    what to change here; teach it our hint for that one type (nothing else changes)."""
+    try:
+        from PIL import Image
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # pragma: no cover - a torch without the registry: its own error stays
+        return
+    default_collate_fn_map.setdefault(Image.Image, _pil_collate)
+
+
+_hint_pil_collate()
 
 # Layout of the shared int64 state tensor (shared memory, so persistent workers see updates).
 _EPOCH, _LAST_STARTED, _WARNED, _SKIPPED = 0, 1, 2, 3
@@ -177,6 +200,7 @@ class ShardDataset(IterableDataset):
         self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
         self.rank, self.world_size = distributed_rank(rank, world_size)
 
+        check_source(source, storage_options)  # "no such file", "no such bucket": named first
         resolved = resolve_source(source, storage_options=storage_options)
         self.shard_format: str = resolved.format
         if self.fields and self.shard_format != "tar":

@@ -37,7 +37,7 @@ class InputError(ShardkitError):
 
 
 class OutputError(ShardkitError):
-    """The output location cannot be written as asked (non-empty without --overwrite, ...)."""
+    """The output location cannot be written as asked (not empty, no overwrite, ...)."""
 
     exit_code = 2
 

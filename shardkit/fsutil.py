@@ -31,7 +31,6 @@ __all__ = [
     "fsync_dir",
     "interrupted_commit",
     "interrupted_message",
-    "is_remote",
     "open_regular",
     "pid_alive",
     "publish",
@@ -48,17 +47,6 @@ STAGING_PREFIX = ".partial-"
 JOURNAL_NAME = ".shardkit-commit.json"
 #: The journal a pre-journal shardkit left inside its staging dir (rolled back, never forward).
 _LEGACY_JOURNAL = "commit.json"
-
-
-def is_remote(path: str) -> bool:
-    """An object-store or HTTP URL (``s3://``, ``https://`` ...), not a path or ``file://``.
-
-    Same rule as ``storage.is_url``, kept here so writers and ``verify`` can tell without
-    importing the streaming side (and, through it, the remote package).
-    """
-    head, sep, _ = path.partition("://")
-    scheme = head.replace("+", "").replace("-", "")
-    return bool(sep) and len(head) > 1 and scheme.isalnum() and head != "file"
 
 
 def open_regular(path: str, buffering: int = -1):
@@ -196,19 +184,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_staging(directory: str, prefix: str = STAGING_PREFIX) -> list[str]:
+def remove_stale_staging(
+    directory: str, prefix: str = STAGING_PREFIX, *, keep_unowned: bool = False
+) -> list[str]:
     """Remove the staging entries in ``directory`` whose owner is dead; return their names.
 
-    The caller holds ``directory``'s ``DirLock``: that proves no other shardkit writer is live in
-    it, and the pid check keeps a writer of another kind (or version) safe too. A name without a
-    pid comes from an older shardkit, which took no lock; holding ours, it is stale. A legacy
-    staging dir that was stopped mid-commit has its moved shards removed again (it rolled back).
+    An entry named by ``staging_name`` is removed only when its pid is not alive on this machine
+    (pids are per host: a directory shared over the network with writers on other hosts is not
+    supported). Pack's caller also holds ``directory``'s ``DirLock``, which proves no other
+    shardkit writer is live in it; so a name without a pid, from an older shardkit that took no
+    lock, is stale too. Callers without such a lock (synth, in a user's directory) pass
+    ``keep_unowned=True``. A legacy staging dir stopped mid-commit has its moved shards removed
+    again (it rolled back).
     """
     removed = []
     for name in os.listdir(directory):
         if not name.startswith(prefix):
             continue
         pid = _owner(name, prefix)
+        if pid is None and keep_unowned:
+            continue
         if pid is not None and (pid == os.getpid() or pid_alive(pid)):
             continue
         path = os.path.join(directory, name)
@@ -300,7 +295,8 @@ def interrupted_message(directory: str) -> str:
     return (
         f"{directory}: a pack into this directory was interrupted while committing its shards "
         f"({JOURNAL_NAME} is there, manifest.json is not), so the shards are incomplete; pack "
-        "into it again (shardkit pack ... --overwrite), which first finishes the commit"
+        "into it again with overwrite=True (`shardkit pack ... --overwrite`), which first finishes "
+        "the commit"
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,7 +110,7 @@ def index_shards(
     shards get counts and checksums but no offset index (they cannot seek). Raises OutputError
     if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``).
     """
-    from tqdm import tqdm
+    from .progress import track
 
     files = _expand([os.fspath(p) for p in paths])
     by_dir: dict[str, list[str]] = {}
@@ -137,10 +136,7 @@ def index_shards(
     entries: dict[str, list[ShardEntry]] = {d: [] for d in by_dir}
     labels: set[int] = set()
     imageless: dict[str, int] = dict.fromkeys(by_dir, 0)
-    bar = tqdm(
-        files, unit="shard", desc="index", file=sys.stderr, disable=None if progress else True
-    )
-    for p in bar:
+    for p in track(files, "index", "shard", enabled=progress):
         d = os.path.dirname(os.path.abspath(p))
         try:
             raw = open_regular(p, buffering=0)

@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message, open_regular
-from .storage import is_url
+from .urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = [
     "MANIFEST_NAME",
@@ -231,10 +231,7 @@ class Manifest:
         a string where a list belongs, a NUL or a path leaving the directory.
         """
         if len(text) > MAX_MANIFEST_BYTES:
-            raise ManifestError(
-                f"{source}: {len(text)} bytes, more than any manifest shardkit writes "
-                f"({MAX_MANIFEST_BYTES}); not a shardkit manifest, re-pack"
-            )
+            raise _too_large(source, f"{len(text)} bytes")
         try:
             doc = json.loads(text)
         except (ValueError, RecursionError) as exc:
@@ -293,6 +290,13 @@ class Manifest:
         return manifest
 
 
+def _too_large(source: str, size: str) -> ManifestError:
+    return ManifestError(
+        f"{source}: {size}, more than any manifest shardkit writes ({MAX_MANIFEST_BYTES}); "
+        "not a shardkit manifest, re-pack"
+    )
+
+
 def write_manifest(manifest: Manifest, out_dir: str) -> str:
     """Write ``out_dir/manifest.json`` atomically; callers write it after every shard is final."""
     path = os.path.join(out_dir, MANIFEST_NAME)
@@ -304,9 +308,7 @@ def manifest_location(where: str | os.PathLike) -> str:
     """The manifest's own path or URL, given it, its dataset directory or its URL prefix."""
     where = os.fspath(where)
     if is_url(where):
-        if where.rstrip("/").endswith("/" + MANIFEST_NAME):
-            return where
-        return where.rstrip("/") + "/" + MANIFEST_NAME
+        return where if url_name(where) == MANIFEST_NAME else join_url(where, MANIFEST_NAME)
     return os.path.join(where, MANIFEST_NAME) if os.path.isdir(where) else where
 
 
@@ -324,15 +326,20 @@ def read_manifest(
     """
     path = manifest_location(where)
     if is_url(path):
-        from .remote.fetch import MissingObjectError, read_bytes
+        from .remote.fetch import MissingObjectError, TooLargeError, read_bytes
 
         try:
-            text = read_bytes(path, storage_options, policy=policy)
+            text = read_bytes(path, storage_options, policy=policy, max_size=MAX_MANIFEST_BYTES)
         except MissingObjectError:
-            prefix = path.rpartition("/")[0] + "/"
+            from .remote.upload import check_bucket
+
+            check_bucket(path, storage_options)  # a missing bucket is named as such
+            prefix = url_path(url_parent(path)) + "/"
             raise ManifestError(
                 f"{path}: no manifest; pack into this prefix with `shardkit pack SRC {prefix}`"
             ) from None
+        except TooLargeError:  # refused while it arrives, before it fills memory
+            raise _too_large(path, f"over {MAX_MANIFEST_BYTES} bytes") from None
         return Manifest.from_json(text, source=path)
     try:
         with open_regular(path) as f:  # a FIFO named manifest.json: refused, not waited on

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob as globmod
 import os
-import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from .formats import FORMATS, format_for_path, is_shard_name
 from .fsutil import interrupted_commit, interrupted_message
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .records import UNKNOWN, ShardInfo
-from .storage import is_url
+from .urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = ["ShardSource", "resolve_source", "UNKNOWN"]
 
@@ -50,7 +49,12 @@ class ShardSource:
 
 
 class _Fs:
-    """The few filesystem calls resolution needs, over os for paths and fsspec for URLs."""
+    """The few filesystem calls resolution needs, over os for paths and fsspec for URLs.
+
+    URLs are taken apart by ``shardkit.urls`` only, so a query string (a token for the whole
+    prefix, as in ``https://h/ds/manifest.json?sig=...``) is never part of a name and stays
+    last in every shard URL derived from the manifest's.
+    """
 
     def __init__(self, remote: bool, url: str = "", storage_options: dict | None = None):
         self.remote = remote
@@ -68,13 +72,13 @@ class _Fs:
         return self.fs.exists(path) if self.remote else os.path.exists(path)
 
     def join(self, base: str, rel: str) -> str:
-        return posixpath.join(base.rstrip("/"), rel) if self.remote else os.path.join(base, rel)
+        return join_url(base, rel) if self.remote else os.path.join(base, rel)
 
     def dirname(self, path: str) -> str:
-        return posixpath.dirname(path.rstrip("/")) if self.remote else os.path.dirname(path)
+        return url_parent(path) if self.remote else os.path.dirname(path)
 
     def basename(self, path: str) -> str:
-        return posixpath.basename(path.rstrip("/")) if self.remote else os.path.basename(path)
+        return url_name(path) if self.remote else os.path.basename(path)
 
     def glob(self, pattern: str) -> list[str]:
         if not self.remote:
@@ -104,6 +108,10 @@ def resolve_source(
         name = fs.basename(text)
         if name == MANIFEST_NAME:
             return _from_manifest(fs, text)
+        if fs.remote and not _has_pattern(text) and not is_shard_name(name):
+            manifest_path = fs.join(text, MANIFEST_NAME)  # a prefix: HTTP cannot list one
+            if fs.exists(manifest_path):
+                return _from_manifest(fs, manifest_path)
         if not _has_pattern(text) and fs.isdir(text):
             manifest_path = fs.join(text, MANIFEST_NAME)
             if fs.exists(manifest_path):
@@ -134,6 +142,9 @@ def resolve_source(
 
 
 def _has_pattern(text: str) -> bool:
+    """Glob or brace characters; in an HTTP(S) URL only before its query (``?sig=...``)."""
+    if text.startswith(("http://", "https://")):
+        text = url_path(text)
     return any(c in text for c in _GLOB_CHARS) or ("{" in text and "}" in text)
 
 

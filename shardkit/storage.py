@@ -20,8 +20,9 @@ from typing import BinaryIO, Protocol, runtime_checkable
 from .errors import InputError, StorageError
 from .fsutil import open_regular
 from .records import ShardInfo
+from .urls import is_url
 
-__all__ = ["Storage", "LocalStorage", "storage_for", "is_url", "url_of"]
+__all__ = ["Storage", "LocalStorage", "storage_for", "is_url", "url_of"]  # is_url: from .urls
 
 #: Read buffer for local shards: large sequential reads, few syscalls per shard.
 DEFAULT_BUFFER = 1 << 20
@@ -105,12 +106,6 @@ class LocalStorage:
 
     def close(self) -> None:
         """Nothing runs in the background: nothing to stop."""
-
-
-def is_url(source: str) -> bool:
-    """True for ``scheme://...`` strings; plain paths (including Windows ``C:\\``) are not URLs."""
-    head, sep, _ = source.partition("://")
-    return bool(sep) and len(head) > 1 and head.replace("+", "").replace("-", "").isalnum()
 
 
 def _strip_file_scheme(url: str) -> str:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
-import sys
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InputError
 from .formats import ShardFormat, get_format
-from .fsutil import is_remote, open_regular
+from .fsutil import open_regular
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from .paths import check_dataset_path
 from .records import ShardInfo
 from .storage import LocalStorage
+from .urls import is_remote, join_url, url_parent
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
 
@@ -90,29 +94,60 @@ def verify_shard(
     Never raises for a damaged shard: every failure becomes a problem string, so one bad shard
     does not hide the others.
     """
-    problems: list[str] = []
+    if shard_format.maps_file:  # memory-mapped (LMDB): hash first, then open
+        try:
+            sha, size = _sha256_and_size(path)
+        except FileNotFoundError:
+            return ["missing"], 0
+        except OSError as exc:
+            return [f"unreadable ({exc.strerror})"], 0
+        digest = _digest_problems(sha, size, entry)
+        if digest:
+            # A memory-mapped format trusts the bytes it maps: a damaged file can kill the
+            # process (SIGBUS) instead of raising. A shard whose size or checksum failed is not
+            # opened.
+            if size < entry.bytes:
+                digest.append("truncated; not opened (mapping it would crash the reader)")
+            return digest, 0
+        shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
+        return _check_records(
+            shard_format.records(LocalStorage(), shard), entry, decode, num_classes
+        )
+    # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
-        sha, size = _sha256_and_size(path)
+        raw = open(path, "rb", buffering=0)
     except FileNotFoundError:
         return ["missing"], 0
     except OSError as exc:
         return [f"unreadable ({exc.strerror})"], 0
+    with raw:
+        hashing = HashingReader(raw)
+        records = shard_format.iter_records(hashing, shard=entry.path)
+        problems, decoded = _check_records(records, entry, decode, num_classes)
+        try:
+            hashing.drain()
+        except OSError as exc:
+            return [f"unreadable ({exc.strerror})"], decoded
+    return _digest_problems(hashing.sha.hexdigest(), hashing.bytes, entry) + problems, decoded
+
+
+def _digest_problems(sha: str, size: int, entry: ShardEntry) -> list[str]:
+    problems = []
     if size != entry.bytes:
         problems.append(f"size {size} bytes, manifest says {entry.bytes}")
     if sha != entry.sha256:
         problems.append("sha256 differs from the manifest")
+    return problems
+
+
+def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]:
+    """Problems in ``records`` (an iterator over one shard), and the images decoded."""
+    problems: list[str] = []
     count = decoded = 0
     bad_labels = 0
     first_bad_image = None
-    if shard_format.maps_file and problems:
-        # A memory-mapped format trusts the bytes it maps: a damaged file can kill the process
-        # (SIGBUS) instead of raising. A shard whose size or checksum failed is not opened.
-        if size < entry.bytes:
-            problems.append("truncated; not opened (mapping it would crash the reader)")
-        return problems, 0
-    shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
     try:
-        for rec in shard_format.records(LocalStorage(), shard):
+        for rec in records:
             count += 1
             if num_classes is not None and not 0 <= rec.label < num_classes:
                 bad_labels += 1
@@ -133,6 +168,33 @@ def verify_shard(
     return problems, decoded
 
 
+class HashingReader(io.RawIOBase):
+    """A non-seekable view of a file that hashes and counts every byte read through it."""
+
+    def __init__(self, f):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, buf) -> int:
+        n = self._f.readinto(buf) or 0
+        self.sha.update(memoryview(buf)[:n])
+        self.bytes += n
+        return n
+
+    def drain(self) -> None:
+        """Hash what the parser did not read (end-of-archive padding, a gzip trailer)."""
+        chunk = bytearray(1 << 20)
+        while self.readinto(chunk):
+            pass
+
+
 def _dataset(out: str, storage_options, work_dir):
     """(manifest, manifest path/URL, display name, entry -> context manager of a local path).
 
@@ -142,7 +204,6 @@ def _dataset(out: str, storage_options, work_dir):
     if is_remote(out):
         from .remote.fetch import MissingObjectError
         from .remote.inspect import local_copy, read_manifest_url
-        from .remote.upload import join_url, url_parent
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
         base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs
@@ -157,6 +218,7 @@ def _dataset(out: str, storage_options, work_dir):
 
         return manifest, manifest_url, join_url(base, ""), local
     out = out[len("file://") :] if out.startswith("file://") else out
+    check_dataset_path(out)
     manifest = read_manifest(out)
     base = out if os.path.isdir(out) else os.path.dirname(out)
     path = os.path.join(out, MANIFEST_NAME) if os.path.isdir(out) else out
@@ -170,38 +232,42 @@ def verify(
     progress: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     work_dir: str | None = None,
+    threads: int | None = None,
 ) -> VerifyReport:
     """Check every shard of the packed dataset ``out`` (a directory or URL) against its manifest.
 
     Raises ManifestError when the manifest itself is missing or unreadable; bad shards are
     reported, not raised, so the caller sees all of them. A remote shard is downloaded to a
     temporary file in ``work_dir`` (default: the system's) and deleted after its check.
+    ``threads`` shards are checked at once (default: usable CPUs, at most 8): hashing, reads
+    and decoding release the GIL.
     """
-    from tqdm import tqdm
+    from .progress import progress as progress_bar
 
     manifest, _, name, local = _dataset(os.fspath(out), storage_options, work_dir)
     fmt = get_format(manifest.shard_format)
-    bad: list[ShardProblem] = []
-    decoded = 0
+    num_classes = len(manifest.classes) or None  # no classes (foreign tars)
     entries = manifest.shards
-    bar = tqdm(
-        entries, unit="shard", desc="verify", file=sys.stderr, disable=None if progress else True
-    )
-    for entry in bar:
+    if threads is None:
+        threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+    if threads < 1:
+        raise InputError(f"threads={threads} must be at least 1")
+
+    def check(entry: ShardEntry) -> tuple[list[str], int]:
         with local(entry) as path:
             if path is None:
-                problems, n = ["missing"], 0
-            else:
-                problems, n = verify_shard(
-                    path,
-                    entry,
-                    fmt,
-                    decode=decode,
-                    num_classes=len(manifest.classes) or None,  # no classes (foreign tars)
-                )
-        decoded += n
-        if problems:
-            bad.append(ShardProblem(entry.path, problems))
+                return ["missing"], 0
+            return verify_shard(path, entry, fmt, decode=decode, num_classes=num_classes)
+
+    bad: list[ShardProblem] = []
+    decoded = 0
+    with progress_bar(len(entries), "verify", "shard", enabled=progress) as bar, \
+            ThreadPoolExecutor(max(1, min(threads, len(entries))), "shardkit-verify") as pool:
+        for entry, (problems, n) in zip(entries, pool.map(check, entries), strict=True):
+            bar.update(1)
+            decoded += n
+            if problems:
+                bad.append(ShardProblem(entry.path, problems))
     return VerifyReport(
         out=name,
         shards=len(entries),

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,6 @@ from .fsutil import (
     STAGING_PREFIX,
     DirLock,
     interrupted_commit,
-    is_remote,
     open_regular,
     publish,
     recover,
@@ -47,8 +47,20 @@ from .fsutil import (
 from .images import IMAGE_EXTENSIONS
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from .sizes import parse_size
+from .urls import is_remote, join_url
 
-__all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "WriterReport", "image_ext", "shard_name"]
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "ShardSizeWarning",
+    "ShardWriter",
+    "WriterReport",
+    "image_ext",
+    "shard_name",
+]
+
+
+class ShardSizeWarning(UserWarning):
+    """shard_size is so small that shards hold one sample each."""
 
 DEFAULT_SHARD_SIZE = "256MB"
 _SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)$")
@@ -148,6 +160,7 @@ class ShardWriter:
         self._entries: list[ShardEntry] = []
         self._shard = None
         self._max_label = -1
+        self._single = 0  # shards in a row closed at one sample because the next did not fit
         self._lock: DirLock | None = None
         self._uploader = None
         self._remote = is_remote(self.out)
@@ -201,10 +214,11 @@ class ShardWriter:
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
         from .remote.fetch import storage_error
         from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_writable, join_url
+        from .remote.upload import Uploader, check_bucket, check_writable
 
         url = self.out
         check_writable(url)
+        check_bucket(url, storage_options)
         fs = filesystem(protocol_of(url), storage_options)
         manifest_url = join_url(url, MANIFEST_NAME)
         try:
@@ -266,6 +280,7 @@ class ShardWriter:
             if self._shard is not None and (
                 self._shard.projected_size(key, ext, len(data), fields) > self.limit
             ):
+                self._note_single(self._shard.samples, len(data))
                 self._finish_shard()
             if self._shard is None:
                 name = shard_name(len(self._entries), self.format.suffix)
@@ -274,6 +289,19 @@ class ShardWriter:
         except OSError as exc:
             raise write_error(self.out, exc, "shards") from None
         self._max_label = max(self._max_label, label)
+
+    def _note_single(self, samples: int, next_bytes: int) -> None:
+        """Warn once when shard_size gives one-sample shards: an open per sample again, which
+        is what shards exist to avoid (e.g. ``--shard-size 10KB`` for 13 KB JPEGs)."""
+        self._single = self._single + 1 if samples == 1 else 0
+        if self._single == 2:
+            warnings.warn(
+                f"shard_size={self.limit} bytes holds one sample per shard (the last one closed "
+                f"at one sample when the next, {next_bytes} bytes, did not fit): every sample "
+                "becomes its own shard; use a shard size of at least ~100 samples, e.g. 64MB",
+                ShardSizeWarning,
+                stacklevel=4,
+            )
 
     def _finish_shard(self) -> None:
         shard, self._shard = self._shard, None
@@ -353,8 +381,6 @@ class ShardWriter:
         return write_error(self.out, exc, f"the commit journal {JOURNAL_NAME}")
 
     def _commit_remote(self, local_manifest: str) -> str:
-        from .remote.upload import join_url
-
         url = self._uploader.finish(local_manifest)
         new = {e.path for e in self._entries}
         for name in self._replaced:  # old shards the new manifest does not list

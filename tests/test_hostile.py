@@ -285,6 +285,25 @@ def test_manifest_size_is_capped_before_parsing(tmp_path, monkeypatch):
         manifest_mod.read_manifest(str(tmp_path))
 
 
+def test_manifest_size_is_capped_for_urls_too(tmp_path, monkeypatch, http_server):
+    """The one manifest reader refuses an oversized manifest over HTTP while it arrives."""
+    from remote_servers import FaultProxy
+
+    from shardkit import manifest as manifest_mod
+    from shardkit.errors import ManifestError
+
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1000)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "manifest.json").write_bytes(b" " * (32 << 20) + b"{}")
+    http_server.root = tmp_path
+    with FaultProxy(("127.0.0.1", http_server.port)) as proxy:  # counts the bytes sent
+        url = f"{proxy.url}/big/manifest.json?sig=x"
+        with pytest.raises(ManifestError, match="more than any manifest") as info:
+            manifest_mod.read_manifest(url)
+    assert "/big/manifest.json" in str(info.value)
+    assert proxy.bytes_down < 8 << 20  # refused as it arrived, not after 32 MB in memory
+
+
 def test_manifest_fuzz_raises_only_manifest_errors(tmp_path):
     """Random structural edits of a real manifest: each parses or raises ManifestError."""
     from hypothesis import given, settings

@@ -285,6 +285,51 @@ def test_cache_limit_evicts_least_recently_used(tmp_path):
     assert opened[1].read() == b"b" * 100  # an evicted entry stays readable through its open fd
 
 
+def _dead_pid() -> int:
+    child = multiprocessing.get_context("spawn").Process(target=int)
+    child.start()
+    child.join()
+    return child.pid
+
+
+def test_cache_removes_temporaries_only_of_dead_processes(tmp_path):
+    """One stale-temp policy (fsutil): by owner pid, never by age; a live writer's stays."""
+    cache = ShardCache(tmp_path, limit=10**6)
+    entry = os.path.basename(cache.path("s3://b/x.tar"))
+    dead = tmp_path / f".tmp-{entry}.{_dead_pid()}.0123abcd"
+    live = tmp_path / f".tmp-{entry}.{os.getppid()}.4567abcd"  # pytest's parent: alive
+    pinned = tmp_path / f".pin-{entry}.{_dead_pid()}.89abcdef"
+    for p in (dead, live, pinned):
+        p.write_bytes(b"partial")
+        os.utime(p, (1, 1))  # ancient: age alone would have removed all three
+    cache.evict()
+    assert sorted(os.listdir(tmp_path)) == [live.name]
+
+
+def test_pinned_entry_survives_eviction_by_another_insert(tmp_path):
+    """A path handed out for LMDB is a pin: an insert evicting the entry cannot break it."""
+    cache = ShardCache(tmp_path, limit=100)
+    f, path = cache.get("s3://b/a.lmdb", _fill_with(b"a" * 100)[0])
+    with f:
+        pin = cache.pin(f, path)
+    assert os.path.samefile(pin, path)  # a hard link, not a copy
+    g, _ = cache.get("s3://b/b.lmdb", _fill_with(b"b" * 100)[0])  # evicts a.lmdb
+    g.close()
+    assert not os.path.exists(path) and [os.path.basename(p) for _, _, p in cache.entries()] == [
+        os.path.basename(cache.path("s3://b/b.lmdb"))
+    ]
+    with open(pin, "rb") as h:
+        assert h.read() == b"a" * 100
+    cache.evict()
+    assert os.path.exists(pin)  # ours, alive: never a stale temporary
+    f, path = cache.get("s3://b/c.lmdb", _fill_with(b"c" * 100)[0])
+    os.unlink(path)  # evicted between get() and pin(): the open descriptor still has the bytes
+    with f:
+        copy = cache.pin(f, path)
+    with open(copy, "rb") as h:
+        assert h.read() == b"c" * 100
+
+
 def test_entry_depends_on_content_hash(tmp_path):
     cache = ShardCache(tmp_path)
     assert cache.path("s3://b/a.tar", "00") != cache.path("s3://b/a.tar", "11")

@@ -89,6 +89,19 @@ def test_http_brace_pattern_and_manifest_url(data, http):
         assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
+def test_http_manifest_url_with_a_query_string(data, http):
+    """A presigned-style URL (a token for the whole prefix): names ignore the query, and every
+    shard URL derived from the manifest's keeps it last (shardkit.urls)."""
+    http.root = data["tar"].parent
+    query = "?sig=a/b%2Fc&X-Amz-Expires=60"
+    for fmt in ("tar", "lmdb"):
+        for source in (f"{http.url}/{fmt}/manifest.json{query}", f"{http.url}/{fmt}/{query}"):
+            ds = _ds(source, None)
+            assert ds.urls[0] == f"{http.url}/{fmt}/shard-000000.{fmt}{query}"
+            assert ds.classes == ["class0", "class1", "class2"]
+            assert sorted(_keys(ds, num_workers=0)) == ALL_KEYS
+
+
 def test_lmdb_shards_over_s3_with_and_without_cache(s3, bucket, tmp_path):
     opts = S3Server.options(s3.endpoint)
     for cache_dir in (None, str(tmp_path / "cache")):
@@ -147,6 +160,28 @@ def test_cache_limit_is_respected_during_an_epoch(s3, bucket, data, tmp_path):
         assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
         assert 0 < ShardCache(tmp_path).size() <= limit
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_lmdb_shards_survive_a_cache_too_small_for_two(s3, packed_tree, tmp_path):
+    """Regression: a prefetch (or another worker) adding an entry evicted the LMDB shard whose
+    path had just been handed out, before it was opened ("LMDB shard not found")."""
+    out = Path(packed_tree(30, 3, {"lmdb": 1})["lmdb"])  # one image per shard
+    name = f"ds-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(name, "lmdb", out)
+    keys = sorted(f"class{i % 3}/img{i:03d}" for i in range(30))
+    cache = tmp_path / "cache"
+    ds = _ds(
+        f"s3://{name}/lmdb/",
+        S3Server.options(s3.endpoint),
+        cache_dir=str(cache),
+        cache_limit="1B",  # every insert evicts everything else
+        prefetch=3,
+    )
+    assert len(ds.urls) == 30
+    for epoch, workers in enumerate((0, 2)):
+        ds.set_epoch(epoch)
+        assert sorted(_keys(ds, num_workers=workers)) == keys
+    assert not [n for n in os.listdir(cache) if n.startswith((".pin-", ".tmp-"))]
 
 
 def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, bucket, data, tmp_path):

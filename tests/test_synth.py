@@ -270,6 +270,22 @@ def test_temporaries_of_dead_runs_are_cleared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lfw"]
 
 
+def test_temporaries_of_live_runs_are_kept(tmp_path):
+    """The one stale-temp policy (fsutil): a concurrent synth's temporaries are never touched."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        building = tmp_path / f".lfw.synth-tmp-{live.pid}-0123abcd"
+        replaced = tmp_path / f".lfw.synth-old-{live.pid}-4567abcd"
+        for d in (building, replaced):
+            (d / "Some_One").mkdir(parents=True)
+        make_lfw(tmp_path / "lfw", scale=TINY)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["lfw", building.name, replaced.name])
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_bad_options_are_refused(tmp_path):
     with pytest.raises(InputError, match="seed="):
         make_lfw(tmp_path / "a", scale=TINY, seed=-1)

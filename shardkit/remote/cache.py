@@ -5,6 +5,7 @@ atomic)::
 
     <digest>-<shard name>            complete entries, the only names readers open
     .tmp-<digest>-<name>.<pid>.<hex> downloads in progress (unique per writer)
+    .pin-<digest>-<name>.<pid>.<hex> an entry handed out by path (``pin``), private to its pid
     .lock-<digest>-<name>            held with flock(2) by the process fetching that entry
 
 Writers fetch into a unique temporary name, verify size and sha256 against the manifest, fsync and
@@ -23,9 +24,17 @@ Eviction is least-recently-used by mtime, which every hit refreshes with ``os.ut
 unreliable under ``noatime``/``relatime``). Any process that adds an entry trims the directory to
 ``limit`` bytes, oldest first, never the entry it just added. There is no reference counting: an
 entry handed out is already an open file descriptor, and on POSIX an unlinked file stays readable
-through its open descriptors, so eviction by another process never breaks a reader. The space of a
-file evicted while open is freed when it is closed, so the disk can briefly hold ``limit`` plus the
-shards being read. A single shard larger than ``limit`` is kept until the next insert evicts it.
+through its open descriptors, so eviction by another process never breaks a reader. A reader that
+needs a *path* (LMDB maps files) gets ``pin``: a hard link (or, failing that, a copy) of the entry
+under a private name made while the descriptor is still open, which eviction never touches. The
+space of a file evicted while open or pinned is freed when it is closed or unpinned, so the disk can
+briefly hold ``limit`` plus the shards being read. A single shard larger than ``limit`` is kept
+until the next insert evicts it.
+
+Temporaries and pins carry their owner's pid and are removed (by whoever evicts next) only once
+that process is gone, the one stale-temp policy of ``shardkit.fsutil``: never a live writer's
+download, however slow. Pids are per machine, so ``cache_dir`` is one machine's cache; sharing it
+over a network filesystem between hosts is not supported.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import hashlib
 import os
 import re
 import secrets
-import time
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -46,17 +55,17 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 from ..errors import InputError
+from ..fsutil import pid_alive
+from ..urls import url_name
 
-__all__ = ["ShardCache", "CacheStats", "STALE_TEMP_SECONDS"]
+__all__ = ["ShardCache", "CacheStats"]
 
-#: A temporary download untouched this long belongs to a writer that died; eviction removes it.
-STALE_TEMP_SECONDS = 3600.0
-_TMP, _LOCK = ".tmp-", ".lock-"
+_TMP, _PIN, _LOCK = ".tmp-", ".pin-", ".lock-"
 #: The names this cache writes (``entry_name``, and its temporaries). ``cache_dir`` may be a folder
 #: the user also keeps other things in: eviction and temp cleanup touch only regular files whose
 #: names match these, never anything else there (a user's file, a subdirectory, a symlink).
 _ENTRY = re.compile(r"[0-9a-f]{20}-[\w.-]{1,80}")
-_TEMP = re.compile(r"\.tmp-[0-9a-f]{20}-[\w.-]{1,80}\.[0-9]+\.[0-9a-f]{8}")
+_TEMP = re.compile(r"\.(?:tmp|pin)-[0-9a-f]{20}-[\w.-]{1,80}\.([0-9]+)\.[0-9a-f]{8}")
 
 
 @dataclass
@@ -82,7 +91,7 @@ class ShardCache:
     def entry_name(self, url: str, sha256: str | None = None) -> str:
         """``<digest>-<basename>``: unique per URL and content, still readable in ``ls``."""
         digest = hashlib.sha256(f"{url}\0{sha256 or ''}".encode()).hexdigest()[:20]
-        base = url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "object"
+        base = url_name(url) or "object"
         base = "".join(c if (c.isalnum() or c in "._-") else "_" for c in base)[-80:]
         return f"{digest}-{base}"
 
@@ -128,23 +137,59 @@ class ShardCache:
                 self.stats.hits += 1
                 return f, final
             self.stats.misses += 1
-            tmp = os.path.join(
-                self.root,
-                f"{_TMP}{os.path.basename(final)}.{os.getpid()}.{secrets.token_hex(4)}",
-            )
+            tmp = self._private_name(_TMP, final)
+            f = None
             try:
                 with open(tmp, "w+b") as out:  # read back for the sha256
                     fill(out)
                     out.flush()
                     os.fsync(out.fileno())
+                # Opened before it is published: once renamed, any process (or a prefetch
+                # thread of ours) adding an entry may evict it before we could open it by name.
+                f = open(tmp, "rb", buffering=0)
                 os.replace(tmp, final)
             except BaseException:
+                if f is not None:
+                    f.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 raise
-            f = open(final, "rb", buffering=0)  # before eviction can run anywhere
         self.evict(keep=final)
         return f, final
+
+    def _private_name(self, kind: str, final: str) -> str:
+        """``<kind><entry>.<pid>.<hex>``: unique, and says which process may remove it."""
+        name = f"{kind}{os.path.basename(final)}.{os.getpid()}.{secrets.token_hex(4)}"
+        return os.path.join(self.root, name)
+
+    def pin(self, f: BinaryIO, final: str) -> str:
+        """A path to the entry ``f`` (from ``get``) is open on that eviction never removes.
+
+        Handing out ``final`` itself would race: any process adding an entry may evict it
+        before the caller opens the path. The pin is a hard link to the very file ``f`` reads
+        (same inode, checked), or a copy from ``f`` where that cannot be had (the entry was
+        evicted or replaced meanwhile, or the filesystem has no hard links). The caller deletes
+        it when done; a pin whose process died is removed like a stale download.
+        """
+        pin = self._private_name(_PIN, final)
+        try:
+            os.link(final, pin)
+        except OSError:
+            pass
+        else:
+            if os.path.samestat(os.stat(pin), os.fstat(f.fileno())):
+                return pin
+            os.unlink(pin)  # a newer entry took the name meanwhile: copy the bytes we hold
+        pin = self._private_name(_PIN, final)
+        try:
+            with open(pin, "xb") as out:  # a fresh file, never another link to an entry
+                f.seek(0)
+                shutil.copyfileobj(f, out, 1 << 20)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pin)
+            raise
+        return pin
 
     @contextlib.contextmanager
     def _entry_lock(self, final: str) -> Iterator[None]:
@@ -221,10 +266,13 @@ class ShardCache:
         return freed
 
     def _remove_stale_temps(self) -> None:
-        cutoff = time.time() - STALE_TEMP_SECONDS
+        """Remove downloads and pins whose process is gone (never a live one's, however old)."""
+        me = os.getpid()
         with os.scandir(self.root) as it:
             for e in it:
-                if _TEMP.fullmatch(e.name):
-                    with contextlib.suppress(FileNotFoundError):
-                        if e.is_file(follow_symlinks=False) and e.stat().st_mtime < cutoff:
-                            os.unlink(e.path)
+                m = _TEMP.fullmatch(e.name)
+                if m is None or int(m.group(1)) == me or pid_alive(int(m.group(1))):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if e.is_file(follow_symlinks=False):
+                        os.unlink(e.path)

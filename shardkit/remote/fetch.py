@@ -24,6 +24,7 @@ __all__ = [
     "Expected",
     "FetchStats",
     "MissingObjectError",
+    "TooLargeError",
     "fetch",
     "read_bytes",
     "storage_error",
@@ -36,6 +37,10 @@ CHUNK = 1 << 20
 
 class MissingObjectError(StorageError):
     """The object does not exist (HTTP 404, S3 NoSuchKey): not worth a retry."""
+
+
+class TooLargeError(StorageError):
+    """The object is larger than the caller's ``max_size``: refused before it is all read."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,19 @@ class _Sink:
     hashlib releases the GIL and the loop keeps receiving the other shards meanwhile.
     """
 
-    def __init__(self, out: BinaryIO):
-        self.out = out
+    def __init__(self, out: BinaryIO, url: str, max_size: int | None = None):
+        self.out, self.url, self.max_size = out, url, max_size
         self.pos = 0
 
     def write(self, data: bytes) -> None:
+        if self.max_size is not None and self.pos + len(data) > self.max_size:
+            raise _too_large(self.url, self.max_size)  # a server that sent no length
         self.out.write(data)
         self.pos += len(data)
+
+
+def _too_large(url: str, max_size: int) -> TooLargeError:
+    return TooLargeError(redact(f"{url}: object is larger than {max_size} bytes"))
 
 
 def _sha256_of(out: BinaryIO) -> str:
@@ -111,20 +122,25 @@ def fetch(
     chunk: int = CHUNK,
     stats: FetchStats | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    max_size: int | None = None,
 ) -> int:
     """Copy the whole object at ``url`` into ``out`` (empty; a file must be open for reading too,
     ``w+b``, when ``expected.sha256`` is set); return its size.
 
     Raises :class:`StorageError` for a missing object, a refused one, a size or sha256 that
-    disagrees with ``expected``, or transient failures beyond ``policy``'s budget.
+    disagrees with ``expected``, or transient failures beyond ``policy``'s budget;
+    :class:`TooLargeError` as soon as the object shows more than ``max_size`` bytes (by its
+    declared length, or by the bytes received), so a hostile object costs no more memory.
     """
     policy = policy or RetryPolicy()
     expected = expected or Expected()
     stats = stats if stats is not None else FetchStats()
     fs = filesystem(protocol_of(url), storage_options, timeout)
-    sink = _Sink(out)
+    sink = _Sink(out, url, max_size)
 
     def check_total(total: int | None) -> None:
+        if total is not None and max_size is not None and total > max_size:
+            raise _too_large(url, max_size)
         if total is not None and expected.size is not None and total != expected.size:
             raise storage_error(
                 url,
@@ -201,8 +217,10 @@ def read_bytes(
     expected: Expected | None = None,
     policy: RetryPolicy | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    max_size: int | None = None,
 ) -> bytes:
-    """The whole object at ``url`` (a manifest, a shard for ``verify``), fetched with retries."""
+    """The whole object at ``url`` (a manifest, a shard for ``verify``), fetched with retries;
+    more than ``max_size`` bytes raise ``TooLargeError``."""
     buf = io.BytesIO()
     fetch(
         url,
@@ -211,5 +229,6 @@ def read_bytes(
         expected=expected,
         policy=policy,
         timeout=timeout,
+        max_size=max_size,
     )
     return buf.getvalue()

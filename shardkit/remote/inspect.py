@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..urls import url_name
 from .fetch import fetch
 from .retry import RetryPolicy
 
@@ -38,7 +39,7 @@ def local_copy(
     policy: RetryPolicy | None = None,
 ) -> Iterator[str]:
     """A temporary local file with the object's bytes, as stored (nothing checked), then gone."""
-    fd, path = tempfile.mkstemp(prefix="shardkit-", suffix="-" + url.rpartition("/")[2], dir=dir)
+    fd, path = tempfile.mkstemp(prefix="shardkit-", suffix="-" + url_name(url), dir=dir)
     try:
         with os.fdopen(fd, "w+b") as out:
             fetch(url, out, storage_options=storage_options, policy=policy)

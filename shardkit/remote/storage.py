@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from ..errors import InputError
 from ..records import ShardInfo
 from ..sizes import parse_size
+from ..urls import url_name
 from .cache import ShardCache
 from .fetch import CHUNK, Expected, FetchStats, fetch
 from .fs import DEFAULT_TIMEOUT
@@ -178,18 +179,22 @@ class RemoteStorage:
         return rt.prefetcher.take(self._remember(rt, shard)).file
 
     def local_path(self, shard: ShardInfo | str) -> str:
-        """A local file with the shard's bytes (for LMDB): the cache entry, or a private copy.
+        """A local file with the shard's bytes (for LMDB), private to this process.
 
-        A private copy (no cache) lives until two more ``local_path`` calls have been made, then
-        is deleted; an open LMDB environment keeps reading it after that (POSIX unlink semantics).
+        With a cache, the entry pinned (``ShardCache.pin``: a hard link eviction never removes,
+        since any process adding an entry, a prefetch thread of ours included, may evict the
+        entry itself before the caller opens its path); without, a private copy. Either lives
+        until two more ``local_path`` calls have been made (or ``close()``), then is deleted; an
+        open LMDB environment keeps reading it after that (POSIX unlink semantics).
         """
         rt = self._runtime()
         url = self._remember(rt, shard)
         got = rt.prefetcher.take(url)
-        if got.path is not None:  # a cache entry: the path outlives the descriptor
-            got.file.close()
-            return got.path
-        path = self._private_copy(rt, url, got)
+        if got.path is not None and rt.cache is not None:
+            with got.file:  # open until pinned: the bytes stay reachable if evicted meanwhile
+                path = rt.cache.pin(got.file, got.path)
+        else:
+            path = self._private_copy(rt, url, got)
         rt.local_files.append(path)
         while len(rt.local_files) > 2:
             with contextlib.suppress(FileNotFoundError):
@@ -282,7 +287,7 @@ class RemoteStorage:
                 kwargs={"ignore_errors": True},
                 exitpriority=10,
             )
-        fd, path = tempfile.mkstemp(dir=rt.scratch, suffix="-" + url.rpartition("/")[2])
+        fd, path = tempfile.mkstemp(dir=rt.scratch, suffix="-" + url_name(url))
         try:
             with os.fdopen(fd, "wb") as out, got.file as src:
                 shutil.copyfileobj(src, out, self.chunk)

@@ -10,7 +10,6 @@ that dies part-way leaves shards without a manifest (FORMAT.md says what readers
 from __future__ import annotations
 
 import os
-import posixpath
 import queue
 import threading
 import time
@@ -18,35 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InputError, StorageError
+from ..manifest import MANIFEST_NAME
+from ..urls import join_url, url_name, url_parent  # re-exported: the one URL module
 from .fetch import storage_error
 from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of, strip
 from .retry import RetryPolicy, is_transient
 
 __all__ = ["check_writable", "join_url", "url_name", "url_parent", "upload_file", "Uploader"]
-
-MANIFEST_NAME = "manifest.json"
-
-
-def join_url(base: str, name: str) -> str:
-    """``s3://b/prefix/`` + ``shard-000000.tar`` -> ``s3://b/prefix/shard-000000.tar``.
-
-    A query string (a token valid for the whole prefix) stays at the end:
-    ``https://h/p?tok=x`` + ``manifest.json`` -> ``https://h/p/manifest.json?tok=x``.
-    """
-    path, q, query = base.partition("?")
-    path = path.rstrip("/")
-    return (posixpath.join(path, name) if path else name) + q + query
-
-
-def url_parent(url: str) -> str:
-    """``https://h/p/manifest.json?tok=x`` -> ``https://h/p?tok=x`` (the query kept for joins)."""
-    path, q, query = url.partition("?")
-    return path.rstrip("/").rpartition("/")[0] + q + query
-
-
-def url_name(url: str) -> str:
-    """The last path segment, without the query string."""
-    return url.partition("?")[0].rstrip("/").rpartition("/")[2]
 
 
 def check_writable(url: str) -> None:
@@ -54,6 +31,29 @@ def check_writable(url: str) -> None:
         raise InputError(
             f"{url}: HTTP(S) URLs are read-only here; upload to an object store "
             "(s3://, gs://, az://) and serve that over HTTP"
+        )
+
+
+# Object stores where a URL's first path component is a bucket that must exist before a write.
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+
+
+def check_bucket(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """StorageError naming the bucket when it does not exist: found before any work is done,
+    not after the first shard is packed (pack) or as a missing manifest (info, verify, stream)."""
+    protocol = protocol_of(url)
+    if protocol not in _BUCKETED:
+        return
+    fs = filesystem(protocol, storage_options)
+    bucket = strip(fs, url).split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except Exception as exc:
+        raise storage_error(url, "cannot reach the bucket", exc, storage_options) from None
+    if not found:
+        raise StorageError(
+            f"{protocol}://{bucket}/: no such bucket (from {url}); create it first, or check the "
+            "URL and the endpoint (AWS_ENDPOINT_URL, storage_options)"
         )
 
 

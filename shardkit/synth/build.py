@@ -6,13 +6,11 @@ it and reuses the tree instead of rendering again.
 
 from __future__ import annotations
 
-import glob
 import json
 import operator
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +19,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, OutputError
+from ..fsutil import remove_stale_staging, staging_name
+from ..progress import Progress
 from .names import _check_scale, imagenet_wnids, lfw_counts, lfw_names
 from .render import _IMAGENET_LOOK, _LFW_LOOK, _Look, _photos, _render, photo_sources
 
-__all__ = ["GENERATOR_VERSION", "MARKER", "SynthReport", "make_imagenet", "make_lfw"]
+__all__ = ["GENERATOR_VERSION", "MARKER", "SCALE_ENV", "SynthReport", "make_imagenet", "make_lfw"]
 
 MARKER = ".synth.json"
+# Default for make_lfw's scale (and `shardkit synth lfw`, the bench's default set): lets the README
+# doc test and a quick try run everything on a small set without editing a single command.
+SCALE_ENV = "SHARDKIT_LFW_SCALE"
 # Bump whenever a given seed would produce different bytes, so old trees are rebuilt, not reused.
 GENERATOR_VERSION = 1
 
@@ -115,7 +118,7 @@ def _complete(out: Path, marker: dict | None, params: dict) -> bool:
     return found == marker.get("images")
 
 
-def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
+def _report_from(out: Path, marker: dict, started: float, reused: bool = True) -> SynthReport:
     return SynthReport(
         path=out,
         images=marker["images"],
@@ -123,7 +126,7 @@ def _report_from(out: Path, marker: dict, started: float) -> SynthReport:
         total_bytes=marker["total_bytes"],
         mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
         seconds=time.perf_counter() - started,
-        reused=True,
+        reused=reused,
     )
 
 
@@ -137,6 +140,7 @@ def _build(
     look: _Look,
     seed: int,
     workers: int | None,
+    progress: bool = False,
 ) -> SynthReport:
     started = time.perf_counter()
     out = Path(out_dir)
@@ -160,7 +164,7 @@ def _build(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _clear_stale_temps(out)
-    tmp = out.parent / f".{out.name}.synth-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / staging_name(_temp_prefix(out, "tmp"))
     try:
         tmp.mkdir()
         for name in folders:
@@ -183,7 +187,7 @@ def _build(
             [p for p, _ in sources],
             weights / weights.sum(),
         )
-        total = _run(job, n, workers or _default_workers())
+        total = _run(job, n, workers or _default_workers(), progress, out)
         marker = {
             "params": params,
             "images": n,
@@ -200,34 +204,37 @@ def _build(
         raise
     if not placed:  # a concurrent run with the same parameters finished first: same bytes
         return _report_from(out, marker, started)
-    return SynthReport(
-        path=out,
-        images=marker["images"],
-        folders=marker["folders"],
-        total_bytes=marker["total_bytes"],
-        mean_bytes=marker["total_bytes"] / max(1, marker["images"]),
-        seconds=time.perf_counter() - started,
-        reused=False,
-    )
+    return _report_from(out, marker, started, reused=False)
 
 
-def _run(job: _Job, n: int, workers: int) -> int:
+def _run(job: _Job, n: int, workers: int, progress: bool = False, out: Path | None = None) -> int:
     """Render all images; threads suffice because PIL and numpy release the GIL in the heavy parts.
 
     Chunks are small and handed out in order, so the pool stays busy to the end.
     """
     chunk = 64
     ranges = [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
+    bar = Progress(n, f"synth {out}", "img", enabled=progress)
+
     if workers == 1 or len(ranges) == 1:
-        return sum(_render_range(job, s, e) for s, e in ranges)
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="synth")
+        sizes = map(lambda se: _render_range(job, *se), ranges)
+        pool = None
+    else:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="synth")
+        sizes = pool.map(lambda se: _render_range(job, *se), ranges)
+    total = 0
     try:
-        total = sum(pool.map(lambda se: _render_range(job, *se), ranges))
+        with bar:  # updated here in the calling thread, as results come back in order
+            for (s, e), size in zip(ranges, sizes, strict=True):
+                bar.update(e - s)
+                total += size
     except BaseException:
         # Ctrl-C or a failed chunk: drop the queued chunks rather than render them all first.
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
-    pool.shutdown()
+    if pool is not None:
+        pool.shutdown()
     return total
 
 
@@ -249,28 +256,27 @@ def _move_into_place(tmp: Path, out: Path, params: dict) -> bool:
     if _complete(out, marker, params):
         shutil.rmtree(tmp, ignore_errors=True)
         return False
-    old = out.parent / f".{out.name}.synth-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = out.parent / staging_name(_temp_prefix(out, "old"))
     os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
     return True
 
 
+def _temp_prefix(out: Path, kind: str) -> str:
+    """Siblings of ``out``: ``.<name>.synth-tmp-<pid>-<hex>`` (being built) and ``...-old-...``
+    (the tree being replaced), named by ``fsutil.staging_name`` so they carry their owner's pid."""
+    return f".{out.name}.synth-{kind}-"
+
+
 def _clear_stale_temps(out: Path) -> None:
-    """Remove temporaries left by runs that were killed (their pid no longer exists)."""
-    for sibling in out.parent.glob(f".{glob.escape(out.name)}.synth-*-*-*"):
-        try:
-            pid = int(sibling.name.rsplit("-", 2)[-2])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(sibling, ignore_errors=True)
-        except OSError:
-            pass
+    """Remove temporaries left by runs that were killed, by the one stale-temp policy.
+
+    No lock guards the parent directory (it is the user's), so only the pid decides: a
+    temporary whose owner is alive (a concurrent synth) is kept, and so is a name without one.
+    """
+    for kind in ("tmp", "old"):
+        remove_stale_staging(str(out.parent), _temp_prefix(out, kind), keep_unowned=True)
 
 
 # --- public entry points -------------------------------------------------------------------------
@@ -279,17 +285,19 @@ def _clear_stale_temps(out: Path) -> None:
 def make_lfw(
     out_dir: str | os.PathLike,
     *,
-    scale: float = 1.0,
+    scale: float | None = None,
     seed: int = 0,
     size: int = 250,
     workers: int | None = None,
+    progress: bool = False,
 ) -> SynthReport:
     """Make an LFW-shaped tree, ``Person_Name/Person_Name_0001.jpg``, at ``out_dir``.
 
     Scale 1.0 is LFW's size and long tail (5,749 people, 13,233 JPEGs of 250x250, most people with
-    one image, George_W_Bush with 530). ``workers`` changes speed only, never bytes.
+    one image, George_W_Bush with 530). ``workers`` changes speed only, never bytes. ``scale``
+    None: ``$SHARDKIT_LFW_SCALE`` or 1.0. ``progress``: a bar (a line every 10 s off a terminal).
     """
-    scale = float(scale)
+    scale = float(os.environ.get(SCALE_ENV) or 1.0) if scale is None else float(scale)
     _check_scale(scale)
     if size < 16 or size > 4096:
         raise InputError(f"size={size} must be between 16 and 4096 pixels")
@@ -307,6 +315,7 @@ def make_lfw(
         _LFW_LOOK,
         seed,
         workers,
+        progress,
     )
 
 
@@ -317,6 +326,7 @@ def make_imagenet(
     images_per_class: int = 100,
     seed: int = 0,
     workers: int | None = None,
+    progress: bool = False,
 ) -> SynthReport:
     """Make an ImageNet-shaped tree, ``n01440764/n01440764_10026.JPEG``, at ``out_dir``.
 
@@ -354,6 +364,7 @@ def make_imagenet(
         _IMAGENET_LOOK,
         seed,
         workers,
+        progress,
     )
 
 

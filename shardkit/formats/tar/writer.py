@@ -1,0 +1,143 @@
+"""``TarShardWriter``: reproducible GNU-format members, hashed and indexed while written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import BinaryIO
+
+from ...errors import ShardFormatError
+from ...manifest import INDEX_EVERY
+from ...records import ShardStats
+from .parse import _END_OF_ARCHIVE, _GNU_MAGIC, _MAX_OCTAL_SIZE, BLOCK
+
+__all__ = ["TarShardWriter"]
+
+
+def _padded(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
+    """One GNU-format header with fixed mode/uid/gid/mtime, so equal input gives equal bytes."""
+    if size > _MAX_OCTAL_SIZE:
+        raise ShardFormatError(f"member {name!r} is {size} bytes; tar shards hold at most 8 GiB")
+    head = (
+        name.ljust(100, b"\x00")
+        + b"0000644\x00"  # mode
+        + b"0000000\x00"  # uid
+        + b"0000000\x00"  # gid
+        + b"%011o\x00" % size
+        + b"00000000000\x00"  # mtime: fixed, for reproducible shards
+    )
+    tail = (
+        typeflag
+        + bytes(100)  # linkname
+        + _GNU_MAGIC
+        + bytes(32)  # uname
+        + bytes(32)  # gname
+        + bytes(8 + 8 + 167)  # devmajor, devminor, GNU atime/ctime/... and padding
+    )
+    chksum = sum(head) + sum(tail) + 8 * 32  # the checksum field counts as 8 spaces
+    block = head + b"%06o\x00 " % chksum + tail
+    return block
+
+
+def _member(name: bytes, data: bytes) -> list[bytes]:
+    """Header(s), data and padding of one member; long names go in a GNU ``././@LongLink``."""
+    parts = []
+    if len(name) > 100:
+        long = name + b"\x00"
+        parts += [
+            _header(b"././@LongLink", len(long), b"L"),
+            long,
+            bytes(_padded(len(long)) - len(long)),
+        ]
+        name = name[:100]
+    parts += [_header(name, len(data)), data, bytes(_padded(len(data)) - len(data))]
+    return parts
+
+
+def _member_size(name_len: int, data_len: int) -> int:
+    size = BLOCK + _padded(data_len)
+    if name_len > 100:
+        size += BLOCK + _padded(name_len + 1)
+    return size
+
+
+class TarShardWriter:
+    """Appends samples as ``<key>.<ext>`` + ``<key>.cls`` member pairs and hashes while writing.
+
+    Writes exactly at ``path``; the packer passes a temporary name and renames when complete.
+    """
+
+    def __init__(self, path: str, buffer_size: int = 1 << 20):
+        self.path = path
+        self.samples = 0
+        self._bytes = 0
+        self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
+        self._hash = hashlib.sha256()
+        self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
+
+    def projected_size(
+        self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> int:
+        """Size of the finished shard (end-of-archive included) if this sample were added now."""
+        klen = len(key.encode())
+        return (
+            self._bytes
+            + _member_size(klen + 1 + len(ext), nbytes)
+            + _member_size(klen + 4, 12)
+            + (
+                sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
+                if extra
+                else 0
+            )
+            + len(_END_OF_ARCHIVE)
+        )
+
+    def add(
+        self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """``<key>.<ext>``, ``<key>.cls``, then one ``<key>.<name>`` member per extra field."""
+        if "." in key.rsplit("/", 1)[-1]:
+            raise ShardFormatError(f"key {key!r} contains a dot; encode it with encode_key()")
+        kb = key.encode()
+        if self.samples % INDEX_EVERY == 0:
+            self._index.append(self._bytes)
+        parts = _member(kb + b"." + ext.encode(), data) + _member(kb + b".cls", b"%d" % label)
+        for name, value in extra:
+            parts += _member(kb + b"." + name.encode(), value)
+        self._write(b"".join(parts))
+        self.samples += 1
+
+    def _write(self, chunk: bytes) -> None:
+        assert self._file is not None, "writer is closed"
+        self._file.write(chunk)
+        self._hash.update(chunk)
+        self._bytes += len(chunk)
+
+    def close(self) -> ShardStats:
+        """Write the end-of-archive blocks, flush to disk, and report the shard's facts."""
+        self._write(_END_OF_ARCHIVE)
+        f, self._file = self._file, None
+        assert f is not None
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        return ShardStats(
+            self.path, self.samples, self._bytes, self._hash.hexdigest(), tuple(self._index)
+        )
+
+    def abort(self) -> None:
+        if self._file is not None:
+            f, self._file = self._file, None
+            try:
+                f.close()  # flushes the buffer: fails again on a full disk, which is known
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

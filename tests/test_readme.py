@@ -1,0 +1,239 @@
+"""README.md runs as written: every ```console and ```python block, in order, in one scratch dir.
+
+The scratch directory is prepared as ``make demo`` leaves a fresh clone (``tools/demo.py``'s
+``LAYOUT``: ``data/lfw`` and the packed copies under ``out/``), with small data: the embedded
+LFW-shaped set at ``SHARDKIT_LFW_SCALE`` (the documented way to shrink the default set) and small
+shards, so the README's snippets find what they name. Bench commands are bounded through click's
+``SHARDKIT_<COMMAND>_<OPTION>`` environment variables; the remote section talks to the loopback
+moto server through ``AWS_ENDPOINT_URL``.
+
+Rules, so new sections are picked up without touching this file:
+- a ```console block: lines starting ``$ `` are commands (run with bash, ``shardkit`` and
+  ``python`` on PATH); the lines after a command, up to the next ``$ ``, are its expected output.
+- a ```python block runs in one namespace shared by all python blocks (as one reader's session).
+- a bare ``` block right after a python or console block is that block's expected output.
+- ``<!-- readme-test: skip: REASON -->`` right above a block leaves it out (e.g. it needs a
+  GPU); the test warns with every block left out, so the list stays visible.
+- expected output is compared line by line with numbers and absolute directories masked, and a
+  line must keep its shape (first word equal, the rest similar); an ``error:`` line means the
+  command must fail, otherwise it must succeed. Progress and warnings on stderr are not compared
+  unless the README shows ``error:``/``warning:`` lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import gc
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+SCALE = "0.05"  # ~660 images: the whole README in about a minute on 2 cores
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@dataclass
+class Block:
+    lang: str  # "console", "python" or "" (a bare block)
+    text: str
+    line: int  # 1-based line of the opening fence in README.md
+    expected: str | None = None  # a following bare block: this block's output
+    skip: str = ""  # why it is not run: `<!-- readme-test: skip: REASON -->` right above it
+
+
+_FENCE = re.compile(r"^```([A-Za-z]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+_SKIP = re.compile(r"<!--\s*readme-test:\s*skip:\s*(.+?)\s*-->\s*$")
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The runnable blocks of README in order, each with the bare block that follows it."""
+    blocks: list[Block] = []
+    last_end = None
+    for m in _FENCE.finditer(text):
+        lang, body = m.group(1).lower(), m.group(2)
+        line = text.count("\n", 0, m.start()) + 1
+        adjacent = last_end is not None and text[last_end : m.start()].strip() == ""
+        if lang == "" and adjacent and blocks and blocks[-1].expected is None:
+            blocks[-1].expected = body
+        elif lang in ("console", "python"):
+            skip = _SKIP.search(text[last_end or 0 : m.start()])
+            blocks.append(Block(lang, body, line, skip=skip.group(1) if skip else ""))
+        last_end = m.end()
+    return blocks
+
+
+def console_steps(text: str) -> list[tuple[str, list[str]]]:
+    """``$ cmd`` lines with the output lines under each."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif steps:
+            steps[-1][1].append(line)
+        elif line.strip():
+            raise AssertionError(f"console block starts with output, not a command: {line!r}")
+    return steps
+
+
+_ABS_DIR = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+")
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+# Person names of the LFW-shaped set (Aaron_Baker): which ones appear depends on its scale.
+_PERSON = re.compile(r"\b[A-Z][a-z]+(?:_[A-Za-z]+)+")
+
+
+def mask(line: str) -> str:
+    """Figures, names and absolute directories out: what stays is the line's shape."""
+    line = _ABS_DIR.sub("<dir>/", line.rstrip())
+    return _NUMBER.sub("N", _PERSON.sub("Name", line))
+
+
+def assert_output_like(expected: list[str], actual: list[str], where: str) -> None:
+    exp = [mask(x) for x in expected if x.strip()]
+    act = [mask(x) for x in actual if x.strip()]
+    report = f"{where}\nexpected (masked):\n" + "\n".join(exp) + "\nactual (masked):\n"
+    report += "\n".join(act)
+    assert len(exp) == len(act), report
+    for e, a in zip(exp, act, strict=True):
+        same_start = e.split(" ", 1)[0] == a.split(" ", 1)[0]
+        similar = difflib.SequenceMatcher(None, e, a).ratio() >= 0.7
+        assert same_start and similar, f"line differs: {e!r} vs {a!r}\n{report}"
+
+
+def _demo_layout():
+    spec = importlib.util.spec_from_file_location("shardkit_demo", ROOT / "tools" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo.LAYOUT
+
+
+@pytest.fixture()
+def scratch(tmp_path, s3, monkeypatch) -> Path:
+    """A directory as ``make demo`` leaves it (small data), an env that bounds the bench and
+    points S3 at the loopback server, and ``shardkit``/``python`` on PATH."""
+    from remote_servers import FAKE_KEY, FAKE_SECRET
+
+    from shardkit.packer import pack
+    from shardkit.synth import make_lfw
+
+    env = {
+        "SHARDKIT_LFW_SCALE": SCALE,
+        "SHARDKIT_BENCH_REPEATS": "1",
+        "SHARDKIT_BENCH_BATCHES": "2",
+        "SHARDKIT_BENCH_MIN_SAMPLES": "0",
+        "SHARDKIT_BENCH_MIN_SECONDS": "0",
+        "SHARDKIT_BENCH_MAX_SECONDS": "0.5",
+        "AWS_ENDPOINT_URL": s3.endpoint,
+        "AWS_ACCESS_KEY_ID": FAKE_KEY,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    bindir = tmp_path / ".bin"
+    bindir.mkdir()
+    for name, argv in (("shardkit", "-m shardkit.cli"), ("python", "")):
+        script = bindir / name
+        script.write_text(f'#!/bin/sh\nexec {sys.executable} {argv} "$@"\n')
+        script.chmod(0o755)
+    env["PATH"] = f"{bindir}{os.pathsep}{os.environ['PATH']}"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in [k for k in os.environ if k.startswith("AWS_") and k not in env]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+
+    layout = _demo_layout()
+    make_lfw(layout.data)
+    for out, fmt in layout.packs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pack(layout.data, out, format=fmt, shard_size="1MB", progress=False)
+    s3.client().create_bucket(Bucket="datasets")  # the reader's own bucket
+    return tmp_path
+
+
+def run_console(block: Block, cwd: Path) -> None:
+    for cmd, expected in console_steps(block.text):
+        print(f"{time.strftime('%H:%M:%S')} README.md:{block.line}: $ {cmd}")
+        proc = subprocess.run(
+            ["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=600
+        )
+        where = f"README.md:{block.line}: $ {cmd}\nstderr:\n{proc.stderr[-3000:]}"
+        fails = any(x.startswith("error:") for x in expected)
+        if fails:
+            assert proc.returncode != 0, where
+        else:
+            assert proc.returncode == 0, where
+        if not any(x.strip() for x in expected):
+            continue
+        shown = ("error:", "warning:")
+        stderr = [x for x in proc.stderr.splitlines() if x.startswith(shown)]
+        if not any(x.startswith("warning:") for x in expected):
+            stderr = [x for x in stderr if not x.startswith("warning:")]
+        assert_output_like(expected, proc.stdout.splitlines() + stderr, where)
+
+
+def run_python(block: Block, namespace: dict) -> None:
+    print(f"{time.strftime('%H:%M:%S')} README.md:{block.line}: python")
+    out = io.StringIO()
+    code = compile(block.text, f"README.md:{block.line}", "exec")
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(code, namespace)
+    if block.expected is not None:
+        assert_output_like(
+            block.expected.splitlines(), out.getvalue().splitlines(), f"README.md:{block.line}"
+        )
+
+
+def test_readme_blocks_are_found():
+    """The parser sees the README's runnable blocks, and outputs attach to their snippets."""
+    blocks = readme_blocks(README.read_text())
+    langs = {b.lang for b in blocks}
+    assert langs == {"console", "python"}
+    assert any(b.lang == "python" and b.expected for b in blocks)
+    assert all(console_steps(b.text) for b in blocks if b.lang == "console")
+
+
+def test_mask_keeps_shape_and_catches_drift():
+    assert_output_like(["epoch 0: 208 batches, last (25, 3, 250, 250)"],
+                       ["epoch 1: 11 batches, last (9, 3, 250, 250)"], "same shape")
+    with pytest.raises(AssertionError):
+        assert_output_like(["epoch 0: 208 batches"], ["error: no such file"], "drift")
+    with pytest.raises(AssertionError):
+        assert_output_like(["a", "b"], ["a"], "missing line")
+
+
+def test_readme_runs_as_written(scratch):
+    namespace: dict = {"__name__": "__readme__"}
+    not_run = []
+    try:
+        for block in readme_blocks(README.read_text()):
+            if block.skip:
+                not_run.append(f"README.md:{block.line}: {block.skip}")
+            elif block.lang == "console":
+                run_console(block, scratch)
+                if block.expected is not None:
+                    raise AssertionError(
+                        f"README.md:{block.line}: put the output inside the console block"
+                    )
+            else:
+                run_python(block, namespace)
+    finally:
+        # The snippets' loaders hold persistent workers and storages: let them shut down.
+        namespace.clear()
+        gc.collect()
+    if not_run:
+        warnings.warn("README blocks not run: " + "; ".join(not_run), stacklevel=1)
