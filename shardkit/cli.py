@@ -167,11 +167,16 @@ def synth() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--size", type=int, default=250, show_default=True, help="Image side in pixels.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Rendering threads (default: usable CPUs); never changes the bytes.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rendering threads (default: usable CPUs); never changes the bytes.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def synth_lfw(out: str, scale: float | None, seed: int, size: int, threads: int | None,
-              quiet: bool) -> None:
+def synth_lfw(
+    out: str, scale: float | None, seed: int, size: int, threads: int | None, quiet: bool
+) -> None:
     """LFW layout: OUT/Person_Name/Person_Name_0001.jpg."""
     from .synth import make_lfw
 
@@ -184,8 +189,12 @@ def synth_lfw(out: str, scale: float | None, seed: int, size: int, threads: int 
 @click.option("--classes", type=int, default=10, show_default=True)
 @click.option("--images-per-class", type=int, default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Rendering threads (default: usable CPUs); never changes the bytes.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rendering threads (default: usable CPUs); never changes the bytes.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def synth_imagenet(
     out: str, classes: int, images_per_class: int, seed: int, threads: int | None, quiet: bool
@@ -194,7 +203,11 @@ def synth_imagenet(
     from .synth import make_imagenet
 
     report = make_imagenet(
-        out, classes=classes, images_per_class=images_per_class, seed=seed, workers=threads,
+        out,
+        classes=classes,
+        images_per_class=images_per_class,
+        seed=seed,
+        workers=threads,
         progress=not quiet,
     )
     click.echo(report.summary())
@@ -206,28 +219,76 @@ def synth_imagenet(
 @main.command("pack")
 @click.argument("src", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["tar", "lmdb"]), default="tar",
-              show_default=True, help="Shard format.")
-@click.option("--shard-size", type=Size(), default="256MB", show_default=True,
-              help="Largest shard: 256MB, 64MiB, 1G or bytes. A bigger sample gets its own shard.")
-@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
-              help="Shuffle the sample order once, so that sequential shards are well mixed.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["tar", "lmdb"]),
+    default="tar",
+    show_default=True,
+    help="Shard format.",
+)
+@click.option(
+    "--shard-size",
+    type=Size(),
+    default="256MB",
+    show_default=True,
+    help="Largest shard: 256MB, 64MiB, 1G or bytes. A bigger sample gets its own shard.",
+)
+@click.option(
+    "--shuffle/--no-shuffle",
+    default=True,
+    show_default=True,
+    help="Shuffle the sample order once, so that sequential shards are well mixed.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of that shuffle.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Reader threads (the main thread writes).")
-@click.option("--on-error", type=click.Choice(["skip", "raise"]), default="skip",
-              show_default=True,
-              help="Bad or unreadable image: list it in the manifest and go on, or stop.")
-@click.option("--overwrite", is_flag=True,
-              help="Replace the shards and manifest already in OUT (once the new ones are done).")
-@click.option("--resize-short", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Re-encode (JPEG q90) so the shorter side is at most N pixels.")
-@click.option("--validate", type=click.Choice(["header", "decode", "none"]), default="header",
-              show_default=True,
-              help="header: magic bytes and end markers (cheap); decode: full decode with PIL.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Reader threads (the main thread writes).",
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "raise"]),
+    default="skip",
+    show_default=True,
+    help="Bad or unreadable image: list it in the manifest and go on, or stop.",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace the shards and manifest already in OUT (once the new ones are done).",
+)
+@click.option(
+    "--resize-short",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Re-encode (JPEG q90) so the shorter side is at most N pixels.",
+)
+@click.option(
+    "--validate",
+    type=click.Choice(["header", "decode", "none"]),
+    default="header",
+    show_default=True,
+    help="header: magic bytes and end markers (cheap); decode: full decode with PIL.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwrite,
-             resize_short, validate, quiet) -> None:
+def pack_cmd(
+    src,
+    out,
+    fmt,
+    shard_size,
+    shuffle,
+    seed,
+    threads,
+    on_error,
+    overwrite,
+    resize_short,
+    validate,
+    quiet,
+) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
@@ -239,9 +300,18 @@ def pack_cmd(src, out, fmt, shard_size, shuffle, seed, threads, on_error, overwr
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = pack(
-            src, out, shard_size=shard_size, format=fmt, shuffle=shuffle, seed=seed,
-            workers=threads, on_error=on_error, overwrite=overwrite, resize_short=resize_short,
-            validate=validate, progress=not quiet,
+            src,
+            out,
+            shard_size=shard_size,
+            format=fmt,
+            shuffle=shuffle,
+            seed=seed,
+            workers=threads,
+            on_error=on_error,
+            overwrite=overwrite,
+            resize_short=resize_short,
+            validate=validate,
+            progress=not quiet,
         )
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
@@ -267,15 +337,17 @@ def info_cmd(out, as_json) -> None:
         return
     names = info["classes"]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    click.echo(redact(
-        f"format:   {info['format']}\n"
-        f"shards:   {info['shards']}\n"
-        f"samples:  {info['samples']}\n"
-        f"bytes:    {info['bytes']} ({info['bytes'] / 1e6:.1f} MB)\n"
-        f"classes:  {info['num_classes']} ({shown})\n"
-        f"skipped:  {info['skipped']}\n"
-        f"manifest: {info['manifest']}"
-    ))
+    click.echo(
+        redact(
+            f"format:   {info['format']}\n"
+            f"shards:   {info['shards']}\n"
+            f"samples:  {info['samples']}\n"
+            f"bytes:    {info['bytes']} ({info['bytes'] / 1e6:.1f} MB)\n"
+            f"classes:  {info['num_classes']} ({shown})\n"
+            f"skipped:  {info['skipped']}\n"
+            f"manifest: {info['manifest']}"
+        )
+    )
 
 
 @main.command("verify")
@@ -335,61 +407,164 @@ class FormatWorkers(click.ParamType):
 
 
 @main.command("bench")
-@click.option("--workers", type=IntList(0, 256), default="0,2,4,8", show_default=True,
-              help="Comma-separated DataLoader worker counts (0: load in the main process).")
-@click.option("--data", type=click.Path(), default=None,
-              help="Image folder (class-per-folder). Default: the embedded LFW-shaped set in "
-                   "data/lfw, made and packed on first use.")
-@click.option("--shards", default=None, metavar="PATH",
-              help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
-                   "{format} is replaced per shard format. Default: <data>-shards-{format}.")
-@click.option("--formats", type=NameList(), default=None, metavar="LIST",
-              help="Comma-separated, from folder,tar,lmdb,memory,loader. Default: folder,tar,lmdb "
-                   "(folder only when a source folder is known). memory: a reference, the same "
-                   "bytes held in RAM through the same DataLoader. loader: the tar shards "
-                   "through ShardLoader (decode threads, --workers of them), decode mode only.")
+@click.option(
+    "--workers",
+    type=IntList(0, 256),
+    default="0,2,4,8",
+    show_default=True,
+    help="Comma-separated DataLoader worker counts (0: load in the main process).",
+)
+@click.option(
+    "--data",
+    type=click.Path(),
+    default=None,
+    help="Image folder (class-per-folder). Default: the embedded LFW-shaped set in "
+    "data/lfw, made and packed on first use.",
+)
+@click.option(
+    "--shards",
+    default=None,
+    metavar="PATH",
+    help="Packed shards (dir, manifest, glob or URL), packed from --data if absent; "
+    "{format} is replaced per shard format. Default: <data>-shards-{format}.",
+)
+@click.option(
+    "--formats",
+    type=NameList(),
+    default=None,
+    metavar="LIST",
+    help="Comma-separated, from folder,tar,lmdb,memory,loader. Default: folder,tar,lmdb "
+    "(folder only when a source folder is known). memory: a reference, the same "
+    "bytes held in RAM through the same DataLoader. loader: the tar shards "
+    "through ShardLoader (decode threads, --workers of them), decode mode only.",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--batches", type=click.IntRange(min=1), default=None,
-              help="Time exactly this many batches per run (after a warm-up of one batch per "
-                   "worker) instead of --min-samples/--min-seconds.")
-@click.option("--min-samples", type=click.IntRange(min=0), default=1024, show_default=True,
-              help="Time each run until it has at least this many samples...")
-@click.option("--min-seconds", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="...and at least this many seconds (or the epoch ends).")
-@click.option("--max-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
-              help="Stop timing a run after this long even if short of the minimums, so the "
-                   "bench's time is known up front; 0: no limit.")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Runs per (format, workers); the table shows mean ± std over them.")
-@click.option("--cold/--warm", default=True, show_default=True,
-              help="cold: evict the files read from the page cache before every run; warm: read "
-                   "them all once first.")
-@click.option("--latency-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sleep this long on every storage open: per image for folder, per shard "
-                   "slice a worker opens for shards (an object store's time to first byte).")
-@click.option("--mode", type=click.Choice(["raw", "decode", "augment"]), default="decode",
-              show_default=True,
-              help="raw: bytes only; decode: uint8 CHW tensors; augment: decode + a CPU-heavy "
-                   "PIL/numpy augmentation.")
-@click.option("--step-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="The training step: the loop sleeps this long per batch (a GPU step); the "
-                   "table's wait column is then the input-bound share.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write results (one row per format x workers) and machine facts as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write an error-bar PNG: samples/s against workers, one line per format.")
-@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG of one run over time: each worker's batches, the loop's waits.")
-@click.option("--timeline-config", type=FormatWorkers(), default=None,
-              help="The run drawn by --timeline. Default: first shard format, most workers.")
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Time exactly this many batches per run (after a warm-up of one batch per "
+    "worker) instead of --min-samples/--min-seconds.",
+)
+@click.option(
+    "--min-samples",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    help="Time each run until it has at least this many samples...",
+)
+@click.option(
+    "--min-seconds",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="...and at least this many seconds (or the epoch ends).",
+)
+@click.option(
+    "--max-seconds",
+    type=click.FloatRange(min=0),
+    default=3.0,
+    show_default=True,
+    help="Stop timing a run after this long even if short of the minimums, so the "
+    "bench's time is known up front; 0: no limit.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Runs per (format, workers); the table shows mean ± std over them.",
+)
+@click.option(
+    "--cold/--warm",
+    default=True,
+    show_default=True,
+    help="cold: evict the files read from the page cache before every run; warm: read "
+    "them all once first.",
+)
+@click.option(
+    "--latency-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sleep this long on every storage open: per image for folder, per shard "
+    "slice a worker opens for shards (an object store's time to first byte).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["raw", "decode", "augment"]),
+    default="decode",
+    show_default=True,
+    help="raw: bytes only; decode: uint8 CHW tensors; augment: decode + a CPU-heavy "
+    "PIL/numpy augmentation.",
+)
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="The training step: the loop sleeps this long per batch (a GPU step); the "
+    "table's wait column is then the input-bound share.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write results (one row per format x workers) and machine facts as JSON.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write an error-bar PNG: samples/s against workers, one line per format.",
+)
+@click.option(
+    "--timeline",
+    "timeline_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG of one run over time: each worker's batches, the loop's waits.",
+)
+@click.option(
+    "--timeline-config",
+    type=FormatWorkers(),
+    default=None,
+    help="The run drawn by --timeline. Default: first shard format, most workers.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
-@click.option("--shard-size", type=Size(), default="32MB", show_default=True,
-              help="Shard size when packing on the fly.")
+@click.option(
+    "--shard-size",
+    type=Size(),
+    default="32MB",
+    show_default=True,
+    help="Shard size when packing on the fly.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def bench_cmd(workers, data, shards, formats, batch_size, batches, min_samples, min_seconds,
-              max_seconds, repeats, cold,
-              latency_ms, mode, step_ms, json_path, plot_path, timeline_path, timeline_config,
-              seed, shard_size, quiet) -> None:
+def bench_cmd(
+    workers,
+    data,
+    shards,
+    formats,
+    batch_size,
+    batches,
+    min_samples,
+    min_seconds,
+    max_seconds,
+    repeats,
+    cold,
+    latency_ms,
+    mode,
+    step_ms,
+    json_path,
+    plot_path,
+    timeline_path,
+    timeline_config,
+    seed,
+    shard_size,
+    quiet,
+) -> None:
     """Measure folder-of-files vs shards through real DataLoaders across worker counts.
 
     Prints a table (format x workers: samples/s mean ± std, MB/s, first-batch time, share of

@@ -68,8 +68,8 @@ __all__ = ["ShardDataset", "FolderDataset"]
 
 def _pil_collate(batch, *, collate_fn_map=None):
     raise InputError(
-        "DataLoader cannot batch PIL images: ShardDataset/FolderDataset decode=\"pil\" (the "
-        "default, for PIL transforms) yields PIL images; pass decode=\"tensor\" for uint8 CHW "
+        'DataLoader cannot batch PIL images: ShardDataset/FolderDataset decode="pil" (the '
+        'default, for PIL transforms) yields PIL images; pass decode="tensor" for uint8 CHW '
         "tensors, or a transform= that returns tensors (or a collate_fn of your own)"
     )
 
@@ -329,9 +329,7 @@ class ShardDataset(IterableDataset):
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
         return TensorDecoder(self.geometry, self.seed, epoch, self.rank)
 
-    def records(
-        self, world: World, epoch: int, batch_size: int | None = None
-    ) -> Iterator[Record]:
+    def records(self, world: World, epoch: int, batch_size: int | None = None) -> Iterator[Record]:
         """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->
         read -> (resumed: arrange) -> shuffle buffer -> count. ``batch_size`` (default: the
         dataset's) cuts worker parts at whole batches. A loaded state is continued once per
@@ -585,4 +583,3 @@ class FolderDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
-

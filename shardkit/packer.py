@@ -264,8 +264,6 @@ def _pack_version() -> str:
         return "unknown"
 
 
-
-
 # --- pack ------------------------------------------------------------------------------------
 
 
@@ -277,9 +275,7 @@ def _check_options(validate, on_error, workers, resize_short, seed) -> str:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"invalid workers={workers!r}; use 1 or more reader threads")
     if resize_short is not None and (not isinstance(resize_short, int) or resize_short < 1):
-        raise InputError(
-            f"invalid resize_short={resize_short!r}; use a positive number of pixels"
-        )
+        raise InputError(f"invalid resize_short={resize_short!r}; use a positive number of pixels")
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InputError(f"invalid seed {seed!r}; use an integer >= 0")
     return "raise" if on_error == "fail" else on_error
@@ -327,25 +323,36 @@ def pack(
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
-    elif isinstance(src, (bytes, Mapping)) or not isinstance(src, Iterable) and not hasattr(
-        src, "__getitem__"
+    elif (
+        isinstance(src, (bytes, Mapping))
+        or not isinstance(src, Iterable)
+        and not hasattr(src, "__getitem__")
     ):
         raise InputError(
             f"src is a {type(src).__name__}; pass a folder path, a list/iterable of (image, "
             "label) samples, or a map-style torch Dataset"
         )
     writer = ShardWriter(
-        out, format, shard_size, classes=classes, overwrite=overwrite, on_shard=on_shard,
-        storage_options=storage_options, work_dir=work_dir, upload_concurrency=upload_concurrency,
+        out,
+        format,
+        shard_size,
+        classes=classes,
+        overwrite=overwrite,
+        on_shard=on_shard,
+        storage_options=storage_options,
+        work_dir=work_dir,
+        upload_concurrency=upload_concurrency,
         _forbid_inside=src if from_folder else None,
     )
     with writer:
         if from_folder:
-            run = _folder_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error,
-                              progress)
+            run = _folder_run(
+                src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress
+            )
         else:
-            run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short,
-                               on_error)
+            run = _samples_run(
+                src, writer, shuffle, seed, workers, validate, resize_short, on_error
+            )
         errors = _write(run, writer, on_error, workers, progress)
         skipped = run.errors + errors
         if not writer.samples:

@@ -68,8 +68,11 @@ class Progress:
         pct = f" ({100 * self.n / self.total:.0f}%)" if of and self.total else ""
         rate = f", {self.n / secs:,.0f} {self.unit}/s" if secs > 0 else ""
         extra = f", {self.postfix}" if self.postfix else ""
-        print(f"{self.desc}: {self.n:,}{of} {self.unit}{pct} after {secs:.0f} s{rate}{extra}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{self.desc}: {self.n:,}{of} {self.unit}{pct} after {secs:.0f} s{rate}{extra}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._printed = True
 
     def close(self) -> None:

@@ -261,8 +261,10 @@ def verify(
 
     bad: list[ShardProblem] = []
     decoded = 0
-    with progress_bar(len(entries), "verify", "shard", enabled=progress) as bar, \
-            ThreadPoolExecutor(max(1, min(threads, len(entries))), "shardkit-verify") as pool:
+    with (
+        progress_bar(len(entries), "verify", "shard", enabled=progress) as bar,
+        ThreadPoolExecutor(max(1, min(threads, len(entries))), "shardkit-verify") as pool,
+    ):
         for entry, (problems, n) in zip(entries, pool.map(check, entries), strict=True):
             bar.update(1)
             decoded += n

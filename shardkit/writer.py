@@ -62,6 +62,7 @@ __all__ = [
 class ShardSizeWarning(UserWarning):
     """shard_size is so small that shards hold one sample each."""
 
+
 DEFAULT_SHARD_SIZE = "256MB"
 _SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)$")
 _FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -271,10 +272,14 @@ class ShardWriter:
             raise InputError(
                 f"sample {key!r}: label={label} is outside classes= ({len(self.classes)} names)"
             )
-        fields = [
-            (_check_field(name, key), _field_bytes(name, value, key))
-            for name, value in extra.items()
-        ] if extra else ()
+        fields = (
+            [
+                (_check_field(name, key), _field_bytes(name, value, key))
+                for name, value in extra.items()
+            ]
+            if extra
+            else ()
+        )
         data = bytes(data) if not isinstance(data, bytes) else data
         try:
             if self._shard is not None and (
@@ -307,8 +312,9 @@ class ShardWriter:
         shard, self._shard = self._shard, None
         stats = shard.close()
         self._entries.append(
-            ShardEntry(os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256,
-                       stats.index)
+            ShardEntry(
+                os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256, stats.index
+            )
         )
         if self._on_shard is not None:
             self._on_shard(stats.path)
@@ -350,7 +356,10 @@ class ShardWriter:
         if not self._remote:
             try:
                 path = publish(
-                    self.out, self._staging, [e.path for e in self._entries], MANIFEST_NAME,
+                    self.out,
+                    self._staging,
+                    [e.path for e in self._entries],
+                    MANIFEST_NAME,
                     remove=self._replaced,
                 )
             except BaseException as exc:
@@ -360,8 +369,13 @@ class ShardWriter:
                 raise error from None
         self._release()
         self.report = WriterReport(
-            self.out, path, self.format.name, len(manifest.shards), manifest.num_samples,
-            manifest.total_bytes, len(manifest.classes),
+            self.out,
+            path,
+            self.format.name,
+            len(manifest.shards),
+            manifest.num_samples,
+            manifest.total_bytes,
+            len(manifest.classes),
         )
         return self.report
 
@@ -433,13 +447,7 @@ def _check_key(key: str) -> None:
     if not isinstance(key, str) or not key:
         raise InputError(f"key={key!r}: keys are non-empty strings")
     last = key.rsplit("/", 1)[-1]
-    if (
-        "." in last
-        or not last
-        or key.startswith("/")
-        or "\x00" in key
-        or ".." in key.split("/")
-    ):
+    if "." in last or not last or key.startswith("/") or "\x00" in key or ".." in key.split("/"):
         raise InputError(
             f"key={key!r}: a key is a relative path whose last part holds no dot (WebDataset "
             "splits member names at the first dot); shardkit.formats.encode_key() makes one"

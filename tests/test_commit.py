@@ -87,7 +87,9 @@ _KILL_AT = textwrap.dedent(
 def _killed_pack(src, out, when: str) -> None:
     r = subprocess.run(
         [sys.executable, "-c", _KILL_AT, str(src), str(out), when],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == -signal.SIGKILL, r.stderr
 
@@ -175,7 +177,9 @@ def test_second_pack_into_the_same_out_is_refused_at_once(trees, tmp_path):
     with ShardWriter(out) as w:
         r = subprocess.run(
             [sys.executable, "-m", "shardkit.cli", "pack", str(a), str(out), "-q"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert r.stderr.splitlines() == [

@@ -139,7 +139,9 @@ def small_disk(tmp_path):
     try:
         subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
-            check=True, capture_output=True, timeout=30,
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
     except (OSError, subprocess.SubprocessError):
         pytest.skip("cannot mount a tmpfs here (needs root); ENOSPC injection covers this")
@@ -277,7 +279,9 @@ def test_file_size_limit_hit_by_the_shard_writer_is_one_error(big_tree, tmp_path
     out = tmp_path / "out"
     child = subprocess.run(
         [sys.executable, "-c", _FSIZE_CHILD, str(big_tree), str(out), fmt],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert child.returncode == 3, child.stderr
     assert f"cannot write shards in {str(out)!r}" in child.stdout
@@ -310,8 +314,10 @@ def test_links_outside_the_source_are_followed_and_warned_about_once(tmp_path):
 
 @pytest.fixture
 def packed(tmp_path, small_tree):
-    return {fmt: str(_quiet_pack(str(small_tree), str(tmp_path / fmt), format=fmt,
-                                 shard_size=3000).out) for fmt in ("tar", "lmdb")}
+    return {
+        fmt: str(_quiet_pack(str(small_tree), str(tmp_path / fmt), format=fmt, shard_size=3000).out)
+        for fmt in ("tar", "lmdb")
+    }
 
 
 def _fifo_in_place_of(path: str) -> None:

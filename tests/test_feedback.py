@@ -91,8 +91,9 @@ def test_progress_off_a_terminal_prints_plain_lines(tmp_path):
 
 def test_progress_off_a_terminal_is_silent_for_short_steps(tmp_path):
     src = image_tree(tmp_path / "src", 10)
-    proc = run_cli("pack", src, tmp_path / "out", env={**os.environ,
-                                                       "SHARDKIT_PROGRESS_INTERVAL": "3600"})
+    proc = run_cli(
+        "pack", src, tmp_path / "out", env={**os.environ, "SHARDKIT_PROGRESS_INTERVAL": "3600"}
+    )
     assert proc.returncode == 0
     assert proc.stderr == ""
 
@@ -132,8 +133,9 @@ def test_pil_batches_get_a_hint(packed):
     for ds in (ShardDataset(packed["tar"]), FolderDataset(packed["src"])):
         with pytest.raises(InputError, match='decode="tensor"'):
             next(iter(DataLoader(ds, batch_size=4)))
-    images, labels = next(iter(DataLoader(ShardDataset(packed["tar"], decode="tensor"),
-                                          batch_size=4)))
+    images, labels = next(
+        iter(DataLoader(ShardDataset(packed["tar"], decode="tensor"), batch_size=4))
+    )
     assert images.shape[0] == 4
 
 

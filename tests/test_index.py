@@ -48,8 +48,17 @@ def _gnu_tar(root, out, members, fmt="pax") -> str:
     listing = root.parent / f"{root.name}.list"
     listing.write_text("".join(n + "\n" for n, _ in members))
     subprocess.run(
-        ["tar", f"--format={fmt}", "-cf", str(out), "-C", str(root), "--no-recursion",
-         "-T", str(listing)],
+        [
+            "tar",
+            f"--format={fmt}",
+            "-cf",
+            str(out),
+            "-C",
+            str(root),
+            "--no-recursion",
+            "-T",
+            str(listing),
+        ],
         check=True,
     )
     return str(out)
@@ -131,8 +140,12 @@ def test_index_offsets_seek_to_the_right_sample(foreign):
 
     ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
     parts = [
-        [r.key for r in read_slices(ds.plan(World(0, 1, w, 3)), ds.shards, get_format("tar"),
-                                    ds.storage)]
+        [
+            r.key
+            for r in read_slices(
+                ds.plan(World(0, 1, w, 3)), ds.shards, get_format("tar"), ds.storage
+            )
+        ]
         for w in range(3)
     ]
     assert sum(parts, []) == [k for _, _, k in ds]
@@ -148,13 +161,17 @@ def test_index_refuses_an_existing_manifest_unless_overwrite(foreign):
     assert (foreign / "manifest.json").read_bytes() == before
     proc = subprocess.run(
         [sys.executable, "-m", "shardkit.cli", "index", str(foreign), "-q"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     proc = subprocess.run(
         [sys.executable, "-m", "shardkit.cli", "index", str(foreign), "--overwrite", "-q"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "indexed 3 shards: 240 samples" in proc.stdout
@@ -187,7 +204,9 @@ def test_shards_in_two_directories_get_one_manifest_each(tmp_path):
     b = _tarfile(tmp_path / "y" / "b.tar", _members(9, 1)[1:])
     results = index_shards([a, b])
     assert [r.manifest_path for r in results] == [
-        str(tmp_path / "x" / "manifest.json"), str(tmp_path / "y" / "manifest.json")]
+        str(tmp_path / "x" / "manifest.json"),
+        str(tmp_path / "y" / "manifest.json"),
+    ]
     assert all(r.manifest.classes == ["0", "1", "2", "3", "4"] for r in results)
     ds = ShardDataset([a, b], decode="raw")  # both manifests: same class list, exact counts
     assert len(ds) == 14 and ds.classes == ["0", "1", "2", "3", "4"]

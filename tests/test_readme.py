@@ -208,8 +208,11 @@ def test_readme_blocks_are_found():
 
 
 def test_mask_keeps_shape_and_catches_drift():
-    assert_output_like(["epoch 0: 208 batches, last (25, 3, 250, 250)"],
-                       ["epoch 1: 11 batches, last (9, 3, 250, 250)"], "same shape")
+    assert_output_like(
+        ["epoch 0: 208 batches, last (25, 3, 250, 250)"],
+        ["epoch 1: 11 batches, last (9, 3, 250, 250)"],
+        "same shape",
+    )
     with pytest.raises(AssertionError):
         assert_output_like(["epoch 0: 208 batches"], ["error: no such file"], "drift")
     with pytest.raises(AssertionError):

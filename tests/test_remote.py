@@ -160,9 +160,7 @@ def test_stalled_connection_times_out_and_resumes(s3, blob):
     b = _bucket(s3, {"obj.bin": blob})
     with FaultProxy(("127.0.0.1", s3.port)) as proxy:
         proxy.fail(1, stall_after=SIZE // 3)
-        data, st = _get(
-            f"s3://{b}/obj.bin", S3Server.options(proxy.url), policy=FAST, timeout=0.5
-        )
+        data, st = _get(f"s3://{b}/obj.bin", S3Server.options(proxy.url), policy=FAST, timeout=0.5)
     assert data == blob and st.attempts == 2
     assert s3.log.gets("obj.bin")[1][2].startswith("bytes=")
 

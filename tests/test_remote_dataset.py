@@ -372,7 +372,11 @@ def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
     opts = S3Server.options(s3.endpoint)
     url = f"s3://{b}/ds/"
     report = pack(
-        data["src"], url, storage_options=opts, shard_size=12000, progress=False,
+        data["src"],
+        url,
+        storage_options=opts,
+        shard_size=12000,
+        progress=False,
         work_dir=str(tmp_path),
     )
     assert report.out == url and report.manifest_path == f"{url}manifest.json"

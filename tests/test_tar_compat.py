@@ -81,8 +81,17 @@ def _gnu_tar(tmp_path, fmt, members=MEMBERS) -> str:
     (tmp_path / "list").write_text("".join(n + "\n" for n, _ in members), encoding="utf-8")
     out = tmp_path / f"gnu-{fmt}.tar"
     subprocess.run(
-        ["tar", f"--format={fmt}", "-cf", str(out), "-C", str(root), "--no-recursion",
-         "-T", str(tmp_path / "list")],
+        [
+            "tar",
+            f"--format={fmt}",
+            "-cf",
+            str(out),
+            "-C",
+            str(root),
+            "--no-recursion",
+            "-T",
+            str(tmp_path / "list"),
+        ],
         check=True,
     )
     return str(out)
@@ -207,8 +216,11 @@ def test_truncated_gzip_names_an_offset_inside_the_file(tmp_path):
 
 @pytest.mark.parametrize("dup", [("s0.jpg", "s0.jpg"), ("s0.JPG", "s0.jpg"), ("s0.cls", "s0.cls")])
 def test_a_member_duplicated_in_a_sample_is_an_error(tmp_path, dup):
-    members = [(dup[0], _jpeg(0) if "jpg" in dup[0].lower() else b"1"), ("s0.json", b"{}"),
-               (dup[1], _jpeg(1) if "jpg" in dup[1] else b"2")]
+    members = [
+        (dup[0], _jpeg(0) if "jpg" in dup[0].lower() else b"1"),
+        ("s0.json", b"{}"),
+        (dup[1], _jpeg(1) if "jpg" in dup[1] else b"2"),
+    ]
     if "cls" in dup[0]:
         members.insert(0, ("s0.jpg", _jpeg(0)))
     path = _tarfile(tmp_path / "d.tar", tarfile.GNU_FORMAT, members)
@@ -233,8 +245,12 @@ def _data_end(path) -> tuple[int, int, int]:
 def test_truncation_in_any_form_is_an_error_with_an_offset_inside_the_file(tmp_path, cut, how):
     path = _gnu_tar(tmp_path, "gnu")  # GNU tar pads to 10 KB records: cut what matters
     end, header, data = _data_end(path)
-    size = {"one_end_block": end + 512, "both_end_blocks": end, "in_header": header + 100,
-            "in_member": data + 10}[cut]
+    size = {
+        "one_end_block": end + 512,
+        "both_end_blocks": end,
+        "in_header": header + 100,
+        "in_member": data + 10,
+    }[cut]
     blob = open(path, "rb").read()[:size]
     if how == "path":
         src = tmp_path / "t.tar"
@@ -280,7 +296,9 @@ def test_shard_dataset_on_foreign_tars(tmp_path):
 
 def test_on_error_skip_on_a_foreign_tar(tmp_path):
     members = [m for m in MEMBERS if not m[0].startswith("b/s2")] + [
-        ("z/bad.jpg", b"\xff\xd8 not a jpeg"), ("z/bad.cls", b"1")]
+        ("z/bad.jpg", b"\xff\xd8 not a jpeg"),
+        ("z/bad.cls", b"1"),
+    ]
     path = _tarfile(tmp_path / "f.tar", tarfile.GNU_FORMAT, members)
     with pytest.warns(RuntimeWarning):
         ds = ShardDataset(path, decode="tensor", shuffle=False, on_error="skip", with_keys=True)

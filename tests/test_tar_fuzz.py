@@ -22,9 +22,15 @@ def _tar(fmt: int) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
         for i, (name, data) in enumerate(
-            [("a/s0.jpg", b"\xff\xd8" * 300), ("a/s0.cls", b"1"), ("a/s0.json", b"{}"),
-             ("l" * 120 + "/ü.png", b"p" * 700), ("l" * 120 + "/ü.cls", b"2"),
-             ("__meta__.json", b"{}"), ("s2.input.jpg", b"j" * 5)]
+            [
+                ("a/s0.jpg", b"\xff\xd8" * 300),
+                ("a/s0.cls", b"1"),
+                ("a/s0.json", b"{}"),
+                ("l" * 120 + "/ü.png", b"p" * 700),
+                ("l" * 120 + "/ü.cls", b"2"),
+                ("__meta__.json", b"{}"),
+                ("s2.input.jpg", b"j" * 5),
+            ]
         ):
             info = tarfile.TarInfo(name)
             info.size = len(data)

@@ -74,17 +74,23 @@ def test_writer_extra_fields_are_tar_members_webdataset_reads(tmp_path):
     with tarfile.open(shard) as tf:
         names = tf.getnames()
     assert names == ["a/x.jpg", "a/x.cls", "a/x.json", "a/x.txt", "a/x.score"] + [
-        "a/y.jpg", "a/y.cls", "a/y.json", "a/y.txt", "a/y.score"
+        "a/y.jpg",
+        "a/y.cls",
+        "a/y.json",
+        "a/y.txt",
+        "a/y.score",
     ]
     samples = list(wds.WebDataset([shard], shardshuffle=False, empty_check=False))
     assert [json.loads(s["json"]) for s in samples] == [{"k": [1, 2]}, {"k": []}]
     assert [(s["txt"], s["score"], s["cls"]) for s in samples] == [
-        (b"hello", b"0.5", b"0"), (b"bye", b"2", b"1")
+        (b"hello", b"0.5", b"0"),
+        (b"bye", b"2", b"1"),
     ]
     assert [r.key for r in records(out)] == ["a/x", "a/y"]  # our reader: extra fields ride along
     ds = ShardDataset(str(out), decode="raw", with_keys=True, fields=("json", "txt"), shuffle=False)
     assert [(k, json.loads(j), t) for _, _, k, j, t in ds] == [
-        ("a/x", {"k": [1, 2]}, b"hello"), ("a/y", {"k": []}, b"bye")
+        ("a/x", {"k": [1, 2]}, b"hello"),
+        ("a/y", {"k": []}, b"bye"),
     ]
 
 

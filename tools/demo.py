@@ -52,28 +52,63 @@ def stream(shards: str) -> None:
                 first = (tuple(images.shape), images.dtype, labels[:8].tolist())
             n += len(labels)
         dt = time.perf_counter() - t0
-        print(f"epoch {epoch}: {n} samples in {dt:.1f} s = {n / dt:,.0f} samples/s; "
-              f"first batch {first[0]} {first[1]}, labels {first[2]}")
+        print(
+            f"epoch {epoch}: {n} samples in {dt:.1f} s = {n / dt:,.0f} samples/s; "
+            f"first batch {first[0]} {first[1]}, labels {first[2]}"
+        )
     assert isinstance(images, torch.Tensor)
 
 
 def main() -> None:
     os.chdir(ROOT)
-    step("make the embedded LFW-shaped dataset (skipped if already made)",
-         "shardkit", "synth", "lfw", LAYOUT.data)
+    step(
+        "make the embedded LFW-shaped dataset (skipped if already made)",
+        "shardkit",
+        "synth",
+        "lfw",
+        LAYOUT.data,
+    )
     for out, fmt in LAYOUT.packs:
-        step(f"pack it into {fmt} shards", "shardkit", "pack", LAYOUT.data, out,
-             "--format", fmt, "--shard-size", LAYOUT.shard_size, "--threads", "2",
-             "--overwrite")
+        step(
+            f"pack it into {fmt} shards",
+            "shardkit",
+            "pack",
+            LAYOUT.data,
+            out,
+            "--format",
+            fmt,
+            "--shard-size",
+            LAYOUT.shard_size,
+            "--threads",
+            "2",
+            "--overwrite",
+        )
     tar = LAYOUT.packs[0][0]
     step("what was packed", "shardkit", "info", tar)
     step("check every shard against the manifest", "shardkit", "verify", tar)
     stream(tar)
     # --shards: the bench reads the tar shards packed above instead of packing its own copy.
-    step("benchmark: folder of files vs shards, cold cache, raw reads",
-         "shardkit", "bench", "--data", LAYOUT.data, "--shards", tar, "--workers", "0,2,4",
-         "--repeats", "2", "--mode", "raw", "--cold", "--plot", "bench-out/demo-bench.png",
-         "--json", "bench-out/demo-bench.json")
+    step(
+        "benchmark: folder of files vs shards, cold cache, raw reads",
+        "shardkit",
+        "bench",
+        "--data",
+        LAYOUT.data,
+        "--shards",
+        tar,
+        "--workers",
+        "0,2,4",
+        "--repeats",
+        "2",
+        "--mode",
+        "raw",
+        "--cold",
+        "--plot",
+        "bench-out/demo-bench.png",
+        "--json",
+        "bench-out/demo-bench.json",
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -54,8 +54,12 @@ def pack_to_url(src, url: str, *, storage_options=None, work_dir=None, concurren
     from ..packer import pack
 
     return pack(
-        src, url, storage_options=storage_options, work_dir=work_dir,
-        upload_concurrency=concurrency, **kw,
+        src,
+        url,
+        storage_options=storage_options,
+        work_dir=work_dir,
+        upload_concurrency=concurrency,
+        **kw,
     )
 
 
