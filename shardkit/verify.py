@@ -115,7 +115,7 @@ def verify_shard(
         )
     # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
-        raw = open(path, "rb", buffering=0)
+        raw = open_regular(path, buffering=0)
     except FileNotFoundError:
         return ["missing"], 0
     except OSError as exc:
