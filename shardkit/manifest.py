@@ -331,7 +331,7 @@ def read_manifest(
         try:
             text = read_bytes(path, storage_options, policy=policy, max_size=MAX_MANIFEST_BYTES)
         except MissingObjectError:
-            from .remote.upload import check_bucket
+            from .remote.fetch import check_bucket
 
             check_bucket(path, storage_options)  # a missing bucket is named as such
             prefix = url_path(url_parent(path)) + "/"

@@ -32,7 +32,7 @@ def check_source(source: object, storage_options=None) -> None:
     if not text or any(c in text for c in "*?[") or ("{" in text and "}" in text):
         return
     if "://" in text and not text.startswith("file://"):
-        from .remote.upload import check_bucket
+        from .remote.fetch import check_bucket
 
         check_bucket(text, storage_options)
         return

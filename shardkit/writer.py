@@ -213,9 +213,9 @@ class ShardWriter:
             raise
 
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
-        from .remote.fetch import storage_error
+        from .remote.fetch import check_bucket, storage_error
         from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_bucket, check_writable
+        from .remote.upload import Uploader, check_writable
 
         url = self.out
         check_writable(url)

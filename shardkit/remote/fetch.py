@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
-from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of
+from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, strip
 from .redact import redact, secret_values
 from .retry import RetryPolicy, describe, is_transient
 
@@ -232,3 +232,26 @@ def read_bytes(
         max_size=max_size,
     )
     return buf.getvalue()
+
+
+# Object stores where a URL's first path component is a bucket that must exist before a write.
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+
+
+def check_bucket(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """StorageError naming the bucket when it does not exist: found before any work is done,
+    not after the first shard is packed (pack) or as a missing manifest (info, verify, stream)."""
+    protocol = protocol_of(url)
+    if protocol not in _BUCKETED:
+        return
+    fs = filesystem(protocol, storage_options)
+    bucket = strip(fs, url).split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except Exception as exc:
+        raise storage_error(url, "cannot reach the bucket", exc, storage_options) from None
+    if not found:
+        raise StorageError(
+            f"{protocol}://{bucket}/: no such bucket (from {url}); create it first, or check the "
+            "URL and the endpoint (AWS_ENDPOINT_URL, storage_options)"
+        )
