@@ -4,10 +4,11 @@
 through ``TensorDecoder``, so a sample gets the same pixels through either.
 
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any
-pixel is decoded, and the image is decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose crop
-still covers ``size`` x ``size``. Neither simplejpeg nor Pillow exposes libjpeg-turbo's region
-decoding (DALI's ROI decode), so rows and columns outside the crop are still decoded; the DCT
-scale is the only saving (large for big images, none for a 224 crop of a 500x375 one).
+pixel is decoded, the image is decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose crop still
+covers ``size`` x ``size``, and only the crop's rows and columns are decoded (DALI's ROI decode,
+through ``shardkit._native``: rows below the crop never, rows above without the inverse DCT,
+columns cut to the crop's iMCUs). Pixels are identical with and without the region decoder
+(tested); without it (not built, CMYK, damaged data) the whole image is decoded and cropped.
 
 Randomness is a pure function of (seed, epoch, rank, sample key): a run repeats exactly whatever
 the number of DataLoader workers or loader threads, and a sample's crop does not depend on which
@@ -27,7 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InputError
-from .images import BufferShapeError, decode_rgb, image_size
+from .images import (
+    BufferShapeError,
+    decode_jpeg_region,
+    decode_rgb,
+    image_size,
+    is_jpeg,
+    jpeg_scale,
+    scratch_hwc,
+    to_planes,
+)
 
 __all__ = [
     "CROP_MODES",
@@ -151,15 +161,26 @@ class TensorDecoder:
         flip = g.flip and next(uniforms) < 0.5
         # Smallest decode whose crop still covers size x size (never larger than the image).
         need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
-        rgb = decode_rgb(data, min_size=need)
-        sh, sw = rgb.shape[0] / height, rgb.shape[1] / width
-        t0, l0 = int(top * sh), int(left * sw)
-        t1 = max(t0 + 1, min(rgb.shape[0], round((top + h) * sh)))
-        l1 = max(l0 + 1, min(rgb.shape[1], round((left + w) * sw)))
+        # Only the crop's rows and columns where the region decoder can (JPEG), else all of it.
+        d = jpeg_scale(height, width, need) if is_jpeg(data) else 0
+        pixels = None
+        if d:
+            dh, dw = -(-height // d), -(-width // d)  # what libjpeg makes at 1/d
+            t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
+            pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
+        if pixels is None:
+            rgb = decode_rgb(data, min_size=need)
+            # the same box on whatever scale the fallback decoded (Pillow's draft may differ)
+            t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, *rgb.shape[:2])
+            pixels = rgb[t0:t1, l0:l1]
+        return self._finish(pixels, flip, out)
+
+    def _finish(self, pixels: np.ndarray, flip: bool, out):
+        size = self.geometry.size
         # (1, 3, h, w) channels_last: the layout of torch's AVX uint8 resize, which runs 2x
         # slower on the strided view of a crop than on a contiguous copy of it. The flip is
         # made in that copy (flip and resize commute), so it costs no extra pass.
-        crop = torch.from_numpy(rgb[t0:t1, l0:l1]).permute(2, 0, 1).unsqueeze(0)
+        crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
         if flip:
             crop = crop.flip(-1)  # a channels_last copy, like .contiguous() below
         ch, cw = crop.shape[-2:]
@@ -176,7 +197,24 @@ class TensorDecoder:
         img = crop[0]
         if out is None:
             return img.contiguous()
-        out.copy_(img)
+        hwc = img.permute(1, 2, 0)
+        if out.is_contiguous() and hwc.is_contiguous():  # a contiguous batch slot
+            to_planes(hwc.numpy(), out.numpy())
+        else:
+            out.copy_(img)
+        return out
+
+    def into_planes(self, data: bytes, key: str, out: np.ndarray) -> np.ndarray:
+        """Full decode into a C-contiguous (3, H, W) array (a slot of a contiguous batch).
+
+        Decoded interleaved into this thread's scratch array, then transposed into the planes:
+        no tensor is made per image (the loader's contiguous path, where ~10 us of tensor calls
+        per image under two threads' GIL hand-offs measured as much as the transpose itself).
+        """
+        height, width = image_size(data)
+        if out.shape != (3, height, width):
+            raise _shape_error(key, (height, width), out.shape[1:])
+        to_planes(decode_rgb(data, out=scratch_hwc(height, width)), out)
         return out
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
@@ -191,18 +229,32 @@ class TensorDecoder:
             hwc = out.permute(1, 2, 0)
             if hwc.is_contiguous():
                 decode_rgb(data, out=hwc.numpy())
-            else:
+            else:  # a contiguous batch slot: decode interleaved, then into the planes
                 height, width = image_size(data)
                 if (height, width, 3) != hwc.shape:
                     raise BufferShapeError((height, width, 3), tuple(hwc.shape))
-                np.copyto(out.numpy(), decode_rgb(data).transpose(2, 0, 1))
+                rgb = decode_rgb(data, out=scratch_hwc(height, width))
+                to_planes(rgb, out.numpy())
             return out
         except BufferShapeError as exc:
-            (height, width, _), (bh, bw, _) = exc.shape, exc.buffer
-            raise ShapeError(
-                f"sample {key!r} is {width}x{height} but its batch holds {bw}x{bh} images; "
-                "pass size= (and crop=) to ShardDataset for fixed-size batches"
-            ) from None
+            raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
+
+
+def _shape_error(key: str, size: tuple[int, int], batch: tuple[int, int]) -> ShapeError:
+    (height, width), (bh, bw) = size, batch
+    return ShapeError(
+        f"sample {key!r} is {width}x{height} but its batch holds {bw}x{bh} images; "
+        "pass size= (and crop=) to ShardDataset for fixed-size batches"
+    )
+
+
+def _scaled_box(top, left, h, w, height, width, dh, dw) -> tuple[int, int, int, int]:
+    """A crop box of the full (height, width) image on the same image decoded at (dh, dw)."""
+    sh, sw = dh / height, dw / width
+    t0, l0 = int(top * sh), int(left * sw)
+    t1 = max(t0 + 1, min(dh, round((top + h) * sh)))
+    l1 = max(l0 + 1, min(dw, round((left + w) * sw)))
+    return t0, l0, t1, l1
 
 
 class ShapeError(InputError):

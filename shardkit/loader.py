@@ -54,13 +54,15 @@ _POLL_S = 0.05  # how often a blocked thread looks at the stop flag
 class _Buffer:
     """One batch buffer of a decode thread: ``images`` (N, 3, H, W) uint8, NHWC in memory for
     the device path and channels_last; ``targets[i]``: what image i is decoded into (an HWC
-    numpy view when a JPEG can land there as decoded, else a (3, H, W) tensor view);
-    ``baseline``: the storage's use count with only the loader's own references; ``copied``:
-    CUDA event after which the host copy may be overwritten."""
+    numpy view when a JPEG can land there as decoded, a (3, H, W) numpy view when ``planar``
+    (a contiguous batch: decoded, then transposed into the planes), else a (3, H, W) tensor
+    view); ``baseline``: the storage's use count with only the loader's own references;
+    ``copied``: CUDA event after which the host copy may be overwritten."""
 
     images: torch.Tensor
     targets: list
     baseline: int
+    planar: bool = False
     copied: object | None = None
 
 
@@ -340,7 +342,7 @@ class _Epoch:
                 for rec in records:
                     if buf is not None and n == 0:
                         buf = self._reusable(w, slot, buf)
-                    img = self._decode(rec, buf.targets[n] if buf else None, on_error, skipped)
+                    img = self._decode(rec, buf, n, on_error, skipped)
                     if img is None:
                         continue
                     if buf is None:  # this thread's first image: its size sizes the buffer
@@ -364,10 +366,14 @@ class _Epoch:
             if isinstance(self.view.storage, _SharedStorage):
                 self.view.storage.done()
 
-    def _decode(self, rec: Record, out, on_error: str, skipped):
-        """Decode ``rec`` into ``out`` (None: a new tensor); None if skipped (on_error)."""
+    def _decode(self, rec: Record, buf: _Buffer | None, n: int, on_error: str, skipped):
+        """Decode ``rec`` into image ``n`` of ``buf`` (None: a new tensor); None if skipped."""
         try:
-            return self.decoder(rec.data, rec.key, out)
+            if buf is None:
+                return self.decoder(rec.data, rec.key)
+            if buf.planar:
+                return self.decoder.into_planes(rec.data, rec.key, buf.targets[n])
+            return self.decoder(rec.data, rec.key, buf.targets[n])
         except ShapeError as exc:
             raise ShapeError(f"{rec.shard}: {exc}") from None
         except Exception as exc:  # decoders raise many types for bad data
@@ -400,7 +406,12 @@ class _Epoch:
                 targets = list(images.unbind(0))
         else:
             images = torch.empty((self.batch_size, 3, height, width), dtype=torch.uint8)
+            if self.decoder.geometry is None:  # numpy planes: no tensor calls per image
+                buf = _Buffer(images, list(images.numpy()), _use_count(images), planar=True)
+                self.buffers[w][slot] = buf
+                return buf
             targets = list(images.unbind(0))
+        # after the targets exist: the baseline counts their references to the storage
         buf = _Buffer(images, targets, _use_count(images))
         self.buffers[w][slot] = buf
         return buf

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+import shardkit.images as image_mod
 from shardkit.dataset import ShardDataset
 from shardkit.errors import InputError
 from shardkit.geometry import (
@@ -23,9 +24,11 @@ from shardkit.geometry import (
 from shardkit.images import (
     MAX_PATH_DIFFERENCE,
     decode_image,
+    decode_jpeg_region,
     decode_rgb,
     image_size,
     jpeg_scale,
+    to_planes,
 )
 from shardkit.packer import pack
 
@@ -67,6 +70,82 @@ def test_the_two_decoders_agree_within_the_documented_bound(variant, scale):
     assert diff.max() <= MAX_PATH_DIFFERENCE
     if variant != "cmyk":  # same libjpeg-turbo settings: identical pixels
         assert diff.max() == 0
+
+
+needs_roi = pytest.mark.skipif(
+    image_mod._native is None, reason="shardkit._native not built (no libjpeg headers)"
+)
+
+
+@needs_roi
+@pytest.mark.parametrize("variant", sorted(set(JPEG_VARIANTS) - {"cmyk"}))
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_region_decode_equals_the_same_region_of_a_full_decode(variant, scale):
+    kw = dict(JPEG_VARIANTS[variant])
+    data = _encode(_photo(331, 263, seed=scale), mode=kw.pop("mode", "RGB"), **kw)
+    full = decode_rgb(data, min_size=(math.ceil(263 / scale), math.ceil(331 / scale)))
+    fh, fw = full.shape[:2]
+    rng = np.random.default_rng(scale)
+    # edges on and off iMCU boundaries (8/16 px), the whole image, one pixel, the corners
+    boxes = [(0, 0, fh, fw), (0, 0, 1, 1), (fh - 1, fw - 1, 1, 1), (0, 16, fh, 16), (8, 0, 8, fw)]
+    boxes += [(16 // scale, 32 // scale, fh // 2, fw // 2), (1, fw - 17, fh - 1, 17)]
+    for _ in range(25):
+        t, left = int(rng.integers(0, fh)), int(rng.integers(0, fw))
+        boxes.append(
+            (t, left, int(rng.integers(1, fh - t + 1)), int(rng.integers(1, fw - left + 1)))
+        )
+    for t, left, h, w in boxes:
+        region = decode_jpeg_region(data, scale, t, left, h, w)
+        assert region is not None and region.shape == (h, w, 3), (t, left, h, w)
+        assert np.array_equal(region, full[t : t + h, left : left + w]), (variant, t, left, h, w)
+
+
+@needs_roi
+def test_region_decode_declines_what_it_cannot_do_and_the_crop_still_decodes(monkeypatch):
+    cmyk = _encode(_photo(120, 90), mode="CMYK", quality=90)
+    assert decode_jpeg_region(cmyk, 1, 0, 0, 10, 10) is None  # no RGB conversion in libjpeg
+    good = _encode(_photo(120, 90), quality=90)
+    assert decode_jpeg_region(good, 1, 80, 0, 20, 10) is None  # outside the image
+    assert decode_jpeg_region(good[: len(good) // 2], 1, 0, 0, 80, 100) is None  # damaged
+    assert decode_jpeg_region(_encode(_photo(40, 30), "PNG"), 1, 0, 0, 5, 5) is None
+    dec = TensorDecoder(Geometry(size=32, crop="random", flip=True), seed=1)
+    assert dec(cmyk, "k").shape == (3, 32, 32)  # through the full-decode fallback
+
+
+@needs_roi
+@pytest.mark.parametrize("crop", ["center", "random"])
+def test_geometry_gives_the_same_pixels_with_and_without_the_region_decoder(crop, monkeypatch):
+    datas = [
+        _encode(_photo(w, h, seed=i), **dict(JPEG_VARIANTS[v], mode="RGB"))
+        for i, (w, h, v) in enumerate(
+            [(500, 375, "420"), (375, 500, "444"), (640, 480, "422"), (260, 250, "progressive")]
+        )
+    ]
+    dec = TensorDecoder(Geometry(size=96, crop=crop, flip=True), seed=3, epoch=1)
+    keys = [f"k{i}" for i in range(8)]
+    with_roi = [dec(d, k) for d in datas for k in keys]
+    monkeypatch.setattr(image_mod, "_native", None)
+    without = [dec(d, k) for d in datas for k in keys]
+    for a, b in zip(with_roi, without, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_to_planes_is_the_transpose_for_every_layout(native, monkeypatch):
+    if native and image_mod._native is None:
+        pytest.skip("shardkit._native not built")
+    if not native:
+        monkeypatch.setattr(image_mod, "_native", None)
+    rng = np.random.default_rng(0)
+    for h, w in [(1, 1), (7, 5), (250, 250), (224, 331)]:
+        hwc = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        chw = np.zeros((3, h, w), np.uint8)
+        to_planes(hwc, chw)
+        assert np.array_equal(chw, hwc.transpose(2, 0, 1))
+    strided = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)[:, 5:45]  # a crop's view
+    chw = np.zeros((3, 40, 40), np.uint8)
+    to_planes(strided, chw)
+    assert np.array_equal(chw, strided.transpose(2, 0, 1))
 
 
 def test_decode_into_a_caller_buffer():
