@@ -1,4 +1,5 @@
-"""``ShardDataset`` streams packed shards into PyTorch; ``FolderDataset`` is the per-file baseline.
+"""``ShardDataset`` streams packed shards into PyTorch (``FolderDataset``, the per-file baseline,
+is in ``shardkit.folder`` and re-exported here).
 
 Splitting (see ``shardkit.stream.plan_epoch``): every epoch the shard list is permuted from
 (seed, epoch) identically on every rank, laid end to end as one stream of N samples, and cut into
@@ -26,12 +27,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import InputError, SampleError, ShardkitError, StorageError
+from .errors import InputError, ShardkitError, StorageError
+from .folder import FolderDataset  # the per-file baseline, re-exported
 from .formats import FORMATS
 from .geometry import Geometry, TensorDecoder
-from .images import IMAGE_EXTENSIONS, decode_image
 from .paths import check_source
 from .records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .resume import (
@@ -45,15 +46,15 @@ from .resume import (
     worker_left,
     worker_plan,
 )
-from .scan import StrTable, scan_source
 from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
 from .sizes import parse_size
 from .sources import resolve_source
-from .storage import LocalStorage, Storage, storage_for
+from .storage import Storage, storage_for
 from .stream import (
     DECODE_MODES,
     EQUALIZE_MODES,
     apply_transforms,
+    check_choice,
     check_labels,
     decode_records,
     plan_epoch,
@@ -94,11 +95,6 @@ _SKIP_SLOTS = 256  # one skip counter per worker id (mod 256): no lost updates b
 _RESUMED = _SKIPPED + _SKIP_SLOTS
 _IN_WORKERS = _RESUMED + _SKIP_SLOTS  # 1 once DataLoader workers iterated this dataset
 _STATE_LEN = _IN_WORKERS + 1
-
-
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise InputError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")
 
 
 class ShardDataset(IterableDataset):
@@ -168,12 +164,12 @@ class ShardDataset(IterableDataset):
         flip: bool = False,
     ):
         super().__init__()
-        _check_choice("decode", decode, DECODE_MODES)
+        check_choice("decode", decode, DECODE_MODES)
         if size is not None and decode != "tensor":
             raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
         self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
-        _check_choice("equalize", equalize, EQUALIZE_MODES)
-        _check_choice("on_error", on_error, ("raise", "skip"))
+        check_choice("equalize", equalize, EQUALIZE_MODES)
+        check_choice("on_error", on_error, ("raise", "skip"))
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
@@ -495,91 +491,3 @@ def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> tupl
     finally:
         storage.close()
     return tuple(out)
-
-
-class FolderDataset(Dataset):
-    """Map-style dataset over a class-per-folder tree: the per-file baseline shards are measured
-    against, decoding exactly as ``ShardDataset`` does.
-
-    Listed by ``shardkit.scan``, the scanner ``pack`` uses: the same classes, labels and skipped
-    entries (FIFOs, broken links: warned about, never opened). Labels are the indices of the
-    sorted class folder names (``.classes``). Relative paths live in
-    one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
-    a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
-    Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
-    """
-
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        *,
-        decode: str = "pil",
-        transform: Callable | None = None,
-        target_transform: Callable | None = None,
-        storage: Storage | None = None,
-        extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS)),
-        with_keys: bool = False,
-    ):
-        _check_choice("decode", decode, DECODE_MODES)
-        self.root = os.fspath(root)
-        if not os.path.isdir(self.root):
-            raise InputError(f"{self.root}: not a directory; pass a class-per-folder image tree")
-        self.decode = decode
-        self.transform = transform
-        self.target_transform = target_transform
-        self.storage: Storage = storage or LocalStorage()
-        self.with_keys = bool(with_keys)
-        exts = {e.lower().lstrip(".") for e in extensions}
-        scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
-        self.classes: list[str] = list(scan.classes)
-        keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
-        if not keep.any():
-            raise InputError(
-                f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
-                "expected root/<class>/<image>"
-            )
-        if scan.errors:
-            first = scan.errors[0]
-            warnings.warn(
-                f"{self.root}: skipped {len(scan.errors)} unreadable image entries (first: "
-                f"{first.path}: {first.reason})",
-                stacklevel=2,
-            )
-        files = scan.files
-        if not keep.all():
-            files = StrTable(f for f, k in zip(scan.files, keep, strict=True) if k)
-        self.path_bytes, self.offsets = files.blob, files.offsets
-        self.targets = scan.labels[keep]
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def relpath(self, index: int) -> str:
-        """Path of sample ``index`` relative to the root (also its key)."""
-        blob = self.path_bytes[self.offsets[index] : self.offsets[index + 1]]
-        return blob.tobytes().decode("utf-8", "surrogateescape")
-
-    def __getitem__(self, index: int):
-        if index < 0:
-            index += len(self.targets)
-        rel = self.relpath(index)
-        path = os.path.join(self.root, rel)
-        with self.storage.open(path) as f:
-            data = f.read()
-        try:
-            img = decode_image(data, self.decode)
-        except Exception as exc:
-            raise SampleError(
-                f"{path}: cannot be decoded ({exc}); remove or replace the file",
-                shard=self.root,
-                key=rel,
-            ) from exc
-        label = int(self.targets[index])
-        if self.transform is not None:
-            img = self.transform(img)
-        if self.target_transform is not None:
-            label = self.target_transform(label)
-        return (img, label, rel) if self.with_keys else (img, label)
-
-    def __repr__(self) -> str:
-        return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"

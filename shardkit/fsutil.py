@@ -15,6 +15,8 @@ Every writer in shardkit follows the same rules, kept here so there is one polic
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import os
 import secrets
@@ -27,6 +29,7 @@ __all__ = [
     "JOURNAL_NAME",
     "STAGING_PREFIX",
     "DirLock",
+    "HashingReader",
     "atomic_write_bytes",
     "fsync_dir",
     "interrupted_commit",
@@ -378,3 +381,34 @@ def recover(directory: str) -> bool:
     journal.setdefault("remove", [])
     _roll_forward(directory, journal)
     return True
+
+
+class HashingReader(io.RawIOBase):
+    """A non-seekable view of a file that hashes and counts every byte read through it.
+
+    ``verify`` and ``index`` parse a tar shard through it: one read of the file gives both the
+    records and the sha256 the manifest keeps.
+    """
+
+    def __init__(self, f):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readinto(self, buf) -> int:
+        n = self._f.readinto(buf) or 0
+        self.sha.update(memoryview(buf)[:n])
+        self.bytes += n
+        return n
+
+    def drain(self) -> None:
+        """Hash what the parser did not read (end-of-archive padding, a gzip trailer)."""
+        chunk = bytearray(1 << 20)
+        while self.readinto(chunk):
+            pass

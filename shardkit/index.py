@@ -10,8 +10,6 @@ directory), written atomically, and an existing one is only replaced on request.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import warnings
 from collections.abc import Sequence
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 from .errors import InputError, OutputError
 from .formats import format_for_path, is_shard_name
 from .formats.tar import is_gzip_name, tally_tar, warn_imageless
-from .fsutil import open_regular, write_error
+from .fsutil import HashingReader, open_regular, write_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
 
 __all__ = ["IndexResult", "index_shards"]
@@ -47,33 +45,6 @@ class IndexResult:
             f"{m.num_samples} samples, {m.total_bytes / 1e6:.1f} MB, {len(m.classes)} classes"
             f"{extra} -> {self.manifest_path}"
         )
-
-
-class _Hashing(io.RawIOBase):
-    """A non-seekable view of a file that hashes and counts every byte read through it."""
-
-    def __init__(self, f):
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.bytes = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def readinto(self, buf) -> int:
-        n = self._f.readinto(buf) or 0
-        self.sha.update(memoryview(buf)[:n])
-        self.bytes += n
-        return n
-
-    def drain(self) -> None:
-        """Hash what follows the end-of-archive blocks (record padding, a gzip trailer)."""
-        chunk = bytearray(1 << 20)
-        while self.readinto(chunk):
-            pass
 
 
 def _expand(paths: Sequence[str]) -> list[str]:
@@ -143,7 +114,7 @@ def index_shards(
         except OSError as exc:
             raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
         with raw:
-            hashing = _Hashing(raw)
+            hashing = HashingReader(raw)
             tally = tally_tar(hashing, shard=p, labels=True)
             hashing.drain()
         labels |= tally.labels

@@ -39,6 +39,12 @@ EQUALIZE_MODES = ("pad", "drop", "none")
 DECODE_MODES = ("pil", "tensor", "raw")
 
 
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """One wording for every enumerated option (``decode=``, ``equalize=``, ``crop=`` ...)."""
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")
+
+
 # --- planning ---------------------------------------------------------------------------------
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ from typing import Any
 
 from .errors import InputError
 from .formats import ShardFormat, get_format
-from .fsutil import open_regular
+from .fsutil import HashingReader, open_regular
 from .images import decode_error
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from .paths import check_dataset_path
@@ -166,33 +165,6 @@ def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]
     if first_bad_image:
         problems.append(f"image does not decode ({first_bad_image})")
     return problems, decoded
-
-
-class HashingReader(io.RawIOBase):
-    """A non-seekable view of a file that hashes and counts every byte read through it."""
-
-    def __init__(self, f):
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.bytes = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def readinto(self, buf) -> int:
-        n = self._f.readinto(buf) or 0
-        self.sha.update(memoryview(buf)[:n])
-        self.bytes += n
-        return n
-
-    def drain(self) -> None:
-        """Hash what the parser did not read (end-of-archive padding, a gzip trailer)."""
-        chunk = bytearray(1 << 20)
-        while self.readinto(chunk):
-            pass
 
 
 def _dataset(out: str, storage_options, work_dir):

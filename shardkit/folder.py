@@ -1,0 +1,107 @@
+"""``FolderDataset``: the per-file baseline shards are measured against, decoding exactly as
+``ShardDataset`` does."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .errors import InputError, SampleError
+from .images import IMAGE_EXTENSIONS, decode_image
+from .scan import StrTable, scan_source
+from .storage import LocalStorage, Storage
+from .stream import DECODE_MODES, check_choice
+
+__all__ = ["FolderDataset"]
+
+
+class FolderDataset(Dataset):
+    """Map-style dataset over a class-per-folder tree: the per-file baseline shards are measured
+    against, decoding exactly as ``ShardDataset`` does.
+
+    Listed by ``shardkit.scan``, the scanner ``pack`` uses: the same classes, labels and skipped
+    entries (FIFOs, broken links: warned about, never opened). Labels are the indices of the
+    sorted class folder names (``.classes``). Relative paths live in
+    one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
+    a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
+    Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        decode: str = "pil",
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        storage: Storage | None = None,
+        extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS)),
+        with_keys: bool = False,
+    ):
+        check_choice("decode", decode, DECODE_MODES)
+        self.root = os.fspath(root)
+        if not os.path.isdir(self.root):
+            raise InputError(f"{self.root}: not a directory; pass a class-per-folder image tree")
+        self.decode = decode
+        self.transform = transform
+        self.target_transform = target_transform
+        self.storage: Storage = storage or LocalStorage()
+        self.with_keys = bool(with_keys)
+        exts = {e.lower().lstrip(".") for e in extensions}
+        scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        self.classes: list[str] = list(scan.classes)
+        keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        if not keep.any():
+            raise InputError(
+                f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
+                "expected root/<class>/<image>"
+            )
+        if scan.errors:
+            first = scan.errors[0]
+            warnings.warn(
+                f"{self.root}: skipped {len(scan.errors)} unreadable image entries (first: "
+                f"{first.path}: {first.reason})",
+                stacklevel=2,
+            )
+        files = scan.files
+        if not keep.all():
+            files = StrTable(f for f, k in zip(scan.files, keep, strict=True) if k)
+        self.path_bytes, self.offsets = files.blob, files.offsets
+        self.targets = scan.labels[keep]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def relpath(self, index: int) -> str:
+        """Path of sample ``index`` relative to the root (also its key)."""
+        blob = self.path_bytes[self.offsets[index] : self.offsets[index + 1]]
+        return blob.tobytes().decode("utf-8", "surrogateescape")
+
+    def __getitem__(self, index: int):
+        if index < 0:
+            index += len(self.targets)
+        rel = self.relpath(index)
+        path = os.path.join(self.root, rel)
+        with self.storage.open(path) as f:
+            data = f.read()
+        try:
+            img = decode_image(data, self.decode)
+        except Exception as exc:
+            raise SampleError(
+                f"{path}: cannot be decoded ({exc}); remove or replace the file",
+                shard=self.root,
+                key=rel,
+            ) from exc
+        label = int(self.targets[index])
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return (img, label, rel) if self.with_keys else (img, label)
+
+    def __repr__(self) -> str:
+        return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
