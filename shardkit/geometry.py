@@ -211,10 +211,11 @@ class TensorDecoder:
         no tensor is made per image (the loader's contiguous path, where ~10 us of tensor calls
         per image under two threads' GIL hand-offs measured as much as the transpose itself).
         """
-        height, width = image_size(data)
-        if out.shape != (3, height, width):
-            raise _shape_error(key, (height, width), out.shape[1:])
-        to_planes(decode_rgb(data, out=scratch_hwc(height, width)), out)
+        try:  # the decoder checks the size against the scratch array: one header parse
+            rgb = decode_rgb(data, out=scratch_hwc(out.shape[1], out.shape[2]))
+        except BufferShapeError as exc:
+            raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
+        to_planes(rgb, out)
         return out
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
