@@ -22,6 +22,20 @@ DataLoader workers) after each of ``--epochs`` epochs.
     python benchmarks/bench_loader.py --lfw data/lfw --imagenet data/imagenet --repeats 3
     python benchmarks/bench_loader.py --json bench-out/bench_loader.json --only a
 
+Optional, never in ``make test``: ``--ffcv`` adds FFCV's ``Loader`` (2 threads, random order,
+``os_cache``) to (a) and (b). FFCV is not a dependency; it builds with Debian's ``pkg-config
+libturbojpeg0-dev libopencv-dev`` and needs numba, so use a separate venv with the same torch:
+
+    python3 -m venv /tmp/ffcv-venv && /tmp/ffcv-venv/bin/pip install -c constraints.txt \
+        torch==2.13.0 numpy simplejpeg lmdb click tqdm braceexpand fsspec pillow webdataset ffcv
+    PYTHONPATH=. /tmp/ffcv-venv/bin/python benchmarks/bench_loader.py --ffcv --only a --only b
+
+Its ``.beton`` is written beside each tree from the same images; FFCV re-encodes them (quality 85
+for LFW, 93 for ImageNet, the middle of the synthetic sets' ranges), so its bytes differ: the
+mean bytes per image of both are printed. Its numba compile is excluded (one warm-up epoch when
+it is built); its decoders are FFCV's own (libjpeg-turbo; RandomResizedCrop decodes the whole
+image, then crops).
+
 Data: ``--lfw`` / ``--imagenet`` image trees (made with shardkit synth when missing: LFW at
 ``--lfw-scale``, ImageNet with 20 classes x 50 images), packed to tar shards beside them.
 """
@@ -97,16 +111,18 @@ def rss_mb(pid: int | None = None) -> float:
 # --- the ceiling -------------------------------------------------------------------------------
 
 
-def _decode_all(datas: list[bytes]) -> None:
+def _decode_all(datas: list[bytes], fastdct: bool = False) -> None:
     for d in datas:
-        simplejpeg.decode_jpeg(d)
+        simplejpeg.decode_jpeg(d, fastdct=fastdct)
 
 
-def ceiling_one(datas: list[bytes]) -> tuple[float, float]:
+def ceiling_one(datas: list[bytes], fastdct: bool = False) -> tuple[float, float]:
     """Images/s of one process decoding from memory, times min(2, cores); and its CPU
-    microseconds per image (what contention from other processes changes least)."""
+    microseconds per image (what contention from other processes changes least).
+    ``fastdct``: libjpeg-turbo's faster, less accurate integer IDCT, which FFCV decodes with
+    (shardkit and the plain ceiling use the accurate one, as Pillow does)."""
     t, c = time.perf_counter(), time.thread_time()
-    _decode_all(datas)
+    _decode_all(datas, fastdct)
     cpu = (time.thread_time() - c) / len(datas) * 1e6
     cores = min(2, len(os.sched_getaffinity(0)))
     return len(datas) / (time.perf_counter() - t) * cores, cpu
@@ -197,6 +213,76 @@ def _once(build):
     return run
 
 
+# --- FFCV (optional) ---------------------------------------------------------------------------
+
+
+def ffcv_beton(src: Path, quality: int) -> Path:
+    """The tree written once as an FFCV .beton beside it (FFCV's own writer)."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    path = src.with_name(f"{src.name}-ffcv-q{quality}.beton")
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        ds = FolderDataset(str(src), decode="pil")
+        tmp = path.with_suffix(".tmp")
+        fields = {
+            "image": RGBImageField(write_mode="jpg", jpeg_quality=quality),
+            "label": IntField(),
+        }
+        DatasetWriter(str(tmp), fields, num_workers=WORKERS).from_indexed_dataset(ds)
+        tmp.rename(path)
+    return path
+
+
+def ffcv_contender(beton: Path, crop: bool):
+    """FFCV's Loader, built and warmed up once (numba compiles its pipeline on first use)."""
+    from ffcv.fields.decoders import (
+        IntDecoder,
+        RandomResizedCropRGBImageDecoder,
+        SimpleRGBImageDecoder,
+    )
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+
+    state: dict = {}
+
+    def run(epoch):
+        if not state:
+            if crop:
+                image = [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip()]
+            else:
+                image = [SimpleRGBImageDecoder()]
+            pipelines = {
+                "image": [*image, ToTensor(), ToTorchImage()],
+                "label": [IntDecoder(), ToTensor()],
+            }
+            loader = Loader(
+                str(beton),
+                batch_size=BATCH,
+                num_workers=WORKERS,
+                order=OrderOption.RANDOM,
+                os_cache=True,
+                pipelines=pipelines,
+            )
+            for _ in loader:  # the numba compile, not timed
+                pass
+            state["loader"] = loader
+        return state["loader"]
+
+    return run
+
+
+def mean_bytes(shards: Path, beton: Path | None) -> str:
+    from shardkit.manifest import read_manifest
+
+    m = read_manifest(str(shards))
+    text = f"tar shards {m.total_bytes / m.num_samples / 1e3:.1f} KB/image"
+    if beton is not None:
+        text += f", FFCV .beton {beton.stat().st_size / m.num_samples / 1e3:.1f} KB/image"
+    return text
+
+
 def contenders_a(src: Path, shards: Path) -> dict:
     def shard_loader(channels_last):
         def build():
@@ -247,11 +333,12 @@ def contenders_b(shards: Path) -> dict:
 
 def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> dict:
     rows: dict[str, list[dict]] = {k: [] for k in contenders}
-    ceil1, ceil2, cpu1, loads = [], [], [], []
+    ceil1, ceil2, cpu1, loads, fast = [], [], [], [], []
     epoch = 0
     for r in range(repeats):
         loads.append(os.getloadavg()[0])
         rate, cpu = ceiling_one(datas)
+        fast.append(ceiling_one(datas, fastdct=True)[0])
         ceil1.append(rate)
         cpu1.append(cpu)
         ceil2.append(ceiling_two(datas))
@@ -277,6 +364,7 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
     summary = {
         "ceiling_one_x2": ceil1,
         "ceiling_two_processes": ceil2,
+        "ceiling_fastdct_one_x2": fast,
         "ceiling_cpu_us_per_image": cpu1,
         "load_1min": loads,
         "contenders": {},
@@ -330,6 +418,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the memory check")
     ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
     args = ap.parse_args()
     only = set(args.only or ["a", "b", "memory"])
     torch.set_num_threads(1)  # the caller's thread only consumes; decoding runs elsewhere
@@ -341,12 +430,24 @@ def main() -> None:
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
         datas = image_bytes(args.lfw)
-        out["a"] = measure("a", datas, contenders_a(args.lfw, lfw_shards), args.repeats)
+        contenders = contenders_a(args.lfw, lfw_shards)
+        beton = ffcv_beton(args.lfw, 85) if args.ffcv else None
+        if beton is not None:
+            contenders["FFCV Loader"] = ffcv_contender(beton, crop=False)
+        out["a_bytes"] = mean_bytes(lfw_shards, beton)
+        print(f"  {out['a_bytes']}", flush=True)
+        out["a"] = measure("a", datas, contenders, args.repeats)
     if "b" in only:
         inet_shards = ensure(args.imagenet, "imagenet", 1.0)
         print(f"(b) ImageNet-shaped random-resized-crop 224 + flip, {args.imagenet}", flush=True)
         datas = image_bytes(args.imagenet)
-        out["b"] = measure("b", datas, contenders_b(inet_shards), args.repeats)
+        contenders = contenders_b(inet_shards)
+        beton = ffcv_beton(args.imagenet, 93) if args.ffcv else None
+        if beton is not None:
+            contenders["FFCV Loader RRC224+flip"] = ffcv_contender(beton, crop=True)
+        out["b_bytes"] = mean_bytes(inet_shards, beton)
+        print(f"  {out['b_bytes']}", flush=True)
+        out["b"] = measure("b", datas, contenders, args.repeats)
     if "memory" in only:
         print(f"memory over {args.epochs} epochs ...", flush=True)
         out["memory"] = memory(lfw_shards, args.epochs)
@@ -358,10 +459,13 @@ def main() -> None:
     for part in ("a", "b"):
         if part in out:
             print(f"\n({part}) medians over {args.repeats} repeats, load {out[part]['load_1min']}")
+            print(f"  {out[part + '_bytes']}")
             print(
                 f"  ceiling 1 process x2: {statistics.median(out[part]['ceiling_one_x2']):.0f}"
                 f" img/s; 2 processes at once: "
-                f"{statistics.median(out[part]['ceiling_two_processes']):.0f} img/s"
+                f"{statistics.median(out[part]['ceiling_two_processes']):.0f} img/s; "
+                f"fast IDCT (FFCV's) 1 process x2: "
+                f"{statistics.median(out[part]['ceiling_fastdct_one_x2']):.0f} img/s"
             )
             for cname, c in out[part]["contenders"].items():
                 print(
