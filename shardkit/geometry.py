@@ -33,7 +33,6 @@ from .images import (
     decode_jpeg_region,
     decode_rgb,
     image_size,
-    is_jpeg,
     jpeg_scale,
     scratch_hwc,
     to_planes,
@@ -161,13 +160,11 @@ class TensorDecoder:
         flip = g.flip and next(uniforms) < 0.5
         # Smallest decode whose crop still covers size x size (never larger than the image).
         need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
-        # Only the crop's rows and columns where the region decoder can (JPEG), else all of it.
-        d = jpeg_scale(height, width, need) if is_jpeg(data) else 0
-        pixels = None
-        if d:
-            dh, dw = -(-height // d), -(-width // d)  # what libjpeg makes at 1/d
-            t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
-            pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
+        # Only the crop's rows and columns where the region decoder can (a JPEG), else all of it.
+        d = jpeg_scale(height, width, need)
+        dh, dw = -(-height // d), -(-width // d)  # what libjpeg makes at 1/d
+        t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
+        pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
         if pixels is None:
             rgb = decode_rgb(data, min_size=need)
             # the same box on whatever scale the fallback decoded (Pillow's draft may differ)
@@ -231,11 +228,7 @@ class TensorDecoder:
             if hwc.is_contiguous():
                 decode_rgb(data, out=hwc.numpy())
             else:  # a contiguous batch slot: decode interleaved, then into the planes
-                height, width = image_size(data)
-                if (height, width, 3) != hwc.shape:
-                    raise BufferShapeError((height, width, 3), tuple(hwc.shape))
-                rgb = decode_rgb(data, out=scratch_hwc(height, width))
-                to_planes(rgb, out.numpy())
+                self.into_planes(data, key, out.numpy())
             return out
         except BufferShapeError as exc:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None

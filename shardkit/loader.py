@@ -395,6 +395,8 @@ class _Epoch:
 
     def _new_buffer(self, w: int, slot: int, size: tuple[int, int]) -> _Buffer:
         height, width = size
+        # a plain contiguous batch without geometry: numpy planes, no tensor calls per image
+        planar = not self.nhwc and self.decoder.geometry is None
         if self.nhwc:
             raw = torch.empty(
                 (self.batch_size, height, width, 3), dtype=torch.uint8, pin_memory=self.pin
@@ -406,13 +408,9 @@ class _Epoch:
                 targets = list(images.unbind(0))
         else:
             images = torch.empty((self.batch_size, 3, height, width), dtype=torch.uint8)
-            if self.decoder.geometry is None:  # numpy planes: no tensor calls per image
-                buf = _Buffer(images, list(images.numpy()), _use_count(images), planar=True)
-                self.buffers[w][slot] = buf
-                return buf
-            targets = list(images.unbind(0))
+            targets = list(images.numpy()) if planar else list(images.unbind(0))
         # after the targets exist: the baseline counts their references to the storage
-        buf = _Buffer(images, targets, _use_count(images))
+        buf = _Buffer(images, targets, _use_count(images), planar=planar)
         self.buffers[w][slot] = buf
         return buf
 
