@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from shardkit.manifest import read_manifest
+from shardkit.packer import pack
+
 pytest_plugins = ["remote_servers"]
 
 
@@ -29,6 +32,36 @@ def image_tree(root: Path, n: int, classes: int = 3, size: tuple[int, int] = (8,
         d.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", size, (i * 11 % 256, 40, (255 - i) % 256)).save(d / f"img{i:03d}.jpg")
     return root
+
+
+def gnu_tar(root: Path, out: Path, members: Sequence[tuple[str, bytes]], fmt: str = "pax") -> str:
+    """``members`` (name, bytes) written under ``root``, then archived in that order by GNU tar
+    in ``--format=fmt`` (ustar, gnu, pax): shards made by another tool, as users bring them."""
+    for name, data in members:
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    listing = root.parent / f"{root.name}.list"
+    listing.write_text("".join(n + "\n" for n, _ in members), encoding="utf-8")
+    cmd = ["tar", f"--format={fmt}", "-cf", str(out), "-C", str(root), "--no-recursion"]
+    subprocess.run([*cmd, "-T", str(listing)], check=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def resume_shards(tmp_path_factory) -> str:
+    """301 tiny JPEGs (prime to 2, 3 and 4: rank and worker parts are all uneven) in three tar
+    shards of ~100 samples, each with offset-index entries: the resume tests' data."""
+    base = tmp_path_factory.mktemp("resume")
+    for i in range(301):
+        d = base / "src" / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 6), (i % 256, 7 * i % 256, 9)).save(d / f"i{i:03d}.jpg")
+    out = str(base / "tar")
+    pack(str(base / "src"), out, shard_size=270_000, format="tar", progress=False)
+    manifest = read_manifest(out)
+    assert len(manifest.shards) >= 3 and min(s.samples for s in manifest.shards) > 64
+    return out
 
 
 @pytest.fixture(scope="session")

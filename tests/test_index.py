@@ -14,6 +14,7 @@ import tarfile
 import warnings
 
 import pytest
+from conftest import gnu_tar
 
 from shardkit import ShardDataset
 from shardkit.errors import OutputError, ShardFormatError
@@ -40,30 +41,6 @@ def _members(n: int, seed: int) -> list[tuple[str, bytes]]:
     return out
 
 
-def _gnu_tar(root, out, members, fmt="pax") -> str:
-    for name, data in members:
-        p = root / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    listing = root.parent / f"{root.name}.list"
-    listing.write_text("".join(n + "\n" for n, _ in members))
-    subprocess.run(
-        [
-            "tar",
-            f"--format={fmt}",
-            "-cf",
-            str(out),
-            "-C",
-            str(root),
-            "--no-recursion",
-            "-T",
-            str(listing),
-        ],
-        check=True,
-    )
-    return str(out)
-
-
 def _tarfile(out, members) -> str:
     with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tf:
         for name, data in members:
@@ -79,7 +56,7 @@ def foreign(tmp_path):
     d = tmp_path / "shards"
     d.mkdir()
     if shutil.which("tar"):
-        _gnu_tar(tmp_path / "t0", d / "a-000.tar", _members(150, 0))
+        gnu_tar(tmp_path / "t0", d / "a-000.tar", _members(150, 0))
     else:
         _tarfile(d / "a-000.tar", _members(150, 0))
     _tarfile(d / "a-001.tar", _members(70, 1))

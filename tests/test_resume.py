@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -23,7 +22,6 @@ from shardkit.dataset import ShardDataset
 from shardkit.errors import InputError
 from shardkit.formats import get_format
 from shardkit.manifest import read_manifest
-from shardkit.packer import pack
 from shardkit.resume import buffer_point, merge_worker_states, round_robin
 from shardkit.shuffle import rng_for, shuffle_buffer
 from shardkit.storage import LocalStorage
@@ -33,23 +31,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),  # torchdata 0.11
 ]
 
-N = 301  # prime to 2, 3 and 4: rank and worker parts are all uneven
+N = 301  # the samples of conftest.resume_shards (prime to 2, 3 and 4)
 B = 8
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """301 tiny JPEGs in three tar shards of ~100 samples (each with offset-index entries)."""
-    base = tmp_path_factory.mktemp("resume")
-    for i in range(N):
-        d = base / "src" / f"c{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 6), (i % 256, 7 * i % 256, 9)).save(d / f"i{i:03d}.jpg")
-    out = str(base / "tar")
-    pack(str(base / "src"), out, shard_size=270_000, format="tar", progress=False)
-    manifest = read_manifest(os.path.join(out, "manifest.json"))
-    assert len(manifest.shards) >= 3 and min(s.samples for s in manifest.shards) > 64
-    return out
+def data(resume_shards):
+    return resume_shards  # conftest: 301 samples in three tar shards
 
 
 def _ds(src, **kw):

@@ -14,22 +14,14 @@ from PIL import Image
 
 from shardkit import ShardDataset, ShardLoader
 from shardkit.errors import InputError
-from shardkit.packer import pack
 
-N = 301
+N = 301  # the samples of conftest.resume_shards
 B = 8
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    base = tmp_path_factory.mktemp("resume-loader")
-    for i in range(N):
-        d = base / "src" / f"c{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (8, 6), (i % 256, 7 * i % 256, 9)).save(d / f"i{i:03d}.jpg")
-    out = str(base / "tar")
-    pack(str(base / "src"), out, shard_size=270_000, format="tar", progress=False)
-    return out
+def data(resume_shards):
+    return resume_shards  # conftest: 301 samples in three tar shards
 
 
 def _loader(src, num_workers, **kw):

@@ -12,10 +12,10 @@ import io
 import os
 import re
 import shutil
-import subprocess
 import tarfile
 
 import pytest
+from conftest import gnu_tar
 from PIL import Image
 
 from shardkit import ShardDataset
@@ -74,27 +74,7 @@ def _tarfile(path, fmt, members=MEMBERS) -> str:
 
 
 def _gnu_tar(tmp_path, fmt, members=MEMBERS) -> str:
-    root = tmp_path / f"tree-{fmt}"
-    for name, data in members:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_bytes(data)
-    (tmp_path / "list").write_text("".join(n + "\n" for n, _ in members), encoding="utf-8")
-    out = tmp_path / f"gnu-{fmt}.tar"
-    subprocess.run(
-        [
-            "tar",
-            f"--format={fmt}",
-            "-cf",
-            str(out),
-            "-C",
-            str(root),
-            "--no-recursion",
-            "-T",
-            str(tmp_path / "list"),
-        ],
-        check=True,
-    )
-    return str(out)
+    return gnu_tar(tmp_path / f"tree-{fmt}", tmp_path / f"gnu-{fmt}.tar", members, fmt)
 
 
 def _wds_tar(path, members=MEMBERS) -> str:
