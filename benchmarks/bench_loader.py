@@ -273,13 +273,19 @@ def ffcv_contender(beton: Path, crop: bool):
     return run
 
 
-def mean_bytes(shards: Path, beton: Path | None) -> str:
+def add_ffcv(contenders: dict, src: Path, shards: Path, ffcv, crop: bool) -> str:
+    """With ``ffcv`` = (jpeg quality, contender name): FFCV joins ``contenders``. Returns and
+    prints the mean bytes per image of the tar shards (and of the .beton)."""
     from shardkit.manifest import read_manifest
 
     m = read_manifest(str(shards))
     text = f"tar shards {m.total_bytes / m.num_samples / 1e3:.1f} KB/image"
-    if beton is not None:
+    if ffcv is not None:
+        quality, name = ffcv
+        beton = ffcv_beton(src, quality)
+        contenders[name] = ffcv_contender(beton, crop=crop)
         text += f", FFCV .beton {beton.stat().st_size / m.num_samples / 1e3:.1f} KB/image"
+    print(f"  {text}", flush=True)
     return text
 
 
@@ -431,22 +437,16 @@ def main() -> None:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
         datas = image_bytes(args.lfw)
         contenders = contenders_a(args.lfw, lfw_shards)
-        beton = ffcv_beton(args.lfw, 85) if args.ffcv else None
-        if beton is not None:
-            contenders["FFCV Loader"] = ffcv_contender(beton, crop=False)
-        out["a_bytes"] = mean_bytes(lfw_shards, beton)
-        print(f"  {out['a_bytes']}", flush=True)
+        ffcv = (85, "FFCV Loader") if args.ffcv else None
+        out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
         out["a"] = measure("a", datas, contenders, args.repeats)
     if "b" in only:
         inet_shards = ensure(args.imagenet, "imagenet", 1.0)
         print(f"(b) ImageNet-shaped random-resized-crop 224 + flip, {args.imagenet}", flush=True)
         datas = image_bytes(args.imagenet)
         contenders = contenders_b(inet_shards)
-        beton = ffcv_beton(args.imagenet, 93) if args.ffcv else None
-        if beton is not None:
-            contenders["FFCV Loader RRC224+flip"] = ffcv_contender(beton, crop=True)
-        out["b_bytes"] = mean_bytes(inet_shards, beton)
-        print(f"  {out['b_bytes']}", flush=True)
+        ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
+        out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
         out["b"] = measure("b", datas, contenders, args.repeats)
     if "memory" in only:
         print(f"memory over {args.epochs} epochs ...", flush=True)
