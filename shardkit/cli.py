@@ -436,7 +436,7 @@ class FormatWorkers(click.ParamType):
     help="Comma-separated, from folder,tar,lmdb,memory,loader. Default: folder,tar,lmdb "
     "(folder only when a source folder is known). memory: a reference, the same "
     "bytes held in RAM through the same DataLoader. loader: the tar shards "
-    "through ShardLoader (decode threads, --workers of them), decode mode only.",
+    "through ShardLoader (worker processes, --workers of them), decode mode only.",
 )
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option(

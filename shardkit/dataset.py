@@ -330,10 +330,21 @@ class ShardDataset(IterableDataset):
         read -> (resumed: arrange) -> shuffle buffer -> count. ``batch_size`` (default: the
         dataset's) cuts worker parts at whole batches. A loaded state is continued once per
         worker; what leaves the buffer is counted for ``state_dict``."""
+        return self.records_from(world, epoch, self._take_resume(world, epoch), batch_size)
+
+    def records_from(
+        self,
+        world: World,
+        epoch: int,
+        resume: EpochState | None,
+        batch_size: int | None = None,
+    ) -> Iterator[Record]:
+        """``records`` continuing ``resume`` (None: from the epoch's start) as told, not taken
+        from this process's loaded state: ShardLoader's worker processes persist across
+        ``load_state_dict`` calls, so the loader takes each worker's state and sends it."""
         in_worker = get_worker_info() is not None
         if in_worker:
             self._state[_IN_WORKERS] = 1
-        resume = self._take_resume(world, epoch)
         epoch = epoch if resume is None else resume.epoch
         plan = worker_plan(
             self._layout(epoch), world, self._facts, resume,

@@ -1,4 +1,5 @@
-"""ShardLoader: decode threads into reused batch buffers, with every ShardDataset guarantee."""
+"""ShardLoader: worker processes decoding into a reused shared-memory ring, with every
+ShardDataset guarantee."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def _run(loader):
     return sizes, keys, images
 
 
-def _decode_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("shardkit-decode")]
+def _workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("shardkit-worker")]
 
 
 def _fds():
@@ -115,8 +116,8 @@ def test_three_ranks_with_two_workers_take_equal_steps_and_cover_the_epoch(shard
 
 
 def test_batches_are_the_dataloader_workers_streams_in_turn(shards):
-    """Thread w reads what DataLoader worker w reads (the dataset's own per-worker stream, cut
-    at batch multiples); batch k comes from thread k % num_workers."""
+    """Worker w reads what DataLoader worker w reads (the dataset's own per-worker stream, cut
+    at batch multiples); batch k comes from worker k % num_workers."""
     ds = _ds(shards, seed=3)
     ds.set_epoch(2)
     _, keys, _ = _run(ShardLoader(ds, 4, num_workers=3))
@@ -213,7 +214,7 @@ def test_geometry_batches_have_the_fixed_size(shards):
 
 
 def test_kept_batches_stay_valid(shards):
-    """Buffers are reused only when nothing outside refers to them."""
+    """Slots are reused only when nothing outside refers to them; a kept one gets fresh memory."""
     ds = _ds(shards)
     kept = list(ShardLoader(ds, 2, num_workers=2, prefetch_factor=1))
     reference = {k: img for img, _, k in ds}
@@ -225,12 +226,12 @@ def test_kept_batches_stay_valid(shards):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_plain_loop_reuses_its_buffers(shards, workers):
-    """No allocation per batch: 23 batches of 1 come out of (prefetch_factor + 1) buffers per
-    thread."""
+    """No allocation per batch: 23 batches of 1 come out of each worker's ring slots
+    (prefetch_factor + 2: the batches ready ahead, the one yielded and the one before it)."""
     storages = set()
     for x, _, _ in ShardLoader(_ds(shards), 1, num_workers=workers, prefetch_factor=1):
         storages.add(x.untyped_storage().data_ptr())
-    assert len(storages) <= max(1, workers) * 2
+    assert len(storages) <= max(1, workers) * 3
 
 
 def test_batches_differ_in_size_without_size_raises_naming_the_key(tmp_path):
@@ -272,7 +273,7 @@ def test_a_corrupt_jpeg_raises_in_the_caller_naming_shard_and_key(corrupt, worke
     with pytest.raises(SampleError, match=r"shard-\d+\.tar: sample 'c/im07'") as info:
         list(ShardLoader(ds, 4, num_workers=workers))
     assert info.value.key == "c/im07" and info.value.shard.endswith(".tar")
-    assert _decode_threads() == [] and _fds() == before
+    assert _workers() == [] and _fds() == before
 
 
 def test_on_error_skip_counts_and_goes_on(corrupt):
@@ -290,7 +291,7 @@ def test_break_and_exceptions_leave_no_thread_process_or_fd_behind(shards, worke
     for _ in range(3):
         for _ in ShardLoader(ds, 2, num_workers=workers):
             break
-    assert _decode_threads() == [] and threading.active_count() == threads
+    assert _workers() == [] and threading.active_count() == threads
 
     def failing_step():
         for i, _ in enumerate(ShardLoader(ds, 2, num_workers=workers)):
@@ -299,33 +300,105 @@ def test_break_and_exceptions_leave_no_thread_process_or_fd_behind(shards, worke
 
     with pytest.raises(ZeroDivisionError):
         failing_step()
-    assert _decode_threads() == [] and threading.active_count() == threads
+    assert _workers() == [] and threading.active_count() == threads
     loader = ShardLoader(ds, 2, num_workers=workers)
     it = iter(loader)
     next(it)
     loader.close()  # explicit, while the iterator is still referenced
-    assert _decode_threads() == []
+    assert _workers() == []
     with pytest.raises(StopIteration):
         next(it)
     assert _fds() == fds and multiprocessing.active_children() == []
 
 
-def test_a_new_iteration_stops_the_previous_one(shards):
+def test_a_new_iteration_abandons_the_previous_one_and_keeps_the_workers(shards):
     loader = ShardLoader(_ds(shards), 2, num_workers=2)
     first = iter(loader)
     next(first)
+    pids = loader.worker_pids
     second = iter(loader)
-    assert len(_decode_threads()) == 2  # only the second iteration's
-    assert sum(len(x) for x, _, _ in second) == N
-    assert _decode_threads() == []
-    del first
+    with pytest.raises(StopIteration):
+        next(first)  # abandoned
+    assert sorted(k for _, _, keys in second for k in keys) == ALL_KEYS
+    assert loader.worker_pids == pids and len(_workers()) == 2  # persistent
+    loader.close()
+    assert _workers() == [] and loader.worker_pids == []
+
+
+def test_workers_are_processes_that_persist_across_epochs_until_close(shards):
+    loader = ShardLoader(_ds(shards, seed=1), 4, num_workers=2)
+    assert loader.worker_pids == [] and "not allocated" in repr(loader)
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)  # reaches the running workers
+        it = iter(loader)
+        orders.append([k for _, _, keys in it for k in keys])
+        if epoch == 0:
+            pids = loader.worker_pids
+            assert len(pids) == 2 and os.getpid() not in pids
+            assert {p.pid for p in _workers()} == set(pids)
+        assert loader.worker_pids == pids
+    assert orders[0] != orders[1] != orders[2] and sorted(orders[2]) == ALL_KEYS
+    assert "2 workers x 4 slots" in repr(loader) and "MiB shared" in repr(loader)
+    loader.close()
+    assert _workers() == []
+
+
+def test_break_and_garbage_collection_stop_the_workers(shards):
+    ds = _ds(shards)
+    for _ in ShardLoader(ds, 2, num_workers=2):
+        assert len(_workers()) == 2
+        break
+    gc.collect()
+    assert _workers() == []
+
+
+def test_the_cuda_batch_order_with_one_worker_and_one_slot_ahead_finishes(shards):
+    """With a batch staged ahead (the CUDA path's order, forced here on the CPU), one worker
+    and prefetch_factor=1 used to wait forever for a slot the consumer held."""
+    for workers in (0, 1):
+        loader = ShardLoader(_ds(shards), 2, num_workers=workers, prefetch_factor=1)
+        loader._ahead = 1
+        assert sorted(k for _, _, keys in loader for k in keys) == ALL_KEYS
+        loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_transform_runs_on_each_decoded_image(shards, workers):
+    ds = _ds(shards, transform=lambda img: 255 - img)
+    reference = {k: img for img, _, k in _ds(shards)}
+    _, keys, images = _run(ShardLoader(ds, 4, num_workers=workers))
+    assert sorted(keys) == ALL_KEYS
+    assert all(torch.equal(images[k], 255 - reference[k]) for k in keys)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_returning_another_shape_names_the_sample(shards, workers):
+    ds = _ds(shards, transform=lambda img: img.float())
+    with pytest.raises(InputError, match=r"shard-\d+\.tar: sample 'c\d/im\d+': the dataset's tran"):
+        list(ShardLoader(ds, 4, num_workers=workers))
+    ds = _ds(shards, size=8, transform=lambda img: img[:, :4])
+    with pytest.raises(InputError, match=r"shape \(3, 4, 8\).*shape \(3, 8, 8\)"):
+        list(ShardLoader(ds, 4, num_workers=workers))
+    assert _workers() == []
+
+
+def test_the_spawn_start_method_gives_the_same_batches(shards):
+    ds = _ds(shards, seed=5)
+    _, forked, _ = _run(ShardLoader(ds, 4, num_workers=2, start_method="fork"))
+    loader = ShardLoader(ds, 4, num_workers=2, start_method="spawn")
+    _, spawned, images = _run(loader)
+    assert spawned == forked
+    reference = {k: img for img, _, k in ds}
+    assert all(torch.equal(images[k], reference[k]) for k in spawned)
+    loader.close()
 
 
 def test_arguments_are_checked(shards):
     with pytest.raises(InputError, match='decode="tensor"'):
         ShardLoader(_ds(shards, decode="pil"), 4)
-    with pytest.raises(InputError, match="transform"):
-        ShardLoader(_ds(shards, transform=lambda x: x), 4)
+    with pytest.raises(InputError, match="start_method"):
+        ShardLoader(_ds(shards), 4, start_method="thread")
     with pytest.raises(InputError, match="batch_size"):
         ShardLoader(_ds(shards), 0)
     with pytest.raises(InputError, match="fields="):
@@ -416,18 +489,23 @@ def test_three_real_ranks_step_together(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_remote_shards_stream_through_the_threads(shards, http):
-    """Over HTTP the threads share the storage's single-consumer prefetcher through a
-    serialising proxy: every epoch still delivers every sample once, and no thread is left."""
-    from pathlib import Path
+def test_remote_shards_stream_through_the_workers(shards, s3):
+    """Over a loopback S3 server each worker process opens its own storage and prefetches its
+    own shards: every epoch still delivers every sample once, and no worker is left."""
+    from remote_servers import S3Server
 
-    http.root = Path(shards).parent
+    bucket = "loader-" + os.urandom(4).hex()
+    s3.upload_dir(bucket, "tar", shards)
     ds = ShardDataset(
-        f"{http.url}/{Path(shards).name}/manifest.json", decode="tensor", with_keys=True
+        f"s3://{bucket}/tar/",
+        storage_options=S3Server.options(s3.endpoint),
+        decode="tensor",
+        with_keys=True,
     )
     assert type(ds.storage).__name__ == "RemoteStorage"  # not the stateless local one
     loader = ShardLoader(ds, 4, num_workers=3)
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert sorted(k for _, _, keys in loader for k in keys) == ALL_KEYS
-    assert _decode_threads() == []
+    loader.close()
+    assert _workers() == []

@@ -41,8 +41,9 @@ __all__ = [
 SHARD_FORMATS = ("tar", "lmdb")
 #: "memory" is a reference, not a storage format: the same JPEG bytes held in RAM, decoded and
 #: batched through the same DataLoader (``workloads.MemoryDataset``). Opt-in via --formats.
-#: "loader" reads the tar shards through ``ShardLoader`` (decode threads into reused batch
-#: buffers) instead of a DataLoader; ``--workers`` is its thread count. Opt-in, decode mode only.
+#: "loader" reads the tar shards through ``ShardLoader`` (worker processes decoding into a reused
+#: shared-memory ring) instead of a DataLoader; ``--workers`` is its worker count. Opt-in, decode
+#: mode only.
 ALL_FORMATS = ("folder", *SHARD_FORMATS, "memory", "loader")
 #: Where the embedded LFW-shaped set is made when no data is given (relative to the cwd).
 DEFAULT_DATA = os.path.join("data", "lfw")

@@ -145,7 +145,7 @@ def _stop(cfg: BenchConfig, batches: int, samples: int, seconds: float) -> str |
 
 
 class StampedBatches:
-    """ShardLoader batches stamped as ``workloads.Collate`` stamps DataLoader ones. Thread k
+    """ShardLoader batches stamped as ``workloads.Collate`` stamps DataLoader ones. Worker k
     fills batch k % workers; a batch counts as ready when it reaches the caller (the loader
     keeps no per-batch timestamps), so its stall is its whole wait."""
 

@@ -1,0 +1,12 @@
+"""ShardLoader: decoded batches from worker processes through a reused shared-memory ring.
+
+The parts, in the order a batch travels: ``fill.py`` (a worker's loop: records -> decoded
+pixels in a slot), ``workers.py`` (where that loop runs: worker processes, or the caller for
+``num_workers=0``), ``messages.py`` (what crosses the pipe: slot numbers, labels, keys),
+``ring.py`` (the slots' memory, shared and reused), ``epoch.py`` (the consumer: batch order,
+device staging, when a slot may be reused) and ``shard_loader.py`` (the ``ShardLoader`` surface).
+"""
+
+from .shard_loader import ShardLoader, default_workers
+
+__all__ = ["ShardLoader", "default_workers"]

@@ -1,0 +1,202 @@
+"""One iteration of a ShardLoader: batch order, device staging, and every slot's way back.
+
+Batches are drawn from the workers in turn, one each, skipping workers that are done: the order
+in which DataLoader draws from its workers, so a ShardLoader yields what ``DataLoader(ds,
+batch_size, num_workers)`` would and ``len(loader)`` is exact.
+
+This is the one place that decides when a slot may be written again (``_give_back``):
+
+- the batch is a view of its slot (a uint8 batch on the CPU): two draws after it was yielded,
+  when the caller's loop variable has moved on; a slot still referenced then was kept by the
+  caller and gets fresh memory instead (``Ring.replace``);
+- the batch was copied to the device: once the copy's event has completed (one step after it was
+  staged: the copy runs on a side stream while the caller's step runs, apex's prefetcher);
+- the batch was converted on the CPU (normalised, made contiguous): right after staging.
+
+A worker needs as many slots as the consumer can hold of its batches at once plus the ones it
+may fill ahead (``slots_per_worker``); the consumer checks before every wait that the worker it
+waits on has a slot to fill, so a miscount is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import ShardkitError
+from ..world import World
+from .messages import Batch, End
+
+__all__ = ["Epoch", "slots_per_worker"]
+
+
+def slots_per_worker(prefetch_factor: int, ahead: int) -> int:
+    """Batches a worker may have ready (``prefetch_factor``), plus those the consumer holds:
+    ``ahead`` staged, the one yielded and the one before it (still the caller's loop variable
+    when the next is drawn)."""
+    return prefetch_factor + ahead + 2
+
+
+class Epoch:
+    """The consumer side of one iteration over ``loader``'s workers."""
+
+    def __init__(self, loader, workers, ring, gen: int, ahead: int):
+        ds = loader.dataset
+        self.loader, self.workers, self.ring = loader, workers, ring
+        self.gen, self.ahead = gen, ahead
+        self.n = max(1, loader.num_workers)
+        self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
+        resumes = [
+            ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
+            for w in range(self.n)
+        ]
+        self.yielded = loader._yielded = [self.epoch, 0]  # counted as batches reach the caller
+        device = loader.device
+        self.cuda = device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.nhwc = loader._nhwc
+        # The caller gets the slot itself (no conversion, no device): give it back late.
+        self.view = (
+            not self.cuda and loader.normalize is None and (loader.channels_last or not self.nhwc)
+        )
+        if loader.normalize is not None:
+            mean, std = loader.normalize
+            target = device or torch.device("cpu")
+            self.scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(target)
+            self.shift = (-mean / std).view(1, 3, 1, 1).to(target)
+        self.held: list[set[int]] = [set() for _ in range(self.n)]
+        self.done = False
+        workers.start(gen, self.epoch, [r.to_dict() if r else None for r in resumes])
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def _ready(self) -> Iterator[Batch]:
+        """Batches in DataLoader order: one from each live worker in turn."""
+        live = list(range(self.n))
+        while live:
+            for w in list(live):
+                if len(self.held[w]) >= self.ring.slots:
+                    raise ShardkitError(
+                        f"ShardLoader: waiting on worker {w} while holding all its "
+                        f"{self.ring.slots} slots would never end (slot count bug)"
+                    )
+                msg = self.workers.next(w)
+                if isinstance(msg, End):
+                    if msg.error is not None:
+                        raise msg.error
+                    live.remove(w)
+                    continue
+                self.held[w].add(msg.slot)
+                for note in msg.notes:
+                    warnings.warn(note, RuntimeWarning, stacklevel=4)
+                yield msg
+
+    def batches(self) -> Iterator[tuple]:
+        """The caller's iterator: slots -> (device) batches, ``ahead`` staged in advance."""
+        staged: deque = deque()
+        drawn: deque = deque()
+        try:
+            for msg in self._ready():
+                staged.append(self._stage(msg))
+                while len(staged) > self.ahead:
+                    yield self._finish(*staged.popleft(), drawn)
+                    while len(drawn) > 1:
+                        self._give_back(*drawn.popleft())
+            while staged:
+                yield self._finish(*staged.popleft(), drawn)
+            self.done = True
+        except GeneratorExit:  # break, or the caller's own exception: the workers stay
+            raise
+        except BaseException:  # a worker's error, a dead worker, Ctrl-C: stop every worker
+            self.loader.close()
+            raise
+        finally:
+            self._abandon()
+
+    def _stage(self, msg: Batch):
+        """Start moving batch ``msg`` to the device and converting it there."""
+        bs = self.loader.batch_size
+        shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
+        images = self.ring.images(msg.worker, msg.slot, shape)[: msg.count]
+        if self.nhwc:
+            images = images.permute(0, 3, 1, 2)
+        labels = torch.tensor(msg.labels, dtype=torch.int64)
+        tt = self.loader.dataset.target_transform
+        if tt is not None:
+            labels = torch.utils.data.default_collate([tt(int(v)) for v in msg.labels])
+        device, ready, copied = self.loader.device, None, None
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            if device is not None:
+                images = images.to(device, non_blocking=True)  # from the pinned slot: async
+                if self.cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(self.stream)
+                labels = labels.to(device, non_blocking=True)
+            images = self._convert(images)
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        out = (images, labels, msg.keys) if self.loader.with_keys else (images, labels)
+        slot = (msg.worker, msg.slot)
+        if not self.view and not self.cuda:  # converted into new memory: the slot is done
+            self._give_back(*slot)
+            slot = None
+        return out, ready, copied, slot
+
+    def _convert(self, images: torch.Tensor) -> torch.Tensor:
+        loader = self.loader
+        fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
+        if loader.normalize is not None:
+            out = torch.empty(
+                images.shape, dtype=torch.float32, device=images.device, memory_format=fmt
+            )
+            # One pass: x * (1 / (255 std)) - mean / std  ==  (x / 255 - mean) / std.
+            return torch.addcmul(self.shift, images, self.scale, out=out)
+        if self.nhwc and not loader.channels_last:
+            return images.contiguous()  # a uint8 batch moved to a device as NHWC
+        return images
+
+    def _finish(self, out: tuple, ready, copied, slot, drawn: deque) -> tuple:
+        """Make the caller's stream wait for this batch only (not the one staged behind it);
+        a slot whose device copy has completed goes back now, a viewed one two draws later."""
+        self.yielded[1] += 1
+        if ready is not None:
+            current = torch.cuda.current_stream(self.loader.device)
+            current.wait_event(ready)
+            for t in out[:2]:
+                t.record_stream(current)
+        if slot is not None:
+            if copied is not None:
+                copied.synchronize()  # issued a step ago: done, or nearly
+                self._give_back(*slot)
+            else:
+                drawn.append(slot)
+        return out
+
+    def _give_back(self, worker: int, slot: int) -> None:
+        self.held[worker].discard(slot)
+        if self.ring.kept(worker, slot):
+            self.workers.replace(worker, slot)
+        else:
+            self.workers.free(worker, slot)
+
+    def _abandon(self) -> None:
+        """The iteration ended (done, break, error): the slots the caller may still hold are
+        checked now, so the next ``Start`` finds every slot free or given fresh memory."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        try:
+            for w, slots in enumerate(self.held):
+                for slot in list(slots):
+                    if self.ring.kept(w, slot):
+                        self.workers.replace(w, slot)
+                slots.clear()
+        except Exception:  # the workers are gone (closed, or one died): nothing to give back
+            pass
+        if not self.done:
+            self.workers.abandon()

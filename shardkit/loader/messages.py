@@ -1,0 +1,75 @@
+"""The plain messages between ShardLoader and its worker processes.
+
+Small picklable records over one duplex pipe per worker: the pixels never travel, they are in the
+ring (``ring.py``); a batch is announced by its slot. Every epoch start carries a generation
+number and every reply echoes it, so replies of an abandoned iteration (break, a new ``iter()``)
+are recognised and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Batch", "End", "Free", "Replace", "Start", "Stop"]
+
+
+# --- loader -> worker ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Fill this worker's part of ``epoch`` (abandoning any earlier generation); every slot is
+    free. ``resume``: the worker's loaded state as plain data (``EpochState.to_dict``)."""
+
+    gen: int
+    epoch: int
+    resume: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Slot ``slot`` may be written again."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replace:
+    """Slot ``slot`` was kept by the caller: its memory is theirs now. A descriptor of fresh
+    memory for the slot follows on the pipe (``multiprocessing.reduction.send_handle``); the slot
+    is free."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Exit."""
+
+
+# --- worker -> loader ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Batch:
+    """``count`` images of ``height`` x ``width`` are in ``slot`` of ``worker``; ``notes``: the
+    warnings raised while filling it (skipped samples), re-issued in the caller."""
+
+    gen: int
+    worker: int
+    slot: int
+    count: int
+    height: int
+    width: int
+    labels: list[int]
+    keys: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class End:
+    """The worker's part of generation ``gen`` is done; ``error``: why it stopped early."""
+
+    gen: int
+    worker: int
+    error: BaseException | None = None

@@ -1,0 +1,306 @@
+"""The worker backends: where the fill loop runs and how its batches reach the consumer.
+
+``ProcessWorkers``: one process per worker, started on the first iteration and kept across
+epochs (each runs ``Filler`` for every ``Start`` it is sent). A worker's process is the only
+place its shards are opened (remote storage and prefetch included), it never touches CUDA, and it
+talks to the loader over one duplex pipe of small messages (``messages.py``). Faults are errors,
+never hangs: the loader waits on the pipe and on the process's sentinel together, so a worker
+killed by a signal (the OOM killer's SIGKILL) is reported within the wait; a worker whose loader
+died sees its pipe close (or its parent change) and exits by itself.
+
+``LocalWorkers``: the same loop in the caller, for ``num_workers=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from collections import deque
+from multiprocessing import connection, reduction
+
+import torch
+import torch.multiprocessing as mp
+
+from ..errors import ShardkitError
+from .fill import Abandon, Filler, FillSpec
+from .messages import Batch, End, Free, Replace, Start, Stop
+from .ring import MappedSlots, Ring
+
+__all__ = ["LocalWorkers", "ProcessWorkers", "WorkerDied", "default_start_method"]
+
+_PARENT_CHECK_S = 1.0  # how often an idle worker checks that its loader's process still exists
+
+
+class WorkerDied(ShardkitError):
+    """A worker process ended without saying why (a signal, the OOM killer, a crash)."""
+
+
+def default_start_method() -> str:
+    """fork where the platform has it (workers start in milliseconds), else spawn."""
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+class _Fd:
+    """A descriptor for a worker process: inherited as is by fork, duplicated into the child by
+    spawn and forkserver (pickled at start, when multiprocessing can pass descriptors)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _Fd._rebuild, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _rebuild(dup) -> _Fd:
+        return _Fd(dup.detach())
+
+
+# --- the loader's side -----------------------------------------------------------------------
+
+
+class LocalWorkers:
+    """``num_workers=0``: the fill loop runs in the caller, one batch per draw."""
+
+    def __init__(self, dataset, spec: FillSpec, ring: Ring):
+        self.ring = ring
+        self.slots = MappedSlots(ring=ring)
+        self.filler = Filler(dataset, spec, 0, self.slots)
+        self.gen = -1
+        self._free: deque[int] = deque()
+        self._batches = None
+
+    def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
+        self.abandon()
+        self.gen = gen
+        self._free = deque(range(self.ring.slots))
+        self._batches = self.filler.run(Start(gen, epoch, resumes[0]), self._acquire)
+
+    def next(self, worker: int) -> Batch | End:
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            return End(self.gen, 0)
+        batch.gen = self.gen
+        return batch
+
+    def free(self, worker: int, slot: int) -> None:
+        self._free.append(slot)
+
+    def replace(self, worker: int, slot: int) -> None:
+        self.ring.replace(worker, slot)
+        self.slots.replace(slot, None)
+        self.filler.forget(slot)
+        self._free.append(slot)
+
+    def abandon(self) -> None:
+        if self._batches is not None:
+            self._batches.close()  # closes the record stream (its shard files)
+            self._batches = None
+
+    def close(self) -> None:
+        self.abandon()
+
+    @property
+    def pids(self) -> list[int]:
+        return []
+
+    def _acquire(self) -> int:
+        if not self._free:  # the consumer holds every slot: a bug in the slot count
+            raise ShardkitError("ShardLoader: no free slot in the caller's own ring")
+        return self._free.popleft()
+
+
+class ProcessWorkers:
+    """``num_workers`` persistent worker processes filling their slots of ``ring``."""
+
+    def __init__(self, dataset, spec: FillSpec, ring: Ring, start_method: str, timeout: float):
+        self.ring, self.timeout = ring, timeout
+        self.gen = -1
+        ctx = mp.get_context(start_method)
+        forked = start_method == "fork"
+        self.conns: list[connection.Connection] = []
+        self.procs = []
+        try:
+            for w in range(spec.num_workers):
+                mine, theirs = ctx.Pipe(duplex=True)
+                self.conns.append(mine)
+                # A forked child inherits every open descriptor: it closes the loader's ends of
+                # all pipes, or a dead loader's pipes would never read as closed.
+                inherited = [c.fileno() for c in self.conns] if forked else []
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(dataset, spec, w, theirs, [_Fd(fd) for fd in ring.fds(w)], os.getpid()),
+                    kwargs={"inherited": inherited},
+                    name=f"shardkit-worker-{w}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
+        self.gen = gen
+        for conn, resume in zip(self.conns, resumes, strict=True):
+            conn.send(Start(gen, epoch, resume))
+
+    def next(self, worker: int) -> Batch | End:
+        """The next message of the current generation from ``worker`` (stale ones dropped)."""
+        conn, proc = self.conns[worker], self.procs[worker]
+        while True:
+            ready = connection.wait([conn, proc.sentinel], timeout=self.timeout or None)
+            if not ready:
+                raise ShardkitError(
+                    f"ShardLoader worker {worker} (pid {proc.pid}) sent no batch in "
+                    f"{self.timeout} s (timeout=)"
+                )
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    raise self._died(worker) from None
+                if msg.gen == self.gen:
+                    return msg
+            elif not conn.poll():
+                raise self._died(worker)
+
+    def free(self, worker: int, slot: int) -> None:
+        self.conns[worker].send(Free(slot))
+
+    def replace(self, worker: int, slot: int) -> None:
+        fd = self.ring.replace(worker, slot)
+        self.conns[worker].send(Replace(slot))
+        reduction.send_handle(self.conns[worker], fd, self.procs[worker].pid)
+
+    def abandon(self) -> None:
+        """Nothing to do: the next ``Start`` abandons the current generation in every worker."""
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(Stop())
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+    def _died(self, worker: int) -> WorkerDied:
+        proc = self.procs[worker]
+        proc.join(timeout=1)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            how = f"killed by signal {name}"
+            if -code == signal.SIGKILL:
+                how += " (when nobody sent it, the kernel's OOM killer did: see dmesg)"
+        else:
+            how = f"exited with code {code}"
+        return WorkerDied(f"ShardLoader worker {worker} (pid {proc.pid}) died: {how}")
+
+
+# --- the worker's side ------------------------------------------------------------------------
+
+
+class _Inbox:
+    """A worker's view of its pipe: free slots, and whether the loader has moved on."""
+
+    def __init__(self, conn, parent: int, slots: MappedSlots, filler: Filler, count: int):
+        self.conn, self.parent, self.slots, self.filler = conn, parent, slots, filler
+        self.count = count
+        self.free: deque[int] = deque()
+        self.next: Start | Stop | None = None  # what ended the current generation
+
+    def wait(self) -> Start | None:
+        """Block until the next epoch's ``Start`` (None: stop)."""
+        while self.next is None:
+            self._handle(self._recv())
+        return self._begin()
+
+    def acquire(self) -> int:
+        """A free slot; raises ``Abandon`` once a new ``Start`` or ``Stop`` has arrived."""
+        while self.conn.poll():
+            self._handle(self.conn.recv())
+        while not self.free and self.next is None:
+            self._handle(self._recv())
+        if self.next is not None:
+            raise Abandon
+        return self.free.popleft()
+
+    def _begin(self) -> Start | None:
+        msg, self.next = self.next, None
+        if isinstance(msg, Stop):
+            return None
+        self.free = deque(range(self.count))  # the loader holds none of them now
+        return msg
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Free):
+            self.free.append(msg.slot)
+        elif isinstance(msg, Replace):
+            self.slots.replace(msg.slot, reduction.recv_handle(self.conn))
+            self.filler.forget(msg.slot)
+            self.free.append(msg.slot)
+        else:  # Start, Stop
+            self.next = msg
+
+    def _recv(self):
+        while not self.conn.poll(_PARENT_CHECK_S):
+            if os.getppid() != self.parent:
+                os._exit(0)  # the loader's process is gone: so is everyone who wanted batches
+        return self.conn.recv()
+
+
+def _worker_main(dataset, spec: FillSpec, worker: int, conn, fds, parent: int, inherited=()):
+    for fd in inherited:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the loader's to handle
+    torch.set_num_threads(1)  # one core per worker for the resize: no oversubscription
+    slots = MappedSlots(fds=[f.fd for f in fds])
+    filler = Filler(dataset, spec, worker, slots)
+    inbox = _Inbox(conn, parent, slots, filler, len(fds))
+    try:
+        start = inbox.wait()
+        while start is not None:
+            try:
+                for batch in filler.run(start, inbox.acquire):
+                    batch.gen = start.gen
+                    conn.send(batch)
+                conn.send(End(start.gen, worker))
+            except Abandon:
+                pass
+            except Exception as exc:
+                conn.send(End(start.gen, worker, _sendable(exc)))
+            start = inbox.wait()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the loader is gone
+    finally:
+        conn.close()
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives the pipe, else a ShardkitError with its text; non-shardkit errors
+    carry the worker's traceback as a note (as DataLoader's workers do)."""
+    if not isinstance(exc, ShardkitError) and hasattr(exc, "add_note"):
+        exc.add_note("in a ShardLoader worker process:\n" + "".join(traceback.format_exc()))
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return ShardkitError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,134 @@
+"""ShardLoader's worker processes under faults: every fault is an error or a clean exit, never a
+hang, and nothing is left behind (no process, no /dev/shm entry)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from shardkit import ShardDataset, ShardLoader
+from shardkit.loader.workers import WorkerDied
+from shardkit.packer import pack
+
+pytestmark = [
+    pytest.mark.slow,  # real signals and child processes
+    pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning"),
+]
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faults")
+    rng = np.random.default_rng(0)
+    for i in range(N):
+        d = base / "src" / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
+    pack(str(base / "src"), str(base / "tar"), shard_size=20_000, progress=False)
+    return str(base / "tar")
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init counts: it runs nothing and holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:\tZ") for line in f)
+    except OSError:
+        return True
+
+
+def _wait_gone(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _left_in_shm(before: set[str], pids: list[int]) -> set[str]:
+    """New /dev/shm entries named after these processes (torch and multiprocessing put the
+    creator's pid in their names; other tests on a shared machine may add their own)."""
+    return {n for n in _shm() - before if any(str(p) in n for p in pids)}
+
+
+def test_a_killed_worker_is_an_error_naming_it_not_a_hang(shards):
+    # batch 1 and one batch ahead: each worker is mid-epoch, waiting for a slot, when killed
+    loader = ShardLoader(ShardDataset(shards, decode="tensor"), 1, num_workers=2, prefetch_factor=1)
+    it = iter(loader)
+    next(it)
+    victim = loader.worker_pids[0]
+    os.kill(victim, signal.SIGKILL)
+    started = time.monotonic()
+    died = rf"worker 0 \(pid {victim}\) died: killed by signal SIGKILL"
+    with pytest.raises(WorkerDied, match=died):
+        for _ in it:
+            pass
+    assert time.monotonic() - started < 20  # reported within the wait, not by a timeout
+    assert loader.worker_pids == []  # the other worker was stopped with it
+    # the next iteration starts a fresh set of workers
+    assert sum(len(x) for x, _ in loader) == N
+    loader.close()
+
+
+_TRAINER = textwrap.dedent(
+    """
+    import json, sys, time
+    from shardkit import ShardDataset, ShardLoader
+    loader = ShardLoader(ShardDataset(sys.argv[1], decode="tensor"), 1, num_workers=2,
+                         prefetch_factor=1)
+    try:
+        for i, _ in enumerate(loader):
+            if i == 0:
+                print(json.dumps(loader.worker_pids), flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """
+)
+
+
+def _trainer(shards) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, shards],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's job
+    )
+    pids = json.loads(proc.stdout.readline())
+    assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    return proc, pids
+
+
+def test_workers_of_a_killed_training_process_exit_by_themselves(shards):
+    shm = _shm()
+    proc, pids = _trainer(shards)
+    proc.kill()  # SIGKILL: no atexit, no finalizer runs in the trainer
+    proc.communicate(timeout=30)
+    assert _wait_gone(pids, 10) == []
+    assert _left_in_shm(shm, [proc.pid, *pids]) == set()  # the ring has no name to leave
+
+
+def test_ctrl_c_stops_every_worker_cleanly(shards):
+    shm = _shm()
+    proc, pids = _trainer(shards)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole job
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "interrupted" in out
+    assert "Traceback" not in err  # workers ignore SIGINT: the trainer alone handles it
+    assert _wait_gone(pids, 10) == []
+    assert _left_in_shm(shm, [proc.pid, *pids]) == set()
