@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """ShardLoader against DataLoader(ShardDataset), DataLoader(FolderDataset), webdataset and the
-libjpeg-turbo decode ceiling (issue 10, section 5).
+libjpeg-turbo decode ceiling, on the cores of this machine (bench_train.py: across core counts).
 
 One interleaved run on the same images (repeat-major: every contender once, then again), so a
 busy machine moves every side; figures are medians of per-repeat ratios to the ceiling measured
 in the same repeat. Two workloads:
 
-(a) LFW-shaped full decode to uint8 [64, 3, 250, 250], 2 workers / threads. Goal: ShardLoader
+(a) LFW-shaped full decode to uint8 [64, 3, 250, 250], 2 workers. Goal: ShardLoader
     >= 85% of the 2-core ceiling.
-(b) ImageNet-shaped (~500x375) random-resized-crop 224 + flip, 2 workers / threads. Goal:
+(b) ImageNet-shaped (~500x375) random-resized-crop 224 + flip, 2 workers. Goal:
     ShardLoader >= 90% of the 2-core FULL-decode ceiling (cropping must cost less than merely
     decoding whole images).
 
@@ -16,8 +16,9 @@ The ceiling is one process decoding the same JPEG bytes from memory with simplej
 min(2, cores) (the issue's definition). Beside it, "2 processes at once": what the cores really
 give right now on a shared machine, and CPU microseconds per image of each contender (workers
 included) against the decoder's own: wall-clock ratios swing with other processes' load, CPU
-per image barely does. Also: first-batch time, and resident memory of the main process (and
-DataLoader workers) after each of ``--epochs`` epochs.
+per image barely does; for ShardLoader also the training process's own CPU per image against
+one decode's (its workers are other processes). Also: first-batch time, and resident memory of
+every process (main and workers, both loaders) after each of ``--epochs`` epochs.
 
     python benchmarks/bench_loader.py --lfw data/lfw --imagenet data/imagenet --repeats 3
     python benchmarks/bench_loader.py --json bench-out/bench_loader.json --only a
@@ -159,11 +160,28 @@ def _cpu_s() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def live_cpu_s(pids) -> float:
+    """CPU seconds so far of live processes (ShardLoader's persistent workers: not yet reaped,
+    so not in RUSAGE_CHILDREN)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        except OSError:
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def timed_epoch(batches) -> dict:
     """Iterate one epoch: first-batch time, images/s after the first batch and overall, and
-    CPU microseconds per image over the whole epoch, workers included."""
+    CPU microseconds per image over the whole epoch, workers included; for ShardLoader also the
+    training process's own CPU per image (what its workers leave it to do)."""
     gc.collect()
-    c0 = _cpu_s()
+    c0, main0 = _cpu_s(), time.process_time()
+    pids = list(getattr(batches, "worker_pids", []))  # started on the first iteration
+    w0 = live_cpu_s(pids)
     t0 = time.perf_counter()
     it = iter(batches)
     first = next(it)
@@ -173,11 +191,16 @@ def timed_epoch(batches) -> dict:
     for b in it:
         n += len(b[0])
     t2 = time.perf_counter()
+    main_cpu = (time.process_time() - main0) / (n + n_first) * 1e6
+    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
+        pids = list(batches.worker_pids)
+    workers = live_cpu_s(pids) - w0
     del it, first, b
     gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
-    cpu = (_cpu_s() - c0) / (n + n_first) * 1e6
+    cpu = (_cpu_s() - c0 + workers) / (n + n_first) * 1e6
     return {
         "cpu_us_per_image": cpu,
+        "main_cpu_us_per_image": main_cpu,
         "first_batch_s": t1 - t0,
         "images_per_s": n / (t2 - t1) if n else float("nan"),
         "epoch_images_per_s": (n + n_first) / (t2 - t0),
@@ -289,6 +312,35 @@ def add_ffcv(contenders: dict, src: Path, shards: Path, ffcv, crop: bool) -> str
     return text
 
 
+#: Another ShardLoader class to run beside ours (``--thread-loader``), e.g. the thread-based one
+#: this package had before its worker processes.
+OTHER_LOADER = None
+
+
+def load_other_loader(path: Path) -> None:
+    """``--thread-loader FILE``: a module file defining a ``ShardLoader`` with our signature
+    (``git show 48bdb22:shardkit/loader.py | sed 's/^from \\./from shardkit./' > FILE``)."""
+    import importlib.util
+
+    global OTHER_LOADER
+    spec = importlib.util.spec_from_file_location("other_loader", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["other_loader"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    OTHER_LOADER = module.ShardLoader
+
+
+def _with_other(contenders: dict, name: str, make_ds, channels_last: bool) -> None:
+    if OTHER_LOADER is None:
+        return
+
+    def build():
+        ds = make_ds()
+        return ds, OTHER_LOADER(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
+
+    contenders[name] = _once(build)
+
+
 def contenders_a(src: Path, shards: Path) -> dict:
     def shard_loader(channels_last):
         def build():
@@ -306,13 +358,17 @@ def contenders_a(src: Path, shards: Path) -> dict:
         ds = FolderDataset(str(src), decode="tensor")
         return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, generator=g)
 
-    return {
+    out = {
         "ShardLoader": shard_loader(False),
         "ShardLoader channels_last": shard_loader(True),
         "DataLoader(ShardDataset)": _once(dl_shard),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
     }
+    make = lambda: ShardDataset(str(shards), decode="tensor")  # noqa: E731
+    _with_other(out, "thread ShardLoader", make, False)
+    _with_other(out, "thread ShardLoader channels_last", make, True)
+    return out
 
 
 def contenders_b(shards: Path) -> dict:
@@ -329,12 +385,15 @@ def contenders_b(shards: Path) -> dict:
         ds = ShardDataset(str(shards), **geo)
         return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
-    return {
+    out = {
         "ShardLoader RRC224+flip": shard_loader(False),
         "ShardLoader RRC224+flip channels_last": shard_loader(True),
         "ShardLoader center224 channels_last": shard_loader(True, crop="center", flip=False),
         "DataLoader(ShardDataset RRC224+flip)": _once(dl_shard),
     }
+    make = lambda: ShardDataset(str(shards), **geo)  # noqa: E731
+    _with_other(out, "thread ShardLoader RRC224+flip", make, False)
+    return out
 
 
 def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> dict:
@@ -358,7 +417,8 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
             print(
                 f"  [{name} {r + 1}/{repeats}] {cname:40s} {res['images_per_s']:7.0f} img/s  "
                 f"{res['ratio_to_ceiling']:5.2f} of ceiling  first batch "
-                f"{res['first_batch_s']:.2f} s  {res['cpu_us_per_image']:.0f} CPU us/image",
+                f"{res['first_batch_s']:.2f} s  {res['cpu_us_per_image']:.0f} CPU us/image "
+                f"({res['main_cpu_us_per_image']:.0f} in the training process)",
                 flush=True,
             )
         print(
@@ -386,20 +446,27 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
             "median_first_batch_s": statistics.median(x["first_batch_s"] for x in runs),
             "median_cpu_us_per_image": statistics.median(x["cpu_us_per_image"] for x in runs),
             "median_cpu_efficiency": statistics.median(x["cpu_efficiency"] for x in runs),
+            "median_main_cpu_share": statistics.median(
+                x["main_cpu_us_per_image"] / c for x, c in zip(runs, cpu1, strict=True)
+            ),
         }
     return summary
 
 
 def memory(shards: Path, epochs: int) -> dict:
-    """RSS after each epoch: ShardLoader (one process) and DataLoader (main + each worker)."""
+    """RSS after each epoch of every process: ShardLoader (main + its persistent workers) and
+    DataLoader with persistent workers (main + each worker)."""
     ds = ShardDataset(str(shards), decode="tensor")
     loader = ShardLoader(ds, BATCH, num_workers=WORKERS)
-    ours = []
+    ours, ours_workers = [], []
     for e in range(epochs):
         loader.set_epoch(e)
         for _ in loader:
             pass
         ours.append(rss_mb())
+        ours_workers.append([rss_mb(p) for p in loader.worker_pids])
+    ring = repr(loader._res.ring)
+    loader.close()
     ds2 = ShardDataset(str(shards), decode="tensor")
     dl = DataLoader(ds2, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
     main, workers = [], []
@@ -412,7 +479,13 @@ def memory(shards: Path, epochs: int) -> dict:
         pids = [w.pid for w in getattr(it, "_workers", [])]
         workers.append([rss_mb(p) for p in pids])
     del dl
-    return {"shardloader_rss_mb": ours, "dataloader_main_rss_mb": main, "workers_rss_mb": workers}
+    return {
+        "shardloader_rss_mb": ours,
+        "shardloader_workers_rss_mb": ours_workers,
+        "ring": ring,
+        "dataloader_main_rss_mb": main,
+        "workers_rss_mb": workers,
+    }
 
 
 def main() -> None:
@@ -425,7 +498,10 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
+    ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
     args = ap.parse_args()
+    if args.thread_loader:
+        load_other_loader(args.thread_loader)
     only = set(args.only or ["a", "b", "memory"])
     torch.set_num_threads(1)  # the caller's thread only consumes; decoding runs elsewhere
     warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
@@ -453,6 +529,11 @@ def main() -> None:
         out["memory"] = memory(lfw_shards, args.epochs)
         m = out["memory"]
         print("  ShardLoader RSS MB per epoch:", [round(x) for x in m["shardloader_rss_mb"]])
+        print(
+            "  ShardLoader workers:",
+            [[round(x) for x in w] for w in m["shardloader_workers_rss_mb"]],
+        )
+        print("  ", m["ring"])
         print("  DataLoader main RSS MB:", [round(x) for x in m["dataloader_main_rss_mb"]])
         print("  DataLoader workers RSS MB:", [[round(x) for x in w] for w in m["workers_rss_mb"]])
     out["load_end"] = os.getloadavg()
@@ -474,7 +555,8 @@ def main() -> None:
                     f"{c['median_ratio_to_two_processes']:5.2f} of 2 processes  "
                     f"first batch {c['median_first_batch_s']:.2f} s  "
                     f"CPU {c['median_cpu_us_per_image']:.0f} us/image = "
-                    f"{c['median_cpu_efficiency']:.2f} of decode-only CPU"
+                    f"{c['median_cpu_efficiency']:.2f} of decode-only CPU, training process "
+                    f"{c['median_main_cpu_share']:.2f} of one decode's CPU"
                 )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""Where users train: loaders across core counts, and feeding a real model on the GPU.
+
+``--scaling``: for N = 1, 2, 4, ... up to the usable CPUs (or ``--workers``), interleaved in one
+run: the ceiling (N processes decoding the same JPEG bytes at once with simplejpeg), ShardLoader
+(N workers) and DataLoader(ShardDataset(batch_size=B), N workers), on two workloads: (a) LFW-shaped
+full decode and (b) ImageNet-shaped random-resized-crop 224 + flip (its ceiling is the FULL
+decode, as in bench_loader.py). Per contender: images/s, the ratio to the ceiling, the training
+process's CPU per image against one decode's, and per-worker efficiency: the CPU a worker spends
+per image against a bare loop making the same decoder call on the same bytes in one process.
+
+``--train resnet50,resnet18`` (needs CUDA and torchvision; says so and skips otherwise): the
+batch already on the GPU (the GPU's own speed) vs ShardLoader(device="cuda") vs
+DataLoader(ShardDataset, pin_memory=True); bf16 autocast, channels_last, SGD, batch 256, epochs
+of at least ``--samples`` (shards replicated), full batches only (a new batch shape makes
+cudnn.benchmark re-tune). Reported: images/s, the share of step time the GPU waited for data
+(CUDA events around each step's compute: the gaps between steps), and what the loader did.
+``--train tiny --device cpu`` runs the same loop with a small CNN on the CPU (a smoke test).
+
+    python benchmarks/bench_train.py --scaling --lfw /tmp/bl/lfw --imagenet /tmp/bl/imagenet
+    python benchmarks/bench_train.py --train resnet50,resnet18 --imagenet data/imagenet
+
+Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+import simplejpeg  # noqa: E402
+import torch  # noqa: E402
+from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from shardkit import ShardDataset, ShardLoader  # noqa: E402
+from shardkit.geometry import Geometry, TensorDecoder  # noqa: E402
+
+MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+WORKLOADS = {
+    "a": ("LFW full decode", {"decode": "tensor"}),
+    "b": (
+        "ImageNet RRC-224+flip",
+        {"decode": "tensor", "size": 224, "crop": "random", "flip": True},
+    ),
+}
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def worker_counts(limit: int) -> list[int]:
+    counts, n = [], 1
+    while n < limit:
+        counts.append(n)
+        n *= 2
+    return [*counts, limit]
+
+
+# --- the ceiling and the bare loop --------------------------------------------------------------
+
+
+def _decode_part(datas, start, done):
+    start.wait()
+    for d in datas:
+        simplejpeg.decode_jpeg(d)
+    done.put(time.perf_counter())
+
+
+def ceiling(datas: list[bytes], n: int) -> float:
+    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time."""
+    ctx = mp.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_decode_part, args=(datas[i::n], start, done)) for i in range(n)]
+    for p in procs:
+        p.start()
+    time.sleep(0.3)
+    t = time.perf_counter()
+    start.set()
+    ends = [done.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return len(datas) / (max(ends) - t)
+
+
+def bare_cpu_us(datas: list[bytes], kw: dict) -> tuple[float, float]:
+    """CPU us per image of (simplejpeg alone, the worker's own decoder call) in this process."""
+    c = time.thread_time()
+    for d in datas:
+        simplejpeg.decode_jpeg(d)
+    plain = (time.thread_time() - c) / len(datas) * 1e6
+    size = kw.get("size")
+    geometry = Geometry(size, kw["crop"], kw["flip"]) if size else None
+    decoder = TensorDecoder(geometry, 0, 0, 0)
+    h, w, _, _ = simplejpeg.decode_jpeg_header(datas[0])
+    out = torch.empty((3, size, size) if size else (3, h, w), dtype=torch.uint8)
+    c = time.thread_time()
+    for i, d in enumerate(datas):
+        if size:
+            decoder(d, str(i), out)
+        elif simplejpeg.decode_jpeg_header(d)[:2] == (h, w):
+            decoder.into_planes(d, str(i), out.numpy())
+    return plain, (time.thread_time() - c) / len(datas) * 1e6
+
+
+# --- --scaling --------------------------------------------------------------------------------
+
+
+def scaling(args) -> dict:
+    out: dict = {"cpus": usable_cpus(), "batch_size": args.batch, "workloads": {}}
+    counts = args.workers or worker_counts(usable_cpus())
+    for part in args.only or ["a", "b"]:
+        title, kw = WORKLOADS[part]
+        src = args.lfw if part == "a" else args.imagenet
+        shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
+        datas = image_bytes(src)
+        plain, own = bare_cpu_us(datas, kw)
+        print(
+            f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
+            f"(simplejpeg), {own:.0f} us/image (the workers' decoder call)",
+            flush=True,
+        )
+        rows = {n: {"ceiling": [], "ShardLoader": [], "DataLoader": []} for n in counts}
+        loaders: dict = {}
+        for r in range(args.repeats):
+            for n in counts:
+                load = os.getloadavg()[0]
+                rows[n]["ceiling"].append(ceiling(datas, n))
+                for name in ("ShardLoader", "DataLoader"):
+                    key = (name, n)
+                    if key not in loaders:  # built once and warmed up, as a trainer keeps it
+                        loaders[key] = _build(name, shards, kw, n, args.batch)
+                        timed_epoch(_epoch(*loaders[key], 0))
+                    res = timed_epoch(_epoch(*loaders[key], r + 1))
+                    pids = getattr(loaders[key][1], "worker_pids", [])
+                    if pids:
+                        res["worker_efficiency"] = own / (
+                            res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
+                        )
+                    res["main_cpu_share"] = res["main_cpu_us_per_image"] / plain
+                    res["load_1min"] = load
+                    rows[n][name].append(res)
+                c = rows[n]["ceiling"][-1]
+                s, d = rows[n]["ShardLoader"][-1], rows[n]["DataLoader"][-1]
+                print(
+                    f"  [{part} {r + 1}/{args.repeats}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
+                    f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
+                    f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
+                    f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
+                    f"{s['main_cpu_share']:.3f} of a decode  load {load:.1f}",
+                    flush=True,
+                )
+        for _, loader in loaders.values():
+            if hasattr(loader, "close"):
+                loader.close()
+        out["workloads"][part] = {
+            "title": title,
+            "bare_cpu_us_simplejpeg": plain,
+            "bare_cpu_us_decoder": own,
+            "by_workers": {str(n): _summary(rows[n]) for n in counts},
+        }
+    return out
+
+
+def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
+    if name == "ShardLoader":
+        ds = ShardDataset(str(shards), **kw)
+        return ds, ShardLoader(ds, batch, num_workers=n)
+    ds = ShardDataset(str(shards), batch_size=batch, **kw)
+    return ds, DataLoader(ds, batch_size=batch, num_workers=n, persistent_workers=True)
+
+
+def _epoch(ds, loader, epoch: int):
+    ds.set_epoch(epoch)
+    return loader
+
+
+def _summary(row: dict) -> dict:
+    ceil = statistics.median(row["ceiling"])
+    out = {"ceiling_images_per_s": ceil, "ceiling_runs": row["ceiling"]}
+    for name in ("ShardLoader", "DataLoader"):
+        runs = row[name]
+        rate = statistics.median(x["images_per_s"] for x in runs)
+        ratios = [x["images_per_s"] / c for x, c in zip(runs, row["ceiling"], strict=True)]
+        out[name] = {
+            "images_per_s": rate,
+            "ratio_to_ceiling": statistics.median(ratios),
+            "main_cpu_share": statistics.median(x["main_cpu_share"] for x in runs),
+            "runs": runs,
+        }
+        if all("worker_efficiency" in x for x in runs):
+            out[name]["worker_efficiency"] = statistics.median(x["worker_efficiency"] for x in runs)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot (pip install -e '.[bench]')")
+        return
+    parts = result["workloads"]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.2), squeeze=False)
+    for ax, (part, w) in zip(axes[0], parts.items(), strict=True):
+        ns = [int(n) for n in w["by_workers"]]
+        rows = list(w["by_workers"].values())
+        ax.plot(ns, [r["ceiling_images_per_s"] for r in rows], "k--", label="ceiling (N decoders)")
+        for name, style in (("ShardLoader", "o-"), ("DataLoader", "s-")):
+            ax.plot(ns, [r[name]["images_per_s"] for r in rows], style, label=name)
+        ax.set_title(f"({part}) {w['title']}")
+        ax.set_xlabel("workers N")
+        ax.set_ylabel("images/s")
+        ax.set_xticks(ns)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+# --- --train ---------------------------------------------------------------------------------
+
+
+def _model(name: str, device: torch.device):
+    if name == "tiny":  # a smoke test of the loop on any machine
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 7, stride=4),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 1000),
+        ).to(device, memory_format=torch.channels_last)
+    import torchvision
+
+    return getattr(torchvision.models, name)(num_classes=1000).to(
+        device, memory_format=torch.channels_last
+    )
+
+
+def replicated(shards: Path, copies: int, dest: Path) -> list[str]:
+    """The tar shards hard-linked ``copies`` times under new names (an epoch of more samples
+    from the same bytes; no manifest: the dataset counts them)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for c in range(copies):
+        for f in sorted(shards.glob("*.tar")):
+            target = dest / f"copy{c}-{f.name}"
+            if not target.exists():
+                try:
+                    os.link(f, target)
+                except OSError:
+                    shutil.copyfile(f, target)
+            out.append(str(target))
+    return out
+
+
+def train(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--train needs CUDA: skipped (use --device cpu --train tiny for the loop alone)")
+        return {"skipped": "no CUDA"}
+    models = args.train.split(",")
+    if any(m != "tiny" for m in models):
+        try:
+            import torchvision  # noqa: F401
+        except ImportError:
+            print("--train needs torchvision for its models: skipped")
+            return {"skipped": "no torchvision"}
+    shards = ensure(args.imagenet, "imagenet", 1.0)
+    per_copy = sum(1 for _ in ShardDataset(str(shards), decode="raw", shuffle=False))
+    copies = max(1, -(-args.samples // per_copy))
+    urls = replicated(shards, copies, args.imagenet.with_name(args.imagenet.name + "-replicated"))
+    geo = {"decode": "tensor", "size": 224, "crop": "random", "flip": True}
+    n = args.train_workers or max(1, usable_cpus() - 1)
+    torch.backends.cudnn.benchmark = True
+    out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_copy * copies}
+    for name in models:
+        model = _model(name, device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        rows = {}
+        for feeder in ("resident", "ShardLoader", "DataLoader"):
+            batches = _feeder(feeder, urls, geo, n, args.batch, device)
+            rows[feeder] = _steps(model, opt, batches, device, args.batch, args.steps)
+            print(
+                f"  {name:9s} {feeder:12s} {rows[feeder]['images_per_s']:8.0f} img/s  "
+                f"waiting {rows[feeder]['wait_share']:.3f} of step time",
+                flush=True,
+            )
+        gpu = rows["resident"]["images_per_s"]
+        for r in rows.values():
+            r["of_gpu_speed"] = r["images_per_s"] / gpu
+        out[name] = rows
+    return out
+
+
+def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device):
+    """An endless iterator of (images float NCHW channels_last normalised, labels) on device."""
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEAN_STD)
+    if kind == "resident":
+        x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8, device=device)
+        x = ((x.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device=device)
+        while True:
+            yield x, y
+    ds = (
+        ShardDataset(urls, **geo)
+        if kind == "ShardLoader"
+        else ShardDataset(urls, batch_size=batch, **geo)
+    )
+    if kind == "ShardLoader":
+        loader = ShardLoader(
+            ds,
+            batch,
+            num_workers=n,
+            device=device,
+            drop_last=True,
+            normalize=MEAN_STD,
+            channels_last=True,
+        )
+    else:
+        loader = DataLoader(
+            ds,
+            batch_size=batch,
+            num_workers=n,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+            persistent_workers=True,
+        )
+    epoch = 0
+    try:
+        while True:
+            ds.set_epoch(epoch)
+            for x, y in loader:
+                if kind == "DataLoader":
+                    x = x.to(device, non_blocking=True).float().div_(255)
+                    x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+                    y = y.to(device, non_blocking=True)
+                yield x, y
+            epoch += 1
+    finally:
+        if hasattr(loader, "close"):
+            loader.close()
+
+
+def _steps(model, opt, batches, device, batch: int, steps: int) -> dict:
+    """``steps`` timed training steps after 20 warm-up ones; the GPU's wait for data is the
+    gap between one step's last kernel and the next step's first (CUDA events)."""
+    cuda = device.type == "cuda"
+    loss_fn = torch.nn.CrossEntropyLoss()
+    marks = []
+    t0 = None
+    host_wait = 0.0
+    for i in range(20 + steps):
+        if i == 20:
+            if cuda:
+                torch.cuda.synchronize()
+            t0, host_wait = time.perf_counter(), 0.0
+        tw = time.perf_counter()
+        x, y = next(batches)
+        host_wait += time.perf_counter() - tw
+        begin = torch.cuda.Event(enable_timing=True) if cuda else None
+        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            begin.record()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if cuda:
+            end.record()
+            if i >= 20:
+                marks.append((begin, end))
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    batches.close()
+    if cuda and len(marks) > 1:
+        busy = sum(b.elapsed_time(e) for b, e in marks) / 1e3
+        span = marks[0][0].elapsed_time(marks[-1][1]) / 1e3
+        wait_share = max(0.0, 1 - busy / span)
+    else:
+        wait_share = host_wait / wall
+    return {
+        "images_per_s": steps * batch / wall,
+        "wait_share": wait_share,
+        "host_wait_share": host_wait / wall,
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scaling", action="store_true")
+    ap.add_argument("--train", help="comma-separated torchvision models (or tiny)")
+    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
+    ap.add_argument("--lfw-scale", type=float, default=1.0)
+    ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
+    ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--only", action="append", choices=["a", "b"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64, help="batch size of --scaling")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--samples", type=int, default=40_000, help="--train: samples per epoch")
+    ap.add_argument("--steps", type=int, default=200, help="--train: timed steps per feeder")
+    ap.add_argument("--train-workers", type=int, help="--train: workers (usable CPUs - 1)")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_train.json")
+    ap.add_argument("--plot", type=Path, default=ROOT / "bench-out" / "bench_train.png")
+    args = ap.parse_args()
+    if not args.scaling and not args.train:
+        ap.error("give --scaling and/or --train MODELS")
+    result: dict = {"load_start": os.getloadavg(), "cpus": usable_cpus()}
+    if args.scaling:
+        result["scaling"] = scaling(args)
+        plot(result["scaling"], args.plot)
+    if args.train:
+        args.batch_train = 256
+        result["train"] = train(argparse.Namespace(**{**vars(args), "batch": 256}))
+    result["load_end"] = os.getloadavg()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1, default=float))
+    print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
