@@ -32,4 +32,4 @@ bench: $(STAMP)
 	$(PY) -m shardkit.cli bench --json bench-out/bench.json --plot bench-out/bench.png
 
 clean:
-	rm -rf $(VENV) data out bench-out
+	rm -rf $(VENV) data out out-* wds bench-out

@@ -292,6 +292,8 @@ def pack_cmd(
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
+    Run again with the same files and options, it says OUT is up to date and exits 0, as make
+    would; a non-empty OUT holding anything else needs --overwrite.
     """
     import warnings
 

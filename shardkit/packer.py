@@ -14,6 +14,8 @@ What is left after any interruption is the writer's business: nothing under a fi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import stat
 import time
@@ -28,15 +30,19 @@ from typing import Any
 import numpy as np
 
 from . import samples as _samples
-from .errors import InputError
+from .errors import InputError, ShardkitError
+from .formats import get_format
+from .fsutil import DirLock, interrupted_commit
 from .images import RESIZE_QUALITY, check_image_bytes, decode_error, resize_short_side
-from .manifest import SkippedFile
+from .manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from .scan import SourceScan, check_source_dir, scan_source
 from .sizes import parse_size
+from .urls import is_url
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
+    "FINGERPRINT_FIELD",
     "PackReport",
     "PackWarning",
     "SourceScan",
@@ -71,8 +77,9 @@ class PackWarning(UserWarning):
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def _read_file(path: str, fd: int | None = None) -> bytes:
-    """Whole file in one read; O_NONBLOCK so a FIFO swapped in after the scan cannot hang us.
+def _read_file(path: str, fd: int | None = None) -> tuple[bytes, os.stat_result]:
+    """Whole file in one read, and its ``fstat``; O_NONBLOCK so a FIFO swapped in after the scan
+    cannot hang us.
 
     ``fd``: the file already opened (by the read-ahead hint); it is closed here either way."""
     if fd is None:
@@ -87,7 +94,7 @@ def _read_file(path: str, fd: int | None = None) -> bytes:
             while chunk := os.read(fd, 1 << 20):
                 parts.append(chunk)
             data = b"".join(parts)
-        return data
+        return data, st
     finally:
         os.close(fd)
 
@@ -161,7 +168,9 @@ def _folder_loader(scan: SourceScan, validate: str, resize_short: int | None):
     """The reader-thread task for a folder: read, check and maybe resize a batch of files.
 
     A task is ``(batch, ahead, hint_own)``: it first hints ``ahead`` (the batch this thread will
-    most likely read next) to the kernel, so those reads overlap this batch's.
+    most likely read next) to the kernel, so those reads overlap this batch's. Each file's size
+    and mtime as read land in ``load.stats`` (for the source fingerprint), from the ``fstat``
+    the read makes anyway: no second metadata walk.
     """
     root = os.path.abspath(scan.root)
     files, exts, keys, labels = scan.files, scan.exts, scan.keys, scan.labels
@@ -174,15 +183,19 @@ def _folder_loader(scan: SourceScan, validate: str, resize_short: int | None):
         out = []
         for i in batch:
             ext, key, label = exts[i], keys[i], int(labels[i])
+            path = os.path.join(root, files[i])
             try:
-                data = _read_file(os.path.join(root, files[i]), load.ahead.take(i))
+                data, st = _read_file(path, load.ahead.take(i))
             except OSError as exc:
+                load.stats[i] = _stat_pair(path)
                 out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label))
                 continue
+            load.stats[i] = (st.st_size, st.st_mtime_ns)
             out.append((i, key, *_check(data, ext, validate, resize_short), label))
         return out
 
     load.ahead = _Ahead()
+    load.stats = np.full((len(files), 2), -1, dtype=np.int64)
     return load
 
 
@@ -235,6 +248,8 @@ class PackReport:
     errors: int
     not_images: int
     empty_classes: list[str]
+    #: True when OUT already held this pack (same source files and options): nothing was written.
+    up_to_date: bool = False
 
     @property
     def mb_per_s(self) -> float:
@@ -242,6 +257,13 @@ class PackReport:
 
     def summary(self) -> str:
         s = "s" if self.shards != 1 else ""
+        if self.up_to_date:
+            return (
+                f"{self.out} is up to date: {self.samples} samples of {self.classes} classes in "
+                f"{self.shards} {self.format} shard{s} ({self.bytes / 1e6:.1f} MB), packed from "
+                "the same files with the same options; nothing to do (--overwrite repacks). "
+                f"Manifest: {self.manifest_path}"
+            )
         text = (
             f"Packed {self.samples} samples of {self.classes} classes into {self.shards} "
             f"{self.format} shard{s} ({self.bytes / 1e6:.1f} MB) in {self.out} "
@@ -262,6 +284,98 @@ def _pack_version() -> str:
         return version("shardkit")
     except Exception:
         return "unknown"
+
+
+# --- up to date: OUT already holds this pack ----------------------------------------------------
+
+#: The key in the manifest's ``pack`` object holding the source fingerprint (FORMAT.md).
+FINGERPRINT_FIELD = "source_fingerprint"
+
+
+def _stat_pair(path: str) -> tuple[int, int]:
+    """``(size, mtime_ns)`` of ``path`` (symlinks followed, as a read follows them); -1s if gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (st.st_size, st.st_mtime_ns)
+
+
+def _options(format, shard_size, shuffle, seed, validate, resize_short, on_error) -> dict:
+    """The options that decide a pack's bytes (not ``workers``: threads give the same bytes)."""
+    return {
+        "format": get_format(format).name,
+        "shard_size": parse_size(shard_size),
+        "shuffle": bool(shuffle),
+        "seed": int(seed),
+        "validate": validate,
+        "resize_short": resize_short,
+        "on_error": on_error,
+    }
+
+
+def _fingerprint(scan: SourceScan, stats: np.ndarray, options: dict) -> str:
+    """sha256 over the options and the source listing, as ``make`` would compare it: every
+    image's relative path, size and mtime (``stats``: one ``(size, mtime_ns)`` row per file of
+    ``scan.files``), the class folders, and what the scan listed as unreadable or ignored."""
+    head = {
+        "options": options,
+        "classes": list(scan.classes),
+        "errors": [(e.path, e.reason) for e in scan.errors],
+        "ignored": [(e.path, e.reason) for e in scan.ignored],
+        "non_image_exts": dict(sorted(scan.non_image_exts.items())),
+    }
+    h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    h.update(scan.files.offsets.astype("<i8").tobytes())
+    h.update(scan.files.blob.tobytes())
+    h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackReport | None:
+    """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
+    source's now, and every shard it lists is there at its size), else None.
+
+    Costs a scan and one ``stat`` per file, no reads. Manifests without a fingerprint (older
+    packs, Python sources, URLs) are never up to date: the caller goes on as before.
+    """
+    if is_url(out) or not os.path.isfile(os.path.join(out, MANIFEST_NAME)):
+        return None
+    started = time.perf_counter()
+    with DirLock(out):  # another writer into OUT: refused at once, as the pack would be
+        if interrupted_commit(out):
+            return None
+        try:
+            manifest = read_manifest(out)
+        except ShardkitError:
+            return None
+        recorded = manifest.pack.get(FINGERPRINT_FIELD)
+        if not isinstance(recorded, str) or any(
+            _stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
+        ):
+            return None
+        scan = scan_source(src, progress=progress)
+        root = os.path.abspath(scan.root)
+        stats = np.array(
+            [_stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
+        ).reshape(-1, 2)
+        if _fingerprint(scan, stats, options) != recorded:
+            return None
+    return PackReport(
+        out=out,
+        manifest_path=os.path.join(out, MANIFEST_NAME),
+        format=manifest.shard_format,
+        shards=len(manifest.shards),
+        samples=manifest.num_samples,
+        classes=len(manifest.classes),
+        bytes=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        skipped=sorted(manifest.skipped, key=lambda s: s.path),
+        errors=max(0, len(manifest.skipped) - len(scan.ignored)),
+        not_images=scan.not_images,
+        empty_classes=list(scan.empty_classes),
+        up_to_date=True,
+    )
 
 
 # --- pack ------------------------------------------------------------------------------------
@@ -315,14 +429,25 @@ def pack(
     manifest's ``skipped`` and a ``PackWarning`` gives the count. ``on_error="raise"`` stops at
     the first one, naming it. ``workers`` is the number of reader threads (the calling thread
     writes). ``on_shard(path)`` is called as each shard is complete (under its staging name).
+
+    Like ``make``: a folder packed into a local ``out`` that already holds the same pack (the
+    manifest's ``pack.source_fingerprint``: the same files with the same sizes and mtimes, the
+    same options) is left as it is; the report then has ``up_to_date=True``. Anything else in a
+    non-empty ``out`` needs ``overwrite=True``.
     Raises InputError / OutputError for unusable arguments.
     """
     started = time.perf_counter()
     on_error = _check_options(validate, on_error, workers, resize_short, seed)
     from_folder = isinstance(src, (str, os.PathLike))
+    options = None
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
+        options = _options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        if not overwrite:
+            current = _already_packed(src, os.fspath(out), options, progress)
+            if current is not None:
+                return current
     elif (
         isinstance(src, (bytes, Mapping))
         or not isinstance(src, Iterable)
@@ -375,6 +500,8 @@ def pack(
             "shardkit_version": _pack_version(),
             **run.extra,
         }
+        if run.scan is not None:
+            writer.pack_info[FINGERPRINT_FIELD] = _fingerprint(run.scan, run.load.stats, options)
     done = writer.report
     if skipped:
         warnings.warn(
@@ -416,6 +543,7 @@ class _Run:
     not_images: int = 0
     empty_classes: Sequence[str] = ()
     extra: dict[str, Any] | None = None
+    scan: SourceScan | None = None  # a folder's: with ``load.stats``, its fingerprint
 
 
 def _folder_run(
@@ -461,6 +589,7 @@ def _folder_run(
             "non_image_files": dict(sorted(scan.non_image_exts.items())),
             "links_outside_source": scan.outside_links,
         },
+        scan=scan,
     )
 
 

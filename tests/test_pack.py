@@ -462,6 +462,84 @@ def test_out_not_empty_needs_overwrite(tree, tmp_path):
     assert sorted(os.listdir(out)) == ["something.txt"]
 
 
+def _out_state(out) -> dict[str, tuple[int, bytes]]:
+    """Every file in OUT with its mtime and bytes: what "rewrites nothing" compares."""
+    return {
+        n: (os.stat(os.path.join(out, n)).st_mtime_ns, open(os.path.join(out, n), "rb").read())
+        for n in sorted(os.listdir(out))
+    }
+
+
+def test_a_pack_already_in_out_is_up_to_date_and_rewrites_nothing(tree, tmp_path):
+    """As make would: the same files with the same options into OUT again exits 0, untouched."""
+    src, _ = tree
+    out = tmp_path / "out"
+    first = run_cli("pack", src, out, "--shard-size", "4KB", "-q")
+    assert first.returncode == 0, first.stderr
+    fingerprint = read_manifest(str(out)).pack["source_fingerprint"]
+    assert fingerprint.startswith("sha256:") and len(fingerprint) == 7 + 64
+    before = _out_state(out)
+    time.sleep(0.01)  # a rewrite would show in the mtimes
+    again = run_cli("pack", src, out, "--shard-size", "4KB", "--threads", "3", "-q")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith(f"{out} is up to date: 15 samples of 3 classes in ")
+    assert "nothing to do" in again.stdout and again.stderr == ""
+    assert _out_state(out) == before
+    report, _ = quiet_pack(src, out, shard_size="4KB")
+    assert report.up_to_date and report.samples == 15 and report.shards == len(shard_files(out))
+    assert _out_state(out) == before
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shard size", "seed", "format", "touched file", "new file", "removed file", "shard gone"],
+)
+def test_a_different_source_or_options_still_needs_overwrite(tree, tmp_path, change):
+    src, _ = tree
+    out = tmp_path / "out"
+    quiet_pack(src, out, shard_size="4KB")
+    args = ["--shard-size", "4KB"]
+    if change == "shard size":
+        args = ["--shard-size", "8KB"]
+    elif change == "seed":
+        args += ["--seed", "1"]
+    elif change == "format":
+        args += ["--format", "lmdb"]
+    elif change == "touched file":
+        path = src / "cat" / "cat_0001.jpg"
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    elif change == "new file":
+        (src / "cat" / "cat_0099.jpg").write_bytes((src / "cat" / "cat_0001.jpg").read_bytes())
+    elif change == "removed file":
+        os.remove(src / "dog" / "dog_0003.jpg")
+    else:
+        os.remove(out / sorted(shard_files(out))[0])
+    before = _out_state(out)
+    r = run_cli("pack", src, out, *args, "-q")
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"error: output directory '{out}' is not empty; pass --overwrite to replace the shards "
+        "and manifest in it, or choose an empty directory"
+    ]
+    assert _out_state(out) == before
+    r = run_cli("pack", src, out, *args, "--overwrite", "-q")  # and --overwrite repacks
+    assert r.returncode == 0 and r.stdout.startswith("Packed "), r.stderr
+
+
+def test_a_manifest_without_a_fingerprint_is_never_up_to_date(tree, tmp_path):
+    """Manifests written before the fingerprint existed (or by ShardWriter) behave as before."""
+    src, _ = tree
+    out = tmp_path / "out"
+    quiet_pack(src, out)
+    path = out / "manifest.json"
+    doc = json.loads(path.read_text())
+    del doc["pack"]["source_fingerprint"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(OutputError, match="not empty"):
+        quiet_pack(src, out)
+
+
 def test_overwrite_replaces_old_shards_and_keeps_other_files(tree, tmp_path):
     src, files = tree
     out = tmp_path / "out"

@@ -1,11 +1,14 @@
-"""README.md runs as written: every ```console and ```python block, in order, in one scratch dir.
+"""README.md and docs/*.md run as written: every ```console and ```python block, in order.
 
-The scratch directory is prepared as ``make demo`` leaves a fresh clone (``tools/demo.py``'s
-``LAYOUT``: ``data/lfw`` and the packed copies under ``out/``), with small data: the embedded
-LFW-shaped set at ``SHARDKIT_LFW_SCALE`` (the documented way to shrink the default set) and small
-shards, so the README's snippets find what they name. Bench commands are bounded through click's
+Each file runs in a scratch directory of its own, prepared as ``make demo`` leaves a fresh clone
+(``tools/demo.py``'s ``LAYOUT``: ``data/lfw``, README's Quick start pack in ``out/`` packed with
+the very options its command names, so that command finds it up to date, and an LMDB copy in
+``out-lmdb/``), with small data: the embedded LFW-shaped set at ``SHARDKIT_LFW_SCALE`` (the
+documented way to shrink the default set), and small LMDB shards so the docs' multi-shard
+examples have several. Bench commands are bounded through click's
 ``SHARDKIT_<COMMAND>_<OPTION>`` environment variables; the remote section talks to the loopback
-moto server through ``AWS_ENDPOINT_URL``.
+moto server through ``AWS_ENDPOINT_URL``; the training loop finds the variables torchrun sets
+(a world of one).
 
 Rules, so new sections are picked up without touching this file:
 - a ```console block: lines starting ``$ `` are commands (run with bash, ``shardkit`` and
@@ -40,6 +43,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: README first, then every guide in docs/ (each runs in a scratch directory of its own).
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: The most lines README may have: a front door, with the rest in docs/.
+README_MAX_LINES = 350
 SCALE = "0.05"  # ~660 images: the whole README in about a minute on 2 cores
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -121,8 +128,9 @@ def _demo_layout():
 
 @pytest.fixture()
 def scratch(tmp_path, s3, monkeypatch) -> Path:
-    """A directory as ``make demo`` leaves it (small data), an env that bounds the bench and
-    points S3 at the loopback server, and ``shardkit``/``python`` on PATH."""
+    """A directory as ``make demo`` leaves it (small data), an env that bounds the bench,
+    points S3 at the loopback server and sets torchrun's variables, and ``shardkit``/``python``
+    on PATH."""
     from remote_servers import FAKE_KEY, FAKE_SECRET
 
     from shardkit.packer import pack
@@ -140,6 +148,12 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
         "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # what torchrun sets, for a world of one
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
     }
     bindir = tmp_path / ".bin"
     bindir.mkdir()
@@ -156,21 +170,32 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
 
     layout = _demo_layout()
     make_lfw(layout.data)
-    for out, fmt in layout.packs:
+    for i, (out, fmt, size) in enumerate(layout.packs):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pack(layout.data, out, format=fmt, shard_size="1MB", progress=False)
-    s3.client().create_bucket(Bucket="datasets")  # the reader's own bucket
+            # the first is README's Quick start pack, options as printed; the others get small
+            # shards, so the docs' multi-shard examples find several in the small data
+            pack(layout.data, out, format=fmt, shard_size=size if i == 0 else "1MB", progress=False)
+    with contextlib.suppress(Exception):  # the session's server may have it from another file
+        s3.client().create_bucket(Bucket="datasets")  # the reader's own bucket
     return tmp_path
 
 
-def run_console(block: Block, cwd: Path) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_console(block: Block, cwd: Path, name: str = "README.md") -> None:
     for cmd, expected in console_steps(block.text):
-        print(f"{time.strftime('%H:%M:%S')} README.md:{block.line}: $ {cmd}")
+        print(f"{time.strftime('%H:%M:%S')} {name}:{block.line}: $ {cmd}")
         proc = subprocess.run(
             ["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=600
         )
-        where = f"README.md:{block.line}: $ {cmd}\nstderr:\n{proc.stderr[-3000:]}"
+        where = f"{name}:{block.line}: $ {cmd}\nstderr:\n{proc.stderr[-3000:]}"
         fails = any(x.startswith("error:") for x in expected)
         if fails:
             assert proc.returncode != 0, where
@@ -185,16 +210,16 @@ def run_console(block: Block, cwd: Path) -> None:
         assert_output_like(expected, proc.stdout.splitlines() + stderr, where)
 
 
-def run_python(block: Block, namespace: dict) -> None:
-    print(f"{time.strftime('%H:%M:%S')} README.md:{block.line}: python")
+def run_python(block: Block, namespace: dict, name: str = "README.md") -> None:
+    print(f"{time.strftime('%H:%M:%S')} {name}:{block.line}: python")
     out = io.StringIO()
-    code = compile(block.text, f"README.md:{block.line}", "exec")
+    code = compile(block.text, f"{name}:{block.line}", "exec")
     with contextlib.redirect_stdout(out), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(code, namespace)
     if block.expected is not None:
         assert_output_like(
-            block.expected.splitlines(), out.getvalue().splitlines(), f"README.md:{block.line}"
+            block.expected.splitlines(), out.getvalue().splitlines(), f"{name}:{block.line}"
         )
 
 
@@ -219,24 +244,53 @@ def test_mask_keeps_shape_and_catches_drift():
         assert_output_like(["a", "b"], ["a"], "missing line")
 
 
-def test_readme_runs_as_written(scratch):
+def _name(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
+
+
+def test_readme_is_a_front_door():
+    """README stays short: what it is, the two commands, the Quick start, training, links."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    for command in ("make demo", "make test"):  # .ci/run calls `make test`
+        assert command in text
+
+
+def test_every_file_in_docs_is_linked():
+    """No orphan in docs/: every file there is linked from README or from a doc."""
+    linked: set[Path] = set()
+    for doc in [*DOCS, ROOT / "FORMAT.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" not in target:
+                linked.add((doc.parent / target).resolve())
+    orphans = sorted(p.name for p in (ROOT / "docs").iterdir() if p.resolve() not in linked)
+    assert orphans == []
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if readme_blocks(d.read_text())], ids=_name)
+def test_doc_runs_as_written(scratch, doc):
+    name = _name(doc)
     namespace: dict = {"__name__": "__readme__"}
     not_run = []
     try:
-        for block in readme_blocks(README.read_text()):
+        for block in readme_blocks(doc.read_text()):
             if block.skip:
-                not_run.append(f"README.md:{block.line}: {block.skip}")
+                not_run.append(f"{name}:{block.line}: {block.skip}")
             elif block.lang == "console":
-                run_console(block, scratch)
+                run_console(block, scratch, name)
                 if block.expected is not None:
                     raise AssertionError(
-                        f"README.md:{block.line}: put the output inside the console block"
+                        f"{name}:{block.line}: put the output inside the console block"
                     )
             else:
-                run_python(block, namespace)
+                run_python(block, namespace, name)
     finally:
         # The snippets' loaders hold persistent workers and storages: let them shut down.
         namespace.clear()
         gc.collect()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # a snippet that failed midway
+            dist.destroy_process_group()
     if not_run:
-        warnings.warn("README blocks not run: " + "; ".join(not_run), stacklevel=1)
+        warnings.warn(f"{name} blocks not run: " + "; ".join(not_run), stacklevel=1)

@@ -16,12 +16,13 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
-# What the demo leaves behind, where README's later sections expect it (tests/test_readme.py
-# prepares the same layout with small data): the image tree and one packed copy per format.
+# What the demo leaves behind, where README and docs/ expect it (tests/test_readme.py prepares
+# the same layout with small data): the image tree, README's Quick start pack in out/ (the exact
+# command, so running it again is up to date), and an LMDB copy in out-lmdb/ for docs/.
+# (out, format, shard size): the shard size is part of the command each pack prints.
 LAYOUT = SimpleNamespace(
     data="data/lfw",
-    packs=[("out/lfw", "tar"), ("out/lfw-lmdb", "lmdb")],
-    shard_size="16MB",  # README's Stream figures (13 tar shards) come from this size
+    packs=[("out/", "tar", "256MB"), ("out-lmdb/", "lmdb", "16MB")],
 )
 
 
@@ -68,25 +69,27 @@ def main() -> None:
         "lfw",
         LAYOUT.data,
     )
-    for out, fmt in LAYOUT.packs:
+    if os.path.isdir("out/lfw") and not os.path.exists("out/manifest.json"):
+        sys.exit(
+            "out/ holds an older demo's layout (out/lfw, out/lfw-lmdb); the demo now packs into "
+            "out/ itself: remove out/ (make clean) and run it again"
+        )
+    for out, fmt, size in LAYOUT.packs:
+        fmt_args = () if fmt == "tar" else ("--format", fmt)
         step(
-            f"pack it into {fmt} shards",
+            f"pack it into {fmt} shards (up to date if an earlier run packed it)",
             "shardkit",
             "pack",
             LAYOUT.data,
             out,
-            "--format",
-            fmt,
+            *fmt_args,
             "--shard-size",
-            LAYOUT.shard_size,
-            "--threads",
-            "2",
-            "--overwrite",
+            size,
         )
     tar = LAYOUT.packs[0][0]
     step("what was packed", "shardkit", "info", tar)
     step("check every shard against the manifest", "shardkit", "verify", tar)
-    stream(tar)
+    stream(tar + "*.tar")  # README's ShardDataset("out/*.tar")
     # --shards: the bench reads the tar shards packed above instead of packing its own copy.
     step(
         "benchmark: folder of files vs shards, cold cache, raw reads",
