@@ -426,6 +426,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.scaling and not args.train:
         ap.error("give --scaling and/or --train MODELS")
+    torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     result: dict = {"load_start": os.getloadavg(), "cpus": usable_cpus()}
     if args.scaling:
         result["scaling"] = scaling(args)
