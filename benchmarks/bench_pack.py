@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from shardkit.pagecache import evict, resident_fraction  # noqa: E402
+from shardkit.bench.pagecache import evict, resident_fraction  # noqa: E402
 
 
 def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:

@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the loopback servers live beside the 
 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
-from shardkit.dataset import FolderDataset, ShardDataset  # noqa: E402
 from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from shardkit.remote import RemoteStorage, RetryPolicy, fetch  # noqa: E402
+from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 BUCKET = "bench"
 BATCH = 64
@@ -61,7 +61,7 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
 
         print(f"making {src} ...", flush=True)
         make_lfw(str(src))
-    from shardkit.packer import pack, parse_size
+    from shardkit.write.packer import pack, parse_size
 
     if (shards / MANIFEST_NAME).exists():
         if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):

@@ -25,7 +25,7 @@ class ShardkitError(Exception):
     def __str__(self) -> str:
         # Every message we show passes here: URLs with user:password@ or signed query strings
         # are masked whatever code built the message (imported late: remote imports errors).
-        from .remote.redact import redact
+        from .redact import redact
 
         return redact(super().__str__())
 

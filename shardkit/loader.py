@@ -37,13 +37,13 @@ from itertools import zip_longest
 
 import torch
 
-from .dataset import ShardDataset
 from .errors import InputError, ShardkitError
-from .geometry import ShapeError
+from .images.geometry import ShapeError
 from .records import Record
-from .storage import LocalStorage
 from .stream import sample_error
-from .world import World
+from .stream.dataset import ShardDataset
+from .stream.storage import LocalStorage
+from .stream.world import World
 
 __all__ = ["ShardLoader"]
 

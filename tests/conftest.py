@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from shardkit.manifest import read_manifest
-from shardkit.packer import pack
+from shardkit.write.packer import pack
 
 pytest_plugins = ["remote_servers"]
 
@@ -72,7 +72,7 @@ def packed_tree(tmp_path_factory) -> Callable[..., dict[str, str]]:
     "lmdb": ...}`` (paths as str); each format maps to its shard size in bytes, or give a list
     of formats and one ``shard_size``. Every call makes a fresh directory.
     """
-    from shardkit.packer import pack
+    from shardkit.write.packer import pack
 
     def make(
         n: int,

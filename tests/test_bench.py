@@ -30,15 +30,15 @@ from shardkit.bench import (
     verdict,
 )
 from shardkit.bench.estimate import estimate
+from shardkit.bench.pagecache import evict, resident_fraction
 from shardkit.bench.results import BenchResult, Load, Row, RunResult
 from shardkit.bench.sources import make_dataset
 from shardkit.bench.stats import student_t_sf2, welch
 from shardkit.bench.workloads import Collate, TimedMap, stack_images
 from shardkit.cli import main
 from shardkit.errors import InputError
-from shardkit.packer import pack
-from shardkit.pagecache import evict, resident_fraction
-from shardkit.world import World
+from shardkit.stream.world import World
+from shardkit.write.packer import pack
 
 CLASSES, PER_CLASS = 4, 30
 
@@ -314,7 +314,7 @@ def test_stack_images_keeps_values_and_shapes():
 
 
 def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
-    from shardkit.dataset import FolderDataset
+    from shardkit.stream.dataset import FolderDataset
 
     ds = FolderDataset(str(tiny / "src"), decode="tensor")
     loader = DataLoader(TimedMap(ds), batch_size=8, num_workers=1, collate_fn=Collate("decode"))

@@ -24,7 +24,7 @@ from shardkit import FolderDataset, ShardDataset, ShardWriter, pack
 from shardkit.errors import InputError, ManifestError, OutputError, ShardkitError
 from shardkit.formats import decode_key, encode_key, get_format
 from shardkit.manifest import read_manifest
-from shardkit.verify import dataset_info, verify
+from shardkit.write.verify import dataset_info, verify
 
 
 def _jpeg(seed: int) -> bytes:
@@ -367,7 +367,7 @@ def test_a_fifo_named_manifest_json_is_refused_by_every_reader(packed, tmp_path,
 
 @pytest.mark.timeout(60)
 def test_index_refuses_a_fifo_and_reports_a_full_disk(packed, tmp_path, monkeypatch):
-    from shardkit.index import index_shards
+    from shardkit.write.index import index_shards
 
     fifo_dir = tmp_path / "fifo"
     fifo_dir.mkdir()

@@ -142,7 +142,7 @@ def test_lmdb_damaged_after_open_names_shard_and_sample(tmp_path):
 
 
 def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
-    from shardkit.verify import verify
+    from shardkit.write.verify import verify
 
     out = tmp_path / "ds"
     out.mkdir()
@@ -158,7 +158,7 @@ def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
     (out / "shard-000000.lmdb").write_bytes(bytes(damaged))
     assert stats.name == "lmdb"
     code = (
-        "import sys; from shardkit.verify import verify; r = verify(sys.argv[1]); "
+        "import sys; from shardkit.write.verify import verify; r = verify(sys.argv[1]); "
         "print(r.summary()); print(r.bad[0])"
     )
     proc = subprocess.run(
@@ -359,7 +359,7 @@ def test_every_error_class_masks_urls(cls):
 
 def test_skip_warning_masks_urls():
     from shardkit.records import Record
-    from shardkit.stream import decode_records
+    from shardkit.stream.stages import decode_records
 
     rec = Record("k", "jpg", b"not an image", 0, SECRET_URL)
     with warnings.catch_warnings(record=True) as caught:

@@ -19,8 +19,8 @@ from conftest import _children, leftovers
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit.dataset import ShardDataset
-from shardkit.packer import pack
+from shardkit.stream.dataset import ShardDataset
+from shardkit.write.packer import pack
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),

@@ -24,9 +24,9 @@ from PIL import Image
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import STAGING_PREFIX
-from shardkit.images import check_image_bytes
+from shardkit.images.decode import check_image_bytes
 from shardkit.manifest import read_manifest
-from shardkit.packer import (
+from shardkit.write.packer import (
     PackWarning,
     pack,
     parse_size,
@@ -797,7 +797,7 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
     """Ctrl-C once every shard is complete, as the manifest is written: nothing is left."""
-    pack_module = importlib.import_module("shardkit.writer")  # the writer commits now
+    pack_module = importlib.import_module("shardkit.write.writer")  # the writer commits now
 
     src, files = tree
     out = tmp_path / "out"

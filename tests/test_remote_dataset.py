@@ -18,9 +18,9 @@ import pytest
 from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server, free_env
 from torch.utils.data import DataLoader
 
-from shardkit.dataset import ShardDataset
 from shardkit.errors import OutputError, StorageError
 from shardkit.remote import ShardCache, pack_to_url
+from shardkit.stream.dataset import ShardDataset
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
@@ -365,7 +365,7 @@ def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
 def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
     """One entry point each: pack(src, url), verify(url), dataset_info(url); no remote_* needed."""
     from shardkit import ShardWriter, pack
-    from shardkit.verify import dataset_info, verify
+    from shardkit.write.verify import dataset_info, verify
 
     b = f"urls-{uuid.uuid4().hex[:8]}"
     s3.client().create_bucket(Bucket=b)

@@ -6,7 +6,7 @@ through ``TensorDecoder``, so a sample gets the same pixels through either.
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any
 pixel is decoded, the image is decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose crop still
 covers ``size`` x ``size``, and only the crop's rows and columns are decoded (DALI's ROI decode,
-through ``shardkit._native``: rows below the crop never, rows above without the inverse DCT,
+through ``shardkit.images._native``: rows below the crop never, rows above without the inverse DCT,
 columns cut to the crop's iMCUs). Pixels are identical with and without the region decoder
 (tested); without it (not built, CMYK, damaged data) the whole image is decoded and cropped.
 
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import InputError
-from .images import (
+from ..errors import InputError
+from .decode import (
     BufferShapeError,
     decode_jpeg_region,
     decode_rgb,

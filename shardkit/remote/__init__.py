@@ -12,12 +12,12 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
   ``shardkit.pack``, ``verify`` and ``dataset_info`` take URLs themselves.
 """
 
+from ..redact import redact
+from ..retry import RetryPolicy, is_transient
 from .cache import CacheStats, ShardCache
 from .fetch import Expected, FetchStats, MissingObjectError, fetch, read_bytes
 from .fs import filesystem, is_remote_url
 from .inspect import local_copy, read_manifest_url
-from .redact import redact
-from .retry import RetryPolicy, is_transient
 from .storage import RemoteStorage
 from .upload import Uploader, join_url, upload_file
 
@@ -51,7 +51,7 @@ __all__ = [
 
 def pack_to_url(src, url: str, *, storage_options=None, work_dir=None, concurrency=4, **kw):
     """``shardkit.pack(src, url)``: every finished shard uploaded at once, the manifest last."""
-    from ..packer import pack
+    from ..write.packer import pack
 
     return pack(
         src,
@@ -64,15 +64,15 @@ def pack_to_url(src, url: str, *, storage_options=None, work_dir=None, concurren
 
 
 def remote_dataset_info(url: str, storage_options=None) -> dict:
-    """``shardkit.verify.dataset_info(url)``."""
-    from ..verify import dataset_info
+    """``shardkit.write.verify.dataset_info(url)``."""
+    from ..write.verify import dataset_info
 
     return dataset_info(url, storage_options)
 
 
 def remote_verify(url: str, storage_options=None, *, decode=False, progress=False, work_dir=None):
-    """``shardkit.verify.verify(url)``."""
-    from ..verify import verify
+    """``shardkit.write.verify.verify(url)``."""
+    from ..write.verify import verify
 
     return verify(
         url, decode=decode, progress=progress, storage_options=storage_options, work_dir=work_dir

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from .errors import InputError, SampleError
-from .images import IMAGE_EXTENSIONS, decode_image
-from .scan import StrTable, scan_source
+from ..errors import InputError, SampleError
+from ..images.decode import IMAGE_EXTENSIONS, decode_image
+from ..scan import StrTable, scan_source
+from .stages import DECODE_MODES, check_choice
 from .storage import LocalStorage, Storage
-from .stream import DECODE_MODES, check_choice
 
 __all__ = ["FolderDataset"]
 

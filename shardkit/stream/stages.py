@@ -1,9 +1,6 @@
-"""The streaming pipeline as small stages, each testable alone on a list.
+"""The streaming pipeline's stages, each testable alone on a list.
 
-``ShardDataset.__iter__`` composes them in one place::
-
-    plan_epoch -> read_slices -> shuffle_buffer -> decode_records -> apply_transforms
-
+The order ``ShardDataset`` runs them in is drawn in ``shardkit.stream``'s docstring.
 ``plan_epoch`` is plain arithmetic on sample counts. The other stages are generators
 ``stage(iterable, ...) -> Iterator``. Hot loops stay lean: no per-sample dicts, logging or
 re-planning.
@@ -16,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import InputError, SampleError, ShardFormatError, ShardkitError, StorageError
-from .images import decode_image
-from .records import Record, ShardInfo, ShardSlice
+from ..errors import InputError, SampleError, ShardFormatError, ShardkitError, StorageError
+from ..images.decode import decode_image
+from ..records import Record, ShardInfo, ShardSlice
 from .storage import Storage
 
 __all__ = [

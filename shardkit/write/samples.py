@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .images import RESIZE_QUALITY
+from ..images.decode import RESIZE_QUALITY
 from .writer import image_ext
 
 __all__ = [

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, OutputError
-from .formats import get_format
-from .formats.tar import LABEL_EXTS
-from .fsutil import (
+from ..errors import InputError, OutputError
+from ..formats import get_format
+from ..formats.tar import LABEL_EXTS
+from ..fsutil import (
     JOURNAL_NAME,
     STAGING_PREFIX,
     DirLock,
@@ -44,10 +44,10 @@ from .fsutil import (
     staging_name,
     write_error,
 )
-from .images import IMAGE_EXTENSIONS
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from .sizes import parse_size
-from .urls import is_remote, join_url
+from ..images.decode import IMAGE_EXTENSIONS
+from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
+from ..sizes import parse_size
+from ..urls import is_remote, join_url
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -213,9 +213,9 @@ class ShardWriter:
             raise
 
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
-        from .remote.fetch import check_bucket, storage_error
-        from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_writable
+        from ..remote.fetch import check_bucket, storage_error
+        from ..remote.fs import filesystem, protocol_of, strip
+        from ..remote.upload import Uploader, check_writable
 
         url = self.out
         check_writable(url)
@@ -496,7 +496,7 @@ def _old_outputs(out: str) -> list[str]:
 
 
 def _old_remote_outputs(url: str, storage_options) -> list[str]:
-    from .remote.inspect import read_manifest_url
+    from ..remote.inspect import read_manifest_url
 
     try:
         manifest, _ = read_manifest_url(url, storage_options)
