@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the loopback servers live beside the 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
-from shardkit.remote import RemoteStorage, RetryPolicy, fetch  # noqa: E402
+from shardkit.remote import RemoteStorage, fetch  # noqa: E402
+from shardkit.retry import RetryPolicy  # noqa: E402
 from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 BUCKET = "bench"

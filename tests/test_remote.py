@@ -16,21 +16,20 @@ import pytest
 from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server
 
 from shardkit.errors import InputError, StorageError
+from shardkit.redact import redact
 from shardkit.remote import (
     Expected,
     FetchStats,
     MissingObjectError,
     RemoteStorage,
-    RetryPolicy,
     ShardCache,
     Uploader,
     fetch,
-    is_transient,
     read_bytes,
-    redact,
     upload_file,
 )
 from shardkit.remote.prefetch import Prefetcher
+from shardkit.retry import RetryPolicy, is_transient
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
