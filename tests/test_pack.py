@@ -24,7 +24,7 @@ from PIL import Image
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import STAGING_PREFIX
-from shardkit.images.decode import check_image_bytes
+from shardkit.images.checks import check_image_bytes
 from shardkit.manifest import read_manifest
 from shardkit.write.packer import (
     PackWarning,

@@ -11,7 +11,8 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import InputError, SampleError
-from ..images.decode import IMAGE_EXTENSIONS, decode_image
+from ..images.checks import IMAGE_EXTENSIONS
+from ..images.decode import decode_image
 from ..scan import StrTable, scan_source
 from .stages import DECODE_MODES, check_choice
 from .storage import LocalStorage, Storage

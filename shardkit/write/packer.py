@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..images.decode import RESIZE_QUALITY, check_image_bytes, decode_error, resize_short_side
+from ..images.checks import check_image_bytes, decode_error
+from ..images.decode import RESIZE_QUALITY, resize_short_side
 from ..manifest import SkippedFile
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..sizes import parse_size

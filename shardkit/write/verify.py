@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import InputError
 from ..formats import ShardFormat, get_format
 from ..fsutil import HashingReader, open_regular
-from ..images.decode import decode_error
+from ..images.checks import decode_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from ..paths import check_dataset_path
 from ..records import ShardInfo

@@ -44,7 +44,7 @@ from ..fsutil import (
     staging_name,
     write_error,
 )
-from ..images.decode import IMAGE_EXTENSIONS
+from ..images.checks import IMAGE_EXTENSIONS, image_ext
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from ..sizes import parse_size
 from ..urls import is_remote, join_url
@@ -54,7 +54,6 @@ __all__ = [
     "ShardSizeWarning",
     "ShardWriter",
     "WriterReport",
-    "image_ext",
     "shard_name",
 ]
 
@@ -71,26 +70,6 @@ _RESERVED = frozenset(IMAGE_EXTENSIONS) | frozenset(LABEL_EXTS)
 
 def shard_name(index: int, suffix: str) -> str:
     return f"shard-{index:06d}{suffix}"
-
-
-def image_ext(data: bytes) -> str | None:
-    """The member extension for encoded image bytes, from their magic number (None: unknown)."""
-    head = bytes(data[:12])
-    if head.startswith(b"\xff\xd8\xff"):
-        return "jpg"
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    if head.startswith((b"GIF87a", b"GIF89a")):
-        return "gif"
-    if head.startswith(b"BM"):
-        return "bmp"
-    if head.startswith((b"II*\x00", b"MM\x00*")):
-        return "tiff"
-    if head[:2] in (b"P5", b"P6"):
-        return "pgm" if head[:2] == b"P5" else "ppm"
-    return None
 
 
 def _field_bytes(name: str, value: Any, key: str) -> bytes:
