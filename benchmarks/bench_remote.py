@@ -62,7 +62,8 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
 
         print(f"making {src} ...", flush=True)
         make_lfw(str(src))
-    from shardkit.write.packer import pack, parse_size
+    from shardkit import pack
+    from shardkit.sizes import parse_size
 
     if (shards / MANIFEST_NAME).exists():
         if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):

@@ -61,7 +61,7 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
     if manifest.exists():
         m = read_manifest(str(shards))
         same_src = os.path.abspath(m.pack.get("source", "")) == os.path.abspath(src)
-        from shardkit.write.packer import parse_size
+        from shardkit.sizes import parse_size
 
         if same_src and m.pack.get("shard_size") == parse_size(shard_size):
             return

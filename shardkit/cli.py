@@ -16,6 +16,7 @@ import sys
 import click
 
 from .errors import ShardkitError
+from .sizes import parse_size
 
 
 class _Failure(click.ClickException):
@@ -70,8 +71,6 @@ class Size(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        from .write.packer import parse_size  # moves to shardkit.sizes
-
         try:
             return parse_size(value)
         except ShardkitError:

@@ -5,6 +5,10 @@ Every message names the file (or URL) at fault and, where there is one, the fix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .redact import redact
+
 __all__ = [
     "ShardkitError",
     "InputError",
@@ -14,6 +18,7 @@ __all__ = [
     "SampleError",
     "StorageError",
     "MissingExtraError",
+    "check_choice",
 ]
 
 
@@ -24,9 +29,7 @@ class ShardkitError(Exception):
 
     def __str__(self) -> str:
         # Every message we show passes here: URLs with user:password@ or signed query strings
-        # are masked whatever code built the message (imported late: remote imports errors).
-        from .redact import redact
-
+        # are masked whatever code built the message.
         return redact(super().__str__())
 
 
@@ -65,3 +68,9 @@ class StorageError(ShardkitError):
 
 class MissingExtraError(ShardkitError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """One wording for every enumerated option (``decode=``, ``equalize=``, ``crop=`` ...)."""
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")

@@ -26,12 +26,9 @@ from shardkit.formats import get_format
 from shardkit.fsutil import STAGING_PREFIX
 from shardkit.images.checks import check_image_bytes
 from shardkit.manifest import read_manifest
-from shardkit.write.packer import (
-    PackWarning,
-    pack,
-    parse_size,
-    scan_source,
-)
+from shardkit.scan import scan_source
+from shardkit.sizes import parse_size
+from shardkit.write.packer import PackWarning, pack
 
 # --- helpers ---------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..errors import InputError
+from ..errors import check_choice
 from ..stream.storage import LocalStorage
 from ..stream.world import WorkerCounter, dataloader_worker, worker_slot
 
@@ -139,8 +139,7 @@ class Collate:
     """
 
     def __init__(self, mode: str):
-        if mode not in MODES:
-            raise InputError(f"mode={mode!r} is not one of: {', '.join(MODES)}")
+        check_choice("mode", mode, MODES)
         self.mode = mode
 
     def __call__(self, samples: list[tuple]):

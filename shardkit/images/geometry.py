@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import InputError
+from ..errors import InputError, check_choice
 from .decode import (
     BufferShapeError,
     decode_jpeg_region,
@@ -65,8 +65,7 @@ class Geometry:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise InputError(f"size={self.size} must be >= 1 (the output side in pixels)")
-        if self.crop not in CROP_MODES:
-            raise InputError(f"crop={self.crop!r} is not one of: 'center', 'random'")
+        check_choice("crop", self.crop, CROP_MODES)
         lo, hi = self.scale
         if not 0 < lo <= hi <= 1:
             raise InputError(f"scale={self.scale} must satisfy 0 < min <= max <= 1")

@@ -17,6 +17,7 @@ stages are plain generators, each testable alone on a list; they are exported he
 from .stages import (
     DECODE_MODES,
     EQUALIZE_MODES,
+    ON_ERROR_MODES,
     apply_transforms,
     check_labels,
     decode_records,
@@ -31,6 +32,7 @@ from .stages import (
 __all__ = [
     "DECODE_MODES",
     "EQUALIZE_MODES",
+    "ON_ERROR_MODES",
     "apply_transforms",
     "check_labels",
     "decode_records",

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import InputError, ShardkitError, StorageError
+from ..errors import InputError, ShardkitError, StorageError, check_choice
 from ..formats import FORMATS
 from ..images.geometry import Geometry, TensorDecoder
 from ..paths import check_source
@@ -52,8 +52,8 @@ from .sources import resolve_source
 from .stages import (
     DECODE_MODES,
     EQUALIZE_MODES,
+    ON_ERROR_MODES,
     apply_transforms,
-    check_choice,
     check_labels,
     decode_records,
     plan_epoch,
@@ -169,7 +169,7 @@ class ShardDataset(IterableDataset):
             raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
         self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
         check_choice("equalize", equalize, EQUALIZE_MODES)
-        check_choice("on_error", on_error, ("raise", "skip"))
+        check_choice("on_error", on_error, ON_ERROR_MODES)
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):

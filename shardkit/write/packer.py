@@ -28,12 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, check_choice
 from ..images.checks import check_image_bytes, decode_error
 from ..images.decode import RESIZE_QUALITY, resize_short_side
 from ..manifest import SkippedFile
 from ..scan import SourceScan, check_source_dir, scan_source
-from ..sizes import parse_size
 from . import samples as _samples
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
@@ -43,7 +42,6 @@ __all__ = [
     "PackWarning",
     "SourceScan",
     "pack",
-    "parse_size",
     "scan_source",
 ]
 
@@ -270,10 +268,8 @@ def _pack_version() -> str:
 
 
 def _check_options(validate, on_error, workers, resize_short, seed) -> str:
-    if validate not in _VALIDATE:
-        raise InputError(f"invalid validate={validate!r}; choose one of: {', '.join(_VALIDATE)}")
-    if on_error not in _ON_ERROR:
-        raise InputError(f"invalid on_error={on_error!r}; choose one of: skip, raise")
+    check_choice("validate", validate, _VALIDATE)
+    check_choice("on_error", on_error, _ON_ERROR)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"invalid workers={workers!r}; use 1 or more reader threads")
     if resize_short is not None and (not isinstance(resize_short, int) or resize_short < 1):
