@@ -111,7 +111,7 @@ def _sha256_of(out: BinaryIO) -> str:
     return h.hexdigest()
 
 
-def fetch(
+def fetch(  # noqa: C901 (one retry loop with its error cases inline)
     url: str,
     out: BinaryIO,
     *,
