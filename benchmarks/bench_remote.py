@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Remote-shard benchmark (issue 5, section 2): shards over a loopback object store, side by side.
+"""Remote-shard benchmark: shards over a loopback object store, side by side.
 
 A server process (moto S3 or a static HTTP server) serves the packed default LFW shards, behind a
 proxy that adds first-byte latency to every request (default 20 ms, a same-region object store).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Streaming benchmark: ShardDataset against WebDataset, the decode ceiling and FolderDataset.
 
-Issue 3, section 5. Every comparison is a ratio of two measurements taken side by side in this one
+Every comparison is a ratio of two measurements taken side by side in this one
 run (repeats interleaved, median of the per-repeat ratios), so a busy machine moves both sides:
 
 - raw: ShardDataset(decode="raw"), one process, shards in the page cache, against

@@ -210,7 +210,7 @@ def test_stale_staging_is_removed_only_when_its_owner_is_dead(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_folder_dataset_skips_a_fifo_named_like_an_image(tmp_path):
-    """Issue 13 item 2: the FIFO hung FolderDataset; now it is listed exactly as pack lists it."""
+    """A FIFO named like an image must not hang FolderDataset: it is listed as pack lists it."""
     from shardkit.stream.dataset import FolderDataset
 
     src = tmp_path / "src"

@@ -1,4 +1,4 @@
-"""``shardkit index`` (issue 12): a manifest for tars written elsewhere, and what it buys."""
+"""``shardkit index``: a manifest for tars written elsewhere, and what it buys."""
 
 from __future__ import annotations
 

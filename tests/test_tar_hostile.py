@@ -1,4 +1,4 @@
-"""Hostile tar headers and manifests (issue 13): bounded parsing, clean errors, no silent drops.
+"""Hostile tar headers and manifests: bounded parsing, clean errors, no silent drops.
 
 Every case here once hung, allocated the size a header claimed, or raised a raw Python error.
 """
