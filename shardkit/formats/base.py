@@ -36,7 +36,7 @@ class FormatWriter(Protocol):
 class ShardFormat:
     """One shard format: its file names, its writer, and its readers of a file and of a shard.
 
-    A subclass sets ``name``, ``suffix`` (and ``also``, ``maps_file``) and implements the five
+    A subclass sets ``name``, ``suffix`` (and ``also``, ``maps_file``) and implements the four
     methods below; ``shardkit.formats.FORMATS`` holds one instance of each.
     """
 
@@ -69,10 +69,6 @@ class ShardFormat:
         """Samples ``[start, stop)`` of a local file (or, for tar, a stream); ``index`` is the
         manifest's sparse offset index, if any; ``fields``: extra members to carry in
         ``Record.fields`` (tar only)."""
-        raise NotImplementedError
-
-    def count_samples(self, source: Any, *, shard: str = "") -> int:
-        """Samples in a local file (or, for tar, a stream)."""
         raise NotImplementedError
 
     def records(

@@ -493,9 +493,6 @@ class LmdbFormat(ShardFormat):
             raise TypeError("LMDB shards carry no extra fields")
         return iter_lmdb_records(source, shard=shard, start=start, stop=stop, index=index)
 
-    def count_samples(self, source: Any, *, shard: str = "") -> int:
-        return count_lmdb_samples(source, shard=shard)
-
     def records(
         self,
         storage: Any,

@@ -34,9 +34,6 @@ class TarFormat(ShardFormat):
             source, shard=shard, start=start, stop=stop, index=index, fields=fields
         )
 
-    def count_samples(self, source: Any, *, shard: str = "") -> int:
-        return count_tar_samples(source, shard=shard)
-
     def records(
         self,
         storage: Any,
