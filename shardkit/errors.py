@@ -1,6 +1,7 @@
 """Exceptions of our own, so the CLI can turn user errors into one line and a non-zero exit.
 
-Every message names the file (or URL) at fault and, where there is one, the fix.
+Every message names the file (or URL) at fault and, where there is one, the fix. ``check_choice``
+is the one wording for an option given a value outside its choices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ __all__ = [
     "SampleError",
     "StorageError",
     "MissingExtraError",
-    "check_choice",
 ]
 
 
