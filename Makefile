@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt shardkit/_native.c
+$(STAMP): pyproject.toml constraints.txt shardkit/images/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,dev]'
@@ -22,10 +22,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Lint and the format check, as CI runs them (`ruff format` without --check rewrites files).
+# Lint and the format check, as CI runs them (`ruff format` without --check rewrites files), and
+# no tracker numbers in the code (`#12`, `issue 13`, `H9s`: that history belongs in git log).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shardkit tests tools benchmarks
 	$(VENV)/bin/ruff format --check shardkit tests tools benchmarks
+	$(PY) tools/check_history.py
 
 # The default bench: LFW-shaped data made and packed on first use; a few minutes on 2 cores.
 bench: $(STAMP)

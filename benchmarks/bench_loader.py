@@ -85,7 +85,7 @@ def ensure(src: Path, kind: str, scale: float) -> Path:
             synth.make_imagenet(str(src), classes=20, images_per_class=50)
     shards = src.with_name(src.name + "-tar")
     if not (shards / MANIFEST_NAME).exists():
-        from shardkit.packer import pack
+        from shardkit import pack
 
         print(f"packing {src} -> {shards} ...", flush=True)
         pack(str(src), str(shards), shard_size="16MB", progress=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pack benchmark: ``shardkit pack`` against ``tar -cf`` of the same folder, cold cache, one run.
 
-Goal (issue 2, section 6): pack with one worker takes at most 1.2x tar's wall time, and less than
+Goal: pack with one worker takes at most 1.2x tar's wall time, and less than
 tar's with two. Every timed command is a fresh subprocess, timed from start to exit, so Python's
 start-up counts against pack as it would for a user. Before each command the source files are
 evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed) and ``mincore``
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from shardkit.pagecache import evict, resident_fraction  # noqa: E402
+from shardkit.bench.pagecache import evict, resident_fraction  # noqa: E402
 
 
 def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Remote-shard benchmark (issue 5, section 2): shards over a loopback object store, side by side.
+"""Remote-shard benchmark: shards over a loopback object store, side by side.
 
 A server process (moto S3 or a static HTTP server) serves the packed default LFW shards, behind a
 proxy that adds first-byte latency to every request (default 20 ms, a same-region object store).
@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # the loopback servers live beside the 
 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
-from shardkit.dataset import FolderDataset, ShardDataset  # noqa: E402
 from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
-from shardkit.remote import RemoteStorage, RetryPolicy, fetch  # noqa: E402
+from shardkit.remote import RemoteStorage, fetch  # noqa: E402
+from shardkit.retry import RetryPolicy  # noqa: E402
+from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 BUCKET = "bench"
 BATCH = 64
@@ -61,7 +62,8 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
 
         print(f"making {src} ...", flush=True)
         make_lfw(str(src))
-    from shardkit.packer import pack, parse_size
+    from shardkit import pack
+    from shardkit.sizes import parse_size
 
     if (shards / MANIFEST_NAME).exists():
         if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):

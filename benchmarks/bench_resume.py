@@ -1,9 +1,9 @@
 """Time to the first batch after resuming mid-epoch vs at the start of a fresh epoch.
 
-Resuming recomputes the position from sample indices and seeks (shardkit.resume), so it should
-cost about what starting an epoch costs, wherever in the epoch it resumes. Both are measured side
-by side, interleaved, through a real DataLoader with worker processes (their start-up counted in
-both), on shards in page cache. For scale, one run also times what a loader without resume
+Resuming recomputes the position from sample indices and seeks (shardkit.stream.resume), so it
+should cost about what starting an epoch costs, wherever in the epoch it resumes. Both are measured
+side by side, interleaved, through a real DataLoader with worker processes (their start-up counted
+in both), on shards in page cache. For scale, one run also times what a loader without resume
 support does: iterate and discard the consumed batches (torchdata's "naive fast-forward").
 
     shardkit synth lfw /tmp/lfw && shardkit pack /tmp/lfw /tmp/lfw-tar --shard-size 16MB

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from shardkit.bench.config import BenchConfig  # noqa: E402
+from shardkit.bench.pagecache import evict_until_cold  # noqa: E402
 from shardkit.bench.runner import _prepare, _run  # noqa: E402
 from shardkit.bench.sources import plan_sources  # noqa: E402
-from shardkit.pagecache import evict_until_cold  # noqa: E402
 
 CONFIGS = [("tar", 2), ("folder", 2), ("tar", 8), ("tar", 0)]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Streaming benchmark: ShardDataset against WebDataset, the decode ceiling and FolderDataset.
 
-Issue 3, section 5. Every comparison is a ratio of two measurements taken side by side in this one
+Every comparison is a ratio of two measurements taken side by side in this one
 run (repeats interleaved, median of the per-repeat ratios), so a busy machine moves both sides:
 
 - raw: ShardDataset(decode="raw"), one process, shards in the page cache, against
@@ -43,9 +43,9 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit.dataset import FolderDataset, ShardDataset  # noqa: E402
 from shardkit.formats import get_format  # noqa: E402
 from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
 
@@ -61,11 +61,11 @@ def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
     if manifest.exists():
         m = read_manifest(str(shards))
         same_src = os.path.abspath(m.pack.get("source", "")) == os.path.abspath(src)
-        from shardkit.packer import parse_size
+        from shardkit.sizes import parse_size
 
         if same_src and m.pack.get("shard_size") == parse_size(shard_size):
             return
-    from shardkit.packer import pack
+    from shardkit.write.packer import pack
 
     print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
     pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)

@@ -46,7 +46,7 @@ from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import ShardDataset, ShardLoader  # noqa: E402
-from shardkit.geometry import Geometry, TensorDecoder  # noqa: E402
+from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 WORKLOADS = {

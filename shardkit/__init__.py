@@ -18,13 +18,13 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, ShardEntry, read_manifest
-from .packer import PackReport, pack
 from .records import Record
-from .writer import ShardWriter
+from .write.packer import PackReport, pack
+from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
-    from .dataset import FolderDataset, ShardDataset
     from .loader import ShardLoader
+    from .stream.dataset import FolderDataset, ShardDataset
 
 __all__ = [
     "FolderDataset",
@@ -46,7 +46,11 @@ __all__ = [
     "read_manifest",
 ]
 
-_LAZY = {"ShardDataset": "dataset", "FolderDataset": "dataset", "ShardLoader": "loader"}
+_LAZY = {
+    "ShardDataset": "stream.dataset",
+    "FolderDataset": "stream.dataset",
+    "ShardLoader": "loader",
+}
 
 
 def __getattr__(name: str) -> Any:

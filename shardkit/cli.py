@@ -16,6 +16,7 @@ import sys
 import click
 
 from .errors import ShardkitError
+from .sizes import parse_size
 
 
 class _Failure(click.ClickException):
@@ -70,8 +71,6 @@ class Size(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        from .packer import parse_size  # moves to shardkit.sizes
-
         try:
             return parse_size(value)
         except ShardkitError:
@@ -297,7 +296,7 @@ def pack_cmd(
     """
     import warnings
 
-    from .packer import pack
+    from .write.packer import pack
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -328,8 +327,8 @@ def pack_cmd(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def info_cmd(out, as_json) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
-    from .remote.redact import redact
-    from .verify import dataset_info
+    from .redact import redact
+    from .write.verify import dataset_info
 
     info = dataset_info(out)
     if as_json:
@@ -359,8 +358,8 @@ def info_cmd(out, as_json) -> None:
 def verify_cmd(out, decode, quiet) -> None:
     """Re-read every shard in OUT; check size, sample count and sha256 against the manifest."""
     from .errors import ShardFormatError
-    from .remote.redact import redact
-    from .verify import verify
+    from .redact import redact
+    from .write.verify import verify
 
     report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
@@ -382,7 +381,7 @@ def index_cmd(shards, overwrite, quiet) -> None:
     them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
     import warnings
 
-    from .index import index_shards
+    from .write.index import index_shards
 
     with warnings.catch_warnings():  # the summary line reports records passed over
         warnings.simplefilter("ignore", RuntimeWarning)

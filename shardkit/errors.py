@@ -1,9 +1,14 @@
 """Exceptions of our own, so the CLI can turn user errors into one line and a non-zero exit.
 
-Every message names the file (or URL) at fault and, where there is one, the fix.
+Every message names the file (or URL) at fault and, where there is one, the fix. ``check_choice``
+is the one wording for an option given a value outside its choices.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .redact import redact
 
 __all__ = [
     "ShardkitError",
@@ -24,9 +29,7 @@ class ShardkitError(Exception):
 
     def __str__(self) -> str:
         # Every message we show passes here: URLs with user:password@ or signed query strings
-        # are masked whatever code built the message (imported late: remote imports errors).
-        from .remote.redact import redact
-
+        # are masked whatever code built the message.
         return redact(super().__str__())
 
 
@@ -65,3 +68,9 @@ class StorageError(ShardkitError):
 
 class MissingExtraError(ShardkitError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """One wording for every enumerated option (``decode=``, ``equalize=``, ``crop=`` ...)."""
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")

@@ -48,8 +48,6 @@ __all__ = [
 STAGING_PREFIX = ".partial-"
 #: The commit journal: present in a directory only between a commit point and its completion.
 JOURNAL_NAME = ".shardkit-commit.json"
-#: The journal a pre-journal shardkit left inside its staging dir (rolled back, never forward).
-_LEGACY_JOURNAL = "commit.json"
 
 
 def open_regular(path: str, buffering: int = -1):
@@ -197,8 +195,7 @@ def remove_stale_staging(
     supported). Pack's caller also holds ``directory``'s ``DirLock``, which proves no other
     shardkit writer is live in it; so a name without a pid, from an older shardkit that took no
     lock, is stale too. Callers without such a lock (synth, in a user's directory) pass
-    ``keep_unowned=True``. A legacy staging dir stopped mid-commit has its moved shards removed
-    again (it rolled back).
+    ``keep_unowned=True``.
     """
     removed = []
     for name in os.listdir(directory):
@@ -210,7 +207,6 @@ def remove_stale_staging(
         if pid is not None and (pid == os.getpid() or pid_alive(pid)):
             continue
         path = os.path.join(directory, name)
-        _roll_back_legacy(directory, path)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -228,21 +224,6 @@ def _safe_name(name: object) -> bool:
         and "\x00" not in name
         and not name.startswith(".")
     )
-
-
-def _roll_back_legacy(directory: str, staging: str) -> None:
-    """An older shardkit journaled inside staging and rolled back: remove what it had moved."""
-    journal = os.path.join(staging, _LEGACY_JOURNAL)
-    if not os.path.isfile(journal) or os.path.exists(os.path.join(directory, "manifest.json")):
-        return
-    try:
-        with open_regular(journal) as f:
-            names = json.load(f)["shards"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    for name in names if isinstance(names, list) else []:
-        if _safe_name(name) and name.startswith("shard-"):
-            _unlink(os.path.join(directory, name))
 
 
 # --- one lock per output -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import InputError
 from .formats import encode_key
-from .images import IMAGE_EXTENSIONS
+from .images.checks import IMAGE_EXTENSIONS
 from .manifest import SkippedFile, portable_text
 
 __all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]

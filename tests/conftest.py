@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# --- shared fixtures (H9b) ---
+# --- shared fixtures ---
 # The loopback servers (moto S3, HTTP with Range, the fault proxy) and their session fixtures
 # live in remote_servers.py, loaded as a plugin so the remote test files just ask for
 # ``s3``/``http``. Image trees, packed datasets and the CLI runner are built here once.
@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from shardkit.manifest import read_manifest
-from shardkit.packer import pack
+from shardkit.write.packer import pack
 
 pytest_plugins = ["remote_servers"]
 
@@ -72,7 +72,7 @@ def packed_tree(tmp_path_factory) -> Callable[..., dict[str, str]]:
     "lmdb": ...}`` (paths as str); each format maps to its shard size in bytes, or give a list
     of formats and one ``shard_size``. Every call makes a fresh directory.
     """
-    from shardkit.packer import pack
+    from shardkit.write.packer import pack
 
     def make(
         n: int,
@@ -110,11 +110,11 @@ def run_cli(*args, **kw) -> subprocess.CompletedProcess:
     )
 
 
-# --- thread and process police (H9s) ---
+# --- thread and process police ---
 #
 # Every test must leave the process as it found it: no new shardkit thread (prefetch, upload ...),
 # no new non-daemon thread (it would keep the interpreter alive) and no new child process
-# (DataLoader workers, helpers). State that outlives a test leaks into the next one (issue 9:
+# (DataLoader workers, helpers). State that outlives a test leaks into the next one (once,
 # a truncated-shard test took 0.5 s alone and 10 s in its file). A leak is fixed in shardkit,
 # never exempted here. Module- and session-scoped fixtures are set up before this function-scoped
 # check takes its snapshot, so servers they start are not counted; the names below cover servers

@@ -399,7 +399,9 @@ class FaultProxy:
                 target=self._pump, args=(client, upstream, drop, stall), daemon=True
             ).start()
 
-    def _pump(self, client: socket.socket, upstream: socket.socket, drop, stall) -> None:
+    def _pump(  # noqa: C901 (the loopback server's request dispatch)
+        self, client: socket.socket, upstream: socket.socket, drop, stall
+    ) -> None:
         """Both directions in one thread (select), so a reset closes the socket at once."""
         limit = drop if drop is not None else stall
         sent = 0

@@ -8,7 +8,7 @@ import sys
 
 def test_pack_is_the_function_even_after_its_module_is_imported():
     code = (
-        "import shardkit.dataset, shardkit.packer, shardkit.verify\n"
+        "import shardkit.stream.dataset, shardkit.write.packer, shardkit.write.verify\n"
         "from shardkit import pack, ShardDataset, FolderDataset, PackReport\n"
         "assert callable(pack) and pack.__name__ == 'pack', pack\n"
         "assert ShardDataset.__name__ == 'ShardDataset'\n"

@@ -30,15 +30,15 @@ from shardkit.bench import (
     verdict,
 )
 from shardkit.bench.estimate import estimate
+from shardkit.bench.pagecache import evict, resident_fraction
 from shardkit.bench.results import BenchResult, Load, Row, RunResult
 from shardkit.bench.sources import make_dataset
 from shardkit.bench.stats import student_t_sf2, welch
 from shardkit.bench.workloads import Collate, TimedMap, stack_images
 from shardkit.cli import main
 from shardkit.errors import InputError
-from shardkit.packer import pack
-from shardkit.pagecache import evict, resident_fraction
-from shardkit.world import World
+from shardkit.stream.world import World
+from shardkit.write.packer import pack
 
 CLASSES, PER_CLASS = 4, 30
 
@@ -314,7 +314,7 @@ def test_stack_images_keeps_values_and_shapes():
 
 
 def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
-    from shardkit.dataset import FolderDataset
+    from shardkit.stream.dataset import FolderDataset
 
     ds = FolderDataset(str(tiny / "src"), decode="tensor")
     loader = DataLoader(TimedMap(ds), batch_size=8, num_workers=1, collate_fn=Collate("decode"))
@@ -324,7 +324,7 @@ def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
     assert labels.tolist() == [ds[i][1] for i in range(8)]
 
 
-# --- estimate, progress, load (#14) ----------------------------------------------------------
+# --- estimate, progress, load ---------------------------------------------------------------
 
 
 def test_cli_prints_an_estimate_then_one_progress_line_per_run_to_a_pipe(tiny, tmp_path):
@@ -446,7 +446,7 @@ def test_load_above_the_cores_is_one_warning_line_in_the_table():
     assert idle.load_warning() is None and "warning" not in format_table(idle)
 
 
-# --- the verdict's significance test (#14) ----------------------------------------------------
+# --- the verdict's significance test ---------------------------------------------------------
 
 
 def _planted(mean: float, std: float, n: int = 5) -> list[float]:
@@ -473,8 +473,8 @@ def test_welch_untestable_with_one_run_and_exact_with_no_spread():
     assert welch([3.0, 3.0], [4.0, 4.0]).real
 
 
-def test_verdict_calls_the_issue_example_within_noise():
-    """The issue's "tar vs folder 1.2x (408 ± 223 vs 336 ± 188)" over 5 repeats is a tie."""
+def test_verdict_calls_1_2x_with_overlapping_spreads_a_tie():
+    """ "tar vs folder 1.2x (408 ± 223 vs 336 ± 188)" over 5 repeats is a tie, not a win."""
     rows = [_row("folder", 2, _planted(336, 188), 1.0), _row("tar", 2, _planted(408, 223), 1.0)]
     text = "\n".join(verdict(_result(rows, workers=(2,))))
     assert (
@@ -513,7 +513,7 @@ def test_verdict_calls_a_planted_3x_gap_real_and_a_planted_tie_noise():
     assert any(line.startswith("Differences are called real when Welch's t-test") for line in lines)
 
 
-# --- plots (#14) -------------------------------------------------------------------------------
+# --- plots ------------------------------------------------------------------------------------
 
 
 def _result_with(rows, workers, sources, num_samples, load_before):

@@ -23,7 +23,7 @@ from shardkit import ShardDataset, ShardWriter, pack
 from shardkit.errors import ManifestError, OutputError
 from shardkit.fsutil import JOURNAL_NAME, STAGING_PREFIX, DirLock, remove_stale_staging
 from shardkit.manifest import read_manifest
-from shardkit.verify import dataset_info, verify
+from shardkit.write.verify import dataset_info, verify
 
 
 def make_tree(root, classes: dict[str, int], seed=0):
@@ -210,8 +210,8 @@ def test_stale_staging_is_removed_only_when_its_owner_is_dead(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_folder_dataset_skips_a_fifo_named_like_an_image(tmp_path):
-    """Issue 13 item 2: the FIFO hung FolderDataset; now it is listed exactly as pack lists it."""
-    from shardkit.dataset import FolderDataset
+    """A FIFO named like an image must not hang FolderDataset: it is listed as pack lists it."""
+    from shardkit.stream.dataset import FolderDataset
 
     src = tmp_path / "src"
     make_tree(src, {"a": 3, "b": 2})

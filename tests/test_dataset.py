@@ -16,11 +16,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, get_worker_info
 
-from shardkit.dataset import FolderDataset, ShardDataset
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
-from shardkit.packer import pack
-from shardkit.storage import LocalStorage, url_of
+from shardkit.stream.dataset import FolderDataset, ShardDataset
+from shardkit.stream.storage import LocalStorage, url_of
+from shardkit.write.packer import pack
 
 # Two cores are enough: three workers are deliberate (fewer shards than workers).
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -155,7 +155,7 @@ def test_orders_change_with_epoch_and_repeat_with_seed(data):
 
 def test_shard_to_worker_assignment_changes_between_epochs(data):
     ds = ShardDataset(data["tar"], decode="raw")
-    from shardkit.world import World
+    from shardkit.stream.world import World
 
     plans = {e: ds.plan(World(0, 1, 0, 2), epoch=e) for e in range(4)}
     assert len({tuple(p) for p in plans.values()}) > 1

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from shardkit.packer import pack
+from shardkit.write.packer import pack
 
 pytestmark = pytest.mark.slow  # spawned ranks over gloo
 
@@ -32,7 +32,7 @@ def _train(rank: int, port: int, data_dir: str, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    from shardkit.dataset import ShardDataset
+    from shardkit.stream.dataset import ShardDataset
 
     dist.init_process_group(
         "gloo",

@@ -1,4 +1,4 @@
-"""Hostile names and faults on the writing side (issue 13, items 1 and 3).
+"""Hostile names and faults on the writing side: names that are not UTF-8, disk full, FIFOs.
 
 Names are real bytes on disk (``os.fsencode`` paths that are not UTF-8); disk full is a real
 small tmpfs where this process may mount one (root), and otherwise, and always for the exact
@@ -24,7 +24,7 @@ from shardkit import FolderDataset, ShardDataset, ShardWriter, pack
 from shardkit.errors import InputError, ManifestError, OutputError, ShardkitError
 from shardkit.formats import decode_key, encode_key, get_format
 from shardkit.manifest import read_manifest
-from shardkit.verify import dataset_info, verify
+from shardkit.write.verify import dataset_info, verify
 
 
 def _jpeg(seed: int) -> bytes:
@@ -40,7 +40,7 @@ def _quiet_pack(src, out, **kw):
         return pack(src, out, progress=False, **kw)
 
 
-# --- item 1: names that are not UTF-8 ----------------------------------------------------------
+# --- names that are not UTF-8 ---------------------------------------------------------------------
 
 #: (class folder, file) as raw bytes: Latin-1 e-acute, a stray 0xff, a truncated UTF-8 sequence,
 #: and a name that is valid UTF-8 beside one that differs from it only by an invalid byte.
@@ -125,7 +125,7 @@ def test_writer_refuses_a_key_that_is_not_unicode_text(tmp_path):
         w.write(encode_key(os.fsdecode(b"caf\xe9")), _jpeg(0), 0)
 
 
-# --- item 3: disk full -------------------------------------------------------------------------
+# --- disk full ------------------------------------------------------------------------------------
 
 _PAGE = 4096
 
@@ -309,7 +309,7 @@ def test_links_outside_the_source_are_followed_and_warned_about_once(tmp_path):
     assert read_manifest(str(tmp_path / "out")).pack["links_outside_source"] == 2
 
 
-# --- item 2: FIFOs (and other non-files) where a reader expects a file -------------------------
+# --- FIFOs (and other non-files) where a reader expects a file ------------------------------------
 
 
 @pytest.fixture
@@ -367,7 +367,7 @@ def test_a_fifo_named_manifest_json_is_refused_by_every_reader(packed, tmp_path,
 
 @pytest.mark.timeout(60)
 def test_index_refuses_a_fifo_and_reports_a_full_disk(packed, tmp_path, monkeypatch):
-    from shardkit.index import index_shards
+    from shardkit.write.index import index_shards
 
     fifo_dir = tmp_path / "fifo"
     fifo_dir.mkdir()

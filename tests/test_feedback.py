@@ -12,7 +12,7 @@ from remote_servers import free_env
 
 from shardkit import FolderDataset, ShardDataset, pack
 from shardkit.errors import InputError, OutputError, StorageError
-from shardkit.writer import ShardSizeWarning
+from shardkit.write.writer import ShardSizeWarning
 
 
 @pytest.fixture()
@@ -171,7 +171,7 @@ def test_pack_opens_each_file_once(tmp_path, monkeypatch):
 
 
 def test_verify_in_parallel_reports_every_bad_shard_in_order(packed_tree):
-    from shardkit.verify import verify
+    from shardkit.write.verify import verify
 
     paths = packed_tree(30, 3, ["tar"], shard_size=3000)
     shards = sorted(n for n in os.listdir(paths["tar"]) if n.endswith(".tar"))

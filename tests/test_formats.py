@@ -15,6 +15,8 @@ import pytest
 
 from shardkit.errors import InputError, ShardFormatError
 from shardkit.formats import FORMATS, decode_key, encode_key, format_for_path, get_format
+from shardkit.records import ShardInfo
+from shardkit.stream.storage import LocalStorage
 
 
 def _samples(n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes, int]]:
@@ -44,7 +46,7 @@ def test_round_trip_and_slices(tmp_path, fmt_name):
     fmt = format_for_path(str(path))
     got = [(r.key, r.ext, r.data, r.label) for r in fmt.iter_records(str(path))]
     assert got == samples
-    assert fmt.count_samples(str(path)) == len(samples)
+    assert fmt.count(LocalStorage(), ShardInfo(str(path))) == len(samples)
     for start, stop in [(0, 1), (7, 13), (39, 40), (12, None), (40, 40)]:
         keys = [r.key for r in fmt.iter_records(str(path), start=start, stop=stop)]
         assert keys == [s[0] for s in samples[start:stop]]
@@ -97,7 +99,7 @@ def test_reads_tars_written_by_webdataset(tmp_path):
     fmt = get_format("tar")
     got = [(r.key, r.ext, r.data, r.label) for r in fmt.iter_records(str(tmp_path / "w.tar"))]
     assert got == samples
-    assert fmt.count_samples(str(tmp_path / "w.tar")) == len(samples)
+    assert fmt.count(LocalStorage(), ShardInfo(str(tmp_path / "w.tar"))) == len(samples)
 
 
 @pytest.mark.parametrize("cut", ["end_blocks", "mid_member", "mid_header", "empty"])
@@ -115,7 +117,7 @@ def test_truncated_tar_is_an_error_not_a_short_epoch(tmp_path, cut):
     with pytest.raises(ShardFormatError, match=r"t\.tar: truncated tar"):
         list(fmt.iter_records(str(tmp_path / "t.tar")))
     with pytest.raises(ShardFormatError, match="truncated"):
-        fmt.count_samples(str(tmp_path / "t.tar"))
+        fmt.count(LocalStorage(), ShardInfo(str(tmp_path / "t.tar")))
 
 
 def test_corrupt_tar_header_is_detected(tmp_path):
@@ -192,7 +194,7 @@ def test_lmdb_errors_name_the_shard(tmp_path):
         list(fmt.iter_records(str(tmp_path / "missing.lmdb")))
     (tmp_path / "junk.lmdb").write_bytes(b"not an lmdb file" * 300)
     with pytest.raises(ShardFormatError, match="junk.lmdb"):
-        fmt.count_samples(str(tmp_path / "junk.lmdb"))
+        fmt.count(LocalStorage(), ShardInfo(str(tmp_path / "junk.lmdb")))
     _write("lmdb", tmp_path / "s.lmdb", _samples(4))
     with pytest.raises(ShardFormatError, match="holds 4"):
         list(fmt.iter_records(str(tmp_path / "s.lmdb"), start=2, stop=9))

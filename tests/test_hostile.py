@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 13): damaged LMDB pages, hostile manifests, secrets in URLs, foreign
+"""Hostile inputs: damaged LMDB pages, hostile manifests, secrets in URLs, foreign
 files in the cache. Every case is a real file, a real ``lmdb`` environment or a loopback server;
 every outcome must be correct data or a ``ShardkitError`` naming the file, never a signal."""
 
@@ -35,7 +35,7 @@ def _lmdb_shard(path, n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes,
     return samples
 
 
-# --- item 7: one flipped byte in an LMDB shard -------------------------------------------------
+# --- one flipped byte in an LMDB shard ------------------------------------------------------------
 
 _FLIP_CHILD = textwrap.dedent(
     """
@@ -142,7 +142,7 @@ def test_lmdb_damaged_after_open_names_shard_and_sample(tmp_path):
 
 
 def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
-    from shardkit.verify import verify
+    from shardkit.write.verify import verify
 
     out = tmp_path / "ds"
     out.mkdir()
@@ -158,7 +158,7 @@ def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
     (out / "shard-000000.lmdb").write_bytes(bytes(damaged))
     assert stats.name == "lmdb"
     code = (
-        "import sys; from shardkit.verify import verify; r = verify(sys.argv[1]); "
+        "import sys; from shardkit.write.verify import verify; r = verify(sys.argv[1]); "
         "print(r.summary()); print(r.bad[0])"
     )
     proc = subprocess.run(
@@ -177,7 +177,7 @@ def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
     ]
 
 
-# --- item 6 (LMDB half): the manifest says fewer samples than the shard holds ------------------
+# --- LMDB: the manifest says fewer samples than the shard holds -----------------------------------
 
 
 def test_lmdb_manifest_count_smaller_than_shard_is_an_error(tmp_path):
@@ -202,7 +202,7 @@ def test_lmdb_manifest_count_smaller_than_shard_is_an_error(tmp_path):
         assert isinstance(ShardFormatError("x"), ShardkitError)
 
 
-# --- item 10: hostile manifest values -----------------------------------------------------------
+# --- hostile manifest values ----------------------------------------------------------------------
 
 
 def _good_doc() -> dict:
@@ -338,7 +338,7 @@ def test_manifest_fuzz_raises_only_manifest_errors(tmp_path):
     run()
 
 
-# --- item 11: credentials in URLs never shown ---------------------------------------------------
+# --- credentials in URLs never shown --------------------------------------------------------------
 
 SECRET_URL = "https://alice:hunter22@example.org/ds/shard-000000.tar?X-Amz-Signature=deadbeef99"
 
@@ -359,7 +359,7 @@ def test_every_error_class_masks_urls(cls):
 
 def test_skip_warning_masks_urls():
     from shardkit.records import Record
-    from shardkit.stream import decode_records
+    from shardkit.stream.stages import decode_records
 
     rec = Record("k", "jpg", b"not an image", 0, SECRET_URL)
     with warnings.catch_warnings(record=True) as caught:
@@ -424,7 +424,7 @@ def test_cli_info_and_verify_mask_userinfo_and_signed_queries(tmp_path):
     assert f"{host}/ds/manifest.json" in outputs[0]
 
 
-# --- item 12: a cache_dir shared with other files -----------------------------------------------
+# --- a cache_dir shared with other files ----------------------------------------------------------
 
 
 def _user_files(folder) -> dict[str, bytes]:

@@ -11,17 +11,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-import shardkit.images as image_mod
-from shardkit.dataset import ShardDataset
+import shardkit.images.decode as image_mod
 from shardkit.errors import InputError
-from shardkit.geometry import (
-    Geometry,
-    TensorDecoder,
-    center_crop_box,
-    random_resized_crop_box,
-    sample_uniforms,
-)
-from shardkit.images import (
+from shardkit.images.decode import (
     MAX_PATH_DIFFERENCE,
     decode_image,
     decode_jpeg_region,
@@ -30,7 +22,15 @@ from shardkit.images import (
     jpeg_scale,
     to_planes,
 )
-from shardkit.packer import pack
+from shardkit.images.geometry import (
+    Geometry,
+    TensorDecoder,
+    center_crop_box,
+    random_resized_crop_box,
+    sample_uniforms,
+)
+from shardkit.stream.dataset import ShardDataset
+from shardkit.write.packer import pack
 
 
 def _photo(width: int, height: int, seed: int = 0) -> np.ndarray:
@@ -73,7 +73,7 @@ def test_the_two_decoders_agree_within_the_documented_bound(variant, scale):
 
 
 needs_roi = pytest.mark.skipif(
-    image_mod._native is None, reason="shardkit._native not built (no libjpeg headers)"
+    image_mod._native is None, reason="shardkit.images._native not built (no libjpeg headers)"
 )
 
 
@@ -133,7 +133,7 @@ def test_geometry_gives_the_same_pixels_with_and_without_the_region_decoder(crop
 @pytest.mark.parametrize("native", [True, False])
 def test_to_planes_is_the_transpose_for_every_layout(native, monkeypatch):
     if native and image_mod._native is None:
-        pytest.skip("shardkit._native not built")
+        pytest.skip("shardkit.images._native not built")
     if not native:
         monkeypatch.setattr(image_mod, "_native", None)
     rng = np.random.default_rng(0)

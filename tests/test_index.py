@@ -1,4 +1,4 @@
-"""``shardkit index`` (issue 12): a manifest for tars written elsewhere, and what it buys."""
+"""``shardkit index``: a manifest for tars written elsewhere, and what it buys."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from conftest import gnu_tar
 from shardkit import ShardDataset
 from shardkit.errors import OutputError, ShardFormatError
 from shardkit.formats.tar import iter_tar_records
-from shardkit.index import index_shards
 from shardkit.manifest import INDEX_EVERY, read_manifest
-from shardkit.verify import verify
+from shardkit.write.index import index_shards
+from shardkit.write.verify import verify
 
 wds = pytest.importorskip("webdataset")
 
@@ -112,8 +112,8 @@ def test_index_offsets_seek_to_the_right_sample(foreign):
         assert [r.key for r in got] == [r.key for r in every[start : start + 3]]
     # through the dataset: three workers starting mid-shard read, together, the whole epoch
     from shardkit.formats import get_format
-    from shardkit.stream import read_slices
-    from shardkit.world import World
+    from shardkit.stream.stages import read_slices
+    from shardkit.stream.world import World
 
     ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
     parts = [

@@ -1,4 +1,8 @@
-"""The package's shape: no import cycle between shardkit modules, optional extras stay optional."""
+"""The package's shape: layers that only import downward, no import cycle, optional extras stay
+optional.
+
+A check anyone can run: ``python tests/test_layout.py`` prints the layers and any upward import.
+"""
 
 from __future__ import annotations
 
@@ -99,6 +103,62 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if found:
                 return found
     return None
+
+
+#: The layers of the package, lowest first: a module imports only from its own layer or below
+#: (within a layer, ``test_no_import_cycle_in_shardkit`` keeps the order acyclic). A unit is a
+#: module or a package with everything under it; every module must sit in exactly one unit.
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "shared utilities",
+        {"errors", "redact", "retry", "sizes", "urls", "records", "extras", "progress", "fsutil"},
+    ),
+    ("images: checks, decode, geometry", {"images"}),
+    ("bytes on disk and where they live", {"manifest", "remote", "formats", "paths", "scan"}),
+    ("reading: shards to samples", {"stream"}),
+    ("writing: folders to shards, verify", {"write"}),
+    ("batches", {"loader"}),
+    ("front doors", {"bench", "synth", "cli", ""}),
+]
+
+
+def layer_of(module: str) -> int:
+    """Index in ``LAYERS`` of the unit ``module`` belongs to (the longest matching unit)."""
+    best, found = -1, None
+    for i, (_, units) in enumerate(LAYERS):
+        for unit in units:
+            name = f"shardkit.{unit}" if unit else "shardkit"
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), i
+    if found is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: place it there")
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import of a higher layer (a package's own parent
+    ``__init__`` aside: ``from . import x`` reaches it)."""
+    return [
+        f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+        for m in sorted(graph)
+        for t in sorted(graph[m])
+        if not m.startswith(t + ".") and layer_of(t) > layer_of(m)
+    ]
+
+
+def test_every_module_sits_in_a_layer_and_imports_only_downward():
+    graph = import_graph()
+    assert {"shardkit.stream.dataset", "shardkit.images.decode", "shardkit.write.packer"} <= set(
+        graph
+    )
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"shardkit.errors": {"shardkit.stream.stages"}, "shardkit.stream.stages": set()}
+    assert upward_imports(graph) == [
+        "shardkit.errors (shared utilities) -> shardkit.stream.stages (reading: shards to samples)"
+    ]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -211,3 +271,13 @@ def test_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["svg", "0"]
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    for i, (name, _) in enumerate(LAYERS):
+        mods = sorted(m for m in graph if layer_of(m) == i)
+        print(f"{i} {name}: {', '.join(m.removeprefix('shardkit.') or 'shardkit' for m in mods)}")
+    bad = upward_imports(graph)
+    print("\n".join(bad) or "no module imports upward")
+    sys.exit(1 if bad else 0)

@@ -19,8 +19,8 @@ from conftest import _children, leftovers
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit.dataset import ShardDataset
-from shardkit.packer import pack
+from shardkit.stream.dataset import ShardDataset
+from shardkit.write.packer import pack
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -166,8 +166,8 @@ def test_abandoned_remote_reads_with_a_cache_close_their_cache_files(packed, req
 
 
 def test_remote_datasets_abandoned_and_deleted_leak_no_prefetch_thread_or_shard(packed, request):
-    """Issue 13, item 13: 12 remote datasets, each read part way with ``break`` and deleted, left
-    2 prefetch threads and a prefetched shard apiece (threads 1 -> 26, RSS +130 MB)."""
+    """12 remote datasets, each read part way with ``break`` and deleted, once left 2 prefetch
+    threads and a prefetched shard apiece (threads 1 -> 26, RSS +130 MB)."""
     from shardkit.remote.storage import _Shard
 
     threads, children = set(threading.enumerate()), _children()

@@ -19,11 +19,10 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader
+from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError
-from shardkit.packer import pack
 from shardkit.stream import worker_span
-from shardkit.world import World
+from shardkit.stream.world import World
 
 # Most tests iterate epoch 0 more than once on purpose (a reference pass, then the loader).
 pytestmark = pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning")

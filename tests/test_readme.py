@@ -133,8 +133,8 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
     on PATH."""
     from remote_servers import FAKE_KEY, FAKE_SECRET
 
-    from shardkit.packer import pack
     from shardkit.synth import make_lfw
+    from shardkit.write.packer import pack
 
     env = {
         "SHARDKIT_LFW_SCALE": SCALE,

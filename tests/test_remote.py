@@ -16,21 +16,20 @@ import pytest
 from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server
 
 from shardkit.errors import InputError, StorageError
+from shardkit.redact import redact
 from shardkit.remote import (
     Expected,
     FetchStats,
     MissingObjectError,
     RemoteStorage,
-    RetryPolicy,
     ShardCache,
     Uploader,
     fetch,
-    is_transient,
     read_bytes,
-    redact,
     upload_file,
 )
 from shardkit.remote.prefetch import Prefetcher
+from shardkit.retry import RetryPolicy, is_transient
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
@@ -106,7 +105,7 @@ def test_redact_masks_userinfo_signatures_and_known_secrets(monkeypatch):
         "GET https://alice:pw0rd@host/x?X-Amz-Signature=abcdef&X-Amz-Credential=AKIA1/2&ok=1 "
         f"failed; key {FAKE_KEY} secret {FAKE_SECRET}; env envSecretValue123"
     )
-    from shardkit.remote.redact import secret_values
+    from shardkit.redact import secret_values
 
     out = redact(text, secret_values({"key": FAKE_KEY, "client_kwargs": {"secret": FAKE_SECRET}}))
     for leaked in ("pw0rd", "alice", "abcdef", "AKIA1", FAKE_KEY, FAKE_SECRET, "envSecretValue123"):
@@ -415,7 +414,7 @@ def test_remote_storage_pickles_without_threads_or_sockets(s3, tmp_path):
 def test_remote_storage_verifies_against_the_manifest_found_beside_the_shards(s3):
     import json
 
-    from shardkit.sources import resolve_source
+    from shardkit.stream.sources import resolve_source
 
     good, bad = os.urandom(3000), os.urandom(3000)
     manifest = {

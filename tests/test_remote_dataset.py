@@ -18,9 +18,10 @@ import pytest
 from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server, free_env
 from torch.utils.data import DataLoader
 
-from shardkit.dataset import ShardDataset
+from shardkit import pack
 from shardkit.errors import OutputError, StorageError
-from shardkit.remote import ShardCache, pack_to_url
+from shardkit.remote import ShardCache
+from shardkit.stream.dataset import ShardDataset
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
@@ -273,7 +274,7 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     s3.client().create_bucket(Bucket=b)
     s3.log.clear()
     opts = S3Server.options(s3.endpoint)
-    report = pack_to_url(
+    report = pack(
         data["src"],
         f"s3://{b}/lfw/",
         storage_options=opts,
@@ -288,7 +289,7 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     ds = _ds(f"s3://{b}/lfw/", opts)
     assert sorted(_keys(ds, num_workers=0)) == ALL_KEYS
     with pytest.raises(OutputError, match="already holds a packed dataset"):
-        pack_to_url(data["src"], f"s3://{b}/lfw/", storage_options=opts, progress=False)
+        pack(data["src"], f"s3://{b}/lfw/", storage_options=opts, progress=False)
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -296,21 +297,21 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
 
 
 def test_info_and_verify_read_a_remote_dataset(s3, data):
-    from shardkit.remote import remote_dataset_info, remote_verify
+    from shardkit.write.verify import dataset_info, verify
 
     b = f"verify-{uuid.uuid4().hex[:8]}"
     s3.upload_dir(b, "tar", data["tar"])
     opts = S3Server.options(s3.endpoint)
-    info = remote_dataset_info(f"s3://{b}/tar/", opts)
+    info = dataset_info(f"s3://{b}/tar/", opts)
     assert info["samples"] == N and info["manifest"] == f"s3://{b}/tar/manifest.json"
-    report = remote_verify(f"s3://{b}/tar/manifest.json", opts, decode=True)
+    report = verify(f"s3://{b}/tar/manifest.json", decode=True, storage_options=opts)
     assert report.ok and report.decoded == N
     names = _shards(data["tar"])
     c = s3.client()
     body = (data["tar"] / names[0]).read_bytes()
     c.put_object(Bucket=b, Key=f"tar/{names[0]}", Body=body[:-1024])
     c.delete_object(Bucket=b, Key=f"tar/{names[1]}")
-    report = remote_verify(f"s3://{b}/tar/", opts)
+    report = verify(f"s3://{b}/tar/", storage_options=opts)
     problems = {p.path: p.problems for p in report.bad}
     assert set(problems) == {names[0], names[1]} and problems[names[1]] == ["missing"]
     assert any("manifest says" in p for p in problems[names[0]])
@@ -363,9 +364,9 @@ def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
 
 
 def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
-    """One entry point each: pack(src, url), verify(url), dataset_info(url); no remote_* needed."""
-    from shardkit import ShardWriter, pack
-    from shardkit.verify import dataset_info, verify
+    """One entry point each: pack(src, url), verify(url), dataset_info(url)."""
+    from shardkit import ShardWriter
+    from shardkit.write.verify import dataset_info, verify
 
     b = f"urls-{uuid.uuid4().hex[:8]}"
     s3.client().create_bucket(Bucket=b)

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from shardkit.dataset import ShardDataset
 from shardkit.errors import InputError
 from shardkit.formats import get_format
 from shardkit.manifest import read_manifest
-from shardkit.resume import buffer_point, merge_worker_states, round_robin
-from shardkit.shuffle import rng_for, shuffle_buffer
-from shardkit.storage import LocalStorage
+from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.resume import buffer_point, merge_worker_states, round_robin
+from shardkit.stream.shuffle import rng_for, shuffle_buffer
+from shardkit.stream.storage import LocalStorage
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardkit.shuffle import buffer_rng, rng_for, shard_order, shuffle_buffer
+from shardkit.stream.shuffle import buffer_rng, rng_for, shard_order, shuffle_buffer
 
 
 def test_shard_order_is_a_permutation_fixed_by_seed_and_epoch():

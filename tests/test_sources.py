@@ -10,8 +10,8 @@ import pytest
 from shardkit.errors import InputError, ManifestError
 from shardkit.manifest import MANIFEST_NAME, read_manifest
 from shardkit.records import ShardInfo
-from shardkit.sources import UNKNOWN, resolve_source
-from shardkit.storage import LocalStorage, is_url, storage_for
+from shardkit.stream.sources import UNKNOWN, resolve_source
+from shardkit.stream.storage import LocalStorage, is_url, storage_for
 
 
 @pytest.fixture(scope="module")

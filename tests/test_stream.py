@@ -12,17 +12,17 @@ from PIL import Image
 
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
-from shardkit.images import decode_image
+from shardkit.images.decode import decode_image
 from shardkit.records import Record, ShardInfo, ShardSlice
-from shardkit.shuffle import shard_order
-from shardkit.storage import LocalStorage
-from shardkit.stream import (
+from shardkit.stream.shuffle import shard_order
+from shardkit.stream.stages import (
     apply_transforms,
     decode_records,
     plan_epoch,
     rank_samples,
     read_slices,
 )
+from shardkit.stream.storage import LocalStorage
 
 # --- planning ---------------------------------------------------------------------------------
 

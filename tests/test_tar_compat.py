@@ -1,4 +1,4 @@
-"""Foreign tars (issue 12): what tarfile, GNU tar or webdataset wrote reads as webdataset reads it.
+"""Foreign tars: what tarfile, GNU tar or webdataset wrote reads as webdataset reads it.
 
 Every tar here is built by a real writer (``tarfile`` in ustar/gnu/pax, GNU ``tar`` in
 ustar/gnu/pax, webdataset's ``TarWriter``) and read back by our reader and webdataset's, and

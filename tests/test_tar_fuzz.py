@@ -1,4 +1,4 @@
-"""Fuzzed tar bytes (issue 13): any input streams or raises a ShardkitError, in bounded time.
+"""Fuzzed tar bytes: any input streams or raises a ShardkitError, in bounded time.
 
 hypothesis flips, overwrites and cuts bytes of small valid tars (GNU, PAX, ustar); the reader,
 the header-only counter and webdataset-style grouping must never hang, allocate what a header

@@ -14,8 +14,8 @@ from PIL import Image
 
 from shardkit.errors import ManifestError
 from shardkit.manifest import read_manifest
-from shardkit.packer import pack
-from shardkit.verify import dataset_info, verify
+from shardkit.write.packer import pack
+from shardkit.write.verify import dataset_info, verify
 
 
 def _tree(root, classes: dict[str, int], seed=0) -> int:

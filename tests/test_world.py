@@ -6,7 +6,7 @@ import pytest
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.errors import InputError
-from shardkit.world import World, current_world, distributed_rank, worker_slot
+from shardkit.stream.world import World, current_world, distributed_rank, worker_slot
 
 
 def test_defaults_without_distributed(monkeypatch):

@@ -260,7 +260,7 @@ def test_pack_an_iterator_skips_unusable_samples(tmp_path):
         yield np.zeros((4, 4, 3), dtype=np.float32), 1
         yield jpeg(3), 1
 
-    with pytest.warns(shardkit.packer.PackWarning, match="skipped 2 .* keys"):
+    with pytest.warns(shardkit.write.packer.PackWarning, match="skipped 2 .* keys"):
         report = pack(gen(), tmp_path / "out", progress=False)
     reasons = {s.path: s.reason for s in read_manifest(str(tmp_path / "out")).skipped}
     assert report.samples == 2 and set(reasons) == {"000000001", "000000002"}

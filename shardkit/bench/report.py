@@ -141,7 +141,7 @@ def vs_line(result: BenchResult, fmt: str, base_fmt: str = "folder") -> str:
     return text + f"): within noise ({c.describe()})."
 
 
-def verdict(result: BenchResult) -> list[str]:
+def verdict(result: BenchResult) -> list[str]:  # noqa: C901 (one if-block per sentence)
     """Plain-words conclusions, each grounded in numbers from this run.
 
     A difference between two configurations is called real only when Welch's t-test on their

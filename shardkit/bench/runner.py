@@ -3,7 +3,7 @@
 How one run is measured (``run_once``):
 
 1. ``--cold``: the files this format reads (the image folder, or the shard files) are evicted from
-   the page cache with ``shardkit.pagecache.evict`` and their residency is checked with
+   the page cache with ``shardkit.bench.pagecache.evict`` and their residency is checked with
    ``resident_fraction`` (recorded per run). ``--warm``: every file is read once before the first
    run of that format.
 2. A fresh ``torch.utils.data.DataLoader`` is built with the run's ``num_workers``; the clock
@@ -40,9 +40,9 @@ from torch.utils.data import DataLoader
 
 from ..errors import InputError, OutputError
 from ..extras import require
-from ..pagecache import evict_until_cold, prime, residency
 from .config import MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
 from .estimate import Estimate, clock_text, estimate
+from .pagecache import evict_until_cold, prime, residency
 from .results import BenchResult, Load, Row, RunContext, RunResult, Timeline
 from .sources import (
     bytes_per_sample,
@@ -72,7 +72,7 @@ def measure_ceiling(samples: Sequence[bytes], mode: str, seconds: float = 1.0) -
     ``decode``: ``decode_image(data, "tensor")``, the datasets' own decode; ``augment``: PIL
     decode then ``Augment``. No reading, no DataLoader: the best a single core can do.
     """
-    from ..images import decode_image
+    from ..images.decode import decode_image
 
     decode = DATASET_DECODE[mode]
     aug = Augment() if mode == "augment" else None

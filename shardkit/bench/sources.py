@@ -1,8 +1,8 @@
 """Where each benchmarked format reads from: planning (make and pack what is missing) and datasets.
 
 ``plan_sources`` turns a ``BenchConfig`` into one path per format. What counts as a packed
-dataset is decided by ``shardkit.sources.resolve_source``, the same resolution ``ShardDataset``
-uses, so the bench never reuses something the dataset would read differently.
+dataset is decided by ``shardkit.stream.sources.resolve_source``, the same resolution
+``ShardDataset`` uses, so the bench never reuses something the dataset would read differently.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..manifest import MANIFEST_NAME
-from ..sources import resolve_source
-from ..storage import is_url
+from ..stream.sources import resolve_source
+from ..stream.storage import is_url
 from .config import SHARD_FORMATS, BenchConfig, say
 from .workloads import DATASET_DECODE, Augment, MemoryDataset
 
@@ -91,7 +91,7 @@ def _shards_for(cfg: BenchConfig, data: str | None, fmt: str, target: str) -> st
     if found is None:
         if data is None:
             raise _nothing_packed(target)
-        from ..packer import pack
+        from ..write.packer import pack
 
         say(cfg, f"packing {data} into {target} ({fmt}, {_size_text(cfg.shard_size)} shards)")
         report = pack(data, target, format=fmt, shard_size=cfg.shard_size, progress=False)
@@ -208,7 +208,7 @@ def _check_packed_from(cfg: BenchConfig, target: str, data: str) -> None:
 
 def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
     """The dataset a run of ``fmt`` iterates, decoding as ``cfg.mode`` asks."""
-    from ..dataset import FolderDataset, ShardDataset
+    from ..stream.dataset import FolderDataset, ShardDataset
 
     decode = DATASET_DECODE[cfg.mode]
     transform = Augment() if cfg.mode == "augment" else None
@@ -233,7 +233,7 @@ def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
 
 def load_all(path: str) -> tuple[list[bytes], list[int]]:
     """Every sample's stored bytes and label, from an image folder or from packed shards."""
-    from ..dataset import FolderDataset, ShardDataset
+    from ..stream.dataset import FolderDataset, ShardDataset
 
     packed = is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME))
     if os.path.isdir(path) and not packed:
@@ -286,7 +286,7 @@ def sample_bytes(fmt: str, ds, count: int, seed: int) -> list[bytes]:
             with open(os.path.join(ds.root, ds.relpath(i)), "rb") as f:
                 out.append(f.read())
         return out
-    from ..dataset import ShardDataset
+    from ..stream.dataset import ShardDataset
 
     raw = ShardDataset(ds.urls, decode="raw", shuffle=False, storage=ds.storage)
     out = []

@@ -8,7 +8,7 @@ every process on the machine, so a worker's stamps and the main loop's stamps sh
 - ``raw`` mode: the dataset yields the stored JPEG bytes; ``Collate`` keeps a batch as
   ``(list of bytes, labels)``: storage and transport only, no decoding.
 - ``decode`` mode: the dataset decodes with ``decode="tensor"`` (uint8 CHW, the same
-  ``shardkit.images.decode_image`` both datasets use); batches are stacked ``(B, 3, H, W)``.
+  ``shardkit.images.decode.decode_image`` both datasets use); batches are stacked ``(B, 3, H, W)``.
 - ``augment`` mode: ``decode="pil"`` then ``Augment``, a CPU-heavy PIL/numpy augmentation.
 """
 
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..errors import InputError
-from ..storage import LocalStorage
-from ..world import WorkerCounter, dataloader_worker, worker_slot
+from ..errors import check_choice
+from ..stream.storage import LocalStorage
+from ..stream.world import WorkerCounter, dataloader_worker, worker_slot
 
 __all__ = [
     "MODES",
@@ -139,8 +139,7 @@ class Collate:
     """
 
     def __init__(self, mode: str):
-        if mode not in MODES:
-            raise InputError(f"mode={mode!r} is not one of: {', '.join(MODES)}")
+        check_choice("mode", mode, MODES)
         self.mode = mode
 
     def __call__(self, samples: list[tuple]):
@@ -215,7 +214,7 @@ class MemoryDataset(IterableDataset):
         return len(self.labels)
 
     def __iter__(self):
-        from ..images import decode_image
+        from ..images.decode import decode_image
 
         k, n = worker_slot()
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.labels))

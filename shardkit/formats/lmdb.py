@@ -14,14 +14,22 @@ import json
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import lmdb
 
 from ..errors import ShardFormatError
 from ..fsutil import open_regular
-from ..records import Record, ShardStats
+from ..records import Record, ShardInfo, ShardStats
+from .base import ShardFormat
 
-__all__ = ["LmdbShardWriter", "iter_lmdb_records", "count_lmdb_samples", "sample_key"]
+__all__ = [
+    "LmdbFormat",
+    "LmdbShardWriter",
+    "count_lmdb_samples",
+    "iter_lmdb_records",
+    "sample_key",
+]
 
 #: label (int32), key length (uint16), extension length (uint8)
 _VALUE_HEADER = struct.Struct("<iHB")
@@ -458,3 +466,45 @@ def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
         ) from None
     finally:
         env.close()
+
+
+class LmdbFormat(ShardFormat):
+    """LMDB shards as a ``ShardFormat``: the reader maps a whole file, so a shard is reached
+    through ``storage.local_path()``."""
+
+    name = "lmdb"
+    suffix = ".lmdb"
+    maps_file = True
+
+    def open_writer(self, path: str) -> LmdbShardWriter:
+        return LmdbShardWriter(path)
+
+    def iter_records(
+        self,
+        source: Any,
+        *,
+        shard: str = "",
+        start: int = 0,
+        stop: int | None = None,
+        index: Sequence[int] = (),
+        fields: Sequence[str] = (),
+    ) -> Iterator[Record]:
+        if fields:  # ShardDataset refuses fields= for LMDB before it gets here
+            raise TypeError("LMDB shards carry no extra fields")
+        return iter_lmdb_records(source, shard=shard, start=start, stop=stop, index=index)
+
+    def records(
+        self,
+        storage: Any,
+        shard: ShardInfo,
+        start: int = 0,
+        stop: int | None = None,
+        fields: Sequence[str] = (),
+    ) -> Iterator[Record]:
+        path = storage.local_path(shard)  # now, not on the first sample: a missing file is named
+        return self.iter_records(
+            path, shard=shard.url, start=start, stop=stop, index=shard.index, fields=fields
+        )
+
+    def count(self, storage: Any, shard: ShardInfo) -> int:
+        return count_lmdb_samples(storage.local_path(shard), shard=shard.url)

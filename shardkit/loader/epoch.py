@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import ShardkitError
-from ..world import World
+from ..stream.world import World
 from .messages import Batch, End
 
 __all__ = ["Epoch", "slots_per_worker"]

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..geometry import ShapeError
-from ..resume import EpochState
-from ..stream import sample_error
-from ..world import World
+from ..images.geometry import ShapeError
+from ..stream.resume import EpochState
+from ..stream.stages import sample_error
+from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..dataset import ShardDataset
 from ..errors import InputError
+from ..stream.dataset import ShardDataset
 from .epoch import Epoch, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring

@@ -8,16 +8,16 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
 - ``fetch``/``read_bytes``: whole-object reads with retries and resume.
 - ``read_manifest_url``/``local_copy``: what ``verify``/``dataset_info`` use for URLs.
 - ``upload_file``/``Uploader``: what ``ShardWriter`` uses for a URL ``out``.
-- ``pack_to_url``/``remote_verify``/``remote_dataset_info``: kept for existing code;
-  ``shardkit.pack``, ``verify`` and ``dataset_info`` take URLs themselves.
+
+``shardkit.pack``, ``shardkit.write.verify.verify`` and ``dataset_info`` take URLs themselves.
+The retry policy and the redaction of secrets in messages are ``shardkit.retry`` and
+``shardkit.redact``: the local code paths use them too.
 """
 
 from .cache import CacheStats, ShardCache
 from .fetch import Expected, FetchStats, MissingObjectError, fetch, read_bytes
 from .fs import filesystem, is_remote_url
 from .inspect import local_copy, read_manifest_url
-from .redact import redact
-from .retry import RetryPolicy, is_transient
 from .storage import RemoteStorage
 from .upload import Uploader, join_url, upload_file
 
@@ -27,53 +27,14 @@ __all__ = [
     "FetchStats",
     "MissingObjectError",
     "RemoteStorage",
-    "RetryPolicy",
     "ShardCache",
     "Uploader",
     "fetch",
     "filesystem",
     "is_remote_url",
-    "is_transient",
     "join_url",
     "local_copy",
-    "pack_to_url",
     "read_bytes",
     "read_manifest_url",
-    "redact",
-    "remote_dataset_info",
-    "remote_verify",
     "upload_file",
 ]
-
-
-# --- kept for existing code: the library entry points take URLs themselves now --------------
-
-
-def pack_to_url(src, url: str, *, storage_options=None, work_dir=None, concurrency=4, **kw):
-    """``shardkit.pack(src, url)``: every finished shard uploaded at once, the manifest last."""
-    from ..packer import pack
-
-    return pack(
-        src,
-        url,
-        storage_options=storage_options,
-        work_dir=work_dir,
-        upload_concurrency=concurrency,
-        **kw,
-    )
-
-
-def remote_dataset_info(url: str, storage_options=None) -> dict:
-    """``shardkit.verify.dataset_info(url)``."""
-    from ..verify import dataset_info
-
-    return dataset_info(url, storage_options)
-
-
-def remote_verify(url: str, storage_options=None, *, decode=False, progress=False, work_dir=None):
-    """``shardkit.verify.verify(url)``."""
-    from ..verify import verify
-
-    return verify(
-        url, decode=decode, progress=progress, storage_options=storage_options, work_dir=work_dir
-    )

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
+from ..redact import redact, secret_values
+from ..retry import RetryPolicy, describe, is_transient
 from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, strip
-from .redact import redact, secret_values
-from .retry import RetryPolicy, describe, is_transient
 
 __all__ = [
     "Expected",
@@ -111,7 +111,7 @@ def _sha256_of(out: BinaryIO) -> str:
     return h.hexdigest()
 
 
-def fetch(
+def fetch(  # noqa: C901 (one retry loop with its error cases inline)
     url: str,
     out: BinaryIO,
     *,

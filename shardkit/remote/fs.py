@@ -21,7 +21,7 @@ import fsspec
 from fsspec.asyn import sync
 from fsspec.utils import tokenize
 
-from .retry import IncompleteObject
+from ..retry import IncompleteObject
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -1,4 +1,5 @@
-"""What ``shardkit.verify`` needs for datasets behind a URL: the manifest and local shard copies.
+"""What ``shardkit.write.verify`` needs for datasets behind a URL: the manifest and local shard
+copies.
 
 ``verify``/``dataset_info`` read the manifest over the network with ``read_manifest_url``, and
 download each shard whole (with retries and resume) with ``local_copy`` to a temporary file that
@@ -13,9 +14,9 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..retry import RetryPolicy
 from ..urls import url_name
 from .fetch import fetch
-from .retry import RetryPolicy
 
 __all__ = ["read_manifest_url", "local_copy"]
 

@@ -1,4 +1,4 @@
-"""``RemoteStorage``: the ``shardkit.storage.Storage`` protocol over object stores and HTTP.
+"""``RemoteStorage``: the ``shardkit.stream.storage.Storage`` protocol over object stores and HTTP.
 
 What a DataLoader worker gets from it: the shard it asks for, fetched whole with one large
 sequential read (retried and resumed on failure), verified against the manifest's size and sha256,
@@ -30,13 +30,13 @@ from typing import Any, BinaryIO
 
 from ..errors import InputError
 from ..records import ShardInfo
+from ..retry import RetryPolicy
 from ..sizes import parse_size
 from ..urls import url_name
 from .cache import ShardCache
 from .fetch import CHUNK, Expected, FetchStats, fetch
 from .fs import DEFAULT_TIMEOUT
 from .prefetch import Prefetcher
-from .retry import RetryPolicy
 
 __all__ = ["RemoteStorage"]
 

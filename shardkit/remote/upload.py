@@ -18,10 +18,10 @@ from typing import Any
 
 from ..errors import InputError, StorageError
 from ..manifest import MANIFEST_NAME
+from ..retry import RetryPolicy, is_transient
 from ..urls import join_url, url_name, url_parent  # re-exported: the one URL module
 from .fetch import storage_error
 from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of, strip
-from .retry import RetryPolicy, is_transient
 
 __all__ = ["check_writable", "join_url", "url_name", "url_parent", "upload_file", "Uploader"]
 

@@ -9,9 +9,11 @@ specified in FORMAT.md; any ustar/GNU reader (``tarfile``, GNU tar, WebDataset) 
 - ``parse``: what every reader shares: the window over the stream, header fields, member names
   and kinds, gzip, and the errors that name the shard;
 - ``reader``: ``iter_tar_records``, the one hot streaming loop;
-- ``tally``: counting and indexing by headers only (``count_tar_samples``, ``tally_tar``).
+- ``tally``: counting and indexing by headers only (``count_tar_samples``, ``tally_tar``);
+- ``format``: ``TarFormat``, the ``ShardFormat`` that reads a shard as a stream.
 """
 
+from .format import TarFormat
 from .parse import IMAGE_EXTS, LABEL_EXTS, is_gzip_name, split_member_name
 from .reader import iter_tar_records
 from .tally import TarTally, count_tar_samples, tally_tar, warn_imageless
@@ -20,6 +22,7 @@ from .writer import TarShardWriter
 __all__ = [
     "IMAGE_EXTS",
     "LABEL_EXTS",
+    "TarFormat",
     "TarShardWriter",
     "TarTally",
     "count_tar_samples",

@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from ...errors import ShardFormatError
 from ...fsutil import open_regular
-from ...images import IMAGE_EXTENSIONS
+from ...images.checks import IMAGE_EXTENSIONS
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
@@ -25,7 +25,7 @@ _MAX_OCTAL_SIZE = 8**11 - 1  # 11 octal digits: 8 GiB - 1
 
 #: Member extensions treated as the sample's image: a member whose extension (lowercased) ends in
 #: one of these (``jpg``, ``input.jpg``) is the image; the first one in a sample wins.
-IMAGE_EXTS = IMAGE_EXTENSIONS  # one answer to "is this an image?" (shardkit.images)
+IMAGE_EXTS = IMAGE_EXTENSIONS  # one answer to "is this an image?" (shardkit.images.checks)
 #: Member extensions that carry the integer class label as decimal ASCII.
 LABEL_EXTS = frozenset({"cls", "label", "cls.txt", "index"})
 

@@ -35,7 +35,7 @@ from .parse import (
 __all__ = ["iter_tar_records"]
 
 
-def _scan(
+def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     f: BinaryIO,
     shard: str,
     start: int,

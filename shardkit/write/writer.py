@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, OutputError
-from .formats import get_format
-from .formats.tar import LABEL_EXTS
-from .fsutil import (
+from ..errors import InputError, OutputError
+from ..formats import get_format
+from ..formats.tar import LABEL_EXTS
+from ..fsutil import (
     JOURNAL_NAME,
     STAGING_PREFIX,
     DirLock,
@@ -44,17 +44,16 @@ from .fsutil import (
     staging_name,
     write_error,
 )
-from .images import IMAGE_EXTENSIONS
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from .sizes import parse_size
-from .urls import is_remote, join_url
+from ..images.checks import IMAGE_EXTENSIONS, image_ext
+from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
+from ..sizes import parse_size
+from ..urls import is_remote, join_url
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "ShardSizeWarning",
     "ShardWriter",
     "WriterReport",
-    "image_ext",
     "shard_name",
 ]
 
@@ -71,26 +70,6 @@ _RESERVED = frozenset(IMAGE_EXTENSIONS) | frozenset(LABEL_EXTS)
 
 def shard_name(index: int, suffix: str) -> str:
     return f"shard-{index:06d}{suffix}"
-
-
-def image_ext(data: bytes) -> str | None:
-    """The member extension for encoded image bytes, from their magic number (None: unknown)."""
-    head = bytes(data[:12])
-    if head.startswith(b"\xff\xd8\xff"):
-        return "jpg"
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    if head.startswith((b"GIF87a", b"GIF89a")):
-        return "gif"
-    if head.startswith(b"BM"):
-        return "bmp"
-    if head.startswith((b"II*\x00", b"MM\x00*")):
-        return "tiff"
-    if head[:2] in (b"P5", b"P6"):
-        return "pgm" if head[:2] == b"P5" else "ppm"
-    return None
 
 
 def _field_bytes(name: str, value: Any, key: str) -> bytes:
@@ -213,9 +192,9 @@ class ShardWriter:
             raise
 
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
-        from .remote.fetch import check_bucket, storage_error
-        from .remote.fs import filesystem, protocol_of, strip
-        from .remote.upload import Uploader, check_writable
+        from ..remote.fetch import check_bucket, storage_error
+        from ..remote.fs import filesystem, protocol_of, strip
+        from ..remote.upload import Uploader, check_writable
 
         url = self.out
         check_writable(url)
@@ -496,7 +475,7 @@ def _old_outputs(out: str) -> list[str]:
 
 
 def _old_remote_outputs(url: str, storage_options) -> list[str]:
-    from .remote.inspect import read_manifest_url
+    from ..remote.inspect import read_manifest_url
 
     try:
         manifest, _ = read_manifest_url(url, storage_options)

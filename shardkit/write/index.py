@@ -15,11 +15,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import InputError, OutputError
-from .formats import format_for_path, is_shard_name
-from .formats.tar import is_gzip_name, tally_tar, warn_imageless
-from .fsutil import HashingReader, open_regular, write_error
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
+from ..errors import InputError, OutputError
+from ..formats import format_for_path, is_shard_name
+from ..formats.tar import is_gzip_name, tally_tar, warn_imageless
+from ..fsutil import HashingReader, open_regular, write_error
+from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
 
 __all__ = ["IndexResult", "index_shards"]
 
@@ -81,7 +81,7 @@ def index_shards(
     shards get counts and checksums but no offset index (they cannot seek). Raises OutputError
     if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``).
     """
-    from .progress import track
+    from ..progress import track
 
     files = _expand([os.fspath(p) for p in paths])
     by_dir: dict[str, list[str]] = {}

@@ -1,7 +1,7 @@
 """``ShardDataset`` streams packed shards into PyTorch (``FolderDataset``, the per-file baseline,
-is in ``shardkit.folder`` and re-exported here).
+is in ``shardkit.stream.folder`` and re-exported here).
 
-Splitting (see ``shardkit.stream.plan_epoch``): every epoch the shard list is permuted from
+Splitting (see ``shardkit.stream.stages.plan_epoch``): every epoch the shard list is permuted from
 (seed, epoch) identically on every rank, laid end to end as one stream of N samples, and cut into
 ``world_size`` contiguous rank parts, each into ``num_workers`` contiguous worker parts. Cuts fall
 between samples, not shards, so one shard can feed several workers: no worker idles and no rank is
@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import InputError, ShardkitError, StorageError
+from ..errors import InputError, ShardkitError, StorageError, check_choice
+from ..formats import FORMATS
+from ..images.geometry import Geometry, TensorDecoder
+from ..paths import check_source
+from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
+from ..sizes import parse_size
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .formats import FORMATS
-from .geometry import Geometry, TensorDecoder
-from .paths import check_source
-from .records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .resume import (
     EpochLayout,
     EpochState,
@@ -47,14 +48,12 @@ from .resume import (
     worker_plan,
 )
 from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
-from .sizes import parse_size
 from .sources import resolve_source
-from .storage import Storage, storage_for
-from .stream import (
+from .stages import (
     DECODE_MODES,
     EQUALIZE_MODES,
+    ON_ERROR_MODES,
     apply_transforms,
-    check_choice,
     check_labels,
     decode_records,
     plan_epoch,
@@ -62,6 +61,7 @@ from .stream import (
     read_slices,
     sample_counts,
 )
+from .storage import Storage, storage_for
 from .world import World, current_world, distributed_rank
 
 __all__ = ["ShardDataset", "FolderDataset"]
@@ -118,13 +118,13 @@ class ShardDataset(IterableDataset):
     fewer than ``len(ds)``).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
-    ``storage`` overrides how shards are opened (see shardkit.storage); ``storage_options``,
+    ``storage`` overrides how shards are opened (see shardkit.stream.storage); ``storage_options``,
     ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
     (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
     sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
 
     ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
-    (see shardkit.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
+    (see shardkit.images.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
     ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
     them; the randomness is a function of (seed, epoch, rank, key), so runs repeat.
 
@@ -133,8 +133,8 @@ class ShardDataset(IterableDataset):
     most one of them partial, the same number on every rank.
 
     ``state_dict()`` / ``load_state_dict(state)`` checkpoint the position in the epoch (plain
-    data; see shardkit.resume): resuming reads and decodes nothing already delivered, continues
-    in the same order, and may change the world size (the rest of the epoch is re-split).
+    data; see shardkit.stream.resume): resuming reads and decodes nothing already delivered,
+    continues in the same order, and may change the world size (the rest of the epoch is re-split).
     """
 
     def __init__(
@@ -169,7 +169,7 @@ class ShardDataset(IterableDataset):
             raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
         self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
         check_choice("equalize", equalize, EQUALIZE_MODES)
-        check_choice("on_error", on_error, ("raise", "skip"))
+        check_choice("on_error", on_error, ON_ERROR_MODES)
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
@@ -240,7 +240,7 @@ class ShardDataset(IterableDataset):
         self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
         self._resume_token = 0
         self._resume_local = False  # loaded inside a DataLoader worker (StatefulDataLoader)
-        self._progress = None  # this process's live position (shardkit.resume.Progress)
+        self._progress = None  # this process's live position (shardkit.stream.resume.Progress)
 
     # --- epochs -------------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ seam where remote object stores plug in (``shardkit.remote.RemoteStorage``, chos
 pays a storage round trip per image while shards pay it once per shard.
 
 A storage has a lifecycle: ``close()`` ends whatever it runs in the background (prefetch threads,
-fetched shards nobody took). The read path (``shardkit.stream.read_slices``) calls it when a read
-ends or is abandoned, so nothing outlives an iteration; the storage stays usable afterwards.
+fetched shards nobody took). The read path (``shardkit.stream.stages.read_slices``) calls it when a
+read ends or is abandoned, so nothing outlives an iteration; the storage stays usable afterwards.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from .errors import InputError, StorageError
-from .fsutil import open_regular
-from .records import ShardInfo
-from .urls import is_url
+from ..errors import InputError, StorageError
+from ..fsutil import open_regular
+from ..records import ShardInfo
+from ..urls import is_url
 
 __all__ = ["Storage", "LocalStorage", "storage_for", "is_url", "url_of"]  # is_url: from .urls
 
@@ -129,7 +129,7 @@ def storage_for(
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not any(is_url(os.fspath(s)) for s in items):
         return LocalStorage()
-    from .remote.storage import RemoteStorage
+    from ..remote.storage import RemoteStorage
 
     return RemoteStorage(
         storage_options=storage_options,

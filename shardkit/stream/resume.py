@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .errors import InputError
-from .records import Record, ShardSlice
+from ..errors import InputError
+from ..records import Record, ShardSlice
 from .shuffle import buffer_rng, draw_block, shard_order
-from .stream import _rank_span, plan_epoch, worker_span
+from .stages import _rank_span, plan_epoch, worker_span
 from .world import World
 
 __all__ = [
@@ -176,7 +176,7 @@ class EpochState:
                 f"state describes one DataLoader worker of {cur.num_workers} on world size "
                 f"{cur.world_size}; it resumes only there. To resume on another world, save a "
                 "whole rank's state: ShardLoader.state_dict(), ds.state_dict(batches=...), or "
-                "shardkit.resume.merge_worker_states"
+                "shardkit.stream.resume.merge_worker_states"
             )
         fresh = Segment(world_size, num_workers, batch_size, (0,) * num_workers)
         return replace(self, segments=segments + (fresh,))

@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .formats import ShardFormat, get_format
-from .fsutil import HashingReader, open_regular
-from .images import decode_error
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
-from .paths import check_dataset_path
-from .records import ShardInfo
-from .storage import LocalStorage
-from .urls import is_remote, join_url, url_parent
+from ..errors import InputError
+from ..formats import ShardFormat, get_format
+from ..fsutil import HashingReader, open_regular
+from ..images.checks import decode_error
+from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from ..paths import check_dataset_path
+from ..records import ShardInfo
+from ..stream.storage import LocalStorage
+from ..urls import is_remote, join_url, url_parent
 
 __all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
 
@@ -174,8 +174,8 @@ def _dataset(out: str, storage_options, work_dir):
     whole into a temporary file (deleted after), so one shard at a time is on disk.
     """
     if is_remote(out):
-        from .remote.fetch import MissingObjectError
-        from .remote.inspect import local_copy, read_manifest_url
+        from ..remote.fetch import MissingObjectError
+        from ..remote.inspect import local_copy, read_manifest_url
 
         manifest, manifest_url = read_manifest_url(out, storage_options)
         base = url_parent(manifest_url)  # the query (a token) stays last in derived URLs
@@ -214,7 +214,7 @@ def verify(
     ``threads`` shards are checked at once (default: usable CPUs, at most 8): hashing, reads
     and decoding release the GIL.
     """
-    from .progress import progress as progress_bar
+    from ..progress import progress as progress_bar
 
     manifest, _, name, local = _dataset(os.fspath(out), storage_options, work_dir)
     fmt = get_format(manifest.shard_format)

@@ -60,7 +60,7 @@ def buffer_rng(
     """The buffer's generator: distinct per (rank, worker) so workers do not mirror each other.
 
     ``segment`` > 0 numbers the worlds an epoch was re-split over after an elastic resume
-    (shardkit.resume); segment 0 is the ordinary epoch.
+    (shardkit.stream.resume); segment 0 is the ordinary epoch.
     """
     if segment:
         return rng_for(seed, epoch, _BUFFER, rank, worker, segment)
@@ -69,7 +69,7 @@ def buffer_rng(
 
 def draw_block(rng: np.random.Generator, size: int) -> np.ndarray:
     """The next ``_DRAW_BLOCK`` slot choices; shuffle_buffer and its index-only replay
-    (shardkit.resume) both draw through here, so they consume the generator identically."""
+    (shardkit.stream.resume) both draw through here, so they consume the generator identically."""
     return rng.integers(0, size, _DRAW_BLOCK)
 
 
@@ -81,7 +81,7 @@ def shuffle_buffer(
     ``size`` <= 1 passes items through unchanged. The first item comes out after ``size`` have
     been read; at the end the remaining buffer is emitted in a random order. Every item is emitted
     exactly once. The choices depend only on ``rng`` and on positions, never on the items, which
-    is what lets shardkit.resume recompute a mid-epoch buffer from indices alone.
+    is what lets shardkit.stream.resume recompute a mid-epoch buffer from indices alone.
 
     ``resume=(steps, flushed)`` continues a buffer that had made ``steps`` replacements and
     emitted ``flushed`` items of its final flush: ``items`` then starts with the buffer's

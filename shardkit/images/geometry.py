@@ -6,7 +6,7 @@ through ``TensorDecoder``, so a sample gets the same pixels through either.
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any
 pixel is decoded, the image is decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose crop still
 covers ``size`` x ``size``, and only the crop's rows and columns are decoded (DALI's ROI decode,
-through ``shardkit._native``: rows below the crop never, rows above without the inverse DCT,
+through ``shardkit.images._native``: rows below the crop never, rows above without the inverse DCT,
 columns cut to the crop's iMCUs). Pixels are identical with and without the region decoder
 (tested); without it (not built, CMYK, damaged data) the whole image is decoded and cropped.
 
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import InputError
-from .images import (
+from ..errors import InputError, check_choice
+from .decode import (
     BufferShapeError,
     decode_jpeg_region,
     decode_rgb,
@@ -65,8 +65,7 @@ class Geometry:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise InputError(f"size={self.size} must be >= 1 (the output side in pixels)")
-        if self.crop not in CROP_MODES:
-            raise InputError(f"crop={self.crop!r} is not one of: 'center', 'random'")
+        check_choice("crop", self.crop, CROP_MODES)
         lo, hi = self.scale
         if not 0 < lo <= hi <= 1:
             raise InputError(f"scale={self.scale} must satisfy 0 < min <= max <= 1")

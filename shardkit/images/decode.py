@@ -1,7 +1,4 @@
-"""Images: which files are images, the cheap and full checks on their bytes, and decoding.
-
-One home for what pack, verify, the folder reader and the streaming decode stage all need, so
-"is this an image?" has one answer everywhere (pack used to accept 5 types, the tar reader 10).
+"""Decoding stored image bytes to pixels, and re-encoding for ``pack --resize``.
 
 Two decoders. JPEG goes through libjpeg-turbo's TurboJPEG API (``simplejpeg``): from memory, into
 a caller-given buffer, at a reduced DCT scale when a smaller image will do, with the GIL released.
@@ -10,8 +7,10 @@ refuses (12-bit, damaged but still readable); if Pillow fails too, the sample is
 link libjpeg-turbo with the same settings (accurate integer DCT, fancy upsampling), so their
 pixels agree: measured on the synthetic LFW and ImageNet sets, full-size decodes are identical
 (max abs difference 0) and CMYK JPEGs differ by at most 1 level (``MAX_PATH_DIFFERENCE``).
-Neither library decodes a region of interest: TurboJPEG's cropping (``tj3SetCroppingRegion``)
-is not exposed by simplejpeg nor by Pillow, so only the DCT scale reduces the work.
+Neither library decodes a region of interest, so ``decode_jpeg_region`` does it through
+``_native`` (built from ``_native.c``, libjpeg's ``jpeg_crop_scanline`` and
+``jpeg_skip_scanlines``); where that extension is not built, crops decode the whole image at the
+DCT scale. Which bytes are images, and the checks on them, are in ``checks``.
 """
 
 from __future__ import annotations
@@ -23,111 +22,33 @@ import warnings
 import numpy as np
 import simplejpeg
 
+from .checks import is_jpeg
+
 try:  # built from _native.c when libjpeg's headers were there at install; optional
     from . import _native
 except ImportError:
     _native = None
 
 __all__ = [
-    "IMAGE_EXTENSIONS",
-    "RESIZE_QUALITY",
-    "TRAILER_WINDOW",
     "MAX_PATH_DIFFERENCE",
+    "RESIZE_QUALITY",
     "BufferShapeError",
-    "check_image_bytes",
-    "decode_error",
     "decode_image",
+    "decode_jpeg_region",
     "decode_rgb",
     "image_size",
-    "is_jpeg",
     "jpeg_scale",
     "resize_short_side",
+    "scratch_hwc",
+    "to_planes",
 ]
 
-#: File extensions (lowercase, no dot) taken as images, in folders and as tar members; matched
-#: case-insensitively. Every one is decoded by Pillow and checked by ``check_image_bytes``.
-IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"}
-)
-#: JPEG quality of images re-encoded by ``resize_short`` (high enough that training accuracy does
-#: not notice, as in FFCV's and ImageNet-resize pipelines).
+#: JPEG quality of images re-encoded by ``resize_short_side`` (high enough that training accuracy
+#: does not notice, as in FFCV's and ImageNet-resize pipelines).
 RESIZE_QUALITY = 90
-#: How far from the end of a file the JPEG end-of-image marker / PNG IEND chunk may sit: writers
-#: sometimes pad a few bytes after it.
-TRAILER_WINDOW = 256
-
-
 #: Largest difference in 8-bit levels between a pixel decoded by simplejpeg and by Pillow from the
 #: same JPEG at the same scale (CMYK conversion rounds differently; RGB/gray JPEGs agree exactly).
 MAX_PATH_DIFFERENCE = 1
-
-_JPEG = b"\xff\xd8\xff"
-_PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def check_image_bytes(data: bytes) -> str | None:
-    """Cheap structural check: the reason the bytes are not a complete image, or None.
-
-    Magic bytes say the format; the end says whether the file is whole (JPEG end-of-image marker,
-    PNG IEND chunk, GIF trailer, the sizes in RIFF/BMP/PNM headers). Costs microseconds, unlike a
-    decode.
-    """
-    n = len(data)
-    if n == 0:
-        return "empty file"
-    tail = max(0, n - TRAILER_WINDOW)
-    if data.startswith(_JPEG):
-        if data.rfind(b"\xff\xd9", tail) < 0:
-            return "truncated JPEG (no end-of-image marker)"
-        return None
-    if data.startswith(_PNG):
-        if data.rfind(b"IEND", tail) < 0:
-            return "truncated PNG (no IEND chunk)"
-        return None
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        if n < int.from_bytes(data[4:8], "little") + 8:
-            return "truncated WebP"
-        return None
-    if data[:2] == b"BM" and n >= 6:
-        if n < int.from_bytes(data[2:6], "little"):
-            return "truncated BMP"
-        return None
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        if not data.rstrip(b"\x00\n").endswith(b"\x3b"):  # the trailer must end the file
-            return "truncated GIF (no trailer byte)"
-        return None
-    if data[:4] in (b"II*\x00", b"MM\x00*"):
-        return None  # TIFF: offsets point anywhere in the file, no cheap completeness check
-    if data[:2] in (b"P5", b"P6"):
-        return _check_pnm(data)
-    return f"not a JPEG, PNG, WebP, BMP, GIF, TIFF or PPM/PGM file (starts with {data[:8]!r})"
-
-
-def _check_pnm(data: bytes) -> str | None:
-    """Binary PGM/PPM: header ``P5|P6 width height maxval`` then exactly the raster."""
-    fields = data[:64].split(maxsplit=4)
-    try:
-        width, height, maxval = (int(f) for f in fields[1:4])
-    except (ValueError, IndexError):
-        return "damaged PPM/PGM header"
-    header = data.index(fields[3], len(fields[0])) + len(fields[3]) + 1
-    channels = 3 if data[:2] == b"P6" else 1
-    need = header + width * height * channels * (2 if maxval > 255 else 1)
-    return "truncated PPM/PGM" if len(data) < need else None
-
-
-def decode_error(data: bytes) -> str | None:
-    """Full decode with PIL: the reason it fails, or None."""
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data)) as img:
-                img.load()
-    except Exception as exc:
-        return f"cannot decode: {exc}"
-    return None
 
 
 def resize_short_side(data: bytes, short: int, quality: int = RESIZE_QUALITY) -> bytes | None:
@@ -159,10 +80,6 @@ def resize_short_side(data: bytes, short: int, quality: int = RESIZE_QUALITY) ->
 # --- decoding ----------------------------------------------------------------------------------
 
 
-def is_jpeg(data: bytes) -> bool:
-    return data[:3] == _JPEG
-
-
 def jpeg_scale(height: int, width: int, min_size: tuple[int, int] | None) -> int:
     """The largest DCT down-scaling divisor (8, 4, 2 or 1) that keeps the image >= ``min_size``.
 
@@ -191,7 +108,7 @@ def decode_jpeg_region(
     rows above are skipped without the inverse DCT or colour conversion; columns are cut to the
     crop's iMCUs: ~0.7 of a full decode for an ImageNet-sized random-resized crop (measured).
     """
-    if _native is None or data[:3] != _JPEG:
+    if _native is None or not is_jpeg(data):
         return None
     try:
         buf, x0, out_width = _native.decode(data, scale, top, left, height, width)
@@ -266,7 +183,7 @@ def decode_rgb(
     forces the Pillow path (tests compare the two). Raises whatever the decoder raises for
     corrupt data; callers wrap it in ``SampleError`` naming shard and key.
     """
-    if not pillow and data[:3] == _JPEG:
+    if not pillow and is_jpeg(data):
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError:

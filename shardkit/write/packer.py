@@ -5,10 +5,11 @@ The pipeline, one stage each below, composed in ``pack``:
     scan SRC (shardkit.scan: sorted classes, sorted files, labels, keys)
     -> order: shuffle once (numpy permutation of the sorted list: same input + seed = same bytes)
     -> read + validate (+ resize) in reader threads, consumed in that order
-    -> ShardWriter (shardkit.writer): shards within shard_size, published with the manifest last.
+    -> ShardWriter (shardkit.write.writer): shards within shard_size, published with the
+       manifest last.
 
 A Python source (a list or iterator of ``(image, label)``, or a map-style torch Dataset) takes
-the place of the scan; its images are encoded once if they are not already (shardkit.samples).
+the place of the scan; its images are encoded once if they are not already (shardkit.write.samples).
 What is left after any interruption is the writer's business: nothing under a final name.
 """
 
@@ -29,15 +30,16 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError, ShardkitError, check_choice
+from ..formats import get_format
+from ..fsutil import DirLock, interrupted_commit
+from ..images.checks import check_image_bytes, decode_error
+from ..images.decode import RESIZE_QUALITY, resize_short_side
+from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
+from ..scan import SourceScan, check_source_dir, scan_source
+from ..sizes import parse_size
+from ..urls import is_url
 from . import samples as _samples
-from .errors import InputError, ShardkitError
-from .formats import get_format
-from .fsutil import DirLock, interrupted_commit
-from .images import RESIZE_QUALITY, check_image_bytes, decode_error, resize_short_side
-from .manifest import MANIFEST_NAME, SkippedFile, read_manifest
-from .scan import SourceScan, check_source_dir, scan_source
-from .sizes import parse_size
-from .urls import is_url
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
 __all__ = [
@@ -47,7 +49,6 @@ __all__ = [
     "PackWarning",
     "SourceScan",
     "pack",
-    "parse_size",
     "scan_source",
 ]
 
@@ -382,10 +383,8 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
 
 
 def _check_options(validate, on_error, workers, resize_short, seed) -> str:
-    if validate not in _VALIDATE:
-        raise InputError(f"invalid validate={validate!r}; choose one of: {', '.join(_VALIDATE)}")
-    if on_error not in _ON_ERROR:
-        raise InputError(f"invalid on_error={on_error!r}; choose one of: skip, raise")
+    check_choice("validate", validate, _VALIDATE)
+    check_choice("on_error", on_error, _ON_ERROR)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"invalid workers={workers!r}; use 1 or more reader threads")
     if resize_short is not None and (not isinstance(resize_short, int) or resize_short < 1):
@@ -419,7 +418,7 @@ def pack(
 
     ``src`` is a class-per-folder tree, or from Python a list/iterable of ``(image, label)`` or
     a map-style torch Dataset (image: encoded bytes, a PIL image, a uint8 HWC array or CHW
-    tensor; keys are positions, ``shardkit.samples``). Shuffling needs random access: an
+    tensor; keys are positions, ``shardkit.write.samples``). Shuffling needs random access: an
     iterator is packed in its own order. ``classes`` names labels of a Python source (default:
     the Dataset's ``.classes``, else ``"0"``, ``"1"`` ...). ``out`` may be a URL
     (``s3://bucket/prefix/``): shards upload as they complete, the manifest last.
@@ -616,7 +615,7 @@ def _samples_run(source, writer, shuffle, seed, workers, validate, resize_short,
 
 def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress: bool):
     """The main-thread loop: consume reads in pack order into the writer (which rolls shards)."""
-    from .progress import Progress
+    from ..progress import Progress
 
     errors: list[SkippedFile] = []
     bar = Progress(run.total if run.total >= 0 else None, "pack", "img", enabled=progress)

@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from .errors import InputError, SampleError
-from .images import IMAGE_EXTENSIONS, decode_image
-from .scan import StrTable, scan_source
+from ..errors import InputError, SampleError, check_choice
+from ..images.checks import IMAGE_EXTENSIONS
+from ..images.decode import decode_image
+from ..scan import StrTable, scan_source
+from .stages import DECODE_MODES
 from .storage import LocalStorage, Storage
-from .stream import DECODE_MODES, check_choice
 
 __all__ = ["FolderDataset"]
 

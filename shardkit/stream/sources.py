@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 from braceexpand import braceexpand
 
-from .errors import InputError, ManifestError
-from .formats import FORMATS, format_for_path, is_shard_name
-from .fsutil import interrupted_commit, interrupted_message
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
-from .records import UNKNOWN, ShardInfo
-from .urls import is_url, join_url, url_name, url_parent, url_path
+from ..errors import InputError, ManifestError
+from ..formats import FORMATS, format_for_path, is_shard_name
+from ..fsutil import interrupted_commit, interrupted_message
+from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from ..records import UNKNOWN, ShardInfo
+from ..urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = ["ShardSource", "resolve_source", "UNKNOWN"]
 

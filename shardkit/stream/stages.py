@@ -1,9 +1,6 @@
-"""The streaming pipeline as small stages, each testable alone on a list.
+"""The streaming pipeline's stages, each testable alone on a list.
 
-``ShardDataset.__iter__`` composes them in one place::
-
-    plan_epoch -> read_slices -> shuffle_buffer -> decode_records -> apply_transforms
-
+The order ``ShardDataset`` runs them in is drawn in ``shardkit.stream``'s docstring.
 ``plan_epoch`` is plain arithmetic on sample counts. The other stages are generators
 ``stage(iterable, ...) -> Iterator``. Hot loops stay lean: no per-sample dicts, logging or
 re-planning.
@@ -16,14 +13,21 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import InputError, SampleError, ShardFormatError, ShardkitError, StorageError
-from .images import decode_image
-from .records import Record, ShardInfo, ShardSlice
+from ..errors import (
+    SampleError,
+    ShardFormatError,
+    ShardkitError,
+    StorageError,
+    check_choice,
+)
+from ..images.decode import decode_image
+from ..records import Record, ShardInfo, ShardSlice
 from .storage import Storage
 
 __all__ = [
     "EQUALIZE_MODES",
     "DECODE_MODES",
+    "ON_ERROR_MODES",
     "rank_samples",
     "worker_span",
     "plan_epoch",
@@ -37,12 +41,7 @@ __all__ = [
 
 EQUALIZE_MODES = ("pad", "drop", "none")
 DECODE_MODES = ("pil", "tensor", "raw")
-
-
-def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    """One wording for every enumerated option (``decode=``, ``equalize=``, ``crop=`` ...)."""
-    if value not in choices:
-        raise InputError(f"{name}={value!r} is not one of: {', '.join(map(repr, choices))}")
+ON_ERROR_MODES = ("raise", "skip")
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -50,15 +49,14 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 
 def _rank_span(total: int, rank: int, world_size: int, equalize: str) -> tuple[int, int]:
     """[start, stop) of this rank's part of the epoch stream; stop may exceed ``total`` (pad)."""
+    check_choice("equalize", equalize, EQUALIZE_MODES)
     if equalize == "pad":
         per = -(-total // world_size)
         return rank * per, (rank + 1) * per
     if equalize == "drop":
         per = total // world_size
         return rank * per, (rank + 1) * per
-    if equalize == "none":
-        return rank * total // world_size, (rank + 1) * total // world_size
-    raise InputError(f"equalize={equalize!r} is not one of: {', '.join(map(repr, EQUALIZE_MODES))}")
+    return rank * total // world_size, (rank + 1) * total // world_size  # "none"
 
 
 def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
@@ -259,12 +257,10 @@ def decode_records(
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
     of these extra members, in this order, after the key (None where a sample has none).
     ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
-    of ``shardkit.geometry``, whose randomness depends on the key).
+    of ``shardkit.images.geometry``, whose randomness depends on the key).
     """
-    if mode not in DECODE_MODES:
-        raise InputError(f"decode={mode!r} is not one of: {', '.join(map(repr, DECODE_MODES))}")
-    if on_error not in ("raise", "skip"):
-        raise InputError(f"on_error={on_error!r} is not one of: 'raise', 'skip'")
+    check_choice("decode", mode, DECODE_MODES)
+    check_choice("on_error", on_error, ON_ERROR_MODES)
     names = [f.lower() for f in fields]
     if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
         if with_keys:

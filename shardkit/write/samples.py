@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .images import RESIZE_QUALITY
-from .writer import image_ext
+from ..images.checks import image_ext
+from ..images.decode import RESIZE_QUALITY
 
 __all__ = [
     "SAMPLE_JPEG_QUALITY",
