@@ -131,3 +131,17 @@ def test_ctrl_c_stops_every_worker_cleanly(shards):
     assert "Traceback" not in err  # workers ignore SIGINT: the trainer alone handles it
     assert _wait_gone(pids, 10) == []
     assert _left_in_shm(shm, [proc.pid, *pids]) == set()
+
+
+def test_a_worker_killed_between_epochs_is_reported_and_replaced(shards):
+    loader = ShardLoader(ShardDataset(shards, decode="tensor"), 4, num_workers=2)
+    assert sum(len(x) for x, _ in loader) == N
+    victim = loader.worker_pids[1]
+    os.kill(victim, signal.SIGKILL)
+    assert _wait_gone([victim], 10) == []
+    with pytest.raises(WorkerDied, match=rf"worker 1 \(pid {victim}\) died"):
+        for _ in loader:
+            pass
+    assert sum(len(x) for x, _ in loader) == N  # new workers
+    assert victim not in loader.worker_pids
+    loader.close()

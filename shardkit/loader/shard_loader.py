@@ -161,7 +161,12 @@ class ShardLoader:
         if res.workers is None:
             self._start_workers()
         self._gen += 1
-        batches = Epoch(self, res.workers, res.ring, self._gen, self._ahead).batches()
+        try:
+            epoch = Epoch(self, res.workers, res.ring, self._gen, self._ahead)
+        except BaseException:  # a worker died while idle: the next iteration starts afresh
+            res.close()
+            raise
+        batches = epoch.batches()
         # Weak: dropping the iterator (break, an exception) is what ends the iteration.
         self._current = weakref.ref(batches)
         return batches

@@ -149,8 +149,11 @@ class ProcessWorkers:
 
     def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
         self.gen = gen
-        for conn, resume in zip(self.conns, resumes, strict=True):
-            conn.send(Start(gen, epoch, resume))
+        for w, (conn, resume) in enumerate(zip(self.conns, resumes, strict=True)):
+            try:
+                conn.send(Start(gen, epoch, resume))
+            except OSError:  # it died between epochs
+                raise self._died(w) from None
 
     def next(self, worker: int) -> Batch | End:
         """The next message of the current generation from ``worker`` (stale ones dropped)."""
