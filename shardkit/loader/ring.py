@@ -156,7 +156,7 @@ class Ring:
         pinned = None
         if self.pin and self.shared:
             pinned = images.data_ptr()
-            err = torch.cuda.cudart().cudaHostRegister(pinned, nbytes, 0)
+            err = torch.cuda.cudart().cudaHostRegister(pinned, nbytes, 1)  # portable
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte ring slot failed: {err}")
         return _Slot(images, pinned, self.shared)
