@@ -95,6 +95,7 @@ def _flip_positions(path) -> list[int]:
     return sorted(x for x in positions if x < size)
 
 
+@pytest.mark.slow  # a child interpreter (a crash must not kill the run)
 def test_lmdb_byte_flips_never_kill_the_reader(tmp_path):
     src = tmp_path / "good.lmdb"
     samples = _lmdb_shard(src)
@@ -141,6 +142,7 @@ def test_lmdb_damaged_after_open_names_shard_and_sample(tmp_path):
         list(get_format("lmdb").iter_records(str(src)))
 
 
+@pytest.mark.slow  # a child interpreter
 def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
     from shardkit.verify import verify
 
@@ -285,6 +287,7 @@ def test_manifest_size_is_capped_before_parsing(tmp_path, monkeypatch):
         manifest_mod.read_manifest(str(tmp_path))
 
 
+@pytest.mark.slow  # an HTTP server
 def test_manifest_size_is_capped_for_urls_too(tmp_path, monkeypatch, http_server):
     """The one manifest reader refuses an oversized manifest over HTTP while it arrives."""
     from remote_servers import FaultProxy
@@ -378,6 +381,7 @@ def test_join_url_keeps_the_query_last():
     assert url_parent("https://h/p/manifest.json?tok=1") == "https://h/p?tok=1"
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_cli_info_and_verify_mask_userinfo_and_signed_queries(tmp_path):
     """A loopback HTTP server behind URLs with credentials: nothing secret reaches the output,
     and a signed manifest URL is read as is (not with /manifest.json after its query)."""
@@ -456,6 +460,7 @@ def test_cache_evicts_only_its_own_entries(tmp_path):
     assert cache.stats.evicted == 2
 
 
+@pytest.mark.slow  # an HTTP server
 def test_streaming_through_a_cache_dir_with_foreign_files(tmp_path):
     from remote_servers import HttpServer
 
