@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SCALE = "0.05"  # ~660 images: the whole README in about a minute on 2 cores
 

@@ -32,7 +32,7 @@ from shardkit.synth import (
 )
 from shardkit.synth import build as synth_build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = 0.005  # 29 people, 66 images
 
 
