@@ -8,6 +8,7 @@ from __future__ import annotations
 # ``s3``/``http``. Image trees, packed datasets and the CLI runner are built here once.
 import gc
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -46,6 +47,23 @@ def gnu_tar(root: Path, out: Path, members: Sequence[tuple[str, bytes]], fmt: st
     cmd = ["tar", f"--format={fmt}", "-cf", str(out), "-C", str(root), "--no-recursion"]
     subprocess.run([*cmd, "-T", str(listing)], check=True)
     return str(out)
+
+
+def lmdb_shard(path, n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes, int]]:
+    """A real LMDB shard at ``path`` with inline (small) and overflow-page (large) values: the
+    hostile-input tests damage it; returns the (key, ext, data, label) samples written."""
+    from shardkit.formats import get_format
+
+    rng = random.Random(seed)
+    samples = [
+        (f"c{i % 3}/k{i}", "jpg", rng.randbytes(rng.choice([30, 700, 5000])), i % 3)
+        for i in range(n)
+    ]
+    w = get_format("lmdb").open_writer(str(path))
+    for s in samples:
+        w.add(*s)
+    w.close()
+    return samples
 
 
 @pytest.fixture(scope="session")
