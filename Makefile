@@ -18,7 +18,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The suite without the tests marked slow (DDP, signals, real servers): a quick check while editing.
+# The suite without the tests marked slow (DDP ranks, signals, CLI and other Python child processes,
+# real servers): a quick check while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 # ``s3``/``http``. Image trees, packed datasets and the CLI runner are built here once.
 import gc
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -46,6 +47,23 @@ def gnu_tar(root: Path, out: Path, members: Sequence[tuple[str, bytes]], fmt: st
     cmd = ["tar", f"--format={fmt}", "-cf", str(out), "-C", str(root), "--no-recursion"]
     subprocess.run([*cmd, "-T", str(listing)], check=True)
     return str(out)
+
+
+def lmdb_shard(path, n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes, int]]:
+    """A real LMDB shard at ``path`` with inline (small) and overflow-page (large) values: the
+    hostile-input tests damage it; returns the (key, ext, data, label) samples written."""
+    from shardkit.formats import get_format
+
+    rng = random.Random(seed)
+    samples = [
+        (f"c{i % 3}/k{i}", "jpg", rng.randbytes(rng.choice([30, 700, 5000])), i % 3)
+        for i in range(n)
+    ]
+    w = get_format("lmdb").open_writer(str(path))
+    for s in samples:
+        w.add(*s)
+    w.close()
+    return samples
 
 
 @pytest.fixture(scope="session")
@@ -160,27 +178,57 @@ def _suspect(t: threading.Thread) -> bool:
     return t.name.startswith("shardkit") or not t.daemon
 
 
+def _suspects(
+    threads_before: set[threading.Thread], children_before: set[int]
+) -> tuple[list[threading.Thread], set[int]]:
+    threads = [
+        t
+        for t in threading.enumerate()
+        if t not in threads_before and t is not threading.current_thread() and _suspect(t)
+    ]
+    return threads, _children() - children_before
+
+
 def leftovers(
     threads_before: set[threading.Thread], children_before: set[int], grace: float = POLICE_GRACE
 ) -> tuple[list[threading.Thread], set[int]]:
-    """Threads and children started since the snapshot that are still alive after ``grace``."""
+    """Threads and children started since the snapshot that are still alive after ``grace``.
+
+    Garbage is collected only once something is seen (a full ``gc.collect()`` costs ~110 ms
+    with torch loaded, and most tests leave nothing): a traceback cycle may hold a DataLoader
+    iterator or a storage whose ``__del__`` ends the workers or threads, so the census is
+    taken again after each collection before anything is called a leftover.
+    """
     deadline = time.monotonic() + grace
-    if _children() - children_before:
+    threads, children = _suspects(threads_before, children_before)
+    if not threads and not children:
+        return [], set()
+    if children:
         _shut_down_abandoned_loader_iterators()
     while True:
-        gc.collect()  # a traceback cycle may hold a DataLoader iterator: its __del__ ends workers
-        threads = [
-            t
-            for t in threading.enumerate()
-            if t not in threads_before and t is not threading.current_thread() and _suspect(t)
-        ]
-        children = _children() - children_before
+        gc.collect()
+        threads, children = _suspects(threads_before, children_before)
         if (not threads and not children) or time.monotonic() >= deadline:
             return threads, children
         for t in threads:
             t.join(max(0.0, min(0.2, deadline - time.monotonic())))
         if not threads:
             time.sleep(0.05)
+
+
+def police_verdict(
+    threads_before: set[threading.Thread], children_before: set[int], grace: float = POLICE_GRACE
+) -> str | None:
+    """The police's failure message for what outlived the snapshot, or None when nothing did."""
+    threads, children = leftovers(threads_before, children_before, grace)
+    if not threads and not children:
+        return None
+    names = ", ".join(f"{t.name} (daemon={t.daemon})" for t in threads)
+    return (
+        f"the test left {len(threads)} thread(s) [{names}] and {len(children)} child "
+        f"process(es) {sorted(children)} alive after {grace:g} s: close what it "
+        "opened (storage.close(), DataLoader iterators, pools)"
+    )
 
 
 def _shut_down_abandoned_loader_iterators() -> None:
@@ -191,10 +239,12 @@ def _shut_down_abandoned_loader_iterators() -> None:
     so the message never leaves and ``_shutdown_workers`` waits out its join timeout. Shutting
     them down while the queues still work is what ``__del__`` would do, minus the wait.
     """
-    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
+    dataloader = sys.modules.get("torch.utils.data.dataloader")
+    if dataloader is None:  # never imported: no iterator to stop, and no torch import to pay
+        return
     for obj in gc.get_objects():
-        if issubclass(type(obj), _MultiProcessingDataLoaderIter):  # type(): no __class__ lookups
+        # type(): no __class__ lookups
+        if issubclass(type(obj), dataloader._MultiProcessingDataLoaderIter):
             obj._shutdown_workers()
 
 
@@ -203,12 +253,6 @@ def thread_and_process_police():
     threads_before = set(threading.enumerate())
     children_before = _children()
     yield
-    threads, children = leftovers(threads_before, children_before)
-    if threads or children:
-        names = ", ".join(f"{t.name} (daemon={t.daemon})" for t in threads)
-        pytest.fail(
-            f"the test left {len(threads)} thread(s) [{names}] and {len(children)} child "
-            f"process(es) {sorted(children)} alive after {POLICE_GRACE:.0f} s: close what it "
-            "opened (storage.close(), DataLoader iterators, pools)",
-            pytrace=False,
-        )
+    verdict = police_verdict(threads_before, children_before)
+    if verdict:
+        pytest.fail(verdict, pytrace=False)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a fresh interpreter
 def test_pack_is_the_function_even_after_its_module_is_imported():
     code = (
         "import shardkit.stream.dataset, shardkit.write.packer, shardkit.write.verify\n"
@@ -17,6 +20,7 @@ def test_pack_is_the_function_even_after_its_module_is_imported():
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_shardkit_does_not_load_torch():
     code = "import sys, shardkit\nassert 'torch' not in sys.modules\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
-# What the demo leaves behind, where README and docs/ expect it (tests/test_readme.py prepares
+# What the demo leaves behind, where README and docs/ expect it (tests/docs/test_readme.py prepares
 # the same layout with small data): the image tree, README's Quick start pack in out/ (the exact
 # command, so running it again is up to date), and an LMDB copy in out-lmdb/ for docs/.
 # (out, format, shard size): the shard size is part of the command each pack prints.

@@ -5,7 +5,7 @@ noise on a shared machine (measured: "tar vs folder 1.2x (408 ± 223 vs 336 ± 1
 therefore calls a difference real only when Welch's unequal-variance t-test rejects "same mean"
 at the 95% level. Implemented with the standard library (Student's t tail from the regularized
 incomplete beta function, Lentz's continued fraction) so that core shardkit does not depend on
-scipy; ``tests/test_bench.py`` checks it against scipy where scipy happens to be installed.
+scipy; ``tests/bench/test_bench.py`` checks it against scipy where scipy happens to be installed.
 """
 
 from __future__ import annotations

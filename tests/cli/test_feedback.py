@@ -29,6 +29,7 @@ def test_shard_dataset_missing_path_says_so(tmp_path):
     assert "shard format" not in str(err.value)
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_info_missing_directory(tmp_path):
     proc = run_cli("info", tmp_path / "nope")
     assert proc.returncode != 0
@@ -37,6 +38,7 @@ def test_info_missing_directory(tmp_path):
     assert "manifest" not in proc.stderr
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_info_and_verify_on_a_shard_name_the_directory(packed):
     shard = os.path.join(packed["tar"], "shard-000000.tar")
     for cmd in ("info", "verify"):
@@ -47,6 +49,7 @@ def test_info_and_verify_on_a_shard_name_the_directory(packed):
         assert "JSON" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_python_callers_are_told_the_parameter_not_the_flag(tmp_path, packed):
     with pytest.raises(OutputError) as err:
         pack(packed["src"], packed["tar"], progress=False)
@@ -75,6 +78,7 @@ def test_missing_bucket_found_before_any_work(tmp_path, s3):
 # --- progress ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_progress_off_a_terminal_prints_plain_lines(tmp_path):
     src = image_tree(tmp_path / "src", 40)
     env = {**os.environ, "SHARDKIT_PROGRESS_INTERVAL": "0"}
@@ -89,6 +93,7 @@ def test_progress_off_a_terminal_prints_plain_lines(tmp_path):
     assert quiet.returncode == 0 and quiet.stderr == ""
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_progress_off_a_terminal_is_silent_for_short_steps(tmp_path):
     src = image_tree(tmp_path / "src", 10)
     proc = run_cli(
@@ -111,6 +116,7 @@ def test_synth_shows_progress_and_takes_quiet(tmp_path):
 # --- shard size, PIL batches ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_one_sample_shards_warn_once(tmp_path):
     src = image_tree(tmp_path / "src", 8, size=(64, 64))
     with warnings.catch_warnings(record=True) as caught:
@@ -200,6 +206,7 @@ def test_strtable_concat_matches_one_table():
     assert len(StrTable.concat([])) == 0
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_scan_shows_progress_off_a_terminal(tmp_path):
     src = image_tree(tmp_path / "src", 9, classes=3)
     env = {**os.environ, "SHARDKIT_PROGRESS_INTERVAL": "0"}

@@ -273,6 +273,7 @@ except OutputError as exc:
 """
 
 
+@pytest.mark.slow  # a child process under RLIMIT_FSIZE
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
 def test_file_size_limit_hit_by_the_shard_writer_is_one_error(big_tree, tmp_path, fmt):
     """No root needed: ``RLIMIT_FSIZE`` makes the kernel refuse the shard's write (EFBIG)."""
@@ -325,6 +326,7 @@ def _fifo_in_place_of(path: str) -> None:
     os.mkfifo(path)
 
 
+@pytest.mark.slow  # the CLI in a child process
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
 def test_a_fifo_named_like_a_shard_is_refused_by_every_reader(packed, fmt):
@@ -347,6 +349,7 @@ def test_a_fifo_named_like_a_shard_is_refused_by_every_reader(packed, fmt):
         list(ShardDataset(out, shuffle=False))
 
 
+@pytest.mark.slow  # the CLI in a child process
 @pytest.mark.timeout(60)
 def test_a_fifo_named_manifest_json_is_refused_by_every_reader(packed, tmp_path, small_tree):
     from conftest import run_cli

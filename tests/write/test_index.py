@@ -129,6 +129,7 @@ def test_index_offsets_seek_to_the_right_sample(foreign):
     assert ds.plan(World(0, 1, 1, 3))[0].start == 80  # worker 1 starts mid-shard: seeks
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_index_refuses_an_existing_manifest_unless_overwrite(foreign):
     with pytest.warns(RuntimeWarning):
         index_shards([foreign])

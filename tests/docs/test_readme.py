@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: README first, then every guide in docs/ (each runs in a scratch directory of its own).
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]

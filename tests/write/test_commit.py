@@ -108,6 +108,7 @@ def _refused_by_every_reader(out):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # a child process SIGKILLed
 def test_kill_after_the_commit_point_of_a_fresh_pack(trees, tmp_path):
     """Shards under final names, no manifest: readers refuse; the next writer completes it."""
     _, b = trees
@@ -124,6 +125,7 @@ def test_kill_after_the_commit_point_of_a_fresh_pack(trees, tmp_path):
     assert not [n for n in os.listdir(out) if n.startswith(".")]
 
 
+@pytest.mark.slow  # a child process SIGKILLed
 def test_overwrite_killed_before_the_commit_point_keeps_the_old_dataset(trees, tmp_path):
     a, b = trees
     out = tmp_path / "out"
@@ -137,6 +139,7 @@ def test_overwrite_killed_before_the_commit_point_keeps_the_old_dataset(trees, t
     assert not [n for n in os.listdir(out) if n.startswith(".")]
 
 
+@pytest.mark.slow  # a child process SIGKILLed
 def test_overwrite_killed_after_the_commit_point_is_finished_not_mixed(trees, tmp_path):
     a, b = trees
     out = tmp_path / "out"
@@ -171,6 +174,7 @@ def test_overwrite_deletes_only_what_shardkit_wrote(trees, tmp_path):
     assert sorted(os.listdir(out)) == ["manifest.json", "notes.txt", "shard-000000.tar"]
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_second_pack_into_the_same_out_is_refused_at_once(trees, tmp_path):
     a, _ = trees
     out = tmp_path / "out"
@@ -192,6 +196,7 @@ def test_second_pack_into_the_same_out_is_refused_at_once(trees, tmp_path):
     assert read_manifest(str(out)).num_samples == 1
 
 
+@pytest.mark.slow  # a live child process
 def test_stale_staging_is_removed_only_when_its_owner_is_dead(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -463,6 +463,7 @@ def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # real ranks: spawned processes over gloo
 def test_three_real_ranks_step_together(shards, tmp_path):
     ctx = mp.start_processes(
         _rank,

@@ -224,6 +224,7 @@ def test_same_input_gives_identical_bytes(tmp_path, fmt_name):
     assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
 
 
+@pytest.mark.slow  # a child interpreter (a crash must not kill the run)
 @pytest.mark.parametrize("keep", [0.5, 0.9, 0.001])
 def test_truncated_lmdb_is_an_error_not_a_crash(tmp_path, keep):
     # Run in a child: before the size check, touching the unmapped tail killed it with SIGBUS.

@@ -123,6 +123,7 @@ def test_parse_size_rejects_with_value_and_example(text):
     assert repr(text) in str(err.value) and "256MB" in str(err.value)
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_invalid_shard_size_cli_exit_code(tree, tmp_path):
     src, _ = tree
     r = run_cli("pack", src, tmp_path / "out", "--shard-size", "12XB")
@@ -226,6 +227,7 @@ def test_hidden_files_and_folders_are_ignored(tmp_path):
 # --- bad input (issue section 5) -------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_src_missing(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         quiet_pack(tmp_path / "nope", tmp_path / "out")
@@ -238,6 +240,7 @@ def test_src_missing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_src_not_a_directory(tmp_path):
     f = tmp_path / "file.jpg"
     f.write_bytes(b"x")
@@ -246,6 +249,7 @@ def test_src_not_a_directory(tmp_path):
     assert r.stderr.startswith(f"error: source '{f}' is not a directory")
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_src_without_images(tmp_path):
     src = tmp_path / "src"
     os.makedirs(src / "a")
@@ -303,6 +307,7 @@ def test_corrupt_and_truncated_images_skip(tree, tmp_path):
     assert "cat/cat_0001" not in keys and "cat/cat_0000" in keys
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_corrupt_image_fail_names_the_path(tree, tmp_path):
     src, _ = tree
     _truncate(src / "cat" / "cat_0001.jpg")
@@ -320,6 +325,7 @@ def test_corrupt_image_fail_names_the_path(tree, tmp_path):
     assert os.listdir(tmp_path / "out2") == []
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_cli_skip_warns_with_count(tree, tmp_path):
     src, _ = tree
     _truncate(src / "cat" / "cat_0001.jpg")
@@ -406,6 +412,7 @@ def _drop_file_permission_override():
         os._exit(77)
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_unreadable_file_permission_denied(tree, tmp_path):
     src, files = tree
     locked = src / "cat" / "cat_0002.jpg"
@@ -442,6 +449,7 @@ def test_symlink_loops_end_and_linked_folders_count_once(tree, tmp_path):
     assert reasons["bird/loop"] == "not an image"
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_out_not_empty_needs_overwrite(tree, tmp_path):
     src, _ = tree
     out = tmp_path / "out"
@@ -750,6 +758,8 @@ def _start_and_signal(src, out, sig) -> int:
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal's job has it, even under a runner that ignores it (nohup, &)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         text=True,
     )
     deadline = time.monotonic() + 60
@@ -840,6 +850,7 @@ def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypat
     assert m.pack["non_image_files"] == {"(none)": 1, ".json": 4}
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_bad_seed_and_unwritable_output(tree, tmp_path):
     src, _ = tree
     r = run_cli("pack", src, tmp_path / "out", "--seed", "-1")

@@ -117,6 +117,7 @@ def test_one_shard_three_workers_all_yield(data):
     assert sorted(per_worker.values()) == [7, 7, 8]
 
 
+@pytest.mark.slow  # spawned worker interpreters
 def test_spawned_persistent_workers_follow_set_epoch(data):
     ds = ShardDataset(data["tar"], with_keys=True, decode="tensor", buffer_size=4)
     loader = DataLoader(

@@ -131,7 +131,7 @@ ABANDON = {"break": _break, "exception": _raise, "workers": _workers}
 
 @pytest.mark.parametrize("how", list(ABANDON))
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
-@pytest.mark.parametrize("kind", ["local", "remote"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("remote", marks=pytest.mark.slow)])
 def test_abandoned_iteration_leaves_no_thread_process_or_descriptor(
     kind, fmt, how, packed, request
 ):
@@ -152,6 +152,7 @@ def test_abandoned_iteration_leaves_no_thread_process_or_descriptor(
     assert _fds_left(fds) == {}
 
 
+@pytest.mark.slow  # a moto S3 server
 def test_abandoned_remote_reads_with_a_cache_close_their_cache_files(packed, request, tmp_path):
     ds = _dataset("remote", "tar", packed, request, cache_dir=str(tmp_path / "cache"))
     assert sum(1 for _ in ds) == len(ds)
@@ -165,6 +166,7 @@ def test_abandoned_remote_reads_with_a_cache_close_their_cache_files(packed, req
     assert os.listdir(tmp_path / "cache")  # the reads did go through the cache
 
 
+@pytest.mark.slow  # a moto S3 server
 def test_remote_datasets_abandoned_and_deleted_leak_no_prefetch_thread_or_shard(packed, request):
     """12 remote datasets, each read part way with ``break`` and deleted, once left 2 prefetch
     threads and a prefetched shard apiece (threads 1 -> 26, RSS +130 MB)."""

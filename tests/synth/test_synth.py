@@ -32,7 +32,7 @@ from shardkit.synth import (
 )
 from shardkit.synth import build as synth_build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = 0.005  # 29 people, 66 images
 
 
@@ -114,6 +114,7 @@ def test_wnids_look_like_imagenets_and_follow_the_seed():
     assert imagenet_wnids(50, seed=1) != ids
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_sources_are_found_without_importing_skimage():
     code = (
         "import sys, shardkit.synth as s; src = s.photo_sources(); "
@@ -261,6 +262,7 @@ def test_failed_run_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a child process
 def test_temporaries_of_dead_runs_are_cleared(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -270,6 +272,7 @@ def test_temporaries_of_dead_runs_are_cleared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lfw"]
 
 
+@pytest.mark.slow  # a live child process
 def test_temporaries_of_live_runs_are_kept(tmp_path):
     """The one stale-temp policy (fsutil): a concurrent synth's temporaries are never touched."""
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -361,6 +364,7 @@ def test_cli_imagenet_and_its_errors(tmp_path):
     assert len(bad.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a script in a child process
 def test_tools_script_makes_a_set(tmp_path):
     out = tmp_path / "data" / "lfw"
     proc = subprocess.run(
@@ -393,6 +397,8 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path):
         [sys.executable, "-m", "shardkit.cli", "synth", "lfw", str(out), "--threads", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal's job has it, even under a runner that ignores it (nohup, &)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         text=True,
         cwd=REPO,
     )

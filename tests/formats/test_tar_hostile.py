@@ -51,6 +51,7 @@ _BIG_FIELDS = {
 }
 
 
+@pytest.mark.slow  # a child interpreter under limits
 @pytest.mark.parametrize("field", sorted(_BIG_FIELDS))
 @pytest.mark.parametrize("seekable", [True, False])
 def test_huge_size_field_is_checked_before_allocating(tmp_path, field, seekable):

@@ -105,6 +105,8 @@ def _trainer(shards) -> tuple[subprocess.Popen, list[int]]:
         [sys.executable, "-c", _TRAINER, shards],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal's job has it, even under a runner that ignores it (nohup, &)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         text=True,
         start_new_session=True,  # its own process group, as a terminal's job
     )

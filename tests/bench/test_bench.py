@@ -327,6 +327,7 @@ def test_decode_batches_from_a_worker_equal_the_decoded_images(tiny):
 # --- estimate, progress, load ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in a child process
 def test_cli_prints_an_estimate_then_one_progress_line_per_run_to_a_pipe(tiny, tmp_path):
     """stderr is a pipe here (not a terminal): still one plain line per run, no \\r bars."""
     from conftest import run_cli

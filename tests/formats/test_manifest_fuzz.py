@@ -17,6 +17,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -137,6 +138,7 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (120, 120))
 
 
+@pytest.mark.slow  # a child interpreter under limits
 def test_hostile_manifests_load_stream_or_raise_our_error(packed_tree, tmp_path):
     import shutil
 

@@ -1,0 +1,215 @@
+"""Hostile LMDB shards: damaged pages, a manifest count smaller than the shard, a label outside
+the classes. Every case is a real ``lmdb`` environment; every outcome must be correct data or a
+``ShardkitError`` naming the file, never a signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+from conftest import lmdb_shard
+
+from shardkit.errors import ShardFormatError, ShardkitError
+from shardkit.formats import get_format
+from shardkit.manifest import Manifest, ShardEntry, write_manifest
+
+PAGE = 4096
+
+
+# --- one flipped byte in an LMDB shard -------------------------------------------------
+
+_FLIP_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    from shardkit.errors import ShardkitError
+    from shardkit.formats import get_format
+
+    src, work, positions = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    data = open(src, "rb").read()
+    fmt = get_format("lmdb")
+    for pos in positions:
+        damaged = bytearray(data)
+        damaged[pos] ^= 0xFF
+        path = os.path.join(work, f"flip-{pos}.lmdb")
+        with open(path, "wb") as f:
+            f.write(damaged)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the reader runs in a child: a SIGBUS or abort() ends only the child
+            os.close(r)
+            try:
+                got = [[x.key, x.ext, x.data.hex(), x.label] for x in fmt.iter_records(path)]
+                out = {"ok": got}
+            except ShardkitError as exc:
+                out = {"error": type(exc).__name__, "message": str(exc)}
+            except BaseException as exc:
+                out = {"raw": f"{type(exc).__name__}: {exc}"}
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        chunks = []
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        os.unlink(path)
+        if os.WIFSIGNALED(status):
+            result = {"signal": os.WTERMSIG(status)}
+        else:
+            result = json.loads(b"".join(chunks) or b"{}")
+        print(json.dumps([pos, result]), flush=True)
+    """
+)
+
+
+def _flip_positions(path) -> list[int]:
+    """Bytes where LMDB takes offsets, sizes and page numbers from (meta records, page headers,
+    node pointers, node headers at the page end), a stride through them plus random others."""
+    size = os.path.getsize(path)
+    rng = random.Random(1)
+    positions: set[int] = set(range(16, 16 + 136, 3)) | set(range(PAGE + 16, PAGE + 16 + 136, 5))
+    for p in range(2, size // PAGE):
+        base = p * PAGE
+        positions.update(range(base, base + 32, 4))  # header and the first node pointers
+        positions.update(rng.sample(range(base + PAGE - 256, base + PAGE), 2))
+        positions.update(rng.sample(range(base, base + PAGE), 1))
+    return sorted(x for x in positions if x < size)
+
+
+@pytest.mark.slow  # a child interpreter (a crash must not kill the run)
+def test_lmdb_byte_flips_never_kill_the_reader(tmp_path):
+    src = tmp_path / "good.lmdb"
+    samples = lmdb_shard(src)
+    positions = _flip_positions(src)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run(
+        [sys.executable, "-c", _FLIP_CHILD, str(src), str(tmp_path), json.dumps(positions)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [pos for pos, _ in results] == positions
+    want = [[k, e, d.hex(), lab] for k, e, d, lab in samples]
+    errors = 0
+    for pos, res in results:
+        assert "signal" not in res, f"flip at byte {pos}: reader killed by signal {res}"
+        assert "raw" not in res, f"flip at byte {pos}: raw exception {res['raw']}"
+        if "error" in res:
+            errors += 1
+            assert res["error"] == "ShardFormatError"
+            assert str(tmp_path) in res["message"], res  # names the shard
+            continue
+        got = res["ok"]
+        # A flip inside one stored value (its key, label or image bytes) cannot be seen without
+        # the checksum; every other sample must come back intact and in order.
+        assert len(got) == len(want), f"flip at byte {pos}"
+        assert sum(g != w for g, w in zip(got, want, strict=True)) <= 1, f"flip at byte {pos}"
+    assert errors > 20  # the flips did hit structure, not just payload
+
+
+def test_lmdb_damaged_after_open_names_shard_and_sample(tmp_path):
+    """A page LMDB reports as corrupt mid-stream becomes a ShardFormatError naming the sample."""
+    src = tmp_path / "s.lmdb"
+    lmdb_shard(src, n=400)
+    data = bytearray(src.read_bytes())
+    # Break a leaf page's type: the walk before opening refuses it, naming the shard.
+    leaf = next(p for p in range(2, len(data) // PAGE) if data[p * PAGE + 10] == 0x02 and p > 2)
+    data[leaf * PAGE + 10] = 0x01
+    src.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match=r"s\.lmdb: damaged LMDB shard"):
+        list(get_format("lmdb").iter_records(str(src)))
+
+
+@pytest.mark.slow  # a child interpreter
+def test_verify_reports_a_flipped_lmdb_shard_without_opening_it(tmp_path):
+    from shardkit.write.verify import verify
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    lmdb_shard(out / "shard-000000.lmdb")
+    stats = get_format("lmdb")  # manifest from the good file, then damage it
+    import hashlib
+
+    good = (out / "shard-000000.lmdb").read_bytes()
+    entry = ShardEntry("shard-000000.lmdb", 40, len(good), hashlib.sha256(good).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    damaged = bytearray(good)
+    damaged[2 * PAGE + 20] ^= 0xFF  # a node pointer of the first leaf: SIGBUS before the fix
+    (out / "shard-000000.lmdb").write_bytes(bytes(damaged))
+    assert stats.name == "lmdb"
+    code = (
+        "import sys; from shardkit.write.verify import verify; r = verify(sys.argv[1]); "
+        "print(r.summary()); print(r.bad[0])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1 of 1 shards" in proc.stdout
+    assert "sha256 differs" in proc.stdout
+    report = verify(str(out))
+    assert [(b.path, b.problems) for b in report.bad] == [
+        ("shard-000000.lmdb", ["sha256 differs from the manifest"])
+    ]
+
+
+# --- the manifest says fewer samples than the shard holds ------------------
+
+
+def test_lmdb_manifest_count_smaller_than_shard_is_an_error(tmp_path):
+    from shardkit import ShardDataset
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    lmdb_shard(out / "shard-000000.lmdb", n=40)
+    import hashlib
+
+    good = (out / "shard-000000.lmdb").read_bytes()
+    entry = ShardEntry("shard-000000.lmdb", 30, len(good), hashlib.sha256(good).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    ds = ShardDataset(str(out), decode="raw", shuffle=False)
+    assert len(ds) == 30
+    with pytest.raises(
+        ShardFormatError, match=r"shard-000000\.lmdb: the shard holds more samples than the 30"
+    ):
+        list(ds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(ShardFormatError("x"), ShardkitError)
+
+
+# --- a label outside the class range -----------------------------------------------------------
+
+
+def test_label_outside_the_classes_is_a_sample_error(tmp_path):
+    import hashlib
+
+    from shardkit import ShardDataset
+    from shardkit.errors import SampleError
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    w = get_format("lmdb").open_writer(str(out / "shard-000000.lmdb"))
+    w.add("c0/a", "jpg", b"x", 0)
+    w.add("c1/b", "jpg", b"y", 7)  # only 3 classes
+    w.close()
+    data = (out / "shard-000000.lmdb").read_bytes()
+    entry = ShardEntry("shard-000000.lmdb", 2, len(data), hashlib.sha256(data).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    ds = ShardDataset(str(out), decode="raw", shuffle=False)
+    with pytest.raises(SampleError, match=r"shard-000000\.lmdb: sample 'c1/b' has label 7") as info:
+        list(ds)
+    assert info.value.key == "c1/b" and info.value.shard.endswith("shard-000000.lmdb")
