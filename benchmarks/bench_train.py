@@ -247,6 +247,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("workers N")
         ax.set_ylabel("images/s")
         ax.set_xticks(ns)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
