@@ -129,17 +129,18 @@ def ceiling_one(datas: list[bytes], fastdct: bool = False) -> tuple[float, float
     return len(datas) / (time.perf_counter() - t) * cores, cpu
 
 
-def _half(datas, start, done):
+def _decode_part(datas, start, done):
     start.wait()
     _decode_all(datas)
     done.put(time.perf_counter())
 
 
-def ceiling_two(datas: list[bytes]) -> float:
-    """Images/s of two processes decoding halves at once (what the cores give right now)."""
+def ceiling_n(datas: list[bytes], n: int) -> float:
+    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time (what the
+    cores give right now)."""
     ctx = mp.get_context("fork")
     start, done = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_half, args=(datas[i::2], start, done)) for i in range(2)]
+    procs = [ctx.Process(target=_decode_part, args=(datas[i::n], start, done)) for i in range(n)]
     for p in procs:
         p.start()
     time.sleep(0.2)
@@ -149,6 +150,11 @@ def ceiling_two(datas: list[bytes]) -> float:
     for p in procs:
         p.join()
     return len(datas) / (max(ends) - t)
+
+
+def ceiling_two(datas: list[bytes]) -> float:
+    """Images/s of two processes decoding halves at once."""
+    return ceiling_n(datas, 2)
 
 
 # --- contenders --------------------------------------------------------------------------------

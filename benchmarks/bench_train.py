@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
+from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import ShardDataset, ShardLoader  # noqa: E402
@@ -71,29 +70,6 @@ def worker_counts(limit: int) -> list[int]:
 
 
 # --- the ceiling and the bare loop --------------------------------------------------------------
-
-
-def _decode_part(datas, start, done):
-    start.wait()
-    for d in datas:
-        simplejpeg.decode_jpeg(d)
-    done.put(time.perf_counter())
-
-
-def ceiling(datas: list[bytes], n: int) -> float:
-    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time."""
-    ctx = mp.get_context("fork")
-    start, done = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_decode_part, args=(datas[i::n], start, done)) for i in range(n)]
-    for p in procs:
-        p.start()
-    time.sleep(0.3)
-    t = time.perf_counter()
-    start.set()
-    ends = [done.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return len(datas) / (max(ends) - t)
 
 
 def bare_cpu_us(datas: list[bytes], kw: dict, batch: int) -> tuple[float, float, float]:
@@ -154,7 +130,7 @@ def scaling(args) -> dict:
         for r in range(args.repeats):
             for n in counts:
                 load = os.getloadavg()[0]
-                rows[n]["ceiling"].append(ceiling(datas, n))
+                rows[n]["ceiling"].append(ceiling_n(datas, n))
                 for name in ("ShardLoader", "DataLoader"):
                     key = (name, n)
                     if key not in loaders:  # built once and warmed up, as a trainer keeps it
