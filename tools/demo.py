@@ -33,31 +33,38 @@ def step(title: str, *argv: str) -> None:
 
 
 def stream(shards: str) -> None:
-    """Two epochs through a real DataLoader with worker processes, as training code would."""
-    import torch
+    """Two epochs through a real DataLoader with worker processes, then through ShardLoader
+    (worker processes decoding into a reused shared-memory ring), as training code would."""
     from torch.utils.data import DataLoader
 
-    from shardkit import ShardDataset
+    from shardkit import ShardDataset, ShardLoader
 
-    print(f"\n=== stream: ShardDataset({shards!r}, decode='tensor') -> DataLoader(2 workers)")
     ds = ShardDataset(shards, decode="tensor", seed=0)
-    loader = DataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True)
+    print(f"\n=== stream: ShardDataset({shards!r}, decode='tensor')")
     print(f"len(ds) = {len(ds)} samples per epoch on this rank")
-    for epoch in range(2):
-        ds.set_epoch(epoch)
-        t0 = time.perf_counter()
-        n = 0
-        first = None
-        for images, labels in loader:
-            if first is None:
-                first = (tuple(images.shape), images.dtype, labels[:8].tolist())
-            n += len(labels)
-        dt = time.perf_counter() - t0
-        print(
-            f"epoch {epoch}: {n} samples in {dt:.1f} s = {n / dt:,.0f} samples/s; "
-            f"first batch {first[0]} {first[1]}, labels {first[2]}"
-        )
-    assert isinstance(images, torch.Tensor)
+    loaders = {
+        "DataLoader(ds, batch_size=64, num_workers=2)": DataLoader(
+            ds, batch_size=64, num_workers=2, persistent_workers=True
+        ),
+        "ShardLoader(ds, batch_size=64, num_workers=2)": ShardLoader(ds, 64, num_workers=2),
+    }
+    for name, loader in loaders.items():
+        print(f"-> {name}")
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            t0 = time.perf_counter()
+            n = 0
+            first = None
+            for images, labels in loader:
+                if first is None:
+                    first = (tuple(images.shape), images.dtype, labels[:8].tolist())
+                n += len(labels)
+            dt = time.perf_counter() - t0
+            print(
+                f"epoch {epoch}: {n} samples in {dt:.1f} s = {n / dt:,.0f} samples/s; "
+                f"first batch {first[0]} {first[1]}, labels {first[2]}"
+            )
+    loaders["ShardLoader(ds, batch_size=64, num_workers=2)"].close()
 
 
 def main() -> None:
