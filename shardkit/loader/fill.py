@@ -85,22 +85,16 @@ class Filler:
         notes: list[str] = []
         n = 0
         for rec in records:
+            img = None
             try:
-                if transform is not None:
-                    img = _transformed(transform(decoder(rec.data, rec.key)), rec, self.hw)
-                    if targets is None:
-                        targets = self._first(slot, img)
-                    targets[n].copy_(img)
-                elif targets is None:  # the first image of this worker sizes its slots
-                    targets = self._first(slot, decoder(rec.data, rec.key))
+                if transform is not None or targets is None:
+                    img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
                 elif planar:
                     decoder.into_planes(rec.data, rec.key, targets[n])
                 else:
                     decoder(rec.data, rec.key, targets[n])
             except ShapeError as exc:
                 raise ShapeError(f"{rec.shard}: {exc}") from None
-            except InputError:
-                raise
             except Exception as exc:  # decoders raise many types for bad data
                 err = sample_error(rec, exc)
                 if raising:
@@ -108,6 +102,13 @@ class Filler:
                 notes.append(f"skipped: {err}")
                 ds._skip_counter(self.worker)()
                 continue
+            if img is not None:  # the transform's errors are the transform's, not bad data
+                if transform is not None:
+                    img = _transformed(transform(img), rec, self.hw)
+                if targets is None:  # the first image of this worker sizes its slots
+                    targets = self._first(slot, img)
+                else:
+                    targets[n].copy_(img)
             labels.append(rec.label)
             keys.append(rec.key)
             n += 1

@@ -382,6 +382,17 @@ def test_a_transform_returning_another_shape_names_the_sample(shards, workers):
     assert _workers() == []
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_transform_is_its_own_error_not_a_skipped_sample(shards, workers):
+    def transform(img):
+        raise ZeroDivisionError("the transform's bug")
+
+    ds = _ds(shards, transform=transform, on_error="skip")
+    with pytest.raises(ZeroDivisionError, match="the transform's bug"):
+        list(ShardLoader(ds, 4, num_workers=workers))
+    assert ds.skipped == 0 and _workers() == []
+
+
 def test_the_spawn_start_method_gives_the_same_batches(shards):
     ds = _ds(shards, seed=5)
     _, forked, _ = _run(ShardLoader(ds, 4, num_workers=2, start_method="fork"))
