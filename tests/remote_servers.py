@@ -491,6 +491,13 @@ def free_env() -> dict[str, str]:
     return env
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a gloo rendezvous, a server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # --- pytest fixtures (this module is a plugin, see conftest.py) ------------------------------
 
 

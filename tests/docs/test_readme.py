@@ -131,7 +131,7 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
     """A directory as ``make demo`` leaves it (small data), an env that bounds the bench,
     points S3 at the loopback server and sets torchrun's variables, and ``shardkit``/``python``
     on PATH."""
-    from remote_servers import FAKE_KEY, FAKE_SECRET
+    from remote_servers import FAKE_KEY, FAKE_SECRET, free_port
 
     from shardkit.synth import make_lfw
     from shardkit.write.packer import pack
@@ -153,7 +153,7 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     bindir = tmp_path / ".bin"
     bindir.mkdir()
@@ -179,14 +179,6 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
     with contextlib.suppress(Exception):  # the session's server may have it from another file
         s3.client().create_bucket(Bucket="datasets")  # the reader's own bucket
     return tmp_path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_console(block: Block, cwd: Path, name: str = "README.md") -> None:

@@ -9,7 +9,6 @@ import io
 import json
 import multiprocessing
 import os
-import socket
 import threading
 from collections import Counter
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from PIL import Image
+from remote_servers import free_port
 
 from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError
@@ -443,12 +443,6 @@ def test_cuda_batches_match_the_cpu_path(shards, channels_last):
 # --- a real 3-rank DDP run --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -478,7 +472,7 @@ def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
 def test_three_real_ranks_step_together(shards, tmp_path):
     ctx = mp.start_processes(
         _rank,
-        args=(_free_port(), shards, str(tmp_path)),
+        args=(free_port(), shards, str(tmp_path)),
         nprocs=3,
         join=False,
         start_method="spawn",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from PIL import Image
+from remote_servers import free_port
 
 from shardkit.write.packer import pack
 
@@ -18,12 +18,6 @@ pytestmark = pytest.mark.slow  # spawned ranks over gloo
 
 N = 22  # even: with 2 ranks nothing is padded, so "exactly once" is exact
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, port: int, data_dir: str, out_dir: str) -> None:
@@ -79,7 +73,7 @@ def shards(tmp_path_factory):
 def test_two_rank_ddp_epoch(shards, tmp_path):
     ctx = mp.start_processes(
         _train,
-        args=(_free_port(), shards, str(tmp_path)),
+        args=(free_port(), shards, str(tmp_path)),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
