@@ -67,6 +67,12 @@ class Batch:
     keys: list[str]
     notes: list[str] = field(default_factory=list)
     consumed: int = 0
+    # decode_on="device": the slot holds the samples' stored bytes, sample i at
+    # [offsets[i], offsets[i + 1]) of a ``capacity``-byte slot, with its crop box and shard
+    offsets: list[int] | None = None
+    boxes: list | None = None
+    shards: list[str] | None = None
+    capacity: int = 0
 
 
 @dataclass(slots=True)
