@@ -24,7 +24,7 @@ from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
     from .loader import ShardLoader
-    from .stream.dataset import FolderDataset, ShardDataset
+    from .stream.dataset import FolderDataset, ShardDataset, Source
 
 __all__ = [
     "FolderDataset",
@@ -41,6 +41,7 @@ __all__ = [
     "ShardLoader",
     "ShardWriter",
     "ShardkitError",
+    "Source",
     "StorageError",
     "pack",
     "read_manifest",
@@ -49,6 +50,7 @@ __all__ = [
 _LAZY = {
     "ShardDataset": "stream.dataset",
     "FolderDataset": "stream.dataset",
+    "Source": "stream.dataset",
     "ShardLoader": "loader",
 }
 
