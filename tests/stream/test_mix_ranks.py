@@ -169,3 +169,37 @@ def test_mixture_with_dataloader_workers_and_with_keys_off(two):
     ds = _ds(two, decode="tensor", size=8, with_keys=False, batch_size=B)
     batches = list(DataLoader(ds, batch_size=B, num_workers=2))
     assert len(batches) == EPOCH // B and all(len(b) == 2 for b in batches)
+
+
+def test_mixture_of_a_local_lmdb_and_s3_tar_resumes_exactly(two, s3):
+    """Sources on different storages: the tar one on the S3 test server, the LMDB local."""
+    pytest.importorskip("s3fs")
+    import uuid
+    from pathlib import Path
+
+    from remote_servers import S3Server
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    bucket = f"mix-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(bucket, "tar", Path(two[0]))
+    remote = (f"s3://{bucket}/tar/", two[1])
+
+    def ds():
+        a, b = remote
+        opts = S3Server.options(s3.endpoint)
+        return ShardDataset(
+            [Source(a, weight=0.7, storage_options=opts), Source(b, weight=0.3)],
+            epoch_size=EPOCH, seed=5, buffer_size=30, with_keys=True, decode="raw", batch_size=B,
+        )  # fmt: skip
+
+    full = _keys(StatefulDataLoader(ds(), batch_size=B, num_workers=2))
+    local = _ds(two, decode="raw", batch_size=B)
+    assert full == _keys(DataLoader(local, batch_size=B, num_workers=2))  # storage changes nothing
+    loader = StatefulDataLoader(ds(), batch_size=B, num_workers=2)
+    it = iter(loader)
+    before = [list(next(it)[2]) for _ in range(29)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = StatefulDataLoader(ds(), batch_size=B, num_workers=2)
+    resumed.load_state_dict(state)
+    assert before + _keys(resumed) == full
