@@ -25,6 +25,7 @@ from .write.writer import ShardWriter
 if TYPE_CHECKING:
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
+    from .stream.view import ShardView
 
 __all__ = [
     "FolderDataset",
@@ -39,6 +40,7 @@ __all__ = [
     "ShardEntry",
     "ShardFormatError",
     "ShardLoader",
+    "ShardView",
     "ShardWriter",
     "ShardkitError",
     "Source",
@@ -51,6 +53,7 @@ _LAZY = {
     "ShardDataset": "stream.dataset",
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
+    "ShardView": "stream.view",
     "ShardLoader": "loader",
 }
 

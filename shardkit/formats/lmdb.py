@@ -28,6 +28,7 @@ __all__ = [
     "LmdbShardWriter",
     "count_lmdb_samples",
     "iter_lmdb_records",
+    "LmdbSampleReader",
     "sample_key",
 ]
 
@@ -466,6 +467,37 @@ def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
         ) from None
     finally:
         env.close()
+
+
+class LmdbSampleReader:
+    """Random access to one LMDB shard: ``get(i)`` is one B-tree lookup on an environment
+    opened (and structure-checked) once. ``close()`` releases it."""
+
+    def __init__(self, path: str | os.PathLike, shard: str = ""):
+        self.shard = shard or os.fspath(path)
+        self.env = _open_env(path, self.shard)
+        with self.env.begin() as txn:
+            self.samples = _count(txn, self.shard)
+
+    def get(self, index: int) -> Record:
+        try:
+            with self.env.begin(buffers=False) as txn:
+                value = txn.get(sample_key(index))
+        except lmdb.Error as exc:
+            raise ShardFormatError(
+                f"{self.shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); "
+                "re-copy or re-pack it"
+            ) from None
+        if value is None:
+            raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
+        return decode_value(value, self.shard, index)
+
+    def keys(self) -> list[str]:
+        """Every sample's key, in order (reads each value's header)."""
+        return [self.get(i).key for i in range(self.samples)]
+
+    def close(self) -> None:
+        self.env.close()
 
 
 class LmdbFormat(ShardFormat):
