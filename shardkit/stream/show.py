@@ -102,5 +102,5 @@ def write_members(view: ShardView, key: str, folder: str) -> list[str]:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
             raise
-        written.append(path)
+        written.append(os.path.join(folder, os.path.basename(path)))  # as the user named it
     return written
