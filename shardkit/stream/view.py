@@ -163,8 +163,9 @@ class ShardView(Dataset):
             return self._reader(shard, info).get(j)
         off = self._offsets[shard]
         blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
-        recs = iter_tar_records(
-            io.BytesIO(blob + _END), shard=info.url, start=0, stop=1, fields=self.fields
+        data = blob + _END
+        recs = iter_tar_records(  # a window of the sample's size, not the streaming 4 MB
+            io.BytesIO(data), shard=info.url, start=0, stop=1, fields=self.fields, chunk=len(data)
         )
         rec = next(iter(recs), None)
         if rec is None or rec.key != self._keys[int(self._starts[shard]) + j]:
@@ -186,7 +187,7 @@ class ShardView(Dataset):
         off = self._offsets[shard]
         blob = self._read(shard, self.shards[shard], int(off[j]), int(off[j + 1]))
         out = []
-        buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, 64 << 10)
+        buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, len(blob) + len(_END))
         for _, k, ext, data in _walk(buf, lambda k, e: True):
             if k.decode("utf-8", "surrogateescape") != rec.key:
                 break
