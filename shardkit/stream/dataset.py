@@ -148,6 +148,14 @@ class ShardDataset(IterableDataset):
     ``state_dict()`` / ``load_state_dict(state)`` checkpoint the position in the epoch (plain
     data; see shardkit.stream.resume): resuming reads and decodes nothing already delivered,
     continues in the same order, and may change the world size (the rest of the epoch is re-split).
+
+    Choosing what to read (shardkit.stream.mix, docs/mixing.md): ``source`` may be a list of
+    ``Source(path, weight=...)``, mixed with exact per-epoch shares and stratified so every batch
+    follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); ``subset`` (a
+    fraction or a list of keys) and ``split`` ("train"/"val", ``val_fraction`` of the keys in
+    "val", by a seeded key hash that survives re-packing) narrow one source (with ``Source``s,
+    give them per ``Source``). ``labels="union"`` maps the sources' labels onto the union of
+    their class names; "keep" (default) leaves each source's stored labels.
     """
 
     def __init__(

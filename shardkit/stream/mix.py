@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..errors import InputError, ShardFormatError
+from ..errors import InputError, ShardFormatError, StorageError
 from ..formats import FORMATS
 from ..records import Record, ShardInfo
 from .resume import (
@@ -190,16 +190,32 @@ def subset_members(
 
 
 def read_keys(shards: Sequence[ShardInfo], fmt: str, storage: Storage) -> list[str]:
-    """Every sample's key, in stored order (one read of the shards, at construction)."""
+    """Every sample's key, in stored order, read once at construction: tar headers only (the
+    data is hopped over on local files), LMDB value headers."""
+    from ..formats.lmdb import LmdbSampleReader
+    from ..formats.tar.tally import tally_tar
+
     keys: list[str] = []
-    f = FORMATS[fmt]
     try:
         for shard in shards:
-            records = f.records(storage, shard)
-            try:
-                keys.extend(r.key for r in records)
-            finally:
-                records.close()
+            if fmt == "lmdb":
+                reader = LmdbSampleReader(storage.local_path(shard), shard.url)
+                try:
+                    got = reader.keys()
+                finally:
+                    reader.close()
+            else:
+                try:
+                    with storage.open(shard) as stream:
+                        got = tally_tar(stream, shard=shard.url, keys=True).keys
+                except OSError as exc:
+                    raise StorageError(f"{shard.url}: cannot read its keys ({exc})") from exc
+            if len(got) != shard.samples:
+                raise ShardFormatError(
+                    f"{shard.url}: holds {len(got)} samples, its manifest says {shard.samples}; "
+                    "the manifest belongs to another version of the shard: re-pack it"
+                )
+            keys.extend(got)
     finally:
         storage.close()
     return keys

@@ -168,7 +168,7 @@ def test_in_process_state_resumes_with_nothing_replayed(mixdata):
     it = iter(ds)
     before = [next(it)[2] for _ in range(4321)]
     state = ds.state_dict()
-    it.close()  # an LMDB environment opens once per process: the abandoned reader lets go
+    it.close()
     again = _mix(mixdata)
     again.load_state_dict(state)
     assert before + [s[2] for s in again] == full
@@ -185,6 +185,24 @@ def test_a_state_from_another_mixture_is_refused(mixdata):
     )  # fmt: skip
     with pytest.raises(InputError, match="settings the state was saved with|mix"):
         other.load_state_dict(state)
+
+
+def test_two_parts_of_one_lmdb_read_side_by_side(mixdata):
+    """LMDB opens a file once per process: both parts share one environment, read interleaved."""
+    _, small = mixdata
+    ds = ShardDataset(
+        [Source(small, split="train"), Source(small, split="val")], decode="raw", with_keys=True,
+        buffer_size=0, shuffle=False,
+    )  # fmt: skip
+    keys = [s[2] for s in ds]
+    assert sorted(keys) == sorted(f"b/{i:05d}" for i in range(300))
+    from shardkit import ShardView
+
+    view = ShardView(small, decode="raw", with_keys=True)
+    it = iter(ds)
+    assert [view.get(next(it)[2])[2] for _ in range(5)] == keys[:5]  # a view beside a stream
+    it.close()
+    view.close()
 
 
 def test_labels_keep_or_union(mixdata):
