@@ -16,7 +16,9 @@ opens its shards again in each worker process.
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -25,7 +27,7 @@ from torch.utils.data import Dataset
 
 from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader
-from ..formats.tar.reader import iter_tar_records
+from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
 from ..paths import check_source
 from ..records import Record, ShardInfo
@@ -87,7 +89,7 @@ class ShardView(Dataset):
                 self._offsets.append(offsets)
         finally:
             self.storage.close()
-        self._starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._by_key: dict[str, int] | None = None
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
@@ -124,7 +126,7 @@ class ShardView(Dataset):
     # --- access -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._starts[-1]
 
     def keys(self) -> list[str]:
         """Every sample's key, in packed order."""
@@ -163,12 +165,8 @@ class ShardView(Dataset):
             return self._reader(shard, info).get(j)
         off = self._offsets[shard]
         blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
-        data = blob + _END
-        recs = iter_tar_records(  # a window of the sample's size, not the streaming 4 MB
-            io.BytesIO(data), shard=info.url, start=0, stop=1, fields=self.fields, chunk=len(data)
-        )
-        rec = next(iter(recs), None)
-        if rec is None or rec.key != self._keys[int(self._starts[shard]) + j]:
+        rec = read_sample(blob, info.url, self.fields)
+        if rec is None or rec.key != self._keys[self._starts[shard] + j]:
             raise ShardFormatError(
                 f"{info.url}: sample {j} is not where the index says (the shard changed since "
                 "the view was made); make the view again"
@@ -201,8 +199,8 @@ class ShardView(Dataset):
         if not -n <= i < n:
             raise IndexError(f"sample {i} is out of range: {self.where} holds {n} (0..{n - 1})")
         i = int(i) % n
-        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return shard, i - int(self._starts[shard])
+        shard = bisect.bisect_right(self._starts, i) - 1
+        return shard, i - self._starts[shard]
 
     def _reader(self, shard: int, info: ShardInfo):
         self._fresh()
