@@ -29,11 +29,12 @@ from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
+from ..images.decode import decode_image
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
 from .sources import resolve_source
-from .stages import DECODE_MODES, apply_transforms, decode_records
+from .stages import DECODE_MODES, sample_error
 from .storage import storage_for
 
 __all__ = ["ShardView"]
@@ -152,10 +153,23 @@ class ShardView(Dataset):
 
     def __getitem__(self, i) -> tuple:
         rec = self.record(i)
-        samples = decode_records([rec], self.decode, with_keys=self.with_keys, fields=self.fields)
-        if self.transform is not None or self.target_transform is not None:
-            samples = apply_transforms(samples, self.transform, self.target_transform)
-        return next(iter(samples))
+        if self.decode == "raw":
+            img = rec.data
+        else:
+            try:
+                img = decode_image(rec.data, self.decode)
+            except Exception as exc:
+                raise sample_error(rec, exc) from exc
+        label = rec.label
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        head = (img, label, rec.key) if self.with_keys else (img, label)
+        if self.fields:
+            extra = rec.fields or {}
+            return head + tuple(extra.get(n.lower()) for n in self.fields)
+        return head
 
     def record(self, i) -> Record:
         """Sample ``i`` as stored (bytes, label, key, fields): one read."""
