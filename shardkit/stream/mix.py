@@ -100,7 +100,7 @@ class Source:
         if not 0 < self.val_fraction < 1:
             raise InputError(f"{self.name}: val_fraction={self.val_fraction!r} must be in (0, 1)")
         s = self.subset
-        if isinstance(s, str):
+        if isinstance(s, (str, bool)):
             raise InputError(f"{self.name}: subset={s!r}: give a fraction or a list of keys")
         if isinstance(s, (int, float)) and not isinstance(s, bool) and not 0 < s <= 1:
             raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")

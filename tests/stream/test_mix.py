@@ -124,6 +124,22 @@ def test_resume_at_any_batch_gives_exactly_the_rest(mixdata, world_size, num_wor
             assert full[:k] + after == full
 
 
+def test_resume_after_every_batch_of_a_short_epoch(mixdata):
+    kw = dict(epoch_size=1000, batch_size=B, rank=1, world_size=2)
+    ds = _mix(mixdata, **kw)
+    ds.set_epoch(6)
+    full = _keys(DataLoader(ds, batch_size=B))
+    assert len(full) == 8
+    for k in range(len(full) + 1):
+        state = ds.state_dict(batches=k, num_workers=0)
+        again = _mix(mixdata, **kw)
+        again.load_state_dict(state)
+        if k == len(full):  # saved at the epoch's end: the next epoch follows
+            assert again.epoch == 7
+            break
+        assert full[:k] + _keys(DataLoader(again, batch_size=B)) == full
+
+
 def test_ranks_see_disjoint_positions_and_together_the_epoch(mixdata):
     per_rank = []
     for rank in range(2):
@@ -270,6 +286,8 @@ def test_bad_mixture_arguments_are_clear_errors(mixdata):
         Source(big, split="test")
     with pytest.raises(InputError, match="fraction"):
         ShardDataset(big, subset=1.5)
+    with pytest.raises(InputError, match="fraction or a list"):
+        ShardDataset(big, subset=True)
     with pytest.raises(InputError, match="each Source"):
         ShardDataset([Source(big), Source(small)], subset=0.5)
     with pytest.raises(InputError, match="epoch_size"):
