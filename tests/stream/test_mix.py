@@ -79,6 +79,14 @@ def test_mixture_counts_are_exact_and_every_batch_follows_the_weights(mixdata):
     assert draws[0] != draws[1]  # a fresh draw each epoch
 
 
+def test_every_window_of_64_holds_44_or_45_of_the_07_source(mixdata):
+    ds = _mix(mixdata)
+    ds.set_epoch(3)
+    big = np.array([s[2].startswith("a/") for s in ds], dtype=int)
+    windows = np.convolve(big, np.ones(B, dtype=int), "valid")
+    assert set(windows.tolist()) == {44, 45}
+
+
 def test_mixture_repeats_the_same_epoch_for_the_same_seed_and_epoch(mixdata):
     one, two = _mix(mixdata), _mix(mixdata)
     one.set_epoch(4), two.set_epoch(4)
@@ -304,6 +312,6 @@ def test_stratified_windows_hold_for_three_sources(tmp_path):
     )  # fmt: skip
     src = np.array([int(s[2][0]) for s in ds])
     assert np.bincount(src).tolist() == [1500, 900, 600]
-    for start in range(0, len(src) - B + 1, 7):  # every window of 64, not only aligned ones
+    for start in range(len(src) - B + 1):  # every window of 64, not only aligned ones
         counts = np.bincount(src[start : start + B], minlength=3)
         assert (np.abs(counts - np.array([0.5, 0.3, 0.2]) * B) <= 2).all(), (start, counts)
