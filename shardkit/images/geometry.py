@@ -22,6 +22,7 @@ import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 
 from ..errors import InputError, check_choice
 from .decode import (
+    DEFAULT_MAX_PIXELS,
     BufferShapeError,
+    check_pixels,
     decode_jpeg_region,
     decode_rgb,
     image_size,
@@ -40,6 +43,7 @@ from .decode import (
 
 __all__ = [
     "CROP_MODES",
+    "CropBox",
     "Geometry",
     "TensorDecoder",
     "center_crop_box",
@@ -48,6 +52,19 @@ __all__ = [
 ]
 
 CROP_MODES = ("center", "random")
+
+
+class CropBox(NamedTuple):
+    """A sample's crop: the image's (height, width), the box (top, left, h, w) in its full-size
+    pixels, and whether the crop is mirrored."""
+
+    height: int
+    width: int
+    top: int
+    left: int
+    h: int
+    w: int
+    flip: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,22 +158,24 @@ class TensorDecoder:
     Without geometry ``out`` may also be an (H, W, 3) numpy array (the loader's fastest path).
     """
 
-    def __init__(self, geometry: Geometry | None, seed: int = 0, epoch: int = 0, rank: int = 0):
+    def __init__(
+        self,
+        geometry: Geometry | None,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int = 0,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ):
         self.geometry = geometry
         self.seed, self.epoch, self.rank = int(seed), int(epoch), int(rank)
+        self.max_pixels = max_pixels
 
     def __call__(self, data: bytes, key: str = "", out=None):
         if self.geometry is None:
             return self._full(data, key, out)
-        g = self.geometry
-        size = g.size
-        height, width = image_size(data)
-        uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        if g.crop == "random":
-            top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
-        else:
-            top, left, h, w = center_crop_box(height, width)
-        flip = g.flip and next(uniforms) < 0.5
+        crop = self.crop_box(data, key)
+        height, width, top, left, h, w, flip = crop
+        size = self.geometry.size
         # Smallest decode whose crop still covers size x size (never larger than the image).
         need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
         # Only the crop's rows and columns where the region decoder can (a JPEG), else all of it.
@@ -165,11 +184,25 @@ class TensorDecoder:
         t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
         pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
         if pixels is None:
-            rgb = decode_rgb(data, min_size=need)
+            rgb = decode_rgb(data, min_size=need, max_pixels=self.max_pixels)
             # the same box on whatever scale the fallback decoded (Pillow's draft may differ)
             t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, *rgb.shape[:2])
             pixels = rgb[t0:t1, l0:l1]
         return self._finish(pixels, flip, out)
+
+    def crop_box(self, data: bytes, key: str = "") -> CropBox:
+        """The sample's crop in full-size pixels and its flip, from the header alone: what a
+        decoder elsewhere (``shardkit.images.device``) needs to give the same sample."""
+        g = self.geometry
+        height, width = image_size(data)
+        check_pixels(height, width, self.max_pixels)
+        uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
+        if g.crop == "random":
+            top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
+        else:
+            top, left, h, w = center_crop_box(height, width)
+        flip = g.flip and next(uniforms) < 0.5
+        return CropBox(height, width, top, left, h, w, flip)
 
     def _finish(self, pixels: np.ndarray, flip: bool, out):
         size = self.geometry.size
@@ -208,7 +241,9 @@ class TensorDecoder:
         per image under two threads' GIL hand-offs measured as much as the transpose itself).
         """
         try:  # the decoder checks the size against the scratch array: one header parse
-            rgb = decode_rgb(data, out=scratch_hwc(out.shape[1], out.shape[2]))
+            rgb = decode_rgb(
+                data, out=scratch_hwc(out.shape[1], out.shape[2]), max_pixels=self.max_pixels
+            )
         except BufferShapeError as exc:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
         to_planes(rgb, out)
@@ -216,16 +251,16 @@ class TensorDecoder:
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
         if out is None:
-            rgb = decode_rgb(data)
+            rgb = decode_rgb(data, max_pixels=self.max_pixels)
             res = torch.empty((3, rgb.shape[0], rgb.shape[1]), dtype=torch.uint8)
             np.copyto(res.numpy(), rgb.transpose(2, 0, 1))
             return res
         try:
             if isinstance(out, np.ndarray):  # an HWC slot of a channels_last batch: straight in
-                return decode_rgb(data, out=out)
+                return decode_rgb(data, out=out, max_pixels=self.max_pixels)
             hwc = out.permute(1, 2, 0)
             if hwc.is_contiguous():
-                decode_rgb(data, out=hwc.numpy())
+                decode_rgb(data, out=hwc.numpy(), max_pixels=self.max_pixels)
             else:  # a contiguous batch slot: decode interleaved, then into the planes
                 self.into_planes(data, key, out.numpy())
             return out

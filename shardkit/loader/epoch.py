@@ -7,8 +7,9 @@ batch_size, num_workers)`` would and ``len(loader)`` is exact.
 This is the one place that decides when a slot may be written again (``_give_back``):
 
 - the batch is a view of its slot (a uint8 batch on the CPU): two draws after it was yielded,
-  when the caller's loop variable has moved on; a slot still referenced then was kept by the
-  caller and gets fresh memory instead (``Ring.replace``);
+  when the caller's loop variable has moved on; a slot still reached then (the tensor, a view,
+  its storage, a numpy array over it: ``Ring.kept``) was kept by the caller and gets fresh
+  memory instead (``Ring.replace``);
 - the batch was copied to the device: once the copy's event has completed (one step after it was
   staged: the copy runs on a side stream while the caller's step runs, apex's prefetcher);
 - the batch was converted on the CPU (normalised, made contiguous): right after staging.
@@ -24,14 +25,29 @@ import contextlib
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import ShardkitError
+from ..images.device import place
+from ..images.geometry import ShapeError
+from ..records import Record
+from ..stream.stages import sample_error
 from ..stream.world import World
 from .messages import Batch, End
 
-__all__ = ["Epoch", "slots_per_worker"]
+__all__ = ["Epoch", "Position", "slots_per_worker"]
+
+
+@dataclass
+class Position:
+    """How far the caller is in ``epoch``: records each worker's yielded batches took from its
+    stream (skipped samples included) and the worker whose batch is due next."""
+
+    epoch: int
+    consumed: list[int]
+    next_worker: int = 0
 
 
 def slots_per_worker(prefetch_factor: int, ahead: int) -> int:
@@ -54,14 +70,20 @@ class Epoch:
             ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
             for w in range(self.n)
         ]
-        self.yielded = loader._yielded = [self.epoch, 0]  # counted as batches reach the caller
+        # What the caller has received, for state_dict: records taken per worker, who is next.
+        self.position = loader._position = Position(self.epoch, [0] * self.n)
         device = loader.device
         self.cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.nhwc = loader._nhwc
+        # Encoded slots (decode_on="device"): decoded here, the caller never sees the slot.
+        self.decoder = loader._device_decoder() if loader.decode_on == "device" else None
         # The caller gets the slot itself (no conversion, no device): give it back late.
         self.view = (
-            not self.cuda and loader.normalize is None and (loader.channels_last or not self.nhwc)
+            self.decoder is None
+            and not self.cuda
+            and loader.normalize is None
+            and (loader.channels_last or not self.nhwc)
         )
         if loader.normalize is not None:
             mean, std = loader.normalize
@@ -69,6 +91,7 @@ class Epoch:
             self.scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(target)
             self.shift = (-mean / std).view(1, 3, 1, 1).to(target)
         self.held: list[set[int]] = [set() for _ in range(self.n)]
+        self._cpu = None  # the CPU decoder for what the device decoder declines
         self.done = False
         workers.start(gen, self.epoch, [r.to_dict() if r else None for r in resumes])
 
@@ -87,6 +110,8 @@ class Epoch:
                 msg = self.workers.next(w)
                 if isinstance(msg, End):
                     if msg.error is not None:
+                        if msg.cause is not None:
+                            raise msg.error from msg.cause
                         raise msg.error
                     live.remove(w)
                     continue
@@ -119,9 +144,11 @@ class Epoch:
 
     def _stage(self, msg: Batch):
         """Start moving batch ``msg`` to the device and converting it there."""
+        if msg.offsets is not None:
+            return self._stage_encoded(msg)
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
-        images = self.ring.images(msg.worker, msg.slot, shape)[: msg.count]
+        images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
         if self.nhwc:
             images = images.permute(0, 3, 1, 2)
         labels = torch.tensor(msg.labels, dtype=torch.int64)
@@ -146,7 +173,81 @@ class Epoch:
         if not self.view and not self.cuda:  # converted into new memory: the slot is done
             self._give_back(*slot)
             slot = None
-        return out, ready, copied, slot
+        return out, ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _stage_encoded(self, msg: Batch):
+        """Decode batch ``msg``'s stored bytes on the device (``shardkit.images.device``): each
+        sample's crop region, resized, flipped and normalised into a new batch there. What the
+        device decoder declines is decoded by the CPU decoder with the same box; what neither
+        can decode is an error naming shard and key, or a counted skip."""
+        loader, ds = self.loader, self.loader.dataset
+        arr = self.ring.array(msg.worker, msg.slot, (msg.capacity,))
+        offsets = msg.offsets
+        bufs = [arr[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
+        size = ds.geometry.size if ds.geometry is not None else None
+        target = loader.device or torch.device("cpu")
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            crops = self.decoder.decode(bufs, msg.boxes, self.stream)
+            pixels, kept = [], []  # (HWC crop, or the CPU decoder's finished CHW image)
+            for i, crop in enumerate(crops):
+                finished = crop is None
+                if finished:  # declined by the device decoder: the CPU decodes it (or fails)
+                    crop = self._decode_on_cpu(bufs[i], msg, i)
+                    if crop is None:
+                        continue
+                    crop = crop.to(target, non_blocking=True)
+                pixels.append((crop, finished))
+                kept.append(i)
+            dtype = torch.float32 if loader.normalize is not None else torch.uint8
+            shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
+            fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
+            images = torch.empty(
+                (len(kept), 3, *shape), dtype=dtype, device=target, memory_format=fmt
+            )
+            for j, (i, (crop, finished)) in enumerate(zip(kept, pixels, strict=True)):
+                box = msg.boxes[i]
+                if finished:
+                    images[j].copy_(crop)
+                else:
+                    place(crop, size, bool(box.flip) if box is not None else False, images[j])
+            if loader.normalize is not None:
+                images.mul_(self.scale).add_(self.shift)
+            labels = torch.tensor([msg.labels[i] for i in kept], dtype=torch.int64)
+            tt = ds.target_transform
+            if tt is not None:
+                labels = torch.utils.data.default_collate([tt(int(v)) for v in labels.tolist()])
+            ready = copied = None
+            if self.cuda:
+                labels = labels.to(target, non_blocking=True)
+                copied = torch.cuda.Event()  # the decode has read the slot's bytes
+                copied.record(self.stream)
+                ready = copied
+        keys = [msg.keys[i] for i in kept]
+        out = (images, labels, keys) if loader.with_keys else (images, labels)
+        slot = (msg.worker, msg.slot)
+        if not self.cuda:  # decoded synchronously: the slot is done
+            self._give_back(*slot)
+            slot = None
+        return out, ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _decode_on_cpu(self, buf, msg: Batch, i: int) -> torch.Tensor | None:
+        """Sample ``i`` through the CPU path's decoder: its finished (3, S, S) uint8 image (a
+        full-size one without ``size``), or None when skipped under ``on_error="skip"``."""
+        ds = self.loader.dataset
+        if self._cpu is None:
+            self._cpu = ds.tensor_decoder(self.epoch)
+        key = msg.keys[i]
+        try:
+            return self._cpu(buf.tobytes(), key)
+        except Exception as exc:
+            rec = Record(key=key, ext="", data=b"", label=msg.labels[i], shard=msg.shards[i])
+            err = sample_error(rec, exc)
+            if ds.on_error == "raise":
+                raise err from exc
+            warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=5)
+            ds._skip_counter(0)()
+            return None
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         loader = self.loader
@@ -161,10 +262,12 @@ class Epoch:
             return images.contiguous()  # a uint8 batch moved to a device as NHWC
         return images
 
-    def _finish(self, out: tuple, ready, copied, slot, drawn: deque) -> tuple:
+    def _finish(self, out: tuple, ready, copied, slot, took, drawn: deque) -> tuple:
         """Make the caller's stream wait for this batch only (not the one staged behind it);
         a slot whose device copy has completed goes back now, a viewed one two draws later."""
-        self.yielded[1] += 1
+        worker, consumed = took
+        self.position.consumed[worker] += consumed
+        self.position.next_worker = (worker + 1) % self.n
         if ready is not None:
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(ready)
@@ -183,6 +286,7 @@ class Epoch:
         if self.ring.kept(worker, slot):
             self.workers.replace(worker, slot)
         else:
+            self.ring.returned(worker, slot)
             self.workers.free(worker, slot)
 
     def _abandon(self) -> None:
@@ -200,3 +304,19 @@ class Epoch:
             pass
         if not self.done:
             self.workers.abandon()
+
+
+def _one_size(pixels: list[tuple], msg: Batch, kept: list[int]) -> tuple[int, int]:
+    """The (H, W) every full-size image of a batch without ``size`` shares (or a ShapeError
+    naming the first that differs)."""
+    sizes = [tuple(p.shape[1:]) if done else tuple(p.shape[:2]) for p, done in pixels]
+    if not sizes:
+        return (0, 0)
+    for i, hw in zip(kept, sizes, strict=True):
+        if hw != sizes[0]:
+            raise ShapeError(
+                f"{msg.shards[i]}: sample {msg.keys[i]!r} is {hw[1]}x{hw[0]} but its batch holds "
+                f"{sizes[0][1]}x{sizes[0][0]} images; pass size= (and crop=) to ShardDataset "
+                "for fixed-size batches"
+            )
+    return sizes[0]

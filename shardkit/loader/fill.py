@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError
 from ..images.geometry import ShapeError
 from ..stream.resume import EpochState
-from ..stream.stages import sample_error
+from ..stream.stages import sample_error, transform_error
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
@@ -40,6 +40,7 @@ class FillSpec:
     num_workers: int
     drop_last: bool
     nhwc: bool  # slots hold (N, H, W, 3), else (N, 3, H, W)
+    encoded: bool = False  # slots hold the samples' stored bytes (decode_on="device")
 
 
 class Filler:
@@ -51,6 +52,7 @@ class Filler:
         if dataset.geometry is not None:
             self.hw = (dataset.geometry.size, dataset.geometry.size)
         self._targets: dict[int, tuple[np.ndarray, list]] = {}
+        self._capacity = 0  # encoded slots: bytes each one maps (grown for a larger batch)
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -61,9 +63,10 @@ class Filler:
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
         try:
+            fill = self._fill_encoded if spec.encoded else self._fill
             while True:
                 slot = acquire()
-                batch = self._fill(slot, records, decoder)
+                batch = fill(slot, records, decoder)
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     return
                 yield batch
@@ -104,7 +107,11 @@ class Filler:
                 continue
             if img is not None:  # the transform's errors are the transform's, not bad data
                 if transform is not None:
-                    img = _transformed(transform(img), rec, self.hw)
+                    try:
+                        out = transform(img)
+                    except Exception as exc:
+                        raise transform_error(rec, exc) from exc
+                    img = _transformed(out, rec, self.hw)
                 if targets is None:  # the first image of this worker sizes its slots
                     targets = self._first(slot, img)
                 else:
@@ -115,7 +122,43 @@ class Filler:
             if n == bs:
                 break
         height, width = self.hw or (0, 0)
-        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes)
+        consumed = n + len(notes)
+        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
+
+    def _fill_encoded(self, slot: int, records: Iterator, decoder) -> Batch:
+        """Copy up to a batch of ``records``' stored bytes into ``slot``, with each sample's crop
+        box from its header (``decode_on="device"``: the training process decodes). A header
+        that cannot be read is an undecodable sample here, as in ``_fill``."""
+        ds, bs = self.ds, self.spec.batch_size
+        raising = ds.on_error == "raise"
+        taken, boxes, notes = [], [], []
+        for rec in records:
+            try:
+                box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
+            except Exception as exc:
+                err = sample_error(rec, exc)
+                if raising:
+                    raise err from exc
+                notes.append(f"skipped: {err}")
+                ds._skip_counter(self.worker)()
+                continue
+            taken.append(rec)
+            boxes.append(box)
+            if len(taken) == bs:
+                break
+        offsets = [0]
+        for rec in taken:
+            offsets.append(offsets[-1] + len(rec.data))
+        if offsets[-1] > self._capacity:  # the slots grow to the largest batch, in powers of 2
+            self._capacity = 1 << max(20, (offsets[-1] - 1).bit_length())
+        arr = self.slots.array(slot, (self._capacity,))
+        for rec, lo, hi in zip(taken, offsets, offsets[1:], strict=False):
+            arr[lo:hi] = np.frombuffer(rec.data, np.uint8)
+        n = len(taken)
+        return Batch(
+            0, self.worker, slot, n, 0, 0, [r.label for r in taken], [r.key for r in taken],
+            notes, n + len(notes), offsets, boxes, [r.shard for r in taken], self._capacity,
+        )  # fmt: skip
 
     def _first(self, slot: int, img: torch.Tensor) -> list:
         self.hw = (int(img.shape[-2]), int(img.shape[-1]))

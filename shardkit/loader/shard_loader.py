@@ -11,20 +11,29 @@ fed ResNet-50 at 0.60 of the GPU's speed, while processes into a reused pinned r
 
 from __future__ import annotations
 
+import math
 import os
+import resource
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, ShardkitError, check_choice
+from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
-from .epoch import Epoch, slots_per_worker
+from .epoch import Epoch, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
-from .workers import LocalWorkers, ProcessWorkers, default_start_method
+from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
 
 __all__ = ["ShardLoader", "default_workers"]
+
+#: Where a batch is decoded: in the worker processes (pixels in the ring), or in the training
+#: process on its device by nvImageCodec (the stored bytes in the ring; ``shardkit.images.device``).
+DECODE_ON = ("workers", "device")
+_FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the loader's files
 
 
 def default_workers() -> int:
@@ -41,8 +50,11 @@ class _Resources:
     def __init__(self):
         self.ring: Ring | None = None
         self.workers: LocalWorkers | ProcessWorkers | None = None
+        self.owner = os.getpid()
 
     def close(self) -> None:
+        """Stop the workers and free the ring; in a forked child (whose copies these are) only
+        the child's own descriptors and mappings go: the parent's workers are left alone."""
         workers, ring = self.workers, self.ring
         self.workers = self.ring = None
         if workers is not None:
@@ -75,6 +87,10 @@ class ShardLoader:
     list of sample keys. ``drop_last`` drops the rank's one short batch. ``start_method``:
     "fork" (default where available), "spawn" or "forkserver". ``timeout``: seconds to wait for
     a worker's batch before raising (0: forever; a dead worker is reported at once anyway).
+    ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
+    stored bytes; the training process decodes each batch with nvImageCodec on ``device``
+    (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
+    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md).
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -93,20 +109,34 @@ class ShardLoader:
         prefetch_factor: int = 2,
         start_method: str | None = None,
         timeout: float = 0,
+        decode_on: str = "workers",
     ):
         _check_dataset(dataset)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        _check_int("batch_size", batch_size, 1)
         num_workers = default_workers() if num_workers is None else num_workers
-        if num_workers < 0:
-            raise InputError(f"num_workers must be >= 0, got {num_workers}")
-        if prefetch_factor < 1:
-            raise InputError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        _check_int("num_workers", num_workers, 0)
+        _check_int("prefetch_factor", prefetch_factor, 1)
+        for name, flag in (("drop_last", drop_last), ("channels_last", channels_last)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name} must be True or False, got {flag!r}")
+        if with_keys is not None and not isinstance(with_keys, bool):
+            raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
+        check_choice("decode_on", decode_on, DECODE_ON)
+        if decode_on == "device" and dataset.transform is not None:
+            raise InputError(
+                'decode_on="device" decodes in the training process, after the workers: a '
+                "per-sample transform= has no pixels to run on there; apply it to the batch"
+            )
         start_method = start_method or default_start_method()
         if start_method not in ("fork", "spawn", "forkserver"):
             raise InputError(f"start_method={start_method!r}: use 'fork', 'spawn' or 'forkserver'")
-        if timeout < 0:
-            raise InputError(f"timeout must be >= 0 seconds (0: wait forever), got {timeout}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout < 0
+        ):
+            raise InputError(f"timeout must be seconds >= 0 (0: wait forever), got {timeout!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = int(num_workers)
@@ -117,6 +147,10 @@ class ShardLoader:
         self.prefetch_factor = int(prefetch_factor)
         self.start_method = start_method
         self.timeout = float(timeout)
+        self.decode_on = decode_on
+        self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
+        if decode_on == "device":
+            self._device_decoder()  # the missing extra is an error now, not at the first batch
         self.normalize = None
         if normalize is not None:
             mean, std = (torch.as_tensor(v, dtype=torch.float32) for v in normalize)
@@ -132,8 +166,10 @@ class ShardLoader:
         # Batches staged ahead of the one yielded: one with CUDA, so its copy overlaps the step.
         self._ahead = 1 if cuda else 0
         self._current: weakref.ref | None = None
+        self._thread: weakref.ref | None = None  # the thread of the current iteration
+        self._lock = threading.Lock()
         self._gen = 0
-        self._yielded = [-1, 0]  # [epoch, batches yielded by its latest iteration] (state_dict)
+        self._position: Position | None = None  # what the latest iteration yielded (state_dict)
         self._res = _Resources()
         weakref.finalize(self, self._res.close)
 
@@ -156,8 +192,32 @@ class ShardLoader:
         self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple]:
-        self._abandon()  # one live iteration at a time; the workers stay
+        with self._lock:
+            return self._iterate()
+
+    def _iterate(self) -> Iterator[tuple]:
         res = self._res
+        if res.workers is not None and res.owner != os.getpid():
+            raise ForeignLoaderError(
+                f"this ShardLoader's workers were started by process {res.owner}, of which this "
+                f"process ({os.getpid()}) is a fork: build a new ShardLoader (and ShardDataset) "
+                "here; the parent's loader keeps working"
+            )
+        current = self._current() if self._current is not None else None
+        thread = self._thread() if self._thread is not None else None
+        if (
+            current is not None
+            and current.gi_frame is not None  # not finished
+            and thread is not None
+            and thread is not threading.current_thread()
+            and thread.is_alive()
+        ):
+            raise ShardkitError(
+                f"ShardLoader is being iterated by another thread ({thread.name}); a loader "
+                "serves one loop at a time: give each thread its own ShardLoader (and "
+                "ShardDataset, with its own rank or part), or finish that loop first"
+            )
+        self._abandon()  # one live iteration at a time; the workers stay
         if res.workers is None:
             self._start_workers()
         self._gen += 1
@@ -169,26 +229,26 @@ class ShardLoader:
         batches = epoch.batches()
         # Weak: dropping the iterator (break, an exception) is what ends the iteration.
         self._current = weakref.ref(batches)
+        self._thread = weakref.ref(threading.current_thread())
         return batches
 
     def state_dict(self) -> dict:
-        """The position in the epoch as plain data (``json``, ``torch.save``): the batches this
-        iteration has yielded. Workers deal batches as DataLoader workers do, so the dataset
-        works out from that count alone which samples were delivered (shardkit.resume)."""
-        epoch, batches = self._yielded
-        return self.dataset.position(
-            batches if epoch == self.dataset.epoch else 0,
-            num_workers=max(1, self.num_workers),
-            batch_size=self.batch_size,
-            cut=self.batch_size,
-        )
+        """The position in the epoch as plain data (``json``, ``torch.save``): the records each
+        worker's yielded batches took from its stream (skipped samples included) and whose batch
+        is next. Workers deal batches as DataLoader workers do, so the dataset works out from
+        that alone which samples were delivered (shardkit.resume)."""
+        n = max(1, self.num_workers)
+        pos = self._position
+        if pos is None or pos.epoch != self.dataset.epoch:
+            pos = Position(self.dataset.epoch, [0] * n)
+        return self.dataset.worker_position(pos.consumed, pos.next_worker, cut=self.batch_size)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the epoch ``state`` was saved in on the next iteration, in the same order and
         reading nothing already delivered; no ``set_epoch`` needed. A state saved on another
         world size (or worker count) re-splits what is left (``ShardDataset.load_state_dict``)."""
         self._abandon()
-        self._yielded = [-1, 0]
+        self._position = None
         self.dataset.load_state_dict(state)
 
     def close(self) -> None:
@@ -204,9 +264,13 @@ class ShardLoader:
 
     def __repr__(self) -> str:
         ring = self._res.ring
+        decode = f"{self.decode_on!r}" + (
+            f" ({self._decoder.backend})" if self._decoder is not None else ""
+        )
         return (
             f"ShardLoader({self.dataset!r}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, device={self.device}, drop_last={self.drop_last}, "
+            f"decode_on={decode}, "
             f"ring={ring if ring is not None else 'not allocated (first iteration)'})"
         )
 
@@ -216,14 +280,46 @@ class ShardLoader:
         n = max(1, self.num_workers)
         slots = slots_per_worker(self.prefetch_factor, self._ahead)
         pin = self.device is not None and self.device.type == "cuda"
-        spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc)
+        spec = FillSpec(
+            self.batch_size, n, self.drop_last, self._nhwc, encoded=self.decode_on == "device"
+        )
+        self._check_descriptors(n, slots)
         res = self._res
-        res.ring = Ring(n, slots, shared=self.num_workers > 0, pin=pin)
-        if self.num_workers == 0:
-            res.workers = LocalWorkers(self.dataset, spec, res.ring)
-        else:
-            res.workers = ProcessWorkers(
-                self.dataset, spec, res.ring, self.start_method, self.timeout
+        try:
+            res.ring = Ring(n, slots, shared=self.num_workers > 0, pin=pin)
+            if self.num_workers == 0:
+                res.workers = LocalWorkers(self.dataset, spec, res.ring)
+            else:
+                res.workers = ProcessWorkers(
+                    self.dataset, spec, res.ring, self.start_method, self.timeout
+                )
+        except BaseException:  # nothing of a failed start stays open (descriptors, processes)
+            res.close()
+            raise
+
+    def _device_decoder(self) -> DeviceDecoder:
+        if self._decoder is None:
+            self._decoder = DeviceDecoder(self.device)
+        return self._decoder
+
+    def _check_descriptors(self, workers: int, slots: int) -> None:
+        """The ring holds a descriptor per slot (and each worker a pipe and a few files): refuse
+        a ring the process's descriptor limit cannot hold, naming the setting, before opening
+        one (not a raw EMFILE halfway through)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_now = 0
+        need = workers * (slots + _FDS_PER_WORKER)
+        if open_now + need > soft:
+            raise InputError(
+                f"prefetch_factor={self.prefetch_factor} with num_workers={self.num_workers} "
+                f"needs {need} descriptors ({workers} x {slots} ring slots and pipes), and this "
+                f"process has {open_now} of its descriptor limit of {soft} open: lower "
+                "prefetch_factor (2-4 keeps any GPU fed) or raise the limit (ulimit -n)"
             )
 
     def _abandon(self) -> None:
@@ -235,6 +331,12 @@ class ShardLoader:
                 batches.close()
             except ValueError:  # closing from inside the iteration itself (Ctrl-C): it unwinds
                 pass
+
+
+def _check_int(name: str, value, least: int) -> None:
+    """A whole number >= ``least`` (not a bool, not a float that happens to be whole)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InputError(f"{name} must be a whole number >= {least}, got {value!r}")
 
 
 def _check_dataset(dataset) -> None:

@@ -47,7 +47,7 @@ from .resume import (
     segment_streams,
 )
 from .shuffle import rng_for
-from .stages import check_labels, read_slices
+from .stages import check_labels, manifest_unchanged, read_slices
 from .storage import Storage
 from .world import World
 
@@ -124,6 +124,9 @@ class MixedSource:
     members: np.ndarray
     offset: int = 0  # first global sample id (sources' shards laid end to end)
     labels: np.ndarray | None = None  # stored label -> dataset label ("union"), None: kept
+    #: (manifest path, its identity when the dataset was built): a re-pack under the reader's
+    #: feet is refused (``stages.manifest_unchanged``); (None, None) without a local manifest.
+    manifest: tuple[str | None, tuple | None] = (None, None)
 
     @property
     def size(self) -> int:
@@ -384,9 +387,11 @@ def mix_records(
 
     streams = []
     for s, p in zip(sources, plan.sources, strict=True):
+        path, identity = s.manifest
+        unchanged = manifest_unchanged(path, identity) if identity is not None else None
         recs: Iterable[Record] = read_slices(
-            p.slices, s.shards, FORMATS[s.format], s.storage, fields=fields if s.format == "tar"
-            else ()
+            p.slices, s.shards, FORMATS[s.format], s.storage,
+            fields=fields if s.format == "tar" else (), unchanged=unchanged,
         )  # fmt: skip
         if s.classes:
             recs = check_labels(recs, len(s.classes))

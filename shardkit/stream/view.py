@@ -29,7 +29,7 @@ from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
-from ..images.decode import decode_image
+from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
@@ -46,7 +46,8 @@ class ShardView(Dataset):
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
     ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``,
-    ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
+    ``transform``, ``target_transform``, ``with_keys``, ``fields``, ``max_pixels``: as
+    ``ShardDataset``.
     ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
     cache; LMDB shards are fetched whole into ``cache_dir``).
     """
@@ -62,11 +63,13 @@ class ShardView(Dataset):
         fields: Sequence[str] = (),
         storage_options: dict | None = None,
         cache_dir: str | None = None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ):
         check_choice("decode", decode, DECODE_MODES)
         self.decode, self.with_keys = decode, bool(with_keys)
         self.transform, self.target_transform = transform, target_transform
         self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
+        self.max_pixels = max_pixels
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
@@ -157,7 +160,7 @@ class ShardView(Dataset):
             img = rec.data
         else:
             try:
-                img = decode_image(rec.data, self.decode)
+                img = decode_image(rec.data, self.decode, self.max_pixels)
             except Exception as exc:
                 raise sample_error(rec, exc) from exc
         label = rec.label

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shardkit import InputError
+from shardkit.errors import ShardFormatError
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.mix import apportion, split_members
 from shardkit.write.writer import ShardWriter
@@ -315,3 +317,13 @@ def test_stratified_windows_hold_for_three_sources(tmp_path):
     for start in range(len(src) - B + 1):  # every window of 64, not only aligned ones
         counts = np.bincount(src[start : start + B], minlength=3)
         assert (np.abs(counts - np.array([0.5, 0.3, 0.2]) * B) <= 2).all(), (start, counts)
+
+
+def test_a_source_repacked_after_the_mixture_was_built_is_refused(tmp_path):
+    a = _write(tmp_path / "a", "a/", 50, "tar", "40KB")
+    b = _write(tmp_path / "b", "b/", 20, "lmdb", "1MB")
+    ds = ShardDataset([Source(a, weight=0.5), Source(b, weight=0.5)], decode="raw")
+    shutil.rmtree(a)
+    _write(tmp_path / "a", "z/", 50, "tar", "40KB")  # the same names and sizes, other samples
+    with pytest.raises(ShardFormatError, match="re-packed"):
+        list(ds)
