@@ -11,6 +11,7 @@ a decode takes ~110 us, and every microsecond of Python here is a point of effic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -40,7 +41,9 @@ class FillSpec:
     num_workers: int
     drop_last: bool
     nhwc: bool  # slots hold (N, H, W, 3), else (N, 3, H, W)
-    encoded: bool = False  # slots hold the samples' stored bytes (decode_on="device")
+    # "workers": pixels in the slots; "device": the samples' stored bytes, decoded by the
+    # training process; "auto": each batch one or the other, ``Filler.share`` of them pixels
+    decode_on: str = "workers"
 
 
 class Filler:
@@ -53,6 +56,9 @@ class Filler:
             self.hw = (dataset.geometry.size, dataset.geometry.size)
         self._targets: dict[int, tuple[np.ndarray, list]] = {}
         self._capacity = 0  # encoded slots: bytes each one maps (grown for a larger batch)
+        # decode_on="auto": the fraction of batches decoded here (set by the loader from both
+        # sides' measured rates, ``Share``), and its running sum (which batch is whose)
+        self.share, self._owed = 0.5, 0.0
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -63,10 +69,11 @@ class Filler:
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
         try:
-            fill = self._fill_encoded if spec.encoded else self._fill
             while True:
                 slot = acquire()
-                batch = fill(slot, records, decoder)
+                t0 = time.perf_counter()
+                batch = self._pick()(slot, records, decoder)
+                batch.fill_s = time.perf_counter() - t0
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     return
                 yield batch
@@ -76,6 +83,17 @@ class Filler:
             close = getattr(records, "close", None)
             if close is not None:
                 close()
+
+    def _pick(self):
+        """This batch's fill: pixels here, or stored bytes for the training process."""
+        mode = self.spec.decode_on
+        if mode == "auto":
+            self._owed += self.share
+            if self._owed >= 1.0:
+                self._owed -= 1.0
+                return self._fill
+            return self._fill_encoded
+        return self._fill_encoded if mode == "device" else self._fill
 
     def _fill(self, slot: int, records: Iterator, decoder) -> Batch:
         """Decode up to a batch of ``records`` into ``slot``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Batch", "End", "Free", "Replace", "Start", "Stop"]
+__all__ = ["Batch", "End", "Free", "Replace", "Share", "Start", "Stop"]
 
 
 # --- loader -> worker ----------------------------------------------------------------------------
@@ -40,6 +40,14 @@ class Replace:
     is free."""
 
     slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """``decode_on="auto"``: decode ``fraction`` of the batches in the worker, hand over the
+    rest as stored bytes."""
+
+    fraction: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,7 @@ class Batch:
     boxes: list | None = None
     shards: list[str] | None = None
     capacity: int = 0
+    fill_s: float = 0.0  # the worker's time filling the slot (decode_on="auto" balances on it)
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ import torch
 from ..errors import InputError, ShardkitError, check_choice
 from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
-from .epoch import Epoch, Position, slots_per_worker
+from .epoch import Balance, Epoch, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
 from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
@@ -32,7 +32,7 @@ __all__ = ["ShardLoader", "default_workers"]
 
 #: Where a batch is decoded: in the worker processes (pixels in the ring), or in the training
 #: process on its device by nvImageCodec (the stored bytes in the ring; ``shardkit.images.device``).
-DECODE_ON = ("workers", "device")
+DECODE_ON = ("workers", "device", "auto")
 _FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the loader's files
 
 
@@ -90,7 +90,8 @@ class ShardLoader:
     ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
     stored bytes; the training process decodes each batch with nvImageCodec on ``device``
     (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
-    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md).
+    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md). ``"auto"``: each batch
+    is decoded by its worker or on the device, in the proportion of their measured rates.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -122,10 +123,10 @@ class ShardLoader:
         if with_keys is not None and not isinstance(with_keys, bool):
             raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
-        if decode_on == "device" and dataset.transform is not None:
+        if decode_on != "workers" and dataset.transform is not None:
             raise InputError(
-                'decode_on="device" decodes in the training process, after the workers: a '
-                "per-sample transform= has no pixels to run on there; apply it to the batch"
+                f"decode_on={decode_on!r} decodes in the training process, after the workers: "
+                "a per-sample transform= has no pixels to run on there; apply it to the batch"
             )
         start_method = start_method or default_start_method()
         if start_method not in ("fork", "spawn", "forkserver"):
@@ -149,7 +150,8 @@ class ShardLoader:
         self.timeout = float(timeout)
         self.decode_on = decode_on
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
-        if decode_on == "device":
+        self._balance = Balance()  # decode_on="auto": both sides' measured rates
+        if decode_on != "workers":
             self._device_decoder()  # the missing extra is an error now, not at the first batch
         self.normalize = None
         if normalize is not None:
@@ -280,9 +282,7 @@ class ShardLoader:
         n = max(1, self.num_workers)
         slots = slots_per_worker(self.prefetch_factor, self._ahead)
         pin = self.device is not None and self.device.type == "cuda"
-        spec = FillSpec(
-            self.batch_size, n, self.drop_last, self._nhwc, encoded=self.decode_on == "device"
-        )
+        spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc, decode_on=self.decode_on)
         self._check_descriptors(n, slots)
         res = self._res
         try:

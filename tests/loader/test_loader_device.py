@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import io
 import os
+import time
 
 import numpy as np
 import pytest
@@ -236,3 +237,71 @@ def test_cuda_device_decoder_prefers_the_hardware_engine():
     stream.synchronize()
     assert img.is_cuda and tuple(img.shape) == (64, 64, 3)
     assert "hardware" in dec.backend
+
+
+# --- decode_on="auto" ----------------------------------------------------------------------------
+
+
+def _slowed_device(monkeypatch, seconds: float) -> list[int]:
+    """The real device decoder, made ``seconds`` slower per image (a busy GPU)."""
+    real = device_decode.DeviceDecoder.decode
+    sizes = []
+
+    def slow(self, buffers, boxes, stream=None):
+        time.sleep(seconds * len(buffers))
+        sizes.append(len(buffers))
+        return real(self, buffers, boxes, stream)
+
+    monkeypatch.setattr(device_decode.DeviceDecoder, "decode", slow)
+    return sizes
+
+
+def _slowed_workers(monkeypatch, seconds: float) -> None:
+    """The workers' CPU decode made ``seconds`` slower per image (busy cores); forked workers
+    inherit the patch."""
+    from shardkit.loader import fill
+
+    real = fill.Filler._fill
+
+    def slow(self, slot, records, decoder):
+        batch = real(self, slot, records, decoder)
+        time.sleep(seconds * batch.count)
+        return batch
+
+    monkeypatch.setattr(fill.Filler, "_fill", slow)
+
+
+def _auto_epochs(shards, epochs: int = 3):
+    ds = _ds(shards, size=32, crop="center")
+    reference = {k: x for k, x in zip(*_epoch(ShardLoader(ds, 2, num_workers=0)), strict=False)}
+    loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        keys, _ = _epoch(loader)
+        assert sorted(keys) == sorted(reference)  # every sample once, whoever decoded it
+    share = loader._balance.sent
+    loader.close()
+    return share
+
+
+def test_auto_gives_the_workers_most_batches_when_the_device_is_slow(shards, monkeypatch):
+    on_device = _slowed_device(monkeypatch, 0.02)
+    share = _auto_epochs(shards)
+    assert share >= 0.8 and on_device  # both measured, the workers take most
+
+
+def test_auto_gives_the_device_most_batches_when_the_workers_are_slow(shards, monkeypatch):
+    _slowed_workers(monkeypatch, 0.05)
+    share = _auto_epochs(shards)
+    assert share <= 0.2
+
+
+def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
+    ds = _ds(shards, size=32, crop="center")
+    keys, cpu = _epoch(ShardLoader(ds, 3, num_workers=2))
+    loader = ShardLoader(ds, 3, num_workers=2, decode_on="auto")
+    got, images = _epoch(loader)
+    assert got == keys
+    diff = torch.stack([(images[k].float() - cpu[k].float()).abs().mean() for k in keys])
+    assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
+    loader.close()
