@@ -91,10 +91,14 @@ class Source:
     storage_options: dict | None = None
 
     def __post_init__(self):
-        if self.weight is not None and (
-            isinstance(self.weight, bool) or not np.isfinite(self.weight) or self.weight <= 0
+        w = self.weight
+        if w is not None and (
+            isinstance(w, bool)
+            or not isinstance(w, (int, float, np.number))
+            or not np.isfinite(w)
+            or w <= 0
         ):
-            raise InputError(f"{self.name}: weight={self.weight!r} must be a number > 0")
+            raise InputError(f"{self.name}: weight={w!r} must be a number > 0")
         if self.split is not None and self.split not in SPLITS:
             raise InputError(f'{self.name}: split={self.split!r}: use "train" or "val"')
         if not 0 < self.val_fraction < 1:

@@ -105,8 +105,9 @@ def test_weights_default_to_sizes_and_epoch_size_to_the_sum(mixdata):
     assert ds.shares == (8000, 300) and len(ds) == 8300
     with pytest.raises(InputError, match="weight"):
         ShardDataset([Source(big, weight=1), Source(small)], decode="raw")
-    with pytest.raises(InputError, match="weight"):
-        Source(big, weight=-1)
+    for bad in (-1, 0, float("nan"), "0.7", True):
+        with pytest.raises(InputError, match="weight"):
+            Source(big, weight=bad)
 
 
 def test_epoch_size_on_a_plain_source(mixdata):
