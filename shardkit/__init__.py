@@ -24,7 +24,8 @@ from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
     from .loader import ShardLoader
-    from .stream.dataset import FolderDataset, ShardDataset
+    from .stream.dataset import FolderDataset, ShardDataset, Source
+    from .stream.view import ShardView
 
 __all__ = [
     "FolderDataset",
@@ -39,8 +40,10 @@ __all__ = [
     "ShardEntry",
     "ShardFormatError",
     "ShardLoader",
+    "ShardView",
     "ShardWriter",
     "ShardkitError",
+    "Source",
     "StorageError",
     "pack",
     "read_manifest",
@@ -49,6 +52,8 @@ __all__ = [
 _LAZY = {
     "ShardDataset": "stream.dataset",
     "FolderDataset": "stream.dataset",
+    "Source": "stream.dataset",
+    "ShardView": "stream.view",
     "ShardLoader": "loader",
 }
 

@@ -606,5 +606,42 @@ def bench_cmd(
         click.echo(f"note: {note}")
 
 
+@main.command("ls")
+@click.argument("out", type=click.Path())
+@click.option("--head", type=click.IntRange(min=0), default=None, help="Only the first N samples.")
+def ls_cmd(out, head) -> None:
+    """List the samples of OUT in packed order: index, key, label, members and their sizes."""
+    from .stream.show import list_lines
+    from .stream.view import ShardView
+
+    view = ShardView(out, decode="raw")
+    for line in list_lines(view, head):
+        click.echo(line)
+
+
+@main.command("show")
+@click.argument("out", type=click.Path())
+@click.argument("key")
+@click.option(
+    "--to",
+    "folder",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write the sample's members into this folder (KEY.EXT each) instead of printing.",
+)
+def show_cmd(out, key, folder) -> None:
+    """Print the sample KEY of OUT (its fields, text members escaped), or write its members."""
+    from .stream.show import escape, show_lines, write_members
+    from .stream.view import ShardView
+
+    view = ShardView(out, decode="raw")
+    if folder is None:
+        for line in show_lines(view, key):
+            click.echo(line)
+        return
+    for path in write_members(view, key, folder):
+        click.echo(f"wrote {escape(path)}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

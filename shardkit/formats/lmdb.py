@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "LmdbShardWriter",
     "count_lmdb_samples",
     "iter_lmdb_records",
+    "LmdbSampleReader",
     "sample_key",
 ]
 
@@ -400,6 +402,46 @@ def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
     return env
 
 
+#: This process's open read-only environments, one per file, with their number of users: LMDB
+#: refuses to open a file twice in one process, and a mixture (two subsets of one dataset) or a
+#: view beside a stream may read the same shard from two places at once.
+_shared: dict[tuple[int, int, int, int], list] = {}
+_shared_pid = os.getpid()
+_shared_lock = threading.Lock()
+
+
+def _acquire(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
+    """``_open_env``, shared with the other readers of the same file in this process."""
+    global _shared_pid
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _open_env(path, shard)  # it names the problem (missing, unreadable)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _shared_lock:
+        if os.getpid() != _shared_pid:  # forked: the parent's environments are not ours to use
+            _shared.clear()
+            _shared_pid = os.getpid()
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = [_open_env(path, shard), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release(env: lmdb.Environment) -> None:
+    """One user fewer; the last closes the environment."""
+    with _shared_lock:
+        for key, entry in _shared.items():
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _shared[key]
+                    env.close()
+                return
+    env.close()  # opened before a fork, or not shared: ours alone
+
+
 def iter_lmdb_records(
     source: str | os.PathLike,
     *,
@@ -411,7 +453,7 @@ def iter_lmdb_records(
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
     needs no offset ``index`` (accepted for a uniform reader signature)."""
     shard = shard or os.fspath(source)
-    env = _open_env(source, shard)
+    env = _acquire(source, shard)
     index = start
     try:
         with env.begin(buffers=False) as txn:
@@ -438,7 +480,7 @@ def iter_lmdb_records(
             "or re-pack it"
         ) from None
     finally:
-        env.close()
+        _release(env)
 
 
 def _count(txn: lmdb.Transaction, shard: str) -> int:
@@ -456,7 +498,7 @@ def _count(txn: lmdb.Transaction, shard: str) -> int:
 
 def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
     shard = shard or os.fspath(source)
-    env = _open_env(source, shard)
+    env = _acquire(source, shard)
     try:
         with env.begin() as txn:
             return _count(txn, shard)
@@ -465,7 +507,44 @@ def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
             f"{shard}: damaged LMDB shard ({exc}); re-copy or re-pack it"
         ) from None
     finally:
-        env.close()
+        _release(env)
+
+
+class LmdbSampleReader:
+    """Random access to one LMDB shard: ``get(i)`` is one B-tree lookup on an environment
+    opened (and structure-checked) once. ``close()`` releases it."""
+
+    def __init__(self, path: str | os.PathLike, shard: str = ""):
+        self.shard = shard or os.fspath(path)
+        self.env = _acquire(path, self.shard)
+        try:
+            with self.env.begin() as txn:
+                self.samples = _count(txn, self.shard)
+        except BaseException:
+            _release(self.env)
+            raise
+
+    def get(self, index: int) -> Record:
+        try:
+            with self.env.begin(buffers=False) as txn:
+                value = txn.get(sample_key(index))
+        except lmdb.Error as exc:
+            raise ShardFormatError(
+                f"{self.shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); "
+                "re-copy or re-pack it"
+            ) from None
+        if value is None:
+            raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
+        return decode_value(value, self.shard, index)
+
+    def keys(self) -> list[str]:
+        """Every sample's key, in order (reads each value's header)."""
+        return [self.get(i).key for i in range(self.samples)]
+
+    def close(self) -> None:
+        if self.env is not None:
+            _release(self.env)
+            self.env = None
 
 
 class LmdbFormat(ShardFormat):

@@ -10,6 +10,11 @@
               -> resume.count_delivered -> decode_records -> apply_transforms
     storage:  where read_slices gets the shard bytes (local files; remote.RemoteStorage for URLs)
 
+``mix`` makes an epoch of several weighted ``Source``s, subsets, splits or a fixed epoch size:
+one stream of positions the same stages read, one reader and shuffle buffer per source.
+``view`` (``ShardView``) is random access by index or key, for evaluation and debugging, and
+``show`` what ``shardkit ls``/``show`` print over it.
+
 ``folder`` is the per-file baseline (``FolderDataset``) the benchmarks compare against. The
 stages are plain generators, each testable alone on a list; they are exported here.
 """

@@ -37,6 +37,19 @@ from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
 from .folder import FolderDataset  # the per-file baseline, re-exported
+from .mix import (
+    LABEL_MODES,
+    MixedSource,
+    MixLayout,
+    Source,
+    apportion,
+    mix_facts,
+    mix_records,
+    mix_worker_plan,
+    read_keys,
+    split_members,
+    subset_members,
+)
 from .resume import (
     EpochLayout,
     EpochState,
@@ -68,7 +81,7 @@ from .stages import (
 from .storage import Storage, storage_for
 from .world import World, current_world, distributed_rank
 
-__all__ = ["ShardDataset", "FolderDataset"]
+__all__ = ["ShardDataset", "FolderDataset", "Source"]
 
 
 def _pil_collate(batch, *, collate_fn_map=None):
@@ -140,11 +153,19 @@ class ShardDataset(IterableDataset):
     ``state_dict()`` / ``load_state_dict(state)`` checkpoint the position in the epoch (plain
     data; see shardkit.stream.resume): resuming reads and decodes nothing already delivered,
     continues in the same order, and may change the world size (the rest of the epoch is re-split).
+
+    Choosing what to read (shardkit.stream.mix, docs/mixing.md): ``source`` may be a list of
+    ``Source(path, weight=...)``, mixed with exact per-epoch shares and stratified so every batch
+    follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); ``subset`` (a
+    fraction or a list of keys) and ``split`` ("train"/"val", ``val_fraction`` of the keys in
+    "val", by a seeded key hash that survives re-packing) narrow one source (with ``Source``s,
+    give them per ``Source``). ``labels="union"`` maps the sources' labels onto the union of
+    their class names; "keep" (default) leaves each source's stored labels.
     """
 
     def __init__(
         self,
-        source: str | os.PathLike | Sequence[str | os.PathLike],
+        source: str | os.PathLike | Sequence[str | os.PathLike] | Source | Sequence[Source],
         *,
         decode: str = "pil",
         transform: Callable | None = None,
@@ -168,6 +189,11 @@ class ShardDataset(IterableDataset):
         crop: str = "center",
         flip: bool = False,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        epoch_size: int | None = None,
+        subset: float | Sequence[str] | None = None,
+        split: str | None = None,
+        val_fraction: float = 0.1,
+        labels: str = "keep",
     ):
         super().__init__()
         check_choice("decode", decode, DECODE_MODES)
@@ -206,6 +232,19 @@ class ShardDataset(IterableDataset):
         self.on_error = on_error
         self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
         self.rank, self.world_size = distributed_rank(rank, world_size)
+        self.sources: tuple[MixedSource, ...] = ()
+        self.shares: tuple[int, ...] = ()
+        self._layouts: dict[int, MixLayout] = {}
+        mixed = _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels)
+        self.labels = labels
+        if mixed is not None:
+            if storage is not None:
+                raise InputError(
+                    "storage= is for one plain source; a mixture, subset, split or epoch_size "
+                    "builds a storage per source (give storage_options= or cache_dir= instead)"
+                )
+            self._init_mix(mixed, epoch_size, cache_dir, cache_limit, prefetch)
+            return
 
         check_source(source, storage_options)  # "no such file", "no such bucket": named first
         resolved = resolve_source(source, storage_options=storage_options)
@@ -231,12 +270,68 @@ class ShardDataset(IterableDataset):
         )
         self.counts: np.ndarray = sample_counts(self.shards)
         self.num_samples = int(self.counts.sum())
-        if self.num_samples == 0:
-            raise InputError(f"{_describe(source)}: the shards hold no samples")
-        if equalize != "pad" and self.num_samples < self.world_size:
+        self._finish_init(_describe(source))
+
+    def _init_mix(self, mixed, epoch_size, cache_dir, cache_limit, prefetch) -> None:
+        """Resolve each ``Source``: shards, storage, the samples it may draw, its share."""
+        resolved: list[MixedSource] = []
+        offset = 0
+        for src in mixed:
+            check_source(src.path, src.storage_options)
+            r = resolve_source(src.path, storage_options=src.storage_options)
+            store = storage_for(
+                list(r.urls), storage_options=src.storage_options, cache_dir=cache_dir,
+                cache_limit=cache_limit, prefetch=prefetch,
+            )  # fmt: skip
+            shards = _counted(r.shards, r.format, store)
+            size = int(sum(s.samples for s in shards))
+            members = np.arange(size, dtype=np.int64)
+            keyed = src.split is not None or (src.subset is not None and _is_keys(src.subset))
+            keys = read_keys(shards, r.format, store) if keyed else None
+            if src.split is not None:
+                members = split_members(keys, self.seed, src.split, src.val_fraction)
+            members = subset_members(members, src.subset, self.seed, keys, src.name)
+            if len(members) == 0:
+                raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
+            if self.fields and r.format != "tar":
+                raise InputError(
+                    f"fields={self.fields!r}: {src.name} holds {r.format} shards, which carry no "
+                    "extra members; drop fields= or that source"
+                )
+            classes = tuple(r.classes) if r.classes else None
+            mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
+            mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
+            resolved.append(mixed_source)
+            offset += size
+        weights = [s.source.weight for s in resolved]
+        if any(w is None for w in weights) and any(w is not None for w in weights):
             raise InputError(
-                f"{_describe(source)}: {self.num_samples} samples cannot give each of "
-                f'{self.world_size} ranks one with equalize="{equalize}"; use equalize="pad"'
+                "give every Source a weight= or none (then shares follow the sources' sizes)"
+            )
+        if weights[0] is None:
+            weights = [len(s.members) for s in resolved]
+        total = int(epoch_size) if epoch_size is not None else sum(len(s.members) for s in resolved)
+        shares = apportion(total, weights)
+        self.classes = _mixed_classes(resolved, self.labels)
+        self.sources, self.shares = tuple(resolved), tuple(shares)
+        self.shards = tuple(s for m in resolved for s in m.shards)
+        formats = {m.format for m in resolved}
+        self.shard_format = formats.pop() if len(formats) == 1 else "mixed"
+        self.storage = resolved[0].storage
+        self.manifest_path = None
+        self._manifest_identity = None  # each source checks its own manifest (MixedSource)
+        self.counts = sample_counts(self.shards)
+        self.num_samples = total
+        self._finish_init(", ".join(m.source.name for m in resolved))
+        self._facts.update(mix_facts(resolved, shares, self.labels))
+
+    def _finish_init(self, where: str) -> None:
+        if self.num_samples == 0:
+            raise InputError(f"{where}: the shards hold no samples")
+        if self.equalize != "pad" and self.num_samples < self.world_size:
+            raise InputError(
+                f"{where}: {self.num_samples} samples cannot give each of "
+                f'{self.world_size} ranks one with equalize="{self.equalize}"; use equalize="pad"'
             )
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
@@ -286,6 +381,11 @@ class ShardDataset(IterableDataset):
     ) -> list[ShardSlice]:
         """The slices one worker reads in an epoch (default: the caller's, current epoch);
         ``batch_size`` cuts worker parts at its multiples (``stream.worker_span``)."""
+        if self.sources:
+            raise InputError(
+                "plan(): a mixture, subset or epoch_size reads positions of several sources, not "
+                "one slice list; iterate the dataset (or use ds.state_dict()) instead"
+            )
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
         order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
@@ -359,6 +459,17 @@ class ShardDataset(IterableDataset):
         if in_worker:
             self._state[_IN_WORKERS] = 1
         epoch = epoch if resume is None else resume.epoch
+        if self.sources:
+            mixplan = mix_worker_plan(
+                self._layout(epoch), self.sources, world, self._facts, resume,
+                batch_size=batch_size or self.batch_size, in_worker=in_worker,
+            )  # fmt: skip
+            self._progress = mixplan.progress
+            records = mix_records(
+                mixplan, self.sources, fields=self.fields, buffer_size=self.buffer_size,
+                shuffle=self.shuffle,
+            )  # fmt: skip
+            return count_delivered(records, mixplan.progress)
         plan = worker_plan(
             self._layout(epoch), world, self._facts, resume,
             batch_size=batch_size or self.batch_size, in_worker=in_worker,
@@ -487,6 +598,15 @@ class ShardDataset(IterableDataset):
         return self._resume
 
     def _layout(self, epoch: int) -> EpochLayout:
+        if self.sources:
+            layout = self._layouts.get(epoch)
+            if layout is None:
+                layout = MixLayout.build(
+                    self.sources, self.shares, seed=self.seed, epoch=epoch,
+                    shuffle=self.shuffle, buffer_size=self.buffer_size, equalize=self.equalize,
+                )  # fmt: skip
+                self._layouts = {epoch: layout}  # one epoch at a time: bounded memory
+            return layout
         return EpochLayout(
             self.counts, self.seed, epoch, self.shuffle, self.buffer_size, self.equalize
         )
@@ -500,13 +620,78 @@ class ShardDataset(IterableDataset):
         return skipped
 
     def __repr__(self) -> str:
+        what = f"{len(self.shards)} {self.shard_format} shards, {self.num_samples} samples"
+        if self.sources:
+            what = f"{len(self.sources)} sources {list(self.shares)} of " + what.replace(
+                " samples", " per epoch"
+            )
         return (
-            f"ShardDataset({len(self.shards)} {self.shard_format} shards, {self.num_samples} "
-            f"samples, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
+            f"ShardDataset({what}, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
             f"shuffle={self.shuffle}, buffer_size={self.buffer_size}, "
             f"equalize={self.equalize!r}"
             + (f", batch_size={self.batch_size})" if self.batch_size else ")")
         )
+
+
+def _is_keys(subset) -> bool:
+    return not isinstance(subset, (int, float))
+
+
+def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels):
+    """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
+    check_choice("labels", labels, LABEL_MODES)
+    if epoch_size is not None and (isinstance(epoch_size, bool) or int(epoch_size) < 1):
+        raise InputError(f"epoch_size={epoch_size!r} must be a positive int or None")
+    mixed = _as_sources(source, subset, split, val_fraction, storage_options)
+    if mixed is None and epoch_size is not None:
+        mixed = [Source(source, storage_options=storage_options)]
+    if mixed is None and labels != "keep":
+        raise InputError(
+            'labels="union" maps the class lists of several Source()s; a single source keeps '
+            "its labels"
+        )
+    return mixed
+
+
+def _as_sources(source, subset, split, val_fraction, storage_options) -> list[Source] | None:
+    """The ``Source`` list a dataset mixes, or None for one plain source (no subset/split)."""
+    if isinstance(source, Source):
+        source = [source]
+    many = (
+        not isinstance(source, (str, os.PathLike))
+        and len(source) > 0
+        and all(isinstance(s, Source) for s in source)
+    )
+    if many:
+        if subset is not None or split is not None:
+            raise InputError("with Source()s, give subset= and split= to each Source")
+        return list(source)
+    if not isinstance(source, (str, os.PathLike)) and any(isinstance(s, Source) for s in source):
+        raise InputError("a source list mixes Source()s and paths: wrap every path in Source()")
+    if subset is None and split is None:
+        return None
+    return [Source(source, subset=subset, split=split, val_fraction=val_fraction,
+                   storage_options=storage_options)]  # fmt: skip
+
+
+def _mixed_classes(sources: Sequence[MixedSource], labels: str) -> list[str] | None:
+    """The dataset's class list. "keep": the sources' own list when they all agree (else None:
+    labels are each source's). "union": names merged in source order; labels mapped to it."""
+    lists = [s.classes for s in sources]
+    if labels == "keep":
+        return list(lists[0]) if lists[0] and all(c == lists[0] for c in lists) else None
+    missing = [s.source.name for s in sources if not s.classes]
+    if missing:
+        raise InputError(
+            f'labels="union" maps class names, but {missing[0]} has no class list (no manifest); '
+            'pack it with shardkit or use labels="keep"'
+        )
+    union: dict[str, int] = {}
+    for s in sources:
+        for name in s.classes:
+            union.setdefault(name, len(union))
+        s.labels = np.asarray([union[n] for n in s.classes], dtype=np.int64)
+    return list(union)
 
 
 def _describe(source) -> str:

@@ -267,6 +267,12 @@ class EpochLayout:
         """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
         return world_size * (total // world_size) if self.equalize == "drop" else total
 
+    def consumed(self, stream, idx, rank: int, worker: int, segment: int, delivered: int):
+        """Entries of ``idx`` (a worker's part of ``stream``) it delivered after ``delivered``
+        outputs of its buffer (a mixture replays one buffer per source: stream.mix)."""
+        rng = _segment_rng(self, rank, worker, segment)
+        return idx[buffer_point(len(idx), self.buffered, rng, delivered).consumed()]
+
 
 @dataclass(frozen=True)
 class BufferPoint:
@@ -325,8 +331,7 @@ def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndar
                 lo, hi = layout.span(total, rank, seg, w)
                 idx = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
                 c = min(seg.delivered[w], hi - lo)
-                rng = _segment_rng(layout, rank, w, number)
-                consumed[idx[buffer_point(hi - lo, layout.buffered, rng, c).consumed()]] = True
+                consumed[layout.consumed(stream, idx, rank, w, number, c)] = True
         stream = stream[planned & ~consumed]
     return stream
 

@@ -32,7 +32,7 @@ from .parse import (
     is_gzip_name,
 )
 
-__all__ = ["iter_tar_records"]
+__all__ = ["iter_tar_records", "read_sample"]
 
 
 def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
@@ -247,3 +247,84 @@ def iter_tar_records(
     finally:
         if owned:
             f.close()
+
+
+_END_BLOCKS = b"\0" * 1024
+
+
+def _plain_member(hdr: bytes) -> tuple[bytes, bytes, int] | None:
+    """(key, lowercased ext, size) of a plain ustar file member ("0", no prefix, an ordinary
+    ``key.ext`` name); None for anything the streaming parser treats specially."""
+    if hdr[257:262] != b"ustar" or hdr[156] != 48 or hdr[345] or hdr[0] == 95:  # 95: "_"
+        return None
+    try:
+        size = int(hdr[124:135], 8)
+    except ValueError:
+        return None
+    nul = hdr.find(0, 0, 100)
+    name = hdr[: nul if nul >= 0 else 100]
+    slash = name.rfind(b"/") + 1
+    dot = name.find(b".", slash)
+    if dot <= slash or b"\n" in name:
+        return None
+    return name[:dot], name[dot + 1 :].lower(), size
+
+
+def read_sample(blob: bytes, shard: str, fields: Sequence[str] = ()) -> Record | None:
+    """The first sample of ``blob``, one sample's byte range (random access): the same Record
+    ``iter_tar_records`` gives for it. Plain ustar members (what shardkit writes) are parsed
+    here, without the streaming window; anything else (long names, PAX, meta records, odd
+    names, damage) goes through ``iter_tar_records`` itself, which also raises its errors."""
+    want = frozenset(x.lower().encode() for x in fields)
+    n, pos = len(blob), 0
+    key = image = None
+    image_ext = b""
+    label, labelled = -1, False
+    seen: list[bytes] = []
+    extra: dict[str, bytes] | None = {} if want else None
+    while pos + BLOCK <= n:
+        hdr = blob[pos : pos + BLOCK]
+        if hdr == _ZERO_BLOCK and key is not None:
+            break
+        member = _plain_member(hdr)
+        if member is None:
+            return _slow_sample(blob, shard, fields)
+        k, ext, size = member
+        if key is None:
+            key = k
+        elif k != key:
+            break  # the next sample's header: this one is complete
+        if ext in seen or pos + BLOCK + size > n:
+            return _slow_sample(blob, shard, fields)
+        seen.append(ext)
+        data = blob[pos + BLOCK : pos + BLOCK + size]
+        pos += BLOCK + ((size + 511) & ~511)
+        kind = _EXT_KIND.get(ext) or _kind(ext)
+        if kind is _IMAGE and image is None:
+            image, image_ext = data, ext
+        elif kind is _LABEL and not labelled:
+            labelled = True
+            try:
+                label = int(data)
+            except ValueError:
+                return _slow_sample(blob, shard, fields)  # it names the bad label
+        if extra is not None and ext in want:
+            extra[ext.decode("utf-8", "surrogateescape")] = data
+    if image is None:
+        return _slow_sample(blob, shard, fields)
+    return Record(
+        key.decode("utf-8", "surrogateescape"),
+        image_ext.decode("utf-8", "surrogateescape"),
+        image,
+        label,
+        shard,
+        extra,
+    )
+
+
+def _slow_sample(blob: bytes, shard: str, fields: Sequence[str]) -> Record | None:
+    data = blob + _END_BLOCKS  # a range parsed as a whole archive ends cleanly
+    records = iter_tar_records(
+        io.BytesIO(data), shard=shard, start=0, stop=1, fields=fields, chunk=len(data)
+    )
+    return next(iter(records), None)

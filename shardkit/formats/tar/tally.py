@@ -109,12 +109,22 @@ class TarTally:
     index: list[int] = field(default_factory=list)
     #: Labels found (from ``cls``/``label``/... members), when asked for.
     labels: set[int] = field(default_factory=set)
+    #: Every sample's key, in order, when asked for (random access by key).
+    keys: list[str] = field(default_factory=list)
 
 
 def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
-    source: str | os.PathLike | BinaryIO, *, shard: str = "", labels: bool = False
+    source: str | os.PathLike | BinaryIO,
+    *,
+    shard: str = "",
+    labels: bool = False,
+    every: int = INDEX_EVERY,
+    keys: bool = False,
 ) -> TarTally:
     """Count samples (and optionally collect labels and offsets) reading headers only.
+
+    ``every``: the offset of every ``every``-th sample goes in ``index`` (1: every sample, the
+    dense index random access reads by); ``keys``: collect every sample's key.
 
     Applies exactly the grouping rules of ``iter_tar_records``, so the count is what a stream
     yields; a duplicated member raises as it does there.
@@ -138,8 +148,10 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
             if key is None:
                 return
             if has_image:
-                if tally.samples % INDEX_EVERY == 0:
+                if tally.samples % every == 0:
                     tally.index.append(start)
+                if keys:
+                    tally.keys.append(key.decode("utf-8", "surrogateescape"))
                 tally.samples += 1
                 if label is not None:
                     tally.labels.add(label)

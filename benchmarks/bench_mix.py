@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""What choosing what to read costs: a mixture against one source, random access against files.
+
+(a) A 2-source mixture through ShardLoader against one source of the same bytes: the LFW-shaped
+    set packed whole (one source) and split by class into two packs mixed with weights equal to
+    their sizes and ``epoch_size`` = all images, so both read every image once per epoch, from
+    the same number of bytes. Goal: the mixture costs <= 5% images/s.
+(b) Random access: ``DataLoader(ShardView(tar))`` against ``DataLoader(FolderDataset(folder))``,
+    the same images, the same seeded ``RandomSampler``, batch size and workers; warm page cache
+    (every file read once before) and cold (each file's pages evicted with posix_fadvise before
+    every run, no root needed). Goal: the view >= the folder rate when warm.
+
+One interleaved run (repeat-major: every contender once, then again), so a busy machine moves
+every side alike; the figures are medians over repeats, and the ratio is the median of per-repeat
+ratios. The load average before and after is printed with the table.
+
+    python benchmarks/bench_mix.py --lfw data/lfw --repeats 5
+    python benchmarks/bench_mix.py --lfw /tmp/lfw --lfw-scale 0.15 --json bench-out/bench_mix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+
+def _data(lfw: Path, scale: float) -> dict[str, str]:
+    """The tree (made with shardkit synth when missing), its two halves by class, and packs."""
+    from shardkit.synth import make_lfw
+    from shardkit.write.packer import pack
+
+    if not lfw.exists():
+        os.environ.setdefault("SHARDKIT_LFW_SCALE", str(scale))
+        make_lfw(str(lfw))
+    base = lfw.parent / f"{lfw.name}-mix"
+    classes = sorted(p.name for p in lfw.iterdir() if p.is_dir())
+    half = len(classes) // 2
+    out = {"tree": str(lfw)}
+    for part, names in (("a", classes[:half]), ("b", classes[half:])):
+        tree = base / f"tree-{part}"
+        if not tree.exists():
+            for name in names:  # hard links: the very same files, no copy
+                (tree / name).mkdir(parents=True)
+                for f in (lfw / name).iterdir():
+                    os.link(f, tree / name / f.name)
+        out[f"tree-{part}"] = str(tree)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, tree in (("one", out["tree"]), ("a", out["tree-a"]), ("b", out["tree-b"])):
+            dest = base / f"pack-{name}"
+            if not (dest / "manifest.json").exists():
+                pack(tree, str(dest), shard_size="64MB", progress=False)
+            out[name] = str(dest)
+    return out
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its reaped children (the loader's workers)."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _epoch_rate(make, epoch: int) -> tuple[float, float, int]:
+    """images/s and CPU microseconds per image (workers included) of one epoch."""
+    loader = make()
+    loader.set_epoch(epoch)
+    n, c0, t0 = 0, _cpu(), time.perf_counter()
+    for batch in loader:
+        n += len(batch[1])
+    rate = n / (time.perf_counter() - t0)
+    loader.close()  # reaps the workers: their CPU time is counted now
+    return rate, (_cpu() - c0) * 1e6 / n, n
+
+
+def bench_mixture(data: dict, repeats: int, workers: int, batch: int) -> dict:
+    from shardkit import ShardDataset, ShardLoader, Source
+
+    def one():
+        ds = ShardDataset(data["one"], decode="tensor", seed=1)
+        return ShardLoader(ds, batch_size=batch, num_workers=workers)
+
+    def mixed():
+        ds = ShardDataset([Source(data["a"]), Source(data["b"])], decode="tensor", seed=1)
+        return ShardLoader(ds, batch_size=batch, num_workers=workers)
+
+    rates: dict[str, list[float]] = {"one source": [], "2-source mixture": []}
+    cpu: dict[str, list[float]] = {"one source": [], "2-source mixture": []}
+    counts = {}
+    _epoch_rate(one, 0), _epoch_rate(mixed, 0)  # warm-up: page cache, worker start-up paths
+    for r in range(repeats):
+        for name, make in (("one source", one), ("2-source mixture", mixed)):
+            rate, us, n = _epoch_rate(make, r + 1)
+            rates[name].append(rate)
+            cpu[name].append(us)
+            counts[name] = n
+    ratios = [m / o for m, o in zip(rates["2-source mixture"], rates["one source"], strict=True)]
+    cpu_ratios = [m / o for m, o in zip(cpu["2-source mixture"], cpu["one source"], strict=True)]
+    return {
+        "rates": rates,
+        "cpu_us": cpu,
+        "samples": counts,
+        "ratio": statistics.median(ratios),
+        "cpu_ratio": statistics.median(cpu_ratios),
+    }
+
+
+def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> dict:
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from shardkit import FolderDataset, ShardView
+    from shardkit.bench.pagecache import evict_until_cold, iter_files, prime
+
+    folder = FolderDataset(data["tree"], decode="tensor")
+    view = ShardView(data["one"], decode="tensor")
+    assert len(folder) == len(view)
+    files = {"folder": list(iter_files(data["tree"])), "view": list(iter_files(data["one"]))}
+
+    def run(ds, seed: int) -> tuple[float, float]:
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers)
+        n, c0, t0 = 0, _cpu(), time.perf_counter()
+        it = iter(loader)
+        for _, labels in it:
+            n += len(labels)
+        rate = n / (time.perf_counter() - t0)
+        del it  # shuts the workers down: their CPU time is counted now
+        return rate, (_cpu() - c0) * 1e6 / n
+
+    out = {}
+    for cache in ("warm", "cold"):
+        rates: dict[str, list[float]] = {"folder": [], "view": []}
+        cpu: dict[str, list[float]] = {"folder": [], "view": []}
+        for r in range(repeats):
+            for name, ds in (("folder", folder), ("view", view)):
+                if cache == "warm":
+                    prime(files[name])
+                else:
+                    evict_until_cold(files[name])
+                rate, us = run(ds, r)
+                rates[name].append(rate)
+                cpu[name].append(us)
+        ratios = [v / f for v, f in zip(rates["view"], rates["folder"], strict=True)]
+        cpu_ratios = [v / f for v, f in zip(cpu["view"], cpu["folder"], strict=True)]
+        out[cache] = {
+            "rates": rates,
+            "cpu_us": cpu,
+            "ratio": statistics.median(ratios),
+            "cpu_ratio": statistics.median(cpu_ratios),
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
+    ap.add_argument("--lfw-scale", type=float, default=0.15)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--only", action="append", choices=["a", "b"])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    data = _data(args.lfw, args.lfw_scale)
+    result: dict = {"cpus": os.cpu_count(), "workers": args.workers, "batch": args.batch_size}
+    only = set(args.only or ["a", "b"])
+    if "a" in only:
+        result["mixture"] = bench_mixture(data, args.repeats, args.workers, args.batch_size)
+    if "b" in only:
+        result["random_access"] = bench_random_access(
+            data, args.repeats, args.workers, args.batch_size
+        )
+    result["loadavg"] = {"before": load_before, "after": os.getloadavg()}
+    _print(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _print(result: dict) -> None:
+    def row(name, rates):
+        med = statistics.median(rates)
+        return f"{name:<28} {med:>10,.0f}   (min {min(rates):,.0f}, max {max(rates):,.0f})"
+
+    print(f"{result['workers']} workers, batch {result['batch']}, {result['cpus']} CPUs")
+    if "mixture" in result:
+        m = result["mixture"]
+        print("\n(a) ShardLoader, full decode; images/s (median of repeats)")
+        for name, rates in m["rates"].items():
+            cpu = statistics.median(m["cpu_us"][name])
+            print(row(f"{name} ({m['samples'][name]} img)", rates) + f"  {cpu:,.0f} CPU us/img")
+        print(
+            f"mixture / one source: {m['ratio']:.3f} images/s, {m['cpu_ratio']:.3f} CPU per image"
+        )
+    if "random_access" in result:
+        print("\n(b) DataLoader + RandomSampler, full decode; images/s (median of repeats)")
+        for cache, r in result["random_access"].items():
+            for name, rates in r["rates"].items():
+                label = "ShardView(tar)" if name == "view" else "FolderDataset"
+                cpu = statistics.median(r["cpu_us"][name])
+                print(row(f"{cache}: {label}", rates) + f"  {cpu:,.0f} CPU us/img")
+            print(
+                f"{cache}: view / folder: {r['ratio']:.3f} images/s, "
+                f"{r['cpu_ratio']:.3f} CPU per image"
+            )
+    la = result["loadavg"]
+    print(
+        "\nload average before: " + " ".join(f"{x:.2f}" for x in la["before"])
+        + ", after: " + " ".join(f"{x:.2f}" for x in la["after"])
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

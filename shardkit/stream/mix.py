@@ -1,0 +1,452 @@
+"""Choosing what an epoch reads: weighted mixtures of sources, subsets, splits and epoch size.
+
+A plain ``ShardDataset`` reads every sample of its shards once per epoch. With ``Source`` objects
+(or ``subset=``/``split=``/``epoch_size=``) the epoch becomes a *mixed stream* of exactly
+``epoch_size`` positions, a pure function of (seed, epoch), the same on every rank:
+
+1. Shares: source i gets ``n_i`` positions, the largest-remainder apportionment of the epoch size
+   by weight (weights omitted: by source size), so the counts are exact and sum to the epoch.
+2. Draws: source i's ``n_i`` samples are whole passes over its (subset of) samples plus, for the
+   remainder, a draw without replacement; each pass follows a fresh shard permutation and the
+   draw is fresh each epoch. A source smaller than its share repeats: each sample ``n_i // m_i``
+   or one more times (``m_i``: its samples).
+3. Interleave: sample k of source i is placed at time ``(k + 1/2) / n_i`` and the epoch is the
+   sources' samples sorted by time (stratified): any window of the stream holds each source's
+   share within about one sample, so every batch follows the weights, not only the epoch.
+
+Ranks and workers cut the mixed stream into contiguous parts exactly as a plain stream
+(``stages.plan_epoch``), so ``len``, ``equalize`` and ``batch_size`` mean what they always do. A
+worker reads each source's positions of its part sequentially (a reader per source), passes each
+source through its own shuffle buffer and interleaves them by the stream's source sequence; the
+buffers never mix sources, so the per-batch proportions survive shuffling. Checkpoints reuse the
+plain states (``stream.resume``): a worker's delivered count splits into per-source counts by the
+source sequence, and each source's buffer is recomputed from positions alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import InputError, ShardFormatError, StorageError
+from ..formats import FORMATS
+from ..records import Record, ShardInfo
+from .resume import (
+    Arrangement,
+    EpochLayout,
+    EpochState,
+    Progress,
+    arrange,
+    buffer_point,
+    positions_to_slices,
+    segment_streams,
+)
+from .shuffle import rng_for
+from .stages import check_labels, manifest_unchanged, read_slices
+from .storage import Storage
+from .world import World
+
+__all__ = [
+    "LABEL_MODES",
+    "SPLITS",
+    "Source",
+    "MixedSource",
+    "MixLayout",
+    "apportion",
+    "split_members",
+    "subset_members",
+    "mix_worker_plan",
+    "mix_records",
+]
+
+LABEL_MODES = ("keep", "union")
+SPLITS = ("train", "val")
+
+# Domain tags: the draws, the per-source buffers and key hashing never share a random stream.
+_DRAW, _MIXBUF, _SUBSET = 0x3D1C, 0x3B0F, 0x5B5E
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset of a mixture: ``ShardDataset([Source("a/", weight=0.7), Source(...)])``.
+
+    ``path``: anything ``ShardDataset`` takes as a source (directory, manifest, glob, list, URL).
+    ``weight``: its share of every epoch (relative; all sources give one or none does, then
+    shares follow source sizes). ``subset``: a fraction in (0, 1] of its samples, drawn once
+    from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
+    "val", a seeded split by key hash that a re-pack of the same files leaves unchanged;
+    ``val_fraction`` of the samples are "val". ``storage_options``: fsspec options for URLs.
+    """
+
+    path: str | os.PathLike | Sequence[str | os.PathLike]
+    weight: float | None = None
+    subset: float | Sequence[str] | None = None
+    split: str | None = None
+    val_fraction: float = 0.1
+    storage_options: dict | None = None
+
+    def __post_init__(self):
+        w = self.weight
+        if w is not None and (
+            isinstance(w, bool)
+            or not isinstance(w, (int, float, np.number))
+            or not np.isfinite(w)
+            or w <= 0
+        ):
+            raise InputError(f"{self.name}: weight={w!r} must be a number > 0")
+        if self.split is not None and self.split not in SPLITS:
+            raise InputError(f'{self.name}: split={self.split!r}: use "train" or "val"')
+        if not 0 < self.val_fraction < 1:
+            raise InputError(f"{self.name}: val_fraction={self.val_fraction!r} must be in (0, 1)")
+        s = self.subset
+        if isinstance(s, (str, bool)):
+            raise InputError(f"{self.name}: subset={s!r}: give a fraction or a list of keys")
+        if isinstance(s, (int, float)) and not isinstance(s, bool) and not 0 < s <= 1:
+            raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
+
+    @property
+    def name(self) -> str:
+        p = self.path
+        return os.fspath(p) if isinstance(p, (str, os.PathLike)) else f"[{len(p)} shards]"
+
+
+@dataclass
+class MixedSource:
+    """A resolved ``Source``: its shards (counted), format, storage, the samples it may draw
+    (``members``: positions in its shards laid end to end, ascending) and its label table."""
+
+    source: Source
+    shards: tuple[ShardInfo, ...]
+    format: str
+    storage: Storage
+    classes: tuple[str, ...] | None
+    members: np.ndarray
+    offset: int = 0  # first global sample id (sources' shards laid end to end)
+    labels: np.ndarray | None = None  # stored label -> dataset label ("union"), None: kept
+    #: (manifest path, its identity when the dataset was built): a re-pack under the reader's
+    #: feet is refused (``stages.manifest_unchanged``); (None, None) without a local manifest.
+    manifest: tuple[str | None, tuple | None] = (None, None)
+
+    @property
+    def size(self) -> int:
+        return int(sum(s.samples for s in self.shards))
+
+    def layout(self) -> EpochLayout:
+        """The source's shards in stored order: what turns positions into slices."""
+        counts = np.fromiter((s.samples for s in self.shards), np.int64, len(self.shards))
+        return EpochLayout(counts, 0, 0, False, 0, "none")
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Largest-remainder shares of ``total`` by ``weights``: exact ints summing to ``total``
+    (ties go to the earlier source, so the result is deterministic)."""
+    w = np.asarray(weights, dtype=np.float64)
+    ideal = total * w / w.sum()
+    base = np.floor(ideal).astype(np.int64)
+    rest = total - int(base.sum())
+    order = np.argsort(-(ideal - base), kind="stable")
+    base[order[:rest]] += 1
+    return base.tolist()
+
+
+def key_rank(keys: Sequence[str], seed: int) -> np.ndarray:
+    """Positions of ``keys`` sorted by a seeded hash of the key alone: depends on the keys, not on
+    where they were packed, so a re-pack of the same files gives the same order."""
+    salt = f"{seed}:{_SUBSET}:".encode()
+    digests = [hashlib.blake2b(salt + k.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+               for k in keys]  # fmt: skip
+    h = np.frombuffer(b"".join(digests), dtype=">u8") if digests else np.empty(0, np.uint64)
+    return np.argsort(h, kind="stable")
+
+
+def split_members(keys: Sequence[str], seed: int, split: str, val_fraction: float) -> np.ndarray:
+    """Positions of the ``split`` part: the ``round(val_fraction * N)`` keys first by seeded hash
+    are "val", the others "train"; ascending. Disjoint, covering, stable across re-packs."""
+    ranked = key_rank(keys, seed)
+    n_val = int(round(val_fraction * len(keys)))
+    part = ranked[:n_val] if split == "val" else ranked[n_val:]
+    return np.sort(part).astype(np.int64)
+
+
+def subset_members(
+    members: np.ndarray, subset, seed: int, keys: Sequence[str] | None, where: str
+) -> np.ndarray:
+    """``members`` narrowed to ``subset``: a fraction (``round(f * m)``, at least 1, seeded) or a
+    list of keys (every key must exist)."""
+    if subset is None:
+        return members
+    if isinstance(subset, (int, float)):
+        n = max(1, int(round(float(subset) * len(members))))
+        rng = rng_for(seed, 0, _SUBSET)
+        return np.sort(rng.choice(members, size=n, replace=False)).astype(np.int64)
+    wanted = list(subset)
+    at = {k: i for i, k in enumerate(keys or ())}
+    missing = [k for k in wanted if k not in at]
+    if missing:
+        raise InputError(
+            f"{where}: subset names {len(missing)} key(s) the shards do not hold, e.g. "
+            f"{missing[0]!r}; list keys as `shardkit ls` or with_keys=True show them"
+        )
+    chosen = np.unique(np.asarray([at[k] for k in wanted], dtype=np.int64))
+    return chosen[np.isin(chosen, members)]
+
+
+def read_keys(shards: Sequence[ShardInfo], fmt: str, storage: Storage) -> list[str]:
+    """Every sample's key, in stored order, read once at construction: tar headers only (the
+    data is hopped over on local files), LMDB value headers."""
+    from ..formats.lmdb import LmdbSampleReader
+    from ..formats.tar.tally import tally_tar
+
+    keys: list[str] = []
+    try:
+        for shard in shards:
+            if fmt == "lmdb":
+                reader = LmdbSampleReader(storage.local_path(shard), shard.url)
+                try:
+                    got = reader.keys()
+                finally:
+                    reader.close()
+            else:
+                try:
+                    with storage.open(shard) as stream:
+                        got = tally_tar(stream, shard=shard.url, keys=True).keys
+                except OSError as exc:
+                    raise StorageError(f"{shard.url}: cannot read its keys ({exc})") from exc
+            if len(got) != shard.samples:
+                raise ShardFormatError(
+                    f"{shard.url}: holds {len(got)} samples, its manifest says {shard.samples}; "
+                    "the manifest belongs to another version of the shard: re-pack it"
+                )
+            keys.extend(got)
+    finally:
+        storage.close()
+    return keys
+
+
+@dataclass(frozen=True)
+class MixLayout(EpochLayout):
+    """One epoch's mixed stream: ``source[p]`` and ``ids[p]`` (global sample id) of position p.
+
+    An ``EpochLayout`` of one pseudo-shard of ``epoch_size`` positions, so rank and worker spans,
+    ``equalize`` and the resume arithmetic of ``stream.resume`` apply unchanged; ``consumed``
+    replays one buffer per source instead of one per worker.
+    """
+
+    source: np.ndarray = field(default=None)
+    ids: np.ndarray = field(default=None)
+    num_sources: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        sources: Sequence[MixedSource],
+        shares: Sequence[int],
+        *,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        buffer_size: int,
+        equalize: str,
+    ) -> MixLayout:
+        ids, times, src = [], [], []
+        for i, (s, n) in enumerate(zip(sources, shares, strict=True)):
+            drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), shuffle)
+            ids.append(drawn + s.offset)
+            times.append((np.arange(n, dtype=np.float64) + 0.5) / max(n, 1))
+            src.append(np.full(n, i, dtype=np.int64))
+        order = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
+        total = int(sum(shares))
+        return cls(
+            np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size, equalize,
+            source=np.concatenate(src)[order], ids=np.concatenate(ids)[order],
+            num_sources=len(sources),
+        )  # fmt: skip
+
+    def buffer_rng(self, rank: int, worker: int, segment: int, source: int):
+        return rng_for(self.seed, self.epoch, _MIXBUF, rank, worker, segment, source)
+
+    def consumed(self, stream, idx, rank, worker, segment, delivered) -> np.ndarray:
+        """Entries of ``idx`` (a worker's part of ``stream``) delivered after ``delivered``
+        outputs: per source, the count the source sequence gives, replayed on its own buffer."""
+        src = self.source[stream[idx]]
+        out = []
+        for i in range(self.num_sources):
+            sel = np.flatnonzero(src == i)
+            c = int(np.count_nonzero(src[:delivered] == i))
+            rng = self.buffer_rng(rank, worker, segment, i)
+            out.append(idx[sel[buffer_point(len(sel), self.buffered, rng, c).consumed()]])
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+
+def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
+    """``n`` positions of source ``s``: whole passes over its members, then a draw without
+    replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
+    ascending within a shard so reading stays sequential."""
+    m = len(s.members)
+    counts = np.fromiter((x.samples for x in s.shards), np.int64, len(s.shards))
+    shard_of = np.searchsorted(np.cumsum(counts), s.members, side="right")
+    passes, rest = divmod(n, m)
+    out = []
+    for p in range(passes + (1 if rest else 0)):
+        rank = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
+        pick = np.arange(m)
+        if p == passes:  # the partial pass: a draw without replacement, kept in stored order
+            pick = np.sort(rng.choice(m, size=rest, replace=False))
+        pos = np.argsort(rank[shard_of[pick]], kind="stable")
+        out.append(s.members[pick[pos]])
+    return np.concatenate(out) if out else np.empty(0, np.int64)
+
+
+# --- one worker's iteration ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """What a worker reads from one source: slices, how they refill that source's buffer."""
+
+    slices: list
+    arrangement: Arrangement
+    buffer: tuple[int, int]
+    rng: np.random.Generator
+
+
+@dataclass(frozen=True)
+class MixPlan:
+    """One worker's epoch over a mixture: per-source plans and the source sequence still to
+    deliver (``schedule``), with the live count for ``state_dict``."""
+
+    sources: list[SourcePlan]
+    schedule: np.ndarray
+    progress: Progress
+
+
+def mix_worker_plan(
+    layout: MixLayout,
+    sources: Sequence[MixedSource],
+    world: World,
+    facts: dict,
+    state: EpochState | None = None,
+    *,
+    batch_size: int | None = None,
+    in_worker: bool = False,
+) -> MixPlan:
+    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given
+    (the same arithmetic as ``resume.worker_plan``, one buffer per source)."""
+    if state is None:
+        state = EpochState.start(
+            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
+        )
+    state = replace(
+        state.on_world(world.world_size, world.num_workers, batch_size), rank=world.rank
+    )
+    seg, number = state.segments[-1], len(state.segments) - 1
+    stream = segment_streams(layout, state.segments)
+    total = len(stream)
+    worker = (seg.slot0 + world.worker) % world.num_workers
+    lo, hi = layout.span(total, world.rank, seg, worker)
+    done = seg.delivered[worker]
+    if done is None:
+        raise InputError(
+            f"state holds no count for DataLoader worker {worker}: it was saved by another "
+            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
+        )
+    done = min(done, hi - lo)
+    part = stream[np.arange(lo, hi, dtype=np.int64) % max(total, 1)] if total else stream[:0]
+    src, ids = layout.source[part], layout.ids[part]
+    plans = []
+    for i, s in enumerate(sources):
+        mine = ids[src == i] - s.offset
+        c = int(np.count_nonzero(src[:done] == i))
+        size = layout.buffered
+        point = buffer_point(len(mine), size, layout.buffer_rng(world.rank, worker, number, i), c)
+        held = np.flatnonzero(point.slots >= 0)
+        by_position = np.argsort(point.slots[held], kind="stable")
+        wanted = np.concatenate(
+            (point.slots[held][by_position], np.arange(point.frontier, len(mine), dtype=np.int64))
+        )
+        slices, keep = positions_to_slices(s.layout(), mine[wanted])
+        how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
+        rng = layout.buffer_rng(world.rank, worker, number, i)
+        plans.append(SourcePlan(slices, how, (point.steps, point.flushed), rng))
+    progress = Progress(state, worker, in_worker, done)
+    return MixPlan(plans, src[done:], progress)
+
+
+def mix_records(
+    plan: MixPlan,
+    sources: Sequence[MixedSource],
+    *,
+    fields: Sequence[str],
+    buffer_size: int,
+    shuffle: bool,
+) -> Iterator[Record]:
+    """The records of ``plan``: each source read, label-mapped and shuffled on its own, then
+    interleaved by the schedule."""
+    from .shuffle import shuffle_buffer
+
+    streams = []
+    for s, p in zip(sources, plan.sources, strict=True):
+        path, identity = s.manifest
+        unchanged = manifest_unchanged(path, identity) if identity is not None else None
+        recs: Iterable[Record] = read_slices(
+            p.slices, s.shards, FORMATS[s.format], s.storage,
+            fields=fields if s.format == "tar" else (), unchanged=unchanged,
+        )  # fmt: skip
+        if s.classes:
+            recs = check_labels(recs, len(s.classes))
+        if s.labels is not None:
+            recs = _relabel(recs, s.labels)
+        recs = arrange(recs, p.arrangement)
+        if shuffle and buffer_size > 1:
+            recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
+        streams.append(recs)
+    return interleave(streams, plan.schedule, [s.source.name for s in sources])
+
+
+def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:
+    lut = table.tolist()
+    for rec in records:
+        if rec.label >= 0:
+            rec.label = lut[rec.label]
+        yield rec
+
+
+def interleave(streams: list, schedule: np.ndarray, names: Sequence[str]) -> Iterator:
+    """Items of ``streams`` in the order ``schedule`` names their stream; every stream closes
+    when this ends or is abandoned."""
+    its = [iter(s) for s in streams]
+    end = object()
+    try:
+        for i in schedule.tolist():
+            item = next(its[i], end)
+            if item is end:
+                raise ShardFormatError(
+                    f"{names[i]}: the source ended before its planned samples: its shards are "
+                    "shorter than their manifest says; re-pack it or rebuild the manifest"
+                )
+            yield item
+    finally:
+        for it in its:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
+def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> dict:
+    """What a checkpoint must agree on beyond the shards: shares, subsets and label mapping."""
+    blob = json.dumps(
+        [
+            [s.source.weight, len(s.members), int(n), s.size]
+            for s, n in zip(sources, shares, strict=True)
+        ]
+        + [labels]
+    ).encode()
+    digest = hashlib.sha256(blob)
+    for s in sources:
+        digest.update(np.ascontiguousarray(s.members).tobytes())
+    return {"mix": digest.hexdigest()[:32], "epoch_size": int(sum(shares))}

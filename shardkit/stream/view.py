@@ -1,0 +1,270 @@
+"""``ShardView``: a packed dataset as a map-style dataset, for evaluation and debugging.
+
+``view[i]`` is sample i in packed order (shards in the dataset's order, samples in each), and
+``view.get(key)`` the sample with that key, decoded as ``ShardDataset`` decodes. Where
+``ShardDataset`` reads shards front to back, a view reads one sample with one read:
+
+- tar: a dense per-sample byte-offset index, built when the view is made by one pass over each
+  shard's headers (data is hopped over on local files); then sample i is one ``pread`` of its
+  byte range, or one ranged GET for a remote shard. The range is parsed by the same tar reader
+  as streaming, so labels, keys and fields come out identical.
+- LMDB: one B-tree lookup (a remote LMDB is fetched into the cache first: LMDB maps files).
+
+Usable with ``DataLoader`` and ``DistributedSampler``: a view pickles without open files and
+opens its shards again in each worker process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import itertools
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from ..errors import InputError, ShardFormatError, StorageError, check_choice
+from ..formats.lmdb import LmdbSampleReader
+from ..formats.tar.reader import read_sample
+from ..formats.tar.tally import tally_tar
+from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
+from ..paths import check_source
+from ..records import Record, ShardInfo
+from ..urls import is_url
+from .sources import resolve_source
+from .stages import DECODE_MODES, sample_error
+from .storage import storage_for
+
+__all__ = ["ShardView"]
+
+_END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
+
+
+class ShardView(Dataset):
+    """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
+
+    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``,
+    ``transform``, ``target_transform``, ``with_keys``, ``fields``, ``max_pixels``: as
+    ``ShardDataset``.
+    ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
+    cache; LMDB shards are fetched whole into ``cache_dir``).
+    """
+
+    def __init__(
+        self,
+        source,
+        *,
+        decode: str = "pil",
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        with_keys: bool = False,
+        fields: Sequence[str] = (),
+        storage_options: dict | None = None,
+        cache_dir: str | None = None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ):
+        check_choice("decode", decode, DECODE_MODES)
+        self.decode, self.with_keys = decode, bool(with_keys)
+        self.transform, self.target_transform = transform, target_transform
+        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
+        self.max_pixels = max_pixels
+        self.storage_options = storage_options
+        check_source(source, storage_options)
+        self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
+        resolved = resolve_source(source, storage_options=storage_options)
+        self.format = resolved.format
+        if self.fields and self.format != "tar":
+            raise InputError(f"fields={self.fields!r}: only tar shards carry extra members")
+        self.classes = list(resolved.classes) if resolved.classes else None
+        self.storage = storage_for(
+            list(resolved.urls), storage_options=storage_options, cache_dir=cache_dir
+        )
+        self.shards: tuple[ShardInfo, ...] = resolved.shards
+        self._keys: list[str] = []
+        self._offsets: list[np.ndarray] = []  # tar: per shard, sample starts + the shard's end
+        counts = []
+        try:
+            for shard in self.shards:
+                n, keys, offsets = self._index(shard)
+                counts.append(n)
+                self._keys.extend(keys)
+                self._offsets.append(offsets)
+        finally:
+            self.storage.close()
+        self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
+        self._by_key: dict[str, int] | None = None
+        self._open: dict[int, object] = {}
+        self._pid = os.getpid()
+
+    # --- the index --------------------------------------------------------------------------
+
+    def _index(self, shard: ShardInfo) -> tuple[int, list[str], np.ndarray]:
+        if self.format == "lmdb":
+            reader = LmdbSampleReader(self.storage.local_path(shard), shard.url)
+            try:
+                return reader.samples, reader.keys(), np.empty(0, np.int64)
+            finally:
+                reader.close()
+        try:
+            with self.storage.open(shard) as stream:
+                tally = tally_tar(stream, shard=shard.url, every=1, keys=True)
+        except OSError as exc:
+            raise StorageError(f"{shard.url}: cannot index ({exc})") from exc
+        end = shard.bytes if shard.bytes >= 0 else self._size(shard)
+        return tally.samples, tally.keys, np.asarray([*tally.index, end], dtype=np.int64)
+
+    def _size(self, shard: ShardInfo) -> int:
+        if not is_url(shard.url):
+            return os.path.getsize(shard.url)
+        fs, path = self._fs(shard.url)
+        return int(fs.size(path))
+
+    def _fs(self, url: str):
+        from ..remote.fs import filesystem, protocol_of, strip
+
+        fs = filesystem(protocol_of(url), self.storage_options)
+        return fs, strip(fs, url)
+
+    # --- access -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def keys(self) -> list[str]:
+        """Every sample's key, in packed order."""
+        return list(self._keys)
+
+    def index(self, key: str) -> int:
+        """The position of ``key`` (the first, should two shards hold the same key)."""
+        if self._by_key is None:
+            by_key: dict[str, int] = {}
+            for i, k in enumerate(self._keys):
+                by_key.setdefault(k, i)
+            self._by_key = by_key
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise InputError(
+                f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
+            ) from None
+
+    def get(self, key: str) -> tuple:
+        """The sample whose key is ``key``, decoded as ``view[i]``."""
+        return self[self.index(key)]
+
+    def __getitem__(self, i) -> tuple:
+        rec = self.record(i)
+        if self.decode == "raw":
+            img = rec.data
+        else:
+            try:
+                img = decode_image(rec.data, self.decode, self.max_pixels)
+            except Exception as exc:
+                raise sample_error(rec, exc) from exc
+        label = rec.label
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        head = (img, label, rec.key) if self.with_keys else (img, label)
+        if self.fields:
+            extra = rec.fields or {}
+            return head + tuple(extra.get(n.lower()) for n in self.fields)
+        return head
+
+    def record(self, i) -> Record:
+        """Sample ``i`` as stored (bytes, label, key, fields): one read."""
+        shard, j = self._locate(i)
+        info = self.shards[shard]
+        if self.format == "lmdb":
+            return self._reader(shard, info).get(j)
+        off = self._offsets[shard]
+        blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
+        rec = read_sample(blob, info.url, self.fields)
+        if rec is None or rec.key != self._keys[self._starts[shard] + j]:
+            raise ShardFormatError(
+                f"{info.url}: sample {j} is not where the index says (the shard changed since "
+                "the view was made); make the view again"
+            )
+        return rec
+
+    def members(self, i) -> list[tuple[str, bytes]]:
+        """Every member of sample ``i`` as ``(extension, bytes)`` (LMDB: the image and label)."""
+        rec = self.record(i)
+        if self.format == "lmdb":
+            return [(rec.ext, rec.data), ("cls", str(rec.label).encode())]
+        from ..formats.tar.parse import _Buffer
+        from ..formats.tar.tally import _walk
+
+        shard, j = self._locate(i)
+        off = self._offsets[shard]
+        blob = self._read(shard, self.shards[shard], int(off[j]), int(off[j + 1]))
+        out = []
+        buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, len(blob) + len(_END))
+        for _, k, ext, data in _walk(buf, lambda k, e: True):
+            if k.decode("utf-8", "surrogateescape") != rec.key:
+                break
+            out.append((ext.decode("utf-8", "surrogateescape"), data or b""))
+        return out
+
+    def _locate(self, i) -> tuple[int, int]:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"view index must be an int, not {type(i).__name__}")
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} is out of range: {self.where} holds {n} (0..{n - 1})")
+        i = int(i) % n
+        shard = bisect.bisect_right(self._starts, i) - 1
+        return shard, i - self._starts[shard]
+
+    def _reader(self, shard: int, info: ShardInfo):
+        self._fresh()
+        reader = self._open.get(shard)
+        if reader is None:
+            reader = LmdbSampleReader(self.storage.local_path(info), info.url)
+            self._open[shard] = reader
+        return reader
+
+    def _read(self, shard: int, info: ShardInfo, start: int, stop: int) -> bytes:
+        self._fresh()
+        try:
+            if is_url(info.url):
+                fs, path = self._fs(info.url)
+                data = fs.cat_file(path, start=start, end=stop)  # one ranged GET
+            else:
+                fd = self._open.get(shard)
+                if fd is None:
+                    fd = self._open[shard] = os.open(info.url, os.O_RDONLY)
+                data = os.pread(fd, stop - start, start)
+        except OSError as exc:
+            raise StorageError(f"{info.url}: read of sample bytes failed: {exc}") from exc
+        if len(data) != stop - start:
+            raise ShardFormatError(
+                f"{info.url}: shorter than its index says (truncated or replaced?); re-pack it "
+                "or make the view again"
+            )
+        return data
+
+    def _fresh(self) -> None:
+        """Files and environments are per process: a forked worker opens its own."""
+        if self._pid != os.getpid():
+            self._open, self._pid = {}, os.getpid()
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            if isinstance(handle, int):
+                os.close(handle)
+            else:
+                handle.close()
+        self._open = {}
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_open"] = {}
+        state["_by_key"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"ShardView({len(self.shards)} {self.format} shards, {len(self)} samples)"

@@ -1,0 +1,101 @@
+"""``shardkit ls`` and ``shardkit show``: listing, printing and writing samples of shards that
+may be hostile (keys that climb out of folders, control characters in keys and text)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+from click.testing import CliRunner
+from conftest import run_cli
+
+from shardkit.cli import main
+from shardkit.stream.show import escape, safe_name
+
+HOSTILE = [
+    ("../../escape.jpg", b"\xff\xd8up"),
+    ("../../escape.cls", b"1"),
+    ("/abs/olute.jpg", b"\xff\xd8abs"),
+    ("dir/..%2F..%2Fx.jpg", b"\xff\xd8pct"),
+    ("red\x1b[31mkey.jpg", b"\xff\xd8esc"),
+    ("red\x1b[31mkey.txt", "caption \x1b]0;pwned\x07 \u202eevil".encode()),
+    ("..hidden.jpg", b"\xff\xd8dot"),
+]
+
+
+@pytest.fixture()
+def hostile(tmp_path):
+    """A foreign tar (no manifest) whose member names try to climb out and to drive the
+    terminal, written member by member with exactly these names."""
+    out = tmp_path / "hostile"
+    out.mkdir()
+    with tarfile.open(out / "shard-000000.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in HOSTILE:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_ls_lists_keys_labels_members_escaped(hostile):
+    res = _cli("ls", hostile)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(lines) == 4  # "..hidden.jpg" has an empty key: not a sample
+    assert "\x1b" not in res.output and "\u202e" not in res.output
+    assert lines[0] == "0  ../../escape  label 1  jpg 4 B, cls 1 B"
+    assert lines[2] == "2  dir/  label -1  .%2f..%2fx.jpg 5 B"  # the key ends at the first dot
+    assert lines[3].startswith("3  red\\x1b[31mkey  label -1  jpg 5 B, txt ")
+    assert _cli("ls", hostile, "--head", "2").output.count("\n") == 2
+
+
+def test_show_prints_fields_with_control_characters_escaped(hostile):
+    res = _cli("show", hostile, "red\x1b[31mkey")
+    assert res.exit_code == 0, res.output
+    assert "\x1b" not in res.output and "\x07" not in res.output and "\u202e" not in res.output
+    assert "key:    red\\x1b[31mkey" in res.output
+    assert "txt: caption \\x1b]0;pwned\\x07 \\u202eevil" in res.output
+
+
+@pytest.mark.parametrize("key", ["../../escape", "/abs/olute", "dir/"])
+def test_show_writes_only_inside_the_folder_it_is_given(hostile, tmp_path, key):
+    box = tmp_path / "box" / "inner"
+    res = _cli("show", hostile, key, "--to", box)
+    assert res.exit_code == 0, res.output
+    inside = sorted(p.name for p in box.iterdir())
+    assert inside and all(not n.startswith(".") and "/" not in n for n in inside)
+    outside = {p for p in tmp_path.rglob("*") if p.is_file()} - set(box.iterdir())
+    assert {p.name for p in outside} == {"shard-000000.tar"}  # nothing landed anywhere else
+    assert not (tmp_path / "escape.jpg").exists() and not (tmp_path.parent / "escape.jpg").exists()
+
+
+def test_show_refuses_to_replace_a_file(hostile, tmp_path):
+    box = tmp_path / "box"
+    assert _cli("show", hostile, "../../escape", "--to", box).exit_code == 0
+    res = _cli("show", hostile, "../../escape", "--to", box)
+    assert res.exit_code != 0 and "exists" in res.output
+
+
+def test_safe_name_and_escape():
+    assert safe_name("../../x", "jpg") == "_.._x.jpg"
+    assert safe_name("/etc/passwd", "") == "_etc_passwd.bin"
+    assert safe_name("...", "../x") == "sample._x"
+    assert escape("a\x1b[0mb\n") == "a\\x1b[0mb\\n"
+    assert escape("caf\udce9") == "caf\\xe9"  # an undecodable byte, as surrogateescape keeps it
+    assert escape("plain ü") == "plain ü"
+
+
+@pytest.mark.slow  # the CLI in a child process
+def test_unknown_key_and_bad_path_are_one_line_errors(hostile, tmp_path):
+    proc = run_cli("show", hostile, "nope")
+    assert proc.returncode != 0
+    assert (
+        proc.stderr.startswith("error: no sample with key 'nope'") and proc.stderr.count("\n") == 1
+    )
+    proc = run_cli("ls", tmp_path / "missing")
+    assert proc.returncode != 0 and proc.stderr.startswith("error: ")

@@ -1,0 +1,127 @@
+"""ShardView: random access by index and key gives what sequential reading gives."""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from shardkit import InputError, ShardDataset, ShardView
+from shardkit.write.packer import pack
+from shardkit.write.writer import ShardWriter
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    """The same 90 JPEGs packed as tar and as LMDB, each in several shards."""
+    from conftest import image_tree
+
+    base = tmp_path_factory.mktemp("view")
+    src = image_tree(base / "src", 90, classes=4)
+    tar, lmdb = str(base / "tar"), str(base / "lmdb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shards this small are warned about: wanted here
+        pack(str(src), tar, shard_size="30KB", progress=False)
+        pack(str(src), lmdb, format="lmdb", shard_size="60KB", progress=False)
+    return tar, lmdb
+
+
+def _sequential(src, **kw):
+    return list(ShardDataset(src, decode="raw", with_keys=True, shuffle=False, **kw))
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_every_sample_by_index_and_key_equals_sequential_reading(packs, fmt):
+    src = packs[0] if fmt == "tar" else packs[1]
+    seq = _sequential(src)
+    view = ShardView(src, decode="raw", with_keys=True)
+    assert len(view) == len(seq) == 90 and len(view.shards) > 1
+    assert [view[i] for i in range(len(view))] == seq
+    assert view[-1] == seq[-1]
+    for sample in seq[::7]:
+        assert view.get(sample[2]) == sample
+    assert view.keys() == [s[2] for s in seq]
+
+
+def test_extra_members_and_members(tmp_path):
+    with ShardWriter(str(tmp_path / "d"), shard_size="1MB") as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"x%d" % i, i % 2, extra={"json": b"{}"} if i % 2 else None)
+    view = ShardView(str(tmp_path / "d"), decode="raw", with_keys=True, fields=("json",))
+    seq = _sequential(str(tmp_path / "d"), fields=("json",))
+    assert [view[i] for i in range(6)] == seq and seq[1][3] == b"{}" and seq[0][3] is None
+    assert dict(view.members(1)) == {"jpg": b"x1", "cls": b"1", "json": b"{}"}
+
+
+def test_decoded_like_the_dataset(packs):
+    tar, _ = packs
+    view = ShardView(tar, decode="tensor")
+    image, label = view[5]
+    first = list(ShardDataset(tar, decode="tensor", shuffle=False))[5]
+    assert torch.equal(image, first[0]) and label == first[1]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_bad_index_or_unknown_key_is_a_clear_error(packs, fmt):
+    src = packs[0] if fmt == "tar" else packs[1]
+    view = ShardView(src, decode="raw")
+    with pytest.raises(IndexError, match=r"sample 90 is out of range: .* holds 90 \(0\.\.89\)"):
+        view[90]
+    with pytest.raises(IndexError, match="out of range"):
+        view[-91]
+    with pytest.raises(TypeError, match="int"):
+        view["class0/img000"]
+    with pytest.raises(InputError, match="no sample with key 'nope'.*shardkit ls"):
+        view.get("nope")
+
+
+def test_a_changed_shard_is_named(tmp_path):
+    with ShardWriter(str(tmp_path / "d"), shard_size="1MB") as w:
+        for i in range(5):
+            w.add(f"k{i}", "jpg", b"x" * 100, 0)
+    view = ShardView(str(tmp_path / "d"), decode="raw")
+    shard = next((tmp_path / "d").glob("*.tar"))
+    data = bytearray(shard.read_bytes())
+    data[:2048] = data[1024:3072]  # sample 0's place now holds sample 1's members
+    shard.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="not where the index says|shard-000000"):
+        view[0]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_dataloader_with_distributed_sampler_covers_every_sample_once(packs, fmt):
+    src = packs[0] if fmt == "tar" else packs[1]
+    view = ShardView(src, decode="tensor", with_keys=True)
+    keys = []
+    for rank in range(2):
+        sampler = DistributedSampler(view, num_replicas=2, rank=rank, shuffle=True, seed=1)
+        loader = DataLoader(view, batch_size=8, sampler=sampler, num_workers=2)
+        for _, _, batch_keys in loader:
+            keys += list(batch_keys)
+    assert sorted(keys) == sorted(view.keys())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_view_over_s3_equals_sequential_reading_with_one_ranged_get_per_tar_sample(packs, s3, fmt):
+    pytest.importorskip("s3fs")
+    from remote_servers import S3Server
+
+    src = packs[0] if fmt == "tar" else packs[1]
+    bucket = f"view-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(bucket, fmt, Path(src))
+    url, opts = f"s3://{bucket}/{fmt}/", S3Server.options(s3.endpoint)
+    seq = _sequential(src)
+    view = ShardView(url, decode="raw", with_keys=True, storage_options=opts)
+    s3.log.clear()
+    got = [view[i] for i in range(len(view))]
+    assert [(d, lab) for d, lab, _ in got] == [(d, lab) for d, lab, _ in seq]
+    assert [k for *_, k in got] == [k for *_, k in seq]
+    assert view.get(seq[11][2])[2] == seq[11][2]
+    if fmt == "tar":
+        gets = [e for e in s3.log.entries if e[0] == "GET" and e[1].endswith(".tar")]
+        assert len(gets) == len(view) + 1 and all(e[2].startswith("bytes=") for e in gets)
