@@ -194,7 +194,7 @@ def _epoch(ds, loader, epoch: int):
 def _summary(row: dict) -> dict:
     ceil = statistics.median(row["ceiling"])
     out = {"ceiling_images_per_s": ceil, "ceiling_runs": row["ceiling"]}
-    for name in ("ShardLoader", "DataLoader"):
+    for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader, other ShardLoader
         runs = row[name]
         rate = statistics.median(x["images_per_s"] for x in runs)
         ratios = [x["images_per_s"] / c for x, c in zip(runs, row["ceiling"], strict=True)]

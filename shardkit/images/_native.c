@@ -10,7 +10,7 @@
  * small module binds them; it is optional at build time and shardkit falls back to full decodes
  * without it.
  *
- * decode(data, scale_denom, top, left, height, width) -> (bytearray, x0, out_width)
+ * decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)
  *   Coordinates are in the scaled image (after 1/scale_denom DCT scaling). The bytearray holds
  *   `height` rows of `out_width` RGB pixels starting at scaled column x0 <= left, with
  *   x0 + out_width >= left + width; its pixels equal a full decode's at the same scale. The GIL
@@ -53,8 +53,8 @@ static void roi_emit_message(j_common_ptr cinfo, int msg_level)
 static PyObject *roi_decode(PyObject *self, PyObject *args)
 {
     Py_buffer src;
-    int denom, top, left, height, width;
-    if (!PyArg_ParseTuple(args, "y*iiiii", &src, &denom, &top, &left, &height, &width))
+    int denom, top, left, height, width, fast = 0;
+    if (!PyArg_ParseTuple(args, "y*iiiii|p", &src, &denom, &top, &left, &height, &width, &fast))
         return NULL;
 
     struct jpeg_decompress_struct cinfo;
@@ -89,8 +89,9 @@ static PyObject *roi_decode(PyObject *self, PyObject *args)
     cinfo.out_color_space = JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)denom;
-    /* simplejpeg's defaults (accurate IDCT, fancy upsampling): the same pixels as a full decode */
-    cinfo.dct_method = JDCT_ISLOW;
+    /* simplejpeg's defaults (accurate IDCT, fancy upsampling): the same pixels as a full decode;
+       fast: libjpeg's fast integer IDCT, as simplejpeg's fastdct=True (FFCV's choice) */
+    cinfo.dct_method = fast ? JDCT_IFAST : JDCT_ISLOW;
     cinfo.do_fancy_upsampling = TRUE;
     jpeg_start_decompress(&cinfo);
     if (top < 0 || left < 0 || height <= 0 || width <= 0 ||
@@ -180,7 +181,7 @@ static PyObject *hwc_to_chw(PyObject *self, PyObject *args)
 static PyMethodDef roi_methods[] = {
     {"hwc_to_chw", hwc_to_chw, METH_VARARGS, "hwc_to_chw(src, dst): interleaved RGB to planes"},
     {"decode", roi_decode, METH_VARARGS,
-     "decode(data, scale_denom, top, left, height, width) -> (bytearray, x0, out_width)"},
+     "decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)"},
     {NULL, NULL, 0, NULL},
 };
 

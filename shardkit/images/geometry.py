@@ -165,10 +165,12 @@ class TensorDecoder:
         epoch: int = 0,
         rank: int = 0,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        fast_dct: bool = False,
     ):
         self.geometry = geometry
         self.seed, self.epoch, self.rank = int(seed), int(epoch), int(rank)
         self.max_pixels = max_pixels
+        self.fast_dct = bool(fast_dct)
 
     def __call__(self, data: bytes, key: str = "", out=None):
         if self.geometry is None:
@@ -182,9 +184,11 @@ class TensorDecoder:
         d = jpeg_scale(height, width, need)
         dh, dw = -(-height // d), -(-width // d)  # what libjpeg makes at 1/d
         t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
-        pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
+        pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0, self.fast_dct)
         if pixels is None:
-            rgb = decode_rgb(data, min_size=need, max_pixels=self.max_pixels)
+            rgb = decode_rgb(
+                data, min_size=need, max_pixels=self.max_pixels, fast_dct=self.fast_dct
+            )
             # the same box on whatever scale the fallback decoded (Pillow's draft may differ)
             t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, *rgb.shape[:2])
             pixels = rgb[t0:t1, l0:l1]
@@ -242,7 +246,10 @@ class TensorDecoder:
         """
         try:  # the decoder checks the size against the scratch array: one header parse
             rgb = decode_rgb(
-                data, out=scratch_hwc(out.shape[1], out.shape[2]), max_pixels=self.max_pixels
+                data,
+                out=scratch_hwc(out.shape[1], out.shape[2]),
+                max_pixels=self.max_pixels,
+                fast_dct=self.fast_dct,
             )
         except BufferShapeError as exc:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
@@ -251,16 +258,18 @@ class TensorDecoder:
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
         if out is None:
-            rgb = decode_rgb(data, max_pixels=self.max_pixels)
+            rgb = decode_rgb(data, max_pixels=self.max_pixels, fast_dct=self.fast_dct)
             res = torch.empty((3, rgb.shape[0], rgb.shape[1]), dtype=torch.uint8)
             np.copyto(res.numpy(), rgb.transpose(2, 0, 1))
             return res
         try:
             if isinstance(out, np.ndarray):  # an HWC slot of a channels_last batch: straight in
-                return decode_rgb(data, out=out, max_pixels=self.max_pixels)
+                return decode_rgb(data, out=out, max_pixels=self.max_pixels, fast_dct=self.fast_dct)
             hwc = out.permute(1, 2, 0)
             if hwc.is_contiguous():
-                decode_rgb(data, out=hwc.numpy(), max_pixels=self.max_pixels)
+                decode_rgb(
+                    data, out=hwc.numpy(), max_pixels=self.max_pixels, fast_dct=self.fast_dct
+                )
             else:  # a contiguous batch slot: decode interleaved, then into the planes
                 self.into_planes(data, key, out.numpy())
             return out

@@ -65,6 +65,7 @@ from .resume import (
 from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
 from .sources import resolve_source
 from .stages import (
+    DCT_MODES,
     DECODE_MODES,
     EQUALIZE_MODES,
     ON_ERROR_MODES,
@@ -134,6 +135,9 @@ class ShardDataset(IterableDataset):
     and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
     fewer than ``len(ds)``). ``max_pixels``: an image whose header declares more pixels is
     undecodable, refused before any pixel is decoded (default 100 megapixels; None: no limit).
+    ``dct="fast"`` (``decode="tensor"``): libjpeg-turbo's fast integer IDCT for JPEGs, FFCV's
+    default: faster, pixels within ``images.decode.FAST_DCT_DIFFERENCE`` levels of the accurate
+    default (see docs/loader.md).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.stream.storage); ``storage_options``,
@@ -189,6 +193,7 @@ class ShardDataset(IterableDataset):
         crop: str = "center",
         flip: bool = False,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        dct: str = "accurate",
         epoch_size: int | None = None,
         subset: float | Sequence[str] | None = None,
         split: str | None = None,
@@ -209,6 +214,8 @@ class ShardDataset(IterableDataset):
         ):
             raise InputError(f"max_pixels={max_pixels!r} must be an int >= 1, or None (no limit)")
         self.max_pixels = max_pixels
+        check_choice("dct", dct, DCT_MODES)
+        self.dct = dct
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
             raise InputError(f"batch_size={batch_size!r} must be a positive int or None")
         self.batch_size = None if batch_size is None else int(batch_size)
@@ -427,7 +434,7 @@ class ShardDataset(IterableDataset):
             with_keys=self.with_keys,
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
-            decoder=self.tensor_decoder(epoch) if self.geometry is not None else None,
+            decoder=self.tensor_decoder(epoch) if self.decode == "tensor" else None,
             max_pixels=self.max_pixels,
         )
         if self.transform is not None or self.target_transform is not None:
@@ -436,7 +443,9 @@ class ShardDataset(IterableDataset):
 
     def tensor_decoder(self, epoch: int) -> TensorDecoder:
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
-        return TensorDecoder(self.geometry, self.seed, epoch, self.rank, self.max_pixels)
+        return TensorDecoder(
+            self.geometry, self.seed, epoch, self.rank, self.max_pixels, self.dct == "fast"
+        )
 
     def records(self, world: World, epoch: int, batch_size: int | None = None) -> Iterator[Record]:
         """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->

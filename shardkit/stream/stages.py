@@ -29,6 +29,7 @@ from .storage import Storage
 
 __all__ = [
     "EQUALIZE_MODES",
+    "DCT_MODES",
     "DECODE_MODES",
     "ON_ERROR_MODES",
     "rank_samples",
@@ -48,6 +49,8 @@ __all__ = [
 EQUALIZE_MODES = ("pad", "drop", "none")
 DECODE_MODES = ("pil", "tensor", "raw")
 ON_ERROR_MODES = ("raise", "skip")
+#: JPEG inverse DCTs: libjpeg-turbo's accurate one (the default), or its fast integer one.
+DCT_MODES = ("accurate", "fast")
 
 
 # --- planning ---------------------------------------------------------------------------------

@@ -311,3 +311,27 @@ def test_geometry_through_a_plain_dataloader_repeats_and_changes_with_the_epoch(
 def test_size_needs_tensor_decode(varied):
     with pytest.raises(InputError, match='size=32 needs decode="tensor"'):
         ShardDataset(varied, size=32)
+
+
+def test_the_fast_idct_is_opt_in_and_within_its_documented_difference(tmp_path):
+    from shardkit import ShardDataset, pack
+    from shardkit.errors import InputError
+    from shardkit.images.decode import FAST_DCT_DIFFERENCE
+
+    rng = np.random.default_rng(3)
+    d = tmp_path / "src" / "c"
+    d.mkdir(parents=True)
+    for i in range(4):
+        y, x = np.mgrid[0:90, 0:120]
+        img = np.stack([x * 2, y * 2, (x + y)], -1) + rng.normal(0, 20, (90, 120, 3))
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(d / f"{i}.jpg", quality=90)
+    pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
+    for size in (None, 48):
+        kw = dict(decode="tensor", with_keys=True, size=size, crop="random", flip=True)
+        kw = {k: v for k, v in kw.items() if size is not None or k in ("decode", "with_keys")}
+        accurate = {k: x for x, _, k in ShardDataset(str(tmp_path / "tar"), **kw)}
+        fast = {k: x for x, _, k in ShardDataset(str(tmp_path / "tar"), dct="fast", **kw)}
+        diffs = [int((accurate[k].int() - fast[k].int()).abs().max()) for k in accurate]
+        assert 0 < max(diffs) <= FAST_DCT_DIFFERENCE  # another IDCT ran, within its bound
+    with pytest.raises(InputError, match="dct="):
+        ShardDataset(str(tmp_path / "tar"), decode="tensor", dct="fastest")
