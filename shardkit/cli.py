@@ -500,6 +500,14 @@ class FormatWorkers(click.ParamType):
     "PIL/numpy augmentation.",
 )
 @click.option(
+    "--size",
+    type=click.IntRange(min=0),
+    default=224,
+    show_default=True,
+    help="decode mode and loader: resize and centre-crop every image to SIZE x SIZE, as "
+    "most ImageNet recipes do, so images of mixed sizes batch; 0: as stored (one size only).",
+)
+@click.option(
     "--step-ms",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -557,6 +565,7 @@ def bench_cmd(
     cold,
     latency_ms,
     mode,
+    size,
     step_ms,
     json_path,
     plot_path,
@@ -588,6 +597,7 @@ def bench_cmd(
         cold=cold,
         latency_ms=latency_ms,
         mode=mode,
+        size=size,
         step_ms=step_ms,
         seed=seed,
         shard_size=shard_size,

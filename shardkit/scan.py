@@ -5,7 +5,8 @@ labels and keys. Both users share every policy: hidden names ignored, directory 
 once (a directory met again is listed, never re-walked, so loops end), links that lead outside
 SRC followed but counted (``pack`` warns once with the count), and only regular files
 named like images are images: FIFOs, sockets, devices and broken links are listed as errors
-(opening a FIFO would block forever).
+(opening a FIFO would block forever), and so are empty files (a zero-byte ``x.jpg`` is no sample
+on either side: ``FolderDataset`` would fail to decode it where ``pack`` skips it).
 
 Per-sample state lives in numpy arrays (``StrTable``: one byte blob plus offsets), not lists
 of str: DataLoader workers forked from a process holding a million Python strings would copy
@@ -25,11 +26,20 @@ from .formats import encode_key
 from .images.checks import IMAGE_EXTENSIONS
 from .manifest import SkippedFile, portable_text
 
-__all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]
+__all__ = [
+    "EMPTY_FILE",
+    "LIST_NON_IMAGES",
+    "SourceScan",
+    "StrTable",
+    "check_source_dir",
+    "scan_source",
+]
 
 #: Non-image files listed one by one in the manifest's ``skipped``; past this they are only
 #: counted (by extension), so a tree with a sidecar .json per image keeps a small manifest.
 LIST_NON_IMAGES = 1000
+#: The reason an image-named file of zero bytes is listed as an error (``check_image_bytes``'s).
+EMPTY_FILE = "empty file"
 
 
 class StrTable(Sequence[str]):
@@ -297,9 +307,12 @@ def _walk_class(
                 continue
             try:
                 regular = entry.is_file()
+                empty = regular and entry.stat().st_size == 0
             except OSError:
-                regular = False
-            if regular:
+                regular = empty = False
+            if empty:  # what pack's header check says of it, known here from the listing
+                scan.errors.append(SkippedFile(rel, EMPTY_FILE))
+            elif regular:
                 rels.append(rel)
                 exts.append(ext)
             elif entry.is_symlink() and not os.path.exists(entry.path):

@@ -233,7 +233,7 @@ def test_folder_without_images_is_a_clear_error(tmp_path):
 
 
 def test_too_few_samples_for_the_runs_is_a_clear_error(tiny):
-    with pytest.raises(InputError, match="lower batches or batch_size"):
+    with pytest.raises(InputError, match="lower batches=, batch_size= or workers="):
         run_bench(_config(tiny, batch_size=64, formats=("folder",)))
 
 
