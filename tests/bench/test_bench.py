@@ -485,6 +485,16 @@ def test_verdict_calls_1_2x_with_overlapping_spreads_a_tie():
     assert "a real difference" not in text
 
 
+def test_runs_too_short_to_judge_are_never_called_a_real_difference():
+    """A 3x gap over runs timed well under a millisecond is timer noise, not a verdict."""
+    rows = [_row("folder", 2, _planted(1e6, 1e4), 1.0), _row("tar", 2, _planted(3e6, 1e4), 1.0)]
+    lines = verdict(_result(rows, workers=(2,)))
+    text = "\n".join(lines)
+    assert "tar vs folder, each at its best: 3.0x" in text
+    assert "real" not in lines[-3] and "too short to judge: a run timed 0.2" in text
+    assert "10 of 10 runs were timed under 0.1 s" in text and "--min-seconds" in text
+
+
 def test_verdict_calls_a_planted_3x_gap_real_and_a_planted_tie_noise():
     rows = [
         _row("folder", 0, _planted(1000, 60), 1.0),
