@@ -116,16 +116,65 @@ class NameList(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-# auto_envvar_prefix: every option can also come from SHARDKIT_<COMMAND>_<OPTION> (e.g.
-# SHARDKIT_BENCH_REPEATS=1); a flag on the command line wins. The README doc test bounds the
-# bench this way without editing the commands it runs.
+# Every option can also come from SHARDKIT_<COMMAND>_<OPTION>, named after the flag
+# (SHARDKIT_PACK_FORMAT for --format, SHARDKIT_SYNTH_LFW_SCALE for synth lfw's --scale); a flag on
+# the command line wins. ``assign_envvars`` sets the names at the end of this module and ``-h``
+# shows each one. The README doc test bounds the bench this way without editing its commands.
 @click.group(
     cls=_Group,
-    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SHARDKIT"},
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 @click.version_option(package_name="shardkit")
 def main() -> None:
-    """Pack folders of images into sequential shards and stream them into PyTorch."""
+    """Pack folders of images into sequential shards and stream them into PyTorch.
+
+    Every option can also come from SHARDKIT_<COMMAND>_<OPTION> (SHARDKIT_PACK_FORMAT=lmdb,
+    SHARDKIT_BENCH_REPEATS=1; each command's -h shows the name); a flag wins. An unknown
+    SHARDKIT_* variable is warned about.
+    """
+    _warn_unknown_env()
+
+
+#: Variables read by the library rather than by one command's option.
+LIBRARY_ENV = {
+    "SHARDKIT_LFW_SCALE": "the default --scale of synth lfw and of the bench's default set",
+    "SHARDKIT_PROGRESS_INTERVAL": "seconds between plain progress lines off a terminal",
+}
+
+
+def assign_envvars(group: click.Group, prefix: str = "SHARDKIT") -> dict[str, str]:
+    """Name every option's variable after its command path and long flag; return name -> flag.
+
+    Set explicitly rather than with click's ``auto_envvar_prefix``, which names a variable after
+    the Python parameter (``SHARDKIT_PACK_FMT`` for ``--format``), not after the flag a user sees.
+    """
+    names: dict[str, str] = {}
+    for name, cmd in group.commands.items():
+        path = f"{prefix}_{name.upper().replace('-', '_')}"
+        if isinstance(cmd, click.Group):
+            names.update(assign_envvars(cmd, path))
+            continue
+        for param in cmd.params:
+            if not isinstance(param, click.Option) or not param.opts[0].startswith("-"):
+                continue
+            flag = max(param.opts, key=len)
+            param.envvar = f"{path}_{flag.lstrip('-').upper().replace('-', '_')}"
+            param.show_envvar = True
+            names[param.envvar] = f"{cmd.name} {flag}"
+    return names
+
+
+def _warn_unknown_env() -> None:
+    """One warning line per SHARDKIT_* variable that nothing reads (a typo would be silent)."""
+    import difflib
+    import os
+
+    known = {**ENV_VARS, **LIBRARY_ENV}
+    for name in sorted(os.environ):
+        if name.startswith("SHARDKIT_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see shardkit -h"
+            click.echo(f"warning: {name} is not a shardkit variable, ignored{hint}", err=True)
 
 
 _PARAM = re.compile(r'\b([a-z][a-z_]*)=(True\b|False\b|"([^"]*)"|(?=[\s,;)]|$))')
@@ -615,6 +664,9 @@ def bench_cmd(
     for note in result.notes:
         click.echo(f"note: {note}")
 
+
+#: Every SHARDKIT_<COMMAND>_<OPTION> variable -> the command and flag it stands for.
+ENV_VARS = assign_envvars(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
