@@ -16,7 +16,7 @@ import sys
 import click
 
 from .errors import ShardkitError
-from .sizes import parse_size
+from .sizes import parse_size, size_text
 
 
 class _Failure(click.ClickException):
@@ -72,13 +72,21 @@ class Size(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         try:
-            return parse_size(value)
+            size = parse_size(value, minimum=0)
         except ShardkitError:
             self.fail(
                 f"{value!r} is not a size; use e.g. 256MB, 64MiB, 1G or a plain number of bytes",
                 param,
                 ctx,
             )
+        if size < 1:
+            self.fail(
+                f"{value!r} is {size} bytes: a shard needs room for at least one sample; "
+                "use e.g. 256MB (a sample bigger than the size gets a shard of its own)",
+                param,
+                ctx,
+            )
+        return size
 
 
 class IntList(click.ParamType):
@@ -374,30 +382,44 @@ def pack_cmd(
 @main.command("info")
 @click.argument("out", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
-def info_cmd(out, as_json) -> None:
+@click.option(
+    "--skipped",
+    "list_skipped",
+    is_flag=True,
+    help="Also list each file pack skipped, with the reason (a bad image, a non-image, ...).",
+)
+def info_cmd(out, as_json, list_skipped) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
     from .redact import redact
     from .write.verify import dataset_info
 
     info = dataset_info(out)
+    skipped = []
+    if list_skipped:
+        from .manifest import read_manifest
+
+        skipped = [{"path": s.path, "reason": s.reason} for s in read_manifest(out).skipped]
     if as_json:
         import json
 
+        if list_skipped:
+            info["skipped_files"] = skipped
         click.echo(redact(json.dumps(info, indent=1, ensure_ascii=False)))
         return
     names = info["classes"]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    click.echo(
-        redact(
-            f"format:   {info['format']}\n"
-            f"shards:   {info['shards']}\n"
-            f"samples:  {info['samples']}\n"
-            f"bytes:    {info['bytes']} ({info['bytes'] / 1e6:.1f} MB)\n"
-            f"classes:  {info['num_classes']} ({shown})\n"
-            f"skipped:  {info['skipped']}\n"
-            f"manifest: {info['manifest']}"
-        )
-    )
+    lines = [
+        f"format:   {info['format']}",
+        f"shards:   {info['shards']}",
+        f"samples:  {info['samples']}",
+        f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
+        f"classes:  {info['num_classes']} ({shown})",
+        f"skipped:  {info['skipped']}"
+        + ("" if list_skipped or not info["skipped"] else " (--skipped lists them)"),
+    ]
+    lines += [f"  {s['path']}: {s['reason']}" for s in skipped]
+    lines.append(f"manifest: {info['manifest']}")
+    click.echo(redact("\n".join(lines)))
 
 
 @main.command("verify")

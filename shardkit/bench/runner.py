@@ -365,8 +365,8 @@ def size_note(cfg: BenchConfig) -> str | None:
     if image_size(cfg) is None:
         return "decode: images batched at their stored size (--size 0)"
     return (
-        f"decode: every image resized and centre-cropped to {cfg.size}x{cfg.size} on every "
-        f"side alike (--size, default {DEFAULT_SIZE}; --size 0 keeps stored sizes)"
+        f"decode: every image resized and centre-cropped to {cfg.size}x{cfg.size} for every "
+        f"format alike (--size, default {DEFAULT_SIZE}; --size 0 keeps stored sizes)"
     )
 
 

@@ -830,7 +830,9 @@ def test_all_images_bad_is_an_input_error(tmp_path):
     os.makedirs(src / "a")
     (src / "a" / "x.jpg").write_bytes(b"junk")
     (src / "a" / "y.png").write_bytes(b"")
-    with pytest.raises(InputError, match=r"none of its 2 images could be packed \(first: a/x.jpg"):
+    with pytest.raises(
+        InputError, match=r"none of its 2 images could be packed \(first: a/y.png: empty"
+    ):
         quiet_pack(src, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == []
 

@@ -1,0 +1,73 @@
+"""The first hour's messages: what skipped files were, sizes people can read, flags named once."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+from PIL import Image
+
+from shardkit.cli import main
+from shardkit.sizes import size_text
+
+
+def _tree(root):
+    for c in range(2):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (16, 16), (c * 90, i * 40, 0)).save(root / f"c{c}" / f"{i}.jpg")
+    (root / "c0" / "empty.jpg").write_bytes(b"")
+    (root / "c1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
+    (root / "c1" / "notes.txt").write_text("not an image")
+
+
+def test_info_lists_the_skipped_files_and_their_reasons_and_prints_small_sizes_readably(tmp_path):
+    _tree(tmp_path / "src")
+    runner = CliRunner()
+    assert (
+        runner.invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"]).exit_code
+        == 0
+    )
+    plain = runner.invoke(main, ["info", str(tmp_path / "out")])
+    assert "skipped:  3 (--skipped lists them)" in plain.output
+    assert "0.0 MB" not in plain.output and " kB)" in plain.output
+    listed = runner.invoke(main, ["info", str(tmp_path / "out"), "--skipped"])
+    assert listed.exit_code == 0
+    assert "  c0/empty.jpg: empty file" in listed.output.splitlines()
+    assert "  c1/notes.txt: not an image" in listed.output.splitlines()
+    assert any(
+        line.startswith("  c1/broken.jpg: truncated JPEG") for line in listed.output.splitlines()
+    )
+    as_json = json.loads(
+        runner.invoke(main, ["info", str(tmp_path / "out"), "--json", "--skipped"]).output
+    )
+    assert {s["path"] for s in as_json["skipped_files"]} == {
+        "c0/empty.jpg",
+        "c1/broken.jpg",
+        "c1/notes.txt",
+    }
+
+
+def test_size_text_never_prints_zero_megabytes():
+    assert size_text(199_489_536) == "199.5 MB"
+    assert size_text(30_720) == "30.7 kB"
+    assert size_text(512) == "512 bytes"
+
+
+def test_shard_size_zero_says_why(tmp_path):
+    res = CliRunner().invoke(
+        main, ["pack", str(tmp_path), str(tmp_path / "o"), "--shard-size", "0"]
+    )
+    assert res.exit_code == 2
+    assert "'0' is 0 bytes: a shard needs room for at least one sample" in res.output
+    assert "is not a size" not in res.output
+
+
+def test_index_names_overwrite_once(tmp_path):
+    _tree(tmp_path / "src")
+    runner = CliRunner()
+    runner.invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
+    res = runner.invoke(main, ["index", str(tmp_path / "out"), "-q"])
+    assert res.exit_code != 0
+    assert "already exists; pass --overwrite to replace it" in res.output
+    assert "(--overwrite)" not in res.output
