@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..manifest import MANIFEST_NAME
 from ..stream.sources import resolve_source
 from ..stream.storage import is_url
-from .config import DEFAULT_SIZE, SHARD_FORMATS, BenchConfig, say
+from .config import DEFAULT_SIZE, MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
 from .workloads import DATASET_DECODE, Augment, MemoryDataset
 
 __all__ = [
@@ -165,15 +165,19 @@ def pending(cfg: BenchConfig) -> tuple[list[tuple[str, str | None]], tuple[str, 
 
 
 def check_enough(cfg: BenchConfig, samples: int, where: str) -> None:
-    """InputError unless ``samples`` cover the warm-up and the timed part of the biggest run."""
+    """InputError unless ``samples`` cover the biggest run's warm-up and a few timed batches.
+
+    ``batches`` asks for exactly that many timed batches; otherwise a run shorter than
+    ``min_samples`` ends with the data (the verdict says so), and only ``MIN_TIMED_BATCHES``
+    are required: a small folder still benches, with short runs.
+    """
     warm = max(1, max(cfg.workers)) * cfg.batch_size
-    need = warm + cfg.timed_samples_needed
-    if samples < need:
-        what = "batches=" if cfg.batches else "min_samples="
+    timed = (cfg.batches if cfg.batches else MIN_TIMED_BATCHES) * cfg.batch_size
+    if samples < warm + timed:
+        what = "batches=, batch_size= or workers=" if cfg.batches else "batch_size= or workers="
         raise InputError(
-            f"{where}: {samples} samples, but a run with {max(cfg.workers)} workers reads "
-            f"{need} (warm-up {warm} + {cfg.timed_samples_needed} timed); lower {what}, "
-            "batch_size= or workers="
+            f"{where}: {samples} samples, but a run with {max(cfg.workers)} workers needs "
+            f"{warm + timed} (warm-up {warm} + {timed} timed); lower {what}"
         )
 
 

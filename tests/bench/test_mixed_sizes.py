@@ -101,8 +101,8 @@ def test_too_few_samples_is_refused_naming_flags_before_the_estimate_and_packing
     )
     assert res.exit_code != 0
     assert res.output.splitlines() == [res.output.strip()]  # no estimate line before it
-    assert "lower --min-samples, --batch-size or --workers" in res.output
-    assert "min_samples" not in res.output
+    assert "lower --batch-size or --workers" in res.output
+    assert "batch_size" not in res.output
     assert not os.path.exists(tmp_path / "s-tar")
 
 
@@ -130,3 +130,11 @@ def test_synth_imagenet_benches_with_the_default_size_through_the_cli(tmp_path):
     assert "note: decode: every image resized and centre-cropped to 224x224" in res.output
     with Image.open(plot) as img:
         assert img.format == "PNG"
+
+
+def test_a_folder_smaller_than_min_samples_benches_with_runs_ending_at_the_data(messy, tmp_path):
+    """62 samples, far below --min-samples: each run times what the epoch holds, and says so."""
+    result = run_bench(_config(messy, tmp_path, mode="raw", batches=None, formats=("folder",)))
+    runs = [run for row in result.rows for run in row.runs]
+    assert {run.stopped for run in runs} == {"data"}
+    assert all(run.timed_samples > 0 for run in runs)
