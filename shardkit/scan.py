@@ -197,11 +197,13 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     exts: list[StrTable] = []
     keys: list[StrTable] = []
     labels: list[np.ndarray] = []
+    idents: list[np.ndarray] = []  # per file: device, inode, 1 if reached through a symlink
     bar = Progress(len(folders), f"scan {src}", "class", enabled=progress)
     for label, cls in enumerate(folders):
         rels: list[str] = []
         cls_exts: list[str] = []
-        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root)
+        ids: list[tuple[int, int, int]] = []
+        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root, ids)
         bar.update(1)
         if not rels:
             scan.empty_classes.append(scan.classes[label])
@@ -209,6 +211,7 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
         order = sorted(range(len(rels)), key=rels.__getitem__)
         rels = [rels[i] for i in order]
         cls_exts = [cls_exts[i] for i in order]
+        idents.append(np.array([ids[i] for i in order], dtype=np.int64).reshape(-1, 3))
         files.append(StrTable(rels))
         exts.append(StrTable(cls_exts))
         keys.append(StrTable(_assign_keys(rels, cls_exts)))
@@ -217,6 +220,8 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     bar.close()
     scan.files, scan.exts, scan.keys = (StrTable.concat(t) for t in (files, exts, keys))
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+    if idents:
+        _drop_linked_twins(scan, np.concatenate(idents))
     if not scan.classes:
         raise InputError(
             f"source {src!r} has no class folders; expected one sub-folder of images per class "
@@ -228,6 +233,36 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             f"{len(scan.classes)} class folder(s)"
         )
     return scan
+
+
+def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
+    """A symbolic link to a file that is already a sample is no second sample: listed as ignored.
+
+    ``idents``: (device, inode, via-link) per file. Of files sharing a device and inode, those
+    reached without a link stay (hard links are separate files to every tool); links go, unless
+    only links lead there (a farm of links to files outside SRC): then the first stays.
+    """
+    order = np.lexsort((idents[:, 2], idents[:, 1], idents[:, 0]))
+    dup = np.zeros(len(idents), dtype=bool)
+    same = np.all(idents[order[1:], :2] == idents[order[:-1], :2], axis=1)
+    if not same.any():
+        return
+    keep_of: dict[tuple[int, int], int] = {}
+    for pos, i in enumerate(order.tolist()):
+        ident = (int(idents[i, 0]), int(idents[i, 1]))
+        if pos > 0 and same[pos - 1] and idents[i, 2]:
+            dup[i] = True
+            first = scan.files[keep_of[ident]]
+            scan.ignored.append(SkippedFile(scan.files[i], f"symbolic link to {first}, a sample"))
+        else:
+            keep_of.setdefault(ident, i)
+    if dup.any():
+        keep = ~dup
+        scan.files, scan.keys, scan.exts = (
+            StrTable(t[i] for i in np.flatnonzero(keep).tolist())
+            for t in (scan.files, scan.keys, scan.exts)
+        )
+        scan.labels = scan.labels[keep]
 
 
 def check_source_dir(src: str) -> None:
@@ -272,6 +307,7 @@ def _walk_class(
     rels: list[str],
     exts: list[str],
     real_root: str,
+    ids: list[tuple[int, int, int]],
 ) -> None:
     stack = [cls]
     while stack:
@@ -307,14 +343,15 @@ def _walk_class(
                 continue
             try:
                 regular = entry.is_file()
-                empty = regular and entry.stat().st_size == 0
+                st = entry.stat() if regular else None
             except OSError:
-                regular = empty = False
-            if empty:  # what pack's header check says of it, known here from the listing
+                regular, st = False, None
+            if st is not None and st.st_size == 0:  # pack's header check would say the same
                 scan.errors.append(SkippedFile(rel, EMPTY_FILE))
-            elif regular:
+            elif st is not None:
                 rels.append(rel)
                 exts.append(ext)
+                ids.append((st.st_dev, st.st_ino, int(entry.is_symlink())))
             elif entry.is_symlink() and not os.path.exists(entry.path):
                 scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))
             else:
