@@ -150,6 +150,18 @@ LIBRARY_ENV = {
 }
 
 
+class _EnvOption(click.Option):
+    """An option whose -h shows its variable, and whose errors name the variable only when the
+    bad value came from it (a bad flag is the flag's error, not the variable's)."""
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        hint = click.Parameter.get_error_hint(self, ctx)
+        source = ctx.get_parameter_source(self.name) if ctx is not None and self.name else None
+        if source == click.core.ParameterSource.ENVIRONMENT:
+            hint += f" (from {self.envvar})"
+        return hint
+
+
 def assign_envvars(group: click.Group, prefix: str = "SHARDKIT") -> dict[str, str]:
     """Name every option's variable after its command path and long flag; return name -> flag.
 
@@ -168,6 +180,7 @@ def assign_envvars(group: click.Group, prefix: str = "SHARDKIT") -> dict[str, st
             flag = max(param.opts, key=len)
             param.envvar = f"{path}_{flag.lstrip('-').upper().replace('-', '_')}"
             param.show_envvar = True
+            param.__class__ = _EnvOption
             names[param.envvar] = f"{cmd.name} {flag}"
     return names
 

@@ -71,6 +71,25 @@ from .workloads import (
 __all__ = ["cores", "machine_facts", "make_loader", "measure_ceiling", "run_bench", "run_once"]
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run torch ops in this process on one intra-op thread, as in a DataLoader worker.
+
+    DataLoader workers set ``torch.set_num_threads(1)``; the main process keeps one thread per
+    core. For one small image's resize that parallelism only costs: measured on the 2-core VM
+    at load 7, ``TensorDecoder(Geometry(224))`` on the ImageNet-shaped set ran 53-63 images/s
+    with 2 threads and 195-261 with 1, since the OpenMP threads wait for cores that other
+    processes hold. The ceiling ("one process") and the runs at 0 workers (loading in this
+    process) therefore use one thread, like every worker they are compared with.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_ceiling(
     samples: Sequence[bytes], mode: str, seconds: float = 1.0, size: int | None = None
 ) -> float:
@@ -82,6 +101,11 @@ def measure_ceiling(
     """
     decode = sample_decoder(DATASET_DECODE[mode], size)
     aug = Augment() if mode == "augment" else None
+    with one_thread():
+        return _decode_rate(samples, decode, aug, seconds)
+
+
+def _decode_rate(samples, decode, aug, seconds: float) -> float:
     n, t0 = 0, clock()
     while True:
         for data in samples:
@@ -388,17 +412,18 @@ def _run(
     cfg: BenchConfig, prep: _Prepared, fmt: str, workers: int, repeat: int, resident=None
 ) -> tuple[RunResult, Timeline]:
     """One run of ``fmt`` at the format's next epoch."""
-    out = run_once(
-        prep.datasets[fmt],
-        fmt,
-        workers,
-        cfg,
-        epoch=prep.epochs[fmt],
-        repeat=repeat,
-        bytes_per_sample=prep.per_sample[fmt],
-        storage=prep.storages[fmt],
-        resident_before=resident,
-    )
+    with one_thread() if workers == 0 else contextlib.nullcontext():
+        out = run_once(
+            prep.datasets[fmt],
+            fmt,
+            workers,
+            cfg,
+            epoch=prep.epochs[fmt],
+            repeat=repeat,
+            bytes_per_sample=prep.per_sample[fmt],
+            storage=prep.storages[fmt],
+            resident_before=resident,
+        )
     prep.epochs[fmt] += 1
     return out
 

@@ -138,3 +138,18 @@ def test_a_folder_smaller_than_min_samples_benches_with_runs_ending_at_the_data(
     runs = [run for row in result.rows for run in row.runs]
     assert {run.stopped for run in runs} == {"data"}
     assert all(run.timed_samples > 0 for run in runs)
+
+
+def test_the_ceiling_and_main_process_runs_use_one_torch_thread_like_a_worker():
+    import torch
+
+    from shardkit.bench.runner import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -127,3 +127,12 @@ def test_an_unknown_shardkit_variable_is_warned_about_with_the_likely_name(tmp_p
         "SHARDKIT_PACK_FORMAT?"
     ]
     assert read_manifest(str(tmp_path / "out")).shard_format == "tar"
+
+
+def test_a_bad_value_names_the_variable_only_when_it_came_from_it():
+    runner = CliRunner()
+    from_env = runner.invoke(main, ["bench"], env={"SHARDKIT_BENCH_FORMATS": "zip"})
+    assert from_env.exit_code == 2
+    assert "Invalid value for '--formats' (from SHARDKIT_BENCH_FORMATS)" in from_env.output
+    from_flag = runner.invoke(main, ["bench", "--formats", "zip"])
+    assert "Invalid value for '--formats': unknown format" in from_flag.output
