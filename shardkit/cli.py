@@ -384,9 +384,20 @@ def pack_cmd(
             validate=validate,
             progress=not quiet,
         )
-    for w in caught:
-        click.echo(f"warning: {w.message}", err=True)
+    echo_warnings(caught)
     click.echo(report.summary())
+
+
+def echo_warnings(caught) -> None:
+    """One ``warning:`` line per kind of warning: those that differ only in their figures (one
+    per shard of a tiny --shard-size) are one line with a count of the others."""
+    groups: dict[str, list[str]] = {}
+    for w in caught:
+        text = str(w.message)
+        groups.setdefault(re.sub(r"\d[\d,.]*", "N", text), []).append(text)
+    for texts in groups.values():
+        more = f" ({len(texts) - 1} more like it)" if len(texts) > 1 else ""
+        click.echo(f"warning: {texts[0]}{more}", err=True)
 
 
 # --- info / verify ---------------------------------------------------------------------------

@@ -71,3 +71,23 @@ def test_index_names_overwrite_once(tmp_path):
     assert res.exit_code != 0
     assert "already exists; pass --overwrite to replace it" in res.output
     assert "(--overwrite)" not in res.output
+
+
+def test_a_tiny_shard_size_is_one_warning_line_not_one_per_shard(tmp_path):
+    """Runs of one-sample shards, broken by pairs of small images: the writer warns per run."""
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    for i in range(15):
+        if i % 5 < 3:  # ~20 kB of noise: a shard of its own
+            img = Image.effect_noise((128, 128), 80).convert("RGB")
+        else:  # a few hundred bytes: two share a shard
+            img = Image.new("RGB", (8, 8), (i, 0, 0))
+        img.save(src / f"{i:02d}.jpg", quality=95)
+    res = CliRunner().invoke(
+        main,
+        ["pack", str(src.parent), str(tmp_path / "out"), "--shard-size", "8kB", "--no-shuffle"]
+        + ["-q"],
+    )
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].endswith("(2 more like it)")
