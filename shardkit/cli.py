@@ -368,6 +368,7 @@ def pack_cmd(
 
     from .write.packer import pack
 
+    note_interrupted(out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = pack(
@@ -386,6 +387,23 @@ def pack_cmd(
         )
     echo_warnings(caught)
     click.echo(report.summary())
+
+
+def note_interrupted(out: str) -> None:
+    """Mention what a killed pack left in OUT (``.partial-<pid>-...`` of a dead pid)."""
+    import os
+
+    from .fsutil import stale_staging
+    from .urls import is_url
+
+    if is_url(out) or not os.path.isdir(out):
+        return
+    for name in stale_staging(out):
+        click.echo(
+            f"note: {os.path.join(out, name)} was left by an interrupted pack (its process is "
+            "gone); a pack that writes there removes it, or delete it",
+            err=True,
+        )
 
 
 def echo_warnings(caught) -> None:
@@ -417,6 +435,7 @@ def info_cmd(out, as_json, list_skipped) -> None:
     from .redact import redact
     from .write.verify import dataset_info
 
+    note_interrupted(out)
     info = dataset_info(out)
     skipped = []
     if list_skipped:
@@ -456,6 +475,7 @@ def verify_cmd(out, decode, quiet) -> None:
     from .redact import redact
     from .write.verify import verify
 
+    note_interrupted(out)
     report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
         click.echo(redact(f"BAD {bad}"))

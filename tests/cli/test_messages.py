@@ -91,3 +91,25 @@ def test_a_tiny_shard_size_is_one_warning_line_not_one_per_shard(tmp_path):
     assert res.exit_code == 0, res.output
     warnings = [line for line in res.output.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].endswith("(2 more like it)")
+
+
+def test_what_a_killed_pack_left_is_mentioned_by_info_verify_and_pack(tmp_path):
+    import subprocess
+
+    _tree(tmp_path / "src")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(main, ["pack", str(tmp_path / "src"), str(out), "-q"]).exit_code == 0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = out / f".partial-{gone.pid}-0123456789ab"
+    left.mkdir()
+    (left / "shard-000000.tar").write_bytes(b"half")
+    for args in (["info", str(out)], ["verify", str(out), "-q"]):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 0, res.output
+        assert f"note: {left} was left by an interrupted pack" in res.output
+    res = runner.invoke(main, ["pack", str(tmp_path / "src"), str(out), "-q", "--overwrite"])
+    assert res.exit_code == 0 and f"note: {left} was left" in res.output
+    assert not left.exists()
+    assert "interrupted" not in runner.invoke(main, ["info", str(out)]).output
