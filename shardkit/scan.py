@@ -28,6 +28,7 @@ from .manifest import SkippedFile, portable_text
 
 __all__ = [
     "EMPTY_FILE",
+    "STRAY_IMAGE",
     "LIST_NON_IMAGES",
     "SourceScan",
     "StrTable",
@@ -40,6 +41,8 @@ __all__ = [
 LIST_NON_IMAGES = 1000
 #: The reason an image-named file of zero bytes is listed as an error (``check_image_bytes``'s).
 EMPTY_FILE = "empty file"
+#: The reason for an image file directly in SRC: it has no class, so it is no sample.
+STRAY_IMAGE = "stray image, not in a class folder (SRC/<class>/<image>)"
 
 
 class StrTable(Sequence[str]):
@@ -187,7 +190,8 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             folders.append(entry.name)
             scan.classes.append(portable_text(entry.name))
         else:
-            scan.add_non_image(entry.name, "not in a class folder")
+            stray = _image_ext(entry.name) is not None
+            scan.add_non_image(entry.name, STRAY_IMAGE if stray else "not in a class folder")
     real_root = os.path.realpath(root)
     scan.outside_links = sum(_leaves(e, real_root) for e in top if e.name in folders)
     seen = {_ident(root)}

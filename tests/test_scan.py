@@ -45,3 +45,16 @@ def test_links_that_all_lead_outside_keep_one_sample_per_file(tmp_path):
     scan = scan_source(str(src))
     assert list(scan.files) == ["a/1.jpg"]
     assert [s.path for s in scan.ignored] == ["a/2.jpg"]
+
+
+def test_an_image_outside_any_class_folder_is_called_a_stray_image(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    _img(src / "a" / "x.jpg", 10)
+    _img(src / "lost.jpg", 20)
+    (src / "README").write_text("notes")
+    reasons = {s.path: s.reason for s in scan_source(str(src)).ignored}
+    assert reasons == {
+        "lost.jpg": "stray image, not in a class folder (SRC/<class>/<image>)",
+        "README": "not in a class folder",
+    }

@@ -173,7 +173,7 @@ class ShardDataset(IterableDataset):
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-            raise InputError(f"batch_size={batch_size!r} must be a positive int or None")
+            raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
         self.batch_size = None if batch_size is None else int(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InputError(f"prefetch={prefetch!r} must be an int >= 0 (0: no prefetch)")

@@ -113,3 +113,21 @@ def test_what_a_killed_pack_left_is_mentioned_by_info_verify_and_pack(tmp_path):
     assert res.exit_code == 0 and f"note: {left} was left" in res.output
     assert not left.exists()
     assert "interrupted" not in runner.invoke(main, ["info", str(out)]).output
+
+
+def test_batch_size_zero_has_one_wording(tmp_path):
+    import pytest
+
+    from shardkit import ShardDataset, ShardLoader
+    from shardkit.bench import BenchConfig
+    from shardkit.errors import InputError
+
+    _tree(tmp_path / "src")
+    CliRunner().invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
+    wording = "batch_size must be a whole number >= 1"
+    with pytest.raises(InputError, match=wording):
+        ShardDataset(str(tmp_path / "out"), batch_size=0)
+    with pytest.raises(InputError, match=wording):
+        ShardLoader(ShardDataset(str(tmp_path / "out"), decode="tensor"), batch_size=0)
+    with pytest.raises(InputError, match=wording):
+        BenchConfig(batch_size=0).resolved()
