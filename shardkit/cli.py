@@ -366,10 +366,20 @@ def pack_cmd(
     """
     import warnings
 
+    from .errors import OutputError
     from .write.packer import pack
 
     note_interrupted(out)
-    with warnings.catch_warnings(record=True) as caught:
+    asked = {
+        "format": fmt,
+        "shard_size": shard_size,
+        "shuffle": shuffle,
+        "seed": seed,
+        "validate": validate,
+        "resize_short": resize_short,
+        "on_error": on_error,
+    }
+    with warnings.catch_warnings(record=True) as caught, _explained(out, src, asked, OutputError):
         warnings.simplefilter("always")
         report = pack(
             src,
@@ -387,6 +397,70 @@ def pack_cmd(
         )
     echo_warnings(caught)
     click.echo(report.summary())
+
+
+#: pack's options as its manifest records them (``pack`` object) -> the flag that sets them.
+_PACK_FLAGS = {
+    "format": "--format",
+    "shard_size": "--shard-size",
+    "shuffle": "--shuffle",
+    "seed": "--seed",
+    "validate": "--validate",
+    "resize_short": "--resize-short",
+    "on_error": "--on-error",
+}
+
+
+def what_differs(out: str, src: str, asked: dict) -> str | None:
+    """What separates the pack in OUT from the one asked for, from OUT's manifest: the source,
+    each option (flag, old and new value), or else the source's files; None if OUT holds no
+    pack of ours."""
+    import os
+
+    from .manifest import read_manifest
+
+    try:
+        recorded = read_manifest(out).pack
+    except ShardkitError:
+        return None
+    if not isinstance(recorded, dict) or "source" not in recorded:
+        return None
+    parts = []
+    if os.path.realpath(str(recorded["source"])) != os.path.realpath(src):
+        parts.append(f"source {recorded['source']} -> {src}")
+    for key, flag in _PACK_FLAGS.items():
+        if key in recorded and recorded[key] != asked[key]:
+            if isinstance(asked[key], bool):  # --shuffle -> --no-shuffle
+                old, new = (
+                    flag if v else flag.replace("--", "--no-") for v in (not asked[key], asked[key])
+                )
+                parts.append(f"{old} -> {new}")
+            else:
+                parts.append(f"{flag} {recorded[key]} -> {asked[key]}")
+    if parts:
+        return "other options: " + ", ".join(parts)
+    return "the same options, but the source's files changed since (names, sizes or mtimes)"
+
+
+class _explained:
+    """Turn pack's "OUT is not empty" into what differs from the pack already there."""
+
+    def __init__(self, out: str, src: str, asked: dict, error: type):
+        self.out, self.src, self.asked, self.error = out, src, asked, error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None or not issubclass(kind, self.error) or "is not empty" not in str(exc):
+            return False
+        why = what_differs(self.out, self.src, self.asked)
+        if why is None:
+            return False
+        raise self.error(
+            f"{self.out} holds a pack made with {why}; pass --overwrite to replace it, or "
+            "choose another output"
+        ) from None
 
 
 def note_interrupted(out: str) -> None:

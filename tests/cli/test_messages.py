@@ -131,3 +131,22 @@ def test_batch_size_zero_has_one_wording(tmp_path):
         ShardLoader(ShardDataset(str(tmp_path / "out"), decode="tensor"), batch_size=0)
     with pytest.raises(InputError, match=wording):
         BenchConfig(batch_size=0).resolved()
+
+
+def test_packing_again_with_other_options_or_changed_files_says_what_differs(tmp_path):
+    import os
+
+    _tree(tmp_path / "src")
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    runner = CliRunner()
+    assert runner.invoke(main, ["pack", src, out, "-q"]).exit_code == 0
+    res = runner.invoke(main, ["pack", src, out, "-q", "--seed", "3", "--no-shuffle"])
+    assert res.exit_code != 0
+    assert (
+        f"error: {out} holds a pack made with other options: --shuffle -> --no-shuffle, "
+        "--seed 0 -> 3; pass --overwrite to replace it" in res.output
+    )
+    os.utime(tmp_path / "src" / "c0" / "0.jpg", (1, 1))
+    res = runner.invoke(main, ["pack", src, out, "-q"])
+    assert res.exit_code != 0
+    assert "the same options, but the source's files changed since" in res.output
