@@ -435,6 +435,8 @@ def what_differs(out: str, src: str, asked: dict) -> str | None:
                     flag if v else flag.replace("--", "--no-") for v in (not asked[key], asked[key])
                 )
                 parts.append(f"{old} -> {new}")
+            elif key == "shard_size":
+                parts.append(f"{flag} {size_text(recorded[key])} -> {size_text(asked[key])}")
             else:
                 parts.append(f"{flag} {recorded[key]} -> {asked[key]}")
     if parts:
