@@ -479,6 +479,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     started = clock()
     load_before = Load.now(cores())
     steps, formats = pending(cfg)
+    _timeline_choice(cfg, list(formats))  # a bad --timeline-config, before anything is packed
     est = estimate(cfg, steps, formats)
     say(
         cfg,

@@ -174,7 +174,9 @@ def check_enough(cfg: BenchConfig, samples: int, where: str) -> None:
     warm = max(1, max(cfg.workers)) * cfg.batch_size
     timed = (cfg.batches if cfg.batches else MIN_TIMED_BATCHES) * cfg.batch_size
     if samples < warm + timed:
-        what = "batches=, batch_size= or workers=" if cfg.batches else "batch_size= or workers="
+        knobs = ["batches="] if cfg.batches else []
+        knobs += ["batch_size="] + (["workers="] if max(cfg.workers) else [])
+        what = " or ".join(filter(None, [", ".join(knobs[:-1]), knobs[-1]]))
         raise InputError(
             f"{where}: {samples} samples, but a run with {max(cfg.workers)} workers needs "
             f"{warm + timed} (warm-up {warm} + {timed} timed); lower {what}"

@@ -106,6 +106,17 @@ def test_too_few_samples_is_refused_naming_flags_before_the_estimate_and_packing
     assert not os.path.exists(tmp_path / "s-tar")
 
 
+def test_a_timeline_of_a_format_not_benched_is_refused_before_packing(messy, tmp_path):
+    res = CliRunner().invoke(
+        main,
+        ["bench", "--data", str(messy), "--shards", str(tmp_path / "s-{format}")]
+        + ["--formats", "folder,tar", "--workers", "0", "--batch-size", "8"]
+        + ["--timeline-config", "lmdb:0"],
+    )
+    assert res.exit_code != 0 and "lmdb is not among the benchmarked formats" in res.output
+    assert not os.path.exists(tmp_path / "s-tar")
+
+
 def test_loader_with_another_mode_is_refused_before_packing(messy, tmp_path):
     res = CliRunner().invoke(
         main,
