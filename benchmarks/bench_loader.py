@@ -324,12 +324,20 @@ OTHER_LOADER = None
 
 
 def load_other_loader(path: Path) -> None:
-    """``--thread-loader FILE``: a module file defining a ``ShardLoader`` with our signature
-    (``git show 48bdb22:shardkit/loader.py | sed 's/^from \\./from shardkit./' > FILE``)."""
+    """``--thread-loader PATH``: a module file or a package folder defining a ``ShardLoader``
+    with our signature, e.g. the thread-based one (``git show 48bdb22:shardkit/loader.py | sed
+    's/^from \\./from shardkit./' > FILE``) or the previous commit's ``shardkit/loader/``
+    package (``git archive REV shardkit/loader | tar -x -C DIR``, then in DIR/shardkit/loader
+    ``sed -i 's/^from \\.\\./from shardkit./' *.py``), beside ours on our ``ShardDataset``."""
     import importlib.util
 
     global OTHER_LOADER
-    spec = importlib.util.spec_from_file_location("other_loader", path)
+    package = path.is_dir()
+    spec = importlib.util.spec_from_file_location(
+        "other_loader",
+        path / "__init__.py" if package else path,
+        submodule_search_locations=[str(path)] if package else None,
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["other_loader"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

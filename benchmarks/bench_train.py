@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
+import bench_loader  # noqa: E402
 from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -125,13 +126,14 @@ def scaling(args) -> dict:
             "into batch buffers",
             flush=True,
         )
-        rows = {n: {"ceiling": [], "ShardLoader": [], "DataLoader": []} for n in counts}
+        names = ["ShardLoader", "DataLoader"] + (["other ShardLoader"] if args.other_loader else [])
+        rows = {n: {"ceiling": [], **{name: [] for name in names}} for n in counts}
         loaders: dict = {}
         for r in range(args.repeats):
             for n in counts:
                 load = os.getloadavg()[0]
                 rows[n]["ceiling"].append(ceiling_n(datas, n))
-                for name in ("ShardLoader", "DataLoader"):
+                for name in names:
                     key = (name, n)
                     if key not in loaders:  # built once and warmed up, as a trainer keeps it
                         loaders[key] = _build(name, shards, kw, n, args.batch)
@@ -150,10 +152,14 @@ def scaling(args) -> dict:
                     rows[n][name].append(res)
                 c = rows[n]["ceiling"][-1]
                 s, d = rows[n]["ShardLoader"][-1], rows[n]["DataLoader"][-1]
+                other = ""
+                if args.other_loader:
+                    o = rows[n]["other ShardLoader"][-1]
+                    other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
                 print(
                     f"  [{part} {r + 1}/{args.repeats}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
                     f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                    f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
+                    f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
                     f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
                     f"{s['main_cpu_share']:.3f} of a decode  load {load:.1f}",
                     flush=True,
@@ -172,9 +178,10 @@ def scaling(args) -> dict:
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
-    if name == "ShardLoader":
+    if name in ("ShardLoader", "other ShardLoader"):
         ds = ShardDataset(str(shards), **kw)
-        return ds, ShardLoader(ds, batch, num_workers=n)
+        loader = ShardLoader if name == "ShardLoader" else bench_loader.OTHER_LOADER
+        return ds, loader(ds, batch, num_workers=n)
     ds = ShardDataset(str(shards), batch_size=batch, **kw)
     return ds, DataLoader(ds, batch_size=batch, num_workers=n, persistent_workers=True)
 
@@ -418,12 +425,20 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40_000, help="--train: samples per epoch")
     ap.add_argument("--steps", type=int, default=200, help="--train: timed steps per feeder")
     ap.add_argument("--train-workers", type=int, help="--train: workers (usable CPUs - 1)")
+    ap.add_argument(
+        "--other-loader",
+        type=Path,
+        help="--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
+        "commit's; see bench_loader.load_other_loader)",
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_train.json")
     ap.add_argument("--plot", type=Path, default=ROOT / "bench-out" / "bench_train.png")
     args = ap.parse_args()
     if not args.scaling and not args.train:
         ap.error("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
+    if args.other_loader:
+        bench_loader.load_other_loader(args.other_loader)
     result: dict = {"load_start": os.getloadavg(), "cpus": usable_cpus()}
     if args.scaling:
         result["scaling"] = scaling(args)

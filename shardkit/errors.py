@@ -17,6 +17,7 @@ __all__ = [
     "ShardFormatError",
     "ManifestError",
     "SampleError",
+    "TransformError",
     "StorageError",
     "MissingExtraError",
 ]
@@ -60,6 +61,23 @@ class SampleError(ShardkitError):
         super().__init__(message)
         self.shard = shard
         self.key = key
+
+
+class TransformError(ShardkitError):
+    """The dataset's ``transform`` raised on one sample: a bug in the transform, never counted as
+    an undecodable sample. Names shard and key; the transform's own exception is its cause."""
+
+    def __init__(self, message: str, *, shard: str = "", key: str = ""):
+        super().__init__(message)
+        self.shard = shard
+        self.key = key
+
+    def __reduce__(self):
+        return (_rebuild_keyed, (type(self), str(self), self.shard, self.key))
+
+
+def _rebuild_keyed(cls, message: str, shard: str, key: str):
+    return cls(message, shard=shard, key=key)
 
 
 class StorageError(ShardkitError):

@@ -30,7 +30,10 @@ except ImportError:
     _native = None
 
 __all__ = [
+    "DEFAULT_MAX_PIXELS",
     "MAX_PATH_DIFFERENCE",
+    "ImageTooLarge",
+    "check_pixels",
     "RESIZE_QUALITY",
     "BufferShapeError",
     "decode_image",
@@ -75,6 +78,26 @@ def resize_short_side(data: bytes, short: int, quality: int = RESIZE_QUALITY) ->
             buf = io.BytesIO()
             img.save(buf, "JPEG", quality=quality)
             return buf.getvalue()
+
+
+#: Images whose header declares more pixels than this are refused before any pixel is decoded:
+#: a 2 KB JPEG may declare 60000x60000 (a 10 GiB allocation). 100 megapixels (300 MB as RGB) is
+#: above any camera photo in a training set; ``ShardDataset(max_pixels=)`` moves it.
+DEFAULT_MAX_PIXELS = 100_000_000
+
+
+class ImageTooLarge(ValueError):
+    """The header declares more pixels than the limit (a decompression bomb, or a huge scan)."""
+
+
+def check_pixels(height: int, width: int, max_pixels: int | None) -> None:
+    """Raise ``ImageTooLarge`` if ``height`` x ``width`` exceeds ``max_pixels`` (None: no limit)."""
+    if max_pixels is not None and height * width > max_pixels:
+        raise ImageTooLarge(
+            f"its header declares {width}x{height} = {height * width} pixels, over the limit "
+            f"max_pixels={max_pixels} (a decompression bomb, or an image larger than any "
+            "training photo: pass ShardDataset(max_pixels=...) to allow it)"
+        )
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -175,13 +198,15 @@ def decode_rgb(
     min_size: tuple[int, int] | None = None,
     out: np.ndarray | None = None,
     pillow: bool = False,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
 ) -> np.ndarray:
     """Decode to an HWC uint8 RGB array, at the smallest DCT scale still >= ``min_size`` (h, w).
 
     ``min_size`` None decodes at full size. ``out``: a C-contiguous HWC array of exactly the
     decoded shape to write into (saves an allocation and a copy per image). ``pillow=True``
-    forces the Pillow path (tests compare the two). Raises whatever the decoder raises for
-    corrupt data; callers wrap it in ``SampleError`` naming shard and key.
+    forces the Pillow path (tests compare the two). An image declaring more than ``max_pixels``
+    raises ``ImageTooLarge`` from its header. Raises whatever the decoder raises for corrupt
+    data; callers wrap it in ``SampleError`` naming shard and key.
     """
     if not pillow and is_jpeg(data):
         try:
@@ -189,6 +214,7 @@ def decode_rgb(
         except ValueError:
             height = 0  # TurboJPEG cannot read the header: Pillow decides
         if height:
+            check_pixels(height, width, max_pixels)
             d = jpeg_scale(height, width, min_size)
             shape = (-(-height // d), -(-width // d), 3)
             if out is not None and out.shape != shape:
@@ -199,15 +225,19 @@ def decode_rgb(
                 )
             except ValueError:
                 pass  # not for TurboJPEG (12-bit, lossless, damaged): Pillow decides
-    return _decode_pillow(data, min_size, out)
+    return _decode_pillow(data, min_size, out, max_pixels)
 
 
 def _decode_pillow(
-    data: bytes, min_size: tuple[int, int] | None, out: np.ndarray | None
+    data: bytes,
+    min_size: tuple[int, int] | None,
+    out: np.ndarray | None,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
 ) -> np.ndarray:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
+        check_pixels(img.size[1], img.size[0], max_pixels)  # from the header: nothing decoded
         if min_size and img.format == "JPEG":
             width, height = img.size
             d = jpeg_scale(height, width, min_size)
@@ -224,7 +254,7 @@ def _decode_pillow(
     return out
 
 
-def decode_image(data: bytes, mode: str):
+def decode_image(data: bytes, mode: str, max_pixels: int | None = DEFAULT_MAX_PIXELS):
     """Decode one stored image: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB), "raw" (bytes).
 
     Shared by ShardDataset and FolderDataset so both pay exactly the same decode cost.
@@ -235,6 +265,7 @@ def decode_image(data: bytes, mode: str):
         from PIL import Image
 
         img = Image.open(io.BytesIO(data))
+        check_pixels(img.size[1], img.size[0], max_pixels)
         if img.mode != "RGB":
             img = img.convert("RGB")
         else:
@@ -244,7 +275,7 @@ def decode_image(data: bytes, mode: str):
 
     # A contiguous CHW tensor: a permuted view of the HWC array would make the DataLoader's
     # collate a strided transpose of every image (measured: ~40 us more per 250x250 image).
-    rgb = decode_rgb(data)
+    rgb = decode_rgb(data, max_pixels=max_pixels)
     height, width, _ = rgb.shape
     out = torch.empty((3, height, width), dtype=torch.uint8)
     np.copyto(out.numpy(), rgb.transpose(2, 0, 1))

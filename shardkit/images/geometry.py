@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from ..errors import InputError, check_choice
 from .decode import (
+    DEFAULT_MAX_PIXELS,
     BufferShapeError,
+    check_pixels,
     decode_jpeg_region,
     decode_rgb,
     image_size,
@@ -141,9 +143,17 @@ class TensorDecoder:
     Without geometry ``out`` may also be an (H, W, 3) numpy array (the loader's fastest path).
     """
 
-    def __init__(self, geometry: Geometry | None, seed: int = 0, epoch: int = 0, rank: int = 0):
+    def __init__(
+        self,
+        geometry: Geometry | None,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int = 0,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ):
         self.geometry = geometry
         self.seed, self.epoch, self.rank = int(seed), int(epoch), int(rank)
+        self.max_pixels = max_pixels
 
     def __call__(self, data: bytes, key: str = "", out=None):
         if self.geometry is None:
@@ -151,6 +161,7 @@ class TensorDecoder:
         g = self.geometry
         size = g.size
         height, width = image_size(data)
+        check_pixels(height, width, self.max_pixels)
         uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
         if g.crop == "random":
             top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
@@ -165,7 +176,7 @@ class TensorDecoder:
         t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, dh, dw)
         pixels = decode_jpeg_region(data, d, t0, l0, t1 - t0, l1 - l0)
         if pixels is None:
-            rgb = decode_rgb(data, min_size=need)
+            rgb = decode_rgb(data, min_size=need, max_pixels=self.max_pixels)
             # the same box on whatever scale the fallback decoded (Pillow's draft may differ)
             t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, *rgb.shape[:2])
             pixels = rgb[t0:t1, l0:l1]
@@ -208,7 +219,9 @@ class TensorDecoder:
         per image under two threads' GIL hand-offs measured as much as the transpose itself).
         """
         try:  # the decoder checks the size against the scratch array: one header parse
-            rgb = decode_rgb(data, out=scratch_hwc(out.shape[1], out.shape[2]))
+            rgb = decode_rgb(
+                data, out=scratch_hwc(out.shape[1], out.shape[2]), max_pixels=self.max_pixels
+            )
         except BufferShapeError as exc:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
         to_planes(rgb, out)
@@ -216,16 +229,16 @@ class TensorDecoder:
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
         if out is None:
-            rgb = decode_rgb(data)
+            rgb = decode_rgb(data, max_pixels=self.max_pixels)
             res = torch.empty((3, rgb.shape[0], rgb.shape[1]), dtype=torch.uint8)
             np.copyto(res.numpy(), rgb.transpose(2, 0, 1))
             return res
         try:
             if isinstance(out, np.ndarray):  # an HWC slot of a channels_last batch: straight in
-                return decode_rgb(data, out=out)
+                return decode_rgb(data, out=out, max_pixels=self.max_pixels)
             hwc = out.permute(1, 2, 0)
             if hwc.is_contiguous():
-                decode_rgb(data, out=hwc.numpy())
+                decode_rgb(data, out=hwc.numpy(), max_pixels=self.max_pixels)
             else:  # a contiguous batch slot: decode interleaved, then into the planes
                 self.into_planes(data, key, out.numpy())
             return out

@@ -7,8 +7,9 @@ batch_size, num_workers)`` would and ``len(loader)`` is exact.
 This is the one place that decides when a slot may be written again (``_give_back``):
 
 - the batch is a view of its slot (a uint8 batch on the CPU): two draws after it was yielded,
-  when the caller's loop variable has moved on; a slot still referenced then was kept by the
-  caller and gets fresh memory instead (``Ring.replace``);
+  when the caller's loop variable has moved on; a slot still reached then (the tensor, a view,
+  its storage, a numpy array over it: ``Ring.kept``) was kept by the caller and gets fresh
+  memory instead (``Ring.replace``);
 - the batch was copied to the device: once the copy's event has completed (one step after it was
   staged: the copy runs on a side stream while the caller's step runs, apex's prefetcher);
 - the batch was converted on the CPU (normalised, made contiguous): right after staging.
@@ -24,6 +25,7 @@ import contextlib
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +33,17 @@ from ..errors import ShardkitError
 from ..stream.world import World
 from .messages import Batch, End
 
-__all__ = ["Epoch", "slots_per_worker"]
+__all__ = ["Epoch", "Position", "slots_per_worker"]
+
+
+@dataclass
+class Position:
+    """How far the caller is in ``epoch``: records each worker's yielded batches took from its
+    stream (skipped samples included) and the worker whose batch is due next."""
+
+    epoch: int
+    consumed: list[int]
+    next_worker: int = 0
 
 
 def slots_per_worker(prefetch_factor: int, ahead: int) -> int:
@@ -54,7 +66,8 @@ class Epoch:
             ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
             for w in range(self.n)
         ]
-        self.yielded = loader._yielded = [self.epoch, 0]  # counted as batches reach the caller
+        # What the caller has received, for state_dict: records taken per worker, who is next.
+        self.position = loader._position = Position(self.epoch, [0] * self.n)
         device = loader.device
         self.cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -87,6 +100,8 @@ class Epoch:
                 msg = self.workers.next(w)
                 if isinstance(msg, End):
                     if msg.error is not None:
+                        if msg.cause is not None:
+                            raise msg.error from msg.cause
                         raise msg.error
                     live.remove(w)
                     continue
@@ -121,7 +136,7 @@ class Epoch:
         """Start moving batch ``msg`` to the device and converting it there."""
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
-        images = self.ring.images(msg.worker, msg.slot, shape)[: msg.count]
+        images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
         if self.nhwc:
             images = images.permute(0, 3, 1, 2)
         labels = torch.tensor(msg.labels, dtype=torch.int64)
@@ -146,7 +161,7 @@ class Epoch:
         if not self.view and not self.cuda:  # converted into new memory: the slot is done
             self._give_back(*slot)
             slot = None
-        return out, ready, copied, slot
+        return out, ready, copied, slot, (msg.worker, msg.consumed)
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         loader = self.loader
@@ -161,10 +176,12 @@ class Epoch:
             return images.contiguous()  # a uint8 batch moved to a device as NHWC
         return images
 
-    def _finish(self, out: tuple, ready, copied, slot, drawn: deque) -> tuple:
+    def _finish(self, out: tuple, ready, copied, slot, took, drawn: deque) -> tuple:
         """Make the caller's stream wait for this batch only (not the one staged behind it);
         a slot whose device copy has completed goes back now, a viewed one two draws later."""
-        self.yielded[1] += 1
+        worker, consumed = took
+        self.position.consumed[worker] += consumed
+        self.position.next_worker = (worker + 1) % self.n
         if ready is not None:
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(ready)
@@ -183,6 +200,7 @@ class Epoch:
         if self.ring.kept(worker, slot):
             self.workers.replace(worker, slot)
         else:
+            self.ring.returned(worker, slot)
             self.workers.free(worker, slot)
 
     def _abandon(self) -> None:

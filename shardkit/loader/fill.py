@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError
 from ..images.geometry import ShapeError
 from ..stream.resume import EpochState
-from ..stream.stages import sample_error
+from ..stream.stages import sample_error, transform_error
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
@@ -104,7 +104,11 @@ class Filler:
                 continue
             if img is not None:  # the transform's errors are the transform's, not bad data
                 if transform is not None:
-                    img = _transformed(transform(img), rec, self.hw)
+                    try:
+                        out = transform(img)
+                    except Exception as exc:
+                        raise transform_error(rec, exc) from exc
+                    img = _transformed(out, rec, self.hw)
                 if targets is None:  # the first image of this worker sizes its slots
                     targets = self._first(slot, img)
                 else:
@@ -115,7 +119,8 @@ class Filler:
             if n == bs:
                 break
         height, width = self.hw or (0, 0)
-        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes)
+        consumed = n + len(notes)
+        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
 
     def _first(self, slot: int, img: torch.Tensor) -> list:
         self.hw = (int(img.shape[-2]), int(img.shape[-1]))

@@ -52,8 +52,10 @@ class Stop:
 
 @dataclass(slots=True)
 class Batch:
-    """``count`` images of ``height`` x ``width`` are in ``slot`` of ``worker``; ``notes``: the
-    warnings raised while filling it (skipped samples), re-issued in the caller."""
+    """``count`` images of ``height`` x ``width`` are in ``slot`` of ``worker``; ``consumed``:
+    the records the batch took from the worker's stream (``count`` plus the samples skipped
+    under ``on_error="skip"``: what a checkpoint must count); ``notes``: the warnings raised
+    while filling it (skipped samples), re-issued in the caller."""
 
     gen: int
     worker: int
@@ -64,12 +66,15 @@ class Batch:
     labels: list[int]
     keys: list[str]
     notes: list[str] = field(default_factory=list)
+    consumed: int = 0
 
 
 @dataclass(slots=True)
 class End:
-    """The worker's part of generation ``gen`` is done; ``error``: why it stopped early."""
+    """The worker's part of generation ``gen`` is done; ``error``: why it stopped early, and
+    ``cause`` its cause (a transform's own exception: a pickled exception loses its chain)."""
 
     gen: int
     worker: int
     error: BaseException | None = None
+    cause: BaseException | None = None

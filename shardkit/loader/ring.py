@@ -3,15 +3,22 @@
 Each worker owns ``slots`` slots; slot memory is an anonymous shared file (``memfd_create``)
 that the worker process and the training process both map, so a decoded batch is handed over
 by naming its slot: nothing is pickled or copied on the host. No named segment exists: nothing
-can be left in /dev/shm, whatever kills whom. With ``num_workers=0`` the slots are plain (pinned)
-memory of the caller's process.
+can be left in /dev/shm, whatever kills whom. With ``num_workers=0`` the caller's fill loop
+writes the same kind of memory itself.
 
-Only the consumer (``epoch.py``) decides when a slot may be written again. On the CPU the batch
-it yields is a view of its slot: the slot goes back to its worker once nothing outside the loader
-refers to it (``kept``); a batch the caller keeps (a list of batches, a numpy view) keeps the
-slot's memory, and the slot is given fresh memory instead (``replace``). With CUDA the slots are
-page-locked in place (``cudaHostRegister``), the device copy reads the slot itself, and the slot
-goes back once the copy's event has completed.
+Only the consumer (``epoch.py``) decides when a slot may be written again. Every batch handed
+out is a new tensor over the slot (``lend``), whose storage holds a reference to a token of that
+loan and drops it when the storage dies or moves its data elsewhere (``share_memory_``, a
+``torch.multiprocessing`` queue). So "is the slot still the caller's" (``kept``) is a plain
+reference count of the token, whatever the caller did through torch's API: kept the tensor, a
+view, a numpy array over it, only its ``untyped_storage()``, or moved it to shared memory. A
+kept slot's memory stays the caller's and the slot is given fresh memory (``replace``). With CUDA
+the slots are page-locked in place (``cudaHostRegister``), the device copy reads the slot
+itself, and the slot goes back once the copy's event has completed.
+
+Forked worker processes inherit every mapping and descriptor of the process that forks them; a
+worker drops what is not its own first (``forget_inherited``), so closing one loader returns its
+memory while other loaders' workers live.
 """
 
 from __future__ import annotations
@@ -20,27 +27,31 @@ import ctypes
 import math
 import mmap
 import os
+import sys
 import tempfile
 import weakref
 
 import numpy as np
 import torch
 
-__all__ = ["MappedSlots", "Ring"]
-
-
-def _use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+__all__ = ["MappedSlots", "Ring", "forget_inherited"]
 
 
 def _anonymous_file() -> int:
     """A descriptor of shared memory with no name anywhere (inherited by fork, passed to
     spawned workers as a descriptor)."""
     if hasattr(os, "memfd_create"):
-        return os.memfd_create("shardkit-ring", os.MFD_CLOEXEC)
-    fd, path = tempfile.mkstemp(prefix="shardkit-ring-")  # pragma: no cover - not Linux
-    os.unlink(path)
+        fd = os.memfd_create("shardkit-ring", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        fd, path = tempfile.mkstemp(prefix="shardkit-ring-")
+        os.unlink(path)
+    _FDS.add(fd)
     return fd
+
+
+def _close_fd(fd: int) -> None:
+    _FDS.discard(fd)
+    os.close(fd)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -50,6 +61,11 @@ _libc.mmap.argtypes = [
 ]  # fmt: skip
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+#: This process's ring descriptors and mappings (address -> their unmapping), so that a forked
+#: worker can drop those it inherited (``forget_inherited``).
+_FDS: set[int] = set()
+_MAPS: dict[int, weakref.finalize] = {}
 
 
 def _map(fd: int, nbytes: int):
@@ -64,21 +80,61 @@ def _map(fd: int, nbytes: int):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of a {nbytes}-byte ring slot failed: {os.strerror(err)}")
     buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-    weakref.finalize(buf, _libc.munmap, addr, nbytes)
+    _MAPS[addr] = weakref.finalize(buf, _unmap, addr, nbytes)
     return buf
 
 
-class _Slot:
-    """One slot as the training process sees it: the batch-shaped tensor over its memory and
-    the storage use count with only the loader's references (``baseline``)."""
+def _unmap(addr: int, nbytes: int) -> None:
+    _MAPS.pop(addr, None)
+    _libc.munmap(addr, nbytes)
 
-    def __init__(self, images: torch.Tensor, pinned: int | None, shared: bool):
-        self.images = images
+
+def forget_inherited(keep: set[int]) -> None:
+    """In a forked worker, before it maps anything: unmap every ring mapping and close every ring
+    descriptor it inherited except ``keep`` (its own slots). Without this, a loader's ring stays
+    alive in the workers of every loader started after it. The inherited Python objects over
+    those mappings are never touched in the worker; their unmapping is cancelled, as the address
+    range may be reused."""
+    for fin in list(_MAPS.values()):
+        info = fin.detach()
+        if info is not None:
+            _unmap(*info[2])
+    _MAPS.clear()
+    for fd in list(_FDS - keep):
+        _FDS.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Loan:
+    """The token a lent batch's storage refers to: one per batch handed out."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Slot:
+    """One slot as the training process sees it: its mapped memory and the current loan."""
+
+    def __init__(self, memory, shape: tuple[int, ...], pinned: int | None):
+        self.memory = memory  # the ctypes buffer over the mapping (the loader's reference)
+        self.shape = shape
         self.pinned = pinned  # the registered address, to unregister
-        # Without worker processes the fill loop writes through this array (made before the
-        # baseline is counted: a numpy view holds a reference to the storage).
-        self.array = None if shared else images.numpy()
-        self.baseline = _use_count(images)
+        self.array = np.frombuffer(memory, np.uint8).reshape(shape)  # the caller's fill loop
+        self.loan: memoryview | None = None
+
+    def lend(self) -> torch.Tensor:
+        """A new tensor over the slot. Its storage holds a reference to a memoryview made for
+        this loan alone (``torch.frombuffer`` keeps its source object alive until the storage's
+        data is freed or moved), so the memoryview's reference count says whether anything
+        outside the loader still reaches the slot's bytes."""
+        self.loan = memoryview(self.memory)
+        return torch.frombuffer(self.loan, dtype=torch.uint8).view(self.shape)
+
+    def kept(self) -> bool:
+        # references: self.loan, getrefcount's argument, and one per live storage over it
+        return self.loan is not None and sys.getrefcount(self.loan) > 2
 
 
 class Ring:
@@ -86,49 +142,53 @@ class Ring:
 
     def __init__(self, workers: int, slots: int, *, shared: bool, pin: bool):
         self.workers, self.slots, self.shared, self.pin = workers, slots, shared, pin
-        self._fds: list[list[int]] = (
-            [[_anonymous_file() for _ in range(slots)] for _ in range(workers)] if shared else []
-        )
+        self._fds: list[list[int]] = []
+        try:
+            for _ in range(workers):
+                self._fds.append([])
+                for _ in range(slots):
+                    self._fds[-1].append(_anonymous_file())
+        except BaseException:
+            self.close()
+            raise
         self._slots: dict[tuple[int, int], _Slot] = {}
 
     def fds(self, worker: int) -> list[int]:
         """The descriptors of ``worker``'s slots (what its process maps)."""
         return list(self._fds[worker])
 
-    def images(self, worker: int, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """The slot as a uint8 tensor of ``shape`` (a whole batch), mapped on first use."""
-        s = self._slots.get((worker, slot))
-        if s is None or tuple(s.images.shape) != tuple(shape):
-            if s is not None:
-                self._release(s)
-            s = self._slots[(worker, slot)] = self._new(worker, slot, shape)
-        return s.images
+    def lend(self, worker: int, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot as a new uint8 tensor of ``shape`` (a whole batch), for the caller."""
+        return self._slot(worker, slot, shape).lend()
 
     def array(self, worker: int, slot: int, shape: tuple[int, ...]) -> np.ndarray:
         """The slot as the fill loop of a ``num_workers=0`` loader writes it."""
-        self.images(worker, slot, shape)
-        return self._slots[(worker, slot)].array
+        return self._slot(worker, slot, shape).array
 
     def kept(self, worker: int, slot: int) -> bool:
         """Whether anything outside the loader still refers to the slot's memory."""
         s = self._slots.get((worker, slot))
-        return s is not None and _use_count(s.images) > s.baseline
+        return s is not None and s.kept()
+
+    def returned(self, worker: int, slot: int) -> None:
+        """The slot's loan is over (not kept): the next batch lends it anew."""
+        s = self._slots.get((worker, slot))
+        if s is not None:
+            s.loan = None
 
     def replace(self, worker: int, slot: int) -> int | None:
         """Leave the slot's memory to whoever keeps it; the slot gets fresh memory. Returns the
         new descriptor the worker must map (None without worker processes)."""
         s = self._slots.pop((worker, slot), None)
-        if s is not None and s.pinned is not None:
+        if s is not None:
             self._release(s)
-        if not self.shared:
-            return None
-        os.close(self._fds[worker][slot])
+        _close_fd(self._fds[worker][slot])
         fd = self._fds[worker][slot] = _anonymous_file()
-        return fd
+        return fd if self.shared else None
 
     @property
     def nbytes(self) -> int:
-        return sum(s.images.numel() for s in self._slots.values())
+        return sum(math.prod(s.shape) for s in self._slots.values())
 
     def close(self) -> None:
         for s in self._slots.values():
@@ -136,7 +196,7 @@ class Ring:
         self._slots.clear()
         for fds in self._fds:
             for fd in fds:
-                os.close(fd)
+                _close_fd(fd)
         self._fds = []
 
     def __repr__(self) -> str:
@@ -146,22 +206,29 @@ class Ring:
             ", pinned)" if self.pin else ")"
         )
 
+    def _slot(self, worker: int, slot: int, shape: tuple[int, ...]) -> _Slot:
+        """Slot ``slot`` of ``worker`` holding ``shape``, mapped on first use (again when the
+        batch shape changes, as when another dataset size comes through)."""
+        s = self._slots.get((worker, slot))
+        if s is None or s.shape != tuple(shape):
+            if s is not None:
+                self._release(s)
+            s = self._slots[(worker, slot)] = self._new(worker, slot, tuple(shape))
+        return s
+
     def _new(self, worker: int, slot: int, shape: tuple[int, ...]) -> _Slot:
         nbytes = math.prod(shape)
-        if self.shared:
-            images = torch.frombuffer(_map(self._fds[worker][slot], nbytes), dtype=torch.uint8)
-            images = images.view(shape)
-        else:
-            images = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin)
+        memory = _map(self._fds[worker][slot], nbytes)
         pinned = None
-        if self.pin and self.shared:
-            pinned = images.data_ptr()
+        if self.pin:
+            pinned = ctypes.addressof(memory)
             err = torch.cuda.cudart().cudaHostRegister(pinned, nbytes, 1)  # portable
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte ring slot failed: {err}")
-        return _Slot(images, pinned, self.shared)
+        return _Slot(memory, shape, pinned)
 
     def _release(self, s: _Slot) -> None:
+        """The loader lets go of ``s``: the mapping lives on while a kept batch reaches it."""
         if s.pinned is not None:
             torch.cuda.cudart().cudaHostUnregister(s.pinned)
             s.pinned = None
@@ -192,5 +259,6 @@ class MappedSlots:
         """The slot's memory was kept by the caller: forget it (and map ``fd`` from now on)."""
         self._arrays.pop(slot, None)
         if fd is not None:
-            os.close(self._fds[slot])
+            _close_fd(self._fds[slot])
             self._fds[slot] = fd
+            _FDS.add(fd)

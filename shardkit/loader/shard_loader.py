@@ -11,20 +11,25 @@ fed ResNet-50 at 0.60 of the GPU's speed, while processes into a reused pinned r
 
 from __future__ import annotations
 
+import math
 import os
+import resource
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, ShardkitError
 from ..stream.dataset import ShardDataset
-from .epoch import Epoch, slots_per_worker
+from .epoch import Epoch, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
-from .workers import LocalWorkers, ProcessWorkers, default_start_method
+from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
 
 __all__ = ["ShardLoader", "default_workers"]
+
+_FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the loader's files
 
 
 def default_workers() -> int:
@@ -41,8 +46,11 @@ class _Resources:
     def __init__(self):
         self.ring: Ring | None = None
         self.workers: LocalWorkers | ProcessWorkers | None = None
+        self.owner = os.getpid()
 
     def close(self) -> None:
+        """Stop the workers and free the ring; in a forked child (whose copies these are) only
+        the child's own descriptors and mappings go: the parent's workers are left alone."""
         workers, ring = self.workers, self.ring
         self.workers = self.ring = None
         if workers is not None:
@@ -95,18 +103,25 @@ class ShardLoader:
         timeout: float = 0,
     ):
         _check_dataset(dataset)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        _check_int("batch_size", batch_size, 1)
         num_workers = default_workers() if num_workers is None else num_workers
-        if num_workers < 0:
-            raise InputError(f"num_workers must be >= 0, got {num_workers}")
-        if prefetch_factor < 1:
-            raise InputError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        _check_int("num_workers", num_workers, 0)
+        _check_int("prefetch_factor", prefetch_factor, 1)
+        for name, flag in (("drop_last", drop_last), ("channels_last", channels_last)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name} must be True or False, got {flag!r}")
+        if with_keys is not None and not isinstance(with_keys, bool):
+            raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
         start_method = start_method or default_start_method()
         if start_method not in ("fork", "spawn", "forkserver"):
             raise InputError(f"start_method={start_method!r}: use 'fork', 'spawn' or 'forkserver'")
-        if timeout < 0:
-            raise InputError(f"timeout must be >= 0 seconds (0: wait forever), got {timeout}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout < 0
+        ):
+            raise InputError(f"timeout must be seconds >= 0 (0: wait forever), got {timeout!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = int(num_workers)
@@ -132,8 +147,10 @@ class ShardLoader:
         # Batches staged ahead of the one yielded: one with CUDA, so its copy overlaps the step.
         self._ahead = 1 if cuda else 0
         self._current: weakref.ref | None = None
+        self._thread: weakref.ref | None = None  # the thread of the current iteration
+        self._lock = threading.Lock()
         self._gen = 0
-        self._yielded = [-1, 0]  # [epoch, batches yielded by its latest iteration] (state_dict)
+        self._position: Position | None = None  # what the latest iteration yielded (state_dict)
         self._res = _Resources()
         weakref.finalize(self, self._res.close)
 
@@ -156,8 +173,32 @@ class ShardLoader:
         self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple]:
-        self._abandon()  # one live iteration at a time; the workers stay
+        with self._lock:
+            return self._iterate()
+
+    def _iterate(self) -> Iterator[tuple]:
         res = self._res
+        if res.workers is not None and res.owner != os.getpid():
+            raise ForeignLoaderError(
+                f"this ShardLoader's workers were started by process {res.owner}, of which this "
+                f"process ({os.getpid()}) is a fork: build a new ShardLoader (and ShardDataset) "
+                "here; the parent's loader keeps working"
+            )
+        current = self._current() if self._current is not None else None
+        thread = self._thread() if self._thread is not None else None
+        if (
+            current is not None
+            and current.gi_frame is not None  # not finished
+            and thread is not None
+            and thread is not threading.current_thread()
+            and thread.is_alive()
+        ):
+            raise ShardkitError(
+                f"ShardLoader is being iterated by another thread ({thread.name}); a loader "
+                "serves one loop at a time: give each thread its own ShardLoader (and "
+                "ShardDataset, with its own rank or part), or finish that loop first"
+            )
+        self._abandon()  # one live iteration at a time; the workers stay
         if res.workers is None:
             self._start_workers()
         self._gen += 1
@@ -169,26 +210,26 @@ class ShardLoader:
         batches = epoch.batches()
         # Weak: dropping the iterator (break, an exception) is what ends the iteration.
         self._current = weakref.ref(batches)
+        self._thread = weakref.ref(threading.current_thread())
         return batches
 
     def state_dict(self) -> dict:
-        """The position in the epoch as plain data (``json``, ``torch.save``): the batches this
-        iteration has yielded. Workers deal batches as DataLoader workers do, so the dataset
-        works out from that count alone which samples were delivered (shardkit.resume)."""
-        epoch, batches = self._yielded
-        return self.dataset.position(
-            batches if epoch == self.dataset.epoch else 0,
-            num_workers=max(1, self.num_workers),
-            batch_size=self.batch_size,
-            cut=self.batch_size,
-        )
+        """The position in the epoch as plain data (``json``, ``torch.save``): the records each
+        worker's yielded batches took from its stream (skipped samples included) and whose batch
+        is next. Workers deal batches as DataLoader workers do, so the dataset works out from
+        that alone which samples were delivered (shardkit.resume)."""
+        n = max(1, self.num_workers)
+        pos = self._position
+        if pos is None or pos.epoch != self.dataset.epoch:
+            pos = Position(self.dataset.epoch, [0] * n)
+        return self.dataset.worker_position(pos.consumed, pos.next_worker, cut=self.batch_size)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the epoch ``state`` was saved in on the next iteration, in the same order and
         reading nothing already delivered; no ``set_epoch`` needed. A state saved on another
         world size (or worker count) re-splits what is left (``ShardDataset.load_state_dict``)."""
         self._abandon()
-        self._yielded = [-1, 0]
+        self._position = None
         self.dataset.load_state_dict(state)
 
     def close(self) -> None:
@@ -217,13 +258,38 @@ class ShardLoader:
         slots = slots_per_worker(self.prefetch_factor, self._ahead)
         pin = self.device is not None and self.device.type == "cuda"
         spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc)
+        self._check_descriptors(n, slots)
         res = self._res
-        res.ring = Ring(n, slots, shared=self.num_workers > 0, pin=pin)
-        if self.num_workers == 0:
-            res.workers = LocalWorkers(self.dataset, spec, res.ring)
-        else:
-            res.workers = ProcessWorkers(
-                self.dataset, spec, res.ring, self.start_method, self.timeout
+        try:
+            res.ring = Ring(n, slots, shared=self.num_workers > 0, pin=pin)
+            if self.num_workers == 0:
+                res.workers = LocalWorkers(self.dataset, spec, res.ring)
+            else:
+                res.workers = ProcessWorkers(
+                    self.dataset, spec, res.ring, self.start_method, self.timeout
+                )
+        except BaseException:  # nothing of a failed start stays open (descriptors, processes)
+            res.close()
+            raise
+
+    def _check_descriptors(self, workers: int, slots: int) -> None:
+        """The ring holds a descriptor per slot (and each worker a pipe and a few files): refuse
+        a ring the process's descriptor limit cannot hold, naming the setting, before opening
+        one (not a raw EMFILE halfway through)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_now = 0
+        need = workers * (slots + _FDS_PER_WORKER)
+        if open_now + need > soft:
+            raise InputError(
+                f"prefetch_factor={self.prefetch_factor} with num_workers={self.num_workers} "
+                f"needs {need} descriptors ({workers} x {slots} ring slots and pipes), and this "
+                f"process has {open_now} of its descriptor limit of {soft} open: lower "
+                "prefetch_factor (2-4 keeps any GPU fed) or raise the limit (ulimit -n)"
             )
 
     def _abandon(self) -> None:
@@ -235,6 +301,12 @@ class ShardLoader:
                 batches.close()
             except ValueError:  # closing from inside the iteration itself (Ctrl-C): it unwinds
                 pass
+
+
+def _check_int(name: str, value, least: int) -> None:
+    """A whole number >= ``least`` (not a bool, not a float that happens to be whole)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InputError(f"{name} must be a whole number >= {least}, got {value!r}")
 
 
 def _check_dataset(dataset) -> None:

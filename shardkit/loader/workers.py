@@ -5,8 +5,12 @@ epochs (each runs ``Filler`` for every ``Start`` it is sent). A worker's process
 place its shards are opened (remote storage and prefetch included), it never touches CUDA, and it
 talks to the loader over one duplex pipe of small messages (``messages.py``). Faults are errors,
 never hangs: the loader waits on the pipe and on the process's sentinel together, so a worker
-killed by a signal (the OOM killer's SIGKILL) is reported within the wait; a worker whose loader
-died sees its pipe close (or its parent change) and exits by itself.
+killed by a signal (the OOM killer's SIGKILL) is reported within the wait, and so is one that
+dies while the loader hands it a slot back; a worker whose loader died sees its pipe close or the
+loader's process end (a pidfd: right under fork, spawn and forkserver alike) and exits by itself.
+A worker that sends nothing for ``STALL_WARN_S`` (stopped, deadlocked in a transform) is warned
+about with its pid and state. Workers belong to the process that started them: a forked child
+of that process cannot talk to them (``ForeignLoaderError``) and never stops them.
 
 ``LocalWorkers``: the same loop in the caller, for ``num_workers=0``.
 """
@@ -16,25 +20,41 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 import traceback
+import warnings
 from collections import deque
 from multiprocessing import connection, reduction
 
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import ShardkitError
+from ..errors import ShardkitError, TransformError
 from .fill import Abandon, Filler, FillSpec
 from .messages import Batch, End, Free, Replace, Start, Stop
-from .ring import MappedSlots, Ring
+from .ring import MappedSlots, Ring, forget_inherited
 
-__all__ = ["LocalWorkers", "ProcessWorkers", "WorkerDied", "default_start_method"]
+__all__ = [
+    "ForeignLoaderError",
+    "LocalWorkers",
+    "ProcessWorkers",
+    "STALL_WARN_S",
+    "WorkerDied",
+    "default_start_method",
+]
 
-_PARENT_CHECK_S = 1.0  # how often an idle worker checks that its loader's process still exists
+_PARENT_CHECK_S = 1.0  # where no pidfd exists: how often an idle worker checks its parent
+#: Seconds without a message from a worker before the loader warns (with ``timeout=0`` it keeps
+#: waiting, as DataLoader does: a long transform or a slow remote read is not a fault).
+STALL_WARN_S = 60.0
 
 
 class WorkerDied(ShardkitError):
     """A worker process ended without saying why (a signal, the OOM killer, a crash)."""
+
+
+class ForeignLoaderError(ShardkitError):
+    """A forked child used a loader whose workers belong to its parent."""
 
 
 def default_start_method() -> str:
@@ -118,6 +138,7 @@ class ProcessWorkers:
     def __init__(self, dataset, spec: FillSpec, ring: Ring, start_method: str, timeout: float):
         self.ring, self.timeout = ring, timeout
         self.gen = -1
+        self.owner = os.getpid()
         ctx = mp.get_context(start_method)
         forked = start_method == "fork"
         self.conns: list[connection.Connection] = []
@@ -136,8 +157,10 @@ class ProcessWorkers:
                     name=f"shardkit-worker-{w}",
                     daemon=True,
                 )
-                proc.start()
-                theirs.close()
+                try:
+                    proc.start()
+                finally:
+                    theirs.close()
                 self.procs.append(proc)
         except BaseException:
             self.close()
@@ -149,22 +172,33 @@ class ProcessWorkers:
 
     def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
         self.gen = gen
-        for w, (conn, resume) in enumerate(zip(self.conns, resumes, strict=True)):
-            try:
-                conn.send(Start(gen, epoch, resume))
-            except OSError:  # it died between epochs
-                raise self._died(w) from None
+        for w, resume in enumerate(resumes):
+            self._send(w, Start(gen, epoch, resume))  # a worker dead since the last epoch raises
 
     def next(self, worker: int) -> Batch | End:
         """The next message of the current generation from ``worker`` (stale ones dropped)."""
+        self._check_owner()
         conn, proc = self.conns[worker], self.procs[worker]
+        waited = 0.0
         while True:
-            ready = connection.wait([conn, proc.sentinel], timeout=self.timeout or None)
+            wait = STALL_WARN_S if not self.timeout else min(self.timeout - waited, STALL_WARN_S)
+            t0 = time.monotonic()
+            ready = connection.wait([conn, proc.sentinel], timeout=max(wait, 0.0))
             if not ready:
-                raise ShardkitError(
-                    f"ShardLoader worker {worker} (pid {proc.pid}) sent no batch in "
-                    f"{self.timeout} s (timeout=)"
+                waited += time.monotonic() - t0
+                if self.timeout and waited >= self.timeout:
+                    raise ShardkitError(
+                        f"ShardLoader worker {worker} (pid {proc.pid}) sent no batch in "
+                        f"{self.timeout} s (timeout=)"
+                    )
+                warnings.warn(
+                    f"ShardLoader worker {worker} (pid {proc.pid}, {_process_state(proc.pid)}) "
+                    f"has sent no batch for {waited:.0f} s; still waiting (pass timeout= to "
+                    "raise instead)",
+                    RuntimeWarning,
+                    stacklevel=5,
                 )
+                continue
             if conn in ready:
                 try:
                     msg = conn.recv()
@@ -176,17 +210,40 @@ class ProcessWorkers:
                 raise self._died(worker)
 
     def free(self, worker: int, slot: int) -> None:
-        self.conns[worker].send(Free(slot))
+        self._send(worker, Free(slot))
 
     def replace(self, worker: int, slot: int) -> None:
         fd = self.ring.replace(worker, slot)
-        self.conns[worker].send(Replace(slot))
-        reduction.send_handle(self.conns[worker], fd, self.procs[worker].pid)
+        self._send(worker, Replace(slot))
+        try:
+            reduction.send_handle(self.conns[worker], fd, self.procs[worker].pid)
+        except OSError:
+            raise self._died(worker) from None
 
     def abandon(self) -> None:
         """Nothing to do: the next ``Start`` abandons the current generation in every worker."""
 
+    def _send(self, worker: int, msg) -> None:
+        self._check_owner()
+        try:
+            self.conns[worker].send(msg)
+        except OSError:  # a broken pipe: the worker is dead (or dying: the sentinel says why)
+            raise self._died(worker) from None
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self.owner:
+            raise ForeignLoaderError(
+                f"this ShardLoader's workers belong to process {self.owner}, and this process "
+                f"({os.getpid()}) is a fork of it: build a new ShardLoader here (the parent's "
+                "keeps working)"
+            )
+
     def close(self) -> None:
+        if os.getpid() != self.owner:  # a fork of the loader's process: the workers are not ours
+            for conn in self.conns:
+                conn.close()
+            self.conns, self.procs = [], []
+            return
         for conn in self.conns:
             try:
                 conn.send(Stop())
@@ -203,7 +260,7 @@ class ProcessWorkers:
 
     def _died(self, worker: int) -> WorkerDied:
         proc = self.procs[worker]
-        proc.join(timeout=1)
+        proc.join(timeout=5)
         code = proc.exitcode
         if code is not None and code < 0:
             name = signal.Signals(-code).name
@@ -224,6 +281,7 @@ class _Inbox:
     def __init__(self, conn, parent: int, slots: MappedSlots, filler: Filler, count: int):
         self.conn, self.parent, self.slots, self.filler = conn, parent, slots, filler
         self.count = count
+        self.loader_end, self.loader_gone = _process_end(parent)
         self.free: deque[int] = deque()
         self.next: Start | Stop | None = None  # what ended the current generation
 
@@ -261,10 +319,12 @@ class _Inbox:
             self.next = msg
 
     def _recv(self):
-        while not self.conn.poll(_PARENT_CHECK_S):
-            if os.getppid() != self.parent:
+        while True:
+            ready = connection.wait([self.conn, *self.loader_end], timeout=_PARENT_CHECK_S)
+            if self.conn in ready:
+                return self.conn.recv()
+            if ready or self.loader_gone():
                 os._exit(0)  # the loader's process is gone: so is everyone who wanted batches
-        return self.conn.recv()
 
 
 def _worker_main(dataset, spec: FillSpec, worker: int, conn, fds, parent: int, inherited=()):
@@ -273,6 +333,7 @@ def _worker_main(dataset, spec: FillSpec, worker: int, conn, fds, parent: int, i
             os.close(fd)
         except OSError:
             pass
+    forget_inherited({f.fd for f in fds})  # other loaders' rings (fork), before mapping ours
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the loader's to handle
     torch.set_num_threads(1)  # one core per worker for the resize: no oversubscription
     slots = MappedSlots(fds=[f.fd for f in fds])
@@ -289,7 +350,8 @@ def _worker_main(dataset, spec: FillSpec, worker: int, conn, fds, parent: int, i
             except Abandon:
                 pass
             except Exception as exc:
-                conn.send(End(start.gen, worker, _sendable(exc)))
+                cause = exc.__cause__ if isinstance(exc, TransformError) else None
+                conn.send(End(start.gen, worker, _sendable(exc), cause and _sendable(cause)))
             start = inbox.wait()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the loader is gone
@@ -307,3 +369,31 @@ def _sendable(exc: BaseException) -> BaseException:
         return exc
     except Exception:
         return ShardkitError(f"{type(exc).__name__}: {exc}")
+
+
+def _process_end(pid: int):
+    """(descriptors that become readable when process ``pid`` ends, a check that it has).
+
+    A pidfd where the kernel has one: exact under every start method (a forkserver worker's
+    parent is the fork server, not the loader) and immune to pid reuse. Else the parent process
+    id as the worker first saw it, polled."""
+    try:
+        fd = os.pidfd_open(pid)
+        return [fd], lambda: False
+    except ProcessLookupError:  # gone already
+        return [], lambda: True
+    except (AttributeError, OSError):
+        first = os.getppid()
+        return [], lambda: os.getppid() != first
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's word for what ``pid`` is doing ("T (stopped)", "D (disk sleep)"...)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return "state " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "state unknown"

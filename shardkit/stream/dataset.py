@@ -31,6 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import InputError, ShardkitError, StorageError, check_choice
 from ..formats import FORMATS
+from ..images.decode import DEFAULT_MAX_PIXELS
 from ..images.geometry import Geometry, TensorDecoder
 from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
@@ -44,6 +45,7 @@ from .resume import (
     dataset_facts,
     rank_state,
     samples_left,
+    worker_counts_state,
     worker_left,
     worker_plan,
 )
@@ -56,6 +58,8 @@ from .stages import (
     apply_transforms,
     check_labels,
     decode_records,
+    file_identity,
+    manifest_unchanged,
     plan_epoch,
     rank_samples,
     read_slices,
@@ -115,7 +119,8 @@ class ShardDataset(IterableDataset):
     ``(image, label, key)``. ``fields=("json", ...)`` (tar): each sample gains the raw bytes of
     those extra members after the key, None where a sample has none. ``on_error="skip"`` warns
     and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
-    fewer than ``len(ds)``).
+    fewer than ``len(ds)``). ``max_pixels``: an image whose header declares more pixels is
+    undecodable, refused before any pixel is decoded (default 100 megapixels; None: no limit).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.stream.storage); ``storage_options``,
@@ -162,6 +167,7 @@ class ShardDataset(IterableDataset):
         size: int | None = None,
         crop: str = "center",
         flip: bool = False,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ):
         super().__init__()
         check_choice("decode", decode, DECODE_MODES)
@@ -172,6 +178,11 @@ class ShardDataset(IterableDataset):
         check_choice("on_error", on_error, ON_ERROR_MODES)
         if buffer_size < 0:
             raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
+        if max_pixels is not None and (
+            isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
+        ):
+            raise InputError(f"max_pixels={max_pixels!r} must be an int >= 1, or None (no limit)")
+        self.max_pixels = max_pixels
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
             raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
         self.batch_size = None if batch_size is None else int(batch_size)
@@ -206,6 +217,7 @@ class ShardDataset(IterableDataset):
             )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
+        self._manifest_identity = file_identity(self.manifest_path)
         self.storage: Storage = storage or storage_for(
             list(resolved.urls),
             storage_options=storage_options,
@@ -316,6 +328,7 @@ class ShardDataset(IterableDataset):
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
             decoder=self.tensor_decoder(epoch) if self.geometry is not None else None,
+            max_pixels=self.max_pixels,
         )
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
@@ -323,7 +336,7 @@ class ShardDataset(IterableDataset):
 
     def tensor_decoder(self, epoch: int) -> TensorDecoder:
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
-        return TensorDecoder(self.geometry, self.seed, epoch, self.rank)
+        return TensorDecoder(self.geometry, self.seed, epoch, self.rank, self.max_pixels)
 
     def records(self, world: World, epoch: int, batch_size: int | None = None) -> Iterator[Record]:
         """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->
@@ -351,9 +364,13 @@ class ShardDataset(IterableDataset):
             batch_size=batch_size or self.batch_size, in_worker=in_worker,
         )  # fmt: skip
         self._progress = plan.progress
+        unchanged = None
+        if self._manifest_identity is not None:
+            unchanged = manifest_unchanged(self.manifest_path, self._manifest_identity)
         records = read_slices(
-            plan.slices, self.shards, FORMATS[self.shard_format], self.storage, fields=self.fields
-        )
+            plan.slices, self.shards, FORMATS[self.shard_format], self.storage,
+            fields=self.fields, unchanged=unchanged,
+        )  # fmt: skip
         if self.classes:
             records = check_labels(records, len(self.classes))
         if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
@@ -414,6 +431,21 @@ class ShardDataset(IterableDataset):
         state = rank_state(
             self._layout(epoch), self._facts, resume, rank=self.rank, world_size=self.world_size,
             num_workers=num_workers, batch_size=batch_size, batches=batches, cut=cut,
+        )  # fmt: skip
+        return state.to_dict()
+
+    def worker_position(
+        self, consumed: Sequence[int], next_worker: int, *, cut: int | None
+    ) -> dict:
+        """The state after DataLoader-numbered worker ``i`` took ``consumed[i]`` records of this
+        epoch (skipped ones included) and worker ``next_worker`` is due next, counted from the
+        loaded state or the epoch's start. ``ShardLoader.state_dict``: its workers report every
+        record a batch took, so a checkpoint after skipped samples replays nothing."""
+        epoch = self.epoch
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        state = worker_counts_state(
+            self._layout(epoch), self._facts, resume, rank=self.rank, world_size=self.world_size,
+            num_workers=len(consumed), cut=cut, consumed=consumed, next_worker=next_worker,
         )  # fmt: skip
         return state.to_dict()
 

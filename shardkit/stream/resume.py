@@ -42,6 +42,7 @@ __all__ = [
     "dataset_facts",
     "worker_plan",
     "rank_state",
+    "worker_counts_state",
     "round_robin",
     "arrange",
     "count_delivered",
@@ -546,24 +547,54 @@ def rank_state(
 ) -> EpochState:
     """The state after a DataLoader with ``num_workers`` workers delivered ``batches`` batches of
     ``batch_size`` from ``base`` (the loaded state, or the epoch's start); ``cut``: the batch
-    size worker parts are cut at (the dataset's ``batch_size``; None: not cut)."""
+    size worker parts are cut at (the dataset's ``batch_size``; None: not cut). Every batch is
+    taken as whole: samples skipped as undecodable are not seen from here."""
+    state, seg, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
+    total = len(segment_streams(layout, state.segments))
+    left = []
+    for w in plays:
+        lo, hi = layout.span(total, rank, seg, w)
+        left.append(max(0, hi - lo - seg.delivered[w]))
+    taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
+    consumed = [min(t * batch_size, n) for t, n in zip(taken, left, strict=True)]
+    return _advanced(state, plays, consumed, nxt)
+
+
+def worker_counts_state(
+    layout: EpochLayout,
+    facts: dict,
+    base: EpochState | None,
+    *,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    cut: int | None,
+    consumed: Sequence[int],
+    next_worker: int,
+) -> EpochState:
+    """The state after DataLoader-numbered worker ``i`` took ``consumed[i]`` records from its
+    stream (delivered or skipped as undecodable: a loader that is told of every skip, as
+    ShardLoader is, counts exactly) and worker ``next_worker``'s batch is the next one due."""
+    state, _, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
+    return _advanced(state, plays, consumed, next_worker)
+
+
+def _rank_start(layout, facts, base, rank, world_size, num_workers, cut):
+    """(state on this world, its last segment, the plan worker each DataLoader worker plays)."""
     if base is None:
         base = EpochState.start(layout.epoch, rank, facts, world_size, num_workers, cut)
     state = replace(base.on_world(world_size, num_workers, cut), rank=rank)
     seg = state.segments[-1]
     if any(c is None for c in seg.delivered):
         raise InputError("state holds one DataLoader worker's count; it cannot be advanced here")
-    total = len(segment_streams(layout, state.segments))
-    left, plays = [], []
-    for slot in range(num_workers):
-        w = (seg.slot0 + slot) % num_workers
-        lo, hi = layout.span(total, rank, seg, w)
-        plays.append(w)
-        left.append(max(0, hi - lo - seg.delivered[w]))
-    taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
+    return state, seg, [(seg.slot0 + slot) % num_workers for slot in range(num_workers)]
+
+
+def _advanced(state: EpochState, plays: list[int], consumed, nxt: int) -> EpochState:
+    seg = state.segments[-1]
     delivered = list(seg.delivered)
     for slot, w in enumerate(plays):
-        delivered[w] += min(taken[slot] * batch_size, left[slot])
+        delivered[w] += consumed[slot]
     last = replace(seg, delivered=tuple(delivered), slot0=plays[nxt])
     return replace(state, segments=state.segments[:-1] + (last,))
 

@@ -8,6 +8,7 @@ re-planning.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -18,10 +19,12 @@ from ..errors import (
     ShardFormatError,
     ShardkitError,
     StorageError,
+    TransformError,
     check_choice,
 )
-from ..images.decode import decode_image
+from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
+from ..urls import is_url
 from .storage import Storage
 
 __all__ = [
@@ -32,6 +35,9 @@ __all__ = [
     "worker_span",
     "plan_epoch",
     "sample_error",
+    "transform_error",
+    "file_identity",
+    "manifest_unchanged",
     "read_slices",
     "sample_counts",
     "check_labels",
@@ -154,6 +160,7 @@ def read_slices(
     fmt,
     storage: Storage,
     fields: Sequence[str] = (),
+    unchanged: Callable[[], None] | None = None,
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
@@ -165,6 +172,8 @@ def read_slices(
     epoch would desynchronise DDP ranks. A slice that ends at its shard's end (by the shard's
     ``samples``) reads on to the real end, and a shard holding more samples than that raises
     too, instead of dropping them silently. ``fields``: extra members to carry (tar only).
+    ``unchanged()`` runs before each shard is opened and raises if the dataset was re-packed
+    since it was planned (``manifest_unchanged``).
 
     ``storage.close()`` runs when the read ends, fails or is abandoned (``break``, an exception
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
@@ -179,6 +188,8 @@ def read_slices(
             want = sl.stop - sl.start
             stop = None if sl.stop == shard.samples else sl.stop
             records = None
+            if unchanged is not None:
+                unchanged()
             try:
                 records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
@@ -201,6 +212,35 @@ def read_slices(
                 )
     finally:
         storage.close()
+
+
+def file_identity(path: str | None) -> tuple[int, int, int] | None:
+    """(inode, mtime in ns, size) of a local file, None for a URL or no file."""
+    if path is None or is_url(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def manifest_unchanged(path: str, identity: tuple[int, int, int]) -> Callable[[], None]:
+    """A check that the manifest at ``path`` is still the file the dataset was built from.
+
+    A re-pack into the same folder replaces manifest and shards (new files under the same names,
+    often of the same sizes: tar pads to whole blocks); reading on with the old plan would hand
+    out duplicates and skip samples without an error. One stat per shard opened."""
+
+    def check() -> None:
+        if file_identity(path) != identity:
+            raise ShardFormatError(
+                f"{path}: the dataset was re-packed (its manifest changed) after this "
+                "ShardDataset was built; the epoch's plan no longer matches the shards: build "
+                "the ShardDataset again"
+            )
+
+    return check
 
 
 def _more_than_counted(url: str, count: int):
@@ -241,6 +281,17 @@ def sample_error(rec: Record, exc: BaseException) -> SampleError:
     )
 
 
+def transform_error(rec: Record, exc: BaseException) -> TransformError:
+    """The error for a transform that raised on a record: names shard and key and the
+    transform's exception (raise it ``from exc``: the original stays its cause)."""
+    return TransformError(
+        f"{rec.shard}: sample {rec.key!r}: the dataset's transform raised "
+        f"{type(exc).__name__}: {exc}",
+        shard=rec.shard,
+        key=rec.key,
+    )
+
+
 def decode_records(
     records: Iterable[Record],
     mode: str = "pil",
@@ -250,6 +301,7 @@ def decode_records(
     skipped: Callable[[], None] | None = None,
     fields: Sequence[str] = (),
     decoder: Callable[[bytes, str], object] | None = None,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
@@ -257,7 +309,8 @@ def decode_records(
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
     of these extra members, in this order, after the key (None where a sample has none).
     ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
-    of ``shardkit.images.geometry``, whose randomness depends on the key).
+    of ``shardkit.images.geometry``, whose randomness depends on the key). ``max_pixels``:
+    images declaring more are undecodable samples (refused from the header).
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
@@ -272,7 +325,10 @@ def decode_records(
         return
     for rec in records:
         try:
-            img = decode_image(rec.data, mode) if decoder is None else decoder(rec.data, rec.key)
+            if decoder is None:
+                img = decode_image(rec.data, mode, max_pixels)
+            else:
+                img = decoder(rec.data, rec.key)
         except Exception as exc:
             err = sample_error(rec, exc)
             if on_error == "raise":

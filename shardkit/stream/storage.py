@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from ..errors import InputError, StorageError
+from ..errors import InputError, ShardFormatError, StorageError
 from ..fsutil import open_regular
-from ..records import ShardInfo
+from ..records import UNKNOWN, ShardInfo
 from ..urls import is_url
 
 __all__ = ["Storage", "LocalStorage", "storage_for", "is_url", "url_of"]  # is_url: from .urls
@@ -84,13 +84,25 @@ class LocalStorage:
         self._wait()
         path = _strip_file_scheme(url_of(shard))
         try:
-            return open_regular(path, buffering=self.buffer_size)  # a FIFO: refused
+            f = open_regular(path, buffering=self.buffer_size)  # a FIFO: refused
         except FileNotFoundError:
             raise StorageError(
                 f"{path}: no such file (was it moved or deleted after the dataset was built?)"
             ) from None
         except OSError as exc:
             raise StorageError(f"{path}: cannot open: {exc.strerror or exc}") from None
+        expected = shard.bytes if isinstance(shard, ShardInfo) else UNKNOWN
+        if expected != UNKNOWN and (size := os.fstat(f.fileno()).st_size) != expected:
+            # one fstat per shard: a shard replaced by another pack mid-epoch would otherwise
+            # be read at the old plan's offsets, giving duplicates and misses without an error
+            f.close()
+            how = "shorter" if size < expected else "longer"
+            raise ShardFormatError(
+                f"{path}: {size} bytes, {how} than its manifest says ({expected}): the shard "
+                "changed after packing (replaced, truncated, or re-packed while training?); "
+                "re-pack it, or build the ShardDataset again"
+            )
+        return f
 
     def local_path(self, shard: ShardInfo | str) -> str:
         self._wait()

@@ -20,7 +20,7 @@ from PIL import Image
 from remote_servers import free_port
 
 from shardkit import ShardDataset, ShardLoader, pack
-from shardkit.errors import InputError, SampleError
+from shardkit.errors import InputError, SampleError, TransformError
 from shardkit.stream import worker_span
 from shardkit.stream.world import World
 
@@ -388,8 +388,9 @@ def test_a_failing_transform_is_its_own_error_not_a_skipped_sample(shards, worke
         raise ZeroDivisionError("the transform's bug")
 
     ds = _ds(shards, transform=transform, on_error="skip")
-    with pytest.raises(ZeroDivisionError, match="the transform's bug"):
+    with pytest.raises(TransformError, match="ZeroDivisionError: the transform's bug") as info:
         list(ShardLoader(ds, 4, num_workers=workers))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert ds.skipped == 0 and _workers() == []
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -146,4 +147,122 @@ def test_a_worker_killed_between_epochs_is_reported_and_replaced(shards):
             pass
     assert sum(len(x) for x, _ in loader) == N  # new workers
     assert victim not in loader.worker_pids
+    loader.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_worker_killed_mid_epoch_is_worker_died_every_time(shards, sig):
+    """Killed while the loader holds its slots: handing a slot back must not surface as a bare
+    BrokenPipeError."""
+    ds = ShardDataset(shards, decode="tensor")
+    for _ in range(4):
+        loader = ShardLoader(ds, 1, num_workers=2, prefetch_factor=1)
+        it = iter(loader)
+        next(it), next(it), next(it)
+        victim = loader.worker_pids[0]
+        os.kill(victim, sig)
+        assert _wait_gone([victim], 10) == []
+        started = time.monotonic()
+        with pytest.raises(WorkerDied, match=rf"worker 0 \(pid {victim}\) died: killed by signal"):
+            for _ in it:
+                pass
+        assert time.monotonic() - started < 20
+        loader.close()
+
+
+def test_a_forked_child_using_a_started_loader_gets_an_error_and_the_parent_goes_on(shards):
+    loader = ShardLoader(ShardDataset(shards, decode="tensor"), 4, num_workers=2)
+    assert sum(len(x) for x, _ in loader) == N
+    pids = loader.worker_pids
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            try:
+                n = sum(len(x) for x, _ in loader)
+                out = f"ran {n}"
+            except Exception as exc:
+                out = f"{type(exc).__name__}: {exc}"
+            loader.close()  # the parent's workers are not the child's to stop
+            os.write(write, out.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    with os.fdopen(read) as f:
+        said = f.read()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert said.startswith("ForeignLoaderError") and "fork" in said
+    assert loader.worker_pids == pids and not any(_gone(p) for p in pids)
+    assert sum(len(x) for x, _ in loader) == N  # the parent's loader keeps working
+    loader.close()
+
+
+def test_forkserver_workers_survive_a_long_pause_and_exit_with_their_trainer(shards):
+    loader = ShardLoader(
+        ShardDataset(shards, decode="tensor"), 1, num_workers=2, start_method="forkserver"
+    )
+    it = iter(loader)
+    seen = len(next(it)[0])
+    time.sleep(2.5)  # a long training step: idle workers must not take it for a dead trainer
+    seen += sum(len(x) for x, _ in it)
+    assert seen == N
+    loader.close()
+    code = _TRAINER.replace("num_workers=2,", 'num_workers=2, start_method="forkserver",')
+    proc = subprocess.Popen([sys.executable, "-c", code, shards], stdout=subprocess.PIPE, text=True)
+    pids = json.loads(proc.stdout.readline())
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _wait_gone(pids, 10) == []
+
+
+def _ring_fds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "shardkit-ring" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def _ring_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("shardkit-ring" in line for line in f)
+
+
+def test_closing_a_loader_frees_its_ring_while_other_loaders_workers_live(shards):
+    ds = ShardDataset(shards, decode="tensor")
+    a = ShardLoader(ds, 4, num_workers=2)
+    assert sum(len(x) for x, _ in a) == N  # a's ring is mapped in this process
+    b = ShardLoader(ds, 4, num_workers=2)
+    it = iter(b)  # b's workers are forked now: they must not hold a's ring (nor each other's)
+    next(it)
+    slots = b._res.ring.slots
+    a.close()
+    for pid in b.worker_pids:
+        assert _ring_fds(pid) == slots
+        assert _ring_maps(pid) <= slots
+    assert sum(len(x) for x, _ in it) == N - 4
+    b.close()
+
+
+def test_a_stopped_worker_is_warned_about_with_its_pid_and_state(shards, monkeypatch):
+    from shardkit.loader import workers
+
+    monkeypatch.setattr(workers, "STALL_WARN_S", 0.5)
+    loader = ShardLoader(ShardDataset(shards, decode="tensor"), 1, num_workers=2, prefetch_factor=1)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(3.0, lambda: [os.kill(p, signal.SIGCONT) for p in pids])
+    resume.start()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"worker \d \(pid \d+, state T \(stopped\)\)"):
+            rest = sum(len(x) for x, _ in it)
+    finally:
+        resume.join()
+    assert rest == N - 1  # it went on once the workers were continued
     loader.close()
