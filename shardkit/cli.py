@@ -798,7 +798,14 @@ def bench_cmd(
         timeline_path=timeline_path,
         progress=None if quiet else (lambda msg: click.echo(msg, err=True)),
     )
-    result = run_bench(config)
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)  # one line, as it happens, no source line
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        result = run_bench(config)
     click.echo(format_table(result))
     click.echo("")
     for line in verdict(result):

@@ -164,3 +164,16 @@ def test_the_ceiling_and_main_process_runs_use_one_torch_thread_like_a_worker():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_warnings_during_the_bench_are_plain_warning_lines(messy, tmp_path):
+    res = CliRunner().invoke(
+        main,
+        ["bench", "--data", str(messy), "--shards", str(tmp_path / "s-{format}"), "--warm"]
+        + ["--mode", "raw", "--formats", "folder,tar", "--workers", "0", "--batch-size", "8"]
+        + ["--batches", "1", "--repeats", "1"],
+    )
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "warning: skipped 1 bad or unreadable image(s) of 63;" in "\n".join(lines)
+    assert not any("Warning:" in line or ".py:" in line for line in lines)
