@@ -133,11 +133,11 @@ def best_workers_line(result: BenchResult, fmt: str) -> str:
     rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
     best = result.best(fmt)
     text = f"{fmt}: fastest mean at {best.workers} workers, {_pm(best)} samples/s"
-    tied, slower = [], []
+    tied, slower, short = [], [], []
     for row in rows:
         if row is not best:
             c = compare(best, row)
-            (slower if c.real else tied).append((row, c))
+            (short if c.short_s is not None else slower if c.real else tied).append((row, c))
     if tied:
         text += "; within noise of " + ", ".join(
             f"{r.workers} workers ({_pm(r)}, {c.describe()})" for r, c in tied
@@ -145,6 +145,12 @@ def best_workers_line(result: BenchResult, fmt: str) -> str:
         fewest = min([best, *(r for r, _ in tied)], key=lambda r: r.workers)
         if fewest is not best:
             text += f", so {fewest.workers} workers do as well as far as this run can tell"
+    if short:
+        text += (
+            "; not compared with "
+            + ", ".join(f"{r.workers} workers ({_pm(r)})" for r, _ in short)
+            + f" ({short[0][1].describe()})"
+        )
     if slower:
         text += "; faster than " + ", ".join(
             f"{r.workers} workers ({r.mean:,.0f}, {c.describe()})" for r, c in slower

@@ -493,6 +493,10 @@ def test_runs_too_short_to_judge_are_never_called_a_real_difference():
     assert "tar vs folder, each at its best: 3.0x" in text
     assert "real" not in lines[-3] and "too short to judge: a run timed 0.2" in text
     assert "10 of 10 runs were timed under 0.1 s" in text and "--min-seconds" in text
+    two = [_row("tar", 0, _planted(1e6, 1e4), 1.0), _row("tar", 2, _planted(3e6, 1e4), 1.0)]
+    line = verdict(_result(two, workers=(0, 2)))[0]
+    assert line.startswith("tar: fastest mean at 2 workers") and "within noise" not in line
+    assert "; not compared with 0 workers (1,000,000 ± 10,000) (too short to judge" in line
 
 
 def test_verdict_calls_a_planted_3x_gap_real_and_a_planted_tie_noise():
