@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-import bench_loader  # noqa: E402
 from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -299,7 +299,10 @@ def train(args) -> dict:
         model = _model(name, device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         rows = {}
-        for feeder in ("resident", "ShardLoader", "DataLoader"):
+        feeders = ["resident"]
+        for where in args.decode_on:  # ShardLoader once per decode_on ("workers": its default)
+            feeders.append("ShardLoader" if where == "workers" else f"ShardLoader {where}")
+        for feeder in [*feeders, "DataLoader"]:
             batches = _feeder(feeder, urls, geo, n, args.batch, device)
             rows[feeder] = _steps(model, opt, batches, device, args.batch, args.steps)
             print(
@@ -323,12 +326,9 @@ def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device
         y = torch.randint(0, 1000, (batch,), device=device)
         while True:
             yield x, y
-    ds = (
-        ShardDataset(urls, **geo)
-        if kind == "ShardLoader"
-        else ShardDataset(urls, batch_size=batch, **geo)
-    )
-    if kind == "ShardLoader":
+    shard_loader = kind.startswith("ShardLoader")
+    ds = ShardDataset(urls, **geo) if shard_loader else ShardDataset(urls, batch_size=batch, **geo)
+    if shard_loader:
         loader = ShardLoader(
             ds,
             batch,
@@ -337,6 +337,7 @@ def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device
             drop_last=True,
             normalize=MEAN_STD,
             channels_last=True,
+            decode_on=kind.split()[1] if " " in kind else "workers",
         )
     else:
         loader = DataLoader(
@@ -425,6 +426,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40_000, help="--train: samples per epoch")
     ap.add_argument("--steps", type=int, default=200, help="--train: timed steps per feeder")
     ap.add_argument("--train-workers", type=int, help="--train: workers (usable CPUs - 1)")
+    ap.add_argument(
+        "--decode-on",
+        type=lambda s: s.split(","),
+        default=["workers"],
+        help="--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
+        "(device and auto need shardkit[gpu])",
+    )
     ap.add_argument(
         "--other-loader",
         type=Path,

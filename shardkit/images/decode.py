@@ -208,6 +208,22 @@ def decode_rgb(
     raises ``ImageTooLarge`` from its header. Raises whatever the decoder raises for corrupt
     data; callers wrap it in ``SampleError`` naming shard and key.
     """
+    if (
+        out is not None
+        and min_size is None
+        and not pillow
+        and (max_pixels is None or out.shape[0] * out.shape[1] <= max_pixels)
+        and is_jpeg(data)
+    ):
+        # A batch slot of a fixed size: decode straight in, without parsing the header first
+        # (~5% of a 250x250 decode); the buffer bounds the allocation. Any other answer (too
+        # large, smaller than the slot, not for TurboJPEG) goes through the full path below.
+        try:
+            got = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out)
+            if got.shape == out.shape:
+                return got
+        except ValueError:
+            pass
     if not pillow and is_jpeg(data):
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)

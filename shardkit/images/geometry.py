@@ -22,6 +22,7 @@ import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from .decode import (
 
 __all__ = [
     "CROP_MODES",
+    "CropBox",
     "Geometry",
     "TensorDecoder",
     "center_crop_box",
@@ -50,6 +52,19 @@ __all__ = [
 ]
 
 CROP_MODES = ("center", "random")
+
+
+class CropBox(NamedTuple):
+    """A sample's crop: the image's (height, width), the box (top, left, h, w) in its full-size
+    pixels, and whether the crop is mirrored."""
+
+    height: int
+    width: int
+    top: int
+    left: int
+    h: int
+    w: int
+    flip: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,16 +173,9 @@ class TensorDecoder:
     def __call__(self, data: bytes, key: str = "", out=None):
         if self.geometry is None:
             return self._full(data, key, out)
-        g = self.geometry
-        size = g.size
-        height, width = image_size(data)
-        check_pixels(height, width, self.max_pixels)
-        uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        if g.crop == "random":
-            top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
-        else:
-            top, left, h, w = center_crop_box(height, width)
-        flip = g.flip and next(uniforms) < 0.5
+        crop = self.crop_box(data, key)
+        height, width, top, left, h, w, flip = crop
+        size = self.geometry.size
         # Smallest decode whose crop still covers size x size (never larger than the image).
         need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
         # Only the crop's rows and columns where the region decoder can (a JPEG), else all of it.
@@ -181,6 +189,20 @@ class TensorDecoder:
             t0, l0, t1, l1 = _scaled_box(top, left, h, w, height, width, *rgb.shape[:2])
             pixels = rgb[t0:t1, l0:l1]
         return self._finish(pixels, flip, out)
+
+    def crop_box(self, data: bytes, key: str = "") -> CropBox:
+        """The sample's crop in full-size pixels and its flip, from the header alone: what a
+        decoder elsewhere (``shardkit.images.device``) needs to give the same sample."""
+        g = self.geometry
+        height, width = image_size(data)
+        check_pixels(height, width, self.max_pixels)
+        uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
+        if g.crop == "random":
+            top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
+        else:
+            top, left, h, w = center_crop_box(height, width)
+        flip = g.flip and next(uniforms) < 0.5
+        return CropBox(height, width, top, left, h, w, flip)
 
     def _finish(self, pixels: np.ndarray, flip: bool, out):
         size = self.geometry.size

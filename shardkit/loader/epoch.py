@@ -22,18 +22,55 @@ waits on has a slot to fill, so a miscount is an error, never a hang.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ShardkitError
+from ..images.device import place
+from ..images.geometry import ShapeError
+from ..records import Record
+from ..stream.stages import sample_error
 from ..stream.world import World
 from .messages import Batch, End
 
-__all__ = ["Epoch", "Position", "slots_per_worker"]
+__all__ = ["Balance", "Epoch", "Position", "slots_per_worker"]
+
+#: decode_on="auto" never gives either side less than this share of the batches, so that both
+#: rates stay measured (a GPU busier with a larger model, a CPU freed by another job).
+MIN_SHARE = 0.05
+
+
+@dataclass
+class Balance:
+    """``decode_on="auto"``: each side's measured seconds per image (exponential averages), and
+    the share of batches the workers decode that lets neither wait: the workers' combined rate
+    over both rates. Kept by the loader across epochs."""
+
+    worker_s: float | None = None  # one worker's time per image it decodes
+    device_s: float | None = None  # the training process's time per image decoded on the device
+    sent: float = 0.5  # the share the workers were last told
+    warm: set = field(default_factory=set)  # sides whose first (warm-up) batch has passed
+
+    def note(self, side: str, seconds: float, count: int) -> None:
+        if count <= 0 or seconds <= 0:
+            return
+        if side not in self.warm:  # a first batch opens shards, starts the decoder: not a rate
+            self.warm.add(side)
+            return
+        per = seconds / count
+        old = getattr(self, side)
+        setattr(self, side, per if old is None else 0.5 * old + 0.5 * per)
+
+    def share(self, workers: int) -> float:
+        if self.worker_s is None or self.device_s is None:
+            return self.sent
+        cpu, device = workers / self.worker_s, 1.0 / self.device_s
+        return min(1.0 - MIN_SHARE, max(MIN_SHARE, cpu / (cpu + device)))
 
 
 @dataclass
@@ -72,7 +109,9 @@ class Epoch:
         self.cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.nhwc = loader._nhwc
-        # The caller gets the slot itself (no conversion, no device): give it back late.
+        # Encoded slots (decode_on="device", "auto"): decoded here, never lent to the caller.
+        self.decoder = loader._device_decoder() if loader.decode_on != "workers" else None
+        # A decoded slot goes to the caller itself (no conversion, no device): give it back late.
         self.view = (
             not self.cuda and loader.normalize is None and (loader.channels_last or not self.nhwc)
         )
@@ -82,8 +121,13 @@ class Epoch:
             self.scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(target)
             self.shift = (-mean / std).view(1, 3, 1, 1).to(target)
         self.held: list[set[int]] = [set() for _ in range(self.n)]
+        self._cpu = None  # the CPU decoder for what the device decoder declines
+        self.balance = loader._balance if loader.decode_on == "auto" else None
+        self._timing: deque = deque()  # CUDA decode events not yet read (auto)
         self.done = False
         workers.start(gen, self.epoch, [r.to_dict() if r else None for r in resumes])
+        if self.balance is not None:
+            workers.share(self.balance.sent)
 
     # --- drawing -----------------------------------------------------------------------------
 
@@ -134,6 +178,10 @@ class Epoch:
 
     def _stage(self, msg: Batch):
         """Start moving batch ``msg`` to the device and converting it there."""
+        if self.balance is not None:
+            self._rebalance(msg)
+        if msg.offsets is not None:
+            return self._stage_encoded(msg)
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
         images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
@@ -162,6 +210,110 @@ class Epoch:
             self._give_back(*slot)
             slot = None
         return out, ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _stage_encoded(self, msg: Batch):
+        """Decode batch ``msg``'s stored bytes on the device (``shardkit.images.device``): each
+        sample's crop region, resized, flipped and normalised into a new batch there. What the
+        device decoder declines is decoded by the CPU decoder with the same box; what neither
+        can decode is an error naming shard and key, or a counted skip."""
+        loader, ds = self.loader, self.loader.dataset
+        arr = self.ring.array(msg.worker, msg.slot, (msg.capacity,))
+        offsets = msg.offsets
+        bufs = [arr[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
+        size = ds.geometry.size if ds.geometry is not None else None
+        target = loader.device or torch.device("cpu")
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        timed = self.balance is not None
+        with ctx:
+            if timed and self.cuda:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(self.stream)
+            t0 = time.perf_counter()
+            pixels, kept = self._decoded(bufs, msg, target)
+            dtype = torch.float32 if loader.normalize is not None else torch.uint8
+            shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
+            fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
+            images = torch.empty(
+                (len(kept), 3, *shape), dtype=dtype, device=target, memory_format=fmt
+            )
+            for j, (i, (crop, finished)) in enumerate(zip(kept, pixels, strict=True)):
+                box = msg.boxes[i]
+                if finished:
+                    images[j].copy_(crop)
+                else:
+                    place(crop, size, bool(box.flip) if box is not None else False, images[j])
+            if loader.normalize is not None:
+                images.mul_(self.scale).add_(self.shift)
+            labels = torch.tensor([msg.labels[i] for i in kept], dtype=torch.int64)
+            tt = ds.target_transform
+            if tt is not None:
+                labels = torch.utils.data.default_collate([tt(int(v)) for v in labels.tolist()])
+            ready = copied = None
+            if self.cuda:
+                labels = labels.to(target, non_blocking=True)
+                copied = torch.cuda.Event(enable_timing=timed)  # the decode read the slot
+                copied.record(self.stream)
+                ready = copied
+                if timed:
+                    self._timing.append((began, copied, len(kept)))
+            elif timed:
+                self.balance.note("device_s", time.perf_counter() - t0, len(kept))
+        keys = [msg.keys[i] for i in kept]
+        out = (images, labels, keys) if loader.with_keys else (images, labels)
+        slot = (msg.worker, msg.slot)
+        if not self.cuda:  # decoded synchronously: the slot is done
+            self._give_back(*slot)
+            slot = None
+        return out, ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _decoded(self, bufs: list, msg: Batch, target: torch.device) -> tuple[list, list]:
+        """Each sample's (HWC crop, False) from the device decoder, or (finished CHW image,
+        True) from the CPU decoder where the device declined it; and the samples kept (not
+        skipped under ``on_error="skip"``)."""
+        pixels, kept = [], []
+        for i, crop in enumerate(self.decoder.decode(bufs, msg.boxes, self.stream)):
+            finished = crop is None
+            if finished:  # declined by the device decoder: the CPU decodes it (or fails)
+                crop = self._decode_on_cpu(bufs[i], msg, i)
+                if crop is None:
+                    continue
+                crop = crop.to(target, non_blocking=True)
+            pixels.append((crop, finished))
+            kept.append(i)
+        return pixels, kept
+
+    def _rebalance(self, msg: Batch) -> None:
+        """decode_on="auto": take this batch's measurement (a worker's fill time for a decoded
+        batch; device decodes whose events have completed) and tell the workers a new share
+        when it moved."""
+        bal = self.balance
+        if msg.offsets is None:
+            bal.note("worker_s", msg.fill_s, msg.count)
+        while self._timing and self._timing[0][1].query():
+            began, ended, count = self._timing.popleft()
+            bal.note("device_s", began.elapsed_time(ended) / 1000.0, count)
+        share = bal.share(self.n)
+        if abs(share - bal.sent) >= 0.02:
+            bal.sent = share
+            self.workers.share(share)
+
+    def _decode_on_cpu(self, buf, msg: Batch, i: int) -> torch.Tensor | None:
+        """Sample ``i`` through the CPU path's decoder: its finished (3, S, S) uint8 image (a
+        full-size one without ``size``), or None when skipped under ``on_error="skip"``."""
+        ds = self.loader.dataset
+        if self._cpu is None:
+            self._cpu = ds.tensor_decoder(self.epoch)
+        key = msg.keys[i]
+        try:
+            return self._cpu(buf.tobytes(), key)
+        except Exception as exc:
+            rec = Record(key=key, ext="", data=b"", label=msg.labels[i], shard=msg.shards[i])
+            err = sample_error(rec, exc)
+            if ds.on_error == "raise":
+                raise err from exc
+            warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=5)
+            ds._skip_counter(0)()
+            return None
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         loader = self.loader
@@ -218,3 +370,19 @@ class Epoch:
             pass
         if not self.done:
             self.workers.abandon()
+
+
+def _one_size(pixels: list[tuple], msg: Batch, kept: list[int]) -> tuple[int, int]:
+    """The (H, W) every full-size image of a batch without ``size`` shares (or a ShapeError
+    naming the first that differs)."""
+    sizes = [tuple(p.shape[1:]) if done else tuple(p.shape[:2]) for p, done in pixels]
+    if not sizes:
+        return (0, 0)
+    for i, hw in zip(kept, sizes, strict=True):
+        if hw != sizes[0]:
+            raise ShapeError(
+                f"{msg.shards[i]}: sample {msg.keys[i]!r} is {hw[1]}x{hw[0]} but its batch holds "
+                f"{sizes[0][1]}x{sizes[0][0]} images; pass size= (and crop=) to ShardDataset "
+                "for fixed-size batches"
+            )
+    return sizes[0]

@@ -11,6 +11,7 @@ a decode takes ~110 us, and every microsecond of Python here is a point of effic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class FillSpec:
     num_workers: int
     drop_last: bool
     nhwc: bool  # slots hold (N, H, W, 3), else (N, 3, H, W)
+    # "workers": pixels in the slots; "device": the samples' stored bytes, decoded by the
+    # training process; "auto": each batch one or the other, ``Filler.share`` of them pixels
+    decode_on: str = "workers"
 
 
 class Filler:
@@ -51,6 +55,10 @@ class Filler:
         if dataset.geometry is not None:
             self.hw = (dataset.geometry.size, dataset.geometry.size)
         self._targets: dict[int, tuple[np.ndarray, list]] = {}
+        self._capacity = 0  # encoded slots: bytes each one maps (grown for a larger batch)
+        # decode_on="auto": the fraction of batches decoded here (set by the loader from both
+        # sides' measured rates, ``Share``), and its running sum (which batch is whose)
+        self.share, self._owed = 0.5, 0.0
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -63,7 +71,9 @@ class Filler:
         try:
             while True:
                 slot = acquire()
-                batch = self._fill(slot, records, decoder)
+                t0 = time.perf_counter()
+                batch = self._pick()(slot, records, decoder)
+                batch.fill_s = time.perf_counter() - t0
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     return
                 yield batch
@@ -73,6 +83,17 @@ class Filler:
             close = getattr(records, "close", None)
             if close is not None:
                 close()
+
+    def _pick(self):
+        """This batch's fill: pixels here, or stored bytes for the training process."""
+        mode = self.spec.decode_on
+        if mode == "auto":
+            self._owed += self.share
+            if self._owed >= 1.0:
+                self._owed -= 1.0
+                return self._fill
+            return self._fill_encoded
+        return self._fill_encoded if mode == "device" else self._fill
 
     def _fill(self, slot: int, records: Iterator, decoder) -> Batch:
         """Decode up to a batch of ``records`` into ``slot``."""
@@ -121,6 +142,41 @@ class Filler:
         height, width = self.hw or (0, 0)
         consumed = n + len(notes)
         return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
+
+    def _fill_encoded(self, slot: int, records: Iterator, decoder) -> Batch:
+        """Copy up to a batch of ``records``' stored bytes into ``slot``, with each sample's crop
+        box from its header (``decode_on="device"``: the training process decodes). A header
+        that cannot be read is an undecodable sample here, as in ``_fill``."""
+        ds, bs = self.ds, self.spec.batch_size
+        raising = ds.on_error == "raise"
+        taken, boxes, notes = [], [], []
+        for rec in records:
+            try:
+                box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
+            except Exception as exc:
+                err = sample_error(rec, exc)
+                if raising:
+                    raise err from exc
+                notes.append(f"skipped: {err}")
+                ds._skip_counter(self.worker)()
+                continue
+            taken.append(rec)
+            boxes.append(box)
+            if len(taken) == bs:
+                break
+        offsets = [0]
+        for rec in taken:
+            offsets.append(offsets[-1] + len(rec.data))
+        if offsets[-1] > self._capacity:  # the slots grow to the largest batch, in powers of 2
+            self._capacity = 1 << max(20, (offsets[-1] - 1).bit_length())
+        arr = self.slots.array(slot, (self._capacity,))
+        for rec, lo, hi in zip(taken, offsets, offsets[1:], strict=False):
+            arr[lo:hi] = np.frombuffer(rec.data, np.uint8)
+        n = len(taken)
+        return Batch(
+            0, self.worker, slot, n, 0, 0, [r.label for r in taken], [r.key for r in taken],
+            notes, n + len(notes), offsets, boxes, [r.shard for r in taken], self._capacity,
+        )  # fmt: skip
 
     def _first(self, slot: int, img: torch.Tensor) -> list:
         self.hw = (int(img.shape[-2]), int(img.shape[-1]))

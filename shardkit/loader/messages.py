@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Batch", "End", "Free", "Replace", "Start", "Stop"]
+__all__ = ["Batch", "End", "Free", "Replace", "Share", "Start", "Stop"]
 
 
 # --- loader -> worker ----------------------------------------------------------------------------
@@ -43,6 +43,14 @@ class Replace:
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """``decode_on="auto"``: decode ``fraction`` of the batches in the worker, hand over the
+    rest as stored bytes."""
+
+    fraction: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Exit."""
 
@@ -67,6 +75,13 @@ class Batch:
     keys: list[str]
     notes: list[str] = field(default_factory=list)
     consumed: int = 0
+    # decode_on="device": the slot holds the samples' stored bytes, sample i at
+    # [offsets[i], offsets[i + 1]) of a ``capacity``-byte slot, with its crop box and shard
+    offsets: list[int] | None = None
+    boxes: list | None = None
+    shards: list[str] | None = None
+    capacity: int = 0
+    fill_s: float = 0.0  # the worker's time filling the slot (decode_on="auto" balances on it)
 
 
 @dataclass(slots=True)

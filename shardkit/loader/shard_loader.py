@@ -20,15 +20,19 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..errors import InputError, ShardkitError
+from ..errors import InputError, ShardkitError, check_choice
+from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
-from .epoch import Epoch, Position, slots_per_worker
+from .epoch import Balance, Epoch, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
 from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
 
 __all__ = ["ShardLoader", "default_workers"]
 
+#: Where a batch is decoded: in the worker processes (pixels in the ring), or in the training
+#: process on its device by nvImageCodec (the stored bytes in the ring; ``shardkit.images.device``).
+DECODE_ON = ("workers", "device", "auto")
 _FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the loader's files
 
 
@@ -83,6 +87,11 @@ class ShardLoader:
     list of sample keys. ``drop_last`` drops the rank's one short batch. ``start_method``:
     "fork" (default where available), "spawn" or "forkserver". ``timeout``: seconds to wait for
     a worker's batch before raising (0: forever; a dead worker is reported at once anyway).
+    ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
+    stored bytes; the training process decodes each batch with nvImageCodec on ``device``
+    (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
+    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md). ``"auto"``: each batch
+    is decoded by its worker or on the device, in the proportion of their measured rates.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -101,6 +110,7 @@ class ShardLoader:
         prefetch_factor: int = 2,
         start_method: str | None = None,
         timeout: float = 0,
+        decode_on: str = "workers",
     ):
         _check_dataset(dataset)
         _check_int("batch_size", batch_size, 1)
@@ -112,6 +122,12 @@ class ShardLoader:
                 raise InputError(f"{name} must be True or False, got {flag!r}")
         if with_keys is not None and not isinstance(with_keys, bool):
             raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
+        check_choice("decode_on", decode_on, DECODE_ON)
+        if decode_on != "workers" and dataset.transform is not None:
+            raise InputError(
+                f"decode_on={decode_on!r} decodes in the training process, after the workers: "
+                "a per-sample transform= has no pixels to run on there; apply it to the batch"
+            )
         start_method = start_method or default_start_method()
         if start_method not in ("fork", "spawn", "forkserver"):
             raise InputError(f"start_method={start_method!r}: use 'fork', 'spawn' or 'forkserver'")
@@ -132,6 +148,11 @@ class ShardLoader:
         self.prefetch_factor = int(prefetch_factor)
         self.start_method = start_method
         self.timeout = float(timeout)
+        self.decode_on = decode_on
+        self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
+        self._balance = Balance()  # decode_on="auto": both sides' measured rates
+        if decode_on != "workers":
+            self._device_decoder()  # the missing extra is an error now, not at the first batch
         self.normalize = None
         if normalize is not None:
             mean, std = (torch.as_tensor(v, dtype=torch.float32) for v in normalize)
@@ -245,9 +266,13 @@ class ShardLoader:
 
     def __repr__(self) -> str:
         ring = self._res.ring
+        decode = f"{self.decode_on!r}" + (
+            f" ({self._decoder.backend})" if self._decoder is not None else ""
+        )
         return (
             f"ShardLoader({self.dataset!r}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, device={self.device}, drop_last={self.drop_last}, "
+            f"decode_on={decode}, "
             f"ring={ring if ring is not None else 'not allocated (first iteration)'})"
         )
 
@@ -257,7 +282,7 @@ class ShardLoader:
         n = max(1, self.num_workers)
         slots = slots_per_worker(self.prefetch_factor, self._ahead)
         pin = self.device is not None and self.device.type == "cuda"
-        spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc)
+        spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc, decode_on=self.decode_on)
         self._check_descriptors(n, slots)
         res = self._res
         try:
@@ -271,6 +296,11 @@ class ShardLoader:
         except BaseException:  # nothing of a failed start stays open (descriptors, processes)
             res.close()
             raise
+
+    def _device_decoder(self) -> DeviceDecoder:
+        if self._decoder is None:
+            self._decoder = DeviceDecoder(self.device)
+        return self._decoder
 
     def _check_descriptors(self, workers: int, slots: int) -> None:
         """The ring holds a descriptor per slot (and each worker a pipe and a few files): refuse

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from ..errors import ShardkitError, TransformError
 from .fill import Abandon, Filler, FillSpec
-from .messages import Batch, End, Free, Replace, Start, Stop
+from .messages import Batch, End, Free, Replace, Share, Start, Stop
 from .ring import MappedSlots, Ring, forget_inherited
 
 __all__ = [
@@ -113,6 +113,9 @@ class LocalWorkers:
         self.slots.replace(slot, None)
         self.filler.forget(slot)
         self._free.append(slot)
+
+    def share(self, fraction: float) -> None:
+        self.filler.share = fraction
 
     def abandon(self) -> None:
         if self._batches is not None:
@@ -220,6 +223,11 @@ class ProcessWorkers:
         except OSError:
             raise self._died(worker) from None
 
+    def share(self, fraction: float) -> None:
+        """decode_on="auto": every worker decodes ``fraction`` of its batches from now on."""
+        for w in range(len(self.conns)):
+            self._send(w, Share(fraction))
+
     def abandon(self) -> None:
         """Nothing to do: the next ``Start`` abandons the current generation in every worker."""
 
@@ -315,6 +323,8 @@ class _Inbox:
             self.slots.replace(msg.slot, reduction.recv_handle(self.conn))
             self.filler.forget(msg.slot)
             self.free.append(msg.slot)
+        elif isinstance(msg, Share):
+            self.filler.share = msg.fraction
         else:  # Start, Stop
             self.next = msg
 

@@ -1,0 +1,307 @@
+"""ShardLoader(decode_on="device"): the workers hand over stored bytes and crop boxes, the training
+process decodes with nvImageCodec. Without a GPU this runs nvImageCodec's CPU backend through the
+same calls; the CUDA-only lines have their own tests, skipped without a GPU."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from PIL import Image
+
+from shardkit import ShardDataset, ShardLoader, pack
+from shardkit.errors import InputError, SampleError
+from shardkit.images import device as device_decode
+from shardkit.images.decode import decode_rgb
+from shardkit.images.device import MAX_MEAN_DIFFERENCE, device_decode_available, place
+
+pytestmark = [
+    pytest.mark.skipif(not device_decode_available(), reason="needs nvImageCodec (shardkit[gpu])"),
+    pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:skipped:RuntimeWarning"),
+]
+
+N = 24
+
+
+def _photo(i: int, w: int = 120, h: int = 90) -> Image.Image:
+    """Smooth gradients with some texture: resize filters differ on it as on photos."""
+    y, x = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(i)
+    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], -1)
+    noisy = base + rng.normal(0, 12, base.shape)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """JPEGs of two sizes (one PNG, one CMYK JPEG) in 2 classes."""
+    base = tmp_path_factory.mktemp("device")
+    for i in range(N):
+        d = base / "src" / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = _photo(i, *((120, 90) if i % 3 else (96, 128)))
+        if i == 4:
+            img.save(d / f"im{i:02d}.png")
+        elif i == 7:
+            img.convert("CMYK").save(d / f"im{i:02d}.jpg", quality=90)
+        else:
+            img.save(d / f"im{i:02d}.jpg", quality=90)
+    pack(str(base / "src"), str(base / "tar"), shard_size=40_000, progress=False)
+    return str(base / "tar")
+
+
+def _ds(path, **kw):
+    kw.setdefault("decode", "tensor")
+    kw.setdefault("with_keys", True)
+    return ShardDataset(path, **kw)
+
+
+def _epoch(loader):
+    keys, images = [], {}
+    for x, _, k in loader:
+        keys += k
+        images.update(zip(k, x.clone(), strict=True))
+    return keys, images
+
+
+def _full_scale_reference(path, size, seed, key_data, ds):
+    """What the device path must give: the crop box of the CPU path, cut from a full-size decode
+    (Pillow's libjpeg-turbo, as nvImageCodec's CPU backend), resized and flipped by ``place``."""
+    dec = ds.tensor_decoder(0)
+    out = {}
+    for key, data in key_data.items():
+        box = dec.crop_box(data, key)
+        full = torch.from_numpy(decode_rgb(data, pillow=True))
+        img = torch.empty((3, size, size), dtype=torch.uint8)
+        place(full[box.top : box.top + box.h, box.left : box.left + box.w], size, box.flip, img)
+        out[key] = img
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, workers):
+    geo = dict(size=48, crop="random", flip=True, seed=7)
+    ds = _ds(shards, **geo)
+    cpu_keys, cpu = _epoch(ShardLoader(ds, 5, num_workers=workers))
+    loader = ShardLoader(ds, 5, num_workers=workers, decode_on="device")
+    keys, dev = _epoch(loader)
+    assert keys == cpu_keys and len(keys) == N  # same samples, same order
+    raw = {k: d for d, _, k in _ds(shards, decode="raw")}
+    reference = _full_scale_reference(shards, 48, 7, raw, ds)
+    for k in keys:  # the same boxes and flips, decoded at full scale
+        assert torch.equal(dev[k], reference[k]), k
+    diff = torch.stack([(dev[k].float() - cpu[k].float()).abs().mean() for k in keys])
+    assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
+    assert "nvImageCodec CPU backend" in repr(loader)
+    loader.close()
+
+
+def test_full_size_images_without_size_equal_the_cpu_path(tmp_path):
+    for i in range(6):
+        d = tmp_path / "src" / "c"
+        d.mkdir(parents=True, exist_ok=True)
+        _photo(i).save(d / f"{i}.jpg", quality=85)
+    pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
+    ds = _ds(str(tmp_path / "tar"))
+    keys, cpu = _epoch(ShardLoader(ds, 4, num_workers=0))
+    dkeys, dev = _epoch(ShardLoader(ds, 4, num_workers=0, decode_on="device", channels_last=True))
+    assert dkeys == keys
+    assert all(torch.equal(dev[k], cpu[k]) for k in keys)
+
+
+def test_normalised_device_batches_match_the_formula(shards):
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    ds = _ds(shards, size=32, crop="center")
+    _, plain = _epoch(ShardLoader(ds, 6, num_workers=0, decode_on="device"))
+    loader = ShardLoader(ds, 6, num_workers=0, decode_on="device", normalize=(mean, std))
+    for x, _, keys in loader:
+        assert x.dtype == torch.float32
+        for img, k in zip(x, keys, strict=True):
+            want = (plain[k].float() / 255 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(
+                std
+            ).view(3, 1, 1)
+            # normalised from the unrounded resize: within half a level of the uint8 batch's
+            assert torch.allclose(img, want, atol=0.5 / 255 / min(std) + 1e-5)
+
+
+def test_images_the_device_decoder_declines_are_decoded_on_the_cpu_in_the_same_batch(
+    shards, monkeypatch
+):
+    """A GPU backend declines PNG (and may decline CMYK): here the CPU backend takes everything,
+    so the decline is imposed on the real decoder's answer for non-JPEG bytes."""
+    real = device_decode.DeviceDecoder.decode
+    declined = []
+
+    def decline_png(self, buffers, boxes, stream=None):
+        out = real(self, buffers, boxes, stream)
+        for i, buf in enumerate(buffers):
+            if bytes(buf[:4]) == b"\x89PNG":
+                out[i] = None
+                declined.append(i)
+        return out
+
+    monkeypatch.setattr(device_decode.DeviceDecoder, "decode", decline_png)
+    ds = _ds(shards, size=48, crop="center")
+    cpu_keys, cpu = _epoch(ShardLoader(ds, 8, num_workers=0))
+    keys, dev = _epoch(ShardLoader(ds, 8, num_workers=0, decode_on="device"))
+    assert declined and keys == cpu_keys
+    assert torch.equal(dev["c0/im04"], cpu["c0/im04"])  # the PNG: the CPU path's own pixels
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    base = tmp_path_factory.mktemp("broken")
+    d = base / "src" / "c"
+    d.mkdir(parents=True)
+    for i in range(6):
+        _photo(i).save(d / f"im{i}.jpg")
+    buf = io.BytesIO()
+    _photo(9).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    data[2:40] = b"\xff" * 38  # markers destroyed: no decoder can read the header
+    (d / "im3.jpg").write_bytes(bytes(data))
+    pack(str(base / "src"), str(base / "tar"), progress=False, on_error="skip")
+    return str(base / "tar")
+
+
+@pytest.mark.parametrize("size", [None, 24])
+def test_an_undecodable_sample_names_shard_and_key_or_is_counted(broken, size):
+    if size is None:  # the header is read in the worker only to crop: the device decides
+        ds = _ds(broken, shuffle=False)
+        with pytest.raises(SampleError, match=r"shard-\d+\.tar: sample 'c/im3'"):
+            list(ShardLoader(ds, 3, num_workers=0, decode_on="device"))
+    skipping = _ds(broken, size=size or 24, on_error="skip")
+    loader = ShardLoader(skipping, 3, num_workers=2, decode_on="device")
+    keys, _ = _epoch(loader)
+    assert sorted(keys) == [f"c/im{i}" for i in (0, 1, 2, 4, 5)] and skipping.skipped == 1
+    loader.close()
+
+
+def test_no_growth_across_epochs_or_after_break(shards):
+    ds = _ds(shards, size=32, crop="random")
+    loader = ShardLoader(ds, 4, num_workers=2, decode_on="device")
+    sizes = []
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            if epoch % 2 and i == 2:
+                break
+        gc.collect()
+        sizes.append((loader._res.ring.nbytes, len(os.listdir("/proc/self/fd"))))
+    assert sizes[1:] == sizes[:1] * 3
+    loader.close()
+
+
+def test_device_decode_arguments_are_checked(shards):
+    with pytest.raises(InputError, match="decode_on"):
+        ShardLoader(_ds(shards), 4, decode_on="gpu")
+    with pytest.raises(InputError, match="transform"):
+        ShardLoader(_ds(shards, transform=lambda x: x), 4, decode_on="device")
+
+
+# --- CUDA (skipped without a GPU) ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cuda_device_decode_gives_the_cpu_backends_pixels_on_the_gpu(shards, workers):
+    ds = _ds(shards, size=48, crop="random", flip=True)
+    keys, ref = _epoch(ShardLoader(ds, 5, num_workers=workers, decode_on="device"))
+    loader = ShardLoader(ds, 5, num_workers=workers, decode_on="device", device="cuda")
+    assert "nvImageCodec on cuda" in repr(loader)
+    got = []
+    for x, _, k in loader:  # used on the caller's stream with no synchronize: stream order
+        assert x.is_cuda and x.dtype == torch.uint8
+        got += k
+        diff = torch.stack(
+            [(a.float().cpu() - ref[kk].float()).abs().mean() for a, kk in zip(x, k, strict=True)]
+        )
+        assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE  # nvJPEG's IDCT, not libjpeg's
+    assert got == keys
+    loader.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_decoder_prefers_the_hardware_engine():
+    dec = device_decode.DeviceDecoder(torch.device("cuda"))
+    data = simplejpeg.encode_jpeg(np.zeros((64, 64, 3), np.uint8))
+    stream = torch.cuda.Stream()
+    (img,) = dec.decode([np.frombuffer(data, np.uint8)], [None], stream)
+    stream.synchronize()
+    assert img.is_cuda and tuple(img.shape) == (64, 64, 3)
+    assert "hardware" in dec.backend
+
+
+# --- decode_on="auto" ----------------------------------------------------------------------------
+
+
+def _slowed_device(monkeypatch, seconds: float) -> list[int]:
+    """The real device decoder, made ``seconds`` slower per image (a busy GPU)."""
+    real = device_decode.DeviceDecoder.decode
+    sizes = []
+
+    def slow(self, buffers, boxes, stream=None):
+        time.sleep(seconds * len(buffers))
+        sizes.append(len(buffers))
+        return real(self, buffers, boxes, stream)
+
+    monkeypatch.setattr(device_decode.DeviceDecoder, "decode", slow)
+    return sizes
+
+
+def _slowed_workers(monkeypatch, seconds: float) -> None:
+    """The workers' CPU decode made ``seconds`` slower per image (busy cores); forked workers
+    inherit the patch."""
+    from shardkit.loader import fill
+
+    real = fill.Filler._fill
+
+    def slow(self, slot, records, decoder):
+        batch = real(self, slot, records, decoder)
+        time.sleep(seconds * batch.count)
+        return batch
+
+    monkeypatch.setattr(fill.Filler, "_fill", slow)
+
+
+def _auto_epochs(shards, epochs: int = 3):
+    ds = _ds(shards, size=32, crop="center")
+    reference = {k: x for k, x in zip(*_epoch(ShardLoader(ds, 2, num_workers=0)), strict=False)}
+    loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        keys, _ = _epoch(loader)
+        assert sorted(keys) == sorted(reference)  # every sample once, whoever decoded it
+    share = loader._balance.sent
+    loader.close()
+    return share
+
+
+def test_auto_gives_the_workers_most_batches_when_the_device_is_slow(shards, monkeypatch):
+    on_device = _slowed_device(monkeypatch, 0.02)
+    share = _auto_epochs(shards)
+    assert share >= 0.8 and on_device  # both measured, the workers take most
+
+
+def test_auto_gives_the_device_most_batches_when_the_workers_are_slow(shards, monkeypatch):
+    _slowed_workers(monkeypatch, 0.05)
+    share = _auto_epochs(shards)
+    assert share <= 0.2
+
+
+def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
+    ds = _ds(shards, size=32, crop="center")
+    keys, cpu = _epoch(ShardLoader(ds, 3, num_workers=2))
+    loader = ShardLoader(ds, 3, num_workers=2, decode_on="auto")
+    got, images = _epoch(loader)
+    assert got == keys
+    diff = torch.stack([(images[k].float() - cpu[k].float()).abs().mean() for k in keys])
+    assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
+    loader.close()
