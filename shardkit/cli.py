@@ -420,11 +420,16 @@ def what_differs(out: str, src: str, asked: dict) -> str | None:
     from .manifest import read_manifest
 
     try:
-        recorded = read_manifest(out).pack
+        manifest = read_manifest(out)
     except ShardkitError:
         return None
-    if not isinstance(recorded, dict) or "source" not in recorded:
-        return None
+    recorded = manifest.pack
+    if not isinstance(recorded, dict) or "source_fingerprint" not in recorded:
+        return None  # older packs and ShardWriter's: nothing recorded to compare with
+    for shard in manifest.shards:
+        path = os.path.join(out, shard.path)
+        if not os.path.isfile(path) or os.path.getsize(path) != shard.bytes:
+            return f"its shard {shard.path} missing or changed"
     parts = []
     if os.path.realpath(str(recorded["source"])) != os.path.realpath(src):
         parts.append(f"source {recorded['source']} -> {src}")

@@ -523,9 +523,15 @@ def test_a_different_source_or_options_still_needs_overwrite(tree, tmp_path, cha
     before = _out_state(out)
     r = run_cli("pack", src, out, *args, "-q")
     assert r.returncode == 2
+    why = {
+        "shard size": "other options: --shard-size 4.0 kB -> 8.0 kB",
+        "seed": "other options: --seed 0 -> 1",
+        "format": "other options: --format tar -> lmdb",
+        "shard gone": "its shard shard-000000.tar missing or changed",
+    }.get(change, "the same options, but the source's files changed since (names, sizes or mtimes)")
     assert r.stderr.splitlines() == [
-        f"error: output directory '{out}' is not empty; pass --overwrite to replace the shards "
-        "and manifest in it, or choose an empty directory"
+        f"error: {out} holds a pack made with {why}; pass --overwrite to replace it, or choose "
+        "another output"
     ]
     assert _out_state(out) == before
     r = run_cli("pack", src, out, *args, "--overwrite", "-q")  # and --overwrite repacks
