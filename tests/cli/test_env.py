@@ -136,3 +136,10 @@ def test_a_bad_value_names_the_variable_only_when_it_came_from_it():
     assert "Invalid value for '--formats' (from SHARDKIT_BENCH_FORMATS)" in from_env.output
     from_flag = runner.invoke(main, ["bench", "--formats", "zip"])
     assert "Invalid value for '--formats': unknown format" in from_flag.output
+
+
+def test_the_library_variables_listed_are_the_ones_the_library_reads():
+    from shardkit.progress import INTERVAL_ENV
+    from shardkit.synth.build import SCALE_ENV
+
+    assert set(LIBRARY_ENV) == {INTERVAL_ENV, SCALE_ENV}
