@@ -16,7 +16,7 @@ import sys
 import click
 
 from .errors import ShardkitError
-from .sizes import parse_size
+from .sizes import parse_size, size_text
 
 
 class _Failure(click.ClickException):
@@ -72,13 +72,21 @@ class Size(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         try:
-            return parse_size(value)
+            size = parse_size(value, minimum=0)
         except ShardkitError:
             self.fail(
                 f"{value!r} is not a size; use e.g. 256MB, 64MiB, 1G or a plain number of bytes",
                 param,
                 ctx,
             )
+        if size < 1:
+            self.fail(
+                f"{value!r} is {size} bytes: a shard needs room for at least one sample; "
+                "use e.g. 256MB (a sample bigger than the size gets a shard of its own)",
+                param,
+                ctx,
+            )
+        return size
 
 
 class IntList(click.ParamType):
@@ -116,16 +124,78 @@ class NameList(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-# auto_envvar_prefix: every option can also come from SHARDKIT_<COMMAND>_<OPTION> (e.g.
-# SHARDKIT_BENCH_REPEATS=1); a flag on the command line wins. The README doc test bounds the
-# bench this way without editing the commands it runs.
+# Every option can also come from SHARDKIT_<COMMAND>_<OPTION>, named after the flag
+# (SHARDKIT_PACK_FORMAT for --format, SHARDKIT_SYNTH_LFW_SCALE for synth lfw's --scale); a flag on
+# the command line wins. ``assign_envvars`` sets the names at the end of this module and ``-h``
+# shows each one. The README doc test bounds the bench this way without editing its commands.
 @click.group(
     cls=_Group,
-    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "SHARDKIT"},
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 @click.version_option(package_name="shardkit")
 def main() -> None:
-    """Pack folders of images into sequential shards and stream them into PyTorch."""
+    """Pack folders of images into sequential shards and stream them into PyTorch.
+
+    Every option can also come from SHARDKIT_<COMMAND>_<OPTION> (SHARDKIT_PACK_FORMAT=lmdb,
+    SHARDKIT_BENCH_REPEATS=1; each command's -h shows the name); a flag wins. An unknown
+    SHARDKIT_* variable is warned about.
+    """
+    _warn_unknown_env()
+
+
+#: Variables read by the library rather than by one command's option.
+LIBRARY_ENV = {
+    "SHARDKIT_LFW_SCALE": "the default --scale of synth lfw and of the bench's default set",
+    "SHARDKIT_PROGRESS_INTERVAL": "seconds between plain progress lines off a terminal",
+}
+
+
+class _EnvOption(click.Option):
+    """An option whose -h shows its variable, and whose errors name the variable only when the
+    bad value came from it (a bad flag is the flag's error, not the variable's)."""
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        hint = click.Parameter.get_error_hint(self, ctx)
+        source = ctx.get_parameter_source(self.name) if ctx is not None and self.name else None
+        if source == click.core.ParameterSource.ENVIRONMENT:
+            hint += f" (from {self.envvar})"
+        return hint
+
+
+def assign_envvars(group: click.Group, prefix: str = "SHARDKIT") -> dict[str, str]:
+    """Name every option's variable after its command path and long flag; return name -> flag.
+
+    Set explicitly rather than with click's ``auto_envvar_prefix``, which names a variable after
+    the Python parameter (``SHARDKIT_PACK_FMT`` for ``--format``), not after the flag a user sees.
+    """
+    names: dict[str, str] = {}
+    for name, cmd in group.commands.items():
+        path = f"{prefix}_{name.upper().replace('-', '_')}"
+        if isinstance(cmd, click.Group):
+            names.update(assign_envvars(cmd, path))
+            continue
+        for param in cmd.params:
+            if not isinstance(param, click.Option) or not param.opts[0].startswith("-"):
+                continue
+            flag = max(param.opts, key=len)
+            param.envvar = f"{path}_{flag.lstrip('-').upper().replace('-', '_')}"
+            param.show_envvar = True
+            param.__class__ = _EnvOption
+            names[param.envvar] = f"{cmd.name} {flag}"
+    return names
+
+
+def _warn_unknown_env() -> None:
+    """One warning line per SHARDKIT_* variable that nothing reads (a typo would be silent)."""
+    import difflib
+    import os
+
+    known = {**ENV_VARS, **LIBRARY_ENV}
+    for name in sorted(os.environ):
+        if name.startswith("SHARDKIT_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see shardkit -h"
+            click.echo(f"warning: {name} is not a shardkit variable, ignored{hint}", err=True)
 
 
 _PARAM = re.compile(r'\b([a-z][a-z_]*)=(True\b|False\b|"([^"]*)"|(?=[\s,;)]|$))')
@@ -296,9 +366,20 @@ def pack_cmd(
     """
     import warnings
 
+    from .errors import OutputError
     from .write.packer import pack
 
-    with warnings.catch_warnings(record=True) as caught:
+    note_interrupted(out)
+    asked = {
+        "format": fmt,
+        "shard_size": shard_size,
+        "shuffle": shuffle,
+        "seed": seed,
+        "validate": validate,
+        "resize_short": resize_short,
+        "on_error": on_error,
+    }
+    with warnings.catch_warnings(record=True) as caught, _explained(out, src, asked, OutputError):
         warnings.simplefilter("always")
         report = pack(
             src,
@@ -314,9 +395,108 @@ def pack_cmd(
             validate=validate,
             progress=not quiet,
         )
-    for w in caught:
-        click.echo(f"warning: {w.message}", err=True)
+    echo_warnings(caught)
     click.echo(report.summary())
+
+
+#: pack's options as its manifest records them (``pack`` object) -> the flag that sets them.
+_PACK_FLAGS = {
+    "format": "--format",
+    "shard_size": "--shard-size",
+    "shuffle": "--shuffle",
+    "seed": "--seed",
+    "validate": "--validate",
+    "resize_short": "--resize-short",
+    "on_error": "--on-error",
+}
+
+
+def what_differs(out: str, src: str, asked: dict) -> str | None:
+    """What separates the pack in OUT from the one asked for, from OUT's manifest: the source,
+    each option (flag, old and new value), or else the source's files; None if OUT holds no
+    pack of ours."""
+    import os
+
+    from .manifest import read_manifest
+
+    try:
+        manifest = read_manifest(out)
+    except ShardkitError:
+        return None
+    recorded = manifest.pack
+    if not isinstance(recorded, dict) or "source_fingerprint" not in recorded:
+        return None  # older packs and ShardWriter's: nothing recorded to compare with
+    for shard in manifest.shards:
+        path = os.path.join(out, shard.path)
+        if not os.path.isfile(path) or os.path.getsize(path) != shard.bytes:
+            return f"its shard {shard.path} missing or changed"
+    parts = []
+    if os.path.realpath(str(recorded["source"])) != os.path.realpath(src):
+        parts.append(f"source {recorded['source']} -> {src}")
+    for key, flag in _PACK_FLAGS.items():
+        if key in recorded and recorded[key] != asked[key]:
+            if isinstance(asked[key], bool):  # --shuffle -> --no-shuffle
+                old, new = (
+                    flag if v else flag.replace("--", "--no-") for v in (not asked[key], asked[key])
+                )
+                parts.append(f"{old} -> {new}")
+            elif key == "shard_size":
+                parts.append(f"{flag} {size_text(recorded[key])} -> {size_text(asked[key])}")
+            else:
+                parts.append(f"{flag} {recorded[key]} -> {asked[key]}")
+    if parts:
+        return "other options: " + ", ".join(parts)
+    return "the same options, but the source's files changed since (names, sizes or mtimes)"
+
+
+class _explained:
+    """Turn pack's "OUT is not empty" into what differs from the pack already there."""
+
+    def __init__(self, out: str, src: str, asked: dict, error: type):
+        self.out, self.src, self.asked, self.error = out, src, asked, error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None or not issubclass(kind, self.error) or "is not empty" not in str(exc):
+            return False
+        why = what_differs(self.out, self.src, self.asked)
+        if why is None:
+            return False
+        raise self.error(
+            f"{self.out} holds a pack made with {why}; pass --overwrite to replace it, or "
+            "choose another output"
+        ) from None
+
+
+def note_interrupted(out: str) -> None:
+    """Mention what a killed pack left in OUT (``.partial-<pid>-...`` of a dead pid)."""
+    import os
+
+    from .fsutil import stale_staging
+    from .urls import is_url
+
+    if is_url(out) or not os.path.isdir(out):
+        return
+    for name in stale_staging(out):
+        click.echo(
+            f"note: {os.path.join(out, name)} was left by an interrupted pack (its process is "
+            "gone); a pack that writes there removes it, or delete it",
+            err=True,
+        )
+
+
+def echo_warnings(caught) -> None:
+    """One ``warning:`` line per kind of warning: those that differ only in their figures (one
+    per shard of a tiny --shard-size) are one line with a count of the others."""
+    groups: dict[str, list[str]] = {}
+    for w in caught:
+        text = str(w.message)
+        groups.setdefault(re.sub(r"\d[\d,.]*", "N", text), []).append(text)
+    for texts in groups.values():
+        more = f" ({len(texts) - 1} more like it)" if len(texts) > 1 else ""
+        click.echo(f"warning: {texts[0]}{more}", err=True)
 
 
 # --- info / verify ---------------------------------------------------------------------------
@@ -325,30 +505,45 @@ def pack_cmd(
 @main.command("info")
 @click.argument("out", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
-def info_cmd(out, as_json) -> None:
+@click.option(
+    "--skipped",
+    "list_skipped",
+    is_flag=True,
+    help="Also list each file pack skipped, with the reason (a bad image, a non-image, ...).",
+)
+def info_cmd(out, as_json, list_skipped) -> None:
     """Show what the packed dataset in OUT (a directory or URL) holds."""
     from .redact import redact
     from .write.verify import dataset_info
 
+    note_interrupted(out)
     info = dataset_info(out)
+    skipped = []
+    if list_skipped:
+        from .manifest import read_manifest
+
+        skipped = [{"path": s.path, "reason": s.reason} for s in read_manifest(out).skipped]
     if as_json:
         import json
 
+        if list_skipped:
+            info["skipped_files"] = skipped
         click.echo(redact(json.dumps(info, indent=1, ensure_ascii=False)))
         return
     names = info["classes"]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    click.echo(
-        redact(
-            f"format:   {info['format']}\n"
-            f"shards:   {info['shards']}\n"
-            f"samples:  {info['samples']}\n"
-            f"bytes:    {info['bytes']} ({info['bytes'] / 1e6:.1f} MB)\n"
-            f"classes:  {info['num_classes']} ({shown})\n"
-            f"skipped:  {info['skipped']}\n"
-            f"manifest: {info['manifest']}"
-        )
-    )
+    lines = [
+        f"format:   {info['format']}",
+        f"shards:   {info['shards']}",
+        f"samples:  {info['samples']}",
+        f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
+        f"classes:  {info['num_classes']} ({shown})",
+        f"skipped:  {info['skipped']}"
+        + ("" if list_skipped or not info["skipped"] else " (--skipped lists them)"),
+    ]
+    lines += [f"  {s['path']}: {s['reason']}" for s in skipped]
+    lines.append(f"manifest: {info['manifest']}")
+    click.echo(redact("\n".join(lines)))
 
 
 @main.command("verify")
@@ -361,6 +556,7 @@ def verify_cmd(out, decode, quiet) -> None:
     from .redact import redact
     from .write.verify import verify
 
+    note_interrupted(out)
     report = verify(out, decode=decode, progress=not quiet)
     for bad in report.bad:
         click.echo(redact(f"BAD {bad}"))
@@ -500,6 +696,14 @@ class FormatWorkers(click.ParamType):
     "PIL/numpy augmentation.",
 )
 @click.option(
+    "--size",
+    type=click.IntRange(min=0),
+    default=224,
+    show_default=True,
+    help="decode mode and loader: resize and centre-crop every image to SIZE x SIZE, as "
+    "most ImageNet recipes do, so images of mixed sizes batch; 0: as stored (one size only).",
+)
+@click.option(
     "--step-ms",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -557,6 +761,7 @@ def bench_cmd(
     cold,
     latency_ms,
     mode,
+    size,
     step_ms,
     json_path,
     plot_path,
@@ -588,6 +793,7 @@ def bench_cmd(
         cold=cold,
         latency_ms=latency_ms,
         mode=mode,
+        size=size,
         step_ms=step_ms,
         seed=seed,
         shard_size=shard_size,
@@ -597,7 +803,14 @@ def bench_cmd(
         timeline_path=timeline_path,
         progress=None if quiet else (lambda msg: click.echo(msg, err=True)),
     )
-    result = run_bench(config)
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)  # one line, as it happens, no source line
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        result = run_bench(config)
     click.echo(format_table(result))
     click.echo("")
     for line in verdict(result):
@@ -642,6 +855,9 @@ def show_cmd(out, key, folder) -> None:
     for path in write_members(view, key, folder):
         click.echo(f"wrote {escape(path)}")
 
+
+#: Every SHARDKIT_<COMMAND>_<OPTION> variable -> the command and flag it stands for.
+ENV_VARS = assign_envvars(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

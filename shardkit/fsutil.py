@@ -28,6 +28,7 @@ from .errors import OutputError
 __all__ = [
     "JOURNAL_NAME",
     "STAGING_PREFIX",
+    "stale_staging",
     "DirLock",
     "HashingReader",
     "atomic_write_bytes",
@@ -183,6 +184,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+def stale_staging(directory: str, prefix: str = STAGING_PREFIX) -> list[str]:
+    """Names of the staging entries in ``directory`` whose owner is gone (what a kill -9 left),
+    without removing them: for commands that only read to mention them."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [
+        n
+        for n in names
+        if n.startswith(prefix) and not ((pid := _owner(n, prefix)) and pid_alive(pid))
+    ]
 
 
 def remove_stale_staging(

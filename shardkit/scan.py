@@ -5,7 +5,8 @@ labels and keys. Both users share every policy: hidden names ignored, directory 
 once (a directory met again is listed, never re-walked, so loops end), links that lead outside
 SRC followed but counted (``pack`` warns once with the count), and only regular files
 named like images are images: FIFOs, sockets, devices and broken links are listed as errors
-(opening a FIFO would block forever).
+(opening a FIFO would block forever), and so are empty files (a zero-byte ``x.jpg`` is no sample
+on either side: ``FolderDataset`` would fail to decode it where ``pack`` skips it).
 
 Per-sample state lives in numpy arrays (``StrTable``: one byte blob plus offsets), not lists
 of str: DataLoader workers forked from a process holding a million Python strings would copy
@@ -25,11 +26,23 @@ from .formats import encode_key
 from .images.checks import IMAGE_EXTENSIONS
 from .manifest import SkippedFile, portable_text
 
-__all__ = ["LIST_NON_IMAGES", "SourceScan", "StrTable", "check_source_dir", "scan_source"]
+__all__ = [
+    "EMPTY_FILE",
+    "STRAY_IMAGE",
+    "LIST_NON_IMAGES",
+    "SourceScan",
+    "StrTable",
+    "check_source_dir",
+    "scan_source",
+]
 
 #: Non-image files listed one by one in the manifest's ``skipped``; past this they are only
 #: counted (by extension), so a tree with a sidecar .json per image keeps a small manifest.
 LIST_NON_IMAGES = 1000
+#: The reason an image-named file of zero bytes is listed as an error (``check_image_bytes``'s).
+EMPTY_FILE = "empty file"
+#: The reason for an image file directly in SRC: it has no class, so it is no sample.
+STRAY_IMAGE = "stray image, not in a class folder (SRC/<class>/<image>)"
 
 
 class StrTable(Sequence[str]):
@@ -177,7 +190,8 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             folders.append(entry.name)
             scan.classes.append(portable_text(entry.name))
         else:
-            scan.add_non_image(entry.name, "not in a class folder")
+            stray = _image_ext(entry.name) is not None
+            scan.add_non_image(entry.name, STRAY_IMAGE if stray else "not in a class folder")
     real_root = os.path.realpath(root)
     scan.outside_links = sum(_leaves(e, real_root) for e in top if e.name in folders)
     seen = {_ident(root)}
@@ -187,11 +201,13 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     exts: list[StrTable] = []
     keys: list[StrTable] = []
     labels: list[np.ndarray] = []
+    idents: list[np.ndarray] = []  # per file: device, inode, 1 if reached through a symlink
     bar = Progress(len(folders), f"scan {src}", "class", enabled=progress)
     for label, cls in enumerate(folders):
         rels: list[str] = []
         cls_exts: list[str] = []
-        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root)
+        ids: list[tuple[int, int, int]] = []
+        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root, ids)
         bar.update(1)
         if not rels:
             scan.empty_classes.append(scan.classes[label])
@@ -199,6 +215,7 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
         order = sorted(range(len(rels)), key=rels.__getitem__)
         rels = [rels[i] for i in order]
         cls_exts = [cls_exts[i] for i in order]
+        idents.append(np.array([ids[i] for i in order], dtype=np.int64).reshape(-1, 3))
         files.append(StrTable(rels))
         exts.append(StrTable(cls_exts))
         keys.append(StrTable(_assign_keys(rels, cls_exts)))
@@ -207,6 +224,8 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     bar.close()
     scan.files, scan.exts, scan.keys = (StrTable.concat(t) for t in (files, exts, keys))
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+    if idents:
+        _drop_linked_twins(scan, np.concatenate(idents))
     if not scan.classes:
         raise InputError(
             f"source {src!r} has no class folders; expected one sub-folder of images per class "
@@ -218,6 +237,36 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             f"{len(scan.classes)} class folder(s)"
         )
     return scan
+
+
+def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
+    """A symbolic link to a file that is already a sample is no second sample: listed as ignored.
+
+    ``idents``: (device, inode, via-link) per file. Of files sharing a device and inode, those
+    reached without a link stay (hard links are separate files to every tool); links go, unless
+    only links lead there (a farm of links to files outside SRC): then the first stays.
+    """
+    order = np.lexsort((idents[:, 2], idents[:, 1], idents[:, 0]))
+    dup = np.zeros(len(idents), dtype=bool)
+    same = np.all(idents[order[1:], :2] == idents[order[:-1], :2], axis=1)
+    if not same.any():
+        return
+    keep_of: dict[tuple[int, int], int] = {}
+    for pos, i in enumerate(order.tolist()):
+        ident = (int(idents[i, 0]), int(idents[i, 1]))
+        if pos > 0 and same[pos - 1] and idents[i, 2]:
+            dup[i] = True
+            first = scan.files[keep_of[ident]]
+            scan.ignored.append(SkippedFile(scan.files[i], f"symbolic link to {first}, a sample"))
+        else:
+            keep_of.setdefault(ident, i)
+    if dup.any():
+        keep = ~dup
+        scan.files, scan.keys, scan.exts = (
+            StrTable(t[i] for i in np.flatnonzero(keep).tolist())
+            for t in (scan.files, scan.keys, scan.exts)
+        )
+        scan.labels = scan.labels[keep]
 
 
 def check_source_dir(src: str) -> None:
@@ -262,6 +311,7 @@ def _walk_class(
     rels: list[str],
     exts: list[str],
     real_root: str,
+    ids: list[tuple[int, int, int]],
 ) -> None:
     stack = [cls]
     while stack:
@@ -297,11 +347,15 @@ def _walk_class(
                 continue
             try:
                 regular = entry.is_file()
+                st = entry.stat() if regular else None
             except OSError:
-                regular = False
-            if regular:
+                regular, st = False, None
+            if st is not None and st.st_size == 0:  # pack's header check would say the same
+                scan.errors.append(SkippedFile(rel, EMPTY_FILE))
+            elif st is not None:
                 rels.append(rel)
                 exts.append(ext)
+                ids.append((st.st_dev, st.st_ino, int(entry.is_symlink())))
             elif entry.is_symlink() and not os.path.exists(entry.path):
                 scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))
             else:

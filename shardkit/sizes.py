@@ -10,7 +10,7 @@ import re
 
 from .errors import InputError
 
-__all__ = ["parse_size"]
+__all__ = ["parse_size", "size_text"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?(b)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -44,3 +44,12 @@ def parse_size(value: str | int, name: str = "shard_size", *, minimum: int = 1) 
             f"{'s' if minimum != 1 else ''}; {example}"
         )
     return size
+
+
+def size_text(nbytes: int | float) -> str:
+    """``199489536`` -> ``"199.5 MB"``; small sizes in kB or bytes, never ``"0.0 MB"``."""
+    if nbytes >= 100_000:
+        return f"{nbytes / 1e6:.1f} MB"
+    if nbytes >= 1000:
+        return f"{nbytes / 1e3:.1f} kB"
+    return f"{int(nbytes)} bytes"

@@ -23,6 +23,7 @@ __all__ = [
     "int_list",
     "ALL_FORMATS",
     "BENCH_SHARD_SIZE",
+    "DEFAULT_SIZE",
     "DEFAULT_DATA",
     "MAX_SECONDS",
     "MIN_SAMPLES",
@@ -72,6 +73,11 @@ MIN_TIMED_BATCHES = 5
 #: LFW (176 MB) would fit one shard, and a worker whose slice starts mid-shard reads the tar from
 #: the shard's start to reach it: 32 MB shards bound that start-up read.
 BENCH_SHARD_SIZE = "32MB"
+#: Side of the images that decode mode and the loader batch (``size`` / ``--size``): the 224
+#: centre crop of most ImageNet recipes (shorter side to 224, then the central square), through
+#: the same ``TensorDecoder`` for every format. Real folders hold images of many sizes, which
+#: cannot be stacked into a batch as stored; 0 keeps them as stored (all must share one size).
+DEFAULT_SIZE = 224
 
 
 def int_list(text: str, low: int = 0, high: int = 256) -> tuple[int, ...]:
@@ -164,7 +170,8 @@ class BenchConfig:
     shard format at the largest worker count). A run is timed until it has ``min_samples``
     samples and ``min_seconds`` seconds, at most ``max_seconds`` (None or 0: no cap), or the epoch
     ends; ``batches``, if given, times exactly that many batches instead (the cap still holds).
-    ``before_run``: called with a ``RunContext`` after
+    ``size``: decode and loader modes centre-crop and resize every image to ``size`` x ``size``
+    (0: decode as stored). ``before_run``: called with a ``RunContext`` after
     the cache step and right before the DataLoader starts (tests check eviction there).
     """
 
@@ -181,6 +188,7 @@ class BenchConfig:
     step_ms: float = 0.0
     seed: int = 0
     shard_size: str = BENCH_SHARD_SIZE
+    size: int = DEFAULT_SIZE
     timeline_config: tuple[str, int] | None = None
     min_samples: int = MIN_SAMPLES
     min_seconds: float = MIN_SECONDS
@@ -211,6 +219,13 @@ class BenchConfig:
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
         _check_run_length(cfg)
+        if not isinstance(cfg.size, int) or cfg.size < 0:
+            raise InputError(f"size= must be a whole number >= 0 (0: as stored), got {cfg.size!r}")
+        if cfg.formats and "loader" in cfg.formats and cfg.mode != "decode":
+            raise InputError(
+                f"--formats loader measures ShardLoader's decoded batches; use --mode decode "
+                f"(not {cfg.mode}), or drop loader from --formats"
+            )
         if cfg.latency_ms < 0 or cfg.step_ms < 0:
             raise InputError("latency_ms and step_ms must be >= 0")
         if cfg.timeline_config is not None:

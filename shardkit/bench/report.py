@@ -7,6 +7,7 @@ ran, in the one mode that ran, and says which knob to try and why, with the numb
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..fsutil import atomic_write_bytes
 from .results import BenchResult, Row
@@ -17,6 +18,11 @@ __all__ = ["INPUT_BOUND", "format_table", "verdict", "to_json", "write_json"]
 #: Wait fraction above which the training loop counts as input-bound (it waits for data for more
 #: than this share of its time instead of stepping).
 INPUT_BOUND = 0.10
+#: Shortest timed run whose rate the verdict compares. Below it a run is a batch or two, and one
+#: scheduler delay or page fault is a large share of it: a t-test on such runs (seen: runs of
+#: ~0.5 ms called "real (p<0.001)") measures timer and scheduler noise, not the loader. 0.1 s
+#: is tens of scheduler slices; the default runs are timed for 2 s.
+MIN_JUDGED_S = 0.1
 
 
 def _title(result: BenchResult) -> str:
@@ -90,8 +96,27 @@ def format_table(result: BenchResult) -> str:
 
 
 def compare(a: Row, b: Row) -> Comparison:
-    """Welch's t-test of ``a``'s per-run rates against ``b``'s."""
-    return welch(a.rates, b.rates)
+    """Welch's t-test of ``a``'s per-run rates against ``b``'s; not real when a run of either
+    was timed under ``MIN_JUDGED_S`` (then ``short_s`` says how short)."""
+    c = welch(a.rates, b.rates)
+    shortest = min((r.timed_s for r in (*a.runs, *b.runs)), default=None)
+    if shortest is not None and shortest < MIN_JUDGED_S:
+        return replace(c, short_s=shortest)
+    return c
+
+
+def too_short_line(result: BenchResult) -> str | None:
+    """What to do when runs were too short for the verdict to compare them."""
+    runs = [r for row in result.rows for r in row.runs]
+    short = [r for r in runs if r.timed_s < MIN_JUDGED_S]
+    if not short:
+        return None
+    return (
+        f"{len(short)} of {len(runs)} runs were timed under {MIN_JUDGED_S:g} s (shortest "
+        f"{min(r.timed_s for r in short) * 1000:.3g} ms): too short to judge, so no difference "
+        "involving them is called real; time longer runs with --min-seconds and --min-samples "
+        "(or more --batches)."
+    )
 
 
 def _pm(row: Row) -> str:
@@ -108,11 +133,11 @@ def best_workers_line(result: BenchResult, fmt: str) -> str:
     rows = sorted((r for r in result.rows if r.format == fmt), key=lambda r: r.workers)
     best = result.best(fmt)
     text = f"{fmt}: fastest mean at {best.workers} workers, {_pm(best)} samples/s"
-    tied, slower = [], []
+    tied, slower, short = [], [], []
     for row in rows:
         if row is not best:
             c = compare(best, row)
-            (slower if c.real else tied).append((row, c))
+            (short if c.short_s is not None else slower if c.real else tied).append((row, c))
     if tied:
         text += "; within noise of " + ", ".join(
             f"{r.workers} workers ({_pm(r)}, {c.describe()})" for r, c in tied
@@ -120,6 +145,12 @@ def best_workers_line(result: BenchResult, fmt: str) -> str:
         fewest = min([best, *(r for r, _ in tied)], key=lambda r: r.workers)
         if fewest is not best:
             text += f", so {fewest.workers} workers do as well as far as this run can tell"
+    if short:
+        text += (
+            "; not compared with "
+            + ", ".join(f"{r.workers} workers ({_pm(r)})" for r, _ in short)
+            + f" ({short[0][1].describe()})"
+        )
     if slower:
         text += "; faster than " + ", ".join(
             f"{r.workers} workers ({r.mean:,.0f}, {c.describe()})" for r, c in slower
@@ -138,6 +169,8 @@ def vs_line(result: BenchResult, fmt: str, base_fmt: str = "folder") -> str:
     )
     if c.real:
         return text + f", {c.describe()}: a real difference)."
+    if c.short_s is not None:
+        return text + f"): {c.describe()}."
     return text + f"): within noise ({c.describe()})."
 
 
@@ -251,6 +284,9 @@ def verdict(result: BenchResult) -> list[str]:  # noqa: C901 (one if-block per s
         )
 
     lines.extend(_run_length_lines(result))
+    short = too_short_line(result)
+    if short:
+        lines.append(short)
     lines.append(
         f"Differences are called real when Welch's t-test on the {cfg.repeats} per-run rates "
         f"gives p < {ALPHA:g}; otherwise within noise."

@@ -40,13 +40,17 @@ from torch.utils.data import DataLoader
 
 from ..errors import InputError, OutputError
 from ..extras import require
-from .config import MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
+from .config import DEFAULT_SIZE, MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
 from .estimate import Estimate, clock_text, estimate
 from .pagecache import evict_until_cold, prime, residency
 from .results import BenchResult, Load, Row, RunContext, RunResult, Timeline
 from .sources import (
     bytes_per_sample,
+    check_enough,
+    check_one_size,
+    image_size,
     make_dataset,
+    packed_skips,
     pending,
     plan_sources,
     read_paths,
@@ -60,26 +64,52 @@ from .workloads import (
     TimedIterable,
     TimedMap,
     clock,
+    sample_decoder,
     step,
 )
 
 __all__ = ["cores", "machine_facts", "make_loader", "measure_ceiling", "run_bench", "run_once"]
 
 
-def measure_ceiling(samples: Sequence[bytes], mode: str, seconds: float = 1.0) -> float:
-    """Samples/s of one process doing the mode's per-sample work on in-memory JPEG bytes.
+@contextlib.contextmanager
+def one_thread():
+    """Run torch ops in this process on one intra-op thread, as in a DataLoader worker.
 
-    ``decode``: ``decode_image(data, "tensor")``, the datasets' own decode; ``augment``: PIL
-    decode then ``Augment``. No reading, no DataLoader: the best a single core can do.
+    DataLoader workers set ``torch.set_num_threads(1)``; the main process keeps one thread per
+    core. For one small image's resize that parallelism only costs: measured on the 2-core VM
+    at load 7, ``TensorDecoder(Geometry(224))`` on the ImageNet-shaped set ran 53-63 images/s
+    with 2 threads and 195-261 with 1, since the OpenMP threads wait for cores that other
+    processes hold. The ceiling ("one process") and the runs at 0 workers (loading in this
+    process) therefore use one thread, like every worker they are compared with.
     """
-    from ..images.decode import decode_image
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
-    decode = DATASET_DECODE[mode]
+
+def measure_ceiling(
+    samples: Sequence[bytes], mode: str, seconds: float = 1.0, size: int | None = None
+) -> float:
+    """Samples/s of one process doing the mode's per-sample work on in-memory image bytes.
+
+    ``decode``: the datasets' own decode (``decode_image(data, "tensor")``, or with ``size`` the
+    fixed-size centre crop); ``augment``: PIL decode then ``Augment``. No reading, no DataLoader:
+    the best a single core can do.
+    """
+    decode = sample_decoder(DATASET_DECODE[mode], size)
     aug = Augment() if mode == "augment" else None
+    with one_thread():
+        return _decode_rate(samples, decode, aug, seconds)
+
+
+def _decode_rate(samples, decode, aug, seconds: float) -> float:
     n, t0 = 0, clock()
     while True:
         for data in samples:
-            img = decode_image(data, decode)
+            img = decode(data)
             if aug is not None:
                 img = aug(img)
             n += 1
@@ -195,6 +225,13 @@ def run_once(
                 _images, labels, (wid, b0, b1) = next(it)
             except StopIteration:
                 break
+            except RuntimeError as exc:
+                if "stack expects each tensor to be equal size" not in str(exc):
+                    raise
+                raise InputError(
+                    f"{fmt}: images of different sizes cannot be batched as stored (size 0); "
+                    f"pass size= N (default {DEFAULT_SIZE}: a centre crop)"
+                ) from None
             tr = clock()
             if k == 0:
                 first = tr - t0
@@ -224,7 +261,7 @@ def run_once(
         raise InputError(
             f"{fmt} with {workers} workers delivered only {len(batches)} batches of "
             f"{cfg.batch_size}: the dataset is too small for {warmup} warm-up batches and a "
-            "timed one; lower batch_size or workers"
+            "timed one; lower batch_size= or workers="
         )
     timed = t_end - t_start
     rate = samples / timed
@@ -324,28 +361,37 @@ class _Prepared:
         return list(self.sources)
 
 
-def _prepare(cfg: BenchConfig, sources: dict[str, str]) -> _Prepared:
+def _prepare(cfg: BenchConfig, sources: dict[str, str], skip: list[str]) -> _Prepared:
     """Build every format's dataset and check it is big enough, before any run starts."""
     prep = _Prepared(dict(sources), {}, {}, {}, {}, [COLD_NOTE] if cfg.cold else [], {})
     for fmt, source in sources.items():
         storage = CountingStorage(latency_ms=cfg.latency_ms)
-        ds = make_dataset(fmt, source, cfg, storage)
+        ds = make_dataset(fmt, source, cfg, storage, skip if fmt in ("folder", "memory") else ())
         prep.storages[fmt] = storage if getattr(ds, "storage", None) is storage else None
         prep.datasets[fmt] = ds
         prep.paths[fmt] = read_paths(fmt, ds)
         prep.per_sample[fmt] = bytes_per_sample(fmt, ds, prep.paths[fmt])
         prep.epochs[fmt] = 0
         prep.notes.extend(_format_notes(cfg, fmt, prep))
-        warm = max(1, max(cfg.workers)) * cfg.batch_size
-        need = warm + cfg.timed_samples_needed
-        if len(ds) < need:
-            what = "batches" if cfg.batches else "min_samples"
-            raise InputError(
-                f"{source}: {len(ds)} samples, but a run with {max(cfg.workers)} workers "
-                f"reads {need} (warm-up {warm} + {cfg.timed_samples_needed} timed); lower "
-                f"{what} or batch_size"
-            )
+        check_enough(cfg, len(ds), source)
+    if skip and "folder" in sources:
+        prep.notes.append(
+            f"folder: {len(skip)} entries that pack skipped (see shardkit info) are left out, "
+            "so the folder and the shards read the same samples"
+        )
     return prep
+
+
+def size_note(cfg: BenchConfig) -> str | None:
+    """How decode mode sizes the images: said before the runs and under the table."""
+    if cfg.mode != "decode":
+        return None
+    if image_size(cfg) is None:
+        return "decode: images batched at their stored size (--size 0)"
+    return (
+        f"decode: every image resized and centre-cropped to {cfg.size}x{cfg.size} for every "
+        f"format alike (--size, default {DEFAULT_SIZE}; --size 0 keeps stored sizes)"
+    )
 
 
 def _format_notes(cfg: BenchConfig, fmt: str, prep: _Prepared) -> list[str]:
@@ -366,17 +412,18 @@ def _run(
     cfg: BenchConfig, prep: _Prepared, fmt: str, workers: int, repeat: int, resident=None
 ) -> tuple[RunResult, Timeline]:
     """One run of ``fmt`` at the format's next epoch."""
-    out = run_once(
-        prep.datasets[fmt],
-        fmt,
-        workers,
-        cfg,
-        epoch=prep.epochs[fmt],
-        repeat=repeat,
-        bytes_per_sample=prep.per_sample[fmt],
-        storage=prep.storages[fmt],
-        resident_before=resident,
-    )
+    with one_thread() if workers == 0 else contextlib.nullcontext():
+        out = run_once(
+            prep.datasets[fmt],
+            fmt,
+            workers,
+            cfg,
+            epoch=prep.epochs[fmt],
+            repeat=repeat,
+            bytes_per_sample=prep.per_sample[fmt],
+            storage=prep.storages[fmt],
+            resident_before=resident,
+        )
     prep.epochs[fmt] += 1
     return out
 
@@ -432,22 +479,33 @@ def run_bench(config: BenchConfig) -> BenchResult:
     started = clock()
     load_before = Load.now(cores())
     steps, formats = pending(cfg)
+    _timeline_choice(cfg, list(formats))  # a bad --timeline-config, before anything is packed
     est = estimate(cfg, steps, formats)
     say(
         cfg,
         f"{est.line(cfg, list(formats))}; load {load_before.load_1m:.2f} on "
         f"{load_before.cores} cores",
     )
-    sources, _data = plan_sources(cfg)
-    prep = _prepare(cfg, sources)
+    sources, data = plan_sources(cfg)
+    prep = _prepare(cfg, sources, packed_skips(sources, data))
+    note = size_note(cfg)
+    if note:
+        say(cfg, note)
+        prep.notes.append(note)
 
     ceiling_single = None
     samples_for_ceiling: list[bytes] = []
+    size = image_size(cfg)
     if cfg.mode in ("decode", "augment"):
         ref = next(f for f in prep.formats if f != "memory")
         samples_for_ceiling = sample_bytes(ref, prep.datasets[ref], 256, cfg.seed)
-        say(cfg, f"measuring the {cfg.mode} ceiling (1 process, {len(samples_for_ceiling)} JPEGs)")
-        ceiling_single = measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds)
+        if cfg.mode == "decode" and size is None:
+            check_one_size(samples_for_ceiling, sources[ref])
+        say(
+            cfg,
+            f"measuring the {cfg.mode} ceiling (1 process, {len(samples_for_ceiling)} images)",
+        )
+        ceiling_single = measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds, size)
 
     if cfg.cold:
         _write_back(cfg, prep)
@@ -464,9 +522,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
     rows, timeline = _measure(cfg, prep)
 
     if ceiling_single is not None:  # again at the end: keep the better (the stricter ceiling)
-        ceiling_single = max(
-            ceiling_single, measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds)
-        )
+        again = measure_ceiling(samples_for_ceiling, cfg.mode, cfg.ceiling_seconds, size)
+        ceiling_single = max(ceiling_single, again)
     result = BenchResult(
         config=cfg,
         rows=rows,

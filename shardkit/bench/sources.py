@@ -16,13 +16,17 @@ from ..errors import InputError
 from ..manifest import MANIFEST_NAME
 from ..stream.sources import resolve_source
 from ..stream.storage import is_url
-from .config import SHARD_FORMATS, BenchConfig, say
+from .config import DEFAULT_SIZE, MIN_TIMED_BATCHES, SHARD_FORMATS, BenchConfig, say
 from .workloads import DATASET_DECODE, Augment, MemoryDataset
 
 __all__ = [
     "bytes_per_sample",
+    "check_enough",
+    "check_one_size",
     "load_all",
+    "image_size",
     "make_dataset",
+    "packed_skips",
     "packed_format",
     "pending",
     "plan_sources",
@@ -128,7 +132,8 @@ def pending(cfg: BenchConfig) -> tuple[list[tuple[str, str | None]], tuple[str, 
 
     For the estimate: (what, None) for the default set, (what, source folder) for each shard
     format to pack.
-    Raises the same InputErrors as ``plan_sources`` for a missing folder or a bad shards path.
+    Raises the same InputErrors as ``plan_sources`` for a missing folder or a bad shards path,
+    and refuses data too small for the runs, all before anything is made or packed.
     """
     from ..synth import MARKER
 
@@ -142,13 +147,75 @@ def pending(cfg: BenchConfig) -> tuple[list[tuple[str, str | None]], tuple[str, 
     formats = _formats(cfg, data)
     _check_formats(formats, data)
     shard_fmts = tuple(f for f in formats if f in SHARD_FORMATS)
+    if "loader" in formats and "tar" not in shard_fmts:
+        shard_fmts += ("tar",)
     for fmt in shard_fmts:
         target = _target(cfg, data, fmt, shard_fmts)
         if packed_format(target) is None:
             if data is None:
                 raise _nothing_packed(target)
             steps.append((f"packing {data} into {target}", os.fspath(data)))
+        elif not is_url(target):
+            manifest = resolve_source(target).manifest
+            if manifest is not None:
+                check_enough(cfg, manifest.num_samples, target)
+    if data is not None and not steps[:1] == [("making the default LFW-shaped set", None)]:
+        check_enough(cfg, _folder_count(cfg, os.fspath(data)), os.fspath(data))
     return steps, formats
+
+
+def check_enough(cfg: BenchConfig, samples: int, where: str) -> None:
+    """InputError unless ``samples`` cover the biggest run's warm-up and a few timed batches.
+
+    ``batches`` asks for exactly that many timed batches; otherwise a run shorter than
+    ``min_samples`` ends with the data (the verdict says so), and only ``MIN_TIMED_BATCHES``
+    are required: a small folder still benches, with short runs.
+    """
+    warm = max(1, max(cfg.workers)) * cfg.batch_size
+    timed = (cfg.batches if cfg.batches else MIN_TIMED_BATCHES) * cfg.batch_size
+    if samples < warm + timed:
+        knobs = ["batches="] if cfg.batches else []
+        knobs += ["batch_size="] + (["workers="] if max(cfg.workers) else [])
+        what = " or ".join(filter(None, [", ".join(knobs[:-1]), knobs[-1]]))
+        raise InputError(
+            f"{where}: {samples} samples, but a run with {max(cfg.workers)} workers needs "
+            f"{warm + timed} (warm-up {warm} + {timed} timed); lower {what}"
+        )
+
+
+def check_one_size(blobs: list[bytes], where: str) -> None:
+    """With ``size=0`` decode mode stacks images as stored: refuse mixed sizes up front."""
+    from ..images.decode import image_size as header_size
+
+    seen: dict[tuple[int, int], int] = {}
+    for data in blobs:
+        try:
+            seen.setdefault(header_size(data), 0)
+        except Exception:  # a bad image is the datasets' to report
+            continue
+        if len(seen) > 1:
+            (h0, w0), (h1, w1) = list(seen)[:2]
+            raise InputError(
+                f"{where}: images differ in size ({w0}x{h0} and {w1}x{h1}) and size 0 keeps "
+                "them as stored, which cannot be batched; pass size= N (the default is "
+                f"{DEFAULT_SIZE}, a centre crop)"
+            )
+
+
+def _folder_count(cfg: BenchConfig, data: str) -> int:
+    """Samples the folder holds by the scanner's rule; with ``size=0`` checks their sizes."""
+    from ..scan import scan_source
+
+    scan = scan_source(data)
+    if cfg.mode == "decode" and not cfg.size and len(scan.files):
+        rng = np.random.default_rng(cfg.seed)
+        pick = rng.choice(len(scan.files), size=min(256, len(scan.files)), replace=False)
+        blobs = []
+        for i in pick.tolist():
+            with open(os.path.join(data, scan.files[i]), "rb") as f:
+                blobs.append(f.read())
+        check_one_size(blobs, data)
+    return len(scan.files)
 
 
 def _nothing_packed(target: str) -> InputError:
@@ -206,38 +273,65 @@ def _check_packed_from(cfg: BenchConfig, target: str, data: str) -> None:
         )
 
 
-def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage):
-    """The dataset a run of ``fmt`` iterates, decoding as ``cfg.mode`` asks."""
+def image_size(cfg: BenchConfig) -> int | None:
+    """The fixed side decoded images get in this run (``cfg.size`` in decode mode), else None."""
+    return cfg.size if cfg.mode == "decode" and cfg.size else None
+
+
+def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage, skip=()):
+    """The dataset a run of ``fmt`` iterates, decoding as ``cfg.mode`` asks.
+
+    ``skip``: the folder's files to leave out (what pack skipped), so it reads the shards' samples.
+    """
     from ..stream.dataset import FolderDataset, ShardDataset
 
     decode = DATASET_DECODE[cfg.mode]
     transform = Augment() if cfg.mode == "augment" else None
+    size = image_size(cfg)
     if fmt == "memory":
-        blobs, labels = load_all(path)
-        return MemoryDataset(blobs, labels, decode=decode, transform=transform, seed=cfg.seed)
+        blobs, labels = load_all(path, skip)
+        return MemoryDataset(
+            blobs, labels, decode=decode, transform=transform, seed=cfg.seed, size=size
+        )
     if fmt == "folder":
-        return FolderDataset(path, decode=decode, transform=transform, storage=storage)
+        return FolderDataset(
+            path, decode=decode, transform=transform, storage=storage, size=size, skip=skip
+        )
     if is_url(path):
         storage = None  # remote storage: LocalStorage cannot open URLs
-    if fmt == "loader":
-        if decode != "tensor" or transform is not None:
-            raise InputError(
-                f"--formats loader measures ShardLoader's decoded batches; use --mode decode "
-                f"(not {cfg.mode})"
-            )
-        return ShardDataset(path, decode="tensor", shuffle=True, seed=cfg.seed, storage=storage)
     return ShardDataset(
-        path, decode=decode, transform=transform, shuffle=True, seed=cfg.seed, storage=storage
+        path,
+        decode=decode,
+        transform=transform,
+        shuffle=True,
+        seed=cfg.seed,
+        storage=storage,
+        size=size,
     )
 
 
-def load_all(path: str) -> tuple[list[bytes], list[int]]:
+def packed_skips(sources: dict[str, str], data: str | None) -> list[str]:
+    """The files of ``data`` that pack left out of the shards benchmarked beside it (bad images
+    it could not read), so the folder side leaves them out too: both sides read the same samples.
+    """
+    for fmt in SHARD_FORMATS:
+        path = sources.get(fmt)
+        if data is None or path is None or is_url(path):
+            continue
+        manifest = resolve_source(path).manifest
+        source = manifest.pack.get("source") if manifest is not None else None
+        if source and os.path.realpath(source) == os.path.realpath(data):
+            return [s.path for s in manifest.skipped]
+    return []
+
+
+def load_all(path: str, skip=()) -> tuple[list[bytes], list[int]]:
     """Every sample's stored bytes and label, from an image folder or from packed shards."""
     from ..stream.dataset import FolderDataset, ShardDataset
 
     packed = is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME))
     if os.path.isdir(path) and not packed:
-        folder = FolderDataset(path, decode="raw")
+        folder = FolderDataset(path, decode="raw", skip=skip)
         blobs = []
         for i in range(len(folder)):
             with open(os.path.join(folder.root, folder.relpath(i)), "rb") as f:

@@ -26,6 +26,7 @@ class Comparison:
 
     ``p``: two-sided p-value, None when a side has fewer than 2 runs (no spread to test with).
     ``real``: the difference is significant at ``ALPHA``; False when it cannot be tested.
+    ``short_s``: set (the shortest timed run, seconds) when the runs were too short to judge.
     """
 
     mean_a: float
@@ -33,6 +34,7 @@ class Comparison:
     t: float | None
     df: float | None
     p: float | None
+    short_s: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -40,10 +42,12 @@ class Comparison:
 
     @property
     def real(self) -> bool:
-        return self.p is not None and self.p < ALPHA
+        return self.p is not None and self.p < ALPHA and self.short_s is None
 
     def describe(self) -> str:
         """``"p=0.003"`` / ``"p<0.001"`` / ``"untested: 1 run"`` for the verdict's wording."""
+        if self.short_s is not None:
+            return f"too short to judge: a run timed {self.short_s * 1000:.3g} ms"
         if self.p is None:
             return "untested: fewer than 2 runs each"
         return "p<0.001" if self.p < 0.001 else f"p={self.p:.2g}"

@@ -35,6 +35,7 @@ __all__ = [
     "MemoryDataset",
     "TimedIterable",
     "TimedMap",
+    "sample_decoder",
     "stack_images",
     "step",
     "worker_id",
@@ -195,6 +196,7 @@ class MemoryDataset(IterableDataset):
         decode: str,
         transform=None,
         seed: int = 0,
+        size: int | None = None,
     ):
         super().__init__()
         lengths = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
@@ -206,6 +208,7 @@ class MemoryDataset(IterableDataset):
         self.transform = transform
         self.seed = int(seed)
         self.epoch = 0
+        self.size = size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -214,16 +217,27 @@ class MemoryDataset(IterableDataset):
         return len(self.labels)
 
     def __iter__(self):
-        from ..images.decode import decode_image
-
         k, n = worker_slot()
+        decode = sample_decoder(self.decode, self.size)
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.labels))
         blob, offsets, labels = self.blob, self.offsets, self.labels
         for i in order[k::n].tolist():
-            img = decode_image(blob[offsets[i] : offsets[i + 1]].tobytes(), self.decode)
+            img = decode(blob[offsets[i] : offsets[i + 1]].tobytes())
             if self.transform is not None:
                 img = self.transform(img)
             yield img, int(labels[i])
+
+
+def sample_decoder(decode: str, size: int | None):
+    """Bytes -> what the datasets yield in this mode: ``decode_image``, or with ``size`` the
+    fixed-size ``TensorDecoder`` (centre crop) that ``ShardDataset(size=)`` uses."""
+    from ..images.decode import decode_image
+
+    if size is None:
+        return lambda data: decode_image(data, decode)
+    from ..images.geometry import Geometry, TensorDecoder
+
+    return TensorDecoder(Geometry(size, "center"))
 
 
 # --- the consumer's step ---------------------------------------------------------------------

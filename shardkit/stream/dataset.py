@@ -217,7 +217,7 @@ class ShardDataset(IterableDataset):
         check_choice("dct", dct, DCT_MODES)
         self.dct = dct
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-            raise InputError(f"batch_size={batch_size!r} must be a positive int or None")
+            raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
         self.batch_size = None if batch_size is None else int(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InputError(f"prefetch={prefetch!r} must be an int >= 0 (0: no prefetch)")

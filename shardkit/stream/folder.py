@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
 from ..images.decode import decode_image
+from ..images.geometry import Geometry, TensorDecoder
 from ..scan import StrTable, scan_source
 from .stages import DECODE_MODES
 from .storage import LocalStorage, Storage
@@ -30,6 +31,11 @@ class FolderDataset(Dataset):
     one numpy byte blob with int64 offsets, not a Python list: forked DataLoader workers touching
     a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
     Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
+
+    ``size``/``crop`` (with ``decode="tensor"``) give fixed-size images through the same
+    ``TensorDecoder`` as ``ShardDataset(size=, crop=)``: the same pixels from a folder and from
+    its shards, so images of mixed sizes batch. ``skip``: relative paths to leave out, e.g. the
+    ``skipped`` of a manifest packed from this folder, so both read the same samples.
     """
 
     def __init__(
@@ -42,8 +48,16 @@ class FolderDataset(Dataset):
         storage: Storage | None = None,
         extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS)),
         with_keys: bool = False,
+        size: int | None = None,
+        crop: str = "center",
+        seed: int = 0,
+        skip: Iterable[str] = (),
     ):
         check_choice("decode", decode, DECODE_MODES)
+        if size is not None and decode != "tensor":
+            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
+        self.geometry = Geometry(int(size), crop) if size is not None else None
+        self.seed, self.epoch = int(seed), 0
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise InputError(f"{self.root}: not a directory; pass a class-per-folder image tree")
@@ -56,6 +70,9 @@ class FolderDataset(Dataset):
         scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
         self.classes: list[str] = list(scan.classes)
         keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        left_out = set(skip)
+        if left_out:
+            keep &= np.fromiter((f not in left_out for f in scan.files), bool, len(scan.files))
         if not keep.any():
             raise InputError(
                 f"{self.root}: no images (.{', .'.join(sorted(exts))}) in class folders; "
@@ -77,6 +94,10 @@ class FolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.targets)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of ``crop="random"``'s draws (a pure function of seed, epoch and path)."""
+        self.epoch = int(epoch)
+
     def relpath(self, index: int) -> str:
         """Path of sample ``index`` relative to the root (also its key)."""
         blob = self.path_bytes[self.offsets[index] : self.offsets[index + 1]]
@@ -90,7 +111,10 @@ class FolderDataset(Dataset):
         with self.storage.open(path) as f:
             data = f.read()
         try:
-            img = decode_image(data, self.decode)
+            if self.geometry is None:
+                img = decode_image(data, self.decode)
+            else:
+                img = TensorDecoder(self.geometry, self.seed, self.epoch)(data, rel)
         except Exception as exc:
             raise SampleError(
                 f"{path}: cannot be decoded ({exc}); remove or replace the file",

@@ -100,9 +100,7 @@ def index_shards(
     for d in by_dir:
         target = os.path.join(d, MANIFEST_NAME)
         if os.path.lexists(target) and not overwrite:
-            raise OutputError(
-                f"{target} already exists; pass overwrite=True (--overwrite) to replace it"
-            )
+            raise OutputError(f"{target} already exists; pass overwrite=True to replace it")
 
     entries: dict[str, list[ShardEntry]] = {d: [] for d in by_dir}
     labels: set[int] = set()

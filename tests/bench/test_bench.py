@@ -233,7 +233,7 @@ def test_folder_without_images_is_a_clear_error(tmp_path):
 
 
 def test_too_few_samples_for_the_runs_is_a_clear_error(tiny):
-    with pytest.raises(InputError, match="lower batches or batch_size"):
+    with pytest.raises(InputError, match="lower batches=, batch_size= or workers="):
         run_bench(_config(tiny, batch_size=64, formats=("folder",)))
 
 
@@ -483,6 +483,20 @@ def test_verdict_calls_1_2x_with_overlapping_spreads_a_tie():
         in text
     )
     assert "a real difference" not in text
+
+
+def test_runs_too_short_to_judge_are_never_called_a_real_difference():
+    """A 3x gap over runs timed well under a millisecond is timer noise, not a verdict."""
+    rows = [_row("folder", 2, _planted(1e6, 1e4), 1.0), _row("tar", 2, _planted(3e6, 1e4), 1.0)]
+    lines = verdict(_result(rows, workers=(2,)))
+    text = "\n".join(lines)
+    assert "tar vs folder, each at its best: 3.0x" in text
+    assert "real" not in lines[-3] and "too short to judge: a run timed 0.2" in text
+    assert "10 of 10 runs were timed under 0.1 s" in text and "--min-seconds" in text
+    two = [_row("tar", 0, _planted(1e6, 1e4), 1.0), _row("tar", 2, _planted(3e6, 1e4), 1.0)]
+    line = verdict(_result(two, workers=(0, 2)))[0]
+    assert line.startswith("tar: fastest mean at 2 workers") and "within noise" not in line
+    assert "; not compared with 0 workers (1,000,000 ± 10,000) (too short to judge" in line
 
 
 def test_verdict_calls_a_planted_3x_gap_real_and_a_planted_tie_noise():

@@ -523,9 +523,15 @@ def test_a_different_source_or_options_still_needs_overwrite(tree, tmp_path, cha
     before = _out_state(out)
     r = run_cli("pack", src, out, *args, "-q")
     assert r.returncode == 2
+    why = {
+        "shard size": "other options: --shard-size 4.0 kB -> 8.0 kB",
+        "seed": "other options: --seed 0 -> 1",
+        "format": "other options: --format tar -> lmdb",
+        "shard gone": "its shard shard-000000.tar missing or changed",
+    }.get(change, "the same options, but the source's files changed since (names, sizes or mtimes)")
     assert r.stderr.splitlines() == [
-        f"error: output directory '{out}' is not empty; pass --overwrite to replace the shards "
-        "and manifest in it, or choose an empty directory"
+        f"error: {out} holds a pack made with {why}; pass --overwrite to replace it, or choose "
+        "another output"
     ]
     assert _out_state(out) == before
     r = run_cli("pack", src, out, *args, "--overwrite", "-q")  # and --overwrite repacks
@@ -830,7 +836,9 @@ def test_all_images_bad_is_an_input_error(tmp_path):
     os.makedirs(src / "a")
     (src / "a" / "x.jpg").write_bytes(b"junk")
     (src / "a" / "y.png").write_bytes(b"")
-    with pytest.raises(InputError, match=r"none of its 2 images could be packed \(first: a/x.jpg"):
+    with pytest.raises(
+        InputError, match=r"none of its 2 images could be packed \(first: a/y.png: empty"
+    ):
         quiet_pack(src, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == []
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from shardkit.errors import ManifestError
 from shardkit.manifest import read_manifest
+from shardkit.sizes import size_text
 from shardkit.write.packer import pack
 from shardkit.write.verify import dataset_info, verify
 
@@ -130,7 +131,7 @@ def test_info_text_and_json(packed):
         f"format:   {m.shard_format}",
         f"shards:   {len(m.shards)}",
         f"samples:  {n}",
-        f"bytes:    {m.total_bytes} ({m.total_bytes / 1e6:.1f} MB)",
+        f"bytes:    {m.total_bytes} ({size_text(m.total_bytes)})",
         "classes:  7 (class_0, class_1, class_2, class_3, class_4, ...)",
         "skipped:  0",
         f"manifest: {out / 'manifest.json'}",

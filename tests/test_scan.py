@@ -1,0 +1,60 @@
+"""The one rule of what a sample is, shared by pack and FolderDataset (shardkit/scan.py)."""
+
+from __future__ import annotations
+
+import os
+
+from PIL import Image
+
+from shardkit import FolderDataset
+from shardkit.scan import scan_source
+from shardkit.write.packer import pack
+
+
+def _img(path, shade):
+    Image.new("RGB", (8, 8), (shade, 0, 0)).save(path)
+
+
+def test_a_link_to_a_file_already_there_is_reported_not_a_second_sample(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    _img(src / "a" / "x.jpg", 10)
+    _img(src / "b" / "y.jpg", 20)
+    os.symlink(src / "a" / "x.jpg", src / "b" / "x-again.jpg")
+    os.link(src / "b" / "y.jpg", src / "b" / "y-hard.jpg")  # a hard link is a file of its own
+    scan = scan_source(str(src))
+    assert list(scan.files) == ["a/x.jpg", "b/y-hard.jpg", "b/y.jpg"]
+    assert scan.labels.tolist() == [0, 1, 1]
+    assert [(s.path, s.reason) for s in scan.ignored] == [
+        ("b/x-again.jpg", "symbolic link to a/x.jpg, a sample")
+    ]
+    report = pack(str(src), str(tmp_path / "out"), progress=False)
+    assert report.samples == len(FolderDataset(str(src))) == 3
+    assert "b/x-again.jpg" in {s.path for s in report.skipped}
+
+
+def test_links_that_all_lead_outside_keep_one_sample_per_file(tmp_path):
+    outside = tmp_path / "store"
+    outside.mkdir()
+    _img(outside / "z.jpg", 30)
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    os.symlink(outside / "z.jpg", src / "a" / "1.jpg")
+    os.symlink(outside / "z.jpg", src / "a" / "2.jpg")
+    scan = scan_source(str(src))
+    assert list(scan.files) == ["a/1.jpg"]
+    assert [s.path for s in scan.ignored] == ["a/2.jpg"]
+
+
+def test_an_image_outside_any_class_folder_is_called_a_stray_image(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    _img(src / "a" / "x.jpg", 10)
+    _img(src / "lost.jpg", 20)
+    (src / "README").write_text("notes")
+    reasons = {s.path: s.reason for s in scan_source(str(src)).ignored}
+    assert reasons == {
+        "lost.jpg": "stray image, not in a class folder (SRC/<class>/<image>)",
+        "README": "not in a class folder",
+    }
