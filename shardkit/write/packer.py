@@ -64,8 +64,9 @@ _VALIDATE = ("header", "decode", "none")
 #: ``"fail"`` is the former name of ``"raise"``, kept as an alias.
 _ON_ERROR = ("skip", "raise", "fail")
 
-#: A loaded sample: (position, key, bytes or None, ext, label, reason it is unusable or None).
-Loaded = tuple[int, str, "bytes | None", str, int, "str | None"]
+#: A loaded sample: (position, key, bytes or None, ext, reason it is unusable or None, label,
+#: extra fields as ``{name: bytes}`` or None).
+Loaded = tuple[int, str, "bytes | None", str, "str | None", int, "dict[str, bytes] | None"]
 
 
 class PackWarning(UserWarning):
@@ -189,15 +190,48 @@ def _folder_loader(scan: SourceScan, validate: str, resize_short: int | None):
                 data, st = _read_file(path, load.ahead.take(i))
             except OSError as exc:
                 load.stats[i] = _stat_pair(path)
-                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label))
+                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label, None))
                 continue
             load.stats[i] = (st.st_size, st.st_mtime_ns)
-            out.append((i, key, *_check(data, ext, validate, resize_short), label))
+            checked = _check(data, ext, validate, resize_short)
+            fields, why = _read_fields(root, scan.fields_of(i), validate, load.side_stats, i)
+            if why is not None and checked[2] is None:
+                checked = (None, ext, why)
+            out.append((i, key, *checked, label, fields))
         return out
 
     load.ahead = _Ahead()
     load.stats = np.full((len(files), 2), -1, dtype=np.int64)
+    load.side_stats = {}  # position -> (size, mtime_ns) of each sidecar, for the fingerprint
     return load
+
+
+def _read_fields(root: str, named, validate: str, side_stats: dict, i: int):
+    """``({field: bytes} or None, reason or None)``: a sample's sidecar files, read whole.
+
+    A field named ``json``/``*.json`` must parse (unless ``validate="none"``): a caption set with
+    one broken file fails here, naming it, not in the middle of training."""
+    if not named:
+        return None, None
+    fields, stats = {}, []
+    for name, rel in named:
+        path = os.path.join(root, rel)
+        try:
+            data, st = _read_file(path)
+        except OSError as exc:
+            stats.append(_stat_pair(path))
+            side_stats[i] = stats
+            return None, f"field file {rel}: unreadable: {exc.strerror or exc}"
+        stats.append((st.st_size, st.st_mtime_ns))
+        if validate != "none" and (name == "json" or name.endswith(".json")):
+            try:
+                json.loads(data)
+            except ValueError as exc:
+                side_stats[i] = stats
+                return None, f"field file {rel}: not valid JSON ({exc})"
+        fields[name] = data
+    side_stats[i] = stats
+    return fields, None
 
 
 def _folder_tasks(order: np.ndarray, workers: int) -> Iterator[tuple]:
@@ -315,7 +349,9 @@ def _options(format, shard_size, shuffle, seed, validate, resize_short, on_error
     }
 
 
-def _fingerprint(scan: SourceScan, stats: np.ndarray, options: dict) -> str:
+def _fingerprint(
+    scan: SourceScan, stats: np.ndarray, options: dict, side_stats: dict | None = None
+) -> str:
     """sha256 over the options and the source listing, as ``make`` would compare it: every
     image's relative path, size and mtime (``stats``: one ``(size, mtime_ns)`` row per file of
     ``scan.files``), the class folders, and what the scan listed as unreadable or ignored."""
@@ -330,6 +366,11 @@ def _fingerprint(scan: SourceScan, stats: np.ndarray, options: dict) -> str:
     h.update(scan.files.offsets.astype("<i8").tobytes())
     h.update(scan.files.blob.tobytes())
     h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
+    if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
+        h.update(scan.sidecars.offsets.astype("<i8").tobytes())
+        h.update(scan.sidecars.blob.tobytes())
+        for i in range(len(scan.files)):
+            h.update(np.asarray(side_stats.get(i, ()), dtype="<i8").tobytes())
     return "sha256:" + h.hexdigest()
 
 
@@ -360,7 +401,12 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
         stats = np.array(
             [_stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
         ).reshape(-1, 2)
-        if _fingerprint(scan, stats, options) != recorded:
+        side = {
+            i: [_stat_pair(os.path.join(root, rel)) for _, rel in scan.fields_of(i)]
+            for i in (range(len(scan.files)) if scan.sidecars.blob.size else ())
+            if scan.sidecars[i]
+        }
+        if _fingerprint(scan, stats, options, side) != recorded:
             return None
     return PackReport(
         out=out,
@@ -500,7 +546,9 @@ def pack(
             **run.extra,
         }
         if run.scan is not None:
-            writer.pack_info[FINGERPRINT_FIELD] = _fingerprint(run.scan, run.load.stats, options)
+            writer.pack_info[FINGERPRINT_FIELD] = _fingerprint(
+                run.scan, run.load.stats, options, run.load.side_stats
+            )
     done = writer.report
     if skipped:
         warnings.warn(
@@ -623,7 +671,7 @@ def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress
     done_bytes = seen = 0
     try:
         for results in _ordered_map(run.load, run.tasks, workers, READ_AHEAD * workers):
-            for i, key, data, ext, reason, label in results:
+            for i, key, data, ext, reason, label, fields in results:
                 seen += 1
                 if data is None:
                     if on_error == "raise":
@@ -633,7 +681,7 @@ def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress
                         )
                     errors.append(SkippedFile(run.skip_name(i, key), reason))
                     continue
-                writer.add(key, ext, data, label)
+                writer.add(key, ext, data, label, fields)
                 done_bytes += len(data)
             bar.update(len(results))
             if not bar.disable:

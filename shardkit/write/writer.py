@@ -140,6 +140,7 @@ class ShardWriter:
         self._entries: list[ShardEntry] = []
         self._shard = None
         self._max_label = -1
+        self._field_counts: dict[str, int] = {}
         self._single = 0  # shards in a row closed at one sample because the next did not fit
         self._lock: DirLock | None = None
         self._uploader = None
@@ -273,6 +274,8 @@ class ShardWriter:
         except OSError as exc:
             raise write_error(self.out, exc, "shards") from None
         self._max_label = max(self._max_label, label)
+        for name, _ in fields:
+            self._field_counts[name] = self._field_counts.get(name, 0) + 1
 
     def _note_single(self, samples: int, next_bytes: int) -> None:
         """Warn once when shard_size gives one-sample shards: an open per sample again, which
@@ -321,6 +324,7 @@ class ShardWriter:
                 shards=list(self._entries),
                 skipped=sorted(self.skipped, key=lambda s: s.path),
                 pack=dict(self.pack_info),
+                fields=dict(self._field_counts),
             )
             what = MANIFEST_NAME
             local_manifest = write_manifest(manifest, self._staging)

@@ -1,0 +1,129 @@
+"""Files that share a key with an image (x.jpg + x.txt + x.json + x.seg.png) pack as one sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+
+import lmdb
+import pytest
+from PIL import Image
+
+from shardkit import FolderDataset, pack
+from shardkit.errors import InputError
+from shardkit.manifest import read_manifest
+from shardkit.scan import scan_source
+
+
+def _captioned(root, n=4):
+    """root/cls/x{i}.jpg with .txt and .json beside each, a .seg.png beside the even ones."""
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(n):
+            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(root / c / f"x{i}.jpg")
+            (root / c / f"x{i}.txt").write_text(f"a {c} number {i}")
+            (root / c / f"x{i}.json").write_text(json.dumps({"i": i, "c": c}))
+            if i % 2 == 0:
+                Image.new("L", (8, 6), i).save(root / c / f"x{i}.seg.png")
+    return root
+
+
+def test_the_scan_joins_sidecars_to_their_image(tmp_path):
+    src = _captioned(tmp_path / "src")
+    (src / "dog" / "notes.md").write_text("a caption without its image")
+    (src / "cat" / "a.b.jpg").write_bytes((src / "cat" / "x0.jpg").read_bytes())
+    scan = scan_source(str(src))
+    assert list(scan.keys) == [f"cat/{k}" for k in ("a%2Eb", "x0", "x1", "x2", "x3")] + [
+        f"dog/x{i}" for i in range(4)
+    ]
+    assert scan.fields_of(1) == [("json", "cat/x0.json"), ("seg.png", "cat/x0.seg.png"),
+                                 ("txt", "cat/x0.txt")]  # fmt: skip
+    assert scan.fields_of(0) == [] and scan.fields_of(2)[1] == ("txt", "cat/x1.txt")
+    assert scan.field_counts == {"json": 8, "seg.png": 4, "txt": 8}
+    assert scan.not_images == 0
+    assert [(e.path, "no image with key 'dog/notes'" in e.reason) for e in scan.errors] == [
+        ("dog/notes.md", True)
+    ]
+    # FolderDataset lists the same samples: the sidecars are no images to it either
+    with pytest.warns(UserWarning, match="dog/notes.md"):
+        assert len(FolderDataset(str(src))) == 9
+
+
+def test_a_stray_file_beside_bare_images_is_still_only_ignored(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(src / "a" / "x.jpg")
+    (src / "a" / "README.txt").write_text("hi")
+    scan = scan_source(str(src))
+    assert not scan.errors and scan.not_images == 1 and scan.field_counts == {}
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_pack_writes_the_fields_and_counts_them(tmp_path, fmt):
+    src = _captioned(tmp_path / "src")
+    report = pack(str(src), str(tmp_path / "out"), format=fmt, shuffle=False)
+    assert report.samples == 8 and report.errors == 0 and report.not_images == 0
+    m = read_manifest(str(tmp_path / "out"))
+    assert m.fields == {"json": 8, "seg.png": 4, "txt": 8}
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["fields"] == m.fields
+    shard = str(tmp_path / "out" / m.shards[0].path)
+    if fmt == "tar":
+        with tarfile.open(shard) as tf:
+            members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+        assert [n for n in members if n.startswith("cat/x0.")] == [
+            "cat/x0.jpg", "cat/x0.cls", "cat/x0.json", "cat/x0.seg.png", "cat/x0.txt"
+        ]  # fmt: skip
+        assert "cat/x1.seg.png" not in members
+        stored = {n: members[n] for n in ("dog/x3.txt", "dog/x2.seg.png", "dog/x2.json")}
+    else:
+        env = lmdb.open(shard, subdir=False, readonly=True, lock=False)
+        with env.begin() as txn:  # dog/x2 is sample 6 in a sorted, unshuffled pack
+            stored = {
+                "dog/x3.txt": txn.get(b"+0000000007.txt"),
+                "dog/x2.seg.png": txn.get(b"+0000000006.seg.png"),
+                "dog/x2.json": txn.get(b"+0000000006.json"),
+            }
+            assert txn.get(b"+0000000007.seg.png") is None
+        env.close()
+    assert stored == {n: (src / n).read_bytes() for n in stored}
+
+
+def test_fields_count_in_the_up_to_date_check(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    out = str(tmp_path / "out")
+    pack(str(src), out)
+    assert pack(str(src), out).up_to_date
+    caption = src / "cat" / "x1.txt"
+    caption.write_text("another caption, longer than the first")
+    assert not pack(str(src), out, overwrite=True).up_to_date
+
+
+def test_a_sidecar_without_its_image_is_an_error_naming_file_and_key(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    (src / "cat" / "lost.txt").write_text("no picture")
+    with pytest.raises(InputError, match=r"cat/lost\.txt: no image with key 'cat/lost'"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise")
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        report = pack(str(src), str(tmp_path / "out2"), on_error="skip")
+    assert report.samples == 4 and report.errors == 1
+    assert [s.path for s in read_manifest(str(tmp_path / "out2")).skipped] == ["cat/lost.txt"]
+
+
+def test_unparseable_json_and_odd_field_names_name_the_file_and_key(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    (src / "dog" / "x1.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"dog/x1\.jpg: field file dog/x1\.json: not valid JSON"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise", shuffle=False)
+    (src / "cat" / "x0.cls").write_text("3")
+    with pytest.raises(InputError, match=r"cat/x0\.cls: field of key 'cat/x0': 'cls' cannot be"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise", shuffle=False)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    with pytest.warns(UserWarning, match="skipped 2"):
+        report = pack(str(src), str(tmp_path / "out2"), shuffle=False)
+    skipped = {s.path: s.reason for s in read_manifest(str(tmp_path / "out2")).skipped}
+    assert "cannot be a field name" in skipped["cat/x0.cls"]
+    assert "key 'cat/x0'" in skipped["cat/x0.cls"]
+    assert "not valid JSON" in skipped["dog/x1.jpg"]
+    assert report.samples == 3
