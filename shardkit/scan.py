@@ -23,6 +23,7 @@ every page they touch through refcount writes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -137,6 +138,8 @@ class SourceScan:
     keys: StrTable = field(default_factory=StrTable)
     exts: StrTable = field(default_factory=StrTable)
     sidecars: StrTable = field(default_factory=StrTable)
+    #: A table's fields held in the table itself, per sample a JSON object (``""``: none).
+    inline: StrTable = field(default_factory=StrTable)
     field_counts: dict[str, int] = field(default_factory=dict)
     labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     errors: list[SkippedFile] = field(default_factory=list)
@@ -157,6 +160,17 @@ class SourceScan:
         cut = rel.rfind("/") + 1
         stem = rel[: cut + rel[cut:].find(".")]
         return [(s.lower(), f"{stem}.{s}") for s in suffixes.split(FIELD_SEP)]
+
+    def inline_fields(self, i: int) -> dict[str, bytes]:
+        """Sample ``i``'s fields from a table row, as stored: ``txt`` UTF-8, ``json`` JSON."""
+        text = self.inline[i] if len(self.inline) else ""
+        if not text:
+            return {}
+        doc = json.loads(text)
+        return {
+            k: v.encode() if isinstance(v, str) else json.dumps(v, ensure_ascii=False).encode()
+            for k, v in doc.items()
+        }
 
     def add_non_image(self, rel: str, reason: str) -> None:
         name = rel.rsplit("/", 1)[-1]
@@ -196,8 +210,8 @@ def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
     return keys
 
 
-def scan_source(src: str, progress: bool = False) -> SourceScan:
-    """List the images of a class-per-folder tree.
+def scan_source(src: str, progress: bool = False, root: str | None = None) -> SourceScan:
+    """List the images of a class-per-folder tree (or of a table: see ``scan_table``).
 
     Classes are the sorted names of SRC's sub-directories; images anywhere below a class folder
     belong to it. Hidden names (leading dot: ``.DS_Store``, ``._x.jpg``, ``.ipynb_checkpoints``)
@@ -208,6 +222,10 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     from .progress import Progress
 
     check_source_dir(src)
+    if is_table(src):
+        return scan_table(src, root)
+    if root is not None:
+        raise InputError(f"root={root!r} is for a table source; {src!r} is a folder")
     root = os.path.abspath(src)
     try:
         with os.scandir(root) as it:
@@ -262,11 +280,7 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
     if idents:
         _drop_linked_twins(scan, np.concatenate(idents))
-    for suffixes in scan.sidecars:
-        for name in suffixes.split(FIELD_SEP) if suffixes else ():
-            name = name.lower()
-            scan.field_counts[name] = scan.field_counts.get(name, 0) + 1
-    scan.field_counts = dict(sorted(scan.field_counts.items()))
+    _count_fields(scan, (s.lower().split(FIELD_SEP) if s else () for s in scan.sidecars))
     if not scan.classes:
         raise InputError(
             f"source {src!r} has no class folders; expected one sub-folder of images per class "
@@ -278,6 +292,13 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             f"{len(scan.classes)} class folder(s)"
         )
     return scan
+
+
+def _count_fields(scan: SourceScan, per_sample: Iterable[Iterable[str]]) -> None:
+    for names in per_sample:
+        for name in names:
+            scan.field_counts[name] = scan.field_counts.get(name, 0) + 1
+    scan.field_counts = dict(sorted(scan.field_counts.items()))
 
 
 def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
@@ -315,10 +336,153 @@ def check_source_dir(src: str) -> None:
         raise InputError(
             f"source {src!r} does not exist; pass a folder with one sub-folder per class"
         )
-    if not os.path.isdir(src):
+    if not os.path.isdir(src) and not (is_table(src) and os.path.isfile(src)):
         raise InputError(
-            f"source {src!r} is not a directory; pass a folder with one sub-folder per class"
+            f"source {src!r} is not a directory; pass a folder with one sub-folder per class, "
+            f"or a table ({', '.join(TABLE_SUFFIXES)})"
         )
+
+
+# --- tables: one row per sample ------------------------------------------------------------------
+
+#: File endings read as a table source.
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl")
+#: Columns naming the image file (the first one present is used), relative to the table's root.
+IMAGE_COLUMNS = ("image", "path", "file", "filename")
+#: Columns holding the caption (stored as field ``txt``); the first one present is used.
+CAPTION_COLUMNS = ("caption", "text", "txt")
+#: The column holding the class name, if the table has one (sorted names give the labels).
+LABEL_COLUMN = "label"
+
+
+def is_table(src: str) -> bool:
+    return str(src).lower().endswith(TABLE_SUFFIXES)
+
+
+def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line)."""
+    import csv
+
+    try:
+        f = open(path, encoding="utf-8", newline="")
+    except OSError as exc:
+        raise InputError(f"cannot read table {path!r}: {exc.strerror}") from None
+    with f:
+        try:
+            if path.lower().endswith(".jsonl"):
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as exc:
+                        raise InputError(f"{path}:{n}: not a JSON object ({exc})") from None
+                    if not isinstance(row, dict):
+                        raise InputError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
+                    yield n, row
+                return
+            reader = csv.DictReader(f, delimiter="\t" if path.lower().endswith(".tsv") else ",")
+            for row in reader:
+                yield reader.line_num, row
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
+    return next((c for c in names if c in row), None)
+
+
+def scan_table(path: str, root: str | None = None) -> SourceScan:
+    """List the samples of a table: one row each, in row order.
+
+    The image column (``IMAGE_COLUMNS``) names a file relative to ``root`` (default: the table's
+    folder); the caption column (``CAPTION_COLUMNS``) becomes field ``txt``, a ``label`` column
+    gives class names (sorted: labels; none: samples carry no label, -1), every other column goes
+    into field ``json`` as an object. Nothing is read outside ``root``: a path that is absolute,
+    climbs out with ``..`` or resolves (through a symbolic link) outside it is refused, naming
+    the row; pass a wider ``root`` to allow it. A row naming a missing or non-image file is
+    listed in ``errors`` (pack's ``on_error`` decides).
+    """
+    table = os.path.abspath(path)
+    base = os.path.abspath(root) if root is not None else os.path.dirname(table)
+    if not os.path.isdir(base):
+        raise InputError(f"root {base!r} of table {path!r} is not a directory")
+    real_base = os.path.realpath(base)
+    scan = SourceScan(root=base, classes=[])
+    rels, exts, inline, names, lines = [], [], [], [], []
+    image_col = caption_col = None
+    for line, row in _table_rows(path):
+        if image_col is None:
+            image_col = _column(path, row, IMAGE_COLUMNS)
+            if image_col is None:
+                raise InputError(
+                    f"{path}: no image column; name the column holding the image paths one of "
+                    f"{', '.join(IMAGE_COLUMNS)}"
+                )
+            caption_col = _column(path, row, CAPTION_COLUMNS)
+        rel = row.get(image_col)
+        where = f"{path}:{line}"
+        if not isinstance(rel, str) or not rel:
+            scan.errors.append(SkippedFile(where, f"no image path in column {image_col!r}"))
+            continue
+        rel = _inside(rel, base, real_base, where)
+        ext = _image_ext(rel.rsplit("/", 1)[-1])
+        full = os.path.join(base, rel)
+        if ext is None:
+            scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
+        elif not os.path.isfile(full):
+            scan.errors.append(SkippedFile(rel, f"{where}: no such image file"))
+        else:
+            fields = _row_fields(row, image_col, caption_col)
+            rels.append(rel)
+            exts.append(ext)
+            inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
+            label = row.get(LABEL_COLUMN)
+            names.append(None if label is None else str(label))
+            lines.append(line)
+    named = [n for n in names if n is not None]
+    if named and len(named) != len(names):
+        first = lines[names.index(None)]
+        raise InputError(f"{path}:{first}: no {LABEL_COLUMN!r}; give every row a label or none")
+    scan.classes = sorted(set(named))
+    index = {c: i for i, c in enumerate(scan.classes)}
+    scan.files, scan.exts = StrTable(rels), StrTable(exts)
+    scan.keys = StrTable(_assign_keys(rels, exts))
+    scan.inline = StrTable(inline)
+    scan.labels = np.array([index[n] if n is not None else -1 for n in names], dtype=np.int64)
+    _count_fields(scan, (json.loads(t) if t else () for t in inline))
+    if not rels and not scan.errors:
+        raise InputError(f"table {path!r} has no rows")
+    return scan
+
+
+def _row_fields(row: dict, image_col: str, caption_col: str | None) -> dict:
+    """A row's fields: the caption as ``txt``, the other columns but label as ``json``."""
+    fields: dict = {}
+    rest = {k: v for k, v in row.items() if k not in (image_col, caption_col, LABEL_COLUMN)}
+    if caption_col is not None and row.get(caption_col) is not None:
+        caption = row[caption_col]
+        fields["txt"] = caption if isinstance(caption, str) else json.dumps(caption)
+    if rest:
+        fields["json"] = rest
+    return fields
+
+
+def _inside(rel: str, base: str, real_base: str, where: str) -> str:
+    """``rel`` normalised, if it names a file under ``base`` (links resolved); else refused."""
+    norm = os.path.normpath(rel).replace(os.sep, "/")
+    target = os.path.realpath(os.path.join(base, norm))
+    if (
+        os.path.isabs(rel)
+        or norm == ".."
+        or norm.startswith("../")
+        or not target.startswith(real_base.rstrip(os.sep) + os.sep)
+    ):
+        raise InputError(
+            f"{where}: image path {rel!r} leads outside {base!r}; nothing outside the table's "
+            "folder is read unless you pass a root that holds it (--root DIR, root=DIR)"
+        )
+    return norm
 
 
 def _ident(path: str) -> tuple[int, int]:

@@ -195,6 +195,8 @@ def _folder_loader(scan: SourceScan, validate: str, resize_short: int | None):
             load.stats[i] = (st.st_size, st.st_mtime_ns)
             checked = _check(data, ext, validate, resize_short)
             fields, why = _read_fields(root, scan.fields_of(i), validate, load.side_stats, i)
+            if fields is not None or why is None:
+                fields = {**(fields or {}), **scan.inline_fields(i)} or None
             if why is not None and checked[2] is None:
                 checked = (None, ext, why)
             out.append((i, key, *checked, label, fields))
@@ -366,6 +368,10 @@ def _fingerprint(
     h.update(scan.files.offsets.astype("<i8").tobytes())
     h.update(scan.files.blob.tobytes())
     h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
+    if scan.inline.blob.size:  # a table's captions and columns
+        h.update(scan.inline.offsets.astype("<i8").tobytes())
+        h.update(scan.inline.blob.tobytes())
+        h.update(np.ascontiguousarray(scan.labels, dtype="<i8").tobytes())
     if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
         h.update(scan.sidecars.offsets.astype("<i8").tobytes())
         h.update(scan.sidecars.blob.tobytes())
@@ -396,7 +402,7 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
             _stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
         ):
             return None
-        scan = scan_source(src, progress=progress)
+        scan = scan_source(src, progress=progress, root=options.get("root"))
         root = os.path.abspath(scan.root)
         stats = np.array(
             [_stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
@@ -459,8 +465,13 @@ def pack(
     storage_options: Mapping[str, Any] | None = None,
     work_dir: str | None = None,
     upload_concurrency: int = 4,
+    root: str | os.PathLike | None = None,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
+
+    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``; ``shardkit.scan.scan_table``):
+    one row per image, its caption as field ``txt``, other columns as ``json``; image paths are
+    relative to ``root`` (default: the table's folder), and nothing outside it is read.
 
     ``src`` is a class-per-folder tree, or from Python a list/iterable of ``(image, label)`` or
     a map-style torch Dataset (image: encoded bytes, a PIL image, a uint8 HWC array or CHW
@@ -489,6 +500,8 @@ def pack(
         src = os.fspath(src)
         check_source_dir(src)
         options = _options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        if root is not None:  # a table's root; folder packs keep their fingerprints
+            options["root"] = os.path.abspath(root)
         if not overwrite:
             current = _already_packed(src, os.fspath(out), options, progress)
             if current is not None:
@@ -517,8 +530,9 @@ def pack(
     with writer:
         if from_folder:
             run = _folder_run(
-                src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress
-            )
+                src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress,
+                options.get("root"),
+            )  # fmt: skip
         else:
             run = _samples_run(
                 src, writer, shuffle, seed, workers, validate, resize_short, on_error
@@ -594,9 +608,9 @@ class _Run:
 
 
 def _folder_run(
-    src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress=False
+    src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress=False, root=None
 ) -> _Run:
-    scan = scan_source(src, progress=progress)
+    scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         raise InputError(

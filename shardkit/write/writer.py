@@ -241,12 +241,15 @@ class ShardWriter:
     def add(
         self, key: str, ext: str, data: bytes, label: int, extra: Mapping[str, Any] | None = None
     ) -> None:
-        """``write`` with the image's member extension given (pack keeps the file's own)."""
+        """``write`` with the image's member extension given (pack keeps the file's own);
+        ``label=-1``: the sample has none (a tar gets no ``.cls`` member)."""
         if self._closed:
             raise OutputError(f"ShardWriter for {self.out!r} is closed; open a new one")
         _check_key(key)
-        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < 0:
-            raise InputError(f"sample {key!r}: label={label!r}; labels are integers >= 0")
+        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < -1:
+            raise InputError(
+                f"sample {key!r}: label={label!r}; labels are integers >= 0 (-1: no label)"
+            )
         label = int(label)
         if self.classes is not None and label >= len(self.classes):
             raise InputError(

@@ -127,3 +127,73 @@ def test_unparseable_json_and_odd_field_names_name_the_file_and_key(tmp_path):
     assert "key 'cat/x0'" in skipped["cat/x0.cls"]
     assert "not valid JSON" in skipped["dog/x1.jpg"]
     assert report.samples == 3
+
+
+def _table_set(root):
+    (root / "img").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 6), (60 * i, 0, 0)).save(root / "img" / f"p{i}.jpg")
+    return root
+
+
+@pytest.mark.parametrize("suffix", ["csv", "tsv", "jsonl"])
+def test_a_table_packs_captions_and_columns(tmp_path, suffix):
+    root = _table_set(tmp_path / "set")
+    rows = [("img/p0.jpg", "a red square", "cat", "x"), ("img/p2.jpg", "bright", "dog", "y")]
+    table = root / f"t.{suffix}"
+    if suffix == "jsonl":
+        table.write_text(
+            "".join(
+                json.dumps({"image": p, "caption": c, "label": lab, "src": s}) + "\n"
+                for p, c, lab, s in rows
+            )
+        )
+    else:
+        sep = "," if suffix == "csv" else "\t"
+        lines = [sep.join(("image", "caption", "label", "src"))] + [sep.join(r) for r in rows]
+        table.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    report = pack(str(table), str(out), shuffle=False)
+    assert report.samples == 2 and report.classes == 2
+    m = read_manifest(str(out))
+    assert m.classes == ["cat", "dog"] and m.fields == {"json": 2, "txt": 2}
+    with tarfile.open(str(out / m.shards[0].path)) as tf:
+        members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+    assert members["img/p2.txt"] == b"bright" and members["img/p2.cls"] == b"1"
+    assert json.loads(members["img/p0.json"]) == {"src": "x"}
+    assert members["img/p0.jpg"] == (root / "img" / "p0.jpg").read_bytes()
+    assert pack(str(table), str(out), shuffle=False).up_to_date
+    table.write_text(table.read_text().replace("bright", "dim"))
+    assert not pack(str(table), str(out), shuffle=False, overwrite=True).up_to_date
+
+
+def test_a_table_without_labels_gives_samples_without_a_label(tmp_path):
+    root = _table_set(tmp_path / "set")
+    (root / "t.csv").write_text("path,text\nimg/p1.jpg,one\nimg/missing.jpg,none\n")
+    with pytest.raises(InputError, match=r"img/missing\.jpg: .*t\.csv:3: no such image file"):
+        pack(str(root / "t.csv"), str(tmp_path / "o1"), on_error="raise")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        report = pack(str(root / "t.csv"), str(tmp_path / "out"))
+    assert report.samples == 1
+    m = read_manifest(str(tmp_path / "out"))
+    assert m.classes == [] and m.fields == {"txt": 1}
+    with tarfile.open(str(tmp_path / "out" / m.shards[0].path)) as tf:
+        assert tf.getnames() == ["img/p1.jpg", "img/p1.txt"]
+
+
+@pytest.mark.parametrize("where", ["../outside.jpg", "ABS", "img/link.jpg"])
+def test_a_row_naming_a_file_outside_the_tables_folder_is_refused(tmp_path, where):
+    root = _table_set(tmp_path / "set")
+    outside = tmp_path / "outside.jpg"
+    Image.new("RGB", (8, 6)).save(outside)
+    os.symlink(outside, root / "img" / "link.jpg")
+    path = str(outside) if where == "ABS" else where
+    (root / "t.csv").write_text(f"image,caption\nimg/p0.jpg,ok\n{path},out\n")
+    with pytest.raises(InputError, match=r"t\.csv:3: image path .* leads outside"):
+        pack(str(root / "t.csv"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    if where != "ABS":  # a root that holds the file allows it
+        again = "outside.jpg" if where.startswith("..") else f"set/{where}"
+        (root / "t.csv").write_text(f"image,caption\nset/img/p0.jpg,ok\n{again},out\n")
+        report = pack(str(root / "t.csv"), str(tmp_path / "out"), root=str(tmp_path))
+        assert report.samples == 2

@@ -106,7 +106,9 @@ class TarShardWriter:
         kb = key.encode()
         if self.samples % INDEX_EVERY == 0:
             self._index.append(self._bytes)
-        parts = _member(kb + b"." + ext.encode(), data) + _member(kb + b".cls", b"%d" % label)
+        parts = _member(kb + b"." + ext.encode(), data)
+        if label >= 0:  # -1: no label, no member (readers give -1)
+            parts += _member(kb + b".cls", b"%d" % label)
         for name, value in extra:
             parts += _member(kb + b"." + name.encode(), value)
         self._write(b"".join(parts))
