@@ -228,8 +228,9 @@ class ShardWriter:
         return sum(e.samples for e in self._entries) + (self._shard.samples if self._shard else 0)
 
     def write(self, key: str, image_bytes: bytes, label: int, **extra_fields: Any) -> None:
-        """Add one sample: encoded image bytes (JPEG, PNG, WebP ...), its integer label, and
-        extra fields stored beside it (``<key>.<name>`` tar members; see FORMAT.md)."""
+        """Add one sample: encoded image bytes (JPEG, PNG, WebP ...), its integer label (-1:
+        none, e.g. an image-text pair), and extra fields stored beside it (``<key>.<name>`` tar
+        members; see FORMAT.md)."""
         ext = image_ext(image_bytes)
         if ext is None:
             raise InputError(

@@ -1,0 +1,132 @@
+"""ShardDataset(fields=...): extra fields from tar and LMDB, decoded by extension."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from shardkit import ShardDataset, ShardWriter
+from shardkit.errors import InputError, SampleError
+
+
+def _png(mode, value, size=(8, 6)) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, value).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+@pytest.fixture(params=["tar", "lmdb"])
+def captioned(request, tmp_path):
+    """Six samples with txt, json, seg.png, npy; sample k3 lacks its txt."""
+    out = tmp_path / request.param
+    with ShardWriter(out, format=request.param, shard_size="1MB") as w:
+        for i in range(6):
+            fields = {
+                "txt": f"caption {i}",
+                "json": {"i": i, "boxes": [[0, 0, i, i]]},
+                "seg.png": _png("L", i),
+                "npy": _npy(np.full((2,), i, dtype=np.int16)),
+            }
+            if i == 3:
+                del fields["txt"]
+            w.write(f"k{i}", _png("RGB", (i, 0, 0)), i % 2, **fields)
+    return str(out)
+
+
+def test_fields_decode_by_extension_on_tar_and_lmdb(captioned):
+    ds = ShardDataset(
+        captioned, decode="tensor", shuffle=False, with_keys=True, on_error="skip",
+        fields=("txt", "json", "seg.png", "npy"),
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"sample 'k3' has no 'txt' field"):
+        got = list(ds)
+    assert [s[2] for s in got] == ["k0", "k1", "k2", "k4", "k5"]
+    image, label, key, txt, meta, seg, arr = got[-1]
+    assert image.shape == (3, 6, 8) and label == 1 and key == "k5"
+    assert txt == "caption 5" and meta == {"i": 5, "boxes": [[0, 0, 5, 5]]}
+    assert seg.dtype == torch.uint8 and seg.shape == (1, 6, 8) and int(seg.max()) == 5
+    assert arr.dtype == np.int16 and arr.tolist() == [5, 5]
+    assert ds.skipped == 1
+
+
+def test_a_missing_field_is_an_error_naming_shard_and_key(captioned):
+    ds = ShardDataset(captioned, decode="tensor", shuffle=False, fields=("txt",))
+    with pytest.raises(SampleError, match=r"shard-000000\.(tar|lmdb): sample 'k3' has no 'txt'"):
+        list(ds)
+
+
+def test_per_field_choices_and_the_raw_view(captioned):
+    ds = ShardDataset(
+        captioned, decode="tensor", shuffle=False,
+        fields={"json": "raw", "npy": lambda b: len(b), "seg.png": "auto"},
+    )  # fmt: skip
+    _, _, meta, size, seg = next(iter(ds))
+    assert json.loads(meta) == {"boxes": [[0, 0, 0, 0]], "i": 0} and isinstance(meta, bytes)
+    assert size > 0 and seg.shape == (1, 6, 8)
+    raw = list(ShardDataset(captioned, decode="raw", shuffle=False, fields=("txt",)))
+    assert raw[0][2] == b"caption 0" and raw[3][2] is None  # stored bytes, None where none
+    with pytest.raises(InputError, match="callable"):
+        ShardDataset(captioned, fields={"json": "decoded"})
+
+
+def test_a_field_that_does_not_decode_names_the_field(tmp_path):
+    with ShardWriter(tmp_path / "d") as w:
+        w.write("k0", _png("RGB", (1, 2, 3)), 0, json="{not json")
+    ds = ShardDataset(str(tmp_path / "d"), decode="tensor", fields=("json",))
+    with pytest.raises(SampleError, match=r"sample 'k0': field 'json' cannot be decoded"):
+        list(ds)
+
+
+def test_dataloader_batches_fields_with_default_collate(captioned):
+    ds = ShardDataset(
+        captioned, decode="tensor", shuffle=False, on_error="skip", fields=("txt", "seg.png")
+    )
+    with pytest.warns(RuntimeWarning):
+        batches = list(DataLoader(ds, batch_size=2))
+    images, labels, captions, masks = batches[0]
+    assert images.shape == (2, 3, 6, 8) and labels.tolist() == [0, 1]
+    assert list(captions) == ["caption 0", "caption 1"] and masks.shape == (2, 1, 6, 8)
+
+
+def test_tars_with_fields_read_the_same_through_webdataset(tmp_path):
+    wds = pytest.importorskip("webdataset")
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 6), (i, 0, 0)).save(src / "a" / f"x{i}.jpg")
+        (src / "a" / f"x{i}.txt").write_text(f"caption {i}")
+        (src / "a" / f"x{i}.json").write_text(json.dumps({"i": i}))
+        Image.new("L", (8, 6), i).save(src / "a" / f"x{i}.seg.png")
+    from shardkit import pack
+
+    pack(str(src), str(tmp_path / "out"), shuffle=False)
+    shard = str(next((tmp_path / "out").glob("*.tar")))
+    theirs = list(wds.WebDataset([shard], shardshuffle=False, empty_check=False))
+    with tarfile.open(shard) as tf:
+        members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+    assert [s["__key__"] for s in theirs] == ["a/x0", "a/x1", "a/x2"]
+    for s in theirs:
+        for ext in ("jpg", "cls", "txt", "json", "seg.png"):
+            assert s[ext] == members[f"{s['__key__']}.{ext}"]
+        assert s["txt"] == (src / f"{s['__key__']}.txt").read_bytes()
+        assert s["seg.png"] == (src / f"{s['__key__']}.seg.png").read_bytes()
+    ours = ShardDataset(
+        str(tmp_path / "out"), decode="raw", shuffle=False, with_keys=True,
+        fields=("txt", "json", "seg.png"),
+    )  # fmt: skip
+    assert [(k, t, j, m) for _, _, k, t, j, m in ours] == [
+        (s["__key__"], s["txt"], s["json"], s["seg.png"]) for s in theirs
+    ]
