@@ -539,10 +539,13 @@ class LmdbSampleReader:
             _release(self.env)
             raise
 
-    def get(self, index: int) -> Record:
+    def get(self, index: int, fields: Sequence[str] = ()) -> Record:
+        """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked)."""
+        names = [(f.lower(), f.lower().encode()) for f in fields]
         try:
             with self.env.begin(buffers=False) as txn:
                 value = txn.get(sample_key(index))
+                extra = _fields(txn, index, names) if names and value is not None else None
         except lmdb.Error as exc:
             raise ShardFormatError(
                 f"{self.shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); "
@@ -550,7 +553,9 @@ class LmdbSampleReader:
             ) from None
         if value is None:
             raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
-        return decode_value(value, self.shard, index)
+        rec = decode_value(value, self.shard, index)
+        rec.fields = extra
+        return rec
 
     def keys(self) -> list[str]:
         """Every sample's key, in order (reads each value's header)."""

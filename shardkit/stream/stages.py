@@ -44,6 +44,7 @@ __all__ = [
     "check_labels",
     "decode_records",
     "apply_transforms",
+    "decoded_fields",
 ]
 
 EQUALIZE_MODES = ("pad", "drop", "none")
@@ -333,7 +334,7 @@ def decode_records(
     for rec in records:
         try:
             if field_decoders is not None:
-                extra = _decoded_fields(rec, names, field_decoders)
+                extra = decoded_fields(rec, names, field_decoders)
             img = _image(rec, mode, decoder, max_pixels)
         except Exception as exc:
             err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
@@ -358,7 +359,7 @@ def _image(rec: Record, mode: str, decoder, max_pixels: int | None):
     return decoder(rec.data, rec.key)
 
 
-def _decoded_fields(rec: Record, names: Sequence[str], decoders: Sequence) -> tuple:
+def decoded_fields(rec: Record, names: Sequence[str], decoders: Sequence) -> tuple:
     """The sample's fields, each decoded; a missing or undecodable one is a ``SampleError``."""
     have = rec.fields or {}
     out = []

@@ -130,3 +130,41 @@ def test_tars_with_fields_read_the_same_through_webdataset(tmp_path):
     assert [(k, t, j, m) for _, _, k, t, j, m in ours] == [
         (s["__key__"], s["txt"], s["json"], s["seg.png"]) for s in theirs
     ]
+
+
+def test_a_view_gives_the_same_fields_as_the_stream(captioned):
+    from shardkit import ShardView
+
+    names = ("json", "seg.png")
+    view = ShardView(captioned, decode="tensor", with_keys=True, fields=names)
+    stream = list(ShardDataset(captioned, decode="tensor", shuffle=False, with_keys=True,
+                               fields=names))  # fmt: skip
+    for i in (0, 4):
+        got, want = view[i], stream[i]
+        assert got[2] == want[2] and got[3] == want[3] and torch.equal(got[4], want[4])
+    with pytest.raises(SampleError, match="sample 'k3' has no 'txt'"):
+        ShardView(captioned, fields=("txt",))[3]
+    raw = ShardView(captioned, decode="raw", fields=("txt",))
+    assert raw[3][2] is None and raw[0][2] == b"caption 0"
+
+
+def test_resume_with_fields_continues_where_it_stopped(captioned):
+    def make():
+        return ShardDataset(captioned, decode="raw", seed=3, buffer_size=4, with_keys=True,
+                            fields=("json", "txt"))  # fmt: skip
+
+    full = [(s[2], s[3]) for s in make()]
+    ds = make()
+    it = iter(ds)
+    head = [next(it)[2] for _ in range(2)]
+    state = ds.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    rest = [(s[2], s[3]) for s in again]
+    assert head == [k for k, _ in full[:2]] and rest == full[2:] and len(ds) == 6
+
+
+def test_fields_through_a_subset_which_reads_like_a_mixture(captioned):
+    ds = ShardDataset(captioned, subset=0.5, decode="raw", with_keys=True, fields=("json",))
+    got = list(ds)
+    assert len(got) == 3 and all(json.loads(s[3])["i"] == int(s[2][1:]) for s in got)
