@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import ShardDataset, ShardWriter
 from shardkit.errors import InputError, SampleError
+from shardkit.manifest import read_manifest
 
 
 def _png(mode, value, size=(8, 6)) -> bytes:
@@ -168,3 +169,44 @@ def test_fields_through_a_subset_which_reads_like_a_mixture(captioned):
     ds = ShardDataset(captioned, subset=0.5, decode="raw", with_keys=True, fields=("json",))
     got = list(ds)
     assert len(got) == 3 and all(json.loads(s[3])["i"] == int(s[2][1:]) for s in got)
+
+
+def test_a_webdataset_written_tar_reads_with_its_fields_after_shardkit_index(tmp_path):
+    wds = pytest.importorskip("webdataset")
+    from shardkit.write.index import index_shards
+
+    (tmp_path / "w").mkdir()
+    with wds.TarWriter(str(tmp_path / "w" / "a.tar")) as sink:
+        for i in range(4):
+            sink.write({"__key__": f"s{i}", "jpg": _png("RGB", (i, 0, 0)), "cls": str(i % 2),
+                        "txt": f"caption {i}", "json": json.dumps({"i": i})})  # fmt: skip
+    index_shards([str(tmp_path / "w")])
+    ds = ShardDataset(str(tmp_path / "w"), decode="tensor", shuffle=False, with_keys=True,
+                      fields=("txt", "json"))  # fmt: skip
+    assert [(s[1], s[2], s[3], s[4]) for s in ds] == [
+        (i % 2, f"s{i}", f"caption {i}", {"i": i}) for i in range(4)
+    ]
+
+
+def test_the_cli_packs_a_table_and_refuses_a_path_outside_it(tmp_path):
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+
+    (tmp_path / "set").mkdir()
+    Image.new("RGB", (8, 6)).save(tmp_path / "set" / "in.jpg")
+    Image.new("RGB", (8, 6)).save(tmp_path / "out.jpg")
+    table = tmp_path / "set" / "t.csv"
+    table.write_text("image,caption\nin.jpg,inside\n../out.jpg,outside\n")
+    res = CliRunner().invoke(main, ["pack", str(table), str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 2 and res.output.splitlines() == [
+        f"error: {table}:3: image path '../out.jpg' leads outside {str(tmp_path / 'set')!r}; "
+        "nothing outside the table's folder is read unless you pass a root that holds it "
+        "(--root DIR, root=DIR)"
+    ]
+    table.write_text("image,caption\nset/in.jpg,inside\nout.jpg,outside\n")
+    res = CliRunner().invoke(
+        main, ["pack", str(table), str(tmp_path / "o"), "-q", "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    assert read_manifest(str(tmp_path / "o")).fields == {"txt": 2}
