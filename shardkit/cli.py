@@ -274,6 +274,34 @@ def synth_imagenet(
     help="header: magic bytes and end markers (cheap); decode: full decode with PIL.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Run the shard tasks on a process pool here (local) or a Ray cluster (ray); the "
+    "bytes are the same as without. A failed or killed run resumes when run again.",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="--engine local: worker processes (ray: CPUs of a cluster started for the pack).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR",
+    help="--engine ray: the cluster to join (auto: the one this node is in); default: start "
+    "one here for the pack.",
+)
+@click.option(
+    "--shards-per-task",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --engine: consecutive shards per task.",
+)
 def pack_cmd(
     src,
     out,
@@ -287,6 +315,10 @@ def pack_cmd(
     resize_short,
     validate,
     quiet,
+    engine,
+    processes,
+    ray_address,
+    shards_per_task,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
@@ -298,6 +330,7 @@ def pack_cmd(
 
     from .write.packer import pack
 
+    runner = _pack_runner(engine, processes, threads, ray_address)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = pack(
@@ -313,10 +346,27 @@ def pack_cmd(
             resize_short=resize_short,
             validate=validate,
             progress=not quiet,
+            runner=runner,
+            shards_per_task=shards_per_task,
         )
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(report.summary())
+
+
+def _pack_runner(engine, processes, threads, ray_address):
+    """The runner ``--engine`` names (None: the plan runs in this process)."""
+    if engine == "local":
+        from .write.engines import LocalRunner
+
+        return LocalRunner(processes, threads)
+    if engine == "ray":
+        from .integrations.ray import RayRunner
+
+        return RayRunner(ray_address, threads=threads, num_cpus=processes)
+    if ray_address is not None:
+        raise click.UsageError("--ray-address needs --engine ray")
+    return None
 
 
 # --- info / verify ---------------------------------------------------------------------------

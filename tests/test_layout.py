@@ -118,7 +118,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("reading: shards to samples", {"stream"}),
     ("writing: folders to shards, verify", {"write"}),
     ("batches", {"loader"}),
-    ("front doors", {"bench", "synth", "cli", ""}),
+    ("front doors", {"bench", "synth", "integrations", "cli", ""}),
 ]
 
 

@@ -36,7 +36,15 @@ from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
-from .plan import PackPlan, ShardReceipt, ShardTask, commit_pack, plan_pack, run_task
+from .plan import (
+    PackPlan,
+    ShardReceipt,
+    ShardTask,
+    check_cluster_lock,
+    commit_pack,
+    plan_pack,
+    run_task,
+)
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -346,6 +354,8 @@ def _pack_planned(
     """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
     from ..progress import Progress
 
+    if getattr(runner, "cluster", False):
+        check_cluster_lock(out)
     lock, replaced = open_local_output(out, overwrite, src)
     plan: PackPlan | None = None
     try:

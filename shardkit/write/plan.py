@@ -590,6 +590,29 @@ def commit_pack(
     return CommitResult(path, manifest, task_skipped)
 
 
+def check_cluster_lock(out: str, mounts: str = "/proc/self/mounts") -> None:
+    """Refuse an ``out`` on a FUSE mount (s3fs, gcsfuse ...) for a pack on several machines:
+    its ``flock`` (one writer per output) holds on one machine only, so two drivers could
+    commit into it at once. ``mounts``: the mount table to read (Linux's)."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            table = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return
+    real = os.path.realpath(out)
+    best, fstype = "", ""
+    for point, kind in table:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, fstype = point, kind
+    if fstype.startswith("fuse"):
+        raise OutputError(
+            f"output {out!r} is on a {fstype} mount ({best}), whose file lock holds on this "
+            "machine only; an engine across machines needs a filesystem with cluster-wide "
+            "flock (NFSv4, Lustre with -o flock), or leave out --engine"
+        )
+
+
 def remove_other_jobs(out: str, keep: str = "") -> None:
     """Job folders of other plans in ``out`` (their receipts can never be used): removed.
     The caller holds ``out``'s lock, so no job is running there."""
