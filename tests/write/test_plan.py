@@ -1,0 +1,292 @@
+"""Plan, shard tasks, commit: byte identity with ``pack`` on any runner, faults, resume.
+
+Real files, real worker processes (spawned), real SIGKILLs. Faults are injected by wrapping
+``run_task`` in a module-level function the spawned workers import by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from shardkit.cli import main
+from shardkit.errors import OutputError
+from shardkit.formats import get_format
+from shardkit.fsutil import HOST, STAGING_PREFIX, DirLock, remove_stale_staging
+from shardkit.manifest import read_manifest
+from shardkit.write.engines import LocalRunner, TaskFailed
+from shardkit.write.packer import pack
+from shardkit.write.plan import JOB_PREFIX, check_cluster_lock, commit_pack, plan_pack, run_task
+
+
+def make_tree(root, classes=("a", "b", "c"), per_class=14, seed=0, bad=True):
+    """Noise JPEGs of varied sizes; with ``bad``, one corrupt and one empty image too."""
+    rng = np.random.default_rng(seed)
+    for cls in classes:
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        for i in range(per_class):
+            w, h = int(rng.integers(16, 60)), int(rng.integers(16, 60))
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(os.path.join(root, cls, f"{cls}_{i:03d}.jpg"), quality=90)
+    if bad:
+        with open(os.path.join(root, "a", "broken.jpg"), "wb") as f:
+            f.write(b"\xff\xd8\xff\xe0 not really a jpeg")
+        open(os.path.join(root, "b", "empty.jpg"), "wb").close()
+    return str(root)
+
+
+def quiet(fn, *args, **kw):
+    kw.setdefault("progress", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
+def digest(out) -> dict[str, str]:
+    """sha256 of every file in ``out`` (hidden ones too: nothing may be left behind)."""
+    return {
+        n: hashlib.sha256(open(os.path.join(out, n), "rb").read()).hexdigest()
+        for n in sorted(os.listdir(out))
+    }
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_tree(tmp_path_factory.mktemp("plan") / "src")
+
+
+@pytest.fixture(scope="module")
+def refs(src, tmp_path_factory):
+    """``pack`` in this process, the reference every runner must equal, per format."""
+    base = tmp_path_factory.mktemp("refs")
+    out = {}
+    for fmt in ("tar", "lmdb"):
+        out[fmt] = str(base / fmt)
+        quiet(pack, src, out[fmt], format=fmt, shard_size="12kB")
+    return out
+
+
+# --- module-level, so spawned workers can import them -------------------------------------
+
+
+def faulty_task(marker_dir: str, mode: str, task, threads=1):
+    """``run_task``, but the first attempt of the task holding shard 1 fails once its first
+    shard is complete: ``raise`` (an OSError, retried) or ``exit`` (the worker dies)."""
+
+    def hook(path):
+        flag = os.path.join(marker_dir, f"{mode}-{task.first}")
+        if 1 in task.shards and not os.path.exists(flag):
+            open(flag, "w").close()
+            if mode == "raise":
+                raise OSError(5, "injected I/O error")
+            os._exit(3)
+
+    return run_task(task, threads, on_shard=hook)
+
+
+# --- byte identity ---------------------------------------------------------------------------
+
+
+def test_the_plan_fixes_every_shard_before_any_read(src, refs):
+    plan = quiet(
+        plan_pack,
+        src,
+        "unused",
+        shard_size="12kB",
+        format="tar",
+        shuffle=True,
+        seed=0,
+        validate="header",
+        resize_short=None,
+        on_error="skip",
+    )
+    manifest = read_manifest(refs["tar"])
+    # the broken files keep their slots: the plan has the shards pack wrote, in order
+    assert [s.path for s in manifest.shards] == [
+        f"shard-{i:06d}.tar" for i in range(plan.num_shards)
+    ]
+    sizes = np.diff(plan.starts).tolist()
+    assert sum(sizes) == manifest.num_samples + 2 and len(manifest.skipped) == 2
+    assert [len(t.order) for t in plan.tasks(3)] == [
+        sum(sizes[i : i + 3]) for i in range(0, len(sizes), 3)
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_the_sizer_projects_what_the_writer_does(tmp_path, fmt):
+    rng = np.random.default_rng(1)
+    f = get_format(fmt)
+    writer, sizer = f.open_writer(str(tmp_path / f"s{f.suffix}")), f.sizer()
+    for i in range(300):
+        key, ext = f"cls/key{i}" + "x" * int(rng.integers(0, 120)), ["jpg", "jpeg", "png"][i % 3]
+        data = rng.bytes(int(rng.integers(0, 9000)))
+        assert sizer.projected_size(len(key), len(ext), len(data)) == writer.projected_size(
+            key, ext, len(data)
+        )
+        writer.add(key, ext, data, i % 5)
+        sizer.add(len(key), len(ext), len(data))
+    writer.abort()
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("fmt, k", [("tar", 1), ("tar", 3), ("lmdb", 2)])
+def test_a_process_pool_writes_the_same_bytes_as_pack(src, refs, tmp_path, fmt, k):
+    out = str(tmp_path / "out")
+    report = quiet(
+        pack, src, out, format=fmt, shard_size="12kB", runner=LocalRunner(2), shards_per_task=k
+    )
+    assert digest(out) == digest(refs[fmt])  # shards, manifest, and nothing else
+    assert report.errors == 2 and report.shards == len(read_manifest(out).shards)
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+def test_a_task_that_fails_once_is_retried_and_the_bytes_are_the_same(src, refs, tmp_path, mode):
+    out = str(tmp_path / "out")
+    runner = LocalRunner(2, fn=functools.partial(faulty_task, str(tmp_path), mode))
+    quiet(pack, src, out, format="lmdb", shard_size="12kB", runner=runner, shards_per_task=2)
+    assert os.listdir(tmp_path).count(f"{mode}-0") == 1  # it did fail once
+    assert digest(out) == digest(refs["lmdb"])
+
+
+@pytest.mark.slow  # worker processes
+def test_a_task_failing_past_its_retries_stops_the_pack_and_a_rerun_resumes(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    runner = LocalRunner(1, retries=0, fn=functools.partial(faulty_task, str(tmp_path), "raise"))
+    with pytest.raises(TaskFailed, match="injected I/O error.*pack again with the same options"):
+        quiet(pack, src, out, shard_size="12kB", runner=runner, shards_per_task=2)
+    (job,) = [n for n in os.listdir(out) if n.startswith(JOB_PREFIX)]  # kept: resumable
+    assert "manifest.json" not in os.listdir(out)
+    first = os.stat(os.path.join(out, job, "shard-000000.tar")).st_ino
+    quiet(pack, src, out, shard_size="12kB", runner=LocalRunner(1), shards_per_task=2)
+    assert digest(out) == digest(refs["tar"])
+    assert os.stat(os.path.join(out, "shard-000000.tar")).st_ino == first  # not rewritten
+
+
+def test_a_duplicated_task_rewrites_identical_bytes_and_the_commit_counts_each_shard_once(
+    src, refs, tmp_path
+):
+    out = str(tmp_path / "out")
+    os.mkdir(out)
+    plan = quiet(
+        plan_pack,
+        src,
+        out,
+        shard_size="12kB",
+        format="tar",
+        shuffle=True,
+        seed=0,
+        validate="header",
+        resize_short=None,
+        on_error="skip",
+    )
+    tasks = plan.tasks(2)
+    receipts = [r for t in tasks for r in run_task(t)]
+    os.remove(os.path.join(plan.job, "shard-000002.json"))  # forces a real rewrite of shard 2
+    again = run_task(tasks[1])  # a speculative or retried copy of task 1
+    assert again == receipts[2:4]
+    with pytest.raises(OutputError, match=r"more than one receipt for shard\(s\) 2, 3;"):
+        commit_pack(plan, receipts + again)
+    with pytest.raises(OutputError, match=r"no receipt for shard\(s\) 0, 1;"):
+        commit_pack(plan, receipts[2:])
+    with DirLock(out):
+        commit_pack(plan, receipts)
+    assert digest(out) == digest(refs["tar"])
+
+
+_KILLED_DRIVER = textwrap.dedent(
+    """
+    import os, signal, sys, warnings
+    from shardkit import pack
+    warnings.simplefilter("ignore")
+    done = []
+
+    def on_shard(path):  # the driver dies once three shards are complete
+        done.append(path)
+        if len(done) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pack(sys.argv[1], sys.argv[2], shard_size="12kB", progress=False, on_shard=on_shard)
+    """
+)
+
+
+@pytest.mark.slow  # a child process SIGKILLed
+def test_a_killed_pack_resumes_from_its_receipts_and_finishes_identical(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, src, out], timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    (job,) = os.listdir(out)
+    assert job.startswith(JOB_PREFIX)
+    names = sorted(os.listdir(os.path.join(out, job)))
+    assert names[:6] == [f"shard-00000{i}.{e}" for i in range(3) for e in ("json", "tar")]
+    inodes = [os.stat(os.path.join(out, job, f"shard-00000{i}.tar")).st_ino for i in range(3)]
+    # another plan (other options) never uses these receipts; its commit removes them
+    quiet(pack, src, str(tmp_path / "other"), shard_size="12kB", seed=1)
+    quiet(pack, src, out, shard_size="12kB")
+    assert digest(out) == digest(refs["tar"])
+    assert [os.stat(os.path.join(out, f"shard-00000{i}.tar")).st_ino for i in range(3)] == inodes
+    quiet(pack, src, out, shard_size="12kB", seed=1, overwrite=True)
+    assert digest(out) == digest(str(tmp_path / "other"))
+
+
+@pytest.mark.slow  # a child process SIGKILLed
+def test_a_job_of_another_plan_is_ignored_and_removed(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    subprocess.run([sys.executable, "-c", _KILLED_DRIVER, src, out], timeout=120)
+    (old,) = os.listdir(out)
+    quiet(pack, src, out, shard_size="20kB")  # other options: another plan
+    assert old not in os.listdir(out)
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+# --- staging across machines, locks --------------------------------------------------------
+
+
+def test_staging_of_another_host_is_never_removed_as_stale(tmp_path):
+    dead_here = tmp_path / f"{STAGING_PREFIX}{HOST}-999999999-abc"
+    elsewhere = tmp_path / f"{STAGING_PREFIX}otherhost-999999999-abc"
+    job = tmp_path / f"{JOB_PREFIX}0123456789abcdef"
+    for d in (dead_here, elsewhere, job):
+        d.mkdir()
+    with DirLock(str(tmp_path)):
+        assert remove_stale_staging(str(tmp_path)) == [dead_here.name]
+    assert elsewhere.is_dir() and job.is_dir()
+
+
+def test_an_engine_refuses_an_output_on_a_fuse_mount(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        f"/dev/sda1 / ext4 rw 0 0\ns3fs {tmp_path}/bucket fuse.s3fs rw 0 0\n", encoding="utf-8"
+    )
+    check_cluster_lock(str(tmp_path / "local"), str(mounts))
+    with pytest.raises(OutputError, match=r"fuse\.s3fs mount .* cluster-wide flock"):
+        check_cluster_lock(str(tmp_path / "bucket" / "out"), str(mounts))
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # worker processes
+def test_cli_engine_local_packs_the_same_bytes(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    args = ["pack", src, out, "-q", "--shard-size", "12kB", "--format", "lmdb"]
+    r = CliRunner().invoke(main, [*args, "--engine", "local", "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["lmdb"])
+
+
+def test_cli_ray_address_needs_the_ray_engine(src, tmp_path):
+    r = CliRunner().invoke(main, ["pack", src, str(tmp_path / "o"), "--ray-address", "auto"])
+    assert r.exit_code == 2 and "--ray-address needs --engine ray" in r.output
