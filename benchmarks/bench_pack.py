@@ -10,6 +10,11 @@ timing. The order of the commands rotates between repeats, and ratios are taken 
 
     python benchmarks/bench_pack.py                   # data/lfw (made if missing), 5 repeats
     python benchmarks/bench_pack.py --src data/lfw --repeats 7 --json bench-out/pack.json
+    python benchmarks/bench_pack.py --engines --src data/imagenet --repeats 3
+
+``--engines`` times ``--engine local --processes 2`` against today's in-process pack (reader
+threads), with and without ``--resize-short 256``, side by side in each repeat (ratio
+pack / engine: above 1 the process pool is faster), and prints the load average.
 
 Caveats printed with the result: directory entries and inodes stay cached (dropping them needs
 root and would disturb the whole machine), so this is a cold *data* cache for both commands alike;
@@ -104,7 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         help="time a copy of SRC made next to --work, so other processes reading SRC "
         "on a shared machine cannot warm its page cache between eviction and timing",
     )
+    ap.add_argument(
+        "--engines",
+        action="store_true",
+        help="compare --engine local --processes 2 with the in-process pack instead of tar",
+    )
+    ap.add_argument("--processes", type=int, default=2, help="--engines: worker processes")
     args = ap.parse_args(argv)
+    if args.engines:
+        return _engines(args)
 
     src = Path(args.src).resolve()
     if not src.is_dir():
@@ -199,6 +212,86 @@ def main(argv: list[str] | None = None) -> int:
         "directory entries and inodes stay cached for all commands alike"
     )
     print(f"raw timings: {args.json}")
+    return 0
+
+
+def _engine_commands(src: Path, work: Path, shard_size: str, processes: int) -> dict:
+    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
+    common = ["-q", "--shard-size", shard_size]
+    local = ["--engine", "local", "--processes", str(processes)]
+    resize = ["--resize-short", "256"]
+    return {
+        "pack-t1": pack + [str(work / "a"), "--threads", "1", *common],
+        "pack-t2": pack + [str(work / "b"), "--threads", "2", *common],
+        "local": pack + [str(work / "c"), *local, *common],
+        "pack-t1-r256": pack + [str(work / "d"), "--threads", "1", *common, *resize],
+        "pack-t2-r256": pack + [str(work / "e"), "--threads", "2", *common, *resize],
+        "local-r256": pack + [str(work / "f"), *local, *common, *resize],
+    }
+
+
+def _engines(args) -> int:
+    """--engines: the process pool against the in-process pack, cold cache, one run."""
+    src = Path(args.src).resolve()
+    if not src.is_dir():
+        raise SystemExit(f"error: source {src} does not exist (make one: shardkit synth imagenet)")
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    files, size = _tree_size(src)
+    shard_size = "16MB" if args.shard_size == "256MB" else args.shard_size  # tasks to share
+    cmds = _engine_commands(src, work, shard_size, args.processes)
+    names = list(cmds)
+    load0 = os.getloadavg()
+    print(
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats; "
+        f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
+    runs = []
+    for rep in range(args.repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        times = {}
+        for name in order:
+            _clean(work)
+            evict(src)
+            times[name] = _time(cmds[name])
+        runs.append(times)
+        print(
+            f"repeat {rep + 1}: "
+            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+            + f"  | speed-up {times['pack-t2'] / times['local']:.2f}"
+            + f"  r256 {times['pack-t2-r256'] / times['local-r256']:.2f}",
+            flush=True,
+        )
+    _clean(work)
+    load1 = os.getloadavg()
+    plain = [r["pack-t2"] / r["local"] for r in runs]
+    resized = [r["pack-t2-r256"] / r["local-r256"] for r in runs]
+    summary = {
+        "source": str(src),
+        "files": files,
+        "bytes": size,
+        "repeats": args.repeats,
+        "processes": args.processes,
+        "cpus": os.cpu_count(),
+        "runs": runs,
+        "speedup_median": statistics.median(plain),
+        "speedup_r256_median": statistics.median(resized),
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"\n{'command':<14} {'median s':>9}")
+    for n in names:
+        print(f"{n:<14} {statistics.median(r[n] for r in runs):>9.2f}")
+    print(
+        f"\nspeed-up of --engine local -p {args.processes} (pack-t2 / local, median "
+        f"[min-max]): plain {summary['speedup_median']:.2f} [{min(plain):.2f}-{max(plain):.2f}]"
+        f"; --resize-short 256 {summary['speedup_r256_median']:.2f} "
+        f"[{min(resized):.2f}-{max(resized):.2f}]"
+    )
+    print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}")
     return 0
 
 

@@ -302,6 +302,11 @@ def synth_imagenet(
     show_default=True,
     help="With --engine: consecutive shards per task.",
 )
+@click.option(
+    "--append",
+    is_flag=True,
+    help="Add SRC's images to the dataset in OUT as new shards; nothing packed is rewritten.",
+)
 def pack_cmd(
     src,
     out,
@@ -319,6 +324,7 @@ def pack_cmd(
     processes,
     ray_address,
     shards_per_task,
+    append,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
@@ -348,10 +354,25 @@ def pack_cmd(
             progress=not quiet,
             runner=runner,
             shards_per_task=shards_per_task,
+            append=append,
         )
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(report.summary())
+
+
+@main.command("merge")
+@click.argument("datasets", nargs=-1, required=True, type=click.Path())
+@click.argument("out", type=click.Path())
+def merge_cmd(datasets, out) -> None:
+    """Join the packed DATASETS (same format, agreeing class lists) into OUT.
+
+    OUT is a new folder, or the first dataset itself (the others are added to it). Shards are
+    hard-linked (or copied), never rewritten; one manifest lists them all, committed last.
+    """
+    from .write.merge import merge
+
+    click.echo(merge(list(datasets), out).summary())
 
 
 def _pack_runner(engine, processes, threads, ray_address):

@@ -43,13 +43,15 @@ class RayRunner:
     """Runs tasks as Ray tasks on the cluster at ``address`` (None: a local one started for
     the pack and stopped after it; ``"auto"``: the running cluster this node belongs to).
 
-    ``num_cpus`` caps a local cluster's CPUs; ``init`` passes more ``ray.init`` arguments.
+    ``num_cpus`` caps a local cluster's CPUs; ``cpus_per_task`` is what each task reserves
+    (raise it for fewer tasks at once); ``init`` passes more ``ray.init`` arguments.
     """
 
     address: str | None = None
     retries: int = 3
     threads: int = 1
     num_cpus: int | None = None
+    cpus_per_task: float = 1
     init: dict[str, Any] = field(default_factory=dict)
     fn: Callable[..., list[ShardReceipt]] = run_task
     #: Tasks run on other machines: OUT's lock must hold across them (``pack`` checks).
@@ -69,7 +71,9 @@ class RayRunner:
             ray.init(address=self.address, **{**kw, **self.init})
         try:
             remote = ray.remote(
-                max_retries=self.retries, retry_exceptions=list(RETRYABLE), num_cpus=1
+                max_retries=self.retries,
+                retry_exceptions=list(RETRYABLE),
+                num_cpus=self.cpus_per_task,
             )(self.fn)
             refs = [remote.remote(t, self.threads) for t in tasks]
             try:

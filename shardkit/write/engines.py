@@ -10,6 +10,7 @@ pool needs nothing beyond the standard library, and helps on one machine because
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -31,8 +32,11 @@ class TaskFailed(ShardkitError):
 
 @dataclass
 class LocalRunner:
-    """Run tasks on ``processes`` worker processes (spawned: a fresh interpreter each, safe
-    beside any thread), each reading with ``threads`` reader threads.
+    """Run tasks on ``processes`` worker processes, each reading with ``threads`` reader threads.
+
+    Workers are forked when this process runs no other thread (cheap: shardkit is already
+    imported), else spawned (a fresh interpreter each: forking beside a live thread can copy a
+    held lock).
 
     A task that raises a ``RETRYABLE`` error is run again, up to ``retries`` times; a worker
     that dies (killed, out of memory, ``os._exit``) breaks the pool, which is started again and
@@ -54,7 +58,8 @@ class LocalRunner:
     def __call__(self, tasks: Sequence[ShardTask]) -> list[ShardReceipt]:
         results: dict[int, list[ShardReceipt]] = {}
         attempts = [0] * len(tasks)
-        ctx = multiprocessing.get_context("spawn")
+        alone = threading.active_count() == 1
+        ctx = multiprocessing.get_context("fork" if alone else "spawn")
         while len(results) < len(tasks):
             todo = [i for i in range(len(tasks)) if i not in results]
             workers = min(self.processes, len(todo))

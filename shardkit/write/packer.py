@@ -37,6 +37,7 @@ from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
 from .plan import (
+    APPENDED_FIELD,
     PackPlan,
     ShardReceipt,
     ShardTask,
@@ -127,7 +128,9 @@ class PackReport:
 # --- up to date: OUT already holds this pack ----------------------------------------------------
 
 
-def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackReport | None:
+def _already_packed(
+    src: str, out: str, options: dict, progress: bool, append: bool = False
+) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
     source's now, and every shard it lists is there at its size), else None.
 
@@ -145,7 +148,17 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
         except ShardkitError:
             return None
         recorded = manifest.pack.get(FINGERPRINT_FIELD)
-        if not isinstance(recorded, str) or any(
+        if append:  # up to date when this folder, as it is now, was appended with these options
+            added = manifest.pack.get(APPENDED_FIELD)
+            recorded = (
+                [a.get(FINGERPRINT_FIELD) for a in added if isinstance(a, dict)]
+                if isinstance(added, list)
+                else []
+            )
+        else:
+            recorded = [recorded]
+        recorded = [r for r in recorded if isinstance(r, str)]
+        if not recorded or any(
             stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
         ):
             return None
@@ -154,7 +167,7 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
         stats = np.array(
             [stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
         ).reshape(-1, 2)
-        if fingerprint(scan, stats, options) != recorded:
+        if fingerprint(scan, stats, options) not in recorded:
             return None
     return PackReport(
         out=out,
@@ -209,6 +222,7 @@ def pack(
     upload_concurrency: int = 4,
     runner: Runner | None = None,
     shards_per_task: int = 1,
+    append: bool = False,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
@@ -231,6 +245,11 @@ def pack(
     shards in OUT's job folder and the same command resumes from them (in-process: only a
     killed run; an error or Ctrl-C cleans up).
 
+    ``append=True`` adds a folder's images to the dataset already in the local ``out`` as new
+    shards (numbered after its last), under one new manifest written atomically; nothing already
+    packed is rewritten, new class names are added after the old ones, and the formats must
+    agree. Appending the same folder with the same options again is up to date.
+
     Like ``make``: a folder packed into a local ``out`` that already holds the same pack (the
     manifest's ``pack.source_fingerprint``: the same files with the same sizes and mtimes, the
     same options) is left as it is; the report then has ``up_to_date=True``. Anything else in a
@@ -245,8 +264,10 @@ def pack(
         check_source_dir(src)
         options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
         out = os.fspath(out)
+        if append:
+            _check_append(out, overwrite)
         if not overwrite:
-            current = _already_packed(src, out, options, progress)
+            current = _already_packed(src, out, options, progress, append)
             if current is not None:
                 return current
         kw = dict(
@@ -262,7 +283,7 @@ def pack(
         if not is_url(out) or out.startswith("file://"):
             out = out.removeprefix("file://")
             return _pack_planned(
-                src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started
+                src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started, append
             )
         if runner is not None:
             raise InputError(
@@ -348,18 +369,41 @@ def _warn_skipped(skipped: list, total: int, manifest_path: str, from_folder: bo
         )
 
 
+def _check_append(out: str, overwrite: bool) -> None:
+    if overwrite:
+        raise InputError(
+            "append=True adds to the dataset in out; overwrite=True replaces it: pick one"
+        )
+    if is_url(out):
+        raise InputError(f"output {out}: append=True adds to a local (or shared) folder, not a URL")
+    if not os.path.isfile(os.path.join(out, MANIFEST_NAME)) and not interrupted_commit(out):
+        raise InputError(
+            f"output {out!r} holds no dataset ({MANIFEST_NAME}) to append to; pack into it "
+            "without append=True"
+        )
+
+
 def _pack_planned(
-    src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started
+    src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started, append=False
 ) -> PackReport:
     """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
     from ..progress import Progress
 
     if getattr(runner, "cluster", False):
         check_cluster_lock(out)
-    lock, replaced = open_local_output(out, overwrite, src)
+    lock, replaced = open_local_output(out, overwrite or append, src)
     plan: PackPlan | None = None
     try:
         plan = plan_pack(src, out, **kw)
+        if append:
+            base = read_manifest(out)
+            if base.shard_format != plan.options["format"]:
+                raise InputError(
+                    f"{out} holds {base.shard_format} shards; append with format="
+                    f'"{base.shard_format}"'
+                )
+            plan.appending(base)
+            replaced = []  # nothing already packed is touched
         if runner is None:
             bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
             try:

@@ -22,6 +22,7 @@ them, and its commit removes them. Nothing here imports an engine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -65,6 +66,7 @@ from .read import (
 from .writer import ShardSizeWarning, shard_name
 
 __all__ = [
+    "APPENDED_FIELD",
     "JOB_PREFIX",
     "CommitResult",
     "PackPlan",
@@ -75,6 +77,8 @@ __all__ = [
     "run_task",
 ]
 
+#: The manifest's ``pack`` key listing, per ``--append``, how the shards it added were packed.
+APPENDED_FIELD = "appended"
 #: A job folder inside OUT: ``.partial-job-<first 16 hex digits of the plan's fingerprint>``.
 JOB_PREFIX = STAGING_PREFIX + JOB_MARK
 
@@ -164,6 +168,13 @@ class PackPlan:
     #: Shard ``i`` is ``order[starts[i]:starts[i + 1]]``.
     starts: np.ndarray
     pack_info: dict = field(default_factory=dict)
+    #: Set by ``appending``: the number of the plan's first shard, the dataset's classes (the
+    #: old ones, then the source's new ones) and each scan label's index among them.
+    first: int = 0
+    classes: list[str] | None = None
+    label_map: np.ndarray | None = None
+    #: The dataset this plan appends to (None: a fresh pack).
+    base: Manifest | None = None
 
     @property
     def num_shards(self) -> int:
@@ -172,21 +183,37 @@ class PackPlan:
     @property
     def job(self) -> str:
         """The job folder (absolute: workers may run elsewhere in the tree)."""
-        digest = self.fingerprint.split(":", 1)[-1][:16]
+        key = self.fingerprint
+        if self.base is not None:  # an append's shards are numbered after the dataset's
+            key = hashlib.sha256(json.dumps([key, self.first, self.classes]).encode()).hexdigest()
+        digest = key.split(":", 1)[-1][:16]
         return os.path.join(os.path.abspath(self.out), JOB_PREFIX + digest)
+
+    def appending(self, base: Manifest) -> PackPlan:
+        """This plan numbered and labelled to follow the dataset ``base`` describes."""
+        old = list(base.classes)
+        self.classes = old + [c for c in self.scan.classes if c not in old]
+        self.label_map = np.array([self.classes.index(c) for c in self.scan.classes], np.int64)
+        self.first = max((_shard_number(s.path) for s in base.shards), default=-1) + 1
+        self.base = base
+        return self
+
+    def _labels(self, rows) -> np.ndarray:
+        labels = self.scan.labels if rows is None else self.scan.labels[rows]
+        return labels if self.label_map is None else self.label_map[labels]
 
     def _task(self, lo: int, hi: int, whole: bool) -> ShardTask:
         a, b = int(self.starts[lo]), int(self.starts[hi])
         scan, o = self.scan, self.options
         if whole:
             order, files, keys, exts = self.order, scan.files, scan.keys, scan.exts
-            labels = scan.labels
+            labels = self._labels(None)
         else:
             pos = self.order[a:b].tolist()
             files = [scan.files[i] for i in pos]
             keys = [scan.keys[i] for i in pos]
             exts = [scan.exts[i] for i in pos]
-            labels = scan.labels[self.order[a:b]]
+            labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
         return ShardTask(
             job=self.job,
@@ -195,7 +222,7 @@ class PackPlan:
             validate=o["validate"],
             resize_short=o["resize_short"],
             on_error=o["on_error"],
-            first=lo,
+            first=self.first + lo,
             starts=tuple(int(s) - (0 if whole else a) for s in self.starts[lo : hi + 1]),
             order=order,
             files=files,
@@ -286,6 +313,12 @@ def plan_pack(
         FINGERPRINT_FIELD: fp,
     }
     return PackPlan(src, os.fspath(out), options, fp, scan, order, starts, info)
+
+
+def _shard_number(path: str) -> int:
+    """``shard-000041.tar`` -> 41; -1 for a name shardkit did not give (an indexed dataset)."""
+    digits = os.path.basename(path).removeprefix("shard-").split(".", 1)[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int):
@@ -511,9 +544,9 @@ def check_receipts(plan: PackPlan, receipts: Iterable[ShardReceipt]) -> list[Sha
         if r.shard in by:
             twice.add(r.shard)
         by[r.shard] = r
-    n = plan.num_shards
-    missing = [i for i in range(n) if i not in by]
-    unknown = sorted(i for i in by if not 0 <= i < n)
+    n, first = plan.num_shards, plan.first
+    missing = [i for i in range(first, first + n) if i not in by]
+    unknown = sorted(i for i in by if not first <= i < first + n)
     if missing or twice or unknown:
         what = "; ".join(
             f"{label} {_ranges(ids)}"
@@ -528,7 +561,7 @@ def check_receipts(plan: PackPlan, receipts: Iterable[ShardReceipt]) -> list[Sha
             f"cannot commit {plan.out!r}: the plan has {n} shard(s) and {what}; run the missing "
             "tasks (or pack again with the same options, which resumes) and commit each shard once"
         )
-    return [by[i] for i in range(n)]
+    return [by[i] for i in range(first, first + n)]
 
 
 def _ranges(ids: list[int]) -> str:
@@ -565,13 +598,26 @@ def commit_pack(
             f"source {plan.src}: none of its {len(scan.files) + len(scan.errors)} images could "
             f"be packed (first: {first.path}: {first.reason}); see validate= and on_error="
         )
+    skipped = list(scan.errors) + task_skipped + list(scan.ignored)
     manifest = Manifest(
         shard_format=plan.options["format"],
         classes=list(scan.classes),
         shards=entries,
-        skipped=sorted(list(scan.errors) + task_skipped + list(scan.ignored), key=lambda s: s.path),
+        skipped=sorted(skipped, key=lambda s: s.path),
         pack=dict(plan.pack_info),
     )
+    if plan.base is not None:  # the old entries as they are, then the new shards
+        base = plan.base
+        manifest = Manifest(
+            shard_format=base.shard_format,
+            classes=list(plan.classes or ()),
+            shards=list(base.shards) + entries,
+            skipped=list(base.skipped) + sorted(skipped, key=lambda s: s.path),
+            pack={
+                **base.pack,
+                APPENDED_FIELD: [*base.pack.get(APPENDED_FIELD, []), plan.pack_info],
+            },
+        )
     out = plan.out
     try:
         write_manifest(manifest, plan.job)

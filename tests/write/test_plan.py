@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 
@@ -290,3 +293,80 @@ def test_cli_engine_local_packs_the_same_bytes(src, refs, tmp_path):
 def test_cli_ray_address_needs_the_ray_engine(src, tmp_path):
     r = CliRunner().invoke(main, ["pack", src, str(tmp_path / "o"), "--ray-address", "auto"])
     assert r.exit_code == 2 and "--ray-address needs --engine ray" in r.output
+
+
+# --- Ray -------------------------------------------------------------------------------------
+
+_RAY_CASES = textwrap.dedent(
+    """
+    import functools, hashlib, json, os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    import ray
+    from shardkit.cli import main
+    from shardkit.integrations.ray import RayRunner
+    from shardkit.write.packer import pack
+    from shardkit.write.plan import run_task
+
+    src, base, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+
+    def faulty(marker_dir, mode, task, threads=1):  # as faulty_task in the test module
+        def hook(path):
+            flag = os.path.join(marker_dir, f"{mode}-{task.first}")
+            if 1 in task.shards and not os.path.exists(flag):
+                open(flag, "w").close()
+                if mode == "raise":
+                    raise OSError(5, "injected I/O error")
+                os._exit(3)
+        return run_task(task, threads, on_shard=hook)
+
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    for name, fmt, k, cpus, mode in cases:
+        out = os.path.join(base, name)
+        if mode == "cli":  # the command line, on the cluster already running
+            main(["pack", src, out, "-q", "--shard-size", "12kB", "--format", fmt,
+                  "--engine", "ray", "--shards-per-task", str(k)], standalone_mode=False)
+            continue
+        fn = functools.partial(faulty, base, mode) if mode else run_task
+        runner = RayRunner(fn=fn, cpus_per_task=cpus)
+        pack(src, out, format=fmt, shard_size="12kB", shards_per_task=k, progress=False,
+             runner=runner)
+    ray.shutdown()
+    print(json.dumps(sorted(os.listdir(base))))
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter running a local Ray cluster
+def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(src, refs, tmp_path):
+    """One cluster for every case: 1 and 2 CPUs per task (one task at a time, or two), 1-3
+    shards per task, a task raising once and a worker dying once, and the CLI."""
+    pytest.importorskip("ray", reason="the ray extra: pip install 'shardkit[ray]'")
+    cases = [
+        ("tar-k1", "tar", 1, 1, None),
+        ("tar-k3-raise", "tar", 3, 1, "raise"),
+        ("lmdb-k2-exit", "lmdb", 2, 2, "exit"),
+        ("lmdb-k3-cli", "lmdb", 3, 1, "cli"),
+    ]
+    scratch = tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp")  # short: Ray's socket paths
+    try:
+        env = {**os.environ, "HOME": scratch, "TMPDIR": scratch, "RAY_TMPDIR": scratch}
+        base = tmp_path / "out"
+        base.mkdir()
+        r = subprocess.run(
+            [sys.executable, "-c", _RAY_CASES, src, str(base), json.dumps(cases)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        leftover = subprocess.run(["pgrep", "-f", scratch], capture_output=True, text=True)
+        assert leftover.stdout == "", "Ray processes outlived the driver"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert sorted(os.listdir(base)) == sorted(
+        [c[0] for c in cases] + ["raise-0", "exit-0"]
+    )  # each fault happened once, and was retried
+    for name, fmt, *_ in cases:
+        assert digest(str(base / name)) == digest(refs[fmt]), name
