@@ -74,8 +74,8 @@ class RayRunner:
                 max_retries=self.retries,
                 retry_exceptions=list(RETRYABLE),
                 num_cpus=self.cpus_per_task,
-            )(self.fn)
-            refs = [remote.remote(t, self.threads) for t in tasks]
+            )(_call)
+            refs = [remote.remote(self.fn, t, self.threads) for t in tasks]
             try:
                 done = ray.get(refs)
             except ray.exceptions.RayTaskError as exc:
@@ -95,6 +95,11 @@ class RayRunner:
             if started:
                 ray.shutdown()
         return [r for receipts in done for r in receipts]
+
+
+def _call(fn: Callable[..., list[ShardReceipt]], task: ShardTask, threads: int):
+    """The Ray task: ``fn(task, threads)`` (``ray.remote`` takes functions, not partials)."""
+    return fn(task, threads)
 
 
 def pack(
