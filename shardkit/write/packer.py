@@ -358,14 +358,16 @@ def pack(
     )
 
 
-def _warn_skipped(skipped: list, total: int, manifest_path: str, from_folder: bool) -> None:
+def _warn_skipped(
+    skipped: list, total: int, manifest_path: str, from_folder: bool, stacklevel: int = 3
+) -> None:
     if skipped:
         warnings.warn(
             f"skipped {len(skipped)} bad or unreadable image(s) of {total}; their "
             f"{'paths' if from_folder else 'keys'} and reasons are in {manifest_path} under "
             "'skipped'",
             PackWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -426,7 +428,8 @@ def _pack_planned(
         lock.release()
     scan, manifest = plan.scan, result.manifest
     skipped = list(scan.errors) + result.task_skipped
-    _warn_skipped(skipped, len(scan.files) + len(scan.errors), result.manifest_path, True)
+    total = len(scan.files) + len(scan.errors)
+    _warn_skipped(skipped, total, result.manifest_path, True, stacklevel=4)
     return PackReport(
         out=out,
         manifest_path=result.manifest_path,

@@ -275,14 +275,14 @@ def plan_pack(
             f"class folder {os.path.join(src, cls)!r} has no images; it keeps its label so labels "
             "match the sorted folder list",
             PackWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of pack()
         )
     if scan.outside_links:
         warnings.warn(
             f"{scan.outside_links} symbolic link(s) under {src!r} lead outside it; their targets "
             "were packed like files of the source (see pack.links_outside_source in the manifest)",
             PackWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of pack()
         )
     n = len(scan.files)
     if n == 0:
@@ -338,7 +338,7 @@ def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limi
                     f"at one sample when the next, {b} bytes, did not fit): every sample "
                     "becomes its own shard; use a shard size of at least ~100 samples, e.g. 64MB",
                     ShardSizeWarning,
-                    stacklevel=4,
+                    stacklevel=5,  # the caller of pack()
                 )
             starts.append(j)
             sizer = new()
