@@ -303,6 +303,14 @@ def synth_imagenet(
     help="With --engine: consecutive shards per task.",
 )
 @click.option(
+    "--plan-only",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="PLAN",
+    help="Write the shard tasks to PLAN (JSON) and stop: run each with `shardkit pack-task PLAN "
+    "--task I` (e.g. a SLURM array), then this command without --plan-only commits.",
+)
+@click.option(
     "--append",
     is_flag=True,
     help="Add SRC's images to the dataset in OUT as new shards; nothing packed is rewritten.",
@@ -324,6 +332,7 @@ def pack_cmd(
     processes,
     ray_address,
     shards_per_task,
+    plan_only,
     append,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
@@ -355,10 +364,42 @@ def pack_cmd(
             runner=runner,
             shards_per_task=shards_per_task,
             append=append,
+            plan_only=plan_only,
         )
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
+    if plan_only is not None:
+        tasks = -(-report.shards // shards_per_task)
+        click.echo(
+            f"Planned {report.samples} samples in {report.shards} shards as {tasks} task(s) in "
+            f"{plan_only}; run `shardkit pack-task {plan_only} --task I` for I = 0..{tasks - 1}, "
+            "then this command again without --plan-only to commit"
+        )
+        return
     click.echo(report.summary())
+
+
+@main.command("pack-task")
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--task", "index", type=click.IntRange(min=0), required=True, help="Task number.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Reader threads (the main thread writes).",
+)
+def pack_task_cmd(plan, index, threads) -> None:
+    """Run task I of a plan written by `shardkit pack --plan-only PLAN` (safe to re-run)."""
+    from .write.plan import load_task, run_task
+
+    task, total = load_task(plan, index)
+    receipts = run_task(task, threads)
+    done = sum(r.samples for r in receipts)
+    click.echo(
+        f"Task {index} of {total}: shards {task.first}..{task.shards.stop - 1} done "
+        f"({done} samples) in {task.job}"
+    )
 
 
 @main.command("merge")

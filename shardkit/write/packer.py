@@ -45,6 +45,7 @@ from .plan import (
     commit_pack,
     plan_pack,
     run_task,
+    save_tasks,
 )
 from .read import (
     FINGERPRINT_FIELD,
@@ -223,6 +224,7 @@ def pack(
     runner: Runner | None = None,
     shards_per_task: int = 1,
     append: bool = False,
+    plan_only: str | None = None,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
@@ -245,6 +247,11 @@ def pack(
     shards in OUT's job folder and the same command resumes from them (in-process: only a
     killed run; an error or Ctrl-C cleans up).
 
+    ``plan_only="plan.json"`` writes the plan's tasks (``shards_per_task`` shards each) to that
+    JSON file and stops: run each with ``shardkit pack-task plan.json --task I`` (a SLURM array,
+    any scheduler), then this same call without ``plan_only`` commits (every shard done is kept).
+    The report then counts planned shards and samples, nothing written.
+
     ``append=True`` adds a folder's images to the dataset already in the local ``out`` as new
     shards (numbered after its last), under one new manifest written atomically; nothing already
     packed is rewritten, new class names are added after the old ones, and the formats must
@@ -266,7 +273,7 @@ def pack(
         out = os.fspath(out)
         if append:
             _check_append(out, overwrite)
-        if not overwrite:
+        if not overwrite and plan_only is None:
             current = _already_packed(src, out, options, progress, append)
             if current is not None:
                 return current
@@ -283,7 +290,17 @@ def pack(
         if not is_url(out) or out.startswith("file://"):
             out = out.removeprefix("file://")
             return _pack_planned(
-                src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started, append
+                src,
+                out,
+                kw,
+                overwrite,
+                workers,
+                on_shard,
+                runner,
+                shards_per_task,
+                started,
+                append,
+                plan_only,
             )
         if runner is not None:
             raise InputError(
@@ -386,7 +403,17 @@ def _check_append(out: str, overwrite: bool) -> None:
 
 
 def _pack_planned(
-    src, out, kw, overwrite, workers, on_shard, runner, shards_per_task, started, append=False
+    src,
+    out,
+    kw,
+    overwrite,
+    workers,
+    on_shard,
+    runner,
+    shards_per_task,
+    started,
+    append=False,
+    plan_only=None,
 ) -> PackReport:
     """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
     from ..progress import Progress
@@ -406,6 +433,9 @@ def _pack_planned(
                 )
             plan.appending(base)
             replaced = []  # nothing already packed is touched
+        if plan_only is not None:
+            save_tasks(plan.tasks(shards_per_task), plan_only, "the same pack without plan_only")
+            return _planned_report(plan, out, started)
         if runner is None:
             bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
             try:
@@ -443,6 +473,24 @@ def _pack_planned(
         errors=len(skipped),
         not_images=scan.not_images,
         empty_classes=list(scan.empty_classes),
+    )
+
+
+def _planned_report(plan: PackPlan, out: str, started: float) -> PackReport:
+    return PackReport(
+        out=out,
+        manifest_path="",
+        format=plan.options["format"],
+        shards=plan.num_shards,
+        samples=len(plan.order),
+        classes=len(plan.classes or plan.scan.classes),
+        bytes=0,
+        seconds=time.perf_counter() - started,
+        skipped=list(plan.scan.errors),
+        errors=len(plan.scan.errors),
+        not_images=plan.scan.not_images,
+        empty_classes=list(plan.scan.empty_classes),
+        up_to_date=False,
     )
 
 

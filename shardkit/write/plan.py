@@ -67,6 +67,8 @@ from .writer import ShardSizeWarning, shard_name
 
 __all__ = [
     "APPENDED_FIELD",
+    "load_task",
+    "save_tasks",
     "JOB_PREFIX",
     "CommitResult",
     "PackPlan",
@@ -149,6 +151,43 @@ class ShardTask:
     @property
     def shards(self) -> range:
         return range(self.first, self.first + len(self.starts) - 1)
+
+    def to_dict(self) -> dict:
+        """Plain JSON (a plan file for batch schedulers such as SLURM arrays; never pickle)."""
+        n = len(self.order)
+        pick = self.order.tolist() if n else []
+        return {
+            "job": self.job,
+            "root": self.root,
+            "format": self.format,
+            "validate": self.validate,
+            "resize_short": self.resize_short,
+            "on_error": self.on_error,
+            "first": self.first,
+            "starts": list(self.starts),
+            "files": [self.files[i] for i in pick],
+            "keys": [self.keys[i] for i in pick],
+            "exts": [self.exts[i] for i in pick],
+            "labels": [int(self.labels[i]) for i in pick],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardTask:
+        return cls(
+            job=str(d["job"]),
+            root=str(d["root"]),
+            format=str(d["format"]),
+            validate=str(d["validate"]),
+            resize_short=d["resize_short"],
+            on_error=str(d["on_error"]),
+            first=int(d["first"]),
+            starts=tuple(int(x) for x in d["starts"]),
+            order=np.arange(len(d["files"])),
+            files=list(d["files"]),
+            keys=list(d["keys"]),
+            exts=list(d["exts"]),
+            labels=np.array(d["labels"], dtype=np.int64),
+        )
 
     def __repr__(self) -> str:
         return f"ShardTask(shards {self.first}..{self.shards.stop - 1}, {len(self.order)} samples)"
@@ -657,6 +696,43 @@ def check_cluster_lock(out: str, mounts: str = "/proc/self/mounts") -> None:
             "machine only; an engine across machines needs a filesystem with cluster-wide "
             "flock (NFSv4, Lustre with -o flock), or leave out --engine"
         )
+
+
+# --- plan files: batch schedulers ---------------------------------------------------------------
+
+PLAN_FORMAT = "shardkit-pack-plan"
+
+
+def save_tasks(tasks: Sequence[ShardTask], path: str, command: str) -> None:
+    """Write ``tasks`` as a JSON plan file (atomically); ``command`` commits once they are done."""
+    doc = {
+        "format": PLAN_FORMAT,
+        "version": 1,
+        "commit": command,
+        "tasks": [t.to_dict() for t in tasks],
+    }
+    try:
+        atomic_write_bytes(path, json.dumps(doc).encode())
+    except OSError as exc:
+        raise write_error(os.path.dirname(path) or ".", exc, os.path.basename(path)) from None
+
+
+def load_task(path: str, index: int) -> tuple[ShardTask, int]:
+    """Task ``index`` of the plan file at ``path``, and how many tasks it holds."""
+    try:
+        with open_regular(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != PLAN_FORMAT or doc.get("version") != 1:
+            raise ValueError("not a shardkit plan file")
+        tasks = doc["tasks"]
+        if not 0 <= index < len(tasks):
+            raise InputError(f"{path}: no task {index}; it holds tasks 0..{len(tasks) - 1}")
+        return ShardTask.from_dict(tasks[index]), len(tasks)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(
+            f"{path}: not a readable shardkit plan ({exc}); make one with `shardkit pack SRC OUT "
+            "--plan-only PLAN`"
+        ) from None
 
 
 def remove_other_jobs(out: str, keep: str = "") -> None:

@@ -370,3 +370,31 @@ def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(sr
     )  # each fault happened once, and was retried
     for name, fmt, *_ in cases:
         assert digest(str(base / name)) == digest(refs[fmt]), name
+
+
+def test_a_plan_file_runs_task_by_task_then_the_same_command_commits(src, refs, tmp_path):
+    """The batch-scheduler path (a SLURM array): --plan-only, pack-task per task, commit."""
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
+    args = ["pack", src, out, "-q", "--shard-size", "12kB"]
+    r = CliRunner().invoke(main, [*args, "--plan-only", plan, "--shards-per-task", "4"])
+    assert r.exit_code == 0, r.output
+    n = int(r.output.split(" task(s)")[0].rsplit(" ", 1)[1])
+    assert n > 1 and f"for I = 0..{n - 1}" in r.output
+    assert not [f for f in os.listdir(out) if not f.startswith(".")]  # nothing written yet
+    for i in reversed(range(n)):  # any order, any machine
+        r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(i)])
+        assert r.exit_code == 0 and r.output.startswith(f"Task {i} of {n}: shards "), r.output
+    r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(n)])
+    assert r.exit_code == 2 and f"no task {n}; it holds tasks 0..{n - 1}" in r.output
+    job = next(f for f in os.listdir(out) if f.startswith(JOB_PREFIX))
+    written = {
+        f: os.stat(os.path.join(out, job, f)).st_ino for f in os.listdir(os.path.join(out, job))
+    }
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["tar"])
+    assert all(
+        os.stat(os.path.join(out, f)).st_ino == ino
+        for f, ino in written.items()
+        if f.endswith(".tar")
+    )  # the commit moved the tasks' shards, it did not write them again
