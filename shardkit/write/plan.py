@@ -27,8 +27,10 @@ import json
 import os
 import shutil
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -434,16 +436,26 @@ def _loader(task: ShardTask) -> Callable:
 
 
 def _batches(task: ShardTask, todo: list[int], threads: int) -> Iterator[tuple]:
-    """Read batches of the shards ``todo`` in order; each names the batch its thread reads next."""
-    flat = []
-    for k in todo:
-        lo, hi = task.starts[k], task.starts[k + 1]
-        flat += [
-            (k, task.order[a : min(a + READ_BATCH, hi)].tolist()) for a in range(lo, hi, READ_BATCH)
-        ]
-    for j, (k, batch) in enumerate(flat):
-        ahead = flat[j + threads][1] if j + threads < len(flat) else []
+    """Read batches of the shards ``todo`` in order; each names the batch its thread reads next.
+
+    Sliced from the numpy order as they are needed: no Python list of every sample."""
+
+    def plain() -> Iterator[tuple[int, list]]:
+        for k in todo:
+            lo, hi = task.starts[k], task.starts[k + 1]
+            for a in range(lo, hi, READ_BATCH):
+                yield k, task.order[a : min(a + READ_BATCH, hi)].tolist()
+
+    window: deque = deque()
+    it = plain()
+    window.extend(islice(it, threads + 1))
+    j = 0
+    while window:
+        k, batch = window.popleft()
+        ahead = window[threads - 1][1] if len(window) >= threads else []
         yield k, batch, ahead, j < threads
+        window.extend(islice(it, 1))
+        j += 1
 
 
 def run_task(
