@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MissingExtraError, ShardkitError
+from ..extras import require
 from ..write.engines import RETRYABLE, TaskFailed
 from ..write.packer import PackReport
 from ..write.packer import pack as _pack
@@ -56,6 +57,9 @@ class RayRunner:
     fn: Callable[..., list[ShardReceipt]] = run_task
     #: Tasks run on other machines: OUT's lock must hold across them (``pack`` checks).
     cluster = True
+
+    def __post_init__(self):
+        require("ray", "--engine ray")  # before the plan's scan, not after it
 
     def __call__(self, tasks: Sequence[ShardTask]) -> list[ShardReceipt]:
         ray = _ray()
