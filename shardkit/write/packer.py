@@ -11,10 +11,11 @@ A folder is packed in three steps (``shardkit.write.plan``), on one machine or o
 ``pack`` runs the whole plan in this process; ``runner`` (``shardkit.write.engines``, or an
 integration such as Ray) runs it as many tasks: the same plan, so the same bytes.
 
-A Python source (a list or iterator of ``(image, label)``, or a map-style torch Dataset) goes
-through ``ShardWriter`` (shardkit.write.writer) instead, as does a folder packed into a URL; its
-images are encoded once if they are not already (shardkit.write.samples). Nothing is ever left
-under a final name by an interruption.
+A folder packed into a URL runs the same plan here, and ``ShardWriter`` (shardkit.write.writer)
+uploads each shard as it completes, the manifest last. A Python source (a list or iterator of
+``(image, label)``, or a map-style torch Dataset) goes through ``ShardWriter`` alone; its images
+are encoded once if they are not already (shardkit.write.samples). Nothing is ever left under a
+final name by an interruption.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from ..errors import InputError, ShardkitError, check_choice
 from ..fsutil import DirLock, interrupted_commit
 from ..images.decode import RESIZE_QUALITY
-from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
+from ..manifest import MANIFEST_NAME, ShardEntry, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
@@ -328,13 +329,11 @@ def pack(
         upload_concurrency=upload_concurrency,
         _forbid_inside=src if from_folder else None,
     )
+    if from_folder:
+        with writer:
+            return _pack_to_url(src, writer, kw, workers, on_shard, started)
     with writer:
-        if from_folder:
-            run = _url_run(src, writer, kw, workers)
-        else:
-            run = _samples_run(
-                src, writer, shuffle, seed, workers, validate, resize_short, on_error
-            )
+        run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error)
         errors = _write(run, writer, on_error, workers, progress)
         skipped = run.errors + errors
         if not writer.samples:
@@ -344,7 +343,7 @@ def pack(
                 f"(first: {first.path}: {first.reason}); see validate= and on_error="
             )
         writer.skipped = skipped + run.ignored
-        writer.pack_info = run.info or {
+        writer.pack_info = {
             "source": run.name,
             "shard_size": writer.limit,
             "shuffle": run.shuffled,
@@ -509,38 +508,56 @@ class _Run:
     ignored: list[SkippedFile]
     not_images: int = 0
     empty_classes: Sequence[str] = ()
-    info: dict[str, Any] | None = None  # the manifest's pack section, when known up front
 
 
-def _url_run(src, writer, kw, workers) -> _Run:
-    """A folder packed into a URL: the plan's order and reads, shards rolled by the writer as
-    they upload (identical to a local pack on data without skipped files or resizing)."""
-    from .plan import _batches, _loader
+def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> PackReport:
+    """A folder into a URL: the same plan and tasks as a local pack, run here into the writer's
+    local staging; each shard uploads under its final key as it completes, the manifest last."""
+    from ..progress import Progress
 
-    plan = plan_pack(src, writer.out, **kw)
+    plan = plan_pack(src, writer.staging, **kw)  # the job folder: inside the local staging
     writer.classes = list(plan.scan.classes)
-    task = plan.whole()
-    load = _loader(task)
-    items = _batches(task, list(range(plan.num_shards)), workers)
+
+    def done(path: str) -> None:
+        writer.upload(path)
+        if on_shard is not None:
+            on_shard(path)
+
+    bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
+    try:
+        receipts = run_task(plan.whole(), workers, on_shard=done, progress=bar.update)
+    finally:
+        bar.close()
+    writer.add_shards(
+        [ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index) for r in receipts if r.samples]
+    )
     scan = plan.scan
-
-    def load_batch(item):
-        return load(item)[1]
-
-    load_batch.ahead = load.ahead
-    return _Run(
-        name=src,
-        total=len(scan.files) + len(scan.errors),
-        tasks=items,
-        load=load_batch,
-        describe=lambda i: os.path.join(task.root, scan.files[i]),
-        skip_name=lambda i, key: scan.files[i],
-        shuffled=bool(kw["shuffle"]),
-        errors=list(scan.errors),
-        ignored=list(scan.ignored),
+    task_skipped = [SkippedFile(p, why) for r in receipts for p, why in r.skipped]
+    skipped = list(scan.errors) + task_skipped
+    total = len(scan.files) + len(scan.errors)
+    if not writer.samples:
+        first = skipped[0]
+        raise InputError(
+            f"source {src}: none of its {total} images could be packed (first: {first.path}: "
+            f"{first.reason}); see validate= and on_error="
+        )
+    writer.skipped = skipped + list(scan.ignored)
+    writer.pack_info = dict(plan.pack_info)
+    done_report = writer.close()
+    _warn_skipped(skipped, total, done_report.manifest_path, True, stacklevel=4)
+    return PackReport(
+        out=done_report.out,
+        manifest_path=done_report.manifest_path,
+        format=done_report.format,
+        shards=done_report.shards,
+        samples=done_report.samples,
+        classes=done_report.classes,
+        bytes=done_report.bytes,
+        seconds=time.perf_counter() - started,
+        skipped=sorted(writer.skipped, key=lambda s: s.path),
+        errors=len(skipped),
         not_images=scan.not_images,
-        empty_classes=scan.empty_classes,
-        info=plan.pack_info,
+        empty_classes=list(scan.empty_classes),
     )
 
 

@@ -248,6 +248,24 @@ class ShardWriter:
             raise write_error(self.out, exc, "shards") from None
         self._max_label = max(self._max_label, label)
 
+    def add_shards(self, entries: Sequence[ShardEntry]) -> None:
+        """Shards written elsewhere (a planned pack's task) in this writer's staging folder
+        join its output, in order, after any it rolled itself; into a URL each must already be
+        submitted for upload (``upload``)."""
+        if self._shard is not None:
+            self._finish_shard()
+        self._entries += list(entries)
+
+    def upload(self, path: str) -> None:
+        """Upload the complete shard at ``path`` now (URL outputs; a no-op locally)."""
+        if self._uploader is not None:
+            self._uploader.submit(path)
+
+    @property
+    def staging(self) -> str:
+        """The local folder this writer stages shards in (a temporary one for a URL)."""
+        return self._staging
+
     def _note_single(self, samples: int, next_bytes: int) -> None:
         """Warn once when shard_size gives one-sample shards: an open per sample again, which
         is what shards exist to avoid (e.g. ``--shard-size 10KB`` for 13 KB JPEGs)."""

@@ -398,3 +398,29 @@ def test_a_plan_file_runs_task_by_task_then_the_same_command_commits(src, refs, 
         for f, ino in written.items()
         if f.endswith(".tar")
     )  # the commit moved the tasks' shards, it did not write them again
+
+
+@pytest.mark.slow  # the S3 server
+def test_a_pack_into_s3_uploads_the_same_bytes_as_a_local_pack(s3, src, refs):
+    """Same plan, same tasks: the shards go to their final keys as they complete, the
+    manifest last, and equal a local pack's (skipped files included)."""
+    s3.client().create_bucket(Bucket="planned")
+    quiet(
+        pack,
+        src,
+        "s3://planned/set/",
+        shard_size="12kB",
+        format="lmdb",
+        storage_options=s3.options(s3.endpoint),
+    )
+    c = s3.client()
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket="planned", Prefix="set/")["Contents"]]
+    uploaded = {
+        k.removeprefix("set/"): hashlib.sha256(
+            c.get_object(Bucket="planned", Key=k)["Body"].read()
+        ).hexdigest()
+        for k in keys
+    }
+    assert uploaded == digest(refs["lmdb"])
+    puts = [path for method, path, _ in s3.log.entries if method == "PUT" and "/set/" in path]
+    assert puts[-1].endswith("/set/manifest.json")  # the manifest last
