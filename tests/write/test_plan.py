@@ -424,3 +424,53 @@ def test_a_pack_into_s3_uploads_the_same_bytes_as_a_local_pack(s3, src, refs):
     assert uploaded == digest(refs["lmdb"])
     puts = [path for method, path, _ in s3.log.entries if method == "PUT" and "/set/" in path]
     assert puts[-1].endswith("/set/manifest.json")  # the manifest last
+
+
+_DASK_RECIPE = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.simplefilter("ignore")
+    from dask.distributed import Client, LocalCluster
+    from shardkit.write.packer import pack
+    from shardkit.write.plan import run_task
+
+    src, out, marker = sys.argv[1:4]
+
+    def dying_once(task, threads=1):  # the first attempt of shard 1's task kills its worker
+        if 1 in task.shards and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        return run_task(task, threads)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                          dashboard_address=None) as cluster, Client(cluster) as client:
+
+            def dask_runner(tasks):  # the documented recipe
+                futures = client.map(dying_once, tasks, retries=3, pure=False)
+                return [r for rs in client.gather(futures) for r in rs]
+
+            pack(src, out, shard_size="12kB", format="lmdb", progress=False, runner=dask_runner,
+                 shards_per_task=2)
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter running a local Dask cluster
+def test_the_dask_recipe_writes_the_same_bytes_after_a_dead_worker(src, refs, tmp_path):
+    pytest.importorskip("distributed", reason="the Dask recipe's own dependency")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out, marker = tmp_path / "out", tmp_path / "died"
+    script = tmp_path / "recipe.py"  # a file: Dask's worker processes import __main__ from it
+    script.write_text(_DASK_RECIPE)
+    r = subprocess.run(
+        [sys.executable, str(script), src, str(out), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(scratch), "HOME": str(scratch)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.exists()  # a worker did die, and its task ran again
+    assert digest(str(out)) == digest(refs["lmdb"])
