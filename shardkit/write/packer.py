@@ -100,6 +100,8 @@ class PackReport:
     empty_classes: list[str]
     #: True when OUT already held this pack (same source files and options): nothing was written.
     up_to_date: bool = False
+    #: With ``append=True``: the samples OUT held before (the counts above are what was added).
+    appended_to: int | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -114,8 +116,12 @@ class PackReport:
                 "the same files with the same options; nothing to do (--overwrite repacks). "
                 f"Manifest: {self.manifest_path}"
             )
+        verb, into = "Packed", f"into {self.shards}"
+        if self.appended_to is not None:
+            verb = "Appended"
+            into = f"after the {self.appended_to} already there, as {self.shards} new"
         text = (
-            f"Packed {self.samples} samples of {self.classes} classes into {self.shards} "
+            f"{verb} {self.samples} samples of {self.classes} classes {into} "
             f"{self.format} shard{s} ({self.bytes / 1e6:.1f} MB) in {self.out} "
             f"in {self.seconds:.1f} s ({self.mb_per_s:.1f} MB/s, "
             f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s). "
@@ -459,19 +465,22 @@ def _pack_planned(
     skipped = list(scan.errors) + result.task_skipped
     total = len(scan.files) + len(scan.errors)
     _warn_skipped(skipped, total, result.manifest_path, True, stacklevel=4)
+    old = len(plan.base.shards) if plan.base is not None else 0
+    added = manifest.shards[old:]
     return PackReport(
         out=out,
         manifest_path=result.manifest_path,
         format=manifest.shard_format,
-        shards=len(manifest.shards),
-        samples=manifest.num_samples,
+        shards=len(added),
+        samples=sum(e.samples for e in added),
         classes=len(manifest.classes),
-        bytes=manifest.total_bytes,
+        bytes=sum(e.bytes for e in added),
         seconds=time.perf_counter() - started,
         skipped=list(manifest.skipped),
         errors=len(skipped),
         not_images=scan.not_images,
         empty_classes=list(scan.empty_classes),
+        appended_to=plan.base.num_samples if plan.base is not None else None,
     )
 
 

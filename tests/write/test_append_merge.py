@@ -98,7 +98,10 @@ def test_append_adds_shards_after_the_old_ones_and_rewrites_nothing(srcs, tmp_pa
     ]
     assert new.classes == ["x", "y", "z"]  # the new class after the old ones
     got = samples(out)
-    assert len(got) == 12 + 12 == report.samples
+    assert len(got) == 12 + 12 and (report.samples, report.appended_to) == (12, 12)
+    assert report.shards == len(names) and report.summary().startswith(
+        f"Appended 12 samples of 3 classes after the 12 already there, as {len(names)} new "
+    )
     assert all(key.split("/")[0] == cls for key, cls in got)  # labels mapped by name
     assert [a["source"] for a in new.pack[APPENDED_FIELD]] == [b]
     assert (
