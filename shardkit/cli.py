@@ -418,6 +418,8 @@ def merge_cmd(datasets, out) -> None:
 
 def _pack_runner(engine, processes, threads, ray_address):
     """The runner ``--engine`` names (None: the plan runs in this process)."""
+    if ray_address is not None and engine != "ray":
+        raise click.UsageError("--ray-address needs --engine ray")
     if engine == "local":
         from .write.engines import LocalRunner
 
@@ -426,8 +428,6 @@ def _pack_runner(engine, processes, threads, ray_address):
         from .integrations.ray import RayRunner
 
         return RayRunner(ray_address, threads=threads, num_cpus=processes)
-    if ray_address is not None:
-        raise click.UsageError("--ray-address needs --engine ray")
     return None
 
 
