@@ -10,6 +10,16 @@ timing. The order of the commands rotates between repeats, and ratios are taken 
 
     python benchmarks/bench_pack.py                   # data/lfw (made if missing), 5 repeats
     python benchmarks/bench_pack.py --src data/lfw --repeats 7 --json bench-out/pack.json
+    python benchmarks/bench_pack.py --engines --src data/imagenet --repeats 3
+
+``--engines`` times ``--engine local --processes 2`` against today's in-process pack (reader
+threads), with and without ``--resize-short 256``, side by side in each repeat (ratio
+pack / engine: above 1 the process pool is faster), and prints the load average.
+``--engines --ray`` times ``--engine ray`` (a local 2-CPU cluster started and stopped by the
+command, in a scratch HOME and temp dir) against ``--engine local`` and the plain pack, and
+``--tiny N`` first makes a folder of N tiny JPEGs (100 classes) at ``--src`` to time it on:
+
+    python benchmarks/bench_pack.py --engines --ray --tiny 50000 --src bench-out/tiny50k
 
 Caveats printed with the result: directory entries and inodes stay cached (dropping them needs
 root and would disturb the whole machine), so this is a cold *data* cache for both commands alike;
@@ -69,6 +79,18 @@ def _time(cmd: list[str]) -> float:
     return dt
 
 
+def _cpu_time(cmd: list[str], cpu: dict, name: str) -> float:
+    """``_time``, also recording the CPU seconds (user + system) the command and its children
+    used in ``cpu[name]``: on a shared machine, less disturbed by others than wall time."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    dt = _time(cmd)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu[name] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return dt
+
+
 def _tree_size(src: Path) -> tuple[int, int]:
     files = size = 0
     for dirpath, _dirs, names in os.walk(src):
@@ -104,7 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         help="time a copy of SRC made next to --work, so other processes reading SRC "
         "on a shared machine cannot warm its page cache between eviction and timing",
     )
+    ap.add_argument(
+        "--engines",
+        action="store_true",
+        help="compare --engine local --processes 2 with the in-process pack instead of tar",
+    )
+    ap.add_argument("--processes", type=int, default=2, help="--engines: worker processes")
+    ap.add_argument("--ray", action="store_true", help="--engines: Ray against the process pool")
+    ap.add_argument("--tiny", type=int, default=0, help="make N tiny JPEGs at --src first")
     args = ap.parse_args(argv)
+    if args.engines:
+        return _engines(args)
 
     src = Path(args.src).resolve()
     if not src.is_dir():
@@ -199,6 +231,183 @@ def main(argv: list[str] | None = None) -> int:
         "directory entries and inodes stay cached for all commands alike"
     )
     print(f"raw timings: {args.json}")
+    return 0
+
+
+def _make_tiny(src: Path, n: int) -> None:
+    """``n`` 16x12 noise JPEGs in 100 class folders (file count, not bytes, is what is timed)."""
+    import numpy as np
+    from PIL import Image
+
+    if src.is_dir() and sum(len(f) for _, _, f in os.walk(src)) == n:
+        return
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        d = src / f"c{i % 100:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(d / f"{i:06d}.jpg")
+
+
+def _ray_commands(src: Path, work: Path, shard_size: str, processes: int, scratch: Path) -> dict:
+    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
+    common = ["-q", "--shard-size", shard_size]
+    env = f"HOME={scratch} TMPDIR={scratch} RAY_TMPDIR={scratch}"
+    ray = [*pack, str(work / "c"), "--engine", "ray", "--processes", str(processes), *common]
+    return {
+        "pack-t1": pack + [str(work / "a"), "--threads", "1", *common],
+        "local": pack
+        + [str(work / "b"), "--engine", "local", "--processes", str(processes), *common],
+        "ray": ["sh", "-c", f"{env} {' '.join(ray)}"],
+    }
+
+
+def _engine_commands(src: Path, work: Path, shard_size: str, processes: int) -> dict:
+    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
+    common = ["-q", "--shard-size", shard_size]
+    local = ["--engine", "local", "--processes", str(processes)]
+    resize = ["--resize-short", "256"]
+    return {
+        "pack-t1": pack + [str(work / "a"), "--threads", "1", *common],
+        "pack-t2": pack + [str(work / "b"), "--threads", "2", *common],
+        "local": pack + [str(work / "c"), *local, *common],
+        "pack-t1-r256": pack + [str(work / "d"), "--threads", "1", *common, *resize],
+        "pack-t2-r256": pack + [str(work / "e"), "--threads", "2", *common, *resize],
+        "local-r256": pack + [str(work / "f"), *local, *common, *resize],
+    }
+
+
+def _engines(args) -> int:
+    """--engines: the process pool against the in-process pack, cold cache, one run."""
+    src = Path(args.src).resolve()
+    if args.tiny:
+        _make_tiny(src, args.tiny)
+    if not src.is_dir():
+        raise SystemExit(f"error: source {src} does not exist (make one: shardkit synth imagenet)")
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    files, size = _tree_size(src)
+    shard_size = "16MB" if args.shard_size == "256MB" else args.shard_size  # tasks to share
+    if args.ray:
+        import tempfile
+
+        scratch = Path(tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp"))
+        try:
+            return _ray_overhead(args, src, work, files, size, shard_size, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    cmds = _engine_commands(src, work, shard_size, args.processes)
+    names = list(cmds)
+    load0 = os.getloadavg()
+    print(
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats; "
+        f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
+    runs, cpus = [], []
+    for rep in range(args.repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        times, cpu = {}, {}
+        for name in order:
+            _clean(work)
+            evict(src)
+            times[name] = _cpu_time(cmds[name], cpu, name)
+        runs.append(times)
+        cpus.append(cpu)
+        print(
+            f"repeat {rep + 1}: "
+            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+            + f"  | pack-t1/local {times['pack-t1'] / times['local']:.2f}"
+            + f", r256 {times['pack-t1-r256'] / times['local-r256']:.2f}",
+            flush=True,
+        )
+    _clean(work)
+    load1 = os.getloadavg()
+    speedups = {
+        f"{base}{r}": [run[f"{base}{r}"] / run[f"local{r}"] for run in runs]
+        for base in ("pack-t1", "pack-t2")
+        for r in ("", "-r256")
+    }
+    summary = {
+        "source": str(src),
+        "files": files,
+        "bytes": size,
+        "repeats": args.repeats,
+        "shard_size": shard_size,
+        "processes": args.processes,
+        "cpus": os.cpu_count(),
+        "runs": runs,
+        "cpu_seconds": cpus,
+        "speedup_median": {k: statistics.median(v) for k, v in speedups.items()},
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"\n{'command':<14} {'median s':>9} {'CPU s':>7}")
+    for n in names:
+        wall, used = statistics.median(r[n] for r in runs), statistics.median(c[n] for c in cpus)
+        print(f"{n:<14} {wall:>9.2f} {used:>7.2f}")
+    print(
+        f"\nspeed-up of --engine local --processes {args.processes}: time of the in-process "
+        "pack / time of the engine, per repeat (median [min-max])"
+    )
+    for k, v in speedups.items():
+        print(
+            f"  {k:<14} / local{'-r256' if 'r256' in k else '':<6} "
+            f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+        )
+    print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}")
+    return 0
+
+
+def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
+    cmds = _ray_commands(src, work, shard_size, args.processes, scratch)
+    names = list(cmds)
+    load0 = os.getloadavg()
+    print(
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
+        f"{args.repeats} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
+        f"{load0[2]:.2f}",
+        flush=True,
+    )
+    runs = []
+    for rep in range(args.repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        times = {}
+        for name in order:
+            _clean(work)
+            times[name] = _time(cmds[name])
+        runs.append(times)
+        print(
+            f"repeat {rep + 1}: "
+            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+            + f"  | ray - local {times['ray'] - times['local']:+.2f}s",
+            flush=True,
+        )
+    _clean(work)
+    load1 = os.getloadavg()
+    over = [r["ray"] - r["local"] for r in runs]
+    ratio = [r["ray"] / r["local"] for r in runs]
+    summary = {
+        "source": str(src),
+        "files": files,
+        "bytes": size,
+        "shard_size": shard_size,
+        "runs": runs,
+        "ray_minus_local_s_median": statistics.median(over),
+        "ray_over_local_median": statistics.median(ratio),
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    for n in names:
+        print(f"{n:<8} median {statistics.median(r[n] for r in runs):.2f} s")
+    print(
+        f"ray overhead against --engine local (start-up included): median "
+        f"{statistics.median(over):+.2f} s, x{statistics.median(ratio):.2f}; load average "
+        f"after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}"
+    )
     return 0
 
 

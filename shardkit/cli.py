@@ -351,6 +351,47 @@ def synth_imagenet(
     "Nothing outside it is read.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Run the shard tasks on a process pool here (local) or a Ray cluster (ray); the "
+    "bytes are the same as without. A failed or killed run resumes when run again.",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="--engine local: worker processes (ray: CPUs of a cluster started for the pack).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR",
+    help="--engine ray: the cluster to join (auto: the one this node is in); default: start "
+    "one here for the pack.",
+)
+@click.option(
+    "--shards-per-task",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --engine: consecutive shards per task.",
+)
+@click.option(
+    "--plan-only",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="PLAN",
+    help="Write the shard tasks to PLAN (JSON) and stop: run each with `shardkit pack-task PLAN "
+    "--task I` (e.g. a SLURM array), then this command without --plan-only commits.",
+)
+@click.option(
+    "--append",
+    is_flag=True,
+    help="Add SRC's images to the dataset in OUT as new shards; nothing packed is rewritten.",
+)
 def pack_cmd(
     src,
     out,
@@ -365,6 +406,12 @@ def pack_cmd(
     validate,
     root,
     quiet,
+    engine,
+    processes,
+    ray_address,
+    shards_per_task,
+    plan_only,
+    append,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
@@ -391,6 +438,7 @@ def pack_cmd(
         "resize_short": resize_short,
         "on_error": on_error,
     }
+    runner = _pack_runner(engine, processes, threads, ray_address)
     with warnings.catch_warnings(record=True) as caught, _explained(out, src, asked, OutputError):
         warnings.simplefilter("always")
         report = pack(
@@ -407,8 +455,20 @@ def pack_cmd(
             validate=validate,
             progress=not quiet,
             root=root,
+            runner=runner,
+            shards_per_task=shards_per_task,
+            append=append,
+            plan_only=plan_only,
         )
     echo_warnings(caught)
+    if plan_only is not None:
+        tasks = -(-report.shards // shards_per_task)
+        click.echo(
+            f"Planned {report.samples} samples in {report.shards} shards as {tasks} task(s) in "
+            f"{plan_only}; run `shardkit pack-task {plan_only} --task I` for I = 0..{tasks - 1}, "
+            "then this command again without --plan-only to commit"
+        )
+        return
     click.echo(report.summary())
 
 
@@ -510,6 +570,58 @@ def echo_warnings(caught) -> None:
     for texts in groups.values():
         more = f" ({len(texts) - 1} more like it)" if len(texts) > 1 else ""
         click.echo(f"warning: {texts[0]}{more}", err=True)
+
+
+@main.command("pack-task")
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--task", "index", type=click.IntRange(min=0), required=True, help="Task number.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Reader threads (the main thread writes).",
+)
+def pack_task_cmd(plan, index, threads) -> None:
+    """Run task I of a plan written by `shardkit pack --plan-only PLAN` (safe to re-run)."""
+    from .write.plan import load_task, run_task
+
+    task, total = load_task(plan, index)
+    receipts = run_task(task, threads)
+    done = sum(r.samples for r in receipts)
+    click.echo(
+        f"Task {index} of {total}: shards {task.first}..{task.shards.stop - 1} done "
+        f"({done} samples) in {task.job}"
+    )
+
+
+@main.command("merge")
+@click.argument("datasets", nargs=-1, required=True, type=click.Path())
+@click.argument("out", type=click.Path())
+def merge_cmd(datasets, out) -> None:
+    """Join the packed DATASETS (same format, agreeing class lists) into OUT.
+
+    OUT is a new folder, or the first dataset itself (the others are added to it). Shards are
+    hard-linked (or copied), never rewritten; one manifest lists them all, committed last.
+    """
+    from .write.merge import merge
+
+    click.echo(merge(list(datasets), out).summary())
+
+
+def _pack_runner(engine, processes, threads, ray_address):
+    """The runner ``--engine`` names (None: the plan runs in this process)."""
+    if ray_address is not None and engine != "ray":
+        raise click.UsageError("--ray-address needs --engine ray")
+    if engine == "local":
+        from .write.engines import LocalRunner
+
+        return LocalRunner(processes, threads)
+    if engine == "ray":
+        from .integrations.ray import RayRunner
+
+        return RayRunner(ray_address, threads=threads, num_cpus=processes)
+    return None
 
 
 # --- info / verify ---------------------------------------------------------------------------

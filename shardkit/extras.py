@@ -15,6 +15,7 @@ __all__ = ["EXTRAS", "require"]
 EXTRAS = {
     "bench": ("matplotlib",),
     "synth": ("skimage", "matplotlib"),
+    "ray": ("ray",),
 }
 
 _DISTRIBUTIONS = {"skimage": "scikit-image"}

@@ -3,10 +3,12 @@
 Every writer in shardkit follows the same rules, kept here so there is one policy:
 
 - files are written under a temporary (hidden) name and renamed when complete;
-- a staging name carries its owner's pid (``.partial-<pid>-<random>``), and staging is removed
-  only when its owner is provably gone: the remover holds the output's lock (so no other
-  shardkit writer is live there) *and* the pid is dead. A concurrent writer's files are never
-  touched;
+- a staging name carries its owner's host and pid (``.partial-<host>-<pid>-<random>``), and
+  staging is removed only when its owner is provably gone: the remover holds the output's lock
+  (so no other shardkit writer is live there), the host is this one *and* the pid is dead (a pid
+  says nothing about another machine's processes, so their staging is left alone). A concurrent
+  writer's files are never touched. A job folder (``.partial-job-<plan>``: a planned pack's
+  finished shards and receipts, kept for a re-run to resume) is never stale by pid;
 - a directory of many files is published by ``publish``: a journal written atomically is the
   commit point, so a kill before it leaves the old contents intact and a kill after it is
   finished (rolled forward) by the next writer, and readers refuse the directory meanwhile.
@@ -19,13 +21,17 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import stat
 
 from .errors import OutputError
 
 __all__ = [
+    "HOST",
+    "JOB_MARK",
     "JOURNAL_NAME",
     "STAGING_PREFIX",
     "stale_staging",
@@ -45,8 +51,12 @@ __all__ = [
     "write_error",
 ]
 
-#: Prefix of a writer's staging directory inside its output: ``.partial-<pid>-<hex>``.
+#: Prefix of a writer's staging directory inside its output: ``.partial-<host>-<pid>-<hex>``.
 STAGING_PREFIX = ".partial-"
+#: After ``STAGING_PREFIX``: a planned pack's job folder, removed by its commit, never by pid.
+JOB_MARK = "job-"
+#: This machine's name as staging names carry it: no ``-`` (the field separator), nothing odd.
+HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 #: The commit journal: present in a directory only between a commit point and its completion.
 JOURNAL_NAME = ".shardkit-commit.json"
 
@@ -90,7 +100,7 @@ def _kind(mode: int) -> str:
 def temp_name(path: str) -> str:
     """A sibling name no other process picks, hidden and marked as incomplete."""
     head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(head, f".{tail}.tmp-{HOST}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def fsync_dir(path: str) -> None:
@@ -164,13 +174,19 @@ def _unlink(path: str) -> None:
 
 
 def staging_name(prefix: str = STAGING_PREFIX) -> str:
-    """``<prefix><pid>-<random>``: unique, and says which process owns it."""
-    return f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
+    """``<prefix><host>-<pid>-<random>``: unique, and says which process on which machine owns
+    it (a pid alone is ambiguous once writers run on several machines into one output)."""
+    return f"{prefix}{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _owner(name: str, prefix: str) -> int | None:
-    pid, _, rest = name[len(prefix) :].partition("-")
-    return int(pid) if pid.isdigit() and rest else None
+def _owner(name: str, prefix: str) -> tuple[str, int] | None:
+    """``(host, pid)`` of a staging name; ``<pid>-<hex>`` (older shardkit) is this host's."""
+    parts = name[len(prefix) :].split("-")
+    if len(parts) == 2 and parts[0].isdigit() and parts[1]:
+        return HOST, int(parts[0])
+    if len(parts) == 3 and parts[1].isdigit() and parts[0] and parts[2]:
+        return parts[0], int(parts[1])
+    return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -188,16 +204,20 @@ def pid_alive(pid: int) -> bool:
 
 def stale_staging(directory: str, prefix: str = STAGING_PREFIX) -> list[str]:
     """Names of the staging entries in ``directory`` whose owner is gone (what a kill -9 left),
-    without removing them: for commands that only read to mention them."""
+    without removing them: for commands that only read to mention them. As for
+    ``remove_stale_staging``: another host's staging and a resumable job folder are not stale."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         return []
-    return [
-        n
-        for n in names
-        if n.startswith(prefix) and not ((pid := _owner(n, prefix)) and pid_alive(pid))
-    ]
+    stale = []
+    for n in names:
+        if not n.startswith(prefix) or n[len(prefix) :].startswith(JOB_MARK):
+            continue
+        owner = _owner(n, prefix)
+        if owner is None or (owner[0] == HOST and not pid_alive(owner[1])):
+            stale.append(n)
+    return stale
 
 
 def remove_stale_staging(
@@ -205,21 +225,23 @@ def remove_stale_staging(
 ) -> list[str]:
     """Remove the staging entries in ``directory`` whose owner is dead; return their names.
 
-    An entry named by ``staging_name`` is removed only when its pid is not alive on this machine
-    (pids are per host: a directory shared over the network with writers on other hosts is not
-    supported). Pack's caller also holds ``directory``'s ``DirLock``, which proves no other
-    shardkit writer is live in it; so a name without a pid, from an older shardkit that took no
-    lock, is stale too. Callers without such a lock (synth, in a user's directory) pass
-    ``keep_unowned=True``.
+    An entry named by ``staging_name`` is removed only when it names this host and its pid is not
+    alive here (another host's staging is kept: its pid cannot be checked from here); a job
+    folder (``JOB_MARK``) is kept for its re-run to resume. Pack's caller also holds
+    ``directory``'s ``DirLock``, which proves no other shardkit writer is live in it; so a name
+    without a pid, from an older shardkit that took no lock, is stale too. Callers without such a
+    lock (synth, in a user's directory) pass ``keep_unowned=True``.
     """
     removed = []
     for name in os.listdir(directory):
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or name[len(prefix) :].startswith(JOB_MARK):
             continue
-        pid = _owner(name, prefix)
-        if pid is None and keep_unowned:
+        owner = _owner(name, prefix)
+        if owner is None and keep_unowned:
             continue
-        if pid is not None and (pid == os.getpid() or pid_alive(pid)):
+        if owner is not None and (
+            owner[0] != HOST or owner[1] == os.getpid() or pid_alive(owner[1])
+        ):
             continue
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):

@@ -45,6 +45,8 @@ __all__ = [
     "SourceScan",
     "StrTable",
     "check_source_dir",
+    "field_files",
+    "inline_fields",
     "scan_source",
 ]
 
@@ -153,24 +155,11 @@ class SourceScan:
 
     def fields_of(self, i: int) -> list[tuple[str, str]]:
         """``(field name, path relative to SRC)`` of sample ``i``'s sidecar files, in name order."""
-        suffixes = self.sidecars[i] if len(self.sidecars) else ""
-        if not suffixes:
-            return []
-        rel = self.files[i]
-        cut = rel.rfind("/") + 1
-        stem = rel[: cut + rel[cut:].find(".")]
-        return [(s.lower(), f"{stem}.{s}") for s in suffixes.split(FIELD_SEP)]
+        return field_files(self.files[i], self.sidecars[i] if len(self.sidecars) else "")
 
     def inline_fields(self, i: int) -> dict[str, bytes]:
         """Sample ``i``'s fields from a table row, as stored: ``txt`` UTF-8, ``json`` JSON."""
-        text = self.inline[i] if len(self.inline) else ""
-        if not text:
-            return {}
-        doc = json.loads(text)
-        return {
-            k: v.encode() if isinstance(v, str) else json.dumps(v, ensure_ascii=False).encode()
-            for k, v in doc.items()
-        }
+        return inline_fields(self.inline[i] if len(self.inline) else "")
 
     def add_non_image(self, rel: str, reason: str) -> None:
         name = rel.rsplit("/", 1)[-1]
@@ -179,6 +168,26 @@ class SourceScan:
         self.not_images += 1
         if self.not_images <= LIST_NON_IMAGES:
             self.ignored.append(SkippedFile(rel, reason))
+
+
+def field_files(rel: str, suffixes: str) -> list[tuple[str, str]]:
+    """``(field name, path)`` of the field files of the image at ``rel`` (``SourceScan.sidecars``
+    form: suffixes joined by ``FIELD_SEP``)."""
+    if not suffixes:
+        return []
+    cut = rel.rfind("/") + 1
+    stem = rel[: cut + rel[cut:].find(".")]
+    return [(s.lower(), f"{stem}.{s}") for s in suffixes.split(FIELD_SEP)]
+
+
+def inline_fields(text: str) -> dict[str, bytes]:
+    """A table row's fields (``SourceScan.inline`` form) as stored: ``txt`` UTF-8, else JSON."""
+    if not text:
+        return {}
+    return {
+        k: v.encode() if isinstance(v, str) else json.dumps(v, ensure_ascii=False).encode()
+        for k, v in json.loads(text).items()
+    }
 
 
 def _image_ext(name: str) -> str | None:

@@ -118,7 +118,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("reading: shards to samples", {"stream"}),
     ("writing: folders to shards, verify", {"write"}),
     ("batches", {"loader"}),
-    ("front doors", {"bench", "synth", "cli", ""}),
+    ("front doors", {"bench", "synth", "integrations", "cli", ""}),
 ]
 
 
@@ -206,12 +206,13 @@ def _without(blocked: set[str], code: str, *args: str) -> subprocess.CompletedPr
         (["bench", "--plot", "{tmp}/p.png", "--data", "{tmp}/none"], "bench"),
         (["bench", "--timeline", "{tmp}/t.png", "--data", "{tmp}/none"], "bench"),
         (["synth", "lfw", "{tmp}/lfw", "--scale", "0.005"], "synth"),
+        (["pack", "{tmp}", "{tmp}/lfw", "--engine", "ray"], "ray"),
     ],
 )
 def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, argv, extra):
     args = [a.format(tmp=tmp_path) for a in argv]
     r = _without(
-        {"matplotlib", "skimage"},
+        {"matplotlib", "skimage", "ray"},
         """
         import sys
         from shardkit.cli import main

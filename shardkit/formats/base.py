@@ -56,6 +56,13 @@ class ShardFormat:
     def open_writer(self, path: str) -> FormatWriter:
         raise NotImplementedError
 
+    def sizer(self) -> Any:
+        """A shard's projected size from sample sizes alone (``projected_size(klen, elen,
+        nbytes)``, ``add(klen, elen, nbytes)``, ``samples``; lengths of the key and extension in
+        bytes), exactly as the writer rolls: what a pack is planned with before any image is
+        read."""
+        raise NotImplementedError
+
     def iter_records(
         self,
         source: Any,

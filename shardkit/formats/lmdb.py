@@ -88,6 +88,41 @@ def _stored_size(value_len: int) -> int:
     return node * 2 + 2  # inline: leaf pages may be half full after splits
 
 
+def _value_len(klen: int, elen: int, nbytes: int) -> int:
+    """Length of ``encode_value(key, ext, data, label)``: key, ext and data of these sizes."""
+    return _VALUE_HEADER.size + klen + elen + nbytes
+
+
+class LmdbSizer:
+    """An LMDB shard's projected size as samples are added, from their sizes alone: the same
+    estimate and commit count as ``LmdbShardWriter`` keeps (a pack is planned with it)."""
+
+    def __init__(self):
+        self.samples = 0
+        self._estimate = _FIXED_PAGES * PAGE
+        self._pending_bytes = 0
+        self._commits = 0
+
+    def projected_size(self, klen: int, elen: int, nbytes: int, extra=()) -> int:
+        """``klen``/``elen``: bytes of the key and the extension (UTF-8); ``extra``: ``(name
+        bytes, value bytes)`` of each extra field."""
+        stored = _stored_size(_value_len(klen, elen, nbytes))
+        stored += sum(_stored_size(v + n + 2) for n, v in extra)
+        return self._estimate + stored + (self._commits + 2) * 4 * PAGE
+
+    def add(self, klen: int, elen: int, nbytes: int, extra=()) -> None:
+        value_len = _value_len(klen, elen, nbytes)
+        self._pending_bytes += value_len
+        self._estimate += _stored_size(value_len)
+        for n, v in extra:  # as LmdbShardWriter.add counts each field
+            self._pending_bytes += v
+            self._estimate += _stored_size(v + n + 2)
+        self.samples += 1
+        if self._pending_bytes >= _COMMIT_BYTES:
+            self._pending_bytes = 0
+            self._commits += 1
+
+
 class LmdbShardWriter:
     """Writes samples under sequential keys with append=True; grows the map instead of failing."""
 
@@ -115,7 +150,7 @@ class LmdbShardWriter:
     def projected_size(
         self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
     ) -> int:
-        value_len = _VALUE_HEADER.size + len(key.encode()) + len(ext) + nbytes
+        value_len = _value_len(len(key.encode()), len(ext), nbytes)
         commits = self._commits + 2  # this batch and the meta record's
         fields = sum(_stored_size(len(v) + len(n) + 2) for n, v in extra)
         return self._estimate + _stored_size(value_len) + fields + commits * 4 * PAGE
@@ -577,6 +612,9 @@ class LmdbFormat(ShardFormat):
 
     def open_writer(self, path: str) -> LmdbShardWriter:
         return LmdbShardWriter(path)
+
+    def sizer(self) -> LmdbSizer:
+        return LmdbSizer()
 
     def iter_records(
         self,

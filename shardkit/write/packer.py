@@ -1,272 +1,86 @@
 """``shardkit pack``: images (a class-per-folder tree, or Python samples) into shards + manifest.
 
-The pipeline, one stage each below, composed in ``pack``:
+A folder is packed in three steps (``shardkit.write.plan``), on one machine or on an engine:
 
-    scan SRC (shardkit.scan: sorted classes, sorted files, labels, keys)
-    -> order: shuffle once (numpy permutation of the sorted list: same input + seed = same bytes)
-    -> read + validate (+ resize) in reader threads, consumed in that order
-    -> ShardWriter (shardkit.write.writer): shards within shard_size, published with the
-       manifest last.
+    plan: scan SRC (shardkit.scan), shuffle once (numpy permutation of the sorted list), and fix
+          every shard's samples and name from file sizes
+    -> run: read + validate (+ resize) in reader threads, shards written under temporary names
+       in the job folder, renamed when complete, a receipt each
+    -> commit: the manifest, published with the shards all or nothing, manifest last.
 
-A Python source (a list or iterator of ``(image, label)``, or a map-style torch Dataset) takes
-the place of the scan; its images are encoded once if they are not already (shardkit.write.samples).
-What is left after any interruption is the writer's business: nothing under a final name.
+``pack`` runs the whole plan in this process; ``runner`` (``shardkit.write.engines``, or an
+integration such as Ray) runs it as many tasks: the same plan, so the same bytes.
+
+A folder packed into a URL runs the same plan here, and ``ShardWriter`` (shardkit.write.writer)
+uploads each shard as it completes, the manifest last. A Python source (a list or iterator of
+``(image, label)``, or a map-style torch Dataset) goes through ``ShardWriter`` alone; its images
+are encoded once if they are not already (shardkit.write.samples). Nothing is ever left under a
+final name by an interruption.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import stat
+import shutil
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError, ShardkitError, check_choice
-from ..formats import get_format
 from ..fsutil import DirLock, interrupted_commit
-from ..images.checks import check_image_bytes, decode_error
-from ..images.decode import RESIZE_QUALITY, resize_short_side
-from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
+from ..images.decode import RESIZE_QUALITY
+from ..manifest import MANIFEST_NAME, ShardEntry, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
-from ..sizes import parse_size
 from ..urls import is_url
 from . import samples as _samples
-from .writer import DEFAULT_SHARD_SIZE, ShardWriter
+from .plan import (
+    APPENDED_FIELD,
+    PackPlan,
+    ShardReceipt,
+    ShardTask,
+    check_cluster_lock,
+    commit_pack,
+    plan_pack,
+    run_task,
+    save_tasks,
+)
+from .read import (
+    FINGERPRINT_FIELD,
+    READ_AHEAD,
+    READ_BATCH,
+    PackWarning,
+    check_sample,
+    field_stats,
+    fingerprint,
+    ordered_map,
+    pack_options,
+    pack_version,
+    stat_pair,
+)
+from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "FINGERPRINT_FIELD",
     "PackReport",
     "PackWarning",
+    "Runner",
     "SourceScan",
     "pack",
     "scan_source",
 ]
 
-#: Files each reader-thread task reads: amortises the thread hand-off over several files.
-READ_BATCH = 32
-#: Bytes from the start of each upcoming file that the kernel is asked to read ahead
-#: (``POSIX_FADV_WILLNEED``); bounded so one huge file cannot flood the page cache.
-PREFETCH_BYTES = 2 << 20
-#: Tasks in flight per reader thread: enough to keep every thread busy, bounded for memory.
-READ_AHEAD = 4
-
 _VALIDATE = ("header", "decode", "none")
 #: ``"fail"`` is the former name of ``"raise"``, kept as an alias.
 _ON_ERROR = ("skip", "raise", "fail")
 
-#: A loaded sample: (position, key, bytes or None, ext, reason it is unusable or None, label,
-#: extra fields as ``{name: bytes}`` or None).
-Loaded = tuple[int, str, "bytes | None", str, "str | None", int, "dict[str, bytes] | None"]
 
-
-class PackWarning(UserWarning):
-    """Something to look at that did not stop the pack (skipped files, empty classes)."""
-
-
-# --- read + validate ---------------------------------------------------------------------------
-
-
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-
-
-def _read_file(path: str, fd: int | None = None) -> tuple[bytes, os.stat_result]:
-    """Whole file in one read, and its ``fstat``; O_NONBLOCK so a FIFO swapped in after the scan
-    cannot hang us.
-
-    ``fd``: the file already opened (by the read-ahead hint); it is closed here either way."""
-    if fd is None:
-        fd = os.open(path, _OPEN_FLAGS)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(0, "not a regular file (FIFO, socket or device)")
-        data = os.read(fd, st.st_size) if st.st_size else b""
-        if len(data) < st.st_size:  # short read: keep going until EOF
-            parts = [data]
-            while chunk := os.read(fd, 1 << 20):
-                parts.append(chunk)
-            data = b"".join(parts)
-        return data, st
-    finally:
-        os.close(fd)
-
-
-class _Ahead:
-    """Start the kernel reading upcoming files now, asynchronously, and keep them open.
-
-    Reading small files one after another waits on the disk once per file (queue depth 1, as tar
-    does); hinting the next batch keeps dozens of reads in flight from a single reader thread,
-    which is what makes a cold-cache pack faster than tar. The hinted file's descriptor is kept
-    and handed to its read, so each file is opened once (at 1.28M files a second open per file
-    was a second metadata walk). Advice only: a file that cannot be opened here is opened (and
-    its error reported) by the read; at most ``limit`` descriptors are held.
-    """
-
-    def __init__(self, limit: int = 512):
-        self.fds: dict[int, int] = {}  # sample position -> open fd (dict ops are atomic)
-        self.limit = limit
-        self.advise = hasattr(os, "posix_fadvise")
-
-    def hint(self, root: str, files, batch) -> None:
-        for i in batch:
-            if len(self.fds) >= self.limit:
-                return
-            try:
-                fd = os.open(os.path.join(root, files[i]), _OPEN_FLAGS)
-            except OSError:
-                continue
-            if self.advise:
-                try:
-                    os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-            old = self.fds.setdefault(i, fd)
-            if old != fd:
-                os.close(fd)
-
-    def take(self, i: int) -> int | None:
-        return self.fds.pop(i, None)
-
-    def close(self) -> None:
-        """Close what was hinted but never read (an aborted pack, or a read that won a race)."""
-        while self.fds:
-            try:
-                os.close(self.fds.popitem()[1])
-            except (KeyError, OSError):
-                pass
-
-
-def _check(data: bytes, ext: str, validate: str, resize_short: int | None):
-    """``(bytes, ext, None)`` ready to store, or ``(None, ext, reason)``: validate, maybe resize."""
-    reason = None
-    if validate == "header":
-        reason = check_image_bytes(data)
-        if reason is not None and decode_error(data) is None:
-            reason = None  # odd but whole (e.g. trailer after EOI): the decoder decides
-    elif validate == "decode":
-        reason = check_image_bytes(data) if not data else decode_error(data)
-    if reason is None and resize_short is not None:
-        try:
-            small = resize_short_side(data, resize_short)
-        except Exception as exc:
-            reason = f"cannot decode: {exc}"
-        else:
-            if small is not None:
-                data, ext = small, "jpg"
-    return (None, ext, reason) if reason else (data, ext, None)
-
-
-def _folder_loader(scan: SourceScan, validate: str, resize_short: int | None):
-    """The reader-thread task for a folder: read, check and maybe resize a batch of files.
-
-    A task is ``(batch, ahead, hint_own)``: it first hints ``ahead`` (the batch this thread will
-    most likely read next) to the kernel, so those reads overlap this batch's. Each file's size
-    and mtime as read land in ``load.stats`` (for the source fingerprint), from the ``fstat``
-    the read makes anyway: no second metadata walk.
-    """
-    root = os.path.abspath(scan.root)
-    files, exts, keys, labels = scan.files, scan.exts, scan.keys, scan.labels
-
-    def load(task: tuple) -> list[Loaded]:
-        batch, ahead, hint_own = task
-        if hint_own:
-            load.ahead.hint(root, files, batch)
-        load.ahead.hint(root, files, ahead)
-        out = []
-        for i in batch:
-            ext, key, label = exts[i], keys[i], int(labels[i])
-            path = os.path.join(root, files[i])
-            try:
-                data, st = _read_file(path, load.ahead.take(i))
-            except OSError as exc:
-                load.stats[i] = _stat_pair(path)
-                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label, None))
-                continue
-            load.stats[i] = (st.st_size, st.st_mtime_ns)
-            checked = _check(data, ext, validate, resize_short)
-            fields, why = _read_fields(root, scan.fields_of(i), validate, load.side_stats, i)
-            if fields is not None or why is None:
-                fields = {**(fields or {}), **scan.inline_fields(i)} or None
-            if why is not None and checked[2] is None:
-                checked = (None, ext, why)
-            out.append((i, key, *checked, label, fields))
-        return out
-
-    load.ahead = _Ahead()
-    load.stats = np.full((len(files), 2), -1, dtype=np.int64)
-    load.side_stats = {}  # position -> (size, mtime_ns) of each sidecar, for the fingerprint
-    return load
-
-
-def _read_fields(root: str, named, validate: str, side_stats: dict, i: int):
-    """``({field: bytes} or None, reason or None)``: a sample's sidecar files, read whole.
-
-    A field named ``json``/``*.json`` must parse (unless ``validate="none"``): a caption set with
-    one broken file fails here, naming it, not in the middle of training."""
-    if not named:
-        return None, None
-    fields, stats = {}, []
-    for name, rel in named:
-        path = os.path.join(root, rel)
-        try:
-            data, st = _read_file(path)
-        except OSError as exc:
-            stats.append(_stat_pair(path))
-            side_stats[i] = stats
-            return None, f"field file {rel}: unreadable: {exc.strerror or exc}"
-        stats.append((st.st_size, st.st_mtime_ns))
-        if validate != "none" and (name == "json" or name.endswith(".json")):
-            try:
-                json.loads(data)
-            except ValueError as exc:
-                side_stats[i] = stats
-                return None, f"field file {rel}: not valid JSON ({exc})"
-        fields[name] = data
-    side_stats[i] = stats
-    return fields, None
-
-
-def _folder_tasks(order: np.ndarray, workers: int) -> Iterator[tuple]:
-    """Batches in pack order; task k also hints batch k + workers, which its thread reads next.
-
-    Sliced from the numpy order as they are needed: no Python list of every sample."""
-    nb = (len(order) + READ_BATCH - 1) // READ_BATCH
-    for k in range(nb):
-        yield (
-            order[k * READ_BATCH : (k + 1) * READ_BATCH].tolist(),
-            order[(k + workers) * READ_BATCH : (k + workers + 1) * READ_BATCH].tolist(),
-            k < workers,
-        )
-
-
-def _ordered_map(fn: Callable, items: Iterable, workers: int, window: int) -> Iterator:
-    """``map(fn, items)`` on ``workers`` threads, at most ``window`` tasks ahead, in input order.
-
-    File reads and PIL release the GIL, so threads overlap I/O (and decoding) with the writing
-    done by the consumer. On early exit (error, Ctrl-C) queued tasks are cancelled.
-    """
-    it = iter(items)
-    with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-read") as pool:
-        pending = deque(pool.submit(fn, x) for x in islice(it, window))
-        try:
-            while pending:
-                result = pending.popleft().result()
-                for x in islice(it, 1):
-                    pending.append(pool.submit(fn, x))
-                yield result
-        finally:
-            for f in pending:
-                f.cancel()
+#: Runs a plan's tasks somewhere (a process pool, a cluster) and returns their receipts.
+Runner = Callable[[list[ShardTask]], Iterable[ShardReceipt]]
 
 
 @dataclass
@@ -287,6 +101,8 @@ class PackReport:
     empty_classes: list[str]
     #: True when OUT already held this pack (same source files and options): nothing was written.
     up_to_date: bool = False
+    #: With ``append=True``: the samples OUT held before (the counts above are what was added).
+    appended_to: int | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -301,8 +117,12 @@ class PackReport:
                 "the same files with the same options; nothing to do (--overwrite repacks). "
                 f"Manifest: {self.manifest_path}"
             )
+        verb, into = "Packed", f"into {self.shards}"
+        if self.appended_to is not None:
+            verb = "Appended"
+            into = f"after the {self.appended_to} already there, as {self.shards} new"
         text = (
-            f"Packed {self.samples} samples of {self.classes} classes into {self.shards} "
+            f"{verb} {self.samples} samples of {self.classes} classes {into} "
             f"{self.format} shard{s} ({self.bytes / 1e6:.1f} MB) in {self.out} "
             f"in {self.seconds:.1f} s ({self.mb_per_s:.1f} MB/s, "
             f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s). "
@@ -314,73 +134,12 @@ class PackReport:
         return text + f". Manifest: {self.manifest_path}"
 
 
-def _pack_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("shardkit")
-    except Exception:
-        return "unknown"
-
-
 # --- up to date: OUT already holds this pack ----------------------------------------------------
 
-#: The key in the manifest's ``pack`` object holding the source fingerprint (FORMAT.md).
-FINGERPRINT_FIELD = "source_fingerprint"
 
-
-def _stat_pair(path: str) -> tuple[int, int]:
-    """``(size, mtime_ns)`` of ``path`` (symlinks followed, as a read follows them); -1s if gone."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (-1, -1)
-    return (st.st_size, st.st_mtime_ns)
-
-
-def _options(format, shard_size, shuffle, seed, validate, resize_short, on_error) -> dict:
-    """The options that decide a pack's bytes (not ``workers``: threads give the same bytes)."""
-    return {
-        "format": get_format(format).name,
-        "shard_size": parse_size(shard_size),
-        "shuffle": bool(shuffle),
-        "seed": int(seed),
-        "validate": validate,
-        "resize_short": resize_short,
-        "on_error": on_error,
-    }
-
-
-def _fingerprint(
-    scan: SourceScan, stats: np.ndarray, options: dict, side_stats: dict | None = None
-) -> str:
-    """sha256 over the options and the source listing, as ``make`` would compare it: every
-    image's relative path, size and mtime (``stats``: one ``(size, mtime_ns)`` row per file of
-    ``scan.files``), the class folders, and what the scan listed as unreadable or ignored."""
-    head = {
-        "options": options,
-        "classes": list(scan.classes),
-        "errors": [(e.path, e.reason) for e in scan.errors],
-        "ignored": [(e.path, e.reason) for e in scan.ignored],
-        "non_image_exts": dict(sorted(scan.non_image_exts.items())),
-    }
-    h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
-    h.update(scan.files.offsets.astype("<i8").tobytes())
-    h.update(scan.files.blob.tobytes())
-    h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
-    if scan.inline.blob.size:  # a table's captions and columns
-        h.update(scan.inline.offsets.astype("<i8").tobytes())
-        h.update(scan.inline.blob.tobytes())
-        h.update(np.ascontiguousarray(scan.labels, dtype="<i8").tobytes())
-    if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
-        h.update(scan.sidecars.offsets.astype("<i8").tobytes())
-        h.update(scan.sidecars.blob.tobytes())
-        for i in range(len(scan.files)):
-            h.update(np.asarray(side_stats.get(i, ()), dtype="<i8").tobytes())
-    return "sha256:" + h.hexdigest()
-
-
-def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackReport | None:
+def _already_packed(
+    src: str, out: str, options: dict, progress: bool, append: bool = False
+) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
     source's now, and every shard it lists is there at its size), else None.
 
@@ -398,21 +157,26 @@ def _already_packed(src: str, out: str, options: dict, progress: bool) -> PackRe
         except ShardkitError:
             return None
         recorded = manifest.pack.get(FINGERPRINT_FIELD)
-        if not isinstance(recorded, str) or any(
-            _stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
+        if append:  # up to date when this folder, as it is now, was appended with these options
+            added = manifest.pack.get(APPENDED_FIELD)
+            recorded = (
+                [a.get(FINGERPRINT_FIELD) for a in added if isinstance(a, dict)]
+                if isinstance(added, list)
+                else []
+            )
+        else:
+            recorded = [recorded]
+        recorded = [r for r in recorded if isinstance(r, str)]
+        if not recorded or any(
+            stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
         ):
             return None
         scan = scan_source(src, progress=progress, root=options.get("root"))
         root = os.path.abspath(scan.root)
         stats = np.array(
-            [_stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
+            [stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
         ).reshape(-1, 2)
-        side = {
-            i: [_stat_pair(os.path.join(root, rel)) for _, rel in scan.fields_of(i)]
-            for i in (range(len(scan.files)) if scan.sidecars.blob.size else ())
-            if scan.sidecars[i]
-        }
-        if _fingerprint(scan, stats, options, side) != recorded:
+        if fingerprint(scan, stats, options, field_stats(scan)) not in recorded:
             return None
     return PackReport(
         out=out,
@@ -465,13 +229,19 @@ def pack(
     storage_options: Mapping[str, Any] | None = None,
     work_dir: str | None = None,
     upload_concurrency: int = 4,
+    runner: Runner | None = None,
+    shards_per_task: int = 1,
+    append: bool = False,
+    plan_only: str | None = None,
     root: str | os.PathLike | None = None,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
     ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``; ``shardkit.scan.scan_table``):
     one row per image, its caption as field ``txt``, other columns as ``json``; image paths are
-    relative to ``root`` (default: the table's folder), and nothing outside it is read.
+    relative to ``root`` (default: the table's folder), and nothing outside it is read. Files
+    beside a folder's images that share their key (``x.txt``, ``x.json``, ``x.seg.png``) are
+    packed as their fields (``shardkit.scan``).
 
     ``src`` is a class-per-folder tree, or from Python a list/iterable of ``(image, label)`` or
     a map-style torch Dataset (image: encoded bytes, a PIL image, a uint8 HWC array or CHW
@@ -484,7 +254,23 @@ def pack(
     pack should not die on file 900,000 of a million: each one is listed with its reason in the
     manifest's ``skipped`` and a ``PackWarning`` gives the count. ``on_error="raise"`` stops at
     the first one, naming it. ``workers`` is the number of reader threads (the calling thread
-    writes). ``on_shard(path)`` is called as each shard is complete (under its staging name).
+    writes). ``on_shard(path)`` is called as each shard is complete.
+
+    ``runner`` runs a folder's plan as tasks of ``shards_per_task`` shards each elsewhere
+    (``shardkit.write.engines.LocalRunner``, ``shardkit.integrations.ray``); the output is
+    byte-identical to the default in-process run. A failed or killed run leaves its finished
+    shards in OUT's job folder and the same command resumes from them (in-process: only a
+    killed run; an error or Ctrl-C cleans up).
+
+    ``plan_only="plan.json"`` writes the plan's tasks (``shards_per_task`` shards each) to that
+    JSON file and stops: run each with ``shardkit pack-task plan.json --task I`` (a SLURM array,
+    any scheduler), then this same call without ``plan_only`` commits (every shard done is kept).
+    The report then counts planned shards and samples, nothing written.
+
+    ``append=True`` adds a folder's images to the dataset already in the local ``out`` as new
+    shards (numbered after its last), under one new manifest written atomically; nothing already
+    packed is rewritten, new class names are added after the old ones, and the formats must
+    agree. Appending the same folder with the same options again is up to date.
 
     Like ``make``: a folder packed into a local ``out`` that already holds the same pack (the
     manifest's ``pack.source_fingerprint``: the same files with the same sizes and mtimes, the
@@ -495,17 +281,50 @@ def pack(
     started = time.perf_counter()
     on_error = _check_options(validate, on_error, workers, resize_short, seed)
     from_folder = isinstance(src, (str, os.PathLike))
-    options = None
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
-        options = _options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
         if root is not None:  # a table's root; folder packs keep their fingerprints
-            options["root"] = os.path.abspath(root)
-        if not overwrite:
-            current = _already_packed(src, os.fspath(out), options, progress)
+            root = options["root"] = os.path.abspath(root)
+        out = os.fspath(out)
+        if append:
+            _check_append(out, overwrite)
+        if not overwrite and plan_only is None:
+            current = _already_packed(src, out, options, progress, append)
             if current is not None:
                 return current
+        kw = dict(
+            shard_size=shard_size,
+            format=format,
+            shuffle=shuffle,
+            seed=seed,
+            validate=validate,
+            resize_short=resize_short,
+            on_error=on_error,
+            progress=progress,
+            root=root,
+        )
+        if not is_url(out) or out.startswith("file://"):
+            out = out.removeprefix("file://")
+            return _pack_planned(
+                src,
+                out,
+                kw,
+                overwrite,
+                workers,
+                on_shard,
+                runner,
+                shards_per_task,
+                started,
+                append,
+                plan_only,
+            )
+        if runner is not None:
+            raise InputError(
+                f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
+                "on every worker); pack into one, then upload it, or leave out the engine"
+            )
     elif (
         isinstance(src, (bytes, Mapping))
         or not isinstance(src, Iterable)
@@ -527,16 +346,11 @@ def pack(
         upload_concurrency=upload_concurrency,
         _forbid_inside=src if from_folder else None,
     )
+    if from_folder:
+        with writer:
+            return _pack_to_url(src, writer, kw, workers, on_shard, started)
     with writer:
-        if from_folder:
-            run = _folder_run(
-                src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress,
-                options.get("root"),
-            )  # fmt: skip
-        else:
-            run = _samples_run(
-                src, writer, shuffle, seed, workers, validate, resize_short, on_error
-            )
+        run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error)
         errors = _write(run, writer, on_error, workers, progress)
         skipped = run.errors + errors
         if not writer.samples:
@@ -556,22 +370,11 @@ def pack(
             "resize_quality": RESIZE_QUALITY if resize_short else None,
             "format": writer.format.name,
             "on_error": on_error,
-            "shardkit_version": _pack_version(),
-            **run.extra,
+            "shardkit_version": pack_version(),
+            "keys": "position in the source, 9 digits",
         }
-        if run.scan is not None:
-            writer.pack_info[FINGERPRINT_FIELD] = _fingerprint(
-                run.scan, run.load.stats, options, run.load.side_stats
-            )
     done = writer.report
-    if skipped:
-        warnings.warn(
-            f"skipped {len(skipped)} bad or unreadable image(s) of {run.total}; their "
-            f"{'paths' if from_folder else 'keys'} and reasons are in {done.manifest_path} under "
-            "'skipped'",
-            PackWarning,
-            stacklevel=2,
-        )
+    _warn_skipped(skipped, run.total, done.manifest_path, from_folder)
     return PackReport(
         out=done.out,
         manifest_path=done.manifest_path,
@@ -588,6 +391,128 @@ def pack(
     )
 
 
+def _warn_skipped(
+    skipped: list, total: int, manifest_path: str, from_folder: bool, stacklevel: int = 3
+) -> None:
+    if skipped:
+        warnings.warn(
+            f"skipped {len(skipped)} bad or unreadable image(s) of {total}; their "
+            f"{'paths' if from_folder else 'keys'} and reasons are in {manifest_path} under "
+            "'skipped'",
+            PackWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _check_append(out: str, overwrite: bool) -> None:
+    if overwrite:
+        raise InputError(
+            "append=True adds to the dataset in out; overwrite=True replaces it: pick one"
+        )
+    if is_url(out):
+        raise InputError(f"output {out}: append=True adds to a local (or shared) folder, not a URL")
+    if not os.path.isfile(os.path.join(out, MANIFEST_NAME)) and not interrupted_commit(out):
+        raise InputError(
+            f"output {out!r} holds no dataset ({MANIFEST_NAME}) to append to; pack into it "
+            "without append=True"
+        )
+
+
+def _pack_planned(
+    src,
+    out,
+    kw,
+    overwrite,
+    workers,
+    on_shard,
+    runner,
+    shards_per_task,
+    started,
+    append=False,
+    plan_only=None,
+) -> PackReport:
+    """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
+    from ..progress import Progress
+
+    if getattr(runner, "cluster", False):
+        check_cluster_lock(out)
+    lock, replaced = open_local_output(out, overwrite or append, src)
+    plan: PackPlan | None = None
+    try:
+        plan = plan_pack(src, out, **kw)
+        if append:
+            base = read_manifest(out)
+            if base.shard_format != plan.options["format"]:
+                raise InputError(
+                    f"{out} holds {base.shard_format} shards; append with format="
+                    f'"{base.shard_format}"'
+                )
+            plan.appending(base)
+            replaced = []  # nothing already packed is touched
+        if plan_only is not None:
+            save_tasks(plan.tasks(shards_per_task), plan_only, "the same pack without plan_only")
+            return _planned_report(plan, out, started)
+        if runner is None:
+            bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
+            try:
+                receipts = run_task(plan.whole(), workers, on_shard=on_shard, progress=bar.update)
+            finally:
+                bar.close()
+        else:
+            tasks = plan.tasks(shards_per_task)
+            receipts = list(runner(tasks))
+            if on_shard is not None:
+                for r in sorted(receipts, key=lambda r: r.shard):
+                    if r.samples:
+                        on_shard(os.path.join(plan.job, r.path))
+        result = commit_pack(plan, receipts, replaced=replaced)
+    except BaseException:
+        if plan is not None and runner is None and not interrupted_commit(out):
+            shutil.rmtree(plan.job, ignore_errors=True)  # in-process: an error leaves nothing
+        raise
+    finally:
+        lock.release()
+    scan, manifest = plan.scan, result.manifest
+    skipped = list(scan.errors) + result.task_skipped
+    total = len(scan.files) + len(scan.errors)
+    _warn_skipped(skipped, total, result.manifest_path, True, stacklevel=4)
+    old = len(plan.base.shards) if plan.base is not None else 0
+    added = manifest.shards[old:]
+    return PackReport(
+        out=out,
+        manifest_path=result.manifest_path,
+        format=manifest.shard_format,
+        shards=len(added),
+        samples=sum(e.samples for e in added),
+        classes=len(manifest.classes),
+        bytes=sum(e.bytes for e in added),
+        seconds=time.perf_counter() - started,
+        skipped=list(manifest.skipped),
+        errors=len(skipped),
+        not_images=scan.not_images,
+        empty_classes=list(scan.empty_classes),
+        appended_to=plan.base.num_samples if plan.base is not None else None,
+    )
+
+
+def _planned_report(plan: PackPlan, out: str, started: float) -> PackReport:
+    return PackReport(
+        out=out,
+        manifest_path="",
+        format=plan.options["format"],
+        shards=plan.num_shards,
+        samples=len(plan.order),
+        classes=len(plan.classes or plan.scan.classes),
+        bytes=0,
+        seconds=time.perf_counter() - started,
+        skipped=list(plan.scan.errors),
+        errors=len(plan.scan.errors),
+        not_images=plan.scan.not_images,
+        empty_classes=list(plan.scan.empty_classes),
+        up_to_date=False,
+    )
+
+
 @dataclass
 class _Run:
     """One source made ready for the write loop: the tasks, their loader, and what to report."""
@@ -595,7 +520,7 @@ class _Run:
     name: str
     total: int
     tasks: Iterable[Any]
-    load: Callable[[Any], list[Loaded]]
+    load: Callable[[Any], list]
     describe: Callable[[int], str]  # position -> what an error names (a path, a sample)
     skip_name: Callable[[int, str], str]  # (position, key) -> its name in 'skipped'
     shuffled: bool
@@ -603,54 +528,61 @@ class _Run:
     ignored: list[SkippedFile]
     not_images: int = 0
     empty_classes: Sequence[str] = ()
-    extra: dict[str, Any] | None = None
-    scan: SourceScan | None = None  # a folder's: with ``load.stats``, its fingerprint
 
 
-def _folder_run(
-    src, writer, shuffle, seed, workers, validate, resize_short, on_error, progress=False, root=None
-) -> _Run:
-    scan = scan_source(src, progress=progress, root=root)
-    if scan.errors and on_error == "raise":
-        bad = scan.errors[0]
+def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> PackReport:
+    """A folder into a URL: the same plan and tasks as a local pack, run here into the writer's
+    local staging; each shard uploads under its final key as it completes, the manifest last."""
+    from ..progress import Progress
+
+    plan = plan_pack(src, writer.staging, **kw)  # the job folder: inside the local staging
+    writer.classes = list(plan.scan.classes)
+
+    def done(path: str) -> None:
+        writer.upload(path)
+        if on_shard is not None:
+            on_shard(path)
+
+    bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
+    try:
+        receipts = run_task(plan.whole(), workers, on_shard=done, progress=bar.update)
+    finally:
+        bar.close()
+    fields: dict[str, int] = {}
+    for r in receipts:
+        for name, count in r.fields:
+            fields[name] = fields.get(name, 0) + count
+    writer.add_shards(
+        [ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index) for r in receipts if r.samples],
+        fields,
+    )
+    scan = plan.scan
+    task_skipped = [SkippedFile(p, why) for r in receipts for p, why in r.skipped]
+    skipped = list(scan.errors) + task_skipped
+    total = len(scan.files) + len(scan.errors)
+    if not writer.samples:
+        first = skipped[0]
         raise InputError(
-            f"{os.path.join(src, bad.path)}: {bad.reason}; remove or fix it, or pass "
-            'on_error="skip"'
+            f"source {src}: none of its {total} images could be packed (first: {first.path}: "
+            f"{first.reason}); see validate= and on_error="
         )
-    for cls in scan.empty_classes:
-        warnings.warn(
-            f"class folder {os.path.join(src, cls)!r} has no images; it keeps its label so labels "
-            "match the sorted folder list",
-            PackWarning,
-            stacklevel=3,
-        )
-    if scan.outside_links:
-        warnings.warn(
-            f"{scan.outside_links} symbolic link(s) under {src!r} lead outside it; their targets "
-            "were packed like files of the source (see pack.links_outside_source in the manifest)",
-            PackWarning,
-            stacklevel=3,
-        )
-    writer.classes = list(scan.classes)
-    n = len(scan.files)
-    order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-    return _Run(
-        name=src,
-        total=n + len(scan.errors),
-        tasks=_folder_tasks(order, workers),
-        load=_folder_loader(scan, validate, resize_short),
-        describe=lambda i: os.path.join(scan.root, scan.files[i]),
-        skip_name=lambda i, key: scan.files[i],
-        shuffled=bool(shuffle),
-        errors=list(scan.errors),
-        ignored=list(scan.ignored),
+    writer.skipped = skipped + list(scan.ignored)
+    writer.pack_info = dict(plan.pack_info)
+    done_report = writer.close()
+    _warn_skipped(skipped, total, done_report.manifest_path, True, stacklevel=4)
+    return PackReport(
+        out=done_report.out,
+        manifest_path=done_report.manifest_path,
+        format=done_report.format,
+        shards=done_report.shards,
+        samples=done_report.samples,
+        classes=done_report.classes,
+        bytes=done_report.bytes,
+        seconds=time.perf_counter() - started,
+        skipped=sorted(writer.skipped, key=lambda s: s.path),
+        errors=len(skipped),
         not_images=scan.not_images,
-        empty_classes=scan.empty_classes,
-        extra={
-            "non_image_files": dict(sorted(scan.non_image_exts.items())),
-            "links_outside_source": scan.outside_links,
-        },
-        scan=scan,
+        empty_classes=list(scan.empty_classes),
     )
 
 
@@ -665,13 +597,12 @@ def _samples_run(source, writer, shuffle, seed, workers, validate, resize_short,
         name=name,
         total=n,
         tasks=tasks,
-        load=_samples.loader(source, lambda d, e: _check(d, e, validate, resize_short)),
+        load=_samples.loader(source, lambda d, e: check_sample(d, e, validate, resize_short)),
         describe=lambda i: f"sample {i} of {name}",
         skip_name=lambda i, key: key,
         shuffled=shuffled,
         errors=[],
         ignored=[],
-        extra={"keys": "position in the source, 9 digits"},
     )
 
 
@@ -684,7 +615,7 @@ def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress
     t0 = time.perf_counter()
     done_bytes = seen = 0
     try:
-        for results in _ordered_map(run.load, run.tasks, workers, READ_AHEAD * workers):
+        for results in ordered_map(run.load, run.tasks, workers, READ_AHEAD * workers):
             for i, key, data, ext, reason, label, fields in results:
                 seen += 1
                 if data is None:

@@ -54,6 +54,7 @@ __all__ = [
     "ShardSizeWarning",
     "ShardWriter",
     "WriterReport",
+    "open_local_output",
     "shard_name",
 ]
 
@@ -157,40 +158,13 @@ class ShardWriter:
     # --- opening -------------------------------------------------------------------------------
 
     def _open_local(self, overwrite: bool, forbid_inside: str | None) -> None:
-        out = self.out
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise OutputError(f"output {out!r} exists and is not a directory; choose a directory")
-        if forbid_inside is not None and _within(out, forbid_inside):
-            raise OutputError(
-                f"output {out!r} is inside the source {forbid_inside!r}; choose a folder outside "
-                "the source tree"
-            )
+        self._lock, self._replaced = open_local_output(self.out, overwrite, forbid_inside)
         try:
-            os.makedirs(out, exist_ok=True)
-            self._lock = DirLock(out)
-        except OSError as exc:
-            raise OutputError(
-                f"cannot create {exc.filename or out!r}: {exc.strerror}; choose a writable output"
-            ) from None
-        try:
-            recover(out)  # a commit killed after its commit point is finished first
-            remove_stale_staging(out)
-            remove_stale_staging(out, f".{JOURNAL_NAME}.tmp-")  # a journal killed mid-write
-            leftovers = [n for n in os.listdir(out) if not n.startswith(STAGING_PREFIX)]
-            if leftovers and not overwrite:
-                raise OutputError(
-                    f"output directory {out!r} is not empty; pass overwrite=True to replace the "
-                    "shards and manifest in it, or choose an empty directory"
-                )
-            self._replaced = _old_outputs(out)
-            self._staging = os.path.join(out, staging_name())
+            self._staging = os.path.join(self.out, staging_name())
             os.mkdir(self._staging)
         except OSError as exc:
             self._lock.release()
-            raise OutputError(f"cannot use output {out!r}: {exc.strerror}") from None
-        except BaseException:
-            self._lock.release()
-            raise
+            raise OutputError(f"cannot use output {self.out!r}: {exc.strerror}") from None
 
     def _open_remote(self, overwrite, storage_options, work_dir, concurrency) -> None:
         from ..remote.fetch import check_bucket, storage_error
@@ -280,6 +254,28 @@ class ShardWriter:
         self._max_label = max(self._max_label, label)
         for name, _ in fields:
             self._field_counts[name] = self._field_counts.get(name, 0) + 1
+
+    def add_shards(
+        self, entries: Sequence[ShardEntry], fields: Mapping[str, int] | None = None
+    ) -> None:
+        """Shards written elsewhere (a planned pack's task) in this writer's staging folder
+        join its output, in order, after any it rolled itself; into a URL each must already be
+        submitted for upload (``upload``). ``fields``: their samples carrying each field."""
+        if self._shard is not None:
+            self._finish_shard()
+        self._entries += list(entries)
+        for name, count in (fields or {}).items():
+            self._field_counts[name] = self._field_counts.get(name, 0) + count
+
+    def upload(self, path: str) -> None:
+        """Upload the complete shard at ``path`` now (URL outputs; a no-op locally)."""
+        if self._uploader is not None:
+            self._uploader.submit(path)
+
+    @property
+    def staging(self) -> str:
+        """The local folder this writer stages shards in (a temporary one for a URL)."""
+        return self._staging
 
     def _note_single(self, samples: int, next_bytes: int) -> None:
         """Warn once when shard_size gives one-sample shards: an open per sample again, which
@@ -425,6 +421,51 @@ class ShardWriter:
             f"ShardWriter({self.out!r}, format={self.format.name!r}, shard_size={self.limit}, "
             f"{len(self._entries)} shards done)"
         )
+
+
+# --- opening a local output --------------------------------------------------------------------
+
+
+def open_local_output(
+    out: str, overwrite: bool, forbid_inside: str | None = None
+) -> tuple[DirLock, list[str]]:
+    """Lock the local output ``out`` for one writer and make it ready: ``(lock, replaced)``.
+
+    A commit killed after its commit point is finished first and dead staging removed; a
+    non-empty ``out`` needs ``overwrite``; ``replaced`` are the old dataset's shards, which the
+    new commit deletes. The caller releases the lock (or keeps it until its commit).
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputError(f"output {out!r} exists and is not a directory; choose a directory")
+    if forbid_inside is not None and _within(out, forbid_inside):
+        raise OutputError(
+            f"output {out!r} is inside the source {forbid_inside!r}; choose a folder outside "
+            "the source tree"
+        )
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock = DirLock(out)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot create {exc.filename or out!r}: {exc.strerror}; choose a writable output"
+        ) from None
+    try:
+        recover(out)  # a commit killed after its commit point is finished first
+        remove_stale_staging(out)
+        remove_stale_staging(out, f".{JOURNAL_NAME}.tmp-")  # a journal killed mid-write
+        leftovers = [n for n in os.listdir(out) if not n.startswith(STAGING_PREFIX)]
+        if leftovers and not overwrite:
+            raise OutputError(
+                f"output directory {out!r} is not empty; pass overwrite=True to replace the "
+                "shards and manifest in it, or choose an empty directory"
+            )
+        return lock, _old_outputs(out)
+    except OSError as exc:
+        lock.release()
+        raise OutputError(f"cannot use output {out!r}: {exc.strerror}") from None
+    except BaseException:
+        lock.release()
+        raise
 
 
 # --- checks ------------------------------------------------------------------------------------

@@ -47,6 +47,12 @@ VALUES = {
     "--head": "3",
     "--to": "some/folder",
     "--root": "some/root",
+    "--engine": "local",
+    "--processes": "3",
+    "--ray-address": "auto",
+    "--shards-per-task": "2",
+    "--plan-only": "plan.json",
+    "--task": "1",
 }
 
 
@@ -87,10 +93,13 @@ def test_each_variable_sets_its_option(path, param, monkeypatch):
         path[-1], ["OUT"]
     )
 
+    if path[-1] == "pack-task" and not param.required:
+        args = [*args, "--task", "0"]  # the required option, given on the command line
+
     def resolve():
         return cmd.make_context(path[-1], list(args), parent=click.Context(main))
 
-    default = resolve().params[param.name]
+    default = None if param.required else resolve().params[param.name]
     raw = ("0" if default else "1") if param.is_flag else VALUES[max(param.opts, key=len)]
     monkeypatch.setenv(param.envvar, raw)
     sub = resolve()

@@ -71,8 +71,8 @@ _KILL_AT = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         real_write(path, data)
 
-    def replace(a, b):  # 'after': die after moving two shards into place
-        if when == "after" and fsutil.STAGING_PREFIX in a and "shard-" in b:
+    def replace(a, b):  # 'after': die after moving two shards into place (staging -> OUT)
+        if when == "after" and fsutil.STAGING_PREFIX in a and os.path.dirname(b) == out:
             if len(moved) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             moved.append(b)

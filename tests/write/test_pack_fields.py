@@ -197,3 +197,46 @@ def test_a_row_naming_a_file_outside_the_tables_folder_is_refused(tmp_path, wher
         (root / "t.csv").write_text(f"image,caption\nset/img/p0.jpg,ok\n{again},out\n")
         report = pack(str(root / "t.csv"), str(tmp_path / "out"), root=str(tmp_path))
         assert report.samples == 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fmt, size", [("tar", "16kB"), ("lmdb", "80kB")])
+def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt, size):
+    from shardkit.fsutil import DirLock
+    from shardkit.write.plan import ShardTask, commit_pack, plan_pack, run_task
+
+    src = _captioned(tmp_path / "src", n=6)
+    ref = str(tmp_path / "ref")
+    pack(str(src), ref, format=fmt, shard_size=size, progress=False)
+    m = read_manifest(ref)
+    limit = 16_000 if fmt == "tar" else 80_000
+    assert all(s.bytes <= limit for s in m.shards)  # the plan's roll counts the fields
+    if fmt == "tar":
+        assert len(m.shards) > 2
+    out = str(tmp_path / "out")
+    plan = plan_pack(
+        str(src), out, shard_size=size, format=fmt, shuffle=True, seed=0, validate="header",
+        resize_short=None, on_error="skip",
+    )  # fmt: skip
+    tasks = [ShardTask.from_dict(json.loads(json.dumps(t.to_dict()))) for t in plan.tasks(2)]
+    receipts = [r for t in tasks for r in run_task(t)]
+    with DirLock(out):
+        commit_pack(plan, receipts)
+    got = read_manifest(out)
+    assert [s.sha256 for s in got.shards] == [s.sha256 for s in m.shards]
+    assert got.fields == m.fields == {"json": 12, "seg.png": 6, "txt": 12}
+
+
+def test_append_and_merge_add_up_the_field_counts(tmp_path):
+    from shardkit.write.merge import merge
+
+    a = _captioned(tmp_path / "a", n=2)
+    b = _captioned(tmp_path / "b", n=3)
+    pack(str(a), str(tmp_path / "out"), progress=False)
+    pack(str(b), str(tmp_path / "out"), append=True, progress=False)
+    assert read_manifest(str(tmp_path / "out")).fields == {"json": 10, "seg.png": 6, "txt": 10}
+    pack(str(b), str(tmp_path / "other"), progress=False)
+    merge([str(tmp_path / "out"), str(tmp_path / "other")], str(tmp_path / "merged"))
+    assert read_manifest(str(tmp_path / "merged")).fields == {
+        "json": 16, "seg.png": 10, "txt": 16
+    }  # fmt: skip

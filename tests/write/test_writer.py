@@ -21,7 +21,7 @@ import shardkit
 from shardkit import ShardDataset, ShardWriter, pack
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
-from shardkit.fsutil import STAGING_PREFIX
+from shardkit.fsutil import HOST, STAGING_PREFIX
 from shardkit.manifest import read_manifest
 
 
@@ -178,7 +178,8 @@ def test_sigkilled_writer_leaves_no_final_name_and_the_next_one_cleans_up(tmp_pa
     try:
         assert int(proc.stdout.readline()) > 1
         staged = [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
-        assert staged == [f"{STAGING_PREFIX}{proc.pid}-{staged[0].rsplit('-', 1)[1]}"]
+        # the owner's host and pid: stale detection by pid alone is wrong across machines
+        assert staged == [f"{STAGING_PREFIX}{HOST}-{proc.pid}-{staged[0].rsplit('-', 1)[1]}"]
         assert len(os.listdir(out / staged[0])) > 1
         with pytest.raises(OutputError, match=f"{out}.* in use by another shardkit writer"):
             ShardWriter(out)  # live owner: refused at once, its files untouched

@@ -9,7 +9,7 @@ from ...records import Record, ShardInfo
 from ..base import ShardFormat
 from .reader import iter_tar_records
 from .tally import count_tar_samples
-from .writer import TarShardWriter
+from .writer import TarShardWriter, TarSizer
 
 
 class TarFormat(ShardFormat):
@@ -19,6 +19,9 @@ class TarFormat(ShardFormat):
 
     def open_writer(self, path: str) -> TarShardWriter:
         return TarShardWriter(path)
+
+    def sizer(self) -> TarSizer:
+        return TarSizer()
 
     def iter_records(
         self,

@@ -12,7 +12,7 @@ from ...manifest import INDEX_EVERY
 from ...records import ShardStats
 from .parse import _END_OF_ARCHIVE, _GNU_MAGIC, _MAX_OCTAL_SIZE, BLOCK
 
-__all__ = ["TarShardWriter"]
+__all__ = ["TarShardWriter", "TarSizer"]
 
 
 def _padded(n: int) -> int:
@@ -66,6 +66,38 @@ def _member_size(name_len: int, data_len: int) -> int:
     return size
 
 
+def _sample_size(key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()) -> int:
+    """Bytes one sample adds to a tar shard: its image, label and field members."""
+    klen = len(key.encode())
+    size = _member_size(klen + 1 + len(ext), nbytes) + _member_size(klen + 4, 12)
+    if extra:
+        size += sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
+    return size
+
+
+class TarSizer:
+    """A tar shard's size as samples are added, from their sizes alone (no bytes): the roll
+    rule a pack is planned by before any image is read. ``projected_size`` is the writer's."""
+
+    def __init__(self):
+        self.samples = 0
+        self._bytes = 0
+
+    @staticmethod
+    def _size(klen: int, elen: int, nbytes: int, extra=()) -> int:
+        size = _member_size(klen + 1 + elen, nbytes) + _member_size(klen + 4, 12)
+        return size + sum(_member_size(klen + 1 + n, v) for n, v in extra)
+
+    def projected_size(self, klen: int, elen: int, nbytes: int, extra=()) -> int:
+        """``klen``/``elen``: bytes of the key and the extension (UTF-8); ``extra``: ``(name
+        bytes, value bytes)`` of each extra field."""
+        return self._bytes + self._size(klen, elen, nbytes, extra) + len(_END_OF_ARCHIVE)
+
+    def add(self, klen: int, elen: int, nbytes: int, extra=()) -> None:
+        self._bytes += self._size(klen, elen, nbytes, extra)
+        self.samples += 1
+
+
 class TarShardWriter:
     """Appends samples as ``<key>.<ext>`` + ``<key>.cls`` member pairs and hashes while writing.
 
@@ -84,18 +116,7 @@ class TarShardWriter:
         self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
     ) -> int:
         """Size of the finished shard (end-of-archive included) if this sample were added now."""
-        klen = len(key.encode())
-        return (
-            self._bytes
-            + _member_size(klen + 1 + len(ext), nbytes)
-            + _member_size(klen + 4, 12)
-            + (
-                sum(_member_size(klen + 1 + len(n.encode()), len(v)) for n, v in extra)
-                if extra
-                else 0
-            )
-            + len(_END_OF_ARCHIVE)
-        )
+        return self._bytes + _sample_size(key, ext, nbytes, extra) + len(_END_OF_ARCHIVE)
 
     def add(
         self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()

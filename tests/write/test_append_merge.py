@@ -1,0 +1,212 @@
+"""``pack --append`` and ``shardkit merge``: exact manifests, nothing already packed rewritten,
+an interrupted append leaves the old dataset intact. Real files, real child processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from shardkit.cli import main
+from shardkit.errors import InputError
+from shardkit.formats import get_format
+from shardkit.manifest import read_manifest
+from shardkit.write.merge import MERGED_FIELD, merge
+from shardkit.write.packer import pack
+from shardkit.write.plan import APPENDED_FIELD
+
+
+def tree(root, classes: dict[str, int], seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    for cls, n in classes.items():
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        for i in range(n):
+            arr = rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(os.path.join(root, cls, f"{cls}{seed}_{i:03d}.jpg"))
+    return str(root)
+
+
+def quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
+def packed(src, out, **kw):
+    return quiet(pack, src, str(out), shard_size="6kB", progress=False, **kw)
+
+
+def files(out) -> dict[str, tuple[int, str]]:
+    """name -> (inode, sha256) of every shard in ``out``."""
+    return {
+        n: (os.stat(os.path.join(out, n)).st_ino, _sha(os.path.join(out, n)))
+        for n in sorted(os.listdir(out))
+        if n.startswith("shard-")
+    }
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def samples(out) -> list[tuple[str, str]]:
+    """(key, class name) of every sample, through the shards' own labels."""
+    m = read_manifest(str(out))
+    fmt = get_format(m.shard_format)
+    return [
+        (r.key, m.classes[r.label])
+        for s in m.shards
+        for r in fmt.iter_records(os.path.join(str(out), s.path))
+    ]
+
+
+@pytest.fixture
+def srcs(tmp_path):
+    return (
+        tree(tmp_path / "a", {"x": 6, "y": 6}, 1),
+        tree(tmp_path / "b", {"y": 5, "z": 7}, 2),
+        tree(tmp_path / "c", {"x": 4, "y": 3, "w": 5}, 3),
+    )
+
+
+# --- append ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_append_adds_shards_after_the_old_ones_and_rewrites_nothing(srcs, tmp_path, fmt):
+    a, b, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out, format=fmt)
+    old, before = read_manifest(str(out)), files(out)
+    report = packed(b, out, format=fmt, append=True)
+    new = read_manifest(str(out))
+    assert new.shards[: len(old.shards)] == old.shards  # old entries exactly as they were
+    assert {n: files(out)[n] for n in before} == before  # same inodes, same bytes
+    names = [s.path for s in new.shards[len(old.shards) :]]
+    assert names == [
+        f"shard-{i:06d}.{fmt}" for i in range(len(old.shards), len(old.shards) + len(names))
+    ]
+    assert new.classes == ["x", "y", "z"]  # the new class after the old ones
+    got = samples(out)
+    assert len(got) == 12 + 12 and (report.samples, report.appended_to) == (12, 12)
+    assert report.shards == len(names) and report.summary().startswith(
+        f"Appended 12 samples of 3 classes after the 12 already there, as {len(names)} new "
+    )
+    assert all(key.split("/")[0] == cls for key, cls in got)  # labels mapped by name
+    assert [a["source"] for a in new.pack[APPENDED_FIELD]] == [b]
+    assert (
+        new.pack["source"] == a and new.pack["source_fingerprint"] == old.pack["source_fingerprint"]
+    )
+    again = packed(b, out, format=fmt, append=True)  # the same folder again: up to date
+    assert again.up_to_date and read_manifest(str(out)) == new
+
+
+def test_append_refuses_what_it_cannot_do(srcs, tmp_path):
+    a, b, _ = srcs
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match="holds no dataset .* to append to"):
+        packed(b, out, append=True)
+    packed(a, out)
+    with pytest.raises(InputError, match='holds tar shards; append with format="tar"'):
+        packed(b, out, append=True, format="lmdb")
+    with pytest.raises(InputError, match="pick one"):
+        packed(b, out, append=True, overwrite=True)
+    r = CliRunner().invoke(main, ["pack", b, str(out), "-q", "--append", "--format", "lmdb"])
+    assert r.exit_code == 2 and "holds tar shards; append with --format tar" in r.output
+
+
+_KILLED_APPEND = textwrap.dedent(
+    """
+    import os, signal, sys, warnings
+    import shardkit.fsutil as fsutil
+    from shardkit import pack
+    warnings.simplefilter("ignore")
+    real = fsutil.atomic_write_bytes
+
+    def write(path, data):  # die as the commit point (the journal) is about to land
+        if path.endswith(fsutil.JOURNAL_NAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(path, data)
+
+    fsutil.atomic_write_bytes = write
+    pack(sys.argv[1], sys.argv[2], shard_size="6kB", progress=False, append=True)
+    """
+)
+
+
+@pytest.mark.slow  # a child process SIGKILLed
+def test_an_interrupted_append_leaves_the_old_dataset_intact_and_resumes(srcs, tmp_path):
+    a, b, _ = srcs
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    packed(a, out)
+    packed(a, ref)
+    packed(b, ref, append=True)
+    old = {n: _sha(out / n) for n in os.listdir(out)}
+    r = subprocess.run([sys.executable, "-c", _KILLED_APPEND, b, str(out)], timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    assert {n: _sha(out / n) for n in os.listdir(out) if not n.startswith(".")} == old
+    assert len(samples(out)) == 12  # readers see the old dataset, whole
+    packed(b, out, append=True)  # the same command finishes it from its receipts
+    assert {n: _sha(out / n) for n in os.listdir(out)} == {
+        n: _sha(ref / n) for n in os.listdir(ref)
+    }
+
+
+# --- merge -----------------------------------------------------------------------------------
+
+
+def test_merge_links_every_shard_under_one_manifest(srcs, tmp_path):
+    a, _, c = srcs
+    pa, pc, out = tmp_path / "pa", tmp_path / "pc", tmp_path / "merged"
+    packed(a, pa)  # classes x, y
+    packed(c, pc)  # classes w, x, y: a conflict with x, y ...
+    with pytest.raises(InputError, match=r"class 0 is 'w' there and 'x' in .*--append"):
+        merge([pa, pc], out)
+    assert not out.exists() or os.listdir(out) == []
+    pa2 = tmp_path / "pa2"
+    packed(tree(tmp_path / "a2", {"x": 3, "y": 2, "z": 4}, 4), pa2)  # x, y, z: agrees with A
+    report = merge([pa, pa2], out)
+    m, ma, mb = (read_manifest(str(p)) for p in (out, pa, pa2))
+    assert m.classes == ["x", "y", "z"] and report.samples == 12 + 9 == m.num_samples
+    pairs = [(pa, s) for s in ma.shards] + [(pa2, s) for s in mb.shards]
+    assert [s.path for s in m.shards] == [f"shard-{i:06d}.tar" for i in range(len(pairs))]
+    for mine, (src, theirs) in zip(m.shards, pairs, strict=True):
+        assert (mine.samples, mine.bytes, mine.sha256) == (
+            theirs.samples,
+            theirs.bytes,
+            theirs.sha256,
+        )
+        assert os.stat(out / mine.path).st_ino == os.stat(src / theirs.path).st_ino  # linked
+    assert all(key.split("/")[0] == cls for key, cls in samples(out))
+    assert [d["dataset"] for d in m.pack[MERGED_FIELD]] == [str(pa), str(pa2)]
+
+
+def test_merge_in_place_adds_the_others_to_the_first(srcs, tmp_path):
+    a, _, _ = srcs
+    pa, pb = tmp_path / "pa", tmp_path / "pb"
+    packed(a, pa, format="lmdb")
+    packed(tree(tmp_path / "b2", {"x": 2, "y": 5}, 5), pb, format="lmdb")
+    before, old = files(pa), read_manifest(str(pa))
+    r = CliRunner().invoke(main, ["merge", str(pa), str(pb), str(pa)])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"Merged into {pa}: 19 samples")
+    m = read_manifest(str(pa))
+    assert m.shards[: len(old.shards)] == old.shards and m.pack["source"] == a
+    assert {n: files(pa)[n] for n in before} == before
+    assert len(samples(pa)) == 19
+    shutil.rmtree(pb)  # the merged dataset does not depend on the other one's folder
+    assert len(samples(pa)) == 19
+    lmdb_vs_tar = tmp_path / "pt"
+    packed(a, lmdb_vs_tar)
+    with pytest.raises(InputError, match="holds tar shards and .* lmdb; merge datasets of one"):
+        merge([pa, lmdb_vs_tar], tmp_path / "mixed")

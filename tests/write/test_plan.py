@@ -1,0 +1,476 @@
+"""Plan, shard tasks, commit: byte identity with ``pack`` on any runner, faults, resume.
+
+Real files, real worker processes (spawned), real SIGKILLs. Faults are injected by wrapping
+``run_task`` in a module-level function the spawned workers import by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from shardkit.cli import main
+from shardkit.errors import OutputError
+from shardkit.formats import get_format
+from shardkit.fsutil import HOST, STAGING_PREFIX, DirLock, remove_stale_staging
+from shardkit.manifest import read_manifest
+from shardkit.write.engines import LocalRunner, TaskFailed
+from shardkit.write.packer import pack
+from shardkit.write.plan import JOB_PREFIX, check_cluster_lock, commit_pack, plan_pack, run_task
+
+
+def make_tree(root, classes=("a", "b", "c"), per_class=14, seed=0, bad=True):
+    """Noise JPEGs of varied sizes; with ``bad``, one corrupt and one empty image too."""
+    rng = np.random.default_rng(seed)
+    for cls in classes:
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        for i in range(per_class):
+            w, h = int(rng.integers(16, 60)), int(rng.integers(16, 60))
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(os.path.join(root, cls, f"{cls}_{i:03d}.jpg"), quality=90)
+    if bad:
+        with open(os.path.join(root, "a", "broken.jpg"), "wb") as f:
+            f.write(b"\xff\xd8\xff\xe0 not really a jpeg")
+        open(os.path.join(root, "b", "empty.jpg"), "wb").close()
+    return str(root)
+
+
+def quiet(fn, *args, **kw):
+    kw.setdefault("progress", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
+def digest(out) -> dict[str, str]:
+    """sha256 of every file in ``out`` (hidden ones too: nothing may be left behind)."""
+    return {
+        n: hashlib.sha256(open(os.path.join(out, n), "rb").read()).hexdigest()
+        for n in sorted(os.listdir(out))
+    }
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_tree(tmp_path_factory.mktemp("plan") / "src")
+
+
+@pytest.fixture(scope="module")
+def refs(src, tmp_path_factory):
+    """``pack`` in this process, the reference every runner must equal, per format."""
+    base = tmp_path_factory.mktemp("refs")
+    out = {}
+    for fmt in ("tar", "lmdb"):
+        out[fmt] = str(base / fmt)
+        quiet(pack, src, out[fmt], format=fmt, shard_size="12kB")
+    return out
+
+
+# --- module-level, so spawned workers can import them -------------------------------------
+
+
+def faulty_task(marker_dir: str, mode: str, task, threads=1):
+    """``run_task``, but the first attempt of the task holding shard 1 fails once its first
+    shard is complete: ``raise`` (an OSError, retried) or ``exit`` (the worker dies)."""
+
+    def hook(path):
+        flag = os.path.join(marker_dir, f"{mode}-{task.first}")
+        if 1 in task.shards and not os.path.exists(flag):
+            open(flag, "w").close()
+            if mode == "raise":
+                raise OSError(5, "injected I/O error")
+            os._exit(3)
+
+    return run_task(task, threads, on_shard=hook)
+
+
+# --- byte identity ---------------------------------------------------------------------------
+
+
+def test_the_plan_fixes_every_shard_before_any_read(src, refs):
+    plan = quiet(
+        plan_pack,
+        src,
+        "unused",
+        shard_size="12kB",
+        format="tar",
+        shuffle=True,
+        seed=0,
+        validate="header",
+        resize_short=None,
+        on_error="skip",
+    )
+    manifest = read_manifest(refs["tar"])
+    # the broken files keep their slots: the plan has the shards pack wrote, in order
+    assert [s.path for s in manifest.shards] == [
+        f"shard-{i:06d}.tar" for i in range(plan.num_shards)
+    ]
+    sizes = np.diff(plan.starts).tolist()
+    assert sum(sizes) == manifest.num_samples + 2 and len(manifest.skipped) == 2
+    assert [len(t.order) for t in plan.tasks(3)] == [
+        sum(sizes[i : i + 3]) for i in range(0, len(sizes), 3)
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_the_sizer_projects_what_the_writer_does(tmp_path, fmt):
+    rng = np.random.default_rng(1)
+    f = get_format(fmt)
+    writer, sizer = f.open_writer(str(tmp_path / f"s{f.suffix}")), f.sizer()
+    for i in range(300):
+        key, ext = f"cls/key{i}" + "x" * int(rng.integers(0, 120)), ["jpg", "jpeg", "png"][i % 3]
+        data = rng.bytes(int(rng.integers(0, 9000)))
+        assert sizer.projected_size(len(key), len(ext), len(data)) == writer.projected_size(
+            key, ext, len(data)
+        )
+        writer.add(key, ext, data, i % 5)
+        sizer.add(len(key), len(ext), len(data))
+    writer.abort()
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("fmt, k", [("tar", 1), ("tar", 3), ("lmdb", 2)])
+def test_a_process_pool_writes_the_same_bytes_as_pack(src, refs, tmp_path, fmt, k):
+    out = str(tmp_path / "out")
+    report = quiet(
+        pack, src, out, format=fmt, shard_size="12kB", runner=LocalRunner(2), shards_per_task=k
+    )
+    assert digest(out) == digest(refs[fmt])  # shards, manifest, and nothing else
+    assert report.errors == 2 and report.shards == len(read_manifest(out).shards)
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+def test_a_task_that_fails_once_is_retried_and_the_bytes_are_the_same(src, refs, tmp_path, mode):
+    out = str(tmp_path / "out")
+    runner = LocalRunner(2, fn=functools.partial(faulty_task, str(tmp_path), mode))
+    quiet(pack, src, out, format="lmdb", shard_size="12kB", runner=runner, shards_per_task=2)
+    assert os.listdir(tmp_path).count(f"{mode}-0") == 1  # it did fail once
+    assert digest(out) == digest(refs["lmdb"])
+
+
+@pytest.mark.slow  # worker processes
+def test_a_task_failing_past_its_retries_stops_the_pack_and_a_rerun_resumes(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    runner = LocalRunner(1, retries=0, fn=functools.partial(faulty_task, str(tmp_path), "raise"))
+    with pytest.raises(TaskFailed, match="injected I/O error.*pack again with the same options"):
+        quiet(pack, src, out, shard_size="12kB", runner=runner, shards_per_task=2)
+    (job,) = [n for n in os.listdir(out) if n.startswith(JOB_PREFIX)]  # kept: resumable
+    assert "manifest.json" not in os.listdir(out)
+    first = os.stat(os.path.join(out, job, "shard-000000.tar")).st_ino
+    quiet(pack, src, out, shard_size="12kB", runner=LocalRunner(1), shards_per_task=2)
+    assert digest(out) == digest(refs["tar"])
+    assert os.stat(os.path.join(out, "shard-000000.tar")).st_ino == first  # not rewritten
+
+
+def test_a_duplicated_task_rewrites_identical_bytes_and_the_commit_counts_each_shard_once(
+    src, refs, tmp_path
+):
+    out = str(tmp_path / "out")
+    os.mkdir(out)
+    plan = quiet(
+        plan_pack,
+        src,
+        out,
+        shard_size="12kB",
+        format="tar",
+        shuffle=True,
+        seed=0,
+        validate="header",
+        resize_short=None,
+        on_error="skip",
+    )
+    tasks = plan.tasks(2)
+    receipts = [r for t in tasks for r in run_task(t)]
+    os.remove(os.path.join(plan.job, "shard-000002.json"))  # forces a real rewrite of shard 2
+    again = run_task(tasks[1])  # a speculative or retried copy of task 1
+    assert again == receipts[2:4]
+    with pytest.raises(OutputError, match=r"more than one receipt for shard\(s\) 2, 3;"):
+        commit_pack(plan, receipts + again)
+    with pytest.raises(OutputError, match=r"no receipt for shard\(s\) 0, 1;"):
+        commit_pack(plan, receipts[2:])
+    with DirLock(out):
+        commit_pack(plan, receipts)
+    assert digest(out) == digest(refs["tar"])
+
+
+_KILLED_DRIVER = textwrap.dedent(
+    """
+    import os, signal, sys, warnings
+    from shardkit import pack
+    warnings.simplefilter("ignore")
+    done = []
+
+    def on_shard(path):  # the driver dies once three shards are complete
+        done.append(path)
+        if len(done) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pack(sys.argv[1], sys.argv[2], shard_size="12kB", progress=False, on_shard=on_shard)
+    """
+)
+
+
+@pytest.mark.slow  # a child process SIGKILLed
+def test_a_killed_pack_resumes_from_its_receipts_and_finishes_identical(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-c", _KILLED_DRIVER, src, out], timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    (job,) = os.listdir(out)
+    assert job.startswith(JOB_PREFIX)
+    names = sorted(os.listdir(os.path.join(out, job)))
+    assert names[:6] == [f"shard-00000{i}.{e}" for i in range(3) for e in ("json", "tar")]
+    inodes = [os.stat(os.path.join(out, job, f"shard-00000{i}.tar")).st_ino for i in range(3)]
+    # another plan (other options) never uses these receipts; its commit removes them
+    quiet(pack, src, str(tmp_path / "other"), shard_size="12kB", seed=1)
+    quiet(pack, src, out, shard_size="12kB")
+    assert digest(out) == digest(refs["tar"])
+    assert [os.stat(os.path.join(out, f"shard-00000{i}.tar")).st_ino for i in range(3)] == inodes
+    quiet(pack, src, out, shard_size="12kB", seed=1, overwrite=True)
+    assert digest(out) == digest(str(tmp_path / "other"))
+
+
+@pytest.mark.slow  # a child process SIGKILLed
+def test_a_job_of_another_plan_is_ignored_and_removed(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    subprocess.run([sys.executable, "-c", _KILLED_DRIVER, src, out], timeout=120)
+    (old,) = os.listdir(out)
+    quiet(pack, src, out, shard_size="20kB")  # other options: another plan
+    assert old not in os.listdir(out)
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+# --- staging across machines, locks --------------------------------------------------------
+
+
+def test_staging_of_another_host_is_never_removed_as_stale(tmp_path):
+    dead_here = tmp_path / f"{STAGING_PREFIX}{HOST}-999999999-abc"
+    elsewhere = tmp_path / f"{STAGING_PREFIX}otherhost-999999999-abc"
+    job = tmp_path / f"{JOB_PREFIX}0123456789abcdef"
+    for d in (dead_here, elsewhere, job):
+        d.mkdir()
+    with DirLock(str(tmp_path)):
+        assert remove_stale_staging(str(tmp_path)) == [dead_here.name]
+    assert elsewhere.is_dir() and job.is_dir()
+
+
+def test_an_engine_refuses_an_output_on_a_fuse_mount(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        f"/dev/sda1 / ext4 rw 0 0\ns3fs {tmp_path}/bucket fuse.s3fs rw 0 0\n", encoding="utf-8"
+    )
+    check_cluster_lock(str(tmp_path / "local"), str(mounts))
+    with pytest.raises(OutputError, match=r"fuse\.s3fs mount .* cluster-wide flock"):
+        check_cluster_lock(str(tmp_path / "bucket" / "out"), str(mounts))
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # worker processes
+def test_cli_engine_local_packs_the_same_bytes(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    args = ["pack", src, out, "-q", "--shard-size", "12kB", "--format", "lmdb"]
+    r = CliRunner().invoke(main, [*args, "--engine", "local", "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["lmdb"])
+
+
+def test_cli_ray_address_needs_the_ray_engine(src, tmp_path):
+    r = CliRunner().invoke(main, ["pack", src, str(tmp_path / "o"), "--ray-address", "auto"])
+    assert r.exit_code == 2 and "--ray-address needs --engine ray" in r.output
+
+
+# --- Ray -------------------------------------------------------------------------------------
+
+_RAY_CASES = textwrap.dedent(
+    """
+    import functools, hashlib, json, os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    import ray
+    from shardkit.cli import main
+    from shardkit.integrations.ray import RayRunner
+    from shardkit.write.packer import pack
+    from shardkit.write.plan import run_task
+
+    src, base, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+
+    def faulty(marker_dir, mode, task, threads=1):  # as faulty_task in the test module
+        def hook(path):
+            flag = os.path.join(marker_dir, f"{mode}-{task.first}")
+            if 1 in task.shards and not os.path.exists(flag):
+                open(flag, "w").close()
+                if mode == "raise":
+                    raise OSError(5, "injected I/O error")
+                os._exit(3)
+        return run_task(task, threads, on_shard=hook)
+
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    for name, fmt, k, cpus, mode in cases:
+        out = os.path.join(base, name)
+        if mode == "cli":  # the command line, on the cluster already running
+            main(["pack", src, out, "-q", "--shard-size", "12kB", "--format", fmt,
+                  "--engine", "ray", "--shards-per-task", str(k)], standalone_mode=False)
+            continue
+        fn = functools.partial(faulty, base, mode) if mode else run_task
+        runner = RayRunner(fn=fn, cpus_per_task=cpus)
+        pack(src, out, format=fmt, shard_size="12kB", shards_per_task=k, progress=False,
+             runner=runner)
+    ray.shutdown()
+    print(json.dumps(sorted(os.listdir(base))))
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter running a local Ray cluster
+def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(src, refs, tmp_path):
+    """One cluster for every case: 1 and 2 CPUs per task (one task at a time, or two), 1-3
+    shards per task, a task raising once and a worker dying once, and the CLI."""
+    pytest.importorskip("ray", reason="the ray extra: pip install 'shardkit[ray]'")
+    cases = [
+        ("tar-k1", "tar", 1, 1, None),
+        ("tar-k3-raise", "tar", 3, 1, "raise"),
+        ("lmdb-k2-exit", "lmdb", 2, 2, "exit"),
+        ("lmdb-k3-cli", "lmdb", 3, 1, "cli"),
+    ]
+    scratch = tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp")  # short: Ray's socket paths
+    try:
+        env = {**os.environ, "HOME": scratch, "TMPDIR": scratch, "RAY_TMPDIR": scratch}
+        base = tmp_path / "out"
+        base.mkdir()
+        r = subprocess.run(
+            [sys.executable, "-c", _RAY_CASES, src, str(base), json.dumps(cases)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        leftover = subprocess.run(["pgrep", "-f", scratch], capture_output=True, text=True)
+        assert leftover.stdout == "", "Ray processes outlived the driver"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert sorted(os.listdir(base)) == sorted(
+        [c[0] for c in cases] + ["raise-0", "exit-0"]
+    )  # each fault happened once, and was retried
+    for name, fmt, *_ in cases:
+        assert digest(str(base / name)) == digest(refs[fmt]), name
+
+
+def test_a_plan_file_runs_task_by_task_then_the_same_command_commits(src, refs, tmp_path):
+    """The batch-scheduler path (a SLURM array): --plan-only, pack-task per task, commit."""
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
+    args = ["pack", src, out, "-q", "--shard-size", "12kB"]
+    r = CliRunner().invoke(main, [*args, "--plan-only", plan, "--shards-per-task", "4"])
+    assert r.exit_code == 0, r.output
+    n = int(r.output.split(" task(s)")[0].rsplit(" ", 1)[1])
+    assert n > 1 and f"for I = 0..{n - 1}" in r.output
+    assert not [f for f in os.listdir(out) if not f.startswith(".")]  # nothing written yet
+    for i in reversed(range(n)):  # any order, any machine
+        r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(i)])
+        assert r.exit_code == 0 and r.output.startswith(f"Task {i} of {n}: shards "), r.output
+    r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(n)])
+    assert r.exit_code == 2 and f"no task {n}; it holds tasks 0..{n - 1}" in r.output
+    job = next(f for f in os.listdir(out) if f.startswith(JOB_PREFIX))
+    written = {
+        f: os.stat(os.path.join(out, job, f)).st_ino for f in os.listdir(os.path.join(out, job))
+    }
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["tar"])
+    assert all(
+        os.stat(os.path.join(out, f)).st_ino == ino
+        for f, ino in written.items()
+        if f.endswith(".tar")
+    )  # the commit moved the tasks' shards, it did not write them again
+
+
+@pytest.mark.slow  # the S3 server
+def test_a_pack_into_s3_uploads_the_same_bytes_as_a_local_pack(s3, src, refs):
+    """Same plan, same tasks: the shards go to their final keys as they complete, the
+    manifest last, and equal a local pack's (skipped files included)."""
+    s3.client().create_bucket(Bucket="planned")
+    quiet(
+        pack,
+        src,
+        "s3://planned/set/",
+        shard_size="12kB",
+        format="lmdb",
+        storage_options=s3.options(s3.endpoint),
+    )
+    c = s3.client()
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket="planned", Prefix="set/")["Contents"]]
+    uploaded = {
+        k.removeprefix("set/"): hashlib.sha256(
+            c.get_object(Bucket="planned", Key=k)["Body"].read()
+        ).hexdigest()
+        for k in keys
+    }
+    assert uploaded == digest(refs["lmdb"])
+    puts = [path for method, path, _ in s3.log.entries if method == "PUT" and "/set/" in path]
+    assert puts[-1].endswith("/set/manifest.json")  # the manifest last
+
+
+_DASK_RECIPE = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.simplefilter("ignore")
+    from dask.distributed import Client, LocalCluster
+    from shardkit.write.packer import pack
+    from shardkit.write.plan import run_task
+
+    src, out, marker = sys.argv[1:4]
+
+    def dying_once(task, threads=1):  # the first attempt of shard 1's task kills its worker
+        if 1 in task.shards and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        return run_task(task, threads)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                          dashboard_address=None) as cluster, Client(cluster) as client:
+
+            def dask_runner(tasks):  # the documented recipe
+                futures = client.map(dying_once, tasks, retries=3, pure=False)
+                return [r for rs in client.gather(futures) for r in rs]
+
+            pack(src, out, shard_size="12kB", format="lmdb", progress=False, runner=dask_runner,
+                 shards_per_task=2)
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter running a local Dask cluster
+def test_the_dask_recipe_writes_the_same_bytes_after_a_dead_worker(src, refs, tmp_path):
+    pytest.importorskip("distributed", reason="the Dask recipe's own dependency")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out, marker = tmp_path / "out", tmp_path / "died"
+    script = tmp_path / "recipe.py"  # a file: Dask's worker processes import __main__ from it
+    script.write_text(_DASK_RECIPE)
+    r = subprocess.run(
+        [sys.executable, str(script), src, str(out), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(scratch), "HOME": str(scratch)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.exists()  # a worker did die, and its task ran again
+    assert digest(str(out)) == digest(refs["lmdb"])
