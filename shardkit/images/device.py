@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MissingExtraError
-from .geometry import CropBox
+from .geometry import CropBox, resized
 
 __all__ = ["MAX_MEAN_DIFFERENCE", "DeviceDecoder", "device_decode_available", "place"]
 
@@ -151,22 +151,14 @@ def place(crop: torch.Tensor, size: int | None, flip: bool, out: torch.Tensor) -
     the same pixels for the same crop); on CUDA, whose antialiased resize takes no uint8, the
     crop is resized as float and rounded."""
     x = crop.permute(2, 0, 1).unsqueeze(0)
-    h, w = x.shape[-2:]
-    resize = size is not None and (h, w) != (size, size)
-    if not crop.is_cuda:
-        if flip:
-            x = x.flip(-1)  # a channels_last copy, as the CPU path makes
-        if resize:
-            x = F.interpolate(
-                x.contiguous(memory_format=torch.channels_last),
-                size=(size, size),
-                mode="bilinear",
-                antialias=h > size or w > size,
-                align_corners=False,
-            )
+    if size is None:  # a full-size image: no box, no flip
         out.copy_(x[0])
         return
-    if resize:
+    if not crop.is_cuda:
+        out.copy_(resized(x, size, flip)[0])
+        return
+    h, w = x.shape[-2:]
+    if (h, w) != (size, size):
         x = F.interpolate(
             x.float(),
             size=(size, size),

@@ -48,6 +48,7 @@ __all__ = [
     "TensorDecoder",
     "center_crop_box",
     "random_resized_crop_box",
+    "resized",
     "sample_uniforms",
 ]
 
@@ -213,21 +214,7 @@ class TensorDecoder:
         # (1, 3, h, w) channels_last: the layout of torch's AVX uint8 resize, which runs 2x
         # slower on the strided view of a crop than on a contiguous copy of it. The flip is
         # made in that copy (flip and resize commute), so it costs no extra pass.
-        crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
-        if flip:
-            crop = crop.flip(-1)  # a channels_last copy, like .contiguous() below
-        ch, cw = crop.shape[-2:]
-        if (ch, cw) != (size, size):
-            crop = F.interpolate(
-                crop.contiguous(memory_format=torch.channels_last),
-                size=(size, size),
-                mode="bilinear",
-                # Antialiasing only changes a downscale; on a pure upscale the plain kernel gives
-                # identical pixels 3x faster (measured).
-                antialias=ch > size or cw > size,
-                align_corners=False,
-            )
-        img = crop[0]
+        img = resized(torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0), size, flip)[0]
         if out is None:
             return img.contiguous()
         hwc = img.permute(1, 2, 0)
@@ -275,6 +262,25 @@ class TensorDecoder:
             return out
         except BufferShapeError as exc:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
+
+
+def resized(crop: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
+    """A (1, 3, h, w) uint8 crop (any strides) as (1, 3, size, size), mirrored if ``flip``: the
+    one uint8 resize of every CPU path (``TensorDecoder``, the device path's CPU backend)."""
+    if flip:
+        crop = crop.flip(-1)  # a channels_last copy, like .contiguous() below
+    ch, cw = crop.shape[-2:]
+    if (ch, cw) != (size, size):
+        crop = F.interpolate(
+            crop.contiguous(memory_format=torch.channels_last),
+            size=(size, size),
+            mode="bilinear",
+            # Antialiasing only changes a downscale; on a pure upscale the plain kernel gives
+            # identical pixels 3x faster (measured).
+            antialias=ch > size or cw > size,
+            align_corners=False,
+        )
+    return crop
 
 
 def _shape_error(key: str, size: tuple[int, int], batch: tuple[int, int]) -> ShapeError:

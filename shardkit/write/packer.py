@@ -375,6 +375,12 @@ def pack(
         }
     done = writer.report
     _warn_skipped(skipped, run.total, done.manifest_path, from_folder)
+    return _written_report(done, writer, skipped, run, started)
+
+
+def _written_report(done, writer: ShardWriter, skipped: list, scan, started: float) -> PackReport:
+    """The report of a pack that ``writer`` wrote (``done``: its close's report); ``scan``: what
+    the source listing found (files that are not images, empty class folders)."""
     return PackReport(
         out=done.out,
         manifest_path=done.manifest_path,
@@ -386,8 +392,8 @@ def pack(
         seconds=time.perf_counter() - started,
         skipped=sorted(writer.skipped, key=lambda s: s.path),
         errors=len(skipped),
-        not_images=run.not_images,
-        empty_classes=list(run.empty_classes),
+        not_images=scan.not_images,
+        empty_classes=list(scan.empty_classes),
     )
 
 
@@ -570,20 +576,7 @@ def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> Pa
     writer.pack_info = dict(plan.pack_info)
     done_report = writer.close()
     _warn_skipped(skipped, total, done_report.manifest_path, True, stacklevel=4)
-    return PackReport(
-        out=done_report.out,
-        manifest_path=done_report.manifest_path,
-        format=done_report.format,
-        shards=done_report.shards,
-        samples=done_report.samples,
-        classes=done_report.classes,
-        bytes=done_report.bytes,
-        seconds=time.perf_counter() - started,
-        skipped=sorted(writer.skipped, key=lambda s: s.path),
-        errors=len(skipped),
-        not_images=scan.not_images,
-        empty_classes=list(scan.empty_classes),
-    )
+    return _written_report(done_report, writer, skipped, scan, started)
 
 
 def _samples_run(source, writer, shuffle, seed, workers, validate, resize_short, on_error) -> _Run:

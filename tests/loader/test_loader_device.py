@@ -229,14 +229,19 @@ def test_cuda_device_decode_gives_the_cpu_backends_pixels_on_the_gpu(shards, wor
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_device_decoder_prefers_the_hardware_engine():
+def test_cuda_device_decoder_decodes_on_the_device_in_stream_order():
+    """Decoded on the given stream: read after that stream only, the pixels are the image's."""
     dec = device_decode.DeviceDecoder(torch.device("cuda"))
-    data = simplejpeg.encode_jpeg(np.zeros((64, 64, 3), np.uint8))
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    data = simplejpeg.encode_jpeg(pixels, quality=100)
     stream = torch.cuda.Stream()
-    (img,) = dec.decode([np.frombuffer(data, np.uint8)], [None], stream)
+    with torch.cuda.stream(stream):
+        (img,) = dec.decode([np.frombuffer(data, np.uint8)], [None], stream)
+        total = img.float().sum()  # queued behind the decode on the same stream
     stream.synchronize()
     assert img.is_cuda and tuple(img.shape) == (64, 64, 3)
-    assert "hardware" in dec.backend
+    cpu = simplejpeg.decode_jpeg(data).astype(np.float64)
+    assert abs(float(total) - cpu.sum()) / cpu.size <= MAX_MEAN_DIFFERENCE
 
 
 # --- decode_on="auto" ----------------------------------------------------------------------------
