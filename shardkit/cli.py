@@ -343,6 +343,13 @@ def synth_imagenet(
     show_default=True,
     help="header: magic bytes and end markers (cheap); decode: full decode with PIL.",
 )
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Table source: the folder its image paths are relative to (default: the table's). "
+    "Nothing outside it is read.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option(
     "--engine",
@@ -397,6 +404,7 @@ def pack_cmd(
     overwrite,
     resize_short,
     validate,
+    root,
     quiet,
     engine,
     processes,
@@ -406,6 +414,10 @@ def pack_cmd(
     append,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
+
+    SRC may also be a table (.csv, .tsv, .jsonl) with an image column (image, path, file or
+    filename), optionally a caption (caption, text: field txt) and a label column; other columns
+    go into field json.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
     Run again with the same files and options, it says OUT is up to date and exits 0, as make
@@ -442,6 +454,7 @@ def pack_cmd(
             resize_short=resize_short,
             validate=validate,
             progress=not quiet,
+            root=root,
             runner=runner,
             shards_per_task=shards_per_task,
             append=append,

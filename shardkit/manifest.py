@@ -198,6 +198,9 @@ class Manifest:
     shards: list[ShardEntry]
     skipped: list[SkippedFile] = field(default_factory=list)
     pack: dict[str, Any] = field(default_factory=dict)
+    #: Extra fields stored beside the images: name -> samples carrying it (``{}``: none; then
+    #: the manifest has no ``fields`` key, as before fields existed).
+    fields: dict[str, int] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
     created_by: str = field(default_factory=_version)
 
@@ -217,6 +220,7 @@ class Manifest:
             "num_samples": self.num_samples,
             "total_bytes": self.total_bytes,
             "classes": self.classes,
+            **({"fields": dict(sorted(self.fields.items()))} if self.fields else {}),
             "shards": [s.to_dict() for s in self.shards],
             "skipped": [asdict(s) for s in self.skipped],
             "pack": self.pack,
@@ -256,12 +260,14 @@ class Manifest:
             if not isinstance(pack, dict):
                 raise _Bad(f"'pack' is {_short(pack)}, expected an object")
             shard_format = _text(doc.get("shard_format"), "shard_format")
+            fields = _fields(doc)
             manifest = cls(
                 shard_format=shard_format,
                 classes=[_text(c, "class name") for c in _list(doc, "classes")],
                 shards=shards,
                 skipped=skipped,
                 pack=pack,
+                fields=fields,
                 version=version,
                 created_by=_text(doc.get("created_by", ""), "created_by"),
             )
@@ -288,6 +294,14 @@ class Manifest:
                     f"{s.samples} samples and {s.bytes} bytes; re-pack"
                 )
         return manifest
+
+
+def _fields(doc: dict) -> dict[str, int]:
+    """The optional ``fields`` object: field name -> samples carrying it."""
+    fields = doc.get("fields", {})
+    if not isinstance(fields, dict):
+        raise _Bad(f"'fields' is {_short(fields)}, expected an object")
+    return {_text(k, "field name"): _count(v, f"field {k!r} count") for k, v in fields.items()}
 
 
 def _too_large(source: str, size: str) -> ManifestError:

@@ -8,6 +8,14 @@ named like images are images: FIFOs, sockets, devices and broken links are liste
 (opening a FIFO would block forever), and so are empty files (a zero-byte ``x.jpg`` is no sample
 on either side: ``FolderDataset`` would fail to decode it where ``pack`` skips it).
 
+A sample is what shares a WebDataset key: in one folder, the files whose names agree up to the
+first dot (``x.jpg``, ``x.txt``, ``x.json``, ``x.seg.png``). The member whose extension is a plain
+image type (``jpg``, not ``seg.png``) is the image; every other member is a field named by its
+extension, lowercased (``txt``, ``json``, ``seg.png``). A file that shares no key with a plain
+image keeps the older rule (``a.b.jpg`` alone is an image, key ``a%2Eb``; a stray ``notes.txt`` in
+a folder of bare images is listed as ignored); but in a folder where images carry fields, a
+non-image without its image is an error naming file and key (a caption that lost its picture).
+
 Per-sample state lives in numpy arrays (``StrTable``: one byte blob plus offsets), not lists
 of str: DataLoader workers forked from a process holding a million Python strings would copy
 every page they touch through refcount writes.
@@ -15,7 +23,9 @@ every page they touch through refcount writes.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,16 +33,20 @@ import numpy as np
 
 from .errors import InputError
 from .formats import encode_key
+from .formats.tar import LABEL_EXTS
 from .images.checks import IMAGE_EXTENSIONS
 from .manifest import SkippedFile, portable_text
 
 __all__ = [
     "EMPTY_FILE",
+    "FIELD_SEP",
     "STRAY_IMAGE",
     "LIST_NON_IMAGES",
     "SourceScan",
     "StrTable",
     "check_source_dir",
+    "field_files",
+    "inline_fields",
     "scan_source",
 ]
 
@@ -43,6 +57,11 @@ LIST_NON_IMAGES = 1000
 EMPTY_FILE = "empty file"
 #: The reason for an image file directly in SRC: it has no class, so it is no sample.
 STRAY_IMAGE = "stray image, not in a class folder (SRC/<class>/<image>)"
+
+
+#: Separates a sample's field suffixes in ``SourceScan.sidecars`` (no file name holds a ``/``).
+FIELD_SEP = "/"
+_FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 class StrTable(Sequence[str]):
@@ -105,7 +124,10 @@ class StrTable(Sequence[str]):
 class SourceScan:
     """What is in SRC, in the sorted order that shuffling permutes.
 
-    ``files``/``keys``/``exts`` (``StrTable``) and ``labels`` (int64 array) are parallel;
+    ``files``/``keys``/``exts``/``sidecars`` (``StrTable``) and ``labels`` (int64 array) are
+    parallel; ``sidecars[i]`` holds sample i's field files as their suffixes after the key's dot,
+    as spelled on disk, joined by ``FIELD_SEP`` (``"txt/seg.png"``; ``""``: none; see
+    ``fields_of``), and ``field_counts`` counts the samples carrying each field;
     ``errors`` are image-named entries that cannot be read (subject to ``on_error``);
     ``ignored`` are non-images (the first ``LIST_NON_IMAGES``) and directories met twice: never
     errors, but listed in the manifest so nothing disappears silently. ``non_image_exts``
@@ -117,6 +139,10 @@ class SourceScan:
     files: StrTable = field(default_factory=StrTable)
     keys: StrTable = field(default_factory=StrTable)
     exts: StrTable = field(default_factory=StrTable)
+    sidecars: StrTable = field(default_factory=StrTable)
+    #: A table's fields held in the table itself, per sample a JSON object (``""``: none).
+    inline: StrTable = field(default_factory=StrTable)
+    field_counts: dict[str, int] = field(default_factory=dict)
     labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     errors: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
@@ -127,6 +153,14 @@ class SourceScan:
     #: ``pack`` can say so once (a symlink farm is a normal dataset layout, a stray link is not).
     outside_links: int = 0
 
+    def fields_of(self, i: int) -> list[tuple[str, str]]:
+        """``(field name, path relative to SRC)`` of sample ``i``'s sidecar files, in name order."""
+        return field_files(self.files[i], self.sidecars[i] if len(self.sidecars) else "")
+
+    def inline_fields(self, i: int) -> dict[str, bytes]:
+        """Sample ``i``'s fields from a table row, as stored: ``txt`` UTF-8, ``json`` JSON."""
+        return inline_fields(self.inline[i] if len(self.inline) else "")
+
     def add_non_image(self, rel: str, reason: str) -> None:
         name = rel.rsplit("/", 1)[-1]
         ext = name[name.rfind(".") :].lower() if name.rfind(".") > 0 else "(none)"
@@ -134,6 +168,26 @@ class SourceScan:
         self.not_images += 1
         if self.not_images <= LIST_NON_IMAGES:
             self.ignored.append(SkippedFile(rel, reason))
+
+
+def field_files(rel: str, suffixes: str) -> list[tuple[str, str]]:
+    """``(field name, path)`` of the field files of the image at ``rel`` (``SourceScan.sidecars``
+    form: suffixes joined by ``FIELD_SEP``)."""
+    if not suffixes:
+        return []
+    cut = rel.rfind("/") + 1
+    stem = rel[: cut + rel[cut:].find(".")]
+    return [(s.lower(), f"{stem}.{s}") for s in suffixes.split(FIELD_SEP)]
+
+
+def inline_fields(text: str) -> dict[str, bytes]:
+    """A table row's fields (``SourceScan.inline`` form) as stored: ``txt`` UTF-8, else JSON."""
+    if not text:
+        return {}
+    return {
+        k: v.encode() if isinstance(v, str) else json.dumps(v, ensure_ascii=False).encode()
+        for k, v in json.loads(text).items()
+    }
 
 
 def _image_ext(name: str) -> str | None:
@@ -165,8 +219,8 @@ def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
     return keys
 
 
-def scan_source(src: str, progress: bool = False) -> SourceScan:
-    """List the images of a class-per-folder tree.
+def scan_source(src: str, progress: bool = False, root: str | None = None) -> SourceScan:
+    """List the images of a class-per-folder tree (or of a table: see ``scan_table``).
 
     Classes are the sorted names of SRC's sub-directories; images anywhere below a class folder
     belong to it. Hidden names (leading dot: ``.DS_Store``, ``._x.jpg``, ``.ipynb_checkpoints``)
@@ -177,6 +231,10 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     from .progress import Progress
 
     check_source_dir(src)
+    if is_table(src):
+        return scan_table(src, root)
+    if root is not None:
+        raise InputError(f"root={root!r} is for a table source; {src!r} is a folder")
     root = os.path.abspath(src)
     try:
         with os.scandir(root) as it:
@@ -200,6 +258,7 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
     files: list[StrTable] = []
     exts: list[StrTable] = []
     keys: list[StrTable] = []
+    sidecars: list[StrTable] = []
     labels: list[np.ndarray] = []
     idents: list[np.ndarray] = []  # per file: device, inode, 1 if reached through a symlink
     bar = Progress(len(folders), f"scan {src}", "class", enabled=progress)
@@ -207,7 +266,8 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
         rels: list[str] = []
         cls_exts: list[str] = []
         ids: list[tuple[int, int, int]] = []
-        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root, ids)
+        sides: list[str] = []
+        _walk_class(root, cls, seen, scan, rels, cls_exts, real_root, ids, sides)
         bar.update(1)
         if not rels:
             scan.empty_classes.append(scan.classes[label])
@@ -215,6 +275,7 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
         order = sorted(range(len(rels)), key=rels.__getitem__)
         rels = [rels[i] for i in order]
         cls_exts = [cls_exts[i] for i in order]
+        sidecars.append(StrTable(sides[i] for i in order))
         idents.append(np.array([ids[i] for i in order], dtype=np.int64).reshape(-1, 3))
         files.append(StrTable(rels))
         exts.append(StrTable(cls_exts))
@@ -222,10 +283,13 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
         labels.append(np.full(len(rels), label, dtype=np.int64))
         del rels, cls_exts
     bar.close()
-    scan.files, scan.exts, scan.keys = (StrTable.concat(t) for t in (files, exts, keys))
+    scan.files, scan.exts, scan.keys, scan.sidecars = (
+        StrTable.concat(t) for t in (files, exts, keys, sidecars)
+    )
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
     if idents:
         _drop_linked_twins(scan, np.concatenate(idents))
+    _count_fields(scan, (s.lower().split(FIELD_SEP) if s else () for s in scan.sidecars))
     if not scan.classes:
         raise InputError(
             f"source {src!r} has no class folders; expected one sub-folder of images per class "
@@ -237,6 +301,13 @@ def scan_source(src: str, progress: bool = False) -> SourceScan:
             f"{len(scan.classes)} class folder(s)"
         )
     return scan
+
+
+def _count_fields(scan: SourceScan, per_sample: Iterable[Iterable[str]]) -> None:
+    for names in per_sample:
+        for name in names:
+            scan.field_counts[name] = scan.field_counts.get(name, 0) + 1
+    scan.field_counts = dict(sorted(scan.field_counts.items()))
 
 
 def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
@@ -262,9 +333,9 @@ def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
             keep_of.setdefault(ident, i)
     if dup.any():
         keep = ~dup
-        scan.files, scan.keys, scan.exts = (
+        scan.files, scan.keys, scan.exts, scan.sidecars = (
             StrTable(t[i] for i in np.flatnonzero(keep).tolist())
-            for t in (scan.files, scan.keys, scan.exts)
+            for t in (scan.files, scan.keys, scan.exts, scan.sidecars)
         )
         scan.labels = scan.labels[keep]
 
@@ -274,10 +345,153 @@ def check_source_dir(src: str) -> None:
         raise InputError(
             f"source {src!r} does not exist; pass a folder with one sub-folder per class"
         )
-    if not os.path.isdir(src):
+    if not os.path.isdir(src) and not (is_table(src) and os.path.isfile(src)):
         raise InputError(
-            f"source {src!r} is not a directory; pass a folder with one sub-folder per class"
+            f"source {src!r} is not a directory; pass a folder with one sub-folder per class, "
+            f"or a table ({', '.join(TABLE_SUFFIXES)})"
         )
+
+
+# --- tables: one row per sample ------------------------------------------------------------------
+
+#: File endings read as a table source.
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl")
+#: Columns naming the image file (the first one present is used), relative to the table's root.
+IMAGE_COLUMNS = ("image", "path", "file", "filename")
+#: Columns holding the caption (stored as field ``txt``); the first one present is used.
+CAPTION_COLUMNS = ("caption", "text", "txt")
+#: The column holding the class name, if the table has one (sorted names give the labels).
+LABEL_COLUMN = "label"
+
+
+def is_table(src: str) -> bool:
+    return str(src).lower().endswith(TABLE_SUFFIXES)
+
+
+def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line)."""
+    import csv
+
+    try:
+        f = open(path, encoding="utf-8", newline="")
+    except OSError as exc:
+        raise InputError(f"cannot read table {path!r}: {exc.strerror}") from None
+    with f:
+        try:
+            if path.lower().endswith(".jsonl"):
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as exc:
+                        raise InputError(f"{path}:{n}: not a JSON object ({exc})") from None
+                    if not isinstance(row, dict):
+                        raise InputError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
+                    yield n, row
+                return
+            reader = csv.DictReader(f, delimiter="\t" if path.lower().endswith(".tsv") else ",")
+            for row in reader:
+                yield reader.line_num, row
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
+    return next((c for c in names if c in row), None)
+
+
+def scan_table(path: str, root: str | None = None) -> SourceScan:
+    """List the samples of a table: one row each, in row order.
+
+    The image column (``IMAGE_COLUMNS``) names a file relative to ``root`` (default: the table's
+    folder); the caption column (``CAPTION_COLUMNS``) becomes field ``txt``, a ``label`` column
+    gives class names (sorted: labels; none: samples carry no label, -1), every other column goes
+    into field ``json`` as an object. Nothing is read outside ``root``: a path that is absolute,
+    climbs out with ``..`` or resolves (through a symbolic link) outside it is refused, naming
+    the row; pass a wider ``root`` to allow it. A row naming a missing or non-image file is
+    listed in ``errors`` (pack's ``on_error`` decides).
+    """
+    table = os.path.abspath(path)
+    base = os.path.abspath(root) if root is not None else os.path.dirname(table)
+    if not os.path.isdir(base):
+        raise InputError(f"root {base!r} of table {path!r} is not a directory")
+    real_base = os.path.realpath(base)
+    scan = SourceScan(root=base, classes=[])
+    rels, exts, inline, names, lines = [], [], [], [], []
+    image_col = caption_col = None
+    for line, row in _table_rows(path):
+        if image_col is None:
+            image_col = _column(path, row, IMAGE_COLUMNS)
+            if image_col is None:
+                raise InputError(
+                    f"{path}: no image column; name the column holding the image paths one of "
+                    f"{', '.join(IMAGE_COLUMNS)}"
+                )
+            caption_col = _column(path, row, CAPTION_COLUMNS)
+        rel = row.get(image_col)
+        where = f"{path}:{line}"
+        if not isinstance(rel, str) or not rel:
+            scan.errors.append(SkippedFile(where, f"no image path in column {image_col!r}"))
+            continue
+        rel = _inside(rel, base, real_base, where)
+        ext = _image_ext(rel.rsplit("/", 1)[-1])
+        full = os.path.join(base, rel)
+        if ext is None:
+            scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
+        elif not os.path.isfile(full):
+            scan.errors.append(SkippedFile(rel, f"{where}: no such image file"))
+        else:
+            fields = _row_fields(row, image_col, caption_col)
+            rels.append(rel)
+            exts.append(ext)
+            inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
+            label = row.get(LABEL_COLUMN)
+            names.append(None if label is None else str(label))
+            lines.append(line)
+    named = [n for n in names if n is not None]
+    if named and len(named) != len(names):
+        first = lines[names.index(None)]
+        raise InputError(f"{path}:{first}: no {LABEL_COLUMN!r}; give every row a label or none")
+    scan.classes = sorted(set(named))
+    index = {c: i for i, c in enumerate(scan.classes)}
+    scan.files, scan.exts = StrTable(rels), StrTable(exts)
+    scan.keys = StrTable(_assign_keys(rels, exts))
+    scan.inline = StrTable(inline)
+    scan.labels = np.array([index[n] if n is not None else -1 for n in names], dtype=np.int64)
+    _count_fields(scan, (json.loads(t) if t else () for t in inline))
+    if not rels and not scan.errors:
+        raise InputError(f"table {path!r} has no rows")
+    return scan
+
+
+def _row_fields(row: dict, image_col: str, caption_col: str | None) -> dict:
+    """A row's fields: the caption as ``txt``, the other columns but label as ``json``."""
+    fields: dict = {}
+    rest = {k: v for k, v in row.items() if k not in (image_col, caption_col, LABEL_COLUMN)}
+    if caption_col is not None and row.get(caption_col) is not None:
+        caption = row[caption_col]
+        fields["txt"] = caption if isinstance(caption, str) else json.dumps(caption)
+    if rest:
+        fields["json"] = rest
+    return fields
+
+
+def _inside(rel: str, base: str, real_base: str, where: str) -> str:
+    """``rel`` normalised, if it names a file under ``base`` (links resolved); else refused."""
+    norm = os.path.normpath(rel).replace(os.sep, "/")
+    target = os.path.realpath(os.path.join(base, norm))
+    if (
+        os.path.isabs(rel)
+        or norm == ".."
+        or norm.startswith("../")
+        or not target.startswith(real_base.rstrip(os.sep) + os.sep)
+    ):
+        raise InputError(
+            f"{where}: image path {rel!r} leads outside {base!r}; nothing outside the table's "
+            "folder is read unless you pass a root that holds it (--root DIR, root=DIR)"
+        )
+    return norm
 
 
 def _ident(path: str) -> tuple[int, int]:
@@ -312,6 +526,7 @@ def _walk_class(
     exts: list[str],
     real_root: str,
     ids: list[tuple[int, int, int]],
+    sides: list[str],
 ) -> None:
     stack = [cls]
     while stack:
@@ -334,32 +549,139 @@ def _walk_class(
         except OSError as exc:
             scan.errors.append(SkippedFile(rel_dir + "/", f"unreadable directory: {exc.strerror}"))
             continue
-        subdirs = []
+        subdirs, files = [], []
         for entry in entries:
-            rel = f"{rel_dir}/{entry.name}"
             scan.outside_links += _leaves(entry, real_root)
-            if _is_dir(entry):
-                subdirs.append(rel)
-                continue
-            ext = _image_ext(entry.name)
-            if ext is None:
-                scan.add_non_image(rel, "not an image")
-                continue
-            try:
-                regular = entry.is_file()
-                st = entry.stat() if regular else None
-            except OSError:
-                regular, st = False, None
-            if st is not None and st.st_size == 0:  # pack's header check would say the same
-                scan.errors.append(SkippedFile(rel, EMPTY_FILE))
-            elif st is not None:
-                rels.append(rel)
-                exts.append(ext)
-                ids.append((st.st_dev, st.st_ino, int(entry.is_symlink())))
-            elif entry.is_symlink() and not os.path.exists(entry.path):
-                scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))
-            else:
+            (subdirs if _is_dir(entry) else files).append(entry)
+        _group_folder(rel_dir, sorted(files, key=lambda e: e.name), scan, rels, exts, ids, sides)
+        stack.extend(sorted((f"{rel_dir}/{e.name}" for e in subdirs), reverse=True))
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """``(key stem, suffix)``: the name up to its first dot and what follows (WebDataset's)."""
+    dot = name.find(".")
+    return (name, "") if dot <= 0 else (name[:dot], name[dot + 1 :])
+
+
+def _group_folder(
+    rel_dir: str,
+    files: list[os.DirEntry],
+    scan: SourceScan,
+    rels: list[str],
+    exts: list[str],
+    ids: list[tuple[int, int, int]],
+    sides: list[str],
+) -> None:
+    """The samples of one folder's files: images first, then each sidecar joins its image."""
+    plain: dict[str, list[str]] = {}  # key stem -> names of its plain-image members
+    for entry in files:
+        stem, suffix = _split_key(entry.name)
+        if suffix.lower() in IMAGE_EXTENSIONS:
+            plain.setdefault(stem, []).append(entry.name)
+    position: dict[str, int] = {}  # key stem -> index in rels of its one plain image
+    others: list[os.DirEntry] = []
+    for entry in files:
+        stem, suffix = _split_key(entry.name)
+        is_plain = suffix.lower() in IMAGE_EXTENSIONS
+        ext = _image_ext(entry.name)
+        if not is_plain and (stem in plain or ext is None):
+            others.append(entry)  # a field of a sample, or not an image at all
+            continue
+        if _add_image(f"{rel_dir}/{entry.name}", entry, ext, scan, rels, exts, ids):
+            sides.append("")
+            if is_plain and len(plain[stem]) == 1:
+                position[stem] = len(rels) - 1
+    _attach_fields(rel_dir, others, plain, position, scan, sides)
+
+
+def _attach_fields(rel_dir, others, plain, position, scan: SourceScan, sides: list[str]) -> None:
+    """Each non-image file of a folder joins its key's image as a field, or is listed."""
+    fields: dict[int, dict[str, str]] = {}
+    captioned = any(_split_key(e.name)[0] in position for e in others)
+    for entry in others:
+        rel = f"{rel_dir}/{entry.name}"
+        stem, suffix = _split_key(entry.name)
+        key = encode_key(f"{rel_dir}/{stem}")
+        if stem in plain and stem not in position:
+            images = plain[stem]
+            if len(images) > 1:
                 scan.errors.append(
-                    SkippedFile(rel, "unreadable: not a regular file (FIFO, socket or device)")
+                    SkippedFile(
+                        rel,
+                        f"field of key {key!r}, which has {len(images)} images "
+                        f"({', '.join(sorted(images))}): keep one image per key",
+                    )
                 )
-        stack.extend(sorted(subdirs, reverse=True))
+            # else: its one image was unusable (listed already); the field goes with it
+            continue
+        if stem not in position:
+            if captioned:
+                scan.errors.append(
+                    SkippedFile(
+                        rel,
+                        f"no image with key {key!r} beside this file (a sidecar without its "
+                        "image): add the image or remove the file",
+                    )
+                )
+            else:
+                scan.add_non_image(rel, "not an image")
+            continue
+        reason = _field_problem(suffix, entry)
+        have = fields.setdefault(position[stem], {})
+        if reason is None and suffix.lower() in have:
+            reason = f"a second {suffix.lower()!r} field (beside {have[suffix.lower()]})"
+        if reason is not None:
+            scan.errors.append(SkippedFile(rel, f"field of key {key!r}: {reason}"))
+            continue
+        have[suffix.lower()] = suffix
+    for i, named in fields.items():
+        sides[i] = FIELD_SEP.join(named[n] for n in sorted(named))
+
+
+def _field_problem(suffix: str, entry: os.DirEntry) -> str | None:
+    """Why a sidecar file cannot be a field (its name, or what kind of file it is), or None."""
+    name = suffix.lower()
+    if not _FIELD_NAME.match(suffix) or name in LABEL_EXTS:
+        return (
+            f"{suffix!r} cannot be a field name (letters, digits, _ - . only; not "
+            f"{'/'.join(sorted(LABEL_EXTS))}): rename the file"
+        )
+    try:
+        if entry.is_file():
+            return None
+    except OSError:
+        pass
+    if entry.is_symlink() and not os.path.exists(entry.path):
+        return "unreadable: broken symbolic link"
+    return "unreadable: not a regular file (FIFO, socket or device)"
+
+
+def _add_image(
+    rel: str,
+    entry: os.DirEntry,
+    ext: str | None,
+    scan: SourceScan,
+    rels: list[str],
+    exts: list[str],
+    ids: list[tuple[int, int, int]],
+) -> bool:
+    """List one image-named file as a sample (True) or as an error (False)."""
+    try:
+        regular = entry.is_file()
+        st = entry.stat() if regular else None
+    except OSError:
+        regular, st = False, None
+    if st is not None and st.st_size == 0:  # pack's header check would say the same
+        scan.errors.append(SkippedFile(rel, EMPTY_FILE))
+    elif st is not None:
+        rels.append(rel)
+        exts.append(ext)
+        ids.append((st.st_dev, st.st_ino, int(entry.is_symlink())))
+        return True
+    elif entry.is_symlink() and not os.path.exists(entry.path):
+        scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))
+    else:
+        scan.errors.append(
+            SkippedFile(rel, "unreadable: not a regular file (FIFO, socket or device)")
+        )
+    return False

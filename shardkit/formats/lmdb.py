@@ -103,15 +103,20 @@ class LmdbSizer:
         self._pending_bytes = 0
         self._commits = 0
 
-    def projected_size(self, klen: int, elen: int, nbytes: int) -> int:
-        """``klen``/``elen``: bytes of the key and the extension (UTF-8)."""
+    def projected_size(self, klen: int, elen: int, nbytes: int, extra=()) -> int:
+        """``klen``/``elen``: bytes of the key and the extension (UTF-8); ``extra``: ``(name
+        bytes, value bytes)`` of each extra field."""
         stored = _stored_size(_value_len(klen, elen, nbytes))
+        stored += sum(_stored_size(v + n + 2) for n, v in extra)
         return self._estimate + stored + (self._commits + 2) * 4 * PAGE
 
-    def add(self, klen: int, elen: int, nbytes: int) -> None:
+    def add(self, klen: int, elen: int, nbytes: int, extra=()) -> None:
         value_len = _value_len(klen, elen, nbytes)
         self._pending_bytes += value_len
         self._estimate += _stored_size(value_len)
+        for n, v in extra:  # as LmdbShardWriter.add counts each field
+            self._pending_bytes += v
+            self._estimate += _stored_size(v + n + 2)
         self.samples += 1
         if self._pending_bytes >= _COMMIT_BYTES:
             self._pending_bytes = 0
@@ -479,10 +484,13 @@ def iter_lmdb_records(
     start: int = 0,
     stop: int | None = None,
     index: Sequence[int] = (),
+    fields: Sequence[str] = (),
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
-    needs no offset ``index`` (accepted for a uniform reader signature)."""
+    needs no offset ``index`` (accepted for a uniform reader signature). ``fields``: extra
+    fields to carry in ``Record.fields`` (one lookup each: they sit apart from the samples)."""
     shard = shard or os.fspath(source)
+    names = [(f.lower(), f.lower().encode()) for f in fields]
     env = _acquire(source, shard)
     index = start
     try:
@@ -501,6 +509,8 @@ def iter_lmdb_records(
                 if k != sample_key(index):
                     raise ShardFormatError(f"{shard}: sample {index} is missing; re-pack the shard")
                 rec = decode_value(v, shard, index)
+                if names:
+                    rec.fields = _fields(txn, index, names)
                 yield rec
                 index += 1
                 cursor.next()
@@ -511,6 +521,16 @@ def iter_lmdb_records(
         ) from None
     finally:
         _release(env)
+
+
+def _fields(txn: lmdb.Transaction, index: int, names) -> dict[str, bytes]:
+    """The fields of sample ``index`` that it has, by name."""
+    out = {}
+    for name, raw in names:
+        value = txn.get(b"+%010d.%s" % (index, raw))
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _count(txn: lmdb.Transaction, shard: str) -> int:
@@ -554,10 +574,13 @@ class LmdbSampleReader:
             _release(self.env)
             raise
 
-    def get(self, index: int) -> Record:
+    def get(self, index: int, fields: Sequence[str] = ()) -> Record:
+        """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked)."""
+        names = [(f.lower(), f.lower().encode()) for f in fields]
         try:
             with self.env.begin(buffers=False) as txn:
                 value = txn.get(sample_key(index))
+                extra = _fields(txn, index, names) if names and value is not None else None
         except lmdb.Error as exc:
             raise ShardFormatError(
                 f"{self.shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); "
@@ -565,7 +588,9 @@ class LmdbSampleReader:
             ) from None
         if value is None:
             raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
-        return decode_value(value, self.shard, index)
+        rec = decode_value(value, self.shard, index)
+        rec.fields = extra
+        return rec
 
     def keys(self) -> list[str]:
         """Every sample's key, in order (reads each value's header)."""
@@ -601,9 +626,9 @@ class LmdbFormat(ShardFormat):
         index: Sequence[int] = (),
         fields: Sequence[str] = (),
     ) -> Iterator[Record]:
-        if fields:  # ShardDataset refuses fields= for LMDB before it gets here
-            raise TypeError("LMDB shards carry no extra fields")
-        return iter_lmdb_records(source, shard=shard, start=start, stop=stop, index=index)
+        return iter_lmdb_records(
+            source, shard=shard, start=start, stop=stop, index=index, fields=fields
+        )
 
     def records(
         self,

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import secrets
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from ..images.geometry import Geometry, TensorDecoder
 from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
+from .fields import field_spec
 from .folder import FolderDataset  # the per-file baseline, re-exported
 from .mix import (
     LABEL_MODES,
@@ -130,8 +131,13 @@ class ShardDataset(IterableDataset):
     or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
     bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
     samples held per worker for the sample-level shuffle. ``with_keys=True`` yields
-    ``(image, label, key)``. ``fields=("json", ...)`` (tar): each sample gains the raw bytes of
-    those extra members after the key, None where a sample has none. ``on_error="skip"`` warns
+    ``(image, label, key)``. ``fields=("txt", "json", "seg.png")`` (tar and LMDB): each sample
+    gains those fields after the key, decoded by extension (``txt`` str, ``json`` object, ``cls``
+    int, image types uint8 CHW tensors with their stored channels, ``npy`` arrays; others bytes);
+    a mapping chooses per field (``{"json": "raw"}``, a callable on the bytes; see
+    shardkit.stream.fields); a sample lacking one is an error naming shard and key (skipped
+    under ``on_error="skip"``). With ``decode="raw"`` a sequence gives the stored bytes, None
+    where a sample has none. ``on_error="skip"`` warns
     and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
     fewer than ``len(ds)``). ``max_pixels``: an image whose header declares more pixels is
     undecodable, refused before any pixel is decoded (default 100 megapixels; None: no limit).
@@ -180,7 +186,7 @@ class ShardDataset(IterableDataset):
         equalize: str = "pad",
         with_keys: bool = False,
         on_error: str = "raise",
-        fields: Sequence[str] = (),
+        fields: Sequence[str] | Mapping[str, str | Callable] = (),
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
@@ -237,7 +243,7 @@ class ShardDataset(IterableDataset):
         self.equalize = equalize
         self.with_keys = bool(with_keys)
         self.on_error = on_error
-        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
+        self.fields, self.field_decoders = field_spec(fields, decode)
         self.rank, self.world_size = distributed_rank(rank, world_size)
         self.sources: tuple[MixedSource, ...] = ()
         self.shares: tuple[int, ...] = ()
@@ -256,11 +262,6 @@ class ShardDataset(IterableDataset):
         check_source(source, storage_options)  # "no such file", "no such bucket": named first
         resolved = resolve_source(source, storage_options=storage_options)
         self.shard_format: str = resolved.format
-        if self.fields and self.shard_format != "tar":
-            raise InputError(
-                f"fields={self.fields!r}: only tar shards carry extra members; drop fields= "
-                f"for {self.shard_format} shards"
-            )
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self._manifest_identity = file_identity(self.manifest_path)
@@ -300,11 +301,6 @@ class ShardDataset(IterableDataset):
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
-            if self.fields and r.format != "tar":
-                raise InputError(
-                    f"fields={self.fields!r}: {src.name} holds {r.format} shards, which carry no "
-                    "extra members; drop fields= or that source"
-                )
             classes = tuple(r.classes) if r.classes else None
             mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
             mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
@@ -436,6 +432,7 @@ class ShardDataset(IterableDataset):
             fields=self.fields,
             decoder=self.tensor_decoder(epoch) if self.decode == "tensor" else None,
             max_pixels=self.max_pixels,
+            field_decoders=self.field_decoders,
         )
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)

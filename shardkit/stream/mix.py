@@ -395,7 +395,7 @@ def mix_records(
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=fields if s.format == "tar" else (), unchanged=unchanged,
+            fields=fields, unchanged=unchanged,
         )  # fmt: skip
         if s.classes:
             recs = check_labels(recs, len(s.classes))

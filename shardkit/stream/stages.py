@@ -44,6 +44,7 @@ __all__ = [
     "check_labels",
     "decode_records",
     "apply_transforms",
+    "decoded_fields",
 ]
 
 EQUALIZE_MODES = ("pad", "drop", "none")
@@ -305,6 +306,7 @@ def decode_records(
     fields: Sequence[str] = (),
     decoder: Callable[[bytes, str], object] | None = None,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    field_decoders: Sequence[Callable[[bytes], object] | None] | None = None,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
@@ -314,6 +316,9 @@ def decode_records(
     ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
     of ``shardkit.images.geometry``, whose randomness depends on the key). ``max_pixels``:
     images declaring more are undecodable samples (refused from the header).
+    ``field_decoders`` (one per field, None: the stored bytes; see shardkit.stream.fields):
+    fields are decoded and required: a sample without one, or whose field does not decode, is
+    an error naming shard, key and field (a skip under ``on_error="skip"``).
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
@@ -328,19 +333,59 @@ def decode_records(
         return
     for rec in records:
         try:
-            if decoder is None:
-                img = decode_image(rec.data, mode, max_pixels)
-            else:
-                img = decoder(rec.data, rec.key)
+            if field_decoders is not None:
+                extra = decoded_fields(rec, names, field_decoders)
+            img = _image(rec, mode, decoder, max_pixels)
         except Exception as exc:
-            err = sample_error(rec, exc)
+            err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
             if on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)
             if skipped is not None:
                 skipped()
             continue
-        yield _sample(img, rec, with_keys, names)
+        if field_decoders is not None:
+            head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+            yield head + extra
+        else:
+            yield _sample(img, rec, with_keys, names)
+
+
+def _image(rec: Record, mode: str, decoder, max_pixels: int | None):
+    if mode == "raw":
+        return rec.data
+    if decoder is None:
+        return decode_image(rec.data, mode, max_pixels)
+    return decoder(rec.data, rec.key)
+
+
+def decoded_fields(rec: Record, names: Sequence[str], decoders: Sequence) -> tuple:
+    """The sample's fields, each decoded; a missing or undecodable one is a ``SampleError``."""
+    have = rec.fields or {}
+    out = []
+    for name, decode in zip(names, decoders, strict=True):
+        data = have.get(name)
+        if data is None:
+            raise SampleError(
+                f"{rec.shard}: sample {rec.key!r} has no {name!r} field; pack it with one, drop "
+                'it from fields=, or pass on_error="skip"',
+                shard=rec.shard,
+                key=rec.key,
+            )
+        if decode is None:
+            out.append(data)
+            continue
+        try:
+            out.append(decode(data))
+        except Exception as exc:
+            raise SampleError(
+                f"{rec.shard}: sample {rec.key!r}: field {name!r} cannot be decoded "
+                f"({type(exc).__name__}: {exc}); fix it and re-pack, read it raw "
+                f'(fields={{{name!r}: "raw"}}), or pass on_error="skip"',
+                shard=rec.shard,
+                key=rec.key,
+            ) from exc
+    return tuple(out)
 
 
 def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:

@@ -20,7 +20,7 @@ import bisect
 import io
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -33,8 +33,9 @@ from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
+from .fields import field_spec
 from .sources import resolve_source
-from .stages import DECODE_MODES, sample_error
+from .stages import DECODE_MODES, decoded_fields, sample_error
 from .storage import storage_for
 
 __all__ = ["ShardView"]
@@ -60,7 +61,7 @@ class ShardView(Dataset):
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         with_keys: bool = False,
-        fields: Sequence[str] = (),
+        fields: Sequence[str] | Mapping[str, str | Callable] = (),
         storage_options: dict | None = None,
         cache_dir: str | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
@@ -68,15 +69,13 @@ class ShardView(Dataset):
         check_choice("decode", decode, DECODE_MODES)
         self.decode, self.with_keys = decode, bool(with_keys)
         self.transform, self.target_transform = transform, target_transform
-        self.fields: tuple[str, ...] = (fields,) if isinstance(fields, str) else tuple(fields)
+        self.fields, self.field_decoders = field_spec(fields, decode)
         self.max_pixels = max_pixels
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
         resolved = resolve_source(source, storage_options=storage_options)
         self.format = resolved.format
-        if self.fields and self.format != "tar":
-            raise InputError(f"fields={self.fields!r}: only tar shards carry extra members")
         self.classes = list(resolved.classes) if resolved.classes else None
         self.storage = storage_for(
             list(resolved.urls), storage_options=storage_options, cache_dir=cache_dir
@@ -156,6 +155,8 @@ class ShardView(Dataset):
 
     def __getitem__(self, i) -> tuple:
         rec = self.record(i)
+        if self.field_decoders is not None:
+            extra = decoded_fields(rec, self.fields, self.field_decoders)
         if self.decode == "raw":
             img = rec.data
         else:
@@ -169,6 +170,8 @@ class ShardView(Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         head = (img, label, rec.key) if self.with_keys else (img, label)
+        if self.field_decoders is not None:
+            return head + extra
         if self.fields:
             extra = rec.fields or {}
             return head + tuple(extra.get(n.lower()) for n in self.fields)
@@ -179,7 +182,7 @@ class ShardView(Dataset):
         shard, j = self._locate(i)
         info = self.shards[shard]
         if self.format == "lmdb":
-            return self._reader(shard, info).get(j)
+            return self._reader(shard, info).get(j, self.fields)
         off = self._offsets[shard]
         blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
         rec = read_sample(blob, info.url, self.fields)

@@ -151,7 +151,11 @@ def _merge(manifests, out, staging, fmt, classes, in_place, replaced) -> MergeRe
     if in_place:
         skipped = list(manifests[0][1].skipped) + skipped
     pack[MERGED_FIELD] = merged
-    manifest = Manifest(fmt, classes, entries, skipped, pack)
+    fields: dict[str, int] = {}
+    for m in [manifests[0][1]] * in_place + [m for _, m in todo]:  # every dataset merged
+        for name, count in m.fields.items():
+            fields[name] = fields.get(name, 0) + count
+    manifest = Manifest(fmt, classes, entries, skipped, pack, fields=fields)
     write_manifest(manifest, staging)
     path = publish(out, staging, added, MANIFEST_NAME, remove=replaced)
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)

@@ -54,6 +54,7 @@ from .read import (
     READ_BATCH,
     PackWarning,
     check_sample,
+    field_stats,
     fingerprint,
     ordered_map,
     pack_options,
@@ -170,12 +171,12 @@ def _already_packed(
             stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
         ):
             return None
-        scan = scan_source(src, progress=progress)
+        scan = scan_source(src, progress=progress, root=options.get("root"))
         root = os.path.abspath(scan.root)
         stats = np.array(
             [stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
         ).reshape(-1, 2)
-        if fingerprint(scan, stats, options) not in recorded:
+        if fingerprint(scan, stats, options, field_stats(scan)) not in recorded:
             return None
     return PackReport(
         out=out,
@@ -232,8 +233,15 @@ def pack(
     shards_per_task: int = 1,
     append: bool = False,
     plan_only: str | None = None,
+    root: str | os.PathLike | None = None,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
+
+    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``; ``shardkit.scan.scan_table``):
+    one row per image, its caption as field ``txt``, other columns as ``json``; image paths are
+    relative to ``root`` (default: the table's folder), and nothing outside it is read. Files
+    beside a folder's images that share their key (``x.txt``, ``x.json``, ``x.seg.png``) are
+    packed as their fields (``shardkit.scan``).
 
     ``src`` is a class-per-folder tree, or from Python a list/iterable of ``(image, label)`` or
     a map-style torch Dataset (image: encoded bytes, a PIL image, a uint8 HWC array or CHW
@@ -277,6 +285,8 @@ def pack(
         src = os.fspath(src)
         check_source_dir(src)
         options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        if root is not None:  # a table's root; folder packs keep their fingerprints
+            root = options["root"] = os.path.abspath(root)
         out = os.fspath(out)
         if append:
             _check_append(out, overwrite)
@@ -293,6 +303,7 @@ def pack(
             resize_short=resize_short,
             on_error=on_error,
             progress=progress,
+            root=root,
         )
         if not is_url(out) or out.startswith("file://"):
             out = out.removeprefix("file://")
@@ -543,8 +554,13 @@ def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> Pa
         receipts = run_task(plan.whole(), workers, on_shard=done, progress=bar.update)
     finally:
         bar.close()
+    fields: dict[str, int] = {}
+    for r in receipts:
+        for name, count in r.fields:
+            fields[name] = fields.get(name, 0) + count
     writer.add_shards(
-        [ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index) for r in receipts if r.samples]
+        [ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index) for r in receipts if r.samples],
+        fields,
     )
     scan = plan.scan
     task_skipped = [SkippedFile(p, why) for r in receipts for p, why in r.skipped]
@@ -593,7 +609,7 @@ def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress
     done_bytes = seen = 0
     try:
         for results in ordered_map(run.load, run.tasks, workers, READ_AHEAD * workers):
-            for i, key, data, ext, reason, label in results:
+            for i, key, data, ext, reason, label, fields in results:
                 seen += 1
                 if data is None:
                     if on_error == "raise":
@@ -603,7 +619,7 @@ def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress
                         )
                     errors.append(SkippedFile(run.skip_name(i, key), reason))
                     continue
-                writer.add(key, ext, data, label)
+                writer.add(key, ext, data, label, fields)
                 done_bytes += len(data)
             bar.update(len(results))
             if not bar.disable:

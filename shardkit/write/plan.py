@@ -50,7 +50,7 @@ from ..fsutil import (
 )
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from ..scan import SourceScan, check_source_dir, scan_source
+from ..scan import SourceScan, check_source_dir, field_files, inline_fields, scan_source
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -58,10 +58,12 @@ from .read import (
     Ahead,
     PackWarning,
     check_sample,
+    field_stats,
     fingerprint,
     ordered_map,
     pack_options,
     pack_version,
+    read_fields,
     read_file,
     stat_pair,
 )
@@ -100,6 +102,8 @@ class ShardReceipt:
     index: tuple[int, ...] = ()
     #: ``(path under SRC, reason)`` of each file of this shard that could not be packed.
     skipped: tuple[tuple[str, str], ...] = ()
+    #: ``(field name, samples of this shard carrying it)``, for the manifest's ``fields``.
+    fields: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> bytes:
         doc = {
@@ -111,6 +115,8 @@ class ShardReceipt:
             "index": list(self.index),
             "skipped": [list(s) for s in self.skipped],
         }
+        if self.fields:
+            doc["fields"] = [list(f) for f in self.fields]
         return json.dumps(doc).encode()
 
     @classmethod
@@ -124,6 +130,7 @@ class ShardReceipt:
             str(d["sha256"]),
             tuple(int(x) for x in d["index"]),
             tuple((str(p), str(r)) for p, r in d["skipped"]),
+            tuple((str(n), int(c)) for n, c in d.get("fields", ())),
         )
 
 
@@ -149,6 +156,10 @@ class ShardTask:
     keys: Sequence[str]
     exts: Sequence[str]
     labels: np.ndarray
+    #: Per sample: its field files (``SourceScan.sidecars`` form) and a table row's fields
+    #: (``SourceScan.inline`` form); empty sequences: no sample has any.
+    sidecars: Sequence[str] = ()
+    inline: Sequence[str] = ()
 
     @property
     def shards(self) -> range:
@@ -171,6 +182,8 @@ class ShardTask:
             "keys": [self.keys[i] for i in pick],
             "exts": [self.exts[i] for i in pick],
             "labels": [int(self.labels[i]) for i in pick],
+            **({"sidecars": [self.sidecars[i] for i in pick]} if len(self.sidecars) else {}),
+            **({"inline": [self.inline[i] for i in pick]} if len(self.inline) else {}),
         }
 
     @classmethod
@@ -189,6 +202,8 @@ class ShardTask:
             keys=list(d["keys"]),
             exts=list(d["exts"]),
             labels=np.array(d["labels"], dtype=np.int64),
+            sidecars=list(d.get("sidecars", ())),
+            inline=list(d.get("inline", ())),
         )
 
     def __repr__(self) -> str:
@@ -246,6 +261,8 @@ class PackPlan:
     def _task(self, lo: int, hi: int, whole: bool) -> ShardTask:
         a, b = int(self.starts[lo]), int(self.starts[hi])
         scan, o = self.scan, self.options
+        sidecars = scan.sidecars if scan.sidecars.blob.size else ()
+        inline = scan.inline if scan.inline.blob.size else ()
         if whole:
             order, files, keys, exts = self.order, scan.files, scan.keys, scan.exts
             labels = self._labels(None)
@@ -254,6 +271,8 @@ class PackPlan:
             files = [scan.files[i] for i in pos]
             keys = [scan.keys[i] for i in pos]
             exts = [scan.exts[i] for i in pos]
+            sidecars = [sidecars[i] for i in pos] if len(sidecars) else ()
+            inline = [inline[i] for i in pos] if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
         return ShardTask(
@@ -270,6 +289,8 @@ class PackPlan:
             keys=keys,
             exts=exts,
             labels=labels,
+            sidecars=sidecars,
+            inline=inline,
         )
 
     def whole(self) -> ShardTask:
@@ -300,11 +321,16 @@ def plan_pack(
     resize_short: int | None,
     on_error: str,
     progress: bool = False,
+    root: str | None = None,
 ) -> PackPlan:
-    """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule."""
+    """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
+
+    ``root``: a table source's root (``shardkit.scan.scan_table``)."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
-    scan = scan_source(src, progress=progress)
+    if root is not None:  # a table's; folder packs keep their fingerprints
+        options["root"] = root = os.path.abspath(root)
+    scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         raise InputError(
@@ -335,9 +361,10 @@ def plan_pack(
     root = os.path.abspath(scan.root)
     stats = np.array([stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64)
     stats = stats.reshape(-1, 2)
+    side = field_stats(scan)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-    starts = _roll(scan, stats[:, 0], order, options["format"], options["shard_size"])
-    fp = fingerprint(scan, stats, options)
+    starts = _roll(scan, stats[:, 0], order, options["format"], options["shard_size"], side)
+    fp = fingerprint(scan, stats, options, side)
     info = {
         "source": src,
         "shard_size": options["shard_size"],
@@ -362,16 +389,19 @@ def _shard_number(path: str) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int):
+def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int, side=None):
     """Shard starts in ``order``: a shard closes when the next sample would pass ``limit``
-    (a sample bigger than ``limit`` gets a shard of its own), as ``ShardWriter`` rolls."""
+    (a sample bigger than ``limit`` gets a shard of its own), as ``ShardWriter`` rolls; fields
+    count with their names and sizes (``side``: ``field_stats``)."""
+    extras = _field_sizes(scan, side or {})
     new = get_format(fmt).sizer
     klen = np.diff(scan.keys.offsets)[order].tolist()
     elen = np.diff(scan.exts.offsets)[order].tolist()
     nbytes = np.maximum(sizes[order], 0).tolist()
     starts, sizer, single = [0], new(), 0
     for j, (k, e, b) in enumerate(zip(klen, elen, nbytes, strict=True)):
-        if sizer.samples and sizer.projected_size(k, e, b) > limit:
+        extra = extras.get(int(order[j]), ()) if extras else ()
+        if sizer.samples and sizer.projected_size(k, e, b, extra) > limit:
             single = single + 1 if sizer.samples == 1 else 0
             if single == 2:
                 warnings.warn(
@@ -383,9 +413,23 @@ def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limi
                 )
             starts.append(j)
             sizer = new()
-        sizer.add(k, e, b)
+        sizer.add(k, e, b, extra)
     starts.append(len(order))
     return np.array(starts, dtype=np.int64)
+
+
+def _field_sizes(scan: SourceScan, side: dict) -> dict[int, list[tuple[int, int]]]:
+    """Per sample with fields: ``(name bytes, value bytes)`` of each, as they will be stored."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for i, stats in side.items():
+        names = [n for n, _ in scan.fields_of(i)]
+        out[i] = [(len(n), max(st[0], 0)) for n, st in zip(names, stats, strict=True)]
+    if scan.inline.blob.size:
+        for i in range(len(scan.files)):
+            row = scan.inline_fields(i)
+            if row:
+                out.setdefault(i, []).extend((len(n), len(v)) for n, v in row.items())
+    return out
 
 
 # --- run ---------------------------------------------------------------------------------------
@@ -414,6 +458,7 @@ def _loader(task: ShardTask) -> Callable:
     hinting ``ahead`` (the batch this thread likely reads next) overlaps its reads with these."""
     root, files, exts, keys, labels = task.root, task.files, task.exts, task.keys, task.labels
     validate, resize = task.validate, task.resize_short
+    sidecars, inline = task.sidecars, task.inline
 
     def load(item: tuple) -> tuple[int, list]:
         k, batch, ahead, hint_own = item
@@ -426,9 +471,17 @@ def _loader(task: ShardTask) -> Callable:
             try:
                 data, _ = read_file(os.path.join(root, files[i]), load.ahead.take(i))
             except OSError as exc:
-                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label))
+                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label, None))
                 continue
-            out.append((i, key, *check_sample(data, ext, validate, resize), label))
+            checked = check_sample(data, ext, validate, resize)
+            fields, why = None, None
+            if len(sidecars) and sidecars[i]:
+                fields, why = read_fields(root, field_files(files[i], sidecars[i]), validate)
+            if len(inline) and inline[i]:
+                fields = {**(fields or {}), **inline_fields(inline[i])}
+            if why is not None and checked[2] is None:
+                checked = (None, ext, why)
+            out.append((i, key, *checked, label, fields))
         return k, out
 
     load.ahead = Ahead()
@@ -508,7 +561,7 @@ def _write_shards(
                 if cur is not None:
                     receipts[cur.shard] = _finish(task, cur, on_shard)
                 cur = _Open(task, k, fmt)
-            for i, key, data, ext, reason, label in loaded:
+            for i, key, data, ext, reason, label, fields in loaded:
                 if data is None:
                     if task.on_error == "raise":
                         raise InputError(
@@ -518,9 +571,11 @@ def _write_shards(
                     cur.skipped.append((task.files[i], reason))
                     continue
                 try:
-                    cur.writer.add(key, ext, data, label)
+                    cur.writer.add(key, ext, data, label, tuple(fields.items()) if fields else ())
                 except OSError as exc:
                     raise write_error(out, exc, "shards") from None
+                for name in fields or ():
+                    cur.fields[name] = cur.fields.get(name, 0) + 1
             if progress is not None:
                 progress(len(loaded))
         if cur is not None:
@@ -540,6 +595,7 @@ class _Open:
         self.name = shard_name(self.shard, fmt.suffix)
         self.tmp = temp_name(os.path.join(task.job, self.name))
         self.skipped: list[tuple[str, str]] = []
+        self.fields: dict[str, int] = {}
         try:
             self.writer = fmt.open_writer(self.tmp)
         except OSError as exc:
@@ -564,6 +620,7 @@ def _finish(task: ShardTask, cur: _Open, on_shard) -> ShardReceipt:
             stats.sha256,
             tuple(stats.index),
             tuple(cur.skipped),
+            tuple(sorted(cur.fields.items())),
         )
         atomic_write_bytes(_receipt_path(task.job, cur.shard), receipt.to_json())
     except OSError as exc:
@@ -650,12 +707,17 @@ def commit_pack(
             f"be packed (first: {first.path}: {first.reason}); see validate= and on_error="
         )
     skipped = list(scan.errors) + task_skipped + list(scan.ignored)
+    fields: dict[str, int] = {}
+    for r in ordered:
+        for name, count in r.fields:
+            fields[name] = fields.get(name, 0) + count
     manifest = Manifest(
         shard_format=plan.options["format"],
         classes=list(scan.classes),
         shards=entries,
         skipped=sorted(skipped, key=lambda s: s.path),
         pack=dict(plan.pack_info),
+        fields=fields,
     )
     if plan.base is not None:  # the old entries as they are, then the new shards
         base = plan.base
@@ -668,6 +730,7 @@ def commit_pack(
                 **base.pack,
                 APPENDED_FIELD: [*base.pack.get(APPENDED_FIELD, []), plan.pack_info],
             },
+            fields={n: base.fields.get(n, 0) + fields.get(n, 0) for n in {*base.fields, *fields}},
         )
     out = plan.out
     try:

@@ -29,8 +29,10 @@ __all__ = [
     "READ_AHEAD",
     "READ_BATCH",
     "Loaded",
+    "field_stats",
     "fingerprint",
     "pack_options",
+    "read_fields",
     "pack_version",
     "read_file",
     "check_sample",
@@ -53,8 +55,9 @@ PREFETCH_BYTES = 2 << 20
 #: Tasks in flight per reader thread: enough to keep every thread busy, bounded for memory.
 READ_AHEAD = 4
 
-#: A loaded sample: (position, key, bytes or None, ext, label, reason it is unusable or None).
-Loaded = tuple[int, str, "bytes | None", str, int, "str | None"]
+#: A loaded sample: (position, key, bytes or None, ext, reason it is unusable or None, label,
+#: extra fields as ``{name: bytes}`` or None).
+Loaded = tuple[int, str, "bytes | None", str, "str | None", int, "dict[str, bytes] | None"]
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -201,10 +204,14 @@ def pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_e
     }
 
 
-def fingerprint(scan: SourceScan, stats: np.ndarray, options: dict) -> str:
+def fingerprint(
+    scan: SourceScan, stats: np.ndarray, options: dict, side_stats: dict | None = None
+) -> str:
     """sha256 over the options and the source listing, as ``make`` would compare it: every
     image's relative path, size and mtime (``stats``: one ``(size, mtime_ns)`` row per file of
-    ``scan.files``), the class folders, and what the scan listed as unreadable or ignored."""
+    ``scan.files``), the class folders, and what the scan listed as unreadable or ignored; with
+    fields, also their names, each field file's size and mtime (``side_stats``, from
+    ``field_stats``) and a table's own fields and labels."""
     head = {
         "options": options,
         "classes": list(scan.classes),
@@ -216,4 +223,47 @@ def fingerprint(scan: SourceScan, stats: np.ndarray, options: dict) -> str:
     h.update(scan.files.offsets.astype("<i8").tobytes())
     h.update(scan.files.blob.tobytes())
     h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
+    if scan.inline.blob.size:  # a table's captions and columns
+        h.update(scan.inline.offsets.astype("<i8").tobytes())
+        h.update(scan.inline.blob.tobytes())
+        h.update(np.ascontiguousarray(scan.labels, dtype="<i8").tobytes())
+    if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
+        h.update(scan.sidecars.offsets.astype("<i8").tobytes())
+        h.update(scan.sidecars.blob.tobytes())
+        for i in range(len(scan.files)):
+            h.update(np.asarray(side_stats.get(i, ()), dtype="<i8").tobytes())
     return "sha256:" + h.hexdigest()
+
+
+def field_stats(scan: SourceScan) -> dict[int, list[tuple[int, int]]]:
+    """``(size, mtime_ns)`` of each sample's field files, by sample (none: no entry)."""
+    if not scan.sidecars.blob.size:
+        return {}
+    root = os.path.abspath(scan.root)
+    return {
+        i: [stat_pair(os.path.join(root, rel)) for _, rel in scan.fields_of(i)]
+        for i in range(len(scan.files))
+        if scan.sidecars[i]
+    }
+
+
+def read_fields(root: str, named, validate: str) -> tuple[dict | None, str | None]:
+    """``({field: bytes} or None, reason or None)``: a sample's field files, read whole.
+
+    A field named ``json``/``*.json`` must parse (unless ``validate="none"``): a caption set with
+    one broken file fails here, naming it, not in the middle of training."""
+    if not named:
+        return None, None
+    fields = {}
+    for name, rel in named:
+        try:
+            data, _ = read_file(os.path.join(root, rel))
+        except OSError as exc:
+            return None, f"field file {rel}: unreadable: {exc.strerror or exc}"
+        if validate != "none" and (name == "json" or name.endswith(".json")):
+            try:
+                json.loads(data)
+            except ValueError as exc:
+                return None, f"field file {rel}: not valid JSON ({exc})"
+        fields[name] = data
+    return fields, None

@@ -160,7 +160,7 @@ def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
 def loader(source: Any, check: Callable[[bytes, str], tuple]) -> Callable[[list], list]:
     """The reader-thread task: fetch (``source[i]``) where needed, encode, then ``check`` (pack's
     validate + resize) each sample; a loaded sample is ``(i, key, bytes|None, ext, reason,
-    label)``."""
+    label, fields)`` (fields: None; a Python sample carries none yet)."""
 
     def load(task: list) -> list:
         out = []
@@ -169,9 +169,9 @@ def loader(source: Any, check: Callable[[bytes, str], tuple]) -> Callable[[list]
             try:
                 data, ext, label = load_sample(source[i] if sample is None else sample)
             except (ValueError, TypeError, OSError) as exc:
-                out.append((i, key, None, "", f"unusable sample: {exc}", -1))
+                out.append((i, key, None, "", f"unusable sample: {exc}", -1, None))
                 continue
-            out.append((i, key, *check(data, ext), label))
+            out.append((i, key, *check(data, ext), label, None))
         return out
 
     return load

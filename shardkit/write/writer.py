@@ -141,6 +141,7 @@ class ShardWriter:
         self._entries: list[ShardEntry] = []
         self._shard = None
         self._max_label = -1
+        self._field_counts: dict[str, int] = {}
         self._single = 0  # shards in a row closed at one sample because the next did not fit
         self._lock: DirLock | None = None
         self._uploader = None
@@ -201,8 +202,9 @@ class ShardWriter:
         return sum(e.samples for e in self._entries) + (self._shard.samples if self._shard else 0)
 
     def write(self, key: str, image_bytes: bytes, label: int, **extra_fields: Any) -> None:
-        """Add one sample: encoded image bytes (JPEG, PNG, WebP ...), its integer label, and
-        extra fields stored beside it (``<key>.<name>`` tar members; see FORMAT.md)."""
+        """Add one sample: encoded image bytes (JPEG, PNG, WebP ...), its integer label (-1:
+        none, e.g. an image-text pair), and extra fields stored beside it (``<key>.<name>`` tar
+        members; see FORMAT.md)."""
         ext = image_ext(image_bytes)
         if ext is None:
             raise InputError(
@@ -214,12 +216,15 @@ class ShardWriter:
     def add(
         self, key: str, ext: str, data: bytes, label: int, extra: Mapping[str, Any] | None = None
     ) -> None:
-        """``write`` with the image's member extension given (pack keeps the file's own)."""
+        """``write`` with the image's member extension given (pack keeps the file's own);
+        ``label=-1``: the sample has none (a tar gets no ``.cls`` member)."""
         if self._closed:
             raise OutputError(f"ShardWriter for {self.out!r} is closed; open a new one")
         _check_key(key)
-        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < 0:
-            raise InputError(f"sample {key!r}: label={label!r}; labels are integers >= 0")
+        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < -1:
+            raise InputError(
+                f"sample {key!r}: label={label!r}; labels are integers >= 0 (-1: no label)"
+            )
         label = int(label)
         if self.classes is not None and label >= len(self.classes):
             raise InputError(
@@ -247,14 +252,20 @@ class ShardWriter:
         except OSError as exc:
             raise write_error(self.out, exc, "shards") from None
         self._max_label = max(self._max_label, label)
+        for name, _ in fields:
+            self._field_counts[name] = self._field_counts.get(name, 0) + 1
 
-    def add_shards(self, entries: Sequence[ShardEntry]) -> None:
+    def add_shards(
+        self, entries: Sequence[ShardEntry], fields: Mapping[str, int] | None = None
+    ) -> None:
         """Shards written elsewhere (a planned pack's task) in this writer's staging folder
         join its output, in order, after any it rolled itself; into a URL each must already be
-        submitted for upload (``upload``)."""
+        submitted for upload (``upload``). ``fields``: their samples carrying each field."""
         if self._shard is not None:
             self._finish_shard()
         self._entries += list(entries)
+        for name, count in (fields or {}).items():
+            self._field_counts[name] = self._field_counts.get(name, 0) + count
 
     def upload(self, path: str) -> None:
         """Upload the complete shard at ``path`` now (URL outputs; a no-op locally)."""
@@ -313,6 +324,7 @@ class ShardWriter:
                 shards=list(self._entries),
                 skipped=sorted(self.skipped, key=lambda s: s.path),
                 pack=dict(self.pack_info),
+                fields=dict(self._field_counts),
             )
             what = MANIFEST_NAME
             local_manifest = write_manifest(manifest, self._staging)

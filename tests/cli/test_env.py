@@ -46,6 +46,7 @@ VALUES = {
     "--timeline-config": "tar:2",
     "--head": "3",
     "--to": "some/folder",
+    "--root": "some/root",
     "--engine": "local",
     "--processes": "3",
     "--ray-address": "auto",

@@ -848,13 +848,13 @@ def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypat
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)
-    for i in range(4):
-        (src / "cat" / f"cat_{i:04d}.json").write_text("{}")
+    for i in range(4):  # no image shares their keys: not fields, just non-images
+        (src / "cat" / f"notes_{i:04d}.json").write_text("{}")
     (src / "dog" / "Makefile").write_text("")
     report, _ = quiet_pack(src, tmp_path / "out")
     m = read_manifest(str(tmp_path / "out"))
     assert report.not_images == 5 and report.samples == len(files)
-    assert [s.path for s in m.skipped] == ["cat/cat_0000.json", "cat/cat_0001.json"]
+    assert [s.path for s in m.skipped] == ["cat/notes_0000.json", "cat/notes_0001.json"]
     assert m.pack["non_image_files"] == {"(none)": 1, ".json": 4}
 
 

@@ -117,10 +117,21 @@ def test_writer_refuses_bad_keys_fields_labels_and_bytes(tmp_path):
             w.write("x", b"plain text", 0)
         with pytest.raises(InputError, match="field name 'cls'"):
             w.write("x", jpeg(0), 0, cls=3)
-        with pytest.raises(InputError, match="label=-1"):
-            w.write("x", jpeg(0), -1)
+        with pytest.raises(InputError, match="label=-2"):
+            w.write("x", jpeg(0), -2)
         w.write("x", jpeg(0), 0)
     assert read_manifest(str(tmp_path / "out")).num_samples == 1
+
+
+def test_label_minus_one_is_a_sample_without_a_label(tmp_path):
+    with ShardWriter(tmp_path / "out") as w:
+        w.write("x", jpeg(0), -1, txt="a caption")
+    m = read_manifest(str(tmp_path / "out"))
+    with tarfile.open(str(tmp_path / "out" / m.shards[0].path)) as tf:
+        assert tf.getnames() == ["x.jpg", "x.txt"]  # no .cls member
+    assert m.classes == [] and m.fields == {"txt": 1}
+    ds = ShardDataset(str(tmp_path / "out"), decode="raw", fields=("txt",))
+    assert [(label, txt) for _, label, txt in ds] == [(-1, b"a caption")]
 
 
 def test_writer_exception_leaves_no_final_name(tmp_path):

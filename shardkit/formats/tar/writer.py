@@ -84,15 +84,17 @@ class TarSizer:
         self._bytes = 0
 
     @staticmethod
-    def _size(klen: int, elen: int, nbytes: int) -> int:
-        return _member_size(klen + 1 + elen, nbytes) + _member_size(klen + 4, 12)
+    def _size(klen: int, elen: int, nbytes: int, extra=()) -> int:
+        size = _member_size(klen + 1 + elen, nbytes) + _member_size(klen + 4, 12)
+        return size + sum(_member_size(klen + 1 + n, v) for n, v in extra)
 
-    def projected_size(self, klen: int, elen: int, nbytes: int) -> int:
-        """``klen``/``elen``: bytes of the key and the extension (UTF-8)."""
-        return self._bytes + self._size(klen, elen, nbytes) + len(_END_OF_ARCHIVE)
+    def projected_size(self, klen: int, elen: int, nbytes: int, extra=()) -> int:
+        """``klen``/``elen``: bytes of the key and the extension (UTF-8); ``extra``: ``(name
+        bytes, value bytes)`` of each extra field."""
+        return self._bytes + self._size(klen, elen, nbytes, extra) + len(_END_OF_ARCHIVE)
 
-    def add(self, klen: int, elen: int, nbytes: int) -> None:
-        self._bytes += self._size(klen, elen, nbytes)
+    def add(self, klen: int, elen: int, nbytes: int, extra=()) -> None:
+        self._bytes += self._size(klen, elen, nbytes, extra)
         self.samples += 1
 
 
@@ -125,7 +127,9 @@ class TarShardWriter:
         kb = key.encode()
         if self.samples % INDEX_EVERY == 0:
             self._index.append(self._bytes)
-        parts = _member(kb + b"." + ext.encode(), data) + _member(kb + b".cls", b"%d" % label)
+        parts = _member(kb + b"." + ext.encode(), data)
+        if label >= 0:  # -1: no label, no member (readers give -1)
+            parts += _member(kb + b".cls", b"%d" % label)
         for name, value in extra:
             parts += _member(kb + b"." + name.encode(), value)
         self._write(b"".join(parts))

@@ -1,0 +1,242 @@
+"""Files that share a key with an image (x.jpg + x.txt + x.json + x.seg.png) pack as one sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+
+import lmdb
+import pytest
+from PIL import Image
+
+from shardkit import FolderDataset, pack
+from shardkit.errors import InputError
+from shardkit.manifest import read_manifest
+from shardkit.scan import scan_source
+
+
+def _captioned(root, n=4):
+    """root/cls/x{i}.jpg with .txt and .json beside each, a .seg.png beside the even ones."""
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(n):
+            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(root / c / f"x{i}.jpg")
+            (root / c / f"x{i}.txt").write_text(f"a {c} number {i}")
+            (root / c / f"x{i}.json").write_text(json.dumps({"i": i, "c": c}))
+            if i % 2 == 0:
+                Image.new("L", (8, 6), i).save(root / c / f"x{i}.seg.png")
+    return root
+
+
+def test_the_scan_joins_sidecars_to_their_image(tmp_path):
+    src = _captioned(tmp_path / "src")
+    (src / "dog" / "notes.md").write_text("a caption without its image")
+    (src / "cat" / "a.b.jpg").write_bytes((src / "cat" / "x0.jpg").read_bytes())
+    scan = scan_source(str(src))
+    assert list(scan.keys) == [f"cat/{k}" for k in ("a%2Eb", "x0", "x1", "x2", "x3")] + [
+        f"dog/x{i}" for i in range(4)
+    ]
+    assert scan.fields_of(1) == [("json", "cat/x0.json"), ("seg.png", "cat/x0.seg.png"),
+                                 ("txt", "cat/x0.txt")]  # fmt: skip
+    assert scan.fields_of(0) == [] and scan.fields_of(2)[1] == ("txt", "cat/x1.txt")
+    assert scan.field_counts == {"json": 8, "seg.png": 4, "txt": 8}
+    assert scan.not_images == 0
+    assert [(e.path, "no image with key 'dog/notes'" in e.reason) for e in scan.errors] == [
+        ("dog/notes.md", True)
+    ]
+    # FolderDataset lists the same samples: the sidecars are no images to it either
+    with pytest.warns(UserWarning, match="dog/notes.md"):
+        assert len(FolderDataset(str(src))) == 9
+
+
+def test_a_stray_file_beside_bare_images_is_still_only_ignored(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(src / "a" / "x.jpg")
+    (src / "a" / "README.txt").write_text("hi")
+    scan = scan_source(str(src))
+    assert not scan.errors and scan.not_images == 1 and scan.field_counts == {}
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_pack_writes_the_fields_and_counts_them(tmp_path, fmt):
+    src = _captioned(tmp_path / "src")
+    report = pack(str(src), str(tmp_path / "out"), format=fmt, shuffle=False)
+    assert report.samples == 8 and report.errors == 0 and report.not_images == 0
+    m = read_manifest(str(tmp_path / "out"))
+    assert m.fields == {"json": 8, "seg.png": 4, "txt": 8}
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["fields"] == m.fields
+    shard = str(tmp_path / "out" / m.shards[0].path)
+    if fmt == "tar":
+        with tarfile.open(shard) as tf:
+            members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+        assert [n for n in members if n.startswith("cat/x0.")] == [
+            "cat/x0.jpg", "cat/x0.cls", "cat/x0.json", "cat/x0.seg.png", "cat/x0.txt"
+        ]  # fmt: skip
+        assert "cat/x1.seg.png" not in members
+        stored = {n: members[n] for n in ("dog/x3.txt", "dog/x2.seg.png", "dog/x2.json")}
+    else:
+        env = lmdb.open(shard, subdir=False, readonly=True, lock=False)
+        with env.begin() as txn:  # dog/x2 is sample 6 in a sorted, unshuffled pack
+            stored = {
+                "dog/x3.txt": txn.get(b"+0000000007.txt"),
+                "dog/x2.seg.png": txn.get(b"+0000000006.seg.png"),
+                "dog/x2.json": txn.get(b"+0000000006.json"),
+            }
+            assert txn.get(b"+0000000007.seg.png") is None
+        env.close()
+    assert stored == {n: (src / n).read_bytes() for n in stored}
+
+
+def test_fields_count_in_the_up_to_date_check(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    out = str(tmp_path / "out")
+    pack(str(src), out)
+    assert pack(str(src), out).up_to_date
+    caption = src / "cat" / "x1.txt"
+    caption.write_text("another caption, longer than the first")
+    assert not pack(str(src), out, overwrite=True).up_to_date
+
+
+def test_a_sidecar_without_its_image_is_an_error_naming_file_and_key(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    (src / "cat" / "lost.txt").write_text("no picture")
+    with pytest.raises(InputError, match=r"cat/lost\.txt: no image with key 'cat/lost'"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise")
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        report = pack(str(src), str(tmp_path / "out2"), on_error="skip")
+    assert report.samples == 4 and report.errors == 1
+    assert [s.path for s in read_manifest(str(tmp_path / "out2")).skipped] == ["cat/lost.txt"]
+
+
+def test_unparseable_json_and_odd_field_names_name_the_file_and_key(tmp_path):
+    src = _captioned(tmp_path / "src", n=2)
+    (src / "dog" / "x1.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"dog/x1\.jpg: field file dog/x1\.json: not valid JSON"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise", shuffle=False)
+    (src / "cat" / "x0.cls").write_text("3")
+    with pytest.raises(InputError, match=r"cat/x0\.cls: field of key 'cat/x0': 'cls' cannot be"):
+        pack(str(src), str(tmp_path / "out"), on_error="raise", shuffle=False)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    with pytest.warns(UserWarning, match="skipped 2"):
+        report = pack(str(src), str(tmp_path / "out2"), shuffle=False)
+    skipped = {s.path: s.reason for s in read_manifest(str(tmp_path / "out2")).skipped}
+    assert "cannot be a field name" in skipped["cat/x0.cls"]
+    assert "key 'cat/x0'" in skipped["cat/x0.cls"]
+    assert "not valid JSON" in skipped["dog/x1.jpg"]
+    assert report.samples == 3
+
+
+def _table_set(root):
+    (root / "img").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 6), (60 * i, 0, 0)).save(root / "img" / f"p{i}.jpg")
+    return root
+
+
+@pytest.mark.parametrize("suffix", ["csv", "tsv", "jsonl"])
+def test_a_table_packs_captions_and_columns(tmp_path, suffix):
+    root = _table_set(tmp_path / "set")
+    rows = [("img/p0.jpg", "a red square", "cat", "x"), ("img/p2.jpg", "bright", "dog", "y")]
+    table = root / f"t.{suffix}"
+    if suffix == "jsonl":
+        table.write_text(
+            "".join(
+                json.dumps({"image": p, "caption": c, "label": lab, "src": s}) + "\n"
+                for p, c, lab, s in rows
+            )
+        )
+    else:
+        sep = "," if suffix == "csv" else "\t"
+        lines = [sep.join(("image", "caption", "label", "src"))] + [sep.join(r) for r in rows]
+        table.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    report = pack(str(table), str(out), shuffle=False)
+    assert report.samples == 2 and report.classes == 2
+    m = read_manifest(str(out))
+    assert m.classes == ["cat", "dog"] and m.fields == {"json": 2, "txt": 2}
+    with tarfile.open(str(out / m.shards[0].path)) as tf:
+        members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+    assert members["img/p2.txt"] == b"bright" and members["img/p2.cls"] == b"1"
+    assert json.loads(members["img/p0.json"]) == {"src": "x"}
+    assert members["img/p0.jpg"] == (root / "img" / "p0.jpg").read_bytes()
+    assert pack(str(table), str(out), shuffle=False).up_to_date
+    table.write_text(table.read_text().replace("bright", "dim"))
+    assert not pack(str(table), str(out), shuffle=False, overwrite=True).up_to_date
+
+
+def test_a_table_without_labels_gives_samples_without_a_label(tmp_path):
+    root = _table_set(tmp_path / "set")
+    (root / "t.csv").write_text("path,text\nimg/p1.jpg,one\nimg/missing.jpg,none\n")
+    with pytest.raises(InputError, match=r"img/missing\.jpg: .*t\.csv:3: no such image file"):
+        pack(str(root / "t.csv"), str(tmp_path / "o1"), on_error="raise")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        report = pack(str(root / "t.csv"), str(tmp_path / "out"))
+    assert report.samples == 1
+    m = read_manifest(str(tmp_path / "out"))
+    assert m.classes == [] and m.fields == {"txt": 1}
+    with tarfile.open(str(tmp_path / "out" / m.shards[0].path)) as tf:
+        assert tf.getnames() == ["img/p1.jpg", "img/p1.txt"]
+
+
+@pytest.mark.parametrize("where", ["../outside.jpg", "ABS", "img/link.jpg"])
+def test_a_row_naming_a_file_outside_the_tables_folder_is_refused(tmp_path, where):
+    root = _table_set(tmp_path / "set")
+    outside = tmp_path / "outside.jpg"
+    Image.new("RGB", (8, 6)).save(outside)
+    os.symlink(outside, root / "img" / "link.jpg")
+    path = str(outside) if where == "ABS" else where
+    (root / "t.csv").write_text(f"image,caption\nimg/p0.jpg,ok\n{path},out\n")
+    with pytest.raises(InputError, match=r"t\.csv:3: image path .* leads outside"):
+        pack(str(root / "t.csv"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    if where != "ABS":  # a root that holds the file allows it
+        again = "outside.jpg" if where.startswith("..") else f"set/{where}"
+        (root / "t.csv").write_text(f"image,caption\nset/img/p0.jpg,ok\n{again},out\n")
+        report = pack(str(root / "t.csv"), str(tmp_path / "out"), root=str(tmp_path))
+        assert report.samples == 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fmt, size", [("tar", "16kB"), ("lmdb", "80kB")])
+def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt, size):
+    from shardkit.fsutil import DirLock
+    from shardkit.write.plan import ShardTask, commit_pack, plan_pack, run_task
+
+    src = _captioned(tmp_path / "src", n=6)
+    ref = str(tmp_path / "ref")
+    pack(str(src), ref, format=fmt, shard_size=size, progress=False)
+    m = read_manifest(ref)
+    limit = 16_000 if fmt == "tar" else 80_000
+    assert all(s.bytes <= limit for s in m.shards)  # the plan's roll counts the fields
+    if fmt == "tar":
+        assert len(m.shards) > 2
+    out = str(tmp_path / "out")
+    plan = plan_pack(
+        str(src), out, shard_size=size, format=fmt, shuffle=True, seed=0, validate="header",
+        resize_short=None, on_error="skip",
+    )  # fmt: skip
+    tasks = [ShardTask.from_dict(json.loads(json.dumps(t.to_dict()))) for t in plan.tasks(2)]
+    receipts = [r for t in tasks for r in run_task(t)]
+    with DirLock(out):
+        commit_pack(plan, receipts)
+    got = read_manifest(out)
+    assert [s.sha256 for s in got.shards] == [s.sha256 for s in m.shards]
+    assert got.fields == m.fields == {"json": 12, "seg.png": 6, "txt": 12}
+
+
+def test_append_and_merge_add_up_the_field_counts(tmp_path):
+    from shardkit.write.merge import merge
+
+    a = _captioned(tmp_path / "a", n=2)
+    b = _captioned(tmp_path / "b", n=3)
+    pack(str(a), str(tmp_path / "out"), progress=False)
+    pack(str(b), str(tmp_path / "out"), append=True, progress=False)
+    assert read_manifest(str(tmp_path / "out")).fields == {"json": 10, "seg.png": 6, "txt": 10}
+    pack(str(b), str(tmp_path / "other"), progress=False)
+    merge([str(tmp_path / "out"), str(tmp_path / "other")], str(tmp_path / "merged"))
+    assert read_manifest(str(tmp_path / "merged")).fields == {
+        "json": 16, "seg.png": 10, "txt": 16
+    }  # fmt: skip
