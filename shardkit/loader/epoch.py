@@ -204,12 +204,24 @@ class Epoch:
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        out = (images, labels, msg.keys) if self.loader.with_keys else (images, labels)
+        out = self._output(images, labels, msg.keys, msg.fields)
         slot = (msg.worker, msg.slot)
         if not self.view and not self.cuda:  # converted into new memory: the slot is done
             self._give_back(*slot)
             slot = None
-        return out, ready, copied, slot, (msg.worker, msg.consumed)
+        return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _output(self, images, labels, keys: list, fields: list | None):
+        """The caller's batch: ``(images, labels[, keys])``, or with the dataset's ``fields=`` a
+        dict of "image", "label", ("key",) and one list per field, shaped by ``collate``."""
+        loader = self.loader
+        if fields is None:
+            return (images, labels, keys) if loader.with_keys else (images, labels)
+        out = {"image": images, "label": labels}
+        if loader.with_keys:
+            out["key"] = keys
+        out.update(zip(loader.dataset.fields, fields, strict=True))
+        return out if loader.collate is None else loader.collate(out)
 
     def _stage_encoded(self, msg: Batch):
         """Decode batch ``msg``'s stored bytes on the device (``shardkit.images.device``): each
@@ -259,12 +271,13 @@ class Epoch:
             elif timed:
                 self.balance.note("device_s", time.perf_counter() - t0, len(kept))
         keys = [msg.keys[i] for i in kept]
-        out = (images, labels, keys) if loader.with_keys else (images, labels)
+        fields = None if msg.fields is None else [[col[i] for i in kept] for col in msg.fields]
+        out = self._output(images, labels, keys, fields)
         slot = (msg.worker, msg.slot)
         if not self.cuda:  # decoded synchronously: the slot is done
             self._give_back(*slot)
             slot = None
-        return out, ready, copied, slot, (msg.worker, msg.consumed)
+        return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
 
     def _decoded(self, bufs: list, msg: Batch, target: torch.device) -> tuple[list, list]:
         """Each sample's (HWC crop, False) from the device decoder, or (finished CHW image,
@@ -328,7 +341,7 @@ class Epoch:
             return images.contiguous()  # a uint8 batch moved to a device as NHWC
         return images
 
-    def _finish(self, out: tuple, ready, copied, slot, took, drawn: deque) -> tuple:
+    def _finish(self, out, tensors, ready, copied, slot, took, drawn: deque):
         """Make the caller's stream wait for this batch only (not the one staged behind it);
         a slot whose device copy has completed goes back now, a viewed one two draws later."""
         worker, consumed = took
@@ -337,7 +350,7 @@ class Epoch:
         if ready is not None:
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(ready)
-            for t in out[:2]:
+            for t in tensors:
                 t.record_stream(current)
         if slot is not None:
             if copied is not None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, SampleError
 from ..images.geometry import ShapeError
 from ..stream.resume import EpochState
-from ..stream.stages import sample_error, transform_error
+from ..stream.stages import decoded_fields, sample_error, transform_error
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
@@ -100,7 +100,9 @@ class Filler:
         ds, bs = self.ds, self.spec.batch_size
         targets = self._slot_targets(slot) if self.hw is not None else None
         planar = not self.spec.nhwc and ds.geometry is None
-        transform, raising = ds.transform, ds.on_error == "raise"
+        transform = ds.transform
+        names, decoders = self._fields()
+        values: list[list] = [[] for _ in names]
         labels: list[int] = []
         keys: list[str] = []
         notes: list[str] = []
@@ -108,6 +110,7 @@ class Filler:
         for rec in records:
             img = None
             try:
+                extra = decoded_fields(rec, names, decoders) if names else ()
                 if transform is not None or targets is None:
                     img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
                 elif planar:
@@ -117,12 +120,10 @@ class Filler:
             except ShapeError as exc:
                 raise ShapeError(f"{rec.shard}: {exc}") from None
             except Exception as exc:  # decoders raise many types for bad data
-                err = sample_error(rec, exc)
-                if raising:
-                    raise err from exc
-                notes.append(f"skipped: {err}")
-                ds._skip_counter(self.worker)()
+                self._bad(rec, exc, notes)
                 continue
+            for column, value in zip(values, extra, strict=False):
+                column.append(value)
             if img is not None:  # the transform's errors are the transform's, not bad data
                 if transform is not None:
                     try:
@@ -141,25 +142,40 @@ class Filler:
                 break
         height, width = self.hw or (0, 0)
         consumed = n + len(notes)
-        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
+        batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
+        batch.fields = values if names else None
+        return batch
+
+    def _bad(self, rec, exc: Exception, notes: list[str]) -> None:
+        """An undecodable sample: raised under ``on_error="raise"``, else noted and counted."""
+        err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
+        if self.ds.on_error == "raise":
+            raise err from exc
+        notes.append(f"skipped: {err}")
+        self.ds._skip_counter(self.worker)()
+
+    def _fields(self) -> tuple[tuple[str, ...], tuple]:
+        """The dataset's ``fields=`` and their decoders (None: the stored bytes)."""
+        names = tuple(self.ds.fields)
+        return names, self.ds.field_decoders or (None,) * len(names)
 
     def _fill_encoded(self, slot: int, records: Iterator, decoder) -> Batch:
         """Copy up to a batch of ``records``' stored bytes into ``slot``, with each sample's crop
         box from its header (``decode_on="device"``: the training process decodes). A header
         that cannot be read is an undecodable sample here, as in ``_fill``."""
         ds, bs = self.ds, self.spec.batch_size
-        raising = ds.on_error == "raise"
+        names, decoders = self._fields()
+        values: list[list] = [[] for _ in names]
         taken, boxes, notes = [], [], []
         for rec in records:
             try:
+                extra = decoded_fields(rec, names, decoders) if names else ()
                 box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
             except Exception as exc:
-                err = sample_error(rec, exc)
-                if raising:
-                    raise err from exc
-                notes.append(f"skipped: {err}")
-                ds._skip_counter(self.worker)()
+                self._bad(rec, exc, notes)
                 continue
+            for column, value in zip(values, extra, strict=False):
+                column.append(value)
             taken.append(rec)
             boxes.append(box)
             if len(taken) == bs:
@@ -173,10 +189,12 @@ class Filler:
         for rec, lo, hi in zip(taken, offsets, offsets[1:], strict=False):
             arr[lo:hi] = np.frombuffer(rec.data, np.uint8)
         n = len(taken)
-        return Batch(
+        batch = Batch(
             0, self.worker, slot, n, 0, 0, [r.label for r in taken], [r.key for r in taken],
             notes, n + len(notes), offsets, boxes, [r.shard for r in taken], self._capacity,
         )  # fmt: skip
+        batch.fields = values if names else None
+        return batch
 
     def _first(self, slot: int, img: torch.Tensor) -> list:
         self.hw = (int(img.shape[-2]), int(img.shape[-1]))

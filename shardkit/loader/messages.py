@@ -82,6 +82,8 @@ class Batch:
     shards: list[str] | None = None
     capacity: int = 0
     fill_s: float = 0.0  # the worker's time filling the slot (decode_on="auto" balances on it)
+    # the dataset's fields= (decoded: str, objects, arrays), one list per field, a value per image
+    fields: list[list] | None = None
 
 
 @dataclass(slots=True)

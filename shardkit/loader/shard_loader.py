@@ -16,13 +16,15 @@ import os
 import resource
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import InputError, ShardkitError, check_choice
 from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
+from ..stream.fields import decode_field_image
 from .epoch import Balance, Epoch, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
@@ -92,6 +94,9 @@ class ShardLoader:
     (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
     CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md). ``"auto"``: each batch
     is decoded by its worker or on the device, in the proportion of their measured rates.
+    With the dataset's ``fields=`` (text, objects, arrays), each batch is a dict: "image",
+    "label", "key" (``with_keys``) and one list per field, decoded in the workers;
+    ``collate(batch_dict)`` reshapes it.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -111,6 +116,7 @@ class ShardLoader:
         start_method: str | None = None,
         timeout: float = 0,
         decode_on: str = "workers",
+        collate: Callable[[dict], Any] | None = None,
     ):
         _check_dataset(dataset)
         _check_int("batch_size", batch_size, 1)
@@ -149,6 +155,9 @@ class ShardLoader:
         self.start_method = start_method
         self.timeout = float(timeout)
         self.decode_on = decode_on
+        if collate is not None and not callable(collate):
+            raise InputError(f"collate must be a callable taking the batch dict, got {collate!r}")
+        self.collate = collate
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
         self._balance = Balance()  # decode_on="auto": both sides' measured rates
         if decode_on != "workers":
@@ -347,8 +356,11 @@ def _check_dataset(dataset) -> None:
             f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" '
             f"(got decode={dataset.decode!r})"
         )
-    if getattr(dataset, "fields", ()):
-        raise InputError(
-            f"ShardLoader yields images, labels and keys; the dataset's fields="
-            f"{dataset.fields!r} would be dropped: use a DataLoader for extra members"
-        )
+    for name, decode in zip(dataset.fields, dataset.field_decoders or (), strict=False):
+        if decode is decode_field_image:
+            raise InputError(
+                f"fields=: {name!r} decodes to an image; ShardLoader carries text, objects and "
+                "arrays beside its batches, not image-shaped fields yet (masks need the crop and "
+                f'flip of their image): read it raw (fields={{{name!r}: "raw"}}) or use a '
+                "DataLoader"
+            )
