@@ -25,9 +25,11 @@ from .write.writer import ShardWriter
 if TYPE_CHECKING:
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
+    from .stream.fields import Boxes
     from .stream.view import ShardView
 
 __all__ = [
+    "Boxes",
     "FolderDataset",
     "InputError",
     "Manifest",
@@ -53,6 +55,7 @@ _LAZY = {
     "ShardDataset": "stream.dataset",
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
+    "Boxes": "stream.fields",
     "ShardView": "stream.view",
     "ShardLoader": "loader",
 }

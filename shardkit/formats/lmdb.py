@@ -442,7 +442,9 @@ def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
 #: view beside a stream may read the same shard from two places at once.
 _shared: dict[tuple[int, int, int, int], list] = {}
 _shared_pid = os.getpid()
-_shared_lock = threading.Lock()
+# Re-entrant: the garbage collector may run an abandoned reader's ``_release`` inside an
+# ``_acquire`` on the same thread (an allocation there collects); a plain Lock deadlocked.
+_shared_lock = threading.RLock()
 
 
 def _acquire(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
@@ -467,7 +469,7 @@ def _acquire(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
 def _release(env: lmdb.Environment) -> None:
     """One user fewer; the last closes the environment."""
     with _shared_lock:
-        for key, entry in _shared.items():
+        for key, entry in list(_shared.items()):  # a nested release may change the dict
             if entry[0] is env:
                 entry[1] -= 1
                 if entry[1] == 0:

@@ -46,9 +46,13 @@ __all__ = [
     "CropBox",
     "Geometry",
     "TensorDecoder",
+    "BOX_FORMATS",
     "center_crop_box",
+    "crop_boxes",
+    "crop_mask",
     "random_resized_crop_box",
     "resized",
+    "sample_seed",
     "sample_uniforms",
 ]
 
@@ -106,6 +110,14 @@ def sample_uniforms(seed: int, epoch: int, rank: int, key: str) -> Iterator[floa
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
         yield ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def sample_seed(seed: int, epoch: int, key: str) -> int:
+    """A 63-bit seed for a user's transform, a function of (seed, epoch, key) only: the same
+    sample gets the same augmentation whatever worker, worker count or rank reads it. Hashed
+    apart from ``sample_uniforms`` so it does not repeat the built-in crop's draws."""
+    text = f"{seed}\0{epoch}\0{key}\0transform".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 # --- crop boxes (top, left, height, width) in full-size pixels -------------------------------
@@ -281,6 +293,57 @@ def resized(crop: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
             align_corners=False,
         )
     return crop
+
+
+def _nearest(start: int, length: int, size: int) -> np.ndarray:
+    """Source rows (or columns) of ``size`` outputs over ``length`` pixels from ``start``: each
+    output pixel takes the pixel under its centre (PIL's NEAREST, torch's "nearest-exact"), in
+    integers so no rounding of a float scale can move it."""
+    return start + (np.arange(size) * 2 + 1) * length // (2 * size)
+
+
+def crop_mask(mask: torch.Tensor, box: CropBox, size: int) -> torch.Tensor:
+    """A (C, H, W) image field (a mask) cut by its image's ``box``, resized to ``size`` x
+    ``size`` by nearest neighbour (class indices never blend) and flipped with it.
+
+    The image's pixel (i, j) and the mask's come from the same full-size position (up to the
+    bilinear filter's blur). A mask of another size than its image raises ``ValueError``:
+    the caller names shard, key and field. The image's fused decode is not touched. Two numpy
+    gathers (rows, then columns): 3x faster than torch indexing on a 64-pixel output."""
+    height, width = mask.shape[-2:]
+    if (height, width) != (box.height, box.width):
+        raise ValueError(f"it is {width}x{height} but its image is {box.width}x{box.height}")
+    rows = _nearest(box.top, box.h, size)
+    cols = _nearest(box.left, box.w, size)
+    if box.flip:
+        cols = cols[::-1]  # mirror the output, as the image's resize-then-flip does
+    return torch.from_numpy(np.ascontiguousarray(mask.numpy()[:, rows][:, :, cols]))
+
+
+#: Box layouts in pixels: corners, or COCO's (x, y, width, height).
+BOX_FORMATS = ("xyxy", "xywh")
+
+
+def crop_boxes(
+    boxes, box: CropBox, size: int, format: str = "xyxy"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(boxes, index)``: (N, 4) pixel boxes of the full-size image moved onto its
+    ``size`` x ``size`` output (shifted by the crop, scaled, flipped, clipped to the output) as
+    float32 (K, 4) xyxy, and the int64 (K,) positions of the kept boxes in the input. Boxes left
+    with no area are dropped: ``N - K`` were cut away; ``index`` keeps their labels aligned."""
+    check_choice("format", format, BOX_FORMATS)
+    b = torch.as_tensor(np.asarray(boxes, dtype=np.float64)).reshape(-1, 4)
+    x0, y0 = b[:, 0], b[:, 1]
+    x1, y1 = (b[:, 2], b[:, 3]) if format == "xyxy" else (x0 + b[:, 2], y0 + b[:, 3])
+    sx, sy = size / box.w, size / box.h
+    x0, x1 = (x0 - box.left) * sx, (x1 - box.left) * sx
+    y0, y1 = (y0 - box.top) * sy, (y1 - box.top) * sy
+    if box.flip:
+        x0, x1 = size - x1, size - x0
+    out = torch.stack([x0, y0, x1, y1], dim=1).clamp_(0, size)
+    keep = (out[:, 2] > out[:, 0]) & (out[:, 3] > out[:, 1])
+    index = torch.nonzero(keep).flatten()
+    return out[index].to(torch.float32), index
 
 
 def _shape_error(key: str, size: tuple[int, int], batch: tuple[int, int]) -> ShapeError:

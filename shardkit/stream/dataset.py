@@ -32,11 +32,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import InputError, ShardkitError, StorageError, check_choice
 from ..formats import FORMATS
 from ..images.decode import DEFAULT_MAX_PIXELS
-from ..images.geometry import Geometry, TensorDecoder
+from ..images.geometry import Geometry, TensorDecoder, sample_seed
 from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
-from .fields import field_spec
+from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
 from .mix import (
     LABEL_MODES,
@@ -154,7 +154,18 @@ class ShardDataset(IterableDataset):
     ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
     (see shardkit.images.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
     ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
-    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat.
+    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
+    fields (masks, ``seg.png``) get the image's crop, a nearest-neighbour resize and its flip; a
+    mask of another size than its image is an error naming shard and key (a skip under
+    ``on_error="skip"``). ``boxes=Boxes("json", key="boxes", format="xywh")`` (see
+    shardkit.stream.fields) reads pixel boxes from a requested field and moves them likewise:
+    each sample ends with ``boxes``, float32 (K, 4) xyxy in output pixels (boxes cut to nothing
+    dropped), and ``box_index``, the int64 (K,) positions of the kept boxes in the stored list.
+
+    ``sample_transform``: instead of ``transform``, a callable taking the whole sample as a dict
+    (``image``, ``label``, ``key``, each field by name, ``boxes``/``box_index``, and ``seed``, a
+    63-bit int from (seed, epoch, key) only, for ``torch.Generator().manual_seed``); what it
+    returns is the sample. Its augmentations repeat whatever the number of workers.
 
     ``batch_size``: give the DataLoader's batch size and worker parts are cut at whole batches, so
     ``DataLoader(ds, batch_size=B, num_workers=N)`` yields exactly ``len(loader)`` batches, at
@@ -187,6 +198,8 @@ class ShardDataset(IterableDataset):
         with_keys: bool = False,
         on_error: str = "raise",
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
+        boxes: Boxes | None = None,
+        sample_transform: Callable[[dict], object] | None = None,
         storage: Storage | None = None,
         storage_options: dict | None = None,
         cache_dir: str | None = None,
@@ -244,6 +257,18 @@ class ShardDataset(IterableDataset):
         self.with_keys = bool(with_keys)
         self.on_error = on_error
         self.fields, self.field_decoders = field_spec(fields, decode)
+        self.boxes = boxes
+        if boxes is not None and (self.geometry is None or self.field_decoders is None):
+            raise InputError(
+                'boxes= moves boxes with the image\'s crop: pass decode="tensor" and size= (and '
+                "crop=, flip=), with the boxes' field in fields="
+            )
+        if sample_transform is not None and (transform is not None or target_transform):
+            raise InputError(
+                "sample_transform= takes the whole sample (image, label, key, fields); give it "
+                "alone, not with transform=/target_transform= (do both in it)"
+            )
+        self.sample_transform = sample_transform
         self.rank, self.world_size = distributed_rank(rank, world_size)
         self.sources: tuple[MixedSource, ...] = ()
         self.shares: tuple[int, ...] = ()
@@ -423,20 +448,39 @@ class ShardDataset(IterableDataset):
         world = current_world(self.rank, self.world_size)
         epoch = self._start_epoch(world)
         records = self.records(world, epoch)
+        decoder = self.tensor_decoder(epoch) if self.decode == "tensor" else None
+        geometry = None
+        if self.geometry is not None and self.field_decoders is not None:
+            geometry = sample_geometry(decoder, self.fields, self.field_decoders, self.boxes)
         samples = decode_records(
             records,
             self.decode,
             on_error=self.on_error,
-            with_keys=self.with_keys,
+            with_keys=self.with_keys or self.sample_transform is not None,
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
-            decoder=self.tensor_decoder(epoch) if self.decode == "tensor" else None,
+            decoder=decoder,
             max_pixels=self.max_pixels,
             field_decoders=self.field_decoders,
+            geometry=geometry,
         )
+        if self.sample_transform is not None:
+            return self._whole_samples(samples, epoch)
         if self.transform is not None or self.target_transform is not None:
             samples = apply_transforms(samples, self.transform, self.target_transform)
         return samples
+
+    def _whole_samples(self, samples: Iterator[tuple], epoch: int) -> Iterator:
+        """``sample_transform(dict)`` per sample: its image, label, key, fields by name
+        (``boxes``/``box_index`` with ``boxes=``) and ``seed``, a function of (seed, epoch, key)
+        only, so its augmentation repeats whatever worker or worker count reads the sample."""
+        names = ("image", "label", "key", *self.fields)
+        if self.boxes is not None:
+            names += ("boxes", "box_index")
+        for sample in samples:
+            item = dict(zip(names, sample, strict=True))
+            item["seed"] = sample_seed(self.seed, epoch, item["key"])
+            yield self.sample_transform(item)
 
     def tensor_decoder(self, epoch: int) -> TensorDecoder:
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""

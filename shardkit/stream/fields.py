@@ -13,14 +13,24 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
+from ..images.geometry import BOX_FORMATS, crop_boxes, crop_mask
+from ..records import Record
 
-__all__ = ["FIELD_DECODERS", "FieldDecoder", "decode_field_image", "field_spec"]
+__all__ = [
+    "FIELD_DECODERS",
+    "Boxes",
+    "FieldDecoder",
+    "decode_field_image",
+    "field_spec",
+    "sample_geometry",
+]
 
 #: Decodes one field's stored bytes; None: the bytes as stored.
 FieldDecoder = Callable[[bytes], Any] | None
@@ -92,3 +102,76 @@ def field_spec(
                 "bytes) or give a callable taking the bytes"
             )
     return tuple(n.lower() for n in fields), tuple(decoders)
+
+
+@dataclass(frozen=True, slots=True)
+class Boxes:
+    """Where a sample's boxes are: the decoded ``field`` (one of ``fields=``), inside it the
+    list under ``key`` (None: the field itself, e.g. an (N, 4) ``npy``), each box a list of 4
+    pixel numbers or a dict holding one under ``"bbox"`` (a COCO annotation); ``format``
+    "xyxy" (corners) or "xywh" (COCO's x, y, width, height)."""
+
+    field: str
+    key: str | None = None
+    format: str = "xyxy"
+
+    def __post_init__(self) -> None:
+        check_choice("format", self.format, BOX_FORMATS)
+
+    def stored(self, value) -> np.ndarray:
+        """The (N, 4) float64 boxes held by the field's decoded ``value``."""
+        if self.key is not None:
+            value = value[self.key]
+        if isinstance(value, np.ndarray):
+            return value.astype(np.float64).reshape(-1, 4)
+        rows = [b["bbox"] if isinstance(b, Mapping) else b for b in value]
+        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+
+
+def sample_geometry(
+    decoder, names: Sequence[str], decoders: Sequence[FieldDecoder], boxes: Boxes | None
+) -> Callable[[Record, tuple], tuple] | None:
+    """``(rec, fields) -> fields + (boxes, box_index)?``: the image's crop, resize and flip
+    applied to its image fields (masks, nearest neighbour) and to its ``boxes``; None when
+    there is nothing to move. ``decoder`` is the dataset's ``TensorDecoder`` with a geometry:
+    the crop box is re-read from the image header (microseconds), so the image's own fused
+    region decode runs untouched."""
+    masks = [i for i, d in enumerate(decoders) if d is decode_field_image]
+    at = None
+    if boxes is not None:
+        if boxes.field not in names:
+            raise InputError(
+                f"boxes=Boxes({boxes.field!r}) reads field {boxes.field!r}: add it to fields="
+            )
+        at = names.index(boxes.field)
+    if not masks and at is None:
+        return None
+    size = decoder.geometry.size
+
+    def apply(rec: Record, extra: tuple) -> tuple:
+        box = decoder.crop_box(rec.data, rec.key)
+        out = list(extra)
+        for i in masks:
+            try:
+                out[i] = crop_mask(out[i], box, size)
+            except ValueError as exc:
+                raise SampleError(
+                    f"{rec.shard}: sample {rec.key!r}: field {names[i]!r} {exc}; a mask must "
+                    'have its image\'s size: fix it and re-pack, or pass on_error="skip"',
+                    shard=rec.shard,
+                    key=rec.key,
+                ) from None
+        if at is None:
+            return tuple(out)
+        try:
+            stored = boxes.stored(extra[at])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SampleError(
+                f"{rec.shard}: sample {rec.key!r}: field {boxes.field!r} holds no boxes at "
+                f"{boxes.key!r} ({type(exc).__name__}: {exc}); each box is 4 numbers",
+                shard=rec.shard,
+                key=rec.key,
+            ) from None
+        return (*out, *crop_boxes(stored, box, size, boxes.format))
+
+    return apply

@@ -307,6 +307,7 @@ def decode_records(
     decoder: Callable[[bytes, str], object] | None = None,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     field_decoders: Sequence[Callable[[bytes], object] | None] | None = None,
+    geometry: Callable[[Record, tuple], tuple] | None = None,
 ) -> Iterator[tuple]:
     """``(image, label)`` (or ``(image, label, key)``) tuples from records.
 
@@ -319,6 +320,8 @@ def decode_records(
     ``field_decoders`` (one per field, None: the stored bytes; see shardkit.stream.fields):
     fields are decoded and required: a sample without one, or whose field does not decode, is
     an error naming shard, key and field (a skip under ``on_error="skip"``).
+    ``geometry(rec, fields)`` moves the decoded fields with the image's crop (masks, boxes:
+    ``shardkit.stream.fields.sample_geometry``).
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
@@ -336,6 +339,8 @@ def decode_records(
             if field_decoders is not None:
                 extra = decoded_fields(rec, names, field_decoders)
             img = _image(rec, mode, decoder, max_pixels)
+            if geometry is not None:
+                extra = geometry(rec, extra)
         except Exception as exc:
             err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
             if on_error == "raise":

@@ -213,3 +213,35 @@ def test_label_outside_the_classes_is_a_sample_error(tmp_path):
     with pytest.raises(SampleError, match=r"shard-000000\.lmdb: sample 'c1/b' has label 7") as info:
         list(ds)
     assert info.value.key == "c1/b" and info.value.shard.endswith("shard-000000.lmdb")
+
+
+def test_a_reader_collected_while_a_shard_opens_does_not_deadlock(tmp_path):
+    """The garbage collector may run an abandoned reader's ``finally`` (which releases its
+    environment) in the middle of another open, on the thread that holds the registry's lock."""
+    import gc
+    import threading
+
+    from shardkit.formats import lmdb as lmdb_format
+
+    path = tmp_path / "a.lmdb"
+    lmdb_shard(path, n=3)
+    reader = lmdb_format.iter_lmdb_records(str(path))
+    next(reader)
+    cycle = [reader]
+    cycle.append(cycle)  # only the collector frees it
+    del reader, cycle
+    done = threading.Event()
+
+    def open_while_collecting() -> None:
+        with lmdb_format._shared_lock:  # as _acquire holds it when an allocation collects
+            gc.collect()
+        done.set()
+
+    gc.disable()  # the collection happens inside the lock, not before it
+    try:
+        worker = threading.Thread(target=open_while_collecting, daemon=True)
+        worker.start()
+        worker.join(10)
+    finally:
+        gc.enable()
+    assert done.is_set(), "releasing an environment inside an open deadlocked"

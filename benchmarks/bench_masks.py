@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""What a segmentation mask costs beside each image through DataLoader(ShardDataset), against
+the mask's own decode.
+
+The LFW-shaped set with a ``.seg.png`` beside every image (its greyscale quantized to 4 classes:
+an 8-bit PNG of the image's size), packed once. One interleaved run (every contender once per
+repeat), medians over repeats: ``DataLoader(ShardDataset(decode="tensor", size=64,
+crop="random", flip=True))`` without fields and with ``fields=("seg.png",)`` (the mask cut,
+nearest-resized and flipped with its image); the mask's cost per sample (1/rate with minus
+1/rate without, one worker) is set against the mask's own decode (PNG -> uint8 tensor, timed in
+this process over the same masks), and the geometry's share (``crop_mask``) is printed too. The
+load average is printed beside it.
+
+    python benchmarks/bench_masks.py --data /tmp/lfw-masks --scale 0.15 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+SIZE = 64
+
+
+def _data(root: Path, scale: float) -> str:
+    """The tree with masks (made when missing) and its pack; returns the pack's folder."""
+    from PIL import Image
+
+    from shardkit.synth import make_lfw
+    from shardkit.write.packer import pack
+
+    tree, out = root / "tree", root / "packed"
+    if not tree.exists():
+        make_lfw(tree, scale=scale)
+        for image in sorted(tree.rglob("*.jpg")):
+            with Image.open(image) as img:
+                mask = img.convert("L").point(lambda v: v // 64)
+            mask.save(f"{image.with_suffix('')}.seg.png")
+    if not (out / "manifest.json").exists():
+        pack(str(tree), str(out), progress=False)
+    return str(out)
+
+
+def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int) -> float:
+    from torch.utils.data import DataLoader
+
+    from shardkit import ShardDataset
+
+    ds = ShardDataset(src, decode="tensor", size=SIZE, crop="random", flip=True, fields=fields)
+    loader = DataLoader(ds, batch_size=batch, num_workers=workers)
+    start, n = time.perf_counter(), 0
+    for batch_ in loader:
+        n += len(batch_[0])
+    return n / (time.perf_counter() - start)
+
+
+def _mask_costs(src: str) -> tuple[float, float]:
+    """Seconds per mask: its PNG decode, and the crop/resize/flip after it (this process)."""
+    from shardkit import ShardDataset
+    from shardkit.images.geometry import Geometry, TensorDecoder, crop_mask
+    from shardkit.stream.fields import decode_field_image
+
+    raw = ShardDataset(src, decode="raw", fields=("seg.png",), shuffle=False, with_keys=True)
+    samples = [(img, key, seg) for img, _, key, seg in raw]
+    decoder = TensorDecoder(Geometry(SIZE, "random", True))
+    boxes = [decoder.crop_box(img, key) for img, key, _ in samples]
+    start = time.perf_counter()
+    masks = [decode_field_image(seg) for _, _, seg in samples]
+    decode = (time.perf_counter() - start) / len(samples)
+    start = time.perf_counter()
+    for mask, box in zip(masks, boxes, strict=True):
+        crop_mask(mask, box, SIZE)
+    return decode, (time.perf_counter() - start) / len(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=Path("/tmp/shardkit-bench-masks"))
+    ap.add_argument("--scale", type=float, default=0.15)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=64)
+    args = ap.parse_args()
+    src = _data(args.data, args.scale)
+    load_before = os.getloadavg()[0]
+    plain, masked, decodes, geoms = [], [], [], []
+    for _ in range(args.repeats):
+        plain.append(_rate(src, (), args.workers, args.batch_size))
+        masked.append(_rate(src, ("seg.png",), args.workers, args.batch_size))
+        decode, geom = _mask_costs(src)
+        decodes.append(decode)
+        geoms.append(geom)
+    extra = statistics.median(
+        (1 / m - 1 / p) / d for m, p, d in zip(masked, plain, decodes, strict=True)
+    )
+    p, m = statistics.median(plain), statistics.median(masked)
+    d, g = statistics.median(decodes), statistics.median(geoms)
+    per_mask = 1e6 * (1 / m - 1 / p)
+    load = f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    print(f"images/s, median of {args.repeats}, {args.workers} worker(s): image only {p:.0f}, "
+          f"with seg.png {m:.0f} (ratio {m / p:.3f}); mask per sample {per_mask:.0f} us "
+          f"against its own decode {1e6 * d:.0f} us (ratio {extra:.2f}; crop/resize/flip "
+          f"{1e6 * g:.0f} us) ({load})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
