@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import ShardkitError
@@ -220,7 +221,12 @@ class Epoch:
         out = {"image": images, "label": labels}
         if loader.with_keys:
             out["key"] = keys
-        out.update(zip(loader.dataset.fields, fields, strict=True))
+        for name, value in zip(loader.dataset.fields, fields, strict=True):
+            if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
+                value = torch.from_numpy(value)
+                if loader.device is not None:
+                    value = value.to(loader.device, non_blocking=True)
+            out[name] = value
         return out if loader.collate is None else loader.collate(out)
 
     def _stage_encoded(self, msg: Batch):

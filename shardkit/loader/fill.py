@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from ..errors import InputError, SampleError
-from ..images.geometry import ShapeError
+from ..images.decode import image_size
+from ..images.geometry import ShapeError, crop_mask
+from ..stream.fields import decode_field_image
 from ..stream.resume import EpochState
 from ..stream.stages import decoded_fields, sample_error, transform_error
 from ..stream.world import World
@@ -102,6 +104,7 @@ class Filler:
         planar = not self.spec.nhwc and ds.geometry is None
         transform = ds.transform
         names, decoders = self._fields()
+        masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
         values: list[list] = [[] for _ in names]
         labels: list[int] = []
         keys: list[str] = []
@@ -110,7 +113,7 @@ class Filler:
         for rec in records:
             img = None
             try:
-                extra = decoded_fields(rec, names, decoders) if names else ()
+                extra = self._sample_fields(rec, names, decoders, masks, decoder)
                 if transform is not None or targets is None:
                     img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
                 elif planar:
@@ -143,8 +146,42 @@ class Filler:
         height, width = self.hw or (0, 0)
         consumed = n + len(notes)
         batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
-        batch.fields = values if names else None
+        batch.fields = _batch_fields(values, names, masks, keys)
         return batch
+
+    def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
+        """The sample's fields, decoded, with its masks cut like its image."""
+        if not names:
+            return ()
+        extra = decoded_fields(rec, names, decoders)
+        return self._cropped_masks(rec, extra, masks, decoder) if masks else extra
+
+    def _cropped_masks(self, rec, extra: tuple, masks: list[int], decoder) -> tuple:
+        """The sample's image-shaped fields cut, resized (nearest) and flipped with its image
+        (``geometry.crop_mask``); without ``size=``, checked to have the image's size."""
+        extra = list(extra)
+        geometry = self.ds.geometry
+        box = decoder.crop_box(rec.data, rec.key) if geometry is not None else None
+        for j in masks:
+            try:
+                if box is not None:
+                    extra[j] = crop_mask(extra[j], box, geometry.size)
+                else:
+                    height, width = image_size(rec.data)
+                    if tuple(extra[j].shape[-2:]) != (height, width):
+                        raise ValueError(
+                            f"it is {extra[j].shape[-1]}x{extra[j].shape[-2]} but its image is "
+                            f"{width}x{height}"
+                        )
+            except ValueError as exc:
+                raise SampleError(
+                    f"{rec.shard}: sample {rec.key!r}: field {self.ds.fields[j]!r} does not "
+                    f"match its image: {exc}; re-pack it with a mask of the image's size, or "
+                    'pass on_error="skip"',
+                    shard=rec.shard,
+                    key=rec.key,
+                ) from None
+        return tuple(extra)
 
     def _bad(self, rec, exc: Exception, notes: list[str]) -> None:
         """An undecodable sample: raised under ``on_error="raise"``, else noted and counted."""
@@ -228,6 +265,31 @@ class Filler:
     def forget(self, slot: int) -> None:
         """The slot's memory was replaced (the caller kept its batch)."""
         self._targets.pop(slot, None)
+
+
+def _batch_fields(values: list[list], names, masks: list[int], keys: list[str]):
+    """The batch's field columns (None without fields); each mask field as one array, so the
+    pipe carries one array per field and batch, not one per sample."""
+    if not names:
+        return None
+    for j in masks:
+        values[j] = _stacked(values[j], names[j], keys)
+    return values
+
+
+def _stacked(masks: list, name: str, keys: list[str]) -> np.ndarray:
+    """A batch's masks of one field as one (N, C, H, W) uint8 array."""
+    if not masks:
+        return np.zeros((0, 1, 0, 0), np.uint8)
+    first = masks[0].shape
+    for m, key in zip(masks, keys, strict=True):
+        if m.shape != first:
+            raise InputError(
+                f"fields=: {name!r} of sample {key!r} is {tuple(m.shape)} but its batch holds "
+                f"{tuple(first)}: give the dataset size= (masks are then cut to it), and store "
+                "every mask with the same channels"
+            )
+    return torch.stack(masks).numpy()
 
 
 def _transformed(img, rec, hw: tuple[int, int] | None) -> torch.Tensor:

@@ -129,6 +129,8 @@ class ShardLoader:
         if with_keys is not None and not isinstance(with_keys, bool):
             raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
+        _check_masks(dataset, decode_on)
+        _check_sample_extras(dataset)
         if decode_on != "workers" and dataset.transform is not None:
             raise InputError(
                 f"decode_on={decode_on!r} decodes in the training process, after the workers: "
@@ -356,11 +358,27 @@ def _check_dataset(dataset) -> None:
             f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" '
             f"(got decode={dataset.decode!r})"
         )
+
+
+def _check_sample_extras(dataset) -> None:
+    """What the dataset adds per sample that ShardLoader's batches do not carry yet: refused by
+    name rather than dropped."""
+    if getattr(dataset, "boxes", None) is not None:
+        raise InputError(
+            "boxes=: ShardLoader does not carry boxes yet (their count varies per sample); "
+            "iterate the dataset through a DataLoader with a collate_fn for them"
+        )
+    if getattr(dataset, "sample_transform", None) is not None:
+        raise InputError(
+            "sample_transform=: ShardLoader runs the per-image transform= only; use a "
+            "DataLoader for whole-sample transforms"
+        )
+
+
+def _check_masks(dataset, decode_on: str) -> None:
     for name, decode in zip(dataset.fields, dataset.field_decoders or (), strict=False):
-        if decode is decode_field_image:
+        if decode is decode_field_image and decode_on != "workers":
             raise InputError(
-                f"fields=: {name!r} decodes to an image; ShardLoader carries text, objects and "
-                "arrays beside its batches, not image-shaped fields yet (masks need the crop and "
-                f'flip of their image): read it raw (fields={{{name!r}: "raw"}}) or use a '
-                "DataLoader"
+                f"fields=: {name!r} is image-shaped (a mask): it is cut with its image in the "
+                f'workers, so it needs decode_on="workers" (got {decode_on!r})'
             )

@@ -412,8 +412,8 @@ def test_arguments_are_checked(shards):
         ShardLoader(_ds(shards), 4, start_method="thread")
     with pytest.raises(InputError, match="batch_size"):
         ShardLoader(_ds(shards), 0)
-    with pytest.raises(InputError, match="fields=: 'seg.png' decodes to an image"):
-        ShardLoader(_ds(shards, fields=("seg.png",)), 4)
+    with pytest.raises(InputError, match="fields=: 'seg.png' is image-shaped"):
+        ShardLoader(_ds(shards, fields=("seg.png",)), 4, decode_on="auto")
     with pytest.raises(InputError, match="normalize"):
         ShardLoader(_ds(shards), 4, normalize=((0.5,), (0.5,)))
     if not torch.cuda.is_available():

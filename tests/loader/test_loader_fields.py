@@ -119,3 +119,61 @@ def test_fields_travel_with_device_decoded_batches(shards):
         keys += batch["key"]
     assert len(keys) == N - 1
     loader.close()
+
+
+# --- masks: cut with their image in the workers --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory):
+    """Images of two sizes with a position-coded palette mask each; one mask of the wrong size."""
+    base = tmp_path_factory.mktemp("masks")
+    for i in range(10):
+        d = base / "src" / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        w, h = (40, 30) if i % 3 else (36, 48)
+        rng = np.random.default_rng(i)
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(d / f"m{i}.jpg")
+        y, x = np.mgrid[0:h, 0:w]
+        mask = ((x * 7 + y * 13) % 251).astype(np.uint8)
+        if i == 6:
+            mask = mask[:, :-1]  # a mask that is not its image's size
+        Image.fromarray(mask).save(d / f"m{i}.seg.png")
+    pack(str(base / "src"), str(base / "tar"), progress=False)
+    return str(base / "tar")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_masks_are_cut_resized_and_flipped_with_their_image(masked, workers):
+    kw = dict(size=16, crop="random", flip=True, fields=("seg.png",), seed=3, on_error="skip")
+    reference = {k: (x, m) for x, _, k, m in _ds(masked, **kw)}  # the dataset's own geometry
+    assert len(reference) == 9  # the wrong-size mask was skipped
+    ds = _ds(masked, **kw)
+    loader = ShardLoader(ds, 4, num_workers=workers)
+    seen = 0
+    for batch in loader:
+        masks = batch["seg.png"]
+        assert masks.dtype == torch.uint8 and masks.shape == (len(batch["key"]), 1, 16, 16)
+        for j, key in enumerate(batch["key"]):
+            assert torch.equal(batch["image"][j], reference[key][0])
+            assert torch.equal(masks[j], reference[key][1])
+            seen += 1
+    assert seen == 9 and ds.skipped == 1
+    loader.close()
+
+
+def test_a_mask_of_another_size_than_its_image_names_the_sample(masked):
+    ds = _ds(masked, size=16, fields=("seg.png",), on_error="raise", shuffle=False)
+    with pytest.raises(SampleError, match=r"sample 'c0/m6'.*'seg.png'"):
+        list(ShardLoader(ds, 4, num_workers=0))
+
+
+def test_what_batches_do_not_carry_yet_is_refused_by_name(masked):
+    from shardkit import Boxes
+    from shardkit.errors import InputError
+
+    kw = dict(size=16, fields=("seg.png",))
+    with pytest.raises(InputError, match="boxes="):
+        ShardLoader(_ds(masked, boxes=Boxes("seg.png"), **kw), 4)
+    with pytest.raises(InputError, match="sample_transform="):
+        ShardLoader(_ds(masked, sample_transform=lambda s: s, **kw), 4)
