@@ -177,3 +177,29 @@ def test_what_batches_do_not_carry_yet_is_refused_by_name(masked):
         ShardLoader(_ds(masked, boxes=Boxes("seg.png"), **kw), 4)
     with pytest.raises(InputError, match="sample_transform="):
         ShardLoader(_ds(masked, sample_transform=lambda s: s, **kw), 4)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_elastic_resume_with_fields_delivers_the_rest_exactly_once(shards, workers):
+    """Two ranks take two batches each; the rest goes to one rank: every readable sample once,
+    each with its own caption and metadata."""
+    kw = dict(equalize="none", buffer_size=8)
+    before = []
+    for rank in range(2):
+        loader = ShardLoader(_ds(shards, rank=rank, world_size=2, **kw), 2, num_workers=workers)
+        it = iter(loader)
+        for _ in range(2):
+            batch = next(it)
+            _check(batch)
+            before += batch["key"]
+        if rank == 0:
+            state = loader.state_dict()
+        loader.close()
+    loader = ShardLoader(_ds(shards, rank=0, world_size=1, **kw), 2, num_workers=workers)
+    loader.load_state_dict(state)
+    after = []
+    for batch in loader:
+        _check(batch)
+        after += batch["key"]
+    loader.close()
+    assert len(before + after) == len(set(before + after)) == N - 1
