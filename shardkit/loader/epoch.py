@@ -37,6 +37,7 @@ from ..images.geometry import ShapeError
 from ..records import Record
 from ..stream.stages import sample_error
 from ..stream.world import World
+from .fill import BOX_COLUMNS
 from .messages import Batch, End
 
 __all__ = ["Balance", "Epoch", "Position", "slots_per_worker"]
@@ -221,13 +222,18 @@ class Epoch:
         out = {"image": images, "label": labels}
         if loader.with_keys:
             out["key"] = keys
-        for name, value in zip(loader.dataset.fields, fields, strict=True):
+        names = loader.dataset.fields + (BOX_COLUMNS if loader.dataset.boxes is not None else ())
+        for name, value in zip(names, fields, strict=True):
             if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
-                value = torch.from_numpy(value)
-                if loader.device is not None:
-                    value = value.to(loader.device, non_blocking=True)
+                value = self._on_device(torch.from_numpy(value))
+            elif name in BOX_COLUMNS:  # boxes: a (K, 4) array per image
+                value = [self._on_device(torch.from_numpy(v)) for v in value]
             out[name] = value
         return out if loader.collate is None else loader.collate(out)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        device = self.loader.device
+        return t if device is None else t.to(device, non_blocking=True)
 
     def _stage_encoded(self, msg: Batch):
         """Decode batch ``msg``'s stored bytes on the device (``shardkit.images.device``): each

@@ -20,8 +20,8 @@ import torch
 
 from ..errors import InputError, SampleError
 from ..images.decode import image_size
-from ..images.geometry import ShapeError, crop_mask
-from ..stream.fields import decode_field_image
+from ..images.geometry import ShapeError
+from ..stream.fields import decode_field_image, sample_geometry
 from ..stream.resume import EpochState
 from ..stream.stages import decoded_fields, sample_error, transform_error
 from ..stream.world import World
@@ -61,6 +61,7 @@ class Filler:
         # decode_on="auto": the fraction of batches decoded here (set by the loader from both
         # sides' measured rates, ``Share``), and its running sum (which batch is whose)
         self.share, self._owed = 0.5, 0.0
+        self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -70,6 +71,11 @@ class Filler:
         resume = EpochState.from_dict(start.resume, ds._facts) if start.resume else None
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
+        names, decoders = self._fields()
+        # masks and boxes moved with their image (the dataset's own function), for this epoch
+        self._moved = None
+        if ds.geometry is not None and names:
+            self._moved = sample_geometry(decoder, names, decoders, ds.boxes)
         try:
             while True:
                 slot = acquire()
@@ -105,7 +111,7 @@ class Filler:
         transform = ds.transform
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
-        values: list[list] = [[] for _ in names]
+        values: list[list] = [[] for _ in names + (BOX_COLUMNS if ds.boxes is not None else ())]
         labels: list[int] = []
         keys: list[str] = []
         notes: list[str] = []
@@ -150,38 +156,25 @@ class Filler:
         return batch
 
     def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
-        """The sample's fields, decoded, with its masks cut like its image."""
+        """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
+        its image; without ``size=``, masks must have their image's size."""
         if not names:
             return ()
         extra = decoded_fields(rec, names, decoders)
-        return self._cropped_masks(rec, extra, masks, decoder) if masks else extra
-
-    def _cropped_masks(self, rec, extra: tuple, masks: list[int], decoder) -> tuple:
-        """The sample's image-shaped fields cut, resized (nearest) and flipped with its image
-        (``geometry.crop_mask``); without ``size=``, checked to have the image's size."""
-        extra = list(extra)
-        geometry = self.ds.geometry
-        box = decoder.crop_box(rec.data, rec.key) if geometry is not None else None
+        if self._moved is not None:
+            return self._moved(rec, extra)
+        height, width = image_size(rec.data) if masks else (0, 0)
         for j in masks:
-            try:
-                if box is not None:
-                    extra[j] = crop_mask(extra[j], box, geometry.size)
-                else:
-                    height, width = image_size(rec.data)
-                    if tuple(extra[j].shape[-2:]) != (height, width):
-                        raise ValueError(
-                            f"it is {extra[j].shape[-1]}x{extra[j].shape[-2]} but its image is "
-                            f"{width}x{height}"
-                        )
-            except ValueError as exc:
+            if tuple(extra[j].shape[-2:]) != (height, width):
                 raise SampleError(
-                    f"{rec.shard}: sample {rec.key!r}: field {self.ds.fields[j]!r} does not "
-                    f"match its image: {exc}; re-pack it with a mask of the image's size, or "
-                    'pass on_error="skip"',
+                    f"{rec.shard}: sample {rec.key!r}: field {names[j]!r} is "
+                    f"{extra[j].shape[-1]}x{extra[j].shape[-2]} but its image is "
+                    f"{width}x{height}; a mask must have its image's size: fix it and re-pack, "
+                    'or pass on_error="skip"',
                     shard=rec.shard,
                     key=rec.key,
-                ) from None
-        return tuple(extra)
+                )
+        return extra
 
     def _bad(self, rec, exc: Exception, notes: list[str]) -> None:
         """An undecodable sample: raised under ``on_error="raise"``, else noted and counted."""
@@ -267,13 +260,20 @@ class Filler:
         self._targets.pop(slot, None)
 
 
+#: The two columns ``boxes=`` adds after the fields: (K, 4) xyxy boxes and their stored index.
+BOX_COLUMNS = ("boxes", "box_index")
+
+
 def _batch_fields(values: list[list], names, masks: list[int], keys: list[str]):
     """The batch's field columns (None without fields); each mask field as one array, so the
-    pipe carries one array per field and batch, not one per sample."""
+    pipe carries one array per field and batch, not one per sample; boxes as numpy arrays
+    (a tensor would travel through shared memory, one segment per box list)."""
     if not names:
         return None
     for j in masks:
         values[j] = _stacked(values[j], names[j], keys)
+    for j in range(len(names), len(values)):
+        values[j] = [v.numpy() for v in values[j]]
     return values
 
 

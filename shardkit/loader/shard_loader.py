@@ -363,11 +363,6 @@ def _check_dataset(dataset) -> None:
 def _check_sample_extras(dataset) -> None:
     """What the dataset adds per sample that ShardLoader's batches do not carry yet: refused by
     name rather than dropped."""
-    if getattr(dataset, "boxes", None) is not None:
-        raise InputError(
-            "boxes=: ShardLoader does not carry boxes yet (their count varies per sample); "
-            "iterate the dataset through a DataLoader with a collate_fn for them"
-        )
     if getattr(dataset, "sample_transform", None) is not None:
         raise InputError(
             "sample_transform=: ShardLoader runs the per-image transform= only; use a "
@@ -382,3 +377,8 @@ def _check_masks(dataset, decode_on: str) -> None:
                 f"fields=: {name!r} is image-shaped (a mask): it is cut with its image in the "
                 f'workers, so it needs decode_on="workers" (got {decode_on!r})'
             )
+    if getattr(dataset, "boxes", None) is not None and decode_on != "workers":
+        raise InputError(
+            f'boxes= are moved with their image in the workers: use decode_on="workers" (got '
+            f"{decode_on!r})"
+        )

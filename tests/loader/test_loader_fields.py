@@ -169,14 +169,46 @@ def test_a_mask_of_another_size_than_its_image_names_the_sample(masked):
 
 
 def test_what_batches_do_not_carry_yet_is_refused_by_name(masked):
-    from shardkit import Boxes
     from shardkit.errors import InputError
 
     kw = dict(size=16, fields=("seg.png",))
-    with pytest.raises(InputError, match="boxes="):
-        ShardLoader(_ds(masked, boxes=Boxes("seg.png"), **kw), 4)
     with pytest.raises(InputError, match="sample_transform="):
         ShardLoader(_ds(masked, sample_transform=lambda s: s, **kw), 4)
+
+
+@pytest.fixture(scope="module")
+def boxed(tmp_path_factory):
+    """Images with a COCO-style list of boxes in a .json beside each."""
+    base = tmp_path_factory.mktemp("boxes")
+    for i in range(9):
+        d = base / "src" / "c"
+        d.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(i)
+        Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(d / f"b{i}.jpg")
+        boxes = [[int(v) for v in rng.integers(0, 20, 2)] + [12, 9] for _ in range(1 + i % 3)]
+        (d / f"b{i}.json").write_text(json.dumps({"boxes": boxes}))
+    pack(str(base / "src"), str(base / "tar"), progress=False)
+    return str(base / "tar")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_boxes_travel_with_their_batch_as_the_dataset_moves_them(boxed, workers):
+    from shardkit import Boxes
+
+    kw = dict(size=16, crop="random", flip=True, fields=("json",), seed=5)
+    kw["boxes"] = Boxes("json", key="boxes", format="xywh")
+    reference = {s[2]: (s[4], s[5]) for s in _ds(boxed, **kw)}  # image, label, key, json, ...
+    loader = ShardLoader(_ds(boxed, **kw), 4, num_workers=workers)
+    seen = 0
+    for batch in loader:
+        assert len(batch["boxes"]) == len(batch["box_index"]) == len(batch["key"])
+        for j, key in enumerate(batch["key"]):
+            boxes, index = reference[key]
+            assert torch.equal(batch["boxes"][j], boxes)
+            assert torch.equal(batch["box_index"][j], index)
+            seen += 1
+    assert seen == 9
+    loader.close()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
