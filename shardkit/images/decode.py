@@ -38,6 +38,7 @@ __all__ = [
     "RESIZE_QUALITY",
     "BufferShapeError",
     "decode_image",
+    "decode_jpeg_batch",
     "decode_jpeg_region",
     "decode_rgb",
     "image_size",
@@ -146,6 +147,22 @@ def decode_jpeg_region(
         return None
     rows = np.frombuffer(buf, np.uint8).reshape(height, out_width, 3)
     return rows[:, left - x0 : left - x0 + width]
+
+
+def decode_jpeg_batch(
+    datas: list[bytes], out: np.ndarray, first: int, planar: bool, fast_dct: bool = False
+) -> int:
+    """Whole JPEGs of ``out``'s image size into its images ``first``, ``first + 1``, ... in one
+    native call (one decompressor, the GIL released, a planar batch transposed strip by strip);
+    the number decoded. It stops at the first image it does not take (not a JPEG of exactly that
+    size, CMYK, any libjpeg warning or error): the caller decodes that one through ``decode_rgb``,
+    which decides, so outcomes never depend on this path. Pixels equal ``decode_rgb``'s (tested).
+    ``out``: C-contiguous uint8 (N, H, W, 3), or (N, 3, H, W) with ``planar``. 0 where
+    ``_native`` is not built."""
+    if _native is None or not datas:
+        return 0
+    height, width = out.shape[2:] if planar else out.shape[1:3]
+    return _native.decode_batch(datas, out, first, height, width, planar, fast_dct)
 
 
 def to_planes(hwc: np.ndarray, chw: np.ndarray) -> None:

@@ -33,6 +33,7 @@ from .decode import (
     DEFAULT_MAX_PIXELS,
     BufferShapeError,
     check_pixels,
+    decode_jpeg_batch,
     decode_jpeg_region,
     decode_rgb,
     image_size,
@@ -254,6 +255,17 @@ class TensorDecoder:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
         to_planes(rgb, out)
         return out
+
+    def into_batch(self, datas: list[bytes], out: np.ndarray, first: int, planar: bool) -> int:
+        """Without geometry: whole images into a batch's images ``first``, ... in one native
+        call (``decode_jpeg_batch``); how many it decoded. The caller sends the next one through
+        ``__call__`` or ``into_planes``, which decide what it is (the same pixels either way)."""
+        if self.geometry is not None:
+            return 0
+        height, width = out.shape[2:] if planar else out.shape[1:3]
+        if self.max_pixels is not None and height * width > self.max_pixels:
+            return 0  # the per-image path names the image that is too large
+        return decode_jpeg_batch(datas, out, first, planar, self.fast_dct)
 
     def _full(self, data: bytes, key: str, out) -> torch.Tensor | np.ndarray:
         if out is None:

@@ -99,9 +99,17 @@ class Filler:
             self._owed += self.share
             if self._owed >= 1.0:
                 self._owed -= 1.0
-                return self._fill
+                return self._fill_pixels
             return self._fill_encoded
-        return self._fill_encoded if mode == "device" else self._fill
+        return self._fill_encoded if mode == "device" else self._fill_pixels
+
+    def _fill_pixels(self, slot: int, records: Iterator, decoder) -> Batch:
+        """Whole images without a transform or fields once the slots are sized: a batch at a
+        time (``_fill_whole``); anything else image by image (``_fill``)."""
+        ds = self.ds
+        if self.hw is not None and ds.geometry is None and ds.transform is None and not ds.fields:
+            return self._fill_whole(slot, records, decoder)
+        return self._fill(slot, records, decoder)
 
     def _fill(self, slot: int, records: Iterator, decoder) -> Batch:
         """Decode up to a batch of ``records`` into ``slot``."""
@@ -154,6 +162,56 @@ class Filler:
         batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
         batch.fields = _batch_fields(values, names, masks, keys)
         return batch
+
+    def _fill_whole(self, slot: int, records: Iterator, decoder) -> Batch:
+        """``_fill`` for whole images without a transform or fields (the plain full decode):
+        the batch's records are taken first and decoded in one native call per run of plain
+        JPEGs (``TensorDecoder.into_batch``), not one Python call chain per image; a record it
+        does not take goes through the per-image decode, which decides as in ``_fill``. A read
+        error is raised after the records read before it were decoded (their errors first)."""
+        bs, planar = self.spec.batch_size, not self.spec.nhwc
+        arr, targets = self._array(slot), self._slot_targets(slot)
+        taken: list = []
+        notes: list[str] = []
+        failed: BaseException | None = None
+        while len(taken) < bs and failed is None:
+            recs: list = []
+            try:
+                for rec in records:
+                    recs.append(rec)
+                    if len(taken) + len(recs) == bs:
+                        break
+            except Exception as exc:  # the stream's own error, raised once these are decoded
+                failed = exc
+            if not recs:
+                break
+            datas = [rec.data for rec in recs]
+            i = 0
+            while i < len(recs):
+                done = decoder.into_batch(datas[i:] if i else datas, arr, len(taken), planar)
+                taken.extend(recs[i : i + done])
+                i += done
+                if i == len(recs):
+                    break
+                rec = recs[i]
+                i += 1
+                try:
+                    if planar:
+                        decoder.into_planes(rec.data, rec.key, targets[len(taken)])
+                    else:
+                        decoder(rec.data, rec.key, targets[len(taken)])
+                except ShapeError as exc:
+                    raise ShapeError(f"{rec.shard}: {exc}") from None
+                except Exception as exc:  # decoders raise many types for bad data
+                    self._bad(rec, exc, notes)
+                    continue
+                taken.append(rec)
+        if failed is not None:
+            raise failed
+        n = len(taken)
+        height, width = self.hw
+        labels, keys = [r.label for r in taken], [r.key for r in taken]
+        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, n + len(notes))
 
     def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like

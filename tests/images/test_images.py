@@ -16,6 +16,7 @@ from shardkit.errors import InputError
 from shardkit.images.decode import (
     MAX_PATH_DIFFERENCE,
     decode_image,
+    decode_jpeg_batch,
     decode_jpeg_region,
     decode_rgb,
     image_size,
@@ -155,6 +156,33 @@ def test_decode_into_a_caller_buffer():
     assert np.shares_memory(got, buf) and buf.any()
     with pytest.raises(ValueError, match="does not fit"):
         decode_rgb(data, out=np.zeros((48, 65, 3), np.uint8))
+
+
+@pytest.mark.parametrize("planar", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_batch_decode_gives_decode_rgbs_pixels_and_leaves_the_rest_to_it(planar, fast):
+    variants = sorted(set(JPEG_VARIANTS) - {"cmyk"})
+    datas = [_encode(_photo(40, 30, i), **JPEG_VARIANTS[v]) for i, v in enumerate(variants)]
+    shape = (3, 30, 40) if planar else (30, 40, 3)
+    out = np.zeros((len(datas) + 1, *shape), np.uint8)
+    assert decode_jpeg_batch(datas, out, 1, planar, fast) == len(datas)
+    assert not out[0].any()  # images before ``first`` untouched
+    for i, data in enumerate(datas):
+        got = out[i + 1].transpose(1, 2, 0) if planar else out[i + 1]
+        assert np.array_equal(got, decode_rgb(data, fast_dct=fast)), variants[i]
+    good = datas[0]
+    declined = {  # each stops the run: the per-image path decides what it is
+        "png": _encode(_photo(40, 30), "PNG"),
+        "another size": _encode(_photo(41, 30)),
+        "cmyk": _encode(_photo(40, 30), mode="CMYK", quality=90),
+        "truncated": good[: len(good) // 2],
+        "garbage after the marker": b"\xff\xd8\xff" + bytes(100),
+        "not bytes": bytearray(good),
+    }
+    for what, data in declined.items():
+        assert decode_jpeg_batch([good, data, good], out, 0, planar, fast) == 1, what
+    with pytest.raises(ValueError, match="buffer"):
+        decode_jpeg_batch([good], out, len(out), planar, fast)
 
 
 def test_dct_scale_never_goes_below_the_requested_size():

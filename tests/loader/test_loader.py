@@ -9,6 +9,7 @@ import io
 import json
 import multiprocessing
 import os
+import tarfile
 import threading
 from collections import Counter
 
@@ -20,7 +21,7 @@ from PIL import Image
 from remote_servers import free_port
 
 from shardkit import ShardDataset, ShardLoader, pack
-from shardkit.errors import InputError, SampleError, TransformError
+from shardkit.errors import InputError, SampleError, ShardFormatError, TransformError
 from shardkit.stream import worker_span
 from shardkit.stream.world import World
 
@@ -179,6 +180,75 @@ def test_images_are_what_the_dataset_decodes(shards, workers, channels_last):
             assert torch.equal(img, reference[key])
     png = reference["c2/im05"]
     assert torch.equal(png, torch.from_numpy(_image(5)).permute(2, 0, 1))  # lossless: exact
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """16 samples of one size in a hand-written tar (no manifest): plain JPEGs among a PNG, a
+    CMYK and a grayscale JPEG, one of other settings, a damaged JPEG (im09) and, at im13, a
+    label that is not a number (a read error of the stream itself)."""
+    base = tmp_path_factory.mktemp("mixed")
+    members = []
+    for i in range(16):
+        img = Image.fromarray(_image(i))
+        buf = io.BytesIO()
+        if i == 2:
+            img.save(buf, "PNG")
+        elif i == 4:
+            img.convert("CMYK").save(buf, "JPEG", quality=90)
+        elif i == 6:
+            img.convert("L").save(buf, "JPEG", quality=90)
+        elif i == 8:
+            img.save(buf, "JPEG", quality=40, subsampling=0)
+        else:
+            img.save(buf, "JPEG", quality=90)
+        data = buf.getvalue()
+        if i == 9:
+            data = data[:200] + bytes(len(data) - 202) + data[-2:]
+        ext = "png" if i == 2 else "jpg"
+        members += [(f"im{i:02d}.{ext}", data), (f"im{i:02d}.cls", b"x" if i == 13 else b"1")]
+    with tarfile.open(base / "mixed.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(base / "mixed.tar")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_batch_of_mixed_images_is_what_the_dataset_gives(mixed, workers, channels_last):
+    """Whole images decode a batch's plain JPEGs in one native call; each other sample still
+    goes its own way, in order: the same pixels, skips and errors as ShardDataset, whichever
+    comes first (the sample's error before the stream's, in stream order)."""
+    ds = _ds(mixed, on_error="skip", shuffle=False)
+    want_keys, want = [], {}
+    with pytest.raises(ShardFormatError, match="im13"), pytest.warns(RuntimeWarning):
+        for img, _, key in ds:
+            want_keys.append(key)
+            want[key] = img
+    assert "im09" not in want and len(want_keys) == 12
+    loader = ShardLoader(_ds(mixed, on_error="skip", shuffle=False), 16, num_workers=workers)
+    with pytest.raises(ShardFormatError, match="im13"):
+        next(iter(loader))  # the one batch holds im13's read error
+    loader = ShardLoader(
+        _ds(mixed, on_error="skip", shuffle=False), 4, num_workers=workers,
+        channels_last=channels_last,
+    )  # fmt: skip
+    got_keys, got = [], {}
+    with pytest.raises(ShardFormatError, match="im13"), pytest.warns(RuntimeWarning):
+        for x, _, keys in loader:
+            got_keys += keys
+            got.update(zip(keys, x.clone(), strict=True))
+    if workers == 0:  # (two workers deliver the same samples in their own order)
+        assert got_keys == want_keys[: len(got_keys)] and len(got_keys) >= 8
+    assert got_keys and set(got_keys) <= set(want_keys)
+    for key in got_keys:
+        assert torch.equal(got[key], want[key]), key
+    # on_error="raise": the damaged image (im09) is named, not the label read after it
+    loader = ShardLoader(_ds(mixed, shuffle=False), 16, num_workers=workers)
+    with pytest.raises(SampleError, match="im09"):
+        list(loader)
 
 
 def test_labels_are_the_class_indices(shards):
