@@ -297,10 +297,225 @@ static PyObject *hwc_to_chw(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* tar_samples: the common run of a tar shard's samples parsed in C (the reader's hot loop, where
+ * per-member Python cost ~2 us, a quarter of a small image's overhead). From ``pos``, a header that
+ * starts a sample, it takes whole samples made only of plain members: ustar file headers without
+ * a prefix, ``key.ext`` names (ext lower case, no dot, not a ``_`` meta name), octal sizes, data in
+ * the window, no extension twice, decimal labels. A sample is taken once the next plain header
+ * shows another key. At anything else it stops before that sample and returns where: the Python
+ * parser continues from there with its full rules and errors, so this never changes an outcome.
+ * Returns (records, pos, done): Records of samples ``start <= n < stop`` built by calling ``make``
+ * (key, ext, data, label, shard, None), the header where it stopped, and the samples counted. It
+ * returns once ``budget`` bytes of images are taken: a window's worth of records alive at once,
+ * freed together, makes glibc trim and re-fault the heap (measured: 7 us per LFW sample, 2 us
+ * with a 64 KB budget). */
+#define TAR_BLOCK 512
+#define TAR_MAX_MEMBERS 16
+
+struct tar_member {
+    Py_ssize_t data, size; /* offset of the data in the window, its length */
+    const char *ext;
+    Py_ssize_t ext_len;
+};
+
+/* A plain member's header at ``h``: its key (offset and length within the name), extension and
+ * size; 0 for anything the Python parser must see. */
+static int tar_plain(const unsigned char *h, Py_ssize_t *key_len, const char **ext,
+                     Py_ssize_t *ext_len, Py_ssize_t *size)
+{
+    if (memcmp(h + 257, "ustar", 5) != 0 || h[345] != 0 || h[0] == '_' ||
+        (h[156] != '0' && h[156] != 0 && h[156] != '7'))
+        return 0;
+    Py_ssize_t n = 0, slash = 0, dot = -1;
+    for (; n < 100 && h[n]; n++) {
+        if (h[n] == '\n')
+            return 0;
+        if (h[n] == '/')
+            slash = n + 1, dot = -1;
+        else if (h[n] == '.' && dot < 0)
+            dot = n;
+    }
+    if (dot <= slash)
+        return 0;
+    for (Py_ssize_t i = dot + 1; i < n; i++)
+        if (h[i] == '.' || (h[i] >= 'A' && h[i] <= 'Z'))
+            return 0;
+    /* octal size: leading spaces, digits, then NULs or spaces to the end of the field */
+    Py_ssize_t i = 124, v = 0, digits = 0;
+    while (i < 135 && h[i] == ' ')
+        i++;
+    for (; i < 135 && h[i] >= '0' && h[i] <= '7'; i++, digits++)
+        v = v * 8 + (h[i] - '0');
+    for (; i < 136; i++)
+        if (h[i] != 0 && h[i] != ' ')
+            return 0;
+    if (!digits)
+        return 0;
+    *key_len = dot, *ext = (const char *)h + dot + 1, *ext_len = n - dot - 1, *size = v;
+    return 1;
+}
+
+/* A label as int() reads the common case: optional spaces, sign, up to 18 digits, spaces. */
+static int tar_label(const unsigned char *p, Py_ssize_t n, long long *out)
+{
+    Py_ssize_t i = 0;
+    while (i < n && (p[i] == ' ' || (p[i] >= '\t' && p[i] <= '\r')))
+        i++;
+    int neg = 0;
+    if (i < n && (p[i] == '-' || p[i] == '+'))
+        neg = p[i++] == '-';
+    long long v = 0;
+    Py_ssize_t digits = 0;
+    for (; i < n && p[i] >= '0' && p[i] <= '9' && digits < 18; i++, digits++)
+        v = v * 10 + (p[i] - '0');
+    while (i < n && (p[i] == ' ' || (p[i] >= '\t' && p[i] <= '\r')))
+        i++;
+    if (!digits || i != n)
+        return 0;
+    *out = neg ? -v : v;
+    return 1;
+}
+
+static int tar_in(PyObject *set, const char *s, Py_ssize_t n)
+{
+    PyObject *b = PyBytes_FromStringAndSize(s, n);
+    if (!b)
+        return -1;
+    int r = PySet_Contains(set, b);
+    Py_DECREF(b);
+    return r;
+}
+
+static PyObject *tar_samples(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t pos, end, done, start, stop, budget, taken = 0;
+    PyObject *images, *labels, *make, *shard;
+    if (!PyArg_ParseTuple(args, "y*nnnnnnO!O!OO", &view, &pos, &end, &done, &start, &stop,
+                          &budget, &PyFrozenSet_Type, &images, &PyFrozenSet_Type, &labels, &make,
+                          &shard))
+        return NULL;
+    const unsigned char *buf = view.buf;
+    if (pos < 0 || end > view.len || pos > end) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "tar_samples: pos and end outside the buffer");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    PyObject *last_ext = NULL; /* the previous sample's extension object, reused when equal */
+    if (!out)
+        goto fail;
+    while ((stop < 0 || done < stop) && taken < budget) {
+        Py_ssize_t group = pos, key_len, ext_len, size;
+        const char *ext;
+        if (pos + TAR_BLOCK > end || !tar_plain(buf + pos, &key_len, &ext, &ext_len, &size))
+            break;
+        const unsigned char *key = buf + pos;
+        struct tar_member m[TAR_MAX_MEMBERS];
+        int count = 0, closed = 0, odd = 0;
+        while (!odd) { /* the members of this sample, up to the next key's header */
+            if (count == TAR_MAX_MEMBERS)
+                odd = 1;
+            Py_ssize_t padded = (size + TAR_BLOCK - 1) / TAR_BLOCK * TAR_BLOCK;
+            if (odd || size > end - pos - TAR_BLOCK || padded > end - pos - TAR_BLOCK) {
+                odd = 1;
+                break;
+            }
+            for (int j = 0; j < count; j++)
+                if (m[j].ext_len == ext_len && memcmp(m[j].ext, ext, (size_t)ext_len) == 0)
+                    odd = 1; /* a duplicate: the Python parser names it */
+            m[count].data = pos + TAR_BLOCK, m[count].size = size;
+            m[count].ext = ext, m[count].ext_len = ext_len;
+            count++;
+            pos += TAR_BLOCK + padded;
+            Py_ssize_t klen;
+            if (pos + TAR_BLOCK > end || !tar_plain(buf + pos, &klen, &ext, &ext_len, &size))
+                break; /* not closed by a plain header: the Python parser takes it */
+            if (klen != key_len || memcmp(buf + pos, key, (size_t)key_len) != 0) {
+                closed = 1;
+                break;
+            }
+        }
+        if (odd || !closed) {
+            pos = group;
+            break;
+        }
+        int image = -1, label = -1;
+        for (int j = 0; j < count; j++) {
+            if (image < 0) {
+                int r = tar_in(images, m[j].ext, m[j].ext_len);
+                if (r < 0)
+                    goto fail;
+                if (r) {
+                    image = j;
+                    continue;
+                }
+            }
+            if (label < 0) {
+                int r = tar_in(labels, m[j].ext, m[j].ext_len);
+                if (r < 0)
+                    goto fail;
+                if (r)
+                    label = j;
+            }
+        }
+        if (image < 0) /* no image: not a sample (not counted) */
+            continue;
+        if (done >= start) {
+            long long value = -1;
+            if (label >= 0 && !tar_label(buf + m[label].data, m[label].size, &value)) {
+                pos = group; /* the Python parser reads it, or names the bad label */
+                break;
+            }
+            PyObject *k = PyUnicode_DecodeUTF8((const char *)key, key_len, "surrogateescape");
+            PyObject *e = NULL;
+            if (last_ext && PyUnicode_GET_LENGTH(last_ext) == m[image].ext_len &&
+                memcmp(PyUnicode_DATA(last_ext), m[image].ext, (size_t)m[image].ext_len) == 0 &&
+                PyUnicode_KIND(last_ext) == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(last_ext)) {
+                e = last_ext;
+                Py_INCREF(e);
+            } else {
+                e = PyUnicode_DecodeUTF8(m[image].ext, m[image].ext_len, "surrogateescape");
+                if (e) {
+                    Py_XDECREF(last_ext);
+                    last_ext = e;
+                    Py_INCREF(last_ext);
+                }
+            }
+            PyObject *d = PyBytes_FromStringAndSize((const char *)buf + m[image].data,
+                                                    m[image].size);
+            PyObject *l = PyLong_FromLongLong(value);
+            PyObject *rec = NULL;
+            if (k && e && d && l)
+                rec = PyObject_CallFunctionObjArgs(make, k, e, d, l, shard, Py_None, NULL);
+            Py_XDECREF(k), Py_XDECREF(e), Py_XDECREF(d), Py_XDECREF(l);
+            if (!rec)
+                goto fail;
+            int r = PyList_Append(out, rec);
+            Py_DECREF(rec);
+            if (r < 0)
+                goto fail;
+            taken += m[image].size;
+        }
+        done++;
+    }
+    Py_XDECREF(last_ext);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nnn)", out, pos, done);
+fail:
+    Py_XDECREF(last_ext);
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef roi_methods[] = {
     {"hwc_to_chw", hwc_to_chw, METH_VARARGS, "hwc_to_chw(src, dst): interleaved RGB to planes"},
     {"decode_batch", decode_batch, METH_VARARGS,
      "decode_batch(datas, dst, first, height, width, planar, fast) -> images decoded"},
+    {"tar_samples", tar_samples, METH_VARARGS,
+     "tar_samples(buf, pos, end, done, start, stop, budget, images, labels, make, shard)"
+     " -> (records, pos, done)"},
     {"decode", roi_decode, METH_VARARGS,
      "decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)"},
     {NULL, NULL, 0, NULL},

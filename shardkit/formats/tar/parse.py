@@ -10,6 +10,7 @@ import gzip
 import io
 import os
 import re
+import threading
 import zlib
 from typing import BinaryIO
 
@@ -87,7 +88,8 @@ class _Buffer:
 
     def __init__(self, f: BinaryIO, shard: str, chunk: int):
         self.f, self.shard = f, shard
-        self.buf = bytearray(chunk)
+        spare = getattr(_SPARE, "windows", None)
+        self.buf = spare.pop() if spare and len(spare[-1]) == chunk else bytearray(chunk)
         self.mv = memoryview(self.buf)
         self.pos = self.end = 0
         self.base = 0  # stream offset of buf[0]
@@ -99,6 +101,16 @@ class _Buffer:
         #: The stream's physical size when it can be known (a seekable file), else None: every
         #: length read from a header is checked against it before anything is allocated.
         self.size = _stream_size(f) if self.seekable else None
+
+    def release(self) -> None:
+        """Keep the window for the next shard this thread reads: a new 4 MB bytearray is ~1,000
+        page faults to make and an munmap to drop, ~1.5 ms per shard (3 us per LFW sample;
+        measured). Records hold copies of their bytes, never views of the window."""
+        self.mv.release()
+        spare = _SPARE.__dict__.setdefault("windows", [])
+        if len(spare) < _SPARE_WINDOWS:
+            spare.append(self.buf)
+        self.buf = self.mv = None
 
     def _read_more(self) -> int:
         if self._readinto is not None:
@@ -157,6 +169,11 @@ class _Buffer:
             f"{self.shard}: truncated tar: {what} needs {n} bytes at byte {self.base + self.pos} "
             f"but the shard ends at byte {end}; re-copy or re-pack the shard"
         )
+
+
+#: Windows kept per thread for the next shards (a mixture reads several shards at once).
+_SPARE_WINDOWS = 4
+_SPARE = threading.local()
 
 
 def _stream_size(f: BinaryIO) -> int | None:

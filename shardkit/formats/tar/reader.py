@@ -34,27 +34,38 @@ from .parse import (
 
 __all__ = ["iter_tar_records", "read_sample"]
 
+try:  # the C parser of plain samples (shardkit/images/_native.c); optional, as its decoders
+    from ...images._native import tar_samples as _tar_samples
+except ImportError:  # pragma: no cover - built without libjpeg's headers
+    _tar_samples = None
+_IMAGE_EXTS = frozenset(e for e, kind in _EXT_KIND.items() if kind is _IMAGE)
+_LABEL_EXTS = frozenset(e for e, kind in _EXT_KIND.items() if kind is _LABEL)
+#: Image bytes the C parser takes per call: records made and dropped in small runs, as one at a
+#: time, keep glibc from trimming and re-faulting the heap each window (``_native.c``).
+_BUDGET = 64 << 10
+
 
 def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
-    f: BinaryIO,
+    b: _Buffer,
     shard: str,
     start: int,
     stop: int | None,
-    chunk: int,
     first: int = 0,
     offset: int = 0,
     fields: frozenset[bytes] = frozenset(),
 ) -> Iterator[Record]:
-    """The one streaming parse loop: yields Records for samples ``[start, stop)``.
+    """The one streaming parse loop over the window ``b``: yields Records for samples
+    ``[start, stop)``.
 
     Members group into samples by key (``split_member_name``); a group is a sample when it holds
     an image member, and only samples are numbered (``__meta__.json``-like records are passed
-    over). Samples outside the range are hopped over without reading their data. Kept as one
-    function working on local copies of the window (``buf``, ``mv``, ``pos``, ``end``) on
-    purpose: this is the hottest loop in shardkit, and attribute access per member showed up in
-    profiles. ``_walk`` is its slower, plainer twin for counting and indexing.
+    over). Samples outside the range are hopped over without reading their data. Runs of plain
+    samples are parsed in C (``_native.tar_samples``); this loop takes everything else, with
+    every rule and error. Kept as one function working on local copies of the window (``buf``,
+    ``mv``, ``pos``, ``end``) on purpose: this is the hottest loop in shardkit, and attribute
+    access per member showed up in profiles. ``_walk`` is its slower, plainer twin for counting
+    and indexing.
     """
-    b = _Buffer(f, shard, chunk)
     b.base = offset  # the stream starts at sample ``first``, ``offset`` bytes into the shard
     buf, mv, pos, end = b.buf, b.mv, 0, 0
     done = first  # samples completed before the current group
@@ -69,6 +80,10 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     extra: dict[str, bytes] | None = None
     long_name: bytes | None = None
     ext_kind = _EXT_KIND.get
+    # plain samples in C (``_native.tar_samples``), from a header that starts a sample; where it
+    # stops, this loop goes on, and hands back at the next sample boundary (``native`` again)
+    native = _tar_samples is not None and not fields
+    last = -1 if stop is None else stop
     while True:
         if end - pos < BLOCK:
             b.pos, b.end = pos, end
@@ -79,6 +94,16 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
                     "its end-of-archive blocks; re-copy or re-pack the shard"
                 )
             buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
+        if native and key is None:
+            got, at, done = _tar_samples(
+                buf, pos, end, done, start, last, _BUDGET, _IMAGE_EXTS, _LABEL_EXTS, Record, shard
+            )
+            yield from got
+            if stop is not None and done >= stop:
+                return
+            native = at != pos  # no progress: this loop parses up to the next boundary
+            pos = at
+            continue
         if buf[pos + 257 : pos + 262] != b"ustar":
             hdr = bytes(mv[pos : pos + BLOCK])
             here = b.base + pos
@@ -100,7 +125,9 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
         padded = (size + 511) & ~511
         if long_name is not None:
             name, long_name = long_name, None
+            plain = False
         else:
+            plain = True
             nul = buf.find(0, pos, pos + 100)
             name = bytes(mv[pos : nul if nul >= 0 else pos + 100])
             if buf[pos + 262] == 0 and buf[pos + 345]:  # POSIX ustar (not GNU) with a prefix
@@ -148,6 +175,11 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
                         done += 1
                         if stop is not None and done >= stop:
                             return
+                    if plain and key is not None and _tar_samples is not None and not fields:
+                        # the boundary after a sample parsed here: back to this header, for C
+                        pos -= BLOCK
+                        key, has_image, native = None, False, True
+                        continue
                     key, image, label, ext0, ext1, more = k, None, -1, ext, None, None
                     has_image = labelled = False
                     wanted = done >= start
@@ -242,9 +274,13 @@ def iter_tar_records(
         except (AttributeError, OSError, io.UnsupportedOperation):
             pass  # not seekable: hop from the start
     want = frozenset(x.lower().encode() for x in fields)
+    b = None
     try:
-        yield from _scan(_sequential(f, shard), shard, start, stop, chunk, first, offset, want)
+        b = _Buffer(_sequential(f, shard), shard, chunk)
+        yield from _scan(b, shard, start, stop, first, offset, want)
     finally:
+        if b is not None:
+            b.release()
         if owned:
             f.close()
 

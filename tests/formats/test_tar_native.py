@@ -1,0 +1,211 @@
+"""The C parser of plain samples (``_native.tar_samples``) against the Python parser alone.
+
+Every tar the interop, fuzz and hostile tests read, shardkit's own shards, and plain tars with
+every odd member the C parser must hand back: read with and without it, at windows that cut
+samples anywhere and from several start samples, they give byte-identical records and the same
+error at the same point.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_tar_compat import WRITERS
+from test_tar_fuzz import BASES
+
+from shardkit import pack
+from shardkit.errors import ShardkitError
+from shardkit.formats.tar import iter_tar_records
+from shardkit.formats.tar import reader as tar_reader
+
+pytestmark = pytest.mark.skipif(
+    tar_reader._tar_samples is None, reason="shardkit.images._native is not built"
+)
+
+WINDOWS = [512, 1536, 4096, 4 << 20]
+RANGES = [(0, None), (1, None), (2, 4), (0, 1)]
+
+
+def _outcome(data: bytes, native: bool, fields=(), **kw) -> list[tuple]:
+    """The records (key, ext, data, label, fields) and, last, the error, if any."""
+    saved = tar_reader._tar_samples
+    if not native:
+        tar_reader._tar_samples = None
+    out: list[tuple] = []
+    try:
+        for r in iter_tar_records(io.BytesIO(data), shard="s.tar", fields=fields, **kw):
+            out.append((r.key, r.ext, r.data, r.label, r.fields))
+    except ShardkitError as exc:
+        out.append((type(exc).__name__, str(exc)))
+    finally:
+        tar_reader._tar_samples = saved
+    return out
+
+
+def _same(data: bytes, windows=WINDOWS, ranges=RANGES) -> list[tuple]:
+    for chunk in windows:
+        for start, stop in ranges:
+            kw = dict(chunk=chunk, start=start, stop=stop)
+            want = _outcome(data, False, **kw)
+            assert _outcome(data, True, **kw) == want, (chunk, start, stop)
+            assert _outcome(data, True, fields=("json",), **kw) == _outcome(
+                data, False, fields=("json",), **kw
+            )
+    return _outcome(data, True)
+
+
+def _tar(members, fmt=tarfile.USTAR_FORMAT, edit=None) -> bytes:
+    """A tar of (name, data) members; ``edit(i, header)`` may rewrite member i's header."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    raw = bytearray(buf.getvalue())
+    pos, i = 0, 0
+    while pos + 512 <= len(raw) and raw[pos : pos + 512] != bytes(512):
+        size = int(raw[pos + 124 : pos + 135], 8)
+        if edit is not None:
+            header = raw[pos : pos + 512]
+            edit(i, header)
+            header[148:156] = b" " * 8
+            header[148:155] = b"%06o\x00" % sum(header)
+            raw[pos : pos + 512] = header
+        pos += 512 + (size + 511) // 512 * 512
+        i += 1
+    return bytes(raw[:pos]) + bytes(1024)  # the two end blocks, no record padding
+
+
+def _plain(n: int = 6, label=lambda i: str(i % 3).encode(), size: int = 700) -> list:
+    out = []
+    for i in range(n):
+        out += [(f"d/s{i}.jpg", bytes([i]) * (size + 37 * i)), (f"d/s{i}.cls", label(i))]
+    return out
+
+
+def test_the_c_parser_takes_plain_shards_and_the_python_parser_agrees(tmp_path, monkeypatch):
+    """shardkit's own shards (what packs write) and a plain tar: identical records, and all
+    but the last sample of each (its end blocks are the Python parser's) come from C."""
+    taken = []
+    real = tar_reader._tar_samples
+
+    def counting(*args):
+        got = real(*args)
+        taken.append(len(got[0]))
+        return got
+
+    monkeypatch.setattr(tar_reader, "_tar_samples", counting)
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    from PIL import Image
+
+    for i in range(9):
+        Image.new("RGB", (8, 8 + i), (i * 20, 5, 9)).save(src / f"im{i}.jpg")
+    pack(str(tmp_path / "src"), str(tmp_path / "out"), progress=False)
+    for shard in sorted((tmp_path / "out").glob("*.tar")):
+        got = _same(shard.read_bytes())
+        assert len(got) == 9 and all(len(r) == 5 for r in got)
+    taken.clear()
+    got = _outcome(_tar(_plain()), True)
+    assert sum(taken) == 5
+    got = _same(_tar(_plain()))
+    assert [r[0] for r in got] == [f"d/s{i}" for i in range(6)]
+    assert [r[3] for r in got] == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_every_interop_tar_reads_the_same(tmp_path, writer):
+    with open(WRITERS[writer](tmp_path), "rb") as f:
+        _same(f.read())
+
+
+@pytest.mark.parametrize("base", range(len(BASES)))
+def test_the_fuzz_corpus_reads_the_same(base):
+    _same(BASES[base])
+
+
+ODD = {
+    "labels int() reads": _plain(label=lambda i: [b" 7\n", b"-1", b"+3", b"007", b"\t5 ", b"1"][i]),
+    "labels only Python reads or names": _plain(
+        label=lambda i: [b"1_0", b"", b"x", b"9" * 19, b"1", b"2 3"][i]
+    ),
+    "upper-case extension": _plain()[:4] + [("d/s9.JPG", b"j" * 10)] + _plain()[4:],
+    "a duplicated member": _plain()[:5] + [("d/s2.cls", b"1")] + _plain()[5:],
+    "no image in a sample": _plain()[:4] + [("d/t.json", b"{}")] + _plain()[4:],
+    "many members": [(f"d/s.x{j}", b"m") for j in range(20)] + [("d/s.jpg", b"j")] + _plain(),
+    "zero-size members": [("d/z.jpg", b""), ("d/z.cls", b"4")] + _plain(),
+    "meta and dotted names": [("__meta__.json", b"{}"), ("d/.hidden.jpg", b"h")] + _plain(),
+    "dotted extension": _plain()[:2] + [("d/s0.input.jpg", b"i")] + _plain()[2:],
+    "newline in a name": _plain()[:2] + [("d/s\n1.jpg", b"n")] + _plain()[2:],
+    "a second image": _plain()[:1] + [("d/s0.png", b"second")] + _plain()[1:],
+    "two label members": _plain()[:2] + [("d/s0.label", b"9")] + _plain()[2:],
+    "long names": [("x" * 120 + ".jpg", b"l"), ("x" * 120 + ".cls", b"1")] + _plain(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD))
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_members_the_c_parser_hands_back_read_the_same(case, fmt):
+    try:
+        data = _tar(ODD[case], fmt)
+    except ValueError:  # a name ustar cannot hold
+        pytest.skip("not representable in this format")
+    _same(data)
+
+
+def _set(offset: int, value: bytes, only: int | None = None):
+    def edit(i, header):
+        if only is None or i == only:
+            header[offset : offset + len(value)] = value
+
+    return edit
+
+
+HEADERS = {
+    "size with leading spaces": _set(124, b"     " + b"%06o" % 700, only=2),
+    "size NUL-terminated": _set(124, b"%010o\x00" % 774, only=2),
+    "size in base-256": _set(124, b"\x80" + bytes(7) + (774).to_bytes(4, "big"), only=2),
+    "size not octal": _set(124, b"0000000008", only=2),
+    "type NUL": _set(156, b"\x00"),
+    "type 7 (contiguous)": _set(156, b"7", only=3),
+    "a directory": _set(156, b"5", only=4),
+    "a ustar prefix": _set(345, b"pre", only=2),
+    "GNU magic": _set(257, b"ustar  \x00", only=3),
+    "no magic": _set(257, b"\x00" * 8, only=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_odd_headers_read_the_same(case):
+    _same(_tar(_plain(), edit=HEADERS[case]))
+
+
+@pytest.mark.parametrize("cut", [100, 511, 512, 1000, 1800, 3000, -1024, -600, -1])
+def test_truncated_plain_tars_fail_the_same(cut):
+    data = _tar(_plain())
+    got = _same(data[:cut])
+    assert got[-1][0] == "ShardFormatError"
+
+
+@st.composite
+def _damaged(draw):
+    data = bytearray(draw(st.sampled_from([_tar(_plain()), _tar(_plain(3), tarfile.GNU_FORMAT)])))
+    for _ in range(draw(st.integers(1, 4))):
+        pos = draw(st.integers(0, len(data) - 1))
+        chunk = draw(st.binary(min_size=1, max_size=8))
+        data[pos : pos + len(chunk)] = chunk
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=_damaged(), chunk=st.sampled_from([512, 2048, 1 << 20]))
+def test_damaged_plain_tars_read_the_same(data, chunk):
+    _same(data, windows=[chunk], ranges=[(0, None), (2, None)])
