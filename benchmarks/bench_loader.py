@@ -18,7 +18,17 @@ give right now on a shared machine, and CPU microseconds per image of each conte
 included) against the decoder's own: wall-clock ratios swing with other processes' load, CPU
 per image barely does; for ShardLoader also the training process's own CPU per image against
 one decode's (its workers are other processes). Also: first-batch time, and resident memory of
-every process (main and workers, both loaders) after each of ``--epochs`` epochs.
+every process (main and workers, both loaders) after each of ``--epochs`` epochs. Images/s
+figures exclude the first batch (workers starting, the ring's prefill), so an epoch must be many
+batches long: hence ImageNet's ``--imagenet-per-class``.
+
+Per-worker efficiency, for (a) and (b) in both layouts: a worker's own loop (``Filler.run`` over
+a whole epoch, in this process, into a ring of 4 slots) against a bare loop making the same
+decoder call image by image into the slots of one batch buffer, on the same records' bytes
+already in memory; and the records alone (reading and ordering, no decode). Process CPU per
+image, so what it shows is the loop's own cost, not the machine's load: efficiency is bare /
+fill, and fill - bare - records is the fill loop's own per-image Python. With ``--ffcv`` every
+contender's line also gives its images/s as a share of FFCV's (median of per-repeat ratios).
 
     python benchmarks/bench_loader.py --lfw data/lfw --imagenet data/imagenet --repeats 3
     python benchmarks/bench_loader.py --json bench-out/bench_loader.json --only a
@@ -38,7 +48,8 @@ it is built); its decoders are FFCV's own (libjpeg-turbo; RandomResizedCrop deco
 image, then crops).
 
 Data: ``--lfw`` / ``--imagenet`` image trees (made with shardkit synth when missing: LFW at
-``--lfw-scale``, ImageNet with 20 classes x 50 images), packed to tar shards beside them.
+``--lfw-scale``, ImageNet with 20 classes x ``--imagenet-per-class`` images), packed to tar
+shards beside them; an existing tree is used as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -59,12 +71,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
+import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import FolderDataset, ShardDataset, ShardLoader  # noqa: E402
+from shardkit.loader.fill import Filler, FillSpec  # noqa: E402
+from shardkit.loader.messages import Start  # noqa: E402
+from shardkit.loader.ring import MappedSlots, Ring  # noqa: E402
 from shardkit.manifest import MANIFEST_NAME  # noqa: E402
+from shardkit.stream.world import World  # noqa: E402
 
 BATCH = 64
 WORKERS = 2
@@ -73,7 +90,7 @@ WORKERS = 2
 # --- data -------------------------------------------------------------------------------------
 
 
-def ensure(src: Path, kind: str, scale: float) -> Path:
+def ensure(src: Path, kind: str, scale: float, per_class: int = 250) -> Path:
     """The image tree (synthesised if missing) packed to 16 MB tar shards beside it."""
     if not src.exists():
         from shardkit import synth
@@ -82,7 +99,7 @@ def ensure(src: Path, kind: str, scale: float) -> Path:
         if kind == "lfw":
             synth.make_lfw(str(src), scale=scale)
         else:
-            synth.make_imagenet(str(src), classes=20, images_per_class=50)
+            synth.make_imagenet(str(src), classes=20, images_per_class=per_class)
     shards = src.with_name(src.name + "-tar")
     if not (shards / MANIFEST_NAME).exists():
         from shardkit import pack
@@ -410,8 +427,100 @@ def contenders_b(shards: Path) -> dict:
     return out
 
 
-def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> dict:
+# --- per-worker efficiency --------------------------------------------------------------------
+
+
+class WorkerLoop:
+    """One worker's fill loop against the bare decoder loop it wraps, in this process.
+
+    "fill": ``Filler.run`` (what a ShardLoader worker runs) over a whole epoch, one worker, into
+    4 ring slots taken in turn. "bare": the same decoder call the fill loop makes, image by
+    image, into the slots of one batch buffer, on the same records' bytes held in memory (no
+    reading, no batches, no bookkeeping). "records": the epoch's records alone, undecoded.
+    Process CPU microseconds per image: the load of other processes barely moves them."""
+
+    def __init__(self, ds, records: list[tuple[bytes, str]], nhwc: bool):
+        self.ds, self.records, self.nhwc = ds, records, nhwc
+        self.ring = Ring(1, 4, shared=True, pin=False)
+        self.filler = Filler(ds, FillSpec(BATCH, 1, False, nhwc), 0, MappedSlots(ring=self.ring))
+        c, h, w = ds.tensor_decoder(0)(*records[0]).shape
+        shape = (BATCH, h, w, c) if nhwc else (BATCH, c, h, w)
+        if ds.geometry is None:  # whole images: numpy slots, as the fill loop's
+            arr = np.empty(shape, np.uint8)
+            arr[...] = 0  # its pages mapped before timing, as the warmed ring's
+            self.targets = list(arr)
+        else:  # crops: (3, H, W) tensor views, permuted for channels_last
+            t = torch.zeros(shape, dtype=torch.uint8)
+            self.targets = list((t.permute(0, 3, 1, 2) if nhwc else t).unbind(0))
+        # the ring's slots mapped and sized before timing (a ShardLoader keeps them too)
+        warm = self.filler.run(Start(0, 0, None), itertools.cycle(range(4)).__next__)
+        for _ in zip(range(4), warm, strict=False):
+            pass
+        warm.close()
+
+    def bare(self, epoch: int) -> float:
+        decoder = self.ds.tensor_decoder(epoch)
+        planar = self.ds.geometry is None and not self.nhwc
+        call = decoder.into_planes if planar else decoder
+        gc.collect()
+        c = time.process_time()
+        for (data, key), out in zip(self.records, itertools.cycle(self.targets), strict=False):
+            call(data, key, out)
+        return (time.process_time() - c) / len(self.records) * 1e6
+
+    def records_only(self, epoch: int) -> float:
+        gc.collect()
+        c, n = time.process_time(), 0
+        for _ in self.ds.records_from(World(0, 1, 0, 1), epoch, None, BATCH):
+            n += 1
+        return (time.process_time() - c) / n * 1e6
+
+    def fill(self, epoch: int) -> float:
+        acquire = itertools.cycle(range(4)).__next__  # every slot free again when it comes round
+        gc.collect()
+        c, n = time.process_time(), 0
+        for batch in self.filler.run(Start(0, epoch, None), acquire):
+            n += batch.count
+        return (time.process_time() - c) / n * 1e6
+
+    def once(self, epoch: int) -> dict:
+        """Bare, records and fill with ``epoch``'s decoder (its crops) and order."""
+        bare, records, fill = self.bare(epoch), self.records_only(epoch), self.fill(epoch)
+        return {
+            "bare_us_per_image": bare,
+            "records_us_per_image": records,
+            "fill_us_per_image": fill,
+            "loop_us_per_image": fill - bare - records,
+            "efficiency": bare / fill,
+        }
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+def worker_loops(ds) -> dict[str, WorkerLoop]:
+    """Both layouts' loops on ``ds`` (built as the ShardLoader contenders build theirs), with
+    its records read once."""
+    records = [(r.data, r.key) for r in ds.records_from(World(0, 1, 0, 1), 0, None, BATCH)]
+    return {
+        "contiguous": WorkerLoop(ds, records, False),
+        "channels_last": WorkerLoop(ds, records, True),
+    }
+
+
+def measure(
+    name: str,
+    datas: list[bytes],
+    contenders: dict,
+    repeats: int,
+    loops: dict[str, WorkerLoop] | None = None,
+    ffcv: str | None = None,
+) -> dict:
+    """Every contender once per repeat, then each of ``loops`` (``WorkerLoop``); ``ffcv``: the
+    contender whose images/s the others' are also given as a share of."""
+    loops = loops or {}
     rows: dict[str, list[dict]] = {k: [] for k in contenders}
+    eff: dict[str, list[dict]] = {k: [] for k in loops}
     ceil1, ceil2, cpu1, loads, fast = [], [], [], [], []
     epoch = 0
     for r in range(repeats):
@@ -441,6 +550,16 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
             f"load {loads[-1]:.1f}",
             flush=True,
         )
+        for layout, loop in loops.items():
+            epoch += 1
+            res = loop.once(epoch)
+            eff[layout].append(res)
+            print(
+                f"  [{name} {r + 1}/{repeats}] per-worker efficiency {layout}: bare "
+                f"{res['bare_us_per_image']:.1f}, records {res['records_us_per_image']:.1f}, "
+                f"fill {res['fill_us_per_image']:.1f} CPU us/image -> {res['efficiency']:.3f}",
+                flush=True,
+            )
     summary = {
         "ceiling_one_x2": ceil1,
         "ceiling_two_processes": ceil2,
@@ -463,6 +582,18 @@ def measure(name: str, datas: list[bytes], contenders: dict, repeats: int) -> di
             "median_main_cpu_share": statistics.median(
                 x["main_cpu_us_per_image"] / c for x, c in zip(runs, cpu1, strict=True)
             ),
+        }
+        if ffcv is not None and cname != ffcv:
+            summary["contenders"][cname]["median_ratio_to_ffcv"] = statistics.median(
+                x["images_per_s"] / f["images_per_s"] for x, f in zip(runs, rows[ffcv], strict=True)
+            )
+    if loops:
+        summary["worker_efficiency"] = {
+            layout: {
+                "runs": runs,
+                **{f"median_{k}": statistics.median(x[k] for x in runs) for k in runs[0]},
+            }
+            for layout, runs in eff.items()
         }
     return summary
 
@@ -502,11 +633,49 @@ def memory(shards: Path, epochs: int) -> dict:
     }
 
 
+def report(part: str, m: dict, text: str, repeats: int) -> None:
+    """The summary of workload ``part`` (``measure``'s medians)."""
+    print(f"\n({part}) medians over {repeats} repeats, load {m['load_1min']}")
+    print(f"  {text}")
+    print(
+        f"  ceiling 1 process x2: {statistics.median(m['ceiling_one_x2']):.0f}"
+        f" img/s; 2 processes at once: "
+        f"{statistics.median(m['ceiling_two_processes']):.0f} img/s; "
+        f"fast IDCT (FFCV's) 1 process x2: "
+        f"{statistics.median(m['ceiling_fastdct_one_x2']):.0f} img/s"
+    )
+    for cname, c in m["contenders"].items():
+        print(
+            f"  {cname:40s} {c['median_images_per_s']:7.0f} img/s  "
+            f"{c['median_ratio_to_ceiling']:5.2f} of ceiling  "
+            f"{c['median_ratio_to_two_processes']:5.2f} of 2 processes  "
+            f"first batch {c['median_first_batch_s']:.2f} s  "
+            f"CPU {c['median_cpu_us_per_image']:.0f} us/image = "
+            f"{c['median_cpu_efficiency']:.2f} of decode-only CPU, training process "
+            f"{c['median_main_cpu_share']:.2f} of one decode's CPU"
+            + (f"  {c['median_ratio_to_ffcv']:.2f} of FFCV" if "median_ratio_to_ffcv" in c else "")
+        )
+    for layout, e in m.get("worker_efficiency", {}).items():
+        print(
+            "  per-worker efficiency (one process, CPU per image): "
+            f"bare {e['median_bare_us_per_image']:.1f} us, "
+            f"records {e['median_records_us_per_image']:.1f} us, "
+            f"fill {e['median_fill_us_per_image']:.1f} us "
+            f"-> {e['median_efficiency']:.3f} {layout}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
     ap.add_argument("--lfw-scale", type=float, default=1.0)
     ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
+    ap.add_argument(
+        "--imagenet-per-class",
+        type=int,
+        default=250,
+        help="images per class (20 classes) when the ImageNet tree is made",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the memory check")
     ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
@@ -529,15 +698,22 @@ def main() -> None:
         contenders = contenders_a(args.lfw, lfw_shards)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
-        out["a"] = measure("a", datas, contenders, args.repeats)
+        loops = worker_loops(ShardDataset(str(lfw_shards), decode="tensor"))
+        out["a"] = measure("a", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        for loop in loops.values():
+            loop.close()
     if "b" in only:
-        inet_shards = ensure(args.imagenet, "imagenet", 1.0)
+        inet_shards = ensure(args.imagenet, "imagenet", 1.0, args.imagenet_per_class)
         print(f"(b) ImageNet-shaped random-resized-crop 224 + flip, {args.imagenet}", flush=True)
         datas = image_bytes(args.imagenet)
         contenders = contenders_b(inet_shards)
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
-        out["b"] = measure("b", datas, contenders, args.repeats)
+        geo = dict(decode="tensor", size=224, crop="random", flip=True)
+        loops = worker_loops(ShardDataset(str(inet_shards), **geo))
+        out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        for loop in loops.values():
+            loop.close()
     if "memory" in only:
         print(f"memory over {args.epochs} epochs ...", flush=True)
         out["memory"] = memory(lfw_shards, args.epochs)
@@ -553,25 +729,7 @@ def main() -> None:
     out["load_end"] = os.getloadavg()
     for part in ("a", "b"):
         if part in out:
-            print(f"\n({part}) medians over {args.repeats} repeats, load {out[part]['load_1min']}")
-            print(f"  {out[part + '_bytes']}")
-            print(
-                f"  ceiling 1 process x2: {statistics.median(out[part]['ceiling_one_x2']):.0f}"
-                f" img/s; 2 processes at once: "
-                f"{statistics.median(out[part]['ceiling_two_processes']):.0f} img/s; "
-                f"fast IDCT (FFCV's) 1 process x2: "
-                f"{statistics.median(out[part]['ceiling_fastdct_one_x2']):.0f} img/s"
-            )
-            for cname, c in out[part]["contenders"].items():
-                print(
-                    f"  {cname:40s} {c['median_images_per_s']:7.0f} img/s  "
-                    f"{c['median_ratio_to_ceiling']:5.2f} of ceiling  "
-                    f"{c['median_ratio_to_two_processes']:5.2f} of 2 processes  "
-                    f"first batch {c['median_first_batch_s']:.2f} s  "
-                    f"CPU {c['median_cpu_us_per_image']:.0f} us/image = "
-                    f"{c['median_cpu_efficiency']:.2f} of decode-only CPU, training process "
-                    f"{c['median_main_cpu_share']:.2f} of one decode's CPU"
-                )
+            report(part, out[part], out[part + "_bytes"], args.repeats)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
