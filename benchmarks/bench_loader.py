@@ -24,7 +24,8 @@ batches long: hence ImageNet's ``--imagenet-per-class``.
 
 Per-worker efficiency, for (a) and (b) in both layouts: a worker's own loop (``Filler.run`` over
 a whole epoch, in this process, into a ring of 4 slots) against a bare loop making the same
-decoder call image by image into the slots of one batch buffer, on the same records' bytes
+decoder calls into one batch buffer (whole images: one ``into_batch`` per batch; crops: one call
+per image), on the same records' bytes
 already in memory; and the records alone (reading and ordering, no decode). Process CPU per
 image, so what it shows is the loop's own cost, not the machine's load: efficiency is bare /
 fill, and fill - bare - records is the fill loop's own per-image Python. With ``--ffcv`` every
@@ -434,10 +435,10 @@ class WorkerLoop:
     """One worker's fill loop against the bare decoder loop it wraps, in this process.
 
     "fill": ``Filler.run`` (what a ShardLoader worker runs) over a whole epoch, one worker, into
-    4 ring slots taken in turn. "bare": the same decoder call the fill loop makes, image by
-    image, into the slots of one batch buffer, on the same records' bytes held in memory (no
-    reading, no batches, no bookkeeping). "records": the epoch's records alone, undecoded.
-    Process CPU microseconds per image: the load of other processes barely moves them."""
+    4 ring slots taken in turn. "bare": the same decoder calls the fill loop makes (whole images:
+    ``into_batch`` per batch; crops: per image) into one batch buffer, on the same records'
+    bytes held in memory (no reading, no bookkeeping). "records": the epoch's records alone,
+    undecoded. Process CPU microseconds per image: other processes' load barely moves them."""
 
     def __init__(self, ds, records: list[tuple[bytes, str]], nhwc: bool):
         self.ds, self.records, self.nhwc = ds, records, nhwc
@@ -448,7 +449,7 @@ class WorkerLoop:
         if ds.geometry is None:  # whole images: numpy slots, as the fill loop's
             arr = np.empty(shape, np.uint8)
             arr[...] = 0  # its pages mapped before timing, as the warmed ring's
-            self.targets = list(arr)
+            self.arr, self.targets = arr, list(arr)
         else:  # crops: (3, H, W) tensor views, permuted for channels_last
             t = torch.zeros(shape, dtype=torch.uint8)
             self.targets = list((t.permute(0, 3, 1, 2) if nhwc else t).unbind(0))
@@ -461,11 +462,18 @@ class WorkerLoop:
     def bare(self, epoch: int) -> float:
         decoder = self.ds.tensor_decoder(epoch)
         planar = self.ds.geometry is None and not self.nhwc
-        call = decoder.into_planes if planar else decoder
         gc.collect()
         c = time.process_time()
-        for (data, key), out in zip(self.records, itertools.cycle(self.targets), strict=False):
-            call(data, key, out)
+        if self.ds.geometry is None:  # whole images: the fill loop's one call per batch
+            datas = [data for data, _ in self.records]
+            for i in range(0, len(datas), BATCH):
+                if decoder.into_batch(datas[i : i + BATCH], self.arr, 0, planar) < len(
+                    datas[i : i + BATCH]
+                ):
+                    raise SystemExit("bare loop: an image the batch decoder declines")
+        else:
+            for (data, key), out in zip(self.records, itertools.cycle(self.targets), strict=False):
+                decoder(data, key, out)
         return (time.process_time() - c) / len(self.records) * 1e6
 
     def records_only(self, epoch: int) -> float:
