@@ -373,9 +373,9 @@ def _with_other(contenders: dict, name: str, make_ds, channels_last: bool) -> No
 
 
 def contenders_a(src: Path, shards: Path) -> dict:
-    def shard_loader(channels_last):
+    def shard_loader(channels_last, **kw):
         def build():
-            ds = ShardDataset(str(shards), decode="tensor")
+            ds = ShardDataset(str(shards), decode="tensor", **kw)
             return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
         return _once(build)
@@ -392,6 +392,8 @@ def contenders_a(src: Path, shards: Path) -> dict:
     out = {
         "ShardLoader": shard_loader(False),
         "ShardLoader channels_last": shard_loader(True),
+        # FFCV's accuracy (libjpeg-turbo's fast integer IDCT), opt-in
+        "ShardLoader channels_last dct=fast": shard_loader(True, dct="fast"),
         "DataLoader(ShardDataset)": _once(dl_shard),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
