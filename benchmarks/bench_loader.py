@@ -593,7 +593,7 @@ def measure(
                 x["main_cpu_us_per_image"] / c for x, c in zip(runs, cpu1, strict=True)
             ),
         }
-        if ffcv is not None and cname != ffcv:
+        if ffcv in rows and cname != ffcv:
             summary["contenders"][cname]["median_ratio_to_ffcv"] = statistics.median(
                 x["images_per_s"] / f["images_per_s"] for x, f in zip(runs, rows[ffcv], strict=True)
             )
@@ -641,6 +641,14 @@ def memory(shards: Path, epochs: int) -> dict:
         "dataloader_main_rss_mb": main,
         "workers_rss_mb": workers,
     }
+
+
+def chosen(contenders: dict, names: str | None) -> dict:
+    """``--contenders``: those whose name contains one of the comma-separated parts."""
+    if not names:
+        return contenders
+    parts = [p.strip() for p in names.split(",") if p.strip()]
+    return {k: v for k, v in contenders.items() if any(p in k for p in parts)}
 
 
 def report(part: str, m: dict, text: str, repeats: int) -> None:
@@ -692,6 +700,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
     ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
+    ap.add_argument(
+        "--contenders",
+        help="comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
+        "processes between the ones compared",
+    )
     args = ap.parse_args()
     if args.thread_loader:
         load_other_loader(args.thread_loader)
@@ -708,6 +721,7 @@ def main() -> None:
         contenders = contenders_a(args.lfw, lfw_shards)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
+        contenders = chosen(contenders, args.contenders)
         loops = worker_loops(ShardDataset(str(lfw_shards), decode="tensor"))
         out["a"] = measure("a", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
         for loop in loops.values():
@@ -719,6 +733,7 @@ def main() -> None:
         contenders = contenders_b(inet_shards)
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
+        contenders = chosen(contenders, args.contenders)
         geo = dict(decode="tensor", size=224, crop="random", flip=True)
         loops = worker_loops(ShardDataset(str(inet_shards), **geo))
         out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])

@@ -1,5 +1,7 @@
-/* Native helpers of the decode path: region-of-interest JPEG decoding through libjpeg-turbo's
- * scanline API (the DALI approach), and the HWC -> CHW transpose of a decoded image.
+/* Native helpers of the loading path: region-of-interest JPEG decoding through libjpeg-turbo's
+ * scanline API (the DALI approach), whole batches of JPEGs in one call (decode_batch), the HWC ->
+ * CHW transpose of a decoded image, and the tar parser's common case (tar_samples). Each exists
+ * because per-image Python measured as a visible share of a worker's time (docs/loader.md).
  *
  * A random-resized crop keeps on average about half of an image. TurboJPEG's one-call API (what
  * simplejpeg and Pillow use) decodes every pixel anyway; libjpeg-turbo's scanline API can do less:
