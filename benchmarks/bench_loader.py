@@ -281,6 +281,28 @@ def ffcv_beton(src: Path, quality: int) -> Path:
     return path
 
 
+def ffcv_encoded(src: Path, quality: int) -> Path:
+    """``src`` re-encoded the way FFCV's writer encodes (OpenCV at ``quality``), beside it: the
+    tar shards packed from it and the .beton written from it then hold the same pictures at
+    nearly the same bytes (re-encoding a quality-q JPEG at q barely changes it), so the run
+    compares loaders, not files (``--ffcv-bytes``)."""
+    import numpy as np
+    from ffcv.fields.rgb_image import encode_jpeg
+    from PIL import Image
+
+    out = src.with_name(f"{src.name}-cv2-q{quality}")
+    if not out.exists():
+        print(f"re-encoding {src} -> {out} ...", flush=True)
+        tmp = out.with_name(out.name + ".tmp")
+        for f in sorted(glob.glob(str(src / "*" / "*"))):
+            dest = tmp / Path(f).relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with Image.open(f) as img:
+                dest.write_bytes(encode_jpeg(np.asarray(img.convert("RGB")), quality).tobytes())
+        tmp.rename(out)
+    return out
+
+
 def ffcv_contender(beton: Path, crop: bool):
     """FFCV's Loader, built and warmed up once (numba compiles its pipeline on first use)."""
     from ffcv.fields.decoders import (
@@ -701,6 +723,11 @@ def main() -> None:
     ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
     ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
     ap.add_argument(
+        "--ffcv-bytes",
+        action="store_true",
+        help="(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all",
+    )
+    ap.add_argument(
         "--contenders",
         help="comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
         "processes between the ones compared",
@@ -714,6 +741,9 @@ def main() -> None:
     out: dict = {"cpus": os.cpu_count(), "load_start": os.getloadavg(), "batch_size": BATCH}
     out["workers"] = WORKERS
     if "a" in only or "memory" in only:
+        if args.ffcv_bytes:
+            ensure(args.lfw, "lfw", args.lfw_scale)
+            args.lfw = ffcv_encoded(args.lfw, 85)
         lfw_shards = ensure(args.lfw, "lfw", args.lfw_scale)
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
