@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 WINDOWS = [512, 1536, 4096, 4 << 20]
 RANGES = [(0, None), (1, None), (2, 4), (0, 1)]
+#: ``fields=`` asked for: members that ride along, and the image and label members themselves
+FIELDS = [("json",), ("txt", "json", "cls", "jpg")]
 
 
 def _outcome(data: bytes, native: bool, fields=(), **kw) -> list[tuple]:
@@ -52,9 +54,10 @@ def _same(data: bytes, windows=WINDOWS, ranges=RANGES) -> list[tuple]:
             kw = dict(chunk=chunk, start=start, stop=stop)
             want = _outcome(data, False, **kw)
             assert _outcome(data, True, **kw) == want, (chunk, start, stop)
-            assert _outcome(data, True, fields=("json",), **kw) == _outcome(
-                data, False, fields=("json",), **kw
-            )
+            for fields in FIELDS:
+                assert _outcome(data, True, fields=fields, **kw) == _outcome(
+                    data, False, fields=fields, **kw
+                ), fields
     return _outcome(data, True)
 
 
@@ -113,6 +116,9 @@ def test_the_c_parser_takes_plain_shards_and_the_python_parser_agrees(tmp_path, 
     taken.clear()
     got = _outcome(_tar(_plain()), True)
     assert sum(taken) == 5
+    taken.clear()
+    got = _outcome(_tar(_plain()), True, fields=("cls", "json"))
+    assert sum(taken) == 5 and got[2][4] == {"cls": b"2"}
     got = _same(_tar(_plain()))
     assert [r[0] for r in got] == [f"d/s{i}" for i in range(6)]
     assert [r[3] for r in got] == [0, 1, 2, 0, 1, 2]

@@ -82,7 +82,7 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     ext_kind = _EXT_KIND.get
     # plain samples in C (``_native.tar_samples``), from a header that starts a sample; where it
     # stops, this loop goes on, and hands back at the next sample boundary (``native`` again)
-    native = _tar_samples is not None and not fields
+    native = _tar_samples is not None
     last = -1 if stop is None else stop
     while True:
         if end - pos < BLOCK:
@@ -96,8 +96,9 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
             buf, mv, pos, end = b.buf, b.mv, b.pos, b.end
         if native and key is None:
             got, at, done = _tar_samples(
-                buf, pos, end, done, start, last, _BUDGET, _IMAGE_EXTS, _LABEL_EXTS, Record, shard
-            )
+                buf, pos, end, done, start, last, _BUDGET, _IMAGE_EXTS, _LABEL_EXTS, fields,
+                Record, shard,
+            )  # fmt: skip
             yield from got
             if stop is not None and done >= stop:
                 return
@@ -175,7 +176,7 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
                         done += 1
                         if stop is not None and done >= stop:
                             return
-                    if plain and key is not None and _tar_samples is not None and not fields:
+                    if plain and key is not None and _tar_samples is not None:
                         # the boundary after a sample parsed here: back to this header, for C
                         pos -= BLOCK
                         key, has_image, native = None, False, True
