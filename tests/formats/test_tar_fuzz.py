@@ -43,11 +43,12 @@ BASES = [_tar(f) for f in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR
 
 
 @st.composite
-def damaged(draw):
-    data = bytearray(draw(st.sampled_from(BASES)))
-    for _ in range(draw(st.integers(1, 6))):
+def damaged(draw, bases=BASES, edits: int = 6, width: int = 12):
+    """One of ``bases`` with up to ``edits`` overwrites of up to ``width`` bytes, maybe cut."""
+    data = bytearray(draw(st.sampled_from(bases)))
+    for _ in range(draw(st.integers(1, edits))):
         pos = draw(st.integers(0, len(data) - 1))
-        chunk = draw(st.binary(min_size=1, max_size=12))
+        chunk = draw(st.binary(min_size=1, max_size=width))
         data[pos : pos + len(chunk)] = chunk
     if draw(st.booleans()):
         data = data[: draw(st.integers(0, len(data)))]

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tar_compat import WRITERS
-from test_tar_fuzz import BASES
+from test_tar_fuzz import BASES, damaged
 
 from shardkit import pack
 from shardkit.errors import ShardkitError
@@ -198,20 +198,11 @@ def test_truncated_plain_tars_fail_the_same(cut):
     assert got[-1][0] == "ShardFormatError"
 
 
-@st.composite
-def _damaged(draw):
-    data = bytearray(draw(st.sampled_from([_tar(_plain()), _tar(_plain(3), tarfile.GNU_FORMAT)])))
-    for _ in range(draw(st.integers(1, 4))):
-        pos = draw(st.integers(0, len(data) - 1))
-        chunk = draw(st.binary(min_size=1, max_size=8))
-        data[pos : pos + len(chunk)] = chunk
-    if draw(st.booleans()):
-        data = data[: draw(st.integers(0, len(data)))]
-    return bytes(data)
-
-
 @pytest.mark.timeout(120)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=_damaged(), chunk=st.sampled_from([512, 2048, 1 << 20]))
+@given(
+    data=damaged([_tar(_plain()), _tar(_plain(3), tarfile.GNU_FORMAT)], edits=4, width=8),
+    chunk=st.sampled_from([512, 2048, 1 << 20]),
+)
 def test_damaged_plain_tars_read_the_same(data, chunk):
     _same(data, windows=[chunk], ranges=[(0, None), (2, None)])
