@@ -392,6 +392,12 @@ def synth_imagenet(
     is_flag=True,
     help="Add SRC's images to the dataset in OUT as new shards; nothing packed is rewritten.",
 )
+@click.option(
+    "--allow-duplicates",
+    is_flag=True,
+    help="Pack samples whose key OUT already holds (--append) and table rows naming an image "
+    "again; by default they are left out and counted.",
+)
 def pack_cmd(
     src,
     out,
@@ -412,6 +418,7 @@ def pack_cmd(
     shards_per_task,
     plan_only,
     append,
+    allow_duplicates,
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
@@ -459,6 +466,7 @@ def pack_cmd(
             shards_per_task=shards_per_task,
             append=append,
             plan_only=plan_only,
+            allow_duplicates=allow_duplicates,
         )
     echo_warnings(caught)
     if plan_only is not None:

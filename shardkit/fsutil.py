@@ -330,8 +330,19 @@ def publish(
     atomic creation of the journal: before it ``directory`` is untouched (old dataset intact);
     after it the move is decided and ``recover`` finishes it after any crash. ``remove`` are
     old files of ``directory`` that the new contents replace (deleted before ``last`` lands).
-    Returns the path of ``directory/<last>``.
+    Returns the path of ``directory/<last>``. Where ``directory`` holds a ``last`` (a
+    manifest), a file already under one of ``names`` that is not in ``remove`` is not its
+    dataset's (a user's file named like a shard): refused before the commit point, never
+    replaced. Without one, nothing tells ours from theirs, and the caller's overwrite decides.
     """
+    listed = set(remove) if os.path.isfile(os.path.join(directory, last)) else set(names)
+    for name in names:
+        if name not in listed and os.path.lexists(os.path.join(directory, name)):
+            raise OutputError(
+                f"{os.path.join(directory, name)} is in the way: the dataset's manifest does not "
+                "list it, so shardkit did not write it and will not replace it; move it out of "
+                f"{directory} and run the command again"
+            )
     journal = {
         "staging": os.path.basename(staging),
         "names": list(names),

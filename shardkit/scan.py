@@ -205,7 +205,7 @@ def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
     """
     stems = [rel[: -len(ext) - 1] for rel, ext in zip(rels, exts, strict=True)]
     counts: dict[str, int] = {}
-    for s in stems:
+    for s, _ in set(zip(stems, rels, strict=True)):  # a file a table lists twice is one file
         counts[s] = counts.get(s, 0) + 1
     keys, used = [], set()
     for rel, stem in zip(rels, stems, strict=True):

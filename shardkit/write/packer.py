@@ -31,12 +31,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, ShardkitError, check_choice
-from ..fsutil import DirLock, interrupted_commit
+from ..formats import get_format
+from ..fsutil import DirLock, interrupted_commit, recover
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import MANIFEST_NAME, ShardEntry, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
+from .keys import dataset_keys
 from .plan import (
     APPENDED_FIELD,
     PackPlan,
@@ -103,6 +105,9 @@ class PackReport:
     up_to_date: bool = False
     #: With ``append=True``: the samples OUT held before (the counts above are what was added).
     appended_to: int | None = None
+    #: Samples not packed because OUT already holds their key (``append=True``), or a table
+    #: listed their image on an earlier row; ``allow_duplicates=True`` packs them.
+    duplicates: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -115,6 +120,12 @@ class PackReport:
                 f"{self.out} is up to date: {self.samples} samples of {self.classes} classes in "
                 f"{self.shards} {self.format} shard{s} ({self.bytes / 1e6:.1f} MB), packed from "
                 "the same files with the same options; nothing to do (--overwrite repacks). "
+                f"Manifest: {self.manifest_path}"
+            )
+        if self.appended_to is not None and not self.samples:
+            return (
+                f"Nothing appended to {self.out}: all {self.duplicates} samples of the source "
+                "are already in it (the same keys); --allow-duplicates adds them again. "
                 f"Manifest: {self.manifest_path}"
             )
         verb, into = "Packed", f"into {self.shards}"
@@ -131,6 +142,10 @@ class PackReport:
         )
         if self.empty_classes:
             text += f"; {len(self.empty_classes)} empty class folder(s)"
+        if self.duplicates:
+            text += (
+                f"; left out {self.duplicates} duplicate(s) (key already there, or listed twice)"
+            )
         return text + f". Manifest: {self.manifest_path}"
 
 
@@ -146,12 +161,13 @@ def _already_packed(
     Costs a scan and one ``stat`` per file, no reads. Manifests without a fingerprint (older
     packs, Python sources, URLs) are never up to date: the caller goes on as before.
     """
-    if is_url(out) or not os.path.isfile(os.path.join(out, MANIFEST_NAME)):
+    if is_url(out) or not (
+        os.path.isfile(os.path.join(out, MANIFEST_NAME)) or interrupted_commit(out)
+    ):
         return None
     started = time.perf_counter()
     with DirLock(out):  # another writer into OUT: refused at once, as the pack would be
-        if interrupted_commit(out):
-            return None
+        recover(out)  # a commit killed after its commit point is finished: then compare
         try:
             manifest = read_manifest(out)
         except ShardkitError:
@@ -234,6 +250,7 @@ def pack(
     append: bool = False,
     plan_only: str | None = None,
     root: str | os.PathLike | None = None,
+    allow_duplicates: bool = False,
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
@@ -270,7 +287,9 @@ def pack(
     ``append=True`` adds a folder's images to the dataset already in the local ``out`` as new
     shards (numbered after its last), under one new manifest written atomically; nothing already
     packed is rewritten, new class names are added after the old ones, and the formats must
-    agree. Appending the same folder with the same options again is up to date.
+    agree. Appending the same folder with the same options again is up to date. A sample whose
+    key the dataset already holds is left out (counted in the report), as is a table row naming
+    an image an earlier row named; ``allow_duplicates=True`` packs them all the same.
 
     Like ``make``: a folder packed into a local ``out`` that already holds the same pack (the
     manifest's ``pack.source_fingerprint``: the same files with the same sizes and mtimes, the
@@ -287,6 +306,8 @@ def pack(
         options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
         if root is not None:  # a table's root; folder packs keep their fingerprints
             root = options["root"] = os.path.abspath(root)
+        if allow_duplicates:
+            options["allow_duplicates"] = True
         out = os.fspath(out)
         if append:
             _check_append(out, overwrite)
@@ -304,6 +325,7 @@ def pack(
             on_error=on_error,
             progress=progress,
             root=root,
+            allow_duplicates=bool(allow_duplicates),
         )
         if not is_url(out) or out.startswith("file://"):
             out = out.removeprefix("file://")
@@ -410,6 +432,22 @@ def _warn_skipped(
         )
 
 
+def _warn_duplicates(plan: PackPlan, src: str, out: str) -> None:
+    """Say what ``plan_pack`` left out as duplicates (keys are unique within a dataset)."""
+    parts = []
+    if plan.already_there:
+        parts.append(f"{plan.already_there} whose key {out} already holds")
+    if plan.repeated:
+        parts.append(f"{len(plan.repeated)} listed again on a later row of {src}")
+    if parts:
+        warnings.warn(
+            f"left out {' and '.join(parts)} (keys are unique within a dataset); pass "
+            "allow_duplicates=True to pack them all the same",
+            PackWarning,
+            stacklevel=5,
+        )
+
+
 def _check_append(out: str, overwrite: bool) -> None:
     if overwrite:
         raise InputError(
@@ -445,16 +483,21 @@ def _pack_planned(
     lock, replaced = open_local_output(out, overwrite or append, src)
     plan: PackPlan | None = None
     try:
-        plan = plan_pack(src, out, **kw)
         if append:
             base = read_manifest(out)
-            if base.shard_format != plan.options["format"]:
+            if base.shard_format != get_format(kw["format"]).name:
                 raise InputError(
                     f"{out} holds {base.shard_format} shards; append with format="
                     f'"{base.shard_format}"'
                 )
-            plan.appending(base)
+            existing = set() if kw["allow_duplicates"] else dataset_keys(out, base)
+            plan = plan_pack(src, out, **kw, existing=existing).appending(base)
             replaced = []  # nothing already packed is touched
+            if not len(plan.order):
+                _warn_duplicates(plan, src, out)
+                return _nothing_to_append(plan, out, started)
+        else:
+            plan = plan_pack(src, out, **kw)
         if plan_only is not None:
             save_tasks(plan.tasks(shards_per_task), plan_only, "the same pack without plan_only")
             return _planned_report(plan, out, started)
@@ -482,6 +525,7 @@ def _pack_planned(
     skipped = list(scan.errors) + result.task_skipped
     total = len(scan.files) + len(scan.errors)
     _warn_skipped(skipped, total, result.manifest_path, True, stacklevel=4)
+    _warn_duplicates(plan, src, out)
     old = len(plan.base.shards) if plan.base is not None else 0
     added = manifest.shards[old:]
     return PackReport(
@@ -498,6 +542,28 @@ def _pack_planned(
         not_images=scan.not_images,
         empty_classes=list(scan.empty_classes),
         appended_to=plan.base.num_samples if plan.base is not None else None,
+        duplicates=plan.already_there + len(plan.repeated),
+    )
+
+
+def _nothing_to_append(plan: PackPlan, out: str, started: float) -> PackReport:
+    """Every sample of the source is in the dataset already: nothing is written."""
+    base = plan.base
+    return PackReport(
+        out=out,
+        manifest_path=os.path.join(out, MANIFEST_NAME),
+        format=base.shard_format,
+        shards=0,
+        samples=0,
+        classes=len(base.classes),
+        bytes=0,
+        seconds=time.perf_counter() - started,
+        skipped=list(base.skipped),
+        errors=0,
+        not_images=plan.scan.not_images,
+        empty_classes=list(plan.scan.empty_classes),
+        appended_to=base.num_samples,
+        duplicates=plan.already_there + len(plan.repeated),
     )
 
 

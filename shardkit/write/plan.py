@@ -28,7 +28,7 @@ import os
 import shutil
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -50,7 +50,14 @@ from ..fsutil import (
 )
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from ..scan import SourceScan, check_source_dir, field_files, inline_fields, scan_source
+from ..scan import (
+    SourceScan,
+    check_source_dir,
+    field_files,
+    inline_fields,
+    is_table,
+    scan_source,
+)
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -67,7 +74,7 @@ from .read import (
     read_file,
     stat_pair,
 )
-from .writer import ShardSizeWarning, shard_name
+from .writer import ShardSizeWarning, next_shard_number, shard_name
 
 __all__ = [
     "APPENDED_FIELD",
@@ -231,6 +238,10 @@ class PackPlan:
     label_map: np.ndarray | None = None
     #: The dataset this plan appends to (None: a fresh pack).
     base: Manifest | None = None
+    #: Samples left out as duplicates (``plan_pack``): table rows naming an image again
+    #: (listed in ``skipped``), and the number whose key the dataset appended to already holds.
+    repeated: list[SkippedFile] = field(default_factory=list)
+    already_there: int = 0
 
     @property
     def num_shards(self) -> int:
@@ -241,7 +252,8 @@ class PackPlan:
         """The job folder (absolute: workers may run elsewhere in the tree)."""
         key = self.fingerprint
         if self.base is not None:  # an append's shards are numbered after the dataset's
-            key = hashlib.sha256(json.dumps([key, self.first, self.classes]).encode()).hexdigest()
+            doc = [key, self.first, self.classes, len(self.order)]
+            key = hashlib.sha256(json.dumps(doc).encode()).hexdigest()
         digest = key.split(":", 1)[-1][:16]
         return os.path.join(os.path.abspath(self.out), JOB_PREFIX + digest)
 
@@ -250,7 +262,7 @@ class PackPlan:
         old = list(base.classes)
         self.classes = old + [c for c in self.scan.classes if c not in old]
         self.label_map = np.array([self.classes.index(c) for c in self.scan.classes], np.int64)
-        self.first = max((_shard_number(s.path) for s in base.shards), default=-1) + 1
+        self.first = next_shard_number(self.out, [s.path for s in base.shards])
         self.base = base
         return self
 
@@ -322,14 +334,20 @@ def plan_pack(
     on_error: str,
     progress: bool = False,
     root: str | None = None,
+    existing: Container[str] = frozenset(),
+    allow_duplicates: bool = False,
 ) -> PackPlan:
     """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
 
-    ``root``: a table source's root (``shardkit.scan.scan_table``)."""
+    ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
+    ``allow_duplicates``, samples whose key is in ``existing`` (the keys of the dataset an
+    append adds to) and table rows naming an image an earlier row named are left out."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
         options["root"] = root = os.path.abspath(root)
+    if allow_duplicates:  # other packs keep their fingerprints
+        options["allow_duplicates"] = True
     scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
@@ -363,6 +381,11 @@ def plan_pack(
     stats = stats.reshape(-1, 2)
     side = field_stats(scan)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+    repeated, already, dropped = [], 0, None
+    if not allow_duplicates:
+        repeated, already, dropped = _duplicates(src, scan, existing)
+    if dropped is not None:
+        order = order[~dropped[order]]
     starts = _roll(scan, stats[:, 0], order, options["format"], options["shard_size"], side)
     fp = fingerprint(scan, stats, options, side)
     info = {
@@ -380,13 +403,36 @@ def plan_pack(
         "links_outside_source": scan.outside_links,
         FINGERPRINT_FIELD: fp,
     }
-    return PackPlan(src, os.fspath(out), options, fp, scan, order, starts, info)
+    if already:
+        info["already_in_dataset"] = already
+    plan = PackPlan(src, os.fspath(out), options, fp, scan, order, starts, info)
+    plan.repeated, plan.already_there = repeated, already
+    return plan
 
 
-def _shard_number(path: str) -> int:
-    """``shard-000041.tar`` -> 41; -1 for a name shardkit did not give (an indexed dataset)."""
-    digits = os.path.basename(path).removeprefix("shard-").split(".", 1)[0]
-    return int(digits) if digits.isdigit() else -1
+def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
+    """``(rows naming an image again, count of keys in existing, mask of both or None)``.
+
+    A table may list one image on several rows; packing each would store it under several
+    keys, which a split by key could place on both sides (train and val): the first row wins.
+    """
+    dropped = np.zeros(len(scan.files), dtype=bool)
+    repeated: list[SkippedFile] = []
+    if is_table(src):  # a folder lists each file once; a table's rows may repeat one
+        seen: set[str] = set()
+        for i, rel in enumerate(scan.files):
+            if rel in seen:
+                dropped[i] = True
+                why = f"{src}: listed on more than one row; packed once, from its first row"
+                repeated.append(SkippedFile(rel, why + " (allow_duplicates=True keeps each)"))
+            seen.add(rel)
+    already = 0
+    if existing:
+        for i, key in enumerate(scan.keys):
+            if not dropped[i] and key in existing:
+                dropped[i] = True
+                already += 1
+    return repeated, already, dropped if dropped.any() else None
 
 
 def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int, side=None):
@@ -706,7 +752,7 @@ def commit_pack(
             f"source {plan.src}: none of its {len(scan.files) + len(scan.errors)} images could "
             f"be packed (first: {first.path}: {first.reason}); see validate= and on_error="
         )
-    skipped = list(scan.errors) + task_skipped + list(scan.ignored)
+    skipped = list(scan.errors) + task_skipped + list(scan.ignored) + plan.repeated
     fields: dict[str, int] = {}
     for r in ordered:
         for name, count in r.fields:

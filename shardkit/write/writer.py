@@ -54,6 +54,7 @@ __all__ = [
     "ShardSizeWarning",
     "ShardWriter",
     "WriterReport",
+    "next_shard_number",
     "open_local_output",
     "shard_name",
 ]
@@ -71,6 +72,24 @@ _RESERVED = frozenset(IMAGE_EXTENSIONS) | frozenset(LABEL_EXTS)
 
 def shard_name(index: int, suffix: str) -> str:
     return f"shard-{index:06d}{suffix}"
+
+
+def _shard_number(name: str) -> int:
+    """``shard-000041.tar`` -> 41; -1 for a name shardkit did not give (an indexed dataset)."""
+    digits = os.path.basename(name).removeprefix("shard-").split(".", 1)[0]
+    return int(digits) if name.startswith("shard-") and digits.isdigit() else -1
+
+
+def next_shard_number(out: str, listed: Sequence[str]) -> int:
+    """The number of the first shard a dataset in ``out`` grows by: after those its manifest
+    lists (``listed``) and after any file in ``out`` named like a shard, which an append or
+    merge must never replace (shardkit did not write it, or a manifest no longer lists it)."""
+    try:
+        present = [n for n in os.listdir(out) if n.startswith("shard-")]
+    except OSError:
+        present = []
+    names = [os.path.basename(p) for p in listed] + present
+    return max((_shard_number(n) for n in names), default=-1) + 1
 
 
 def _field_bytes(name: str, value: Any, key: str) -> bytes:

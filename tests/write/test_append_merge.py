@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from PIL import Image
 
 from shardkit.cli import main
-from shardkit.errors import InputError
+from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
+from shardkit.fsutil import JOURNAL_NAME
 from shardkit.manifest import read_manifest
 from shardkit.write.merge import MERGED_FIELD, merge
 from shardkit.write.packer import pack
@@ -43,7 +44,8 @@ def quiet(fn, *args, **kw):
 
 
 def packed(src, out, **kw):
-    return quiet(pack, src, str(out), shard_size="6kB", progress=False, **kw)
+    kw.setdefault("shard_size", "6kB")
+    return quiet(pack, src, str(out), progress=False, **kw)
 
 
 def files(out) -> dict[str, tuple[int, str]]:
@@ -210,3 +212,143 @@ def test_merge_in_place_adds_the_others_to_the_first(srcs, tmp_path):
     packed(a, lmdb_vs_tar)
     with pytest.raises(InputError, match="holds tar shards and .* lmdb; merge datasets of one"):
         merge([pa, lmdb_vs_tar], tmp_path / "mixed")
+
+
+# --- growth: idempotent, all or nothing, never twice ------------------------------------------
+
+_KILLED_AFTER_COMMIT = textwrap.dedent(
+    """
+    import os, signal, sys, warnings
+    import shardkit.fsutil as fsutil
+    warnings.simplefilter("ignore")
+    command, out, when = sys.argv[1], sys.argv[2], sys.argv[3]
+    real_roll, real_replace, moved = fsutil._roll_forward, os.replace, []
+
+    def roll(directory, journal):  # 'journal': die right after the commit point
+        if when == "journal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_roll(directory, journal)
+
+    def replace(a, b):  # a number: die after moving that many shards into OUT
+        real_replace(a, b)
+        if os.path.dirname(b) == out and os.path.basename(b).startswith("shard-"):
+            moved.append(b)
+            if str(len(moved)) == when:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    fsutil._roll_forward, os.replace = roll, replace
+    sys.argv = ["shardkit", *sys.argv[4:]]
+    from shardkit.cli import main
+    main()
+    """
+)
+
+
+def killed(out, when: str, *args: str) -> None:
+    """Run the CLI with ``args`` in a child that SIGKILLs itself after its commit point."""
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_COMMIT, "", str(out), when, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == -signal.SIGKILL, r.stderr
+
+
+def digests(out) -> dict[str, str]:
+    """sha256 of every file in ``out``, hidden ones too: nothing may be left behind."""
+    return {n: _sha(os.path.join(out, n)) for n in sorted(os.listdir(out))}
+
+
+def cli(*args: str) -> str:
+    """The CLI's last line (its summary) on success."""
+    r = CliRunner().invoke(main, [*args])
+    assert r.exit_code == 0, r.output
+    return r.output.splitlines()[-1]
+
+
+@pytest.mark.slow  # child processes SIGKILLed
+@pytest.mark.parametrize("when", ["journal", "1", "3"])
+def test_an_append_killed_after_its_commit_point_is_finished_and_never_added_twice(
+    srcs, tmp_path, when
+):
+    a, b, _ = srcs
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    for o in (out, ref):
+        packed(a, o)
+    packed(b, ref, append=True)
+    append = ["pack", b, str(out), "-q", "--shard-size", "6kB", "--append"]
+    killed(out, when, *append)
+    assert JOURNAL_NAME in os.listdir(out)  # killed inside the commit
+    assert cli(*append).startswith(f"{out} is up to date: 24 samples")  # the same command
+    assert digests(out) == digests(ref)
+    assert len(samples(out)) == 24 == len(set(samples(out)))
+
+
+def test_appending_samples_already_there_leaves_them_out_unless_told(srcs, tmp_path):
+    a, b, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    before = digests(out)
+    with pytest.warns(UserWarning, match=r"left out 12 whose key .* already holds"):
+        report = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+    assert (report.samples, report.duplicates) == (0, 12)
+    assert report.summary().startswith(f"Nothing appended to {out}: all 12 samples")
+    assert digests(out) == before  # the folder it was packed from: nothing written
+    shared = tmp_path / "shared"  # a folder sharing six files with A, plus new ones
+    shutil.copytree(os.path.join(a, "x"), shared / "x")
+    tree(shared, {"q": 4}, 9)
+    report = packed(shared, out, append=True)
+    assert (report.samples, report.duplicates) == (4, 6)
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == 16 == len(set(keys))
+    out2 = tmp_path / "out2"
+    packed(a, out2)
+    out = cli("pack", a, str(out2), "-q", "--shard-size", "6kB", "--append", "--allow-duplicates")
+    assert out.startswith("Appended 12 samples") and len(samples(out2)) == 24
+
+
+def test_a_table_listing_an_image_twice_packs_it_once_unless_told(srcs, tmp_path):
+    a, _, _ = srcs
+    table = tmp_path / "pairs.csv"
+    names = sorted(os.listdir(os.path.join(a, "x")))
+    rows = [f"{a}/x/{names[0]},first", f"{a}/x/{names[1]},other", f"{a}/x/{names[0]},again"]
+    table.write_text("image,caption\n" + "\n".join(r.replace(f"{a}/", "") for r in rows) + "\n")
+    with pytest.warns(UserWarning, match="left out 1 listed again on a later row"):
+        report = pack(str(table), str(tmp_path / "o"), root=a, progress=False)
+    assert (report.samples, report.duplicates) == (2, 1)
+    (again,) = [
+        s for s in read_manifest(str(tmp_path / "o")).skipped if "more than one" in s.reason
+    ]
+    assert again.path == f"x/{names[0]}"
+    m = read_manifest(str(tmp_path / "o"))
+    keys = sorted(
+        r.key for s in m.shards for r in get_format("tar").iter_records(tmp_path / "o" / s.path)
+    )
+    assert keys == sorted(f"x/{n[:-4]}" for n in names[:2])  # one sample per image: one side
+    both = quiet(pack, str(table), str(tmp_path / "o2"), root=a, progress=False,
+                 allow_duplicates=True)  # fmt: skip
+    assert (both.samples, both.duplicates) == (3, 0)
+
+
+def test_growth_never_replaces_a_file_shardkit_did_not_write(srcs, tmp_path):
+    a, b, _ = srcs
+    out, pb = tmp_path / "out", tmp_path / "pb"
+    packed(a, out)
+    packed(tree(tmp_path / "a2", {"x": 3, "y": 2, "z": 1}, 4), pb)  # classes agree with A + B
+    n = len(read_manifest(str(out)).shards)
+    theirs = out / f"shard-{n:06d}.tar"  # a user's file named like the next shard
+    theirs.write_bytes(b"not a shard of ours")
+    packed(b, out, append=True)
+    merge([out, pb], out)  # in place
+    assert theirs.read_bytes() == b"not a shard of ours"
+    m = read_manifest(str(out))
+    assert theirs.name not in [s.path for s in m.shards] and m.num_samples == 12 + 12 + 6
+    assert all(int(s.path[6:12]) != n for s in m.shards)
+    one = tmp_path / "one"  # --overwrite: the new shards would take that name
+    packed(a, one, shard_size="1MB")
+    (one / "shard-000001.tar").write_bytes(b"mine")
+    before = digests(one)
+    with pytest.raises(OutputError, match=r"shard-000001.tar is in the way: .* move it out"):
+        packed(b, one, overwrite=True)
+    assert digests(one) == before

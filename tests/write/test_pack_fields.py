@@ -16,16 +16,16 @@ from shardkit.manifest import read_manifest
 from shardkit.scan import scan_source
 
 
-def _captioned(root, n=4):
+def _captioned(root, n=4, stem="x"):
     """root/cls/x{i}.jpg with .txt and .json beside each, a .seg.png beside the even ones."""
     for c in ("cat", "dog"):
         (root / c).mkdir(parents=True)
         for i in range(n):
-            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(root / c / f"x{i}.jpg")
-            (root / c / f"x{i}.txt").write_text(f"a {c} number {i}")
-            (root / c / f"x{i}.json").write_text(json.dumps({"i": i, "c": c}))
+            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(root / c / f"{stem}{i}.jpg")
+            (root / c / f"{stem}{i}.txt").write_text(f"a {c} number {i}")
+            (root / c / f"{stem}{i}.json").write_text(json.dumps({"i": i, "c": c}))
             if i % 2 == 0:
-                Image.new("L", (8, 6), i).save(root / c / f"x{i}.seg.png")
+                Image.new("L", (8, 6), i).save(root / c / f"{stem}{i}.seg.png")
     return root
 
 
@@ -231,11 +231,11 @@ def test_append_and_merge_add_up_the_field_counts(tmp_path):
     from shardkit.write.merge import merge
 
     a = _captioned(tmp_path / "a", n=2)
-    b = _captioned(tmp_path / "b", n=3)
+    b = _captioned(tmp_path / "b", n=3, stem="y")  # other keys: a dataset's keys are unique
     pack(str(a), str(tmp_path / "out"), progress=False)
     pack(str(b), str(tmp_path / "out"), append=True, progress=False)
     assert read_manifest(str(tmp_path / "out")).fields == {"json": 10, "seg.png": 6, "txt": 10}
-    pack(str(b), str(tmp_path / "other"), progress=False)
+    pack(str(_captioned(tmp_path / "c", n=3, stem="z")), str(tmp_path / "other"), progress=False)
     merge([str(tmp_path / "out"), str(tmp_path / "other")], str(tmp_path / "merged"))
     assert read_manifest(str(tmp_path / "merged")).fields == {
         "json": 16, "seg.png": 10, "txt": 16
