@@ -606,15 +606,21 @@ def pack_task_cmd(plan, index, threads) -> None:
 @main.command("merge")
 @click.argument("datasets", nargs=-1, required=True, type=click.Path())
 @click.argument("out", type=click.Path())
-def merge_cmd(datasets, out) -> None:
+@click.option(
+    "--allow-duplicates",
+    is_flag=True,
+    help="Merge datasets that share keys (by default refused: keys are unique in a dataset).",
+)
+def merge_cmd(datasets, out, allow_duplicates) -> None:
     """Join the packed DATASETS (same format, agreeing class lists) into OUT.
 
     OUT is a new folder, or the first dataset itself (the others are added to it). Shards are
     hard-linked (or copied), never rewritten; one manifest lists them all, committed last.
+    Interrupted, the same command finishes it; run again, it is up to date.
     """
     from .write.merge import merge
 
-    click.echo(merge(list(datasets), out).summary())
+    click.echo(merge(list(datasets), out, allow_duplicates=allow_duplicates).summary())
 
 
 def _pack_runner(engine, processes, threads, ray_address):

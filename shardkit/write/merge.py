@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InputError, OutputError
-from ..fsutil import publish, staging_name, write_error
+from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .writer import _within, open_local_output, shard_name
+from .keys import dataset_keys, first_repeat, identity
+from .writer import _within, next_shard_number, open_local_output, shard_name
 
 __all__ = ["MERGED_FIELD", "MergeReport", "merge"]
 
@@ -39,8 +40,16 @@ class MergeReport:
     samples: int
     added_shards: int
     linked: int
+    #: True when ``out`` already held this merge: nothing was written.
+    up_to_date: bool = False
 
     def summary(self) -> str:
+        if self.up_to_date:
+            return (
+                f"{self.out} is up to date: {self.samples} samples in {self.shards} shards, "
+                "these datasets merged already; nothing to do. "
+                f"Manifest: {self.manifest_path}"
+            )
         return (
             f"Merged into {self.out}: {self.samples} samples in {self.shards} shards "
             f"({self.added_shards} added, {self.linked} of them hard-linked, the rest copied). "
@@ -83,9 +92,16 @@ def _place(src: str, dst: str) -> bool:
     return False
 
 
-def merge(datasets: Sequence[str | os.PathLike], out: str | os.PathLike) -> MergeReport:
+def merge(
+    datasets: Sequence[str | os.PathLike], out: str | os.PathLike, *, allow_duplicates: bool = False
+) -> MergeReport:
     """Join ``datasets`` (local dataset folders) into ``out``: a new folder, or the first
-    dataset itself to merge in place. See the module docstring."""
+    dataset itself to merge in place. See the module docstring.
+
+    The same command again (after it finished, or was killed at any point) finishes or
+    recognises its merge: a dataset whose shards ``out`` already merged in is not added twice.
+    The same dataset twice (a path, a link to it, a copy of its shards) is refused; so are
+    datasets sharing a key, unless ``allow_duplicates``."""
     paths = [os.fspath(d) for d in datasets]
     out = os.fspath(out)
     if len(paths) < 2:
@@ -93,24 +109,25 @@ def merge(datasets: Sequence[str | os.PathLike], out: str | os.PathLike) -> Merg
     for p in [*paths, out]:
         if is_url(p):
             raise InputError(f"{p}: merge joins local (or shared) folders, not URLs")
-    manifests = [(p, read_manifest(p)) for p in paths]
-    fmt = manifests[0][1].shard_format
-    for p, m in manifests[1:]:
-        if m.shard_format != fmt:
-            raise InputError(
-                f"{p} holds {m.shard_format} shards and {paths[0]} {fmt}; merge "
-                "datasets of one format"
-            )
-    classes = _classes(manifests)
-    in_place = os.path.realpath(out) == os.path.realpath(paths[0])
+    _check_distinct(paths)
+    in_place = os.path.isdir(out) and _same_folder(out, paths[0])
     for p in paths[1 if in_place else 0 :]:
-        if os.path.realpath(p) == os.path.realpath(out) or _within(out, p):
+        if _same_folder(p, out) or _within(out, p):
             raise InputError(f"output {out!r} is inside the dataset {p!r}; choose another output")
-    lock, replaced = open_local_output(out, in_place, None)
+    for p in paths[1:]:
+        if _within(p, out) and not in_place:
+            raise InputError(f"dataset {p!r} is inside the output {out!r}; choose another output")
+    lock, _ = open_local_output(out, True, None)  # finishes a commit killed after its point
     staging = os.path.join(out, staging_name())
     try:
+        manifests = [(p, read_manifest(p)) for p in paths]
+        _check_formats(manifests)
+        done = _already_merged(out, manifests, in_place)
+        if done is not None:
+            return done
+        classes = _classes(manifests)
         os.mkdir(staging)
-        return _merge(manifests, out, staging, fmt, classes, in_place, replaced)
+        return _merge(manifests, out, staging, classes, in_place, allow_duplicates)
     except OSError as exc:
         raise write_error(out, exc, "shards") from None
     finally:
@@ -118,21 +135,94 @@ def merge(datasets: Sequence[str | os.PathLike], out: str | os.PathLike) -> Merg
         lock.release()
 
 
-def _merge(manifests, out, staging, fmt, classes, in_place, replaced) -> MergeReport:
+def _same_folder(a: str, b: str) -> bool:
+    """One folder under two names (a symbolic link, a bind mount, ``..`` detours)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_distinct(paths: list[str]) -> None:
+    for i, p in enumerate(paths):
+        for q in paths[:i]:
+            if _same_folder(p, q):
+                raise InputError(
+                    f"{p} and {q} are the same dataset; merging it twice would hold every "
+                    "sample twice: name each dataset once"
+                )
+
+
+def _check_formats(manifests) -> None:
+    """One shard format; and no dataset twice under two folders (a copy of its shards)."""
+    first, fmt = manifests[0][0], manifests[0][1].shard_format
+    ids: dict[str, str] = {}
+    for p, m in manifests:
+        twin = ids.setdefault(identity(m), p)
+        if twin != p:
+            raise InputError(
+                f"{p} and {twin} hold the same shards (a copy of one dataset); merging both "
+                "would hold every sample twice: name it once"
+            )
+    for p, m in manifests[1:]:
+        if m.shard_format != fmt:
+            raise InputError(
+                f"{p} holds {m.shard_format} shards and {first} {fmt}; merge datasets of one format"
+            )
+
+
+def _merged_ids(manifest: Manifest) -> list:
+    return [d.get("identity") for d in manifest.pack.get(MERGED_FIELD, []) if isinstance(d, dict)]
+
+
+def _already_merged(out: str, manifests, in_place: bool) -> MergeReport | None:
+    """The report of a merge ``out`` already holds (this command, run before); None to merge.
+
+    A new ``out`` must be empty, or hold exactly this merge; merged in place, the datasets whose
+    shards the first one already took in are left out (if all are: nothing to do)."""
+    ids = [identity(m) for _, m in manifests]
+    if in_place:
+        base = manifests[0][1]
+        recorded = set(_merged_ids(base))
+        if not all(i in recorded for i in ids[1:]):
+            return None
+        current = base
+    else:
+        current = None
+        if os.path.isfile(os.path.join(out, MANIFEST_NAME)):
+            current = read_manifest(out)
+            if _merged_ids(current) != ids:
+                current = None
+        if current is None:
+            leftovers = [n for n in os.listdir(out) if not n.startswith(STAGING_PREFIX)]
+            if not leftovers:
+                return None
+            raise OutputError(
+                f"output directory {out!r} is not empty and holds no merge of these datasets; "
+                "merge into an empty (or new) folder, or into the first dataset itself"
+            )
+    path = os.path.join(out, MANIFEST_NAME)
+    n = len(current.shards)
+    return MergeReport(out, path, n, current.num_samples, 0, 0, up_to_date=True)
+
+
+def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> MergeReport:
     entries: list[ShardEntry] = []
     added, linked = [], 0
     skipped = []
+    base = manifests[0][1]
     if in_place:
-        base = manifests[0][1]
         entries = list(base.shards)
-        todo = manifests[1:]
+        recorded = set(_merged_ids(base))
+        todo = [(p, m) for p, m in manifests[1:] if identity(m) not in recorded]
         pack = dict(base.pack)
-        replaced = []  # nothing of A is touched
     else:
         todo = manifests
         pack = {}
+    if not allow_duplicates:
+        _check_keys(out if in_place else None, base, todo)
     merged = list(pack.get(MERGED_FIELD, []))
-    number = max((_number(e.path) for e in entries), default=-1) + 1
+    number = next_shard_number(out, [e.path for e in entries])
     for path, m in todo:
         for s in m.shards:
             src = os.path.join(path, s.path)
@@ -147,23 +237,31 @@ def _merge(manifests, out, staging, fmt, classes, in_place, replaced) -> MergeRe
             entries.append(ShardEntry(name, s.samples, s.bytes, s.sha256, s.index))
             added.append(name)
         skipped += m.skipped
-        merged.append({"dataset": os.path.abspath(path), "pack": m.pack})
+        merged.append({"dataset": os.path.abspath(path), "identity": identity(m), "pack": m.pack})
     if in_place:
-        skipped = list(manifests[0][1].skipped) + skipped
+        skipped = list(base.skipped) + skipped
     pack[MERGED_FIELD] = merged
     fields: dict[str, int] = {}
-    for m in [manifests[0][1]] * in_place + [m for _, m in todo]:  # every dataset merged
+    for m in [base] * in_place + [m for _, m in todo]:  # every dataset merged
         for name, count in m.fields.items():
             fields[name] = fields.get(name, 0) + count
-    manifest = Manifest(fmt, classes, entries, skipped, pack, fields=fields)
+    manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
     write_manifest(manifest, staging)
-    path = publish(out, staging, added, MANIFEST_NAME, remove=replaced)
+    path = publish(out, staging, added, MANIFEST_NAME)
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)
 
 
-def _number(path: str) -> int:
-    digits = os.path.basename(path).removeprefix("shard-").split(".", 1)[0]
-    return int(digits) if digits.isdigit() else -1
+def _check_keys(in_place: str | None, base: Manifest, todo) -> None:
+    """Refuse datasets sharing a key (with the first one merged into, or with each other)."""
+    seen = dataset_keys(in_place, base) if in_place is not None else set()
+    for path, m in todo:
+        repeats, first = first_repeat(path, m, seen)
+        if repeats:
+            raise InputError(
+                f"{path}: {repeats} of its keys are in another dataset of this merge too (first: "
+                f"{first!r}); keys are unique within a dataset: leave it out, or pass "
+                "allow_duplicates=True to keep both copies"
+            )
 
 
 def _suffix(path: str) -> str:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from shardkit.cli import main
-from shardkit.errors import InputError, OutputError
+from shardkit.errors import InputError, ManifestError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import JOURNAL_NAME
 from shardkit.manifest import read_manifest
@@ -352,3 +352,49 @@ def test_growth_never_replaces_a_file_shardkit_did_not_write(srcs, tmp_path):
     with pytest.raises(OutputError, match=r"shard-000001.tar is in the way: .* move it out"):
         packed(b, one, overwrite=True)
     assert digests(one) == before
+
+
+@pytest.mark.slow  # child processes SIGKILLed
+def test_a_merge_killed_after_its_commit_point_is_finished_by_the_same_command(srcs, tmp_path):
+    a, _, _ = srcs
+    pa, pb, new = tmp_path / "pa", tmp_path / "pb", tmp_path / "new"
+    packed(a, pa, format="lmdb")
+    packed(tree(tmp_path / "b2", {"x": 2, "y": 5}, 5), pb, format="lmdb")
+    ref_new, ref_pa = tmp_path / "ref_new", tmp_path / "ref_pa"
+    merge([pa, pb], ref_new)
+    shutil.copytree(pa, ref_pa)
+    merge([ref_pa, pb], ref_pa)
+    killed(new, "journal", "merge", str(pa), str(pb), str(new))
+    assert cli("merge", str(pa), str(pb), str(new)).startswith(f"{new} is up to date: 19 samples")
+    assert digests(new) == digests(ref_new)
+    killed(pa, "1", "merge", str(pa), str(pb), str(pa))  # in place, while moving shards
+    with pytest.raises(ManifestError, match="interrupted while committing"):
+        read_manifest(str(pa))
+    assert cli("merge", str(pa), str(pb), str(pa)).startswith(f"{pa} is up to date: 19 samples")
+    assert digests(pa) == {**digests(ref_pa), "manifest.json": _sha(ref_pa / "manifest.json")}
+    assert len(samples(pa)) == 19 == len(set(samples(pa)))
+    again = merge([pa, pb], pa)  # not interrupted: the same command is up to date too
+    assert again.up_to_date and again.added_shards == 0 and len(samples(pa)) == 19
+
+
+def test_merge_refuses_one_dataset_twice_and_shared_keys_unless_told(srcs, tmp_path):
+    a, b, _ = srcs
+    pa, out = tmp_path / "pa", tmp_path / "out"
+    packed(a, pa)
+    os.symlink(pa, tmp_path / "link")
+    shutil.copytree(pa, tmp_path / "copy")
+    for twin in (pa, tmp_path / "link", tmp_path / "copy"):
+        with pytest.raises(InputError, match=r"same (dataset|shards)"):
+            merge([pa, twin], out)
+        assert not out.exists() or os.listdir(out) == []
+    shared = tmp_path / "shared"  # another pack sharing the keys of A's class x
+    shutil.copytree(os.path.join(a, "x"), shared / "x")
+    tree(shared, {"y": 1}, 8)
+    packed(shared, tmp_path / "ps")
+    with pytest.raises(InputError, match=r"ps: 6 of its keys are in another dataset .*allow_dup"):
+        merge([pa, tmp_path / "ps"], out)
+    r = CliRunner().invoke(main, ["merge", str(pa), str(tmp_path / "ps"), str(pa)])
+    assert r.exit_code == 2 and "--allow-duplicates to keep both" in r.output
+    assert len(samples(pa)) == 12
+    assert cli("merge", str(pa), str(tmp_path / "ps"), str(out), "--allow-duplicates")
+    assert len(samples(out)) == 12 + 7
