@@ -26,6 +26,7 @@ import secrets
 import shutil
 import socket
 import stat
+import weakref
 
 from .errors import OutputError
 
@@ -270,8 +271,13 @@ class DirLock:
     """An exclusive ``flock`` on the directory itself: one writer per output, refused at once.
 
     Locking the directory's own descriptor needs no lock file (nothing to clean up, no
-    OS-global name) and the kernel drops it when the process dies, even by SIGKILL.
+    OS-global name) and the kernel drops it when the process dies, even by SIGKILL. A forked
+    child (a pool worker, a loader worker) closes its copy of the descriptor at once: a flock
+    belongs to the open file, so a child outliving a killed writer would otherwise keep the
+    output locked and refuse the rerun that finishes the job.
     """
+
+    _held: weakref.WeakSet[DirLock] = weakref.WeakSet()
 
     def __init__(self, path: str, what: str = "output"):
         import fcntl
@@ -289,11 +295,26 @@ class DirLock:
                     "wait for it to finish or choose another output"
                 ) from None
             raise
+        DirLock._held.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+        DirLock._held.discard(self)
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        """After ``fork``, in the child: close the inherited descriptors (the parent keeps its
+        locks: a flock is dropped only when every descriptor of the open file is closed)."""
+        for lock in list(cls._held):
+            if lock._fd is not None:
+                try:
+                    os.close(lock._fd)
+                except OSError:
+                    pass
+                lock._fd = None
+        cls._held.clear()
 
     def __enter__(self) -> DirLock:
         return self
@@ -410,6 +431,10 @@ def recover(directory: str) -> bool:
     journal.setdefault("remove", [])
     _roll_forward(directory, journal)
     return True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=DirLock._forget_in_child)
 
 
 class HashingReader(io.RawIOBase):

@@ -10,6 +10,9 @@ pool needs nothing beyond the standard library, and helps on one machine because
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -19,11 +22,28 @@ from dataclasses import dataclass
 from ..errors import InputError, ShardkitError, StorageError
 from .plan import ShardReceipt, ShardTask, run_task
 
-__all__ = ["RETRYABLE", "LocalRunner", "TaskFailed"]
+__all__ = ["RETRYABLE", "LocalRunner", "TaskFailed", "die_with_parent"]
 
 #: Errors a task raises that a retry may cure (a flaky disk or store); anything else (a bad
 #: image under on_error="raise", a full disk) stops the pack at once.
 RETRYABLE = (OSError, StorageError)
+
+
+def die_with_parent(parent: int) -> None:
+    """A pool worker's initializer: the kernel kills it when its driver dies (Linux's
+    ``PR_SET_PDEATHSIG``), so a SIGKILLed ``pack --engine local`` leaves no worker writing
+    into OUT behind it, and the same command run again resumes at once. ``parent``: the
+    driver's pid, checked after the call in case it died before."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)  # the driver is gone already
 
 
 class TaskFailed(ShardkitError):
@@ -40,8 +60,9 @@ class LocalRunner:
 
     A task that raises a ``RETRYABLE`` error is run again, up to ``retries`` times; a worker
     that dies (killed, out of memory, ``os._exit``) breaks the pool, which is started again and
-    every unfinished task resubmitted (each such task counts an attempt). ``fn`` is what runs a
-    task (``run_task``; tests wrap it to inject faults).
+    every unfinished task resubmitted (each such task counts an attempt). Workers die with this
+    process (``die_with_parent``), and hold no lock on OUT. ``fn`` is what runs a task
+    (``run_task``; tests wrap it to inject faults).
     """
 
     processes: int = 2
@@ -63,7 +84,9 @@ class LocalRunner:
         while len(results) < len(tasks):
             todo = [i for i in range(len(tasks)) if i not in results]
             workers = min(self.processes, len(todo))
-            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)
+            ) as pool:
                 try:
                     self._drain(pool, tasks, todo, attempts, results)
                 except BaseException:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import warnings
 
 import numpy as np
@@ -475,3 +476,58 @@ def test_the_dask_recipe_writes_the_same_bytes_after_a_dead_worker(src, refs, tm
     assert r.returncode == 0, r.stderr[-3000:]
     assert marker.exists()  # a worker did die, and its task ran again
     assert digest(str(out)) == digest(refs["lmdb"])
+
+
+_KILLED_POOL_DRIVER = textwrap.dedent(
+    """
+    import os, signal, sys, time, warnings
+    from shardkit import pack
+    from shardkit.write.engines import LocalRunner
+    from shardkit.write.plan import run_task
+    warnings.simplefilter("ignore")
+    src, out, pids = sys.argv[1:4]
+
+    def task(t, threads=1):  # the task of shard 0 kills the driver; the others take their time
+        with open(os.path.join(pids, str(os.getpid())), "w"):
+            pass
+        if t.first == 0:
+            done = run_task(t, threads)
+            os.kill(os.getppid(), signal.SIGKILL)
+            return done
+        time.sleep(60)
+        return run_task(t, threads)
+
+    pack(src, out, shard_size="12kB", progress=False, runner=LocalRunner(2, fn=task))
+    """
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow  # a process pool whose driver is SIGKILLed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")
+def test_a_killed_pool_driver_takes_its_workers_along_and_the_same_command_resumes(
+    src, refs, tmp_path
+):
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_POOL_DRIVER, src, str(out), str(pids)], timeout=120
+    )
+    assert r.returncode == -signal.SIGKILL
+    workers = [int(p) for p in os.listdir(pids)]
+    assert workers
+    deadline = time.monotonic() + 30  # a bound on the wait, not a measurement
+    while not all(_gone(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in workers)  # no worker lives on, writing into OUT
+    args = ["pack", src, str(out), "-q", "--shard-size", "12kB", "--engine", "local"]
+    r = CliRunner().invoke(main, args)  # the documented way out: the same command again
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["tar"])
