@@ -335,10 +335,10 @@ def interrupted_commit(directory: str) -> str | None:
 def interrupted_message(directory: str) -> str:
     """What readers say about a directory whose publish was cut short: refuse, and the fix."""
     return (
-        f"{directory}: a pack into this directory was interrupted while committing its shards "
-        f"({JOURNAL_NAME} is there, manifest.json is not), so the shards are incomplete; pack "
-        "into it again with overwrite=True (`shardkit pack ... --overwrite`), which first finishes "
-        "the commit"
+        f"{directory}: a pack, append or merge into this directory was interrupted while "
+        f"committing its shards ({JOURNAL_NAME} is there, manifest.json is not), so the shards "
+        "are incomplete; run the same command again (`shardkit pack ...` or `shardkit merge "
+        "...`), which first finishes the commit and keeps every shard"
     )
 
 

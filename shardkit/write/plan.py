@@ -23,8 +23,10 @@ them, and its commit removes them. Nothing here imports an engine.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import warnings
 from collections import deque
@@ -848,12 +850,50 @@ def load_task(path: str, index: int) -> tuple[ShardTask, int]:
         tasks = doc["tasks"]
         if not 0 <= index < len(tasks):
             raise InputError(f"{path}: no task {index}; it holds tasks 0..{len(tasks) - 1}")
-        return ShardTask.from_dict(tasks[index]), len(tasks)
+        task = ShardTask.from_dict(tasks[index])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError(
             f"{path}: not a readable shardkit plan ({exc}); make one with `shardkit pack SRC OUT "
             "--plan-only PLAN`"
         ) from None
+    why = _outside(task)
+    if why is not None:
+        raise InputError(
+            f"{path}: task {index} {why}, which a plan shardkit wrote never does (the file was "
+            "edited); nothing was read or written: make the plan again with `shardkit pack SRC "
+            "OUT --plan-only PLAN`"
+        )
+    return task, len(tasks)
+
+
+def _outside(task: ShardTask) -> str | None:
+    """What in ``task`` would read outside its source root or write outside its job folder."""
+    name = os.path.basename(task.job)
+    if (
+        not os.path.isabs(task.job)
+        or os.path.normpath(task.job) != task.job
+        or not os.path.isdir(os.path.dirname(task.job))  # OUT, made by --plan-only
+        or not os.path.isabs(task.root)
+        or not re.fullmatch(re.escape(JOB_PREFIX) + "[0-9a-f]{16}", name)
+        or "\x00" in task.job + task.root
+    ):
+        return f"writes into {task.job!r}, not a job folder OUT/{JOB_PREFIX}<hex>"
+    if (
+        task.first < 0
+        or not task.starts
+        or task.starts[0] != 0
+        or list(task.starts) != sorted(task.starts)
+        or task.starts[-1] > len(task.files)
+    ):
+        return "numbers its shards or samples out of order"
+    for rel, side in itertools.zip_longest(task.files, task.sidecars, fillvalue=""):
+        if _climbs(rel) or "\x00" in side:  # field files: suffixes of rel, in its folder
+            return f"reads {rel!r}, outside its source root {task.root!r}"
+    return None
+
+
+def _climbs(rel: str) -> bool:
+    return not rel or rel.startswith("/") or "\x00" in rel or ".." in rel.split("/")
 
 
 def remove_other_jobs(out: str, keep: str = "") -> None:

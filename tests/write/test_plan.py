@@ -531,3 +531,31 @@ def test_a_killed_pool_driver_takes_its_workers_along_and_the_same_command_resum
     r = CliRunner().invoke(main, args)  # the documented way out: the same command again
     assert r.exit_code == 0, r.output
     assert digest(out) == digest(refs["tar"])
+
+
+def test_a_tampered_plan_file_reads_and_writes_nothing_outside_its_source_and_job(src, tmp_path):
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
+    r = CliRunner().invoke(
+        main, ["pack", src, out, "-q", "--shard-size", "12kB", "--plan-only", plan]
+    )
+    assert r.exit_code == 0, r.output
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "secret.jpg").write_bytes(open(os.path.join(src, "a", "a_000.jpg"), "rb").read())
+    good = json.loads(open(plan).read())
+    tampered = {
+        "job": str(victim),
+        "root": "src",  # relative
+        "files": ["../secret.jpg"] + good["tasks"][0]["files"][1:],
+    }
+    for field, value in tampered.items():
+        doc = json.loads(json.dumps(good))
+        doc["tasks"][0][field] = value
+        with open(plan, "w") as f:
+            json.dump(doc, f)
+        r = CliRunner().invoke(main, ["pack-task", plan, "--task", "0"])
+        assert r.exit_code == 2, r.output
+        assert f"{plan}: task 0 " in r.output and "the file was edited" in r.output
+        assert os.listdir(victim) == [] and not [
+            n for n in os.listdir(out) if n.startswith(JOB_PREFIX)
+        ]
