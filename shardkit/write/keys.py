@@ -14,7 +14,6 @@ import json
 import os
 from collections.abc import Iterable
 
-from ..errors import InputError
 from ..formats import get_format
 from ..formats.tar import tally_tar
 from ..manifest import Manifest
@@ -41,12 +40,13 @@ def first_repeat(folder: str, manifest: Manifest, seen: set[str]) -> tuple[int, 
     """Add the keys of the dataset in ``folder`` to ``seen``: ``(how many were there already,
     the first of them)``."""
     repeats, first = 0, None
-    for k in dataset_keys(folder, manifest):
-        if k in seen:
-            repeats += 1
-            first = first if first is not None else k
-        else:
-            seen.add(k)
+    for s in manifest.shards:  # in shard order: the first repeat named is always the same
+        for k in shard_keys(os.path.join(folder, s.path), manifest.shard_format):
+            if k in seen:
+                repeats += 1
+                first = first if first is not None else k
+            else:
+                seen.add(k)
     return repeats, first
 
 
@@ -55,12 +55,3 @@ def identity(manifest: Manifest) -> str:
     wherever they lie (a copy, a symbolic link, a hard-linked merge)."""
     doc = [[s.samples, s.sha256] for s in manifest.shards]
     return "sha256:" + hashlib.sha256(json.dumps(doc).encode()).hexdigest()
-
-
-def check_keys_unique(what: str, repeats: int, first: str | None, fix: str) -> None:
-    """The refusal of a growth that would hold ``repeats`` keys twice."""
-    if repeats:
-        raise InputError(
-            f"{what}: {repeats} key(s) already in the dataset (first: {first!r}); keys are "
-            f"unique within a dataset; {fix}"
-        )
