@@ -89,9 +89,13 @@ def test_each_variable_sets_its_option(path, param, monkeypatch):
     for name in path[:-1]:
         group = group.commands[name]
     cmd = group.commands[path[-1]]
-    args = {"pack": ["SRC", "OUT"], "index": ["."], "bench": [], "show": ["OUT", "KEY"]}.get(
-        path[-1], ["OUT"]
-    )
+    args = {
+        "pack": ["SRC", "OUT"],
+        "index": ["."],
+        "bench": [],
+        "show": ["OUT", "KEY"],
+        "merge": ["A", "B", "OUT"],
+    }.get(path[-1], ["OUT"])
 
     if path[-1] == "pack-task" and not param.required:
         args = [*args, "--task", "0"]  # the required option, given on the command line
