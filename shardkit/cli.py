@@ -469,7 +469,7 @@ def pack_cmd(
             allow_duplicates=allow_duplicates,
         )
     echo_warnings(caught)
-    if plan_only is not None:
+    if plan_only is not None and report.appended_to is None:  # (else: nothing left to append)
         tasks = -(-report.shards // shards_per_task)
         click.echo(
             f"Planned {report.samples} samples in {report.shards} shards as {tasks} task(s) in "

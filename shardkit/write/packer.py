@@ -441,8 +441,8 @@ def _warn_duplicates(plan: PackPlan, src: str, out: str) -> None:
         parts.append(f"{len(plan.repeated)} listed again on a later row of {src}")
     if parts:
         warnings.warn(
-            f"left out {' and '.join(parts)} (keys are unique within a dataset); pass "
-            "allow_duplicates=True to pack them all the same",
+            f"left out {' and '.join(parts)} (keys are unique within a dataset); "
+            "allow_duplicates=True (--allow-duplicates) packs them all the same",
             PackWarning,
             stacklevel=5,
         )
