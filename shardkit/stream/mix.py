@@ -44,6 +44,7 @@ from .resume import (
     arrange,
     buffer_point,
     positions_to_slices,
+    progress_at,
     segment_streams,
 )
 from .shuffle import rng_for
@@ -373,7 +374,7 @@ def mix_worker_plan(
         how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
         rng = layout.buffer_rng(world.rank, worker, number, i)
         plans.append(SourcePlan(slices, how, (point.steps, point.flushed), rng))
-    progress = Progress(state, worker, in_worker, done)
+    progress = progress_at(layout, state, total, worker, in_worker, done)
     return MixPlan(plans, src[done:], progress)
 
 
