@@ -44,6 +44,7 @@ from .mix import (
     MixLayout,
     Source,
     apportion,
+    check_weights,
     mix_facts,
     mix_records,
     mix_worker_plan,
@@ -338,6 +339,7 @@ class ShardDataset(IterableDataset):
             )
         if weights[0] is None:
             weights = [len(s.members) for s in resolved]
+        check_weights(weights, [s.source.name for s in resolved])
         total = int(epoch_size) if epoch_size is not None else sum(len(s.members) for s in resolved)
         shares = apportion(total, weights)
         self.classes = _mixed_classes(resolved, self.labels)
@@ -690,8 +692,12 @@ def _is_keys(subset) -> bool:
 def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels):
     """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
     check_choice("labels", labels, LABEL_MODES)
-    if epoch_size is not None and (isinstance(epoch_size, bool) or int(epoch_size) < 1):
-        raise InputError(f"epoch_size={epoch_size!r} must be a positive int or None")
+    whole = isinstance(epoch_size, (int, np.integer)) and not isinstance(epoch_size, bool)
+    if epoch_size is not None and (not whole or epoch_size < 1):
+        raise InputError(
+            f"epoch_size={epoch_size!r} must be a whole number >= 1 (an int, samples per epoch) "
+            "or None (the sources' sizes)"
+        )
     mixed = _as_sources(source, subset, split, val_fraction, storage_options)
     if mixed is None and epoch_size is not None:
         mixed = [Source(source, storage_options=storage_options)]

@@ -92,23 +92,26 @@ class Source:
     storage_options: dict | None = None
 
     def __post_init__(self):
+        # Numbers are stored as Python floats: numpy scalars (np.float32 ...) are numbers too,
+        # and the checkpoint facts are JSON.
         w = self.weight
-        if w is not None and (
-            isinstance(w, bool)
-            or not isinstance(w, (int, float, np.number))
-            or not np.isfinite(w)
-            or w <= 0
-        ):
-            raise InputError(f"{self.name}: weight={w!r} must be a number > 0")
+        if w is not None:
+            if not is_number(w) or not np.isfinite(w) or w <= 0:
+                raise InputError(f"{self.name}: weight={w!r} must be a finite number > 0")
+            object.__setattr__(self, "weight", float(w))
         if self.split is not None and self.split not in SPLITS:
             raise InputError(f'{self.name}: split={self.split!r}: use "train" or "val"')
-        if not 0 < self.val_fraction < 1:
-            raise InputError(f"{self.name}: val_fraction={self.val_fraction!r} must be in (0, 1)")
+        f = self.val_fraction
+        if not is_number(f) or not 0 < f < 1:
+            raise InputError(f"{self.name}: val_fraction={f!r} must be a number in (0, 1)")
+        object.__setattr__(self, "val_fraction", float(f))
         s = self.subset
-        if isinstance(s, (str, bool)):
+        if isinstance(s, (str, bytes, bool, np.bool_)):
             raise InputError(f"{self.name}: subset={s!r}: give a fraction or a list of keys")
-        if isinstance(s, (int, float)) and not isinstance(s, bool) and not 0 < s <= 1:
-            raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
+        if is_number(s):
+            if not 0 < s <= 1:
+                raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
+            object.__setattr__(self, "subset", float(s))
 
     @property
     def name(self) -> str:
@@ -143,11 +146,29 @@ class MixedSource:
         return EpochLayout(counts, 0, 0, False, 0, "none")
 
 
+def is_number(value) -> bool:
+    """A real number, numpy scalars included; not a bool (``True`` is no weight or fraction)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def check_weights(weights: Sequence[float], names: Sequence[str]) -> None:
+    """Weights whose sum is a finite number: each finite one may still overflow the sum."""
+    with np.errstate(over="ignore"):
+        total = np.sum(np.asarray(weights, dtype=np.float64))
+    if not np.isfinite(total):
+        raise InputError(
+            f"the weights of {', '.join(names)} sum to more than a float holds ({weights!r}); "
+            "weights are relative: scale them down (e.g. 0.7 and 0.3)"
+        )
+
+
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
     """Largest-remainder shares of ``total`` by ``weights``: exact ints summing to ``total``
     (ties go to the earlier source, so the result is deterministic)."""
     w = np.asarray(weights, dtype=np.float64)
-    ideal = total * w / w.sum()
+    ideal = total * (w / w.sum())  # normalised first: a huge weight cannot overflow
     base = np.floor(ideal).astype(np.int64)
     rest = total - int(base.sum())
     order = np.argsort(-(ideal - base), kind="stable")

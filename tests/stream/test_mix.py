@@ -307,6 +307,45 @@ def test_bad_mixture_arguments_are_clear_errors(mixdata):
         ShardDataset([Source(big), os.path.join(small, "x.lmdb")])
 
 
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"epoch_size": float("nan")}, "epoch_size=nan must be a whole number"),
+        ({"epoch_size": float("inf")}, "epoch_size=inf must be a whole number"),
+        ({"epoch_size": 2.7}, "epoch_size=2.7 must be a whole number"),  # not cut to 2
+        ({"epoch_size": "7"}, "epoch_size='7' must be a whole number"),
+        ({"split": "val", "val_fraction": "0.1"}, "val_fraction='0.1' must be a number"),
+    ],
+)
+def test_mixture_settings_that_would_crash_or_be_cut_are_one_line_errors(mixdata, kw, match):
+    with pytest.raises(InputError, match=match) as err:
+        ShardDataset(mixdata[1], decode="raw", **kw)
+    assert "\n" not in str(err.value)
+
+
+def test_weights_whose_sum_overflows_are_refused(mixdata):
+    big, small = mixdata
+    with pytest.raises(InputError, match="sum to more than a float holds"):
+        ShardDataset([Source(big, weight=1e308), Source(small, weight=1e308)], decode="raw")
+    huge = ShardDataset([Source(big, weight=1e308), Source(small, weight=1e290)], epoch_size=100)
+    assert huge.shares == (100, 0)  # each weight finite, their sum too: shares, not a crash
+
+
+def test_numpy_numbers_are_numbers(mixdata):
+    big, small = mixdata
+    ds = ShardDataset(
+        [Source(big, weight=np.float32(0.7)), Source(small, weight=np.int64(3) / 10)],
+        decode="raw", epoch_size=np.int64(100),
+    )  # fmt: skip
+    assert ds.shares == (70, 30) and len(ds) == 100
+    assert json.loads(json.dumps(ds.state_dict()))  # the checkpoint facts are plain JSON
+    sub = ShardDataset(small, subset=np.float32(0.5), decode="raw", with_keys=True)
+    assert len(sub) == 150 and len({s[2] for s in sub}) == 150
+    assert len(ShardDataset(small, split="val", val_fraction=np.float64(0.5), decode="raw")) > 0
+    with pytest.raises(InputError, match="subset"):
+        ShardDataset(small, subset=np.bool_(True))
+
+
 def test_stratified_windows_hold_for_three_sources(tmp_path):
     srcs = [_write(tmp_path / f"s{i}", f"{i}/", 50 * (i + 1), "tar", "40KB") for i in range(3)]
     ds = ShardDataset(
