@@ -179,10 +179,11 @@ class ShardDataset(IterableDataset):
     Choosing what to read (shardkit.stream.mix, docs/mixing.md): ``source`` may be a list of
     ``Source(path, weight=...)``, mixed with exact per-epoch shares and stratified so every batch
     follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); ``subset`` (a
-    fraction or a list of keys) and ``split`` ("train"/"val", ``val_fraction`` of the keys in
-    "val", by a seeded key hash that survives re-packing) narrow one source (with ``Source``s,
-    give them per ``Source``). ``labels="union"`` maps the sources' labels onto the union of
-    their class names; "keep" (default) leaves each source's stored labels.
+    fraction or a list of keys) and ``split`` ("train"/"val", about ``val_fraction`` of the
+    keys in "val", by a hash of the key alone: the same for every seed, across re-packs and as
+    the dataset grows) narrow one source (with ``Source``s, give them per ``Source``).
+    ``labels="union"`` maps the sources' labels onto the union of their class names; "keep"
+    (default) leaves each source's stored labels.
     """
 
     def __init__(
@@ -323,7 +324,7 @@ class ShardDataset(IterableDataset):
             keyed = src.split is not None or (src.subset is not None and _is_keys(src.subset))
             keys = read_keys(shards, r.format, store) if keyed else None
             if src.split is not None:
-                members = split_members(keys, self.seed, src.split, src.val_fraction)
+                members = split_members(keys, src.split, src.val_fraction)
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")

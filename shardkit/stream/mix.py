@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,8 @@ __all__ = [
     "MixedSource",
     "MixLayout",
     "apportion",
+    "SPLIT_SALT",
+    "key_hashes",
     "split_members",
     "subset_members",
     "mix_worker_plan",
@@ -68,7 +71,7 @@ __all__ = [
 LABEL_MODES = ("keep", "union")
 SPLITS = ("train", "val")
 
-# Domain tags: the draws, the per-source buffers and key hashing never share a random stream.
+# Domain tags: the draws, the per-source buffers and the subset draw never share a random stream.
 _DRAW, _MIXBUF, _SUBSET = 0x3D1C, 0x3B0F, 0x5B5E
 
 
@@ -80,8 +83,9 @@ class Source:
     ``weight``: its share of every epoch (relative; all sources give one or none does, then
     shares follow source sizes). ``subset``: a fraction in (0, 1] of its samples, drawn once
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
-    "val", a seeded split by key hash that a re-pack of the same files leaves unchanged;
-    ``val_fraction`` of the samples are "val". ``storage_options``: fsspec options for URLs.
+    "val", by a hash of each key alone (``split_members``): the same for every seed, after a
+    re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val".
+    ``storage_options``: fsspec options for URLs.
     """
 
     path: str | os.PathLike | Sequence[str | os.PathLike]
@@ -176,23 +180,29 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return base.tolist()
 
 
-def key_rank(keys: Sequence[str], seed: int) -> np.ndarray:
-    """Positions of ``keys`` sorted by a seeded hash of the key alone: depends on the keys, not on
-    where they were packed, so a re-pack of the same files gives the same order."""
-    salt = f"{seed}:{_SUBSET}:".encode()
+#: The split's salt: fixed, not the seed, so a sample's side depends on its key alone
+#: (FORMAT.md, "Train/val splits"); changing it would move samples between train and val.
+SPLIT_SALT = b"shardkit-split:"
+
+
+def key_hashes(keys: Sequence[str], salt: bytes = SPLIT_SALT) -> np.ndarray:
+    """uint64 per key: the first 8 bytes, big-endian, of BLAKE2b(``salt`` + the key's UTF-8)."""
     digests = [hashlib.blake2b(salt + k.encode("utf-8", "surrogateescape"), digest_size=8).digest()
                for k in keys]  # fmt: skip
-    h = np.frombuffer(b"".join(digests), dtype=">u8") if digests else np.empty(0, np.uint64)
-    return np.argsort(h, kind="stable")
+    if not digests:
+        return np.empty(0, np.uint64)
+    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
 
 
-def split_members(keys: Sequence[str], seed: int, split: str, val_fraction: float) -> np.ndarray:
-    """Positions of the ``split`` part: the ``round(val_fraction * N)`` keys first by seeded hash
-    are "val", the others "train"; ascending. Disjoint, covering, stable across re-packs."""
-    ranked = key_rank(keys, seed)
-    n_val = int(round(val_fraction * len(keys)))
-    part = ranked[:n_val] if split == "val" else ranked[n_val:]
-    return np.sort(part).astype(np.int64)
+def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.ndarray:
+    """Positions of the ``split`` part, ascending: a key is "val" when its hash is below
+    ``val_fraction * 2**64``, else "train". The side of a key depends on the key alone (not the
+    seed, its position or the other keys), so a re-pack keeps every sample on its side and a
+    grown dataset keeps every old one there; "val" holds about ``val_fraction`` of the keys
+    (exactly the count of hashes under the threshold)."""
+    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
+    val = key_hashes(keys) < threshold
+    return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
 
 
 def subset_members(
