@@ -607,7 +607,8 @@ def worker_counts_state(
     stream (delivered or skipped as undecodable: a loader that is told of every skip, as
     ShardLoader is, counts exactly) and worker ``next_worker``'s batch is the next one due."""
     state, _, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
-    total = len(segment_streams(layout, state.segments))
+    one = len(state.segments) == 1  # the whole epoch: no stream to build for its length
+    total = layout.total if one else len(segment_streams(layout, state.segments))
     return _advanced(layout, total, state, plays, consumed, next_worker)
 
 
