@@ -344,7 +344,12 @@ def crop_boxes(
     float32 (K, 4) xyxy, and the int64 (K,) positions of the kept boxes in the input. Boxes left
     with no area are dropped: ``N - K`` were cut away; ``index`` keeps their labels aligned."""
     check_choice("format", format, BOX_FORMATS)
-    b = torch.as_tensor(np.asarray(boxes, dtype=np.float64)).reshape(-1, 4)
+    array = np.asarray(boxes, dtype=np.float64)
+    if array.size == 0:
+        array = array.reshape(0, 4)
+    if array.ndim != 2 or array.shape[1] != 4:  # never reshaped: rows of 5 are not boxes
+        raise ValueError(f"boxes of shape {array.shape}, not (N, 4)")
+    b = torch.as_tensor(array)
     x0, y0 = b[:, 0], b[:, 1]
     x1, y1 = (b[:, 2], b[:, 3]) if format == "xyxy" else (x0 + b[:, 2], y0 + b[:, 3])
     sx, sy = size / box.w, size / box.h

@@ -44,6 +44,7 @@ from .mix import (
     MixLayout,
     Source,
     apportion,
+    check_weights,
     mix_facts,
     mix_records,
     mix_worker_plan,
@@ -178,10 +179,11 @@ class ShardDataset(IterableDataset):
     Choosing what to read (shardkit.stream.mix, docs/mixing.md): ``source`` may be a list of
     ``Source(path, weight=...)``, mixed with exact per-epoch shares and stratified so every batch
     follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); ``subset`` (a
-    fraction or a list of keys) and ``split`` ("train"/"val", ``val_fraction`` of the keys in
-    "val", by a seeded key hash that survives re-packing) narrow one source (with ``Source``s,
-    give them per ``Source``). ``labels="union"`` maps the sources' labels onto the union of
-    their class names; "keep" (default) leaves each source's stored labels.
+    fraction or a list of keys) and ``split`` ("train"/"val", about ``val_fraction`` of the
+    keys in "val", by a hash of the key alone: the same for every seed, across re-packs and as
+    the dataset grows) narrow one source (with ``Source``s, give them per ``Source``).
+    ``labels="union"`` maps the sources' labels onto the union of their class names; "keep"
+    (default) leaves each source's stored labels.
     """
 
     def __init__(
@@ -322,7 +324,7 @@ class ShardDataset(IterableDataset):
             keyed = src.split is not None or (src.subset is not None and _is_keys(src.subset))
             keys = read_keys(shards, r.format, store) if keyed else None
             if src.split is not None:
-                members = split_members(keys, self.seed, src.split, src.val_fraction)
+                members = split_members(keys, src.split, src.val_fraction)
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
@@ -338,6 +340,7 @@ class ShardDataset(IterableDataset):
             )
         if weights[0] is None:
             weights = [len(s.members) for s in resolved]
+        check_weights(weights, [s.source.name for s in resolved])
         total = int(epoch_size) if epoch_size is not None else sum(len(s.members) for s in resolved)
         shares = apportion(total, weights)
         self.classes = _mixed_classes(resolved, self.labels)
@@ -690,8 +693,12 @@ def _is_keys(subset) -> bool:
 def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels):
     """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
     check_choice("labels", labels, LABEL_MODES)
-    if epoch_size is not None and (isinstance(epoch_size, bool) or int(epoch_size) < 1):
-        raise InputError(f"epoch_size={epoch_size!r} must be a positive int or None")
+    whole = isinstance(epoch_size, (int, np.integer)) and not isinstance(epoch_size, bool)
+    if epoch_size is not None and (not whole or epoch_size < 1):
+        raise InputError(
+            f"epoch_size={epoch_size!r} must be a whole number >= 1 (an int, samples per epoch) "
+            "or None (the sources' sizes)"
+        )
     mixed = _as_sources(source, subset, split, val_fraction, storage_options)
     if mixed is None and epoch_size is not None:
         mixed = [Source(source, storage_options=storage_options)]

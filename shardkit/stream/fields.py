@@ -108,8 +108,9 @@ def field_spec(
 class Boxes:
     """Where a sample's boxes are: the decoded ``field`` (one of ``fields=``), inside it the
     list under ``key`` (None: the field itself, e.g. an (N, 4) ``npy``), each box a list of 4
-    pixel numbers or a dict holding one under ``"bbox"`` (a COCO annotation); ``format``
-    "xyxy" (corners) or "xywh" (COCO's x, y, width, height)."""
+    finite pixel numbers or a dict holding one under ``"bbox"`` (a COCO annotation); ``format``
+    "xyxy" (corners) or "xywh" (COCO's x, y, width, height). Anything else (rows of 5, a flat
+    list, inf or nan) is an error naming shard and key, never reshaped or clipped into boxes."""
 
     field: str
     key: str | None = None
@@ -119,13 +120,27 @@ class Boxes:
         check_choice("format", self.format, BOX_FORMATS)
 
     def stored(self, value) -> np.ndarray:
-        """The (N, 4) float64 boxes held by the field's decoded ``value``."""
+        """The (N, 4) float64 boxes held by the field's decoded ``value``; ValueError where it
+        is not rows of 4 finite numbers. Never reshaped: rows of 5 (``x0, y0, x1, y1, class``)
+        read as 4 would silently be other boxes, and an infinite corner a whole-image box."""
         if self.key is not None:
             value = value[self.key]
-        if isinstance(value, np.ndarray):
-            return value.astype(np.float64).reshape(-1, 4)
-        rows = [b["bbox"] if isinstance(b, Mapping) else b for b in value]
-        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+        try:
+            if isinstance(value, np.ndarray):
+                boxes = value.astype(np.float64)
+            else:
+                rows = [b["bbox"] if isinstance(b, Mapping) else b for b in value]
+                boxes = np.asarray(rows, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"holds no rows of numbers ({exc})") from None
+        if boxes.size == 0:
+            return np.empty((0, 4), dtype=np.float64)
+        if boxes.ndim != 2 or boxes.shape[1] != 4:
+            raise ValueError(f"holds boxes of shape {boxes.shape}, not (N, 4)")
+        if not np.isfinite(boxes).all():
+            bad = int(np.flatnonzero(~np.isfinite(boxes).all(axis=1))[0])
+            raise ValueError(f"box {bad} is {boxes[bad].tolist()}: not finite")
+        return boxes
 
 
 def sample_geometry(
@@ -166,9 +181,12 @@ def sample_geometry(
         try:
             stored = boxes.stored(extra[at])
         except (KeyError, TypeError, ValueError) as exc:
+            where = f"field {boxes.field!r}" + (f" at {boxes.key!r}" if boxes.key else "")
+            why = str(exc) if type(exc) is ValueError else f"holds no boxes ({exc!r})"
             raise SampleError(
-                f"{rec.shard}: sample {rec.key!r}: field {boxes.field!r} holds no boxes at "
-                f"{boxes.key!r} ({type(exc).__name__}: {exc}); each box is 4 numbers",
+                f"{rec.shard}: sample {rec.key!r}: {where} {why}; each box is 4 finite pixel "
+                "numbers (keep classes in another field or key: box_index maps the kept boxes "
+                'to them); fix it and re-pack, or pass on_error="skip"',
                 shard=rec.shard,
                 key=rec.key,
             ) from None

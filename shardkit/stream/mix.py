@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,7 @@ from .resume import (
     arrange,
     buffer_point,
     positions_to_slices,
+    progress_at,
     segment_streams,
 )
 from .shuffle import rng_for
@@ -58,6 +60,8 @@ __all__ = [
     "MixedSource",
     "MixLayout",
     "apportion",
+    "SPLIT_SALT",
+    "key_hashes",
     "split_members",
     "subset_members",
     "mix_worker_plan",
@@ -67,7 +71,7 @@ __all__ = [
 LABEL_MODES = ("keep", "union")
 SPLITS = ("train", "val")
 
-# Domain tags: the draws, the per-source buffers and key hashing never share a random stream.
+# Domain tags: the draws, the per-source buffers and the subset draw never share a random stream.
 _DRAW, _MIXBUF, _SUBSET = 0x3D1C, 0x3B0F, 0x5B5E
 
 
@@ -79,8 +83,9 @@ class Source:
     ``weight``: its share of every epoch (relative; all sources give one or none does, then
     shares follow source sizes). ``subset``: a fraction in (0, 1] of its samples, drawn once
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
-    "val", a seeded split by key hash that a re-pack of the same files leaves unchanged;
-    ``val_fraction`` of the samples are "val". ``storage_options``: fsspec options for URLs.
+    "val", by a hash of each key alone (``split_members``): the same for every seed, after a
+    re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val".
+    ``storage_options``: fsspec options for URLs.
     """
 
     path: str | os.PathLike | Sequence[str | os.PathLike]
@@ -91,23 +96,26 @@ class Source:
     storage_options: dict | None = None
 
     def __post_init__(self):
+        # Numbers are stored as Python floats: numpy scalars (np.float32 ...) are numbers too,
+        # and the checkpoint facts are JSON.
         w = self.weight
-        if w is not None and (
-            isinstance(w, bool)
-            or not isinstance(w, (int, float, np.number))
-            or not np.isfinite(w)
-            or w <= 0
-        ):
-            raise InputError(f"{self.name}: weight={w!r} must be a number > 0")
+        if w is not None:
+            if not is_number(w) or not np.isfinite(w) or w <= 0:
+                raise InputError(f"{self.name}: weight={w!r} must be a finite number > 0")
+            object.__setattr__(self, "weight", float(w))
         if self.split is not None and self.split not in SPLITS:
             raise InputError(f'{self.name}: split={self.split!r}: use "train" or "val"')
-        if not 0 < self.val_fraction < 1:
-            raise InputError(f"{self.name}: val_fraction={self.val_fraction!r} must be in (0, 1)")
+        f = self.val_fraction
+        if not is_number(f) or not 0 < f < 1:
+            raise InputError(f"{self.name}: val_fraction={f!r} must be a number in (0, 1)")
+        object.__setattr__(self, "val_fraction", float(f))
         s = self.subset
-        if isinstance(s, (str, bool)):
+        if isinstance(s, (str, bytes, bool, np.bool_)):
             raise InputError(f"{self.name}: subset={s!r}: give a fraction or a list of keys")
-        if isinstance(s, (int, float)) and not isinstance(s, bool) and not 0 < s <= 1:
-            raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
+        if is_number(s):
+            if not 0 < s <= 1:
+                raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
+            object.__setattr__(self, "subset", float(s))
 
     @property
     def name(self) -> str:
@@ -142,11 +150,29 @@ class MixedSource:
         return EpochLayout(counts, 0, 0, False, 0, "none")
 
 
+def is_number(value) -> bool:
+    """A real number, numpy scalars included; not a bool (``True`` is no weight or fraction)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def check_weights(weights: Sequence[float], names: Sequence[str]) -> None:
+    """Weights whose sum is a finite number: each finite one may still overflow the sum."""
+    with np.errstate(over="ignore"):
+        total = np.sum(np.asarray(weights, dtype=np.float64))
+    if not np.isfinite(total):
+        raise InputError(
+            f"the weights of {', '.join(names)} sum to more than a float holds ({weights!r}); "
+            "weights are relative: scale them down (e.g. 0.7 and 0.3)"
+        )
+
+
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
     """Largest-remainder shares of ``total`` by ``weights``: exact ints summing to ``total``
     (ties go to the earlier source, so the result is deterministic)."""
     w = np.asarray(weights, dtype=np.float64)
-    ideal = total * w / w.sum()
+    ideal = total * (w / w.sum())  # normalised first: a huge weight cannot overflow
     base = np.floor(ideal).astype(np.int64)
     rest = total - int(base.sum())
     order = np.argsort(-(ideal - base), kind="stable")
@@ -154,23 +180,29 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return base.tolist()
 
 
-def key_rank(keys: Sequence[str], seed: int) -> np.ndarray:
-    """Positions of ``keys`` sorted by a seeded hash of the key alone: depends on the keys, not on
-    where they were packed, so a re-pack of the same files gives the same order."""
-    salt = f"{seed}:{_SUBSET}:".encode()
+#: The split's salt: fixed, not the seed, so a sample's side depends on its key alone
+#: (FORMAT.md, "Train/val splits"); changing it would move samples between train and val.
+SPLIT_SALT = b"shardkit-split:"
+
+
+def key_hashes(keys: Sequence[str], salt: bytes = SPLIT_SALT) -> np.ndarray:
+    """uint64 per key: the first 8 bytes, big-endian, of BLAKE2b(``salt`` + the key's UTF-8)."""
     digests = [hashlib.blake2b(salt + k.encode("utf-8", "surrogateescape"), digest_size=8).digest()
                for k in keys]  # fmt: skip
-    h = np.frombuffer(b"".join(digests), dtype=">u8") if digests else np.empty(0, np.uint64)
-    return np.argsort(h, kind="stable")
+    if not digests:
+        return np.empty(0, np.uint64)
+    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
 
 
-def split_members(keys: Sequence[str], seed: int, split: str, val_fraction: float) -> np.ndarray:
-    """Positions of the ``split`` part: the ``round(val_fraction * N)`` keys first by seeded hash
-    are "val", the others "train"; ascending. Disjoint, covering, stable across re-packs."""
-    ranked = key_rank(keys, seed)
-    n_val = int(round(val_fraction * len(keys)))
-    part = ranked[:n_val] if split == "val" else ranked[n_val:]
-    return np.sort(part).astype(np.int64)
+def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.ndarray:
+    """Positions of the ``split`` part, ascending: a key is "val" when its hash is below
+    ``val_fraction * 2**64``, else "train". The side of a key depends on the key alone (not the
+    seed, its position or the other keys), so a re-pack keeps every sample on its side and a
+    grown dataset keeps every old one there; "val" holds about ``val_fraction`` of the keys
+    (exactly the count of hashes under the threshold)."""
+    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
+    val = key_hashes(keys) < threshold
+    return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
 
 
 def subset_members(
@@ -373,7 +405,7 @@ def mix_worker_plan(
         how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
         rng = layout.buffer_rng(world.rank, worker, number, i)
         plans.append(SourcePlan(slices, how, (point.steps, point.flushed), rng))
-    progress = Progress(state, worker, in_worker, done)
+    progress = progress_at(layout, state, total, worker, in_worker, done)
     return MixPlan(plans, src[done:], progress)
 
 

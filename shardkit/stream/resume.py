@@ -40,6 +40,7 @@ __all__ = [
     "WorkerPlan",
     "Progress",
     "dataset_facts",
+    "progress_at",
     "worker_plan",
     "rank_state",
     "worker_counts_state",
@@ -68,8 +69,10 @@ class Segment:
 
     ``batch_size``: the multiple worker parts were cut at (None: not cut at batches).
     ``delivered[w]``: samples worker w's stream has delivered (None where unknown: a DataLoader
-    worker knows only its own). ``slot0``: the plan worker that DataLoader worker 0 plays, so that
-    a DataLoader, whose round robin always starts at worker 0, continues where the old one was.
+    worker knows only its own); a finished worker's count may exceed the saving rank's part, so
+    that it reads as finished on every rank (``EpochLayout.finished``). ``slot0``: the plan
+    worker that DataLoader worker 0 plays, so that a DataLoader, whose round robin always starts
+    at worker 0, continues where the old one was.
     """
 
     world_size: int
@@ -263,6 +266,14 @@ class EpochLayout:
         lo, hi = worker_span(stop - start, worker, seg.num_workers, seg.batch_size)
         return start + lo, start + hi
 
+    def finished(self, total: int, seg: Segment, worker: int) -> int:
+        """The count a rank saves for worker ``worker`` once its part is done: its longest part
+        over the ranks. A rank's state stands for every rank, and under ``equalize="none"``
+        another rank's part may be a sample longer; a loop that ended on the saving rank ended
+        on every rank, so that sample must not be delivered again."""
+        spans = (self.span(total, r, seg, worker) for r in range(seg.world_size))
+        return max(hi - lo for lo, hi in spans)
+
     def planned(self, total: int, world_size: int) -> int:
         """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
         return world_size * (total // world_size) if self.equalize == "drop" else total
@@ -419,6 +430,8 @@ class Progress:
     worker: int  # the plan worker this process plays
     in_worker: bool  # a DataLoader worker: it knows only its own count
     delivered: int = 0
+    part: int | None = None  # this worker's part on this rank (None: not known)
+    finished: int = 0  # the count saved once the part is done (``EpochLayout.finished``)
 
     @property
     def epoch(self) -> int:
@@ -427,9 +440,21 @@ class Progress:
     def snapshot(self) -> EpochState:
         seg = self.state.segments[-1]
         counts = [None if self.in_worker else c for c in seg.delivered]
-        counts[self.worker] = self.delivered
+        done = self.part is not None and self.delivered >= self.part
+        counts[self.worker] = max(self.finished, self.delivered) if done else self.delivered
         last = replace(seg, delivered=tuple(counts))
         return replace(self.state, segments=self.state.segments[:-1] + (last,))
+
+
+def progress_at(
+    layout: EpochLayout, state: EpochState, total: int, worker: int, in_worker: bool, done: int
+) -> Progress:
+    """The progress of plan worker ``worker`` of ``state.rank`` on the last segment of
+    ``state`` (whose stream holds ``total`` positions), ``done`` samples delivered."""
+    seg = state.segments[-1]
+    lo, hi = layout.span(total, state.rank, seg, worker)
+    finished = layout.finished(total, seg, worker)
+    return Progress(state, worker, in_worker, done, part=hi - lo, finished=finished)
 
 
 def count_delivered(records: Iterable, progress: Progress) -> Iterator:
@@ -476,7 +501,8 @@ def worker_plan(
             layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
         )
         rng = buffer_rng(layout.seed, layout.epoch, world.rank, world.worker)
-        return WorkerPlan(slices, rng, (0, 0), None, Progress(start, world.worker, in_worker))
+        progress = progress_at(layout, start, layout.total, world.worker, in_worker, 0)
+        return WorkerPlan(slices, rng, (0, 0), None, progress)
     state = state.on_world(world.world_size, world.num_workers, batch_size)
     state = replace(state, rank=world.rank)
     seg, number = state.segments[-1], len(state.segments) - 1
@@ -503,7 +529,7 @@ def worker_plan(
     slices, keep = positions_to_slices(layout, positions)
     how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
     rng = _segment_rng(layout, world.rank, worker, number)
-    progress = Progress(state, worker, in_worker, done)
+    progress = progress_at(layout, state, total, worker, in_worker, done)
     return WorkerPlan(slices, rng, (point.steps, point.flushed), how, progress)
 
 
@@ -562,7 +588,7 @@ def rank_state(
         left.append(max(0, hi - lo - seg.delivered[w]))
     taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
     consumed = [min(t * batch_size, n) for t, n in zip(taken, left, strict=True)]
-    return _advanced(state, plays, consumed, nxt)
+    return _advanced(layout, total, state, plays, consumed, nxt)
 
 
 def worker_counts_state(
@@ -581,7 +607,9 @@ def worker_counts_state(
     stream (delivered or skipped as undecodable: a loader that is told of every skip, as
     ShardLoader is, counts exactly) and worker ``next_worker``'s batch is the next one due."""
     state, _, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
-    return _advanced(state, plays, consumed, next_worker)
+    one = len(state.segments) == 1  # the whole epoch: no stream to build for its length
+    total = layout.total if one else len(segment_streams(layout, state.segments))
+    return _advanced(layout, total, state, plays, consumed, next_worker)
 
 
 def _rank_start(layout, facts, base, rank, world_size, num_workers, cut):
@@ -595,11 +623,16 @@ def _rank_start(layout, facts, base, rank, world_size, num_workers, cut):
     return state, seg, [(seg.slot0 + slot) % num_workers for slot in range(num_workers)]
 
 
-def _advanced(state: EpochState, plays: list[int], consumed, nxt: int) -> EpochState:
+def _advanced(layout, total, state, plays, consumed, nxt) -> EpochState:
+    """``state`` after each plan worker ``plays[i]`` took ``consumed[i]`` more; a worker whose
+    part is done gets the count that says so on every rank (``EpochLayout.finished``)."""
     seg = state.segments[-1]
     delivered = list(seg.delivered)
     for slot, w in enumerate(plays):
         delivered[w] += consumed[slot]
+        lo, hi = layout.span(total, state.rank, seg, w)
+        if delivered[w] >= hi - lo:
+            delivered[w] = max(delivered[w], layout.finished(total, seg, w))
     last = replace(seg, delivered=tuple(delivered), slot0=plays[nxt])
     return replace(state, segments=state.segments[:-1] + (last,))
 

@@ -318,6 +318,35 @@ def test_corrupt_sample_skipped_and_counted_across_workers(corrupt):
     assert ds.skipped == 2
 
 
+@pytest.mark.parametrize(
+    ("kw", "shape"),
+    [
+        ({"decode": "pil"}, (64, 48)),
+        ({"decode": "tensor"}, (3, 48, 64)),
+        ({"decode": "tensor", "size": 16}, (3, 16, 16)),
+        ({"decode": "tensor", "size": 16, "crop": "random"}, (3, 16, 16)),
+    ],
+)
+def test_damaged_entropy_data_decodes_on_every_path_and_truncation_raises(tmp_path, kw, shape):
+    """As docs/stream.md says: a JPEG whose entropy-coded data is damaged but parses decodes on
+    every path (TurboJPEG refuses it, Pillow decodes it); a truncated one is a SampleError."""
+    good = io.BytesIO()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(good, "JPEG")
+    good = good.getvalue()
+    damaged = bytearray(good)
+    damaged[len(good) // 2 : len(good) // 2 + 4] = b"\xff\xd0\xff\xd1"
+    src = str(tmp_path / "shard-000000.tar")
+    w = get_format("tar").open_writer(src)
+    w.add("damaged", "jpg", bytes(damaged), 0)
+    w.add("cut", "jpg", good[: len(good) // 2], 0)
+    w.close()
+    ((image, _),) = list(ShardDataset(src, subset=["damaged"], **kw))
+    assert (image.size if kw["decode"] == "pil" else tuple(image.shape)) == shape
+    with pytest.raises(SampleError, match=r"shard-000000\.tar.*'cut'"):
+        list(ShardDataset(src, subset=["cut"], **kw))
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return str(dst)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -272,23 +273,66 @@ def test_split_is_disjoint_covering_and_stable_after_a_repack(tmp_path):
     first = _write(tmp_path / "one", "k", 500, "tar", "8KB")
     again = _write(tmp_path / "two", "k", 500, "lmdb", "1MB")  # the same keys, re-packed
 
-    def part(src, split):
-        ds = ShardDataset(src, decode="raw", with_keys=True, split=split, val_fraction=0.2)
-        return [s[2] for s in ds]
+    def part(src, split, seed=0):
+        ds = ShardDataset(
+            src, decode="raw", with_keys=True, split=split, val_fraction=0.2, seed=seed
+        )
+        assert len(ds) == len(keys := [s[2] for s in ds])  # len() is exact
+        return keys
 
     train, val = part(first, "train"), part(first, "val")
-    assert len(val) == 100 and len(train) == 400
+    assert 70 <= len(val) <= 130 and len(train) + len(val) == 500  # about a fifth
     assert not set(train) & set(val) and len(set(train) | set(val)) == 500
     assert set(part(again, "val")) == set(val)
     assert set(part(again, "train")) == set(train)
+    assert set(part(first, "val", seed=9)) == set(val)  # the seed shuffles; it moves no sample
 
 
-def test_split_members_depends_on_keys_not_positions():
+def test_split_members_depends_on_each_key_alone():
     keys = [f"s{i}" for i in range(1000)]
-    val = {keys[i] for i in split_members(keys, 0, "val", 0.1)}
+    val = {keys[i] for i in split_members(keys, "val", 0.1)}
     shuffled = list(reversed(keys))
-    assert {shuffled[i] for i in split_members(shuffled, 0, "val", 0.1)} == val
-    assert {keys[i] for i in split_members(keys, 1, "val", 0.1)} != val
+    assert {shuffled[i] for i in split_members(shuffled, "val", 0.1)} == val
+    grown = keys[::2] + [f"new{i}" for i in range(3000)]  # some keys gone, many added
+    assert {grown[i] for i in split_members(grown, "val", 0.1)} & set(keys) == val & set(grown)
+    # the documented rule (FORMAT.md): val iff the key's 64-bit BLAKE2b is below f * 2**64
+    rule = {
+        k for k in keys
+        if int.from_bytes(hashlib.blake2b(b"shardkit-split:" + k.encode(), digest_size=8)
+                          .digest(), "big") < 0.1 * 2**64
+    }  # fmt: skip
+    assert rule == val and 70 <= len(val) <= 130
+    wider = {keys[i] for i in split_members(keys, "val", 0.2)}
+    assert val < wider  # a larger fraction only moves samples from train to val
+
+
+def test_val_keys_stay_val_when_the_dataset_grows(tmp_path):
+    """Pack, note the val keys, append more images: every old sample keeps its side."""
+    from conftest import image_tree
+
+    from shardkit.write.packer import pack
+
+    image_tree(tmp_path / "v1", 60, classes=2)
+    out = tmp_path / "out"
+    pack(str(tmp_path / "v1"), str(out), format="tar", progress=False)
+
+    def sides():
+        got = {}
+        for split in ("train", "val"):
+            ds = ShardDataset(str(out), split=split, val_fraction=0.3, decode="raw", with_keys=True)
+            got.update((s[2], split) for s in ds)
+        return got
+
+    before = sides()
+    assert set(before.values()) == {"train", "val"}
+    more = tmp_path / "v2"
+    image_tree(more, 90, classes=2, size=(9, 7))
+    for path in more.rglob("*.jpg"):  # other file names: new keys, not the packed ones
+        path.rename(path.with_name("more_" + path.name))
+    pack(str(more), str(out), format="tar", append=True, progress=False)
+    after = sides()
+    assert len(after) == 150
+    assert {k: after[k] for k in before} == before
 
 
 def test_bad_mixture_arguments_are_clear_errors(mixdata):
@@ -305,6 +349,45 @@ def test_bad_mixture_arguments_are_clear_errors(mixdata):
         ShardDataset(big, epoch_size=0)
     with pytest.raises(InputError, match="wrap every path"):
         ShardDataset([Source(big), os.path.join(small, "x.lmdb")])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"epoch_size": float("nan")}, "epoch_size=nan must be a whole number"),
+        ({"epoch_size": float("inf")}, "epoch_size=inf must be a whole number"),
+        ({"epoch_size": 2.7}, "epoch_size=2.7 must be a whole number"),  # not cut to 2
+        ({"epoch_size": "7"}, "epoch_size='7' must be a whole number"),
+        ({"split": "val", "val_fraction": "0.1"}, "val_fraction='0.1' must be a number"),
+    ],
+)
+def test_mixture_settings_that_would_crash_or_be_cut_are_one_line_errors(mixdata, kw, match):
+    with pytest.raises(InputError, match=match) as err:
+        ShardDataset(mixdata[1], decode="raw", **kw)
+    assert "\n" not in str(err.value)
+
+
+def test_weights_whose_sum_overflows_are_refused(mixdata):
+    big, small = mixdata
+    with pytest.raises(InputError, match="sum to more than a float holds"):
+        ShardDataset([Source(big, weight=1e308), Source(small, weight=1e308)], decode="raw")
+    huge = ShardDataset([Source(big, weight=1e308), Source(small, weight=1e290)], epoch_size=100)
+    assert huge.shares == (100, 0)  # each weight finite, their sum too: shares, not a crash
+
+
+def test_numpy_numbers_are_numbers(mixdata):
+    big, small = mixdata
+    ds = ShardDataset(
+        [Source(big, weight=np.float32(0.7)), Source(small, weight=np.int64(3) / 10)],
+        decode="raw", epoch_size=np.int64(100),
+    )  # fmt: skip
+    assert ds.shares == (70, 30) and len(ds) == 100
+    assert json.loads(json.dumps(ds.state_dict()))  # the checkpoint facts are plain JSON
+    sub = ShardDataset(small, subset=np.float32(0.5), decode="raw", with_keys=True)
+    assert len(sub) == 150 and len({s[2] for s in sub}) == 150
+    assert len(ShardDataset(small, split="val", val_fraction=np.float64(0.5), decode="raw")) > 0
+    with pytest.raises(InputError, match="subset"):
+        ShardDataset(small, subset=np.bool_(True))
 
 
 def test_stratified_windows_hold_for_three_sources(tmp_path):

@@ -36,8 +36,9 @@ def _ds(two, **kw):
     kw.setdefault("seed", 5)
     kw.setdefault("buffer_size", 30)
     kw.setdefault("with_keys", True)
+    kw.setdefault("epoch_size", EPOCH)
     a, b = two
-    return ShardDataset([Source(a, weight=0.7), Source(b, weight=0.3)], epoch_size=EPOCH, **kw)
+    return ShardDataset([Source(a, weight=0.7), Source(b, weight=0.3)], **kw)
 
 
 def _keys(batches) -> list[list[str]]:
@@ -88,6 +89,26 @@ def test_shard_loader_mixture_elastic_resume(two):
         loader.load_state_dict(state)
         after += [key for b in _keys(loader) for key in b]
     assert Counter(before) + Counter(after) == Counter(s[2] for s in whole)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shard_loader_shorter_ranks_state_at_the_epochs_end_ends_it_everywhere(two, num_workers):
+    """equalize="none", 641 positions on 2 ranks (320 and 321): rank 0's ShardLoader state after
+    its last batch loads as the next epoch on rank 1 and on a world of one; nothing repeats."""
+    kw = dict(decode="tensor", size=8, equalize="none", epoch_size=EPOCH + 1)
+    for rank in range(2):
+        loader = ShardLoader(_ds(two, rank=rank, world_size=2, **kw), batch_size=B,
+                             num_workers=num_workers)  # fmt: skip
+        loader.set_epoch(2)
+        assert sum(len(b) for b in _keys(loader)) == EPOCH // 2 + rank
+        if rank == 0:
+            state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+    for rank, world in [(1, 2), (0, 1)]:
+        loader = ShardLoader(_ds(two, rank=rank, world_size=world, **kw), batch_size=B)
+        loader.load_state_dict(state)
+        assert loader.dataset.epoch == 3
+        loader.close()
 
 
 def _gloo_rank(rank: int, port: int, two, out_dir: str, stop: int):

@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from shardkit.errors import InputError
 from shardkit.formats import get_format
 from shardkit.manifest import read_manifest
-from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.resume import buffer_point, merge_worker_states, round_robin
 from shardkit.stream.shuffle import rng_for, shuffle_buffer
 from shardkit.stream.storage import LocalStorage
@@ -332,6 +332,43 @@ def test_resume_with_other_workers_or_batch_cut_delivers_the_rest_once(data, old
     after = _flat(_batches(DataLoader(ds2, batch_size=B, num_workers=new)))
     counts = Counter(before + after)
     assert len(counts) == N and set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+@pytest.mark.parametrize("how", ["in process", "batches", "stateful"])
+def test_shorter_ranks_state_at_the_epochs_end_ends_it_on_every_rank(data, how, mixture):
+    """equalize="none" on 2 ranks: rank 0 has 150 samples, rank 1 151. Rank 0's state after its
+    last batch stands for both: rank 1, and a world of one, go on to the next epoch instead of
+    delivering rank 1's last sample a second time."""
+    kw = dict(buffer_size=40, equalize="none", batch_size=B)
+    if mixture:
+        kw["epoch_size"] = N
+    src = [Source(data)] if mixture else data
+    for rank in range(2):
+        ds = _ds(src, rank=rank, world_size=2, **kw)
+        ds.set_epoch(5)
+        if how == "stateful":
+            loader = StatefulDataLoader(ds, batch_size=B, num_workers=2)
+            it = iter(loader)
+            steps = len(_flat([list(b[2]) for b in it]))
+            state = merge_worker_states(loader.state_dict())
+        else:
+            workers = 0 if how == "in process" else 2
+            batches = _batches(DataLoader(ds, batch_size=B, num_workers=workers))
+            steps = len(_flat(batches))
+            state = ds.state_dict() if workers == 0 else ds.state_dict(batches=len(batches),
+                                                                       num_workers=2)  # fmt: skip
+        assert steps == 150 + rank
+        if rank == 0:
+            saved = _roundtrip(state, "json")
+    fresh = _ds(src, **kw)
+    fresh.set_epoch(6)
+    for rank, world in [(0, 2), (1, 2), (0, 1)]:
+        ds = _ds(src, rank=rank, world_size=world, **kw)
+        ds.load_state_dict(saved)
+        assert ds.epoch == 6
+        if world == 1:
+            assert [s[2] for s in ds] == [s[2] for s in fresh]
 
 
 def _flat(batches):

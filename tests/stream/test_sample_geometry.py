@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import Boxes, ShardDataset, ShardWriter
 from shardkit.errors import InputError, SampleError
-from shardkit.images.geometry import CropBox, Geometry, TensorDecoder
+from shardkit.images.geometry import CropBox, Geometry, TensorDecoder, crop_boxes
 
 W, H = 90, 70  # under 256: image channel values are the pixel's own x and y
 
@@ -142,6 +142,49 @@ def test_boxes_from_an_npy_field_and_refusals(tmp_path):
         ShardDataset(str(out), decode="tensor", fields=("npy",), boxes=Boxes("npy"))
     with pytest.raises(InputError, match="format"):
         Boxes("npy", format="cxcywh")
+
+
+def _npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(array))
+    return buf.getvalue()
+
+
+def test_boxes_that_are_not_rows_of_4_finite_numbers_are_refused(tmp_path):
+    """Rows of 5 (x0, y0, x1, y1, class) are never reshaped into other boxes (4 rows of 5 are
+    20 numbers: 5 rows of 4), and an infinite corner never becomes a whole-image box."""
+    out = tmp_path / "boxes"
+    rows5 = [[1, 2, 30, 40, 3], [5, 5, 20, 20, 1], [0, 0, 9, 9, 2], [1, 1, 5, 5, 0]]
+    bad = {
+        "five": (_npy(np.array(rows5, np.float32)), {"b": [[1, 2, 3, 4]]}),
+        "json5": (_npy(np.zeros((0, 4))), {"b": rows5}),
+        "flat": (_npy(np.arange(8.0)), {"b": [[1, 2, 3, 4]]}),
+        "inf": (_npy([[-np.inf, -np.inf, np.inf, np.inf]]), {"b": [[1, 2, 3, 4]]}),
+        "nan": (_npy([[1, 2, 3, 4]]), {"b": [[1, 2, 3, 4], [float("nan"), 2, 3, 4]]}),
+    }
+    with ShardWriter(out, format="tar") as w:
+        w.write("ok", _position_image(), 0, npy=_npy([[10, 10, 50, 40]]), json={"b": []})
+        for key, (npy, meta) in bad.items():
+            w.write(key, _position_image(), 0, npy=npy, json=meta)
+    why = {"five": "shape \\(4, 5\\)", "json5": "shape \\(4, 5\\)", "flat": "shape \\(8,\\)",
+           "inf": "box 0 is .*not finite", "nan": "box 1 is .*not finite"}  # fmt: skip
+    wrong_in = {"npy": {"five", "flat", "inf"}, "json": {"json5", "nan"}}
+    for boxes in (Boxes("npy"), Boxes("json", key="b")):
+        field, wrong = boxes.field, wrong_in[boxes.field]
+        kw = dict(decode="tensor", size=16, fields=("npy", "json"), boxes=boxes, with_keys=True)
+        ds = ShardDataset(str(out), on_error="skip", **kw)
+        with pytest.warns(RuntimeWarning):
+            got = {s[2]: s for s in ds}
+        assert set(got) == {"ok", *bad} - wrong and ds.skipped == len(wrong)
+        for key in wrong:
+            match = rf"shard-000000\.tar: sample '{key}': field '{field}'.* {why[key]}"
+            with pytest.raises(SampleError, match=match):
+                list(ShardDataset(str(out), subset=[key], **kw))
+    assert got["ok"][5].shape == (0, 4)  # an empty list: no boxes
+    whole = CropBox(H, W, 0, 0, H, W, False)
+    with pytest.raises(ValueError, match=r"shape \(4, 5\), not \(N, 4\)"):
+        crop_boxes(rows5, whole, 16)  # the public function does not reshape either
+    assert crop_boxes([], whole, 16)[0].shape == (0, 4)
 
 
 def _seen(ds, workers):
