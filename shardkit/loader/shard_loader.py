@@ -87,7 +87,9 @@ class ShardLoader:
     (3, H, W) tensor and must return one of the same shape. ``num_workers``: worker processes,
     each reading the part a DataLoader worker with its id would (0: decode in the caller;
     default: usable CPUs less one). They start on the first iteration and stay until ``close()``
-    or the loader is collected. ``prefetch_factor``: batches each worker may have ready.
+    or the loader is collected; a worker done with its part of an epoch fills the first batches
+    of the next (``set_epoch``'s next epoch, checked at ``iter()``: dropped if another starts).
+    ``prefetch_factor``: batches each worker may have ready.
     ``device``: where batches go (None: stay on the CPU). ``channels_last``: that memory format
     (free on the CPU: it is how JPEG decodes). ``with_keys`` (default: the dataset's) adds the
     list of sample keys. ``drop_last`` drops the rank's one short batch. ``start_method``:
