@@ -16,7 +16,15 @@ This is the one place that decides when a slot may be written again (``_give_bac
 
 A worker needs as many slots as the consumer can hold of its batches at once plus the ones it
 may fill ahead (``slots_per_worker``); the consumer checks before every wait that the worker it
-waits on has a slot to fill, so a miscount is an error, never a hang.
+waits on has a slot to fill, so a miscount is an error, never a hang. When an iteration ends,
+every slot it still holds is given back (freed, or given fresh memory if the caller kept it).
+
+No bubble between epochs: each ``Start`` also names the epoch the workers fill ahead once their
+part is done (``next_epoch``: the one after, or the same one again for a loop that never calls
+``set_epoch``), under a generation of its own. The next iteration takes those batches only if it
+starts exactly that epoch from its beginning (no loaded state): it then uses that generation, so
+the batches are the ones the workers would fill for it anyway; any other start (another
+``set_epoch``, ``load_state_dict``) has a new generation, and the workers drop what they filled.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from ..stream.world import World
 from .fill import BOX_COLUMNS
 from .messages import Batch, End
 
-__all__ = ["Balance", "Epoch", "Position", "slots_per_worker"]
+__all__ = ["Balance", "Epoch", "Position", "next_epoch", "slots_per_worker"]
 
 #: decode_on="auto" never gives either side less than this share of the batches, so that both
 #: rates stay measured (a GPU busier with a larger model, a CPU freed by another job).
@@ -85,6 +93,13 @@ class Position:
     next_worker: int = 0
 
 
+def next_epoch(previous: int | None, current: int) -> int:
+    """The epoch the iteration after one of ``current`` most likely starts: ``current + 1`` (the
+    loop calls ``set_epoch`` each epoch), or ``current`` again where the iteration before also
+    started ``current`` from its beginning (a loop that never calls it repeats its epoch)."""
+    return current if previous == current else current + 1
+
+
 def slots_per_worker(prefetch_factor: int, ahead: int) -> int:
     """Batches a worker may have ready (``prefetch_factor``), plus those the consumer holds:
     ``ahead`` staged, the one yielded and the one before it (still the caller's loop variable
@@ -95,16 +110,17 @@ def slots_per_worker(prefetch_factor: int, ahead: int) -> int:
 class Epoch:
     """The consumer side of one iteration over ``loader``'s workers."""
 
-    def __init__(self, loader, workers, ring, gen: int, ahead: int):
+    def __init__(self, loader, workers, ring, ahead: int):
         ds = loader.dataset
         self.loader, self.workers, self.ring = loader, workers, ring
-        self.gen, self.ahead = gen, ahead
+        self.ahead = ahead
         self.n = max(1, loader.num_workers)
         self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
         resumes = [
             ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
             for w in range(self.n)
         ]
+        self.gen, fill_ahead = self._generations(resumes)
         # What the caller has received, for state_dict: records taken per worker, who is next.
         self.position = loader._position = Position(self.epoch, [0] * self.n)
         device = loader.device
@@ -127,9 +143,27 @@ class Epoch:
         self.balance = loader._balance if loader.decode_on == "auto" else None
         self._timing: deque = deque()  # CUDA decode events not yet read (auto)
         self.done = False
-        workers.start(gen, self.epoch, [r.to_dict() if r else None for r in resumes])
+        workers.start(
+            self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
+        )
         if self.balance is not None:
             workers.share(self.balance.sent)
+
+    def _generations(self, resumes: list) -> tuple[int, tuple[int, int] | None]:
+        """This iteration's generation: the one the workers filled ahead if it was for this
+        epoch from its beginning, else a new one; and (generation, epoch) to fill ahead next."""
+        loader, workers = self.loader, self.workers
+        fresh = all(r is None for r in resumes)
+        planned = workers.ahead
+        if fresh and planned is not None and planned[1] == self.epoch:
+            gen = planned[0]
+        else:
+            gen = loader._new_gen()
+        fill_ahead = None
+        if workers.fills_ahead and loader._overlap_epochs:
+            fill_ahead = (loader._new_gen(), next_epoch(loader._started, self.epoch))
+        loader._started = self.epoch if fresh else None
+        return gen, fill_ahead
 
     # --- drawing -----------------------------------------------------------------------------
 
@@ -151,6 +185,11 @@ class Epoch:
                         raise msg.error
                     live.remove(w)
                     continue
+                if msg.epoch != self.epoch:  # never a batch of another epoch
+                    raise ShardkitError(
+                        f"ShardLoader: worker {w} sent a batch of epoch {msg.epoch} in epoch "
+                        f"{self.epoch} (generation bug)"
+                    )
                 self.held[w].add(msg.slot)
                 for note in msg.notes:
                     warnings.warn(note, RuntimeWarning, stacklevel=4)
@@ -381,18 +420,19 @@ class Epoch:
             self.workers.free(worker, slot)
 
     def _abandon(self) -> None:
-        """The iteration ended (done, break, error): the slots the caller may still hold are
-        checked now, so the next ``Start`` finds every slot free or given fresh memory."""
+        """The iteration ended (done, break, error): every slot it holds goes back now (given
+        fresh memory if the caller keeps its batch), so the workers filling the next epoch
+        ahead have it, and the next ``Start`` finds every slot free."""
         if self.stream is not None:
             self.stream.synchronize()
         try:
             for w, slots in enumerate(self.held):
                 for slot in list(slots):
-                    if self.ring.kept(w, slot):
-                        self.workers.replace(w, slot)
-                slots.clear()
+                    self._give_back(w, slot)
         except Exception:  # the workers are gone (closed, or one died): nothing to give back
             pass
+        for slots in self.held:
+            slots.clear()
         if not self.done:
             self.workers.abandon()
 

@@ -84,6 +84,7 @@ class Filler:
                 t0 = time.perf_counter()
                 batch = self._pick()(slot, records, decoder)
                 batch.fill_s = time.perf_counter() - t0
+                batch.epoch = start.epoch
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     return
                 yield batch
@@ -237,12 +238,13 @@ class Filler:
         return extra
 
     def _bad(self, rec, exc: Exception, notes: list[str]) -> None:
-        """An undecodable sample: raised under ``on_error="raise"``, else noted and counted."""
+        """An undecodable sample: raised under ``on_error="raise"``, else noted. Counted in
+        ``ds.skipped`` when its batch is handed over (``count_skips``), not here: a batch filled
+        ahead for an epoch that does not come is never counted."""
         err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
         if self.ds.on_error == "raise":
             raise err from exc
         notes.append(f"skipped: {err}")
-        self.ds._skip_counter(self.worker)()
 
     def _fields(self) -> tuple[tuple[str, ...], tuple]:
         """The dataset's ``fields=`` and their decoders (None: the stored bytes)."""
@@ -318,6 +320,13 @@ class Filler:
     def forget(self, slot: int) -> None:
         """The slot's memory was replaced (the caller kept its batch)."""
         self._targets.pop(slot, None)
+
+    def count_skips(self, batch: Batch) -> None:
+        """``batch`` is handed over: its skipped samples (one note each) count in ``ds.skipped``."""
+        if batch.notes:
+            skipped = self.ds._skip_counter(self.worker)
+            for _ in batch.notes:
+                skipped()
 
 
 #: The two columns ``boxes=`` adds after the fields: (K, 4) xyxy boxes and their stored index.

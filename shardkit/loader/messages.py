@@ -4,6 +4,11 @@ Small picklable records over one duplex pipe per worker: the pixels never travel
 ring (``ring.py``); a batch is announced by its slot. Every epoch start carries a generation
 number and every reply echoes it, so replies of an abandoned iteration (break, a new ``iter()``)
 are recognised and dropped.
+
+A ``Start`` may name the generation and epoch to fill *ahead*: once its part of this epoch is done,
+the worker fills that epoch's first batches into the slots given back meanwhile and keeps their
+messages. A later ``Start`` of exactly that generation (which the loader sends only when the
+epoch is the one it would start, from its beginning) sends them; any other discards them.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ __all__ = ["Batch", "End", "Free", "Replace", "Share", "Start", "Stop"]
 @dataclass(frozen=True, slots=True)
 class Start:
     """Fill this worker's part of ``epoch`` (abandoning any earlier generation); every slot is
-    free. ``resume``: the worker's loaded state as plain data (``EpochState.to_dict``)."""
+    free, except those of batches filled ahead for this very generation. ``resume``: the
+    worker's loaded state as plain data (``EpochState.to_dict``). ``ahead``: (generation, epoch)
+    to fill ahead once this part is done (None: wait for the next ``Start``)."""
 
     gen: int
     epoch: int
     resume: dict | None = None
+    ahead: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,7 @@ class Batch:
     fill_s: float = 0.0  # the worker's time filling the slot (decode_on="auto" balances on it)
     # the dataset's fields= (decoded: str, objects, arrays), one list per field, a value per image
     fields: list[list] | None = None
+    epoch: int = -1  # the epoch it was filled for (the consumer checks it against its own)
 
 
 @dataclass(slots=True)

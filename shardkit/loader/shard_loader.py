@@ -36,6 +36,10 @@ __all__ = ["ShardLoader", "default_workers"]
 #: process on its device by nvImageCodec (the stored bytes in the ring; ``shardkit.images.device``).
 DECODE_ON = ("workers", "device", "auto")
 _FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the loader's files
+#: Workers done with their part of an epoch fill the next epoch's first batches meanwhile (see
+#: ``epoch.py``). Off: each epoch starts with the caller waiting for every worker's first batch
+#: (the benchmarks' comparison; a loader's own ``_overlap_epochs`` is read at each ``iter()``).
+OVERLAP_EPOCHS = True
 
 
 def default_workers() -> int:
@@ -83,7 +87,9 @@ class ShardLoader:
     (3, H, W) tensor and must return one of the same shape. ``num_workers``: worker processes,
     each reading the part a DataLoader worker with its id would (0: decode in the caller;
     default: usable CPUs less one). They start on the first iteration and stay until ``close()``
-    or the loader is collected. ``prefetch_factor``: batches each worker may have ready.
+    or the loader is collected; a worker done with its part of an epoch fills the first batches
+    of the next (``set_epoch``'s next epoch, checked at ``iter()``: dropped if another starts).
+    ``prefetch_factor``: batches each worker may have ready.
     ``device``: where batches go (None: stay on the CPU). ``channels_last``: that memory format
     (free on the CPU: it is how JPEG decodes). ``with_keys`` (default: the dataset's) adds the
     list of sample keys. ``drop_last`` drops the rank's one short batch. ``start_method``:
@@ -181,7 +187,9 @@ class ShardLoader:
         self._current: weakref.ref | None = None
         self._thread: weakref.ref | None = None  # the thread of the current iteration
         self._lock = threading.Lock()
-        self._gen = 0
+        self._gen = 0  # the last generation number given out (an iteration's, or filled ahead)
+        self._overlap_epochs = OVERLAP_EPOCHS
+        self._started: int | None = None  # the epoch the last iteration started from its beginning
         self._position: Position | None = None  # what the latest iteration yielded (state_dict)
         self._res = _Resources()
         weakref.finalize(self, self._res.close)
@@ -233,9 +241,8 @@ class ShardLoader:
         self._abandon()  # one live iteration at a time; the workers stay
         if res.workers is None:
             self._start_workers()
-        self._gen += 1
         try:
-            epoch = Epoch(self, res.workers, res.ring, self._gen, self._ahead)
+            epoch = Epoch(self, res.workers, res.ring, self._ahead)
         except BaseException:  # a worker died while idle: the next iteration starts afresh
             res.close()
             raise
@@ -307,6 +314,11 @@ class ShardLoader:
         except BaseException:  # nothing of a failed start stays open (descriptors, processes)
             res.close()
             raise
+
+    def _new_gen(self) -> int:
+        """A generation number never used before by this loader's workers."""
+        self._gen += 1
+        return self._gen
 
     def _device_decoder(self) -> DeviceDecoder:
         if self._decoder is None:

@@ -12,7 +12,13 @@ A worker that sends nothing for ``STALL_WARN_S`` (stopped, deadlocked in a trans
 about with its pid and state. Workers belong to the process that started them: a forked child
 of that process cannot talk to them (``ForeignLoaderError``) and never stops them.
 
-``LocalWorkers``: the same loop in the caller, for ``num_workers=0``.
+No bubble between epochs: a worker whose part of an epoch is done fills the first batches of the
+epoch the loader expects next (``Start.ahead``) into the slots the consumer gives back while it
+drains the rest, and keeps their messages; the next iteration takes them when it starts exactly
+that epoch from its beginning, and otherwise they are dropped and the slots are free again.
+
+``LocalWorkers``: the same loop in the caller, for ``num_workers=0`` (nothing runs while the caller
+is away, so nothing is filled ahead).
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ class _Fd:
 class LocalWorkers:
     """``num_workers=0``: the fill loop runs in the caller, one batch per draw."""
 
+    fills_ahead = False  # nothing runs between the caller's draws
+    ahead = None
+
     def __init__(self, dataset, spec: FillSpec, ring: Ring):
         self.ring = ring
         self.slots = MappedSlots(ring=ring)
@@ -91,7 +100,9 @@ class LocalWorkers:
         self._free: deque[int] = deque()
         self._batches = None
 
-    def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
+    def start(
+        self, gen: int, epoch: int, resumes: list[dict | None], ahead: tuple | None = None
+    ) -> None:
         self.abandon()
         self.gen = gen
         self._free = deque(range(self.ring.slots))
@@ -103,6 +114,7 @@ class LocalWorkers:
         except StopIteration:
             return End(self.gen, 0)
         batch.gen = self.gen
+        self.filler.count_skips(batch)
         return batch
 
     def free(self, worker: int, slot: int) -> None:
@@ -138,9 +150,13 @@ class LocalWorkers:
 class ProcessWorkers:
     """``num_workers`` persistent worker processes filling their slots of ``ring``."""
 
+    fills_ahead = True
+
     def __init__(self, dataset, spec: FillSpec, ring: Ring, start_method: str, timeout: float):
         self.ring, self.timeout = ring, timeout
         self.gen = -1
+        #: (generation, epoch) the workers fill ahead once their part of this one is done
+        self.ahead: tuple[int, int] | None = None
         self.owner = os.getpid()
         ctx = mp.get_context(start_method)
         forked = start_method == "fork"
@@ -173,10 +189,15 @@ class ProcessWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def start(self, gen: int, epoch: int, resumes: list[dict | None]) -> None:
-        self.gen = gen
+    def start(
+        self, gen: int, epoch: int, resumes: list[dict | None], ahead: tuple | None = None
+    ) -> None:
+        """Every worker fills its part of ``epoch`` as generation ``gen`` (a ``gen`` equal to
+        the last ``ahead``'s takes the batches filled ahead for it), then ``ahead``'s."""
+        self.gen, self.ahead = gen, ahead
         for w, resume in enumerate(resumes):
-            self._send(w, Start(gen, epoch, resume))  # a worker dead since the last epoch raises
+            # a worker dead since the last epoch raises
+            self._send(w, Start(gen, epoch, resume, ahead))
 
     def next(self, worker: int) -> Batch | End:
         """The next message of the current generation from ``worker`` (stale ones dropped)."""
@@ -284,7 +305,9 @@ class ProcessWorkers:
 
 
 class _Inbox:
-    """A worker's view of its pipe: free slots, and whether the loader has moved on."""
+    """A worker's view of its pipe: free slots, the generation it fills, and where that
+    generation's messages go: to the loader at once, or kept while it fills ahead (``kept``),
+    until a ``Start`` of that generation sends them or any other drops them."""
 
     def __init__(self, conn, parent: int, slots: MappedSlots, filler: Filler, count: int):
         self.conn, self.parent, self.slots, self.filler = conn, parent, slots, filler
@@ -292,29 +315,82 @@ class _Inbox:
         self.loader_end, self.loader_gone = _process_end(parent)
         self.free: deque[int] = deque()
         self.next: Start | Stop | None = None  # what ended the current generation
+        self.job: Start | None = None  # the generation being (or last) filled
+        self.kept: list | None = None  # filling ahead: its messages so far; None: sent at once
+        self.taken: int | None = None  # the slot acquired last, until its batch is delivered
+        self.failed = False  # the generation ended with an error: nothing is filled ahead
 
     def wait(self) -> Start | None:
-        """Block until the next epoch's ``Start`` (None: stop)."""
-        while self.next is None:
+        """The next generation to fill (None: stop): a new ``Start``; or, once a part is done
+        and sent, the epoch its ``Start`` said to fill ahead."""
+        while True:
+            if self.next is not None:
+                return self._begin()
+            job = self.job
+            if self.kept is None and not self.failed and job is not None and job.ahead:
+                self._drain()  # a Start already sent wins
+                if self.next is None:
+                    gen, epoch = job.ahead
+                    self.job, self.kept = Start(gen, epoch), []
+                    return self.job  # the free slots: those given back meanwhile
+                continue
             self._handle(self._recv())
-        return self._begin()
 
     def acquire(self) -> int:
         """A free slot; raises ``Abandon`` once a new ``Start`` or ``Stop`` has arrived."""
-        while self.conn.poll():
-            self._handle(self.conn.recv())
+        self._drain()
         while not self.free and self.next is None:
             self._handle(self._recv())
         if self.next is not None:
             raise Abandon
-        return self.free.popleft()
+        self.taken = self.free.popleft()
+        return self.taken
+
+    def deliver(self, msg: Batch | End) -> None:
+        """Send ``msg`` to the loader, or keep it while filling ahead."""
+        if isinstance(msg, End):
+            self.failed = msg.error is not None
+            if self.taken is not None:  # acquired for a batch that came out empty: still free
+                self.free.appendleft(self.taken)
+        self.taken = None
+        if self.kept is not None:
+            self.kept.append(msg)
+            return
+        if isinstance(msg, Batch):
+            self.filler.count_skips(msg)
+        self.conn.send(msg)
 
     def _begin(self) -> Start | None:
         msg, self.next = self.next, None
         if isinstance(msg, Stop):
             return None
         self.free = deque(range(self.count))  # the loader holds none of them now
+        self.job, self.kept, self.failed = msg, None, False  # anything filled ahead is dropped
+        self.taken = None
         return msg
+
+    def _adopts(self, msg: Start) -> bool:
+        """``msg`` starts the generation being filled ahead: keep filling it, for the loader."""
+        job = self.job
+        return (
+            self.kept is not None
+            and self.next is None
+            and msg.resume is None
+            and (msg.gen, msg.epoch) == (job.gen, job.epoch)
+        )
+
+    def _adopt(self, msg: Start) -> None:
+        """Send what was filled ahead; every slot not holding one of its batches is free (the
+        loader holds none of its own now)."""
+        kept, self.kept, self.job = self.kept, None, msg
+        busy = {m.slot for m in kept if isinstance(m, Batch)}
+        self.free = deque(s for s in range(self.count) if s not in busy)
+        for m in kept:
+            self.deliver(m)
+
+    def _drain(self) -> None:
+        while self.conn.poll():
+            self._handle(self.conn.recv())
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Free):
@@ -325,6 +401,8 @@ class _Inbox:
             self.free.append(msg.slot)
         elif isinstance(msg, Share):
             self.filler.share = msg.fraction
+        elif isinstance(msg, Start) and self._adopts(msg):
+            self._adopt(msg)
         else:  # Start, Stop
             self.next = msg
 
@@ -352,21 +430,26 @@ def _worker_main(dataset, spec: FillSpec, worker: int, conn, fds, parent: int, i
     try:
         start = inbox.wait()
         while start is not None:
-            try:
-                for batch in filler.run(start, inbox.acquire):
-                    batch.gen = start.gen
-                    conn.send(batch)
-                conn.send(End(start.gen, worker))
-            except Abandon:
-                pass
-            except Exception as exc:
-                cause = exc.__cause__ if isinstance(exc, TransformError) else None
-                conn.send(End(start.gen, worker, _sendable(exc), cause and _sendable(cause)))
+            _fill(filler, start, inbox, worker)
             start = inbox.wait()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the loader is gone
     finally:
         conn.close()
+
+
+def _fill(filler: Filler, start: Start, inbox: _Inbox, worker: int) -> None:
+    """One generation: its batches, then its ``End`` (with the error that stopped it early)."""
+    try:
+        for batch in filler.run(start, inbox.acquire):
+            batch.gen = start.gen
+            inbox.deliver(batch)
+        inbox.deliver(End(start.gen, worker))
+    except Abandon:
+        pass
+    except Exception as exc:
+        cause = exc.__cause__ if isinstance(exc, TransformError) else None
+        inbox.deliver(End(start.gen, worker, _sendable(exc), cause and _sendable(cause)))
 
 
 def _sendable(exc: BaseException) -> BaseException:

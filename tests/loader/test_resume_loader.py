@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import time
 from collections import Counter
 
 import pytest
@@ -122,3 +123,89 @@ def test_loader_len_is_exact_where_dataloader_len_lied(tmp_path):
         loader = ShardLoader(ds, batch_size=64, num_workers=3, drop_last=drop_last)
         sizes = [len(b[1]) for b in loader]
         assert len(sizes) == len(loader) == (33 if drop_last else 34)
+
+
+# --- checkpoints while the workers fill the next epoch ahead -----------------------------------
+
+
+class _Count:
+    """A transform counting the images the workers decode (one byte each in a file): it shows
+    when they have filled batches of the next epoch ahead."""
+
+    def __init__(self, path):
+        self.path = path
+        path.write_bytes(b"")
+
+    def __call__(self, img):
+        with open(self.path, "ab") as f:
+            f.write(b".")
+        return img
+
+    def seen(self) -> int:
+        return self.path.stat().st_size
+
+    def reaches(self, n: int) -> int:
+        deadline = time.monotonic() + 60  # only so that a failure ends
+        while self.seen() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.seen() >= n
+        return self.seen()
+
+
+def _counted(src, path, overlap=True):
+    count = _Count(path)
+    loader = _loader(src, 2, transform=count)
+    loader._overlap_epochs = overlap
+    return loader, count
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning")
+def test_a_checkpoint_while_the_workers_fill_the_next_epoch_resumes_exactly(data, tmp_path):
+    plain, _ = _counted(data, tmp_path / "plain", overlap=False)
+    plain.set_epoch(2)
+    full = _keys(plain)
+    k = len(full) - 2  # every worker has sent its last batch: its part of epoch 2 is done
+    plain.set_epoch(2)
+    it = iter(plain)
+    before = [list(next(it)[2]) for _ in range(k)]
+    expected = plain.state_dict()
+    plain.close()
+
+    loader, count = _counted(data, tmp_path / "count")
+    loader.set_epoch(2)
+    it = iter(loader)
+    assert [list(next(it)[2]) for _ in range(k)] == before
+    count.reaches(N + B)  # batches of epoch 3 are being filled
+    state = loader.state_dict()
+    assert state == expected  # epoch 2's position only
+    resumed = _loader(data, 2)
+    resumed.load_state_dict(_roundtrip(state, "json"))
+    rest = _keys(resumed)
+    assert before + rest == full  # nothing replayed, nothing skipped
+    loader.load_state_dict(state)  # the same loader: epoch 2 again, what was filled is dropped
+    assert _keys(loader) == rest
+    loader.set_epoch(3)
+    resumed.set_epoch(3)
+    assert _keys(loader) == _keys(resumed)
+    loader.close()
+    resumed.close()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_the_epoch_end_takes_the_next_epoch_filled_ahead(data, tmp_path):
+    plain = _loader(data, 2)
+    plain.set_epoch(3)
+    third = _keys(plain)
+    plain.close()
+    loader, count = _counted(data, tmp_path / "count")
+    loader.set_epoch(2)
+    assert sum(len(b) for b in _keys(loader)) == N
+    ahead = count.reaches(N + 2 * 4 * B) - N  # each worker's 4 slots hold a batch of epoch 3
+    state = loader.state_dict()
+    loader.load_state_dict(state)  # saved at the end: the next epoch, from its beginning
+    assert loader.dataset.epoch == 3
+    loader._overlap_epochs = False
+    assert _keys(loader) == third
+    loader.close()
+    assert ahead == 2 * 4 * B and count.seen() == 2 * N  # epoch 3's first batches were taken
