@@ -92,8 +92,9 @@ class ShardLoader:
     ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
     stored bytes; the training process decodes each batch with nvImageCodec on ``device``
     (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
-    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md). ``"auto"``: each batch
-    is decoded by its worker or on the device, in the proportion of their measured rates.
+    CPUs can feed (``pip install 'shardkit[gpu-cu13]'``, or ``gpu-cu12`` for a CUDA 12 torch;
+    see docs/loader.md). ``"auto"``: each batch is decoded by its worker or on the device, in
+    the proportion of their measured rates.
     With the dataset's ``fields=`` (text, objects, arrays), each batch is a dict: "image",
     "label", "key" (``with_keys``) and one list per field, decoded in the workers;
     ``collate(batch_dict)`` reshapes it.
