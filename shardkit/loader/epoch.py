@@ -46,6 +46,8 @@ __all__ = ["Balance", "Epoch", "FeedCounts", "Position", "slots_per_worker"]
 #: decode_on="auto" never gives either side less than this share of the batches, so that both
 #: rates stay measured (a GPU busier with a larger model, a CPU freed by another job).
 MIN_SHARE = 0.05
+#: ... and hands the workers all but that share when they alone outrun the caller by this factor.
+HEADROOM = 1.15
 
 #: decode_on="device"/"auto": stored-byte batches are decoded by one thread of the training
 #: process, batches ahead of the caller, not by the caller's own thread: nvImageCodec's calls
@@ -56,14 +58,19 @@ DECODE_THREAD = True
 
 @dataclass
 class Balance:
-    """``decode_on="auto"``: each side's measured seconds per image (exponential averages), and
-    the share of batches the workers decode that lets neither wait: the workers' combined rate
-    over both rates. Kept by the loader across epochs."""
+    """``decode_on="auto"``: each side's measured seconds per image (exponential averages), the
+    rate the caller takes images at, and the share of batches the workers decode. Where the
+    workers alone outrun the caller (by ``HEADROOM``: a model that bounds the step), they take
+    all but ``MIN_SHARE``, so the device's decode and resize take nothing from the model;
+    otherwise the workers' combined rate over both rates, so that neither side waits. Kept by
+    the loader across epochs."""
 
     worker_s: float | None = None  # one worker's time per image it decodes
     device_s: float | None = None  # the training process's time per image decoded on the device
+    demand: float | None = None  # images per second the caller takes
     sent: float = 0.5  # the share the workers were last told
     warm: set = field(default_factory=set)  # sides whose first (warm-up) batch has passed
+    last: float | None = None  # when the caller last took a batch (None: a new epoch)
 
     def note(self, side: str, seconds: float, count: int) -> None:
         if count <= 0 or seconds <= 0:
@@ -75,10 +82,19 @@ class Balance:
         old = getattr(self, side)
         setattr(self, side, per if old is None else 0.5 * old + 0.5 * per)
 
+    def taken(self, count: int, now: float) -> None:
+        """The caller took ``count`` images now (the time since the last is its step)."""
+        if self.last is not None and now > self.last:
+            rate = count / (now - self.last)
+            self.demand = rate if self.demand is None else 0.8 * self.demand + 0.2 * rate
+        self.last = now
+
     def share(self, workers: int) -> float:
         if self.worker_s is None or self.device_s is None:
             return self.sent
         cpu, device = workers / self.worker_s, 1.0 / self.device_s
+        if self.demand is not None and self.demand * HEADROOM <= cpu:
+            return 1.0 - MIN_SHARE
         return min(1.0 - MIN_SHARE, max(MIN_SHARE, cpu / (cpu + device)))
 
 
@@ -168,6 +184,7 @@ class Epoch:
         self.done = False
         workers.start(gen, self.epoch, [r.to_dict() if r else None for r in resumes])
         if self.balance is not None:
+            self.balance.last = None  # the pause between epochs is not a step
             workers.share(self.balance.sent)
 
     # --- drawing -----------------------------------------------------------------------------
@@ -433,6 +450,7 @@ class Epoch:
         batch; device decodes whose events have completed) and tell the workers a new share
         when it moved."""
         bal = self.balance
+        bal.taken(msg.count, time.perf_counter())
         if msg.offsets is None:
             bal.note("worker_s", msg.fill_s, msg.count)
         while self._timing and self._timing[0][1].query():

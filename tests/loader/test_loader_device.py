@@ -305,6 +305,23 @@ def test_auto_gives_the_device_most_batches_when_the_workers_are_slow(shards, mo
     assert share <= 0.35  # ~0.1 on a quiet machine; the device side is this process's CPU here
 
 
+def test_auto_leaves_the_device_alone_when_the_workers_outrun_the_caller(shards, monkeypatch):
+    """A model that bounds the step (a sleep per batch: ~40 images/s) takes fewer images than
+    the workers alone make (slowed to ~200 images/s, so the device is the faster side): the
+    device then decodes only the share that keeps its rate measured, taking nothing from the
+    model."""
+    _slowed_workers(monkeypatch, 0.01)
+    ds = _ds(shards, size=32, crop="center")
+    loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            time.sleep(0.05)
+    bal = loader._balance
+    loader.close()
+    assert bal.sent >= 0.9 and bal.demand < 100, (bal.sent, bal.demand)
+
+
 def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
     ds = _ds(shards, size=32, crop="center")
     keys, cpu = _epoch(ShardLoader(ds, 3, num_workers=2))
