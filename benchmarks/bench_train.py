@@ -303,11 +303,17 @@ def train(args) -> dict:
         for where in args.decode_on:  # ShardLoader once per decode_on ("workers": its default)
             feeders.append("ShardLoader" if where == "workers" else f"ShardLoader {where}")
         for feeder in [*feeders, "DataLoader"]:
-            batches = _feeder(feeder, urls, geo, n, args.batch, device)
+            sink: dict = {}
+            batches = _feeder(feeder, urls, geo, n, args.batch, device, sink)
             rows[feeder] = _steps(model, opt, batches, device, args.batch, args.steps)
+            if "loader" in sink:  # ShardLoader: where images were decoded, the trainer's CPU
+                rows[feeder]["feed"] = sink["loader"].feed_counts.as_dict()
+                if hasattr(sink["loader"], "_balance") and " auto" in feeder:
+                    rows[feeder]["share_to_workers"] = sink["loader"]._balance.sent
             print(
                 f"  {name:9s} {feeder:12s} {rows[feeder]['images_per_s']:8.0f} img/s  "
-                f"waiting {rows[feeder]['wait_share']:.3f} of step time",
+                f"waiting {rows[feeder]['wait_share']:.3f} of step time  "
+                f"{rows[feeder].get('feed', '')}",
                 flush=True,
             )
         gpu = rows["resident"]["images_per_s"]
@@ -317,8 +323,9 @@ def train(args) -> dict:
     return out
 
 
-def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device):
-    """An endless iterator of (images float NCHW channels_last normalised, labels) on device."""
+def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device, sink=None):
+    """An endless iterator of (images float NCHW channels_last normalised, labels) on device;
+    the ShardLoader built goes into ``sink["loader"]`` (its ``feed_counts``)."""
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEAN_STD)
     if kind == "resident":
         x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8, device=device)
@@ -339,6 +346,8 @@ def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device
             channels_last=True,
             decode_on=kind.split()[1] if " " in kind else "workers",
         )
+        if sink is not None:
+            sink["loader"] = loader
     else:
         loader = DataLoader(
             ds,

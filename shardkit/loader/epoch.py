@@ -34,13 +34,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..errors import ShardkitError
-from ..images.device import place
+from ..images.device import groups, resize_batch, versions_text
 from ..images.geometry import ShapeError
 from ..records import Record
 from ..stream.stages import sample_error
@@ -48,23 +49,36 @@ from ..stream.world import World
 from .fill import BOX_COLUMNS
 from .messages import Batch, End
 
-__all__ = ["Balance", "Epoch", "Position", "next_epoch", "slots_per_worker"]
+__all__ = ["Balance", "Epoch", "FeedCounts", "Position", "next_epoch", "slots_per_worker"]
 
 #: decode_on="auto" never gives either side less than this share of the batches, so that both
 #: rates stay measured (a GPU busier with a larger model, a CPU freed by another job).
 MIN_SHARE = 0.05
+#: ... and hands the workers all but that share when they alone outrun the caller by this factor.
+HEADROOM = 1.15
+
+#: decode_on="device"/"auto": stored-byte batches are decoded by one thread of the training
+#: process, batches ahead of the caller, not by the caller's own thread: nvImageCodec's calls
+#: hold their thread for ~60-150 us per image (hardware engine, measured on an H200), which on
+#: the training thread delays every step. False (benchmarks only): decode on the caller's thread.
+DECODE_THREAD = True
 
 
 @dataclass
 class Balance:
-    """``decode_on="auto"``: each side's measured seconds per image (exponential averages), and
-    the share of batches the workers decode that lets neither wait: the workers' combined rate
-    over both rates. Kept by the loader across epochs."""
+    """``decode_on="auto"``: each side's measured seconds per image (exponential averages), the
+    rate the caller takes images at, and the share of batches the workers decode. Where the
+    workers alone outrun the caller (by ``HEADROOM``: a model that bounds the step), they take
+    all but ``MIN_SHARE``, so the device's decode and resize take nothing from the model;
+    otherwise the workers' combined rate over both rates, so that neither side waits. Kept by
+    the loader across epochs."""
 
     worker_s: float | None = None  # one worker's time per image it decodes
     device_s: float | None = None  # the training process's time per image decoded on the device
+    demand: float | None = None  # images per second the caller takes
     sent: float = 0.5  # the share the workers were last told
     warm: set = field(default_factory=set)  # sides whose first (warm-up) batch has passed
+    last: float | None = None  # when the caller last took a batch (None: a new epoch)
 
     def note(self, side: str, seconds: float, count: int) -> None:
         if count <= 0 or seconds <= 0:
@@ -76,11 +90,46 @@ class Balance:
         old = getattr(self, side)
         setattr(self, side, per if old is None else 0.5 * old + 0.5 * per)
 
+    def taken(self, count: int, now: float) -> None:
+        """The caller took ``count`` images now (the time since the last is its step)."""
+        if self.last is not None and now > self.last:
+            rate = count / (now - self.last)
+            self.demand = rate if self.demand is None else 0.8 * self.demand + 0.2 * rate
+        self.last = now
+
     def share(self, workers: int) -> float:
         if self.worker_s is None or self.device_s is None:
             return self.sent
         cpu, device = workers / self.worker_s, 1.0 / self.device_s
+        if self.demand is not None and self.demand * HEADROOM <= cpu:
+            return 1.0 - MIN_SHARE
         return min(1.0 - MIN_SHARE, max(MIN_SHARE, cpu / (cpu + device)))
+
+
+@dataclass
+class FeedCounts:
+    """What a loader's iterations cost the training process (``ShardLoader.feed_counts``):
+    images delivered and the training thread's CPU seconds inside the loader (drawing, staging,
+    device decode and resize); with decode_on="device"/"auto", where each device-side image was
+    decoded: as its crop's region, whole on the device (region declined), or on this process's
+    CPU (declined whole: counted and warned about once)."""
+
+    delivered: int = 0
+    trainer_cpu_s: float = 0.0
+    region: int = 0
+    whole: int = 0
+    cpu: int = 0
+    warned: bool = False
+
+    def as_dict(self) -> dict:
+        per = self.trainer_cpu_s / self.delivered * 1e6 if self.delivered else None
+        return {
+            "delivered": self.delivered,
+            "trainer_cpu_us_per_image": per,
+            "device_region": self.region,
+            "device_whole": self.whole,
+            "device_cpu_fallback": self.cpu,
+        }
 
 
 @dataclass
@@ -142,11 +191,18 @@ class Epoch:
         self._cpu = None  # the CPU decoder for what the device decoder declines
         self.balance = loader._balance if loader.decode_on == "auto" else None
         self._timing: deque = deque()  # CUDA decode events not yet read (auto)
+        self._alive: dict = {}  # (worker, slot) -> nvImageCodec images the stream still reads
+        # stored-byte batches decoding on the decode thread, in order
+        self._pool = None
+        if self.decoder is not None and DECODE_THREAD:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-device-decode")
+        self._pending: deque = deque()
         self.done = False
         workers.start(
             self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
         )
         if self.balance is not None:
+            self.balance.last = None  # the pause between epochs is not a step
             workers.share(self.balance.sent)
 
     def _generations(self, resumes: list) -> tuple[int, tuple[int, int] | None]:
@@ -196,19 +252,44 @@ class Epoch:
                 yield msg
 
     def batches(self) -> Iterator[tuple]:
-        """The caller's iterator: slots -> (device) batches, ``ahead`` staged in advance."""
+        """The caller's iterator: slots -> (device) batches, ``ahead`` staged in advance. The
+        training thread's CPU between the caller's ``next`` and each batch is counted."""
         staged: deque = deque()
         drawn: deque = deque()
+        counts, clock = self.loader.feed_counts, time.thread_time
+        cpu0, seen0 = counts.cpu, counts.region + counts.whole + counts.cpu
+        began = clock()
         try:
             for msg in self._ready():
                 staged.append(self._stage(msg))
                 while len(staged) > self.ahead:
-                    yield self._finish(*staged.popleft(), drawn)
+                    item = self._staged(staged.popleft())
+                    out = self._finish(*item, drawn)
                     while len(drawn) > 1:
                         self._give_back(*drawn.popleft())
+                    counts.delivered += item[1][0].shape[0]
+                    counts.trainer_cpu_s += clock() - began
+                    yield out
+                    began = clock()
             while staged:
-                yield self._finish(*staged.popleft(), drawn)
+                item = self._staged(staged.popleft())
+                out = self._finish(*item, drawn)
+                counts.delivered += item[1][0].shape[0]
+                counts.trainer_cpu_s += clock() - began
+                yield out
+                began = clock()
             self.done = True
+            if counts.cpu > cpu0 and not counts.warned:
+                counts.warned = True
+                seen = counts.region + counts.whole + counts.cpu - seen0
+                warnings.warn(
+                    f"decode_on={self.loader.decode_on!r}: {counts.cpu - cpu0} of {seen} images "
+                    "decoded on the device side this epoch went to the training process's CPU "
+                    f"(nvImageCodec declined them whole; {versions_text()}); PNG, CMYK and "
+                    "damaged files go this way, JPEGs should not: see docs/loader.md",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         except GeneratorExit:  # break, or the caller's own exception: the workers stay
             raise
         except BaseException:  # a worker's error, a dead worker, Ctrl-C: stop every worker
@@ -217,12 +298,23 @@ class Epoch:
         finally:
             self._abandon()
 
+    def _staged(self, item):
+        """A staged batch, waiting for the decode thread where it is decoding there."""
+        if isinstance(item, Future):
+            self._pending.popleft()
+            return item.result()
+        return item
+
     def _stage(self, msg: Batch):
         """Start moving batch ``msg`` to the device and converting it there."""
         if self.balance is not None:
             self._rebalance(msg)
         if msg.offsets is not None:
-            return self._stage_encoded(msg)
+            if self._pool is None:
+                return self._stage_encoded(msg)
+            future = self._pool.submit(self._stage_encoded, msg)
+            self._pending.append(future)
+            return future
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
         images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
@@ -240,7 +332,7 @@ class Epoch:
                 if self.cuda:
                     copied = torch.cuda.Event()
                     copied.record(self.stream)
-                labels = labels.to(device, non_blocking=True)
+                labels = _pinned(labels, device)
             images = self._convert(images)
             if self.cuda:
                 ready = torch.cuda.Event()
@@ -272,13 +364,13 @@ class Epoch:
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         device = self.loader.device
-        return t if device is None else t.to(device, non_blocking=True)
+        return t if device is None else _pinned(t, device)
 
     def _stage_encoded(self, msg: Batch):
         """Decode batch ``msg``'s stored bytes on the device (``shardkit.images.device``): each
-        sample's crop region, resized, flipped and normalised into a new batch there. What the
-        device decoder declines is decoded by the CPU decoder with the same box; what neither
-        can decode is an error naming shard and key, or a counted skip."""
+        sample's crop region, then the batch resized, flipped and normalised in a few kernels
+        there. What the device declines whole is decoded by the CPU decoder with the same box;
+        what neither can decode is an error naming shard and key, or a counted skip."""
         loader, ds = self.loader, self.loader.dataset
         arr = self.ring.array(msg.worker, msg.slot, (msg.capacity,))
         offsets = msg.offsets
@@ -292,70 +384,119 @@ class Epoch:
                 began = torch.cuda.Event(enable_timing=True)
                 began.record(self.stream)
             t0 = time.perf_counter()
-            pixels, kept = self._decoded(bufs, msg, target)
+            decoded = self.decoder.decode(bufs, msg.boxes, self.stream)
+            pixels, kept = self._decoded(decoded, bufs, msg, target)
             dtype = torch.float32 if loader.normalize is not None else torch.uint8
             shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
             fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
             images = torch.empty(
                 (len(kept), 3, *shape), dtype=dtype, device=target, memory_format=fmt
             )
-            for j, (i, (crop, finished)) in enumerate(zip(kept, pixels, strict=True)):
-                box = msg.boxes[i]
-                if finished:
-                    images[j].copy_(crop)
-                else:
-                    place(crop, size, bool(box.flip) if box is not None else False, images[j])
-            if loader.normalize is not None:
-                images.mul_(self.scale).add_(self.shift)
+            if size is None:
+                self._place_whole(pixels, images)
+            else:
+                self._place_resized(pixels, kept, msg, size, images)
             labels = torch.tensor([msg.labels[i] for i in kept], dtype=torch.int64)
             tt = ds.target_transform
             if tt is not None:
                 labels = torch.utils.data.default_collate([tt(int(v)) for v in labels.tolist()])
             ready = copied = None
             if self.cuda:
-                labels = labels.to(target, non_blocking=True)
+                labels = _pinned(labels, target)
                 copied = torch.cuda.Event(enable_timing=timed)  # the decode read the slot
                 copied.record(self.stream)
                 ready = copied
                 if timed:
-                    self._timing.append((began, copied, len(kept)))
+                    self._timing.append((began, copied, len(kept), time.perf_counter() - t0))
+                if self._pool is not None:  # on the decode thread: wait here, not the caller
+                    copied.synchronize()
             elif timed:
                 self.balance.note("device_s", time.perf_counter() - t0, len(kept))
         keys = [msg.keys[i] for i in kept]
         fields = None if msg.fields is None else [[col[i] for i in kept] for col in msg.fields]
         out = self._output(images, labels, keys, fields)
         slot = (msg.worker, msg.slot)
-        if not self.cuda:  # decoded synchronously: the slot is done
-            self._give_back(*slot)
-            slot = None
+        if self.cuda:  # nvImageCodec's images live until the stream has read them
+            self._alive[slot] = decoded
+        # the slot goes back from the caller's thread (the workers' pipes are not shared
+        # between threads): after the copy's event on CUDA, two draws later on the CPU
         return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
 
-    def _decoded(self, bufs: list, msg: Batch, target: torch.device) -> tuple[list, list]:
-        """Each sample's (HWC crop, False) from the device decoder, or (finished CHW image,
-        True) from the CPU decoder where the device declined it; and the samples kept (not
-        skipped under ``on_error="skip"``)."""
+    def _decoded(self, decoded: list, bufs: list, msg: Batch, target) -> tuple[list, list]:
+        """Each kept sample's ``Crop`` from the device decoder, or its finished CHW image from
+        the CPU decoder where the device declined it whole; and the samples kept (not skipped
+        under ``on_error="skip"``)."""
+        counts = self.loader.feed_counts
         pixels, kept = [], []
-        for i, crop in enumerate(self.decoder.decode(bufs, msg.boxes, self.stream)):
-            finished = crop is None
-            if finished:  # declined by the device decoder: the CPU decodes it (or fails)
-                crop = self._decode_on_cpu(bufs[i], msg, i)
-                if crop is None:
+        for i, crop in enumerate(decoded):
+            if crop is None:  # declined whole by the device decoder: the CPU decodes it (or fails)
+                counts.cpu += 1
+                img = self._decode_on_cpu(bufs[i], msg, i)
+                if img is None:
                     continue
-                crop = crop.to(target, non_blocking=True)
-            pixels.append((crop, finished))
+                pixels.append(_pinned(img, target))
+            else:
+                if crop.whole:
+                    counts.whole += 1
+                else:
+                    counts.region += 1
+                pixels.append(crop)
             kept.append(i)
         return pixels, kept
+
+    def _place_whole(self, pixels: list, images: torch.Tensor) -> None:
+        """Full-size images (no ``size``): each copied as it is, then normalised."""
+        for j, p in enumerate(pixels):
+            if isinstance(p, torch.Tensor):
+                images[j].copy_(p)
+            else:
+                images[j].copy_(self.decoder.tensor(p).permute(2, 0, 1))
+        if self.loader.normalize is not None:
+            images.mul_(self.scale).add_(self.shift)
+
+    def _place_resized(self, pixels: list, kept: list, msg: Batch, size: int, images) -> None:
+        """The device crops resized as one batch per group of similar sizes
+        (``resize_batch``); the CPU decoder's finished images copied to their places."""
+        scale = shift = None
+        if self.loader.normalize is not None:
+            scale, shift = self.scale, self.shift
+        on_device = [j for j, p in enumerate(pixels) if not isinstance(p, torch.Tensor)]
+        crops = [pixels[j] for j in on_device]
+        for group in groups(crops):
+            where = [on_device[g] for g in group]
+            part = [crops[g] for g in group]
+            flips = [bool(msg.boxes[kept[j]].flip) for j in where]
+            padded = self.decoder.padded(part, images.device)
+            hs, ws = [c.h for c in part], [c.w for c in part]
+            if where == list(range(where[0], where[0] + len(where))):  # a run: in place
+                dest = images[where[0] : where[0] + len(where)]
+                resize_batch(padded, hs, ws, size, flips, dest, scale, shift)
+                continue
+            tmp = torch.empty(
+                (len(where), *images.shape[1:]), dtype=images.dtype, device=images.device
+            )
+            resize_batch(padded, hs, ws, size, flips, tmp, scale, shift)
+            images.index_copy_(0, _pinned(where, images.device, torch.int64), tmp)
+        for j, p in enumerate(pixels):
+            if isinstance(p, torch.Tensor):
+                if scale is not None:
+                    images[j].copy_(torch.addcmul(shift[0], p.float(), scale[0]))
+                else:
+                    images[j].copy_(p)
 
     def _rebalance(self, msg: Batch) -> None:
         """decode_on="auto": take this batch's measurement (a worker's fill time for a decoded
         batch; device decodes whose events have completed) and tell the workers a new share
         when it moved."""
         bal = self.balance
+        bal.taken(msg.count, time.perf_counter())
         if msg.offsets is None:
             bal.note("worker_s", msg.fill_s, msg.count)
         while self._timing and self._timing[0][1].query():
-            began, ended, count = self._timing.popleft()
-            bal.note("device_s", began.elapsed_time(ended) / 1000.0, count)
+            # the device's cost: its GPU time, or the training thread's (CPU fallbacks, nvImageCodec
+            # calls, copies) where that is longer
+            began, ended, count, host_s = self._timing.popleft()
+            bal.note("device_s", max(began.elapsed_time(ended) / 1000.0, host_s), count)
         share = bal.share(self.n)
         if abs(share - bal.sent) >= 0.02:
             bal.sent = share
@@ -412,6 +553,7 @@ class Epoch:
         return out
 
     def _give_back(self, worker: int, slot: int) -> None:
+        self._alive.pop((worker, slot), None)
         self.held[worker].discard(slot)
         if self.ring.kept(worker, slot):
             self.workers.replace(worker, slot)
@@ -422,9 +564,14 @@ class Epoch:
     def _abandon(self) -> None:
         """The iteration ended (done, break, error): every slot it holds goes back now (given
         fresh memory if the caller keeps its batch), so the workers filling the next epoch
-        ahead have it, and the next ``Start`` finds every slot free."""
+        ahead have it, and the next ``Start`` finds every slot free. The decode thread ends
+        first: nothing may still read a slot."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pending.clear()
         if self.stream is not None:
             self.stream.synchronize()
+        self._alive.clear()
         try:
             for w, slots in enumerate(self.held):
                 for slot in list(slots):
@@ -437,10 +584,10 @@ class Epoch:
             self.workers.abandon()
 
 
-def _one_size(pixels: list[tuple], msg: Batch, kept: list[int]) -> tuple[int, int]:
+def _one_size(pixels: list, msg: Batch, kept: list[int]) -> tuple[int, int]:
     """The (H, W) every full-size image of a batch without ``size`` shares (or a ShapeError
-    naming the first that differs)."""
-    sizes = [tuple(p.shape[1:]) if done else tuple(p.shape[:2]) for p, done in pixels]
+    naming the first that differs): a CPU-decoded CHW tensor's or a device ``Crop``'s."""
+    sizes = [tuple(p.shape[1:]) if isinstance(p, torch.Tensor) else (p.h, p.w) for p in pixels]
     if not sizes:
         return (0, 0)
     for i, hw in zip(kept, sizes, strict=True):
@@ -451,3 +598,12 @@ def _one_size(pixels: list[tuple], msg: Batch, kept: list[int]) -> tuple[int, in
                 "for fixed-size batches"
             )
     return sizes[0]
+
+
+def _pinned(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """Host values on ``device`` without stalling the host: a copy from pageable memory to a
+    GPU first waits for everything queued on the stream (a whole batch's copy or decode)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

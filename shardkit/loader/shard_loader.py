@@ -25,7 +25,7 @@ from ..errors import InputError, ShardkitError, check_choice
 from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
 from ..stream.fields import decode_field_image
-from .epoch import Balance, Epoch, Position, slots_per_worker
+from .epoch import Balance, Epoch, FeedCounts, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
 from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
@@ -98,8 +98,9 @@ class ShardLoader:
     ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
     stored bytes; the training process decodes each batch with nvImageCodec on ``device``
     (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
-    CPUs can feed (``pip install 'shardkit[gpu]'``; see docs/loader.md). ``"auto"``: each batch
-    is decoded by its worker or on the device, in the proportion of their measured rates.
+    CPUs can feed (``pip install 'shardkit[gpu-cu13]'``, or ``gpu-cu12`` for a CUDA 12 torch;
+    see docs/loader.md). ``"auto"``: each batch is decoded by its worker or on the device, in
+    the proportion of their measured rates.
     With the dataset's ``fields=`` (text, objects, arrays), each batch is a dict: "image",
     "label", "key" (``with_keys``) and one list per field, decoded in the workers;
     ``collate(batch_dict)`` reshapes it.
@@ -168,6 +169,9 @@ class ShardLoader:
         self.collate = collate
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
         self._balance = Balance()  # decode_on="auto": both sides' measured rates
+        #: What the iterations cost the training process, and where device-side images were
+        #: decoded (region, whole on the device, the CPU): ``feed_counts.as_dict()``.
+        self.feed_counts = FeedCounts()
         if decode_on != "workers":
             self._device_decoder()  # the missing extra is an error now, not at the first batch
         self.normalize = None
@@ -182,8 +186,9 @@ class ShardLoader:
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda and not torch.cuda.is_available():
             raise InputError(f"device={device!r} but CUDA is not available; use device='cpu'")
-        # Batches staged ahead of the one yielded: one with CUDA, so its copy overlaps the step.
-        self._ahead = 1 if cuda else 0
+        # Batches staged ahead of the one yielded: one with CUDA, so its copy overlaps the step;
+        # two where the training process decodes (its decode thread works during the step).
+        self._ahead = (2 if decode_on != "workers" else 1) if cuda else 0
         self._current: weakref.ref | None = None
         self._thread: weakref.ref | None = None  # the thread of the current iteration
         self._lock = threading.Lock()

@@ -86,7 +86,8 @@ def _full_scale_reference(path, size, seed, key_data, ds):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, workers):
+def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, workers, monkeypatch):
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")  # libjpeg's, as the reference
     geo = dict(size=48, crop="random", flip=True, seed=7)
     ds = _ds(shards, **geo)
     cpu_keys, cpu = _epoch(ShardLoader(ds, 5, num_workers=workers))
@@ -95,15 +96,17 @@ def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, worke
     assert keys == cpu_keys and len(keys) == N  # same samples, same order
     raw = {k: d for d, _, k in _ds(shards, decode="raw")}
     reference = _full_scale_reference(shards, 48, 7, raw, ds)
-    for k in keys:  # the same boxes and flips, decoded at full scale
-        assert torch.equal(dev[k], reference[k]), k
+    for k in keys:  # the same boxes and flips, decoded at full scale; the batch's float resize
+        # rounds where the CPU's uint8 kernel rounds its fixed-point sums: a level at most
+        assert (dev[k].int() - reference[k].int()).abs().max() <= 1, k
     diff = torch.stack([(dev[k].float() - cpu[k].float()).abs().mean() for k in keys])
     assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
     assert "nvImageCodec CPU backend" in repr(loader)
     loader.close()
 
 
-def test_full_size_images_without_size_equal_the_cpu_path(tmp_path):
+def test_full_size_images_without_size_equal_the_cpu_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")  # libjpeg's own pixels
     for i in range(6):
         d = tmp_path / "src" / "c"
         d.mkdir(parents=True, exist_ok=True)
@@ -238,7 +241,8 @@ def test_cuda_device_decoder_decodes_on_the_device_in_stream_order():
     data = simplejpeg.encode_jpeg(pixels, quality=100)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        (img,) = dec.decode([np.frombuffer(data, np.uint8)], [None], stream)
+        (crop,) = dec.decode([np.frombuffer(data, np.uint8)], [None], stream)
+        img = dec.tensor(crop)
         total = img.float().sum()  # queued behind the decode on the same stream
     stream.synchronize()
     assert img.is_cuda and tuple(img.shape) == (64, 64, 3)
@@ -300,7 +304,24 @@ def test_auto_gives_the_workers_most_batches_when_the_device_is_slow(shards, mon
 def test_auto_gives_the_device_most_batches_when_the_workers_are_slow(shards, monkeypatch):
     _slowed_workers(monkeypatch, 0.05)
     share = _auto_epochs(shards)
-    assert share <= 0.2
+    assert share <= 0.35  # ~0.1 on a quiet machine; the device side is this process's CPU here
+
+
+def test_auto_leaves_the_device_alone_when_the_workers_outrun_the_caller(shards, monkeypatch):
+    """A model that bounds the step (a sleep per batch: ~40 images/s) takes fewer images than
+    the workers alone make (slowed to ~200 images/s, so the device is the faster side): the
+    device then decodes only the share that keeps its rate measured, taking nothing from the
+    model."""
+    _slowed_workers(monkeypatch, 0.01)
+    ds = _ds(shards, size=32, crop="center")
+    loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            time.sleep(0.05)
+    bal = loader._balance
+    loader.close()
+    assert bal.sent >= 0.9 and bal.demand < 100, (bal.sent, bal.demand)
 
 
 def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
@@ -312,3 +333,171 @@ def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
     diff = torch.stack([(images[k].float() - cpu[k].float()).abs().mean() for k in keys])
     assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
     loader.close()
+
+
+# --- the batch's resize, fallbacks, counts ------------------------------------------------------
+
+
+def test_resize_batch_equals_torchs_antialiased_resize_image_by_image():
+    """Two batched products with ``aa_weights`` give what F.interpolate gives per image (float,
+    antialiased where the CPU path antialiases: any shrink), enlargements and flips included."""
+    g = torch.Generator().manual_seed(3)
+    size, n = 40, 12
+    hs = [7, 40, 41, 100, 33, 64, 200, 39, 80, 17, 120, 45]
+    ws = [90, 40, 12, 50, 33, 200, 64, 41, 19, 160, 120, 7]
+    flips = [bool(i % 3 == 1) for i in range(n)]
+    crops = [
+        torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+        for h, w in zip(hs, ws, strict=True)
+    ]
+    padded = torch.randint(0, 256, (n, max(hs), max(ws), 3), dtype=torch.uint8, generator=g)
+    for i, c in enumerate(crops):  # garbage around each crop: it must get no weight
+        padded[i, : hs[i], : ws[i]] = c
+    out = torch.empty((n, 3, size, size), dtype=torch.float32)
+    one, zero = torch.ones(1, 3, 1, 1), torch.zeros(1, 3, 1, 1)
+    device_decode.resize_batch(padded, hs, ws, size, flips, out, one, zero)
+    rounded = torch.empty((n, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    device_decode.resize_batch(padded, hs, ws, size, flips, rounded)
+    for i, c in enumerate(crops):
+        x = c.permute(2, 0, 1)[None].float()
+        x = x.flip(-1) if flips[i] else x
+        shrink = hs[i] > size or ws[i] > size
+        ref = torch.nn.functional.interpolate(
+            x, size=(size, size), mode="bilinear", antialias=shrink, align_corners=False
+        )[0]
+        assert (out[i] - ref).abs().max() < 0.02, i
+        assert torch.equal(rounded[i], ref.round().clamp(0, 255).to(torch.uint8)) or (
+            (rounded[i].int() - ref.round().int()).abs().max() <= 1
+        )
+
+
+def test_groups_bound_the_padded_batch():
+    crops = [device_decode.Crop(None, 0, 0, h, w) for h, w in [(10, 10)] * 5 + [(100, 100)]]
+    assert device_decode.groups(crops, limit=10 * 10 * 3 * 3) == [[0, 1, 2], [3, 4], [5]]
+    assert device_decode.groups(crops) == [[0, 1, 2, 3, 4, 5]]
+    mixed = [device_decode.Crop(None, 0, 0, h, w) for h, w in [(90, 80), (10, 12), (95, 70)]]
+    assert device_decode.groups(mixed, limit=2 * 95 * 80 * 3) == [[1, 0], [2]]  # by size
+
+
+def _declining(monkeypatch, regions=(), wholes=()):
+    """The real decoder at the library's boundary, made to decline what an old nvJPEG or a
+    backend without PNG refuses: every region ("all" in ``regions``) or the PNG's, and the
+    PNG's whole decode ("png" in ``wholes``)."""
+    real = device_decode.DeviceDecoder._pass
+    seen = {"region": 0, "whole": 0}
+
+    def _pass(self, buffers, boxes, stream):
+        out = real(self, buffers, boxes, stream)
+        for i, (buf, box) in enumerate(zip(buffers, boxes, strict=True)):
+            png = bytes(buf[:4]) == b"\x89PNG"
+            if box is not None and (png or "all" in regions):
+                out[i] = None
+                seen["region"] += 1
+            elif box is None and png and "png" in wholes:
+                out[i] = None
+                seen["whole"] += 1
+        return out
+
+    monkeypatch.setattr(device_decode.DeviceDecoder, "_pass", _pass)
+    return seen
+
+
+def test_a_declined_region_is_decoded_whole_on_the_device_and_cropped(shards, monkeypatch):
+    ds = _ds(shards, size=48, crop="random", flip=True, seed=5)
+    _, before = _epoch(ShardLoader(ds, 6, num_workers=0, decode_on="device"))
+    seen = _declining(monkeypatch, regions=("all",))
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")
+    loader = ShardLoader(ds, 6, num_workers=0, decode_on="device")
+    assert "fast upsampling" in repr(loader)  # the fancy option sets failed their probe
+    seen["region"] = 0
+    keys, dev = _epoch(loader)
+    counts = loader.feed_counts
+    assert seen["region"] == N and counts.whole == N and counts.region == 0 and counts.cpu == 0
+    for k in keys:  # the same box cut from the whole image: the same pixels
+        assert torch.equal(dev[k], before[k]), k
+
+
+def test_what_the_device_declines_whole_is_counted_and_warned_about_once(shards, monkeypatch):
+    _declining(monkeypatch, regions=(), wholes=("png",))
+    ds = _ds(shards, size=48, crop="center")
+    loader = ShardLoader(ds, 6, num_workers=0, decode_on="device")
+    with pytest.warns(RuntimeWarning, match=r"1 of 24 images .* training process's CPU"):
+        _epoch(loader)
+    counts = loader.feed_counts
+    assert (counts.cpu, counts.whole, counts.region) == (1, 0, 23)  # the PNG: declined twice
+    import warnings
+
+    loader.set_epoch(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per loader
+        _epoch(loader)
+    assert counts.cpu == 2 and counts.delivered == 2 * N
+    assert counts.as_dict()["trainer_cpu_us_per_image"] > 0
+
+
+def test_fast_upsampling_stays_within_the_bound_of_the_cpu_path(shards):
+    ds = _ds(shards, size=48, crop="random", flip=True)
+    keys, cpu = _epoch(ShardLoader(ds, 6, num_workers=0))
+    loader = ShardLoader(ds, 6, num_workers=0, decode_on="device")
+    assert "fast upsampling" in repr(loader)
+    dkeys, dev = _epoch(loader)
+    assert dkeys == keys
+    diff = torch.stack([(dev[k].float() - cpu[k].float()).abs().mean() for k in keys])
+    assert 0 < float(diff.mean()) <= MAX_MEAN_DIFFERENCE
+
+
+def test_upsampling_choice_is_checked(shards, monkeypatch):
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "smooth")
+    with pytest.raises(InputError, match="SHARDKIT_DEVICE_UPSAMPLING='smooth'"):
+        ShardLoader(_ds(shards, size=32), 4, decode_on="device")
+
+
+def test_a_torch_of_another_cuda_than_the_nvimagecodec_wheel_names_the_extra():
+    device_decode.check_cuda_match(13, [13])
+    device_decode.check_cuda_match(None, [12])  # a CPU torch: the CPU backend of either wheel
+    with pytest.raises(
+        Exception, match=r"CUDA 13 but nvidia-nvimgcodec-cu12 .*shardkit\[gpu-cu13\]"
+    ):
+        device_decode.check_cuda_match(13, [12])
+    with pytest.raises(Exception, match=r"shardkit\[gpu-cu12\]"):
+        device_decode.check_cuda_match(12, [13])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.slow
+def test_cuda_rrc_epoch_decodes_nothing_on_the_cpu_with_torchvision_imported_first(shards):
+    """torchvision's own older nvJPEG, loaded first as training scripts do, must not send
+    region decodes to the training process's CPU (a fresh process: import order matters)."""
+    pytest.importorskip("torchvision")
+    code = (
+        "import torchvision, sys, torch\n"
+        "from shardkit import ShardDataset, ShardLoader\n"
+        f"ds = ShardDataset({shards!r}, decode='tensor', size=48, crop='random', flip=True)\n"
+        "ld = ShardLoader(ds, 8, num_workers=2, decode_on='device', device='cuda')\n"
+        "n = sum(x.shape[0] for x, _ in ld)\n"
+        "c = ld.feed_counts\n"
+        "print(repr(ld)); print(c.as_dict())\n"
+        "jpegs = n - 2  # the PNG and the CMYK JPEG may be declined by GPU backends\n"
+        "assert c.region + c.whole >= jpegs and c.cpu <= 2, c\n"
+    )
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("upsampling", ["fancy", "fast"])
+def test_cuda_both_upsamplings_stay_within_the_bound_of_the_cpu_path(
+    shards, upsampling, monkeypatch
+):
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", upsampling)
+    ds = _ds(shards, size=48, crop="random", flip=True)
+    keys, cpu = _epoch(ShardLoader(ds, 6, num_workers=0))
+    loader = ShardLoader(ds, 6, num_workers=0, decode_on="device", device="cuda")
+    dkeys, dev = _epoch(loader)
+    assert dkeys == keys
+    diff = torch.stack([(dev[k].float().cpu() - cpu[k].float()).abs().mean() for k in keys])
+    assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE, (upsampling, float(diff.mean()))
+    assert loader.feed_counts.cpu <= 2  # the PNG and the CMYK JPEG at most

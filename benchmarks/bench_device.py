@@ -1,0 +1,515 @@
+#!/usr/bin/env python3
+"""Everything a lent GPU machine should measure, in one call: one JSON, a table printed last.
+
+Sections (``--sections``, default all; each is timed and its errors recorded, never fatal):
+
+- ``tests``: the CUDA tests (``pytest -k cuda tests/loader``), pass/fail counts.
+- ``probe``: nvImageCodec alone on a batch of random-resized-crop regions of the synthetic
+  ImageNet set, for each decoder option set (fancy upsampling, fancy on the hardware engine,
+  ``:fancy_upsampling=0``) and backend list: images decoded of the batch, images/s, and the
+  calling thread's CPU per image; whole-image decodes beside them; the nvJPEG files loaded.
+- ``pipeline``: shardkit's device path without a loader (``DeviceDecoder.decode``, the padded
+  batch, ``resize_batch``): images/s and the training thread's CPU per image, float16 against
+  float32 resize, and the mean difference per image from the CPU path (fancy and fast).
+- ``loader``: ShardLoader without a model, RRC-224 + flip, batch 256, epochs of ``--samples``:
+  decode_on workers / device / auto, images/s, ``feed_counts`` (where each image was decoded,
+  the trainer's CPU per image).
+- ``epochs``: the same loader (workers) on short epochs (``--short`` batches) back to back
+  against one long epoch: the bubble at each epoch boundary.
+- ``train``: ``bench_train.train`` (ResNet-18/50, bf16, channels_last) for each decode_on.
+
+torchvision is imported first (``--no-torchvision`` to skip), as every training script that
+takes its models from it does: it brings its own older nvJPEG, which decides nvImageCodec's
+answers. The data (``--imagenet``) is made on the machine when missing.
+
+    python benchmarks/bench_device.py --json $OUT/device.json
+    python benchmarks/bench_device.py --sections probe,pipeline --samples 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SECTIONS = ("tests", "probe", "pipeline", "loader", "cpu_backend", "epochs", "train")
+
+
+def _early_torchvision(argv: list[str]) -> bool:
+    if "--no-torchvision" in argv:
+        return False
+    try:
+        import torchvision  # noqa: F401  (first, as in training scripts)
+    except ImportError:
+        return False
+    return True
+
+
+TORCHVISION = _early_torchvision(sys.argv)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_loader import ensure  # noqa: E402
+from bench_train import MEAN_STD, replicated, usable_cpus  # noqa: E402
+
+from shardkit import ShardDataset, ShardLoader  # noqa: E402
+from shardkit.images import device as dev  # noqa: E402
+from shardkit.images.geometry import CropBox  # noqa: E402
+
+GEO = {"decode": "tensor", "size": 224, "crop": "random", "flip": True}
+
+
+def _records(shards: Path, n: int) -> tuple[list[np.ndarray], list[CropBox], list[tuple]]:
+    """``n`` samples' bytes, their RRC boxes, and (bytes, key) for the CPU path."""
+    ds = ShardDataset(str(shards), **GEO, with_keys=True)
+    dec = ds.tensor_decoder(0)
+    raw = ShardDataset(str(shards), decode="raw", shuffle=False, with_keys=True)
+    bufs, boxes, datas = [], [], []
+    for data, _, key in raw:
+        bufs.append(np.frombuffer(data, np.uint8))
+        boxes.append(dec.crop_box(data, key))
+        datas.append((data, key))
+        if len(bufs) == n:
+            break
+    return bufs, boxes, datas
+
+
+def _timed(fn, reps: int) -> tuple[float, float]:
+    """(seconds to the device's end, this thread's CPU seconds in the call itself: not the
+    final synchronize, which spins) per call, medians of ``reps`` after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    walls, cpus = [], []
+    for _ in range(reps):
+        t, c = time.perf_counter(), time.thread_time()
+        fn()
+        cpus.append(time.thread_time() - c)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+# --- sections ------------------------------------------------------------------------------------
+
+
+def tests(args) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-k",
+        "cuda",
+        "tests/loader",
+        "-p",
+        "no:cacheprovider",
+    ]
+    t = time.perf_counter()
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail), flush=True)
+    return {"rc": run.returncode, "tail": tail, "seconds": time.perf_counter() - t}
+
+
+def probe(args) -> dict:
+    nv = dev._nvimgcodec()
+    bufs, boxes, _ = _records(args.shards, args.batch)
+    kinds = nv.BackendKind
+    lists = {
+        "hw": [kinds.HW_GPU_ONLY],
+        "hybrid": [kinds.HYBRID_CPU_GPU],
+        "hw,cuda,hybrid": [kinds.HW_GPU_ONLY, kinds.GPU_ONLY, kinds.HYBRID_CPU_GPU],
+    }
+    stream = torch.cuda.Stream()
+    out: dict = {}
+    for opt_name, options in (
+        ("fancy", ""),
+        *[(n + "-" + o[:12], o) for n, o in dev.UPSAMPLING[1:]],
+    ):
+        for list_name, backends in lists.items():
+            name = f"{opt_name} [{list_name}]"
+            try:
+                decoder = nv.Decoder(
+                    device_id=0, backends=[nv.Backend(k) for k in backends], options=options
+                )
+            except Exception as exc:
+                out[name] = {"error": str(exc)[:200]}
+                continue
+            for what, regions in (("region", True), ("whole", False)):
+
+                def call(regions=regions, decoder=decoder):
+                    streams = []
+                    for b, box in zip(bufs, boxes, strict=True):
+                        cs = nv.CodeStream(b)
+                        if regions:
+                            cs = cs.get_sub_code_stream(
+                                region=nv.Region(
+                                    box.top, box.left, box.top + box.h, box.left + box.w
+                                )
+                            )
+                        streams.append(cs)
+                    return decoder.decode(streams, cuda_stream=stream.cuda_stream)
+
+                try:
+                    decoded = sum(1 for i in call() if i is not None)
+                    wall, cpu = _timed(call, args.reps)
+                    out[f"{name} {what}"] = {
+                        "decoded": decoded,
+                        "of": len(bufs),
+                        "images_per_s": len(bufs) / wall,
+                        "thread_cpu_us_per_image": cpu / len(bufs) * 1e6,
+                    }
+                except Exception as exc:
+                    out[f"{name} {what}"] = {"error": str(exc)[:200]}
+                print(f"  probe {name} {what}: {out[f'{name} {what}']}", flush=True)
+    out["nvjpeg"] = dev.nvjpeg_versions()
+    return out
+
+
+def pipeline(args) -> dict:
+    bufs, boxes, datas = _records(args.shards, args.batch)
+    ds = ShardDataset(str(args.shards), **GEO)
+    cpu_dec = ds.tensor_decoder(0)
+    cuda = torch.device("cuda")
+    out: dict = {"nvjpeg": None}
+    for upsampling in ("fancy", "fast"):
+        decoder = dev.DeviceDecoder(cuda, upsampling=upsampling)
+        stream = torch.cuda.Stream()
+        row: dict = {
+            "backend": decoder.backend,
+            "options": decoder.options,
+            "memcpy2d": decoder._copier is not None,
+        }
+        for dtype in (torch.float16, torch.float32):
+
+            def call(dtype=dtype, decoder=decoder, stream=stream):
+                with torch.cuda.stream(stream):
+                    crops = decoder.decode(bufs, boxes, stream)
+                    kept = [c for c in crops if c is not None]
+                    images = torch.empty((len(kept), 3, 224, 224), dtype=torch.uint8, device=cuda)
+                    padded = decoder.padded(kept, cuda)
+                    flips = [b.flip for b, c in zip(boxes, crops, strict=True) if c is not None]
+                    dev.resize_batch(
+                        padded,
+                        [c.h for c in kept],
+                        [c.w for c in kept],
+                        224,
+                        flips,
+                        images,
+                        dtype=dtype,
+                    )
+                return crops, images
+
+            crops, images = call()
+            wall, cpu = _timed(call, args.reps)
+            key = str(dtype).split(".")[-1]
+            row[key] = {
+                "images_per_s": len(bufs) / wall,
+                "thread_cpu_us_per_image": cpu / len(bufs) * 1e6,
+                "region": sum(1 for c in crops if c is not None and not c.whole),
+                "whole": sum(1 for c in crops if c is not None and c.whole),
+                "declined": sum(1 for c in crops if c is None),
+            }
+            # resize alone, on a padded batch already made
+            kept = [c for c in crops if c is not None]
+            padded = decoder.padded(kept, cuda)
+            flips = [b.flip for b, c in zip(boxes, crops, strict=True) if c is not None]
+
+            def resize(dtype=dtype, padded=padded, kept=kept, flips=flips):
+                dev.resize_batch(
+                    padded,
+                    [c.h for c in kept],
+                    [c.w for c in kept],
+                    224,
+                    flips,
+                    torch.empty((len(kept), 3, 224, 224), dtype=torch.uint8, device=cuda),
+                    dtype=dtype,
+                )
+
+            rw, rc = _timed(resize, args.reps)
+            row[key]["resize_ms_per_batch"] = rw * 1e3
+            row[key]["resize_thread_cpu_us_per_image"] = rc / len(kept) * 1e6
+            if dtype == torch.float16:
+                diffs = []
+                for i, ((d, key), c) in enumerate(zip(datas, crops, strict=True)):
+                    if c is None:
+                        continue
+                    ref = cpu_dec(d, key)
+                    j = sum(1 for cc in crops[:i] if cc is not None)
+                    diffs.append(float((images[j].cpu().float() - ref.float()).abs().mean()))
+                row["mean_diff_from_cpu_path"] = {
+                    "median": statistics.median(diffs),
+                    "worst": max(diffs),
+                    "mean": statistics.fmean(diffs),
+                }
+        out[upsampling] = row
+        print(f"  pipeline {upsampling}: {json.dumps(row)}", flush=True)
+    out["nvjpeg"] = dev.nvjpeg_versions()
+    out["auto"] = dev.DeviceDecoder(cuda).backend
+    return out
+
+
+def _urls(args, samples: int | None = None) -> list[str]:
+    per_copy = len(list(args.shards.glob("*.tar")))
+    count = sum(1 for _ in ShardDataset(str(args.shards), decode="raw", shuffle=False))
+    copies = max(1, -(-(samples or args.samples) // count))
+    dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
+    return replicated(args.shards, copies, dest)[: per_copy * copies]
+
+
+def _loader(urls, decode_on: str, workers: int, batch: int, device="cuda"):
+    ds = ShardDataset(urls, **GEO)
+    return ds, ShardLoader(
+        ds,
+        batch,
+        num_workers=workers,
+        device=device,
+        drop_last=True,
+        normalize=MEAN_STD,
+        channels_last=True,
+        decode_on=decode_on,
+    )
+
+
+def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
+    """``steps`` batches after ``warmup``: images/s, the calling thread's and the process's CPU
+    per image (the process: the decode thread and nvImageCodec's threads too)."""
+    it = iter(ld)
+    for _ in range(warmup):
+        next(it)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    counts0 = ld.feed_counts.as_dict()
+    t, c, p = time.perf_counter(), time.thread_time(), time.process_time()
+    for _ in range(steps):
+        next(it)
+    cpu, proc = time.thread_time() - c, time.process_time() - p
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    images = steps * batch
+    del it
+    return {
+        "images_per_s": images / wall,
+        "trainer_thread_cpu_us_per_image": cpu / images * 1e6,
+        "process_cpu_us_per_image": proc / images * 1e6,
+        "feed_counts": ld.feed_counts.as_dict(),
+        "feed_counts_at_start": counts0,
+        "share_to_workers": ld._balance.sent if ld.decode_on == "auto" else None,
+        "repr": repr(ld),
+    }
+
+
+def loader(args) -> dict:
+    from shardkit.loader import epoch as epoch_mod
+
+    urls = _urls(args)
+    n = args.workers or max(1, usable_cpus() - 1)
+    out: dict = {"workers": n}
+    for mode in [*args.decode_on, "device-nothread"]:
+        epoch_mod.DECODE_THREAD = mode != "device-nothread"
+        ds, ld = _loader(urls, mode.split("-")[0], n, args.batch)
+        try:
+            out[mode] = row = _drain(ld, args.warmup, args.steps, args.batch)
+        finally:
+            ld.close()
+            epoch_mod.DECODE_THREAD = True
+        print(
+            f"  loader {mode}: {row['images_per_s']:.0f} img/s, trainer thread CPU "
+            f"{row['trainer_thread_cpu_us_per_image']:.1f} us/img, process "
+            f"{row['process_cpu_us_per_image']:.0f}, {row['feed_counts']}",
+            flush=True,
+        )
+    return out
+
+
+def cpu_backend(args) -> dict:
+    """decode_on="device" on nvImageCodec's CPU backend (no GPU): the training thread's CPU."""
+    n = args.workers or max(1, usable_cpus() - 1)
+    ds, ld = _loader(_urls(args), "device", n, args.batch, device=None)
+    try:
+        row = _drain(ld, 2, 6, args.batch)
+    finally:
+        ld.close()
+    print(f"  cpu backend: {row}", flush=True)
+    return row
+
+
+def epochs(args) -> dict:
+    """Short epochs back to back against one long one, the same loader settings."""
+    n = args.workers or max(1, usable_cpus() - 1)
+    short_urls = [str(p) for p in sorted(args.shards.glob("*.tar"))]
+    long_urls = _urls(args, args.epoch_samples)
+    out: dict = {"workers": n}
+    for name, urls, count in (("long", long_urls, 1), ("short", short_urls, args.short_epochs)):
+        ds, ld = _loader(urls, "workers", n, args.batch)
+        next(iter(ld))  # workers started
+        images, t = 0, time.perf_counter()
+        for e in range(count):
+            ld.set_epoch(e + 1)
+            for x, _ in ld:
+                images += x.shape[0]
+        torch.cuda.synchronize()
+        out[name] = {"images_per_s": images / (time.perf_counter() - t), "images": images}
+        ld.close()
+    out["short_of_long"] = out["short"]["images_per_s"] / out["long"]["images_per_s"]
+    print(f"  epochs: {out}", flush=True)
+    return out
+
+
+def train(args) -> dict:
+    import bench_train
+
+    ns = argparse.Namespace(
+        device="cuda",
+        train=args.models,
+        imagenet=args.imagenet,
+        samples=args.samples,
+        train_workers=args.workers,
+        decode_on=args.decode_on,
+        batch=args.batch,
+        steps=args.train_steps,
+    )
+    return bench_train.train(ns)
+
+
+def _num(v: dict, key: str, fmt: str = ".0f") -> str:
+    x = v.get(key)
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def _summary_decode(r: dict) -> None:
+    for k, v in (r.get("probe") or {}).items():
+        if isinstance(v, dict) and "images_per_s" in v:
+            print(
+                f"probe {k:40s} {v['decoded']:3d}/{v['of']} {_num(v, 'images_per_s'):>6}/s "
+                f"cpu {_num(v, 'thread_cpu_us_per_image', '.1f')} us"
+            )
+    for up in ("fancy", "fast"):
+        row = (r.get("pipeline") or {}).get(up)
+        if row:
+            f16, f32 = row.get("float16", {}), row.get("float32", {})
+            print(
+                f"pipeline {up}: {row.get('options')!r} memcpy2d={row.get('memcpy2d')} "
+                f"{_num(f16, 'images_per_s')}/s cpu {_num(f16, 'thread_cpu_us_per_image', '.1f')}"
+                f" us resize {_num(f16, 'resize_ms_per_batch', '.2f')} ms "
+                f"(f32 {_num(f32, 'resize_ms_per_batch', '.2f')}) "
+                f"diff {row.get('mean_diff_from_cpu_path')}"
+            )
+
+
+def _summary_feed(r: dict) -> None:
+    rows = dict((r.get("loader") or {}).items())
+    rows["cpu-backend"] = r.get("cpu_backend") or {}
+    for k, v in rows.items():
+        if isinstance(v, dict) and "images_per_s" in v:
+            print(
+                f"loader {k:16s} {_num(v, 'images_per_s')}/s thread "
+                f"{_num(v, 'trainer_thread_cpu_us_per_image', '.1f')} us, process "
+                f"{_num(v, 'process_cpu_us_per_image')} us {v.get('feed_counts')} "
+                f"share {v.get('share_to_workers')}"
+            )
+    e = r.get("epochs") or {}
+    if "short_of_long" in e:
+        print(f"epochs short/long {e['short_of_long']:.3f} {e['short']} {e['long']}")
+    for model, feeders in (r.get("train") or {}).items():
+        for feeder, v in feeders.items() if isinstance(feeders, dict) else ():
+            if isinstance(v, dict) and "images_per_s" in v:
+                print(
+                    f"train {model} {feeder:20s} {_num(v, 'images_per_s')}/s of gpu "
+                    f"{_num(v, 'of_gpu_speed', '.3f')} wait {_num(v, 'wait_share', '.3f')} "
+                    f"{v.get('feed', '')}"
+                )
+
+
+def summary(r: dict) -> None:
+    """The figures that matter, last in the output (a lent machine's reply carries its end)."""
+    print("\n== summary", r.get("gpu"), r.get("cpus"), "cpus,", r.get("versions"))
+    print("tests:", (r.get("tests") or {}).get("tail", ["-"])[-1:])
+    _summary_decode(r)
+    _summary_feed(r)
+    for name in SECTIONS:
+        if isinstance(r.get(name), dict) and "error" in r[name]:
+            print(f"{name} ERROR: {r[name]['error'][-400:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--no-torchvision", action="store_true")
+    ap.add_argument("--imagenet", type=Path, default=Path("/tmp/shardkit-bench/imagenet"))
+    ap.add_argument("--per-class", type=int, default=100, help="synthetic ImageNet, 20 classes")
+    ap.add_argument("--samples", type=int, default=100_000, help="samples per long epoch")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=60, help="loader: timed batches")
+    ap.add_argument("--short-epochs", type=int, default=8)
+    ap.add_argument("--epoch-samples", type=int, default=20_000, help="epochs: the long one")
+    ap.add_argument("--workers", type=int)
+    ap.add_argument("--models", default="resnet18,resnet50")
+    ap.add_argument("--train-steps", type=int, default=100)
+    ap.add_argument(
+        "--decode-on", type=lambda s: s.split(","), default=["workers", "device", "auto"]
+    )
+    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_device.json")
+    args = ap.parse_args()
+    result: dict = {
+        "torchvision_first": TORCHVISION,
+        "cpus": usable_cpus(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "load_start": os.getloadavg(),
+    }
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+    try:
+        result["versions"] = dev.versions_text()
+    except Exception as exc:
+        result["versions"] = repr(exc)
+    wanted = args.sections.split(",")
+    if any(s != "tests" for s in wanted):
+        t = time.perf_counter()
+        from shardkit import synth
+
+        if not args.imagenet.exists():
+            synth.make_imagenet(
+                str(args.imagenet),
+                classes=20,
+                images_per_class=args.per_class,
+                workers=usable_cpus(),
+            )
+        args.shards = ensure(args.imagenet, "imagenet", 1.0)
+        result["data_s"] = time.perf_counter() - t
+    for name in SECTIONS:
+        if name not in wanted:
+            continue
+        t = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            result[name] = globals()[name](args)
+        except Exception:
+            result[name] = {"error": traceback.format_exc()[-2000:]}
+            print(result[name]["error"], flush=True)
+        result[name + "_s"] = time.perf_counter() - t
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    result["load_end"] = os.getloadavg()
+    result["versions_end"] = dev.versions_text()
+    args.json.write_text(json.dumps(result, indent=1, default=str))
+    summary(result)
+    print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
