@@ -255,8 +255,12 @@ class PackPlan:
         return self
 
     def _labels(self, rows) -> np.ndarray:
+        """The scan's labels (of ``rows``), as the dataset's: -1 ("no label") stays -1."""
         labels = self.scan.labels if rows is None else self.scan.labels[rows]
-        return labels if self.label_map is None else self.label_map[labels]
+        if self.label_map is None:
+            return labels
+        mapped = np.append(self.label_map, -1)  # index -1 reads the appended -1
+        return mapped[labels]
 
     def _task(self, lo: int, hi: int, whole: bool) -> ShardTask:
         a, b = int(self.starts[lo]), int(self.starts[hi])
