@@ -50,7 +50,14 @@ from ..fsutil import (
 )
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from ..scan import SourceScan, check_source_dir, field_files, inline_fields, scan_source
+from ..scan import (
+    SourceScan,
+    check_source_dir,
+    field_files,
+    inline_fields,
+    is_table,
+    scan_source,
+)
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -337,10 +344,8 @@ def plan_pack(
     scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
-        raise InputError(
-            f"{os.path.join(src, bad.path)}: {bad.reason}; remove or fix it, or pass "
-            'on_error="skip"'
-        )
+        where = bad.path if is_table(src) else os.path.join(src, bad.path)  # rows name the table
+        raise InputError(f'{where}: {bad.reason}; remove or fix it, or pass on_error="skip"')
     for cls in scan.empty_classes:
         warnings.warn(
             f"class folder {os.path.join(src, cls)!r} has no images; it keeps its label so labels "
