@@ -234,8 +234,9 @@ def test_two_parts_of_one_lmdb_read_side_by_side(mixdata):
 
 def test_labels_keep_or_union(mixdata):
     big, small = mixdata
-    kept = ShardDataset([Source(big), Source(small)], decode="raw", buffer_size=0)
-    assert kept.classes is None  # the sources disagree: labels stay each source's
+    with pytest.raises(InputError, match=r"small and .*big store labels under other class lists "
+                       r"\(\['y', 'z'\] and \['x', 'y'\]\).*labels=\"union\""):  # fmt: skip
+        ShardDataset([Source(big), Source(small)], decode="raw", buffer_size=0)
     union = ShardDataset([Source(big), Source(small)], decode="raw", labels="union", with_keys=True)
     assert union.classes == ["x", "y", "z"]
     for _, label, key in union:
@@ -328,3 +329,20 @@ def test_a_source_repacked_after_the_mixture_was_built_is_refused(tmp_path):
     _write(tmp_path / "a", "z/", 50, "tar", "40KB")  # the same names and sizes, other samples
     with pytest.raises(ShardFormatError, match="re-packed"):
         list(ds)
+
+
+def test_labels_keep_takes_class_lists_that_agree_label_by_label(tmp_path):
+    xy = _write(tmp_path / "xy", "a/", 6, "tar", "1MB", classes=("x", "y"))
+    xyz = _write(tmp_path / "xyz", "b/", 6, "lmdb", "1MB", classes=("x", "y", "z"))
+    yx = _write(tmp_path / "yx", "c/", 6, "tar", "1MB", classes=("y", "x"))
+    with ShardWriter(str(tmp_path / "none"), shard_size="1MB") as w:  # captions: no labels
+        for i in range(4):
+            w.add(f"d/{i}", "jpg", b"%d" % i, -1, {"txt": "a caption"})
+    ds = ShardDataset([Source(xy), Source(xyz)], decode="raw", with_keys=True)
+    assert ds.classes == ["x", "y", "z"]  # a longer list adds classes at the end, as merge does
+    assert sorted(label for _, label, _ in ds) == [0] * 5 + [1] * 5 + [2] * 2
+    with_none = ShardDataset([Source(xy), Source(str(tmp_path / "none"))], decode="raw")
+    assert with_none.classes is None and sorted(label for _, label in with_none)[:4] == [-1] * 4
+    with pytest.raises(InputError, match=r"yx and .*xyz store labels under other class lists"):
+        ShardDataset([Source(xyz), Source(yx)], decode="raw")
+    assert ShardDataset([Source(xyz), Source(yx)], labels="union").classes == ["x", "y", "z"]
