@@ -368,33 +368,71 @@ def is_table(src: str) -> bool:
     return str(src).lower().endswith(TABLE_SUFFIXES)
 
 
-def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
-    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line)."""
-    import csv
+#: The longest cell a CSV/TSV table may hold (a long caption); Python's csv module alone stops
+#: at 128 KiB. A longer cell is an error naming the table and line.
+MAX_TABLE_CELL = 64 << 20
 
+
+def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line).
+
+    UTF-8, with or without a byte-order mark (Excel's "CSV UTF-8" writes one). Whatever the
+    text holds, a row that cannot be read is an ``InputError`` naming the table and line."""
     try:
-        f = open(path, encoding="utf-8", newline="")
+        f = open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
         raise InputError(f"cannot read table {path!r}: {exc.strerror}") from None
     with f:
         try:
             if path.lower().endswith(".jsonl"):
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError as exc:
-                        raise InputError(f"{path}:{n}: not a JSON object ({exc})") from None
-                    if not isinstance(row, dict):
-                        raise InputError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
-                    yield n, row
-                return
-            reader = csv.DictReader(f, delimiter="\t" if path.lower().endswith(".tsv") else ",")
-            for row in reader:
-                yield reader.line_num, row
+                yield from _jsonl_rows(path, f)
+            else:
+                yield from _csv_rows(path, f, "\t" if path.lower().endswith(".tsv") else ",")
         except UnicodeDecodeError as exc:
             raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _jsonl_rows(path: str, f) -> Iterator[tuple[int, dict]]:
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            why = exc if isinstance(exc, ValueError) else "nested too deeply"
+            raise InputError(f"{path}:{n}: not a JSON object ({why})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
+        yield n, row
+
+
+def _csv_rows(path: str, f, sep: str) -> Iterator[tuple[int, dict]]:
+    """The rows of a CSV/TSV as dicts under its header; a row with more or fewer cells than
+    the header is refused (its cells would land under the wrong columns)."""
+    import csv
+
+    old = csv.field_size_limit(MAX_TABLE_CELL)
+    reader = csv.reader(f, delimiter=sep)
+    try:
+        header = next(reader, None)
+        for cells in reader:
+            if not cells:  # a blank line
+                continue
+            if len(cells) != len(header):
+                n = len(cells)
+                raise InputError(
+                    f"{path}:{reader.line_num}: {n} cell{'s' if n != 1 else ''} under a header "
+                    f"of {len(header)} ({', '.join(map(repr, header))}); give every row one cell "
+                    f"per column, in double quotes where it holds the separator {sep!r}"
+                )
+            yield reader.line_num, dict(zip(header, cells, strict=True))
+    except csv.Error as exc:
+        raise InputError(
+            f"{path}:{reader.line_num}: not a readable table row ({exc}; a cell may hold at "
+            f"most {MAX_TABLE_CELL >> 20} MiB); fix the row"
+        ) from None
+    finally:
+        csv.field_size_limit(old)
 
 
 def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
@@ -431,8 +469,9 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
             caption_col = _column(path, row, CAPTION_COLUMNS)
         rel = row.get(image_col)
         where = f"{path}:{line}"
-        if not isinstance(rel, str) or not rel:
-            scan.errors.append(SkippedFile(where, f"no image path in column {image_col!r}"))
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            why = "a NUL character in the image path" if rel and "\0" in rel else "no image path"
+            scan.errors.append(SkippedFile(where, f"{why} in column {image_col!r}"))
             continue
         rel = _inside(rel, base, real_base, where)
         ext = _image_ext(rel.rsplit("/", 1)[-1])
@@ -446,8 +485,7 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
             rels.append(rel)
             exts.append(ext)
             inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
-            label = row.get(LABEL_COLUMN)
-            names.append(None if label is None else str(label))
+            names.append(_label_of(row, where))
             lines.append(line)
     named = [n for n in names if n is not None]
     if named and len(named) != len(names):
@@ -465,6 +503,18 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
     return scan
 
 
+def _label_of(row: dict, where: str) -> str | None:
+    """A row's class name (None: the row has no label), refused where no manifest could hold
+    it as a class name."""
+    label = row.get(LABEL_COLUMN)
+    if label is None:
+        return None
+    name = str(label)
+    if "\0" in name:
+        raise InputError(f"{where}: label {name!r} holds a NUL character; fix the row")
+    return name
+
+
 def _row_fields(row: dict, image_col: str, caption_col: str | None) -> dict:
     """A row's fields: the caption as ``txt``, the other columns but label as ``json``."""
     fields: dict = {}
@@ -478,12 +528,21 @@ def _row_fields(row: dict, image_col: str, caption_col: str | None) -> dict:
 
 
 def _inside(rel: str, base: str, real_base: str, where: str) -> str:
-    """``rel`` normalised, if it names a file under ``base`` (links resolved); else refused."""
+    """``rel`` normalised relative to ``base``, if it names a file under ``base`` (links
+    resolved); else refused. An absolute path is taken when it lies under ``base``."""
     norm = os.path.normpath(rel).replace(os.sep, "/")
+    if os.path.isabs(norm):
+        norm = next(
+            (
+                os.path.relpath(norm, b).replace(os.sep, "/")
+                for b in (base, real_base)
+                if norm.startswith(b.rstrip(os.sep) + os.sep)
+            ),
+            "..",  # not under the root: refused below
+        )
     target = os.path.realpath(os.path.join(base, norm))
     if (
-        os.path.isabs(rel)
-        or norm == ".."
+        norm == ".."
         or norm.startswith("../")
         or not target.startswith(real_base.rstrip(os.sep) + os.sep)
     ):

@@ -221,7 +221,7 @@ class Filler:
         its image; without ``size=``, masks must have their image's size."""
         if not names:
             return ()
-        extra = decoded_fields(rec, names, decoders)
+        extra = decoded_fields(rec, names, decoders, self.ds.max_pixels)
         if self._moved is not None:
             return self._moved(rec, extra)
         height, width = image_size(rec.data) if masks else (0, 0)
@@ -261,7 +261,7 @@ class Filler:
         taken, boxes, notes = [], [], []
         for rec in records:
             try:
-                extra = decoded_fields(rec, names, decoders) if names else ()
+                extra = decoded_fields(rec, names, decoders, self.ds.max_pixels) if names else ()
                 box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
             except Exception as exc:
                 self._bad(rec, exc, notes)

@@ -732,11 +732,13 @@ def _as_sources(source, subset, split, val_fraction, storage_options) -> list[So
 
 
 def _mixed_classes(sources: Sequence[MixedSource], labels: str) -> list[str] | None:
-    """The dataset's class list. "keep": the sources' own list when they all agree (else None:
-    labels are each source's). "union": names merged in source order; labels mapped to it."""
-    lists = [s.classes for s in sources]
+    """The dataset's class list. "keep": stored labels as they are, so the sources' class lists
+    must agree label by label (a longer list may add classes at the end, as ``merge`` allows;
+    the longest is the dataset's; a source without a list, e.g. foreign tars or captions, is
+    not compared, and then there is none); two that disagree are refused, naming both.
+    "union": names merged in source order; labels mapped to it."""
     if labels == "keep":
-        return list(lists[0]) if lists[0] and all(c == lists[0] for c in lists) else None
+        return _kept_classes(sources)
     missing = [s.source.name for s in sources if not s.classes]
     if missing:
         raise InputError(
@@ -749,6 +751,26 @@ def _mixed_classes(sources: Sequence[MixedSource], labels: str) -> list[str] | N
             union.setdefault(name, len(union))
         s.labels = np.asarray([union[n] for n in s.classes], dtype=np.int64)
     return list(union)
+
+
+def _kept_classes(sources: Sequence[MixedSource]) -> list[str] | None:
+    named = [s for s in sources if s.classes]
+    longest = max(named, key=lambda s: len(s.classes), default=None)
+    for s in named:
+        if tuple(longest.classes[: len(s.classes)]) != tuple(s.classes):
+            raise InputError(
+                f"{s.source.name} and {longest.source.name} store labels under other class "
+                f"lists ({_shown(s.classes)} and {_shown(longest.classes)}), so a stored label "
+                'would mean two classes: pass labels="union" (maps them by name)'
+            )
+    if longest is None or len(named) < len(sources):
+        return None
+    return list(longest.classes)
+
+
+def _shown(classes: Sequence[str], most: int = 6) -> str:
+    names = ", ".join(map(repr, classes[:most]))
+    return f"[{names}{', ...' if len(classes) > most else ''}]"
 
 
 def _describe(source) -> str:

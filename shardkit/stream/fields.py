@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
+from ..images.decode import DEFAULT_MAX_PIXELS, check_pixels
 from ..images.geometry import BOX_FORMATS, crop_boxes, crop_mask
 from ..records import Record
 
@@ -36,16 +37,19 @@ __all__ = [
 FieldDecoder = Callable[[bytes], Any] | None
 
 
-def decode_field_image(data: bytes):
+def decode_field_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS):
     """uint8 CHW tensor of an image field, values as stored: a mask keeps its class indices.
 
     Greyscale (``L``) and palette (``P``) images give one channel (a palette image its indices,
     not its colours), RGB three, RGBA four; other modes (16-bit, CMYK ...) are converted to RGB.
+    A header declaring more than ``max_pixels`` pixels (the dataset's) is refused before any
+    pixel is decoded, as for the sample's image: a small PNG may declare 13000x13000.
     """
     import torch
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
+        check_pixels(img.size[1], img.size[0], max_pixels)
         if img.mode not in ("L", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
         array = np.array(img, dtype=np.uint8)  # a copy: writable, as torch wants

@@ -9,6 +9,7 @@ temporary name first.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterator
@@ -69,22 +70,44 @@ def show_lines(view: ShardView, key: str) -> Iterator[str]:
             yield f"{escape(ext)}: {len(data)} bytes"
 
 
+#: The longest file name ``safe_name`` gives (bytes), leaving room under the usual 255-byte
+#: limit for the temporary name it is first written under.
+MAX_NAME = 200
+
+
 def safe_name(key: str, ext: str) -> str:
     """A file name for member ``ext`` of sample ``key`` that is one plain name: every character
-    but letters, digits, ``-``, ``_`` and ``.`` becomes ``_`` (separators too), no leading dot."""
+    but letters, digits, ``-``, ``_`` and ``.`` becomes ``_`` (separators too), no leading dot.
+    A name longer than ``MAX_NAME`` keeps its start and gets ``~<hash of the key>`` before the
+    extension, so two long keys still get two names and one sample's members share a stem."""
     stem = re.sub(r"[^\w.-]", "_", key, flags=re.ASCII).lstrip(".") or "sample"
     tail = re.sub(r"[^\w.-]", "_", ext, flags=re.ASCII).strip(".") or "bin"
-    return f"{stem}.{tail}"
+    name = f"{stem}.{tail}"
+    if len(name) <= MAX_NAME:
+        return name
+    cut = len(tail) > MAX_NAME // 2  # a huge extension is cut too: the hash then covers it
+    text = f"{key}\0{ext}" if cut else key
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    tail = tail[: MAX_NAME // 2]
+    return f"{stem[: MAX_NAME - len(tail) - 18]}~{digest[:16]}.{tail}"
 
 
 def write_members(view: ShardView, key: str, folder: str) -> list[str]:
     """Write each member of the sample ``key`` into ``folder`` (made if missing); returns the
-    paths. An existing file is not replaced (OutputError naming it)."""
+    paths. An existing file is not replaced (OutputError naming it), nor is anything left
+    half-written: a folder that cannot be made or written is an ``OutputError`` naming it."""
     i = view.index(key)
-    os.makedirs(folder, exist_ok=True)
+    members = view.members(i)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot make the folder {folder!r} ({exc.strerror or exc}); pass --to a folder "
+            "you can write"
+        ) from None
     root = os.path.realpath(folder)
     written = []
-    for ext, data in view.members(i):
+    for ext, data in members:
         path = os.path.join(root, safe_name(key, ext))
         if os.path.dirname(os.path.realpath(path)) != root:  # cannot happen: one plain name
             raise OutputError(f"{escape(key)}: refusing to write outside {folder}")
@@ -92,15 +115,25 @@ def write_members(view: ShardView, key: str, folder: str) -> list[str]:
             raise OutputError(
                 f"{path} exists; remove it or pass another --to folder (nothing was replaced)"
             )
-        tmp = os.path.join(root, f".{os.path.basename(path)}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.rename(tmp, path)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise
+            _write_new(root, path, data)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write {path!r} ({exc.strerror or exc}); pass --to a folder you can write"
+            ) from None
         written.append(os.path.join(folder, os.path.basename(path)))  # as the user named it
     return written
+
+
+def _write_new(root: str, path: str, data: bytes) -> None:
+    """``data`` at ``path`` through a temporary name (never a half-written file there)."""
+    tmp = os.path.join(root, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise

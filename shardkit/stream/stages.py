@@ -25,6 +25,7 @@ from ..errors import (
 from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
+from .fields import decode_field_image
 from .storage import Storage
 
 __all__ = [
@@ -337,7 +338,7 @@ def decode_records(
     for rec in records:
         try:
             if field_decoders is not None:
-                extra = decoded_fields(rec, names, field_decoders)
+                extra = decoded_fields(rec, names, field_decoders, max_pixels)
             img = _image(rec, mode, decoder, max_pixels)
             if geometry is not None:
                 extra = geometry(rec, extra)
@@ -364,8 +365,14 @@ def _image(rec: Record, mode: str, decoder, max_pixels: int | None):
     return decoder(rec.data, rec.key)
 
 
-def decoded_fields(rec: Record, names: Sequence[str], decoders: Sequence) -> tuple:
-    """The sample's fields, each decoded; a missing or undecodable one is a ``SampleError``."""
+def decoded_fields(
+    rec: Record,
+    names: Sequence[str],
+    decoders: Sequence,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+) -> tuple:
+    """The sample's fields, each decoded; a missing or undecodable one is a ``SampleError``.
+    An image field (a mask) is held to ``max_pixels`` as the sample's image is."""
     have = rec.fields or {}
     out = []
     for name, decode in zip(names, decoders, strict=True):
@@ -381,7 +388,10 @@ def decoded_fields(rec: Record, names: Sequence[str], decoders: Sequence) -> tup
             out.append(data)
             continue
         try:
-            out.append(decode(data))
+            if decode is decode_field_image:
+                out.append(decode(data, max_pixels))
+            else:
+                out.append(decode(data))
         except Exception as exc:
             raise SampleError(
                 f"{rec.shard}: sample {rec.key!r}: field {name!r} cannot be decoded "

@@ -156,7 +156,7 @@ class ShardView(Dataset):
     def __getitem__(self, i) -> tuple:
         rec = self.record(i)
         if self.field_decoders is not None:
-            extra = decoded_fields(rec, self.fields, self.field_decoders)
+            extra = decoded_fields(rec, self.fields, self.field_decoders, self.max_pixels)
         if self.decode == "raw":
             img = rec.data
         else:

@@ -105,6 +105,7 @@ def index_shards(
     entries: dict[str, list[ShardEntry]] = {d: [] for d in by_dir}
     labels: set[int] = set()
     imageless: dict[str, int] = dict.fromkeys(by_dir, 0)
+    fields: dict[str, dict[str, int]] = {d: {} for d in by_dir}
     for p in track(files, "index", "shard", enabled=progress):
         d = os.path.dirname(os.path.abspath(p))
         try:
@@ -113,10 +114,12 @@ def index_shards(
             raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
         with raw:
             hashing = HashingReader(raw)
-            tally = tally_tar(hashing, shard=p, labels=True)
+            tally = tally_tar(hashing, shard=p, labels=True, fields=True)
             hashing.drain()
         labels |= tally.labels
         imageless[d] += tally.imageless
+        for name, n in tally.fields.items():
+            fields[d][name] = fields[d].get(name, 0) + n
         index = () if is_gzip_name(p) else tuple(tally.index)
         sha = hashing.sha.hexdigest()
         entries[d].append(ShardEntry(os.path.basename(p), tally.samples, hashing.bytes, sha, index))
@@ -128,6 +131,7 @@ def index_shards(
             classes,
             shard_entries,
             pack={"indexed_by": "shardkit index", "records_without_image": imageless[d]},
+            fields=dict(sorted(fields[d].items())),
         )
         if imageless[d]:
             warn_imageless(d, imageless[d])
@@ -140,7 +144,9 @@ def index_shards(
 
 
 def _classes(labels: set[int]) -> list[str]:
-    """``"0" .. "K-1"`` for integer labels 0..K-1 (a foreign tar has no class names)."""
+    """``"0" .. "K-1"`` for integer labels 0..K-1 (a foreign tar has no class names); -1 is
+    "no label" (FORMAT.md), as for a sample without a label member."""
+    labels = labels - {-1}
     if not labels:
         return []
     low, high = min(labels), max(labels)

@@ -269,8 +269,12 @@ class PackPlan:
         return self
 
     def _labels(self, rows) -> np.ndarray:
+        """The scan's labels (of ``rows``), as the dataset's: -1 ("no label") stays -1."""
         labels = self.scan.labels if rows is None else self.scan.labels[rows]
-        return labels if self.label_map is None else self.label_map[labels]
+        if self.label_map is None:
+            return labels
+        mapped = np.append(self.label_map, -1)  # index -1 reads the appended -1
+        return mapped[labels]
 
     def _task(self, lo: int, hi: int, whole: bool) -> ShardTask:
         a, b = int(self.starts[lo]), int(self.starts[hi])
@@ -353,10 +357,8 @@ def plan_pack(
     scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
-        raise InputError(
-            f"{os.path.join(src, bad.path)}: {bad.reason}; remove or fix it, or pass "
-            'on_error="skip"'
-        )
+        where = bad.path if is_table(src) else os.path.join(src, bad.path)  # rows name the table
+        raise InputError(f'{where}: {bad.reason}; remove or fix it, or pass on_error="skip"')
     for cls in scan.empty_classes:
         warnings.warn(
             f"class folder {os.path.join(src, cls)!r} has no images; it keeps its label so labels "

@@ -223,7 +223,7 @@ def fingerprint(
     h.update(scan.files.offsets.astype("<i8").tobytes())
     h.update(scan.files.blob.tobytes())
     h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
-    if scan.inline.blob.size:  # a table's captions and columns
+    if len(scan.inline):  # a table (one entry per row): its captions, columns and labels
         h.update(scan.inline.offsets.astype("<i8").tobytes())
         h.update(scan.inline.blob.tobytes())
         h.update(np.ascontiguousarray(scan.labels, dtype="<i8").tobytes())

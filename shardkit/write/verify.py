@@ -1,8 +1,9 @@
 """``shardkit verify``: check every shard against its manifest entry.
 
-Per shard: size, sha256, the number of samples actually readable, labels within the class list,
-and with ``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry;
-for a URL dataset each shard is fetched to a temporary file first, the loop is the same.
+Per shard: size, sha256, the number of samples actually readable, labels within the class list
+(or -1, "no label": a dataset may hold labelled and unlabelled samples, FORMAT.md), and with
+``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry; for a
+URL dataset each shard is fetched to a temporary file first, the loop is the same.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]
     try:
         for rec in records:
             count += 1
-            if num_classes is not None and not 0 <= rec.label < num_classes:
+            if num_classes is not None and not -1 <= rec.label < num_classes:
                 bad_labels += 1
             if decode:
                 reason = decode_error(rec.data)
@@ -161,7 +162,7 @@ def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]
         if count != entry.samples:
             problems.append(f"{count} samples, manifest says {entry.samples}")
     if bad_labels:
-        problems.append(f"{bad_labels} labels outside 0..{num_classes - 1}")
+        problems.append(f"{bad_labels} labels outside 0..{num_classes - 1} (and -1: no label)")
     if first_bad_image:
         problems.append(f"image does not decode ({first_bad_image})")
     return problems, decoded

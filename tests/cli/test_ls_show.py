@@ -99,3 +99,29 @@ def test_unknown_key_and_bad_path_are_one_line_errors(hostile, tmp_path):
     )
     proc = run_cli("ls", tmp_path / "missing")
     assert proc.returncode != 0 and proc.stderr.startswith("error: ")
+
+
+def test_show_to_with_a_very_long_key_or_a_folder_it_cannot_make(tmp_path):
+    long_a, long_b = "k" * 5000, "k" * 4999 + "j"
+    out = tmp_path / "long"
+    out.mkdir()
+    with tarfile.open(out / "shard-000000.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in [(f"{long_a}.jpg", b"\xff\xd8a"), (f"{long_a}.txt", b"a"),
+                           (f"{long_b}.jpg", b"\xff\xd8b")]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    box = tmp_path / "box"
+    for key in (long_a, long_b):
+        res = _cli("show", out, key, "--to", box)
+        assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in box.iterdir())
+    assert len(names) == 3 and all(len(n) <= 200 for n in names)
+    stem = {n.rsplit(".", 1)[0] for n in names if n.startswith(safe_name(long_a, "jpg")[:-4])}
+    assert len(stem) == 1  # one sample's members share a name, the other key has its own
+    assert {(box / n).read_bytes() for n in names} == {b"\xff\xd8a", b"a", b"\xff\xd8b"}
+    (tmp_path / "file").write_text("x")
+    for folder in (tmp_path / "file" / "sub", tmp_path / "file"):
+        res = _cli("show", out, long_a, "--to", folder)
+        assert res.exit_code != 0 and res.output.count("\n") == 1, res.output
+        assert res.output.startswith("error: ") and str(folder) in res.output

@@ -210,3 +210,43 @@ def test_the_cli_packs_a_table_and_refuses_a_path_outside_it(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert read_manifest(str(tmp_path / "o")).fields == {"txt": 2}
+
+
+def _declared_png(width: int, height: int) -> bytes:
+    """A greyscale PNG whose header declares ``width`` x ``height`` and whose data is a few
+    bytes: decoding it would allocate what the header says before finding the data short."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 99))
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's own, at open
+def test_an_image_field_is_held_to_the_pixel_limit_from_its_header(tmp_path, fmt):
+    from shardkit import ShardView
+
+    out = tmp_path / fmt
+    with ShardWriter(out, format=fmt, shard_size="1MB") as w:
+        w.write("bomb", _png("RGB", (1, 2, 3)), 0, **{"seg.png": _declared_png(11000, 10000)})
+        w.write("big", _png("RGB", (1, 2, 3), (40, 40)), 0, **{"seg.png": _png("L", 1, (40, 40))})
+    bomb = r"sample 'bomb': field 'seg.png' .*11000x10000 = 110000000 pixels, over the limit"
+    with pytest.raises(SampleError, match=bomb + r" max_pixels=100000000"):  # the default
+        list(ShardDataset(str(out), fields=("seg.png",), shuffle=False))
+    with pytest.raises(SampleError, match=bomb):
+        ShardView(str(out), fields=("seg.png",))[0]
+    small = ShardDataset(str(out), fields=("seg.png",), max_pixels=1000, on_error="skip")
+    with pytest.warns(RuntimeWarning) as caught:
+        assert list(small) == []  # the dataset's own limit holds for its masks too
+    assert sum("'big': field 'seg.png'" in str(w.message) for w in caught) == 1
+    limited = [
+        str(w.message) for w in caught if "over the limit max_pixels=1000 " in str(w.message)
+    ]
+    assert len(limited) == 2  # the mask of 'big' and the one of 'bomb'
+    view = ShardView(str(out), fields=("seg.png",), max_pixels=None)
+    assert view.get("big")[2].shape == (1, 40, 40)

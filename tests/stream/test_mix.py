@@ -35,7 +35,7 @@ def mixdata(tmp_path_factory):
     small: 300 in one LMDB (a tenth of its 3,000 share: repeated ten times)."""
     base = tmp_path_factory.mktemp("mix")
     big = _write(base / "big", "a/", 8000, "tar", "60KB")
-    small = _write(base / "small", "b/", 300, "lmdb", "1MB", classes=("y", "z"))
+    small = _write(base / "small", "b/", 300, "lmdb", "1MB", classes=("x", "y", "z"))
     return big, small
 
 
@@ -234,14 +234,14 @@ def test_two_parts_of_one_lmdb_read_side_by_side(mixdata):
 
 
 def test_labels_keep_or_union(mixdata):
-    big, small = mixdata
+    big, small = mixdata  # ["x", "y"] and ["x", "y", "z"]: they agree label by label
     kept = ShardDataset([Source(big), Source(small)], decode="raw", buffer_size=0)
-    assert kept.classes is None  # the sources disagree: labels stay each source's
-    union = ShardDataset([Source(big), Source(small)], decode="raw", labels="union", with_keys=True)
+    assert kept.classes == ["x", "y", "z"]
+    union = ShardDataset([Source(small), Source(big)], decode="raw", labels="union", with_keys=True)
     assert union.classes == ["x", "y", "z"]
     for _, label, key in union:
         i = int(key[2:])
-        want = ["x", "y"][i % 2] if key.startswith("a/") else ["y", "z"][i % 2]
+        want = ["x", "y"][i % 2] if key.startswith("a/") else ["x", "y", "z"][i % 3]
         assert union.classes[label] == want
 
 
@@ -411,3 +411,27 @@ def test_a_source_repacked_after_the_mixture_was_built_is_refused(tmp_path):
     _write(tmp_path / "a", "z/", 50, "tar", "40KB")  # the same names and sizes, other samples
     with pytest.raises(ShardFormatError, match="re-packed"):
         list(ds)
+
+
+def test_labels_keep_takes_class_lists_that_agree_label_by_label(tmp_path):
+    xy = _write(tmp_path / "xy", "a/", 6, "tar", "1MB", classes=("x", "y"))
+    xyz = _write(tmp_path / "xyz", "b/", 6, "lmdb", "1MB", classes=("x", "y", "z"))
+    yx = _write(tmp_path / "yx", "c/", 6, "tar", "1MB", classes=("y", "x"))
+    with ShardWriter(str(tmp_path / "none"), shard_size="1MB") as w:  # captions: no labels
+        for i in range(4):
+            w.add(f"d/{i}", "jpg", b"%d" % i, -1, {"txt": "a caption"})
+    ds = ShardDataset([Source(xy), Source(xyz)], decode="raw", with_keys=True)
+    assert ds.classes == ["x", "y", "z"]  # a longer list adds classes at the end, as merge does
+    assert sorted(label for _, label, _ in ds) == [0] * 5 + [1] * 5 + [2] * 2
+    with_none = ShardDataset([Source(xy), Source(str(tmp_path / "none"))], decode="raw")
+    assert with_none.classes is None and sorted(label for _, label in with_none)[:4] == [-1] * 4
+    with pytest.raises(
+        InputError,
+        match=r"yx and .*xyz store labels under other class lists \(\['y', 'x'\] and "
+        r"\['x', 'y', 'z'\]\), so a stored label would mean two classes: pass labels=\"union\"",
+    ):
+        ShardDataset([Source(xyz), Source(yx)], decode="raw")
+    union = ShardDataset([Source(xyz), Source(yx)], decode="raw", labels="union", with_keys=True)
+    assert union.classes == ["x", "y", "z"]
+    got = {k: label for _, label, k in union}
+    assert got["b/00002"] == 2 and got["c/00000"] == 1 and got["c/00001"] == 0  # mapped by name

@@ -37,6 +37,7 @@ def _ds(two, **kw):
     kw.setdefault("buffer_size", 30)
     kw.setdefault("with_keys", True)
     kw.setdefault("epoch_size", EPOCH)
+    kw.setdefault("labels", "union")  # class lists c0.. and class0..: mapped by name
     a, b = two
     return ShardDataset([Source(a, weight=0.7), Source(b, weight=0.3)], **kw)
 
@@ -211,6 +212,7 @@ def test_mixture_of_a_local_lmdb_and_s3_tar_resumes_exactly(two, s3):
         return ShardDataset(
             [Source(a, weight=0.7, storage_options=opts), Source(b, weight=0.3)],
             epoch_size=EPOCH, seed=5, buffer_size=30, with_keys=True, decode="raw", batch_size=B,
+            labels="union",
         )  # fmt: skip
 
     full = _keys(StatefulDataLoader(ds(), batch_size=B, num_workers=2))

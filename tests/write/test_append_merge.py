@@ -22,9 +22,12 @@ from shardkit.errors import InputError, ManifestError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import JOURNAL_NAME
 from shardkit.manifest import read_manifest
+from shardkit.stream.dataset import ShardDataset
+from shardkit.write.index import index_shards
 from shardkit.write.merge import MERGED_FIELD, merge
 from shardkit.write.packer import pack
 from shardkit.write.plan import APPENDED_FIELD
+from shardkit.write.verify import verify
 
 
 def tree(root, classes: dict[str, int], seed: int) -> str:
@@ -125,6 +128,69 @@ def test_append_refuses_what_it_cannot_do(srcs, tmp_path):
         packed(b, out, append=True, overwrite=True)
     r = CliRunner().invoke(main, ["pack", b, str(out), "-q", "--append", "--format", "lmdb"])
     assert r.exit_code == 2 and "holds tar shards; append with --format tar" in r.output
+
+
+def _captions(root, n: int) -> str:
+    """``root/caps.csv``: ``n`` captioned images and no label column (samples without labels)."""
+    os.makedirs(os.path.join(root, "img"))
+    rows = ["image,caption"]
+    for i in range(n):
+        Image.new("RGB", (20, 24), (9 * i, 3, 7)).save(os.path.join(root, "img", f"c{i}.jpg"))
+        rows.append(f"img/c{i}.jpg,caption {i}")
+    with open(os.path.join(root, "caps.csv"), "w") as f:
+        f.write("\n".join(rows) + "\n")
+    return os.path.join(root, "caps.csv")
+
+
+def labels_by_key(out) -> dict[str, int]:
+    return {k: int(label) for _, label, k in ShardDataset(str(out), decode="raw", with_keys=True)}
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_labelled_and_unlabelled_samples_mix_under_one_rule_minus_one_is_no_label(
+    srcs, tmp_path, fmt
+):
+    a, _, _ = srcs
+    caps = _captions(tmp_path / "t", 5)
+    packed(a, tmp_path / "ref")
+    want = {f"img/c{i}": -1 for i in range(5)}
+    want |= {k: ["x", "y"].index(cls) for k, cls in samples(tmp_path / "ref")}
+
+    def check(out):
+        assert read_manifest(str(out)).classes == ["x", "y"]
+        assert labels_by_key(out) == want  # the captions' samples read -1, the others theirs
+        r = CliRunner().invoke(main, ["verify", str(out), "-q"])
+        assert r.exit_code == 0 and r.output.startswith("OK"), r.output
+
+    # a caption-only table appended to a labelled dataset, with the CLI (as users type it)
+    lab = tmp_path / "lab"
+    packed(a, lab, format=fmt)
+    r = CliRunner().invoke(
+        main, ["pack", caps, str(lab), "--append", "-q", "--format", fmt, "--shard-size", "6kB"]
+    )
+    assert r.exit_code == 0, r.output
+    check(lab)
+    # a labelled folder appended to a caption dataset: its untouched shards verify OK
+    cap = tmp_path / "cap"
+    packed(caps, cap, format=fmt)
+    before = files(cap)
+    packed(a, cap, format=fmt, append=True)
+    assert {n: files(cap)[n] for n in before} == before
+    check(cap)
+    # merged: the caption dataset first, then the labelled one
+    only_caps, only_lab = tmp_path / "oc", tmp_path / "ol"
+    packed(caps, only_caps, format=fmt)
+    packed(a, only_lab, format=fmt)
+    merge([only_caps, only_lab], tmp_path / "merged")
+    check(tmp_path / "merged")
+    if fmt == "tar":  # indexed as foreign tars: the labels found give classes "0", "1"
+        foreign = tmp_path / "foreign"
+        foreign.mkdir()
+        for s in read_manifest(str(cap)).shards:
+            shutil.copy(cap / s.path, foreign / s.path)
+        (r,) = index_shards([foreign])
+        assert r.manifest.classes == ["0", "1"] and r.manifest.fields == {"txt": 5}
+        assert labels_by_key(foreign) == want and verify(str(foreign)).ok
 
 
 _KILLED_APPEND = textwrap.dedent(

@@ -72,7 +72,7 @@ def test_index_then_verify_and_stream(foreign):
     m = read_manifest(str(foreign))
     assert [e.path for e in m.shards] == ["a-000.tar", "a-001.tar", "a-002.tar.gz"]
     assert [e.samples for e in m.shards] == [150, 70, 20]
-    assert m.classes == ["0", "1", "2", "3", "4"]
+    assert m.classes == ["0", "1", "2", "3", "4"] and m.fields == {"json": 240}
     for e in m.shards:
         data = (foreign / e.path).read_bytes()
         assert e.bytes == len(data)
@@ -198,3 +198,43 @@ def test_tars_without_labels_index_with_no_classes_and_verify(tmp_path):
     assert r.manifest.classes == []
     assert verify(str(tmp_path / "d")).ok
     assert {label for _, label in ShardDataset(str(tmp_path / "d"), decode="raw")} == {-1}
+
+
+def test_index_counts_fields_as_the_pack_did_and_a_merge_adds_them_up(tmp_path):
+    from PIL import Image
+
+    from shardkit import pack
+    from shardkit.write.merge import merge
+
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(src / c / f"x{i}.jpg")
+            (src / c / f"x{i}.txt").write_text(f"a {c}")
+            if i % 2:
+                (src / c / f"x{i}.seg.png").write_bytes(b"\x89PNG mask")
+    packed = tmp_path / "packed"
+    pack(str(src), str(packed), shard_size="12kB", progress=False, validate="none")
+    want = read_manifest(str(packed)).fields
+    assert want == {"seg.png": 4, "txt": 8}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for s in read_manifest(str(packed)).shards:
+            shutil.copy(packed / s.path, tmp_path / name / s.path)
+        (r,) = index_shards([tmp_path / name])
+        assert r.manifest.fields == want and read_manifest(str(tmp_path / name)).fields == want
+    merge([tmp_path / "a", tmp_path / "b"], tmp_path / "merged")
+    assert read_manifest(str(tmp_path / "merged")).fields == {"seg.png": 8, "txt": 16}
+
+
+def test_samples_without_a_label_index_as_minus_one_beside_labelled_ones(tmp_path):
+    (tmp_path / "d").mkdir()
+    members = [("a.png", b"p"), ("a.cls", b"1"), ("b.png", b"q"), ("c.png", b"r"), ("c.cls", b"-1")]
+    _tarfile(tmp_path / "d" / "m.tar", members)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # -1 is "no label", not a label outside the classes
+        (r,) = index_shards([tmp_path / "d"])
+    assert r.manifest.classes == ["0", "1"] and verify(str(tmp_path / "d")).ok
+    ds = ShardDataset(str(tmp_path / "d"), decode="raw", with_keys=True, shuffle=False)
+    assert [(k, label) for _, label, k in ds] == [("a", 1), ("b", -1), ("c", -1)]

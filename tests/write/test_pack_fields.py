@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 
 import lmdb
 import pytest
+from click.testing import CliRunner
 from PIL import Image
 
-from shardkit import FolderDataset, pack
-from shardkit.errors import InputError
+from shardkit import FolderDataset, ShardDataset, pack, scan
+from shardkit.cli import main
+from shardkit.errors import InputError, OutputError
 from shardkit.manifest import read_manifest
 from shardkit.scan import scan_source
 
@@ -192,11 +195,28 @@ def test_a_row_naming_a_file_outside_the_tables_folder_is_refused(tmp_path, wher
     with pytest.raises(InputError, match=r"t\.csv:3: image path .* leads outside"):
         pack(str(root / "t.csv"), str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
-    if where != "ABS":  # a root that holds the file allows it
-        again = "outside.jpg" if where.startswith("..") else f"set/{where}"
-        (root / "t.csv").write_text(f"image,caption\nset/img/p0.jpg,ok\n{again},out\n")
-        report = pack(str(root / "t.csv"), str(tmp_path / "out"), root=str(tmp_path))
-        assert report.samples == 2
+    # a root that holds the file allows it; an absolute path is taken relative to the root
+    again = {"ABS": str(outside), "../outside.jpg": "outside.jpg"}.get(where, f"set/{where}")
+    (root / "t.csv").write_text(f"image,caption\nset/img/p0.jpg,ok\n{again},out\n")
+    report = pack(str(root / "t.csv"), str(tmp_path / "out"), root=str(tmp_path))
+    assert report.samples == 2
+    assert {k for _, _, k in ShardDataset(str(tmp_path / "out"), with_keys=True)} == {
+        "set/img/p0", "outside" if where != "img/link.jpg" else "set/img/link"
+    }  # fmt: skip
+
+
+def test_absolute_image_paths_pack_under_root_slash(tmp_path):
+    root = _table_set(tmp_path / "set")
+    (root / "t.csv").write_text(f"image,caption\n{root / 'img' / 'p1.jpg'},abs\n")
+    r = CliRunner().invoke(main, ["pack", str(root / "t.csv"), str(tmp_path / "o"), "--root", "/"])
+    assert r.exit_code == 0, r.output
+    ds = ShardDataset(str(tmp_path / "o"), decode="raw", with_keys=True, fields=("txt",))
+    ((data, label, key, caption),) = list(ds)
+    assert key == str(root / "img" / "p1")[1:] and caption == b"abs" and label == -1
+    assert data == (root / "img" / "p1.jpg").read_bytes()
+    # without --root an absolute path under the table's folder is inside it
+    (root / "u.csv").write_text(f"image\n{root / 'img' / 'p2.jpg'}\n")
+    assert pack(str(root / "u.csv"), str(tmp_path / "u")).samples == 1
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -240,3 +260,58 @@ def test_append_and_merge_add_up_the_field_counts(tmp_path):
     assert read_manifest(str(tmp_path / "merged")).fields == {
         "json": 16, "seg.png": 10, "txt": 16
     }  # fmt: skip
+
+
+def test_an_image_label_table_whose_labels_change_is_packed_again(tmp_path):
+    root = _table_set(tmp_path / "set")
+    table, out = root / "t.csv", str(tmp_path / "out")
+    table.write_text("image,label\nimg/p0.jpg,cat\nimg/p1.jpg,dog\n")
+    pack(str(table), out, shuffle=False)
+    assert pack(str(table), out, shuffle=False).up_to_date
+    table.write_text("image,label\nimg/p0.jpg,dog\nimg/p1.jpg,cat\n")  # the same class names
+    with pytest.raises(OutputError, match="pass overwrite=True"):  # not "up to date"
+        pack(str(table), out, shuffle=False)
+    assert not pack(str(table), out, shuffle=False, overwrite=True).up_to_date
+    got = {k: label for _, label, k in ShardDataset(out, decode="raw", with_keys=True)}
+    assert got == {"img/p0": 1, "img/p1": 0}
+
+
+def test_excel_csv_and_long_captions_pack(tmp_path):
+    root = _table_set(tmp_path / "set")
+    long = "a caption " * 20_000  # 200,000 characters: past the csv module's own limit
+    table = root / "t.csv"  # Excel's "CSV UTF-8" starts with a byte-order mark
+    table.write_bytes(b"\xef\xbb\xbf" + f'image,caption\nimg/p0.jpg,"{long}"\n'.encode())
+    (root / "t.jsonl").write_bytes(b'\xef\xbb\xbf{"image": "img/p1.jpg", "caption": "x"}\n')
+    pack(str(table), str(tmp_path / "out"))
+    ((_, _, caption),) = list(ShardDataset(str(tmp_path / "out"), fields=("txt",)))
+    assert caption == long
+    assert pack(str(root / "t.jsonl"), str(tmp_path / "j")).samples == 1
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("t.csv", "image,caption,src\nimg/p0.jpg,a,b\nimg/p1.jpg,a,b,c\n", r"t\.csv:3: 4 cells "
+         r"under a header of 3 \('image', 'caption', 'src'\); give every row one cell per column"
+         r", in double quotes where it holds the separator ','"),
+        ("t.tsv", "image\tcaption\nimg/p0.jpg\n", r"t\.tsv:2: 1 cell under a header of 2"),
+        ("t.csv", 'image,caption\nimg/p0.jpg,"' + "x" * (3 << 20) + '"\n', r"t\.csv:2: not a "
+         r"readable table row \(field larger than field limit .*2 MiB"),
+        ("t.jsonl", '{"image": "img/p0.jpg"}\n{"image": "img/p\\u0000.jpg"}\n', r"t\.jsonl:2: a "
+         r"NUL character in the image path in column 'image'; remove or fix it"),
+        ("t.jsonl", '{"image": "img/p0.jpg", "label": "a\\u0000"}\n', r"t\.jsonl:1: label 'a\\x00'"
+         r" holds a NUL character"),
+        ("t.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", r"t\.jsonl:1: not a JSON object"),
+    ],
+)  # fmt: skip
+def test_table_rows_that_cannot_be_packed_are_one_line_naming_file_and_line(
+    tmp_path, monkeypatch, name, text, message
+):
+    monkeypatch.setattr(scan, "MAX_TABLE_CELL", 2 << 20, raising=False)  # a small test file
+    root = _table_set(tmp_path / "set")
+    (root / name).write_text(text)
+    r = CliRunner().invoke(main, ["pack", str(root / name), str(tmp_path / "o"), "--on-error",
+                                  "raise"])  # fmt: skip
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert re.search(message, r.output), r.output
+    assert not (tmp_path / "o" / "manifest.json").exists()

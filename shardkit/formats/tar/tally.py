@@ -111,6 +111,9 @@ class TarTally:
     labels: set[int] = field(default_factory=set)
     #: Every sample's key, in order, when asked for (random access by key).
     keys: list[str] = field(default_factory=list)
+    #: Field name (a member's extension) -> samples carrying it, when asked for: every member
+    #: but a sample's image and its label, as ``fields=`` reads them and a pack counts them.
+    fields: dict[str, int] = field(default_factory=dict)
 
 
 def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
@@ -120,11 +123,13 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
     labels: bool = False,
     every: int = INDEX_EVERY,
     keys: bool = False,
+    fields: bool = False,
 ) -> TarTally:
     """Count samples (and optionally collect labels and offsets) reading headers only.
 
     ``every``: the offset of every ``every``-th sample goes in ``index`` (1: every sample, the
-    dense index random access reads by); ``keys``: collect every sample's key.
+    dense index random access reads by); ``keys``: collect every sample's key; ``fields``:
+    count the samples carrying each field.
 
     Applies exactly the grouping rules of ``iter_tar_records``, so the count is what a stream
     yields; a duplicated member raises as it does there.
@@ -155,6 +160,8 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
                 tally.samples += 1
                 if label is not None:
                     tally.labels.add(label)
+                if fields:
+                    _count_fields(tally.fields, seen)
             else:
                 tally.imageless += 1
 
@@ -179,6 +186,21 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
         if owned:
             f.close()
     return tally
+
+
+def _count_fields(counts: dict[str, int], exts: list[bytes]) -> None:
+    """Add one sample's fields (``exts``: its members' extensions, in order) to ``counts``:
+    every member but the first image (the sample's image) and the first label."""
+    image = label = None
+    for ext in exts:
+        kind = _kind(ext)
+        if kind is _IMAGE and image is None:
+            image = ext
+        elif kind is _LABEL and label is None:
+            label = ext
+        else:
+            name = ext.decode("utf-8", "surrogateescape")
+            counts[name] = counts.get(name, 0) + 1
 
 
 def count_tar_samples(source: str | os.PathLike | BinaryIO, *, shard: str = "") -> int:
