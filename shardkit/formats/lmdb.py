@@ -242,14 +242,13 @@ def _remove(path: str) -> None:
             pass
 
 
-# --- structural check before mapping ----------------------------------------------------------
+# --- structural check before reading ----------------------------------------------------------
 #
-# LMDB trusts every offset, size and page number it finds in the file: one flipped byte in a node
-# pointer or an overflow size makes it read outside the page (SIGBUS past the end of the file, or
-# another process's worth of garbage), and a child pointer to a page of the wrong type trips an
-# assert() that aborts the process. Neither can be caught in Python, so before LMDB maps a shard we
-# walk the B-tree ourselves with plain reads (bounds-checked, never mapped) and refuse any page
-# LMDB could not follow safely. Layout constants are LMDB 0.9's (mdb.c), which FORMAT.md pins.
+# An LMDB file holds offsets, sizes and page numbers: one flipped byte in a node pointer or an
+# overflow size points outside the page or the file (LMDB's own reader would SIGBUS or abort
+# there). Before a shard is read, its B-tree is walked with plain reads (bounds-checked) and any
+# page that cannot be followed safely is refused, once per file identity; the reader below checks
+# each page it reads again. Layout constants are LMDB 0.9's (mdb.c), which FORMAT.md pins.
 
 _META = struct.Struct("<IIQQ")  # magic, version, address, mapsize (at page offset 16)
 _DB = struct.Struct(
@@ -746,8 +745,8 @@ class LmdbSampleReader:
 
 
 class LmdbFormat(ShardFormat):
-    """LMDB shards as a ``ShardFormat``: the reader maps a whole file, so a shard is reached
-    through ``storage.local_path()``."""
+    """LMDB shards as a ``ShardFormat``: the reader reads a whole file at random offsets, so a
+    shard is reached through ``storage.local_path()``."""
 
     name = "lmdb"
     suffix = ".lmdb"
