@@ -452,6 +452,7 @@ class _Shard:
             ) from None
         self.fd = self._file.fileno()
         self._branches: dict[int, tuple] = {}
+        self.unchecked = False  # read since the last identity check
         try:
             self._open()
         except BaseException:
@@ -488,9 +489,13 @@ class _Shard:
             return f"truncated to {st.st_size} of {self.stamp[2]} bytes"
         return "rewritten in place: its size or modification time changed"
 
-    def check(self, index: int | None = None) -> None:
+    def check(self, index: int | None = None, *, after_reads: bool = False) -> None:
         """Raise unless the file is still the one opened: called after reading, so bytes read
-        before a change are never handed out as the file's."""
+        before a change are never handed out as the file's. ``after_reads``: only if something
+        was read since the last check (records of one leaf page share its check)."""
+        if after_reads and not self.unchecked:
+            return
+        self.unchecked = False
         how = self.changed()
         if how:
             at = "" if index is None else f" at sample {index}"
@@ -514,12 +519,14 @@ class _Shard:
         )
 
     def _pread(self, n: int, offset: int) -> bytes:
+        self.unchecked = True
         data = os.pread(self.fd, n, offset)
         if len(data) != n:
             raise _Damaged(f"{len(data)} of {n} bytes at offset {offset}", "truncated")
         return data
 
     def _page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
+        self.unchecked = True
         return _read_page(self.fd, self.psize, self.last, pgno, want)
 
     def _branch(self, pgno: int) -> tuple[bytes, tuple[int, ...], list[bytes]]:
@@ -663,7 +670,7 @@ def iter_lmdb_records(
             if key != sample_key(at):
                 break
             extra = reader.fields(at, names) if names else None
-            reader.check(at)  # after reading: the bytes are the opened file's
+            reader.check(at, after_reads=True)  # the bytes read are the opened file's
             rec = decode_value(value, shard, at)
             rec.fields = extra
             yield rec
@@ -716,7 +723,7 @@ class LmdbSampleReader:
                 extra = self._reader.fields(index, None if fields is None else _names(fields))
         except (_Damaged, OSError, struct.error) as exc:
             raise self._reader.error(exc, index) from None
-        self._reader.check(index)
+        self._reader.check(index, after_reads=True)
         if value is None:
             raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
         rec = decode_value(value, self.shard, index)
