@@ -1,8 +1,9 @@
 """What every shard format provides: ``ShardFormat``, subclassed once per format beside its code.
 
 A format, not its callers, decides how a shard is reached through a ``Storage`` (tar streams
-front to back from ``open()``; LMDB maps a file, so it asks for ``local_path()``), so neither the
-packer nor the streaming path branches on the format anywhere else.
+front to back from ``open()``; LMDB reads a file at random offsets, so it asks for
+``local_path()``), so neither the packer nor the streaming path branches on the format anywhere
+else.
 """
 
 from __future__ import annotations

@@ -2,18 +2,20 @@
 
 Why LMDB beside tar: it gives random access by index (a B-tree keyed by zero-padded sample
 number) while staying one file that reads sequentially, and readers need no lock file. Values are
-a fixed little-endian header plus key, extension and bytes (FORMAT.md), never pickle.
+a fixed little-endian header plus key, extension and bytes (FORMAT.md), never pickle. The
+``lmdb`` library writes shards; shardkit reads them with plain reads of the B-tree (below), never
+through a mapping, so a shard truncated or rewritten under a reader is an error, not a signal.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import hashlib
 import json
 import os
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -240,14 +242,13 @@ def _remove(path: str) -> None:
             pass
 
 
-# --- structural check before mapping ----------------------------------------------------------
+# --- structural check before reading ----------------------------------------------------------
 #
-# LMDB trusts every offset, size and page number it finds in the file: one flipped byte in a node
-# pointer or an overflow size makes it read outside the page (SIGBUS past the end of the file, or
-# another process's worth of garbage), and a child pointer to a page of the wrong type trips an
-# assert() that aborts the process. Neither can be caught in Python, so before LMDB maps a shard we
-# walk the B-tree ourselves with plain reads (bounds-checked, never mapped) and refuse any page
-# LMDB could not follow safely. Layout constants are LMDB 0.9's (mdb.c), which FORMAT.md pins.
+# An LMDB file holds offsets, sizes and page numbers: one flipped byte in a node pointer or an
+# overflow size points outside the page or the file (LMDB's own reader would SIGBUS or abort
+# there). Before a shard is read, its B-tree is walked with plain reads (bounds-checked) and any
+# page that cannot be followed safely is refused, once per file identity; the reader below checks
+# each page it reads again. Layout constants are LMDB 0.9's (mdb.c), which FORMAT.md pins.
 
 _META = struct.Struct("<IIQQ")  # magic, version, address, mapsize (at page offset 16)
 _DB = struct.Struct(
@@ -302,6 +303,24 @@ def _pick_meta(fd: int, size: int) -> tuple[int, int, int, tuple]:
     return txnid, last_pgno, psize, main
 
 
+def _read_page(fd: int, psize: int, last: int, pgno: int, want: int):
+    """Page ``pgno``'s bytes and node offsets, after checking its header (type ``want``)."""
+    if not 2 <= pgno <= last:
+        raise _Damaged(f"page number {pgno} outside 2..{last}")
+    raw = os.pread(fd, psize, pgno * psize)
+    if len(raw) != psize:
+        raise _Damaged(f"page {pgno} is {len(raw)} of {psize} bytes", "truncated")
+    got, _, flags, lower, upper = _PAGE_HDR.unpack_from(raw)
+    if got != pgno or flags != want:
+        raise _Damaged(f"page {pgno} says it is page {got} with flags {flags:#x}")
+    if not (_HDR < lower <= upper <= psize) or lower % 2:
+        raise _Damaged(f"page {pgno} has bounds {lower}..{upper}")
+    ptrs = struct.unpack_from(f"<{(lower - _HDR) // 2}H", raw, _HDR)
+    if ptrs and (min(ptrs) < upper or max(ptrs) > psize - _NODE_HDR):
+        raise _Damaged(f"page {pgno} has a node outside its free space")
+    return raw, ptrs
+
+
 class _Walker:
     """Visits every branch, leaf and overflow page of the tree, counting them as it goes."""
 
@@ -310,19 +329,7 @@ class _Walker:
         self.seen = [0, 0, 0, 0]  # branch pages, leaf pages, overflow pages, entries
 
     def page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
-        """The page's bytes and node offsets, after checking its header."""
-        if not 2 <= pgno <= self.last:
-            raise _Damaged(f"page number {pgno} outside 2..{self.last}")
-        raw = os.pread(self.fd, self.psize, pgno * self.psize)
-        got, _, flags, lower, upper = _PAGE_HDR.unpack_from(raw)
-        if got != pgno or flags != want:
-            raise _Damaged(f"page {pgno} says it is page {got} with flags {flags:#x}")
-        if not (_HDR < lower <= upper <= self.psize) or lower % 2:
-            raise _Damaged(f"page {pgno} has bounds {lower}..{upper}")
-        ptrs = struct.unpack_from(f"<{(lower - _HDR) // 2}H", raw, _HDR)
-        if any(not upper <= p <= self.psize - _NODE_HDR for p in ptrs):
-            raise _Damaged(f"page {pgno} has a node outside its free space")
-        return raw, ptrs
+        return _read_page(self.fd, self.psize, self.last, pgno, want)
 
     def walk(self, pgno: int, level: int) -> None:
         raw, ptrs = self.page(pgno, _P_LEAF if level == 1 else _P_BRANCH)
@@ -380,103 +387,259 @@ def _check_structure(fd: int, size: int) -> tuple[int, int, int, tuple]:
     return txnid, last_pgno, psize, main
 
 
-def _open_env(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
-    """Open read-only, after checking every page LMDB could touch lies inside the file.
+# --- reading: plain reads of the B-tree, never a mapping ------------------------------------------
+#
+# LMDB's own reader maps the file and trusts it for as long as it is open: a shard truncated under
+# a reader kills the process with SIGBUS, a shard rewritten in place is read as whatever it now
+# holds, and py-lmdb refuses a file that an environment inherited through fork still names. So
+# shardkit reads its shards with ``pread`` on a descriptor of the reader's own: a short read is a
+# truncation, a page that is not what its parent says is damage, and the file's identity is
+# checked after every read (``_Shard.check``), so a shard that changes under a reader is named,
+# never read as other samples. A descriptor has no shared offset under ``pread``: one inherited
+# by a forked process reads as well as a fresh one.
 
-    LMDB maps the file and trusts it: touching a page past the end of a truncated copy, or
-    following a damaged offset, kills the process with SIGBUS (a DataLoader worker dies without a
-    word) or aborts it; so the file is walked first (``_check_structure``) and refused with a
-    ``ShardFormatError`` naming the shard.
-    """
-    path = os.fspath(path)
-    shard = shard or path
-    try:
-        f = open_regular(path, buffering=0)  # lmdb.open of a FIFO would block forever
-    except FileNotFoundError:
-        raise ShardFormatError(
-            f"{shard}: LMDB shard not found (expected a single-file LMDB)"
-        ) from None
-    except OSError as exc:
-        raise ShardFormatError(f"{shard}: cannot open LMDB shard ({exc.strerror})") from None
-    with f:
-        fd = f.fileno()
-        st = os.fstat(fd)
+#: Branch pages a reader keeps (the upper levels of its tree: a few pages even for a large shard).
+_BRANCHES_KEPT = 16
+#: Bytes of a value read to learn its key (``keys()``): the header plus a key of usual length.
+_KEY_PREFIX = 512
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """A file's identity: device, inode, size, modification time (ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _key_at(raw: bytes, ptr: int, psize: int) -> bytes:
+    (ksize,) = struct.unpack_from("<H", raw, ptr + 6)
+    if ptr + _NODE_HDR + ksize > psize:
+        raise _Damaged(f"a key at offset {ptr} runs past the page")
+    return raw[ptr + _NODE_HDR : ptr + _NODE_HDR + ksize]
+
+
+def _lower_bound(raw: bytes, ptrs: tuple[int, ...], key: bytes, psize: int) -> int:
+    """The first node of a leaf page whose key is not below ``key``."""
+    lo, hi = 0, len(ptrs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _key_at(raw, ptrs[mid], psize) < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _child(raw: bytes, ptr: int) -> int:
+    """The page number a branch node points to (48 bits in its lo, hi and flags fields)."""
+    lo, hi, flags, _ = _NODE.unpack_from(raw, ptr)
+    return lo | hi << 16 | flags << 32
+
+
+class _Shard:
+    """One LMDB shard read through ``pread`` (see above); ``close()`` closes its descriptor."""
+
+    def __init__(self, path: str | os.PathLike, shard: str = ""):
+        path = os.fspath(path)
+        self.shard = shard or path
+        try:
+            self._file = open_regular(path, buffering=0)  # a FIFO must not block the reader
+        except FileNotFoundError:
+            raise ShardFormatError(
+                f"{self.shard}: LMDB shard not found (expected a single-file LMDB)"
+            ) from None
+        except OSError as exc:
+            raise ShardFormatError(
+                f"{self.shard}: cannot open LMDB shard ({exc.strerror})"
+            ) from None
+        self.fd = self._file.fileno()
+        self._branches: dict[int, tuple] = {}
+        self.unchecked = False  # read since the last identity check
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        st = os.fstat(self.fd)
+        self.stamp = _stamp(st)
         if st.st_size < 2 * PAGE:
             raise ShardFormatError(
-                f"{shard}: truncated LMDB shard ({st.st_size} bytes); re-copy or re-pack it"
+                f"{self.shard}: truncated LMDB shard ({st.st_size} bytes); re-copy or re-pack it"
             )
-        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        expect = None
-        if stamp not in _checked:
-            try:
-                expect = _check_structure(fd, st.st_size)
-            except (_Damaged, OSError, struct.error) as exc:
-                what = exc.args[1] if len(exc.args) > 1 else "damaged"
-                raise ShardFormatError(
-                    f"{shard}: {what} LMDB shard ({exc.args[0]}); re-copy it, or re-pack it "
-                    "from the source images"
-                ) from None
-    try:
-        env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_readers=1, max_dbs=0)
-    except lmdb.Error as exc:
-        raise ShardFormatError(f"{shard}: not a readable LMDB shard ({exc}); re-pack it") from None
-    if expect is not None:
-        info, stat = env.info(), env.stat()
-        txnid, last_pgno, psize, main = expect
-        seen = (
-            info["last_txnid"],
-            info["last_pgno"],
-            stat["psize"],
-            stat["depth"],
-            stat["entries"],
+        try:
+            if self.stamp in _checked:
+                _, self.last, self.psize, main = _pick_meta(self.fd, st.st_size)
+            else:
+                _, self.last, self.psize, main = _check_structure(self.fd, st.st_size)
+        except (_Damaged, OSError, struct.error) as exc:
+            raise self.error(exc) from None
+        self.check()  # the walk saw one file from start to end
+        _checked.add(self.stamp)
+        self.depth, self.root = main[2], main[7]
+
+    def changed(self) -> str:
+        """How the file differs from when it was opened ("" while it does not)."""
+        try:
+            st = os.fstat(self.fd)
+        except OSError as exc:
+            return f"it cannot be checked: {exc.strerror}"
+        if _stamp(st) == self.stamp:
+            return ""
+        if st.st_size < self.stamp[2]:
+            return f"truncated to {st.st_size} of {self.stamp[2]} bytes"
+        return "rewritten in place: its size or modification time changed"
+
+    def check(self, index: int | None = None, *, after_reads: bool = False) -> None:
+        """Raise unless the file is still the one opened: called after reading, so bytes read
+        before a change are never handed out as the file's. ``after_reads``: only if something
+        was read since the last check (records of one leaf page share its check)."""
+        if after_reads and not self.unchecked:
+            return
+        self.unchecked = False
+        how = self.changed()
+        if how:
+            at = "" if index is None else f" at sample {index}"
+            raise ShardFormatError(
+                f"{self.shard}: the LMDB shard changed while it was read{at} ({how}); a shard "
+                "must not be re-packed or re-copied under a reader: read it again once it is whole"
+            )
+
+    def error(self, exc: BaseException, index: int | None = None) -> ShardFormatError:
+        """The ``ShardFormatError`` for a fault met while reading (``_Damaged``, ``OSError``)."""
+        self.check(index)  # a file changed under the reader says so, not "damaged"
+        if isinstance(exc, OSError):
+            what, detail = "unreadable", f"read failed: {exc.strerror}"
+        else:
+            what = exc.args[1] if len(exc.args) > 1 else "damaged"
+            detail = exc.args[0] if exc.args else type(exc).__name__
+        at = "" if index is None else f" at sample {index}"
+        return ShardFormatError(
+            f"{self.shard}: {what} LMDB shard{at} ({detail}); re-copy it, or re-pack it from "
+            "the source images"
         )
-        if seen != (txnid, last_pgno, psize, main[2], main[6]):
-            env.close()  # LMDB picked another meta page than the one we walked: trust neither
-            raise ShardFormatError(f"{shard}: damaged LMDB shard (meta pages disagree); re-pack it")
-        _checked.add(stamp)
-    return env
 
+    def _pread(self, n: int, offset: int) -> bytes:
+        self.unchecked = True
+        data = os.pread(self.fd, n, offset)
+        if len(data) != n:
+            raise _Damaged(f"{len(data)} of {n} bytes at offset {offset}", "truncated")
+        return data
 
-#: This process's open read-only environments, one per file, with their number of users: LMDB
-#: refuses to open a file twice in one process, and a mixture (two subsets of one dataset) or a
-#: view beside a stream may read the same shard from two places at once.
-_shared: dict[tuple[int, int, int, int], list] = {}
-_shared_pid = os.getpid()
-# Re-entrant: the garbage collector may run an abandoned reader's ``_release`` inside an
-# ``_acquire`` on the same thread (an allocation there collects); a plain Lock deadlocked.
-_shared_lock = threading.RLock()
+    def _page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
+        self.unchecked = True
+        return _read_page(self.fd, self.psize, self.last, pgno, want)
 
+    def _branch(self, pgno: int) -> tuple[bytes, tuple[int, ...], list[bytes]]:
+        """A branch page, its node offsets and keys: kept (a few), as every lookup passes the
+        same upper pages; the identity check after each read covers them too."""
+        hit = self._branches.get(pgno)
+        if hit is None:
+            raw, ptrs = self._page(pgno, _P_BRANCH)
+            if len(self._branches) >= _BRANCHES_KEPT:
+                self._branches.clear()
+            keys = [_key_at(raw, p, self.psize) for p in ptrs]
+            hit = self._branches[pgno] = (raw, ptrs, keys)
+        return hit
 
-def _acquire(path: str | os.PathLike, shard: str = "") -> lmdb.Environment:
-    """``_open_env``, shared with the other readers of the same file in this process."""
-    global _shared_pid
-    try:
-        st = os.stat(path)
-    except OSError:
-        return _open_env(path, shard)  # it names the problem (missing, unreadable)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _shared_lock:
-        if os.getpid() != _shared_pid:  # forked: the parent's environments are not ours to use
-            _shared.clear()
-            _shared_pid = os.getpid()
-        entry = _shared.get(key)
-        if entry is None:
-            entry = _shared[key] = [_open_env(path, shard), 0]
-        entry[1] += 1
-        return entry[0]
+    def _item(self, raw: bytes, ptr: int, limit: int | None) -> tuple[bytes, bytes]:
+        """A leaf node's key and value (its first ``limit`` bytes, if given)."""
+        lo, hi, flags, ksize = _NODE.unpack_from(raw, ptr)
+        dsize, end = lo | hi << 16, ptr + _NODE_HDR + ksize
+        n = dsize if limit is None else min(dsize, limit)
+        if flags == 0:
+            if end + dsize > self.psize:
+                raise _Damaged(f"a value at offset {ptr} runs past its page")
+            return raw[ptr + _NODE_HDR : end], raw[end : end + n]
+        if flags != _F_BIGDATA or end + 8 > self.psize:
+            raise _Damaged(f"a node with flags {flags:#x}; shardkit writes none")
+        (first,) = struct.unpack_from("<Q", raw, end)
+        pages = (_HDR - 1 + dsize) // self.psize + 1
+        if not 2 <= first <= self.last + 1 - pages:
+            raise _Damaged(f"a value on overflow pages {first}+{pages}")
+        return raw[ptr + _NODE_HDR : end], self._pread(n, first * self.psize + _HDR)
 
-
-def _release(env: lmdb.Environment) -> None:
-    """One user fewer; the last closes the environment."""
-    with _shared_lock:
-        for key, entry in list(_shared.items()):  # a nested release may change the dict
-            if entry[0] is env:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _shared[key]
-                    env.close()
+    def items(self, first: bytes, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """``(key, value)`` in key order from the first key not below ``first``: a cursor that
+        keeps the branch pages above its leaf."""
+        if self.depth == 0:
+            return
+        stack: list[list] = []  # [page, node offsets, node followed] per branch level
+        pgno = self.root
+        while len(stack) < self.depth - 1:
+            raw, ptrs, keys = self._branch(pgno)
+            i = bisect.bisect_right(keys, first, 1) - 1  # node 0 holds the lowest keys
+            stack.append([raw, ptrs, i])
+            pgno = _child(raw, ptrs[i])
+        raw, ptrs = self._page(pgno, _P_LEAF)
+        i = _lower_bound(raw, ptrs, first, self.psize)
+        while True:
+            for ptr in ptrs[i:]:
+                yield self._item(raw, ptr, limit)
+            while stack and stack[-1][2] + 1 >= len(stack[-1][1]):
+                stack.pop()
+            if not stack:
                 return
-    env.close()  # opened before a fork, or not shared: ours alone
+            top = stack[-1]
+            top[2] += 1
+            pgno = _child(top[0], top[1][top[2]])
+            while len(stack) < self.depth - 1:
+                raw, ptrs, _ = self._branch(pgno)
+                stack.append([raw, ptrs, 0])
+                pgno = _child(raw, ptrs[0])
+            raw, ptrs = self._page(pgno, _P_LEAF)
+            i = 0
+
+    def get(self, key: bytes, limit: int | None = None) -> bytes | None:
+        """The value of ``key`` (its first ``limit`` bytes), None if there is none."""
+        for got, value in self.items(key, limit):
+            return value if got == key else None
+        return None
+
+    def fields(self, index: int, names=None) -> dict[str, bytes]:
+        """Sample ``index``'s fields by name: those of ``names`` (pairs of the name and its
+        bytes) that it has, or every one it has (``names`` None: one scan, in name order)."""
+        if names is not None:
+            out = {}
+            for name, raw in names:
+                value = self.get(b"+%010d.%s" % (index, raw))
+                if value is not None:
+                    out[name] = value
+            return out
+        prefix = b"+%010d." % index
+        out = {}
+        for key, value in self.items(prefix):
+            if not key.startswith(prefix):
+                break
+            out[key[len(prefix) :].decode("utf-8", "surrogateescape")] = value
+        return out
+
+    def count(self) -> int:
+        """The sample count of the ``__shardkit__`` record."""
+        meta = self.get(META_KEY)
+        if meta is None:
+            raise ShardFormatError(
+                f"{self.shard}: no {META_KEY.decode()} record; not a shardkit LMDB shard"
+            )
+        try:
+            n = json.loads(meta)["samples"]
+        except (ValueError, KeyError, TypeError):
+            raise ShardFormatError(f"{self.shard}: unreadable {META_KEY.decode()} record") from None
+        if type(n) is not int or n < 0:
+            raise ShardFormatError(f"{self.shard}: {META_KEY.decode()} record gives {n!r} samples")
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _runs_past(prefix: bytes) -> bool:
+    """Whether the key and extension of the value starting with ``prefix`` run past it."""
+    _, klen, elen = _VALUE_HEADER.unpack_from(prefix)
+    return _VALUE_HEADER.size + klen + elen > len(prefix)
+
+
+def _names(fields: Sequence[str]) -> list[tuple[str, bytes]]:
+    return [(f.lower(), f.lower().encode()) for f in fields]
 
 
 def iter_lmdb_records(
@@ -491,103 +654,76 @@ def iter_lmdb_records(
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
     needs no offset ``index`` (accepted for a uniform reader signature). ``fields``: extra
     fields to carry in ``Record.fields`` (one lookup each: they sit apart from the samples)."""
-    shard = shard or os.fspath(source)
-    names = [(f.lower(), f.lower().encode()) for f in fields]
-    env = _acquire(source, shard)
-    index = start
+    names = _names(fields)
+    reader = _Shard(source, shard)
+    shard = reader.shard
+    at = start
     try:
-        with env.begin(buffers=False) as txn:
-            total = _count(txn, shard)
-            end = total if stop is None else min(stop, total)
-            if stop is not None and stop > total:
-                raise ShardFormatError(
-                    f"{shard}: asked for samples up to {stop} but the shard holds {total}"
-                )
-            cursor = txn.cursor()
-            if index < end and not cursor.set_key(sample_key(index)):
-                raise ShardFormatError(f"{shard}: sample {index} is missing; re-pack the shard")
-            while index < end:
-                k, v = cursor.item()
-                if k != sample_key(index):
-                    raise ShardFormatError(f"{shard}: sample {index} is missing; re-pack the shard")
-                rec = decode_value(v, shard, index)
-                if names:
-                    rec.fields = _fields(txn, index, names)
-                yield rec
-                index += 1
-                cursor.next()
-    except lmdb.Error as exc:
-        raise ShardFormatError(
-            f"{shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); re-copy "
-            "or re-pack it"
-        ) from None
+        total = reader.count()
+        end = total if stop is None else min(stop, total)
+        if stop is not None and stop > total:
+            raise ShardFormatError(
+                f"{shard}: asked for samples up to {stop} but the shard holds {total}"
+            )
+        items = reader.items(sample_key(at)) if at < end else iter(())
+        for key, value in items:
+            if key != sample_key(at):
+                break
+            extra = reader.fields(at, names) if names else None
+            reader.check(at, after_reads=True)  # the bytes read are the opened file's
+            rec = decode_value(value, shard, at)
+            rec.fields = extra
+            yield rec
+            at += 1
+            if at == end:
+                break
+        if at < end:
+            reader.check(at)
+            raise ShardFormatError(f"{shard}: sample {at} is missing; re-pack the shard")
+    except (_Damaged, OSError, struct.error) as exc:
+        raise reader.error(exc, at) from None
     finally:
-        _release(env)
-
-
-def _fields(txn: lmdb.Transaction, index: int, names) -> dict[str, bytes]:
-    """The fields of sample ``index`` that it has, by name."""
-    out = {}
-    for name, raw in names:
-        value = txn.get(b"+%010d.%s" % (index, raw))
-        if value is not None:
-            out[name] = value
-    return out
-
-
-def _count(txn: lmdb.Transaction, shard: str) -> int:
-    meta = txn.get(META_KEY)
-    if meta is None:
-        raise ShardFormatError(f"{shard}: no {META_KEY.decode()} record; not a shardkit LMDB shard")
-    try:
-        n = json.loads(meta)["samples"]
-    except (ValueError, KeyError, TypeError):
-        raise ShardFormatError(f"{shard}: unreadable {META_KEY.decode()} record") from None
-    if type(n) is not int or n < 0:
-        raise ShardFormatError(f"{shard}: {META_KEY.decode()} record gives {n!r} samples")
-    return n
+        reader.close()
 
 
 def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
-    shard = shard or os.fspath(source)
-    env = _acquire(source, shard)
+    reader = _Shard(source, shard)
     try:
-        with env.begin() as txn:
-            return _count(txn, shard)
-    except lmdb.Error as exc:
-        raise ShardFormatError(
-            f"{shard}: damaged LMDB shard ({exc}); re-copy or re-pack it"
-        ) from None
+        return reader.count()
+    except (_Damaged, OSError, struct.error) as exc:
+        raise reader.error(exc) from None
     finally:
-        _release(env)
+        reader.close()
 
 
 class LmdbSampleReader:
-    """Random access to one LMDB shard: ``get(i)`` is one B-tree lookup on an environment
-    opened (and structure-checked) once. ``close()`` releases it."""
+    """Random access to one LMDB shard: ``get(i)`` is one B-tree descent on a descriptor opened
+    (and structure-checked) once. ``stamp`` is the file's identity (device, inode, size, mtime)
+    when it was opened, for a caller that indexed it earlier. ``close()`` closes it."""
 
     def __init__(self, path: str | os.PathLike, shard: str = ""):
-        self.shard = shard or os.fspath(path)
-        self.env = _acquire(path, self.shard)
+        self._reader = _Shard(path, shard)
+        self.shard, self.stamp = self._reader.shard, self._reader.stamp
         try:
-            with self.env.begin() as txn:
-                self.samples = _count(txn, self.shard)
+            self.samples = self._reader.count()
+        except (_Damaged, OSError, struct.error) as exc:
+            self.close()
+            raise self._reader.error(exc) from None
         except BaseException:
-            _release(self.env)
+            self.close()
             raise
 
-    def get(self, index: int, fields: Sequence[str] = ()) -> Record:
-        """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked)."""
-        names = [(f.lower(), f.lower().encode()) for f in fields]
+    def get(self, index: int, fields: Sequence[str] | None = ()) -> Record:
+        """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked;
+        ``None``: every field it has)."""
         try:
-            with self.env.begin(buffers=False) as txn:
-                value = txn.get(sample_key(index))
-                extra = _fields(txn, index, names) if names and value is not None else None
-        except lmdb.Error as exc:
-            raise ShardFormatError(
-                f"{self.shard}: sample {index} unreadable, the LMDB shard is damaged ({exc}); "
-                "re-copy or re-pack it"
-            ) from None
+            value = self._reader.get(sample_key(index))
+            extra = None
+            if value is not None and (fields is None or fields):
+                extra = self._reader.fields(index, None if fields is None else _names(fields))
+        except (_Damaged, OSError, struct.error) as exc:
+            raise self._reader.error(exc, index) from None
+        self._reader.check(index, after_reads=True)
         if value is None:
             raise ShardFormatError(f"{self.shard}: sample {index} is missing; re-pack the shard")
         rec = decode_value(value, self.shard, index)
@@ -595,18 +731,29 @@ class LmdbSampleReader:
         return rec
 
     def keys(self) -> list[str]:
-        """Every sample's key, in order (reads each value's header)."""
-        return [self.get(i).key for i in range(self.samples)]
+        """Every sample's key, in order (reads the start of each value)."""
+        out: list[str] = []
+        try:
+            for key, value in self._reader.items(sample_key(0), _KEY_PREFIX):
+                if len(out) == self.samples or key != sample_key(len(out)):
+                    break
+                if len(value) == _KEY_PREFIX and _runs_past(value):  # a long key
+                    value = self._reader.get(key)
+                out.append(decode_value(value, self.shard, len(out)).key)
+        except (_Damaged, OSError, struct.error) as exc:
+            raise self._reader.error(exc, len(out)) from None
+        self._reader.check()
+        if len(out) < self.samples:
+            raise ShardFormatError(f"{self.shard}: sample {len(out)} is missing; re-pack the shard")
+        return out
 
     def close(self) -> None:
-        if self.env is not None:
-            _release(self.env)
-            self.env = None
+        self._reader.close()
 
 
 class LmdbFormat(ShardFormat):
-    """LMDB shards as a ``ShardFormat``: the reader maps a whole file, so a shard is reached
-    through ``storage.local_path()``."""
+    """LMDB shards as a ``ShardFormat``: the reader reads a whole file at random offsets, so a
+    shard is reached through ``storage.local_path()``."""
 
     name = "lmdb"
     suffix = ".lmdb"

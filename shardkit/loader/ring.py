@@ -18,11 +18,15 @@ itself, and the slot goes back once the copy's event has completed.
 
 Forked worker processes inherit every mapping and descriptor of the process that forks them; a
 worker drops what is not its own first (``forget_inherited``), so closing one loader returns its
-memory while other loaders' workers live.
+memory while other loaders' workers live. Every other process forked from this one (a
+DataLoader's workers, a user's ``os.fork``) closes the ring descriptors at once (an at-fork
+hook): the mappings it inherited stay, as objects it inherited may be over them, and go when it
+exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -34,7 +38,7 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["MappedSlots", "Ring", "forget_inherited"]
+__all__ = ["MappedSlots", "Ring", "forget_inherited", "keeping_at_fork"]
 
 
 def _anonymous_file() -> int:
@@ -50,8 +54,11 @@ def _anonymous_file() -> int:
 
 
 def _close_fd(fd: int) -> None:
-    _FDS.discard(fd)
-    os.close(fd)
+    """Close a ring descriptor this process still holds (a forked child closed the inherited ones
+    at fork: their numbers may name other files since)."""
+    if fd in _FDS:
+        _FDS.discard(fd)
+        os.close(fd)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -66,6 +73,33 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 #: worker can drop those it inherited (``forget_inherited``).
 _FDS: set[int] = set()
 _MAPS: dict[int, weakref.finalize] = {}
+#: The descriptors the worker being forked keeps (its own slots), set while it starts.
+_KEEP_AT_FORK: frozenset[int] = frozenset()
+
+
+def _close_at_fork() -> None:
+    """In every forked child: close the ring descriptors it was not started to keep."""
+    for fd in list(_FDS - _KEEP_AT_FORK):
+        _FDS.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_at_fork)
+
+
+@contextlib.contextmanager
+def keeping_at_fork(fds):
+    """While a worker is forked: the child keeps ``fds`` (its slots), closes the others."""
+    global _KEEP_AT_FORK
+    _KEEP_AT_FORK = frozenset(fds)
+    try:
+        yield
+    finally:
+        _KEEP_AT_FORK = frozenset()
 
 
 def _map(fd: int, nbytes: int):

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from ..errors import ShardkitError, TransformError
 from .fill import Abandon, Filler, FillSpec
 from .messages import Batch, End, Free, Replace, Share, Start, Stop
-from .ring import MappedSlots, Ring, forget_inherited
+from .ring import MappedSlots, Ring, forget_inherited, keeping_at_fork
 
 __all__ = [
     "ForeignLoaderError",
@@ -177,7 +177,8 @@ class ProcessWorkers:
                     daemon=True,
                 )
                 try:
-                    proc.start()
+                    with keeping_at_fork(ring.fds(w)):  # fork: its slots survive the hook
+                        proc.start()
                 finally:
                     theirs.close()
                 self.procs.append(proc)

@@ -25,11 +25,11 @@ unreliable under ``noatime``/``relatime``). Any process that adds an entry trims
 ``limit`` bytes, oldest first, never the entry it just added. There is no reference counting: an
 entry handed out is already an open file descriptor, and on POSIX an unlinked file stays readable
 through its open descriptors, so eviction by another process never breaks a reader. A reader that
-needs a *path* (LMDB maps files) gets ``pin``: a hard link (or, failing that, a copy) of the entry
-under a private name made while the descriptor is still open, which eviction never touches. The
-space of a file evicted while open or pinned is freed when it is closed or unpinned, so the disk can
-briefly hold ``limit`` plus the shards being read. A single shard larger than ``limit`` is kept
-until the next insert evicts it.
+needs a *path* (LMDB reads at random offsets) gets ``pin``: a hard link (or, failing that, a
+copy) of the entry under a private name made while the descriptor is still open, which eviction
+never touches. The space of a file evicted while open or pinned is freed when it is closed or
+unpinned, so the disk can briefly hold ``limit`` plus the shards being read. A single shard larger
+than ``limit`` is kept until the next insert evicts it.
 
 Temporaries and pins carry their owner's pid and are removed (by whoever evicts next) only once
 that process is gone, the one stale-temp policy of ``shardkit.fsutil``: never a live writer's

@@ -204,8 +204,9 @@ class RemoteStorage:
     def prefetch(self, shards: Sequence[ShardInfo | str]) -> None:
         """Start fetching the first ``prefetch`` of ``shards``; they are opened next, in order.
 
-        Prefetched shards are held in memory (or in the cache); a format that maps files
-        (LMDB) asks ``local_path``, which then copies the bytes to a private file.
+        Prefetched shards are held in memory (or in the cache); a format that reads
+        files at random offsets (LMDB) asks ``local_path``, which then copies the bytes to a
+        private file.
         """
         if not self.depth:
             return

@@ -8,7 +8,10 @@
   shard's headers (data is hopped over on local files); then sample i is one ``pread`` of its
   byte range, or one ranged GET for a remote shard. The range is parsed by the same tar reader
   as streaming, so labels, keys and fields come out identical.
-- LMDB: one B-tree lookup (a remote LMDB is fetched into the cache first: LMDB maps files).
+- LMDB: one B-tree lookup (a remote LMDB is fetched into the cache first). Each shard's
+  identity (device, inode, size, mtime) is kept from when it was indexed: a shard replaced or
+  rewritten since is refused by name when it is opened again, and every sample's key is checked
+  against the index, so a view never hands out another sample than the one asked for.
 
 Usable with ``DataLoader`` and ``DistributedSampler``: a view pickles without open files and
 opens its shards again in each worker process.
@@ -83,6 +86,7 @@ class ShardView(Dataset):
         self.shards: tuple[ShardInfo, ...] = resolved.shards
         self._keys: list[str] = []
         self._offsets: list[np.ndarray] = []  # tar: per shard, sample starts + the shard's end
+        self._stamps: list[tuple] = []  # LMDB: per shard, the file's identity when indexed
         counts = []
         try:
             for shard in self.shards:
@@ -103,6 +107,7 @@ class ShardView(Dataset):
         if self.format == "lmdb":
             reader = LmdbSampleReader(self.storage.local_path(shard), shard.url)
             try:
+                self._stamps.append(reader.stamp)
                 return reader.samples, reader.keys(), np.empty(0, np.int64)
             finally:
                 reader.close()
@@ -181,11 +186,15 @@ class ShardView(Dataset):
         """Sample ``i`` as stored (bytes, label, key, fields): one read."""
         shard, j = self._locate(i)
         info = self.shards[shard]
+        return self._record(shard, info, j, self.fields)
+
+    def _record(self, shard: int, info: ShardInfo, j: int, fields) -> Record:
         if self.format == "lmdb":
-            return self._reader(shard, info).get(j, self.fields)
-        off = self._offsets[shard]
-        blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
-        rec = read_sample(blob, info.url, self.fields)
+            rec = self._reader(shard, info).get(j, fields)
+        else:
+            off = self._offsets[shard]
+            blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
+            rec = read_sample(blob, info.url, fields)
         if rec is None or rec.key != self._keys[self._starts[shard] + j]:
             raise ShardFormatError(
                 f"{info.url}: sample {j} is not where the index says (the shard changed since "
@@ -194,10 +203,15 @@ class ShardView(Dataset):
         return rec
 
     def members(self, i) -> list[tuple[str, bytes]]:
-        """Every member of sample ``i`` as ``(extension, bytes)`` (LMDB: the image and label)."""
-        rec = self.record(i)
+        """Every member of sample ``i`` as ``(extension, bytes)``: LMDB gives the image, the
+        label (as a tar's ``cls`` member; none for -1) and every field, in name order, as a tar
+        lists them."""
         if self.format == "lmdb":
-            return [(rec.ext, rec.data), ("cls", str(rec.label).encode())]
+            shard, j = self._locate(i)
+            rec = self._record(shard, self.shards[shard], j, None)  # None: every field
+            label = [] if rec.label == -1 else [("cls", str(rec.label).encode())]  # tar: no cls
+            return [(rec.ext, rec.data), *label, *rec.fields.items()]
+        rec = self.record(i)
         from ..formats.tar.parse import _Buffer
         from ..formats.tar.tally import _walk
 
@@ -227,6 +241,12 @@ class ShardView(Dataset):
         reader = self._open.get(shard)
         if reader is None:
             reader = LmdbSampleReader(self.storage.local_path(info), info.url)
+            if reader.stamp != self._stamps[shard] and not is_url(info.url):
+                reader.close()
+                raise ShardFormatError(
+                    f"{info.url}: the LMDB shard was replaced or rewritten since the view was "
+                    "made; make the view again"
+                )
             self._open[shard] = reader
         return reader
 

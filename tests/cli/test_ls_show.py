@@ -125,3 +125,28 @@ def test_show_to_with_a_very_long_key_or_a_folder_it_cannot_make(tmp_path):
         res = _cli("show", out, long_a, "--to", folder)
         assert res.exit_code != 0 and res.output.count("\n") == 1, res.output
         assert res.output.startswith("error: ") and str(folder) in res.output
+
+
+def test_ls_show_and_show_to_give_an_lmdb_dataset_its_fields_as_tar(tmp_path):
+    """A folder with captions and JSON beside its images, packed as tar and as LMDB: ``ls``,
+    ``show`` and ``show --to`` say and write the same members for both."""
+    from conftest import image_tree
+
+    src = image_tree(tmp_path / "src", 4, classes=2)
+    for i in range(4):
+        stem = src / f"class{i % 2}" / f"img{i:03d}"
+        stem.with_suffix(".txt").write_text(f"caption {i}")
+        stem.with_suffix(".json").write_text(f'{{"i": {i}}}')
+    out: dict[str, tuple[str, str, list]] = {}
+    for fmt in ("tar", "lmdb"):
+        ds = tmp_path / fmt
+        assert _cli("pack", src, ds, "--format", fmt).exit_code == 0
+        box = tmp_path / f"box-{fmt}"
+        listing, shown = _cli("ls", ds).output, _cli("show", ds, "class1/img001").output
+        assert _cli("show", ds, "class1/img001", "--to", box).exit_code == 0
+        files = sorted((p.name, p.read_bytes()) for p in box.iterdir())
+        out[fmt] = (listing, shown.replace(f"{fmt}/shard-000000.{fmt}", "SHARD"), files)
+    assert "txt 9 B" in out["lmdb"][0] and "json 8 B" in out["lmdb"][0]
+    assert 'json: {"i": 1}' in out["lmdb"][1] and "txt: caption 1" in out["lmdb"][1]
+    assert ("class1_img001.txt", b"caption 1") in out["lmdb"][2]
+    assert out["lmdb"] == out["tar"]

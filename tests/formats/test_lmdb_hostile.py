@@ -215,33 +215,150 @@ def test_label_outside_the_classes_is_a_sample_error(tmp_path):
     assert info.value.key == "c1/b" and info.value.shard.endswith("shard-000000.lmdb")
 
 
-def test_a_reader_collected_while_a_shard_opens_does_not_deadlock(tmp_path):
-    """The garbage collector may run an abandoned reader's ``finally`` (which releases its
-    environment) in the middle of another open, on the thread that holds the registry's lock."""
+def test_readers_of_one_shard_side_by_side_and_abandoned_ones_close_their_files(tmp_path):
+    """A mixture or a view beside a stream reads one shard from several places at once; an
+    abandoned reader collected by the garbage collector closes its descriptor."""
     import gc
-    import threading
 
     from shardkit.formats import lmdb as lmdb_format
 
     path = tmp_path / "a.lmdb"
-    lmdb_shard(path, n=3)
-    reader = lmdb_format.iter_lmdb_records(str(path))
-    next(reader)
-    cycle = [reader]
+    samples = lmdb_shard(path, n=30)
+    gc.collect()  # what earlier tests left for the collector
+    before = len(os.listdir("/proc/self/fd"))
+    first = lmdb_format.iter_lmdb_records(str(path))
+    second = lmdb_format.iter_lmdb_records(str(path), start=10)
+    view = lmdb_format.LmdbSampleReader(str(path))
+    assert next(first).key == samples[0][0] and next(second).key == samples[10][0]
+    assert [view.get(i).key for i in (29, 0)] == [samples[29][0], samples[0][0]]
+    assert [r.key for r in first] == [s[0] for s in samples[1:]]
+    view.close()
+    cycle = [second]
     cycle.append(cycle)  # only the collector frees it
-    del reader, cycle
-    done = threading.Event()
+    del second, cycle
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
 
-    def open_while_collecting() -> None:
-        with lmdb_format._shared_lock:  # as _acquire holds it when an allocation collects
-            gc.collect()
-        done.set()
 
-    gc.disable()  # the collection happens inside the lock, not before it
+# --- a shard that changes under an open reader; readers in forked processes ----------------------
+
+_CHANGE_CHILD = textwrap.dedent(
+    """
+    import os, shutil, sys
+    from shardkit import ShardView
+    from shardkit.errors import ShardkitError
+    from shardkit.formats import get_format
+
+    path, other, how, what = sys.argv[1:5]
+    if what == "stream":
+        it = get_format("lmdb").iter_records(path)
+        read = lambda i: next(it).key
+    else:
+        view = ShardView(os.path.dirname(path), decode="raw", with_keys=True)
+        read = lambda i: view[i][2]
+    print(read(0), flush=True)
+    if how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 3)
+    else:  # another shard's bytes copied over this one, in place (same inode)
+        shutil.copyfile(other, path)
     try:
-        worker = threading.Thread(target=open_while_collecting, daemon=True)
-        worker.start()
-        worker.join(10)
-    finally:
-        gc.enable()
-    assert done.is_set(), "releasing an environment inside an open deadlocked"
+        print(" ".join(read(i) for i in range(1, 40)), flush=True)
+    except ShardkitError as exc:
+        print(type(exc).__name__, exc, flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter: a SIGBUS must end only the child
+@pytest.mark.parametrize("how", ["truncated", "rewritten_in_place"])
+@pytest.mark.parametrize("what", ["stream", "view"])
+def test_an_lmdb_shard_changed_while_open_is_an_error_naming_it(tmp_path, how, what):
+    out = tmp_path / "ds"
+    out.mkdir()
+    path = out / "shard-000000.lmdb"
+    samples = lmdb_shard(path, n=40)
+    good = path.read_bytes()
+    import hashlib
+
+    entry = ShardEntry(path.name, 40, len(good), hashlib.sha256(good).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    other = tmp_path / "other.lmdb"
+    lmdb_shard(other, n=40, seed=1)
+    w = get_format("lmdb").open_writer(str(other))  # same size class, other keys
+    for i in range(40):
+        w.add(f"x/other{i}", "jpg", samples[i][2], 0)
+    w.close()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHANGE_CHILD, str(path), str(other), how, what],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"reader ended by {proc.returncode}: {proc.stderr[-1500:]}"
+    first, then = proc.stdout.splitlines()
+    assert first == samples[0][0]
+    assert "other" not in then  # never another shard's samples
+    assert then.startswith("ShardFormatError"), then
+    assert str(path) in then or f"ds/{path.name}" in then
+    assert ("truncated" if how == "truncated" else "changed") in then
+
+
+_FORK_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    from shardkit import ShardDataset, ShardView
+    from shardkit.formats import get_format
+
+    out = sys.argv[1]
+    view = ShardView(out, decode="raw", with_keys=True)
+    view[0]  # a reader open in this process
+    it = iter(ShardDataset(out, decode="raw", shuffle=False, with_keys=True))
+    next(it)  # and a stream
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            path = os.path.join(out, "shard-000000.lmdb")
+            keys = [x.key for x in get_format("lmdb").iter_records(path)]
+            keys += [view[i][2] for i in range(3)]  # the inherited view, read in the child
+            res = {"keys": keys}
+        except BaseException as exc:
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(w, json.dumps(res).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.waitpid(pid, 0)
+    print(data.decode())
+    print(json.dumps([view[i][2] for i in range(3)] + [next(it)[2]]))
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter that forks
+def test_a_shard_open_in_the_parent_reads_in_forked_children(tmp_path):
+    out = tmp_path / "ds"
+    out.mkdir()
+    path = out / "shard-000000.lmdb"
+    samples = lmdb_shard(path, n=12)
+    import hashlib
+
+    good = path.read_bytes()
+    entry = ShardEntry(path.name, 12, len(good), hashlib.sha256(good).hexdigest())
+    write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD, str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    child, parent = (json.loads(line) for line in proc.stdout.splitlines())
+    keys = [s[0] for s in samples]
+    assert child == {"keys": keys + keys[:3]}
+    assert parent == keys[:3] + [keys[1]]

@@ -247,6 +247,31 @@ def test_closing_a_loader_frees_its_ring_while_other_loaders_workers_live(shards
     b.close()
 
 
+def test_processes_forked_beside_a_loader_hold_none_of_its_ring(shards):
+    """A DataLoader's fork workers (or any fork of the training process) started while a
+    ShardLoader lives close its ring's descriptors: closing the loader returns the ring's memory
+    while they run. A ShardLoader started after it keeps exactly its own slots."""
+    from torch.utils.data import DataLoader
+
+    ds = ShardDataset(shards, decode="tensor")
+    a = ShardLoader(ds, 4, num_workers=2)
+    it_a = iter(a)
+    next(it_a)  # a's workers and its ring are live
+    dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    it_dl = iter(dl)
+    next(it_dl)
+    b = ShardLoader(ds, 4, num_workers=1)
+    it_b = iter(b)
+    next(it_b)
+    a.close()
+    for pid in [w.pid for w in it_dl._workers]:
+        assert _ring_fds(pid) == 0
+    assert [_ring_fds(pid) for pid in b.worker_pids] == [b._res.ring.slots]
+    assert sum(1 for _ in it_dl) == N - 1
+    assert sum(len(x) for x, _ in it_b) == N - 4
+    b.close()
+
+
 def test_a_stopped_worker_is_warned_about_with_its_pid_and_state(shards, monkeypatch):
     from shardkit.loader import workers
 

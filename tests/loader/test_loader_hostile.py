@@ -365,6 +365,56 @@ def test_a_shard_of_another_size_than_its_manifest_says_is_an_error_naming_it(tm
         list(ShardLoader(_ds(str(tmp_path / "tar"), shuffle=False), 2, num_workers=0))
 
 
+@pytest.fixture(scope="module")
+def lmdb_one_shard(tmp_path_factory):
+    """60 images in one LMDB shard (a worker reads it front to back, a few batches ahead)."""
+    base = tmp_path_factory.mktemp("lmdb")
+    for i in range(60):
+        d = base / "src" / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(_image(i)).save(d / f"im{i:02d}.jpg")
+    pack(str(base / "src"), str(base / "lmdb"), format="lmdb", progress=False)
+    return str(base / "lmdb")
+
+
+@pytest.mark.slow  # worker processes
+def test_an_lmdb_shard_truncated_under_a_worker_is_an_error_naming_it(lmdb_one_shard, tmp_path):
+    import shutil
+
+    out = shutil.copytree(lmdb_one_shard, tmp_path / "ds")
+    shard = out / "shard-000000.lmdb"
+    loader = ShardLoader(_ds(str(out), shuffle=False), 2, num_workers=1, prefetch_factor=1)
+    it = iter(loader)
+    next(it)  # the worker holds the shard open, a few batches ahead
+    os.truncate(shard, shard.stat().st_size // 3)
+    with pytest.raises(
+        ShardkitError, match=r"shard-000000\.lmdb: the LMDB shard changed .*truncated"
+    ):
+        for _ in it:
+            pass
+    loader.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_lmdb_shards_open_in_the_training_process_read_in_forked_workers(lmdb_one_shard):
+    from torch.utils.data import DataLoader
+
+    from shardkit import ShardView
+
+    view = ShardView(lmdb_one_shard, decode="raw", with_keys=True)
+    first = view[0][2]  # a reader open here
+    ds = _ds(lmdb_one_shard, shuffle=False)
+    next(iter(ds))  # and a stream, left open
+    loader = ShardLoader(ds, 4, num_workers=2, start_method="fork")
+    assert sorted(k for *_, keys in loader for k in keys) == sorted(view.keys())
+    loader.close()
+    plain = ShardDataset(lmdb_one_shard, decode="raw", with_keys=True, shuffle=False)
+    dl = DataLoader(plain, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    keys = [k for _, _, k in dl]
+    assert sorted(keys) == sorted(view.keys()) and len(keys) == 60
+    assert view[0][2] == first
+
+
 # --- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
 

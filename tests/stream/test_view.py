@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from shardkit import InputError, ShardDataset, ShardView
+from shardkit.errors import ShardFormatError
 from shardkit.write.packer import pack
 from shardkit.write.writer import ShardWriter
 
@@ -125,3 +126,73 @@ def test_view_over_s3_equals_sequential_reading_with_one_ranged_get_per_tar_samp
     if fmt == "tar":
         gets = [e for e in s3.log.entries if e[0] == "GET" and e[1].endswith(".tar")]
         assert len(gets) == len(view) + 1 and all(e[2].startswith("bytes=") for e in gets)
+
+
+# --- LMDB shards that change under a view ----------------------------------------------------
+
+
+def _lmdb_pack(out: Path, prefix: str, n: int = 20) -> None:
+    """One LMDB shard of ``n`` samples keyed ``<prefix>/k000``..., each with a caption."""
+    with ShardWriter(str(out), shard_size="1GB", format="lmdb") as w:
+        for i in range(n):
+            w.add(
+                f"{prefix}/k{i:03d}",
+                "jpg",
+                b"%s-%d" % (prefix.encode(), i),
+                i % 2,
+                extra={"txt": b"caption %d" % i},
+            )
+
+
+@pytest.mark.parametrize("how", ["renamed_over", "rewritten_in_place", "kept_open"])
+def test_an_lmdb_shard_changed_under_a_view_never_gives_other_samples(tmp_path, how):
+    """Re-packed and renamed over the shard, or copied over it in place: the view refuses the
+    shard by name; a shard the view already holds open keeps giving its own samples."""
+    _lmdb_pack(tmp_path / "d", "old")
+    _lmdb_pack(tmp_path / "new", "new", n=25)
+    view = ShardView(str(tmp_path / "d"), decode="raw", with_keys=True)
+    if how == "kept_open":
+        assert view[3][2] == "old/k003"
+    shard = next((tmp_path / "d").glob("*.lmdb"))
+    fresh = next((tmp_path / "new").glob("*.lmdb"))
+    if how == "rewritten_in_place":
+        shard.write_bytes(fresh.read_bytes())  # same inode, other bytes
+    else:
+        fresh.rename(shard)
+    if how == "kept_open":
+        assert view.get("old/k017") == (b"old-17", 1, "old/k017")
+        assert view[5][2] == "old/k005"
+        return
+    for ask in (lambda: view[5], lambda: view.get("old/k017")):
+        with pytest.raises(ShardFormatError, match=rf"{shard.name}: .*(replaced or rewritten)"):
+            ask()
+
+
+def test_an_lmdb_sample_whose_key_is_not_the_indexed_one_is_refused(tmp_path, monkeypatch):
+    """Should the identity not tell (a copy made in the same tick, a remote shard re-fetched),
+    the key stored with the sample is checked against the index."""
+    _lmdb_pack(tmp_path / "d", "a")
+    view = ShardView(str(tmp_path / "d"), decode="raw", with_keys=True)
+    view._keys[4] = "a/k009"  # as if the index had been made from another shard
+    with pytest.raises(ShardFormatError, match=r"shard-000000\.lmdb: sample 4 is not where"):
+        view[4]
+
+
+def test_lmdb_members_include_every_field_as_tar_lists_them(tmp_path):
+    for fmt in ("tar", "lmdb"):
+        with ShardWriter(str(tmp_path / fmt), shard_size="1GB", format=fmt) as w:
+            w.add(
+                "a", "jpg", b"img-a", 1, extra={"json": b'{"x": 1}', "txt": b"cap"}
+            )  # name order, as pack
+            w.add("b", "jpg", b"img-b", -1, extra={"txt": b"only"})
+    got = {
+        fmt: [ShardView(str(tmp_path / fmt)).members(i) for i in (0, 1)] for fmt in ("tar", "lmdb")
+    }
+    assert got["lmdb"] == got["tar"]
+    assert got["lmdb"][0] == [
+        ("jpg", b"img-a"),
+        ("cls", b"1"),
+        ("json", b'{"x": 1}'),
+        ("txt", b"cap"),
+    ]
+    assert got["lmdb"][1] == [("jpg", b"img-b"), ("txt", b"only")]
