@@ -30,6 +30,8 @@ the batches are the ones the workers would fill for it anyway; any other start (
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 import warnings
 from collections import deque
@@ -54,29 +56,41 @@ __all__ = ["Balance", "Epoch", "FeedCounts", "Position", "next_epoch", "slots_pe
 #: decode_on="auto" never gives either side less than this share of the batches, so that both
 #: rates stay measured (a GPU busier with a larger model, a CPU freed by another job).
 MIN_SHARE = 0.05
-#: ... and hands the workers all but that share when they alone outrun the caller by this factor.
-HEADROOM = 1.15
+#: The device's share while the workers alone keep the caller fed: enough to keep its rate known.
+IDLE_SHARE = 0.02
+#: The caller waiting this share of its time for batches makes both sides decode...
+WAIT_HIGH = 0.05
+#: ... and waiting less than this, for ``PATIENCE`` batches or more, tries the workers alone.
+WAIT_LOW = 0.01
+PATIENCE = 20
 
-#: decode_on="device"/"auto": stored-byte batches are decoded by one thread of the training
+#: decode_on="device"/"auto": stored-byte batches are decoded by threads of the training
 #: process, batches ahead of the caller, not by the caller's own thread: nvImageCodec's calls
 #: hold their thread for ~60-150 us per image (hardware engine, measured on an H200), which on
-#: the training thread delays every step. False (benchmarks only): decode on the caller's thread.
-DECODE_THREAD = True
+#: the training thread delays every step. ``DECODE_THREADS`` of them, each with its own decoder
+#: and stream, take turns (batches stay in order). 0 (benchmarks only): the caller's thread.
+DECODE_THREADS = 2
 
 
 @dataclass
 class Balance:
     """``decode_on="auto"``: each side's measured seconds per image (exponential averages), the
-    rate the caller takes images at, and the share of batches the workers decode. Where the
-    workers alone outrun the caller (by ``HEADROOM``: a model that bounds the step), they take
-    all but ``MIN_SHARE``, so the device's decode and resize take nothing from the model;
-    otherwise the workers' combined rate over both rates, so that neither side waits. Kept by
-    the loader across epochs."""
+    rate the caller takes images at and the share of its time it waits for them, and the share
+    of batches the workers decode. The workers decode all but ``IDLE_SHARE`` until the caller
+    waits (``WAIT_HIGH`` of its time): the device's decode and resize then take nothing from a
+    model that bounds the step. Then both sides decode at their measured rates (``split``),
+    until the caller no longer waits (``WAIT_LOW``) and the workers alone may keep up: that is
+    tried again, after twice as many batches each time it failed. Kept by the loader across
+    epochs."""
 
     worker_s: float | None = None  # one worker's time per image it decodes
     device_s: float | None = None  # the training process's time per image decoded on the device
     demand: float | None = None  # images per second the caller takes
-    sent: float = 0.5  # the share the workers were last told
+    wait: float | None = None  # the share of the caller's time spent waiting for batches
+    sent: float = 1.0 - IDLE_SHARE  # the share the workers were last told
+    split: bool = False  # both sides at their rates (else the workers take nearly all)
+    since: int = 1 << 30  # batches since ``split`` last changed (none yet: no probe failed)
+    patience: int = PATIENCE  # batches split before the workers alone are tried again
     warm: set = field(default_factory=set)  # sides whose first (warm-up) batch has passed
     last: float | None = None  # when the caller last took a batch (None: a new epoch)
 
@@ -90,19 +104,31 @@ class Balance:
         old = getattr(self, side)
         setattr(self, side, per if old is None else 0.5 * old + 0.5 * per)
 
-    def taken(self, count: int, now: float) -> None:
-        """The caller took ``count`` images now (the time since the last is its step)."""
+    def taken(self, count: int, now: float, waited: float = 0.0) -> None:
+        """The caller took ``count`` images now, after waiting ``waited`` seconds for them
+        (the time since the last batch is its step)."""
         if self.last is not None and now > self.last:
-            rate = count / (now - self.last)
+            period = now - self.last
+            rate, share = count / period, min(1.0, waited / period)
             self.demand = rate if self.demand is None else 0.8 * self.demand + 0.2 * rate
+            self.wait = share if self.wait is None else 0.8 * self.wait + 0.2 * share
         self.last = now
+        self.since += 1
+        if self.wait is None:
+            return
+        if not self.split and self.wait > WAIT_HIGH:
+            if self.since < 2 * PATIENCE:  # the workers alone were tried and fell short
+                self.patience = min(64 * PATIENCE, 2 * self.patience)
+            self.split, self.since = True, 0
+        elif self.split and self.wait < WAIT_LOW and self.since >= self.patience:
+            self.split, self.since = False, 0
 
     def share(self, workers: int) -> float:
+        if not self.split:
+            return 1.0 - IDLE_SHARE
         if self.worker_s is None or self.device_s is None:
-            return self.sent
+            return 0.5
         cpu, device = workers / self.worker_s, 1.0 / self.device_s
-        if self.demand is not None and self.demand * HEADROOM <= cpu:
-            return 1.0 - MIN_SHARE
         return min(1.0 - MIN_SHARE, max(MIN_SHARE, cpu / (cpu + device)))
 
 
@@ -176,8 +202,14 @@ class Epoch:
         self.cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.nhwc = loader._nhwc
-        # Encoded slots (decode_on="device", "auto"): decoded here, never lent to the caller.
+        # Encoded slots (decode_on="device", "auto"): decoded here, never lent to the caller, by
+        # lanes (a decoder and its stream) that the decode threads take in turn.
         self.decoder = loader._device_decoder() if loader.decode_on != "workers" else None
+        self._lanes: queue.SimpleQueue = queue.SimpleQueue()
+        if self.decoder is not None:
+            for decoder in loader._device_decoders(max(1, DECODE_THREADS)):
+                self._lanes.put((decoder, torch.cuda.Stream(device) if self.cuda else None))
+        self._lock = threading.Lock()  # the counts the decode threads add to
         # A decoded slot goes to the caller itself (no conversion, no device): give it back late.
         self.view = (
             not self.cuda and loader.normalize is None and (loader.channels_last or not self.nhwc)
@@ -194,9 +226,12 @@ class Epoch:
         self._alive: dict = {}  # (worker, slot) -> nvImageCodec images the stream still reads
         # stored-byte batches decoding on the decode thread, in order
         self._pool = None
-        if self.decoder is not None and DECODE_THREAD:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-device-decode")
+        if self.decoder is not None and DECODE_THREADS > 0:
+            self._pool = ThreadPoolExecutor(DECODE_THREADS, "shardkit-device-decode")
         self._pending: deque = deque()
+        # seconds the caller waited on the workers since the last draw (auto): whether the
+        # workers keep up; a wait on the device's own decode is its measured rate's business
+        self._waited = 0.0
         self.done = False
         workers.start(
             self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
@@ -233,7 +268,9 @@ class Epoch:
                         f"ShardLoader: waiting on worker {w} while holding all its "
                         f"{self.ring.slots} slots would never end (slot count bug)"
                     )
+                t0 = time.perf_counter()
                 msg = self.workers.next(w)
+                self._waited += time.perf_counter() - t0
                 if isinstance(msg, End):
                     if msg.error is not None:
                         if msg.cause is not None:
@@ -377,14 +414,22 @@ class Epoch:
         bufs = [arr[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
         size = ds.geometry.size if ds.geometry is not None else None
         target = loader.device or torch.device("cpu")
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        decoder, stream = lane = self._lanes.get()
+        try:
+            return self._decode_batch(msg, bufs, size, target, decoder, stream)
+        finally:
+            self._lanes.put(lane)
+
+    def _decode_batch(self, msg: Batch, bufs, size, target, decoder, stream):
+        loader, ds = self.loader, self.loader.dataset
+        ctx = torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
         timed = self.balance is not None
         with ctx:
             if timed and self.cuda:
                 began = torch.cuda.Event(enable_timing=True)
-                began.record(self.stream)
+                began.record(stream)
             t0 = time.perf_counter()
-            decoded = self.decoder.decode(bufs, msg.boxes, self.stream)
+            decoded = decoder.decode(bufs, msg.boxes, stream)
             pixels, kept = self._decoded(decoded, bufs, msg, target)
             dtype = torch.float32 if loader.normalize is not None else torch.uint8
             shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
@@ -393,9 +438,9 @@ class Epoch:
                 (len(kept), 3, *shape), dtype=dtype, device=target, memory_format=fmt
             )
             if size is None:
-                self._place_whole(pixels, images)
+                self._place_whole(decoder, pixels, images)
             else:
-                self._place_resized(pixels, kept, msg, size, images)
+                self._place_resized(decoder, pixels, kept, msg, size, images)
             labels = torch.tensor([msg.labels[i] for i in kept], dtype=torch.int64)
             tt = ds.target_transform
             if tt is not None:
@@ -404,14 +449,15 @@ class Epoch:
             if self.cuda:
                 labels = _pinned(labels, target)
                 copied = torch.cuda.Event(enable_timing=timed)  # the decode read the slot
-                copied.record(self.stream)
+                copied.record(stream)
                 ready = copied
                 if timed:
                     self._timing.append((began, copied, len(kept), time.perf_counter() - t0))
                 if self._pool is not None:  # on the decode thread: wait here, not the caller
                     copied.synchronize()
             elif timed:
-                self.balance.note("device_s", time.perf_counter() - t0, len(kept))
+                with self._lock:
+                    self.balance.note("device_s", time.perf_counter() - t0, len(kept))
         keys = [msg.keys[i] for i in kept]
         fields = None if msg.fields is None else [[col[i] for i in kept] for col in msg.fields]
         out = self._output(images, labels, keys, fields)
@@ -426,35 +472,36 @@ class Epoch:
         """Each kept sample's ``Crop`` from the device decoder, or its finished CHW image from
         the CPU decoder where the device declined it whole; and the samples kept (not skipped
         under ``on_error="skip"``)."""
-        counts = self.loader.feed_counts
-        pixels, kept = [], []
+        pixels, kept, cpu = [], [], 0
         for i, crop in enumerate(decoded):
             if crop is None:  # declined whole by the device decoder: the CPU decodes it (or fails)
-                counts.cpu += 1
+                cpu += 1
                 img = self._decode_on_cpu(bufs[i], msg, i)
                 if img is None:
                     continue
                 pixels.append(_pinned(img, target))
             else:
-                if crop.whole:
-                    counts.whole += 1
-                else:
-                    counts.region += 1
                 pixels.append(crop)
             kept.append(i)
+        whole = sum(1 for c in decoded if c is not None and c.whole)
+        counts = self.loader.feed_counts
+        with self._lock:  # decode threads add up
+            counts.cpu += cpu
+            counts.whole += whole
+            counts.region += len(decoded) - cpu - whole
         return pixels, kept
 
-    def _place_whole(self, pixels: list, images: torch.Tensor) -> None:
+    def _place_whole(self, decoder, pixels: list, images: torch.Tensor) -> None:
         """Full-size images (no ``size``): each copied as it is, then normalised."""
         for j, p in enumerate(pixels):
             if isinstance(p, torch.Tensor):
                 images[j].copy_(p)
             else:
-                images[j].copy_(self.decoder.tensor(p).permute(2, 0, 1))
+                images[j].copy_(decoder.tensor(p).permute(2, 0, 1))
         if self.loader.normalize is not None:
             images.mul_(self.scale).add_(self.shift)
 
-    def _place_resized(self, pixels: list, kept: list, msg: Batch, size: int, images) -> None:
+    def _place_resized(self, decoder, pixels, kept: list, msg: Batch, size: int, images) -> None:
         """The device crops resized as one batch per group of similar sizes
         (``resize_batch``); the CPU decoder's finished images copied to their places."""
         scale = shift = None
@@ -466,7 +513,7 @@ class Epoch:
             where = [on_device[g] for g in group]
             part = [crops[g] for g in group]
             flips = [bool(msg.boxes[kept[j]].flip) for j in where]
-            padded = self.decoder.padded(part, images.device)
+            padded = decoder.padded(part, images.device)
             hs, ws = [c.h for c in part], [c.w for c in part]
             if where == list(range(where[0], where[0] + len(where))):  # a run: in place
                 dest = images[where[0] : where[0] + len(where)]
@@ -489,7 +536,8 @@ class Epoch:
         batch; device decodes whose events have completed) and tell the workers a new share
         when it moved."""
         bal = self.balance
-        bal.taken(msg.count, time.perf_counter())
+        bal.taken(msg.count, time.perf_counter(), self._waited)
+        self._waited = 0.0
         if msg.offsets is None:
             bal.note("worker_s", msg.fill_s, msg.count)
         while self._timing and self._timing[0][1].query():
@@ -571,6 +619,13 @@ class Epoch:
             self._pending.clear()
         if self.stream is not None:
             self.stream.synchronize()
+        lanes = []
+        while not self._lanes.empty():  # every lane is back: the decode threads have ended
+            lanes.append(self._lanes.get())
+        for lane in lanes:
+            if lane[1] is not None:
+                lane[1].synchronize()
+            self._lanes.put(lane)
         self._alive.clear()
         try:
             for w, slots in enumerate(self.held):

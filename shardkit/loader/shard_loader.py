@@ -330,6 +330,15 @@ class ShardLoader:
             self._decoder = DeviceDecoder(self.device)
         return self._decoder
 
+    def _device_decoders(self, count: int) -> list[DeviceDecoder]:
+        """``count`` decoders, one per decode thread (the first is ``_device_decoder()``),
+        kept for the loader's life."""
+        have = self.__dict__.setdefault("_more_decoders", [])
+        while len(have) < count - 1:
+            first = self._device_decoder()
+            have.append(DeviceDecoder(self.device, upsampling=first.upsampling))
+        return [self._device_decoder(), *have[: count - 1]]
+
     def _check_descriptors(self, workers: int, slots: int) -> None:
         """The ring holds a descriptor per slot (and each worker a pipe and a few files): refuse
         a ring the process's descriptor limit cannot hold, naming the setting, before opening

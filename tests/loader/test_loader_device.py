@@ -501,3 +501,30 @@ def test_cuda_both_upsamplings_stay_within_the_bound_of_the_cpu_path(
     diff = torch.stack([(dev[k].float().cpu() - cpu[k].float()).abs().mean() for k in keys])
     assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE, (upsampling, float(diff.mean()))
     assert loader.feed_counts.cpu <= 2  # the PNG and the CMYK JPEG at most
+
+
+def test_auto_balance_tries_the_workers_alone_and_backs_off_when_they_fall_short():
+    """The controller on its own, with a made-up clock: the workers take nearly all until the
+    caller waits; both sides at their rates while it does; the workers alone again once it no
+    longer waits, later each time that fell short."""
+    from shardkit.loader.epoch import IDLE_SHARE, PATIENCE, Balance
+
+    bal, now = Balance(worker_s=0.01, device_s=0.001), 0.0
+
+    def steps(n, wait_share):
+        nonlocal now
+        for _ in range(n):
+            now += 0.1
+            bal.taken(10, now, waited=0.1 * wait_share)
+
+    steps(30, 0.0)
+    assert not bal.split and bal.share(2) == 1.0 - IDLE_SHARE  # fed: the device idles
+    steps(5, 0.5)
+    assert bal.split and bal.share(2) < 0.5  # waiting: the (faster) device takes most
+    split_for, n = bal.since, 0
+    while bal.split and n < 100:
+        steps(1, 0.0)
+        n += 1
+    assert not bal.split and split_for + n >= PATIENCE  # tried again, not before PATIENCE
+    steps(5, 0.5)
+    assert bal.split and bal.patience == 2 * PATIENCE  # they fell short at once: try later
