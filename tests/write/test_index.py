@@ -206,21 +206,24 @@ def test_index_counts_fields_as_the_pack_did_and_a_merge_adds_them_up(tmp_path):
     from shardkit import pack
     from shardkit.write.merge import merge
 
-    src = tmp_path / "src"
-    for c in ("cat", "dog"):
-        (src / c).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(src / c / f"x{i}.jpg")
-            (src / c / f"x{i}.txt").write_text(f"a {c}")
-            if i % 2:
-                (src / c / f"x{i}.seg.png").write_bytes(b"\x89PNG mask")
-    packed = tmp_path / "packed"
-    pack(str(src), str(packed), shard_size="12kB", progress=False, validate="none")
-    want = read_manifest(str(packed)).fields
-    assert want == {"seg.png": 4, "txt": 8}
-    for name in ("a", "b"):
+    want = {"seg.png": 4, "txt": 8}
+    for name, stem in (
+        ("a", "x"),
+        ("b", "y"),
+    ):  # two datasets: other keys (a merge refuses one twice)
+        src = tmp_path / f"src-{name}"
+        for c in ("cat", "dog"):
+            (src / c).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (8, 6), (40 * i, 9, 0)).save(src / c / f"{stem}{i}.jpg")
+                (src / c / f"{stem}{i}.txt").write_text(f"a {c}")
+                if i % 2:
+                    (src / c / f"{stem}{i}.seg.png").write_bytes(b"\x89PNG mask")
+        packed = tmp_path / f"packed-{name}"
+        pack(str(src), str(packed), shard_size="12kB", progress=False, validate="none")
+        assert read_manifest(str(packed)).fields == want
         (tmp_path / name).mkdir()
-        for s in read_manifest(str(packed)).shards:
+        for s in read_manifest(str(packed)).shards:  # the shards alone: index counts the fields
             shutil.copy(packed / s.path, tmp_path / name / s.path)
         (r,) = index_shards([tmp_path / name])
         assert r.manifest.fields == want and read_manifest(str(tmp_path / name)).fields == want
