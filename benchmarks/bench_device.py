@@ -319,13 +319,13 @@ def loader(args) -> dict:
     n = args.workers or max(1, usable_cpus() - 1)
     out: dict = {"workers": n}
     for mode in [*args.decode_on, "device-nothread"]:
-        epoch_mod.DECODE_THREADS = 2 if mode != "device-nothread" else 0
+        epoch_mod.DECODE_THREADS = 1 if mode != "device-nothread" else 0
         ds, ld = _loader(urls, mode.split("-")[0], n, args.batch)
         try:
             out[mode] = row = _drain(ld, args.warmup, args.steps, args.batch)
         finally:
             ld.close()
-            epoch_mod.DECODE_THREADS = 2
+            epoch_mod.DECODE_THREADS = 1
         print(
             f"  loader {mode}: {row['images_per_s']:.0f} img/s, trainer thread CPU "
             f"{row['trainer_thread_cpu_us_per_image']:.1f} us/img, process "

@@ -68,8 +68,10 @@ PATIENCE = 20
 #: process, batches ahead of the caller, not by the caller's own thread: nvImageCodec's calls
 #: hold their thread for ~60-150 us per image (hardware engine, measured on an H200), which on
 #: the training thread delays every step. ``DECODE_THREADS`` of them, each with its own decoder
-#: and stream, take turns (batches stay in order). 0 (benchmarks only): the caller's thread.
-DECODE_THREADS = 2
+#: and stream, take turns (batches stay in order). On an H200 one thread gave 0.92 of the rate of
+#: decoding on the caller's thread, two 0.85 (the calls serialise): one. 0 (benchmarks only):
+#: the caller's thread.
+DECODE_THREADS = 1
 
 
 @dataclass
@@ -232,6 +234,7 @@ class Epoch:
         # seconds the caller waited on the workers since the last draw (auto): whether the
         # workers keep up; a wait on the device's own decode is its measured rate's business
         self._waited = 0.0
+        self._draws = 0
         self.done = False
         workers.start(
             self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
@@ -270,7 +273,9 @@ class Epoch:
                     )
                 t0 = time.perf_counter()
                 msg = self.workers.next(w)
-                self._waited += time.perf_counter() - t0
+                if self._draws >= self.n:  # not the first round: workers starting, shards opening
+                    self._waited += time.perf_counter() - t0
+                self._draws += 1
                 if isinstance(msg, End):
                     if msg.error is not None:
                         if msg.cause is not None:
