@@ -48,6 +48,9 @@ class FillSpec:
     # "workers": pixels in the slots; "device": the samples' stored bytes, decoded by the
     # training process; "auto": each batch one or the other, ``Filler.share`` of them pixels
     decode_on: str = "workers"
+    # batches a worker fills of the next epoch while the consumer drains this one: the loader's
+    # prefetch_factor (what a worker may have ready at any time)
+    fill_ahead: int = 2
 
 
 class Filler:

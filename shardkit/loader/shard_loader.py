@@ -305,7 +305,14 @@ class ShardLoader:
         n = max(1, self.num_workers)
         slots = slots_per_worker(self.prefetch_factor, self._ahead)
         pin = self.device is not None and self.device.type == "cuda"
-        spec = FillSpec(self.batch_size, n, self.drop_last, self._nhwc, decode_on=self.decode_on)
+        spec = FillSpec(
+            self.batch_size,
+            n,
+            self.drop_last,
+            self._nhwc,
+            decode_on=self.decode_on,
+            fill_ahead=self.prefetch_factor,
+        )
         self._check_descriptors(n, slots)
         res = self._res
         try:

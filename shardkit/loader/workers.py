@@ -340,7 +340,7 @@ class _Inbox:
     def acquire(self) -> int:
         """A free slot; raises ``Abandon`` once a new ``Start`` or ``Stop`` has arrived."""
         self._drain()
-        while not self.free and self.next is None:
+        while (not self.free or self._ahead_full()) and self.next is None:
             self._handle(self._recv())
         if self.next is not None:
             raise Abandon
@@ -360,6 +360,13 @@ class _Inbox:
         if isinstance(msg, Batch):
             self.filler.count_skips(msg)
         self.conn.send(msg)
+
+    def _ahead_full(self) -> bool:
+        """Filling ahead, and ``fill_ahead`` batches are ready: wait for the loader (a batch
+        more is work thrown away if no epoch follows, as after the last one)."""
+        if self.kept is None:
+            return False
+        return sum(isinstance(m, Batch) for m in self.kept) >= self.filler.spec.fill_ahead
 
     def _begin(self) -> Start | None:
         msg, self.next = self.next, None

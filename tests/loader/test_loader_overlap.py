@@ -3,8 +3,9 @@ caller drains the last ones, and an epoch gives the same batches, byte for byte,
 
 Whether the workers filled ahead is seen through a transform that counts the images it is given
 (it runs in the workers, once per decoded image): once an epoch is drained, every slot is free
-and each worker fills ``SLOTS`` batches of the next epoch, then waits. A loader's
-``_overlap_epochs`` (read at each ``iter()``) turns filling ahead off for the comparisons.
+and each worker fills ``PREFETCH`` batches of the next epoch (its prefetch_factor), then waits.
+A loader's ``_overlap_epochs`` (read at each ``iter()``) turns filling ahead off for the
+comparisons.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from shardkit.loader.workers import WorkerDied
 pytestmark = pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning")
 
 N, B = 48, 4  # 2 workers: 6 batches each
-SLOTS = 4  # per worker: prefetch_factor 2 + the batch yielded + the one before it
-AHEAD = 2 * SLOTS * B  # images filled ahead once an epoch is drained
+PREFETCH = 2  # the loader's default prefetch_factor: what a worker fills ahead
+AHEAD = 2 * PREFETCH * B  # images filled ahead once an epoch is drained
 
 
 def _image(i: int) -> np.ndarray:
@@ -238,7 +239,10 @@ def test_skipped_samples_count_once_whether_filled_ahead_batches_are_taken_or_dr
     corrupt, tmp_path
 ):
     count = Count(tmp_path / "count")
-    loader = _loader(corrupt, transform=count, on_error="skip", batch_size=2)
+    # prefetch_factor 3: each worker's whole part (3 batches of 2) is filled ahead
+    loader = _loader(
+        corrupt, transform=count, on_error="skip", batch_size=2, loader_kw={"prefetch_factor": 3}
+    )
     ds = loader.dataset
 
     def epoch(e: int) -> list[str]:
