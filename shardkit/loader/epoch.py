@@ -512,6 +512,7 @@ class Epoch:
         scale = shift = None
         if self.loader.normalize is not None:
             scale, shift = self.scale, self.shift
+        how = self.loader.dataset.geometry.interpolation
         on_device = [j for j, p in enumerate(pixels) if not isinstance(p, torch.Tensor)]
         crops = [pixels[j] for j in on_device]
         for group in groups(crops):
@@ -522,12 +523,12 @@ class Epoch:
             hs, ws = [c.h for c in part], [c.w for c in part]
             if where == list(range(where[0], where[0] + len(where))):  # a run: in place
                 dest = images[where[0] : where[0] + len(where)]
-                resize_batch(padded, hs, ws, size, flips, dest, scale, shift)
+                resize_batch(padded, hs, ws, size, flips, dest, scale, shift, None, how)
                 continue
             tmp = torch.empty(
                 (len(where), *images.shape[1:]), dtype=images.dtype, device=images.device
             )
-            resize_batch(padded, hs, ws, size, flips, tmp, scale, shift)
+            resize_batch(padded, hs, ws, size, flips, tmp, scale, shift, None, how)
             images.index_copy_(0, _pinned(where, images.device, torch.int64), tmp)
         for j, p in enumerate(pixels):
             if isinstance(p, torch.Tensor):

@@ -87,6 +87,16 @@ from .world import World, current_world, distributed_rank
 __all__ = ["ShardDataset", "FolderDataset", "Source"]
 
 
+def _geometry(decode: str, size, crop, flip) -> Geometry | None:
+    """The fixed-size output asked for: ``size=`` with a shorthand crop, or a crop object."""
+    if size is None and isinstance(crop, str):
+        return None
+    if decode != "tensor":
+        what = f"size={size}" if size is not None else f"crop={crop!r}"
+        raise InputError(f'{what} needs decode="tensor" (got decode={decode!r})')
+    return Geometry(None if size is None else int(size), crop, bool(flip))
+
+
 def _pil_collate(batch, *, collate_fn_map=None):
     raise InputError(
         'DataLoader cannot batch PIL images: ShardDataset/FolderDataset decode="pil" (the '
@@ -155,7 +165,11 @@ class ShardDataset(IterableDataset):
     ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
     (see shardkit.images.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
     ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
-    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
+    them. ``crop`` may instead be a crop object (shardkit.images.crops: ``RandomResizedCrop(224,
+    scale=(0.9, 1.0), interpolation="bicubic")``, ``CenterCrop(224, resize_short=256)``,
+    ``RandomCrop``, or any object with ``size`` and ``box(height, width, uniforms)``), which
+    gives the size; its box is chosen from the header in the workers and only it is decoded.
+    The randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
     fields (masks, ``seg.png``) get the image's crop, a nearest-neighbour resize and its flip; a
     mask of another size than its image is an error naming shard and key (a skip under
     ``on_error="skip"``). ``boxes=Boxes("json", key="boxes", format="xywh")`` (see
@@ -211,7 +225,7 @@ class ShardDataset(IterableDataset):
         world_size: int | None = None,
         batch_size: int | None = None,
         size: int | None = None,
-        crop: str = "center",
+        crop: str | object = "center",
         flip: bool = False,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         dct: str = "accurate",
@@ -223,9 +237,7 @@ class ShardDataset(IterableDataset):
     ):
         super().__init__()
         check_choice("decode", decode, DECODE_MODES)
-        if size is not None and decode != "tensor":
-            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
-        self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
+        self.geometry = _geometry(decode, size, crop, flip)
         check_choice("equalize", equalize, EQUALIZE_MODES)
         check_choice("on_error", on_error, ON_ERROR_MODES)
         if buffer_size < 0:
