@@ -48,7 +48,7 @@ from ..images.geometry import ShapeError
 from ..records import Record
 from ..stream.stages import sample_error
 from ..stream.world import World
-from .fill import BOX_COLUMNS
+from .fill import BOX_COLUMNS, unbatch_arrays
 from .messages import Batch, End
 
 __all__ = ["Balance", "Epoch", "FeedCounts", "Position", "next_epoch", "slots_per_worker"]
@@ -357,6 +357,8 @@ class Epoch:
             future = self._pool.submit(self._stage_encoded, msg)
             self._pending.append(future)
             return future
+        if msg.samples is not None:
+            return self._stage_samples(msg)
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
         images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
@@ -385,6 +387,16 @@ class Epoch:
             self._give_back(*slot)
             slot = None
         return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
+
+    def _stage_samples(self, msg: Batch):
+        """A batch of ``sample_transform`` outputs (batched in the worker; its slot held no
+        pixels and goes back now): stacked columns moved to the device, then ``collate``."""
+        out = unbatch_arrays(msg.samples, self._on_device)
+        if self.loader.collate is not None:
+            out = self.loader.collate(out)
+        self._give_back(msg.worker, msg.slot)
+        labels = torch.tensor(msg.labels, dtype=torch.int64)  # counts the batch's samples
+        return out, (labels,), None, None, None, (msg.worker, msg.consumed)
 
     def _output(self, images, labels, keys: list, fields: list | None):
         """The caller's batch: ``(images, labels[, keys])``, or with the dataset's ``fields=`` a

@@ -93,6 +93,8 @@ class Batch:
     # the dataset's fields= (decoded: str, objects, arrays), one list per field, a value per image
     fields: list[list] | None = None
     epoch: int = -1  # the epoch it was filled for (the consumer checks it against its own)
+    # the dataset's sample_transform: its outputs batched in the worker (fill.batch_samples)
+    samples: object = None
 
 
 @dataclass(slots=True)

@@ -104,6 +104,11 @@ class ShardLoader:
     With the dataset's ``fields=`` (text, objects, arrays), each batch is a dict: "image",
     "label", "key" (``with_keys``) and one list per field, decoded in the workers;
     ``collate(batch_dict)`` reshapes it.
+    With the dataset's ``sample_transform`` (``decode_on="workers"`` only), each whole sample
+    (the dict ``ShardDataset`` gives it: image, label, key, fields, boxes, seed) goes through it
+    in the workers and its outputs are batched there: a dict per sample gives a dict of
+    columns, a tuple a tuple of columns; a column of tensors of one shape is stacked (and moved
+    to ``device``), any other is a list; ``collate`` then reshapes that batch.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -137,7 +142,7 @@ class ShardLoader:
             raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
         _check_masks(dataset, decode_on)
-        _check_sample_extras(dataset)
+        _check_sample_extras(dataset, decode_on)
         if decode_on != "workers" and dataset.transform is not None:
             raise InputError(
                 f"decode_on={decode_on!r} decodes in the training process, after the workers: "
@@ -386,13 +391,13 @@ def _check_dataset(dataset) -> None:
         )
 
 
-def _check_sample_extras(dataset) -> None:
-    """What the dataset adds per sample that ShardLoader's batches do not carry yet: refused by
-    name rather than dropped."""
-    if getattr(dataset, "sample_transform", None) is not None:
+def _check_sample_extras(dataset, decode_on: str) -> None:
+    """``sample_transform`` takes the decoded sample, which only the workers have."""
+    if getattr(dataset, "sample_transform", None) is not None and decode_on != "workers":
         raise InputError(
-            "sample_transform=: ShardLoader runs the per-image transform= only; use a "
-            "DataLoader for whole-sample transforms"
+            f"sample_transform= runs on each decoded sample in the workers: it needs "
+            f'decode_on="workers" (got decode_on={decode_on!r}); decode_on="device" decodes '
+            "after them, in the training process"
         )
 
 
