@@ -381,7 +381,7 @@ class Epoch:
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        out = self._output(images, labels, msg.keys, msg.fields)
+        out = self._output(images, labels, msg.keys, msg.fields, msg.sources)
         slot = (msg.worker, msg.slot)
         if not self.view and not self.cuda:  # converted into new memory: the slot is done
             self._give_back(*slot)
@@ -398,15 +398,18 @@ class Epoch:
         labels = torch.tensor(msg.labels, dtype=torch.int64)  # counts the batch's samples
         return out, (labels,), None, None, None, (msg.worker, msg.consumed)
 
-    def _output(self, images, labels, keys: list, fields: list | None):
-        """The caller's batch: ``(images, labels[, keys])``, or with the dataset's ``fields=`` a
-        dict of "image", "label", ("key",) and one list per field, shaped by ``collate``."""
+    def _output(self, images, labels, keys: list, fields: list | None, sources=None):
+        """The caller's batch: ``(images, labels[, keys][, sources])``, or with the dataset's
+        ``fields=`` a dict of "image", "label", ("key", "source") and one list per field, shaped
+        by ``collate``. Sources are an int64 tensor (positions in ``dataset.source_names``)."""
         loader = self.loader
+        extra = {"key": keys}
+        if "source" in loader.extras:
+            extra["source"] = self._on_device(torch.tensor(sources or [], dtype=torch.int64))
         if fields is None:
-            return (images, labels, keys) if loader.with_keys else (images, labels)
+            return (images, labels, *(extra[e] for e in loader.extras))
         out = {"image": images, "label": labels}
-        if loader.with_keys:
-            out["key"] = keys
+        out.update((e, extra[e]) for e in loader.extras)
         names = loader.dataset.fields + (BOX_COLUMNS if loader.dataset.boxes is not None else ())
         for name, value in zip(names, fields, strict=True):
             if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
@@ -477,7 +480,8 @@ class Epoch:
                     self.balance.note("device_s", time.perf_counter() - t0, len(kept))
         keys = [msg.keys[i] for i in kept]
         fields = None if msg.fields is None else [[col[i] for i in kept] for col in msg.fields]
-        out = self._output(images, labels, keys, fields)
+        sources = None if msg.sources is None else [msg.sources[i] for i in kept]
+        out = self._output(images, labels, keys, fields, sources)
         slot = (msg.worker, msg.slot)
         if self.cuda:  # nvImageCodec's images live until the stream has read them
             self._alive[slot] = decoded

@@ -64,6 +64,7 @@ class Filler:
         # sides' measured rates, ``Share``), and its running sum (which batch is whose)
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
+        self._sources = "source" in getattr(dataset, "extras", ())  # batches report sources
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -128,6 +129,7 @@ class Filler:
         values: list[list] = [[] for _ in names + (BOX_COLUMNS if ds.boxes is not None else ())]
         labels: list[int] = []
         keys: list[str] = []
+        sources: list[int] = []
         notes: list[str] = []
         n = 0
         for rec in records:
@@ -160,6 +162,7 @@ class Filler:
                     targets[n].copy_(img)
             labels.append(rec.label)
             keys.append(rec.key)
+            sources.append(rec.source)
             n += 1
             if n == bs:
                 break
@@ -167,6 +170,7 @@ class Filler:
         consumed = n + len(notes)
         batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
         batch.fields = _batch_fields(values, names, masks, keys)
+        batch.sources = sources if self._sources else None
         return batch
 
     def _fill_samples(self, slot: int, records: Iterator, decoder) -> Batch:
@@ -176,7 +180,7 @@ class Filler:
         ds, bs = self.ds, self.spec.batch_size
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
-        columns = ("image", "label", "key", *names)
+        columns = ("image", "label", "key", "source", *names)
         columns += BOX_COLUMNS if ds.boxes is not None else ()
         outputs, labels, keys, notes = [], [], [], []
         for rec in records:
@@ -186,7 +190,7 @@ class Filler:
             except Exception as exc:  # decoders raise many types for bad data
                 self._bad(rec, exc, notes)
                 continue
-            item = dict(zip(columns, (img, rec.label, rec.key, *extra), strict=True))
+            item = dict(zip(columns, (img, rec.label, rec.key, rec.source, *extra), strict=True))
             item["seed"] = sample_seed(ds.seed, self._epoch, rec.key)
             try:
                 outputs.append(ds.sample_transform(item))
@@ -249,7 +253,9 @@ class Filler:
         n = len(taken)
         height, width = self.hw
         labels, keys = [r.label for r in taken], [r.key for r in taken]
-        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, n + len(notes))
+        batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, n + len(notes))
+        batch.sources = [r.source for r in taken] if self._sources else None
+        return batch
 
     def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
@@ -321,6 +327,7 @@ class Filler:
             notes, n + len(notes), offsets, boxes, [r.shard for r in taken], self._capacity,
         )  # fmt: skip
         batch.fields = values if names else None
+        batch.sources = [r.source for r in taken] if self._sources else None
         return batch
 
     def _first(self, slot: int, img: torch.Tensor) -> list:

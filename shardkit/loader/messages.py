@@ -95,6 +95,8 @@ class Batch:
     epoch: int = -1  # the epoch it was filled for (the consumer checks it against its own)
     # the dataset's sample_transform: its outputs batched in the worker (fill.batch_samples)
     samples: object = None
+    # each sample's source in a mixture (``Record.source``), where the batch reports it
+    sources: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -293,3 +293,26 @@ def test_elastic_resume_with_fields_delivers_the_rest_exactly_once(shards, worke
         after += batch["key"]
     loader.close()
     assert len(before + after) == len(set(before + after)) == N - 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fields", [(), ("txt",)])
+def test_batches_say_which_source_each_sample_came_from(shards, workers, fields):
+    from shardkit import Source
+
+    train = Source(shards, split="train", val_fraction=0.3)
+    val = Source(shards, split="val", val_fraction=0.3)
+    val_keys = {k for _, _, k in ShardDataset([val], decode="raw", with_keys=True)}
+    assert 0 < len(val_keys) < N
+    kw = dict(with_keys=("key", "source"), fields=fields, on_error="skip")
+    ds = _ds([train, val], **kw)
+    expected = {k: s for _, _, k, s, *_ in _ds([train, val], **kw)}
+    assert set(expected.values()) == {0, 1}
+    seen = 0
+    for batch in ShardLoader(ds, 4, num_workers=workers):
+        keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
+        assert sources.dtype == torch.int64
+        assert sources.tolist() == [int(k in val_keys) for k in keys]
+        assert sources.tolist() == [expected[k] for k in keys]
+        seen += len(keys)
+    assert seen == len(expected)
