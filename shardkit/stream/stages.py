@@ -435,7 +435,15 @@ def extras_of(with_keys: bool | str | Sequence[str]) -> tuple[str, ...]:
     """``with_keys`` as the names that follow the label: True is ("key",)."""
     if isinstance(with_keys, (bool, np.bool_)) or with_keys is None:
         return ("key",) if with_keys else ()
-    names = (with_keys,) if isinstance(with_keys, str) else tuple(with_keys)
+    if isinstance(with_keys, str):
+        names: tuple = (with_keys,)
+    elif isinstance(with_keys, (tuple, list)):
+        names = tuple(with_keys)
+    else:
+        raise InputError(
+            f"with_keys={with_keys!r}: give True, False or names from {EXTRAS} such as "
+            '("key", "source")'
+        )
     for name in names:
         check_choice("with_keys", name, EXTRAS)
     if len(set(names)) != len(names):

@@ -316,3 +316,8 @@ def test_batches_say_which_source_each_sample_came_from(shards, workers, fields)
         assert sources.tolist() == [expected[k] for k in keys]
         seen += len(keys)
     assert seen == len(expected)
+    from shardkit.errors import InputError
+
+    for bad in ("path", ("key", "key"), 3):
+        with pytest.raises(InputError, match="with_keys="):
+            ShardLoader(ds, 4, with_keys=bad)
