@@ -15,7 +15,9 @@ sample, no class) and indexed with ``shardkit index``: both sides read the very 
 
 One epoch per contender and round, interleaved (the order alternates every round), images/s
 over the epoch after its first batch, the load average of every round; the ratio is the median
-of per-round ratios. Goal: shardkit >= 2.5x WebDataset on 2 cores.
+of per-round ratios. CPU per image (this process and its joined workers over the whole epoch,
+start-up included) is the figure a busy machine moves least. Goal: shardkit >= 2.5x
+WebDataset on 2 cores.
 
     python benchmarks/bench_clip.py --imagenet /tmp/bench-crops/inet --rounds 3
 """
@@ -28,6 +30,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import sys
 import tarfile
@@ -127,6 +130,15 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
     return _rate(iter(loader), lambda b: len(b[0]))
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its ended children (the workers, once joined)."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _rate(it, count) -> float:
     next(it)  # workers started, shards open: time the steady epoch after the first batch
     n, t0 = 0, time.perf_counter()
@@ -153,18 +165,23 @@ def main() -> None:
     source = _shards(args.imagenet, args.imagenet.parent / "clip-shards", args.per_shard)
     sides = {"shardkit": _shardkit_epoch, "webdataset": _webdataset_epoch}
     rates: dict[str, list[float]] = {name: [] for name in sides}
+    cpu: dict[str, list[float]] = {name: [] for name in sides}
+    count = sum(1 for _ in args.imagenet.rglob("*.JPEG"))
     loads = []
     for r in range(args.rounds):
         loads.append(os.getloadavg()[0])
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]
         for name in order:
+            cpu0 = _cpu()
             rates[name].append(sides[name](source, args.workers, args.batch, r))
+            cpu[name].append((_cpu() - cpu0) / count * 1e6)
         print(f"round {r}: load {loads[-1]:.2f} " + ", ".join(
             f"{n} {rates[n][-1]:.0f} img/s" for n in sides), file=sys.stderr)  # fmt: skip
     ratios = [a / b for a, b in zip(rates["shardkit"], rates["webdataset"], strict=True)]
     result = dict(
         workers=args.workers, batch=args.batch, rounds=args.rounds, cpus=os.cpu_count(),
         images_per_s={n: statistics.median(v) for n, v in rates.items()}, rates=rates,
+        cpu_us_per_image={n: statistics.median(v) for n, v in cpu.items()},
         ratio=statistics.median(ratios), ratios=ratios, load_per_round=loads,
         load_end=os.getloadavg()[0],
     )  # fmt: skip
