@@ -23,6 +23,7 @@ from .write.packer import PackReport, pack
 from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
+    from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
@@ -30,12 +31,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Boxes",
+    "CenterCrop",
     "FolderDataset",
     "InputError",
     "Manifest",
     "ManifestError",
     "OutputError",
     "PackReport",
+    "RandomCrop",
+    "RandomResizedCrop",
     "Record",
     "SampleError",
     "ShardDataset",
@@ -56,6 +60,9 @@ _LAZY = {
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
     "Boxes": "stream.fields",
+    "CenterCrop": "images.crops",
+    "RandomCrop": "images.crops",
+    "RandomResizedCrop": "images.crops",
     "ShardView": "stream.view",
     "ShardLoader": "loader",
 }

@@ -28,6 +28,8 @@ class Record:
     shard: str = ""
     #: Extra members asked for by extension (``{"json": b"..."}``), raw; None when none were.
     fields: dict[str, bytes] | None = None
+    #: Which source of a mixture it came from (its position in the list; 0 without a mixture).
+    source: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -398,14 +398,19 @@ class _CudaCopier:
 
 
 def aa_weights(
-    sizes: torch.Tensor, out_size: int, in_max: int, flip: torch.Tensor | None = None
+    sizes: torch.Tensor,
+    out_size: int,
+    in_max: int,
+    flip: torch.Tensor | None = None,
+    interpolation: str = "bilinear",
 ) -> torch.Tensor:
-    """(N, out_size, in_max) float32 weights of torch's antialiased bilinear resize
-    (``F.interpolate(mode="bilinear", antialias=True, align_corners=False)``: a triangle
-    widened by the scale when shrinking, normalised, clipped to each input's own ``sizes[n]``),
-    rows mirrored where ``flip``. On a pure enlargement these equal the plain bilinear kernel's,
-    which is what the CPU path uses there. (torch's window bounds are implied by the triangle,
-    which is zero outside them, so a few whole-tensor passes build it.)"""
+    """(N, out_size, in_max) float32 weights of torch's antialiased resize
+    (``F.interpolate(mode=interpolation, antialias=True, align_corners=False)``: the filter, a
+    triangle for bilinear or the cubic with a = -0.5 for bicubic, widened by the scale when
+    shrinking, normalised, clipped to each input's own ``sizes[n]``), rows mirrored where
+    ``flip``. On a pure enlargement the bilinear weights equal the plain kernel's, which is what
+    the CPU path uses there. (torch's window bounds are implied by the filter, which is zero
+    outside them, so a few whole-tensor passes build it.)"""
     dev = sizes.device
     n_in = sizes.to(torch.float32).view(-1, 1, 1)
     scale = n_in / out_size
@@ -415,10 +420,20 @@ def aa_weights(
         i = torch.where(flip.view(-1, 1, 1), out_size - 1 - i, i)
     center = scale * (i + 0.5)
     j = torch.arange(in_max, device=dev, dtype=torch.float32).view(1, 1, -1)
-    w = torch.addcmul((0.5 - center) * inv, j, inv)  # (j + 0.5 - center) / support
-    w = w.abs_().neg_().add_(1.0).clamp_(min=0.0)
+    x = torch.addcmul((0.5 - center) * inv, j, inv).abs_()  # |j + 0.5 - center| / support
+    if interpolation == "bicubic":
+        w = _cubic(x)
+    else:
+        w = x.neg_().add_(1.0).clamp_(min=0.0)
     w.masked_fill_(j >= n_in, 0.0)
     return w.div_(w.sum(-1, keepdim=True))
+
+
+def _cubic(x: torch.Tensor, a: float = -0.5) -> torch.Tensor:
+    """Keys' cubic at ``|x|`` (torch's antialiased bicubic, PIL's BICUBIC: a = -0.5)."""
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
 
 
 def _on(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
@@ -440,10 +455,12 @@ def resize_batch(
     scale: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    interpolation: str = "bilinear",
 ) -> None:
     """Resize each crop of ``padded`` ((N, Hmax, Wmax, 3) uint8, crop n in its top-left
     ``heights[n]`` x ``widths[n]``) to ``size`` x ``size``, mirror where ``flips``, and write
-    them into ``out`` ((N, 3, size, size), any dtype and strides): rounded for uint8, else
+    them into ``out`` ((N, 3, size, size), any dtype and strides) with ``interpolation``'s
+    antialiased filter (``aa_weights``): rounded for uint8, else
     ``x * scale + shift`` from the unrounded values. Two batched matrix products (float16 on
     CUDA, exact for uint8 inputs, float32 accumulation; float32 on the CPU), not a kernel per
     image."""
@@ -453,8 +470,8 @@ def resize_batch(
         dtype = torch.float16 if dev.type == "cuda" else torch.float32
     meta = _on([*heights, *widths, *(1.0 if f else 0.0 for f in flips)], dev)
     hs, ws, fl = meta[:n], meta[n : 2 * n], meta[2 * n :] > 0.5
-    wy = aa_weights(hs, size, hmax).to(dtype)
-    wx = aa_weights(ws, size, wmax, fl).to(dtype)
+    wy = aa_weights(hs, size, hmax, None, interpolation).to(dtype)
+    wx = aa_weights(ws, size, wmax, fl, interpolation).to(dtype)
     x = padded.view(n, hmax, wmax * 3).to(dtype)
     t = torch.bmm(wy, x).view(n, size, wmax, 3)  # rows done: (N, Y, Wmax, 3)
     t = t.permute(0, 2, 1, 3).reshape(n, wmax, size * 3)
@@ -486,7 +503,13 @@ def groups(crops: Sequence[Crop], limit: int = GROUP_BYTES) -> list[list[int]]:
     return out
 
 
-def place(crop: torch.Tensor, size: int | None, flip: bool, out: torch.Tensor) -> None:
+def place(
+    crop: torch.Tensor,
+    size: int | None,
+    flip: bool,
+    out: torch.Tensor,
+    interpolation: str = "bilinear",
+) -> None:
     """Put the (h, w, 3) uint8 ``crop`` into ``out`` ((3, S, S) or, without ``size``, (3, h,
     w); uint8 or float32, any strides): resized with antialiasing when it shrinks (bilinear, as
     the CPU path), mirrored if ``flip``. One image at a time: the CPU path's own resize, the
@@ -495,4 +518,4 @@ def place(crop: torch.Tensor, size: int | None, flip: bool, out: torch.Tensor) -
     if size is None:  # a full-size image: no box, no flip
         out.copy_(x[0])
         return
-    out.copy_(resized(x, size, flip)[0])
+    out.copy_(resized(x, size, flip, interpolation)[0])

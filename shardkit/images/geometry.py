@@ -19,7 +19,6 @@ numpy Generator per sample would cost ~10 us, a tenth of a small image's decode.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,6 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError, check_choice
+from .crops import (
+    CenterCrop,
+    RandomCrop,
+    RandomResizedCrop,
+    center_crop_box,
+    check_box,
+    check_crop,
+    random_resized_crop_box,
+)
 from .decode import (
     DEFAULT_MAX_PIXELS,
     BufferShapeError,
@@ -58,6 +66,7 @@ __all__ = [
 ]
 
 CROP_MODES = ("center", "random")
+_OWN_CROPS = (RandomResizedCrop, CenterCrop, RandomCrop)
 
 
 class CropBox(NamedTuple):
@@ -73,27 +82,40 @@ class CropBox(NamedTuple):
     flip: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Geometry:
-    """``size`` x ``size`` output; ``crop``: "center" (the central square, i.e. resize the shorter
-    side to ``size`` and center-crop) or "random" (RandomResizedCrop: area ``scale``, aspect
-    ``ratio``, torchvision's rule); ``flip``: mirror left-right with probability 1/2."""
+    """``size`` x ``size`` output of a crop policy (``shardkit.images.crops``): ``crop`` is a
+    crop object, or the shorthands "center" (``CenterCrop(size, resize_short=size)``: the
+    central square) and "random" (``RandomResizedCrop(size)``: ImageNet's scale 0.08-1, ratio
+    3/4-4/3, bilinear); ``flip``: mirror left-right with probability 1/2. With a crop object
+    ``size`` may be None (the object's) or must equal it."""
 
-    size: int
-    crop: str = "center"
+    size: int | None
+    crop: object = "center"
     flip: bool = False
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise InputError(f"size={self.size} must be >= 1 (the output side in pixels)")
-        check_choice("crop", self.crop, CROP_MODES)
-        lo, hi = self.scale
-        if not 0 < lo <= hi <= 1:
-            raise InputError(f"scale={self.scale} must satisfy 0 < min <= max <= 1")
-        if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise InputError(f"ratio={self.ratio} must satisfy 0 < min <= max")
+        crop = self.crop
+        if isinstance(crop, str):
+            if self.size is None or isinstance(self.size, bool) or self.size < 1:
+                raise InputError(f"size={self.size} must be >= 1 (the output side in pixels)")
+            check_choice("crop", crop, CROP_MODES)
+            size = int(self.size)
+            crop = RandomResizedCrop(size) if crop == "random" else CenterCrop(size, size)
+        else:
+            check_crop(crop)
+            if self.size is not None and self.size != crop.size:
+                raise InputError(
+                    f"size={self.size} but crop={crop!r} makes {crop.size} x {crop.size}: "
+                    "give the size in one place (the crop object)"
+                )
+        object.__setattr__(self, "crop", crop)
+        object.__setattr__(self, "size", int(crop.size))
+        object.__setattr__(self, "flip", bool(self.flip))
+
+    @property
+    def interpolation(self) -> str:
+        return getattr(self.crop, "interpolation", "bilinear")
 
 
 # --- randomness -------------------------------------------------------------------------------
@@ -119,45 +141,6 @@ def sample_seed(seed: int, epoch: int, key: str) -> int:
     apart from ``sample_uniforms`` so it does not repeat the built-in crop's draws."""
     text = f"{seed}\0{epoch}\0{key}\0transform".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-# --- crop boxes (top, left, height, width) in full-size pixels -------------------------------
-
-
-def center_crop_box(height: int, width: int) -> tuple[int, int, int, int]:
-    """The central square: what resize-shorter-side then center-crop keeps."""
-    side = min(height, width)
-    return (height - side) // 2, (width - side) // 2, side, side
-
-
-def random_resized_crop_box(
-    height: int,
-    width: int,
-    scale: tuple[float, float],
-    ratio: tuple[float, float],
-    uniforms: Iterator[float],
-) -> tuple[int, int, int, int]:
-    """torchvision's ``RandomResizedCrop.get_params``: 10 tries of (area, log-uniform aspect),
-    then the whole image clamped to ``ratio``, centered."""
-    area = height * width
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target = area * (scale[0] + (scale[1] - scale[0]) * next(uniforms))
-        aspect = math.exp(log_lo + (log_hi - log_lo) * next(uniforms))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(next(uniforms) * (height - h + 1))
-            left = int(next(uniforms) * (width - w + 1))
-            return top, left, h, w
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -215,10 +198,10 @@ class TensorDecoder:
         height, width = image_size(data)
         check_pixels(height, width, self.max_pixels)
         uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        if g.crop == "random":
-            top, left, h, w = random_resized_crop_box(height, width, g.scale, g.ratio, uniforms)
-        else:
-            top, left, h, w = center_crop_box(height, width)
+        box = g.crop.box(height, width, uniforms)
+        if type(g.crop) not in _OWN_CROPS:  # a user's policy: its box is checked
+            box = check_box(g.crop, box, height, width)
+        top, left, h, w = box
         flip = g.flip and next(uniforms) < 0.5
         return CropBox(height, width, top, left, h, w, flip)
 
@@ -227,7 +210,8 @@ class TensorDecoder:
         # (1, 3, h, w) channels_last: the layout of torch's AVX uint8 resize, which runs 2x
         # slower on the strided view of a crop than on a contiguous copy of it. The flip is
         # made in that copy (flip and resize commute), so it costs no extra pass.
-        img = resized(torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0), size, flip)[0]
+        x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
+        img = resized(x, size, flip, self.geometry.interpolation)[0]
         if out is None:
             return img.contiguous()
         hwc = img.permute(1, 2, 0)
@@ -288,9 +272,13 @@ class TensorDecoder:
             raise _shape_error(key, exc.shape[:2], exc.buffer[:2]) from None
 
 
-def resized(crop: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
+def resized(
+    crop: torch.Tensor, size: int, flip: bool, interpolation: str = "bilinear"
+) -> torch.Tensor:
     """A (1, 3, h, w) uint8 crop (any strides) as (1, 3, size, size), mirrored if ``flip``: the
-    one uint8 resize of every CPU path (``TensorDecoder``, the device path's CPU backend)."""
+    one uint8 resize of every CPU path (``TensorDecoder``, the device path's CPU backend).
+    Bicubic is torch's (and PIL's) antialiased filter (a = -0.5) at every scale, as
+    torchvision's uint8 ``resize(antialias=True)`` gives it."""
     if flip:
         crop = crop.flip(-1)  # a channels_last copy, like .contiguous() below
     ch, cw = crop.shape[-2:]
@@ -298,10 +286,11 @@ def resized(crop: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
         crop = F.interpolate(
             crop.contiguous(memory_format=torch.channels_last),
             size=(size, size),
-            mode="bilinear",
-            # Antialiasing only changes a downscale; on a pure upscale the plain kernel gives
-            # identical pixels 3x faster (measured).
-            antialias=ch > size or cw > size,
+            mode=interpolation,
+            # Antialiasing only changes a bilinear downscale; on a pure upscale the plain kernel
+            # gives identical pixels 3x faster (measured). Bicubic's antialiased kernel differs
+            # from the plain one (a = -0.5 against -0.75) at every scale.
+            antialias=interpolation == "bicubic" or ch > size or cw > size,
             align_corners=False,
         )
     return crop

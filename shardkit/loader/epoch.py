@@ -48,7 +48,7 @@ from ..images.geometry import ShapeError
 from ..records import Record
 from ..stream.stages import sample_error
 from ..stream.world import World
-from .fill import BOX_COLUMNS
+from .fill import BOX_COLUMNS, unbatch_arrays
 from .messages import Batch, End
 
 __all__ = ["Balance", "Epoch", "FeedCounts", "Position", "next_epoch", "slots_per_worker"]
@@ -357,6 +357,8 @@ class Epoch:
             future = self._pool.submit(self._stage_encoded, msg)
             self._pending.append(future)
             return future
+        if msg.samples is not None:
+            return self._stage_samples(msg)
         bs = self.loader.batch_size
         shape = (bs, msg.height, msg.width, 3) if self.nhwc else (bs, 3, msg.height, msg.width)
         images = self.ring.lend(msg.worker, msg.slot, shape)[: msg.count]
@@ -379,22 +381,35 @@ class Epoch:
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        out = self._output(images, labels, msg.keys, msg.fields)
+        out = self._output(images, labels, msg.keys, msg.fields, msg.sources)
         slot = (msg.worker, msg.slot)
         if not self.view and not self.cuda:  # converted into new memory: the slot is done
             self._give_back(*slot)
             slot = None
         return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
 
-    def _output(self, images, labels, keys: list, fields: list | None):
-        """The caller's batch: ``(images, labels[, keys])``, or with the dataset's ``fields=`` a
-        dict of "image", "label", ("key",) and one list per field, shaped by ``collate``."""
+    def _stage_samples(self, msg: Batch):
+        """A batch of ``sample_transform`` outputs (batched in the worker; its slot held no
+        pixels and goes back now): stacked columns moved to the device, then ``collate``."""
+        out = unbatch_arrays(msg.samples, self._on_device)
+        if self.loader.collate is not None:
+            out = self.loader.collate(out)
+        self._give_back(msg.worker, msg.slot)
+        labels = torch.tensor(msg.labels, dtype=torch.int64)  # counts the batch's samples
+        return out, (labels,), None, None, None, (msg.worker, msg.consumed)
+
+    def _output(self, images, labels, keys: list, fields: list | None, sources=None):
+        """The caller's batch: ``(images, labels[, keys][, sources])``, or with the dataset's
+        ``fields=`` a dict of "image", "label", ("key", "source") and one list per field, shaped
+        by ``collate``. Sources are an int64 tensor (positions in ``dataset.source_names``)."""
         loader = self.loader
+        extra = {"key": keys}
+        if "source" in loader.extras:
+            extra["source"] = self._on_device(torch.tensor(sources or [], dtype=torch.int64))
         if fields is None:
-            return (images, labels, keys) if loader.with_keys else (images, labels)
+            return (images, labels, *(extra[e] for e in loader.extras))
         out = {"image": images, "label": labels}
-        if loader.with_keys:
-            out["key"] = keys
+        out.update((e, extra[e]) for e in loader.extras)
         names = loader.dataset.fields + (BOX_COLUMNS if loader.dataset.boxes is not None else ())
         for name, value in zip(names, fields, strict=True):
             if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
@@ -465,7 +480,8 @@ class Epoch:
                     self.balance.note("device_s", time.perf_counter() - t0, len(kept))
         keys = [msg.keys[i] for i in kept]
         fields = None if msg.fields is None else [[col[i] for i in kept] for col in msg.fields]
-        out = self._output(images, labels, keys, fields)
+        sources = None if msg.sources is None else [msg.sources[i] for i in kept]
+        out = self._output(images, labels, keys, fields, sources)
         slot = (msg.worker, msg.slot)
         if self.cuda:  # nvImageCodec's images live until the stream has read them
             self._alive[slot] = decoded
@@ -512,6 +528,7 @@ class Epoch:
         scale = shift = None
         if self.loader.normalize is not None:
             scale, shift = self.scale, self.shift
+        how = self.loader.dataset.geometry.interpolation
         on_device = [j for j, p in enumerate(pixels) if not isinstance(p, torch.Tensor)]
         crops = [pixels[j] for j in on_device]
         for group in groups(crops):
@@ -522,12 +539,12 @@ class Epoch:
             hs, ws = [c.h for c in part], [c.w for c in part]
             if where == list(range(where[0], where[0] + len(where))):  # a run: in place
                 dest = images[where[0] : where[0] + len(where)]
-                resize_batch(padded, hs, ws, size, flips, dest, scale, shift)
+                resize_batch(padded, hs, ws, size, flips, dest, scale, shift, None, how)
                 continue
             tmp = torch.empty(
                 (len(where), *images.shape[1:]), dtype=images.dtype, device=images.device
             )
-            resize_batch(padded, hs, ws, size, flips, tmp, scale, shift)
+            resize_batch(padded, hs, ws, size, flips, tmp, scale, shift, None, how)
             images.index_copy_(0, _pinned(where, images.device, torch.int64), tmp)
         for j, p in enumerate(pixels):
             if isinstance(p, torch.Tensor):

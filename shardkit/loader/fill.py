@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InputError, SampleError
 from ..images.decode import image_size
-from ..images.geometry import ShapeError
+from ..images.geometry import ShapeError, sample_seed
 from ..stream.fields import decode_field_image, sample_geometry
 from ..stream.resume import EpochState
 from ..stream.stages import decoded_fields, sample_error, transform_error
@@ -67,6 +67,7 @@ class Filler:
         # sides' measured rates, ``Share``), and its running sum (which batch is whose)
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
+        self._sources = "source" in getattr(dataset, "extras", ())  # batches report sources
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -76,6 +77,7 @@ class Filler:
         resume = EpochState.from_dict(start.resume, ds._facts) if start.resume else None
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
+        self._epoch = start.epoch
         names, decoders = self._fields()
         # masks and boxes moved with their image (the dataset's own function), for this epoch
         self._moved = None
@@ -113,6 +115,8 @@ class Filler:
         """Whole images without a transform or fields once the slots are sized: a batch at a
         time (``_fill_whole``); anything else image by image (``_fill``)."""
         ds = self.ds
+        if ds.sample_transform is not None:
+            return self._fill_samples(slot, records, decoder)
         if self.hw is not None and ds.geometry is None and ds.transform is None and not ds.fields:
             return self._fill_whole(slot, records, decoder)
         return self._fill(slot, records, decoder)
@@ -128,6 +132,7 @@ class Filler:
         values: list[list] = [[] for _ in names + (BOX_COLUMNS if ds.boxes is not None else ())]
         labels: list[int] = []
         keys: list[str] = []
+        sources: list[int] = []
         notes: list[str] = []
         n = 0
         for rec in records:
@@ -160,6 +165,7 @@ class Filler:
                     targets[n].copy_(img)
             labels.append(rec.label)
             keys.append(rec.key)
+            sources.append(rec.source)
             n += 1
             if n == bs:
                 break
@@ -167,6 +173,39 @@ class Filler:
         consumed = n + len(notes)
         batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, consumed)
         batch.fields = _batch_fields(values, names, masks, keys)
+        batch.sources = sources if self._sources else None
+        return batch
+
+    def _fill_samples(self, slot: int, records: Iterator, decoder) -> Batch:
+        """The dataset's ``sample_transform`` on each whole sample (the dict ``ShardDataset``
+        gives it: image, label, key, fields, boxes, seed), its outputs batched here
+        (``batch_samples``) and sent through the pipe; the slot carries no pixels."""
+        ds, bs = self.ds, self.spec.batch_size
+        names, decoders = self._fields()
+        masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
+        columns = ("image", "label", "key", "source", *names)
+        columns += BOX_COLUMNS if ds.boxes is not None else ()
+        outputs, labels, keys, notes = [], [], [], []
+        for rec in records:
+            try:
+                extra = self._sample_fields(rec, names, decoders, masks, decoder)
+                img = decoder(rec.data, rec.key)
+            except Exception as exc:  # decoders raise many types for bad data
+                self._bad(rec, exc, notes)
+                continue
+            item = dict(zip(columns, (img, rec.label, rec.key, rec.source, *extra), strict=True))
+            item["seed"] = sample_seed(ds.seed, self._epoch, rec.key)
+            try:
+                outputs.append(ds.sample_transform(item))
+            except Exception as exc:
+                raise transform_error(rec, exc) from exc
+            labels.append(rec.label)
+            keys.append(rec.key)
+            if len(outputs) == bs:
+                break
+        n = len(outputs)
+        batch = Batch(0, self.worker, slot, n, 0, 0, labels, keys, notes, n + len(notes))
+        batch.samples = batch_samples(outputs) if outputs else None
         return batch
 
     def _fill_whole(self, slot: int, records: Iterator, decoder) -> Batch:
@@ -217,7 +256,9 @@ class Filler:
         n = len(taken)
         height, width = self.hw
         labels, keys = [r.label for r in taken], [r.key for r in taken]
-        return Batch(0, self.worker, slot, n, height, width, labels, keys, notes, n + len(notes))
+        batch = Batch(0, self.worker, slot, n, height, width, labels, keys, notes, n + len(notes))
+        batch.sources = [r.source for r in taken] if self._sources else None
+        return batch
 
     def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
@@ -289,6 +330,7 @@ class Filler:
             notes, n + len(notes), offsets, boxes, [r.shard for r in taken], self._capacity,
         )  # fmt: skip
         batch.fields = values if names else None
+        batch.sources = [r.source for r in taken] if self._sources else None
         return batch
 
     def _first(self, slot: int, img: torch.Tensor) -> list:
@@ -381,3 +423,82 @@ def _transformed(img, rec, hw: tuple[int, int] | None) -> torch.Tensor:
             "normalise on the batch, or use ShardLoader(normalize=...))"
         )
     return img
+
+
+# --- whole samples (sample_transform): batched in the worker, rebuilt in the caller ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Stacked:
+    """A column of tensors of one shape and dtype, stacked: one array through the pipe."""
+
+    array: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Array:
+    """One tensor of a list column, as an array (a tensor would travel through shared memory,
+    one segment per tensor)."""
+
+    array: np.ndarray
+
+
+def _column(values: list):
+    first = values[0]
+    if isinstance(first, torch.Tensor) and all(
+        isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype
+        for v in values
+    ):
+        stacked = torch.stack(values)
+        return Stacked(stacked.numpy()) if stacked.dtype != torch.bfloat16 else stacked
+    return [
+        Array(v.numpy()) if isinstance(v, torch.Tensor) and v.dtype != torch.bfloat16 else v
+        for v in values
+    ]
+
+
+def batch_samples(outputs: list):
+    """``sample_transform``'s outputs as one batch: a dict per sample gives a dict of columns, a
+    tuple or list a tuple of columns, anything else one column; a column of tensors of one shape
+    is stacked, any other a list (as ``DataLoader``'s collate would, without guessing)."""
+    first = outputs[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        for out in outputs:
+            if not isinstance(out, dict) or list(out) != keys:
+                raise InputError(
+                    f"sample_transform returned {_what(out)} after a dict with keys {keys}: "
+                    "every sample of a batch must have the same keys"
+                )
+        return {k: _column([o[k] for o in outputs]) for k in keys}
+    if isinstance(first, (tuple, list)):
+        for out in outputs:
+            if not isinstance(out, (tuple, list)) or len(out) != len(first):
+                raise InputError(
+                    f"sample_transform returned {_what(out)} after a {len(first)}-tuple: every "
+                    "sample of a batch must have the same length"
+                )
+        return tuple(_column(list(col)) for col in zip(*outputs, strict=True))
+    return _column(outputs)
+
+
+def _what(out) -> str:
+    if isinstance(out, dict):
+        return f"a dict with keys {list(out)}"
+    if isinstance(out, (tuple, list)):
+        return f"a {len(out)}-tuple"
+    return f"a {type(out).__name__}"
+
+
+def unbatch_arrays(batch, to_tensor: Callable[[torch.Tensor], torch.Tensor]):
+    """``batch_samples``' batch in the caller: stacked columns as tensors through ``to_tensor``
+    (the loader's device), list columns' arrays as tensors."""
+    if isinstance(batch, dict):
+        return {k: unbatch_arrays(v, to_tensor) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(unbatch_arrays(v, to_tensor) for v in batch)
+    if isinstance(batch, Stacked):
+        return to_tensor(torch.from_numpy(batch.array))
+    if isinstance(batch, torch.Tensor):
+        return to_tensor(batch)
+    return [torch.from_numpy(v.array) if isinstance(v, Array) else v for v in batch]

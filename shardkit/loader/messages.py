@@ -93,6 +93,10 @@ class Batch:
     # the dataset's fields= (decoded: str, objects, arrays), one list per field, a value per image
     fields: list[list] | None = None
     epoch: int = -1  # the epoch it was filled for (the consumer checks it against its own)
+    # the dataset's sample_transform: its outputs batched in the worker (fill.batch_samples)
+    samples: object = None
+    # each sample's source in a mixture (``Record.source``), where the batch reports it
+    sources: list[int] | None = None
 
 
 @dataclass(slots=True)

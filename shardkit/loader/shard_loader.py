@@ -25,6 +25,7 @@ from ..errors import InputError, ShardkitError, check_choice
 from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
 from ..stream.fields import decode_field_image
+from ..stream.stages import extras_of
 from .epoch import Balance, Epoch, FeedCounts, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
@@ -92,9 +93,11 @@ class ShardLoader:
     ``prefetch_factor``: batches each worker may have ready.
     ``device``: where batches go (None: stay on the CPU). ``channels_last``: that memory format
     (free on the CPU: it is how JPEG decodes). ``with_keys`` (default: the dataset's) adds the
-    list of sample keys. ``drop_last`` drops the rank's one short batch. ``start_method``:
-    "fork" (default where available), "spawn" or "forkserver". ``timeout``: seconds to wait for
-    a worker's batch before raising (0: forever; a dead worker is reported at once anyway).
+    list of sample keys; ``("key", "source")`` also each sample's source in a mixture (an int64
+    tensor of positions in ``dataset.source_names``). ``drop_last`` drops the rank's one short
+    batch. ``start_method``: "fork" (default where available), "spawn" or "forkserver".
+    ``timeout``: seconds to wait for a worker's batch before raising (0: forever; a dead worker
+    is reported at once anyway).
     ``decode_on="device"``: workers read, shuffle and choose crops as usual but hand over the
     stored bytes; the training process decodes each batch with nvImageCodec on ``device``
     (nvJPEG's hardware engine on a GPU; its CPU backend without one), for models faster than the
@@ -104,6 +107,16 @@ class ShardLoader:
     With the dataset's ``fields=`` (text, objects, arrays), each batch is a dict: "image",
     "label", "key" (``with_keys``) and one list per field, decoded in the workers;
     ``collate(batch_dict)`` reshapes it.
+    With the dataset's ``sample_transform`` (``decode_on="workers"`` only), each whole sample
+    (the dict ``ShardDataset`` gives it: image, label, key, source, fields, boxes, seed) goes
+    through it in the workers and its outputs are batched there: a dict per sample gives a dict
+    of columns, a tuple a tuple of columns; a column of tensors of one shape is stacked (and
+    moved to ``device``), any other is a list; ``collate`` then reshapes that batch.
+    With the dataset's ``sample_transform`` (``decode_on="workers"`` only), each whole sample
+    (the dict ``ShardDataset`` gives it: image, label, key, fields, boxes, seed) goes through it
+    in the workers and its outputs are batched there: a dict per sample gives a dict of
+    columns, a tuple a tuple of columns; a column of tensors of one shape is stacked (and moved
+    to ``device``), any other is a list; ``collate`` then reshapes that batch.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """
@@ -118,7 +131,7 @@ class ShardLoader:
         device: str | torch.device | None = None,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         channels_last: bool = False,
-        with_keys: bool | None = None,
+        with_keys: bool | str | Sequence[str] | None = None,
         prefetch_factor: int = 2,
         start_method: str | None = None,
         timeout: float = 0,
@@ -133,11 +146,9 @@ class ShardLoader:
         for name, flag in (("drop_last", drop_last), ("channels_last", channels_last)):
             if not isinstance(flag, bool):
                 raise InputError(f"{name} must be True or False, got {flag!r}")
-        if with_keys is not None and not isinstance(with_keys, bool):
-            raise InputError(f"with_keys must be True, False or None, got {with_keys!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
         _check_masks(dataset, decode_on)
-        _check_sample_extras(dataset)
+        _check_sample_extras(dataset, decode_on)
         if decode_on != "workers" and dataset.transform is not None:
             raise InputError(
                 f"decode_on={decode_on!r} decodes in the training process, after the workers: "
@@ -159,7 +170,8 @@ class ShardLoader:
         self.drop_last = bool(drop_last)
         self.device = torch.device(device) if device is not None else None
         self.channels_last = bool(channels_last)
-        self.with_keys = dataset.with_keys if with_keys is None else bool(with_keys)
+        self.extras = dataset.extras if with_keys is None else extras_of(with_keys)
+        self.with_keys = "key" in self.extras
         self.prefetch_factor = int(prefetch_factor)
         self.start_method = start_method
         self.timeout = float(timeout)
@@ -393,13 +405,13 @@ def _check_dataset(dataset) -> None:
         )
 
 
-def _check_sample_extras(dataset) -> None:
-    """What the dataset adds per sample that ShardLoader's batches do not carry yet: refused by
-    name rather than dropped."""
-    if getattr(dataset, "sample_transform", None) is not None:
+def _check_sample_extras(dataset, decode_on: str) -> None:
+    """``sample_transform`` takes the decoded sample, which only the workers have."""
+    if getattr(dataset, "sample_transform", None) is not None and decode_on != "workers":
         raise InputError(
-            "sample_transform=: ShardLoader runs the per-image transform= only; use a "
-            "DataLoader for whole-sample transforms"
+            f"sample_transform= runs on each decoded sample in the workers: it needs "
+            f'decode_on="workers" (got decode_on={decode_on!r}); decode_on="device" decodes '
+            "after them, in the training process"
         )
 
 

@@ -70,10 +70,12 @@ from .stages import (
     DCT_MODES,
     DECODE_MODES,
     EQUALIZE_MODES,
+    EXTRAS,
     ON_ERROR_MODES,
     apply_transforms,
     check_labels,
     decode_records,
+    extras_of,
     file_identity,
     manifest_unchanged,
     plan_epoch,
@@ -85,6 +87,16 @@ from .storage import Storage, storage_for
 from .world import World, current_world, distributed_rank
 
 __all__ = ["ShardDataset", "FolderDataset", "Source"]
+
+
+def _geometry(decode: str, size, crop, flip) -> Geometry | None:
+    """The fixed-size output asked for: ``size=`` with a shorthand crop, or a crop object."""
+    if size is None and isinstance(crop, str):
+        return None
+    if decode != "tensor":
+        what = f"size={size}" if size is not None else f"crop={crop!r}"
+        raise InputError(f'{what} needs decode="tensor" (got decode={decode!r})')
+    return Geometry(None if size is None else int(size), crop, bool(flip))
 
 
 def _pil_collate(batch, *, collate_fn_map=None):
@@ -131,31 +143,35 @@ class ShardDataset(IterableDataset):
     ``source``: glob, brace pattern, list of shards, shard directory or its manifest.json (local
     or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
     bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
-    samples held per worker for the sample-level shuffle. ``with_keys=True`` yields
-    ``(image, label, key)``. ``fields=("txt", "json", "seg.png")`` (tar and LMDB): each sample
-    gains those fields after the key, decoded by extension (``txt`` str, ``json`` object, ``cls``
-    int, image types uint8 CHW tensors with their stored channels, ``npy`` arrays; others bytes);
-    a mapping chooses per field (``{"json": "raw"}``, a callable on the bytes; see
-    shardkit.stream.fields); a sample lacking one is an error naming shard and key (skipped
-    under ``on_error="skip"``). With ``decode="raw"`` a sequence gives the stored bytes, None
-    where a sample has none. ``on_error="skip"`` warns
-    and counts undecodable samples in ``ds.skipped`` instead of raising (that rank then yields
-    fewer than ``len(ds)``). ``max_pixels``: an image whose header declares more pixels is
-    undecodable, refused before any pixel is decoded (default 100 megapixels; None: no limit).
-    ``dct="fast"`` (``decode="tensor"``): libjpeg-turbo's fast integer IDCT for JPEGs, FFCV's
-    default: faster, pixels within ``images.decode.FAST_DCT_DIFFERENCE`` levels of the accurate
-    default (see docs/loader.md).
+    samples held per worker for the sample-level shuffle. ``with_keys=True`` yields ``(image, label,
+    key)``; ``with_keys=("key", "source")`` adds after the key the position of the sample's
+    ``Source`` in a mixture (0 without one; ``ds.source_names`` names them). ``fields=("txt",
+    "json", "seg.png")`` (tar and LMDB): each sample gains those fields after the key, decoded by
+    extension (``txt`` str, ``json`` object, ``cls`` int, image types uint8 CHW tensors with their
+    stored channels, ``npy`` arrays; others bytes); a mapping chooses per field (``{"json":
+    "raw"}``, a callable on the bytes; see shardkit.stream.fields); a sample lacking one is an error
+    naming shard and key (skipped under ``on_error="skip"``). With ``decode="raw"`` a sequence gives
+    the stored bytes, None where a sample has none. ``on_error="skip"`` warns and counts undecodable
+    samples in ``ds.skipped`` instead of raising (that rank then yields fewer than ``len(ds)``).
+    ``max_pixels``: an image whose header declares more pixels is undecodable, refused before any
+    pixel is decoded (default 100 megapixels; None: no limit). ``dct="fast"`` (``decode="tensor"``):
+    libjpeg-turbo's fast integer IDCT for JPEGs, FFCV's default: faster, pixels within
+    ``images.decode.FAST_DCT_DIFFERENCE`` levels of the accurate default (see docs/loader.md).
     ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
     like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
     ``storage`` overrides how shards are opened (see shardkit.stream.storage); ``storage_options``,
-    ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch``
-    (shards fetched ahead per worker, 0: none) configure the remote storage built for URL
-    sources; with ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
+    ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch`` (shards
+    fetched ahead per worker, 0: none) configure the remote storage built for URL sources; with
+    ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
 
     ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
     (see shardkit.images.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
     ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
-    them; the randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
+    them. ``crop`` may instead be a crop object (shardkit.images.crops: ``RandomResizedCrop(224,
+    scale=(0.9, 1.0), interpolation="bicubic")``, ``CenterCrop(224, resize_short=256)``,
+    ``RandomCrop``, or any object with ``size`` and ``box(height, width, uniforms)``), which
+    gives the size; its box is chosen from the header in the workers and only it is decoded.
+    The randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
     fields (masks, ``seg.png``) get the image's crop, a nearest-neighbour resize and its flip; a
     mask of another size than its image is an error naming shard and key (a skip under
     ``on_error="skip"``). ``boxes=Boxes("json", key="boxes", format="xywh")`` (see
@@ -164,9 +180,9 @@ class ShardDataset(IterableDataset):
     dropped), and ``box_index``, the int64 (K,) positions of the kept boxes in the stored list.
 
     ``sample_transform``: instead of ``transform``, a callable taking the whole sample as a dict
-    (``image``, ``label``, ``key``, each field by name, ``boxes``/``box_index``, and ``seed``, a
-    63-bit int from (seed, epoch, key) only, for ``torch.Generator().manual_seed``); what it
-    returns is the sample. Its augmentations repeat whatever the number of workers.
+    (``image``, ``label``, ``key``, ``source``, each field by name, ``boxes``/``box_index``, and
+    ``seed``, a 63-bit int from (seed, epoch, key) only, for ``torch.Generator().manual_seed``);
+    what it returns is the sample. Its augmentations repeat whatever the number of workers.
 
     ``batch_size``: give the DataLoader's batch size and worker parts are cut at whole batches, so
     ``DataLoader(ds, batch_size=B, num_workers=N)`` yields exactly ``len(loader)`` batches, at
@@ -197,7 +213,7 @@ class ShardDataset(IterableDataset):
         seed: int = 0,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         equalize: str = "pad",
-        with_keys: bool = False,
+        with_keys: bool | str | Sequence[str] = False,
         on_error: str = "raise",
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
         boxes: Boxes | None = None,
@@ -211,7 +227,7 @@ class ShardDataset(IterableDataset):
         world_size: int | None = None,
         batch_size: int | None = None,
         size: int | None = None,
-        crop: str = "center",
+        crop: str | object = "center",
         flip: bool = False,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         dct: str = "accurate",
@@ -223,9 +239,7 @@ class ShardDataset(IterableDataset):
     ):
         super().__init__()
         check_choice("decode", decode, DECODE_MODES)
-        if size is not None and decode != "tensor":
-            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
-        self.geometry = Geometry(int(size), crop, bool(flip)) if size is not None else None
+        self.geometry = _geometry(decode, size, crop, flip)
         check_choice("equalize", equalize, EQUALIZE_MODES)
         check_choice("on_error", on_error, ON_ERROR_MODES)
         if buffer_size < 0:
@@ -256,7 +270,9 @@ class ShardDataset(IterableDataset):
         self.seed = int(seed)
         self.buffer_size = int(buffer_size)
         self.equalize = equalize
-        self.with_keys = bool(with_keys)
+        #: what follows the label: ("key",) for with_keys=True, ("key", "source") ...
+        self.extras = extras_of(with_keys)
+        self.with_keys = "key" in self.extras
         self.on_error = on_error
         self.fields, self.field_decoders = field_spec(fields, decode)
         self.boxes = boxes
@@ -357,6 +373,7 @@ class ShardDataset(IterableDataset):
         self._facts.update(mix_facts(resolved, shares, self.labels))
 
     def _finish_init(self, where: str) -> None:
+        self._where = where
         if self.num_samples == 0:
             raise InputError(f"{where}: the shards hold no samples")
         if self.equalize != "pad" and self.num_samples < self.world_size:
@@ -379,6 +396,14 @@ class ShardDataset(IterableDataset):
         self._resume_token = 0
         self._resume_local = False  # loaded inside a DataLoader worker (StatefulDataLoader)
         self._progress = None  # this process's live position (shardkit.stream.resume.Progress)
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """What a sample's ``source`` (``with_keys=("key", "source")``) indexes: each
+        ``Source``'s path in a mixture, else the one source."""
+        if self.sources:
+            return tuple(s.source.name for s in self.sources)
+        return (self._where,)
 
     # --- epochs -------------------------------------------------------------------------------
 
@@ -459,7 +484,7 @@ class ShardDataset(IterableDataset):
             records,
             self.decode,
             on_error=self.on_error,
-            with_keys=self.with_keys or self.sample_transform is not None,
+            with_keys=EXTRAS if self.sample_transform is not None else self.extras,
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
             decoder=decoder,
@@ -477,7 +502,7 @@ class ShardDataset(IterableDataset):
         """``sample_transform(dict)`` per sample: its image, label, key, fields by name
         (``boxes``/``box_index`` with ``boxes=``) and ``seed``, a function of (seed, epoch, key)
         only, so its augmentation repeats whatever worker or worker count reads the sample."""
-        names = ("image", "label", "key", *self.fields)
+        names = ("image", "label", *EXTRAS, *self.fields)
         if self.boxes is not None:
             names += ("boxes", "box_index")
         for sample in samples:

@@ -449,8 +449,8 @@ def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:
 
 
 def interleave(streams: list, schedule: np.ndarray, names: Sequence[str]) -> Iterator:
-    """Items of ``streams`` in the order ``schedule`` names their stream; every stream closes
-    when this ends or is abandoned."""
+    """Records of ``streams`` in the order ``schedule`` names their stream, each marked with its
+    stream's position (``Record.source``); every stream closes when this ends or is abandoned."""
     its = [iter(s) for s in streams]
     end = object()
     try:
@@ -461,6 +461,7 @@ def interleave(streams: list, schedule: np.ndarray, names: Sequence[str]) -> Ite
                     f"{names[i]}: the source ended before its planned samples: its shards are "
                     "shorter than their manifest says; re-pack it or rebuild the manifest"
                 )
+            item.source = i  # where it came from (``with_keys=("key", "source")``)
             yield item
     finally:
         for it in its:

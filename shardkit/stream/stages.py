@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import (
+    InputError,
     SampleError,
     ShardFormatError,
     ShardkitError,
@@ -302,7 +303,7 @@ def decode_records(
     mode: str = "pil",
     *,
     on_error: str = "raise",
-    with_keys: bool = False,
+    with_keys: bool | Sequence[str] = False,
     skipped: Callable[[], None] | None = None,
     fields: Sequence[str] = (),
     decoder: Callable[[bytes, str], object] | None = None,
@@ -310,7 +311,8 @@ def decode_records(
     field_decoders: Sequence[Callable[[bytes], object] | None] | None = None,
     geometry: Callable[[Record, tuple], tuple] | None = None,
 ) -> Iterator[tuple]:
-    """``(image, label)`` (or ``(image, label, key)``) tuples from records.
+    """``(image, label)`` (or ``(image, label, key)``) tuples from records; ``with_keys`` may
+    instead name what follows the label, from ``EXTRAS`` (``("key", "source")``).
 
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
@@ -326,8 +328,30 @@ def decode_records(
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
-    names = [f.lower() for f in fields]
-    if mode == "raw" and not names:  # nothing can fail: skip the try block entirely
+    extras = extras_of(with_keys)
+    kw = dict(
+        on_error=on_error, skipped=skipped, fields=[f.lower() for f in fields], decoder=decoder,
+        max_pixels=max_pixels, field_decoders=field_decoders, geometry=geometry,
+    )  # fmt: skip
+    if extras in ((), ("key",)):
+        return _decoded(records, mode, extras == ("key",), False, **kw)
+    return _with_extras(_decoded(records, mode, False, True, **kw), extras)
+
+
+def _with_extras(samples: Iterator[tuple], extras: tuple[str, ...]) -> Iterator[tuple]:
+    """Samples carrying their record after the label, as ``extras`` name: key, source."""
+    for img, label, rec, *rest in samples:
+        yield (img, label, *(rec.key if e == "key" else rec.source for e in extras), *rest)
+
+
+def _decoded(
+    records, mode, with_keys, keep_record, *, on_error, skipped, fields, decoder, max_pixels,
+    field_decoders, geometry,
+) -> Iterator[tuple]:  # fmt: skip
+    """``decode_records``' samples, the key (``with_keys``) or the record (``keep_record``)
+    after the label."""
+    names = fields
+    if mode == "raw" and not names and not keep_record:  # nothing can fail: no try block
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -350,11 +374,10 @@ def decode_records(
             if skipped is not None:
                 skipped()
             continue
-        if field_decoders is not None:
-            head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
-            yield head + extra
+        if field_decoders is None:
+            yield _sample(img, rec, with_keys, names, keep_record)
         else:
-            yield _sample(img, rec, with_keys, names)
+            yield _head(img, rec, with_keys, keep_record) + extra
 
 
 def _image(rec: Record, mode: str, decoder, max_pixels: int | None):
@@ -403,9 +426,43 @@ def decoded_fields(
     return tuple(out)
 
 
-def _sample(img, rec: Record, with_keys: bool, names: Sequence[str]) -> tuple:
-    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents."""
-    head = (img, rec.label, rec.key) if with_keys else (img, rec.label)
+#: What may follow a sample's label (``with_keys=``): its key, and the position of its source in
+#: a mixture (0 without one).
+EXTRAS = ("key", "source")
+
+
+def extras_of(with_keys: bool | str | Sequence[str]) -> tuple[str, ...]:
+    """``with_keys`` as the names that follow the label: True is ("key",)."""
+    if isinstance(with_keys, (bool, np.bool_)) or with_keys is None:
+        return ("key",) if with_keys else ()
+    if isinstance(with_keys, str):
+        names: tuple = (with_keys,)
+    elif isinstance(with_keys, (tuple, list)):
+        names = tuple(with_keys)
+    else:
+        raise InputError(
+            f"with_keys={with_keys!r}: give True, False or names from {EXTRAS} such as "
+            '("key", "source")'
+        )
+    for name in names:
+        check_choice("with_keys", name, EXTRAS)
+    if len(set(names)) != len(names):
+        raise InputError(f"with_keys={with_keys!r} names one thing twice")
+    return names
+
+
+def _head(img, rec: Record, with_keys: bool, keep_record: bool = False) -> tuple:
+    if keep_record:
+        return (img, rec.label, rec)
+    return (img, rec.label, rec.key) if with_keys else (img, rec.label)
+
+
+def _sample(
+    img, rec: Record, with_keys: bool, names: Sequence[str], keep_record: bool = False
+) -> tuple:
+    """``(image, label[, key], *fields)``: the sample shape ShardDataset documents (the record
+    itself in the key's place with ``keep_record``)."""
+    head = _head(img, rec, with_keys, keep_record)
     if names:
         extra = rec.fields or {}
         return head + tuple(extra.get(n) for n in names)

@@ -182,6 +182,36 @@ def test_images_are_what_the_dataset_decodes(shards, workers, channels_last):
     assert torch.equal(png, torch.from_numpy(_image(5)).permute(2, 0, 1))  # lossless: exact
 
 
+class _Corner:
+    """A user's crop policy (module level: spawned workers unpickle it)."""
+
+    size = 8
+    interpolation = "bicubic"
+
+    def box(self, height, width, uniforms):
+        side = min(height, width) - int(next(uniforms) * 4)
+        return 0, int(next(uniforms) * (width - side + 1)), side, side
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_crop_objects_and_hooks_run_in_the_workers_as_in_the_dataset(shards, workers):
+    from shardkit import CenterCrop, RandomCrop, RandomResizedCrop
+
+    crops = [
+        RandomResizedCrop(8, scale=(0.9, 1.0), interpolation="bicubic"),
+        RandomCrop(8, resize_short=(8, 12)),
+        CenterCrop(8, resize_short=10),
+        _Corner(),
+    ]
+    for crop in crops:
+        ds = _ds(shards, crop=crop, flip=True, seed=9)
+        reference = {k: img for img, _, k in ds}
+        _, keys, images = _run(ShardLoader(ds, 5, num_workers=workers))
+        assert sorted(keys) == ALL_KEYS
+        assert all(torch.equal(images[k], reference[k]) for k in keys), crop
+        assert images[keys[0]].shape == (3, 8, 8)
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """16 samples of one size in a hand-written tar (no manifest): plain JPEGs among a PNG, a

@@ -105,6 +105,33 @@ def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, worke
     loader.close()
 
 
+def test_a_bicubic_crop_object_gives_torchs_bicubic_of_the_cpu_paths_boxes(shards, monkeypatch):
+    """``crop=RandomResizedCrop(..., interpolation="bicubic")`` on the device: each sample the
+    float antialiased bicubic of its CPU-path box (a level at most), near the CPU path's pixels."""
+    from shardkit import RandomResizedCrop
+
+    monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")
+    crop = RandomResizedCrop(48, scale=(0.9, 1.0), interpolation="bicubic")
+    ds = _ds(shards, crop=crop, flip=True, seed=4)
+    cpu_keys, cpu = _epoch(ShardLoader(ds, 5, num_workers=0))
+    loader = ShardLoader(ds, 5, num_workers=0, decode_on="device")
+    keys, dev = _epoch(loader)
+    loader.close()
+    assert keys == cpu_keys and len(keys) == N
+    dec = ds.tensor_decoder(0)
+    for data, _, k in _ds(shards, decode="raw"):
+        box = dec.crop_box(data, k)
+        full = torch.from_numpy(decode_rgb(data, pillow=True)).permute(2, 0, 1).float()
+        x = full[None, :, box.top : box.top + box.h, box.left : box.left + box.w]
+        x = x.flip(-1) if box.flip else x
+        ref = torch.nn.functional.interpolate(
+            x, size=(48, 48), mode="bicubic", antialias=True, align_corners=False
+        )[0]
+        assert (dev[k].int() - ref.round().clamp(0, 255).int()).abs().max() <= 1, k
+    diff = torch.stack([(dev[k].float() - cpu[k].float()).abs().mean() for k in keys])
+    assert float(diff.mean()) <= MAX_MEAN_DIFFERENCE
+
+
 def test_full_size_images_without_size_equal_the_cpu_path(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")  # libjpeg's own pixels
     for i in range(6):
@@ -338,9 +365,11 @@ def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
 # --- the batch's resize, fallbacks, counts ------------------------------------------------------
 
 
-def test_resize_batch_equals_torchs_antialiased_resize_image_by_image():
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_resize_batch_equals_torchs_antialiased_resize_image_by_image(interpolation):
     """Two batched products with ``aa_weights`` give what F.interpolate gives per image (float,
-    antialiased where the CPU path antialiases: any shrink), enlargements and flips included."""
+    antialiased where the CPU path antialiases: any shrink, every bicubic), enlargements and
+    flips included."""
     g = torch.Generator().manual_seed(3)
     size, n = 40, 12
     hs = [7, 40, 41, 100, 33, 64, 200, 39, 80, 17, 120, 45]
@@ -355,19 +384,20 @@ def test_resize_batch_equals_torchs_antialiased_resize_image_by_image():
         padded[i, : hs[i], : ws[i]] = c
     out = torch.empty((n, 3, size, size), dtype=torch.float32)
     one, zero = torch.ones(1, 3, 1, 1), torch.zeros(1, 3, 1, 1)
-    device_decode.resize_batch(padded, hs, ws, size, flips, out, one, zero)
+    how = dict(interpolation=interpolation)
+    device_decode.resize_batch(padded, hs, ws, size, flips, out, one, zero, **how)
     rounded = torch.empty((n, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
-    device_decode.resize_batch(padded, hs, ws, size, flips, rounded)
+    device_decode.resize_batch(padded, hs, ws, size, flips, rounded, **how)
     for i, c in enumerate(crops):
         x = c.permute(2, 0, 1)[None].float()
         x = x.flip(-1) if flips[i] else x
-        shrink = hs[i] > size or ws[i] > size
+        aa = hs[i] > size or ws[i] > size or interpolation == "bicubic"
         ref = torch.nn.functional.interpolate(
-            x, size=(size, size), mode="bilinear", antialias=shrink, align_corners=False
+            x, size=(size, size), mode=interpolation, antialias=aa, align_corners=False
         )[0]
         assert (out[i] - ref).abs().max() < 0.02, i
         assert torch.equal(rounded[i], ref.round().clamp(0, 255).to(torch.uint8)) or (
-            (rounded[i].int() - ref.round().int()).abs().max() <= 1
+            (rounded[i].int() - ref.round().clamp(0, 255).int()).abs().max() <= 1
         )
 
 

@@ -168,12 +168,70 @@ def test_a_mask_of_another_size_than_its_image_names_the_sample(masked):
         list(ShardLoader(ds, 4, num_workers=0))
 
 
-def test_what_batches_do_not_carry_yet_is_refused_by_name(masked):
-    from shardkit.errors import InputError
+def _jitter(sample: dict) -> dict:
+    """A whole-sample transform: the image brightened by an amount drawn from the sample's seed,
+    its caption upper-cased, the metadata and the seed passed on."""
+    g = torch.Generator().manual_seed(sample["seed"])
+    gain = int(torch.randint(0, 40, (1,), generator=g))
+    image = (sample["image"].int() + gain).clamp(0, 255).to(torch.uint8)
+    return {"image": image, "caption": sample["txt"].upper(), "meta": sample["json"],
+            "key": sample["key"], "seed": sample["seed"]}  # fmt: skip
 
-    kw = dict(size=16, fields=("seg.png",))
-    with pytest.raises(InputError, match="sample_transform="):
-        ShardLoader(_ds(masked, sample_transform=lambda s: s, **kw), 4)
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shards, workers):
+    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    reference = {s["key"]: s for s in _ds(shards, **kw)}  # the dataset's own samples
+    loader = ShardLoader(_ds(shards, **kw), 4, num_workers=workers)
+    keys = []
+    for batch in loader:
+        assert set(batch) == {"image", "caption", "meta", "key", "seed"}
+        n = len(batch["key"])
+        assert batch["image"].shape == (n, 3, 8, 8) and batch["image"].dtype == torch.uint8
+        assert isinstance(batch["caption"], list) and isinstance(batch["seed"], list)
+        for j, key in enumerate(batch["key"]):
+            ref = reference[key]
+            assert torch.equal(batch["image"][j], ref["image"])
+            assert (batch["caption"][j], batch["meta"][j]) == (ref["caption"], ref["meta"])
+            assert batch["seed"][j] == ref["seed"]
+        keys += batch["key"]
+    assert sorted(keys) == sorted(reference) and len(keys) == N - 1
+    loader.close()
+
+
+def _image_mask_boxes(sample: dict) -> tuple:
+    return sample["image"], sample["seg.png"], torch.zeros(sample["image"].shape[-1] % 3, 4)
+
+
+def test_tuples_stack_tensors_of_one_shape_and_list_the_rest(masked):
+    kw = dict(size=16, fields=("seg.png",), on_error="skip", sample_transform=_image_mask_boxes)
+    reference = {i: (x, m) for i, (x, m, _) in enumerate(_ds(masked, **kw, shuffle=False))}
+    kw["sample_transform"] = lambda s: (
+        *_image_mask_boxes(s),
+        torch.zeros(1 + int(s["key"][-1]) % 2, 2),
+    )
+    batches = list(ShardLoader(_ds(masked, shuffle=False, **kw), 9, num_workers=0))
+    assert len(batches) == 1
+    images, masks, boxes, ragged = batches[0]
+    assert images.shape == (9, 3, 16, 16) and masks.shape == (9, 1, 16, 16)
+    assert torch.equal(images[0], reference[0][0]) and torch.equal(masks[0], reference[0][1])
+    assert isinstance(boxes, torch.Tensor) and boxes.shape == (9, 16 % 3, 4)  # one shape
+    assert isinstance(ragged, list) and {tuple(r.shape) for r in ragged} == {(1, 2), (2, 2)}
+
+
+def test_sample_transforms_are_refused_where_no_decoded_sample_exists(masked):
+    from shardkit.errors import InputError, TransformError
+
+    ds = _ds(masked, size=16, fields=("seg.png",), sample_transform=lambda s: s)
+    for mode in ("device", "auto"):
+        with pytest.raises(InputError, match=f'needs decode_on="workers".*{mode!r}'):
+            ShardLoader(ds, 4, decode_on=mode)
+    odd = _ds(masked, size=16, fields=(), sample_transform=lambda s: {s["key"]: 1})
+    with pytest.raises(InputError, match="same keys"):
+        list(ShardLoader(odd, 4, num_workers=0))
+    failing = _ds(masked, size=16, fields=(), sample_transform=lambda s: 1 / 0)
+    with pytest.raises(TransformError):
+        list(ShardLoader(failing, 4, num_workers=0))
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +293,31 @@ def test_elastic_resume_with_fields_delivers_the_rest_exactly_once(shards, worke
         after += batch["key"]
     loader.close()
     assert len(before + after) == len(set(before + after)) == N - 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fields", [(), ("txt",)])
+def test_batches_say_which_source_each_sample_came_from(shards, workers, fields):
+    from shardkit import Source
+
+    train = Source(shards, split="train", val_fraction=0.3)
+    val = Source(shards, split="val", val_fraction=0.3)
+    val_keys = {k for _, _, k in ShardDataset([val], decode="raw", with_keys=True)}
+    assert 0 < len(val_keys) < N
+    kw = dict(with_keys=("key", "source"), fields=fields, on_error="skip")
+    ds = _ds([train, val], **kw)
+    expected = {k: s for _, _, k, s, *_ in _ds([train, val], **kw)}
+    assert set(expected.values()) == {0, 1}
+    seen = 0
+    for batch in ShardLoader(ds, 4, num_workers=workers):
+        keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
+        assert sources.dtype == torch.int64
+        assert sources.tolist() == [int(k in val_keys) for k in keys]
+        assert sources.tolist() == [expected[k] for k in keys]
+        seen += len(keys)
+    assert seen == len(expected)
+    from shardkit.errors import InputError
+
+    for bad in ("path", ("key", "key"), 3):
+        with pytest.raises(InputError, match="with_keys="):
+            ShardLoader(ds, 4, with_keys=bad)

@@ -435,3 +435,42 @@ def test_labels_keep_takes_class_lists_that_agree_label_by_label(tmp_path):
     assert union.classes == ["x", "y", "z"]
     got = {k: label for _, label, k in union}
     assert got["b/00002"] == 2 and got["c/00000"] == 1 and got["c/00001"] == 0  # mapped by name
+
+
+def test_with_source_names_each_samples_source_per_sample_and_per_batch(mixdata):
+    big, small = mixdata
+    ds = _mix(mixdata, with_keys=("key", "source"), batch_size=B)
+    assert ds.source_names == (big, small)
+    seen = Counter()
+    for _, _, key, source in ds:
+        assert source == (0 if key.startswith("a/") else 1)
+        seen[source] += 1
+    assert seen == {0: 7000, 1: 3000}
+    batches = list(DataLoader(ds, batch_size=B, num_workers=2))  # default collate: a tensor
+    for _, _, keys, sources in batches:
+        assert sources.tolist() == [0 if k.startswith("a/") else 1 for k in keys]
+    plain = ShardDataset(big, decode="raw", with_keys="source", shuffle=False)
+    assert {s for _, _, s in plain} == {0} and plain.source_names[0].endswith("big")
+    with pytest.raises(InputError, match="with_keys='path'"):
+        ShardDataset(big, with_keys="path")
+
+
+def test_with_source_leaves_exact_resume_unchanged(mixdata):
+    """Resumed at a batch, the rest is the same samples with and without sources, and each
+    sample keeps its source."""
+    rests = []
+    for extras in (True, ("key", "source")):
+        kw = dict(with_keys=extras, batch_size=B)
+        ds = _mix(mixdata, **kw)
+        ds.set_epoch(1)
+        full = _keys(DataLoader(ds, batch_size=B, num_workers=2))
+        state = ds.state_dict(batches=50, num_workers=2)
+        again = _mix(mixdata, **kw)
+        again.load_state_dict(json.loads(json.dumps(state)))
+        batches = list(DataLoader(again, batch_size=B, num_workers=2))
+        assert full[:50] + [list(b[2]) for b in batches] == full
+        if extras is not True:
+            for b in batches:
+                assert b[3].tolist() == [0 if k.startswith("a/") else 1 for k in b[2]]
+        rests.append(full)
+    assert rests[0] == rests[1]

@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""What the crop objects cost: each crop variant against today's RRC through ShardLoader.
+
+ImageNet-shaped photos (``shardkit synth``: mostly 500x375) packed into tar shards, one
+epoch per contender through ``ShardLoader(num_workers=--workers)``, interleaved round by round
+(every contender once, each round starting one later), with the load average of every round.
+Per contender: images/s (median over rounds), its ratio to ``crop="random"`` (today's
+RandomResizedCrop; the median of per-round ratios; goal >= 1: no more time per image) and its
+pixels' mean absolute difference from a reference on the first ``--check`` images: the same box
+cut from a full-size decode and resized by torch's antialiased kernel (torchvision's
+``resized_crop`` on a uint8 tensor; goal < 1 level).
+
+    python benchmarks/bench_crops.py --imagenet /tmp/inet --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+
+class TopHalfHook:
+    """A user's crop hook: a random square from the image's upper half."""
+
+    size = 224
+    interpolation = "bilinear"
+
+    def box(self, height, width, uniforms):
+        side = min(height, width) // 2 + int(next(uniforms) * (min(height, width) // 2))
+        top = int(next(uniforms) * max(1, height // 2 - side // 2))
+        left = int(next(uniforms) * (width - side + 1))
+        return min(top, height - side), left, side, side
+
+
+def contenders() -> dict[str, dict]:
+    from shardkit import CenterCrop, RandomCrop, RandomResizedCrop
+
+    return {
+        'crop="random" (today)': dict(size=224, crop="random"),
+        "RRC(0.08-1, bilinear)": dict(crop=RandomResizedCrop(224)),
+        "RRC(0.9-1, bilinear)": dict(crop=RandomResizedCrop(224, (0.9, 1.0))),
+        "RRC(0.9-1, bicubic)": dict(
+            crop=RandomResizedCrop(224, (0.9, 1.0), interpolation="bicubic")
+        ),
+        "CenterCrop(224, short 256)": dict(crop=CenterCrop(224, resize_short=256)),
+        "RandomCrop(224, short 256-320)": dict(crop=RandomCrop(224, resize_short=(256, 320))),
+        "hook (TopHalfHook)": dict(crop=TopHalfHook()),
+    }
+
+
+def _data(tree: Path, classes: int, per_class: int) -> str:
+    from shardkit import pack
+    from shardkit.synth import make_imagenet
+
+    if not tree.exists():
+        make_imagenet(str(tree), classes=classes, images_per_class=per_class)
+    out = tree.parent / f"{tree.name}-tar"
+    if not (out / "manifest.json").exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pack(str(tree), str(out), progress=False)
+    return str(out)
+
+
+def _epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[float, int]:
+    from shardkit import ShardDataset, ShardLoader
+
+    ds = ShardDataset(source, decode="tensor", flip=True, **kw)
+    loader = ShardLoader(ds, batch, num_workers=workers)
+    n = 0
+    try:
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        first = next(it)  # workers started, shards open: time the steady epoch after it
+        n0 = len(first[0])
+        t0 = time.perf_counter()
+        for x, _ in it:
+            n += len(x)
+        dt = time.perf_counter() - t0
+    finally:
+        loader.close()
+    return n / dt, n + n0
+
+
+def _difference(source: str, kw: dict, count: int) -> float:
+    """Mean |pixel - reference| over the first ``count`` images (the same box and flip)."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardkit import ShardDataset
+    from shardkit.images.decode import decode_rgb
+
+    ds = ShardDataset(source, decode="tensor", flip=True, shuffle=False, with_keys=True, **kw)
+    dec = ds.tensor_decoder(0)
+    how = ds.geometry.interpolation
+    raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
+    diffs = []
+    for (img, _, key), (data, _, _) in zip(ds, raw, strict=False):
+        box = dec.crop_box(data, key)
+        full = torch.from_numpy(decode_rgb(data)).permute(2, 0, 1)[None]
+        x = full[:, :, box.top : box.top + box.h, box.left : box.left + box.w].contiguous()
+        ref = F.interpolate(x, size=(224, 224), mode=how, antialias=True)[0]
+        ref = ref.flip(-1) if box.flip else ref
+        diffs.append(float((img.float() - ref.float()).abs().mean()))
+        if len(diffs) >= count:
+            break
+    return statistics.mean(diffs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--imagenet", type=Path, default=Path("/tmp/bench-crops/inet"))
+    ap.add_argument("--classes", type=int, default=4)
+    ap.add_argument("--per-class", type=int, default=150)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--check", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_crops.json")
+    args = ap.parse_args()
+    source = _data(args.imagenet, args.classes, args.per_class)
+    cons = contenders()
+    rates: dict[str, list[float]] = {name: [] for name in cons}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        names = list(cons)
+        names = names[r % len(names) :] + names[: r % len(names)]  # each goes first in turn
+        for name in names:
+            rate, _ = _epoch(source, cons[name], args.workers, args.batch, r)
+            rates[name].append(rate)
+        print(f"round {r}: load {loads[-1]:.2f}", file=sys.stderr)
+    base = 'crop="random" (today)'
+    rows = []
+    for name, kw in cons.items():
+        ratios = [a / b for a, b in zip(rates[name], rates[base], strict=True)]
+        rows.append(
+            dict(
+                name=name,
+                images_per_s=statistics.median(rates[name]),
+                ratio_to_today=statistics.median(ratios),
+                mean_difference=_difference(source, kw, args.check),
+            )
+        )
+    result = dict(
+        workers=args.workers, batch=args.batch, rounds=args.rounds, load_per_round=loads,
+        load_end=os.getloadavg()[0], cpus=os.cpu_count(), rows=rows,
+    )  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"{'contender':34} {'img/s':>8} {'vs today':>9} {'mean diff':>10}")
+    for row in rows:
+        print(
+            f"{row['name']:34} {row['images_per_s']:8.0f} {row['ratio_to_today']:9.2f} "
+            f"{row['mean_difference']:10.2f}"
+        )
+    print(f"load average per round {loads}, at the end {result['load_end']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
