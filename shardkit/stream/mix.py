@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError, StorageError
 from ..formats import FORMATS
+from ..formats.sample_index import SPLIT_SALT, key_hashes
 from ..records import Record, ShardInfo
 from .resume import (
     Arrangement,
@@ -178,20 +179,6 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     order = np.argsort(-(ideal - base), kind="stable")
     base[order[:rest]] += 1
     return base.tolist()
-
-
-#: The split's salt: fixed, not the seed, so a sample's side depends on its key alone
-#: (FORMAT.md, "Train/val splits"); changing it would move samples between train and val.
-SPLIT_SALT = b"shardkit-split:"
-
-
-def key_hashes(keys: Sequence[str], salt: bytes = SPLIT_SALT) -> np.ndarray:
-    """uint64 per key: the first 8 bytes, big-endian, of BLAKE2b(``salt`` + the key's UTF-8)."""
-    digests = [hashlib.blake2b(salt + k.encode("utf-8", "surrogateescape"), digest_size=8).digest()
-               for k in keys]  # fmt: skip
-    if not digests:
-        return np.empty(0, np.uint64)
-    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
 
 
 def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.ndarray:
