@@ -19,7 +19,7 @@ import os
 import struct
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -106,7 +106,6 @@ class SampleIndex:
     #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
     ends: np.ndarray
     table: bytes
-    _positions: dict = field(default_factory=dict, repr=False, compare=False)
 
     def key(self, i: int) -> str:
         lo = int(self.ends[i - 1]) if i else 0
@@ -120,11 +119,19 @@ class SampleIndex:
         return [self.key(i) for i in range(self.samples)]
 
     def position(self, key: str) -> int | None:
-        """Where ``key`` is in the shard (the first, should it repeat); None if absent."""
-        if not self._positions and self.samples:
-            for i, k in enumerate(self.keys()):
-                self._positions.setdefault(k, i)
-        return self._positions.get(key)
+        """Where ``key`` is in the shard (the first, should it repeat); None if absent. A
+        search of the key table (C speed), not a dict of every key: one lookup stays cheap."""
+        raw = key.encode("utf-8", "surrogateescape")
+        if not raw:
+            return None
+        at = self.table.find(raw)
+        while at >= 0:
+            i = int(np.searchsorted(self.ends, at, side="right"))  # the key holding byte `at`
+            start = int(self.ends[i - 1]) if i else 0
+            if start == at and int(self.ends[i]) == at + len(raw):
+                return i
+            at = self.table.find(raw, at + 1)
+        return None
 
 
 def decode_index(data: bytes, where: str) -> SampleIndex:

@@ -38,6 +38,7 @@ from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
 from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
+from .indexes import all_keys, split_hashes, split_positions
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -45,11 +46,10 @@ from .mix import (
     Source,
     apportion,
     check_weights,
+    key_hashes,
     mix_facts,
     mix_records,
     mix_worker_plan,
-    read_keys,
-    split_members,
     subset_members,
 )
 from .resume import (
@@ -321,10 +321,13 @@ class ShardDataset(IterableDataset):
             shards = _counted(r.shards, r.format, store)
             size = int(sum(s.samples for s in shards))
             members = np.arange(size, dtype=np.int64)
-            keyed = src.split is not None or (src.subset is not None and _is_keys(src.subset))
-            keys = read_keys(shards, r.format, store) if keyed else None
-            if src.split is not None:
-                members = split_members(keys, src.split, src.val_fraction)
+            opts = src.storage_options
+            by_keys = src.subset is not None and _is_keys(src.subset)
+            keys = all_keys(shards, r.format, store, opts) if by_keys else None
+            if src.split is not None:  # the indexes' hashes: no key read where they exist
+                hashes = split_hashes(shards, r.format, store, opts) if keys is None else None
+                hashes = key_hashes(keys) if hashes is None else hashes
+                members = split_positions(hashes, src.split, src.val_fraction)
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")

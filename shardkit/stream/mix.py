@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -187,9 +186,9 @@ def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.nd
     seed, its position or the other keys), so a re-pack keeps every sample on its side and a
     grown dataset keeps every old one there; "val" holds about ``val_fraction`` of the keys
     (exactly the count of hashes under the threshold)."""
-    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
-    val = key_hashes(keys) < threshold
-    return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
+    from .indexes import split_positions
+
+    return split_positions(key_hashes(keys), split, val_fraction)
 
 
 def subset_members(

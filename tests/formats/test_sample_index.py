@@ -161,3 +161,44 @@ def test_split_from_the_index_hashes_equals_the_split_from_keys(src, tmp_path):
     threshold = np.uint64(int(0.3 * 2**64))
     val = np.flatnonzero(np.concatenate(hashes) < threshold)
     assert val.tolist() == split_members(keys, "val", 0.3).tolist()
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _without_indexes(out, to) -> str:
+    os.makedirs(to)
+    for n in os.listdir(out):
+        if not n.endswith(".idx"):
+            os.link(os.path.join(out, n), os.path.join(to, n))
+    return str(to)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
+    from shardkit.stream.dataset import ShardDataset
+
+    src = tree(tmp_path / "src", 90)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    bare = _without_indexes(out, tmp_path / "bare")
+    shard_bytes = sum(e.bytes for e in read_manifest(str(out)).shards)
+    index_bytes = sum(len(v) for v in indexes(out).values())
+
+    def made(where, **kw):
+        before = _rchar()
+        ds = ShardDataset(where, decode="raw", with_keys=True, shuffle=False, **kw)
+        return ds, _rchar() - before
+
+    for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train"}, {"subset": 0.2}):
+        ds, read = made(str(out), **kw)
+        slow, read_bare = made(bare, **kw)
+        assert len(ds) == len(slow) and [s[2] for s in ds] == [s[2] for s in slow]
+        assert read < index_bytes + 64_000 < shard_bytes // 2  # the indexes and the manifest
+        if "split" in kw:
+            assert read_bare > read  # without them: every shard's headers
+    keys = [s[2] for s in made(str(out), subset=0.3)[0]]
+    by_keys, _ = made(str(out), subset=keys[::2])
+    assert [s[2] for s in by_keys] == keys[::2]
