@@ -37,7 +37,7 @@ def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> Sample
     if is_url(shard.url):
         data = _remote_bytes(where, storage_options)
     else:
-        data = read_local(where)
+        data = read_local(where.removeprefix("file://"))
     return load_index(data, where, shard.samples, shard.bytes, shard.sha256)
 
 

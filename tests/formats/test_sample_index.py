@@ -202,3 +202,49 @@ def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
     keys = [s[2] for s in made(str(out), subset=0.3)[0]]
     by_keys, _ = made(str(out), subset=keys[::2])
     assert [s[2] for s in by_keys] == keys[::2]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_a_view_opens_without_reading_and_gives_what_the_shards_give(tmp_path):
+    from shardkit.stream.view import ShardView
+
+    src = tree(tmp_path / "src", 60)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    bare = _without_indexes(out, tmp_path / "bare")
+    before = _rchar()
+    view = ShardView(str(out), decode="raw", with_keys=True)
+    assert _rchar() - before < 20_000  # the manifest alone
+    slow = ShardView(bare, decode="raw", with_keys=True)
+    assert len(view) == len(slow) == 60 and view.keys() == slow.keys()
+    assert [view[i] for i in range(60)] == [slow[i] for i in range(60)]
+    for i in (0, 17, 59):
+        key = slow.keys()[i]
+        assert view.index(key) == slow.index(key) == i and view.get(key) == slow.get(key)
+        assert view.members(i) == slow.members(i)
+    with pytest.raises(Exception, match="no sample with key 'c0/nope'"):
+        view.index("c0/nope")
+
+
+def test_a_wrong_index_never_gives_another_sample(tmp_path):
+    from shardkit.stream.view import ShardView
+
+    src = tree(tmp_path / "src", 30)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    truth = ShardView(str(out), decode="raw", with_keys=True)
+    want = [truth[i] for i in range(len(truth))]
+    a, b = (os.path.join(out, e.path) for e in read_manifest(str(out)).shards[:2])
+    os.replace(index_path(b), index_path(a))  # shard 0 gets shard 1's index: stale
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: stale sample index"):
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        got = [view[i] for i in range(len(view))]
+    assert got == want
+    with open(index_path(a), "r+b") as f:  # damaged: a flipped byte
+        f.seek(80)
+        byte = f.read(1)
+        f.seek(80)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: damaged sample index"):
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        assert [view[i] for i in range(len(view))] == want
