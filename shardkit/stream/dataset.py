@@ -434,7 +434,10 @@ class ShardDataset(IterableDataset):
             batch_size=batch_size or self.batch_size,
         )
 
-    def _start_epoch(self, world: World) -> int:
+    def _start_epoch(self, world: World, *, mark: bool = True) -> int:
+        """The epoch an iteration reads, warning once when it repeats one already read.
+        ``mark=False`` (a plain iteration): the epoch counts as read only once the iteration
+        ends, so peeking at a sample (``next(iter(ds))``) before a loader warns of nothing."""
         epoch = int(self._state[_EPOCH])
         if world.worker == 0 and self.shuffle:
             if int(self._state[_LAST_STARTED]) == epoch and not int(self._state[_WARNED]):
@@ -443,16 +446,25 @@ class ShardDataset(IterableDataset):
                     f"ShardDataset iterated epoch {epoch} again: the order repeats. Call "
                     "ds.set_epoch(epoch) before each epoch to get a new order.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4 if not mark else 3,
                 )
-            self._state[_LAST_STARTED] = epoch
+            if mark:
+                self._state[_LAST_STARTED] = epoch
         return epoch
+
+    def _read_to_the_end(self, samples: Iterator, world: World, epoch: int) -> Iterator:
+        yield from samples
+        if world.worker == 0:
+            self._state[_LAST_STARTED] = epoch
 
     # --- the pipeline ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple]:
         world = current_world(self.rank, self.world_size)
-        epoch = self._start_epoch(world)
+        epoch = self._start_epoch(world, mark=False)
+        return self._read_to_the_end(self._samples(world, epoch), world, epoch)
+
+    def _samples(self, world: World, epoch: int) -> Iterator[tuple]:
         records = self.records(world, epoch)
         decoder = self.tensor_decoder(epoch) if self.decode == "tensor" else None
         geometry = None
