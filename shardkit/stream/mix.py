@@ -413,7 +413,7 @@ def mix_records(
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=fields, unchanged=unchanged,
+            fields=fields, unchanged=unchanged, keep=p.arrangement.keep,
         )  # fmt: skip
         if s.classes:
             recs = check_labels(recs, len(s.classes))
