@@ -170,9 +170,10 @@ def read_slices(
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
-    ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives): where a
-    shard has a sample index and a slice wants few of its samples, only the wanted ones are
-    read, as exact byte ranges (``stream.ranges``), the others stand as ``SKIPPED``.
+    ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
+    splits, mixtures): where a shard has a sample index and a slice wants less than half of its
+    samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
+    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams.
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -194,8 +195,8 @@ def read_slices(
     exact = RangeReader(getattr(fmt, "name", ""), storage)
     cuts = np.cumsum([0, *(len(sl) for sl in slices)])
     masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    spans = [  # few wanted samples of a shard: exact ranges (None: streamed)
-        True if exact.exact(sl, shards[sl.shard], len(sl) if m is None else int(m.sum())) else None
+    spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
+        True if m is not None and exact.exact(sl, shards[sl.shard], int(m.sum())) else None
         for sl, m in zip(slices, masks, strict=True)
     ]
     upcoming = [shards[s.shard] for s in slices]

@@ -403,9 +403,9 @@ class ShardWriter:
         url = self._uploader.finish(local_manifest)
         new = {e.path for e in self._entries}
         for name in self._replaced:  # old shards the new manifest does not list
-            if name not in new:
-                try:
-                    self._fs.rm_file(self._strip(self._fs, join_url(self.out, name)))
+            for gone in (name, index_path(name)) if name not in new else ():
+                try:  # the shard and its sample index
+                    self._fs.rm_file(self._strip(self._fs, join_url(self.out, gone)))
                 except FileNotFoundError:
                     pass
         return url
