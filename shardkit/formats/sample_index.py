@@ -238,3 +238,44 @@ def ensure_indexes(directory: str, entries) -> list[str]:
 
 def _matches(index: SampleIndex, e) -> bool:
     return (index.samples, index.shard_bytes, index.sha256) == (e.samples, e.bytes, e.sha256)
+
+
+@dataclass(frozen=True)
+class IndexColumns:
+    """The fixed-width head of an index: byte ranges and split hashes, without the key table
+    (an epoch that reads a few samples of each shard needs no more: 16 bytes a sample)."""
+
+    offsets: np.ndarray
+    hashes: np.ndarray
+
+
+def columns_size(samples: int) -> int:
+    """Bytes of an index's header, offsets and hashes: what ``decode_columns`` reads."""
+    return _HEAD.size + 8 * (samples + 1) + 8 * samples
+
+
+def decode_columns(
+    data: bytes, where: str, samples: int, size: int, sha256: str
+) -> IndexColumns | None:
+    """The head of an index (``columns_size`` bytes) for the shard the manifest describes; None
+    with a warning naming it when it is not that shard's. The trailing checksum is not read:
+    each sample read through it is checked against its stored key hash instead."""
+    try:
+        if len(data) != columns_size(samples) or data[:8] != MAGIC:
+            raise _damaged(where, "not a shardkit sample index")
+        _, version, _, n, nbytes, sha, _ = _HEAD.unpack_from(data)
+        if version != VERSION:
+            raise _damaged(where, f"version {version}, this shardkit reads {VERSION}")
+        if (n, nbytes, sha.hex()) != (samples, size, sha256):
+            raise SampleIndexError(
+                f"{where}: stale sample index (it describes another version of its shard); "
+                "run `shardkit index --overwrite` or pack again"
+            )
+        offsets = np.frombuffer(data, "<u8", n + 1, _HEAD.size)
+        if n and (np.any(np.diff(offsets.astype(np.int64)) <= 0) or int(offsets[-1]) > size):
+            raise _damaged(where, "its offsets are out of order")
+        hashes = np.frombuffer(data, "<u8", n, _HEAD.size + 8 * (n + 1))
+    except SampleIndexError as exc:
+        warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
+        return None
+    return IndexColumns(offsets, hashes)

@@ -15,7 +15,10 @@ import numpy as np
 
 from ..errors import ShardFormatError, StorageError
 from ..formats.sample_index import (
+    IndexColumns,
     SampleIndex,
+    columns_size,
+    decode_columns,
     index_path,
     key_hashes,
     load_index,
@@ -25,7 +28,14 @@ from ..records import ShardInfo
 from ..urls import is_url
 from .storage import Storage
 
-__all__ = ["all_keys", "shard_index", "shard_keys", "split_hashes", "split_positions"]
+__all__ = [
+    "all_keys",
+    "shard_columns",
+    "shard_index",
+    "shard_keys",
+    "split_hashes",
+    "split_positions",
+]
 
 
 def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> SampleIndex | None:
@@ -39,6 +49,27 @@ def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> Sample
     else:
         data = read_local(where.removeprefix("file://"))
     return load_index(data, where, shard.samples, shard.bytes, shard.sha256)
+
+
+def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
+    """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
+    key table): one read, or one ranged GET; None where there is none or it is not this
+    shard's (a warning names it)."""
+    if not shard.sha256 or not shard.url.endswith(".tar") or shard.samples < 0:
+        return None
+    where, n = index_path(shard.url), columns_size(shard.samples)
+    try:
+        if is_url(shard.url):
+            from ..remote.fs import filesystem, protocol_of, strip
+
+            fs = filesystem(protocol_of(shard.url), storage_options)
+            data = fs.cat_file(strip(fs, where), start=0, end=n)
+        else:
+            with open(where.removeprefix("file://"), "rb") as f:
+                data = f.read(n)
+    except OSError:  # no index (FileNotFoundError), or unreadable: the shard is read instead
+        return None
+    return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256)
 
 
 def _remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
@@ -89,8 +120,8 @@ def split_hashes(
     parts = []
     try:
         for shard in shards:
-            index = shard_index(shard, storage_options) if fmt == "tar" else None
-            if index is not None:
+            index = shard_columns(shard, storage_options) if fmt == "tar" else None
+            if index is not None:  # the stored hashes: no key read or hashed
                 parts.append(index.hashes.astype(np.uint64))
             else:
                 parts.append(key_hashes(shard_keys(shard, fmt, storage, storage_options)))

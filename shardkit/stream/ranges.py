@@ -10,16 +10,17 @@ large slices still stream, which is faster for them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SampleIndex
+from ..formats.sample_index import SPLIT_SALT, IndexColumns
 from ..formats.tar.reader import read_sample
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
-from .indexes import shard_index
+from .indexes import shard_columns
 
 __all__ = ["SKIPPED", "RangeReader"]
 
@@ -33,7 +34,7 @@ class RangeReader:
     def __init__(self, fmt_name: str, storage):
         self.tar = fmt_name == "tar"
         self.storage_options = getattr(storage, "storage_options", None)
-        self._indexes: dict[str, SampleIndex | None] = {}
+        self._indexes: dict[str, IndexColumns | None] = {}
         self._fd: tuple[str, int] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
@@ -44,14 +45,13 @@ class RangeReader:
         if not self.tar or sl.stop <= sl.start or 2 * wanted > shard.samples:
             return False  # the index is not even read
         if shard.url not in self._indexes:
-            self._indexes[shard.url] = shard_index(shard, self.storage_options)
-        index = self._indexes[shard.url]
-        return index is not None and sl.stop <= index.samples
+            self._indexes[shard.url] = shard_columns(shard, self.storage_options)
+        return self._indexes[shard.url] is not None
 
     def records(self, sl: ShardSlice, shard: ShardInfo, mask: np.ndarray | None, fields=()):
         """The slice's records, one read per run of wanted samples (``mask``: which are; None:
-        all), each checked against the index. A sample not wanted (a hole a plan reads
-        through) is ``SKIPPED``, never read: the plan's mask drops it."""
+        all), each checked against the key hash its index stores. A sample not wanted (a hole
+        a plan reads through) is ``SKIPPED``, never read: the plan's mask drops it."""
         index = self._indexes[shard.url]
         off = index.offsets
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
@@ -66,7 +66,7 @@ class RangeReader:
             for k in range(lo, hi):
                 piece = blob[int(off[k]) - a : int(off[k + 1]) - a]
                 rec: Record | None = read_sample(piece, shard.url, fields)
-                if rec is None or rec.key != index.key(k):
+                if rec is None or _hash(rec.key) != int(index.hashes[k]):
                     raise ShardFormatError(
                         f"{shard.url}: sample {k} is not where its sample index says (the shard "
                         "changed after packing?); re-pack it, or delete its .idx file"
@@ -121,3 +121,9 @@ class RangeReader:
         if self._fd is not None:
             fd, self._fd = self._fd[1], None
             os.close(fd)
+
+
+def _hash(key: str) -> int:
+    """A key's split hash, as the index stores it: the check that a range holds its sample."""
+    raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")

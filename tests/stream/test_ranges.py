@@ -123,3 +123,29 @@ def test_a_subset_on_s3_is_one_ranged_get_per_run(s3, packed):
     sizes = _sizes(out)
     spans = [int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for _, _, r in ranged]
     assert sum(spans) <= 2 * sum(sizes[k] for k in want)
+
+
+def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(packed, tmp_path):
+    out, _ = packed
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for n in os.listdir(out):
+        os.link(out / n, copy / n)
+    want = [s[2] for s in ShardDataset(str(out), decode="raw", with_keys=True, subset=0.1)]
+    a, b = (os.path.join(copy, e.path) for e in read_manifest(str(copy)).shards[:2])
+    os.unlink(index_path(a))
+    with open(index_path(b), "rb") as f:
+        open(index_path(a), "wb").write(f.read())  # shard 0 gets shard 1's index: stale
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: stale sample index"):
+        got = [s[2] for s in ShardDataset(str(copy), decode="raw", with_keys=True, subset=0.1)]
+    assert got == want
+    os.unlink(index_path(a))
+    os.link(index_path(os.path.join(out, os.path.basename(a))), index_path(a))  # good again
+    data = bytearray(open(index_path(b), "rb").read())
+    data[72 + 8 * 3 + 1] ^= 0x10  # one offset moved (a damaged byte): caught by the key hash
+    os.unlink(index_path(b))
+    open(index_path(b), "wb").write(bytes(data))
+    with pytest.raises(Exception, match=r"shard-000001\.tar|order"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            [s[2] for s in ShardDataset(str(copy), decode="raw", with_keys=True, subset=0.5)]
