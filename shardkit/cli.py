@@ -677,6 +677,9 @@ def info_cmd(out, as_json, list_skipped) -> None:
         f"samples:  {info['samples']}",
         f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
         f"classes:  {info['num_classes']} ({shown})",
+        "fields:   "
+        + (", ".join(f"{k} {v}" for k, v in info["fields"].items()) or "none")
+        + (" (samples carrying each)" if info["fields"] else ""),
         f"skipped:  {info['skipped']}"
         + ("" if list_skipped or not info["skipped"] else " (--skipped lists them)"),
     ]
@@ -960,20 +963,34 @@ def bench_cmd(
 
 @main.command("ls")
 @click.argument("out", type=click.Path())
-@click.option("--head", type=click.IntRange(min=0), default=None, help="Only the first N samples.")
-def ls_cmd(out, head) -> None:
-    """List the samples of OUT in packed order: index, key, label, members and their sizes."""
+@click.option("--offset", type=click.IntRange(min=0), default=0, help="Start at sample N.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="At most N samples.")
+@click.option("--head", type=click.IntRange(min=0), default=None, help="Same as --limit.")
+@click.option("--prefix", default=None, help="Only samples whose key starts with this.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per sample, for machines.")
+def ls_cmd(out, offset, limit, head, prefix, as_json) -> None:
+    """List the samples of OUT in packed order: index, key, label, members and their sizes.
+
+    Streams: each line is printed as its sample is read, so the first comes at once."""
     from .stream.show import list_lines
     from .stream.view import ShardView
 
     view = ShardView(out, decode="raw")
-    for line in list_lines(view, head):
+    limit = head if limit is None else limit
+    for line in list_lines(view, limit, offset=offset, prefix=prefix, as_json=as_json):
         click.echo(line)
 
 
 @main.command("show")
 @click.argument("out", type=click.Path())
-@click.argument("key")
+@click.argument("key", required=False)
+@click.option(
+    "--index",
+    "position",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The sample at this position (as `ls` prints it) instead of KEY; KEY may also be #N.",
+)
 @click.option(
     "--to",
     "folder",
@@ -981,17 +998,19 @@ def ls_cmd(out, head) -> None:
     default=None,
     help="Write the sample's members into this folder (KEY.EXT each) instead of printing.",
 )
-def show_cmd(out, key, folder) -> None:
-    """Print the sample KEY of OUT (its fields, text members escaped), or write its members."""
-    from .stream.show import escape, show_lines, write_members
+def show_cmd(out, key, position, folder) -> None:
+    """Print the sample KEY (or #N) of OUT: its fields, JSON pretty-printed, text escaped; or
+    write its members."""
+    from .stream.show import escape, resolve_sample, show_lines, write_members
     from .stream.view import ShardView
 
     view = ShardView(out, decode="raw")
+    i = resolve_sample(view, key, position)
     if folder is None:
-        for line in show_lines(view, key):
+        for line in show_lines(view, i):
             click.echo(line)
         return
-    for path in write_members(view, key, folder):
+    for path in write_members(view, i, folder):
         click.echo(f"wrote {escape(path)}")
 
 

@@ -342,6 +342,11 @@ def interrupted_message(directory: str) -> str:
     )
 
 
+#: A shard's companion file (its sample index, ``formats.sample_index``): moved and removed
+#: with the shard by ``publish``.
+COMPANION = ".idx"
+
+
 def publish(
     directory: str, staging: str, names: list[str], last: str, *, remove: list[str] = ()
 ) -> str:
@@ -364,6 +369,10 @@ def publish(
                 "list it, so shardkit did not write it and will not replace it; move it out of "
                 f"{directory} and run the command again"
             )
+    # Companions are named after a shard, ours to move, replace and remove with it.
+    companions = [n + COMPANION for n in names]
+    names = [*names, *(n for n in companions if os.path.isfile(os.path.join(staging, n)))]
+    remove = [*remove, *(n + COMPANION for n in remove)]
     journal = {
         "staging": os.path.basename(staging),
         "names": list(names),

@@ -38,6 +38,7 @@ from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
 from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
+from .indexes import all_keys, split_hashes, split_positions
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -45,11 +46,10 @@ from .mix import (
     Source,
     apportion,
     check_weights,
+    key_hashes,
     mix_facts,
     mix_records,
     mix_worker_plan,
-    read_keys,
-    split_members,
     subset_members,
 )
 from .resume import (
@@ -337,10 +337,13 @@ class ShardDataset(IterableDataset):
             shards = _counted(r.shards, r.format, store)
             size = int(sum(s.samples for s in shards))
             members = np.arange(size, dtype=np.int64)
-            keyed = src.split is not None or (src.subset is not None and _is_keys(src.subset))
-            keys = read_keys(shards, r.format, store) if keyed else None
-            if src.split is not None:
-                members = split_members(keys, src.split, src.val_fraction)
+            opts = src.storage_options
+            by_keys = src.subset is not None and _is_keys(src.subset)
+            keys = all_keys(shards, r.format, store, opts) if by_keys else None
+            if src.split is not None:  # the indexes' hashes: no key read where they exist
+                hashes = split_hashes(shards, r.format, store, opts) if keys is None else None
+                hashes = key_hashes(keys) if hashes is None else hashes
+                members = split_positions(hashes, src.split, src.val_fraction)
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
@@ -456,7 +459,10 @@ class ShardDataset(IterableDataset):
             batch_size=batch_size or self.batch_size,
         )
 
-    def _start_epoch(self, world: World) -> int:
+    def _start_epoch(self, world: World, *, mark: bool = True) -> int:
+        """The epoch an iteration reads, warning once when it repeats one already read.
+        ``mark=False`` (a plain iteration): the epoch counts as read only once the iteration
+        ends, so peeking at a sample (``next(iter(ds))``) before a loader warns of nothing."""
         epoch = int(self._state[_EPOCH])
         if world.worker == 0 and self.shuffle:
             if int(self._state[_LAST_STARTED]) == epoch and not int(self._state[_WARNED]):
@@ -465,16 +471,25 @@ class ShardDataset(IterableDataset):
                     f"ShardDataset iterated epoch {epoch} again: the order repeats. Call "
                     "ds.set_epoch(epoch) before each epoch to get a new order.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4 if not mark else 3,
                 )
-            self._state[_LAST_STARTED] = epoch
+            if mark:
+                self._state[_LAST_STARTED] = epoch
         return epoch
+
+    def _read_to_the_end(self, samples: Iterator, world: World, epoch: int) -> Iterator:
+        yield from samples
+        if world.worker == 0:
+            self._state[_LAST_STARTED] = epoch
 
     # --- the pipeline ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple]:
         world = current_world(self.rank, self.world_size)
-        epoch = self._start_epoch(world)
+        epoch = self._start_epoch(world, mark=False)
+        return self._read_to_the_end(self._samples(world, epoch), world, epoch)
+
+    def _samples(self, world: World, epoch: int) -> Iterator[tuple]:
         records = self.records(world, epoch)
         decoder = self.tensor_decoder(epoch) if self.decode == "tensor" else None
         geometry = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +35,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError, StorageError
 from ..formats import FORMATS
+from ..formats.sample_index import SPLIT_SALT, key_hashes
 from ..records import Record, ShardInfo
 from .resume import (
     Arrangement,
@@ -180,29 +180,15 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return base.tolist()
 
 
-#: The split's salt: fixed, not the seed, so a sample's side depends on its key alone
-#: (FORMAT.md, "Train/val splits"); changing it would move samples between train and val.
-SPLIT_SALT = b"shardkit-split:"
-
-
-def key_hashes(keys: Sequence[str], salt: bytes = SPLIT_SALT) -> np.ndarray:
-    """uint64 per key: the first 8 bytes, big-endian, of BLAKE2b(``salt`` + the key's UTF-8)."""
-    digests = [hashlib.blake2b(salt + k.encode("utf-8", "surrogateescape"), digest_size=8).digest()
-               for k in keys]  # fmt: skip
-    if not digests:
-        return np.empty(0, np.uint64)
-    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
-
-
 def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.ndarray:
     """Positions of the ``split`` part, ascending: a key is "val" when its hash is below
     ``val_fraction * 2**64``, else "train". The side of a key depends on the key alone (not the
     seed, its position or the other keys), so a re-pack keeps every sample on its side and a
     grown dataset keeps every old one there; "val" holds about ``val_fraction`` of the keys
     (exactly the count of hashes under the threshold)."""
-    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
-    val = key_hashes(keys) < threshold
-    return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
+    from .indexes import split_positions
+
+    return split_positions(key_hashes(keys), split, val_fraction)
 
 
 def subset_members(
@@ -427,7 +413,7 @@ def mix_records(
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=fields, unchanged=unchanged,
+            fields=fields, unchanged=unchanged, keep=p.arrangement.keep,
         )  # fmt: skip
         if s.classes:
             recs = check_labels(recs, len(s.classes))

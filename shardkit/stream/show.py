@@ -10,18 +10,28 @@ temporary name first.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Iterator
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
 from .view import ShardView
 
-__all__ = ["escape", "list_lines", "show_lines", "safe_name", "write_members"]
+__all__ = [
+    "escape",
+    "list_lines",
+    "resolve_sample",
+    "show_lines",
+    "safe_name",
+    "write_members",
+]
 
 #: Members shown as text by ``show`` (the rest: their size).
 _TEXT = {"cls", "label", "txt", "json", "text", "caption", "cls2", "index", "id"}
-_SHOWN = 300  # characters of a text member printed, then "..."
+_SHOWN = 300  # characters of a text line printed, then "..."
+_SHOWN_LINES = 200  # lines of a text or JSON member printed
+_LABELS = {"cls", "label", "cls.txt", "index"}
 
 
 def escape(text: str) -> str:
@@ -44,30 +54,104 @@ def _label(view: ShardView, label: int) -> str:
     return str(label)
 
 
-def list_lines(view: ShardView, head: int | None = None) -> Iterator[str]:
-    """One line per sample in packed order: index, key, label (class), members with sizes."""
-    n = len(view) if head is None else min(head, len(view))
-    for i in range(n):
-        rec = view.record(i)
-        members = ", ".join(f"{escape(ext)} {len(data)} B" for ext, data in view.members(i))
-        yield f"{i}  {escape(rec.key)}  label {_label(view, rec.label)}  {members}"
+def list_lines(
+    view: ShardView,
+    limit: int | None = None,
+    *,
+    offset: int = 0,
+    prefix: str | None = None,
+    as_json: bool = False,
+) -> Iterator[str]:
+    """One line per sample in packed order (index, key, label (class), members with sizes),
+    from ``offset``, at most ``limit``, only keys starting with ``prefix``; each line made as its
+    sample is read (the index gives keys without reading a sample). ``as_json``: one JSON object
+    per line (``index``, ``key``, ``label``, ``class``, ``members``: ``[[ext, bytes], ...]``)."""
+    shown = 0
+    for i in range(offset, len(view)):
+        if limit is not None and shown >= limit:
+            return
+        if prefix is not None and not view.key(i).startswith(prefix):
+            continue
+        members = view.members(i)
+        key = view.key(i)
+        label = _member_label(members)
+        shown += 1
+        if as_json:
+            cls = view.classes[label] if view.classes and 0 <= label < len(view.classes) else None
+            doc = {"index": i, "key": key, "label": label, "class": cls}
+            doc["members"] = [[ext, len(data)] for ext, data in members]
+            yield json.dumps(doc, ensure_ascii=True)  # \u escapes: nothing drives a terminal
+            continue
+        sizes = ", ".join(f"{escape(ext)} {len(data)} B" for ext, data in members)
+        yield f"{i}  {escape(key)}  label {_label(view, label)}  {sizes}"
 
 
-def show_lines(view: ShardView, key: str) -> Iterator[str]:
-    """The sample's key, position, shard, label and each member (text ones printed, escaped)."""
-    i = view.index(key)
+def _member_label(members: list[tuple[str, bytes]]) -> int:
+    """The label as a reader gives it: the first label member as decimal, else -1."""
+    for ext, data in members:
+        if ext.lower() in _LABELS:
+            try:
+                return int(data)
+            except ValueError:
+                return -1
+    return -1
+
+
+def resolve_sample(view: ShardView, key: str | None, position: int | None) -> int:
+    """The position ``show`` means: ``--index N``, ``#N`` (as ``ls`` prints it), or a key (one
+    lookup). A key that is itself ``#N`` is still found when no position is meant by it."""
+    if position is not None:
+        if key is not None:
+            raise InputError("give a KEY or --index N, not both")
+        return _in_range(view, position)
+    if key is None:
+        raise InputError("give the sample's KEY, #N or --index N (`shardkit ls` lists them)")
+    if re.fullmatch(r"#\d+", key):
+        return _in_range(view, int(key[1:]))
+    return view.index(key)
+
+
+def _in_range(view: ShardView, i: int) -> int:
+    if not 0 <= i < len(view):
+        raise InputError(
+            f"no sample at position {i} in {view.where}: it holds {len(view)} (0..{len(view) - 1})"
+        )
+    return i
+
+
+def show_lines(view: ShardView, i: int | str) -> Iterator[str]:
+    """The sample's key, position, shard, label and each member: JSON pretty-printed, text line
+    by line (escaped), others by size."""
+    i = view.index(i) if isinstance(i, str) else i
     rec = view.record(i)
     yield f"key:    {escape(rec.key)}"
     yield f"index:  {i}"
     yield f"shard:  {escape(rec.shard)}"
     yield f"label:  {_label(view, rec.label)}"
     for ext, data in view.members(i):
-        if ext.lower() in _TEXT:
-            text = data.decode("utf-8", "surrogateescape")
-            more = "..." if len(text) > _SHOWN else ""
-            yield f"{escape(ext)}: {escape(text[:_SHOWN])}{more}"
+        if ext.lower() in _TEXT or ext.lower().endswith("json"):
+            yield from _text_lines(ext, data)
         else:
             yield f"{escape(ext)}: {len(data)} bytes"
+
+
+def _text_lines(ext: str, data: bytes) -> Iterator[str]:
+    text = data.decode("utf-8", "surrogateescape")
+    if ext.lower().endswith("json"):
+        try:
+            text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except ValueError:
+            pass  # shown as stored
+    lines = text.splitlines() or [""]
+    more = len(lines) > _SHOWN_LINES
+    if len(lines) == 1 and len(lines[0]) <= _SHOWN:
+        yield f"{escape(ext)}: {escape(lines[0])}"
+        return
+    yield f"{escape(ext)}:"
+    for line in lines[:_SHOWN_LINES]:
+        yield f"  {escape(line[:_SHOWN])}{'...' if len(line) > _SHOWN else ''}"
+    if more:
+        yield f"  ... ({len(lines) - _SHOWN_LINES} more lines; --to writes the whole member)"
 
 
 #: The longest file name ``safe_name`` gives (bytes), leaving room under the usual 255-byte
@@ -92,11 +176,13 @@ def safe_name(key: str, ext: str) -> str:
     return f"{stem[: MAX_NAME - len(tail) - 18]}~{digest[:16]}.{tail}"
 
 
-def write_members(view: ShardView, key: str, folder: str) -> list[str]:
-    """Write each member of the sample ``key`` into ``folder`` (made if missing); returns the
-    paths. An existing file is not replaced (OutputError naming it), nor is anything left
-    half-written: a folder that cannot be made or written is an ``OutputError`` naming it."""
-    i = view.index(key)
+def write_members(view: ShardView, key: str | int, folder: str) -> list[str]:
+    """Write each member of the sample ``key`` (or at position ``key``) into ``folder`` (made
+    if missing); returns the paths. An existing file is not replaced (OutputError naming it),
+    nor is anything left half-written: a folder that cannot be made or written is an
+    ``OutputError`` naming it."""
+    i = view.index(key) if isinstance(key, str) else key
+    key = view.key(i)
     members = view.members(i)
     try:
         os.makedirs(folder, exist_ok=True)

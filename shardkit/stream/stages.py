@@ -167,8 +167,14 @@ def read_slices(
     storage: Storage,
     fields: Sequence[str] = (),
     unchanged: Callable[[], None] | None = None,
+    keep: np.ndarray | None = None,
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
+
+    ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
+    splits, mixtures): where a shard has a sample index and a slice wants less than half of its
+    samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
+    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams.
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -185,11 +191,24 @@ def read_slices(
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
     threads and fetched shards never outlive the iteration.
     """
+    from .ranges import RangeReader
+
+    exact = RangeReader(getattr(fmt, "name", ""), storage)
+    cuts = np.cumsum([0, *(len(sl) for sl in slices)])
+    masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
+        True if m is not None and exact.exact(sl, shards[sl.shard], int(m.sum())) else None
+        for sl, m in zip(slices, masks, strict=True)
+    ]
     upcoming = [shards[s.shard] for s in slices]
+    streamed = [u for u, span in zip(upcoming, spans, strict=True) if span is None]
+    k = 0  # slices streamed so far
     try:
         for n, sl in enumerate(slices):
             shard = upcoming[n]
-            storage.prefetch(upcoming[n:])  # this shard first: it is opened next
+            if spans[n] is None:
+                storage.prefetch(streamed[k:])  # this shard first: it is opened next
+                k += 1
             got = 0
             want = sl.stop - sl.start
             stop = None if sl.stop == shard.samples else sl.stop
@@ -197,7 +216,10 @@ def read_slices(
             if unchanged is not None:
                 unchanged()
             try:
-                records = fmt.records(storage, shard, sl.start, stop, fields)
+                if spans[n] is not None:
+                    records = exact.records(sl, shard, masks[n], fields)
+                else:
+                    records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
                     if got == want:
                         _more_than_counted(shard.url, sl.stop)
@@ -217,6 +239,7 @@ def read_slices(
                     "(truncated or replaced after packing?); re-pack it or rebuild the manifest"
                 )
     finally:
+        exact.close()
         storage.close()
 
 

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader
+from ..formats.sample_index import SampleIndex
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
 from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
@@ -37,6 +38,7 @@ from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
 from .fields import field_spec
+from .indexes import shard_index
 from .sources import resolve_source
 from .stages import DECODE_MODES, decoded_fields, sample_error
 from .storage import storage_for
@@ -84,40 +86,54 @@ class ShardView(Dataset):
             list(resolved.urls), storage_options=storage_options, cache_dir=cache_dir
         )
         self.shards: tuple[ShardInfo, ...] = resolved.shards
-        self._keys: list[str] = []
-        self._offsets: list[np.ndarray] = []  # tar: per shard, sample starts + the shard's end
+        self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
         self._stamps: list[tuple] = []  # LMDB: per shard, the file's identity when indexed
-        counts = []
+        lazy = self.format == "tar" and all(s.samples >= 0 and s.sha256 for s in self.shards)
         try:
-            for shard in self.shards:
-                n, keys, offsets = self._index(shard)
-                counts.append(n)
-                self._keys.extend(keys)
-                self._offsets.append(offsets)
+            if lazy:  # the manifest's counts: nothing opened until a sample is asked for
+                counts = [s.samples for s in self.shards]
+            else:
+                counts = []
+                for k, shard in enumerate(self.shards):
+                    self._tables[k] = self._index(shard)
+                    counts.append(self._tables[k].samples)
         finally:
             self.storage.close()
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
-        self._by_key: dict[str, int] | None = None
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
 
     # --- the index --------------------------------------------------------------------------
 
-    def _index(self, shard: ShardInfo) -> tuple[int, list[str], np.ndarray]:
+    def _index(self, shard: ShardInfo) -> _Table:
         if self.format == "lmdb":
             reader = LmdbSampleReader(self.storage.local_path(shard), shard.url)
             try:
                 self._stamps.append(reader.stamp)
-                return reader.samples, reader.keys(), np.empty(0, np.int64)
+                return _Table(reader.samples, reader.keys(), np.empty(0, np.int64))
             finally:
                 reader.close()
+        index = shard_index(shard, self.storage_options)
+        if index is not None:  # one read of the index file beside the shard
+            return _Table(index.samples, index, index.offsets.astype(np.int64))
         try:
             with self.storage.open(shard) as stream:
                 tally = tally_tar(stream, shard=shard.url, every=1, keys=True)
         except OSError as exc:
             raise StorageError(f"{shard.url}: cannot index ({exc})") from exc
+        if shard.samples >= 0 and tally.samples != shard.samples:
+            raise ShardFormatError(
+                f"{shard.url}: holds {tally.samples} samples, its manifest says "
+                f"{shard.samples}; the manifest belongs to another version of the shard: re-pack it"
+            )
         end = shard.bytes if shard.bytes >= 0 else self._size(shard)
-        return tally.samples, tally.keys, np.asarray([*tally.index, end], dtype=np.int64)
+        return _Table(tally.samples, tally.keys, np.asarray([*tally.index, end], dtype=np.int64))
+
+    def _table(self, k: int) -> _Table:
+        table = self._tables[k]
+        if table is None:
+            table = self._tables[k] = self._index(self.shards[k])
+        return table
 
     def _size(self, shard: ShardInfo) -> int:
         if not is_url(shard.url):
@@ -138,21 +154,23 @@ class ShardView(Dataset):
 
     def keys(self) -> list[str]:
         """Every sample's key, in packed order."""
-        return list(self._keys)
+        return [k for i in range(len(self.shards)) for k in self._table(i).keys()]
+
+    def key(self, i) -> str:
+        """Sample ``i``'s key (from the index, no sample read)."""
+        shard, j = self._locate(i)
+        return self._table(shard).key(j)
 
     def index(self, key: str) -> int:
-        """The position of ``key`` (the first, should two shards hold the same key)."""
-        if self._by_key is None:
-            by_key: dict[str, int] = {}
-            for i, k in enumerate(self._keys):
-                by_key.setdefault(k, i)
-            self._by_key = by_key
-        try:
-            return self._by_key[key]
-        except KeyError:
-            raise InputError(
-                f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
-            ) from None
+        """The position of ``key`` (the first, should two shards hold the same key): shard by
+        shard, each index loaded when first needed."""
+        for k in range(len(self.shards)):
+            j = self._table(k).position(key)
+            if j is not None:
+                return self._starts[k] + j
+        raise InputError(
+            f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
+        )
 
     def get(self, key: str) -> tuple:
         """The sample whose key is ``key``, decoded as ``view[i]``."""
@@ -192,10 +210,10 @@ class ShardView(Dataset):
         if self.format == "lmdb":
             rec = self._reader(shard, info).get(j, fields)
         else:
-            off = self._offsets[shard]
+            off = self._table(shard).offsets
             blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
             rec = read_sample(blob, info.url, fields)
-        if rec is None or rec.key != self._keys[self._starts[shard] + j]:
+        if rec is None or rec.key != self._table(shard).key(j):
             raise ShardFormatError(
                 f"{info.url}: sample {j} is not where the index says (the shard changed since "
                 "the view was made); make the view again"
@@ -216,7 +234,7 @@ class ShardView(Dataset):
         from ..formats.tar.tally import _walk
 
         shard, j = self._locate(i)
-        off = self._offsets[shard]
+        off = self._table(shard).offsets
         blob = self._read(shard, self.shards[shard], int(off[j]), int(off[j + 1]))
         out = []
         buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, len(blob) + len(_END))
@@ -286,8 +304,35 @@ class ShardView(Dataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_open"] = {}
-        state["_by_key"] = None
         return state
 
     def __repr__(self) -> str:
         return f"ShardView({len(self.shards)} {self.format} shards, {len(self)} samples)"
+
+
+class _Table:
+    """One shard's keys and sample byte ranges: a ``SampleIndex`` (read from the file beside the
+    shard) or what a walk over its headers gave (a key list; a dict built on the first lookup)."""
+
+    __slots__ = ("samples", "_keys", "offsets", "_by_key")
+
+    def __init__(self, samples: int, keys, offsets: np.ndarray):
+        self.samples, self._keys, self.offsets = samples, keys, offsets
+        self._by_key: dict[str, int] | None = None
+
+    def key(self, j: int) -> str:
+        keys = self._keys
+        return keys.key(j) if isinstance(keys, SampleIndex) else keys[j]
+
+    def keys(self) -> list[str]:
+        keys = self._keys
+        return keys.keys() if isinstance(keys, SampleIndex) else list(keys)
+
+    def position(self, key: str) -> int | None:
+        if isinstance(self._keys, SampleIndex):
+            return self._keys.position(key)
+        if self._by_key is None:
+            self._by_key = {}
+            for j, k in enumerate(self._keys):
+                self._by_key.setdefault(k, j)
+        return self._by_key.get(key)

@@ -17,9 +17,17 @@ from dataclasses import dataclass
 
 from ..errors import InputError, OutputError
 from ..formats import format_for_path, is_shard_name
+from ..formats.sample_index import encode_index, write_index_file
 from ..formats.tar import is_gzip_name, tally_tar, warn_imageless
 from ..fsutil import HashingReader, open_regular, write_error
-from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, write_manifest
+from ..manifest import (
+    INDEX_EVERY,
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    read_manifest,
+    write_manifest,
+)
 
 __all__ = ["IndexResult", "index_shards"]
 
@@ -35,11 +43,18 @@ class IndexResult:
     manifest: Manifest
     #: Records without an image member, passed over (not samples).
     imageless: int
+    #: The manifest was shardkit's and kept: only the sample indexes were written.
+    kept: bool = False
 
     def summary(self) -> str:
         m = self.manifest
         n = self.imageless
         extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
+        if self.kept:
+            return (
+                f"wrote the sample indexes of {len(m.shards)} shards ({m.num_samples} samples) "
+                f"beside {self.manifest_path}, which is kept"
+            )
         return (
             f"indexed {len(m.shards)} shard{'s' if len(m.shards) != 1 else ''}: "
             f"{m.num_samples} samples, {m.total_bytes / 1e6:.1f} MB, {len(m.classes)} classes"
@@ -97,32 +112,26 @@ def index_shards(
                 "only written by `shardkit pack`, which writes their manifest"
             )
         by_dir.setdefault(os.path.dirname(os.path.abspath(p)), []).append(p)
-    for d in by_dir:
-        target = os.path.join(d, MANIFEST_NAME)
-        if os.path.lexists(target) and not overwrite:
-            raise OutputError(f"{target} already exists; pass overwrite=True to replace it")
+    packed = _packed(by_dir, overwrite)
+    if packed:  # shardkit's own datasets: add the sample indexes, keep the manifests
+        return [_index_packed(d, m, progress) for d, m in packed.items()]
 
+    indexes: list[tuple[str, bytes]] = []  # written once every shard was read
     entries: dict[str, list[ShardEntry]] = {d: [] for d in by_dir}
     labels: set[int] = set()
     imageless: dict[str, int] = dict.fromkeys(by_dir, 0)
     fields: dict[str, dict[str, int]] = {d: {} for d in by_dir}
     for p in track(files, "index", "shard", enabled=progress):
         d = os.path.dirname(os.path.abspath(p))
-        try:
-            raw = open_regular(p, buffering=0)
-        except OSError as exc:
-            raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
-        with raw:
-            hashing = HashingReader(raw)
-            tally = tally_tar(hashing, shard=p, labels=True, fields=True)
-            hashing.drain()
+        tally, size, sha, sample_index = _read_tar(p)
+        if sample_index:
+            indexes.append((p, sample_index))
         labels |= tally.labels
         imageless[d] += tally.imageless
         for name, n in tally.fields.items():
             fields[d][name] = fields[d].get(name, 0) + n
-        index = () if is_gzip_name(p) else tuple(tally.index)
-        sha = hashing.sha.hexdigest()
-        entries[d].append(ShardEntry(os.path.basename(p), tally.samples, hashing.bytes, sha, index))
+        index = () if is_gzip_name(p) else tuple(tally.index[::INDEX_EVERY])
+        entries[d].append(ShardEntry(os.path.basename(p), tally.samples, size, sha, index))
     classes = _classes(labels)
     results = []
     for d, shard_entries in entries.items():
@@ -140,6 +149,8 @@ def index_shards(
         except OSError as exc:  # disk full, read-only folder: one line, no temp file left
             raise write_error(d, exc, MANIFEST_NAME) from None
         results.append(IndexResult(path, manifest, imageless[d]))
+    for p, data in indexes:  # after the manifests: a failed index command leaves no index
+        write_index_file(p, data)
     return results
 
 
@@ -159,3 +170,74 @@ def _classes(labels: set[int]) -> list[str]:
         )
         return []
     return [str(i) for i in range(high + 1)]
+
+
+def _packed(by_dir: dict[str, list[str]], overwrite: bool) -> dict[str, Manifest]:
+    """The directories whose manifest a pack wrote (they get sample indexes, nothing else)."""
+    packed = {}
+    for d in by_dir:
+        target = os.path.join(d, MANIFEST_NAME)
+        if os.path.lexists(target) and not overwrite:
+            packed[d] = _listed(target, by_dir[d])
+            if packed[d].pack.get("indexed_by"):  # ours from a tar: replaced only on request
+                raise OutputError(f"{target} already exists; pass overwrite=True to replace it")
+    return packed
+
+
+def _read_tar(p: str):
+    """One pass over a tar: its tally (labels, fields, keys, offsets), size, sha256 and the
+    bytes of its sample index (None for a compressed or empty shard)."""
+    try:
+        raw = open_regular(p, buffering=0)
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
+    with raw:
+        hashing = HashingReader(raw)
+        tally = tally_tar(hashing, shard=p, labels=True, fields=True, every=1, keys=True)
+        hashing.drain()
+    sha = hashing.sha.hexdigest()
+    data = None
+    if not is_gzip_name(p) and tally.samples:
+        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
+        data = encode_index(hashing.bytes, sha, keys, [*tally.index, tally.end])
+    return tally, hashing.bytes, sha, data
+
+
+def _listed(target: str, files: list[str]) -> Manifest:
+    """The manifest already beside ``files``: shardkit's, listing each of them (a pack's
+    dataset gets its sample indexes); else the manifest is someone else's to replace."""
+    manifest = read_manifest(target)
+    listed = {e.path for e in manifest.shards}
+    if not all(os.path.basename(f) in listed for f in files):
+        raise OutputError(
+            f"{target} already exists and does not list every shard given; pass "
+            "overwrite=True (--overwrite) to replace it"
+        )
+    return manifest
+
+
+def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
+    """Write the sample index of each plain tar shard ``manifest`` lists (older packs have
+    none), reading each shard once and checking it against the manifest's size and sha256."""
+    from ..progress import track
+
+    for e in track(manifest.shards, "index", "shard", enabled=progress):
+        p = os.path.join(d, e.path)
+        if not e.path.endswith(".tar"):
+            continue
+        with open_regular(p, buffering=0) as raw:
+            hashing = HashingReader(raw)
+            tally = tally_tar(hashing, shard=p, every=1, keys=True)
+            hashing.drain()
+        if (hashing.bytes, hashing.sha.hexdigest(), tally.samples) != (
+            e.bytes,
+            e.sha256,
+            e.samples,
+        ):
+            raise InputError(
+                f"{p}: is not the shard its manifest lists (size, sha256 or sample count differ); "
+                f"`shardkit verify {d}` says more; re-pack it"
+            )
+        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
+        write_index_file(p, encode_index(e.bytes, e.sha256, keys, [*tally.index, tally.end]))
+    return IndexResult(os.path.join(d, MANIFEST_NAME), manifest, 0, kept=True)

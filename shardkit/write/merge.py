@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InputError, OutputError
+from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
@@ -234,6 +235,8 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
             name = shard_name(number, "") + _suffix(s.path)
             number += 1
             linked += _place(src, os.path.join(staging, name))
+            if os.path.isfile(index_path(src)):  # checked (or rebuilt) before publishing
+                _place(index_path(src), index_path(os.path.join(staging, name)))
             entries.append(ShardEntry(name, s.samples, s.bytes, s.sha256, s.index))
             added.append(name)
         skipped += m.skipped
@@ -246,6 +249,7 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
         for name, count in m.fields.items():
             fields[name] = fields.get(name, 0) + count
     manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
+    ensure_indexes(staging, [e for e in entries if e.path in set(added)])
     write_manifest(manifest, staging)
     path = publish(out, staging, added, MANIFEST_NAME)
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)

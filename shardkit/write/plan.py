@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import InputError, OutputError
 from ..formats import get_format
+from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import (
     JOB_MARK,
     JOURNAL_NAME,
@@ -658,6 +659,8 @@ def _finish(task: ShardTask, cur: _Open, on_shard) -> ShardReceipt:
         stats = cur.writer.close()
         final = os.path.join(task.job, cur.name)
         if stats.samples:
+            if os.path.exists(index_path(cur.tmp)):  # the index first: a kept shard has one
+                os.replace(index_path(cur.tmp), index_path(final))
             os.replace(cur.tmp, final)
             fsync_dir(task.job)
         else:
@@ -788,6 +791,7 @@ def commit_pack(
     except OSError as exc:
         raise write_error(out, exc, MANIFEST_NAME) from None
     try:
+        ensure_indexes(plan.job, entries)
         path = publish(out, plan.job, [e.path for e in entries], MANIFEST_NAME, remove=replaced)
     except OSError as exc:
         if interrupted_commit(out) is not None:

@@ -270,5 +270,6 @@ def manifest_info(m: Manifest, manifest_path: str) -> dict:
         "num_classes": len(m.classes),
         "classes": list(m.classes),
         "skipped": len(m.skipped),
+        "fields": dict(m.fields),
         "pack": m.pack,
     }

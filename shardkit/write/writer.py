@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import InputError, OutputError
 from ..formats import get_format
+from ..formats.sample_index import ensure_indexes, index_path
 from ..formats.tar import LABEL_EXTS
 from ..fsutil import (
     JOURNAL_NAME,
@@ -289,6 +290,8 @@ class ShardWriter:
     def upload(self, path: str) -> None:
         """Upload the complete shard at ``path`` now (URL outputs; a no-op locally)."""
         if self._uploader is not None:
+            if os.path.isfile(index_path(path)):  # its sample index first: readers check it
+                self._uploader.submit(index_path(path))
             self._uploader.submit(path)
 
     @property
@@ -319,8 +322,7 @@ class ShardWriter:
         )
         if self._on_shard is not None:
             self._on_shard(stats.path)
-        if self._uploader is not None:
-            self._uploader.submit(stats.path)
+        self.upload(stats.path)
 
     # --- commit / abort ------------------------------------------------------------------------
 
@@ -357,6 +359,7 @@ class ShardWriter:
             raise
         if not self._remote:
             try:
+                ensure_indexes(self._staging, self._entries)
                 path = publish(
                     self.out,
                     self._staging,
@@ -400,9 +403,9 @@ class ShardWriter:
         url = self._uploader.finish(local_manifest)
         new = {e.path for e in self._entries}
         for name in self._replaced:  # old shards the new manifest does not list
-            if name not in new:
-                try:
-                    self._fs.rm_file(self._strip(self._fs, join_url(self.out, name)))
+            for gone in (name, index_path(name)) if name not in new else ():
+                try:  # the shard and its sample index
+                    self._fs.rm_file(self._strip(self._fs, join_url(self.out, gone)))
                 except FileNotFoundError:
                     pass
         return url

@@ -4,6 +4,7 @@ may be hostile (keys that climb out of folders, control characters in keys and t
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 
 import pytest
@@ -147,6 +148,69 @@ def test_ls_show_and_show_to_give_an_lmdb_dataset_its_fields_as_tar(tmp_path):
         files = sorted((p.name, p.read_bytes()) for p in box.iterdir())
         out[fmt] = (listing, shown.replace(f"{fmt}/shard-000000.{fmt}", "SHARD"), files)
     assert "txt 9 B" in out["lmdb"][0] and "json 8 B" in out["lmdb"][0]
-    assert 'json: {"i": 1}' in out["lmdb"][1] and "txt: caption 1" in out["lmdb"][1]
+    assert 'json:\n  {\n    "i": 1\n  }\n' in out["lmdb"][1] and "txt: caption 1" in out["lmdb"][1]
     assert ("class1_img001.txt", b"caption 1") in out["lmdb"][2]
     assert out["lmdb"] == out["tar"]
+
+
+def _fielded(tmp_path, n: int = 6):
+    from shardkit.write.writer import ShardWriter
+
+    out = tmp_path / "fielded"
+    with ShardWriter(str(out), shard_size="12kB", classes=["a", "b"]) as w:
+        for i in range(n):
+            meta = {"caption": f"line one\nline {i}", "n": i, "nested": {"x": [1, 2]}}
+            w.add(f"{'ab'[i % 2]}/k{i}", "jpg", b"\xff\xd8" + bytes(500), i % 2, {"json": meta})
+    return out
+
+
+def test_ls_offset_limit_prefix_and_json(tmp_path):
+    out = _fielded(tmp_path)
+    every = _cli("ls", out).output.splitlines()
+    assert len(every) == 6 and every[0].startswith("0  a/k0  label 0 (a)  jpg 502 B, cls 1 B")
+    assert _cli("ls", out, "--offset", "2", "--limit", "3").output.splitlines() == every[2:5]
+    assert _cli("ls", out, "--prefix", "b/").output.splitlines() == every[1::2]
+    assert _cli("ls", out, "--prefix", "b/", "--limit", "1").output.splitlines() == every[1:2]
+    docs = [json.loads(line) for line in _cli("ls", out, "--json").output.splitlines()]
+    assert {k: v for k, v in docs[3].items() if k != "members"} == {
+        "index": 3,
+        "key": "b/k3",
+        "label": 1,
+        "class": "b",
+    }
+    assert [m[0] for m in docs[3]["members"]] == ["jpg", "cls", "json"]
+    assert docs[3]["members"][:2] == [["jpg", 502], ["cls", 1]]
+
+
+def test_show_takes_a_position_and_pretty_prints_json(tmp_path):
+    out = _fielded(tmp_path)
+    by_key = _cli("show", out, "b/k3").output
+    assert _cli("show", out, "#3").output == by_key == _cli("show", out, "--index", "3").output
+    assert "index:  3" in by_key and '    "caption": "line one\\nline 3",' in by_key
+    assert '  "nested": {' in by_key and "\\n" not in by_key.replace("\\nline", "")
+    res = _cli("show", out, "#6")
+    assert res.exit_code != 0 and "no sample at position 6" in res.output and "(0..5)" in res.output
+    res = _cli("show", out)
+    assert res.exit_code != 0 and "--index N" in res.output
+
+
+def test_info_shows_field_counts(tmp_path):
+    out = _fielded(tmp_path)
+    assert "fields:   json 6 (samples carrying each)" in _cli("info", out).output
+    assert json.loads(_cli("info", out, "--json").output)["fields"] == {"json": 6}
+
+
+def test_ls_and_show_give_the_same_with_and_without_the_index(tmp_path):
+    import os
+
+    out = _fielded(tmp_path, 12)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for n in os.listdir(out):
+        if not n.endswith(".idx"):
+            os.link(out / n, bare / n)
+    assert any(n.endswith(".idx") for n in os.listdir(out))
+    for args in (("ls",), ("ls", "--json", "--offset", "5"), ("show", "#7"), ("show", "a/k4")):
+        a, b = _cli(args[0], out, *args[1:]), _cli(args[0], bare, *args[1:])
+        assert a.exit_code == b.exit_code == 0
+        assert a.output.replace(str(out), "OUT") == b.output.replace(str(bare), "OUT")

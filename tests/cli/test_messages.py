@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from click.testing import CliRunner
 from PIL import Image
@@ -67,7 +68,13 @@ def test_index_names_overwrite_once(tmp_path):
     _tree(tmp_path / "src")
     runner = CliRunner()
     runner.invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
-    res = runner.invoke(main, ["index", str(tmp_path / "out"), "-q"])
+    foreign = tmp_path / "foreign"  # tars without a pack's manifest: index writes one
+    foreign.mkdir()
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".tar"):
+            os.link(tmp_path / "out" / name, foreign / name)
+    assert runner.invoke(main, ["index", str(foreign), "-q"]).exit_code == 0
+    res = runner.invoke(main, ["index", str(foreign), "-q"])
     assert res.exit_code != 0
     assert "already exists; pass --overwrite to replace it" in res.output
     assert "(--overwrite)" not in res.output

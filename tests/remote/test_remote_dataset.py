@@ -52,7 +52,7 @@ def bucket(s3_server, data):
 
 
 def _shards(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.startswith("shard-"))
+    return sorted(n for n in os.listdir(folder) if n.startswith("shard-") and "." not in n[13:])
 
 
 def _keys(ds, num_workers=2, **kw) -> list[str]:
@@ -284,7 +284,9 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     )
     assert report.out == f"s3://{b}/lfw/"
     puts = [p for m, p, _ in s3.log.entries if m == "PUT" and "/lfw/" in p]
-    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == report.shards + 1
+    indexes = [p for p in puts if p.endswith(".tar.idx")]  # each shard's sample index
+    assert sorted(p[: -len(".idx")] for p in indexes) == sorted(p for p in puts if p.endswith("r"))
+    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == 2 * report.shards + 1
     assert os.listdir(tmp_path) == []  # the local staging copy is gone
     ds = _ds(f"s3://{b}/lfw/", opts)
     assert sorted(_keys(ds, num_workers=0)) == ALL_KEYS
@@ -352,7 +354,7 @@ def test_cli_pack_info_verify_on_s3_urls(s3, data, tmp_path):
     info = run("info", url, "--json")
     assert info.returncode == 0, info.stderr
     doc = json.loads(info.stdout)
-    assert doc["samples"] == N and doc["shards"] == len(puts) - 1
+    assert doc["samples"] == N and doc["shards"] == len([p for p in puts if p.endswith(".tar")])
 
     ok = run("verify", url, "-q")
     assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stderr
@@ -394,5 +396,10 @@ def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
     listed = sorted(
         o["Key"] for o in s3.client().list_objects_v2(Bucket=b, Prefix="ds/")["Contents"]
     )
-    assert listed == ["ds/manifest.json", "ds/notes.txt", "ds/shard-000000.tar"]
+    assert listed == [
+        "ds/manifest.json",
+        "ds/notes.txt",
+        "ds/shard-000000.tar",
+        "ds/shard-000000.tar.idx",
+    ]
     assert len(ShardDataset(url, storage_options=opts)) == 1

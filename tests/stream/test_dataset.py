@@ -47,7 +47,11 @@ def _keys(ds, num_workers=0, batch_size=4, **loader_kw):
 
 def test_shape_of_the_data(data):
     assert len(os.listdir(data["tar"])) >= 5  # several shards plus manifest
-    assert sorted(os.listdir(data["one"])) == ["manifest.json", "shard-000000.tar"]
+    assert sorted(os.listdir(data["one"])) == [
+        "manifest.json",
+        "shard-000000.tar",
+        "shard-000000.tar.idx",  # its sample index
+    ]
 
 
 # --- exactly once -------------------------------------------------------------------------------
@@ -184,6 +188,21 @@ def test_repeating_an_epoch_warns_once(data):
         list(ds)  # only once
         ds.set_epoch(1)
         list(ds)
+
+
+def test_peeking_at_a_sample_before_iterating_warns_of_no_repeat(data):
+    from shardkit.loader import ShardLoader
+
+    ds = ShardDataset(data["tar"], decode="tensor", size=16)
+    next(iter(ds))  # a look at one sample
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(ds)
+        ds.set_epoch(1)
+        next(iter(ds))
+        assert sum(len(b[0]) for b in ShardLoader(ds, batch_size=4, num_workers=0)) == len(ds)
+    with pytest.warns(RuntimeWarning, match="set_epoch"):
+        list(ShardLoader(ds, batch_size=4, num_workers=0))  # epoch 1 read whole: now a repeat
 
 
 def test_without_shuffle_the_order_is_the_packed_order(data):

@@ -171,7 +171,12 @@ def test_overwrite_deletes_only_what_shardkit_wrote(trees, tmp_path):
     (out / "manifest.json").write_text(json.dumps(doc))
     quiet_pack(a, out, shard_size=1 << 20, overwrite=True)  # one shard replaces several
     assert outside.read_bytes() == b"not ours" and (out / "notes.txt").read_text() == "keep me"
-    assert sorted(os.listdir(out)) == ["manifest.json", "notes.txt", "shard-000000.tar"]
+    assert sorted(os.listdir(out)) == [
+        "manifest.json",
+        "notes.txt",
+        "shard-000000.tar",
+        "shard-000000.tar.idx",
+    ]
 
 
 @pytest.mark.slow  # the CLI in a child process

@@ -235,7 +235,8 @@ def test_a_killed_pack_resumes_from_its_receipts_and_finishes_identical(src, ref
     (job,) = os.listdir(out)
     assert job.startswith(JOB_PREFIX)
     names = sorted(os.listdir(os.path.join(out, job)))
-    assert names[:6] == [f"shard-00000{i}.{e}" for i in range(3) for e in ("json", "tar")]
+    done = [f"shard-00000{i}.{e}" for i in range(3) for e in ("json", "tar", "tar.idx")]
+    assert names[:9] == done  # each done shard with its receipt and sample index
     inodes = [os.stat(os.path.join(out, job, f"shard-00000{i}.tar")).st_ino for i in range(3)]
     # another plan (other options) never uses these receipts; its commit removes them
     quiet(pack, src, str(tmp_path / "other"), shard_size="12kB", seed=1)

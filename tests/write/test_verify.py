@@ -133,6 +133,7 @@ def test_info_text_and_json(packed):
         f"samples:  {n}",
         f"bytes:    {m.total_bytes} ({size_text(m.total_bytes)})",
         "classes:  7 (class_0, class_1, class_2, class_3, class_4, ...)",
+        "fields:   none",
         "skipped:  0",
         f"manifest: {out / 'manifest.json'}",
     ]

@@ -114,6 +114,8 @@ class TarTally:
     #: Field name (a member's extension) -> samples carrying it, when asked for: every member
     #: but a sample's image and its label, as ``fields=`` reads them and a pack counts them.
     fields: dict[str, int] = field(default_factory=dict)
+    #: Byte offset of the end-of-archive blocks (where the last sample's byte range ends).
+    end: int = 0
 
 
 def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
@@ -182,6 +184,7 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
                 except ValueError:
                     raise _bad_label(shard, k, data) from None
         close_group()
+        tally.end = b.base + b.pos - BLOCK  # the walk stops past the first zero block
     finally:
         if owned:
             f.close()

@@ -10,6 +10,7 @@ from typing import BinaryIO
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import ShardStats
+from ..sample_index import encode_index, write_index_file
 from .parse import _END_OF_ARCHIVE, _GNU_MAGIC, _MAX_OCTAL_SIZE, BLOCK
 
 __all__ = ["TarShardWriter", "TarSizer"]
@@ -109,6 +110,8 @@ class TarShardWriter:
         self.samples = 0
         self._bytes = 0
         self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
+        self._keys: list[bytes] = []  # the sample index beside the shard (sample_index)
+        self._offsets: list[int] = []
         self._hash = hashlib.sha256()
         self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
 
@@ -127,6 +130,8 @@ class TarShardWriter:
         kb = key.encode()
         if self.samples % INDEX_EVERY == 0:
             self._index.append(self._bytes)
+        self._keys.append(kb)
+        self._offsets.append(self._bytes)
         parts = _member(kb + b"." + ext.encode(), data)
         if label >= 0:  # -1: no label, no member (readers give -1)
             parts += _member(kb + b".cls", b"%d" % label)
@@ -142,16 +147,19 @@ class TarShardWriter:
         self._bytes += len(chunk)
 
     def close(self) -> ShardStats:
-        """Write the end-of-archive blocks, flush to disk, and report the shard's facts."""
+        """Write the end-of-archive blocks, flush to disk, and report the shard's facts; the
+        sample index goes beside the shard (``path + ".idx"``)."""
+        self._offsets.append(self._bytes)
         self._write(_END_OF_ARCHIVE)
         f, self._file = self._file, None
         assert f is not None
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        return ShardStats(
-            self.path, self.samples, self._bytes, self._hash.hexdigest(), tuple(self._index)
-        )
+        sha = self._hash.hexdigest()
+        if self.samples:
+            write_index_file(self.path, encode_index(self._bytes, sha, self._keys, self._offsets))
+        return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index))
 
     def abort(self) -> None:
         if self._file is not None:
@@ -160,7 +168,8 @@ class TarShardWriter:
                 f.close()  # flushes the buffer: fails again on a full disk, which is known
             except OSError:
                 pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        for path in (self.path, self.path + ".idx"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""What subsets, splits, random access, ``ls`` and ``show`` cost at ImageNet's sample count.
+
+Makes N samples (one tiny 64x64 JPEG's bytes under N keys in 1,000 classes, written with
+``ShardWriter``: fast), then measures each figure in a fresh child process, with the sample
+indexes (``*.tar.idx``) and on the same shards without them (hard links, the indexes left out:
+an older pack), interleaved:
+
+- ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own bytes;
+- ``split="val"`` construction: seconds and peak memory;
+- ``ShardView`` open: seconds and peak memory;
+- ``shardkit ls`` first line and ``shardkit show KEY``: seconds after imports, peak memory;
+- a full epoch (``decode="raw"``): samples/s, both sides (nothing else slower).
+
+    python benchmarks/bench_scale.py --n 128000 --out /tmp/scale
+    python benchmarks/bench_scale.py --n 1280000 --out /tmp/scale --json bench-out/scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+CHILD = r"""
+import json, os, resource, sys, time, warnings
+warnings.simplefilter("ignore")
+import numpy as np
+from shardkit import ShardDataset, ShardView
+from shardkit.stream.show import list_lines, show_lines
+what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
+def rchar():
+    with open("/proc/self/io") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
+r0, t0 = rchar(), time.perf_counter()
+out = {"base_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # after imports
+if what == "subset":
+    ds = ShardDataset(where, decode="raw", subset=0.01, with_keys=True)
+    out["construct_s"] = time.perf_counter() - t0
+    n = sum(len(s[0]) for s in ds)
+    out["drawn"], out["image_bytes"] = len(ds), n
+elif what == "split":
+    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+    out["len"] = len(ds)
+elif what == "view":
+    view = ShardView(where, decode="raw")
+    out["len"] = len(view)
+elif what == "ls":
+    view = ShardView(where, decode="raw")
+    out["line"] = next(iter(list_lines(view, 1)))
+elif what == "show":
+    view = ShardView(where, decode="raw")
+    out["lines"] = len(list(show_lines(view, key)))
+elif what == "epoch":
+    ds = ShardDataset(where, decode="raw")
+    out["samples"] = sum(1 for _ in ds)
+out["seconds"] = time.perf_counter() - t0
+out["rchar"] = rchar() - r0
+out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def _jpeg() -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    arr = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=85)
+    return buf.getvalue()
+
+
+def make(out: Path, n: int) -> tuple[str, str]:
+    """N samples packed with indexes, and the same shards without them (hard links)."""
+    from shardkit import ShardWriter
+
+    packed, bare = out / f"n{n}", out / f"n{n}-noindex"
+    if not (packed / "manifest.json").exists():
+        data = _jpeg()
+        rng = __import__("numpy").random.default_rng(0)
+        labels = rng.integers(0, 1000, n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with ShardWriter(
+                str(packed), shard_size="5MB", classes=[f"n{c:08d}" for c in range(1000)]
+            ) as w:
+                for i in range(n):
+                    c = int(labels[i])
+                    w.add(f"n{c:08d}/n{c:08d}_{i}", "jpg", data, c)
+    if not bare.exists():
+        bare.mkdir()
+        for name in os.listdir(packed):
+            if not name.endswith(".idx"):
+                os.link(packed / name, bare / name)
+    return str(packed), str(bare)
+
+
+def child(what: str, where: str, key: str = "") -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, what, where, key],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[128_000])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/shardkit-scale"))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
+    args = ap.parse_args()
+    results = []
+    for n in args.n:
+        t0 = time.perf_counter()
+        packed, bare = make(args.out, n)
+        made = time.perf_counter() - t0
+        tars = [f for f in os.listdir(packed) if f.endswith(".tar")]
+        total = sum(os.path.getsize(os.path.join(packed, f)) for f in tars)
+        from shardkit import ShardView
+
+        key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
+        row = {"n": n, "dataset_bytes": total, "make_s": made, "load_before": os.getloadavg()}
+        whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
+        for what in whats:
+            for side, where in (("index", packed), ("no_index", bare)):
+                row[f"{what}/{side}"] = child(what, where, key)
+        row["load_after"] = os.getloadavg()
+        results.append(row)
+        _print(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _print(row: dict) -> None:
+    n = row["n"]
+    print(
+        f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of tar "
+        f"(made in {row['make_s']:.0f} s); load {row['load_before']} -> {row['load_after']}"
+    )
+    base = row["view/index"]["base_mb"]
+    print(f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch")
+    print(f"{'figure':34s} {'with index':>18s} {'without':>18s}")
+    for what, label in (
+        ("subset", "subset=0.01 epoch: read / drawn"),
+        ("split", 'split="val" construction'),
+        ("view", "ShardView open"),
+        ("ls", "ls first line"),
+        ("show", "show KEY"),
+        ("epoch", "full epoch (raw)"),
+    ):
+        if f"{what}/index" not in row:
+            continue
+        cells = []
+        for side in ("index", "no_index"):
+            r = row[f"{what}/{side}"]
+            more = r["peak_mb"] - r["base_mb"]
+            if what == "subset":
+                drawn = r["drawn"] * _sample_bytes(row)
+                cells.append(f"{r['rchar'] / 1e6:.1f} MB ({r['rchar'] / drawn:.2f}x)")
+            elif what == "epoch":
+                cells.append(f"{r['samples'] / r['seconds']:,.0f}/s +{more:.0f} MB")
+            else:
+                cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB")
+        print(f"{label:34s} {cells[0]:>18s} {cells[1]:>18s}")
+
+
+def _sample_bytes(row: dict) -> float:
+    """Bytes of one sample in its shard (all samples are alike here: one JPEG, one label)."""
+    return row["dataset_bytes"] / row["n"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Reading shards' sample indexes (``formats.sample_index``), locally or from object storage.
+
+What construction, ``ShardView``, ``ls`` and ``show`` need from a shard (its keys, its samples'
+byte ranges, its split hashes) comes from the index file beside it: one small read per shard
+instead of a walk over every header. A shard without one (a foreign tar never indexed, an older
+pack, LMDB) gives ``None`` and the caller reads the shard as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import ShardFormatError, StorageError
+from ..formats.sample_index import (
+    IndexColumns,
+    SampleIndex,
+    columns_size,
+    decode_columns,
+    index_path,
+    key_hashes,
+    load_index,
+    read_local,
+)
+from ..records import ShardInfo
+from ..urls import is_url
+from .storage import Storage
+
+__all__ = [
+    "all_keys",
+    "shard_columns",
+    "shard_index",
+    "shard_keys",
+    "split_hashes",
+    "split_positions",
+]
+
+
+def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> SampleIndex | None:
+    """``shard``'s sample index, checked against its manifest entry; None where there is none
+    (or it is damaged or stale: a warning names it)."""
+    if not shard.sha256 or not shard.url.endswith(".tar"):
+        return None  # no manifest to check it against, a compressed tar, or LMDB
+    where = index_path(shard.url)
+    if is_url(shard.url):
+        data = _remote_bytes(where, storage_options)
+    else:
+        data = read_local(where.removeprefix("file://"))
+    return load_index(data, where, shard.samples, shard.bytes, shard.sha256)
+
+
+def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
+    """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
+    key table): one read, or one ranged GET; None where there is none or it is not this
+    shard's (a warning names it)."""
+    if not shard.sha256 or not shard.url.endswith(".tar") or shard.samples < 0:
+        return None
+    where, n = index_path(shard.url), columns_size(shard.samples)
+    try:
+        if is_url(shard.url):
+            from ..remote.fs import filesystem, protocol_of, strip
+
+            fs = filesystem(protocol_of(shard.url), storage_options)
+            data = fs.cat_file(strip(fs, where), start=0, end=n)
+        else:
+            with open(where.removeprefix("file://"), "rb") as f:
+                data = f.read(n)
+    except OSError:  # no index (FileNotFoundError), or unreadable: the shard is read instead
+        return None
+    return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256)
+
+
+def _remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
+    from ..remote.fs import filesystem, protocol_of, strip
+
+    fs = filesystem(protocol_of(url), storage_options)
+    try:
+        return fs.cat_file(strip(fs, url))
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # unreadable: the shard's own headers still serve
+
+
+def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=None) -> list[str]:
+    """Every key of one shard in stored order: from its index, else from the shard."""
+    index = shard_index(shard, storage_options) if fmt == "tar" else None
+    if index is not None:
+        return index.keys()
+    from ..formats.lmdb import LmdbSampleReader
+    from ..formats.tar.tally import tally_tar
+
+    if fmt == "lmdb":
+        reader = LmdbSampleReader(storage.local_path(shard), shard.url)
+        try:
+            got = reader.keys()
+        finally:
+            reader.close()
+    else:
+        try:
+            with storage.open(shard) as stream:
+                got = tally_tar(stream, shard=shard.url, keys=True).keys
+        except OSError as exc:
+            raise StorageError(f"{shard.url}: cannot read its keys ({exc})") from exc
+    if shard.samples >= 0 and len(got) != shard.samples:
+        raise ShardFormatError(
+            f"{shard.url}: holds {len(got)} samples, its manifest says {shard.samples}; "
+            "the manifest belongs to another version of the shard: re-pack it"
+        )
+    return got
+
+
+def split_hashes(
+    shards: Sequence[ShardInfo], fmt: str, storage: Storage, storage_options=None
+) -> np.ndarray:
+    """The split hash of every sample, in stored order: read from the indexes (no key is
+    decoded), hashed from the keys where a shard has none."""
+    parts = []
+    try:
+        for shard in shards:
+            index = shard_columns(shard, storage_options) if fmt == "tar" else None
+            if index is not None:  # the stored hashes: no key read or hashed
+                parts.append(index.hashes.astype(np.uint64))
+            else:
+                parts.append(key_hashes(shard_keys(shard, fmt, storage, storage_options)))
+    finally:
+        storage.close()
+    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+
+
+def split_positions(hashes: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
+    """Positions of the ``split`` part, ascending: "val" where the hash is below
+    ``val_fraction * 2**64`` (FORMAT.md, "Train/val splits"), "train" elsewhere."""
+    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
+    val = hashes < threshold
+    return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
+
+
+def all_keys(
+    shards: Sequence[ShardInfo], fmt: str, storage: Storage, storage_options=None
+) -> list[str]:
+    """Every sample's key, in stored order (indexes where the shards have them)."""
+    keys: list[str] = []
+    try:
+        for shard in shards:
+            keys.extend(shard_keys(shard, fmt, storage, storage_options))
+    finally:
+        storage.close()
+    return keys

@@ -1,0 +1,250 @@
+"""The sample index beside each tar shard: written by every writer with the same bytes, read
+back exactly, and refused by name when damaged or stale (readers then walk the headers)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from shardkit.formats.sample_index import (
+    SampleIndexError,
+    build_index,
+    decode_index,
+    index_path,
+    key_hashes,
+    load_index,
+)
+from shardkit.formats.tar.tally import tally_tar
+from shardkit.manifest import read_manifest
+from shardkit.stream.mix import split_members
+from shardkit.write.engines import LocalRunner
+from shardkit.write.index import index_shards
+from shardkit.write.merge import merge
+from shardkit.write.packer import pack
+from shardkit.write.writer import ShardWriter
+
+
+def tree(root, n: int, seed: int = 0, prefix: str = "") -> str:
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        cls = f"c{i % 3}"
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        arr = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(os.path.join(root, cls, f"{prefix}im{i:03d}.jpg"))
+    return str(root)
+
+
+def quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
+def indexes(out) -> dict[str, bytes]:
+    return {
+        n: open(os.path.join(out, n), "rb").read()
+        for n in sorted(os.listdir(out))
+        if n.endswith(".idx")
+    }
+
+
+def check_all(out) -> None:
+    """Every tar shard the manifest lists has the index its headers give, read back exactly."""
+    m = read_manifest(str(out))
+    for e in m.shards:
+        shard = os.path.join(out, e.path)
+        data = open(index_path(shard), "rb").read()
+        assert data == build_index(shard, e.bytes, e.sha256)
+        ix = decode_index(data, shard)
+        tally = tally_tar(shard, every=1, keys=True)
+        assert ix.keys() == tally.keys and ix.samples == e.samples
+        assert ix.offsets.tolist() == [*tally.index, e.bytes - 1024]
+        assert ix.hashes.tolist() == key_hashes(tally.keys).tolist()
+
+
+@pytest.fixture
+def src(tmp_path):
+    return tree(tmp_path / "src", 40)
+
+
+def test_pack_writes_an_index_per_shard_equal_to_the_headers(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    assert len(indexes(out)) == len(read_manifest(str(out)).shards) > 2
+    check_all(out)
+    again = tmp_path / "again"
+    quiet(pack, src, str(again), shard_size="6kB", progress=False)
+    assert indexes(again) == indexes(out)  # byte-identical like the shards
+
+
+def test_engines_append_merge_and_writer_give_the_same_index_bytes(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    local = tmp_path / "local"
+    quiet(pack, src, str(local), shard_size="6kB", progress=False, runner=LocalRunner(2))
+    assert indexes(local) == indexes(out)
+    more = tree(tmp_path / "more", 12, seed=1, prefix="x")
+    before = indexes(out)
+    quiet(pack, more, str(out), shard_size="6kB", progress=False, append=True)
+    after = indexes(out)
+    assert {k: after[k] for k in before} == before and len(after) > len(before)
+    check_all(out)
+    merged = tmp_path / "merged"
+    other = tmp_path / "other"
+    quiet(pack, more, str(other), shard_size="6kB", progress=False)
+    os.remove(index_path(os.path.join(other, "shard-000000.tar")))  # an older pack: built
+    quiet(merge, [str(local), str(other)], str(merged))
+    check_all(merged)
+    w_out = tmp_path / "writer"
+    with ShardWriter(str(w_out), shard_size="1MB") as w:
+        w.write("a/k1", open(os.path.join(src, "c0", "im000.jpg"), "rb").read(), 0)
+    check_all(w_out)
+
+
+def test_shardkit_index_adds_indexes_to_an_older_pack_and_keeps_its_manifest(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    want = indexes(out)
+    manifest = (out / "manifest.json").read_bytes()
+    for name in want:
+        os.remove(out / name)
+    (result,) = index_shards([str(out)])
+    assert "kept" in result.summary()
+    assert indexes(out) == want and (out / "manifest.json").read_bytes() == manifest
+
+
+def test_shardkit_index_writes_indexes_beside_foreign_tars(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for n in os.listdir(out):
+        if n.endswith(".tar"):
+            os.link(out / n, foreign / n)
+    index_shards([str(foreign)])
+    assert indexes(foreign) == indexes(out)
+
+
+def test_a_damaged_or_stale_index_is_named_and_readers_fall_back(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    m = read_manifest(str(out))
+    a, b = (os.path.join(out, e.path) for e in m.shards[:2])
+    data = bytearray(open(index_path(a), "rb").read())
+    data[100] ^= 1
+    with pytest.raises(SampleIndexError, match=r"shard-000000\.tar: damaged sample index"):
+        decode_index(bytes(data), a)
+    e = m.shards[0]
+    with pytest.warns(RuntimeWarning, match="damaged sample index"):
+        assert load_index(bytes(data), a, e.samples, e.bytes, e.sha256) is None
+    other = open(index_path(b), "rb").read()  # another shard's index: stale here
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar: stale sample index"):
+        assert load_index(other, a, e.samples, e.bytes, e.sha256) is None
+    good = open(index_path(a), "rb").read()
+    assert load_index(good, a, e.samples, e.bytes, e.sha256).samples == e.samples
+
+
+def test_split_from_the_index_hashes_equals_the_split_from_keys(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    m = read_manifest(str(out))
+    keys, hashes = [], []
+    for e in m.shards:
+        shard = os.path.join(out, e.path)
+        ix = decode_index(open(index_path(shard), "rb").read(), shard)
+        keys += ix.keys()
+        hashes.append(ix.hashes)
+    threshold = np.uint64(int(0.3 * 2**64))
+    val = np.flatnonzero(np.concatenate(hashes) < threshold)
+    assert val.tolist() == split_members(keys, "val", 0.3).tolist()
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _without_indexes(out, to) -> str:
+    os.makedirs(to)
+    for n in os.listdir(out):
+        if not n.endswith(".idx"):
+            os.link(os.path.join(out, n), os.path.join(to, n))
+    return str(to)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
+    from shardkit.stream.dataset import ShardDataset
+
+    src = tree(tmp_path / "src", 90)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    bare = _without_indexes(out, tmp_path / "bare")
+    shard_bytes = sum(e.bytes for e in read_manifest(str(out)).shards)
+    index_bytes = sum(len(v) for v in indexes(out).values())
+
+    def made(where, **kw):
+        before = _rchar()
+        ds = ShardDataset(where, decode="raw", with_keys=True, shuffle=False, **kw)
+        return ds, _rchar() - before
+
+    for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train"}, {"subset": 0.2}):
+        ds, read = made(str(out), **kw)
+        slow, read_bare = made(bare, **kw)
+        assert len(ds) == len(slow) and [s[2] for s in ds] == [s[2] for s in slow]
+        assert read < index_bytes + 64_000 < shard_bytes // 2  # the indexes and the manifest
+        if "split" in kw:
+            assert read_bare > read  # without them: every shard's headers
+    keys = [s[2] for s in made(str(out), subset=0.3)[0]]
+    by_keys, _ = made(str(out), subset=keys[::2])
+    assert [s[2] for s in by_keys] == keys[::2]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_a_view_opens_without_reading_and_gives_what_the_shards_give(tmp_path):
+    from shardkit.stream.view import ShardView
+
+    src = tree(tmp_path / "src", 60)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    bare = _without_indexes(out, tmp_path / "bare")
+    before = _rchar()
+    view = ShardView(str(out), decode="raw", with_keys=True)
+    assert _rchar() - before < 20_000  # the manifest alone
+    slow = ShardView(bare, decode="raw", with_keys=True)
+    assert len(view) == len(slow) == 60 and view.keys() == slow.keys()
+    assert [view[i] for i in range(60)] == [slow[i] for i in range(60)]
+    for i in (0, 17, 59):
+        key = slow.keys()[i]
+        assert view.index(key) == slow.index(key) == i and view.get(key) == slow.get(key)
+        assert view.members(i) == slow.members(i)
+    with pytest.raises(Exception, match="no sample with key 'c0/nope'"):
+        view.index("c0/nope")
+
+
+def test_a_wrong_index_never_gives_another_sample(tmp_path):
+    from shardkit.stream.view import ShardView
+
+    src = tree(tmp_path / "src", 30)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    truth = ShardView(str(out), decode="raw", with_keys=True)
+    want = [truth[i] for i in range(len(truth))]
+    a, b = (os.path.join(out, e.path) for e in read_manifest(str(out)).shards[:2])
+    os.replace(index_path(b), index_path(a))  # shard 0 gets shard 1's index: stale
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: stale sample index"):
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        got = [view[i] for i in range(len(view))]
+    assert got == want
+    with open(index_path(a), "r+b") as f:  # damaged: a flipped byte
+        f.seek(80)
+        byte = f.read(1)
+        f.seek(80)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: damaged sample index"):
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        assert [view[i] for i in range(len(view))] == want
