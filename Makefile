@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-slow test-all test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt shardkit/images/_native.c
 	$(PYTHON) -m venv $(VENV)
@@ -15,13 +15,21 @@ $(STAMP): pyproject.toml constraints.txt shardkit/images/_native.c
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
+# The suite without the tests marked slow: every unit, hostile-input and doc test, in under 5
+# minutes on 2 cores. The tests marked slow (DDP ranks over gloo, signals and kills, CLI and other
+# Python child processes, the loopback servers, several epochs of worker processes) run in
+# `make test-slow`; CI (`.ci/run`) runs both, `make test-all` too.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
-# The suite without the tests marked slow (DDP ranks, signals, CLI and other Python child processes,
-# real servers): a quick check while editing.
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+# The name `make test` had before the slow tests moved out of it.
+test-fast: test
 
 # Lint and the format check, as CI runs them (`ruff format` without --check rewrites files), and
 # no tracker numbers in the code (`#12`, `issue 13`, `H9s`: that history belongs in git log).
