@@ -28,6 +28,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -47,6 +48,7 @@ __all__ = [
     "check_source_dir",
     "field_files",
     "inline_fields",
+    "repeats",
     "scan_source",
 ]
 
@@ -68,11 +70,13 @@ class StrTable(Sequence[str]):
     """An immutable list of str stored as one uint8 blob and int64 offsets (fork-friendly)."""
 
     def __init__(self, strings: Iterable[str] = ()):
-        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+        # A block of strings is encoded at a time: a table of any length is built holding
+        # its bytes (and one block's objects), not a bytes object per string.
+        grow = _Growing()
+        it = iter(strings)
+        while block := list(islice(it, 1 << 13)):
+            grow.extend(block)
+        self.blob, self.offsets = grow.arrays()
 
     @classmethod
     def concat(cls, tables: Sequence[StrTable]) -> StrTable:
@@ -103,7 +107,14 @@ class StrTable(Sequence[str]):
         return raw.decode("utf-8", "surrogateescape")
 
     def __iter__(self) -> Iterator[str]:
-        return (self[i] for i in range(len(self)))
+        """Each string in order, decoded a block of the blob at a time (fast, bounded)."""
+        offsets, step = self.offsets, 1 << 14
+        for a in range(0, len(self), step):
+            cuts = offsets[a : a + step + 1]
+            raw = self.blob[cuts[0] : cuts[-1]].tobytes()
+            cuts = (cuts - cuts[0]).tolist()
+            for x, y in zip(cuts[:-1], cuts[1:], strict=True):
+                yield raw[x:y].decode("utf-8", "surrogateescape")
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StrTable):
@@ -118,6 +129,35 @@ class StrTable(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"StrTable({len(self)} strings, {self.blob.nbytes} bytes)"
+
+
+class _Growing:
+    """A ``StrTable`` being filled a block at a time: one bytearray (grown in place, so a long
+    table is not copied from parts at the end) and each block's lengths."""
+
+    def __init__(self):
+        self.blob = bytearray()
+        self.lengths: list[np.ndarray] = []
+
+    def extend(self, strings: Sequence[str]) -> None:
+        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
+        self.lengths.append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+        self.blob += b"".join(encoded)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob, offsets)``; the blob is a view of the bytearray, not a copy."""
+        n = sum(len(x) for x in self.lengths)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        if n:
+            np.cumsum(np.concatenate(self.lengths), out=offsets[1:])
+        self.lengths = []
+        blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
+        return blob, offsets
+
+    def table(self) -> StrTable:
+        out = StrTable()
+        out.blob, out.offsets = self.arrays()
+        return out
 
 
 @dataclass
@@ -439,6 +479,70 @@ def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
     return next((c for c in names if c in row), None)
 
 
+#: Rows of a table turned into numpy tables at a time: a row's Python objects (its cells, path,
+#: fields) live for one chunk only, so scanning a table of any length holds ~its text in arrays.
+TABLE_CHUNK = 1 << 13
+
+
+class _TableRows:
+    """A table's accepted rows, gathered ``TABLE_CHUNK`` at a time into growing tables."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rels: list[str] = []
+        self.exts: list[str] = []
+        self.inline: list[str] = []
+        self.codes: list[int] = []  # label name -> its number in order of first appearance
+        self.tables = {"files": _Growing(), "exts": _Growing(), "inline": _Growing()}
+        self.code_parts: list[np.ndarray] = []
+        self.names: dict[str, int] = {}
+        self.field_counts: dict[str, int] = {}
+        self.unlabelled: int | None = None  # line of the first row without a label
+
+    def add(self, rel: str, ext: str, fields: dict, name: str | None, line: int) -> None:
+        self.rels.append(rel)
+        self.exts.append(ext)
+        self.inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
+        for f in fields:
+            self.field_counts[f] = self.field_counts.get(f, 0) + 1
+        if name is None:
+            self.codes.append(-1)
+            if self.unlabelled is None:
+                self.unlabelled = line
+        else:
+            self.codes.append(self.names.setdefault(name, len(self.names)))
+        if len(self.rels) >= TABLE_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, rows in (("files", self.rels), ("exts", self.exts), ("inline", self.inline)):
+            self.tables[name].extend(rows)
+            rows.clear()
+        self.code_parts.append(np.array(self.codes, dtype=np.int64))
+        self.codes.clear()
+
+    def finish(self, scan: SourceScan) -> None:
+        """Fill ``scan``: files, exts, fields, sorted classes and labels, keys."""
+        self.flush()
+        if self.names and self.unlabelled is not None:
+            raise InputError(
+                f"{self.path}:{self.unlabelled}: no {LABEL_COLUMN!r}; give every row a label "
+                "or none"
+            )
+        scan.files, scan.exts, scan.inline = (
+            self.tables.pop(k).table() for k in ("files", "exts", "inline")
+        )
+        scan.classes = sorted(self.names)
+        rank = np.zeros(len(self.names) + 1, dtype=np.int64)
+        rank[-1] = -1  # code -1 (no label) reads the last entry
+        for label, name in enumerate(scan.classes):
+            rank[self.names[name]] = label
+        codes, self.code_parts = self.code_parts, []
+        scan.labels = rank[np.concatenate(codes)] if codes else np.zeros(0, dtype=np.int64)
+        scan.field_counts = dict(sorted(self.field_counts.items()))
+        scan.keys = _table_keys(scan.files, scan.exts)
+
+
 def scan_table(path: str, root: str | None = None) -> SourceScan:
     """List the samples of a table: one row each, in row order.
 
@@ -448,7 +552,8 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
     into field ``json`` as an object. Nothing is read outside ``root``: a path that is absolute,
     climbs out with ``..`` or resolves (through a symbolic link) outside it is refused, naming
     the row; pass a wider ``root`` to allow it. A row naming a missing or non-image file is
-    listed in ``errors`` (pack's ``on_error`` decides).
+    listed in ``errors`` (pack's ``on_error`` decides). Rows stream through in chunks into
+    numpy tables (``TABLE_CHUNK``): no Python object per row outlives its chunk.
     """
     table = os.path.abspath(path)
     base = os.path.abspath(root) if root is not None else os.path.dirname(table)
@@ -456,7 +561,7 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
         raise InputError(f"root {base!r} of table {path!r} is not a directory")
     real_base = os.path.realpath(base)
     scan = SourceScan(root=base, classes=[])
-    rels, exts, inline, names, lines = [], [], [], [], []
+    rows = _TableRows(path)
     image_col = caption_col = None
     for line, row in _table_rows(path):
         if image_col is None:
@@ -475,32 +580,111 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
             continue
         rel = _inside(rel, base, real_base, where)
         ext = _image_ext(rel.rsplit("/", 1)[-1])
-        full = os.path.join(base, rel)
         if ext is None:
             scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
-        elif not os.path.isfile(full):
+        elif not os.path.isfile(os.path.join(base, rel)):
             scan.errors.append(SkippedFile(rel, f"{where}: no such image file"))
         else:
             fields = _row_fields(row, image_col, caption_col)
-            rels.append(rel)
-            exts.append(ext)
-            inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
-            names.append(_label_of(row, where))
-            lines.append(line)
-    named = [n for n in names if n is not None]
-    if named and len(named) != len(names):
-        first = lines[names.index(None)]
-        raise InputError(f"{path}:{first}: no {LABEL_COLUMN!r}; give every row a label or none")
-    scan.classes = sorted(set(named))
-    index = {c: i for i, c in enumerate(scan.classes)}
-    scan.files, scan.exts = StrTable(rels), StrTable(exts)
-    scan.keys = StrTable(_assign_keys(rels, exts))
-    scan.inline = StrTable(inline)
-    scan.labels = np.array([index[n] if n is not None else -1 for n in names], dtype=np.int64)
-    _count_fields(scan, (json.loads(t) if t else () for t in inline))
-    if not rels and not scan.errors:
+            rows.add(rel, ext, fields, _label_of(row, where), line)
+    rows.finish(scan)
+    if not len(scan.files) and not scan.errors:
         raise InputError(f"table {path!r} has no rows")
     return scan
+
+
+def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
+    """Python's hash of each string (equal strings, equal hashes; checked where they meet)."""
+    return np.fromiter((hash(s) for s in strings), dtype=np.int64, count=n)
+
+
+def _meeting(hashes: np.ndarray) -> np.ndarray:
+    """The rows whose hash some other row shares, in row order: the only rows that may hold
+    a string another row holds (the few others a collision brings are compared exactly)."""
+    order = np.argsort(hashes, kind="stable")
+    same = hashes[order[1:]] == hashes[order[:-1]]
+    mark = np.zeros(len(hashes), dtype=bool)
+    mark[1:] |= same
+    mark[:-1] |= same
+    return np.sort(order[mark])
+
+
+def repeats(table: StrTable) -> np.ndarray:
+    """Per row of ``table``: whether an earlier row holds the same string (a bool array)."""
+    again = np.zeros(len(table), dtype=bool)
+    seen: set[str] = set()
+    for i in _meeting(_hashes(table, len(table))).tolist():
+        s = table[i]
+        again[i] = s in seen
+        seen.add(s)
+    return again
+
+
+def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
+    """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
+    row held (only the rows whose stem or key another row shares are compared as strings)."""
+    n = len(files)
+    stems = (r[: -len(e) - 1] for r, e in zip(files, exts, strict=True))
+    # Files sharing a stem: two spellings of one stem differ only in their extension, so a
+    # stem is shared where rows of one stem hash spell their extensions differently.
+    spelled: dict[str, int] = {}
+    stem_hashes = _hashes(stems, n)
+    spelling = np.fromiter(
+        (spelled.setdefault(r[-len(e) :], len(spelled)) for r, e in _pairs(files, exts)),
+        dtype=np.int32,
+        count=n,
+    )
+    shared = np.zeros(0, dtype=np.int64)
+    if len(spelled) > 1:
+        order = np.argsort(stem_hashes, kind="stable")
+        ordered = stem_hashes[order]
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        runs = np.flatnonzero(starts)
+        by_run = spelling[order]
+        mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
+        shared = np.sort(order[mixed[np.cumsum(starts) - 1]])
+        del order, ordered, starts, by_run
+    del stem_hashes, spelling
+    by_stem: dict[str, set[str]] = {}
+    for i in shared.tolist():
+        rel, ext = files[i], exts[i]
+        by_stem.setdefault(rel[: -len(ext) - 1], set()).add(rel)
+    long = {s for s, rels in by_stem.items() if len(rels) > 1}  # keyed with their extension
+
+    def natural() -> Iterator[str]:
+        for rel, ext in _pairs(files, exts):
+            stem = rel[: -len(ext) - 1]
+            yield encode_key(rel if stem in long else stem)
+
+    key_hashes = _hashes(natural(), n)
+    meet = _meeting(key_hashes)
+    if not len(meet):
+        return StrTable(natural())
+    # A key met again gets a ~N suffix in row order; if a suffixed key could be another row's
+    # own key (names that end in ~N), the exact sequential rule decides.
+    fixed, used = {}, set()
+    for i in meet.tolist():
+        rel, ext = files[i], exts[i]
+        stem = rel[: -len(ext) - 1]
+        key = base = encode_key(rel if stem in long else stem)
+        k = 1
+        while key in used:
+            k += 1
+            key = f"{base}~{k}"
+        used.add(key)
+        if key != base:
+            fixed[i] = key
+    known = np.sort(key_hashes)
+    made = np.array([hash(k) for k in fixed.values()], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
+    if (known[pos] == made).any():
+        return StrTable(_assign_keys(list(files), list(exts)))
+    return StrTable(fixed.get(i, k) for i, k in enumerate(natural()))
+
+
+def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:
+    return zip(files, exts, strict=True)
 
 
 def _label_of(row: dict, where: str) -> str | None:
