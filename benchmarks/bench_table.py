@@ -37,8 +37,9 @@ t0 = time.perf_counter()
 plan = plan_pack(sys.argv[1], sys.argv[2], shard_size="64MB", format="tar", shuffle=True,
                  seed=0, validate="header", resize_short=None, on_error="skip")
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "shards": plan.num_shards, "samples": len(plan.order), "fp": plan.fingerprint}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"seconds": dt, "peak_mb": peak, "shards": plan.num_shards,
+                  "samples": len(plan.order), "fp": plan.fingerprint}))
 """
 
 
@@ -131,6 +132,12 @@ def main() -> None:
                 res["plan"].append(plan_once(contenders[name], table, out))
                 if not a.no_pack:
                     res["pack"].append(pack_once(contenders[name], table, out))
+    report(results, contenders, tables, a.rows, a.base_rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: int) -> None:
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
     print(f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'pack s':>9}{'pack MB':>9}")
@@ -142,19 +149,17 @@ def main() -> None:
             line += f"{pk['seconds']:>9.1f}{pk['peak_mb']:>9.0f}"
         print(line)
     for name in contenders:
-        small, big = results[f"{name} {a.base_rows}"], results[f"{name} {a.rows}"]
+        small, big = results[f"{name} {base_rows}"], results[f"{name} {rows}"]
         for what in ("plan", "pack"):
             if not big[what]:
                 continue
             d = min(r["peak_mb"] for r in big[what]) - min(r["peak_mb"] for r in small[what])
-            per = d * 2**20 / (a.rows - a.base_rows)
-            print(f"{name} {what}: {per:.0f} B/row above a {a.base_rows}-row table's peak")
+            per = d * 2**20 / (rows - base_rows)
+            print(f"{name} {what}: {per:.0f} B/row above a {base_rows}-row table's peak")
     fps = {k: r["plan"][0]["fp"] for k, r in results.items()}
     for n in tables:
         same = {v for k, v in fps.items() if k.endswith(f" {n}")}
         print(f"{n} rows: fingerprints {'agree' if len(same) == 1 else 'DIFFER'}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
