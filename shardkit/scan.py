@@ -93,6 +93,18 @@ class StrTable(Sequence[str]):
         out.offsets = np.concatenate(offsets)
         return out
 
+    def take(self, rows: np.ndarray) -> StrTable:
+        """The strings at ``rows`` as a new table, gathered from the arrays (no str made)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts
+        out = StrTable()
+        out.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out.offsets[1:])
+        shift = np.repeat(starts - out.offsets[:-1], lengths)
+        out.blob = self.blob[np.arange(int(out.offsets[-1]), dtype=np.int64) + shift]
+        return out
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -151,7 +151,8 @@ class ShardTask:
 
     Shard ``first + k`` holds the samples ``order[starts[k]:starts[k + 1]]``, each an index into
     ``files``/``keys``/``exts``/``labels``. The task of a whole plan shares the scan's tables;
-    a task sent to another process carries only its own samples.
+    a task sent to another process carries only its own samples, as ``StrTable``s (arrays:
+    a plan of many tasks holds no Python string per sample, and pickles small).
     """
 
     job: str
@@ -287,12 +288,10 @@ class PackPlan:
             order, files, keys, exts = self.order, scan.files, scan.keys, scan.exts
             labels = self._labels(None)
         else:
-            pos = self.order[a:b].tolist()
-            files = [scan.files[i] for i in pos]
-            keys = [scan.keys[i] for i in pos]
-            exts = [scan.exts[i] for i in pos]
-            sidecars = [sidecars[i] for i in pos] if len(sidecars) else ()
-            inline = [inline[i] for i in pos] if len(inline) else ()
+            pos = self.order[a:b]  # a task's own rows, as tables: no str per sample
+            files, keys, exts = (t.take(pos) for t in (scan.files, scan.keys, scan.exts))
+            sidecars = sidecars.take(pos) if len(sidecars) else ()
+            inline = inline.take(pos) if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
         return ShardTask(

@@ -650,3 +650,30 @@ def test_planning_a_table_holds_arrays_not_python_objects_per_row(tmp_path):
     # The rows' text is ~70 bytes (path, caption as JSON, key, extension) plus 8-byte offsets,
     # labels, order and (size, mtime): ~200 bytes a row in arrays; per-row lists were ~700.
     assert per_row < 300, per_row
+
+
+def test_tasks_carry_their_samples_as_tables_not_lists(tmp_path):
+    from shardkit.scan import StrTable
+
+    table = _golden_table(tmp_path)
+    plan = plan_pack(
+        str(table),
+        str(tmp_path / "out"),
+        shard_size="4KB",
+        format="tar",
+        shuffle=True,
+        seed=3,
+        validate="none",
+        resize_short=None,
+        on_error="skip",
+    )
+    tasks = plan.tasks(4)
+    scan = plan.scan
+    for task in tasks:
+        a, b = plan.starts[task.first], plan.starts[task.shards.stop]
+        rows = plan.order[a:b].tolist()
+        for mine, whole in ((task.files, scan.files), (task.keys, scan.keys)):
+            assert isinstance(mine, StrTable)
+            assert list(mine) == [whole[i] for i in rows]
+        assert list(task.inline) == [scan.inline[i] for i in rows]
+    assert sum(len(t.order) for t in tasks) == len(plan.order)
