@@ -33,6 +33,7 @@ from itertools import islice
 import numpy as np
 
 from .errors import InputError
+from .extras import require
 from .formats import encode_key
 from .formats.tar import LABEL_EXTS
 from .images.checks import IMAGE_EXTENSIONS
@@ -406,8 +407,10 @@ def check_source_dir(src: str) -> None:
 
 # --- tables: one row per sample ------------------------------------------------------------------
 
-#: File endings read as a table source.
-TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl")
+#: File endings read as a table source (``.parquet`` needs pyarrow: the ``parquet`` extra).
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")
+#: Rows of a Parquet table converted to Python at a time (read a row group's batch at a time).
+PARQUET_BATCH = 4096
 #: Columns naming the image file (the first one present is used), relative to the table's root.
 IMAGE_COLUMNS = ("image", "path", "file", "filename")
 #: Columns holding the caption (stored as field ``txt``); the first one present is used.
@@ -426,10 +429,14 @@ MAX_TABLE_CELL = 64 << 20
 
 
 def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
-    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line).
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line);
+    of a Parquet file, ``(row number from 1, row)``.
 
     UTF-8, with or without a byte-order mark (Excel's "CSV UTF-8" writes one). Whatever the
     text holds, a row that cannot be read is an ``InputError`` naming the table and line."""
+    if path.lower().endswith(".parquet"):
+        yield from _parquet_rows(path)
+        return
     try:
         f = open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
@@ -442,6 +449,27 @@ def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
                 yield from _csv_rows(path, f, "\t" if path.lower().endswith(".tsv") else ",")
         except UnicodeDecodeError as exc:
             raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """The rows of a Parquet file as dicts, ``PARQUET_BATCH`` rows converted at a time (one
+    row group's columns in memory, not the file). A cell JSON cannot hold (bytes, a date) is
+    refused naming the row and column: it would have to go into field ``json``."""
+    require("parquet", f"reading the Parquet table {path!r}")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+        n = 0
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(
+            f"{path}: not a readable Parquet table ({exc}); fix or rewrite it"
+        ) from None
 
 
 def _jsonl_rows(path: str, f) -> Iterator[tuple[int, dict]]:
@@ -512,9 +540,16 @@ class _TableRows:
         self.unlabelled: int | None = None  # line of the first row without a label
 
     def add(self, rel: str, ext: str, fields: dict, name: str | None, line: int) -> None:
+        try:
+            text = json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else ""
+        except TypeError as exc:  # a Parquet cell of bytes, a date ...
+            raise InputError(
+                f"{self.path}:{line}: a cell that JSON cannot hold ({exc}); convert the column "
+                "to text or numbers, or drop it"
+            ) from None
         self.rels.append(rel)
         self.exts.append(ext)
-        self.inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
+        self.inline.append(text)
         for f in fields:
             self.field_counts[f] = self.field_counts.get(f, 0) + 1
         if name is None:
