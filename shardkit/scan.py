@@ -609,21 +609,12 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
     real_base = os.path.realpath(base)
     scan = SourceScan(root=base, classes=[])
     rows = _TableRows(path)
-    image_col = caption_col = None
+    cols: _Columns | None = None
     for line, row in _table_rows(path):
-        if image_col is None:
-            image_col = _column(path, row, IMAGE_COLUMNS)
-            if image_col is None:
-                raise InputError(
-                    f"{path}: no image column; name the column holding the image paths one of "
-                    f"{', '.join(IMAGE_COLUMNS)}"
-                )
-            caption_col = _column(path, row, CAPTION_COLUMNS)
-        rel = row.get(image_col)
+        cols = cols or _Columns.of(path, row, base)
         where = f"{path}:{line}"
-        if not isinstance(rel, str) or not rel or "\0" in rel:
-            why = "a NUL character in the image path" if rel and "\0" in rel else "no image path"
-            scan.errors.append(SkippedFile(where, f"{why} in column {image_col!r}"))
+        rel = cols.image(row, scan, where)
+        if rel is None:
             continue
         rel = _inside(rel, base, real_base, where)
         ext = _image_ext(rel.rsplit("/", 1)[-1])
@@ -632,12 +623,78 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
         elif not os.path.isfile(os.path.join(base, rel)):
             scan.errors.append(SkippedFile(rel, f"{where}: no such image file"))
         else:
-            fields = _row_fields(row, image_col, caption_col)
+            fields = _row_fields(row, cols.image_col, cols.caption_col)
             rows.add(rel, ext, fields, _label_of(row, where), line)
     rows.finish(scan)
     if not len(scan.files) and not scan.errors:
         raise InputError(f"table {path!r} has no rows")
     return scan
+
+
+#: img2dataset's per-shard table: no image column, a ``key`` per row whose image it wrote as
+#: ``<table name>/<key>.<ext>`` beside the table (``--output_format files``), and a ``status``.
+KEY_COLUMN = "key"
+
+
+@dataclass
+class _Columns:
+    """Which columns of a table name the image and hold the caption (its first row decides)."""
+
+    image_col: str | None
+    caption_col: str | None
+    #: img2dataset's layout: the folder of the images named by ``key`` (None: an image column).
+    keyed: str | None = None
+
+    @classmethod
+    def of(cls, path: str, row: dict, base: str) -> _Columns:
+        image_col = _column(path, row, IMAGE_COLUMNS)
+        keyed = None
+        if image_col is None and KEY_COLUMN in row:
+            stem = os.path.basename(path).rsplit(".", 1)[0]
+            keyed = os.path.relpath(
+                os.path.join(os.path.dirname(os.path.abspath(path)), stem), base
+            )
+        elif image_col is None:
+            raise InputError(
+                f"{path}: no image column; name the column holding the image paths one of "
+                f"{', '.join(IMAGE_COLUMNS)} (or give a {KEY_COLUMN!r} column, as img2dataset "
+                "does, with the images in a folder named like the table)"
+            )
+        return cls(image_col, _column(path, row, CAPTION_COLUMNS), keyed)
+
+    def image(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        """The row's image path as written (None: listed in ``scan`` as an error or ignored)."""
+        if self.keyed is not None:
+            return self._keyed(row, scan, where)
+        rel = row.get(self.image_col)
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            why = "a NUL character in the image path" if rel and "\0" in rel else "no image path"
+            scan.errors.append(SkippedFile(where, f"{why} in column {self.image_col!r}"))
+            return None
+        return rel
+
+    def _keyed(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        key, status = row.get(KEY_COLUMN), row.get("status")
+        if not isinstance(key, str) or not key or "\0" in key or "/" in key:
+            scan.errors.append(SkippedFile(where, f"no usable {KEY_COLUMN!r} ({key!r})"))
+            return None
+        stem = f"{self.keyed}/{key}"
+        if status is not None and status != "success":  # a failed download: no image
+            scan.add_non_image(stem, f"{where}: img2dataset status {status!r}, no image")
+            return None
+        base = scan.root
+        return next(
+            (
+                f"{stem}.{e}"
+                for e in _KEYED_EXTS
+                if os.path.isfile(os.path.join(base, f"{stem}.{e}"))
+            ),
+            f"{stem}.jpg",
+        )
+
+
+#: The extensions a keyed image is looked for with, img2dataset's default first.
+_KEYED_EXTS = ("jpg", "png", "webp", "jpeg")
 
 
 def _hashes(strings: Iterable[str], n: int) -> np.ndarray:

@@ -370,3 +370,41 @@ def test_a_parquet_table_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(extras.EXTRAS, "parquet", ("no_such_module_for_this_test",))
     r = CliRunner().invoke(main, ["pack", str(root / "t.parquet"), str(tmp_path / "o")])
     assert r.exit_code != 0 and "pip install 'shardkit[parquet]'" in r.output, r.output
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_an_img2dataset_shard_table_names_its_images_by_key(tmp_path, suffix):
+    # img2dataset --output_format files: 00000.parquet beside 00000/<key>.jpg (+ .txt, .json)
+    out_dir = tmp_path / "laion"
+    (out_dir / "00000").mkdir(parents=True)
+    for k in (0, 1):
+        Image.new("RGB", (8, 6), (90 * k, 0, 0)).save(out_dir / "00000" / f"00000000{k}.jpg")
+        (out_dir / "00000" / f"00000000{k}.txt").write_text(f"caption {k}")
+    cols = {
+        "url": ["http://a/0.jpg", "http://a/1.jpg", "http://a/2.jpg"],
+        "caption": ["caption 0", "caption 1", "caption 2"],
+        "key": ["000000000", "000000001", "000000002"],
+        "status": ["success", "success", "failed_to_download"],
+        "error_message": [None, None, "HTTP 404"],
+    }
+    table = out_dir / f"00000.{suffix}"
+    if suffix == "parquet":
+        _parquet(table, cols)
+    else:
+        table.write_text(
+            "".join(
+                json.dumps(dict(zip(cols, r, strict=True))) + "\n"
+                for r in zip(*cols.values(), strict=True)
+            )
+        )
+    report = pack(str(table), str(tmp_path / "out"), shuffle=False, progress=False)
+    assert report.samples == 2 and report.not_images == 1
+    m = read_manifest(str(tmp_path / "out"))
+    assert [(s.path, "failed_to_download" in s.reason) for s in m.skipped] == [
+        ("00000/000000002", True)
+    ]
+    with tarfile.open(str(tmp_path / "out" / m.shards[0].path)) as tf:
+        members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+    assert members["00000/000000001.txt"] == b"caption 1"
+    assert json.loads(members["00000/000000001.json"])["url"] == "http://a/1.jpg"
+    assert "00000/000000000.cls" not in members  # no label column: no label
