@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -697,9 +698,13 @@ class _Columns:
 _KEYED_EXTS = ("jpg", "png", "webp", "jpeg")
 
 
+def _hash(s: str) -> int:
+    """Python's hash of ``s``: equal strings, equal hashes (rows are compared where they meet)."""
+    return hash(s)
+
+
 def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
-    """Python's hash of each string (equal strings, equal hashes; checked where they meet)."""
-    return np.fromiter((hash(s) for s in strings), dtype=np.int64, count=n)
+    return np.fromiter((_hash(s) for s in strings), dtype=np.int64, count=n)
 
 
 def _meeting(hashes: np.ndarray) -> np.ndarray:
@@ -728,16 +733,15 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
     """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
     row held (only the rows whose stem or key another row shares are compared as strings)."""
     n = len(files)
-    stems = (r[: -len(e) - 1] for r, e in zip(files, exts, strict=True))
     # Files sharing a stem: two spellings of one stem differ only in their extension, so a
     # stem is shared where rows of one stem hash spell their extensions differently.
     spelled: dict[str, int] = {}
-    stem_hashes = _hashes(stems, n)
-    spelling = np.fromiter(
-        (spelled.setdefault(r[-len(e) :], len(spelled)) for r, e in _pairs(files, exts)),
-        dtype=np.int32,
-        count=n,
-    )
+    stem_hashes, spelling = array("q"), array("i")  # 8 and 4 bytes a row, no int objects
+    for r, e in _pairs(files, exts):
+        stem_hashes.append(_hash(r[: -len(e) - 1]))
+        spelling.append(spelled.setdefault(r[-len(e) :], len(spelled)))
+    stem_hashes = np.frombuffer(stem_hashes, dtype=np.int64)
+    spelling = np.frombuffer(spelling, dtype=np.int32)
     shared = np.zeros(0, dtype=np.int64)
     if len(spelled) > 1:
         order = np.argsort(stem_hashes, kind="stable")
@@ -761,12 +765,25 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
             stem = rel[: -len(ext) - 1]
             yield encode_key(rel if stem in long else stem)
 
-    key_hashes = _hashes(natural(), n)
+    hashed = array("q")
+
+    def record(keys: Iterator[str]) -> Iterator[str]:
+        for key in keys:
+            hashed.append(_hash(key))
+            yield key
+
+    keys = StrTable(record(natural()))
+    key_hashes = np.frombuffer(hashed, dtype=np.int64)
     meet = _meeting(key_hashes)
     if not len(meet):
-        return StrTable(natural())
-    # A key met again gets a ~N suffix in row order; if a suffixed key could be another row's
-    # own key (names that end in ~N), the exact sequential rule decides.
+        return keys
+    return _suffixed(files, exts, long, keys, key_hashes, meet)
+
+
+def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTable:
+    """``keys`` with a ~N suffix on each key met again, in row order (``meet``: the rows whose
+    key hash another row shares); if a suffixed key could be another row's own key (names
+    that end in ~N), the exact sequential rule of ``_assign_keys`` decides."""
     fixed, used = {}, set()
     for i in meet.tolist():
         rel, ext = files[i], exts[i]
@@ -780,11 +797,11 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
         if key != base:
             fixed[i] = key
     known = np.sort(key_hashes)
-    made = np.array([hash(k) for k in fixed.values()], dtype=np.int64)
+    made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
     pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
     if (known[pos] == made).any():
         return StrTable(_assign_keys(list(files), list(exts)))
-    return StrTable(fixed.get(i, k) for i, k in enumerate(natural()))
+    return StrTable(fixed.get(i, k) for i, k in enumerate(keys))
 
 
 def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:

@@ -81,8 +81,7 @@ def test_table_keys_and_repeats_equal_the_rules_on_lists(monkeypatch, coarse):
     from shardkit import scan as scan_mod
 
     if coarse:  # every string meets others: each decision falls to the exact comparison
-        real = scan_mod._hashes
-        monkeypatch.setattr(scan_mod, "_hashes", lambda s, n: real(s, n) % 3)
+        monkeypatch.setattr(scan_mod, "_hash", lambda s: hash(s) % 3)
     files, ext_table, exts = _tables(_NAMES)
     assert list(scan_mod._table_keys(files, ext_table)) == scan_mod._assign_keys(_NAMES, exts)
     seen, expected = set(), []
