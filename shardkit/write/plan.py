@@ -87,6 +87,7 @@ __all__ = [
     "JOB_PREFIX",
     "CommitResult",
     "PackPlan",
+    "PlanTasks",
     "ShardReceipt",
     "ShardTask",
     "commit_pack",
@@ -316,13 +317,34 @@ class PackPlan:
         """The whole plan as one task, sharing the scan's tables: ``pack`` on one machine."""
         return self._task(0, self.num_shards, True)
 
-    def tasks(self, shards_per_task: int = 1) -> list[ShardTask]:
-        """Tasks of ``shards_per_task`` consecutive shards each, self-contained for any engine."""
+    def tasks(self, shards_per_task: int = 1) -> Sequence[ShardTask]:
+        """Tasks of ``shards_per_task`` consecutive shards each, self-contained for any engine;
+        each is made when a runner takes it (``PlanTasks``), so the driver holds the plan's
+        arrays and the tasks in flight, not a second copy of every row."""
         k = int(shards_per_task)
         if k < 1:
             raise InputError(f"invalid shards_per_task={shards_per_task!r}; use 1 or more")
-        n = self.num_shards
-        return [self._task(lo, min(lo + k, n), False) for lo in range(0, n, k)]
+        return PlanTasks(self, k)
+
+
+class PlanTasks(Sequence[ShardTask]):
+    """A plan's tasks as a sequence whose items are made on access from the plan's arrays."""
+
+    def __init__(self, plan: PackPlan, per_task: int):
+        self.plan, self.per_task = plan, per_task
+
+    def __len__(self) -> int:
+        return -(-self.plan.num_shards // self.per_task)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        lo = i * self.per_task
+        return self.plan._task(lo, min(lo + self.per_task, self.plan.num_shards), False)
 
 
 # --- plan --------------------------------------------------------------------------------------
