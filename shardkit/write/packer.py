@@ -252,7 +252,8 @@ def pack(
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
-    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``; ``shardkit.scan.scan_table``):
+    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``, ``.parquet`` with the
+    ``parquet`` extra; ``shardkit.scan.scan_table``):
     one row per image, its caption as field ``txt``, other columns as ``json``; image paths are
     relative to ``root`` (default: the table's folder), and nothing outside it is read. Files
     beside a folder's images that share their key (``x.txt``, ``x.json``, ``x.seg.png``) are
