@@ -422,9 +422,10 @@ def pack_cmd(
 ) -> None:
     """Pack the class-per-folder image tree SRC into shards and a manifest in OUT.
 
-    SRC may also be a table (.csv, .tsv, .jsonl) with an image column (image, path, file or
-    filename), optionally a caption (caption, text: field txt) and a label column; other columns
-    go into field json.
+    SRC may also be a table (.csv, .tsv, .jsonl, .parquet with pyarrow) with an image column
+    (image, path, file or filename), optionally a caption (caption, text: field txt) and a label
+    column; other columns go into field json. An img2dataset shard table (a key column, no
+    image column) names its images <table name>/<key>.jpg beside it.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
     Run again with the same files and options, it says OUT is up to date and exits 0, as make

@@ -16,6 +16,7 @@ EXTRAS = {
     "bench": ("matplotlib",),
     "synth": ("skimage", "matplotlib"),
     "ray": ("ray",),
+    "parquet": ("pyarrow",),
 }
 
 _DISTRIBUTIONS = {"skimage": "scikit-image"}

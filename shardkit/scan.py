@@ -26,12 +26,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
 from .errors import InputError
+from .extras import require
 from .formats import encode_key
 from .formats.tar import LABEL_EXTS
 from .images.checks import IMAGE_EXTENSIONS
@@ -47,6 +50,7 @@ __all__ = [
     "check_source_dir",
     "field_files",
     "inline_fields",
+    "repeats",
     "scan_source",
 ]
 
@@ -68,11 +72,13 @@ class StrTable(Sequence[str]):
     """An immutable list of str stored as one uint8 blob and int64 offsets (fork-friendly)."""
 
     def __init__(self, strings: Iterable[str] = ()):
-        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+        # A block of strings is encoded at a time: a table of any length is built holding
+        # its bytes (and one block's objects), not a bytes object per string.
+        grow = _Growing()
+        it = iter(strings)
+        while block := list(islice(it, 1 << 13)):
+            grow.extend(block)
+        self.blob, self.offsets = grow.arrays()
 
     @classmethod
     def concat(cls, tables: Sequence[StrTable]) -> StrTable:
@@ -89,6 +95,18 @@ class StrTable(Sequence[str]):
         out.offsets = np.concatenate(offsets)
         return out
 
+    def take(self, rows: np.ndarray) -> StrTable:
+        """The strings at ``rows`` as a new table, gathered from the arrays (no str made)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts
+        out = StrTable()
+        out.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out.offsets[1:])
+        shift = np.repeat(starts - out.offsets[:-1], lengths)
+        out.blob = self.blob[np.arange(int(out.offsets[-1]), dtype=np.int64) + shift]
+        return out
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -103,7 +121,14 @@ class StrTable(Sequence[str]):
         return raw.decode("utf-8", "surrogateescape")
 
     def __iter__(self) -> Iterator[str]:
-        return (self[i] for i in range(len(self)))
+        """Each string in order, decoded a block of the blob at a time (fast, bounded)."""
+        offsets, step = self.offsets, 1 << 14
+        for a in range(0, len(self), step):
+            cuts = offsets[a : a + step + 1]
+            raw = self.blob[cuts[0] : cuts[-1]].tobytes()
+            cuts = (cuts - cuts[0]).tolist()
+            for x, y in zip(cuts[:-1], cuts[1:], strict=True):
+                yield raw[x:y].decode("utf-8", "surrogateescape")
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StrTable):
@@ -118,6 +143,35 @@ class StrTable(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"StrTable({len(self)} strings, {self.blob.nbytes} bytes)"
+
+
+class _Growing:
+    """A ``StrTable`` being filled a block at a time: one bytearray (grown in place, so a long
+    table is not copied from parts at the end) and each block's lengths."""
+
+    def __init__(self):
+        self.blob = bytearray()
+        self.lengths: list[np.ndarray] = []
+
+    def extend(self, strings: Sequence[str]) -> None:
+        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
+        self.lengths.append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+        self.blob += b"".join(encoded)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob, offsets)``; the blob is a view of the bytearray, not a copy."""
+        n = sum(len(x) for x in self.lengths)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        if n:
+            np.cumsum(np.concatenate(self.lengths), out=offsets[1:])
+        self.lengths = []
+        blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
+        return blob, offsets
+
+    def table(self) -> StrTable:
+        out = StrTable()
+        out.blob, out.offsets = self.arrays()
+        return out
 
 
 @dataclass
@@ -354,8 +408,10 @@ def check_source_dir(src: str) -> None:
 
 # --- tables: one row per sample ------------------------------------------------------------------
 
-#: File endings read as a table source.
-TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl")
+#: File endings read as a table source (``.parquet`` needs pyarrow: the ``parquet`` extra).
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")
+#: Rows of a Parquet table converted to Python at a time (read a row group's batch at a time).
+PARQUET_BATCH = 4096
 #: Columns naming the image file (the first one present is used), relative to the table's root.
 IMAGE_COLUMNS = ("image", "path", "file", "filename")
 #: Columns holding the caption (stored as field ``txt``); the first one present is used.
@@ -374,10 +430,14 @@ MAX_TABLE_CELL = 64 << 20
 
 
 def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
-    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line).
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line);
+    of a Parquet file, ``(row number from 1, row)``.
 
     UTF-8, with or without a byte-order mark (Excel's "CSV UTF-8" writes one). Whatever the
     text holds, a row that cannot be read is an ``InputError`` naming the table and line."""
+    if path.lower().endswith(".parquet"):
+        yield from _parquet_rows(path)
+        return
     try:
         f = open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
@@ -390,6 +450,27 @@ def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
                 yield from _csv_rows(path, f, "\t" if path.lower().endswith(".tsv") else ",")
         except UnicodeDecodeError as exc:
             raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """The rows of a Parquet file as dicts, ``PARQUET_BATCH`` rows converted at a time (one
+    row group's columns in memory, not the file). A cell JSON cannot hold (bytes, a date) is
+    refused naming the row and column: it would have to go into field ``json``."""
+    require("parquet", f"reading the Parquet table {path!r}")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+        n = 0
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(
+            f"{path}: not a readable Parquet table ({exc}); fix or rewrite it"
+        ) from None
 
 
 def _jsonl_rows(path: str, f) -> Iterator[tuple[int, dict]]:
@@ -439,6 +520,77 @@ def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
     return next((c for c in names if c in row), None)
 
 
+#: Rows of a table turned into numpy tables at a time: a row's Python objects (its cells, path,
+#: fields) live for one chunk only, so scanning a table of any length holds ~its text in arrays.
+TABLE_CHUNK = 1 << 13
+
+
+class _TableRows:
+    """A table's accepted rows, gathered ``TABLE_CHUNK`` at a time into growing tables."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rels: list[str] = []
+        self.exts: list[str] = []
+        self.inline: list[str] = []
+        self.codes: list[int] = []  # label name -> its number in order of first appearance
+        self.tables = {"files": _Growing(), "exts": _Growing(), "inline": _Growing()}
+        self.code_parts: list[np.ndarray] = []
+        self.names: dict[str, int] = {}
+        self.field_counts: dict[str, int] = {}
+        self.unlabelled: int | None = None  # line of the first row without a label
+
+    def add(self, rel: str, ext: str, fields: dict, name: str | None, line: int) -> None:
+        try:
+            text = json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else ""
+        except TypeError as exc:  # a Parquet cell of bytes, a date ...
+            raise InputError(
+                f"{self.path}:{line}: a cell that JSON cannot hold ({exc}); convert the column "
+                "to text or numbers, or drop it"
+            ) from None
+        self.rels.append(rel)
+        self.exts.append(ext)
+        self.inline.append(text)
+        for f in fields:
+            self.field_counts[f] = self.field_counts.get(f, 0) + 1
+        if name is None:
+            self.codes.append(-1)
+            if self.unlabelled is None:
+                self.unlabelled = line
+        else:
+            self.codes.append(self.names.setdefault(name, len(self.names)))
+        if len(self.rels) >= TABLE_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, rows in (("files", self.rels), ("exts", self.exts), ("inline", self.inline)):
+            self.tables[name].extend(rows)
+            rows.clear()
+        self.code_parts.append(np.array(self.codes, dtype=np.int64))
+        self.codes.clear()
+
+    def finish(self, scan: SourceScan) -> None:
+        """Fill ``scan``: files, exts, fields, sorted classes and labels, keys."""
+        self.flush()
+        if self.names and self.unlabelled is not None:
+            raise InputError(
+                f"{self.path}:{self.unlabelled}: no {LABEL_COLUMN!r}; give every row a label "
+                "or none"
+            )
+        scan.files, scan.exts, scan.inline = (
+            self.tables.pop(k).table() for k in ("files", "exts", "inline")
+        )
+        scan.classes = sorted(self.names)
+        rank = np.zeros(len(self.names) + 1, dtype=np.int64)
+        rank[-1] = -1  # code -1 (no label) reads the last entry
+        for label, name in enumerate(scan.classes):
+            rank[self.names[name]] = label
+        codes, self.code_parts = self.code_parts, []
+        scan.labels = rank[np.concatenate(codes)] if codes else np.zeros(0, dtype=np.int64)
+        scan.field_counts = dict(sorted(self.field_counts.items()))
+        scan.keys = _table_keys(scan.files, scan.exts)
+
+
 def scan_table(path: str, root: str | None = None) -> SourceScan:
     """List the samples of a table: one row each, in row order.
 
@@ -448,7 +600,8 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
     into field ``json`` as an object. Nothing is read outside ``root``: a path that is absolute,
     climbs out with ``..`` or resolves (through a symbolic link) outside it is refused, naming
     the row; pass a wider ``root`` to allow it. A row naming a missing or non-image file is
-    listed in ``errors`` (pack's ``on_error`` decides).
+    listed in ``errors`` (pack's ``on_error`` decides). Rows stream through in chunks into
+    numpy tables (``TABLE_CHUNK``): no Python object per row outlives its chunk.
     """
     table = os.path.abspath(path)
     base = os.path.abspath(root) if root is not None else os.path.dirname(table)
@@ -456,51 +609,203 @@ def scan_table(path: str, root: str | None = None) -> SourceScan:
         raise InputError(f"root {base!r} of table {path!r} is not a directory")
     real_base = os.path.realpath(base)
     scan = SourceScan(root=base, classes=[])
-    rels, exts, inline, names, lines = [], [], [], [], []
-    image_col = caption_col = None
+    rows = _TableRows(path)
+    cols: _Columns | None = None
     for line, row in _table_rows(path):
-        if image_col is None:
-            image_col = _column(path, row, IMAGE_COLUMNS)
-            if image_col is None:
-                raise InputError(
-                    f"{path}: no image column; name the column holding the image paths one of "
-                    f"{', '.join(IMAGE_COLUMNS)}"
-                )
-            caption_col = _column(path, row, CAPTION_COLUMNS)
-        rel = row.get(image_col)
+        cols = cols or _Columns.of(path, row, base)
         where = f"{path}:{line}"
-        if not isinstance(rel, str) or not rel or "\0" in rel:
-            why = "a NUL character in the image path" if rel and "\0" in rel else "no image path"
-            scan.errors.append(SkippedFile(where, f"{why} in column {image_col!r}"))
+        rel = cols.image(row, scan, where)
+        if rel is None:
             continue
         rel = _inside(rel, base, real_base, where)
         ext = _image_ext(rel.rsplit("/", 1)[-1])
-        full = os.path.join(base, rel)
         if ext is None:
             scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
-        elif not os.path.isfile(full):
+        elif not os.path.isfile(os.path.join(base, rel)):
             scan.errors.append(SkippedFile(rel, f"{where}: no such image file"))
         else:
-            fields = _row_fields(row, image_col, caption_col)
-            rels.append(rel)
-            exts.append(ext)
-            inline.append(json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else "")
-            names.append(_label_of(row, where))
-            lines.append(line)
-    named = [n for n in names if n is not None]
-    if named and len(named) != len(names):
-        first = lines[names.index(None)]
-        raise InputError(f"{path}:{first}: no {LABEL_COLUMN!r}; give every row a label or none")
-    scan.classes = sorted(set(named))
-    index = {c: i for i, c in enumerate(scan.classes)}
-    scan.files, scan.exts = StrTable(rels), StrTable(exts)
-    scan.keys = StrTable(_assign_keys(rels, exts))
-    scan.inline = StrTable(inline)
-    scan.labels = np.array([index[n] if n is not None else -1 for n in names], dtype=np.int64)
-    _count_fields(scan, (json.loads(t) if t else () for t in inline))
-    if not rels and not scan.errors:
+            fields = _row_fields(row, cols.image_col, cols.caption_col)
+            rows.add(rel, ext, fields, _label_of(row, where), line)
+    rows.finish(scan)
+    if not len(scan.files) and not scan.errors:
         raise InputError(f"table {path!r} has no rows")
     return scan
+
+
+#: img2dataset's per-shard table: no image column, a ``key`` per row whose image it wrote as
+#: ``<table name>/<key>.<ext>`` beside the table (``--output_format files``), and a ``status``.
+KEY_COLUMN = "key"
+
+
+@dataclass
+class _Columns:
+    """Which columns of a table name the image and hold the caption (its first row decides)."""
+
+    image_col: str | None
+    caption_col: str | None
+    #: img2dataset's layout: the folder of the images named by ``key`` (None: an image column).
+    keyed: str | None = None
+
+    @classmethod
+    def of(cls, path: str, row: dict, base: str) -> _Columns:
+        image_col = _column(path, row, IMAGE_COLUMNS)
+        keyed = None
+        if image_col is None and KEY_COLUMN in row:
+            stem = os.path.basename(path).rsplit(".", 1)[0]
+            keyed = os.path.relpath(
+                os.path.join(os.path.dirname(os.path.abspath(path)), stem), base
+            )
+        elif image_col is None:
+            raise InputError(
+                f"{path}: no image column; name the column holding the image paths one of "
+                f"{', '.join(IMAGE_COLUMNS)} (or give a {KEY_COLUMN!r} column, as img2dataset "
+                "does, with the images in a folder named like the table)"
+            )
+        return cls(image_col, _column(path, row, CAPTION_COLUMNS), keyed)
+
+    def image(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        """The row's image path as written (None: listed in ``scan`` as an error or ignored)."""
+        if self.keyed is not None:
+            return self._keyed(row, scan, where)
+        rel = row.get(self.image_col)
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            why = "a NUL character in the image path" if rel and "\0" in rel else "no image path"
+            scan.errors.append(SkippedFile(where, f"{why} in column {self.image_col!r}"))
+            return None
+        return rel
+
+    def _keyed(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        key, status = row.get(KEY_COLUMN), row.get("status")
+        if not isinstance(key, str) or not key or "\0" in key or "/" in key:
+            scan.errors.append(SkippedFile(where, f"no usable {KEY_COLUMN!r} ({key!r})"))
+            return None
+        stem = f"{self.keyed}/{key}"
+        if status is not None and status != "success":  # a failed download: no image
+            scan.add_non_image(stem, f"{where}: img2dataset status {status!r}, no image")
+            return None
+        base = scan.root
+        return next(
+            (
+                f"{stem}.{e}"
+                for e in _KEYED_EXTS
+                if os.path.isfile(os.path.join(base, f"{stem}.{e}"))
+            ),
+            f"{stem}.jpg",
+        )
+
+
+#: The extensions a keyed image is looked for with, img2dataset's default first.
+_KEYED_EXTS = ("jpg", "png", "webp", "jpeg")
+
+
+def _hash(s: str) -> int:
+    """Python's hash of ``s``: equal strings, equal hashes (rows are compared where they meet)."""
+    return hash(s)
+
+
+def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
+    return np.fromiter((_hash(s) for s in strings), dtype=np.int64, count=n)
+
+
+def _meeting(hashes: np.ndarray) -> np.ndarray:
+    """The rows whose hash some other row shares, in row order: the only rows that may hold
+    a string another row holds (the few others a collision brings are compared exactly)."""
+    order = np.argsort(hashes, kind="stable")
+    same = hashes[order[1:]] == hashes[order[:-1]]
+    mark = np.zeros(len(hashes), dtype=bool)
+    mark[1:] |= same
+    mark[:-1] |= same
+    return np.sort(order[mark])
+
+
+def repeats(table: StrTable) -> np.ndarray:
+    """Per row of ``table``: whether an earlier row holds the same string (a bool array)."""
+    again = np.zeros(len(table), dtype=bool)
+    seen: set[str] = set()
+    for i in _meeting(_hashes(table, len(table))).tolist():
+        s = table[i]
+        again[i] = s in seen
+        seen.add(s)
+    return again
+
+
+def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
+    """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
+    row held (only the rows whose stem or key another row shares are compared as strings)."""
+    n = len(files)
+    # Files sharing a stem: two spellings of one stem differ only in their extension, so a
+    # stem is shared where rows of one stem hash spell their extensions differently.
+    spelled: dict[str, int] = {}
+    stem_hashes, spelling = array("q"), array("i")  # 8 and 4 bytes a row, no int objects
+    for r, e in _pairs(files, exts):
+        stem_hashes.append(_hash(r[: -len(e) - 1]))
+        spelling.append(spelled.setdefault(r[-len(e) :], len(spelled)))
+    stem_hashes = np.frombuffer(stem_hashes, dtype=np.int64)
+    spelling = np.frombuffer(spelling, dtype=np.int32)
+    shared = np.zeros(0, dtype=np.int64)
+    if len(spelled) > 1:
+        order = np.argsort(stem_hashes, kind="stable")
+        ordered = stem_hashes[order]
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        runs = np.flatnonzero(starts)
+        by_run = spelling[order]
+        mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
+        shared = np.sort(order[mixed[np.cumsum(starts) - 1]])
+        del order, ordered, starts, by_run
+    del stem_hashes, spelling
+    by_stem: dict[str, set[str]] = {}
+    for i in shared.tolist():
+        rel, ext = files[i], exts[i]
+        by_stem.setdefault(rel[: -len(ext) - 1], set()).add(rel)
+    long = {s for s, rels in by_stem.items() if len(rels) > 1}  # keyed with their extension
+
+    def natural() -> Iterator[str]:
+        for rel, ext in _pairs(files, exts):
+            stem = rel[: -len(ext) - 1]
+            yield encode_key(rel if stem in long else stem)
+
+    hashed = array("q")
+
+    def record(keys: Iterator[str]) -> Iterator[str]:
+        for key in keys:
+            hashed.append(_hash(key))
+            yield key
+
+    keys = StrTable(record(natural()))
+    key_hashes = np.frombuffer(hashed, dtype=np.int64)
+    meet = _meeting(key_hashes)
+    if not len(meet):
+        return keys
+    return _suffixed(files, exts, long, keys, key_hashes, meet)
+
+
+def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTable:
+    """``keys`` with a ~N suffix on each key met again, in row order (``meet``: the rows whose
+    key hash another row shares); if a suffixed key could be another row's own key (names
+    that end in ~N), the exact sequential rule of ``_assign_keys`` decides."""
+    fixed, used = {}, set()
+    for i in meet.tolist():
+        rel, ext = files[i], exts[i]
+        stem = rel[: -len(ext) - 1]
+        key = base = encode_key(rel if stem in long else stem)
+        k = 1
+        while key in used:
+            k += 1
+            key = f"{base}~{k}"
+        used.add(key)
+        if key != base:
+            fixed[i] = key
+    known = np.sort(key_hashes)
+    made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
+    if (known[pos] == made).any():
+        return StrTable(_assign_keys(list(files), list(exts)))
+    return StrTable(fixed.get(i, k) for i, k in enumerate(keys))
+
+
+def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:
+    return zip(files, exts, strict=True)
 
 
 def _label_of(row: dict, where: str) -> str | None:

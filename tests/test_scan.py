@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from PIL import Image
 
 from shardkit import FolderDataset
@@ -58,3 +59,33 @@ def test_an_image_outside_any_class_folder_is_called_a_stray_image(tmp_path):
         "lost.jpg": "stray image, not in a class folder (SRC/<class>/<image>)",
         "README": "not in a class folder",
     }
+
+
+# --- a table's keys and repeated rows from hashes: the rules of the per-row lists, exactly -------
+
+_NAMES = [
+    "a.jpg", "a.png", "a~2.jpg", "b.jpg", "b~2.jpg", "b.jpg", "a.jpg", "x/y.jpg", "x/y.JPG",
+    "x/y.jpeg", "p%2Eq.jpg", "p.q.jpg", "c.jpg", "b~2.jpg", "ü.jpg", "ü.png", "d.jpg",
+]  # fmt: skip
+
+
+def _tables(names):
+    from shardkit.scan import StrTable
+
+    exts = [n.rsplit(".", 1)[1].lower() for n in names]
+    return StrTable(names), StrTable(exts), exts
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_table_keys_and_repeats_equal_the_rules_on_lists(monkeypatch, coarse):
+    from shardkit import scan as scan_mod
+
+    if coarse:  # every string meets others: each decision falls to the exact comparison
+        monkeypatch.setattr(scan_mod, "_hash", lambda s: hash(s) % 3)
+    files, ext_table, exts = _tables(_NAMES)
+    assert list(scan_mod._table_keys(files, ext_table)) == scan_mod._assign_keys(_NAMES, exts)
+    seen, expected = set(), []
+    for name in _NAMES:
+        expected.append(name in seen)
+        seen.add(name)
+    assert scan_mod.repeats(files).tolist() == expected

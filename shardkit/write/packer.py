@@ -57,6 +57,7 @@ from .read import (
     PackWarning,
     check_sample,
     field_stats,
+    file_stats,
     fingerprint,
     ordered_map,
     pack_options,
@@ -188,10 +189,7 @@ def _already_packed(
         ):
             return None
         scan = scan_source(src, progress=progress, root=options.get("root"))
-        root = os.path.abspath(scan.root)
-        stats = np.array(
-            [stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64
-        ).reshape(-1, 2)
+        stats = file_stats(os.path.abspath(scan.root), scan.files)
         if fingerprint(scan, stats, options, field_stats(scan)) not in recorded:
             return None
     return PackReport(
@@ -254,7 +252,8 @@ def pack(
 ) -> PackReport:
     """Pack ``src`` into shards in ``out``; see the module docstring.
 
-    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``; ``shardkit.scan.scan_table``):
+    ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``, ``.parquet`` with the
+    ``parquet`` extra; ``shardkit.scan.scan_table``):
     one row per image, its caption as field ``txt``, other columns as ``json``; image paths are
     relative to ``root`` (default: the table's folder), and nothing outside it is read. Files
     beside a folder's images that share their key (``x.txt``, ``x.json``, ``x.seg.png``) are

@@ -59,6 +59,7 @@ from ..scan import (
     field_files,
     inline_fields,
     is_table,
+    repeats,
     scan_source,
 )
 from .read import (
@@ -69,6 +70,7 @@ from .read import (
     PackWarning,
     check_sample,
     field_stats,
+    file_stats,
     fingerprint,
     ordered_map,
     pack_options,
@@ -86,6 +88,7 @@ __all__ = [
     "JOB_PREFIX",
     "CommitResult",
     "PackPlan",
+    "PlanTasks",
     "ShardReceipt",
     "ShardTask",
     "commit_pack",
@@ -150,7 +153,8 @@ class ShardTask:
 
     Shard ``first + k`` holds the samples ``order[starts[k]:starts[k + 1]]``, each an index into
     ``files``/``keys``/``exts``/``labels``. The task of a whole plan shares the scan's tables;
-    a task sent to another process carries only its own samples.
+    a task sent to another process carries only its own samples, as ``StrTable``s (arrays:
+    a plan of many tasks holds no Python string per sample, and pickles small).
     """
 
     job: str
@@ -286,12 +290,10 @@ class PackPlan:
             order, files, keys, exts = self.order, scan.files, scan.keys, scan.exts
             labels = self._labels(None)
         else:
-            pos = self.order[a:b].tolist()
-            files = [scan.files[i] for i in pos]
-            keys = [scan.keys[i] for i in pos]
-            exts = [scan.exts[i] for i in pos]
-            sidecars = [sidecars[i] for i in pos] if len(sidecars) else ()
-            inline = [inline[i] for i in pos] if len(inline) else ()
+            pos = self.order[a:b]  # a task's own rows, as tables: no str per sample
+            files, keys, exts = (t.take(pos) for t in (scan.files, scan.keys, scan.exts))
+            sidecars = sidecars.take(pos) if len(sidecars) else ()
+            inline = inline.take(pos) if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
         return ShardTask(
@@ -316,13 +318,34 @@ class PackPlan:
         """The whole plan as one task, sharing the scan's tables: ``pack`` on one machine."""
         return self._task(0, self.num_shards, True)
 
-    def tasks(self, shards_per_task: int = 1) -> list[ShardTask]:
-        """Tasks of ``shards_per_task`` consecutive shards each, self-contained for any engine."""
+    def tasks(self, shards_per_task: int = 1) -> Sequence[ShardTask]:
+        """Tasks of ``shards_per_task`` consecutive shards each, self-contained for any engine;
+        each is made when a runner takes it (``PlanTasks``), so the driver holds the plan's
+        arrays and the tasks in flight, not a second copy of every row."""
         k = int(shards_per_task)
         if k < 1:
             raise InputError(f"invalid shards_per_task={shards_per_task!r}; use 1 or more")
-        n = self.num_shards
-        return [self._task(lo, min(lo + k, n), False) for lo in range(0, n, k)]
+        return PlanTasks(self, k)
+
+
+class PlanTasks(Sequence[ShardTask]):
+    """A plan's tasks as a sequence whose items are made on access from the plan's arrays."""
+
+    def __init__(self, plan: PackPlan, per_task: int):
+        self.plan, self.per_task = plan, per_task
+
+    def __len__(self) -> int:
+        return -(-self.plan.num_shards // self.per_task)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        lo = i * self.per_task
+        return self.plan._task(lo, min(lo + self.per_task, self.plan.num_shards), False)
 
 
 # --- plan --------------------------------------------------------------------------------------
@@ -381,9 +404,7 @@ def plan_pack(
             f"source {src}: none of its {len(scan.errors)} images could be packed "
             f"(first: {first.path}: {first.reason}); see validate= and on_error="
         )
-    root = os.path.abspath(scan.root)
-    stats = np.array([stat_pair(os.path.join(root, f)) for f in scan.files], dtype=np.int64)
-    stats = stats.reshape(-1, 2)
+    stats = file_stats(os.path.abspath(scan.root), scan.files)
     side = field_stats(scan)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     repeated, already, dropped = [], 0, None
@@ -421,16 +442,10 @@ def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
     A table may list one image on several rows; packing each would store it under several
     keys, which a split by key could place on both sides (train and val): the first row wins.
     """
-    dropped = np.zeros(len(scan.files), dtype=bool)
-    repeated: list[SkippedFile] = []
-    if is_table(src):  # a folder lists each file once; a table's rows may repeat one
-        seen: set[str] = set()
-        for i, rel in enumerate(scan.files):
-            if rel in seen:
-                dropped[i] = True
-                why = f"{src}: listed on more than one row; packed once, from its first row"
-                repeated.append(SkippedFile(rel, why + " (allow_duplicates=True keeps each)"))
-            seen.add(rel)
+    dropped = repeats(scan.files) if is_table(src) else np.zeros(len(scan.files), dtype=bool)
+    why = f"{src}: listed on more than one row; packed once, from its first row"
+    why += " (allow_duplicates=True keeps each)"
+    repeated = [SkippedFile(scan.files[i], why) for i in np.flatnonzero(dropped).tolist()]
     already = 0
     if existing:
         for i, key in enumerate(scan.keys):
@@ -440,46 +455,57 @@ def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
     return repeated, already, dropped if dropped.any() else None
 
 
+#: Samples the planner handles at a time (their sizes as Python ints, their fields' sizes).
+PLAN_BLOCK = 1 << 16
+
+
 def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int, side=None):
     """Shard starts in ``order``: a shard closes when the next sample would pass ``limit``
     (a sample bigger than ``limit`` gets a shard of its own), as ``ShardWriter`` rolls; fields
-    count with their names and sizes (``side``: ``field_stats``)."""
-    extras = _field_sizes(scan, side or {})
+    count with their names and sizes (``side``: ``field_stats``). ``PLAN_BLOCK`` samples at a
+    time: only one block's sizes are ever Python objects."""
     new = get_format(fmt).sizer
-    klen = np.diff(scan.keys.offsets)[order].tolist()
-    elen = np.diff(scan.exts.offsets)[order].tolist()
-    nbytes = np.maximum(sizes[order], 0).tolist()
+    key_lens, ext_lens = np.diff(scan.keys.offsets), np.diff(scan.exts.offsets)
     starts, sizer, single = [0], new(), 0
-    for j, (k, e, b) in enumerate(zip(klen, elen, nbytes, strict=True)):
-        extra = extras.get(int(order[j]), ()) if extras else ()
-        if sizer.samples and sizer.projected_size(k, e, b, extra) > limit:
-            single = single + 1 if sizer.samples == 1 else 0
-            if single == 2:
-                warnings.warn(
-                    f"shard_size={limit} bytes holds one sample per shard (the last one closed "
-                    f"at one sample when the next, {b} bytes, did not fit): every sample "
-                    "becomes its own shard; use a shard size of at least ~100 samples, e.g. 64MB",
-                    ShardSizeWarning,
-                    stacklevel=5,  # the caller of pack()
-                )
-            starts.append(j)
-            sizer = new()
-        sizer.add(k, e, b, extra)
+    for lo in range(0, len(order), PLAN_BLOCK):
+        block = order[lo : lo + PLAN_BLOCK]
+        extras = _field_sizes(scan, side or {}, block.tolist())
+        klen, elen = key_lens[block].tolist(), ext_lens[block].tolist()
+        nbytes = np.maximum(sizes[block], 0).tolist()
+        for j, (k, e, b, extra) in enumerate(zip(klen, elen, nbytes, extras, strict=True)):
+            if sizer.samples and sizer.projected_size(k, e, b, extra) > limit:
+                single = single + 1 if sizer.samples == 1 else 0
+                if single == 2:
+                    warnings.warn(
+                        f"shard_size={limit} bytes holds one sample per shard (the last one "
+                        f"closed at one sample when the next, {b} bytes, did not fit): every "
+                        "sample becomes its own shard; use a shard size of at least ~100 "
+                        "samples, e.g. 64MB",
+                        ShardSizeWarning,
+                        stacklevel=5,  # the caller of pack()
+                    )
+                starts.append(lo + j)
+                sizer = new()
+            sizer.add(k, e, b, extra)
     starts.append(len(order))
     return np.array(starts, dtype=np.int64)
 
 
-def _field_sizes(scan: SourceScan, side: dict) -> dict[int, list[tuple[int, int]]]:
-    """Per sample with fields: ``(name bytes, value bytes)`` of each, as they will be stored."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for i, stats in side.items():
-        names = [n for n, _ in scan.fields_of(i)]
-        out[i] = [(len(n), max(st[0], 0)) for n, st in zip(names, stats, strict=True)]
-    if scan.inline.blob.size:
-        for i in range(len(scan.files)):
-            row = scan.inline_fields(i)
-            if row:
-                out.setdefault(i, []).extend((len(n), len(v)) for n, v in row.items())
+def _field_sizes(scan: SourceScan, side: dict, rows: list[int]) -> list:
+    """Per sample of ``rows``: ``(name bytes, value bytes)`` of each of its fields, as they will
+    be stored (``()``: none)."""
+    inline = bool(scan.inline.blob.size)
+    if not side and not inline:
+        return [()] * len(rows)
+    out = []
+    for i in rows:
+        sizes = []
+        if i in side:
+            names = [n for n, _ in scan.fields_of(i)]
+            sizes = [(len(n), max(st[0], 0)) for n, st in zip(names, side[i], strict=True)]
+        if inline:
+            sizes += [(len(n), len(v)) for n, v in scan.inline_fields(i).items()]
+        out.append(sizes or ())
     return out
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "READ_BATCH",
     "Loaded",
     "field_stats",
+    "file_stats",
     "fingerprint",
     "pack_options",
     "read_fields",
@@ -191,6 +192,27 @@ def stat_pair(path: str) -> tuple[int, int]:
     return (st.st_size, st.st_mtime_ns)
 
 
+#: Files ``stat``-ed per block: the tuples of one block live at a time.
+STAT_BLOCK = 1 << 14
+
+
+def file_stats(root: str, files) -> np.ndarray:
+    """``(size, mtime_ns)`` of each of ``files`` under ``root`` (``stat_pair``), an (n, 2) int64
+    array filled a block at a time: no Python tuple per file outlives its block."""
+    out = np.empty((len(files), 2), dtype=np.int64)
+    block: list[tuple[int, int]] = []
+    at = 0
+    for rel in files:
+        block.append(stat_pair(os.path.join(root, rel)))
+        if len(block) == STAT_BLOCK:
+            out[at : at + len(block)] = block
+            at += len(block)
+            block.clear()
+    if block:
+        out[at : at + len(block)] = block
+    return out
+
+
 def pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error) -> dict:
     """The options that decide a pack's bytes (not ``workers``: threads give the same bytes)."""
     return {
@@ -220,19 +242,24 @@ def fingerprint(
         "non_image_exts": dict(sorted(scan.non_image_exts.items())),
     }
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
-    h.update(scan.files.offsets.astype("<i8").tobytes())
-    h.update(scan.files.blob.tobytes())
-    h.update(np.ascontiguousarray(stats, dtype="<i8").tobytes())
+    parts = [scan.files.offsets, scan.files.blob, stats]
     if len(scan.inline):  # a table (one entry per row): its captions, columns and labels
-        h.update(scan.inline.offsets.astype("<i8").tobytes())
-        h.update(scan.inline.blob.tobytes())
-        h.update(np.ascontiguousarray(scan.labels, dtype="<i8").tobytes())
+        parts += [scan.inline.offsets, scan.inline.blob, scan.labels]
+    for part in parts:  # hashed in place: no copy of a table's text
+        h.update(_le_bytes(part))
     if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
-        h.update(scan.sidecars.offsets.astype("<i8").tobytes())
-        h.update(scan.sidecars.blob.tobytes())
+        h.update(_le_bytes(scan.sidecars.offsets))
+        h.update(_le_bytes(scan.sidecars.blob))
         for i in range(len(scan.files)):
             h.update(np.asarray(side_stats.get(i, ()), dtype="<i8").tobytes())
     return "sha256:" + h.hexdigest()
+
+
+def _le_bytes(a: np.ndarray) -> memoryview:
+    """The bytes of ``a`` as little-endian int64 (uint8 stays bytes), without a copy where the
+    array already is that."""
+    a = np.ascontiguousarray(a, dtype=np.uint8 if a.dtype == np.uint8 else "<i8")
+    return memoryview(a).cast("B")
 
 
 def field_stats(scan: SourceScan) -> dict[int, list[tuple[int, int]]]:

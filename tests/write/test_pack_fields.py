@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -315,3 +316,95 @@ def test_table_rows_that_cannot_be_packed_are_one_line_naming_file_and_line(
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert re.search(message, r.output), r.output
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def _parquet(path, columns, row_group_size=None):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table(columns), str(path), row_group_size=row_group_size)
+
+
+def test_a_parquet_table_packs_to_the_bytes_of_the_same_csv(tmp_path, monkeypatch):
+    root = _table_set(tmp_path / "set")
+    rows = [("img/p0.jpg", "a red square", "cat", "x"), ("img/p2.jpg", "bright", "dog", "y")]
+    rows += [("img/p1.jpg", 'q, "x"', "cat", "z"), ("img/p0.jpg", "again", "dog", "w")]
+    with open(root / "t.csv", "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("image", "caption", "label", "src"), *rows])
+    names = ("image", "caption", "label", "src")
+    cols = {name: [r[k] for r in rows] for k, name in enumerate(names)}
+    _parquet(root / "t.parquet", cols, row_group_size=1)
+    monkeypatch.setattr(scan, "PARQUET_BATCH", 1)  # a batch per row: the rows stream through
+    with pytest.warns(UserWarning, match="listed again"):
+        from_csv = pack(str(root / "t.csv"), str(tmp_path / "a"), shuffle=False, progress=False)
+    with pytest.warns(UserWarning, match="listed again"):
+        from_pq = pack(str(root / "t.parquet"), str(tmp_path / "b"), shuffle=False, progress=False)
+    assert from_csv.samples == from_pq.samples == 3
+    shards = [read_manifest(str(tmp_path / d)).shards for d in "ab"]
+    for a, b in zip(*shards, strict=True):
+        assert (tmp_path / "a" / a.path).read_bytes() == (tmp_path / "b" / b.path).read_bytes()
+    assert pack(str(root / "t.parquet"), str(tmp_path / "b"), shuffle=False).up_to_date
+
+
+def test_parquet_cells_json_cannot_hold_and_unreadable_files_are_one_line(tmp_path):
+    import datetime
+
+    root = _table_set(tmp_path / "set")
+    when = [datetime.date(2020, 1, 1)] * 2
+    _parquet(root / "dated.parquet", {"image": ["img/p0.jpg", "img/p1.jpg"], "when": when})
+    (root / "junk.parquet").write_bytes(b"not parquet at all")
+    for name, message in [
+        ("dated.parquet", r"dated\.parquet:1: a cell that JSON cannot hold \(.*date"),
+        ("junk.parquet", r"junk\.parquet: not a readable Parquet table"),
+    ]:
+        r = CliRunner().invoke(main, ["pack", str(root / name), str(tmp_path / "o")])
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert re.search(message, r.output), r.output
+        assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_a_parquet_table_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    from shardkit import extras
+
+    root = _table_set(tmp_path / "set")
+    (root / "t.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(extras.EXTRAS, "parquet", ("no_such_module_for_this_test",))
+    r = CliRunner().invoke(main, ["pack", str(root / "t.parquet"), str(tmp_path / "o")])
+    assert r.exit_code != 0 and "pip install 'shardkit[parquet]'" in r.output, r.output
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_an_img2dataset_shard_table_names_its_images_by_key(tmp_path, suffix):
+    # img2dataset --output_format files: 00000.parquet beside 00000/<key>.jpg (+ .txt, .json)
+    out_dir = tmp_path / "laion"
+    (out_dir / "00000").mkdir(parents=True)
+    for k in (0, 1):
+        Image.new("RGB", (8, 6), (90 * k, 0, 0)).save(out_dir / "00000" / f"00000000{k}.jpg")
+        (out_dir / "00000" / f"00000000{k}.txt").write_text(f"caption {k}")
+    cols = {
+        "url": ["http://a/0.jpg", "http://a/1.jpg", "http://a/2.jpg"],
+        "caption": ["caption 0", "caption 1", "caption 2"],
+        "key": ["000000000", "000000001", "000000002"],
+        "status": ["success", "success", "failed_to_download"],
+        "error_message": [None, None, "HTTP 404"],
+    }
+    table = out_dir / f"00000.{suffix}"
+    if suffix == "parquet":
+        _parquet(table, cols)
+    else:
+        table.write_text(
+            "".join(
+                json.dumps(dict(zip(cols, r, strict=True))) + "\n"
+                for r in zip(*cols.values(), strict=True)
+            )
+        )
+    report = pack(str(table), str(tmp_path / "out"), shuffle=False, progress=False)
+    assert report.samples == 2 and report.not_images == 1
+    m = read_manifest(str(tmp_path / "out"))
+    assert [(s.path, "failed_to_download" in s.reason) for s in m.skipped] == [
+        ("00000/000000002", True)
+    ]
+    with tarfile.open(str(tmp_path / "out" / m.shards[0].path)) as tf:
+        members = {n: tf.extractfile(n).read() for n in tf.getnames()}
+    assert members["00000/000000001.txt"] == b"caption 1"
+    assert json.loads(members["00000/000000001.json"])["url"] == "http://a/1.jpg"
+    assert "00000/000000000.cls" not in members  # no label column: no label

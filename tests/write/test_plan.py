@@ -560,3 +560,122 @@ def test_a_tampered_plan_file_reads_and_writes_nothing_outside_its_source_and_jo
         assert os.listdir(victim) == [] and not [
             n for n in os.listdir(out) if n.startswith(JOB_PREFIX)
         ]
+
+
+# --- tables at scale: the same bytes, memory by the row ------------------------------------------
+
+
+def _golden_table(tmp):
+    """A table with every key rule in it: two spellings of one stem, names ending in ~2, a row
+    naming an image again, quotes, percent signs and non-ASCII; fixed bytes and mtimes."""
+    img = tmp / "img"
+    (img / "sub").mkdir(parents=True)
+    names = ["a.jpg", "a.png", "a~2.jpg", "b.jpg", "b~2.jpg", "sub/x.jpg", "sub/x.JPEG"]
+    names += ["we.ird%n.jpg", "ü.jpg"] + [f"sub/m{k}.jpg" for k in range(40)]
+    for k, name in enumerate(names):
+        (img / name).write_bytes(b"\xff\xd8" + bytes([k]) * (50 + 7 * k))
+        os.utime(img / name, ns=(10**18, 10**18 + k))
+    rows = [f"img/{n},caption {k},c{k % 3}" for k, n in enumerate(names)]
+    rows += ["img/a.jpg,again,c0", "img/b.jpg,b again,c1", '"img/sub/m3.jpg","q ""x"", y",c2']
+    table = tmp / "t.csv"
+    lines = "".join(f"{r},e{i}\n" for i, r in enumerate(rows))
+    table.write_text("image,caption,label,extra\n" + lines, encoding="utf-8")
+    return table
+
+
+@pytest.mark.parametrize(
+    "allow, shards, digest",
+    [
+        (False, 49, "f08afa47ffb6b7d80780f569e545dd88f2365d3570327f0b8df46bd916aabc2a"),
+        (True, 52, "bfa2082f34bb6b1bf713f45a02996f0bd680b5e9ce539f375abe48676d0f80a0"),
+    ],
+)
+def test_a_table_packs_to_the_bytes_and_fingerprint_it_always_had(tmp_path, allow, shards, digest):
+    # The digests are of shardkit's table scan as it was before it moved to arrays (keys and
+    # repeated rows as Python lists): every shard's bytes and the up-to-date fingerprint.
+    table = _golden_table(tmp_path)
+    out = tmp_path / "out"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pack(table, out, validate="none", shard_size="4KB", allow_duplicates=allow, progress=False)
+    m = read_manifest(str(out))
+    h = hashlib.sha256(m.pack["source_fingerprint"].encode())
+    for e in m.shards:
+        h.update(hashlib.sha256((out / e.path).read_bytes()).digest())
+    assert (len(m.shards), h.hexdigest()) == (shards, digest)
+
+
+def _linked_table(tmp, rows):
+    """A table of ``rows`` distinct paths, hard links to one tiny JPEG (no disk per row)."""
+    seed = tmp / "seed.jpg"
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(seed)
+    folder = tmp / f"img{rows}"
+    folder.mkdir()
+    lines = ["image,caption,label"]
+    for i in range(rows):
+        os.link(seed, folder / f"{i:07d}.jpg")
+        lines.append(f"{folder.name}/{i:07d}.jpg,a photo of thing {i},class{i % 50}")
+    table = tmp / f"t{rows}.csv"
+    table.write_text("\n".join(lines) + "\n")
+    return table
+
+
+def _plan_peak(table, out) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        plan = plan_pack(
+            str(table),
+            str(out),
+            shard_size="1MB",
+            format="tar",
+            shuffle=True,
+            seed=0,
+            validate="header",
+            resize_short=None,
+            on_error="skip",
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(plan.order) == int(table.name[1:-4])
+    return peak
+
+
+@pytest.mark.slow
+def test_planning_a_table_holds_arrays_not_python_objects_per_row(tmp_path):
+    # Both tables are longer than a scan chunk, so what a chunk holds cancels out.
+    small, big = _linked_table(tmp_path, 9000), _linked_table(tmp_path, 30000)
+    per_row = (_plan_peak(big, tmp_path / "o2") - _plan_peak(small, tmp_path / "o1")) / 21000
+    # The rows' text is ~70 bytes (path, caption as JSON, key, extension) plus 8-byte offsets,
+    # labels, order, (size, mtime) and transient hashes: ~300 bytes a row in arrays under
+    # tracemalloc; per-row Python lists and sets were ~620.
+    assert per_row < 400, per_row
+
+
+def test_tasks_carry_their_samples_as_tables_not_lists(tmp_path):
+    from shardkit.scan import StrTable
+
+    table = _golden_table(tmp_path)
+    plan = plan_pack(
+        str(table),
+        str(tmp_path / "out"),
+        shard_size="4KB",
+        format="tar",
+        shuffle=True,
+        seed=3,
+        validate="none",
+        resize_short=None,
+        on_error="skip",
+    )
+    tasks = plan.tasks(4)
+    scan = plan.scan
+    for task in tasks:
+        a, b = plan.starts[task.first], plan.starts[task.shards.stop]
+        rows = plan.order[a:b].tolist()
+        for mine, whole in ((task.files, scan.files), (task.keys, scan.keys)):
+            assert isinstance(mine, StrTable)
+            assert list(mine) == [whole[i] for i in rows]
+        assert list(task.inline) == [scan.inline[i] for i in rows]
+    assert sum(len(t.order) for t in tasks) == len(plan.order)
