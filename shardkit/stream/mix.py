@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..errors import InputError, ShardFormatError, StorageError
+from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, key_hashes
 from ..records import Record, ShardInfo
@@ -212,38 +212,6 @@ def subset_members(
         )
     chosen = np.unique(np.asarray([at[k] for k in wanted], dtype=np.int64))
     return chosen[np.isin(chosen, members)]
-
-
-def read_keys(shards: Sequence[ShardInfo], fmt: str, storage: Storage) -> list[str]:
-    """Every sample's key, in stored order, read once at construction: tar headers only (the
-    data is hopped over on local files), LMDB value headers."""
-    from ..formats.lmdb import LmdbSampleReader
-    from ..formats.tar.tally import tally_tar
-
-    keys: list[str] = []
-    try:
-        for shard in shards:
-            if fmt == "lmdb":
-                reader = LmdbSampleReader(storage.local_path(shard), shard.url)
-                try:
-                    got = reader.keys()
-                finally:
-                    reader.close()
-            else:
-                try:
-                    with storage.open(shard) as stream:
-                        got = tally_tar(stream, shard=shard.url, keys=True).keys
-                except OSError as exc:
-                    raise StorageError(f"{shard.url}: cannot read its keys ({exc})") from exc
-            if len(got) != shard.samples:
-                raise ShardFormatError(
-                    f"{shard.url}: holds {len(got)} samples, its manifest says {shard.samples}; "
-                    "the manifest belongs to another version of the shard: re-pack it"
-                )
-            keys.extend(got)
-    finally:
-        storage.close()
-    return keys
 
 
 @dataclass(frozen=True)
