@@ -256,3 +256,31 @@ def thread_and_process_police():
     verdict = police_verdict(threads_before, children_before)
     if verdict:
         pytest.fail(verdict, pytrace=False)
+
+
+class DecodeCount:
+    """A transform counting the images ShardLoader's workers decode (one byte each in a file,
+    as workers are other processes): it shows when they filled batches of the next epoch."""
+
+    def __init__(self, path):
+        self.path = path
+        path.write_bytes(b"")
+
+    def __call__(self, img):
+        with open(self.path, "ab") as f:
+            f.write(b".")
+        return img
+
+    def seen(self) -> int:
+        return self.path.stat().st_size
+
+    def reaches(self, n: int, exact: bool = True) -> int:
+        """Wait until ``n`` images were decoded (a generous limit only so a failure ends);
+        ``exact``: and not one more."""
+        import time
+
+        deadline = time.monotonic() + 60
+        while self.seen() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.seen() == n if exact else self.seen() >= n
+        return self.seen()

@@ -15,10 +15,10 @@ import os
 import signal
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DecodeCount
 from PIL import Image
 
 from shardkit import ShardDataset, ShardLoader, pack
@@ -64,27 +64,7 @@ def corrupt(tmp_path_factory):
     return str(base / "tar")
 
 
-class Count:
-    """A transform counting the images the workers decode (one byte each in a file)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        path.write_bytes(b"")
-
-    def __call__(self, img):
-        with open(self.path, "ab") as f:
-            f.write(b".")
-        return img
-
-    def seen(self) -> int:
-        return self.path.stat().st_size
-
-    def reaches(self, n: int) -> None:
-        """Wait until ``n`` images were decoded (a generous limit only so a failure ends)."""
-        deadline = time.monotonic() + 60
-        while self.seen() < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.seen() == n
+Count = DecodeCount
 
 
 def _loader(path, *, overlap=True, batch_size=B, workers=2, loader_kw=None, **kw):
