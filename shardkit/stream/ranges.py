@@ -22,7 +22,29 @@ from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import shard_columns
 
-__all__ = ["SKIPPED", "RangeReader"]
+__all__ = ["SKIPPED", "RangeReader", "read_range"]
+
+
+def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str) -> bytes:
+    """Bytes [start, stop) of a shard, as its sample index placed them: one ``pread`` on a
+    local file (its descriptor from ``fd()``, kept by the caller), one ranged GET on object
+    storage. A short answer is a shard truncated or replaced since; ``fix`` says what to do."""
+    try:
+        if is_url(url):
+            from ..remote.fs import filesystem, protocol_of, strip
+
+            fs = filesystem(protocol_of(url), storage_options)
+            data = fs.cat_file(strip(fs, url), start=start, end=stop)  # one ranged GET
+        else:
+            data = os.pread(fd(), stop - start, start)
+    except OSError as exc:
+        raise StorageError(f"{url}: read of sample bytes failed: {exc}") from exc
+    if len(data) != stop - start:
+        raise ShardFormatError(
+            f"{url}: shorter than its sample index says (truncated or replaced?); {fix}"
+        )
+    return data
+
 
 #: What a sample the plan reads through but does not want stands as (dropped by its mask).
 SKIPPED = Record("", "", b"", -1)
@@ -78,22 +100,9 @@ class RangeReader:
 
     def _read(self, shard: ShardInfo, a: int, b: int) -> bytes:
         self.reads += 1
-        try:
-            if is_url(shard.url):
-                from ..remote.fs import filesystem, protocol_of, strip
-
-                fs = filesystem(protocol_of(shard.url), self.storage_options)
-                data = fs.cat_file(strip(fs, shard.url), start=a, end=b)  # one ranged GET
-            else:
-                data = os.pread(self._file(shard), b - a, a)
-        except OSError as exc:
-            raise StorageError(f"{shard.url}: read of samples failed: {exc}") from exc
-        if len(data) != b - a:
-            raise ShardFormatError(
-                f"{shard.url}: shorter than its sample index says (truncated or replaced?); "
-                "re-pack it"
-            )
-        return data
+        return read_range(
+            shard.url, a, b, lambda: self._file(shard), self.storage_options, "re-pack it"
+        )
 
     def _file(self, shard: ShardInfo) -> int:
         """One open file per shard, kept while consecutive slices read it."""

@@ -39,6 +39,7 @@ from ..records import Record, ShardInfo
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_index
+from .ranges import read_range
 from .sources import resolve_source
 from .stages import DECODE_MODES, decoded_fields, sample_error
 from .storage import storage_for
@@ -270,23 +271,14 @@ class ShardView(Dataset):
 
     def _read(self, shard: int, info: ShardInfo, start: int, stop: int) -> bytes:
         self._fresh()
-        try:
-            if is_url(info.url):
-                fs, path = self._fs(info.url)
-                data = fs.cat_file(path, start=start, end=stop)  # one ranged GET
-            else:
-                fd = self._open.get(shard)
-                if fd is None:
-                    fd = self._open[shard] = os.open(info.url, os.O_RDONLY)
-                data = os.pread(fd, stop - start, start)
-        except OSError as exc:
-            raise StorageError(f"{info.url}: read of sample bytes failed: {exc}") from exc
-        if len(data) != stop - start:
-            raise ShardFormatError(
-                f"{info.url}: shorter than its index says (truncated or replaced?); re-pack it "
-                "or make the view again"
-            )
-        return data
+
+        def fd() -> int:
+            if shard not in self._open:
+                self._open[shard] = os.open(info.url, os.O_RDONLY)
+            return self._open[shard]
+
+        fix = "re-pack it or make the view again"
+        return read_range(info.url, start, stop, fd, self.storage_options, fix)
 
     def _fresh(self) -> None:
         """Files and environments are per process: a forked worker opens its own."""
