@@ -11,6 +11,10 @@ cut from a full-size decode and resized by torch's antialiased kernel (torchvisi
 ``resized_crop`` on a uint8 tensor; goal < 1 level).
 
     python benchmarks/bench_crops.py --imagenet /tmp/inet --rounds 3
+
+``--against DIR`` adds ``crop="random"`` run by another checkout (the issue's "today": ``git
+worktree add /tmp/base <rev>``), in a child process per round with that checkout's shardkit, so
+the variants are also compared with the RRC users had before them, in the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -91,6 +96,31 @@ def _epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple
     return n / dt, n + n0
 
 
+_AGAINST = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import shardkit  # the other checkout's, bound before bench_crops puts this one on the path
+sys.path.insert(1, sys.argv[2])
+import bench_crops
+rate, n = bench_crops._epoch(sys.argv[3], dict(size=224, crop="random"), *map(int, sys.argv[4:]))
+print(json.dumps({"rate": rate, "n": n, "shardkit": shardkit.__file__}))
+"""
+
+
+def _epoch_against(checkout: Path, source: str, workers: int, batch: int, epoch: int) -> float:
+    """``crop="random"`` through another checkout's ShardLoader, in a child process."""
+    argv = [str(checkout), str(ROOT / "benchmarks"), source, str(workers), str(batch), str(epoch)]
+    r = subprocess.run(
+        [sys.executable, "-c", _AGAINST, *argv], capture_output=True, text=True, check=False
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"--against {checkout} failed:\n{r.stderr[-2000:]}")
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    if not doc["shardkit"].startswith(str(checkout)):
+        raise SystemExit(f"--against ran {doc['shardkit']}, not {checkout}'s shardkit")
+    return doc["rate"]
+
+
 def _difference(source: str, kw: dict, count: int) -> float:
     """Mean |pixel - reference| over the first ``count`` images (the same box and flip)."""
     import torch
@@ -126,9 +156,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", type=int, default=64)
     ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_crops.json")
+    ap.add_argument("--against", type=Path, default=None, help="another checkout's crop=random")
     args = ap.parse_args()
     source = _data(args.imagenet, args.classes, args.per_class)
     cons = contenders()
+    against = f'crop="random" ({args.against})' if args.against else None
+    if against:
+        cons[against] = {}
     rates: dict[str, list[float]] = {name: [] for name in cons}
     loads = []
     for r in range(args.rounds):
@@ -136,32 +170,39 @@ def main() -> None:
         names = list(cons)
         names = names[r % len(names) :] + names[: r % len(names)]  # each goes first in turn
         for name in names:
-            rate, _ = _epoch(source, cons[name], args.workers, args.batch, r)
+            if name == against:
+                rate = _epoch_against(args.against.resolve(), source, args.workers, args.batch, r)
+            else:
+                rate, _ = _epoch(source, cons[name], args.workers, args.batch, r)
             rates[name].append(rate)
         print(f"round {r}: load {loads[-1]:.2f}", file=sys.stderr)
     base = 'crop="random" (today)'
     rows = []
     for name, kw in cons.items():
         ratios = [a / b for a, b in zip(rates[name], rates[base], strict=True)]
-        rows.append(
-            dict(
-                name=name,
-                images_per_s=statistics.median(rates[name]),
-                ratio_to_today=statistics.median(ratios),
-                mean_difference=_difference(source, kw, args.check),
-            )
+        row = dict(
+            name=name,
+            images_per_s=statistics.median(rates[name]),
+            ratio_to_today=statistics.median(ratios),
+            mean_difference=None if name == against else _difference(source, kw, args.check),
         )
+        if against:  # the same per-round ratio against the other checkout's crop="random"
+            pairs = zip(rates[name], rates[against], strict=True)
+            row["ratio_to_against"] = statistics.median(a / b for a, b in pairs)
+        rows.append(row)
     result = dict(
         workers=args.workers, batch=args.batch, rounds=args.rounds, load_per_round=loads,
         load_end=os.getloadavg()[0], cpus=os.cpu_count(), rows=rows,
     )  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    print(f"{'contender':34} {'img/s':>8} {'vs today':>9} {'mean diff':>10}")
+    print(f"{'contender':34} {'img/s':>8} {'vs today':>9} {'vs against':>10} {'mean diff':>10}")
     for row in rows:
+        vs = row.get("ratio_to_against")
+        diff = row["mean_difference"]
         print(
-            f"{row['name']:34} {row['images_per_s']:8.0f} {row['ratio_to_today']:9.2f} "
-            f"{row['mean_difference']:10.2f}"
+            f"{row['name'][:34]:34} {row['images_per_s']:8.0f} {row['ratio_to_today']:9.2f} "
+            f"{'-' if vs is None else f'{vs:.2f}':>10} {'-' if diff is None else f'{diff:.2f}':>10}"
         )
     print(f"load average per round {loads}, at the end {result['load_end']:.2f}")
 
