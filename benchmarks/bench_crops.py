@@ -15,6 +15,11 @@ cut from a full-size decode and resized by torch's antialiased kernel (torchvisi
 ``--against DIR`` adds ``crop="random"`` run by another checkout (the issue's "today": ``git
 worktree add /tmp/base <rev>``), in a child process per round with that checkout's shardkit, so
 the variants are also compared with the RRC users had before them, in the same run.
+
+``--breakdown`` explains the ratios: on one thread in this process, per variant, the time per
+image of the header and box, the region decode and the resize, the share of the photo's pixels
+in the crop, and the share of its rows the decoder reads (every row above the crop's bottom is
+entropy-decoded, whatever its columns: the part no crop policy can skip).
 """
 
 from __future__ import annotations
@@ -121,6 +126,54 @@ def _epoch_against(checkout: Path, source: str, workers: int, batch: int, epoch:
     return doc["rate"]
 
 
+def _breakdown(source: str, cons: dict, count: int, rounds: int) -> dict:
+    """Per variant: us per image for box, decode and resize (median over ``rounds`` passes
+    over the first ``count`` photos, one thread), the crop's share of the photo's pixels and
+    the decoded share of its rows."""
+    import torch
+
+    from shardkit import ShardDataset
+    from shardkit.images.decode import decode_jpeg_region, jpeg_scale
+    from shardkit.images.geometry import _scaled_box, resized
+
+    torch.set_num_threads(1)
+    raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
+    photos = [(d, k) for (d, _, k), _ in zip(raw, range(count), strict=False)]
+    out = {}
+    for name, kw in cons.items():
+        if not kw:
+            continue  # another checkout's contender
+        ds = ShardDataset(source, decode="tensor", flip=True, **kw)
+        dec, size, how = ds.tensor_decoder(0), ds.geometry.size, ds.geometry.interpolation
+        passes = []
+        for _ in range(rounds):
+            t = {"box": 0.0, "decode": 0.0, "resize": 0.0}
+            area = rows = 0.0
+            for data, key in photos:
+                t0 = time.perf_counter()
+                height, width, top, left, h, w, flip = dec.crop_box(data, key)
+                need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
+                d = jpeg_scale(height, width, need)
+                dh, dw = -(-height // d), -(-width // d)
+                y0, x0, y1, x1 = _scaled_box(top, left, h, w, height, width, dh, dw)
+                t1 = time.perf_counter()
+                px = decode_jpeg_region(data, d, y0, x0, y1 - y0, x1 - x0)
+                t2 = time.perf_counter()
+                resized(torch.from_numpy(px).permute(2, 0, 1)[None], size, flip, how)
+                t3 = time.perf_counter()
+                t["box"] += t1 - t0
+                t["decode"] += t2 - t1
+                t["resize"] += t3 - t2
+                area += h * w / (height * width)
+                rows += (top + h) / height
+            passes.append({k: v / len(photos) * 1e6 for k, v in t.items()})
+        row = {k: statistics.median(p[k] for p in passes) for k in ("box", "decode", "resize")}
+        row["crop_area"] = area / len(photos)
+        row["rows_decoded"] = rows / len(photos)
+        out[name] = row
+    return out
+
+
 def _difference(source: str, kw: dict, count: int) -> float:
     """Mean |pixel - reference| over the first ``count`` images (the same box and flip)."""
     import torch
@@ -157,6 +210,7 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=64)
     ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_crops.json")
     ap.add_argument("--against", type=Path, default=None, help="another checkout's crop=random")
+    ap.add_argument("--breakdown", action="store_true", help="where each variant's time goes")
     args = ap.parse_args()
     source = _data(args.imagenet, args.classes, args.per_class)
     cons = contenders()
@@ -205,6 +259,15 @@ def main() -> None:
             f"{'-' if vs is None else f'{vs:.2f}':>10} {'-' if diff is None else f'{diff:.2f}':>10}"
         )
     print(f"load average per round {loads}, at the end {result['load_end']:.2f}")
+    if args.breakdown:
+        result["breakdown"] = parts = _breakdown(source, cons, 200, 3)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"one thread, us/image: {'contender':34} box decode resize  area rows-read")
+        for name, p in parts.items():
+            print(
+                f"{'':22}{name[:34]:34} {p['box']:4.0f} {p['decode']:6.0f} {p['resize']:6.0f} "
+                f"{p['crop_area']:5.2f} {p['rows_decoded']:5.2f}"
+            )
 
 
 if __name__ == "__main__":
