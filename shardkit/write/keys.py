@@ -4,8 +4,8 @@ again, since keys are unique within a dataset (FORMAT.md).
 The keys are read from the shards themselves, not from a list kept beside them, so they are
 right for any dataset (packed, appended, merged, indexed): a tar shard by its headers only (no
 image bytes are read), an LMDB shard by its index record (or, packed before it, by the start of
-each record). A merge also compares whole datasets by
-``identity``: the sha256 over its shards' digests, the same for a copy of the same shards.
+each record). A merge also compares whole datasets by ``identity``: the sha256 over its shards'
+digests, the same for a copy of the same shards.
 """
 
 from __future__ import annotations
