@@ -138,6 +138,7 @@ def test_the_record_round_trips_and_hashes_as_the_tar_index():
     assert empty.keys() == [] and len(empty.hashes) == 0
 
 
+@pytest.mark.slow  # worker processes
 def test_pack_engines_append_merge_and_writer_write_the_same_records(src, tmp_path):
     out = tmp_path / "out"
     quiet(pack, src, str(out), format="lmdb", shard_size="40kB", progress=False)
@@ -301,3 +302,16 @@ def test_a_count_other_than_the_manifests_is_refused(tmp_path):
     assert np.array_equal(
         read_lmdb_index(path, samples=20)[0].hashes, LmdbSampleReader(path).index().hashes
     )
+
+
+def test_growth_reads_the_same_keys_with_and_without_the_record(tmp_path, monkeypatch):
+    from shardkit.write.keys import dataset_keys
+
+    out = tmp_path / "out"
+    keys = writer_pack(out, 120, shard_size="400kB")
+    bare = without_records(out, tmp_path / "bare")
+    reads = _Reads(monkeypatch)
+    assert dataset_keys(str(out), read_manifest(str(out))) == set(keys)
+    fast = reads.take()[0]
+    assert dataset_keys(bare, read_manifest(bare)) == set(keys)
+    assert fast <= 8 * len(shards(out)) < 120 <= reads.take()[0]
