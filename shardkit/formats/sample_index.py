@@ -19,7 +19,7 @@ import os
 import struct
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -171,10 +171,13 @@ def build_index(path: str, shard_bytes: int, sha256_hex: str) -> bytes:
     return encode_index(shard_bytes, sha256_hex, keys, [*tally.index, tally.end])
 
 
-def load_index(data: bytes | None, where: str, samples: int, size: int, sha256: str):
-    """The index of a shard the manifest describes as (``samples``, ``size``, ``sha256``), or
-    None with a warning naming it when it is damaged or belongs to another version of the
-    shard (readers then walk the shard's headers, as without an index)."""
+def load_index(
+    data: bytes | None, where: str, samples: int, size: int, sha256: str, index_sha256: str = ""
+):
+    """The index of a shard the manifest describes as (``samples``, ``size``, ``sha256``, and
+    the index file's own ``index_sha256`` where it lists one), or None with a warning naming
+    it when it is damaged or belongs to another version of the shard (readers then walk the
+    shard's headers, as without an index)."""
     if data is None or not sha256:
         return None
     try:
@@ -184,6 +187,11 @@ def load_index(data: bytes | None, where: str, samples: int, size: int, sha256: 
                 f"{where}: stale sample index (it describes another version of its shard: "
                 f"{index.samples} samples, {index.shard_bytes} bytes, where the manifest says "
                 f"{samples} and {size}); run `shardkit index --overwrite` or pack again"
+            )
+        if index_sha256 and hashlib.sha256(data).hexdigest() != index_sha256:
+            raise SampleIndexError(
+                f"{where}: stale sample index (its sha256 differs from the manifest's "
+                "index_sha256); run `shardkit index --overwrite` or pack again"
             )
     except SampleIndexError as exc:
         warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
@@ -227,14 +235,16 @@ def exists_for(shard_path: str) -> bool:
     return os.path.isfile(index_path(shard_path))
 
 
-def ensure_indexes(directory: str, entries) -> list[str]:
-    """Give every tar shard of ``entries`` (``path``, ``samples``, ``bytes``, ``sha256``) in
-    ``directory`` a valid index beside it, building what is missing or wrong from the shard's
-    headers (a resumed pack's earlier shards, merged shards). Returns the index file names."""
-    names = []
+def ensure_indexes(directory: str, entries: list) -> list:
+    """Give every tar shard of ``entries`` (``ShardEntry``) in ``directory`` a valid index
+    beside it, building what is missing or wrong from the shard's headers (a resumed pack's
+    earlier shards, merged shards). Returns the entries with ``index_sha256`` set to the sha256
+    of the index beside each plain tar shard, for the manifest."""
+    out = []
     for e in entries:
         if not e.path.endswith(".tar"):
-            continue  # compressed tars cannot seek; LMDB looks keys up itself
+            out.append(e)  # compressed tars cannot seek; LMDB looks keys up itself
+            continue
         shard = os.path.join(directory, e.path)
         data = read_local(index_path(shard))
         try:
@@ -242,9 +252,10 @@ def ensure_indexes(directory: str, entries) -> list[str]:
         except SampleIndexError:
             ok = False
         if not ok:
-            write_index_file(shard, build_index(shard, e.bytes, e.sha256))
-        names.append(e.path + INDEX_SUFFIX)
-    return names
+            data = build_index(shard, e.bytes, e.sha256)
+            write_index_file(shard, data)
+        out.append(replace(e, index_sha256=hashlib.sha256(data).hexdigest()))
+    return out
 
 
 def _matches(index: SampleIndex, e) -> bool:

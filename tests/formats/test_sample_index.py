@@ -3,6 +3,8 @@ back exactly, and refused by name when damaged or stale (readers then walk the h
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 
@@ -59,6 +61,7 @@ def check_all(out) -> None:
         shard = os.path.join(out, e.path)
         data = open(index_path(shard), "rb").read()
         assert data == build_index(shard, e.bytes, e.sha256)
+        assert e.index_sha256 == hashlib.sha256(data).hexdigest()  # the manifest covers it
         ix = decode_index(data, shard)
         tally = tally_tar(shard, every=1, keys=True)
         assert ix.keys() == tally.keys and ix.samples == e.samples
@@ -127,6 +130,63 @@ def test_shardkit_index_writes_indexes_beside_foreign_tars(src, tmp_path):
             os.link(out / n, foreign / n)
     index_shards([str(foreign)])
     assert indexes(foreign) == indexes(out)
+    check_all(foreign)
+
+
+def _older(out) -> None:
+    """``out``'s manifest as the previous release wrote it: no index sha256."""
+    doc = json.loads((out / "manifest.json").read_text())
+    for s in doc["shards"]:
+        del s["index_sha256"]
+    (out / "manifest.json").write_text(json.dumps(doc, indent=1))
+
+
+def test_shardkit_index_adds_the_index_sha256_to_an_older_packs_manifest(
+    src, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    want = read_manifest(str(out))
+    _older(out)
+    older = (out / "manifest.json").read_bytes()
+    assert all(not e.index_sha256 for e in read_manifest(str(out)).shards)
+
+    real = os.replace
+
+    def fail(a, b):  # interrupted at the manifest's rename: the older one stays whole
+        if str(b).endswith("manifest.json"):
+            raise OSError(5, "Input/output error")
+        real(a, b)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", fail)
+        with pytest.raises(Exception, match="manifest.json"):
+            index_shards([str(out)])
+    assert (out / "manifest.json").read_bytes() == older
+    assert sorted(os.listdir(out)) == sorted([*indexes(out), "manifest.json", *_tars(out)])
+    (result,) = index_shards([str(out)])  # run again: finished
+    assert result.kept and read_manifest(str(out)).shards == want.shards
+    got = read_manifest(str(out))
+    assert (got.classes, got.pack, got.skipped) == (want.classes, want.pack, want.skipped)
+    check_all(out)
+    again = (out / "manifest.json").read_bytes()
+    index_shards([str(out)])
+    assert (out / "manifest.json").read_bytes() == again  # nothing left to add: kept as is
+
+
+def _tars(out) -> list[str]:
+    return [n for n in os.listdir(out) if n.endswith(".tar")]
+
+
+def test_an_index_whose_sha256_is_not_the_manifests_is_stale(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    data = open(index_path(shard), "rb").read()
+    assert load_index(data, shard, e.samples, e.bytes, e.sha256, e.index_sha256) is not None
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar: stale sample index.*sha256"):
+        assert load_index(data, shard, e.samples, e.bytes, e.sha256, "0" * 64) is None
 
 
 def test_a_damaged_or_stale_index_is_named_and_readers_fall_back(src, tmp_path):

@@ -157,9 +157,12 @@ class TarShardWriter:
         os.fsync(f.fileno())
         f.close()
         sha = self._hash.hexdigest()
+        index_sha = ""
         if self.samples:
-            write_index_file(self.path, encode_index(self._bytes, sha, self._keys, self._offsets))
-        return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index))
+            data = encode_index(self._bytes, sha, self._keys, self._offsets)
+            write_index_file(self.path, data)
+            index_sha = hashlib.sha256(data).hexdigest()
+        return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index), index_sha)
 
     def abort(self) -> None:
         if self._file is not None:
