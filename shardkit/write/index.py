@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import InputError, OutputError
 from ..formats import format_for_path, is_shard_name
-from ..formats.sample_index import encode_index, index_path, write_index_file
+from ..formats.sample_index import encode_tally, index_path, write_index_file
 from ..formats.tar import is_gzip_name, tally_tar, warn_imageless
 from ..fsutil import HashingReader, open_regular, write_error
 from ..manifest import (
@@ -210,13 +210,14 @@ def _read_tar(p: str):
         raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
     with raw:
         hashing = HashingReader(raw)
-        tally = tally_tar(hashing, shard=p, labels=True, fields=True, every=1, keys=True)
+        tally = tally_tar(
+            hashing, shard=p, labels=True, fields=True, every=1, keys=True, members=True
+        )
         hashing.drain()
     sha = hashing.sha.hexdigest()
     data = None
     if not is_gzip_name(p) and tally.samples:
-        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-        data = encode_index(hashing.bytes, sha, keys, [*tally.index, tally.end])
+        data = encode_tally(tally, hashing.bytes, sha)
     return tally, hashing.bytes, sha, data
 
 
@@ -248,7 +249,7 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
             continue
         with open_regular(p, buffering=0) as raw:
             hashing = HashingReader(raw)
-            tally = tally_tar(hashing, shard=p, every=1, keys=True)
+            tally = tally_tar(hashing, shard=p, every=1, keys=True, members=True)
             hashing.drain()
         if (hashing.bytes, hashing.sha.hexdigest(), tally.samples) != (
             e.bytes,
@@ -259,8 +260,7 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
                 f"{p}: is not the shard its manifest lists (size, sha256 or sample count differ); "
                 f"`shardkit verify {d}` says more; re-pack it"
             )
-        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-        data = encode_index(e.bytes, e.sha256, keys, [*tally.index, tally.end])
+        data = encode_tally(tally, e.bytes, e.sha256)
         try:
             write_index_file(p, data)
         except OSError as exc:

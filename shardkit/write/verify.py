@@ -18,9 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import InputError
 from ..formats import ShardFormat, get_format
-from ..formats.sample_index import INDEX_SUFFIX, build_index, index_path, read_local
+from ..formats.sample_index import (
+    INDEX_SUFFIX,
+    SampleIndexError,
+    build_index,
+    decode_index,
+    index_path,
+    read_local,
+)
 from ..fsutil import HashingReader, open_regular
 from ..images.checks import decode_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
@@ -212,6 +221,35 @@ def _index_reader(out: str, manifest_path: str, storage_options):
     return lambda e: read_local(index_path(os.path.join(base, e.path)))
 
 
+def _same_index(data: bytes, built: bytes, where: str) -> bool:
+    """Whether the index ``data`` says what ``built`` (from the headers) says: the same bytes,
+    or for a version-1 index (packs made before members were listed) the same samples."""
+    if data == built:
+        return True
+    try:
+        got, want = decode_index(data, where), decode_index(built, where)
+    except SampleIndexError:
+        return False
+    return (
+        got.members is None
+        and (got.samples, got.shard_bytes, got.sha256, got.table)
+        == (
+            want.samples,
+            want.shard_bytes,
+            want.sha256,
+            want.table,
+        )
+        and all(
+            np.array_equal(a, b)
+            for a, b in (
+                (got.offsets, want.offsets),
+                (got.hashes, want.hashes),
+                (got.ends, want.ends),
+            )
+        )
+    )
+
+
 def _index_fix(out: str, manifest: Manifest, manifest_path: str) -> str:
     """How to rebuild a sample index: ``shardkit index`` (which keeps a pack's manifest;
     ``--overwrite`` for the one it wrote from foreign tars itself)."""
@@ -237,7 +275,7 @@ def index_problems(path: str, entry: ShardEntry, data: bytes | None, fix: str) -
         problems.append(
             f"sample index {entry.path}{INDEX_SUFFIX}: sha256 differs from the manifest"
         )
-    if data != build_index(path, entry.bytes, entry.sha256):
+    if not _same_index(data, build_index(path, entry.bytes, entry.sha256), path):
         problems.append(
             f"sample index {entry.path}{INDEX_SUFFIX} is damaged or stale (it is not what the "
             "shard's headers give)"

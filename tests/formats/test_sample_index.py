@@ -4,12 +4,12 @@ back exactly, and refused by name when damaged or stale (readers then walk the h
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import warnings
 
 import numpy as np
 import pytest
+from conftest import as_previous_release, without_index_sha256
 from PIL import Image
 
 from shardkit.formats.sample_index import (
@@ -99,7 +99,8 @@ def test_engines_append_merge_and_writer_give_the_same_index_bytes(src, tmp_path
     merged = tmp_path / "merged"
     other = tmp_path / "other"
     quiet(pack, more, str(other), shard_size="6kB", progress=False)
-    os.remove(index_path(os.path.join(other, "shard-000000.tar")))  # an older pack: built
+    as_previous_release(other)  # an older pack: version-1 indexes, rebuilt as version 2
+    os.remove(index_path(os.path.join(other, "shard-000000.tar")))  # one missing: built
     quiet(merge, [str(local), str(other)], str(merged))
     check_all(merged)
     w_out = tmp_path / "writer"
@@ -135,10 +136,7 @@ def test_shardkit_index_writes_indexes_beside_foreign_tars(src, tmp_path):
 
 def _older(out) -> None:
     """``out``'s manifest as the previous release wrote it: no index sha256."""
-    doc = json.loads((out / "manifest.json").read_text())
-    for s in doc["shards"]:
-        del s["index_sha256"]
-    (out / "manifest.json").write_text(json.dumps(doc, indent=1))
+    without_index_sha256(out)
 
 
 def test_shardkit_index_adds_the_index_sha256_to_an_older_packs_manifest(
@@ -308,3 +306,71 @@ def test_a_wrong_index_never_gives_another_sample(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: damaged sample index"):
         view = ShardView(str(out), decode="raw", with_keys=True)
         assert [view[i] for i in range(len(view))] == want
+
+
+def test_the_members_section_lists_each_members_data_range(tmp_path):
+    out = tmp_path / "out"
+    with ShardWriter(str(out), shard_size="1MB", classes=["a", "b"]) as w:
+        w.add("k0", "jpg", b"\xff\xd8" + bytes(700), 1, {"txt": "caption zero", "json": {"n": 0}})
+        w.add("k1", "JPG", b"\xff\xd8" + bytes(30), -1, {"txt": "one"})  # no label member
+        w.add("x" * 150, "jpg", b"\xff\xd8" + bytes(5), 0)  # long-name members
+    check_all(out)
+    (e,) = read_manifest(str(out)).shards
+    shard = os.path.join(out, e.path)
+    ix = decode_index(open(index_path(shard), "rb").read(), shard)
+    assert ix.members is not None and ix.members.labels.tolist() == [1, -1, 0]
+    raw = open(shard, "rb").read()
+    got = [[(ext, raw[at : at + n]) for ext, at, n in ix.members.of(j)] for j in range(3)]
+    assert [[ext for ext, _ in m] for m in got] == [
+        ["jpg", "cls", "txt", "json"],
+        ["jpg", "txt"],
+        ["jpg", "cls"],
+    ]
+    assert got[0][2] == ("txt", b"caption zero") and got[1][1] == ("txt", b"one")
+    assert got[2] == [("jpg", b"\xff\xd8" + bytes(5)), ("cls", b"0")]
+    assert ix.members.names == ("jpg", "cls", "txt", "json")  # ids into a table of distinct ones
+
+
+def test_the_epochs_head_does_not_grow_and_a_version_1_index_is_still_read(src, tmp_path):
+    from shardkit.formats.sample_index import columns_size, decode_columns
+
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    v2 = open(index_path(shard), "rb").read()
+    assert columns_size(e.samples) == 72 + 16 * e.samples + 8  # as in version 1
+    head = decode_columns(v2[: columns_size(e.samples)], shard, e.samples, e.bytes, e.sha256)
+    assert head is not None and head.offsets.tolist() == decode_index(v2, shard).offsets.tolist()
+    as_previous_release(out)
+    v1 = open(index_path(shard), "rb").read()
+    assert v1[8] == 1 and len(v1) < len(v2) and v1[: columns_size(e.samples)][12:] == v2[
+        : columns_size(e.samples)
+    ][12:]  # fmt: skip
+    old = decode_index(v1, shard)
+    assert old.members is None and old.keys() == decode_index(v2, shard).keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read as valid: no warning, no fallback
+        assert load_index(v1, shard, e.samples, e.bytes, e.sha256) is not None
+        assert decode_columns(v1[: columns_size(e.samples)], shard, e.samples, e.bytes, e.sha256)
+
+
+def test_a_flipped_byte_in_the_members_section_is_detected(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    data = bytearray(open(index_path(shard), "rb").read())
+    flipped = bytearray(data)
+    flipped[-40] ^= 1  # the last member name's bytes: past what an epoch reads
+    with pytest.raises(SampleIndexError, match="checksum does not match"):
+        decode_index(bytes(flipped), shard)
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar: damaged sample index"):
+        assert load_index(bytes(flipped), shard, e.samples, e.bytes, e.sha256) is None
+    # A members section that lies about a range, its checksum made to match: still refused.
+    ix = decode_index(bytes(data), shard)
+    at = bytes(data).find(ix.members.sizes.tobytes())
+    data[at : at + 8] = (10**9).to_bytes(8, "little")
+    body = bytes(data[:-32])
+    with pytest.raises(SampleIndexError, match="outside its sample's byte range"):
+        decode_index(body + hashlib.sha256(body).digest(), shard)

@@ -215,3 +215,17 @@ def test_verify_passes_an_older_pack_without_indexes_and_checks_one_it_has(tmp_p
     assert "damaged or stale" in problem.problems[0]
     os.unlink(out / "shard-000000.tar.idx")
     assert verify(str(out)).ok  # none listed, none there: nothing to check
+
+
+def test_verify_passes_the_previous_releases_version_1_indexes(tmp_path):
+    from conftest import as_previous_release
+
+    src = tmp_path / "src"
+    _tree(src, {"a": 5, "b": 4})
+    out = tmp_path / "out"
+    _pack(src, out, shard_size=8192)
+    as_previous_release(out)
+    assert verify(str(out)).ok
+    idx = out / read_manifest(str(out)).shards[1].path
+    _flip(str(idx) + ".idx", 80)  # an offset: the v1 index is still checked
+    assert [b.path for b in verify(str(out)).bad] == [idx.name]
