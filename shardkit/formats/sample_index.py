@@ -55,6 +55,10 @@ _TRAILER = 32  # sha256 of everything before it
 SPLIT_SALT = b"shardkit-split:"
 
 
+#: The fix a stale index's message names (``--overwrite`` would replace a pack's manifest).
+_REBUILD = "rebuild it with `shardkit index` on the dataset (or pack again)"
+
+
 class SampleIndexError(ShardFormatError):
     """A sample index that is damaged, or belongs to another version of its shard."""
 
@@ -297,12 +301,12 @@ def load_index(
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard: "
                 f"{index.samples} samples, {index.shard_bytes} bytes, where the manifest says "
-                f"{samples} and {size}); run `shardkit index --overwrite` or pack again"
+                f"{samples} and {size}); {_REBUILD}"
             )
         if index_sha256 and hashlib.sha256(data).hexdigest() != index_sha256:
             raise SampleIndexError(
                 f"{where}: stale sample index (its sha256 differs from the manifest's "
-                "index_sha256); run `shardkit index --overwrite` or pack again"
+                f"index_sha256); {_REBUILD}"
             )
     except SampleIndexError as exc:
         warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
@@ -406,7 +410,7 @@ def decode_columns(
         if (n, nbytes, sha.hex()) != (samples, size, sha256):
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard); "
-                "run `shardkit index --overwrite` or pack again"
+                + _REBUILD
             )
         offsets = np.frombuffer(data, "<u8", n + 1, _HEAD.size)
         if n and (np.any(np.diff(offsets.astype(np.int64)) <= 0) or int(offsets[-1]) > size):

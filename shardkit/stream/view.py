@@ -267,16 +267,21 @@ class ShardView(Dataset):
         from ..formats.tar.parse import _Buffer
         from ..formats.tar.tally import _walk
 
-        rec = self.record(i)
         shard, j = self._locate(i)
-        off = self._table(shard).offsets
-        blob = self._read(shard, self.shards[shard], int(off[j]), int(off[j + 1]))
+        table, info = self._table(shard), self.shards[shard]
+        blob = self._read(shard, info, int(table.offsets[j]), int(table.offsets[j + 1]))
+        key = table.key(j).encode("utf-8", "surrogateescape")
         out = []
-        buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, len(blob) + len(_END))
-        for _, k, ext, data, _, _ in _walk(buf, lambda k, e: True):
-            if k.decode("utf-8", "surrogateescape") != rec.key:
+        buf = _Buffer(io.BytesIO(blob + _END), info.url, len(blob) + len(_END))
+        for _, k, ext, data, _, _ in _walk(buf, lambda k, e: True):  # one read, one parse
+            if k != key:
                 break
             out.append((ext.decode("utf-8", "surrogateescape"), data or b""))
+        if not out:
+            raise ShardFormatError(
+                f"{info.url}: sample {j} is not where the index says (the shard changed since "
+                "the view was made); make the view again"
+            )
         return out
 
     def summary(self, i) -> SampleSummary:

@@ -259,3 +259,16 @@ def test_members_by_name_over_s3_are_one_small_ranged_get_each(captioned, s3):
     (get,) = [e for e in s3.log.entries if e[0] == "GET"]  # the index was read before
     lo, hi = (int(x) for x in get[2].removeprefix("bytes=").split("-"))
     assert get[1].endswith("shard-000000.tar") and hi - lo + 1 == 512 + len(b"caption 7")
+
+
+def test_members_by_name_of_a_shard_changed_under_the_view_are_refused(tmp_path):
+    out = tmp_path / "d"
+    with ShardWriter(str(out), shard_size="30kB") as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"\xff\xd8" + bytes(10_000), 0, extra={"txt": b"caption %d" % i})
+    view = ShardView(str(out))
+    assert len(view.shards) > 1 and view.members(0, ("txt",)) == [("txt", b"caption 0")]
+    view.close()
+    (out / "shard-000001.tar").replace(out / "shard-000000.tar")  # other samples, same layout
+    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 0 is not where"):
+        view.members(0, ("txt",))
