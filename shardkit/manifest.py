@@ -134,7 +134,9 @@ class ShardEntry:
 
     ``index`` (tar only) holds the byte offset of samples 0, ``INDEX_EVERY``, 2 x ``INDEX_EVERY``
     ...: a worker whose slice starts mid-shard seeks there and hops over at most 63 samples,
-    instead of reading every byte before its first one.
+    instead of reading every byte before its first one. ``index_sha256`` (plain tar, optional:
+    older packs have none) is the sha256 of the shard's sample index ``path + ".idx"``, so the
+    manifest's checksums cover the index as they cover the shard.
     """
 
     path: str
@@ -142,6 +144,7 @@ class ShardEntry:
     bytes: int
     sha256: str
     index: tuple[int, ...] = ()
+    index_sha256: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -153,6 +156,8 @@ class ShardEntry:
         if self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
+        if self.index_sha256:
+            doc["index_sha256"] = self.index_sha256
         return doc
 
     @classmethod
@@ -173,10 +178,19 @@ class ShardEntry:
             index = tuple(_count(x, f"shard {path!r} index entry") for x in raw)
         samples = _count(s.get("samples"), f"shard {path!r} samples")
         size = _count(s.get("bytes"), f"shard {path!r} bytes")
-        sha = s.get("sha256")
-        if not isinstance(sha, str) or len(sha) != 64 or not all(c in _HEX for c in sha):
-            raise _Bad(f"shard {path!r}: sha256 {_short(sha)} is not 64 hex digits")
-        return cls(path, samples, size, sha, index)
+        sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
+        index_sha = (
+            _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
+            if ("index_sha256" in s)
+            else ""
+        )
+        return cls(path, samples, size, sha, index, index_sha)
+
+
+def _sha(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or not all(c in _HEX for c in value):
+        raise _Bad(f"{what} {_short(value)} is not 64 hex digits")
+    return value
 
 
 @dataclass(frozen=True)

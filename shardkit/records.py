@@ -47,6 +47,8 @@ class ShardInfo:
     bytes: int = UNKNOWN
     sha256: str = ""
     index: tuple[int, ...] = ()
+    #: The sha256 of the shard's sample index file, where the manifest gives it.
+    index_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +78,5 @@ class ShardStats:
     #: Byte offset of every ``INDEX_EVERY``-th sample (0, 64, 128, ...); empty where the format
     #: needs none (LMDB seeks by key). Lets a reader start mid-shard without reading the prefix.
     index: tuple[int, ...] = ()
+    #: The sha256 of the sample index written beside the shard ("": none written).
+    index_sha256: str = ""

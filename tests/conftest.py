@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -284,3 +285,59 @@ class DecodeCount:
             time.sleep(0.01)
         assert self.seen() == n if exact else self.seen() >= n
         return self.seen()
+
+
+# --- sample indexes as the previous release wrote them ---
+
+
+def without_index_sha256(out) -> None:
+    """``out``'s manifest as the previous release wrote it: no ``index_sha256``."""
+    import json
+
+    path = os.path.join(out, "manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    for s in doc["shards"]:
+        s.pop("index_sha256", None)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def encode_v1_index(shard_bytes: int, sha256_hex: str, keys: list[bytes], offsets: list[int]):
+    """A version-1 sample index, byte for byte as the previous release wrote it (no members)."""
+    import hashlib
+    import struct
+
+    from shardkit.formats.sample_index import key_hashes
+
+    table = b"".join(keys)
+    ends = np.cumsum([len(k) for k in keys], dtype=np.uint64)
+    sha = bytes.fromhex(sha256_hex)
+    head = struct.pack(
+        "<8sII QQ 32s Q", b"SKINDEX\0", 1, 0, len(keys), shard_bytes, sha, len(table)
+    )
+    body = b"".join(
+        (
+            head,
+            np.asarray(offsets, "<u8").tobytes(),
+            key_hashes(keys).astype("<u8").tobytes(),
+            ends.astype("<u8").tobytes(),
+            table,
+        )
+    )
+    return body + hashlib.sha256(body).digest()
+
+
+def as_previous_release(out) -> None:
+    """The pack ``out`` as the previous release left it: version-1 indexes, no index_sha256."""
+    from shardkit.formats.sample_index import index_path
+    from shardkit.formats.tar.tally import tally_tar
+    from shardkit.manifest import read_manifest
+
+    for e in read_manifest(str(out)).shards:
+        shard = os.path.join(out, e.path)
+        tally = tally_tar(shard, every=1, keys=True)
+        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
+        with open(index_path(shard), "wb") as f:
+            f.write(encode_v1_index(e.bytes, e.sha256, keys, [*tally.index, tally.end]))
+    without_index_sha256(out)

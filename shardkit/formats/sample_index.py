@@ -19,7 +19,7 @@ import os
 import struct
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,14 +41,22 @@ __all__ = [
 #: The index of shard ``X`` is the file ``X + INDEX_SUFFIX`` beside it.
 INDEX_SUFFIX = ".idx"
 MAGIC = b"SKINDEX\0"
-VERSION = 1
+VERSION = 2
+#: Versions read: 1 (no members section: code that needs members reads the shard's headers).
+READS = (1, 2)
 #: magic, version, reserved, samples, shard bytes, shard sha256, key-table bytes.
 _HEAD = struct.Struct("<8sII QQ 32s Q")
+#: The members section's head: members in all, distinct extensions, bytes of their names.
+_MEMBERS = struct.Struct("<QII")
 _TRAILER = 32  # sha256 of everything before it
 
 #: The split's salt: fixed, not the seed, so a sample's side depends on its key alone
 #: (FORMAT.md, "Train/val splits"); changing it would move samples between train and val.
 SPLIT_SALT = b"shardkit-split:"
+
+
+#: The fix a stale index's message names (``--overwrite`` would replace a pack's manifest).
+_REBUILD = "rebuild it with `shardkit index` on the dataset (or pack again)"
 
 
 class SampleIndexError(ShardFormatError):
@@ -68,15 +76,45 @@ def index_path(shard_path: str) -> str:
     return shard_path + INDEX_SUFFIX
 
 
+def _encode_members(log) -> bytes:
+    """The members section (FORMAT.md, "Sample index") of a ``tally.MemberLog``: extensions
+    as uint16 ids into a table of the distinct ones, in order of first appearance."""
+    ids: dict[bytes, int] = {}
+    for ext in log.exts:
+        ids.setdefault(ext, len(ids))
+    if len(ids) > 1 << 16:
+        raise ValueError(f"{len(ids)} distinct member extensions in one shard (max 65536)")
+    names = b"".join(ids)
+    name_ends = np.cumsum(np.fromiter(map(len, ids), np.uint64, len(ids)), dtype=np.uint64)
+    m = len(log.exts)
+    return b"".join(
+        (
+            _MEMBERS.pack(m, len(ids), len(names)),
+            np.asarray(log.labels, dtype="<i8").tobytes(),
+            np.asarray(log.starts, dtype="<u8").tobytes(),
+            np.asarray(log.offsets, dtype="<u8").tobytes(),
+            np.asarray(log.sizes, dtype="<u8").tobytes(),
+            name_ends.astype("<u8").tobytes(),
+            np.fromiter((ids[e] for e in log.exts), "<u2", m).tobytes(),
+            names,
+        )
+    )
+
+
 def encode_index(
-    shard_bytes: int, sha256_hex: str, keys: Sequence[bytes], offsets: Sequence[int]
+    shard_bytes: int,
+    sha256_hex: str,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    members,
 ) -> bytes:
     """The index file's bytes. ``keys``: each sample's key as stored (UTF-8 bytes);
     ``offsets``: the byte offset of each sample's first header, then that of the
-    end-of-archive blocks (``len(keys) + 1`` entries)."""
+    end-of-archive blocks (``len(keys) + 1`` entries); ``members``: each sample's label and
+    members (a ``formats.tar.tally.MemberLog``)."""
     n = len(keys)
-    if len(offsets) != n + 1:
-        raise ValueError(f"{n} keys need {n + 1} offsets, got {len(offsets)}")
+    if len(offsets) != n + 1 or len(members.labels) != n:
+        raise ValueError(f"{n} keys need {n + 1} offsets and {n} samples' members")
     table = b"".join(keys)
     ends = np.cumsum(np.fromiter((len(k) for k in keys), np.uint64, n), dtype=np.uint64)
     body = b"".join(
@@ -86,9 +124,41 @@ def encode_index(
             key_hashes(keys).astype("<u8").tobytes(),
             ends.astype("<u8").tobytes(),
             table,
+            bytes(-len(table) % 8),  # the members' columns start 8-aligned
+            _encode_members(members),
         )
     )
     return body + hashlib.sha256(body).digest()
+
+
+@dataclass(frozen=True)
+class Members:
+    """The members section of an index, as numpy views (version 2)."""
+
+    #: Each sample's label as a reader gives it (-1: none).
+    labels: np.ndarray
+    #: Sample ``i``'s members are ``starts[i] .. starts[i + 1]`` of the columns below.
+    starts: np.ndarray
+    #: Each member's first data byte in the shard, its data size and its extension's id.
+    offsets: np.ndarray
+    sizes: np.ndarray
+    ids: np.ndarray
+    #: The distinct extensions (lowercased), by id.
+    names: tuple[str, ...]
+
+    def of(self, i: int) -> list[tuple[str, int, int]]:
+        """Sample ``i``'s members as ``(extension, data offset, data size)``, stored order."""
+        lo, hi = int(self.starts[i]), int(self.starts[i + 1])
+        names = self.names
+        return [
+            (names[e], o, s)
+            for e, o, s in zip(
+                self.ids[lo:hi].tolist(),
+                self.offsets[lo:hi].tolist(),
+                self.sizes[lo:hi].tolist(),
+                strict=True,
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -106,6 +176,8 @@ class SampleIndex:
     #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
     ends: np.ndarray
     table: bytes
+    #: Each sample's label and members; None in a version-1 index (read the headers).
+    members: Members | None = None
 
     def key(self, i: int) -> str:
         lo = int(self.ends[i - 1]) if i else 0
@@ -141,18 +213,57 @@ def decode_index(data: bytes, where: str) -> SampleIndex:
     if hashlib.sha256(data[:-_TRAILER]).digest() != data[-_TRAILER:]:
         raise _damaged(where, "its checksum does not match its contents")
     magic, version, _, n, size, sha, klen = _HEAD.unpack_from(data)
-    if version != VERSION:
-        raise _damaged(where, f"version {version}, this shardkit reads {VERSION}")
+    if version not in READS:
+        raise _damaged(where, f"version {version}, this shardkit reads {READS[-1]} and before")
     pos = _HEAD.size
-    if len(data) != pos + 8 * (n + 1) + 16 * n + klen + _TRAILER:
+    keys_at = pos + 8 * (n + 1) + 16 * n
+    if len(data) < keys_at + klen + _TRAILER or (
+        version == 1 and len(data) != keys_at + klen + _TRAILER
+    ):
         raise _damaged(where, "its length does not match its sample count")
     offsets = np.frombuffer(data, "<u8", n + 1, pos)
     hashes = np.frombuffer(data, "<u8", n, pos + 8 * (n + 1))
     ends = np.frombuffer(data, "<u8", n, pos + 8 * (n + 1) + 8 * n)
-    table = data[pos + 8 * (n + 1) + 16 * n : len(data) - _TRAILER]
+    table = data[keys_at : keys_at + klen]
     if n and (int(ends[-1]) != klen or np.any(np.diff(offsets.astype(np.int64)) <= 0)):
         raise _damaged(where, "its offsets or keys are out of order")
-    return SampleIndex(n, size, sha.hex(), offsets, hashes, ends, table)
+    members = None
+    if version >= 2:
+        members = _decode_members(data, keys_at + klen + (-klen % 8), n, offsets, where)
+    return SampleIndex(n, size, sha.hex(), offsets, hashes, ends, table, members)
+
+
+def _decode_members(data: bytes, at: int, n: int, sample_at: np.ndarray, where: str) -> Members:
+    """The members section from byte ``at``, its lengths and ranges checked (vectorized)."""
+    if len(data) < at + _MEMBERS.size + _TRAILER:
+        raise _damaged(where, "its length does not match its sample count")
+    m, e, x = _MEMBERS.unpack_from(data, at)
+    at += _MEMBERS.size
+    if len(data) != at + 8 * n + 8 * (n + 1) + 16 * m + 8 * e + 2 * m + x + _TRAILER:
+        raise _damaged(where, "its length does not match its member count")
+    labels = np.frombuffer(data, "<i8", n, at)
+    starts = np.frombuffer(data, "<u8", n + 1, at + 8 * n)
+    at += 8 * n + 8 * (n + 1)
+    offsets = np.frombuffer(data, "<u8", m, at)
+    sizes = np.frombuffer(data, "<u8", m, at + 8 * m)
+    name_ends = np.frombuffer(data, "<u8", e, at + 16 * m)
+    ids = np.frombuffer(data, "<u2", m, at + 16 * m + 8 * e)
+    names = data[at + 16 * m + 8 * e + 2 * m : at + 16 * m + 8 * e + 2 * m + x]
+    counts = np.diff(starts.astype(np.int64))
+    if int(starts[0]) != 0 or int(starts[-1]) != m or np.any(counts < 1):
+        raise _damaged(where, "its member table does not fit its samples")
+    if (e and int(name_ends[-1]) != x) or np.any(np.diff(name_ends.astype(np.int64)) < 0):
+        raise _damaged(where, "its member names are out of order")
+    if m and int(ids.max()) >= e:
+        raise _damaged(where, "a member names an extension it does not list")
+    owner = np.repeat(np.arange(n), counts)  # each member's sample
+    lo, hi = sample_at[owner], sample_at[owner + 1]
+    if np.any(offsets < lo + 512) or np.any(offsets + sizes > hi):  # a header before each
+        raise _damaged(where, "a member lies outside its sample's byte range")
+    bounds = [0, *name_ends.tolist()]
+    pairs = zip(bounds, bounds[1:], strict=False)
+    text = tuple(names[a:b].decode("utf-8", "surrogateescape") for a, b in pairs)
+    return Members(labels, starts, offsets, sizes, ids, text)
 
 
 def _damaged(where: str, why: str) -> SampleIndexError:
@@ -166,15 +277,22 @@ def build_index(path: str, shard_bytes: int, sha256_hex: str) -> bytes:
     """A tar shard's index from its headers (data hopped over): the writer's bytes exactly."""
     from .tar.tally import tally_tar
 
-    tally = tally_tar(path, every=1, keys=True)
+    return encode_tally(tally_tar(path, every=1, keys=True, members=True), shard_bytes, sha256_hex)
+
+
+def encode_tally(tally, shard_bytes: int, sha256_hex: str) -> bytes:
+    """The index of a shard from its ``tally_tar(..., every=1, keys=True, members=True)``."""
     keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-    return encode_index(shard_bytes, sha256_hex, keys, [*tally.index, tally.end])
+    return encode_index(shard_bytes, sha256_hex, keys, [*tally.index, tally.end], tally.members)
 
 
-def load_index(data: bytes | None, where: str, samples: int, size: int, sha256: str):
-    """The index of a shard the manifest describes as (``samples``, ``size``, ``sha256``), or
-    None with a warning naming it when it is damaged or belongs to another version of the
-    shard (readers then walk the shard's headers, as without an index)."""
+def load_index(
+    data: bytes | None, where: str, samples: int, size: int, sha256: str, index_sha256: str = ""
+):
+    """The index of a shard the manifest describes as (``samples``, ``size``, ``sha256``, and
+    the index file's own ``index_sha256`` where it lists one), or None with a warning naming
+    it when it is damaged or belongs to another version of the shard (readers then walk the
+    shard's headers, as without an index)."""
     if data is None or not sha256:
         return None
     try:
@@ -183,7 +301,12 @@ def load_index(data: bytes | None, where: str, samples: int, size: int, sha256: 
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard: "
                 f"{index.samples} samples, {index.shard_bytes} bytes, where the manifest says "
-                f"{samples} and {size}); run `shardkit index --overwrite` or pack again"
+                f"{samples} and {size}); {_REBUILD}"
+            )
+        if index_sha256 and hashlib.sha256(data).hexdigest() != index_sha256:
+            raise SampleIndexError(
+                f"{where}: stale sample index (its sha256 differs from the manifest's "
+                f"index_sha256); {_REBUILD}"
             )
     except SampleIndexError as exc:
         warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
@@ -227,28 +350,35 @@ def exists_for(shard_path: str) -> bool:
     return os.path.isfile(index_path(shard_path))
 
 
-def ensure_indexes(directory: str, entries) -> list[str]:
-    """Give every tar shard of ``entries`` (``path``, ``samples``, ``bytes``, ``sha256``) in
-    ``directory`` a valid index beside it, building what is missing or wrong from the shard's
-    headers (a resumed pack's earlier shards, merged shards). Returns the index file names."""
-    names = []
+def ensure_indexes(directory: str, entries: list) -> list:
+    """Give every tar shard of ``entries`` (``ShardEntry``) in ``directory`` a valid index
+    beside it, building what is missing or wrong from the shard's headers (a resumed pack's
+    earlier shards, merged shards). Returns the entries with ``index_sha256`` set to the sha256
+    of the index beside each plain tar shard, for the manifest."""
+    out = []
     for e in entries:
         if not e.path.endswith(".tar"):
-            continue  # compressed tars cannot seek; LMDB looks keys up itself
+            out.append(e)  # compressed tars cannot seek; LMDB looks keys up itself
+            continue
         shard = os.path.join(directory, e.path)
         data = read_local(index_path(shard))
-        try:
+        try:  # a version-1 index (no members) is rebuilt as the current version
             ok = data is not None and _matches(decode_index(data, shard), e)
         except SampleIndexError:
             ok = False
         if not ok:
-            write_index_file(shard, build_index(shard, e.bytes, e.sha256))
-        names.append(e.path + INDEX_SUFFIX)
-    return names
+            data = build_index(shard, e.bytes, e.sha256)
+            write_index_file(shard, data)
+        out.append(replace(e, index_sha256=hashlib.sha256(data).hexdigest()))
+    return out
 
 
 def _matches(index: SampleIndex, e) -> bool:
-    return (index.samples, index.shard_bytes, index.sha256) == (e.samples, e.bytes, e.sha256)
+    return index.members is not None and (index.samples, index.shard_bytes, index.sha256) == (
+        e.samples,
+        e.bytes,
+        e.sha256,
+    )
 
 
 @dataclass(frozen=True)
@@ -275,12 +405,12 @@ def decode_columns(
         if len(data) != columns_size(samples) or data[:8] != MAGIC:
             raise _damaged(where, "not a shardkit sample index")
         _, version, _, n, nbytes, sha, _ = _HEAD.unpack_from(data)
-        if version != VERSION:
-            raise _damaged(where, f"version {version}, this shardkit reads {VERSION}")
+        if version not in READS:  # the head is the same in every version read
+            raise _damaged(where, f"version {version}, this shardkit reads {READS[-1]} and before")
         if (n, nbytes, sha.hex()) != (samples, size, sha256):
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard); "
-                "run `shardkit index --overwrite` or pack again"
+                + _REBUILD
             )
         offsets = np.frombuffer(data, "<u8", n + 1, _HEAD.size)
         if n and (np.any(np.diff(offsets.astype(np.int64)) <= 0) or int(offsets[-1]) > size):

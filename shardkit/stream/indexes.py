@@ -34,6 +34,7 @@ from .storage import Storage
 __all__ = [
     "all_keys",
     "lmdb_index",
+    "remote_bytes",
     "shard_columns",
     "shard_index",
     "shard_keys",
@@ -49,10 +50,10 @@ def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> Sample
         return None  # no manifest to check it against, a compressed tar, or LMDB
     where = index_path(shard.url)
     if is_url(shard.url):
-        data = _remote_bytes(where, storage_options)
+        data = remote_bytes(where, storage_options)
     else:
         data = read_local(where.removeprefix("file://"))
-    return load_index(data, where, shard.samples, shard.bytes, shard.sha256)
+    return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
 
 
 def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
@@ -76,7 +77,7 @@ def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> Inde
     return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256)
 
 
-def _remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
+def remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
     from ..remote.fs import filesystem, protocol_of, strip
 
     fs = filesystem(protocol_of(url), storage_options)

@@ -31,7 +31,6 @@ __all__ = [
 _TEXT = {"cls", "label", "txt", "json", "text", "caption", "cls2", "index", "id"}
 _SHOWN = 300  # characters of a text line printed, then "..."
 _SHOWN_LINES = 200  # lines of a text or JSON member printed
-_LABELS = {"cls", "label", "cls.txt", "index"}
 
 
 def escape(text: str) -> str:
@@ -63,38 +62,27 @@ def list_lines(
     as_json: bool = False,
 ) -> Iterator[str]:
     """One line per sample in packed order (index, key, label (class), members with sizes),
-    from ``offset``, at most ``limit``, only keys starting with ``prefix``; each line made as its
-    sample is read (the index gives keys without reading a sample). ``as_json``: one JSON object
-    per line (``index``, ``key``, ``label``, ``class``, ``members``: ``[[ext, bytes], ...]``)."""
+    from ``offset``, at most ``limit``, only keys starting with ``prefix``; each line made as it
+    is needed, from the shard's sample index alone where it lists the members (else from the
+    sample's bytes). ``as_json``: one JSON object per line (``index``, ``key``, ``label``,
+    ``class``, ``members``: ``[[ext, bytes], ...]``)."""
     shown = 0
     for i in range(offset, len(view)):
         if limit is not None and shown >= limit:
             return
         if prefix is not None and not view.key(i).startswith(prefix):
             continue
-        members = view.members(i)
-        key = view.key(i)
-        label = _member_label(members)
+        s = view.summary(i)
         shown += 1
         if as_json:
+            label = s.label
             cls = view.classes[label] if view.classes and 0 <= label < len(view.classes) else None
-            doc = {"index": i, "key": key, "label": label, "class": cls}
-            doc["members"] = [[ext, len(data)] for ext, data in members]
+            doc = {"index": i, "key": s.key, "label": label, "class": cls}
+            doc["members"] = [[ext, size] for ext, size in s.members]
             yield json.dumps(doc, ensure_ascii=True)  # \u escapes: nothing drives a terminal
             continue
-        sizes = ", ".join(f"{escape(ext)} {len(data)} B" for ext, data in members)
-        yield f"{i}  {escape(key)}  label {_label(view, label)}  {sizes}"
-
-
-def _member_label(members: list[tuple[str, bytes]]) -> int:
-    """The label as a reader gives it: the first label member as decimal, else -1."""
-    for ext, data in members:
-        if ext.lower() in _LABELS:
-            try:
-                return int(data)
-            except ValueError:
-                return -1
-    return -1
+        sizes = ", ".join(f"{escape(ext)} {size} B" for ext, size in s.members)
+        yield f"{i}  {escape(s.key)}  label {_label(view, s.label)}  {sizes}"
 
 
 def resolve_sample(view: ShardView, key: str | None, position: int | None) -> int:

@@ -219,7 +219,7 @@ def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
 
 
 def _info(url: str, entry: ShardEntry) -> ShardInfo:
-    return ShardInfo(url, entry.samples, entry.bytes, entry.sha256, entry.index)
+    return ShardInfo(url, entry.samples, entry.bytes, entry.sha256, entry.index, entry.index_sha256)
 
 
 def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:

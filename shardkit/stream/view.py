@@ -26,6 +26,7 @@ import io
 import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -33,7 +34,8 @@ from torch.utils.data import Dataset
 from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb_index import LmdbIndex
-from ..formats.sample_index import SampleIndex
+from ..formats.sample_index import Members, SampleIndex
+from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
 from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
@@ -47,7 +49,7 @@ from .sources import resolve_source
 from .stages import DECODE_MODES, decoded_fields, sample_error
 from .storage import storage_for
 
-__all__ = ["ShardView"]
+__all__ = ["SampleSummary", "ShardView"]
 
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
@@ -115,7 +117,7 @@ class ShardView(Dataset):
             return self._lmdb_table(shard)
         index = shard_index(shard, self.storage_options)
         if index is not None:  # one read of the index file beside the shard
-            return _Table(index.samples, index, index.offsets.astype(np.int64))
+            return _Table(index.samples, index, index.offsets.astype(np.int64), index.members)
         try:
             with self.storage.open(shard) as stream:
                 tally = tally_tar(stream, shard=shard.url, every=1, keys=True)
@@ -232,29 +234,77 @@ class ShardView(Dataset):
             )
         return rec
 
-    def members(self, i) -> list[tuple[str, bytes]]:
-        """Every member of sample ``i`` as ``(extension, bytes)``: LMDB gives the image, the
-        label (as a tar's ``cls`` member; none for -1) and every field, in name order, as a tar
-        lists them."""
+    def members(self, i, names: Sequence[str] | None = None) -> list[tuple[str, bytes]]:
+        """Every member of sample ``i`` as ``(extension, bytes)``, or only those whose
+        extension is in ``names`` (``("txt", "json")``): where the shard's index lists the
+        members, only their byte ranges are read (a caption without its image). LMDB gives the
+        image, the label (as a tar's ``cls`` member; none for -1) and every field, in name
+        order, as a tar lists them."""
+        wanted = None if names is None else {n.lower() for n in names}
         if self.format == "lmdb":
             shard, j = self._locate(i)
             rec = self._record(shard, self.shards[shard], j, None)  # None: every field
             label = [] if rec.label == -1 else [("cls", str(rec.label).encode())]  # tar: no cls
-            return [(rec.ext, rec.data), *label, *rec.fields.items()]
-        rec = self.record(i)
+            every = [(rec.ext, rec.data), *label, *rec.fields.items()]
+            return [m for m in every if wanted is None or m[0].lower() in wanted]
+        if wanted is not None:
+            got = self._some_members(i, wanted)
+            if got is not None:
+                return got
+        return [m for m in self._all_members(i) if wanted is None or m[0] in wanted]
+
+    def _some_members(self, i, wanted: set[str]) -> list[tuple[str, bytes]] | None:
+        """The ``wanted`` members of sample ``i``, each read as its header and data alone;
+        None where the index lists no members or a header is not the member it should be
+        (then the whole sample is read, and checked by its key)."""
+        shard, j = self._locate(i)
+        table, info = self._table(shard), self.shards[shard]
+        if table.members is None:
+            return None
+        key = table.key(j).encode("utf-8", "surrogateescape")
+        out = []
+        for ext, at, size in table.members.of(j):
+            if ext not in wanted:
+                continue
+            blob = self._read(shard, info, at - BLOCK, at + size)
+            name = blob[:100].rstrip(b"\0")
+            want = key + b"." + ext.encode("utf-8", "surrogateescape")
+            if name[: len(key)] != key[:100] or name.lower() != want[:100].lower():
+                return None  # a long-name or PAX member, or the shard changed: read it whole
+            out.append((ext, blob[BLOCK:]))
+        return out
+
+    def _all_members(self, i) -> list[tuple[str, bytes]]:
         from ..formats.tar.parse import _Buffer
         from ..formats.tar.tally import _walk
 
         shard, j = self._locate(i)
-        off = self._table(shard).offsets
-        blob = self._read(shard, self.shards[shard], int(off[j]), int(off[j + 1]))
+        table, info = self._table(shard), self.shards[shard]
+        blob = self._read(shard, info, int(table.offsets[j]), int(table.offsets[j + 1]))
+        key = table.key(j).encode("utf-8", "surrogateescape")
         out = []
-        buf = _Buffer(io.BytesIO(blob + _END), self.shards[shard].url, len(blob) + len(_END))
-        for _, k, ext, data in _walk(buf, lambda k, e: True):
-            if k.decode("utf-8", "surrogateescape") != rec.key:
+        buf = _Buffer(io.BytesIO(blob + _END), info.url, len(blob) + len(_END))
+        for _, k, ext, data, _, _ in _walk(buf, lambda k, e: True):  # one read, one parse
+            if k != key:
                 break
             out.append((ext.decode("utf-8", "surrogateescape"), data or b""))
+        if not out:
+            raise ShardFormatError(
+                f"{info.url}: sample {j} is not where the index says (the shard changed since "
+                "the view was made); make the view again"
+            )
         return out
+
+    def summary(self, i) -> SampleSummary:
+        """Sample ``i``'s key, label and members' sizes: from the shard's index alone where it
+        lists them (no byte of the shard read), else from the sample's members."""
+        shard, j = self._locate(i)
+        table = self._table(shard)
+        if self.format == "tar" and table.members is not None:
+            sizes = [(ext, size) for ext, _, size in table.members.of(j)]
+            return SampleSummary(table.key(j), int(table.members.labels[j]), sizes)
+        members = self.members(i)
+        return SampleSummary(self.key(i), _label_of(members), [(e, len(d)) for e, d in members])
 
     def _locate(self, i) -> tuple[int, int]:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
@@ -333,15 +383,38 @@ def _lmdb_stamps(shards: Sequence[ShardInfo]) -> dict[str, tuple]:
     return stamps
 
 
+@dataclass(frozen=True)
+class SampleSummary:
+    """What ``shardkit ls`` prints of a sample: its key, label and ``(extension, size)`` of
+    each member, in stored order."""
+
+    key: str
+    label: int
+    members: list[tuple[str, int]]
+
+
+def _label_of(members: list[tuple[str, bytes]]) -> int:
+    """The label as a reader gives it: the first label member as decimal, else -1."""
+    for ext, data in members:
+        if ext.lower() in LABEL_EXTS:
+            try:
+                return int(data)
+            except ValueError:
+                return -1
+    return -1
+
+
 class _Table:
     """One shard's keys and sample byte ranges: a ``SampleIndex`` (read from the file beside the
     shard), an ``LmdbIndex`` (the record inside it), or what a walk over its headers or values
-    gave (a key list; a dict built on the first lookup)."""
+    gave (a key list; a dict built on the first lookup). ``members``: each sample's members,
+    where the index lists them (tar index version 2)."""
 
-    __slots__ = ("samples", "_keys", "offsets", "_by_key")
+    __slots__ = ("samples", "_keys", "offsets", "_by_key", "members")
 
-    def __init__(self, samples: int, keys, offsets: np.ndarray):
+    def __init__(self, samples: int, keys, offsets: np.ndarray, members: Members | None = None):
         self.samples, self._keys, self.offsets = samples, keys, offsets
+        self.members = members
         self._by_key: dict[str, int] | None = None
 
     def key(self, j: int) -> str:

@@ -10,14 +10,16 @@ directory), written atomically, and an existing one is only replaced on request.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InputError, OutputError
 from ..formats import format_for_path, is_shard_name
-from ..formats.sample_index import encode_index, write_index_file
+from ..formats.sample_index import encode_tally, index_path, write_index_file
 from ..formats.tar import is_gzip_name, tally_tar, warn_imageless
 from ..fsutil import HashingReader, open_regular, write_error
 from ..manifest import (
@@ -131,7 +133,10 @@ def index_shards(
         for name, n in tally.fields.items():
             fields[d][name] = fields[d].get(name, 0) + n
         index = () if is_gzip_name(p) else tuple(tally.index[::INDEX_EVERY])
-        entries[d].append(ShardEntry(os.path.basename(p), tally.samples, size, sha, index))
+        index_sha = hashlib.sha256(sample_index).hexdigest() if sample_index else ""
+        entries[d].append(
+            ShardEntry(os.path.basename(p), tally.samples, size, sha, index, index_sha)
+        )
     classes = _classes(labels)
     results = []
     for d, shard_entries in entries.items():
@@ -144,14 +149,26 @@ def index_shards(
         )
         if imageless[d]:
             warn_imageless(d, imageless[d])
-        try:
-            path = write_manifest(manifest, d)
-        except OSError as exc:  # disk full, read-only folder: one line, no temp file left
-            raise write_error(d, exc, MANIFEST_NAME) from None
+        mine = [(p, data) for p, data in indexes if os.path.dirname(os.path.abspath(p)) == d]
+        path = _publish(d, manifest, mine)
         results.append(IndexResult(path, manifest, imageless[d]))
-    for p, data in indexes:  # after the manifests: a failed index command leaves no index
-        write_index_file(p, data)
     return results
+
+
+def _publish(d: str, manifest: Manifest, indexes: list[tuple[str, bytes]]) -> str:
+    """The sample indexes, then the manifest listing their sha256 (last: its presence means
+    complete); a failed write leaves neither (a disk full, a read-only folder: one line)."""
+    what = "sample indexes"
+    try:
+        for p, data in indexes:
+            write_index_file(p, data)
+        what = MANIFEST_NAME
+        return write_manifest(manifest, d)
+    except OSError as exc:
+        for p, _ in indexes:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(index_path(p))
+        raise write_error(d, exc, what) from None
 
 
 def _classes(labels: set[int]) -> list[str]:
@@ -193,13 +210,14 @@ def _read_tar(p: str):
         raise InputError(f"{p}: cannot read ({exc.strerror}); pass tar files") from None
     with raw:
         hashing = HashingReader(raw)
-        tally = tally_tar(hashing, shard=p, labels=True, fields=True, every=1, keys=True)
+        tally = tally_tar(
+            hashing, shard=p, labels=True, fields=True, every=1, keys=True, members=True
+        )
         hashing.drain()
     sha = hashing.sha.hexdigest()
     data = None
     if not is_gzip_name(p) and tally.samples:
-        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-        data = encode_index(hashing.bytes, sha, keys, [*tally.index, tally.end])
+        data = encode_tally(tally, hashing.bytes, sha)
     return tally, hashing.bytes, sha, data
 
 
@@ -218,16 +236,20 @@ def _listed(target: str, files: list[str]) -> Manifest:
 
 def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
     """Write the sample index of each plain tar shard ``manifest`` lists (older packs have
-    none), reading each shard once and checking it against the manifest's size and sha256."""
+    none), reading each shard once and checking it against the manifest's size and sha256;
+    then, where the manifest lacks their sha256 (an older pack), replace it atomically by the
+    same manifest with them added (interrupted, the old one stays, and a rerun finishes)."""
     from ..progress import track
 
+    entries = []
     for e in track(manifest.shards, "index", "shard", enabled=progress):
         p = os.path.join(d, e.path)
         if not e.path.endswith(".tar"):
+            entries.append(e)
             continue
         with open_regular(p, buffering=0) as raw:
             hashing = HashingReader(raw)
-            tally = tally_tar(hashing, shard=p, every=1, keys=True)
+            tally = tally_tar(hashing, shard=p, every=1, keys=True, members=True)
             hashing.drain()
         if (hashing.bytes, hashing.sha.hexdigest(), tally.samples) != (
             e.bytes,
@@ -238,6 +260,17 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
                 f"{p}: is not the shard its manifest lists (size, sha256 or sample count differ); "
                 f"`shardkit verify {d}` says more; re-pack it"
             )
-        keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-        write_index_file(p, encode_index(e.bytes, e.sha256, keys, [*tally.index, tally.end]))
-    return IndexResult(os.path.join(d, MANIFEST_NAME), manifest, 0, kept=True)
+        data = encode_tally(tally, e.bytes, e.sha256)
+        try:
+            write_index_file(p, data)
+        except OSError as exc:
+            raise write_error(d, exc, "sample indexes") from None
+        entries.append(replace(e, index_sha256=hashlib.sha256(data).hexdigest()))
+    path = os.path.join(d, MANIFEST_NAME)
+    if entries != manifest.shards:
+        manifest = replace(manifest, shards=entries)
+        try:
+            write_manifest(manifest, d)
+        except OSError as exc:
+            raise write_error(d, exc, MANIFEST_NAME) from None
+    return IndexResult(path, manifest, 0, kept=True)

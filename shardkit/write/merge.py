@@ -248,8 +248,10 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     for m in [base] * in_place + [m for _, m in todo]:  # every dataset merged
         for name, count in m.fields.items():
             fields[name] = fields.get(name, 0) + count
+    new = set(added)  # their indexes checked (or built): the manifest lists their sha256
+    checked = iter(ensure_indexes(staging, [e for e in entries if e.path in new]))
+    entries = [next(checked) if e.path in new else e for e in entries]
     manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
-    ensure_indexes(staging, [e for e in entries if e.path in set(added)])
     write_manifest(manifest, staging)
     path = publish(out, staging, added, MANIFEST_NAME)
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)

@@ -34,7 +34,7 @@ from ..errors import InputError, ShardkitError, check_choice
 from ..formats import get_format
 from ..fsutil import DirLock, interrupted_commit, recover
 from ..images.decode import RESIZE_QUALITY
-from ..manifest import MANIFEST_NAME, ShardEntry, SkippedFile, read_manifest
+from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
@@ -624,7 +624,7 @@ def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> Pa
         for name, count in r.fields:
             fields[name] = fields.get(name, 0) + count
     writer.add_shards(
-        [ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index) for r in receipts if r.samples],
+        [r.entry() for r in receipts if r.samples],
         fields,
     )
     scan = plan.scan

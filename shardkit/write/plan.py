@@ -117,6 +117,8 @@ class ShardReceipt:
     skipped: tuple[tuple[str, str], ...] = ()
     #: ``(field name, samples of this shard carrying it)``, for the manifest's ``fields``.
     fields: tuple[tuple[str, int], ...] = ()
+    #: The sha256 of the shard's sample index ("": none; the commit checks or builds it).
+    index_sha256: str = ""
 
     def to_json(self) -> bytes:
         doc = {
@@ -130,6 +132,8 @@ class ShardReceipt:
         }
         if self.fields:
             doc["fields"] = [list(f) for f in self.fields]
+        if self.index_sha256:
+            doc["index_sha256"] = self.index_sha256
         return json.dumps(doc).encode()
 
     @classmethod
@@ -144,6 +148,13 @@ class ShardReceipt:
             tuple(int(x) for x in d["index"]),
             tuple((str(p), str(r)) for p, r in d["skipped"]),
             tuple((str(n), int(c)) for n, c in d.get("fields", ())),
+            str(d.get("index_sha256", "")),
+        )
+
+    def entry(self):
+        """This shard's manifest entry."""
+        return ShardEntry(
+            self.path, self.samples, self.bytes, self.sha256, self.index, self.index_sha256
         )
 
 
@@ -700,6 +711,7 @@ def _finish(task: ShardTask, cur: _Open, on_shard) -> ShardReceipt:
             tuple(stats.index),
             tuple(cur.skipped),
             tuple(sorted(cur.fields.items())),
+            stats.index_sha256,
         )
         atomic_write_bytes(_receipt_path(task.job, cur.shard), receipt.to_json())
     except OSError as exc:
@@ -777,7 +789,11 @@ def commit_pack(
                 f"the {r.bytes} bytes its receipt says; pack again with the same options, which "
                 "rewrites it"
             )
-        entries.append(ShardEntry(r.path, r.samples, r.bytes, r.sha256, r.index))
+        entries.append(r.entry())
+    try:  # the indexes checked (or built) now: the manifest lists their sha256
+        entries = ensure_indexes(plan.job, entries)
+    except OSError as exc:
+        raise write_error(plan.out, exc, "the sample indexes") from None
     if not entries:
         skipped = list(scan.errors) + task_skipped
         first = skipped[0]
@@ -817,7 +833,6 @@ def commit_pack(
     except OSError as exc:
         raise write_error(out, exc, MANIFEST_NAME) from None
     try:
-        ensure_indexes(plan.job, entries)
         path = publish(out, plan.job, [e.path for e in entries], MANIFEST_NAME, remove=replaced)
     except OSError as exc:
         if interrupted_commit(out) is not None:

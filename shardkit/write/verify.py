@@ -1,9 +1,11 @@
 """``shardkit verify``: check every shard against its manifest entry.
 
 Per shard: size, sha256, the number of samples actually readable, labels within the class list
-(or -1, "no label": a dataset may hold labelled and unlabelled samples, FORMAT.md), and with
-``decode`` every image through PIL. ``verify_shard`` takes one local file and one entry; for a
-URL dataset each shard is fetched to a temporary file first, the loop is the same.
+(or -1, "no label": a dataset may hold labelled and unlabelled samples, FORMAT.md), the sample
+index beside a tar shard (present where the manifest lists its sha256, that sha256, and equal to
+what the shard's headers give), and with ``decode`` every image through PIL. ``verify_shard``
+takes one local file and one entry; for a URL dataset each shard is fetched to a temporary file
+first, the loop is the same.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.lmdb_index import LmdbIndex, LmdbIndexError
+from ..formats.sample_index import (
+    INDEX_SUFFIX,
+    SampleIndexError,
+    build_index,
+    decode_index,
+    index_path,
+    read_local,
+)
 from ..fsutil import HashingReader, open_regular
 from ..images.checks import decode_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
@@ -236,6 +246,79 @@ def _dataset(out: str, storage_options, work_dir):
     return manifest, path, out, lambda e: contextlib.nullcontext(os.path.join(base, e.path))
 
 
+def _index_reader(out: str, manifest_path: str, storage_options):
+    """entry -> the bytes of its sample index (None: there is none), local or remote."""
+    if is_remote(out):
+        from ..stream.indexes import remote_bytes
+
+        base = url_parent(manifest_path)
+        return lambda e: remote_bytes(join_url(base, index_path(e.path)), storage_options)
+    base = os.path.dirname(manifest_path)
+    return lambda e: read_local(index_path(os.path.join(base, e.path)))
+
+
+def _same_index(data: bytes, built: bytes, where: str) -> bool:
+    """Whether the index ``data`` says what ``built`` (from the headers) says: the same bytes,
+    or for a version-1 index (packs made before members were listed) the same samples."""
+    if data == built:
+        return True
+    try:
+        got, want = decode_index(data, where), decode_index(built, where)
+    except SampleIndexError:
+        return False
+    return (
+        got.members is None
+        and (got.samples, got.shard_bytes, got.sha256, got.table)
+        == (
+            want.samples,
+            want.shard_bytes,
+            want.sha256,
+            want.table,
+        )
+        and all(
+            np.array_equal(a, b)
+            for a, b in (
+                (got.offsets, want.offsets),
+                (got.hashes, want.hashes),
+                (got.ends, want.ends),
+            )
+        )
+    )
+
+
+def _index_fix(out: str, manifest: Manifest, manifest_path: str) -> str:
+    """How to rebuild a sample index: ``shardkit index`` (which keeps a pack's manifest;
+    ``--overwrite`` for the one it wrote from foreign tars itself)."""
+    if is_remote(out):
+        return "pack again, or run `shardkit index` on a local copy and upload it"
+    over = "--overwrite " if manifest.pack.get("indexed_by") else ""
+    return f"rebuild it with `shardkit index {over}{os.path.dirname(manifest_path)}`"
+
+
+def index_problems(path: str, entry: ShardEntry, data: bytes | None, fix: str) -> list[str]:
+    """What is wrong with the sample index ``data`` of the local tar shard ``path`` (already
+    found equal to ``entry``): missing where the manifest lists it, another sha256 than the
+    manifest's, or other bytes than the shard's headers give (one more pass, over headers
+    only). ``fix``: the command that rebuilds it."""
+    if data is None:
+        return (
+            [f"sample index {entry.path}{INDEX_SUFFIX} missing; {fix}"]
+            if entry.index_sha256
+            else []
+        )
+    problems = []
+    if entry.index_sha256 and hashlib.sha256(data).hexdigest() != entry.index_sha256:
+        problems.append(
+            f"sample index {entry.path}{INDEX_SUFFIX}: sha256 differs from the manifest"
+        )
+    if not _same_index(data, build_index(path, entry.bytes, entry.sha256), path):
+        problems.append(
+            f"sample index {entry.path}{INDEX_SUFFIX} is damaged or stale (it is not what the "
+            "shard's headers give)"
+        )
+    return [f"{'; '.join(problems)}; {fix}"] if problems else []
+
+
 def verify(
     out: str,
     *,
@@ -255,8 +338,10 @@ def verify(
     """
     from ..progress import progress as progress_bar
 
-    manifest, _, name, local = _dataset(os.fspath(out), storage_options, work_dir)
+    manifest, manifest_path, name, local = _dataset(os.fspath(out), storage_options, work_dir)
     fmt = get_format(manifest.shard_format)
+    read_index = _index_reader(os.fspath(out), manifest_path, storage_options)
+    fix = _index_fix(os.fspath(out), manifest, manifest_path)
     num_classes = len(manifest.classes) or None  # no classes (foreign tars)
     entries = manifest.shards
     if threads is None:
@@ -268,7 +353,10 @@ def verify(
         with local(entry) as path:
             if path is None:
                 return ["missing"], 0
-            return verify_shard(path, entry, fmt, decode=decode, num_classes=num_classes)
+            problems, n = verify_shard(path, entry, fmt, decode=decode, num_classes=num_classes)
+            if not problems and fmt.name == "tar" and entry.path.endswith(".tar"):
+                problems = index_problems(path, entry, read_index(entry), fix)
+            return problems, n
 
     bad: list[ShardProblem] = []
     decoded = 0

@@ -317,7 +317,12 @@ class ShardWriter:
         stats = shard.close()
         self._entries.append(
             ShardEntry(
-                os.path.basename(stats.path), stats.samples, stats.bytes, stats.sha256, stats.index
+                os.path.basename(stats.path),
+                stats.samples,
+                stats.bytes,
+                stats.sha256,
+                stats.index,
+                stats.index_sha256,
             )
         )
         if self._on_shard is not None:
@@ -336,6 +341,8 @@ class ShardWriter:
                 self._finish_shard()
             if not self._entries:
                 raise OutputError(f"no samples were written to {self.out!r}; nothing to commit")
+            if not self._remote:  # checked (or built) here: the manifest lists their sha256
+                self._entries = ensure_indexes(self._staging, self._entries)
             classes = self.classes
             if classes is None:
                 classes = [str(i) for i in range(self._max_label + 1)]
@@ -359,7 +366,6 @@ class ShardWriter:
             raise
         if not self._remote:
             try:
-                ensure_indexes(self._staging, self._entries)
                 path = publish(
                     self.out,
                     self._staging,

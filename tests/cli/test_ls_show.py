@@ -214,3 +214,27 @@ def test_ls_and_show_give_the_same_with_and_without_the_index(tmp_path):
         a, b = _cli(args[0], out, *args[1:]), _cli(args[0], bare, *args[1:])
         assert a.exit_code == b.exit_code == 0
         assert a.output.replace(str(out), "OUT") == b.output.replace(str(bare), "OUT")
+
+
+def test_ls_lists_members_and_sizes_from_the_index_alone(tmp_path):
+    import os
+    import shutil
+
+    from conftest import as_previous_release
+
+    out = _fielded(tmp_path, 12)
+    want = _cli("ls", out, "--json").output
+    text = _cli("ls", out).output
+    old = tmp_path / "old"  # the previous release's indexes (no members): the shards are read
+    shutil.copytree(out, old)
+    as_previous_release(old)
+    assert _cli("ls", old, "--json").output == want and _cli("ls", old).output == text
+    for where in (out, old):  # every shard's bytes zeroed: nothing left in them to read
+        for n in os.listdir(where):
+            if n.endswith(".tar"):
+                with open(where / n, "r+b") as f:
+                    f.write(bytes(os.path.getsize(where / n)))
+    assert _cli("ls", out, "--json").output == want and _cli("ls", out).output == text
+    docs = [json.loads(line) for line in want.splitlines()]
+    assert docs[5]["members"] == [["jpg", 502], ["cls", 1], ["json", 64]]
+    assert _cli("ls", old, "--json").exit_code != 0  # without members it had to read them

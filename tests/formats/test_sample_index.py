@@ -3,11 +3,13 @@ back exactly, and refused by name when damaged or stale (readers then walk the h
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 
 import numpy as np
 import pytest
+from conftest import as_previous_release, without_index_sha256
 from PIL import Image
 
 from shardkit.formats.sample_index import (
@@ -59,6 +61,7 @@ def check_all(out) -> None:
         shard = os.path.join(out, e.path)
         data = open(index_path(shard), "rb").read()
         assert data == build_index(shard, e.bytes, e.sha256)
+        assert e.index_sha256 == hashlib.sha256(data).hexdigest()  # the manifest covers it
         ix = decode_index(data, shard)
         tally = tally_tar(shard, every=1, keys=True)
         assert ix.keys() == tally.keys and ix.samples == e.samples
@@ -96,7 +99,8 @@ def test_engines_append_merge_and_writer_give_the_same_index_bytes(src, tmp_path
     merged = tmp_path / "merged"
     other = tmp_path / "other"
     quiet(pack, more, str(other), shard_size="6kB", progress=False)
-    os.remove(index_path(os.path.join(other, "shard-000000.tar")))  # an older pack: built
+    as_previous_release(other)  # an older pack: version-1 indexes, rebuilt as version 2
+    os.remove(index_path(os.path.join(other, "shard-000000.tar")))  # one missing: built
     quiet(merge, [str(local), str(other)], str(merged))
     check_all(merged)
     w_out = tmp_path / "writer"
@@ -127,6 +131,60 @@ def test_shardkit_index_writes_indexes_beside_foreign_tars(src, tmp_path):
             os.link(out / n, foreign / n)
     index_shards([str(foreign)])
     assert indexes(foreign) == indexes(out)
+    check_all(foreign)
+
+
+def _older(out) -> None:
+    """``out``'s manifest as the previous release wrote it: no index sha256."""
+    without_index_sha256(out)
+
+
+def test_shardkit_index_adds_the_index_sha256_to_an_older_packs_manifest(
+    src, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    want = read_manifest(str(out))
+    _older(out)
+    older = (out / "manifest.json").read_bytes()
+    assert all(not e.index_sha256 for e in read_manifest(str(out)).shards)
+
+    real = os.replace
+
+    def fail(a, b):  # interrupted at the manifest's rename: the older one stays whole
+        if str(b).endswith("manifest.json"):
+            raise OSError(5, "Input/output error")
+        real(a, b)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", fail)
+        with pytest.raises(Exception, match="manifest.json"):
+            index_shards([str(out)])
+    assert (out / "manifest.json").read_bytes() == older
+    assert sorted(os.listdir(out)) == sorted([*indexes(out), "manifest.json", *_tars(out)])
+    (result,) = index_shards([str(out)])  # run again: finished
+    assert result.kept and read_manifest(str(out)).shards == want.shards
+    got = read_manifest(str(out))
+    assert (got.classes, got.pack, got.skipped) == (want.classes, want.pack, want.skipped)
+    check_all(out)
+    again = (out / "manifest.json").read_bytes()
+    index_shards([str(out)])
+    assert (out / "manifest.json").read_bytes() == again  # nothing left to add: kept as is
+
+
+def _tars(out) -> list[str]:
+    return [n for n in os.listdir(out) if n.endswith(".tar")]
+
+
+def test_an_index_whose_sha256_is_not_the_manifests_is_stale(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    data = open(index_path(shard), "rb").read()
+    assert load_index(data, shard, e.samples, e.bytes, e.sha256, e.index_sha256) is not None
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar: stale sample index.*sha256"):
+        assert load_index(data, shard, e.samples, e.bytes, e.sha256, "0" * 64) is None
 
 
 def test_a_damaged_or_stale_index_is_named_and_readers_fall_back(src, tmp_path):
@@ -248,3 +306,71 @@ def test_a_wrong_index_never_gives_another_sample(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: damaged sample index"):
         view = ShardView(str(out), decode="raw", with_keys=True)
         assert [view[i] for i in range(len(view))] == want
+
+
+def test_the_members_section_lists_each_members_data_range(tmp_path):
+    out = tmp_path / "out"
+    with ShardWriter(str(out), shard_size="1MB", classes=["a", "b"]) as w:
+        w.add("k0", "jpg", b"\xff\xd8" + bytes(700), 1, {"txt": "caption zero", "json": {"n": 0}})
+        w.add("k1", "JPG", b"\xff\xd8" + bytes(30), -1, {"txt": "one"})  # no label member
+        w.add("x" * 150, "jpg", b"\xff\xd8" + bytes(5), 0)  # long-name members
+    check_all(out)
+    (e,) = read_manifest(str(out)).shards
+    shard = os.path.join(out, e.path)
+    ix = decode_index(open(index_path(shard), "rb").read(), shard)
+    assert ix.members is not None and ix.members.labels.tolist() == [1, -1, 0]
+    raw = open(shard, "rb").read()
+    got = [[(ext, raw[at : at + n]) for ext, at, n in ix.members.of(j)] for j in range(3)]
+    assert [[ext for ext, _ in m] for m in got] == [
+        ["jpg", "cls", "txt", "json"],
+        ["jpg", "txt"],
+        ["jpg", "cls"],
+    ]
+    assert got[0][2] == ("txt", b"caption zero") and got[1][1] == ("txt", b"one")
+    assert got[2] == [("jpg", b"\xff\xd8" + bytes(5)), ("cls", b"0")]
+    assert ix.members.names == ("jpg", "cls", "txt", "json")  # ids into a table of distinct ones
+
+
+def test_the_epochs_head_does_not_grow_and_a_version_1_index_is_still_read(src, tmp_path):
+    from shardkit.formats.sample_index import columns_size, decode_columns
+
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    v2 = open(index_path(shard), "rb").read()
+    assert columns_size(e.samples) == 72 + 16 * e.samples + 8  # as in version 1
+    head = decode_columns(v2[: columns_size(e.samples)], shard, e.samples, e.bytes, e.sha256)
+    assert head is not None and head.offsets.tolist() == decode_index(v2, shard).offsets.tolist()
+    as_previous_release(out)
+    v1 = open(index_path(shard), "rb").read()
+    assert v1[8] == 1 and len(v1) < len(v2) and v1[: columns_size(e.samples)][12:] == v2[
+        : columns_size(e.samples)
+    ][12:]  # fmt: skip
+    old = decode_index(v1, shard)
+    assert old.members is None and old.keys() == decode_index(v2, shard).keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read as valid: no warning, no fallback
+        assert load_index(v1, shard, e.samples, e.bytes, e.sha256) is not None
+        assert decode_columns(v1[: columns_size(e.samples)], shard, e.samples, e.bytes, e.sha256)
+
+
+def test_a_flipped_byte_in_the_members_section_is_detected(src, tmp_path):
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    e = read_manifest(str(out)).shards[0]
+    shard = os.path.join(out, e.path)
+    data = bytearray(open(index_path(shard), "rb").read())
+    flipped = bytearray(data)
+    flipped[-40] ^= 1  # the last member name's bytes: past what an epoch reads
+    with pytest.raises(SampleIndexError, match="checksum does not match"):
+        decode_index(bytes(flipped), shard)
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar: damaged sample index"):
+        assert load_index(bytes(flipped), shard, e.samples, e.bytes, e.sha256) is None
+    # A members section that lies about a range, its checksum made to match: still refused.
+    ix = decode_index(bytes(data), shard)
+    at = bytes(data).find(ix.members.sizes.tobytes())
+    data[at : at + 8] = (10**9).to_bytes(8, "little")
+    body = bytes(data[:-32])
+    with pytest.raises(SampleIndexError, match="outside its sample's byte range"):
+        decode_index(body + hashlib.sha256(body).digest(), shard)

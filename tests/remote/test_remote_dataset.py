@@ -3,6 +3,7 @@ servers (moto S3, a Range-capable HTTP server, a fault-injecting proxy) on 127.0
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import pack
 from shardkit.errors import OutputError, StorageError
+from shardkit.manifest import read_manifest
 from shardkit.remote import ShardCache
 from shardkit.stream.dataset import ShardDataset
 
@@ -287,6 +289,9 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     indexes = [p for p in puts if p.endswith(".tar.idx")]  # each shard's sample index
     assert sorted(p[: -len(".idx")] for p in indexes) == sorted(p for p in puts if p.endswith("r"))
     assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == 2 * report.shards + 1
+    for e in read_manifest(f"s3://{b}/lfw/", storage_options=opts).shards:  # covered by it
+        body = s3.client().get_object(Bucket=b, Key=f"lfw/{e.path}.idx")["Body"].read()
+        assert e.index_sha256 == hashlib.sha256(body).hexdigest()
     assert os.listdir(tmp_path) == []  # the local staging copy is gone
     ds = _ds(f"s3://{b}/lfw/", opts)
     assert sorted(_keys(ds, num_workers=0)) == ALL_KEYS
@@ -313,10 +318,14 @@ def test_info_and_verify_read_a_remote_dataset(s3, data):
     body = (data["tar"] / names[0]).read_bytes()
     c.put_object(Bucket=b, Key=f"tar/{names[0]}", Body=body[:-1024])
     c.delete_object(Bucket=b, Key=f"tar/{names[1]}")
+    idx = bytearray((data["tar"] / f"{names[2]}.idx").read_bytes())
+    idx[70] ^= 0xFF  # the sample index beside a good shard, damaged
+    c.put_object(Bucket=b, Key=f"tar/{names[2]}.idx", Body=bytes(idx))
     report = verify(f"s3://{b}/tar/", storage_options=opts)
     problems = {p.path: p.problems for p in report.bad}
-    assert set(problems) == {names[0], names[1]} and problems[names[1]] == ["missing"]
+    assert set(problems) == {*names[:3]} and problems[names[1]] == ["missing"]
     assert any("manifest says" in p for p in problems[names[0]])
+    assert f"sample index {names[2]}.idx: sha256 differs from the manifest" in problems[names[2]][0]
 
 
 def test_a_corrupt_object_never_enters_the_cache(s3, data, tmp_path):

@@ -54,7 +54,9 @@ def test_subset_of_shards_takes_counts_from_the_manifest(packed):
     assert [s.samples for s in res.shards] == [m.shards[1].samples, m.shards[2].samples]
     # every manifest fact of a shard travels with it, in one record
     e = m.shards[1]
-    assert res.shards[0] == ShardInfo(shards[1], e.samples, e.bytes, e.sha256, e.index)
+    assert res.shards[0] == ShardInfo(
+        shards[1], e.samples, e.bytes, e.sha256, e.index, e.index_sha256
+    )
 
 
 def test_tars_without_manifest_have_unknown_counts(packed, tmp_path):

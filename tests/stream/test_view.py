@@ -198,3 +198,79 @@ def test_lmdb_members_include_every_field_as_tar_lists_them(tmp_path):
         ("txt", b"cap"),
     ]
     assert got["lmdb"][1] == [("jpg", b"img-b"), ("txt", b"only")]
+
+
+# --- some members of a sample: their byte ranges alone -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def captioned(tmp_path_factory):
+    """30 samples of a 20 kB image and a short caption each, in three tar shards."""
+    out = tmp_path_factory.mktemp("captioned") / "d"
+    with ShardWriter(str(out), shard_size="220kB", classes=["a", "b"]) as w:
+        for i in range(30):
+            image = b"\xff\xd8" + bytes([i]) * 20_000
+            w.add(f"s/k{i:02d}", "jpg", image, i % 2, extra={"txt": b"caption %d" % i})
+    return str(out)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts reads through /proc")
+def test_members_by_name_read_only_their_byte_ranges(captioned, tmp_path):
+    import os
+
+    from conftest import as_previous_release
+
+    view = ShardView(captioned)
+    assert len(view.shards) > 2 and len(view.keys()) == 30  # each shard's index read once
+    before = _rchar()
+    got = [view.members(i, ("txt",)) for i in range(30)]
+    read = _rchar() - before
+    assert got == [[("txt", b"caption %d" % i)] for i in range(30)]
+    assert read <= 30 * (512 + 12) + 1024 < 20_000  # a header and a caption each (+ /proc)
+    assert view.members(3, ["TXT", "cls"]) == [("cls", b"1"), ("txt", b"caption 3")]
+    assert view.members(3, ()) == [] and len(view.members(3)) == 3
+    old = tmp_path / "old"  # packed by the previous release: version-1 indexes
+    os.makedirs(old)
+    for n in os.listdir(captioned):
+        with open(os.path.join(captioned, n), "rb") as a, open(old / n, "wb") as b:
+            b.write(a.read())
+    as_previous_release(old)
+    view_v1 = ShardView(str(old))
+    before = _rchar()
+    assert [view_v1.members(i, ("txt",)) for i in range(30)] == got  # the whole samples read
+    assert _rchar() - before > 30 * 20_000
+    assert [view_v1.summary(i) for i in range(30)] == [view.summary(i) for i in range(30)]
+
+
+@pytest.mark.slow
+def test_members_by_name_over_s3_are_one_small_ranged_get_each(captioned, s3):
+    pytest.importorskip("s3fs")
+    from remote_servers import S3Server
+
+    bucket = f"members-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(bucket, "d", Path(captioned))
+    view = ShardView(f"s3://{bucket}/d/", storage_options=S3Server.options(s3.endpoint))
+    view.members(0, ("txt",))
+    s3.log.clear()
+    assert view.members(7, ("txt",)) == [("txt", b"caption 7")]
+    (get,) = [e for e in s3.log.entries if e[0] == "GET"]  # the index was read before
+    lo, hi = (int(x) for x in get[2].removeprefix("bytes=").split("-"))
+    assert get[1].endswith("shard-000000.tar") and hi - lo + 1 == 512 + len(b"caption 7")
+
+
+def test_members_by_name_of_a_shard_changed_under_the_view_are_refused(tmp_path):
+    out = tmp_path / "d"
+    with ShardWriter(str(out), shard_size="30kB") as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"\xff\xd8" + bytes(10_000), 0, extra={"txt": b"caption %d" % i})
+    view = ShardView(str(out))
+    assert len(view.shards) > 1 and view.members(0, ("txt",)) == [("txt", b"caption 0")]
+    view.close()
+    (out / "shard-000001.tar").replace(out / "shard-000000.tar")  # other samples, same layout
+    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 0 is not where"):
+        view.members(0, ("txt",))

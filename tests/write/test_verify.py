@@ -155,3 +155,77 @@ def test_info_and_verify_without_manifest(tmp_path):
             f"error: {tmp_path / 'manifest.json'}: no manifest; pack the folder with "
             "`shardkit pack`"
         ]
+
+
+def _flip(path, at) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_verify_checks_each_sample_index_against_the_manifest_and_the_headers(tmp_path):
+    src = tmp_path / "src"
+    _tree(src, {f"class_{c}": 6 for c in range(4)})
+    out = tmp_path / "out"
+    _pack(src, out, shard_size=8192)
+    shards = read_manifest(str(out)).shards
+    assert len(shards) >= 4 and all(len(s.index_sha256) == 64 for s in shards)
+    gone, flipped, stale, swapped = (str(out / s.path) + ".idx" for s in shards[:4])
+    os.unlink(gone)
+    _flip(flipped, 60)
+    # rewritten with a matching sha256 in the manifest, but not what the headers give
+    doc = json.loads((out / "manifest.json").read_text())
+    other = open(swapped, "rb").read()
+    with open(stale, "wb") as f:
+        f.write(other)
+    doc["shards"][2]["index_sha256"] = __import__("hashlib").sha256(other).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(doc))
+    report = verify(str(out))
+    bad = {b.path: " ".join(b.problems) for b in report.bad}
+    assert sorted(bad) == [s.path for s in shards[:3]]
+    fix = f"rebuild it with `shardkit index {out}`"
+    assert bad[shards[0].path] == f"sample index {shards[0].path}.idx missing; {fix}"
+    assert "sha256 differs from the manifest" in bad[shards[1].path]
+    assert "damaged or stale" in bad[shards[1].path] and fix in bad[shards[1].path]
+    assert "sha256 differs" not in bad[shards[2].path]
+    assert "damaged or stale" in bad[shards[2].path]
+    r = run_cli("verify", out, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"BAD {shards[0].path}: sample index" in r.stdout
+    from shardkit.write.index import index_shards
+
+    index_shards([str(out)])  # the fix it names
+    assert verify(str(out)).ok
+
+
+def test_verify_passes_an_older_pack_without_indexes_and_checks_one_it_has(tmp_path):
+    src = tmp_path / "src"
+    _tree(src, {"a": 5})
+    out = tmp_path / "out"
+    _pack(src, out)
+    doc = json.loads((out / "manifest.json").read_text())
+    for s in doc["shards"]:
+        del s["index_sha256"]  # as the previous release wrote it
+    (out / "manifest.json").write_text(json.dumps(doc))
+    assert verify(str(out)).ok  # its index still matches the headers
+    _flip(str(out / "shard-000000.tar.idx"), 60)
+    (problem,) = verify(str(out)).bad
+    assert "damaged or stale" in problem.problems[0]
+    os.unlink(out / "shard-000000.tar.idx")
+    assert verify(str(out)).ok  # none listed, none there: nothing to check
+
+
+def test_verify_passes_the_previous_releases_version_1_indexes(tmp_path):
+    from conftest import as_previous_release
+
+    src = tmp_path / "src"
+    _tree(src, {"a": 5, "b": 4})
+    out = tmp_path / "out"
+    _pack(src, out, shard_size=8192)
+    as_previous_release(out)
+    assert verify(str(out)).ok
+    idx = out / read_manifest(str(out)).shards[1].path
+    _flip(str(idx) + ".idx", 80)  # an offset: the v1 index is still checked
+    assert [b.path for b in verify(str(out)).bad] == [idx.name]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -31,14 +31,15 @@ from .parse import (
     split_member_name,
 )
 
-__all__ = ["TarTally", "count_tar_samples", "tally_tar", "warn_imageless"]
+__all__ = ["MemberLog", "TarTally", "count_tar_samples", "tally_tar", "warn_imageless"]
 
 
 def _walk(  # noqa: C901 (_scan's plain twin, by headers only)
     b: _Buffer, wants: Callable[[bytes, bytes], bool]
-) -> Iterator[tuple[int, bytes, bytes, bytes | None]]:
-    """Every regular member as ``(offset, key, lowercased ext, data)``, data only where
-    ``wants(key, ext)``; ``offset`` is that of its first header (long-name records included).
+) -> Iterator[tuple[int, bytes, bytes, bytes | None, int, int]]:
+    """Every regular member as ``(offset, key, lowercased ext, data, data offset, size)``,
+    data only where ``wants(key, ext)``; ``offset`` is that of its first header (long-name
+    records included), ``data offset`` that of its first data byte.
 
     Same rules as ``_scan`` (which inlines them for speed), written plainly through the buffer's
     methods: counting and indexing read headers only, so this is not the hot path.
@@ -86,6 +87,7 @@ def _walk(  # noqa: C901 (_scan's plain twin, by headers only)
             first_header = None
             continue
         ext = ext.lower()
+        data_at = b.base + b.pos
         if wants(k, ext):
             if not b.fill(padded):
                 b.truncated(f"member {name.decode(errors='replace')}", padded)
@@ -94,8 +96,30 @@ def _walk(  # noqa: C901 (_scan's plain twin, by headers only)
         else:
             data_or_none = None
             b.skip(padded, "a member")
-        yield first_header, k, ext, data_or_none
+        yield first_header, k, ext, data_or_none, data_at, size
         first_header = None
+
+
+class MemberLog:
+    """Each sample's label and members (lowercased extension, data offset, data size), in
+    stored order, as a writer writes them or a walk over the headers meets them: the members
+    section of a sample index (``formats.sample_index``; appended to per member at pack time,
+    never on a read path)."""
+
+    def __init__(self):
+        self.labels: list[int] = []
+        self.starts: list[int] = [0]
+        self.exts: list[bytes] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+
+    def add_sample(self, members: Sequence[tuple[bytes, int, int]], label: int) -> None:
+        for ext, offset, size in members:
+            self.exts.append(ext.lower())
+            self.offsets.append(offset)
+            self.sizes.append(size)
+        self.starts.append(len(self.exts))
+        self.labels.append(label)
 
 
 @dataclass
@@ -116,6 +140,8 @@ class TarTally:
     fields: dict[str, int] = field(default_factory=dict)
     #: Byte offset of the end-of-archive blocks (where the last sample's byte range ends).
     end: int = 0
+    #: Every sample's label and members (extension, data offset, size), when asked for.
+    members: MemberLog | None = None
 
 
 def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
@@ -126,19 +152,24 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
     every: int = INDEX_EVERY,
     keys: bool = False,
     fields: bool = False,
+    members: bool = False,
 ) -> TarTally:
     """Count samples (and optionally collect labels and offsets) reading headers only.
 
     ``every``: the offset of every ``every``-th sample goes in ``index`` (1: every sample, the
     dense index random access reads by); ``keys``: collect every sample's key; ``fields``:
-    count the samples carrying each field.
+    count the samples carrying each field; ``members``: log each sample's label and members
+    (what the sample index holds; reads label members as ``labels`` does).
 
     Applies exactly the grouping rules of ``iter_tar_records``, so the count is what a stream
     yields; a duplicated member raises as it does there.
     """
     f, name, owned = _open(source)
     shard = shard or name
-    tally = TarTally()
+    tally = TarTally(members=MemberLog() if members else None)
+    log = tally.members
+    group: list[tuple[bytes, int, int]] = []  # this key's members: ext, data offset, size
+    labels = labels or members
     try:
         b = _Buffer(_sequential(f, shard), shard, 64 << 10)
 
@@ -164,17 +195,22 @@ def tally_tar(  # noqa: C901 (one pass: the grouping rules of members)
                     tally.labels.add(label)
                 if fields:
                     _count_fields(tally.fields, seen)
+                if log is not None:
+                    log.add_sample(group, -1 if label is None else label)
             else:
                 tally.imageless += 1
 
-        for offset, k, ext, data in _walk(b, wants):
+        for offset, k, ext, data, data_at, size in _walk(b, wants):
             if k != key:
                 close_group()
                 key, seen, has_image, label, start = k, [ext], False, None, offset
+                group = []
             elif ext in seen:
                 raise _duplicate(shard, k, ext)
             else:
                 seen.append(ext)
+            if log is not None:
+                group.append((ext, data_at, size))
             kind = _kind(ext)
             if kind is _IMAGE:
                 has_image = True

@@ -12,6 +12,7 @@ from ...manifest import INDEX_EVERY
 from ...records import ShardStats
 from ..sample_index import encode_index, write_index_file
 from .parse import _END_OF_ARCHIVE, _GNU_MAGIC, _MAX_OCTAL_SIZE, BLOCK
+from .tally import MemberLog
 
 __all__ = ["TarShardWriter", "TarSizer"]
 
@@ -112,6 +113,7 @@ class TarShardWriter:
         self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
         self._keys: list[bytes] = []  # the sample index beside the shard (sample_index)
         self._offsets: list[int] = []
+        self._members = MemberLog()
         self._hash = hashlib.sha256()
         self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
 
@@ -132,11 +134,19 @@ class TarShardWriter:
             self._index.append(self._bytes)
         self._keys.append(kb)
         self._offsets.append(self._bytes)
-        parts = _member(kb + b"." + ext.encode(), data)
+        members = [(ext.encode(), data)]
         if label >= 0:  # -1: no label, no member (readers give -1)
-            parts += _member(kb + b".cls", b"%d" % label)
-        for name, value in extra:
-            parts += _member(kb + b"." + name.encode(), value)
+            members.append((b"cls", b"%d" % label))
+        members += [(name.encode(), value) for name, value in extra]
+        parts: list[bytes] = []
+        placed = []  # each member's extension, data offset and size, for the sample index
+        at = self._bytes
+        for mext, value in members:
+            name = kb + b"." + mext
+            placed.append((mext, at + _member_size(len(name), 0), len(value)))
+            at += _member_size(len(name), len(value))
+            parts += _member(name, value)
+        self._members.add_sample(placed, label if label >= 0 else -1)
         self._write(b"".join(parts))
         self.samples += 1
 
@@ -157,9 +167,12 @@ class TarShardWriter:
         os.fsync(f.fileno())
         f.close()
         sha = self._hash.hexdigest()
+        index_sha = ""
         if self.samples:
-            write_index_file(self.path, encode_index(self._bytes, sha, self._keys, self._offsets))
-        return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index))
+            data = encode_index(self._bytes, sha, self._keys, self._offsets, self._members)
+            write_index_file(self.path, data)
+            index_sha = hashlib.sha256(data).hexdigest()
+        return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index), index_sha)
 
     def abort(self) -> None:
         if self._file is not None:
