@@ -490,6 +490,13 @@ _RAY_CASES = textwrap.dedent(
         got = RayRunner(plan_chunk=15).map_chunks(fn, chunks)
         assert np.array_equal(np.concatenate([g.files for g in got]), source_stats(scan).files)
     ray.shutdown()
+    # a runner that starts its own cluster: once, for the stats and the tasks, stopped after
+    inits, real_init = [], ray.init
+    ray.init = lambda *a, **kw: inits.append(1) or real_init(*a, **kw)
+    runner = RayRunner(num_cpus=1, plan_chunk=16, init={"_node_ip_address": "127.0.0.1"})
+    pack(src, os.path.join(base, "own-cluster"), format="tar", shard_size="12kB",
+         progress=False, runner=runner)
+    assert len(inits) == 1 and not ray.is_initialized(), inits
     print(json.dumps(Counting.chunks))
     """
 )
@@ -499,7 +506,8 @@ _RAY_CASES = textwrap.dedent(
 def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(src, refs, tmp_path):
     """One cluster for every case: 1 and 2 CPUs per task (one task at a time, or two), 1-3
     shards per task, a task raising once and a worker dying once, the plan's stats in three
-    Ray tasks, and the CLI; then planning tasks raising once and dying once."""
+    Ray tasks, and the CLI; then planning tasks raising once and dying once; then a runner
+    starting its own cluster, once for the plan and the tasks."""
     pytest.importorskip("ray", reason="the ray extra: pip install 'shardkit[ray]'")
     cases = [
         ("tar-k1", "tar", 1, 1, None),
@@ -528,9 +536,9 @@ def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(sr
     # one planning task per pack, three for the one with plan_chunk=16 (44 files)
     assert json.loads(r.stdout.strip().splitlines()[-1]) == 3 + 3
     assert sorted(os.listdir(base)) == sorted(
-        [c[0] for c in cases] + ["raise-0", "exit-0", "stat-raise", "stat-exit"]
+        [c[0] for c in cases] + ["raise-0", "exit-0", "stat-raise", "stat-exit", "own-cluster"]
     )  # each fault happened once, and was retried
-    for name, fmt, *_ in cases:
+    for name, fmt, *_ in [*cases, ("own-cluster", "tar")]:
         assert digest(str(base / name)) == digest(refs[fmt]), name
 
 
