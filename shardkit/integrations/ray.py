@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -73,7 +73,7 @@ class RayRunner:
 
     def __call__(self, tasks: Sequence[ShardTask]) -> list[ShardReceipt]:
         try:
-            done = self._run("a pack task", [(self.fn, t, self.threads) for t in tasks])
+            done = self._run("a pack task", ((self.fn, t, self.threads) for t in tasks))
         finally:
             self.close()
         return [r for receipts in done for r in receipts]
@@ -81,7 +81,7 @@ class RayRunner:
     def map_chunks(self, fn: Callable[..., T], chunks: Sequence[tuple]) -> list[T]:
         """``[fn(*chunk) for chunk in chunks]`` as Ray tasks, in order; the cluster stays up
         for the pack's tasks (``close`` stops one this runner started)."""
-        return self._run("a planning task", [(fn, *c) for c in chunks])
+        return self._run("a planning task", ((fn, *c) for c in chunks))
 
     def close(self) -> None:
         """Stop the local cluster this runner started, if it did."""
@@ -103,17 +103,27 @@ class RayRunner:
             self._started = True
         return ray
 
-    def _run(self, what: str, calls: list[tuple]) -> list:
-        """``call[0](*call[1:])`` for each call, as Ray tasks; failures as one-line errors."""
+    def _run(self, what: str, calls: Iterable[tuple]) -> list:
+        """``call[0](*call[1:])`` for each call, as Ray tasks, results in order; failures as
+        one-line errors. Two tasks per CPU of the cluster are in flight: the object store holds
+        their arguments, not every task's (each task is made as it is submitted)."""
         ray = self._connect()
         remote = ray.remote(
             max_retries=self.retries,
             retry_exceptions=list(RETRYABLE),
             num_cpus=self.cpus_per_task,
         )(_call)
-        refs = [remote.remote(*c) for c in calls]
+        cpus = ray.cluster_resources().get("CPU", 1)
+        window = max(2, int(2 * cpus / max(self.cpus_per_task, 1e-3)))
+        running: dict = {}  # ObjectRef -> the call's position
+        results: dict[int, Any] = {}
         try:
-            return ray.get(refs)
+            for i, c in enumerate(calls):
+                if len(running) >= window:
+                    _collect(ray, running, results)
+                running[remote.remote(*c)] = i
+            while running:
+                _collect(ray, running, results)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, ShardkitError):
@@ -127,6 +137,14 @@ class RayRunner:
                 f"{what}'s worker died {self.retries + 1} times ({type(exc).__name__}); "
                 "pack again with the same options to resume"
             ) from None
+        return [results[i] for i in range(len(results))]
+
+
+def _collect(ray, running: dict, results: dict) -> None:
+    """Wait for one of the ``running`` tasks at least; move what finished into ``results``."""
+    done, _ = ray.wait(list(running), num_returns=1)
+    for ref in done:
+        results[running.pop(ref)] = ray.get(ref)
 
 
 def _call(fn: Callable, *args):
