@@ -265,34 +265,42 @@ def _le_bytes(a: np.ndarray) -> memoryview:
 class SourceStats:
     """The plan's per-file ``(size, mtime_ns)`` (``stat_pair``) as int64 arrays: ``files`` one
     row per sample's image; ``fields`` one per field file, sample ``i``'s rows
-    ``fields[field_offsets[i]:field_offsets[i + 1]]`` (in ``SourceScan.fields_of`` order)."""
+    ``fields[field_offsets[i]:field_offsets[i + 1]]`` (in ``SourceScan.fields_of`` order).
+    Without field files ``field_offsets`` is ``[0]``: no 8 bytes per sample for nothing."""
 
     files: np.ndarray
     field_offsets: np.ndarray
     fields: np.ndarray
 
     def of_fields(self, i: int) -> list[tuple[int, int]]:
+        if len(self.field_offsets) == 1:
+            return []
         a, b = self.field_offsets[i : i + 2].tolist()
         return [(int(x), int(y)) for x, y in self.fields[a:b].tolist()]
 
     @classmethod
-    def concat(cls, parts: list[SourceStats]) -> SourceStats:
-        """``parts`` (stats of consecutive spans of one scan) end to end."""
-        offsets, base = [np.zeros(1, dtype=np.int64)], 0
+    def gather(cls, n: int, parts: Iterable[SourceStats]) -> SourceStats:
+        """The stats of ``n`` samples from ``parts`` (consecutive spans, taken one at a time:
+        the images' rows go straight into one array)."""
+        files = np.empty((n, 2), dtype=np.int64)
+        offsets, fields, at, base = [np.zeros(1, dtype=np.int64)], [], 0, 0
         for p in parts:
-            offsets.append(p.field_offsets[1:] + base)
-            base += int(p.field_offsets[-1])
-        return cls(
-            np.concatenate([p.files for p in parts]) if parts else np.empty((0, 2), np.int64),
-            np.concatenate(offsets),
-            np.concatenate([p.fields for p in parts]) if parts else np.empty((0, 2), np.int64),
-        )
+            files[at : at + len(p.files)] = p.files
+            at += len(p.files)
+            if len(p.field_offsets) > 1:
+                offsets.append(p.field_offsets[1:] + base)
+                base += int(p.field_offsets[-1])
+            fields.append(p.fields)
+        if at != n:  # a runner's map_chunks that lost or repeated a chunk
+            raise ValueError(f"the plan's stats cover {at} files of {n}")
+        empty = np.empty((0, 2), dtype=np.int64)
+        return cls(files, np.concatenate(offsets), np.concatenate(fields) if fields else empty)
 
 
 def span_stats(root: str, files: Sequence[str], sidecars: Sequence[str]) -> SourceStats:
     """``SourceStats`` of ``files`` under ``root`` and of their field files (``sidecars``:
     ``SourceScan.sidecars`` form, or empty for none): one planning chunk, on any machine."""
-    counts = np.zeros(len(files) + 1, dtype=np.int64)
+    counts = np.zeros(len(files) + 1 if len(sidecars) else 1, dtype=np.int64)
     pairs: list[tuple[int, int]] = []
     if len(sidecars):
         for i, (rel, side) in enumerate(zip(files, sidecars, strict=True)):
@@ -312,17 +320,17 @@ def source_stats(scan: SourceScan, engine=None) -> SourceStats:
     mapper = getattr(engine, "map_chunks", None)
     step = int(engine.plan_chunk) if mapper is not None else STAT_BLOCK
     n = len(scan.files)
-    chunks = [
+    chunks = (
         (
             root,
             scan.files.span(a, min(a + step, n)),
             sidecars.span(a, min(a + step, n)) if sidecars is not None else (),
         )
         for a in range(0, n, step)
-    ]
+    )
     if mapper is not None:
-        return SourceStats.concat(list(mapper(span_stats, chunks)))
-    return SourceStats.concat([span_stats(*c) for c in chunks])
+        return SourceStats.gather(n, mapper(span_stats, list(chunks)))
+    return SourceStats.gather(n, (span_stats(*c) for c in chunks))
 
 
 def read_fields(root: str, named, validate: str) -> tuple[dict | None, str | None]:
