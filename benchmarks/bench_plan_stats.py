@@ -8,7 +8,8 @@ a fresh child process; the engine is started before the clock (a Ray cluster's s
 a pool's fork are reported apart, not counted). Per source and engine it reports the driver's
 CPU seconds (``RUSAGE_SELF``: user + system, this process only, so work done by pool workers
 or Ray workers is not in it; Ray's own driver threads are) for the whole ``plan_pack``, and
-apart (measured again after it) for the scan and for the stats, with the stats' wall time.
+apart (measured again after it) for the scan and for the stats, with the stats' wall time
+and the driver's peak resident memory (with Ray: its libraries' too).
 Rounds are interleaved:
 
     python benchmarks/bench_plan_stats.py --rows 200000 --repeats 3
@@ -65,6 +66,7 @@ if engine == "ray":
     ray.shutdown()
 print(json.dumps({"files": len(scan.files), "scan_cpu": c1 - c0, "stats_cpu": c2 - c1,
                   "plan_cpu": plan_cpu, "fp": plan.fingerprint,
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "stats_wall": w2 - w1, "engine_start": start,
                   "sum": int(stats.files[:, 0].sum())}))
 """
@@ -112,18 +114,19 @@ def report(results: dict, engines: list[str], sources: dict) -> None:
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
     print(
         f"{'source engine':<16}{'files':>9}{'scan cpu':>10}{'stat cpu':>10}{'plan cpu':>10}"
-        f"{'stat wall':>11}{'start s':>9}"
+        f"{'stat wall':>11}{'start s':>9}{'peak MB':>9}"
     )
     best = {}
     for key, runs in results.items():
         keys = ("scan_cpu", "stats_cpu", "stats_wall", "plan_cpu")
         b = {k: min(r[k] for r in runs) for k in keys}
         b["engine_start"] = min(r["engine_start"] for r in runs)
+        b["peak_mb"] = min(r["peak_mb"] for r in runs)
         best[key] = b
         print(
             f"{key:<16}{runs[0]['files']:>9}{b['scan_cpu']:>10.2f}{b['stats_cpu']:>10.2f}"
             f"{b['plan_cpu']:>10.2f}{b['stats_wall']:>11.2f}"
-            f"{b['engine_start']:>9.1f}"
+            f"{b['engine_start']:>9.1f}{b['peak_mb']:>9.0f}"
         )
         if len({r["sum"] for r in runs}) != 1:
             print(f"  {key}: the stats DIFFER between rounds")
