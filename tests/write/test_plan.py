@@ -218,6 +218,31 @@ def test_an_engine_stats_the_plan_in_chunks_and_plans_the_same(src, tmp_path, fi
     assert len(mine.fields) == (15 if fields else 0)
 
 
+class InProcess:
+    """A runner that maps planning chunks here, in order (a user's own runner may be this);
+    ``lose``: it drops the last chunk's answer, as a broken runner might."""
+
+    def __init__(self, plan_chunk: int, lose: bool = False):
+        self.plan_chunk, self.lose, self.calls = plan_chunk, lose, 0
+
+    def map_chunks(self, fn, chunks):
+        self.calls += len(chunks)
+        out = [fn(*c) for c in chunks]
+        return out[:-1] if self.lose else out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_stats_of_any_size_are_the_drivers_and_a_lost_chunk_is_refused(tmp_path, chunk):
+    source = _fields_tree(tmp_path / "f")
+    alone = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW)
+    runner = InProcess(chunk)
+    mine = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW, engine=runner)
+    assert runner.calls == -(-len(alone.scan.files) // chunk)
+    assert (mine.fingerprint, mine.starts.tolist()) == (alone.fingerprint, alone.starts.tolist())
+    with pytest.raises(ValueError, match="the plan's stats cover"):
+        source_stats(alone.scan, InProcess(chunk, lose=True))
+
+
 @pytest.mark.slow  # worker processes
 def test_a_pack_whose_plan_ran_on_the_pool_writes_the_same_bytes(src, refs, tmp_path):
     out = str(tmp_path / "out")
