@@ -107,6 +107,14 @@ class StrTable(Sequence[str]):
         out.blob = self.blob[np.arange(int(out.offsets[-1]), dtype=np.int64) + shift]
         return out
 
+    def span(self, lo: int, hi: int) -> StrTable:
+        """Strings ``lo..hi-1`` as a table viewing this one's blob (only the offsets are new):
+        what a planning chunk sent to another process carries."""
+        out = StrTable()
+        a, b = int(self.offsets[lo]), int(self.offsets[hi])
+        out.blob, out.offsets = self.blob[a:b], self.offsets[lo : hi + 1] - a
+        return out
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -20,6 +20,7 @@ final name by an interruption.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -56,12 +57,11 @@ from .read import (
     READ_BATCH,
     PackWarning,
     check_sample,
-    field_stats,
-    file_stats,
     fingerprint,
     ordered_map,
     pack_options,
     pack_version,
+    source_stats,
     stat_pair,
 )
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
@@ -154,13 +154,14 @@ class PackReport:
 
 
 def _already_packed(
-    src: str, out: str, options: dict, progress: bool, append: bool = False
+    src: str, out: str, options: dict, progress: bool, append: bool = False, engine=None
 ) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
     source's now, and every shard it lists is there at its size), else None.
 
-    Costs a scan and one ``stat`` per file, no reads. Manifests without a fingerprint (older
-    packs, Python sources, URLs) are never up to date: the caller goes on as before.
+    Costs a scan and one ``stat`` per file (on ``engine``, as ``plan_pack``'s), no reads.
+    Manifests without a fingerprint (older packs, Python sources, URLs) are never up to date:
+    the caller goes on as before.
     """
     if is_url(out) or not (
         os.path.isfile(os.path.join(out, MANIFEST_NAME)) or interrupted_commit(out)
@@ -189,8 +190,7 @@ def _already_packed(
         ):
             return None
         scan = scan_source(src, progress=progress, root=options.get("root"))
-        stats = file_stats(os.path.abspath(scan.root), scan.files)
-        if fingerprint(scan, stats, options, field_stats(scan)) not in recorded:
+        if fingerprint(scan, source_stats(scan, engine), options) not in recorded:
             return None
     return PackReport(
         out=out,
@@ -210,6 +210,12 @@ def _already_packed(
 
 
 # --- pack ------------------------------------------------------------------------------------
+
+
+def _session(runner):
+    """``runner``, closed when the pack is done with it (``RayRunner.close`` stops a cluster
+    started for the plan's stats), if it can be."""
+    return contextlib.closing(runner) if hasattr(runner, "close") else contextlib.nullcontext()
 
 
 def _check_options(validate, on_error, workers, resize_short, seed) -> str:
@@ -310,37 +316,38 @@ def pack(
         out = os.fspath(out)
         if append:
             _check_append(out, overwrite)
-        if not overwrite and plan_only is None:
-            current = _already_packed(src, out, options, progress, append)
-            if current is not None:
-                return current
-        kw = dict(
-            shard_size=shard_size,
-            format=format,
-            shuffle=shuffle,
-            seed=seed,
-            validate=validate,
-            resize_short=resize_short,
-            on_error=on_error,
-            progress=progress,
-            root=root,
-            allow_duplicates=bool(allow_duplicates),
-        )
-        if not is_url(out) or out.startswith("file://"):
-            out = out.removeprefix("file://")
-            return _pack_planned(
-                src,
-                out,
-                kw,
-                overwrite,
-                workers,
-                on_shard,
-                runner,
-                shards_per_task,
-                started,
-                append,
-                plan_only,
+        with _session(runner):  # a cluster started for the stats serves the tasks
+            if not overwrite and plan_only is None:
+                current = _already_packed(src, out, options, progress, append, runner)
+                if current is not None:
+                    return current
+            kw = dict(
+                shard_size=shard_size,
+                format=format,
+                shuffle=shuffle,
+                seed=seed,
+                validate=validate,
+                resize_short=resize_short,
+                on_error=on_error,
+                progress=progress,
+                root=root,
+                allow_duplicates=bool(allow_duplicates),
             )
+            if not is_url(out) or out.startswith("file://"):
+                out = out.removeprefix("file://")
+                return _pack_planned(
+                    src,
+                    out,
+                    kw,
+                    overwrite,
+                    workers,
+                    on_shard,
+                    runner,
+                    shards_per_task,
+                    started,
+                    append,
+                    plan_only,
+                )
         if runner is not None:
             raise InputError(
                 f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
@@ -490,13 +497,13 @@ def _pack_planned(
                     f'"{base.shard_format}"'
                 )
             existing = set() if kw["allow_duplicates"] else dataset_keys(out, base)
-            plan = plan_pack(src, out, **kw, existing=existing).appending(base)
+            plan = plan_pack(src, out, **kw, existing=existing, engine=runner).appending(base)
             replaced = []  # nothing already packed is touched
             if not len(plan.order):
                 _warn_duplicates(plan, src, out)
                 return _nothing_to_append(plan, out, started)
         else:
-            plan = plan_pack(src, out, **kw)
+            plan = plan_pack(src, out, **kw, engine=runner)
         if plan_only is not None:
             save_tasks(plan.tasks(shards_per_task), plan_only, "the same pack without plan_only")
             return _planned_report(plan, out, started)

@@ -68,15 +68,15 @@ from .read import (
     READ_BATCH,
     Ahead,
     PackWarning,
+    SourceStats,
     check_sample,
-    field_stats,
-    file_stats,
     fingerprint,
     ordered_map,
     pack_options,
     pack_version,
     read_fields,
     read_file,
+    source_stats,
     stat_pair,
 )
 from .writer import ShardSizeWarning, next_shard_number, shard_name
@@ -377,12 +377,14 @@ def plan_pack(
     root: str | None = None,
     existing: Container[str] = frozenset(),
     allow_duplicates: bool = False,
+    engine=None,
 ) -> PackPlan:
     """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
 
     ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
     ``allow_duplicates``, samples whose key is in ``existing`` (the keys of the dataset an
-    append adds to) and table rows naming an image an earlier row named are left out."""
+    append adds to) and table rows naming an image an earlier row named are left out.
+    ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``)."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
@@ -415,16 +417,15 @@ def plan_pack(
             f"source {src}: none of its {len(scan.errors)} images could be packed "
             f"(first: {first.path}: {first.reason}); see validate= and on_error="
         )
-    stats = file_stats(os.path.abspath(scan.root), scan.files)
-    side = field_stats(scan)
+    stats = source_stats(scan, engine)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     repeated, already, dropped = [], 0, None
     if not allow_duplicates:
         repeated, already, dropped = _duplicates(src, scan, existing)
     if dropped is not None:
         order = order[~dropped[order]]
-    starts = _roll(scan, stats[:, 0], order, options["format"], options["shard_size"], side)
-    fp = fingerprint(scan, stats, options, side)
+    starts = _roll(scan, stats, order, options["format"], options["shard_size"])
+    fp = fingerprint(scan, stats, options)
     info = {
         "source": src,
         "shard_size": options["shard_size"],
@@ -470,17 +471,17 @@ def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
 PLAN_BLOCK = 1 << 16
 
 
-def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limit: int, side=None):
+def _roll(scan: SourceScan, stats: SourceStats, order: np.ndarray, fmt: str, limit: int):
     """Shard starts in ``order``: a shard closes when the next sample would pass ``limit``
     (a sample bigger than ``limit`` gets a shard of its own), as ``ShardWriter`` rolls; fields
-    count with their names and sizes (``side``: ``field_stats``). ``PLAN_BLOCK`` samples at a
-    time: only one block's sizes are ever Python objects."""
+    count with their names and sizes (``stats.fields``). ``PLAN_BLOCK`` samples at a time: only
+    one block's sizes are ever Python objects."""
     new = get_format(fmt).sizer
     key_lens, ext_lens = np.diff(scan.keys.offsets), np.diff(scan.exts.offsets)
-    starts, sizer, single = [0], new(), 0
+    starts, sizer, single, sizes = [0], new(), 0, stats.files[:, 0]
     for lo in range(0, len(order), PLAN_BLOCK):
         block = order[lo : lo + PLAN_BLOCK]
-        extras = _field_sizes(scan, side or {}, block.tolist())
+        extras = _field_sizes(scan, stats, block.tolist())
         klen, elen = key_lens[block].tolist(), ext_lens[block].tolist()
         nbytes = np.maximum(sizes[block], 0).tolist()
         for j, (k, e, b, extra) in enumerate(zip(klen, elen, nbytes, extras, strict=True)):
@@ -502,18 +503,19 @@ def _roll(scan: SourceScan, sizes: np.ndarray, order: np.ndarray, fmt: str, limi
     return np.array(starts, dtype=np.int64)
 
 
-def _field_sizes(scan: SourceScan, side: dict, rows: list[int]) -> list:
+def _field_sizes(scan: SourceScan, stats: SourceStats, rows: list[int]) -> list:
     """Per sample of ``rows``: ``(name bytes, value bytes)`` of each of its fields, as they will
     be stored (``()``: none)."""
-    inline = bool(scan.inline.blob.size)
+    inline, side = bool(scan.inline.blob.size), bool(scan.sidecars.blob.size)
     if not side and not inline:
         return [()] * len(rows)
     out = []
     for i in rows:
         sizes = []
-        if i in side:
+        if side and scan.sidecars[i]:
             names = [n for n, _ in scan.fields_of(i)]
-            sizes = [(len(n), max(st[0], 0)) for n, st in zip(names, side[i], strict=True)]
+            got = stats.of_fields(i)
+            sizes = [(len(n), max(st[0], 0)) for n, st in zip(names, got, strict=True)]
         if inline:
             sizes += [(len(n), len(v)) for n, v in scan.inline_fields(i).items()]
         out.append(sizes or ())

@@ -11,8 +11,9 @@ import json
 import os
 import stat
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from ..formats import get_format
 from ..images.checks import check_image_bytes, decode_error
 from ..images.decode import resize_short_side
-from ..scan import SourceScan
+from ..scan import SourceScan, field_files
 from ..sizes import parse_size
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "READ_AHEAD",
     "READ_BATCH",
     "Loaded",
-    "field_stats",
+    "SourceStats",
     "file_stats",
     "fingerprint",
     "pack_options",
@@ -38,6 +39,8 @@ __all__ = [
     "read_file",
     "check_sample",
     "ordered_map",
+    "source_stats",
+    "span_stats",
     "stat_pair",
     "Ahead",
     "PackWarning",
@@ -226,14 +229,11 @@ def pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_e
     }
 
 
-def fingerprint(
-    scan: SourceScan, stats: np.ndarray, options: dict, side_stats: dict | None = None
-) -> str:
+def fingerprint(scan: SourceScan, stats: SourceStats, options: dict) -> str:
     """sha256 over the options and the source listing, as ``make`` would compare it: every
-    image's relative path, size and mtime (``stats``: one ``(size, mtime_ns)`` row per file of
-    ``scan.files``), the class folders, and what the scan listed as unreadable or ignored; with
-    fields, also their names, each field file's size and mtime (``side_stats``, from
-    ``field_stats``) and a table's own fields and labels."""
+    image's relative path, size and mtime (``stats.files``), the class folders, and what the
+    scan listed as unreadable or ignored; with fields, also their names, each field file's size
+    and mtime (``stats.fields``) and a table's own fields and labels."""
     head = {
         "options": options,
         "classes": list(scan.classes),
@@ -242,16 +242,15 @@ def fingerprint(
         "non_image_exts": dict(sorted(scan.non_image_exts.items())),
     }
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
-    parts = [scan.files.offsets, scan.files.blob, stats]
+    parts = [scan.files.offsets, scan.files.blob, stats.files]
     if len(scan.inline):  # a table (one entry per row): its captions, columns and labels
         parts += [scan.inline.offsets, scan.inline.blob, scan.labels]
     for part in parts:  # hashed in place: no copy of a table's text
         h.update(_le_bytes(part))
-    if side_stats is not None and scan.sidecars.blob.size:  # without fields: as before
+    if scan.sidecars.blob.size:  # without fields: as before
         h.update(_le_bytes(scan.sidecars.offsets))
         h.update(_le_bytes(scan.sidecars.blob))
-        for i in range(len(scan.files)):
-            h.update(np.asarray(side_stats.get(i, ()), dtype="<i8").tobytes())
+        h.update(_le_bytes(stats.fields))  # each sample's field rows, in sample order
     return "sha256:" + h.hexdigest()
 
 
@@ -262,16 +261,76 @@ def _le_bytes(a: np.ndarray) -> memoryview:
     return memoryview(a).cast("B")
 
 
-def field_stats(scan: SourceScan) -> dict[int, list[tuple[int, int]]]:
-    """``(size, mtime_ns)`` of each sample's field files, by sample (none: no entry)."""
-    if not scan.sidecars.blob.size:
-        return {}
+@dataclass(frozen=True)
+class SourceStats:
+    """The plan's per-file ``(size, mtime_ns)`` (``stat_pair``) as int64 arrays: ``files`` one
+    row per sample's image; ``fields`` one per field file, sample ``i``'s rows
+    ``fields[field_offsets[i]:field_offsets[i + 1]]`` (in ``SourceScan.fields_of`` order).
+    Without field files ``field_offsets`` is ``[0]``: no 8 bytes per sample for nothing."""
+
+    files: np.ndarray
+    field_offsets: np.ndarray
+    fields: np.ndarray
+
+    def of_fields(self, i: int) -> list[tuple[int, int]]:
+        if len(self.field_offsets) == 1:
+            return []
+        a, b = self.field_offsets[i : i + 2].tolist()
+        return [(int(x), int(y)) for x, y in self.fields[a:b].tolist()]
+
+    @classmethod
+    def gather(cls, n: int, parts: Iterable[SourceStats]) -> SourceStats:
+        """The stats of ``n`` samples from ``parts`` (consecutive spans, taken one at a time:
+        the images' rows go straight into one array)."""
+        files = np.empty((n, 2), dtype=np.int64)
+        offsets, fields, at, base = [np.zeros(1, dtype=np.int64)], [], 0, 0
+        for p in parts:
+            files[at : at + len(p.files)] = p.files
+            at += len(p.files)
+            if len(p.field_offsets) > 1:
+                offsets.append(p.field_offsets[1:] + base)
+                base += int(p.field_offsets[-1])
+            fields.append(p.fields)
+        if at != n:  # a runner's map_chunks that lost or repeated a chunk
+            raise ValueError(f"the plan's stats cover {at} files of {n}")
+        empty = np.empty((0, 2), dtype=np.int64)
+        return cls(files, np.concatenate(offsets), np.concatenate(fields) if fields else empty)
+
+
+def span_stats(root: str, files: Sequence[str], sidecars: Sequence[str]) -> SourceStats:
+    """``SourceStats`` of ``files`` under ``root`` and of their field files (``sidecars``:
+    ``SourceScan.sidecars`` form, or empty for none): one planning chunk, on any machine."""
+    counts = np.zeros(len(files) + 1 if len(sidecars) else 1, dtype=np.int64)
+    pairs: list[tuple[int, int]] = []
+    if len(sidecars):
+        for i, (rel, side) in enumerate(zip(files, sidecars, strict=True)):
+            named = field_files(rel, side)
+            counts[i + 1] = len(named)
+            pairs += [stat_pair(os.path.join(root, p)) for _, p in named]
+    fields = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    return SourceStats(file_stats(root, files), np.cumsum(counts), fields)
+
+
+def source_stats(scan: SourceScan, engine=None) -> SourceStats:
+    """The plan's stats of ``scan``, ``STAT_BLOCK`` samples at a time; on ``engine`` (a runner
+    with ``map_chunks``, ``plan_chunk`` samples a call) where it offers, else here. Either way
+    the same arrays: only where the ``stat`` calls run differs."""
     root = os.path.abspath(scan.root)
-    return {
-        i: [stat_pair(os.path.join(root, rel)) for _, rel in scan.fields_of(i)]
-        for i in range(len(scan.files))
-        if scan.sidecars[i]
-    }
+    sidecars = scan.sidecars if scan.sidecars.blob.size else None
+    mapper = getattr(engine, "map_chunks", None)
+    step = int(engine.plan_chunk) if mapper is not None else STAT_BLOCK
+    n = len(scan.files)
+    chunks = (
+        (
+            root,
+            scan.files.span(a, min(a + step, n)),
+            sidecars.span(a, min(a + step, n)) if sidecars is not None else (),
+        )
+        for a in range(0, n, step)
+    )
+    if mapper is not None:
+        return SourceStats.gather(n, mapper(span_stats, list(chunks)))
+    return SourceStats.gather(n, (span_stats(*c) for c in chunks))
 
 
 def read_fields(root: str, named, validate: str) -> tuple[dict | None, str | None]:

@@ -408,3 +408,41 @@ def test_an_img2dataset_shard_table_names_its_images_by_key(tmp_path, suffix):
     assert members["00000/000000001.txt"] == b"caption 1"
     assert json.loads(members["00000/000000001.json"])["url"] == "http://a/1.jpg"
     assert "00000/000000000.cls" not in members  # no label column: no label
+
+
+def _golden_fields(root):
+    """Two classes of fixed-byte images with captions and JSON beside some, fixed mtimes."""
+    for c in ("cat", "dog"):
+        (root / c / "sub").mkdir(parents=True)
+        for i in range(12):
+            d = root / c / ("sub" if i % 3 == 0 else "")
+            files = [(f"x{i}.jpg", 40 + 5 * i)]
+            files += [(f"x{i}.txt", i)] if i % 2 else []
+            files += [(f"x{i}.json", 0)] if i % 5 == 0 else []
+            for k, (name, size) in enumerate(files):
+                data = b"\xff\xd8" + bytes([i]) * size if name.endswith(".jpg") else b"t" * size
+                (d / name).write_bytes(b'{"i": 1}' if name.endswith(".json") else data)
+                os.utime(d / name, ns=(10**18, 10**18 + 10 * i + k))
+    return root
+
+
+def test_a_folder_with_fields_plans_to_the_fingerprint_it_always_had(tmp_path):
+    # The fingerprint and shard starts of shardkit's plan when it kept each sample's field
+    # stats as Python tuples: the stats as arrays hash to the same bytes.
+    from shardkit.write.plan import plan_pack
+
+    plan = plan_pack(
+        str(_golden_fields(tmp_path / "src")),
+        str(tmp_path / "out"),
+        shard_size="16kB",
+        format="tar",
+        shuffle=True,
+        seed=1,
+        validate="none",
+        resize_short=None,
+        on_error="skip",
+    )
+    assert len(plan.scan.sidecars.blob) and len(plan.starts) > 3
+    digest = "2e31c232af5c3794d7da0b9b9cc40590457e0d1f9a062ab6064fc7f202f69b91"
+    assert plan.fingerprint == f"sha256:{digest}"
+    assert plan.starts.tolist() == [0, 4, 9, 14, 18, 22, 24]

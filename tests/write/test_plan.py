@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,13 +26,14 @@ from click.testing import CliRunner
 from PIL import Image
 
 from shardkit.cli import main
-from shardkit.errors import OutputError
+from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import HOST, STAGING_PREFIX, DirLock, remove_stale_staging
 from shardkit.manifest import read_manifest
 from shardkit.write.engines import LocalRunner, TaskFailed
 from shardkit.write.packer import pack
 from shardkit.write.plan import JOB_PREFIX, check_cluster_lock, commit_pack, plan_pack, run_task
+from shardkit.write.read import source_stats, span_stats
 
 
 def make_tree(root, classes=("a", "b", "c"), per_class=14, seed=0, bad=True):
@@ -99,6 +101,37 @@ def faulty_task(marker_dir: str, mode: str, task, threads=1):
     return run_task(task, threads, on_shard=hook)
 
 
+def faulty_stats(marker_dir: str, mode: str, root, files, sidecars):
+    """``span_stats``, but the first attempt of the chunk starting at ``b/b_000.jpg`` fails:
+    ``raise`` (an OSError, retried) or ``exit`` (the worker dies)."""
+    flag = os.path.join(marker_dir, f"stat-{mode}")
+    if files[0] == "b/b_000.jpg" and not os.path.exists(flag):
+        open(flag, "w").close()
+        if mode == "raise":
+            raise OSError(5, "injected I/O error")
+        os._exit(3)
+    return span_stats(root, files, sidecars)
+
+
+class CountingRunner(LocalRunner):
+    """A process pool that records the length of each planning chunk it is handed."""
+
+    def map_chunks(self, fn, chunks):
+        self.chunks = [len(c[1]) for c in chunks]
+        return super().map_chunks(fn, chunks)
+
+
+_PLAN_KW = dict(
+    shard_size="12kB",
+    format="tar",
+    shuffle=True,
+    seed=0,
+    validate="header",
+    resize_short=None,
+    on_error="skip",
+)
+
+
 # --- byte identity ---------------------------------------------------------------------------
 
 
@@ -153,6 +186,127 @@ def test_a_process_pool_writes_the_same_bytes_as_pack(src, refs, tmp_path, fmt, 
     )
     assert digest(out) == digest(refs[fmt])  # shards, manifest, and nothing else
     assert report.errors == 2 and report.shards == len(read_manifest(out).shards)
+
+
+def _fields_tree(root):
+    """``make_tree`` with a caption beside every other image (field files to stat too)."""
+    make_tree(root, per_class=10, bad=False)
+    for cls in ("a", "b", "c"):
+        for i in range(0, 10, 2):
+            with open(os.path.join(root, cls, f"{cls}_{i:03d}.txt"), "w") as f:
+                f.write("a caption " * i)
+    return str(root)
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("fields", [False, True])
+def test_an_engine_stats_the_plan_in_chunks_and_plans_the_same(src, tmp_path, fields):
+    """The engine's chunks, concatenated in order, are the driver's arrays: the same order,
+    shard boundaries and fingerprint (which names the job, and so every shard's bytes)."""
+    source = _fields_tree(tmp_path / "f") if fields else src
+    alone = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW)
+    runner = CountingRunner(2, plan_chunk=13)
+    engine = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW, engine=runner)
+    n = len(alone.scan.files)
+    assert runner.chunks == [13] * (n // 13) + [n % 13] and len(runner.chunks) >= 3
+    assert engine.fingerprint == alone.fingerprint and engine.job == alone.job
+    assert np.array_equal(engine.order, alone.order)
+    assert np.array_equal(engine.starts, alone.starts)
+    mine, theirs = source_stats(engine.scan, runner), source_stats(alone.scan)
+    for name in ("files", "field_offsets", "fields"):
+        assert np.array_equal(getattr(mine, name), getattr(theirs, name)), name
+    assert len(mine.fields) == (15 if fields else 0)
+
+
+class InProcess:
+    """A runner that maps planning chunks here, in order (a user's own runner may be this);
+    ``lose``: it drops the last chunk's answer, as a broken runner might."""
+
+    def __init__(self, plan_chunk: int, lose: bool = False):
+        self.plan_chunk, self.lose, self.calls = plan_chunk, lose, 0
+
+    def map_chunks(self, fn, chunks):
+        self.calls += len(chunks)
+        out = [fn(*c) for c in chunks]
+        return out[:-1] if self.lose else out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_stats_of_any_size_are_the_drivers_and_a_lost_chunk_is_refused(tmp_path, chunk):
+    source = _fields_tree(tmp_path / "f")
+    alone = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW)
+    runner = InProcess(chunk)
+    mine = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW, engine=runner)
+    assert runner.calls == -(-len(alone.scan.files) // chunk)
+    assert (mine.fingerprint, mine.starts.tolist()) == (alone.fingerprint, alone.starts.tolist())
+    with pytest.raises(ValueError, match="the plan's stats cover"):
+        source_stats(alone.scan, InProcess(chunk, lose=True))
+
+
+@pytest.mark.slow  # worker processes
+def test_a_pack_whose_plan_ran_on_the_pool_writes_the_same_bytes(src, refs, tmp_path):
+    out = str(tmp_path / "out")
+    runner = CountingRunner(2, plan_chunk=16)
+    quiet(pack, src, out, format="lmdb", shard_size="12kB", runner=runner, shards_per_task=2)
+    assert len(runner.chunks) == 3
+    assert digest(out) == digest(refs["lmdb"])
+    runner.chunks = []  # the up-to-date check stats on the pool too, and finds it current
+    assert quiet(pack, src, out, format="lmdb", shard_size="12kB", runner=runner).up_to_date
+    assert len(runner.chunks) == 3
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+def test_a_planning_chunk_that_fails_once_is_retried_and_the_stats_are_the_same(
+    src, tmp_path, mode
+):
+    scan = quiet(plan_pack, src, str(tmp_path / "o"), **_PLAN_KW).scan
+    root, n = os.path.abspath(scan.root), len(scan.files)
+    chunks = [(root, scan.files.span(a, min(a + 15, n)), ()) for a in range(0, n, 15)]
+    assert scan.files[15] == "b/b_000.jpg"  # the second chunk is the one that fails
+    fn = functools.partial(faulty_stats, str(tmp_path), mode)
+    got = LocalRunner(2).map_chunks(fn, chunks)
+    assert os.path.exists(tmp_path / f"stat-{mode}")  # it did fail once
+    assert np.array_equal(np.concatenate([g.files for g in got]), source_stats(scan).files)
+    os.unlink(tmp_path / f"stat-{mode}")
+    # a dead worker breaks the pool: every chunk in flight counts an attempt, and names itself
+    with pytest.raises(TaskFailed, match=rf"stat of 1[35] files under {re.escape(repr(root))} fa"):
+        LocalRunner(1, retries=0).map_chunks(fn, chunks)
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_file_gone_before_its_stat_is_named_as_without_an_engine(tmp_path, monkeypatch, on_error):
+    """A file listed by the scan and gone before the plan's stat: the same one-line error (or
+    the same skipped entry) with the stat on the engine as on the driver."""
+    import shardkit.write.plan as plan_mod
+
+    copy = make_tree(tmp_path / "src", bad=False)
+    kept = shutil.copy2(os.path.join(copy, "b", "b_003.jpg"), tmp_path / "b_003.jpg")
+    real_scan = plan_mod.scan_source
+
+    def scan_then_lose_one(*args, **kw):
+        scan = real_scan(*args, **kw)
+        os.unlink(os.path.join(copy, "b", "b_003.jpg"))
+        return scan
+
+    monkeypatch.setattr(plan_mod, "scan_source", scan_then_lose_one)
+    seen = []
+    for runner in (None, LocalRunner(2, plan_chunk=16)):
+        shutil.copy2(kept, os.path.join(copy, "b", "b_003.jpg"))
+        out = str(tmp_path / f"out-{len(seen)}")
+        kw = dict(shard_size="12kB", runner=runner, on_error=on_error)
+        if on_error == "raise":
+            with pytest.raises(InputError) as exc:
+                quiet(pack, copy, out, **kw)
+            seen.append(str(exc.value))
+        else:
+            seen.append([(s.path, s.reason) for s in quiet(pack, copy, out, **kw).skipped])
+    assert seen[0] == seen[1]
+    if on_error == "raise":
+        assert "\n" not in seen[0] and seen[0].startswith(os.path.join(copy, "b", "b_003.jpg"))
+    else:
+        assert ("b/b_003.jpg", "unreadable: No such file or directory") in seen[0]
 
 
 @pytest.mark.slow  # worker processes
@@ -304,11 +458,15 @@ _RAY_CASES = textwrap.dedent(
     """
     import functools, hashlib, json, os, sys, time, warnings
     warnings.simplefilter("ignore")
+    import numpy as np
     import ray
     from shardkit.cli import main
     from shardkit.integrations.ray import RayRunner
+    from shardkit.scan import scan_source
+    from shardkit.write.engines import PLAN_CHUNK
     from shardkit.write.packer import pack
     from shardkit.write.plan import run_task
+    from shardkit.write.read import source_stats, span_stats
 
     src, base, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 
@@ -322,6 +480,21 @@ _RAY_CASES = textwrap.dedent(
                 os._exit(3)
         return run_task(task, threads, on_shard=hook)
 
+    def faulty_stats(marker_dir, mode, root, files, sidecars):  # as in the test module
+        flag = os.path.join(marker_dir, f"stat-{mode}")
+        if files[0] == "b/b_000.jpg" and not os.path.exists(flag):
+            open(flag, "w").close()
+            if mode == "raise":
+                raise OSError(5, "injected I/O error")
+            os._exit(3)
+        return span_stats(root, files, sidecars)
+
+    class Counting(RayRunner):
+        chunks = 0
+        def map_chunks(self, fn, chunks):
+            Counting.chunks += len(chunks)
+            return super().map_chunks(fn, chunks)
+
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     for name, fmt, k, cpus, mode in cases:
@@ -330,12 +503,28 @@ _RAY_CASES = textwrap.dedent(
             main(["pack", src, out, "-q", "--shard-size", "12kB", "--format", fmt,
                   "--engine", "ray", "--shards-per-task", str(k)], standalone_mode=False)
             continue
-        fn = functools.partial(faulty, base, mode) if mode else run_task
-        runner = RayRunner(fn=fn, cpus_per_task=cpus)
+        fn = functools.partial(faulty, base, mode) if mode in ("raise", "exit") else run_task
+        chunk = 16 if mode == "chunks" else PLAN_CHUNK  # 44 files: 3 planning tasks
+        runner = Counting(fn=fn, cpus_per_task=cpus, plan_chunk=chunk)
         pack(src, out, format=fmt, shard_size="12kB", shards_per_task=k, progress=False,
              runner=runner)
+    # planning chunks that fail once (an OSError, a dead worker): retried, the same arrays
+    scan = scan_source(src)
+    root, n = os.path.abspath(src), len(scan.files)
+    chunks = [(root, scan.files.span(a, min(a + 15, n)), ()) for a in range(0, n, 15)]
+    for mode in ("raise", "exit"):
+        fn = functools.partial(faulty_stats, base, mode)
+        got = RayRunner(plan_chunk=15).map_chunks(fn, chunks)
+        assert np.array_equal(np.concatenate([g.files for g in got]), source_stats(scan).files)
     ray.shutdown()
-    print(json.dumps(sorted(os.listdir(base))))
+    # a runner that starts its own cluster: once, for the stats and the tasks, stopped after
+    inits, real_init = [], ray.init
+    ray.init = lambda *a, **kw: inits.append(1) or real_init(*a, **kw)
+    runner = RayRunner(num_cpus=1, plan_chunk=16, init={"_node_ip_address": "127.0.0.1"})
+    pack(src, os.path.join(base, "own-cluster"), format="tar", shard_size="12kB",
+         progress=False, runner=runner)
+    assert len(inits) == 1 and not ray.is_initialized(), inits
+    print(json.dumps(Counting.chunks))
     """
 )
 
@@ -343,12 +532,15 @@ _RAY_CASES = textwrap.dedent(
 @pytest.mark.slow  # a child interpreter running a local Ray cluster
 def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(src, refs, tmp_path):
     """One cluster for every case: 1 and 2 CPUs per task (one task at a time, or two), 1-3
-    shards per task, a task raising once and a worker dying once, and the CLI."""
+    shards per task, a task raising once and a worker dying once, the plan's stats in three
+    Ray tasks, and the CLI; then planning tasks raising once and dying once; then a runner
+    starting its own cluster, once for the plan and the tasks."""
     pytest.importorskip("ray", reason="the ray extra: pip install 'shardkit[ray]'")
     cases = [
         ("tar-k1", "tar", 1, 1, None),
         ("tar-k3-raise", "tar", 3, 1, "raise"),
         ("lmdb-k2-exit", "lmdb", 2, 2, "exit"),
+        ("lmdb-k2-chunks", "lmdb", 2, 1, "chunks"),
         ("lmdb-k3-cli", "lmdb", 3, 1, "cli"),
     ]
     scratch = tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp")  # short: Ray's socket paths
@@ -368,10 +560,12 @@ def test_ray_tasks_write_the_same_bytes_as_pack_after_errors_and_dead_workers(sr
         assert leftover.stdout == "", "Ray processes outlived the driver"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # one planning task per pack, three for the one with plan_chunk=16 (44 files)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == 3 + 3
     assert sorted(os.listdir(base)) == sorted(
-        [c[0] for c in cases] + ["raise-0", "exit-0"]
+        [c[0] for c in cases] + ["raise-0", "exit-0", "stat-raise", "stat-exit", "own-cluster"]
     )  # each fault happened once, and was retried
-    for name, fmt, *_ in cases:
+    for name, fmt, *_ in [*cases, ("own-cluster", "tar")]:
         assert digest(str(base / name)) == digest(refs[fmt]), name
 
 
