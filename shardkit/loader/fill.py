@@ -316,6 +316,8 @@ class Filler:
             boxes.append(box)
             if len(taken) == bs:
                 break
+        if not taken:  # the part has ended: nothing to place (an unsized slot maps no memory)
+            return Batch(0, self.worker, slot, 0, 0, 0, [], [], notes, len(notes))
         offsets = [0]
         for rec in taken:
             offsets.append(offsets[-1] + len(rec.data))

@@ -214,6 +214,22 @@ def test_an_undecodable_sample_names_shard_and_key_or_is_counted(broken, size):
     loader.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_on", ["device", "auto"])
+def test_a_worker_with_no_batch_of_its_own_ends_its_part_cleanly(shards, decode_on):
+    """More workers than batches (a small validation set, a rank with few samples): a worker's
+    part is empty, its first fill takes no sample and maps no slot; the epoch is the others'."""
+    ds = _ds(shards, size=32, crop="center")
+    cpu = ShardLoader(ds, 8, num_workers=4)  # 3 batches, 4 workers
+    want, _ = _epoch(cpu)
+    cpu.close()
+    loader = ShardLoader(ds, 8, num_workers=4, decode_on=decode_on)
+    for _ in range(2):
+        keys, _ = _epoch(loader)
+        assert keys == want and len(keys) == N
+    loader.close()
+
+
 def test_no_growth_across_epochs_or_after_break(shards):
     ds = _ds(shards, size=32, crop="random")
     loader = ShardLoader(ds, 4, num_workers=2, decode_on="device")
