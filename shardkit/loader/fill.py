@@ -91,6 +91,8 @@ class Filler:
                 batch.fill_s = time.perf_counter() - t0
                 batch.epoch = start.epoch
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
+                    if batch.consumed:  # skipped samples, a dropped batch: counted, no image
+                        yield _taken_only(batch)
                     return
                 yield batch
                 if batch.count < bs:
@@ -374,6 +376,15 @@ class Filler:
             skipped = self.ds._skip_counter(self.worker)
             for _ in batch.notes:
                 skipped()
+
+
+def _taken_only(batch: Batch) -> Batch:
+    """The end of a part whose last records give no image (all skipped, or a short batch under
+    ``drop_last``): a batch of none that still warns of the skipped samples, counts them and
+    the records taken (``state_dict``), in its turn."""
+    empty = Batch(batch.gen, batch.worker, batch.slot, 0, 0, 0, [], [], batch.notes)
+    empty.consumed, empty.epoch = batch.consumed, batch.epoch
+    return empty
 
 
 #: The two columns ``boxes=`` adds after the fields: (K, 4) xyxy boxes and their stored index.

@@ -9,6 +9,7 @@ import os
 import resource
 import struct
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -155,6 +156,30 @@ def test_resume_after_skipped_samples_replays_nothing(with_bad, workers):
         resumed.close()
         assert len(before) + len(after) == len(set(before + after)), f"replayed at {stop}"
         assert sorted(before + after) == good, f"lost samples at {stop}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("workers", "drop_last", "bs"), [(2, False, 6), (2, True, 10), (0, True, 10)]
+)
+def test_a_part_ending_on_skipped_samples_warns_counts_and_ends_its_epoch(
+    with_bad, workers, drop_last, bs
+):
+    """Worker parts (unshuffled, cut at whole batches) that end on skipped samples only, or on a
+    short batch ``drop_last`` drops: every skipped sample is warned about and counted, and a
+    checkpoint after the last batch continues with the next epoch."""
+    ds = _ds(with_bad, on_error="skip", shuffle=False)
+    loader = ShardLoader(ds, bs, num_workers=workers, drop_last=drop_last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        images = sum(len(x) for x, _, _ in loader)
+    state = loader.state_dict()
+    loader.close()
+    assert images == (20 if drop_last else N - len(BAD))  # 2 batches of 10, or every good one
+    assert sum("skipped:" in str(w.message) for w in caught) == len(BAD) == ds.skipped
+    resumed = _ds(with_bad, on_error="skip", shuffle=False)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
 
 
 # --- concurrent iteration ----------------------------------------------------------------------
