@@ -25,7 +25,7 @@ from ..images.decode import image_size
 from ..images.geometry import ShapeError, sample_seed
 from ..stream.fields import decode_field_image, sample_geometry
 from ..stream.resume import EpochState
-from ..stream.stages import decoded_fields, sample_error, transform_error
+from ..stream.stages import decoded_fields, transform_error, undecodable
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
@@ -287,7 +287,7 @@ class Filler:
         """An undecodable sample: raised under ``on_error="raise"``, else noted. Counted in
         ``ds.skipped`` when its batch is handed over (``count_skips``), not here: a batch filled
         ahead for an epoch that does not come is never counted."""
-        err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
+        err = undecodable(rec, exc)
         if self.ds.on_error == "raise":
             raise err from exc
         notes.append(f"skipped: {err}")
