@@ -199,6 +199,25 @@ def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shar
     loader.close()
 
 
+def _large(sample: dict) -> dict:
+    """An output larger than a pipe's buffer per batch: batches travel through the pipe."""
+    return {"x": torch.zeros(3, 64, 64), "key": sample["key"]}
+
+
+@pytest.mark.slow
+def test_workers_sending_large_batches_nobody_reads_stop_when_asked(shards):
+    """After a break, workers go on filling the abandoned epoch: a batch of sample_transform
+    outputs (or masks) larger than the pipe's buffer blocks its worker in the send. ``close()``
+    reads and drops what they send until they have stopped: they exit by themselves (0), where
+    each was killed (SIGKILL) after a 5 s wait."""
+    loader = ShardLoader(_ds(shards, size=8, sample_transform=_large), 4, num_workers=2)
+    for _ in loader:
+        break
+    procs = list(loader._res.workers.procs)
+    loader.close()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def _image_mask_boxes(sample: dict) -> tuple:
     return sample["image"], sample["seg.png"], torch.zeros(sample["image"].shape[-1] % 3, 4)
 
