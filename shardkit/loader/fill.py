@@ -51,6 +51,8 @@ class FillSpec:
     # batches a worker fills of the next epoch while the consumer drains this one: the loader's
     # prefetch_factor (what a worker may have ready at any time)
     fill_ahead: int = 2
+    # batches report each sample's source (the loader's ``with_keys`` names "source")
+    sources: bool = False
 
 
 class Filler:
@@ -67,7 +69,7 @@ class Filler:
         # sides' measured rates, ``Share``), and its running sum (which batch is whose)
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
-        self._sources = "source" in getattr(dataset, "extras", ())  # batches report sources
+        self._sources = spec.sources  # the loader's with_keys, not the dataset's
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises

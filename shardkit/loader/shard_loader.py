@@ -324,6 +324,7 @@ class ShardLoader:
             self._nhwc,
             decode_on=self.decode_on,
             fill_ahead=self.prefetch_factor,
+            sources="source" in self.extras,
         )
         self._check_descriptors(n, slots)
         res = self._res

@@ -327,14 +327,19 @@ def test_batches_say_which_source_each_sample_came_from(shards, workers, fields)
     ds = _ds([train, val], **kw)
     expected = {k: s for _, _, k, s, *_ in _ds([train, val], **kw)}
     assert set(expected.values()) == {0, 1}
-    seen = 0
-    for batch in ShardLoader(ds, 4, num_workers=workers):
-        keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
-        assert sources.dtype == torch.int64
-        assert sources.tolist() == [int(k in val_keys) for k in keys]
-        assert sources.tolist() == [expected[k] for k in keys]
-        seen += len(keys)
-    assert seen == len(expected)
+    # the loader's with_keys= over a dataset that reports none: the same sources (were empty)
+    plain = _ds([train, val], fields=fields, on_error="skip")
+    kw_loader = dict(num_workers=workers, with_keys=("key", "source"))
+    for loader in (ShardLoader(ds, 4, num_workers=workers), ShardLoader(plain, 4, **kw_loader)):
+        seen = 0
+        for batch in loader:
+            keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
+            assert sources.dtype == torch.int64
+            assert sources.tolist() == [int(k in val_keys) for k in keys]
+            assert sources.tolist() == [expected[k] for k in keys]
+            seen += len(keys)
+        assert seen == len(expected)
+        loader.close()
     from shardkit.errors import InputError
 
     for bad in ("path", ("key", "key"), 3):
