@@ -237,6 +237,30 @@ def test_bad_arguments_are_input_errors_naming_the_argument(shards, kwargs, name
         ShardLoader(_ds(shards), bs, **kwargs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("dataset", None), ("batch_size", 3), ("channels_last", True), ("drop_last", True)],
+)
+def test_a_setting_changed_under_running_workers_is_refused(shards, name, value):
+    """The workers fill slots laid out from the loader's settings when they started: a loader
+    given another dataset handed out the old one's samples, another batch size lost samples,
+    channels_last garbled every image. Such a change is an InputError; the loader goes on."""
+    reference = _reference(shards, shuffle=False)
+    loader = ShardLoader(_ds(shards, shuffle=False), 4, num_workers=2)
+    list(loader)
+    if name == "dataset":
+        value = _ds(shards, shuffle=False, rank=1, world_size=2)
+    with pytest.raises(InputError, match=rf"ShardLoader\.{name} cannot change"):
+        setattr(loader, name, value)
+    seen = 0
+    for x, _, keys in loader:
+        _assert_batch(x, keys, reference)
+        seen += len(keys)
+    assert seen == N and len(loader) == 8
+    loader.close()
+
+
 def test_a_ring_over_the_descriptor_limit_is_refused_naming_the_setting(shards):
     def fds():
         return len(os.listdir("/proc/self/fd"))
