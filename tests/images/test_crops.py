@@ -228,3 +228,26 @@ def test_a_crop_policys_error_is_raised_whatever_on_error_never_a_skipped_sample
         with pytest.raises(CropError) as caught:
             list(ShardLoader(ds, 2, num_workers=workers))
         assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+class _Drifting(_TopLeftQuarter):
+    """Not drawn from ``uniforms``: a box that moves with every call (as one drawn from the
+    ``random`` module would)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def box(self, height, width, uniforms):
+        self.calls += 1
+        return self.calls % 2, 0, height // 2, width // 2
+
+
+def test_a_crop_policy_that_gives_another_box_each_time_is_refused(boxed):
+    """Its sample's mask was cut at one box and its image at another (masks, boxes, the device
+    path and a resume each ask again): a CropError saying to draw from uniforms."""
+    ds = ShardDataset(boxed, decode="tensor", crop=_Drifting(), fields=["seg.png"], on_error="skip")
+    with pytest.raises(
+        CropError, match=r"sample 'c0/im\d': _Drifting.box\(90, 120, \.\.\.\) gave another"
+    ):
+        next(iter(ds))
+    assert ds.skipped == 0
