@@ -281,7 +281,7 @@ class ProcessWorkers:
             except OSError:
                 pass
         deadline = time.monotonic() + _STOP_S
-        for conn, proc in zip(self.conns, self.procs, strict=True):
+        for conn, proc in zip(self.conns, self.procs, strict=False):  # a failed start: fewer
             _until_exit(conn, proc, deadline)
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
