@@ -281,7 +281,8 @@ class ProcessWorkers:
             except OSError:
                 pass
         deadline = time.monotonic() + _STOP_S
-        for conn, proc in zip(self.conns, self.procs, strict=False):  # a failed start: fewer
+        # not strict: a failed start leaves a pipe more than processes
+        for conn, proc in zip(self.conns, self.procs, strict=False):
             _until_exit(conn, proc, deadline)
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
