@@ -458,6 +458,8 @@ class Epoch:
             t0 = time.perf_counter()
             decoded = decoder.decode(bufs, msg.boxes, stream)
             pixels, kept = self._decoded(decoded, bufs, msg, target)
+            if not kept:  # every sample skipped here: nothing to hand out, the slot goes back
+                return None, (), None, None, (msg.worker, msg.slot), (msg.worker, msg.consumed)
             dtype = torch.float32 if loader.normalize is not None else torch.uint8
             shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
             fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
