@@ -345,3 +345,38 @@ def test_batches_say_which_source_each_sample_came_from(shards, workers, fields)
     for bad in ("path", ("key", "key"), 3):
         with pytest.raises(InputError, match="with_keys="):
             ShardLoader(ds, 4, with_keys=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_mixture_reports_the_sources_of_the_uninterrupted_epoch(shards, masked, workers):
+    """Mixed sources (weighted, shuffle buffers), a checkpoint mid-epoch, resumed in a new
+    loader: the (key, source) pairs of before and after are the uninterrupted epoch's, in order;
+    the source of a sample that waited in a buffer across the checkpoint included."""
+    from shardkit import Source
+
+    def loader():
+        sources = [Source(shards, weight=2), Source(masked, weight=1)]
+        ds = _ds(sources, fields=(), size=8, buffer_size=6, seed=4, with_keys=("key", "source"))
+        ds.set_epoch(1)
+        return ShardLoader(ds, 3, num_workers=workers)
+
+    def pairs(batches):
+        out = []
+        for _, _, keys, sources in batches:
+            out += zip(keys, sources.tolist(), strict=True)
+        return out
+
+    full = loader()
+    whole = pairs(full)
+    full.close()
+    assert {s for _, s in whole} == {0, 1}
+    first = loader()
+    it = iter(first)
+    before = pairs(next(it) for _ in range(3))
+    state = first.state_dict()
+    first.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert before + pairs(resumed) == whole
+    resumed.close()
