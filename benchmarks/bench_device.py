@@ -4,6 +4,9 @@
 Sections (``--sections``, default all; each is timed and its errors recorded, never fatal):
 
 - ``tests``: the CUDA tests (``pytest -k cuda tests/loader``), pass/fail counts.
+- ``cpu``: the machine's CPUs (model, logical and physical cores: 16 "CPUs" may be 8 cores
+  with two threads each) and one process's RRC-224 decode rate on one thread, the unit of
+  worker efficiency: the loader's workers-mode images/s over (workers x that rate).
 - ``probe``: nvImageCodec alone on a batch of random-resized-crop regions of the synthetic
   ImageNet set, for each decoder option set (fancy upsampling, fancy on the hardware engine,
   ``:fancy_upsampling=0``) and backend list: images decoded of the batch, images/s, and the
@@ -42,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-SECTIONS = ("tests", "probe", "pipeline", "loader", "cpu_backend", "epochs", "train")
+SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "epochs", "train")
 
 
 def _early_torchvision(argv: list[str]) -> bool:
@@ -329,12 +332,50 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
     }
 
 
+def cpu_facts() -> dict:
+    """Model, logical CPUs usable, and physical cores (distinct (package, core) pairs)."""
+    facts: dict = {"usable": usable_cpus(), "model": None, "physical_cores": None}
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return facts
+    cores, pkg, model = set(), None, None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        if name == "model name":
+            model = model or value
+        elif name == "physical id":
+            pkg = value
+        elif name == "core id":
+            cores.add((pkg, value))
+    facts["model"] = model
+    facts["physical_cores"] = len(cores) or None
+    return facts
+
+
+def cpu(args) -> dict:
+    """The CPUs, and one process's RRC-224 decode on one thread (images/s), median of 3."""
+    torch.set_num_threads(1)
+    _, _, datas = _records(args.shards, 256)
+    dec = ShardDataset(str(args.shards), **GEO).tensor_decoder(0)
+    out = torch.empty((3, 224, 224), dtype=torch.uint8)
+    rates = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for data, key in datas:
+            dec(data, key, out)
+        rates.append(len(datas) / (time.perf_counter() - t))
+    torch.set_num_threads(usable_cpus())
+    return {**cpu_facts(), "one_process_rrc_images_per_s": statistics.median(rates)}
+
+
 def loader(args) -> dict:
     from shardkit.loader import epoch as epoch_mod
 
     urls = _urls(args)
     n = args.workers or max(1, usable_cpus() - 1)
-    out: dict = {"workers": n}
+    out: dict = {"num_workers": n}  # not "workers": that is decode_on="workers"'s row
     for mode in [*args.decode_on, "device-nothread"]:
         epoch_mod.DECODE_THREADS = 1 if mode != "device-nothread" else 0
         ds, ld = _loader(urls, mode.split("-")[0], n, args.batch)
@@ -440,6 +481,15 @@ def _summary_feed(r: dict) -> None:
                 f"{_num(v, 'process_cpu_us_per_image')} us {v.get('feed_counts')} "
                 f"share {v.get('share_to_workers')}"
             )
+    c, w = r.get("cpu") or {}, (r.get("loader") or {}).get("num_workers")
+    one = c.get("one_process_rrc_images_per_s")
+    mode = (r.get("loader") or {}).get("workers")
+    if one and isinstance(w, int) and isinstance(mode, dict) and "images_per_s" in mode:
+        print(
+            f"cpu {c.get('model')}: {c.get('usable')} usable, {c.get('physical_cores')} cores; "
+            f"one process {one:.0f}/s; worker efficiency "
+            f"{mode['images_per_s'] / (w * one):.2f} ({w} workers)"
+        )
     e = r.get("epochs") or {}
     if "short_of_long" in e:
         print(f"epochs short/long {e['short_of_long']:.3f} {e['short']} {e['long']}")

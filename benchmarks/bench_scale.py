@@ -4,7 +4,8 @@
 Makes N samples (one tiny 64x64 JPEG's bytes under N keys in 1,000 classes, written with
 ``ShardWriter``: fast), then measures each figure in a fresh child process, with the sample
 indexes (``*.tar.idx``) and on the same shards without them (hard links, the indexes left out:
-an older pack), interleaved:
+an older pack), interleaved. ``--format lmdb``: LMDB shards with their index record, and a copy
+whose shards have it deleted (through the ``lmdb`` package: an older pack's reads):
 
 - ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own bytes;
 - ``split="val"`` construction: seconds and peak memory;
@@ -14,6 +15,7 @@ an older pack), interleaved:
 
     python benchmarks/bench_scale.py --n 128000 --out /tmp/scale
     python benchmarks/bench_scale.py --n 1280000 --out /tmp/scale --json bench-out/scale.json
+    python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
 """
 
 from __future__ import annotations
@@ -80,11 +82,13 @@ def _jpeg() -> bytes:
     return buf.getvalue()
 
 
-def make(out: Path, n: int) -> tuple[str, str]:
-    """N samples packed with indexes, and the same shards without them (hard links)."""
+def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
+    """N samples packed with indexes, and the same shards without them (hard links; LMDB: a
+    copy with the record deleted)."""
     from shardkit import ShardWriter
 
-    packed, bare = out / f"n{n}", out / f"n{n}-noindex"
+    tag = "" if fmt == "tar" else f"-{fmt}"
+    packed, bare = out / f"n{n}{tag}", out / f"n{n}{tag}-noindex"
     if not (packed / "manifest.json").exists():
         data = _jpeg()
         rng = __import__("numpy").random.default_rng(0)
@@ -92,17 +96,42 @@ def make(out: Path, n: int) -> tuple[str, str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with ShardWriter(
-                str(packed), shard_size="5MB", classes=[f"n{c:08d}" for c in range(1000)]
+                str(packed),
+                shard_size="5MB",
+                format=fmt,
+                classes=[f"n{c:08d}" for c in range(1000)],
             ) as w:
                 for i in range(n):
                     c = int(labels[i])
                     w.add(f"n{c:08d}/n{c:08d}_{i}", "jpg", data, c)
-    if not bare.exists():
+    if fmt == "lmdb" and not bare.exists():
+        _without_records(packed, bare)
+    elif not bare.exists():
         bare.mkdir()
         for name in os.listdir(packed):
             if not name.endswith(".idx"):
                 os.link(packed / name, bare / name)
     return str(packed), str(bare)
+
+
+def _without_records(packed: Path, bare: Path) -> None:
+    """A copy of an LMDB pack whose shards have no index record: what an older pack reads."""
+    import shutil
+
+    import lmdb
+
+    from shardkit.formats.lmdb_index import INDEX_KEY
+
+    tmp = bare.with_name(bare.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(packed, tmp)
+    for name in os.listdir(tmp):
+        if name.endswith(".lmdb"):
+            env = lmdb.open(str(tmp / name), subdir=False, lock=False)
+            with env.begin(write=True) as txn:
+                txn.delete(INDEX_KEY)
+            env.close()
+    os.replace(tmp, bare)
 
 
 def child(what: str, where: str, key: str = "") -> dict:
@@ -123,19 +152,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/shardkit-scale"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
+    ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
+    ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
     args = ap.parse_args()
     results = []
     for n in args.n:
         t0 = time.perf_counter()
-        packed, bare = make(args.out, n)
+        packed, bare = make(args.out, n, args.format)
         made = time.perf_counter() - t0
-        tars = [f for f in os.listdir(packed) if f.endswith(".tar")]
+        tars = [f for f in os.listdir(packed) if f.endswith(f".{args.format}")]
         total = sum(os.path.getsize(os.path.join(packed, f)) for f in tars)
         from shardkit import ShardView
 
         key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
         row = {"n": n, "dataset_bytes": total, "make_s": made, "load_before": os.getloadavg()}
+        row["format"] = args.format
         whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
+        whats = [w for w in whats if args.what is None or w in args.what]
         for what in whats:
             for side, where in (("index", packed), ("no_index", bare)):
                 row[f"{what}/{side}"] = child(what, where, key)
@@ -150,12 +183,12 @@ def main() -> None:
 def _print(row: dict) -> None:
     n = row["n"]
     print(
-        f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of tar "
+        f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of {row.get('format', 'tar')} "
         f"(made in {row['make_s']:.0f} s); load {row['load_before']} -> {row['load_after']}"
     )
-    base = row["view/index"]["base_mb"]
+    base = next(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
     print(f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch")
-    print(f"{'figure':34s} {'with index':>18s} {'without':>18s}")
+    print(f"{'figure':34s} {'with index':>30s} {'without':>30s}")
     for what, label in (
         ("subset", "subset=0.01 epoch: read / drawn"),
         ("split", 'split="val" construction'),
@@ -176,8 +209,8 @@ def _print(row: dict) -> None:
             elif what == "epoch":
                 cells.append(f"{r['samples'] / r['seconds']:,.0f}/s +{more:.0f} MB")
             else:
-                cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB")
-        print(f"{label:34s} {cells[0]:>18s} {cells[1]:>18s}")
+                cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read")
+        print(f"{label:34s} {cells[0]:>30s} {cells[1]:>30s}")
 
 
 def _sample_bytes(row: dict) -> float:

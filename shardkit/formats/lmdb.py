@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,13 +26,24 @@ from ..errors import ShardFormatError
 from ..fsutil import open_regular
 from ..records import Record, ShardInfo, ShardStats
 from .base import ShardFormat
+from .lmdb_index import (
+    INDEX_KEY,
+    LmdbIndex,
+    LmdbIndexError,
+    decode_lmdb_index,
+    encode_lmdb_index,
+)
+from .lmdb_index import index_record_size as _index_size
 
 __all__ = [
     "LmdbFormat",
     "LmdbShardWriter",
     "count_lmdb_samples",
+    "file_stamp",
     "iter_lmdb_records",
+    "lmdb_keys",
     "LmdbSampleReader",
+    "read_lmdb_index",
     "sample_key",
 ]
 
@@ -90,6 +102,11 @@ def _stored_size(value_len: int) -> int:
     return node * 2 + 2  # inline: leaf pages may be half full after splits
 
 
+def _index_stored(samples: int, key_bytes: int) -> int:
+    """On-disk cost of the index record (``lmdb_index``) of ``samples`` keys."""
+    return _stored_size(_index_size(samples, key_bytes))
+
+
 def _value_len(klen: int, elen: int, nbytes: int) -> int:
     """Length of ``encode_value(key, ext, data, label)``: key, ext and data of these sizes."""
     return _VALUE_HEADER.size + klen + elen + nbytes
@@ -104,13 +121,15 @@ class LmdbSizer:
         self._estimate = _FIXED_PAGES * PAGE
         self._pending_bytes = 0
         self._commits = 0
+        self._key_bytes = 0
 
     def projected_size(self, klen: int, elen: int, nbytes: int, extra=()) -> int:
         """``klen``/``elen``: bytes of the key and the extension (UTF-8); ``extra``: ``(name
         bytes, value bytes)`` of each extra field."""
         stored = _stored_size(_value_len(klen, elen, nbytes))
         stored += sum(_stored_size(v + n + 2) for n, v in extra)
-        return self._estimate + stored + (self._commits + 2) * 4 * PAGE
+        index = _index_stored(self.samples + 1, self._key_bytes + klen)
+        return self._estimate + stored + index + (self._commits + 2) * 4 * PAGE
 
     def add(self, klen: int, elen: int, nbytes: int, extra=()) -> None:
         value_len = _value_len(klen, elen, nbytes)
@@ -120,17 +139,22 @@ class LmdbSizer:
             self._pending_bytes += v
             self._estimate += _stored_size(v + n + 2)
         self.samples += 1
+        self._key_bytes += klen
         if self._pending_bytes >= _COMMIT_BYTES:
             self._pending_bytes = 0
             self._commits += 1
 
 
 class LmdbShardWriter:
-    """Writes samples under sequential keys with append=True; grows the map instead of failing."""
+    """Writes samples under sequential keys with append=True; grows the map instead of failing.
+    ``close()`` adds the meta record and the index record (every key, for readers that need
+    keys without reading each sample)."""
 
     def __init__(self, path: str, map_size: int = 64 << 20):
         self.path = path
         self.samples = 0
+        self._keys: list[bytes] = []  # one shard's keys: what the index record holds
+        self._key_bytes = 0
         self._estimate = _FIXED_PAGES * PAGE
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
@@ -152,16 +176,21 @@ class LmdbShardWriter:
     def projected_size(
         self, key: str, ext: str, nbytes: int, extra: Sequence[tuple[str, bytes]] = ()
     ) -> int:
-        value_len = _value_len(len(key.encode()), len(ext), nbytes)
+        klen = len(key.encode())
+        value_len = _value_len(klen, len(ext), nbytes)
         commits = self._commits + 2  # this batch and the meta record's
         fields = sum(_stored_size(len(v) + len(n) + 2) for n, v in extra)
-        return self._estimate + _stored_size(value_len) + fields + commits * 4 * PAGE
+        index = _index_stored(self.samples + 1, self._key_bytes + klen)
+        return self._estimate + _stored_size(value_len) + fields + index + commits * 4 * PAGE
 
     def add(
         self, key: str, ext: str, data: bytes, label: int, extra: Sequence[tuple[str, bytes]] = ()
     ) -> None:
         """The sample under ``sample_key(i)``; extra fields under ``field_key(i, name)``."""
         value = encode_value(key, ext, data, label)
+        kb = key.encode()
+        self._keys.append(kb)
+        self._key_bytes += len(kb)
         self._pending.append((sample_key(self.samples), value))
         self._pending_bytes += len(value)
         self._estimate += _stored_size(len(value))
@@ -192,7 +221,8 @@ class LmdbShardWriter:
 
     def close(self) -> ShardStats:
         meta = json.dumps({"format": "shardkit-lmdb", "version": 1, "samples": self.samples})
-        self._commit([(META_KEY, meta.encode())])
+        self._commit([(META_KEY, meta.encode()), (INDEX_KEY, encode_lmdb_index(self._keys))])
+        self._keys = []
         env, self._env = self._env, None
         assert env is not None
         try:
@@ -409,6 +439,11 @@ def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def file_stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """The identity of the file at ``path`` as ``LmdbSampleReader.stamp`` gives it."""
+    return _stamp(os.stat(path))
+
+
 def _key_at(raw: bytes, ptr: int, psize: int) -> bytes:
     (ksize,) = struct.unpack_from("<H", raw, ptr + 6)
     if ptr + _NODE_HDR + ksize > psize:
@@ -437,9 +472,10 @@ def _child(raw: bytes, ptr: int) -> int:
 class _Shard:
     """One LMDB shard read through ``pread`` (see above); ``close()`` closes its descriptor."""
 
-    def __init__(self, path: str | os.PathLike, shard: str = ""):
+    def __init__(self, path: str | os.PathLike, shard: str = "", walk: bool = True):
         path = os.fspath(path)
         self.shard = shard or path
+        self.walked = False
         try:
             self._file = open_regular(path, buffering=0)  # a FIFO must not block the reader
         except FileNotFoundError:
@@ -454,12 +490,12 @@ class _Shard:
         self._branches: dict[int, tuple] = {}
         self.unchecked = False  # read since the last identity check
         try:
-            self._open()
+            self._open(walk)
         except BaseException:
             self.close()
             raise
 
-    def _open(self) -> None:
+    def _open(self, walk: bool) -> None:
         st = os.fstat(self.fd)
         self.stamp = _stamp(st)
         if st.st_size < 2 * PAGE:
@@ -467,15 +503,27 @@ class _Shard:
                 f"{self.shard}: truncated LMDB shard ({st.st_size} bytes); re-copy or re-pack it"
             )
         try:
-            if self.stamp in _checked:
-                _, self.last, self.psize, main = _pick_meta(self.fd, st.st_size)
-            else:
-                _, self.last, self.psize, main = _check_structure(self.fd, st.st_size)
+            _, self.last, self.psize, main = _pick_meta(self.fd, st.st_size)
         except (_Damaged, OSError, struct.error) as exc:
             raise self.error(exc) from None
-        self.check()  # the walk saw one file from start to end
-        _checked.add(self.stamp)
         self.depth, self.root = main[2], main[7]
+        if walk:
+            self.walk()
+
+    def walk(self) -> None:
+        """Check the whole tree once per file identity (``_check_structure``): before samples
+        are read. A reader that only looks up the index record skips it: each page it reads is
+        checked as it is read, and the record carries its own checksum."""
+        if self.walked:
+            return
+        if self.stamp not in _checked:
+            try:
+                _check_structure(self.fd, self.stamp[2])
+            except (_Damaged, OSError, struct.error) as exc:
+                raise self.error(exc) from None
+            self.check()  # the walk saw one file from start to end
+            _checked.add(self.stamp)
+        self.walked = True
 
     def changed(self) -> str:
         """How the file differs from when it was opened ("" while it does not)."""
@@ -699,10 +747,11 @@ def count_lmdb_samples(source: str | os.PathLike, *, shard: str = "") -> int:
 class LmdbSampleReader:
     """Random access to one LMDB shard: ``get(i)`` is one B-tree descent on a descriptor opened
     (and structure-checked) once. ``stamp`` is the file's identity (device, inode, size, mtime)
-    when it was opened, for a caller that indexed it earlier. ``close()`` closes it."""
+    when it was opened, for a caller that indexed it earlier. ``walk=False``: the structure is
+    checked when a sample is first read, not before ``index()``. ``close()`` closes it."""
 
-    def __init__(self, path: str | os.PathLike, shard: str = ""):
-        self._reader = _Shard(path, shard)
+    def __init__(self, path: str | os.PathLike, shard: str = "", *, walk: bool = True):
+        self._reader = _Shard(path, shard, walk)
         self.shard, self.stamp = self._reader.shard, self._reader.stamp
         try:
             self.samples = self._reader.count()
@@ -716,6 +765,7 @@ class LmdbSampleReader:
     def get(self, index: int, fields: Sequence[str] | None = ()) -> Record:
         """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked;
         ``None``: every field it has)."""
+        self._reader.walk()
         try:
             value = self._reader.get(sample_key(index))
             extra = None
@@ -730,8 +780,36 @@ class LmdbSampleReader:
         rec.fields = extra
         return rec
 
+    def index(self, samples: int = -1, strict: bool = False) -> LmdbIndex | None:
+        """The shard's index record (every key and split hash: one lookup), checked against
+        the meta record's count and ``samples`` (the manifest's; -1: none). None where the
+        shard has none (packed before it existed); where it does not check out, a warning names
+        it and None (``strict``: the ``LmdbIndexError``), so the caller reads the keys instead.
+        A shard whose count is not the manifest's is a ``ShardFormatError``."""
+        try:
+            data = self._reader.get(INDEX_KEY)
+        except (_Damaged, OSError, struct.error) as exc:
+            raise self._reader.error(exc) from None
+        self._reader.check(after_reads=True)
+        if samples >= 0 and samples != self.samples:
+            raise ShardFormatError(
+                f"{self.shard}: holds {self.samples} samples, its manifest says {samples}; "
+                "the manifest belongs to another version of the shard: re-pack it"
+            )
+        if data is None:
+            return None
+        try:
+            return decode_lmdb_index(data, self.shard, self.samples)
+        except LmdbIndexError as exc:
+            if strict:
+                raise
+            warnings.warn(f"{exc}; reading each sample's key instead", RuntimeWarning, 2)
+            return None
+
     def keys(self) -> list[str]:
-        """Every sample's key, in order (reads the start of each value)."""
+        """Every sample's key, in order (reads the start of each value; ``index()`` is one
+        read)."""
+        self._reader.walk()
         out: list[str] = []
         try:
             for key, value in self._reader.items(sample_key(0), _KEY_PREFIX):
@@ -749,6 +827,29 @@ class LmdbSampleReader:
 
     def close(self) -> None:
         self._reader.close()
+
+
+def read_lmdb_index(
+    path: str | os.PathLike, shard: str = "", samples: int = -1
+) -> tuple[LmdbIndex | None, tuple]:
+    """``LmdbSampleReader.index()`` of the shard at ``path``, with the file's identity when it
+    was read; the tree is not walked (O(1) reads per shard)."""
+    reader = LmdbSampleReader(path, shard, walk=False)
+    try:
+        return reader.index(samples), reader.stamp
+    finally:
+        reader.close()
+
+
+def lmdb_keys(path: str | os.PathLike, shard: str = "") -> list[str]:
+    """Every key of the shard at ``path``, in order: from its index record where it has one
+    (one lookup), else from the start of every value."""
+    reader = LmdbSampleReader(path, shard, walk=False)
+    try:
+        index = reader.index()
+        return reader.keys() if index is None else index.keys()
+    finally:
+        reader.close()
 
 
 class LmdbFormat(ShardFormat):

@@ -466,16 +466,44 @@ def _column(values: list):
     ):
         stacked = torch.stack(values)
         return Stacked(stacked.numpy()) if stacked.dtype != torch.bfloat16 else stacked
+    numbers = _numbers(values)
+    if numbers is not None:
+        return Stacked(numbers)
     return [
         Array(v.numpy()) if isinstance(v, torch.Tensor) and v.dtype != torch.bfloat16 else v
         for v in values
     ]
 
 
+#: Python numbers as ``default_collate`` makes them: bool, int64, float64.
+_PY_NUMBERS = ((bool, np.bool_), (int, np.int64), (float, np.float64))
+
+
+def _numbers(values: list) -> np.ndarray | None:
+    """A column of numbers, or of numpy arrays of one shape and dtype, as one array, as
+    ``DataLoader``'s ``default_collate`` batches them (a passed-on label stays a tensor); None
+    for anything else, and for ints past int64 (``default_collate`` would fail on them)."""
+    first = values[0]
+    if isinstance(first, (np.ndarray, np.generic)):
+        same = all(
+            type(v) is type(first) and v.shape == first.shape and v.dtype == first.dtype
+            for v in values
+        )
+        return np.stack(values) if same and first.dtype.kind in "biufc" else None
+    for kind, dtype in _PY_NUMBERS:
+        if type(first) is kind and all(type(v) is kind for v in values):
+            try:
+                return np.array(values, dtype=dtype)
+            except OverflowError:
+                return None
+    return None
+
+
 def batch_samples(outputs: list):
     """``sample_transform``'s outputs as one batch: a dict per sample gives a dict of columns, a
     tuple or list a tuple of columns, anything else one column; a column of tensors of one shape
-    is stacked, any other a list (as ``DataLoader``'s collate would, without guessing)."""
+    is stacked, so are numbers (bool, int64, float64) and numpy arrays of one shape and dtype
+    (as ``DataLoader``'s ``default_collate``), any other a list."""
     first = outputs[0]
     if isinstance(first, dict):
         keys = list(first)

@@ -119,7 +119,8 @@ class ShardLoader:
     (the dict ``ShardDataset`` gives it: image, label, key, source, fields, boxes, seed) goes
     through it in the workers and its outputs are batched there: a dict per sample gives a dict
     of columns, a tuple a tuple of columns; a column of tensors of one shape is stacked (and
-    moved to ``device``), any other is a list; ``collate`` then reshapes that batch.
+    moved to ``device``), numbers and numpy arrays of one shape become tensors as
+    ``default_collate`` makes them, any other is a list; ``collate`` then reshapes that batch.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
     """

@@ -1,9 +1,10 @@
 """Reading shards' sample indexes (``formats.sample_index``), locally or from object storage.
 
 What construction, ``ShardView``, ``ls`` and ``show`` need from a shard (its keys, its samples'
-byte ranges, its split hashes) comes from the index file beside it: one small read per shard
-instead of a walk over every header. A shard without one (a foreign tar never indexed, an older
-pack, LMDB) gives ``None`` and the caller reads the shard as before.
+byte ranges, its split hashes) comes from the index file beside it (tar) or the index record
+inside it (LMDB): one small read per shard instead of a walk over every header or sample. A
+shard without one (a foreign tar never indexed, an older pack) gives ``None`` and the caller
+reads the shard as before.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
+from ..formats.lmdb import LmdbSampleReader, read_lmdb_index
+from ..formats.lmdb_index import LmdbIndex
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
@@ -30,6 +33,7 @@ from .storage import Storage
 
 __all__ = [
     "all_keys",
+    "lmdb_index",
     "shard_columns",
     "shard_index",
     "shard_keys",
@@ -84,12 +88,20 @@ def _remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
         return None  # unreadable: the shard's own headers still serve
 
 
+def lmdb_index(shard: ShardInfo, storage: Storage) -> LmdbIndex | None:
+    """The index record of an LMDB shard (one lookup, checked against the manifest's count);
+    None where it has none, or it is damaged (a warning names it)."""
+    return read_lmdb_index(storage.local_path(shard), shard.url, shard.samples)[0]
+
+
 def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=None) -> list[str]:
     """Every key of one shard in stored order: from its index, else from the shard."""
-    index = shard_index(shard, storage_options) if fmt == "tar" else None
+    if fmt == "lmdb":
+        index = lmdb_index(shard, storage)
+    else:
+        index = shard_index(shard, storage_options) if fmt == "tar" else None
     if index is not None:
         return index.keys()
-    from ..formats.lmdb import LmdbSampleReader
     from ..formats.tar.tally import tally_tar
 
     if fmt == "lmdb":
@@ -120,7 +132,10 @@ def split_hashes(
     parts = []
     try:
         for shard in shards:
-            index = shard_columns(shard, storage_options) if fmt == "tar" else None
+            if fmt == "lmdb":
+                index = lmdb_index(shard, storage)
+            else:
+                index = shard_columns(shard, storage_options) if fmt == "tar" else None
             if index is not None:  # the stored hashes: no key read or hashed
                 parts.append(index.hashes.astype(np.uint64))
             else:

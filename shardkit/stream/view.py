@@ -8,10 +8,12 @@
   shard's headers (data is hopped over on local files); then sample i is one ``pread`` of its
   byte range, or one ranged GET for a remote shard. The range is parsed by the same tar reader
   as streaming, so labels, keys and fields come out identical.
-- LMDB: one B-tree lookup (a remote LMDB is fetched into the cache first). Each shard's
-  identity (device, inode, size, mtime) is kept from when it was indexed: a shard replaced or
-  rewritten since is refused by name when it is opened again, and every sample's key is checked
-  against the index, so a view never hands out another sample than the one asked for.
+- LMDB: one B-tree lookup (a remote LMDB is fetched into the cache first); the keys come from
+  the shard's index record (one lookup), or where it has none from the start of every value.
+  Each shard's identity (device, inode, size, mtime) is kept from when it was indexed: a shard
+  replaced or rewritten since is refused by name when it is opened again, and every sample's
+  key is checked against the index, so a view never hands out another sample than the one
+  asked for.
 
 Usable with ``DataLoader`` and ``DistributedSampler``: a view pickles without open files and
 opens its shards again in each worker process.
@@ -29,7 +31,8 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import InputError, ShardFormatError, StorageError, check_choice
-from ..formats.lmdb import LmdbSampleReader
+from ..formats.lmdb import LmdbSampleReader, file_stamp
+from ..formats.lmdb_index import LmdbIndex
 from ..formats.sample_index import SampleIndex
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
@@ -88,8 +91,9 @@ class ShardView(Dataset):
         )
         self.shards: tuple[ShardInfo, ...] = resolved.shards
         self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
-        self._stamps: list[tuple] = []  # LMDB: per shard, the file's identity when indexed
-        lazy = self.format == "tar" and all(s.samples >= 0 and s.sha256 for s in self.shards)
+        #: LMDB: per local shard, the file's identity when the view was made (a stat each)
+        self._stamps: dict[str, tuple] = _lmdb_stamps(self.shards) if self.format == "lmdb" else {}
+        lazy = all(s.samples >= 0 and s.sha256 for s in self.shards)
         try:
             if lazy:  # the manifest's counts: nothing opened until a sample is asked for
                 counts = [s.samples for s in self.shards]
@@ -108,12 +112,7 @@ class ShardView(Dataset):
 
     def _index(self, shard: ShardInfo) -> _Table:
         if self.format == "lmdb":
-            reader = LmdbSampleReader(self.storage.local_path(shard), shard.url)
-            try:
-                self._stamps.append(reader.stamp)
-                return _Table(reader.samples, reader.keys(), np.empty(0, np.int64))
-            finally:
-                reader.close()
+            return self._lmdb_table(shard)
         index = shard_index(shard, self.storage_options)
         if index is not None:  # one read of the index file beside the shard
             return _Table(index.samples, index, index.offsets.astype(np.int64))
@@ -129,6 +128,17 @@ class ShardView(Dataset):
             )
         end = shard.bytes if shard.bytes >= 0 else self._size(shard)
         return _Table(tally.samples, tally.keys, np.asarray([*tally.index, end], dtype=np.int64))
+
+    def _lmdb_table(self, shard: ShardInfo) -> _Table:
+        """Keys from the index record (one lookup), else from every value (older packs)."""
+        reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=False)
+        try:
+            self._held_to(reader, shard.url)
+            index = reader.index(shard.samples)
+            keys = reader.keys() if index is None else index
+            return _Table(reader.samples, keys, np.empty(0, np.int64))
+        finally:
+            reader.close()
 
     def _table(self, k: int) -> _Table:
         table = self._tables[k]
@@ -208,13 +218,14 @@ class ShardView(Dataset):
         return self._record(shard, info, j, self.fields)
 
     def _record(self, shard: int, info: ShardInfo, j: int, fields) -> Record:
+        table = self._table(shard)  # LMDB: first, for the identity the reader is held to
         if self.format == "lmdb":
             rec = self._reader(shard, info).get(j, fields)
         else:
-            off = self._table(shard).offsets
+            off = table.offsets
             blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
             rec = read_sample(blob, info.url, fields)
-        if rec is None or rec.key != self._table(shard).key(j):
+        if rec is None or rec.key != table.key(j):
             raise ShardFormatError(
                 f"{info.url}: sample {j} is not where the index says (the shard changed since "
                 "the view was made); make the view again"
@@ -260,14 +271,18 @@ class ShardView(Dataset):
         reader = self._open.get(shard)
         if reader is None:
             reader = LmdbSampleReader(self.storage.local_path(info), info.url)
-            if reader.stamp != self._stamps[shard] and not is_url(info.url):
-                reader.close()
-                raise ShardFormatError(
-                    f"{info.url}: the LMDB shard was replaced or rewritten since the view was "
-                    "made; make the view again"
-                )
+            self._held_to(reader, info.url)
             self._open[shard] = reader
         return reader
+
+    def _held_to(self, reader: LmdbSampleReader, url: str) -> None:
+        """Refuse an LMDB shard that is no longer the file the view was made on."""
+        if reader.stamp != self._stamps.setdefault(url, reader.stamp) and not is_url(url):
+            reader.close()
+            raise ShardFormatError(
+                f"{url}: the LMDB shard was replaced or rewritten since the view was "
+                "made; make the view again"
+            )
 
     def _read(self, shard: int, info: ShardInfo, start: int, stop: int) -> bytes:
         self._fresh()
@@ -302,9 +317,26 @@ class ShardView(Dataset):
         return f"ShardView({len(self.shards)} {self.format} shards, {len(self)} samples)"
 
 
+_INDEXES = (SampleIndex, LmdbIndex)
+
+
+def _lmdb_stamps(shards: Sequence[ShardInfo]) -> dict[str, tuple]:
+    """The identity of each local LMDB shard now (one stat each: nothing read), so a shard
+    replaced before the view first reads it is refused like one replaced after."""
+    stamps = {}
+    for shard in shards:
+        if not is_url(shard.url):
+            try:
+                stamps[shard.url] = file_stamp(shard.url)
+            except OSError:
+                pass  # missing or unreadable: opening it names the shard
+    return stamps
+
+
 class _Table:
     """One shard's keys and sample byte ranges: a ``SampleIndex`` (read from the file beside the
-    shard) or what a walk over its headers gave (a key list; a dict built on the first lookup)."""
+    shard), an ``LmdbIndex`` (the record inside it), or what a walk over its headers or values
+    gave (a key list; a dict built on the first lookup)."""
 
     __slots__ = ("samples", "_keys", "offsets", "_by_key")
 
@@ -314,14 +346,14 @@ class _Table:
 
     def key(self, j: int) -> str:
         keys = self._keys
-        return keys.key(j) if isinstance(keys, SampleIndex) else keys[j]
+        return keys.key(j) if isinstance(keys, _INDEXES) else keys[j]
 
     def keys(self) -> list[str]:
         keys = self._keys
-        return keys.keys() if isinstance(keys, SampleIndex) else list(keys)
+        return keys.keys() if isinstance(keys, _INDEXES) else list(keys)
 
     def position(self, key: str) -> int | None:
-        if isinstance(self._keys, SampleIndex):
+        if isinstance(self._keys, _INDEXES):
             return self._keys.position(key)
         if self._by_key is None:
             self._by_key = {}

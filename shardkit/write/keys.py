@@ -3,8 +3,9 @@ again, since keys are unique within a dataset (FORMAT.md).
 
 The keys are read from the shards themselves, not from a list kept beside them, so they are
 right for any dataset (packed, appended, merged, indexed): a tar shard by its headers only (no
-image bytes are read), an LMDB shard by its records. A merge also compares whole datasets by
-``identity``: the sha256 over its shards' digests, the same for a copy of the same shards.
+image bytes are read), an LMDB shard by its index record (or, packed before it, by the start of
+each record). A merge also compares whole datasets by ``identity``: the sha256 over its shards'
+digests, the same for a copy of the same shards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Iterable
 
 from ..formats import get_format
+from ..formats.lmdb import lmdb_keys
 from ..formats.tar import tally_tar
 from ..manifest import Manifest
 
@@ -25,6 +27,8 @@ def shard_keys(path: str, fmt: str) -> Iterable[str]:
     """The keys of one local shard, in order."""
     if fmt == "tar" and not path.endswith((".gz", ".tgz")):
         return tally_tar(path, shard=path, keys=True).keys
+    if fmt == "lmdb":
+        return lmdb_keys(path, path)
     return (r.key for r in get_format(fmt).iter_records(path, shard=path))
 
 

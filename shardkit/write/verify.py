@@ -16,8 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InputError
+import numpy as np
+
+from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
+from ..formats.lmdb import LmdbSampleReader
+from ..formats.lmdb_index import LmdbIndex, LmdbIndexError
 from ..fsutil import HashingReader, open_regular
 from ..images.checks import decode_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
@@ -110,9 +114,10 @@ def verify_shard(
                 digest.append("truncated; not opened (mapping it would crash the reader)")
             return digest, 0
         shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
-        return _check_records(
-            shard_format.records(LocalStorage(), shard), entry, decode, num_classes
-        )
+        index, problems = _index_record(path, entry)
+        records = _keys_match(shard_format.records(LocalStorage(), shard), index, problems)
+        found, decoded = _check_records(records, entry, decode, num_classes)
+        return problems + found, decoded
     # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
         raw = open_regular(path, buffering=0)
@@ -129,6 +134,39 @@ def verify_shard(
         except OSError as exc:
             return [f"unreadable ({exc.strerror})"], decoded
     return _digest_problems(hashing.sha.hexdigest(), hashing.bytes, entry) + problems, decoded
+
+
+def _index_record(path: str, entry: ShardEntry) -> tuple[LmdbIndex | None, list[str]]:
+    """An LMDB shard's index record, its split hashes recomputed from its keys; a problem
+    where it is damaged (none where there is none: packed before it existed)."""
+    from ..formats.sample_index import key_hashes
+
+    try:
+        reader = LmdbSampleReader(path, entry.path, walk=False)
+        try:
+            index = reader.index(strict=True)
+        finally:
+            reader.close()
+    except LmdbIndexError as exc:
+        return None, [f"index record: {exc}"]
+    except ShardFormatError:
+        return None, []  # the shard itself is unreadable: reading its samples says how
+    if index is not None and not np.array_equal(index.hashes, key_hashes(index.keys())):
+        return None, ["index record: its split hashes are not its keys'; re-pack the shard"]
+    return index, []
+
+
+def _keys_match(records, index: LmdbIndex | None, problems: list[str]):
+    """``records``, noting in ``problems`` the first whose key is not the index record's."""
+    for i, rec in enumerate(records):
+        if index is not None and (i >= index.samples or index.key(i) != rec.key):
+            listed = index.key(i) if i < index.samples else "nothing"
+            problems.append(
+                f"index record: sample {i} is {rec.key!r}, the record lists {listed!r}; "
+                "re-pack the shard"
+            )
+            index = None  # the first is named
+        yield rec
 
 
 def _digest_problems(sha: str, size: int, entry: ShardEntry) -> list[str]:

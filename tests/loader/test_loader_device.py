@@ -435,6 +435,24 @@ def test_resize_batch_equals_torchs_antialiased_resize_image_by_image(interpolat
         )
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_float16_resize_stays_within_half_a_level_of_float32(interpolation):
+    """The CUDA path's dtype (float16 weights and row pass) on ImageNet-sized crops of noise,
+    the worst case for rounding, computed here on the CPU: IEEE half rounds the same on a GPU,
+    so bicubic's negative lobes in half precision are checked without one."""
+    g = torch.Generator().manual_seed(5)
+    size = 224
+    hs, ws = [375, 300, 224, 500, 180, 400], [500, 280, 224, 375, 200, 420]
+    padded = torch.randint(0, 256, (6, 500, 500, 3), dtype=torch.uint8, generator=g)
+    one, zero, flips = torch.ones(1, 3, 1, 1), torch.zeros(1, 3, 1, 1), [False, True] * 3
+    full = torch.empty((6, 3, size, size), dtype=torch.float32)
+    half = torch.empty_like(full)
+    how = dict(interpolation=interpolation)
+    device_decode.resize_batch(padded, hs, ws, size, flips, full, one, zero, **how)
+    device_decode.resize_batch(padded, hs, ws, size, flips, half, one, zero, torch.float16, **how)
+    assert (half - full).abs().max() < 0.5 and (half - full).abs().mean() < 0.1
+
+
 def test_groups_bound_the_padded_batch():
     crops = [device_decode.Crop(None, 0, 0, h, w) for h, w in [(10, 10)] * 5 + [(100, 100)]]
     assert device_decode.groups(crops, limit=10 * 10 * 3 * 3) == [[0, 1, 2], [3, 4], [5]]

@@ -188,12 +188,13 @@ def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shar
         assert set(batch) == {"image", "caption", "meta", "key", "seed"}
         n = len(batch["key"])
         assert batch["image"].shape == (n, 3, 8, 8) and batch["image"].dtype == torch.uint8
-        assert isinstance(batch["caption"], list) and isinstance(batch["seed"], list)
+        assert isinstance(batch["caption"], list)
+        assert batch["seed"].dtype == torch.int64  # numbers batch as DataLoader's collate does
         for j, key in enumerate(batch["key"]):
             ref = reference[key]
             assert torch.equal(batch["image"][j], ref["image"])
             assert (batch["caption"][j], batch["meta"][j]) == (ref["caption"], ref["meta"])
-            assert batch["seed"][j] == ref["seed"]
+            assert int(batch["seed"][j]) == ref["seed"]
         keys += batch["key"]
     assert sorted(keys) == sorted(reference) and len(keys) == N - 1
     loader.close()
@@ -216,6 +217,45 @@ def test_workers_sending_large_batches_nobody_reads_stop_when_asked(shards):
     procs = list(loader._res.workers.procs)
     loader.close()
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def _numbers(sample: dict) -> dict:
+    """The sample passed on, with numbers and arrays of each kind beside it."""
+    i = int(sample["key"][-2:])
+    return {**sample, "ratio": i / 4, "odd": bool(i % 2), "np32": np.float32(i),
+            "row": np.full(3, i, np.int16), "ragged": np.zeros(1 + i % 2),
+            "huge": 2**64 + i, "none": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_numbers_and_arrays_of_a_sample_transform_batch_as_dataloader_collates_them(
+    shards, workers
+):
+    """A pass-through transform keeps the batch a plain loader gives: labels (and the source,
+    the seed, any number) an int64 or float tensor, arrays of one shape stacked."""
+    kw = dict(size=8, crop="random", seed=2, fields=("txt",))
+    plain = {
+        k: lab
+        for b in ShardLoader(_ds(shards, **kw), 4)
+        for k, lab in zip(b["key"], b["label"].tolist(), strict=True)
+    }
+    loader = ShardLoader(_ds(shards, **kw, sample_transform=_numbers), 4, num_workers=workers)
+    for batch in loader:
+        keys, n = batch["key"], len(batch["key"])
+        assert batch["label"].dtype == torch.int64 and batch["label"].tolist() == [
+            plain[k] for k in keys
+        ]
+        assert batch["seed"].dtype == torch.int64 and batch["ratio"].dtype == torch.float64
+        assert batch["odd"].dtype == torch.bool and batch["np32"].dtype == torch.float32
+        assert batch["row"].shape == (n, 3) and batch["row"].dtype == torch.int16
+        assert batch["row"][:, 0].tolist() == [int(k[-2:]) for k in keys]
+        if len({1 + int(k[-2:]) % 2 for k in keys}) > 1:  # ragged: as it is
+            assert isinstance(batch["ragged"], list) and isinstance(batch["ragged"][0], np.ndarray)
+        else:  # one shape in this batch: stacked, as tensors of one shape are
+            assert batch["ragged"].shape[0] == n
+        assert batch["huge"] == [2**64 + int(k[-2:]) for k in keys]  # past int64: a list
+        assert batch["none"] == [None] * n and isinstance(batch["txt"], list)
+    loader.close()
 
 
 def _image_mask_boxes(sample: dict) -> tuple:

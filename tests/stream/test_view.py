@@ -173,7 +173,9 @@ def test_an_lmdb_sample_whose_key_is_not_the_indexed_one_is_refused(tmp_path, mo
     the key stored with the sample is checked against the index."""
     _lmdb_pack(tmp_path / "d", "a")
     view = ShardView(str(tmp_path / "d"), decode="raw", with_keys=True)
-    view._table(0)._keys[4] = "a/k009"  # as if the index had been made from another shard
+    table = view._table(0)
+    table._keys = table.keys()
+    table._keys[4] = "a/k009"  # as if the index had been made from another shard
     with pytest.raises(ShardFormatError, match=r"shard-000000\.lmdb: sample 4 is not where"):
         view[4]
 

@@ -711,7 +711,7 @@ def test_lmdb_shards_open_with_plain_lmdb(tree, tmp_path):
         with env.begin() as txn:
             entries = txn.stat()["entries"]
         env.close()
-        assert entries == s.samples + 1  # the samples and one metadata record
+        assert entries == s.samples + 2  # the samples, the meta record and the index record
         total += s.samples
     assert total == len(files)
     assert not [n for n in os.listdir(tmp_path / "out") if n.endswith("-lock")]

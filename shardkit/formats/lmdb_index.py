@@ -1,0 +1,125 @@
+"""The sample index of an LMDB shard: one more record inside the shard, ``__shardkit_index__``.
+
+Splits, key subsets, ``ShardView``, ``ls`` and ``show`` need every sample's key; read from the
+samples that is one page per sample (the start of each value), O(dataset) reads. This record
+holds the keys (a key table and its ends) and their split hashes (``sample_index.key_hashes``,
+the values of the tar index: a split is the same in either format) as fixed-width little-endian
+columns, so one lookup per shard gives them and numpy views them without a per-sample object.
+It ends with the sha256 of everything before it; being inside the shard, the manifest's sha256
+of the shard covers it too. FORMAT.md, "LMDB shards", specifies the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ShardFormatError
+from .sample_index import key_hashes
+
+__all__ = ["INDEX_KEY", "LmdbIndex", "LmdbIndexError", "decode_lmdb_index", "encode_lmdb_index"]
+
+#: Sorts after the sample keys (digits) and after ``__shardkit__``: never met by a sample cursor.
+INDEX_KEY = b"__shardkit_index__"
+MAGIC = b"SKLMDBIX"
+VERSION = 1
+#: magic, version, reserved, samples, key-table bytes.
+_HEAD = struct.Struct("<8sII QQ")
+_TRAILER = 32  # sha256 of everything before it
+
+
+class LmdbIndexError(ShardFormatError):
+    """An index record that is damaged or does not describe the samples of its shard."""
+
+
+def index_record_size(samples: int, key_bytes: int) -> int:
+    """Bytes of the record for ``samples`` keys of ``key_bytes`` bytes in all (for the sizer)."""
+    return _HEAD.size + 16 * samples + key_bytes + _TRAILER
+
+
+def encode_lmdb_index(keys: Sequence[bytes]) -> bytes:
+    """The record's bytes; ``keys``: each sample's key as its value stores it (UTF-8)."""
+    n = len(keys)
+    table = b"".join(keys)
+    ends = np.cumsum(np.fromiter((len(k) for k in keys), np.uint64, n), dtype=np.uint64)
+    body = b"".join(
+        (
+            _HEAD.pack(MAGIC, VERSION, 0, n, len(table)),
+            key_hashes(keys).astype("<u8").tobytes(),
+            ends.astype("<u8").tobytes(),
+            table,
+        )
+    )
+    return body + hashlib.sha256(body).digest()
+
+
+@dataclass(frozen=True)
+class LmdbIndex:
+    """One LMDB shard's keys and split hashes, as numpy views over the record's bytes."""
+
+    samples: int
+    #: The split hash of each key (``key_hashes``).
+    hashes: np.ndarray
+    #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
+    ends: np.ndarray
+    table: bytes
+
+    def key(self, i: int) -> str:
+        lo = int(self.ends[i - 1]) if i else 0
+        return self.table[lo : int(self.ends[i])].decode("utf-8", "surrogateescape")
+
+    def keys(self) -> list[str]:
+        text = self.table.decode("utf-8", "surrogateescape")
+        if text.isascii():  # one decode, then slices: a character is a byte
+            bounds = [0, *self.ends.tolist()]
+            return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [self.key(i) for i in range(self.samples)]
+
+    def position(self, key: str) -> int | None:
+        """Where ``key`` is in the shard (the first, should it repeat); None if absent: a search
+        of the key table, not a dict of every key."""
+        raw = key.encode("utf-8", "surrogateescape")
+        if not raw:
+            return None
+        at = self.table.find(raw)
+        while at >= 0:
+            i = int(np.searchsorted(self.ends, at, side="right"))  # the key holding byte `at`
+            start = int(self.ends[i - 1]) if i else 0
+            if start == at and int(self.ends[i]) == at + len(raw):
+                return i
+            at = self.table.find(raw, at + 1)
+        return None
+
+
+def decode_lmdb_index(data: bytes, shard: str, samples: int) -> LmdbIndex:
+    """Parse and check the record's bytes against ``samples`` (the shard's count); an
+    ``LmdbIndexError`` naming ``shard`` where they do not check out."""
+    if len(data) < _HEAD.size + _TRAILER or data[:8] != MAGIC:
+        raise _damaged(shard, "not a shardkit index record")
+    if hashlib.sha256(data[:-_TRAILER]).digest() != data[-_TRAILER:]:
+        raise _damaged(shard, "its checksum does not match its contents")
+    _, version, _, n, klen = _HEAD.unpack_from(data)
+    if version != VERSION:
+        raise _damaged(shard, f"version {version}, this shardkit reads {VERSION}")
+    if len(data) != index_record_size(n, klen):
+        raise _damaged(shard, "its length does not match its sample count")
+    if n != samples:
+        raise _damaged(shard, f"it lists {n} samples, the shard holds {samples}")
+    pos = _HEAD.size
+    hashes = np.frombuffer(data, "<u8", n, pos)
+    ends = np.frombuffer(data, "<u8", n, pos + 8 * n)
+    table = data[pos + 16 * n : len(data) - _TRAILER]
+    if n and (int(ends[-1]) != klen or np.any(np.diff(ends.astype(np.int64)) < 0)):
+        raise _damaged(shard, "its keys are out of order")
+    return LmdbIndex(n, hashes, ends, table)
+
+
+def _damaged(shard: str, why: str) -> LmdbIndexError:
+    return LmdbIndexError(
+        f"{shard}: damaged sample index record {INDEX_KEY.decode()} ({why}); re-copy the shard, "
+        "or pack again"
+    )
