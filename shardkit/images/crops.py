@@ -27,15 +27,17 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import InputError, check_choice
+from ..errors import InputError, TransformError, check_choice
 
 __all__ = [
     "INTERPOLATIONS",
     "CenterCrop",
+    "CropError",
     "RandomCrop",
     "RandomResizedCrop",
     "center_crop_box",
     "check_box",
+    "policy_box",
     "random_resized_crop_box",
 ]
 
@@ -195,15 +197,34 @@ def check_crop(crop) -> None:
     check_choice("interpolation", getattr(crop, "interpolation", "bilinear"), INTERPOLATIONS)
 
 
-def check_box(crop, box, height: int, width: int) -> tuple[int, int, int, int]:
+class CropError(TransformError, InputError):
+    """A crop object's ``box`` raised, or returned no box inside the image: a bug in the policy
+    (user code, as a transform's), raised whatever ``on_error``, never a skipped sample."""
+
+
+def policy_box(crop, height: int, width: int, uniforms, key: str = ""):
+    """A user's crop object's box for sample ``key``, checked; its own exception is the cause."""
+    try:
+        box = crop.box(height, width, uniforms)
+    except Exception as exc:
+        raise CropError(
+            f"sample {key!r}: {type(crop).__name__}.box({height}, {width}, ...) raised "
+            f"{type(exc).__name__}: {exc}",
+            key=key,
+        ) from exc
+    return check_box(crop, box, height, width, key)
+
+
+def check_box(crop, box, height: int, width: int, key: str = "") -> tuple[int, int, int, int]:
     """A box a crop object returned, as four ints inside the image (else a one-line error)."""
     try:
         top, left, h, w = (int(v) for v in box)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # not four numbers, NaN, infinity
         top = left = h = w = -1
     if not (0 <= top and 0 <= left and h >= 1 and w >= 1) or top + h > height or left + w > width:
-        raise InputError(
-            f"{type(crop).__name__}.box({height}, {width}, ...) returned {box!r}: it must be "
-            "(top, left, h, w) ints with h, w >= 1 inside the image"
+        raise CropError(
+            f"sample {key!r}: {type(crop).__name__}.box({height}, {width}, ...) returned "
+            f"{box!r}: it must be (top, left, h, w) ints with h, w >= 1 inside the image",
+            key=key,
         )
     return top, left, h, w

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from ..errors import InputError, check_choice
 from .crops import (
     CenterCrop,
+    CropError,
     RandomCrop,
     RandomResizedCrop,
     center_crop_box,
-    check_box,
     check_crop,
+    policy_box,
     random_resized_crop_box,
 )
 from .decode import (
@@ -198,9 +199,18 @@ class TensorDecoder:
         height, width = image_size(data)
         check_pixels(height, width, self.max_pixels)
         uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        box = g.crop.box(height, width, uniforms)
-        if type(g.crop) not in _OWN_CROPS:  # a user's policy: its box is checked
-            box = check_box(g.crop, box, height, width)
+        if type(g.crop) in _OWN_CROPS:
+            box = g.crop.box(height, width, uniforms)
+        else:  # a user's policy: its errors are its own (CropError), its box is checked
+            box = policy_box(g.crop, height, width, uniforms, key)
+            again = sample_uniforms(self.seed, self.epoch, self.rank, key)
+            if policy_box(g.crop, height, width, again, key) != box:
+                raise CropError(
+                    f"sample {key!r}: {type(g.crop).__name__}.box({height}, {width}, ...) gave "
+                    "another box when asked again: draw only from uniforms (the sample's masks, "
+                    "boxes, device decode and resumed epochs each ask for its box)",
+                    key=key,
+                )
         top, left, h, w = box
         flip = g.flip and next(uniforms) < 0.5
         return CropBox(height, width, top, left, h, w, flip)

@@ -309,6 +309,8 @@ class Epoch:
                     out = self._finish(*item, drawn)
                     while len(drawn) > 1:
                         self._give_back(*drawn.popleft())
+                    if out is None:
+                        continue
                     counts.delivered += item[1][0].shape[0]
                     counts.trainer_cpu_s += clock() - began
                     yield out
@@ -316,6 +318,8 @@ class Epoch:
             while staged:
                 item = self._staged(staged.popleft())
                 out = self._finish(*item, drawn)
+                if out is None:
+                    continue
                 counts.delivered += item[1][0].shape[0]
                 counts.trainer_cpu_s += clock() - began
                 yield out
@@ -349,6 +353,9 @@ class Epoch:
 
     def _stage(self, msg: Batch):
         """Start moving batch ``msg`` to the device and converting it there."""
+        if msg.count == 0:  # records that gave no image: counted in their turn, not yielded
+            self._give_back(msg.worker, msg.slot)
+            return None, (), None, None, None, (msg.worker, msg.consumed)
         if self.balance is not None:
             self._rebalance(msg)
         if msg.offsets is not None:
@@ -451,6 +458,8 @@ class Epoch:
             t0 = time.perf_counter()
             decoded = decoder.decode(bufs, msg.boxes, stream)
             pixels, kept = self._decoded(decoded, bufs, msg, target)
+            if not kept:  # every sample skipped here: nothing to hand out, the slot goes back
+                return None, (), None, None, (msg.worker, msg.slot), (msg.worker, msg.consumed)
             dtype = torch.float32 if loader.normalize is not None else torch.uint8
             shape = (size, size) if size is not None else _one_size(pixels, msg, kept)
             fmt = torch.channels_last if loader.channels_last else torch.contiguous_format

@@ -25,7 +25,7 @@ from ..images.decode import image_size
 from ..images.geometry import ShapeError, sample_seed
 from ..stream.fields import decode_field_image, sample_geometry
 from ..stream.resume import EpochState
-from ..stream.stages import decoded_fields, sample_error, transform_error
+from ..stream.stages import decoded_fields, transform_error, undecodable
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
@@ -51,6 +51,8 @@ class FillSpec:
     # batches a worker fills of the next epoch while the consumer drains this one: the loader's
     # prefetch_factor (what a worker may have ready at any time)
     fill_ahead: int = 2
+    # batches report each sample's source (the loader's ``with_keys`` names "source")
+    sources: bool = False
 
 
 class Filler:
@@ -67,7 +69,7 @@ class Filler:
         # sides' measured rates, ``Share``), and its running sum (which batch is whose)
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
-        self._sources = "source" in getattr(dataset, "extras", ())  # batches report sources
+        self._sources = spec.sources  # the loader's with_keys, not the dataset's
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -91,6 +93,8 @@ class Filler:
                 batch.fill_s = time.perf_counter() - t0
                 batch.epoch = start.epoch
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
+                    if batch.consumed:  # skipped samples, a dropped batch: counted, no image
+                        yield _taken_only(batch)
                     return
                 yield batch
                 if batch.count < bs:
@@ -285,7 +289,7 @@ class Filler:
         """An undecodable sample: raised under ``on_error="raise"``, else noted. Counted in
         ``ds.skipped`` when its batch is handed over (``count_skips``), not here: a batch filled
         ahead for an epoch that does not come is never counted."""
-        err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
+        err = undecodable(rec, exc)
         if self.ds.on_error == "raise":
             raise err from exc
         notes.append(f"skipped: {err}")
@@ -316,6 +320,8 @@ class Filler:
             boxes.append(box)
             if len(taken) == bs:
                 break
+        if not taken:  # the part has ended: nothing to place (an unsized slot maps no memory)
+            return Batch(0, self.worker, slot, 0, 0, 0, [], [], notes, len(notes))
         offsets = [0]
         for rec in taken:
             offsets.append(offsets[-1] + len(rec.data))
@@ -372,6 +378,15 @@ class Filler:
             skipped = self.ds._skip_counter(self.worker)
             for _ in batch.notes:
                 skipped()
+
+
+def _taken_only(batch: Batch) -> Batch:
+    """The end of a part whose last records give no image (all skipped, or a short batch under
+    ``drop_last``): a batch of none that still warns of the skipped samples, counts them and
+    the records taken (``state_dict``), in its turn."""
+    empty = Batch(batch.gen, batch.worker, batch.slot, 0, 0, 0, [], [], batch.notes)
+    empty.consumed, empty.epoch = batch.consumed, batch.epoch
+    return empty
 
 
 #: The two columns ``boxes=`` adds after the fields: (K, 4) xyxy boxes and their stored index.

@@ -41,6 +41,12 @@ _FDS_PER_WORKER = 8  # a worker's pipe, its process sentinel and room for the lo
 #: ``epoch.py``). Off: each epoch starts with the caller waiting for every worker's first batch
 #: (the benchmarks' comparison; a loader's own ``_overlap_epochs`` is read at each ``iter()``).
 OVERLAP_EPOCHS = True
+#: What the workers, their slots and the batches' layout are built from: fixed once the loader
+#: is (a changed one would meet workers filling for the old one: wrong pixels, lost samples).
+_FIXED = frozenset(
+    {"dataset", "batch_size", "num_workers", "drop_last", "device", "normalize",
+     "channels_last", "extras", "with_keys", "prefetch_factor", "start_method", "decode_on"}
+)  # fmt: skip
 
 
 def default_workers() -> int:
@@ -90,7 +96,9 @@ class ShardLoader:
     default: usable CPUs less one). They start on the first iteration and stay until ``close()``
     or the loader is collected; a worker done with its part of an epoch fills the first batches
     of the next (``set_epoch``'s next epoch, checked at ``iter()``: dropped if another starts).
-    ``prefetch_factor``: batches each worker may have ready.
+    ``prefetch_factor``: batches each worker may have ready. The loader's settings are fixed once
+    it is built (another dataset or batch size: another ShardLoader), and the workers keep the
+    dataset as it was at their start (a changed ``transform`` reaches them after ``close()``).
     ``device``: where batches go (None: stay on the CPU). ``channels_last``: that memory format
     (free on the CPU: it is how JPEG decodes). ``with_keys`` (default: the dataset's) adds the
     list of sample keys; ``("key", "source")`` also each sample's source in a mixture (an int64
@@ -207,6 +215,14 @@ class ShardLoader:
         self._res = _Resources()
         weakref.finalize(self, self._res.close)
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in _FIXED and "_res" in self.__dict__:
+            raise InputError(
+                f"ShardLoader.{name} cannot change once the loader is built (its workers and "
+                f"ring follow it): build another ShardLoader (and close() this one)"
+            )
+        super().__setattr__(name, value)
+
     @property
     def _nhwc(self) -> bool:
         """Slots hold NHWC batches (what JPEG decodes to) unless the output is a plain
@@ -320,6 +336,7 @@ class ShardLoader:
             self._nhwc,
             decode_on=self.decode_on,
             fill_ahead=self.prefetch_factor,
+            sources="source" in self.extras,
         )
         self._check_descriptors(n, slots)
         res = self._res

@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _PARENT_CHECK_S = 1.0  # where no pidfd exists: how often an idle worker checks its parent
+_STOP_S = 5.0  # how long ``close`` lets its workers take to exit before killing them
 #: Seconds without a message from a worker before the loader warns (with ``timeout=0`` it keeps
 #: waiting, as DataLoader does: a long transform or a slow remote read is not a fault).
 STALL_WARN_S = 60.0
@@ -279,8 +280,11 @@ class ProcessWorkers:
                 conn.send(Stop())
             except OSError:
                 pass
-        for proc in self.procs:
-            proc.join(timeout=5)
+        deadline = time.monotonic() + _STOP_S
+        # not strict: a failed start leaves a pipe more than processes
+        for conn, proc in zip(self.conns, self.procs, strict=False):
+            _until_exit(conn, proc, deadline)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -300,6 +304,20 @@ class ProcessWorkers:
         else:
             how = f"exited with code {code}"
         return WorkerDied(f"ShardLoader worker {worker} (pid {proc.pid}) died: {how}")
+
+
+def _until_exit(conn, proc, deadline: float) -> None:
+    """Read and drop what a stopping worker still sends until it has exited (or ``deadline``):
+    a batch larger than the pipe's buffer (``sample_transform`` outputs, masks) blocks its worker
+    in the send, where it would never read its ``Stop``."""
+    while (left := deadline - time.monotonic()) > 0:
+        ready = connection.wait([conn, proc.sentinel], timeout=left)
+        if not ready or proc.sentinel in ready:
+            return
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            return
 
 
 # --- the worker's side ------------------------------------------------------------------------

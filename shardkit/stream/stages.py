@@ -23,6 +23,7 @@ from ..errors import (
     TransformError,
     check_choice,
 )
+from ..images.crops import CropError
 from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
@@ -38,6 +39,7 @@ __all__ = [
     "worker_span",
     "plan_epoch",
     "sample_error",
+    "undecodable",
     "transform_error",
     "file_identity",
     "manifest_unchanged",
@@ -310,6 +312,14 @@ def sample_error(rec: Record, exc: BaseException) -> SampleError:
     )
 
 
+def undecodable(rec: Record, exc: BaseException) -> SampleError:
+    """``sample_error`` for what a decoder raised on ``rec``; a crop policy's own error (user
+    code, as a transform's) is raised instead, with the shard named, whatever ``on_error``."""
+    if isinstance(exc, CropError):
+        raise CropError(f"{rec.shard}: {exc}", shard=rec.shard, key=rec.key) from exc.__cause__
+    return exc if isinstance(exc, SampleError) else sample_error(rec, exc)
+
+
 def transform_error(rec: Record, exc: BaseException) -> TransformError:
     """The error for a transform that raised on a record: names shard and key and the
     transform's exception (raise it ``from exc``: the original stays its cause)."""
@@ -390,7 +400,7 @@ def _decoded(
             if geometry is not None:
                 extra = geometry(rec, extra)
         except Exception as exc:
-            err = exc if isinstance(exc, SampleError) else sample_error(rec, exc)
+            err = undecodable(rec, exc)
             if on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=2)

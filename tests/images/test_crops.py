@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from shardkit import CenterCrop, RandomCrop, RandomResizedCrop, ShardDataset, pack
+from shardkit import CenterCrop, RandomCrop, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError
+from shardkit.images.crops import CropError
 from shardkit.images.decode import decode_rgb
 from shardkit.images.geometry import Geometry, TensorDecoder, sample_uniforms
 
@@ -195,3 +196,58 @@ def test_a_dataset_takes_a_crop_object_and_masks_follow_its_box(boxed):
         assert np.array_equal(mask[0].numpy(), full[rows][:, cols]), key
     with pytest.raises(InputError, match='crop=.* needs decode="tensor"'):
         ShardDataset(boxed, crop=crop)
+
+
+class _Raising(_TopLeftQuarter):
+    def box(self, height, width, uniforms):
+        raise ZeroDivisionError("a bug in the policy")
+
+
+class _Infinite(_TopLeftQuarter):
+    def box(self, height, width, uniforms):
+        return 0, 0, float("inf"), width
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crop", [_Raising(), _Infinite()], ids=["raises", "infinite"])
+@pytest.mark.parametrize("workers", [None, 0, 2])
+def test_a_crop_policys_error_is_raised_whatever_on_error_never_a_skipped_sample(
+    boxed, crop, workers
+):
+    """A crop object's bug is user code's, as a transform's: under ``on_error="skip"`` it
+    emptied the epoch sample by sample, under "raise" it said to re-pack a sound image."""
+    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    name = type(crop).__name__
+    with pytest.raises(CropError, match=rf"shard-\d+\.tar: sample 'c0/im\d': {name}\.box\(90, 120"):
+        if workers is None:
+            list(ds)
+        else:
+            list(ShardLoader(ds, 2, num_workers=workers))
+    assert ds.skipped == 0
+    if isinstance(crop, _Raising) and workers:  # the policy's own exception, from the worker
+        with pytest.raises(CropError) as caught:
+            list(ShardLoader(ds, 2, num_workers=workers))
+        assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+class _Drifting(_TopLeftQuarter):
+    """Not drawn from ``uniforms``: a box that moves with every call (as one drawn from the
+    ``random`` module would)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def box(self, height, width, uniforms):
+        self.calls += 1
+        return self.calls % 2, 0, height // 2, width // 2
+
+
+def test_a_crop_policy_that_gives_another_box_each_time_is_refused(boxed):
+    """Its sample's mask was cut at one box and its image at another (masks, boxes, the device
+    path and a resume each ask again): a CropError saying to draw from uniforms."""
+    ds = ShardDataset(boxed, decode="tensor", crop=_Drifting(), fields=["seg.png"], on_error="skip")
+    with pytest.raises(
+        CropError, match=r"sample 'c0/im\d': _Drifting.box\(90, 120, \.\.\.\) gave another"
+    ):
+        next(iter(ds))
+    assert ds.skipped == 0

@@ -214,6 +214,40 @@ def test_an_undecodable_sample_names_shard_and_key_or_is_counted(broken, size):
     loader.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_on", ["device", "auto"])
+def test_a_worker_with_no_batch_of_its_own_ends_its_part_cleanly(shards, decode_on):
+    """More workers than batches (a small validation set, a rank with few samples): a worker's
+    part is empty, its first fill takes no sample and maps no slot; the epoch is the others'."""
+    ds = _ds(shards, size=32, crop="center")
+    cpu = ShardLoader(ds, 8, num_workers=4)  # 3 batches, 4 workers
+    want, _ = _epoch(cpu)
+    cpu.close()
+    loader = ShardLoader(ds, 8, num_workers=4, decode_on=decode_on)
+    for _ in range(2):
+        keys, _ = _epoch(loader)
+        assert keys == want and len(keys) == N
+    loader.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_whose_every_sample_is_skipped_on_the_device_side_is_not_handed_out(
+    broken, workers
+):
+    """One sample a batch, decided in the training process (no size: no header read in the
+    workers): the undecodable one gave an empty batch (a NaN loss), which the workers' path
+    never yields. Now the batches are the workers' path's."""
+    counts = {}
+    for decode_on in ("workers", "device"):
+        ds = _ds(broken, on_error="skip", shuffle=False)
+        loader = ShardLoader(ds, 1, num_workers=workers, decode_on=decode_on)
+        counts[decode_on] = [len(x) for x, _, _ in loader]
+        assert ds.skipped == 1
+        loader.close()
+    assert counts["device"] == counts["workers"] == [1] * 5
+
+
 def test_no_growth_across_epochs_or_after_break(shards):
     ds = _ds(shards, size=32, crop="random")
     loader = ShardLoader(ds, 4, num_workers=2, decode_on="device")

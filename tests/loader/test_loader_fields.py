@@ -200,6 +200,25 @@ def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shar
     loader.close()
 
 
+def _large(sample: dict) -> dict:
+    """An output larger than a pipe's buffer per batch: batches travel through the pipe."""
+    return {"x": torch.zeros(3, 64, 64), "key": sample["key"]}
+
+
+@pytest.mark.slow
+def test_workers_sending_large_batches_nobody_reads_stop_when_asked(shards):
+    """After a break, workers go on filling the abandoned epoch: a batch of sample_transform
+    outputs (or masks) larger than the pipe's buffer blocks its worker in the send. ``close()``
+    reads and drops what they send until they have stopped: they exit by themselves (0), where
+    each was killed (SIGKILL) after a 5 s wait."""
+    loader = ShardLoader(_ds(shards, size=8, sample_transform=_large), 4, num_workers=2)
+    for _ in loader:
+        break
+    procs = list(loader._res.workers.procs)
+    loader.close()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def _numbers(sample: dict) -> dict:
     """The sample passed on, with numbers and arrays of each kind beside it."""
     i = int(sample["key"][-2:])
@@ -348,16 +367,56 @@ def test_batches_say_which_source_each_sample_came_from(shards, workers, fields)
     ds = _ds([train, val], **kw)
     expected = {k: s for _, _, k, s, *_ in _ds([train, val], **kw)}
     assert set(expected.values()) == {0, 1}
-    seen = 0
-    for batch in ShardLoader(ds, 4, num_workers=workers):
-        keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
-        assert sources.dtype == torch.int64
-        assert sources.tolist() == [int(k in val_keys) for k in keys]
-        assert sources.tolist() == [expected[k] for k in keys]
-        seen += len(keys)
-    assert seen == len(expected)
+    # the loader's with_keys= over a dataset that reports none: the same sources (were empty)
+    plain = _ds([train, val], fields=fields, on_error="skip")
+    kw_loader = dict(num_workers=workers, with_keys=("key", "source"))
+    for loader in (ShardLoader(ds, 4, num_workers=workers), ShardLoader(plain, 4, **kw_loader)):
+        seen = 0
+        for batch in loader:
+            keys, sources = (batch["key"], batch["source"]) if fields else (batch[2], batch[3])
+            assert sources.dtype == torch.int64
+            assert sources.tolist() == [int(k in val_keys) for k in keys]
+            assert sources.tolist() == [expected[k] for k in keys]
+            seen += len(keys)
+        assert seen == len(expected)
+        loader.close()
     from shardkit.errors import InputError
 
     for bad in ("path", ("key", "key"), 3):
         with pytest.raises(InputError, match="with_keys="):
             ShardLoader(ds, 4, with_keys=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_mixture_reports_the_sources_of_the_uninterrupted_epoch(shards, masked, workers):
+    """Mixed sources (weighted, shuffle buffers), a checkpoint mid-epoch, resumed in a new
+    loader: the (key, source) pairs of before and after are the uninterrupted epoch's, in order;
+    the source of a sample that waited in a buffer across the checkpoint included."""
+    from shardkit import Source
+
+    def loader():
+        sources = [Source(shards, weight=2), Source(masked, weight=1)]
+        ds = _ds(sources, fields=(), size=8, buffer_size=6, seed=4, with_keys=("key", "source"))
+        ds.set_epoch(1)
+        return ShardLoader(ds, 3, num_workers=workers)
+
+    def pairs(batches):
+        out = []
+        for _, _, keys, sources in batches:
+            out += zip(keys, sources.tolist(), strict=True)
+        return out
+
+    full = loader()
+    whole = pairs(full)
+    full.close()
+    assert {s for _, s in whole} == {0, 1}
+    first = loader()
+    it = iter(first)
+    before = pairs(next(it) for _ in range(3))
+    state = first.state_dict()
+    first.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert before + pairs(resumed) == whole
+    resumed.close()

@@ -9,6 +9,7 @@ import os
 import resource
 import struct
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -157,6 +158,30 @@ def test_resume_after_skipped_samples_replays_nothing(with_bad, workers):
         assert sorted(before + after) == good, f"lost samples at {stop}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("workers", "drop_last", "bs"), [(2, False, 6), (2, True, 10), (0, True, 10)]
+)
+def test_a_part_ending_on_skipped_samples_warns_counts_and_ends_its_epoch(
+    with_bad, workers, drop_last, bs
+):
+    """Worker parts (unshuffled, cut at whole batches) that end on skipped samples only, or on a
+    short batch ``drop_last`` drops: every skipped sample is warned about and counted, and a
+    checkpoint after the last batch continues with the next epoch."""
+    ds = _ds(with_bad, on_error="skip", shuffle=False)
+    loader = ShardLoader(ds, bs, num_workers=workers, drop_last=drop_last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        images = sum(len(x) for x, _, _ in loader)
+    state = loader.state_dict()
+    loader.close()
+    assert images == (20 if drop_last else N - len(BAD))  # 2 batches of 10, or every good one
+    assert sum("skipped:" in str(w.message) for w in caught) == len(BAD) == ds.skipped
+    resumed = _ds(with_bad, on_error="skip", shuffle=False)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+
+
 # --- concurrent iteration ----------------------------------------------------------------------
 
 
@@ -210,6 +235,30 @@ def test_bad_arguments_are_input_errors_naming_the_argument(shards, kwargs, name
     bs = kwargs.pop("batch_size")
     with pytest.raises(InputError, match=rf"^{name}"):
         ShardLoader(_ds(shards), bs, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("dataset", None), ("batch_size", 3), ("channels_last", True), ("drop_last", True)],
+)
+def test_a_setting_changed_under_running_workers_is_refused(shards, name, value):
+    """The workers fill slots laid out from the loader's settings when they started: a loader
+    given another dataset handed out the old one's samples, another batch size lost samples,
+    channels_last garbled every image. Such a change is an InputError; the loader goes on."""
+    reference = _reference(shards, shuffle=False)
+    loader = ShardLoader(_ds(shards, shuffle=False), 4, num_workers=2)
+    list(loader)
+    if name == "dataset":
+        value = _ds(shards, shuffle=False, rank=1, world_size=2)
+    with pytest.raises(InputError, match=rf"ShardLoader\.{name} cannot change"):
+        setattr(loader, name, value)
+    seen = 0
+    for x, _, keys in loader:
+        _assert_batch(x, keys, reference)
+        seen += len(keys)
+    assert seen == N and len(loader) == 8
+    loader.close()
 
 
 def test_a_ring_over_the_descriptor_limit_is_refused_naming_the_setting(shards):

@@ -22,6 +22,7 @@ from conftest import DecodeCount
 from PIL import Image
 
 from shardkit import ShardDataset, ShardLoader, pack
+from shardkit.errors import TransformError
 from shardkit.images.device import device_decode_available
 from shardkit.loader.epoch import next_epoch
 from shardkit.loader.workers import WorkerDied
@@ -242,3 +243,38 @@ def test_skipped_samples_count_once_whether_filled_ahead_batches_are_taken_or_dr
     assert len(epoch(6)) == 11 and ds.skipped == 3  # taken: counted (and warned) once
     loader.close()
     assert count.seen() == 44  # epoch 6 was filled once, ahead
+
+
+def _failing_on_some_seeds(sample: dict) -> str:
+    """A sample_transform that fails for about one sample in 23 of an epoch, depending on the
+    epoch (the seed is a function of seed, epoch and key): some epochs fail, some do not."""
+    if sample["seed"] % 23 == 0:
+        raise ValueError(f"no good for {sample['key']}")
+    return sample["key"]
+
+
+@pytest.mark.slow
+def test_an_error_in_batches_filled_ahead_is_raised_in_its_turn_as_without_filling_ahead(shards):
+    """Epochs that fail after those that did not: the workers met the error while filling the
+    next epoch ahead (kept with its batches). It is raised after the same batches, naming the
+    same sample, as by a loader that does not fill ahead; the loader goes on afterwards."""
+    runs = []
+    for overlap in (False, True):
+        loader = _loader(shards, overlap=overlap, sample_transform=_failing_on_some_seeds)
+        runs.append([])
+        for epoch in range(8):
+            gc.collect()
+            time.sleep(0.2)  # time to fill ahead (the outcome is the same either way)
+            loader.set_epoch(epoch)
+            keys, error = [], None
+            try:
+                for batch in loader:
+                    keys += batch
+            except TransformError as exc:
+                error = str(exc)
+                assert isinstance(exc.__cause__, ValueError)
+            runs[-1].append((keys, error))
+        loader.close()
+    assert runs[0] == runs[1]
+    errors = [error is not None for _, error in runs[0]]
+    assert any(not a and b for a, b in zip(errors, errors[1:], strict=False))  # after a success
