@@ -338,7 +338,8 @@ class Epoch:
                 )
         except GeneratorExit:  # break, or the caller's own exception: the workers stay
             raise
-        except BaseException:  # a worker's error, a dead worker, Ctrl-C: stop every worker
+        except BaseException:  # a worker's error, a dead worker, Ctrl-C: stop every worker,
+            self._abandon()  # once the decode thread no longer reads (or copies from) a slot
             self.loader.close()
             raise
         finally:

@@ -214,6 +214,54 @@ def test_an_undecodable_sample_names_shard_and_key_or_is_counted(broken, size):
     loader.close()
 
 
+def test_a_workers_error_ends_the_decode_thread_before_the_ring_is_freed(tmp_path, monkeypatch):
+    """A worker's error closes the loader from inside the epoch: the decode thread, which reads
+    (and on CUDA copies from) ring slots, must have ended before the ring lets go of them (on
+    CUDA: unpins them under an in-flight copy)."""
+    import threading
+
+    from shardkit.images.crops import CropError
+    from shardkit.loader import ring as ring_mod
+
+    d = tmp_path / "src" / "c"
+    d.mkdir(parents=True)
+    for i in range(6):
+        _photo(i).save(d / f"im{i}.jpg")
+    _photo(4, 50, 50).save(d / "im4.jpg")  # the one the policy below fails on, in the worker
+    pack(str(tmp_path / "src"), str(tmp_path / "tar"), shuffle=False, progress=False)
+
+    class FailsOnSquares:
+        size = 24
+
+        def box(self, height, width, uniforms):
+            if height == width:
+                raise ValueError("a square")
+            return 0, 0, height, width
+
+    alive_at_close = []
+    close = ring_mod.Ring.close
+
+    def watched(self):
+        names = [t.name for t in threading.enumerate()]
+        alive_at_close.append([n for n in names if n.startswith("shardkit-device-decode")])
+        close(self)
+
+    monkeypatch.setattr(ring_mod.Ring, "close", watched)
+    decode = device_decode.DeviceDecoder.decode
+
+    def slow(self, *a, **kw):  # the decode thread is busy when the worker's error arrives
+        time.sleep(0.2)
+        return decode(self, *a, **kw)
+
+    monkeypatch.setattr(device_decode.DeviceDecoder, "decode", slow)
+    ds = _ds(str(tmp_path / "tar"), crop=FailsOnSquares(), shuffle=False)
+    loader = ShardLoader(ds, 1, num_workers=1, decode_on="device")
+    with pytest.raises(CropError, match="c/im4"):
+        list(loader)
+    assert alive_at_close and alive_at_close[0] == []
+    loader.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("decode_on", ["device", "auto"])
 def test_a_worker_with_no_batch_of_its_own_ends_its_part_cleanly(shards, decode_on):
