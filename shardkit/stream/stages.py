@@ -304,8 +304,9 @@ def check_labels(records: Iterable[Record], num_classes: int) -> Iterator[Record
 
 def sample_error(rec: Record, exc: BaseException) -> SampleError:
     """The error for a record that cannot be decoded: names shard and key, and the way out."""
+    ext = f" ({rec.ext})" if rec.ext else ""  # the device path knows the bytes, not the name
     return SampleError(
-        f"{rec.shard}: sample {rec.key!r} ({rec.ext}) cannot be decoded: {exc}; "
+        f"{rec.shard}: sample {rec.key!r}{ext} cannot be decoded: {exc}; "
         'remove it and re-pack, or pass on_error="skip"',
         shard=rec.shard,
         key=rec.key,
