@@ -306,15 +306,21 @@ class Epoch:
                 staged.append(self._stage(msg))
                 while len(staged) > self.ahead:
                     item = self._staged(staged.popleft())
+                    before = len(drawn)
                     out = self._finish(*item, drawn)
-                    while len(drawn) > 1:
-                        self._give_back(*drawn.popleft())
-                    if out is None:
+                    if out is None:  # nothing handed out: its slot, if viewed, is free now
+                        if len(drawn) > before:
+                            self._give_back(*drawn.pop())
                         continue
                     counts.delivered += item[1][0].shape[0]
                     counts.trainer_cpu_s += clock() - began
                     yield out
                     began = clock()
+                    # back in the caller's next(): its loop variable still holds the batch just
+                    # yielded; every one before it is free (handed back earlier, the caller's
+                    # held batch got fresh memory: a page fault per write, every batch)
+                    while len(drawn) > 1:
+                        self._give_back(*drawn.popleft())
             while staged:
                 item = self._staged(staged.popleft())
                 out = self._finish(*item, drawn)
