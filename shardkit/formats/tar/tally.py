@@ -118,6 +118,11 @@ class MemberLog:
             self.exts.append(ext.lower())
             self.offsets.append(offset)
             self.sizes.append(size)
+        self.end_sample(label)
+
+    def end_sample(self, label: int) -> None:
+        """The members appended since the last sample are one sample's (a writer appends them
+        itself, a member at a time)."""
         self.starts.append(len(self.exts))
         self.labels.append(label)
 

@@ -21,19 +21,12 @@ def _padded(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK * BLOCK
 
 
-def _header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
-    """One GNU-format header with fixed mode/uid/gid/mtime, so equal input gives equal bytes."""
-    if size > _MAX_OCTAL_SIZE:
-        raise ShardFormatError(f"member {name!r} is {size} bytes; tar shards hold at most 8 GiB")
-    head = (
-        name.ljust(100, b"\x00")
-        + b"0000644\x00"  # mode
-        + b"0000000\x00"  # uid
-        + b"0000000\x00"  # gid
-        + b"%011o\x00" % size
-        + b"00000000000\x00"  # mtime: fixed, for reproducible shards
-    )
-    tail = (
+_HEAD_FIXED = b"0000644\x00" + b"0000000\x00" + b"0000000\x00"  # mode, uid, gid
+_MTIME = b"00000000000\x00"  # fixed, for reproducible shards
+
+
+def _tail(typeflag: bytes) -> bytes:
+    return (
         typeflag
         + bytes(100)  # linkname
         + _GNU_MAGIC
@@ -41,9 +34,25 @@ def _header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
         + bytes(32)  # gname
         + bytes(8 + 8 + 167)  # devmajor, devminor, GNU atime/ctime/... and padding
     )
-    chksum = sum(head) + sum(tail) + 8 * 32  # the checksum field counts as 8 spaces
-    block = head + b"%06o\x00 " % chksum + tail
-    return block
+
+
+#: Each type's constant header tail and the checksum of every constant byte (the checksum
+#: field counts as 8 spaces): a header then sums only its name and size, not 512 bytes.
+_TAILS = {
+    t: (_tail(t), sum(_HEAD_FIXED) + sum(_MTIME) + sum(_tail(t)) + 8 * 32) for t in (b"0", b"L")
+}
+
+
+def _header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
+    """One GNU-format header with fixed mode/uid/gid/mtime, so equal input gives equal bytes."""
+    if size > _MAX_OCTAL_SIZE:
+        raise ShardFormatError(f"member {name!r} is {size} bytes; tar shards hold at most 8 GiB")
+    tail, constant = _TAILS[typeflag]
+    octal = b"%011o\x00" % size
+    chksum = constant + sum(name[:100]) + sum(octal)
+    return (
+        name[:100].ljust(100, b"\x00") + _HEAD_FIXED + octal + _MTIME + b"%06o\x00 " % chksum + tail
+    )
 
 
 def _member(name: bytes, data: bytes) -> list[bytes]:
@@ -139,14 +148,18 @@ class TarShardWriter:
             members.append((b"cls", b"%d" % label))
         members += [(name.encode(), value) for name, value in extra]
         parts: list[bytes] = []
-        placed = []  # each member's extension, data offset and size, for the sample index
         at = self._bytes
+        log = self._members  # each member's extension, data offset and size: the sample index
         for mext, value in members:
             name = kb + b"." + mext
-            placed.append((mext, at + _member_size(len(name), 0), len(value)))
-            at += _member_size(len(name), len(value))
-            parts += _member(name, value)
-        self._members.add_sample(placed, label if label >= 0 else -1)
+            member = _member(name, value)
+            head = BLOCK if len(member) == 3 else _member_size(len(name), 0)  # a long name
+            log.exts.append(mext.lower())
+            log.offsets.append(at + head)
+            log.sizes.append(len(value))
+            at += head + len(value) + len(member[-1])
+            parts += member
+        log.end_sample(label if label >= 0 else -1)
         self._write(b"".join(parts))
         self.samples += 1
 
