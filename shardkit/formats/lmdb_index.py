@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ShardFormatError
-from .sample_index import key_hashes
+from .sample_index import KeyTable, key_hashes
 
 __all__ = ["INDEX_KEY", "LmdbIndex", "LmdbIndexError", "decode_lmdb_index", "encode_lmdb_index"]
 
@@ -58,7 +58,7 @@ def encode_lmdb_index(keys: Sequence[bytes]) -> bytes:
 
 
 @dataclass(frozen=True)
-class LmdbIndex:
+class LmdbIndex(KeyTable):
     """One LMDB shard's keys and split hashes, as numpy views over the record's bytes."""
 
     samples: int
@@ -67,32 +67,6 @@ class LmdbIndex:
     #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
     ends: np.ndarray
     table: bytes
-
-    def key(self, i: int) -> str:
-        lo = int(self.ends[i - 1]) if i else 0
-        return self.table[lo : int(self.ends[i])].decode("utf-8", "surrogateescape")
-
-    def keys(self) -> list[str]:
-        text = self.table.decode("utf-8", "surrogateescape")
-        if text.isascii():  # one decode, then slices: a character is a byte
-            bounds = [0, *self.ends.tolist()]
-            return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-        return [self.key(i) for i in range(self.samples)]
-
-    def position(self, key: str) -> int | None:
-        """Where ``key`` is in the shard (the first, should it repeat); None if absent: a search
-        of the key table, not a dict of every key."""
-        raw = key.encode("utf-8", "surrogateescape")
-        if not raw:
-            return None
-        at = self.table.find(raw)
-        while at >= 0:
-            i = int(np.searchsorted(self.ends, at, side="right"))  # the key holding byte `at`
-            start = int(self.ends[i - 1]) if i else 0
-            if start == at and int(self.ends[i]) == at + len(raw):
-                return i
-            at = self.table.find(raw, at + 1)
-        return None
 
 
 def decode_lmdb_index(data: bytes, shard: str, samples: int) -> LmdbIndex:

@@ -161,23 +161,13 @@ class Members:
         ]
 
 
-@dataclass(frozen=True)
-class SampleIndex:
-    """One shard's index, as numpy views over the file's bytes (no per-sample objects)."""
+class KeyTable:
+    """Lookups over a key table (``table``: every key's bytes concatenated; ``ends``: where
+    each ends; ``samples``): the tar index and LMDB's index record keep their keys alike."""
 
     samples: int
-    shard_bytes: int
-    sha256: str
-    #: Byte offset of each sample's first header, then of the end-of-archive blocks: sample
-    #: ``i`` is the byte range ``offsets[i] .. offsets[i + 1]``.
-    offsets: np.ndarray
-    #: The split hash of each key (``key_hashes``).
-    hashes: np.ndarray
-    #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
     ends: np.ndarray
     table: bytes
-    #: Each sample's label and members; None in a version-1 index (read the headers).
-    members: Members | None = None
 
     def key(self, i: int) -> str:
         lo = int(self.ends[i - 1]) if i else 0
@@ -204,6 +194,25 @@ class SampleIndex:
                 return i
             at = self.table.find(raw, at + 1)
         return None
+
+
+@dataclass(frozen=True)
+class SampleIndex(KeyTable):
+    """One shard's index, as numpy views over the file's bytes (no per-sample objects)."""
+
+    samples: int
+    shard_bytes: int
+    sha256: str
+    #: Byte offset of each sample's first header, then of the end-of-archive blocks: sample
+    #: ``i`` is the byte range ``offsets[i] .. offsets[i + 1]``.
+    offsets: np.ndarray
+    #: The split hash of each key (``key_hashes``).
+    hashes: np.ndarray
+    #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
+    ends: np.ndarray
+    table: bytes
+    #: Each sample's label and members; None in a version-1 index (read the headers).
+    members: Members | None = None
 
 
 def decode_index(data: bytes, where: str) -> SampleIndex:
