@@ -36,6 +36,24 @@ def image_tree(root: Path, n: int, classes: int = 3, size: tuple[int, int] = (8,
     return root
 
 
+def random_tree(root, n: int, seed: int = 0, prefix: str = "") -> str:
+    """``n`` 12x12 noise JPEGs in 3 class folders under ``root`` (seeded); its path."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        cls = f"c{i % 3}"
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        arr = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(os.path.join(root, cls, f"{prefix}im{i:03d}.jpg"))
+    return str(root)
+
+
+def quiet(fn, *args, **kw):
+    """``fn(*args, **kw)`` with its warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
 def gnu_tar(root: Path, out: Path, members: Sequence[tuple[str, bytes]], fmt: str = "pax") -> str:
     """``members`` (name, bytes) written under ``root``, then archived in that order by GNU tar
     in ``--format=fmt`` (ustar, gnu, pax): shards made by another tool, as users bring them."""

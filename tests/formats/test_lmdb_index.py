@@ -14,7 +14,7 @@ import lmdb
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from PIL import Image
+from conftest import quiet, random_tree
 
 import shardkit.formats.lmdb as lmdb_mod
 from shardkit.cli import main
@@ -34,22 +34,6 @@ from shardkit.write.merge import merge
 from shardkit.write.packer import pack
 from shardkit.write.verify import verify
 from shardkit.write.writer import ShardWriter
-
-
-def tree(root, n: int, seed: int = 0, prefix: str = "") -> str:
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        cls = f"c{i % 3}"
-        os.makedirs(os.path.join(root, cls), exist_ok=True)
-        arr = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(os.path.join(root, cls, f"{prefix}im{i:03d}.jpg"))
-    return str(root)
-
-
-def quiet(fn, *args, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*args, **kw)
 
 
 def shards(out) -> list[str]:
@@ -124,7 +108,7 @@ def writer_pack(out, n: int, size: int = 3000, shard_size: str = "100kB") -> lis
 
 @pytest.fixture
 def src(tmp_path):
-    return tree(tmp_path / "src", 40)
+    return random_tree(tmp_path / "src", 40)
 
 
 def test_the_record_round_trips_and_hashes_as_the_tar_index():
@@ -148,7 +132,7 @@ def test_pack_engines_append_merge_and_writer_write_the_same_records(src, tmp_pa
     quiet(pack, src, str(local), format="lmdb", shard_size="40kB", progress=False,
           runner=LocalRunner(2))  # fmt: skip
     assert records(local) == records(out)
-    more = tree(tmp_path / "more", 12, seed=1, prefix="x")
+    more = random_tree(tmp_path / "more", 12, seed=1, prefix="x")
     before = records(out)
     quiet(pack, more, str(out), format="lmdb", shard_size="40kB", progress=False, append=True)
     after = records(out)

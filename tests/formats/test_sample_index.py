@@ -9,8 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import as_previous_release, without_index_sha256
-from PIL import Image
+from conftest import as_previous_release, quiet, random_tree, without_index_sha256
 
 from shardkit.formats.sample_index import (
     SampleIndexError,
@@ -28,22 +27,6 @@ from shardkit.write.index import index_shards
 from shardkit.write.merge import merge
 from shardkit.write.packer import pack
 from shardkit.write.writer import ShardWriter
-
-
-def tree(root, n: int, seed: int = 0, prefix: str = "") -> str:
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        cls = f"c{i % 3}"
-        os.makedirs(os.path.join(root, cls), exist_ok=True)
-        arr = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(os.path.join(root, cls, f"{prefix}im{i:03d}.jpg"))
-    return str(root)
-
-
-def quiet(fn, *args, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*args, **kw)
 
 
 def indexes(out) -> dict[str, bytes]:
@@ -71,7 +54,7 @@ def check_all(out) -> None:
 
 @pytest.fixture
 def src(tmp_path):
-    return tree(tmp_path / "src", 40)
+    return random_tree(tmp_path / "src", 40)
 
 
 def test_pack_writes_an_index_per_shard_equal_to_the_headers(src, tmp_path):
@@ -90,7 +73,7 @@ def test_engines_append_merge_and_writer_give_the_same_index_bytes(src, tmp_path
     local = tmp_path / "local"
     quiet(pack, src, str(local), shard_size="6kB", progress=False, runner=LocalRunner(2))
     assert indexes(local) == indexes(out)
-    more = tree(tmp_path / "more", 12, seed=1, prefix="x")
+    more = random_tree(tmp_path / "more", 12, seed=1, prefix="x")
     before = indexes(out)
     quiet(pack, more, str(out), shard_size="6kB", progress=False, append=True)
     after = indexes(out)
@@ -238,7 +221,7 @@ def _without_indexes(out, to) -> str:
 def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
     from shardkit.stream.dataset import ShardDataset
 
-    src = tree(tmp_path / "src", 90)
+    src = random_tree(tmp_path / "src", 90)
     out = tmp_path / "out"
     quiet(pack, src, str(out), shard_size="6kB", progress=False)
     bare = _without_indexes(out, tmp_path / "bare")
@@ -266,7 +249,7 @@ def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
 def test_a_view_opens_without_reading_and_gives_what_the_shards_give(tmp_path):
     from shardkit.stream.view import ShardView
 
-    src = tree(tmp_path / "src", 60)
+    src = random_tree(tmp_path / "src", 60)
     out = tmp_path / "out"
     quiet(pack, src, str(out), shard_size="6kB", progress=False)
     bare = _without_indexes(out, tmp_path / "bare")
@@ -287,7 +270,7 @@ def test_a_view_opens_without_reading_and_gives_what_the_shards_give(tmp_path):
 def test_a_wrong_index_never_gives_another_sample(tmp_path):
     from shardkit.stream.view import ShardView
 
-    src = tree(tmp_path / "src", 30)
+    src = random_tree(tmp_path / "src", 30)
     out = tmp_path / "out"
     quiet(pack, src, str(out), shard_size="6kB", progress=False)
     truth = ShardView(str(out), decode="raw", with_keys=True)
