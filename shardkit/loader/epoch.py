@@ -595,8 +595,9 @@ class Epoch:
         if self._cpu is None:
             self._cpu = ds.tensor_decoder(self.epoch)
         key = msg.keys[i]
+        box = msg.boxes[i] if msg.boxes is not None else None  # the worker's: asked once
         try:
-            return self._cpu(buf.tobytes(), key)
+            return self._cpu(buf.tobytes(), key, box=box)
         except Exception as exc:
             rec = Record(key=key, ext="", data=b"", label=msg.labels[i], shard=msg.shards[i])
             err = sample_error(rec, exc)

@@ -142,13 +142,14 @@ class Filler:
         for rec in records:
             img = None
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
                 if transform is not None or targets is None:
-                    img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
+                    img = decoder(rec.data, rec.key, box=box)  # for the transform or sizing
                 elif planar:
                     decoder.into_planes(rec.data, rec.key, targets[n])
                 else:
-                    decoder(rec.data, rec.key, targets[n])
+                    decoder(rec.data, rec.key, targets[n], box=box)
             except ShapeError as exc:
                 raise ShapeError(f"{rec.shard}: {exc}") from None
             except Exception as exc:  # decoders raise many types for bad data
@@ -192,8 +193,9 @@ class Filler:
         outputs, labels, keys, notes = [], [], [], []
         for rec in records:
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
-                img = decoder(rec.data, rec.key)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
+                img = decoder(rec.data, rec.key, box=box)
             except Exception as exc:  # decoders raise many types for bad data
                 self._bad(rec, exc, notes)
                 continue
@@ -264,14 +266,20 @@ class Filler:
         batch.sources = [r.source for r in taken] if self._sources else None
         return batch
 
-    def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
+    def _box(self, rec, decoder):
+        """The sample's crop box, asked once (None without ``size=``): its image, masks and
+        boxes are all cut at it."""
+        return decoder.crop_box(rec.data, rec.key) if self.ds.geometry is not None else None
+
+    def _sample_fields(self, rec, names, decoders, masks: list[int], box) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
-        its image; without ``size=``, masks must have their image's size."""
+        its image (cut at ``box``, the image's); without ``size=``, masks must have their
+        image's size."""
         if not names:
             return ()
         extra = decoded_fields(rec, names, decoders, self.ds.max_pixels)
         if self._moved is not None:
-            return self._moved(rec, extra)
+            return self._moved(rec, extra, box)
         height, width = image_size(rec.data) if masks else (0, 0)
         for j in masks:
             if tuple(extra[j].shape[-2:]) != (height, width):
