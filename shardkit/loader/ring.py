@@ -148,7 +148,9 @@ def forget_inherited(keep: set[int]) -> None:
 
 def _ring_files() -> dict[int, int]:
     """Every ring file this process holds a descriptor of, found by name (``memfd_create``'s):
-    descriptor -> inode. Empty where ``/proc`` cannot say (not Linux)."""
+    descriptor -> inode. Empty where ``/proc`` cannot say (not Linux). Only a worker starting
+    closes what it finds: elsewhere a descriptor not in ``_FDS`` may be another owner's to
+    close (closing it here would make that owner's close hit whatever reused the number)."""
     found = {}
     try:
         names = os.listdir("/proc/self/fd")
@@ -250,17 +252,9 @@ class Ring:
         for s in self._slots.values():
             self._release(s)
         self._slots.clear()
-        own = [fd for fds in self._fds for fd in fds if fd in _FDS]
-        if own:  # no other descriptor of its files outlives it here, whatever made one: found
-            # by inode while its own still hold the files (an inode is unique while it lives)
-            inodes = {os.fstat(fd).st_ino for fd in own}
-            for fd, inode in _ring_files().items():
-                if inode in inodes and fd not in own:
-                    _FDS.discard(fd)
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        for fd in own:
-            _close_fd(fd)
+        for fds in self._fds:
+            for fd in fds:
+                _close_fd(fd)
         self._fds = []
 
     def __repr__(self) -> str:
