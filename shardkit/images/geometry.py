@@ -30,8 +30,6 @@ import torch.nn.functional as F
 from ..errors import InputError, check_choice
 from .crops import (
     CenterCrop,
-    CropError,
-    RandomCrop,
     RandomResizedCrop,
     center_crop_box,
     check_crop,
@@ -67,7 +65,6 @@ __all__ = [
 ]
 
 CROP_MODES = ("center", "random")
-_OWN_CROPS = (RandomResizedCrop, CenterCrop, RandomCrop)
 
 
 class CropBox(NamedTuple):
@@ -117,6 +114,17 @@ class Geometry:
     @property
     def interpolation(self) -> str:
         return getattr(self.crop, "interpolation", "bilinear")
+
+    def check_output(self, max_pixels: int | None) -> None:
+        """Refuse an output larger than the images the dataset may decode (``max_pixels``):
+        every sample would be upscaled past the limit that guards memory and time."""
+        size = self.size
+        if max_pixels is not None and size * size > max_pixels:
+            raise InputError(
+                f"size {size} makes {size} x {size} = {size * size} output pixels per image, "
+                f"over max_pixels={max_pixels}: give a smaller size (or crop=) or a larger "
+                "max_pixels="
+            )
 
 
 # --- randomness -------------------------------------------------------------------------------
@@ -170,10 +178,12 @@ class TensorDecoder:
         self.max_pixels = max_pixels
         self.fast_dct = bool(fast_dct)
 
-    def __call__(self, data: bytes, key: str = "", out=None):
+    def __call__(self, data: bytes, key: str = "", out=None, box: CropBox | None = None):
+        """``data``'s pixels; ``box``: its crop as ``crop_box`` gave it (None: asked here). A
+        sample's masks and boxes are cut at the box its image was: pass the one box to both."""
         if self.geometry is None:
             return self._full(data, key, out)
-        crop = self.crop_box(data, key)
+        crop = self.crop_box(data, key) if box is None else box
         height, width, top, left, h, w, flip = crop
         size = self.geometry.size
         # Smallest decode whose crop still covers size x size (never larger than the image).
@@ -194,24 +204,18 @@ class TensorDecoder:
 
     def crop_box(self, data: bytes, key: str = "") -> CropBox:
         """The sample's crop in full-size pixels and its flip, from the header alone: what a
-        decoder elsewhere (``shardkit.images.device``) needs to give the same sample."""
+        decoder elsewhere (``shardkit.images.device``) needs to give the same sample.
+
+        The crop object is asked once per call: a caller that also moves masks or boxes asks
+        once per sample and passes the box to ``__call__`` (a policy whose answer changes
+        between calls, a counter or a curriculum, then still cuts a sample's image and masks
+        at one box). Whatever the crop raises or returns outside the image is a ``CropError``
+        (a bug in the policy or its arguments, never an undecodable sample)."""
         g = self.geometry
         height, width = image_size(data)
         check_pixels(height, width, self.max_pixels)
         uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        if type(g.crop) in _OWN_CROPS:
-            box = g.crop.box(height, width, uniforms)
-        else:  # a user's policy: its errors are its own (CropError), its box is checked
-            box = policy_box(g.crop, height, width, uniforms, key)
-            again = sample_uniforms(self.seed, self.epoch, self.rank, key)
-            if policy_box(g.crop, height, width, again, key) != box:
-                raise CropError(
-                    f"sample {key!r}: {type(g.crop).__name__}.box({height}, {width}, ...) gave "
-                    "another box when asked again: draw only from uniforms (the sample's masks, "
-                    "boxes, device decode and resumed epochs each ask for its box)",
-                    key=key,
-                )
-        top, left, h, w = box
+        top, left, h, w = policy_box(g.crop, height, width, uniforms, key)
         flip = g.flip and next(uniforms) < 0.5
         return CropBox(height, width, top, left, h, w, flip)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ShardkitError
+from ..errors import InputError, ShardkitError
 from ..images.device import groups, resize_batch, versions_text
 from ..images.geometry import ShapeError
 from ..records import Record
@@ -403,14 +403,67 @@ class Epoch:
         return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
 
     def _stage_samples(self, msg: Batch):
-        """A batch of ``sample_transform`` outputs (batched in the worker; its slot held no
-        pixels and goes back now): stacked columns moved to the device, then ``collate``."""
-        out = unbatch_arrays(msg.samples, self._on_device)
+        """A batch of ``sample_transform`` outputs (batched in the worker): its stacked columns
+        are in the slot (views of it, lent as the images of the plain path are: the slot goes
+        back once the caller no longer holds them), moved to the device; the image column
+        normalised and laid out as the loader says (``_sample_images``), then ``collate``."""
+        slot = None
+        if msg.capacity:
+            slot = self.ring.lend(msg.worker, msg.slot, (msg.capacity,))
+        out = unbatch_arrays(msg.samples, self._on_device, slot)
+        out = self._sample_images(out)
         if self.loader.collate is not None:
             out = self.loader.collate(out)
-        self._give_back(msg.worker, msg.slot)
+        held = None
+        if slot is not None and not self.cuda:  # views of the slot: held as a lent batch's
+            held = (msg.worker, msg.slot)
+        else:  # nothing over the slot (a CUDA device copied it through pinned memory)
+            self._give_back(msg.worker, msg.slot)
         labels = torch.tensor(msg.labels, dtype=torch.int64)  # counts the batch's samples
-        return out, (labels,), None, None, None, (msg.worker, msg.consumed)
+        return out, (labels,), None, None, held, (msg.worker, msg.consumed)
+
+    def _sample_images(self, out):
+        """``normalize=``/``channels_last=`` on a ``sample_transform`` batch: applied to its
+        image column (a dict's "image", a tuple's first, or the one column) where that is a
+        uint8 (N, 3, H, W) tensor; anything else is refused naming the option, never a batch
+        silently left uint8."""
+        loader = self.loader
+        if loader.normalize is None and not loader.channels_last:
+            return out
+        if isinstance(out, dict):
+            where, images = '"image"', out.get("image")
+        elif isinstance(out, tuple):
+            where, images = "its first column", out[0] if out else None
+        else:
+            where, images = "the batch", out
+        ok = isinstance(images, torch.Tensor) and images.dtype == torch.uint8
+        if not (ok and images.dim() == 4 and images.shape[1] == 3):
+            options = [o for o, on in (("normalize", loader.normalize is not None),
+                                       ("channels_last", loader.channels_last)) if on]  # fmt: skip
+            got = (
+                f"a {images.dtype} tensor of shape {tuple(images.shape)}"
+                if isinstance(images, torch.Tensor)
+                else f"a {type(images).__name__}"
+            )
+            raise InputError(
+                f"ShardLoader({'=, '.join(options)}=) applies to the sample_transform's images, "
+                f"a uint8 (N, 3, H, W) batch under {where}, but it is {got}: return the uint8 "
+                'image as "image" (or first), or normalise in the sample_transform and drop '
+                f"{'=/'.join(options)}="
+            )
+        fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
+        if loader.normalize is not None:
+            converted = torch.empty(
+                images.shape, dtype=torch.float32, device=images.device, memory_format=fmt
+            )
+            torch.addcmul(self.shift, images, self.scale, out=converted)
+        else:
+            converted = images.contiguous(memory_format=fmt)
+        if isinstance(out, dict):
+            return {**out, "image": converted}
+        if isinstance(out, tuple):
+            return (converted, *out[1:])
+        return converted
 
     def _output(self, images, labels, keys: list, fields: list | None, sources=None):
         """The caller's batch: ``(images, labels[, keys][, sources])``, or with the dataset's
@@ -595,8 +648,9 @@ class Epoch:
         if self._cpu is None:
             self._cpu = ds.tensor_decoder(self.epoch)
         key = msg.keys[i]
+        box = msg.boxes[i] if msg.boxes is not None else None  # the worker's: asked once
         try:
-            return self._cpu(buf.tobytes(), key)
+            return self._cpu(buf.tobytes(), key, box=box)
         except Exception as exc:
             rec = Record(key=key, ext="", data=b"", label=msg.labels[i], shard=msg.shards[i])
             err = sample_error(rec, exc)

@@ -142,13 +142,14 @@ class Filler:
         for rec in records:
             img = None
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
                 if transform is not None or targets is None:
-                    img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
+                    img = decoder(rec.data, rec.key, box=box)  # for the transform or sizing
                 elif planar:
                     decoder.into_planes(rec.data, rec.key, targets[n])
                 else:
-                    decoder(rec.data, rec.key, targets[n])
+                    decoder(rec.data, rec.key, targets[n], box=box)
             except ShapeError as exc:
                 raise ShapeError(f"{rec.shard}: {exc}") from None
             except Exception as exc:  # decoders raise many types for bad data
@@ -183,7 +184,9 @@ class Filler:
     def _fill_samples(self, slot: int, records: Iterator, decoder) -> Batch:
         """The dataset's ``sample_transform`` on each whole sample (the dict ``ShardDataset``
         gives it: image, label, key, fields, boxes, seed), its outputs batched here
-        (``batch_samples``) and sent through the pipe; the slot carries no pixels."""
+        (``batch_samples``); each column stacked into one array (tensors of one shape, numbers)
+        is written into the slot and named by place (``InRing``), as the images of the plain
+        path are: only what does not stack (strings, lists of boxes) goes through the pipe."""
         ds, bs = self.ds, self.spec.batch_size
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
@@ -192,8 +195,9 @@ class Filler:
         outputs, labels, keys, notes = [], [], [], []
         for rec in records:
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
-                img = decoder(rec.data, rec.key)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
+                img = decoder(rec.data, rec.key, box=box)
             except Exception as exc:  # decoders raise many types for bad data
                 self._bad(rec, exc, notes)
                 continue
@@ -209,8 +213,27 @@ class Filler:
                 break
         n = len(outputs)
         batch = Batch(0, self.worker, slot, n, 0, 0, labels, keys, notes, n + len(notes))
-        batch.samples = batch_samples(outputs) if outputs else None
+        if outputs:
+            batch.samples, batch.capacity = self._in_ring(slot, batch_samples(outputs))
         return batch
+
+    def _in_ring(self, slot: int, samples) -> tuple[object, int]:
+        """``samples`` with each stacked column's array written into ``slot`` (64-byte aligned)
+        and replaced by its place; the bytes the slot maps (0: nothing placed)."""
+        stacked = [a for a in _arrays(samples) if a.array.dtype in _RING_DTYPES]
+        if not stacked:
+            return samples, 0
+        at, places = 0, {}
+        for a in stacked:
+            places[id(a)] = at
+            at += -(-a.array.nbytes // 64) * 64
+        if at > self._capacity:  # the slots grow to the largest batch, in powers of 2
+            self._capacity = 1 << max(20, (at - 1).bit_length())
+        arr = self.slots.array(slot, (self._capacity,))
+        for a in stacked:
+            lo = places[id(a)]
+            arr[lo : lo + a.array.nbytes] = np.ascontiguousarray(a.array).reshape(-1).view(np.uint8)
+        return _placed(samples, places), self._capacity
 
     def _fill_whole(self, slot: int, records: Iterator, decoder) -> Batch:
         """``_fill`` for whole images without a transform or fields (the plain full decode):
@@ -264,14 +287,20 @@ class Filler:
         batch.sources = [r.source for r in taken] if self._sources else None
         return batch
 
-    def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
+    def _box(self, rec, decoder):
+        """The sample's crop box, asked once (None without ``size=``): its image, masks and
+        boxes are all cut at it."""
+        return decoder.crop_box(rec.data, rec.key) if self.ds.geometry is not None else None
+
+    def _sample_fields(self, rec, names, decoders, masks: list[int], box) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
-        its image; without ``size=``, masks must have their image's size."""
+        its image (cut at ``box``, the image's); without ``size=``, masks must have their
+        image's size."""
         if not names:
             return ()
         extra = decoded_fields(rec, names, decoders, self.ds.max_pixels)
         if self._moved is not None:
-            return self._moved(rec, extra)
+            return self._moved(rec, extra, box)
         height, width = image_size(rec.data) if masks else (0, 0)
         for j in masks:
             if tuple(extra[j].shape[-2:]) != (height, width):
@@ -458,6 +487,43 @@ class Array:
     array: np.ndarray
 
 
+#: What a stacked column may be in the ring: numpy dtypes torch views alike (native order).
+_RING_DTYPES = tuple(
+    np.dtype(t) for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
+                          np.float16, np.float32, np.float64)
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class InRing:
+    """A stacked column written into the batch's slot: its bytes at ``offset``, as an array of
+    ``shape`` and ``dtype`` (numpy's name)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _arrays(batch) -> list[Stacked]:
+    """The stacked columns of ``batch_samples``' batch, in order."""
+    if isinstance(batch, dict):
+        return [a for v in batch.values() for a in _arrays(v)]
+    if isinstance(batch, tuple):
+        return [a for v in batch for a in _arrays(v)]
+    return [batch] if isinstance(batch, Stacked) else []
+
+
+def _placed(batch, places: dict[int, int]):
+    """``batch`` with each stacked column written at ``places[id(column)]`` named by place."""
+    if isinstance(batch, dict):
+        return {k: _placed(v, places) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_placed(v, places) for v in batch)
+    if isinstance(batch, Stacked) and id(batch) in places:
+        return InRing(places[id(batch)], batch.array.shape, batch.array.dtype.str)
+    return batch
+
+
 def _column(values: list):
     first = values[0]
     if isinstance(first, torch.Tensor) and all(
@@ -533,13 +599,19 @@ def _what(out) -> str:
     return f"a {type(out).__name__}"
 
 
-def unbatch_arrays(batch, to_tensor: Callable[[torch.Tensor], torch.Tensor]):
+def unbatch_arrays(batch, to_tensor: Callable[[torch.Tensor], torch.Tensor], slot=None):
     """``batch_samples``' batch in the caller: stacked columns as tensors through ``to_tensor``
-    (the loader's device), list columns' arrays as tensors."""
+    (the loader's device), list columns' arrays as tensors. ``slot``: the batch's slot as a
+    uint8 tensor (lent by the ring), over which columns written there (``InRing``) are views."""
     if isinstance(batch, dict):
-        return {k: unbatch_arrays(v, to_tensor) for k, v in batch.items()}
+        return {k: unbatch_arrays(v, to_tensor, slot) for k, v in batch.items()}
     if isinstance(batch, tuple):
-        return tuple(unbatch_arrays(v, to_tensor) for v in batch)
+        return tuple(unbatch_arrays(v, to_tensor, slot) for v in batch)
+    if isinstance(batch, InRing):
+        dtype = torch.from_numpy(np.empty(0, np.dtype(batch.dtype))).dtype
+        nbytes = int(np.prod(batch.shape, dtype=np.int64)) * np.dtype(batch.dtype).itemsize
+        view = slot[batch.offset : batch.offset + nbytes].view(dtype).view(batch.shape)
+        return to_tensor(view)
     if isinstance(batch, Stacked):
         return to_tensor(torch.from_numpy(batch.array))
     if isinstance(batch, torch.Tensor):

@@ -249,6 +249,8 @@ class ShardDataset(IterableDataset):
         ):
             raise InputError(f"max_pixels={max_pixels!r} must be an int >= 1, or None (no limit)")
         self.max_pixels = max_pixels
+        if self.geometry is not None:
+            self.geometry.check_output(max_pixels)
         check_choice("dct", dct, DCT_MODES)
         self.dct = dct
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):

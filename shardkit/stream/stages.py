@@ -357,8 +357,9 @@ def decode_records(
     ``field_decoders`` (one per field, None: the stored bytes; see shardkit.stream.fields):
     fields are decoded and required: a sample without one, or whose field does not decode, is
     an error naming shard, key and field (a skip under ``on_error="skip"``).
-    ``geometry(rec, fields)`` moves the decoded fields with the image's crop (masks, boxes:
-    ``shardkit.stream.fields.sample_geometry``).
+    ``geometry(rec, fields, box)`` moves the decoded fields with the image's crop (masks,
+    boxes: ``shardkit.stream.fields.sample_geometry``); ``decoder`` is then a ``TensorDecoder``
+    whose ``crop_box`` is asked once per sample, the box given to both.
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
@@ -397,9 +398,12 @@ def _decoded(
         try:
             if field_decoders is not None:
                 extra = decoded_fields(rec, names, field_decoders, max_pixels)
-            img = _image(rec, mode, decoder, max_pixels)
-            if geometry is not None:
-                extra = geometry(rec, extra)
+            if geometry is None:
+                img = _image(rec, mode, decoder, max_pixels)
+            else:  # one box for the image and its masks and boxes: the crop is asked once
+                box = decoder.crop_box(rec.data, rec.key)
+                img = decoder(rec.data, rec.key, box=box)
+                extra = geometry(rec, extra, box)
         except Exception as exc:
             err = undecodable(rec, exc)
             if on_error == "raise":
