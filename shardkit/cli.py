@@ -677,7 +677,11 @@ def info_cmd(out, as_json, list_skipped) -> None:
         f"shards:   {info['shards']}",
         f"samples:  {info['samples']}",
         f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
-        f"classes:  {info['num_classes']} ({shown})",
+        f"classes:  {info['num_classes']} ({shown})"
+        if names
+        else "classes:  none (unlabelled"
+        + ("; captioned: field txt" if "txt" in info["fields"] else "")
+        + ")",
         "fields:   "
         + (", ".join(f"{k} {v}" for k, v in info["fields"].items()) or "none")
         + (" (samples carrying each)" if info["fields"] else ""),
