@@ -52,6 +52,8 @@ __all__ = [
     "inline_fields",
     "img2dataset_tables",
     "is_image_file",
+    "member_of",
+    "member_path",
     "member_stat",
     "read_member",
     "repeats",
@@ -772,11 +774,15 @@ class _Columns:
             )
             return None
         base = scan.root
-        tar = f"{self.keyed}.tar"
-        for folder in (self.keyed, tar):  # --output_format files, then webdataset
+        for e in _KEYED_EXTS:  # --output_format files
+            if os.path.isfile(os.path.join(base, f"{stem}.{e}")):
+                return f"{stem}.{e}"
+        tar = f"{self.keyed}.tar"  # --output_format webdataset
+        if os.path.isfile(os.path.join(base, tar)):
+            members = tar_members(os.path.join(base, tar))
             for e in _KEYED_EXTS:
-                if is_image_file(os.path.join(base, folder, f"{key}.{e}")):
-                    return f"{folder}/{key}.{e}"
+                if f"{key}.{e}" in members:
+                    return member_path(tar, f"{key}.{e}", members[f"{key}.{e}"])
         return f"{stem}.jpg"
 
 
@@ -828,22 +834,16 @@ def img2dataset_tables(src: str) -> list[str]:
 
 # --- images inside a tar: img2dataset's webdataset shards, read in place ------------------------
 
-
-def tar_member(path: str) -> tuple[str, str] | None:
-    """``(tar file, member name)`` when ``path`` names a member of a tar (``DIR/00000.tar/
-    000000407.jpg``: a path no file can have, since a tar is a file); else None."""
-    head, name = os.path.split(path)
-    if not head.lower().endswith(".tar") or not os.path.isfile(head):
-        return None
-    return head, name
-
-
+#: A member of a tar as a path: ``00000.tar@<data offset>+<size>/000000407.jpg`` (no file can
+#: lie inside a tar, which is a file). The place is in the path so that a read needs no listing
+#: of the tar: samples are read in shuffled order, across every shard.
+_MEMBER_DIR = re.compile(r"(.+\.tar)@([0-9]+)\+([0-9]+)", re.IGNORECASE | re.DOTALL)
 _MEMBERS: dict[tuple[str, int, int], dict[str, tuple[int, int]]] = {}
 
 
 def tar_members(tar: str) -> dict[str, tuple[int, int]]:
     """A tar's regular members, name -> ``(data offset, size)``: its headers read once per
-    version of the file (size and mtime) and process; OSError if it is no readable tar."""
+    version of the file (size and mtime); the scan reads a table's rows shard by shard."""
     import tarfile
 
     st = os.stat(tar)
@@ -853,50 +853,69 @@ def tar_members(tar: str) -> dict[str, tuple[int, int]]:
         try:
             with tarfile.open(tar, "r:") as tf:
                 found = {m.name: (m.offset_data, m.size) for m in tf if m.isreg()}
-        except tarfile.TarError as exc:
-            raise OSError(0, f"{tar}: not a readable tar ({exc})") from None
-        if len(_MEMBERS) > 64:  # a process reads a few shards' tables at a time
-            _MEMBERS.clear()
+        except (tarfile.TarError, OSError) as exc:
+            raise InputError(
+                f"{tar}: not a readable tar ({exc}); fetch the shard again, or leave its table out"
+            ) from None
+        _MEMBERS.clear()  # one shard's at a time
         _MEMBERS[ident] = found
     return found
 
 
+def member_path(tar_rel: str, name: str, place: tuple[int, int]) -> str:
+    """The path (relative, like ``tar_rel``) of member ``name`` at ``place`` (offset, size)."""
+    return f"{tar_rel}@{place[0]}+{place[1]}/{name}"
+
+
+def member_of(path: str) -> tuple[str, int, int, str] | None:
+    """``(tar, data offset, size, member name)`` of a ``member_path``; None for other paths."""
+    head, name = os.path.split(path)
+    m = _MEMBER_DIR.fullmatch(head)
+    if m is None or not os.path.isfile(m.group(1)):
+        return None
+    return m.group(1), int(m.group(2)), int(m.group(3)), name
+
+
 def member_stat(path: str) -> tuple[int, int] | None:
-    """``(size, mtime_ns)`` of a tar member (``tar_member``): its size and its tar's mtime."""
-    where = tar_member(path)
-    if where is None:
-        return None
-    try:
-        found = tar_members(where[0]).get(where[1])
-        return None if found is None else (found[1], os.stat(where[0]).st_mtime_ns)
-    except OSError:
-        return None
-
-
-def read_member(path: str) -> bytes:
-    """A tar member's bytes (``tar_member``), read in place; OSError if it is not there."""
-    where = tar_member(path)
-    if where is None:
-        raise FileNotFoundError(0, "no such file", path)
-    found = tar_members(where[0]).get(where[1])
+    """``(size, mtime_ns)`` of a tar member (``member_path``): its size, its tar's mtime."""
+    found = member_of(path)
     if found is None:
-        raise FileNotFoundError(0, f"no member {where[1]!r} in {where[0]}", path)
-    offset, size = found
-    with open(where[0], "rb") as f:
-        f.seek(offset)
-        data = f.read(size)
-    if len(data) != size:
-        raise OSError(0, f"{where[0]}: truncated at member {where[1]!r}")
-    return data
+        return None
+    st = os.stat(found[0])
+    return None if found[1] + found[2] > st.st_size else (found[2], st.st_mtime_ns)
+
+
+def read_member(path: str) -> tuple[bytes, os.stat_result]:
+    """A tar member's bytes (``member_path``) and its tar's ``fstat``, read in place after
+    checking that the header
+    before them still names the member with that size: a tar rewritten since the scan is an
+    OSError (the sample is unreadable), never another member's bytes."""
+    found = member_of(path)
+    if found is None:
+        raise FileNotFoundError(0, "no such file", path)
+    tar, offset, size, name = found
+    with open(tar, "rb") as f:
+        st = os.fstat(f.fileno())
+        f.seek(max(0, offset - 512))
+        data = f.read(size + min(offset, 512))
+    header, data = data[: min(offset, 512)], data[min(offset, 512) :]
+    raw = name.encode("utf-8", "surrogateescape")
+    try:
+        ok = len(header) == 512 and int(header[124:136].strip(b" \0") or b"0", 8) == size
+    except ValueError:
+        ok = False
+    if not ok or header[:100].rstrip(b"\0") != raw[:100] or len(data) != size:
+        raise OSError(0, f"{tar} changed since the scan (member {name!r}); pack again")
+    return data, st
 
 
 def is_image_file(path: str) -> bool:
-    """A regular file, or a member of a tar (``tar_member``)."""
+    """A regular file, or a member of a tar (``member_path``)."""
     if os.path.isfile(path):
         return True
     try:
         return member_stat(path) is not None
-    except InputError:
+    except OSError:
         return False
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from ..formats import get_format
 from ..images.checks import check_image_bytes, decode_error
 from ..images.decode import resize_short_side
-from ..scan import SourceScan, field_files, member_stat, read_member
+from ..scan import SourceScan, field_files, member_of, member_stat, read_member
 from ..sizes import parse_size
 
 __all__ = [
@@ -76,9 +76,10 @@ def read_file(path: str, fd: int | None = None) -> tuple[bytes, os.stat_result]:
     if fd is None:
         try:
             fd = os.open(path, _OPEN_FLAGS)
-        except NotADirectoryError:
-            data = read_member(path)
-            return data, os.stat(os.path.dirname(path))
+        except (FileNotFoundError, NotADirectoryError):
+            if member_of(path) is None:
+                raise
+            return read_member(path)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -196,10 +197,11 @@ def stat_pair(path: str) -> tuple[int, int]:
     """``(size, mtime_ns)`` of ``path`` (symlinks followed, as a read follows them); -1s if gone."""
     try:
         st = os.stat(path)
-    except NotADirectoryError:  # a member of a tar: its size, the tar's mtime
-        return member_stat(path) or (-1, -1)
     except OSError:
-        return (-1, -1)
+        try:  # a member of a tar (img2dataset's images): its size, the tar's mtime
+            return member_stat(path) or (-1, -1)
+        except OSError:
+            return (-1, -1)
     return (st.st_size, st.st_mtime_ns)
 
 

@@ -191,3 +191,31 @@ def test_an_image_cell_that_is_not_text_is_one_line(tmp_path, suffix, cell, what
     assert "make it the text path of each image file" in r.output
     with pytest.raises(InputError):
         pack(str(table), str(tmp_path / "o2"), progress=False)
+
+
+def test_a_tar_rewritten_after_the_scan_gives_an_error_not_another_members_bytes(tmp_path):
+    from shardkit.scan import scan_source
+    from shardkit.write.read import read_file, stat_pair
+
+    i2d = tmp_path / "i2d"
+    _img2dataset(i2d, shards=1, per_shard=6)
+    scan = scan_source(str(i2d))
+    first = str(i2d / scan.files[0])
+    with tarfile.open(i2d / "00000.tar") as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf if m.isreg()]
+    assert read_file(first)[0] == members[0][1]
+    assert stat_pair(first)[0] == len(members[0][1])
+    with tarfile.open(i2d / "00000.tar", "w") as tf:  # the same members, another order
+        for m, data in reversed(members):
+            tf.addfile(m, io.BytesIO(data))
+    with pytest.raises(OSError, match="changed since the scan"):
+        read_file(first)
+
+
+def test_folder_dataset_of_an_img2dataset_folder_points_at_pack_and_index(tmp_path):
+    from shardkit import FolderDataset
+
+    i2d = tmp_path / "i2d"
+    _img2dataset(i2d, shards=1, per_shard=4)
+    with pytest.raises(InputError, match="img2dataset's output.*shardkit pack.*shardkit index"):
+        FolderDataset(str(i2d))
