@@ -219,3 +219,19 @@ def test_folder_dataset_of_an_img2dataset_folder_points_at_pack_and_index(tmp_pa
     _img2dataset(i2d, shards=1, per_shard=4)
     with pytest.raises(InputError, match="img2dataset's output.*shardkit pack.*shardkit index"):
         FolderDataset(str(i2d))
+
+
+def test_a_key_met_again_follows_the_tables_repeated_image_rule(tmp_path):
+    # two img2dataset downloads in one folder: both start at key 000000000
+    i2d = tmp_path / "i2d"
+    _img2dataset(i2d, shards=1, per_shard=4)
+    for ext in ("tar", "parquet"):
+        (i2d / f"00001.{ext}").write_bytes((i2d / f"00000.{ext}").read_bytes())
+    once = pack(str(i2d), str(tmp_path / "once"), progress=False)
+    assert once.samples == 3 and once.duplicates == 3
+    assert sum("more than one row" in s.reason for s in once.skipped) == 3
+    both = pack(str(i2d), str(tmp_path / "both"), progress=False, allow_duplicates=True)
+    assert both.samples == 6
+    assert _keys(tmp_path / "both") == sorted(
+        [f"00000000{r}" for r in (0, 1, 2)] + [f"00000000{r}~2" for r in (0, 1, 2)]
+    )
