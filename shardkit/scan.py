@@ -693,7 +693,7 @@ def scan_tables(paths: Sequence[str], root: str | None = None, name: str = "") -
             elif not is_image_file(os.path.join(base, rel)):
                 scan.errors.append(SkippedFile(rel, f"{where}: {cols.missing(rel)}"))
             else:
-                fields = _row_fields(row, cols.image_col, cols.caption_col)
+                fields = _row_fields(row, cols.image_col, cols.caption_col, where)
                 key = row[KEY_COLUMN] if cols.keyed is not None else None
                 rows.add(rel, ext, fields, _label_of(row, where), line, key)
     rows.finish(scan)
@@ -1041,13 +1041,19 @@ def _label_of(row: dict, where: str) -> str | None:
     return name
 
 
-def _row_fields(row: dict, image_col: str, caption_col: str | None) -> dict:
+def _row_fields(row: dict, image_col: str, caption_col: str | None, where: str) -> dict:
     """A row's fields: the caption as ``txt``, the other columns but label as ``json``."""
     fields: dict = {}
     rest = {k: v for k, v in row.items() if k not in (image_col, caption_col, LABEL_COLUMN)}
     if caption_col is not None and row.get(caption_col) is not None:
         caption = row[caption_col]
-        fields["txt"] = caption if isinstance(caption, str) else json.dumps(caption)
+        try:
+            fields["txt"] = caption if isinstance(caption, str) else json.dumps(caption)
+        except TypeError as exc:  # bytes, a date ...
+            raise InputError(
+                f"{where}: column {caption_col!r} holds a cell that JSON cannot hold ({exc}); "
+                "make the captions text"
+            ) from None
     if rest:
         fields["json"] = rest
     return fields
@@ -1066,7 +1072,8 @@ def _inside(rel: str, base: str, real_base: str, where: str) -> str:
             ),
             "..",  # not under the root: refused below
         )
-    target = os.path.realpath(os.path.join(base, norm))
+    member = member_of(os.path.join(base, norm))  # a tar's member: where the tar leads
+    target = os.path.realpath(member[0] if member else os.path.join(base, norm))
     if (
         norm == ".."
         or norm.startswith("../")

@@ -235,3 +235,20 @@ def test_a_key_met_again_follows_the_tables_repeated_image_rule(tmp_path):
     assert _keys(tmp_path / "both") == sorted(
         [f"00000000{r}" for r in (0, 1, 2)] + [f"00000000{r}~2" for r in (0, 1, 2)]
     )
+
+
+def test_a_caption_cell_of_bytes_and_a_tar_linked_from_outside_are_one_line(tmp_path):
+    table = tmp_path / "t.parquet"
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.jpg")
+    pq.write_table(pa.table({"image": ["a.jpg"], "caption": [b"\x00\x01"]}), str(table))
+    r = CliRunner().invoke(main, ["pack", str(table), str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "t.parquet:1: column 'caption' holds a cell that JSON cannot hold" in r.output
+    # a member path through a tar that links outside the table's folder is refused
+    _img2dataset(tmp_path / "far", shards=1, per_shard=2)
+    inside = tmp_path / "in"
+    inside.mkdir()
+    (inside / "x.tar").symlink_to(tmp_path / "far" / "00000.tar")
+    (inside / "t.csv").write_text("image\nx.tar@512+100/000000000.jpg\n")
+    r = CliRunner().invoke(main, ["pack", str(inside / "t.csv"), str(tmp_path / "o2")])
+    assert r.exit_code == 2 and "leads outside" in r.output, r.output
