@@ -645,10 +645,10 @@ class _TableRows:
 
 def scan_table(path: str, root: str | None = None) -> SourceScan:
     """``scan_tables`` of one table (see there)."""
-    return scan_tables([path], root, path)
+    return scan_tables([path], root)
 
 
-def scan_tables(paths: Sequence[str], root: str | None = None, name: str = "") -> SourceScan:
+def scan_tables(paths: Sequence[str], root: str | None = None, folder: str = "") -> SourceScan:
     """List the samples of a table: one row each, in row order.
 
     The image column (``IMAGE_COLUMNS``) names a file relative to ``root`` (default: the table's
@@ -660,9 +660,10 @@ def scan_tables(paths: Sequence[str], root: str | None = None, name: str = "") -
     listed in ``errors`` (pack's ``on_error`` decides). Rows stream through in chunks into
     numpy tables (``TABLE_CHUNK``): no Python object per row outlives its chunk.
 
-    Several tables (``paths``, an img2dataset output folder ``name``: ``img2dataset_tables``)
+    Several tables (``paths``, of an img2dataset output ``folder``: ``img2dataset_tables``)
     are read as one, in the order given, each row's key being img2dataset's own (``KEY_COLUMN``).
     """
+    name = folder or paths[0]
     table = os.path.abspath(paths[0])
     base = os.path.abspath(root) if root is not None else os.path.dirname(table)
     if not os.path.isdir(base):
@@ -675,7 +676,7 @@ def scan_tables(paths: Sequence[str], root: str | None = None, name: str = "") -
         for line, row in _table_rows(path):
             if cols is None:
                 cols = _Columns.of(path, row, base)
-                if len(paths) > 1 and cols.keyed is None:
+                if folder and cols.keyed is None:
                     raise InputError(
                         f"{path}: no {KEY_COLUMN!r} column; a folder of tables is packed as "
                         "img2dataset's output, whose tables all have one (pack other tables "
@@ -716,6 +717,8 @@ class _Columns:
     #: img2dataset's layout: the folder of the images named by ``key`` (None: an image column),
     #: relative to the root; its tar (``--output_format webdataset``) is ``keyed + ".tar"``.
     keyed: str | None = None
+    #: The ``keyed`` folder exists (else each row's image is looked for in the tar alone).
+    keyed_dir: bool = False
 
     @classmethod
     def of(cls, path: str, row: dict, base: str) -> _Columns:
@@ -732,7 +735,8 @@ class _Columns:
                 f"{', '.join(IMAGE_COLUMNS)} (or give a {KEY_COLUMN!r} column, as img2dataset "
                 "does, with the images in a folder named like the table)"
             )
-        return cls(image_col, _column(path, row, CAPTION_COLUMNS), keyed)
+        keyed_dir = keyed is not None and os.path.isdir(os.path.join(base, keyed))
+        return cls(image_col, _column(path, row, CAPTION_COLUMNS), keyed, keyed_dir)
 
     def image(self, row: dict, scan: SourceScan, where: str) -> str | None:
         """The row's image path as written (None: listed in ``scan`` as an error or ignored)."""
@@ -774,7 +778,7 @@ class _Columns:
             )
             return None
         base = scan.root
-        for e in _KEYED_EXTS:  # --output_format files
+        for e in _KEYED_EXTS if self.keyed_dir else ():  # --output_format files
             if os.path.isfile(os.path.join(base, f"{stem}.{e}")):
                 return f"{stem}.{e}"
         tar = f"{self.keyed}.tar"  # --output_format webdataset
@@ -818,16 +822,16 @@ def _column_keys(raw: StrTable) -> tuple[StrTable, np.ndarray | None]:
 def img2dataset_tables(src: str) -> list[str]:
     """The per-shard tables of an img2dataset output folder, in name order ([] if ``src`` is
     none): ``.parquet`` files with their shard's images beside them, as ``<stem>.tar``
-    (``--output_format webdataset``) or a ``<stem>/`` folder (``files``)."""
+    (``--output_format webdataset``), or as a ``<stem>/`` folder (``files``) with the shard's
+    ``<stem>_stats.json`` (a class folder beside a table of the same name is not enough)."""
     try:
         names = sorted(n for n in os.listdir(src) if not n.startswith("."))
     except OSError:
         return []
     here = set(names)
     tables = [n for n in names if n.lower().endswith(".parquet")]
-    if not any(
-        t[: -len(".parquet")] + ".tar" in here or t[: -len(".parquet")] in here for t in tables
-    ):
+    stems = [t[: -len(".parquet")] for t in tables]
+    if not any(f"{s}.tar" in here or (s in here and f"{s}_stats.json" in here) for s in stems):
         return []
     return [os.path.join(src, t) for t in tables]
 

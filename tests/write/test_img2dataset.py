@@ -78,7 +78,8 @@ def _as_files(i2d, out_dir):
     for tar in sorted(i2d.glob("*.tar")):
         with tarfile.open(tar) as tf:
             tf.extractall(out_dir / tar.stem, filter="data")
-        (out_dir / f"{tar.stem}.parquet").write_bytes((i2d / f"{tar.stem}.parquet").read_bytes())
+        for name in (f"{tar.stem}.parquet", f"{tar.stem}_stats.json"):
+            (out_dir / name).write_bytes((i2d / name).read_bytes())
 
 
 def test_index_of_the_tars_and_pack_of_the_tables_give_one_key_and_one_split(tmp_path):
@@ -94,6 +95,9 @@ def test_index_of_the_tars_and_pack_of_the_tables_give_one_key_and_one_split(tmp
     assert _keys(i2d) == _keys(packed) == sorted(keys)  # img2dataset's own keys, both routes
     for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train", "val_fraction": 0.3}):
         assert _keys(i2d, **kw) == _keys(packed, **kw)
+    # the folder of files and tables in one pack: the same keys again
+    pack(str(files), str(tmp_path / "whole"), progress=False)
+    assert _keys(tmp_path / "whole") == sorted(keys)
 
 
 def test_pack_of_an_img2dataset_folder_reads_every_shard_from_its_tar(tmp_path):
@@ -252,3 +256,14 @@ def test_a_caption_cell_of_bytes_and_a_tar_linked_from_outside_are_one_line(tmp_
     (inside / "t.csv").write_text("image\nx.tar@512+100/000000000.jpg\n")
     r = CliRunner().invoke(main, ["pack", str(inside / "t.csv"), str(tmp_path / "o2")])
     assert r.exit_code == 2 and "leads outside" in r.output, r.output
+
+
+def test_a_class_tree_beside_a_table_of_its_name_is_still_a_class_tree(tmp_path):
+    # cats/ and cats.parquet in SRC, no tar, no _stats.json: not img2dataset's output
+    src = tmp_path / "src"
+    for c in ("cats", "dogs"):
+        (src / c).mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(src / c / "x.jpg")
+    pq.write_table(pa.table({"image": ["cats/x.jpg"]}), str(src / "cats.parquet"))
+    report = pack(str(src), str(tmp_path / "o"), progress=False)
+    assert report.samples == 2 and report.classes == 2
