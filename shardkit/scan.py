@@ -440,6 +440,12 @@ def check_source_dir(src: str) -> None:
         raise InputError(
             f"source {src!r} does not exist; pass a folder with one sub-folder per class"
         )
+    if str(src).lower().endswith((".tar", ".tar.gz", ".tgz")) and os.path.isfile(src):
+        raise InputError(
+            f"source {src!r} is a tar shard, which pack does not repack; `shardkit index` "
+            "gives tars a manifest as they are (img2dataset's: `shardkit pack` its folder or "
+            "the .parquet table beside the tar, which read the images from it)"
+        )
     if not os.path.isdir(src) and not (is_table(src) and os.path.isfile(src)):
         raise InputError(
             f"source {src!r} is not a directory; pass a folder with one sub-folder per class, "

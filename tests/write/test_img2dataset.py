@@ -177,6 +177,9 @@ def test_a_folder_of_tars_alone_points_at_index(tmp_path):
     r = CliRunner().invoke(main, ["pack", str(i2d), str(tmp_path / "o")])
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert f"`shardkit index {i2d}`" in r.output
+    r = CliRunner().invoke(main, ["pack", str(i2d / "00000.tar"), str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "is a tar shard" in r.output and "`shardkit index`" in r.output
 
 
 @pytest.mark.parametrize(
