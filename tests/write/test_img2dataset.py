@@ -270,3 +270,12 @@ def test_a_class_tree_beside_a_table_of_its_name_is_still_a_class_tree(tmp_path)
     pq.write_table(pa.table({"image": ["cats/x.jpg"]}), str(src / "cats.parquet"))
     report = pack(str(src), str(tmp_path / "o"), progress=False)
     assert report.samples == 2 and report.classes == 2
+
+
+def test_info_of_a_caption_table_says_unlabelled_not_zero_classes(tmp_path):
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.jpg")
+    (tmp_path / "t.csv").write_text("image,caption\na.jpg,a black square\n")
+    pack(str(tmp_path / "t.csv"), str(tmp_path / "o"), progress=False)
+    r = CliRunner().invoke(main, ["info", str(tmp_path / "o")])
+    assert r.exit_code == 0 and "classes:  none (unlabelled; captioned: field txt)" in r.output
+    assert "classes:  0 ()" not in r.output
