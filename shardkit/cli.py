@@ -425,7 +425,9 @@ def pack_cmd(
     SRC may also be a table (.csv, .tsv, .jsonl, .parquet with pyarrow) with an image column
     (image, path, file or filename), optionally a caption (caption, text: field txt) and a label
     column; other columns go into field json. An img2dataset shard table (a key column, no
-    image column) names its images <table name>/<key>.jpg beside it.
+    image column) finds its images beside it, in <table name>/<key>.jpg or <table name>.tar;
+    SRC may be img2dataset's whole output folder (tables beside tars): one pack, reading the
+    images from the tars, each sample keyed by img2dataset's key as `shardkit index` keys it.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
     Run again with the same files and options, it says OUT is up to date and exits 0, as make
@@ -677,7 +679,11 @@ def info_cmd(out, as_json, list_skipped) -> None:
         f"shards:   {info['shards']}",
         f"samples:  {info['samples']}",
         f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
-        f"classes:  {info['num_classes']} ({shown})",
+        f"classes:  {info['num_classes']} ({shown})"
+        if names
+        else "classes:  none (unlabelled"
+        + ("; captioned: field txt" if "txt" in info["fields"] else "")
+        + ")",
         "fields:   "
         + (", ".join(f"{k} {v}" for k, v in info["fields"].items()) or "none")
         + (" (samples carrying each)" if info["fields"] else ""),

@@ -68,6 +68,12 @@ class FolderDataset(Dataset):
         self.with_keys = bool(with_keys)
         exts = {e.lower().lstrip(".") for e in extensions}
         scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        if scan.from_table:
+            raise InputError(
+                f"{self.root}: img2dataset's output (tables beside their tars or folders), not "
+                "a class-per-folder tree; `shardkit pack` it, or `shardkit index` its tars, "
+                "and read it with ShardDataset"
+            )
         self.classes: list[str] = list(scan.classes)
         keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
         left_out = set(skip)

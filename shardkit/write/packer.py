@@ -109,6 +109,8 @@ class PackReport:
     #: Samples not packed because OUT already holds their key (``append=True``), or a table
     #: listed their image on an earlier row; ``allow_duplicates=True`` packs them.
     duplicates: int = 0
+    #: img2dataset rows whose download had failed (``status`` not ``success``): no image.
+    failed_downloads: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -141,6 +143,11 @@ class PackReport:
             f"Skipped {self.errors} bad or unreadable image(s) and {self.not_images} non-image "
             f"file(s)"
         )
+        if self.failed_downloads:
+            text += (
+                f"; {self.failed_downloads} failed download(s) (img2dataset status not "
+                "success: no image, listed under skipped)"
+            )
         if self.empty_classes:
             text += f"; {len(self.empty_classes)} empty class folder(s)"
         if self.duplicates:
@@ -204,6 +211,7 @@ def _already_packed(
         skipped=sorted(manifest.skipped, key=lambda s: s.path),
         errors=max(0, len(manifest.skipped) - len(scan.ignored)),
         not_images=scan.not_images,
+        failed_downloads=scan.failed_downloads,
         empty_classes=list(scan.empty_classes),
         up_to_date=True,
     )
@@ -421,6 +429,7 @@ def _written_report(done, writer: ShardWriter, skipped: list, scan, started: flo
         skipped=sorted(writer.skipped, key=lambda s: s.path),
         errors=len(skipped),
         not_images=scan.not_images,
+        failed_downloads=getattr(scan, "failed_downloads", 0),  # a Python source has none
         empty_classes=list(scan.empty_classes),
     )
 
@@ -546,6 +555,7 @@ def _pack_planned(
         skipped=list(manifest.skipped),
         errors=len(skipped),
         not_images=scan.not_images,
+        failed_downloads=scan.failed_downloads,
         empty_classes=list(scan.empty_classes),
         appended_to=plan.base.num_samples if plan.base is not None else None,
         duplicates=plan.already_there + len(plan.repeated),
@@ -567,6 +577,7 @@ def _nothing_to_append(plan: PackPlan, out: str, started: float) -> PackReport:
         skipped=list(base.skipped),
         errors=0,
         not_images=plan.scan.not_images,
+        failed_downloads=plan.scan.failed_downloads,
         empty_classes=list(plan.scan.empty_classes),
         appended_to=base.num_samples,
         duplicates=plan.already_there + len(plan.repeated),
@@ -586,6 +597,7 @@ def _planned_report(plan: PackPlan, out: str, started: float) -> PackReport:
         skipped=list(plan.scan.errors),
         errors=len(plan.scan.errors),
         not_images=plan.scan.not_images,
+        failed_downloads=plan.scan.failed_downloads,
         empty_classes=list(plan.scan.empty_classes),
         up_to_date=False,
     )

@@ -58,7 +58,6 @@ from ..scan import (
     check_source_dir,
     field_files,
     inline_fields,
-    is_table,
     repeats,
     scan_source,
 )
@@ -394,7 +393,7 @@ def plan_pack(
     scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
-        where = bad.path if is_table(src) else os.path.join(src, bad.path)  # rows name the table
+        where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
         raise InputError(f'{where}: {bad.reason}; remove or fix it, or pass on_error="skip"')
     for cls in scan.empty_classes:
         warnings.warn(
@@ -439,6 +438,7 @@ def plan_pack(
         "shardkit_version": pack_version(),
         "non_image_files": dict(sorted(scan.non_image_exts.items())),
         "links_outside_source": scan.outside_links,
+        **({"failed_downloads": scan.failed_downloads} if scan.failed_downloads else {}),
         FINGERPRINT_FIELD: fp,
     }
     if already:
@@ -454,7 +454,12 @@ def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
     A table may list one image on several rows; packing each would store it under several
     keys, which a split by key could place on both sides (train and val): the first row wins.
     """
-    dropped = repeats(scan.files) if is_table(src) else np.zeros(len(scan.files), dtype=bool)
+    if scan.again is not None:  # a key column: a key listed again
+        dropped = scan.again.copy()
+    elif scan.keyed or not scan.from_table:
+        dropped = np.zeros(len(scan.files), dtype=bool)
+    else:
+        dropped = repeats(scan.files)
     why = f"{src}: listed on more than one row; packed once, from its first row"
     why += " (allow_duplicates=True keeps each)"
     repeated = [SkippedFile(scan.files[i], why) for i in np.flatnonzero(dropped).tolist()]
