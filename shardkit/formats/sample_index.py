@@ -34,6 +34,7 @@ __all__ = [
     "decode_index",
     "encode_index",
     "index_path",
+    "key_hash",
     "key_hashes",
     "load_index",
 ]
@@ -70,6 +71,12 @@ def key_hashes(keys: Sequence[str | bytes], salt: bytes = SPLIT_SALT) -> np.ndar
     if not digests:
         return np.empty(0, np.uint64)
     return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
+
+
+def key_hash(key: str) -> int:
+    """One key's split hash (``key_hashes`` of one key, as an int)."""
+    raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
 def index_path(shard_path: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,8 +36,8 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
-from ..formats.sample_index import SPLIT_SALT, key_hashes
-from ..records import Record, ShardInfo
+from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
+from ..records import Record, ShardInfo, ShardSlice
 from .resume import (
     Arrangement,
     EpochLayout,
@@ -139,6 +140,11 @@ class MixedSource:
     #: (manifest path, its identity when the dataset was built): a re-pack under the reader's
     #: feet is refused (``stages.manifest_unchanged``); (None, None) without a local manifest.
     manifest: tuple[str | None, tuple | None] = (None, None)
+    #: With ``split=``: which samples the index's split hashes put in "val" (``np.packbits``),
+    #: so each sample read is checked against its own key's hash (``check_split``).
+    val_bits: np.ndarray | None = None
+    #: Shards whose index the split refused (damaged, stale, hashes not its keys'): streamed.
+    unindexed: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:
@@ -382,7 +388,10 @@ def mix_records(
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
             fields=fields, unchanged=unchanged, keep=p.arrangement.keep,
+            unindexed=s.unindexed,
         )  # fmt: skip
+        if s.val_bits is not None:
+            recs = check_split(recs, p.slices, s)
         if s.classes:
             recs = check_labels(recs, len(s.classes))
         if s.labels is not None:
@@ -392,6 +401,32 @@ def mix_records(
             recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
     return interleave(streams, plan.schedule, [s.source.name for s in sources])
+
+
+def check_split(
+    records: Iterable[Record], slices: Sequence[ShardSlice], s: MixedSource
+) -> Iterator[Record]:
+    """``records`` (``read_slices`` of ``slices``), each sample read checked against the side
+    the split put it on: its key's own hash is taken (one BLAKE2b of a few bytes) and compared
+    with ``s.val_bits``. The split was built from the shards' indexes; one that lies (a hash,
+    or a key table that is not the shard's) would otherwise hand out a sample of the other
+    side: here that is an error naming the shard and the key, never a sample handed out."""
+    from .ranges import SKIPPED
+
+    starts = np.concatenate(([0], np.cumsum([sh.samples for sh in s.shards]))).tolist()
+    val = np.unpackbits(s.val_bits, count=s.size).view(bool)
+    threshold = math.ceil(s.source.val_fraction * 2**64)
+    where = [(sl.shard, k) for sl in slices for k in range(sl.start, sl.stop)]
+    for (shard, k), rec in zip(where, records, strict=False):
+        if rec is not SKIPPED and (key_hash(rec.key) < threshold) != val[starts[shard] + k]:
+            side, other = ("val", "train") if val[starts[shard] + k] else ("train", "val")
+            raise ShardFormatError(
+                f"{s.shards[shard].url}: sample {k} (key {rec.key!r}) is a {other} sample by "
+                f"its key, but its index's split hash put it in {side}: the index is damaged "
+                "or not this shard's; rebuild it (delete the .idx and run `shardkit index` on "
+                "the dataset, or re-pack the shard)"
+            )
+        yield rec
 
 
 def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:
