@@ -5,6 +5,7 @@ error naming the shard."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import struct
@@ -14,12 +15,13 @@ import lmdb
 import pytest
 from conftest import quiet, random_tree, without_index_sha256
 
-from shardkit import ShardDataset
+from shardkit import ShardDataset, ShardView
 from shardkit.errors import ShardFormatError
 from shardkit.formats.lmdb_index import INDEX_KEY, decode_lmdb_index, encode_lmdb_index
 from shardkit.formats.sample_index import _HEAD, decode_index, index_path, key_hashes
 from shardkit.manifest import read_manifest
 from shardkit.write.packer import pack
+from shardkit.write.writer import ShardWriter
 
 VAL = 0.2
 
@@ -147,3 +149,101 @@ def test_an_lmdb_key_table_that_is_not_the_shards_is_an_error_naming_it(lmdb_pac
         _split(out, split)
     message = str(err.value)
     assert "shard-000000.lmdb" in message and "split hash" in message and "\n" not in message
+
+
+# --- a lying index's member sizes and labels --------------------------------------------------
+
+
+@pytest.fixture
+def captioned(tmp_path):
+    out = tmp_path / "d"
+    with ShardWriter(str(out), shard_size="1MB", classes=["a", "b"]) as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"\xff\xd8" + bytes([i]) * 3000, i % 2, extra={"txt": b"c%d" % i})
+    return str(out)
+
+
+def _lie(out, change) -> None:
+    """The first shard's .idx with its members' labels or sizes changed by ``change(column,
+    copy)``, its trailing sha256 fixed and the manifest's index_sha256 dropped: an index that
+    checks out as a file but does not describe its shard."""
+    import numpy as np
+
+    (entry,) = read_manifest(out).shards
+    path = index_path(os.path.join(out, entry.path))
+    blob = open(path, "rb").read()
+    data = bytearray(blob)
+    m = decode_index(blob, path).members
+    base = np.frombuffer(blob, np.uint8).ctypes.data
+    for col in (m.labels, m.sizes):
+        fresh = col.copy()
+        change(fresh)
+        pos = col.ctypes.data - base  # the column's place in the file
+        data[pos : pos + col.nbytes] = fresh.tobytes()
+    data[-32:] = hashlib.sha256(bytes(data[:-32])).digest()
+    with open(path, "wb") as f:
+        f.write(data)
+    without_index_sha256(out)
+
+
+@pytest.mark.parametrize("delta", [-7, 600])
+def test_a_member_size_the_index_lies_about_is_not_believed(captioned, delta):
+    truth = ShardView(captioned).members(2, ["jpg"])
+    assert len(truth[0][1]) == 3002
+
+    def change(fresh):
+        if fresh.dtype.kind == "u":
+            fresh[2 * 3] = int(fresh[2 * 3]) + delta  # sample 2's jpg (jpg, cls, txt each)
+
+    _lie(captioned, change)
+    view = ShardView(captioned)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, summary = view.members(2, ["jpg"]), view.summary(2)
+    assert got == truth  # the shard's bytes, not 7 short nor the next header
+    assert summary.members == [("jpg", 3002), ("cls", 1), ("txt", 2)]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and all("shard-000000.tar.idx: sample 2" in m for m in said)
+    view.close()
+
+
+def test_a_label_the_index_lies_about_is_not_listed(captioned):
+    def change(fresh):
+        if fresh.dtype.kind == "i":
+            fresh[3] = 0  # sample 3 is labelled 1
+
+    _lie(captioned, change)
+    view = ShardView(captioned)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        labels = [view.summary(i).label for i in range(6)]
+    assert labels == [0, 1, 0, 1, 0, 1]  # the shard's labels
+    (said,) = [str(w.message) for w in caught]
+    assert "shard-000000.tar.idx: sample 3's label 0" in said
+    view.close()
+
+
+# --- descriptors of a view dropped without close() ----------------------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_views_dropped_without_close_leave_no_descriptors(tmp_path, fmt):
+    out = str(tmp_path / fmt)
+    src = random_tree(tmp_path / "src", 24)
+    quiet(pack, src, out, format=fmt, shard_size="4kB", progress=False)
+    shards = len(read_manifest(out).shards)
+    assert shards > 3
+    gc.collect()
+    before = _fds()
+    for _ in range(5):
+        view = ShardView(out, decode="raw")
+        for i in range(len(view)):
+            view[i]
+        assert _fds() >= before + shards  # the view holds its shards open
+        del view
+    assert _fds() == before
