@@ -85,9 +85,16 @@ def list_lines(
         yield f"{i}  {escape(s.key)}  label {_label(view, s.label)}  {sizes}"
 
 
-def resolve_sample(view: ShardView, key: str | None, position: int | None) -> int:
+def resolve_sample(
+    view: ShardView, key: str | None, position: int | None, literal: str | None = None
+) -> int:
     """The position ``show`` means: ``--index N``, ``#N`` (as ``ls`` prints it), or a key (one
-    lookup). A key that is itself ``#N`` is still found when no position is meant by it."""
+    lookup). ``literal`` (``--key``) is a key whatever it looks like: a key that is itself
+    ``#N`` is reached only that way, as ``#N`` always means the position."""
+    if literal is not None:
+        if key is not None or position is not None:
+            raise InputError("give one of KEY, --key KEY or --index N")
+        return view.index(literal)
     if position is not None:
         if key is not None:
             raise InputError("give a KEY or --index N, not both")

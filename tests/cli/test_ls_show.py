@@ -194,6 +194,25 @@ def test_show_takes_a_position_and_pretty_prints_json(tmp_path):
     assert res.exit_code != 0 and "--index N" in res.output
 
 
+def test_a_key_that_looks_like_a_position_is_shown_with_key(tmp_path):
+    from shardkit.write.writer import ShardWriter
+
+    out = tmp_path / "hashed"
+    with ShardWriter(str(out), shard_size="1MB") as w:
+        for i, key in enumerate(["a", "b", "c", "d", "#1"]):
+            w.add(key, "jpg", b"\xff\xd8" + bytes([i]) * 10, i)
+    literal = _cli("show", out, "--key", "#1")
+    assert literal.exit_code == 0, literal.output
+    key, index = literal.output.splitlines()[:2]
+    assert key == "key:    " + "#1" and index == "index:  4"
+    assert "key:    b" in _cli("show", out, "#1").output  # #N is the position, as documented
+    assert "key:    a" in _cli("show", out, "--key", "a").output
+    res = _cli("show", out, "b", "--key", "#1")
+    assert res.exit_code != 0 and "give one of KEY, --key KEY or --index N" in res.output
+    res = _cli("show", out, "--key", "#9")
+    assert res.exit_code != 0 and "'#9'" in res.output  # named, not read as position 9
+
+
 def test_info_shows_field_counts(tmp_path):
     out = _fielded(tmp_path)
     assert "fields:   json 6 (samples carrying each)" in _cli("info", out).output
