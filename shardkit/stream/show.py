@@ -63,9 +63,10 @@ def list_lines(
 ) -> Iterator[str]:
     """One line per sample in packed order (index, key, label (class), members with sizes),
     from ``offset``, at most ``limit``, only keys starting with ``prefix``; each line made as it
-    is needed, from the shard's sample index alone where it lists the members (else from the
-    sample's bytes). ``as_json``: one JSON object per line (``index``, ``key``, ``label``,
-    ``class``, ``members``: ``[[ext, bytes], ...]``)."""
+    is needed, from the shard's sample index where it lists the members, each member's header
+    checked against it (``ShardView.summary``; else from the sample's bytes). ``as_json``: one
+    JSON object per line (``index``, ``key``, ``label``, ``class``, ``members``:
+    ``[[ext, bytes], ...]``)."""
     shown = 0
     for i in range(offset, len(view)):
         if limit is not None and shown >= limit:
