@@ -222,11 +222,13 @@ class SampleIndex(KeyTable):
     members: Members | None = None
 
 
-def decode_index(data: bytes, where: str) -> SampleIndex:
-    """Parse and check an index file's bytes; ``SampleIndexError`` naming ``where`` if damaged."""
+def decode_index(data: bytes, where: str, trailer: bool = True) -> SampleIndex:
+    """Parse and check an index file's bytes; ``SampleIndexError`` naming ``where`` if damaged.
+    ``trailer=False``: the caller has checked the whole file's sha256 (the manifest's
+    ``index_sha256``), which covers the trailing one."""
     if len(data) < _HEAD.size + 8 + _TRAILER or data[:8] != MAGIC:
         raise _damaged(where, "not a shardkit sample index")
-    if hashlib.sha256(data[:-_TRAILER]).digest() != data[-_TRAILER:]:
+    if trailer and hashlib.sha256(memoryview(data)[:-_TRAILER]).digest() != data[-_TRAILER:]:
         raise _damaged(where, "its checksum does not match its contents")
     magic, version, _, n, size, sha, klen = _HEAD.unpack_from(data)
     if version not in READS:
@@ -312,14 +314,15 @@ def load_index(
     if data is None or not sha256:
         return None
     try:
-        index = decode_index(data, where)
+        listed = bool(index_sha256) and hashlib.sha256(data).hexdigest() == index_sha256
+        index = decode_index(data, where, trailer=not listed)
         if (index.samples, index.shard_bytes, index.sha256) != (samples, size, sha256):
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard: "
                 f"{index.samples} samples, {index.shard_bytes} bytes, where the manifest says "
                 f"{samples} and {size}); {_REBUILD}"
             )
-        if index_sha256 and hashlib.sha256(data).hexdigest() != index_sha256:
+        if index_sha256 and not listed:
             raise SampleIndexError(
                 f"{where}: stale sample index (its sha256 differs from the manifest's "
                 f"index_sha256); {_REBUILD}"

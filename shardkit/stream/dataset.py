@@ -340,10 +340,10 @@ class ShardDataset(IterableDataset):
             opts = src.storage_options
             by_keys = src.subset is not None and _is_keys(src.subset)
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
-            val_bits, refused = None, set()
+            val_bits, refused, unbound = None, set(), set()
             if src.split is not None:  # the indexes' hashes: no key read where they exist
                 if keys is None:
-                    hashes = split_hashes(shards, r.format, store, opts, refused)
+                    hashes = split_hashes(shards, r.format, store, opts, refused, unbound)
                 else:
                     hashes = None
                 hashes = key_hashes(keys) if hashes is None else hashes
@@ -356,6 +356,7 @@ class ShardDataset(IterableDataset):
             mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
             mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
             mixed_source.val_bits, mixed_source.unindexed = val_bits, frozenset(refused)
+            mixed_source.side_checked = frozenset(unbound)
             resolved.append(mixed_source)
             offset += size
         weights = [s.source.weight for s in resolved]

@@ -138,6 +138,7 @@ def split_hashes(
     storage: Storage,
     storage_options=None,
     refused: set[str] | None = None,
+    unbound: set[str] | None = None,
 ) -> np.ndarray:
     """The split hash of every sample, in stored order, never taken on trust: a tar index's
     hashes are used once the whole file's sha256 is the manifest's ``index_sha256``; else (an
@@ -146,13 +147,18 @@ def split_hashes(
     and a mismatch is a warning naming the shard, the keys' hashes used. A shard without an
     index has its keys read and hashed. ``refused`` gains the url of each shard whose index
     was not used as it stands (damaged, stale, or its hashes not its keys'): an epoch must not
-    read through it either."""
+    read through it either. ``unbound`` gains the url of each shard whose hashes came from an
+    index's key table that no checksum in the manifest ties to the shard (LMDB's record, a tar
+    index without ``index_sha256``): an epoch checks each sample it reads of those
+    (``mix.check_split``)."""
     parts = []
     try:
         for shard in shards:
             hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
             if hashes is None:
                 hashes = key_hashes(_keys_read(shard, fmt, storage))
+            elif unbound is not None and not (fmt == "tar" and shard.index_sha256 and trusted):
+                unbound.add(shard.url)
             if not trusted and refused is not None:
                 refused.add(shard.url)
             parts.append(hashes)
