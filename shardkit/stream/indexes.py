@@ -9,6 +9,7 @@ reads the shard as before.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -50,12 +51,16 @@ def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> Sample
     (or it is damaged or stale: a warning names it)."""
     if not shard.sha256 or not shard.url.endswith(".tar"):
         return None  # no manifest to check it against, a compressed tar, or LMDB
+    data = _index_bytes(shard, storage_options)
+    where = index_path(shard.url)
+    return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
+
+
+def _index_bytes(shard: ShardInfo, storage_options) -> bytes | None:
     where = index_path(shard.url)
     if is_url(shard.url):
-        data = remote_bytes(where, storage_options)
-    else:
-        data = read_local(where.removeprefix("file://"))
-    return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
+        return remote_bytes(where, storage_options)
+    return read_local(where.removeprefix("file://"))
 
 
 def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
@@ -171,14 +176,18 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     """``shard``'s split hashes from its index, checked (``split_hashes``), and whether the
     index holds them as they are; (None, False) where it has no usable index (a warning has
     named a damaged or stale one)."""
+    if fmt == "tar" and shard.index_sha256 and shard.sha256 and shard.url.endswith(".tar"):
+        data = _index_bytes(shard, storage_options)  # the packer's file: its head is enough
+        if data is not None and hashlib.sha256(data).hexdigest() == shard.index_sha256:
+            head, where = data[: columns_size(shard.samples)], index_path(shard.url)
+            cols = decode_columns(head, where, shard.samples, shard.bytes, shard.sha256)
+            return (None, False) if cols is None else (cols.hashes.astype(np.uint64), True)
     if fmt == "lmdb":
         index = lmdb_index(shard, storage)
     else:
         index = shard_index(shard, storage_options) if fmt == "tar" else None
     if index is None:
         return None, False
-    if fmt == "tar" and shard.index_sha256:  # load_index compared the file's sha256
-        return index.hashes.astype(np.uint64), True
     hashes = key_hashes(index.keys())
     trusted = bool(np.array_equal(hashes, index.hashes))
     if not trusted:
