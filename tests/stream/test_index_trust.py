@@ -85,6 +85,32 @@ def _both_sides(out) -> tuple[list[str], list[str], str]:
     return got_val, got_train, "\n".join(str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_a_tar_key_table_that_is_not_the_shards_is_an_error_naming_it(tar_pack, split):
+    """A val and a train key swapped in an .idx the manifest lists no sha256 of (its hashes
+    and trailing sha256 made to match): val is read as exact ranges, train streams; either
+    way a sample on the wrong side is an error naming the shard."""
+    from shardkit.formats.sample_index import encode_tally
+    from shardkit.formats.tar.tally import tally_tar
+
+    val, _ = _truth(tar_pack)
+    (entry,) = read_manifest(tar_pack).shards
+    shard = os.path.join(tar_pack, entry.path)
+    tally = tally_tar(shard, every=1, keys=True, members=True)
+    keys = tally.keys
+    a = next(i for i, k in enumerate(keys) if k in val)
+    b = next(i for i, k in enumerate(keys) if k not in val and len(k) == len(keys[a]))
+    keys[a], keys[b] = keys[b], keys[a]
+    with open(index_path(shard), "wb") as f:
+        f.write(encode_tally(tally, entry.bytes, entry.sha256))
+    without_index_sha256(tar_pack)
+    with pytest.raises(ShardFormatError) as err:
+        _split(tar_pack, split)
+    message = str(err.value)
+    assert "shard-000000.tar" in message and f"sample {b if split == 'val' else a}" in message
+    assert "\n" not in message
+
+
 @pytest.fixture
 def lmdb_pack(tmp_path):
     out = str(tmp_path / "lmdb")
