@@ -999,20 +999,26 @@ def ls_cmd(out, offset, limit, head, prefix, as_json) -> None:
     help="The sample at this position (as `ls` prints it) instead of KEY; KEY may also be #N.",
 )
 @click.option(
+    "--key",
+    "literal",
+    default=None,
+    help="The sample with exactly this key, even one that looks like #N (KEY's other reading).",
+)
+@click.option(
     "--to",
     "folder",
     type=click.Path(file_okay=False),
     default=None,
     help="Write the sample's members into this folder (KEY.EXT each) instead of printing.",
 )
-def show_cmd(out, key, position, folder) -> None:
+def show_cmd(out, key, position, literal, folder) -> None:
     """Print the sample KEY (or #N) of OUT: its fields, JSON pretty-printed, text escaped; or
-    write its members."""
+    write its members. A key that looks like #N is given with --key."""
     from .stream.show import escape, resolve_sample, show_lines, write_members
     from .stream.view import ShardView
 
     view = ShardView(out, decode="raw")
-    i = resolve_sample(view, key, position)
+    i = resolve_sample(view, key, position, literal)
     if folder is None:
         for line in show_lines(view, i):
             click.echo(line)

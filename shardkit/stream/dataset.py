@@ -38,7 +38,7 @@ from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
 from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_hashes, split_positions
+from .indexes import all_keys, split_hashes, split_positions, val_mask
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -342,16 +342,23 @@ class ShardDataset(IterableDataset):
             opts = src.storage_options
             by_keys = src.subset is not None and _is_keys(src.subset)
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
+            val_bits, refused, unbound = None, set(), set()
             if src.split is not None:  # the indexes' hashes: no key read where they exist
-                hashes = split_hashes(shards, r.format, store, opts) if keys is None else None
+                if keys is None:
+                    hashes = split_hashes(shards, r.format, store, opts, refused, unbound)
+                else:
+                    hashes = None
                 hashes = key_hashes(keys) if hashes is None else hashes
                 members = split_positions(hashes, src.split, src.val_fraction)
+                val_bits = np.packbits(val_mask(hashes, src.val_fraction))
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
             classes = tuple(r.classes) if r.classes else None
             mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
             mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
+            mixed_source.val_bits, mixed_source.unindexed = val_bits, frozenset(refused)
+            mixed_source.side_checked = frozenset(unbound)
             resolved.append(mixed_source)
             offset += size
         weights = [s.source.weight for s in resolved]

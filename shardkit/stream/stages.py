@@ -170,13 +170,15 @@ def read_slices(
     fields: Sequence[str] = (),
     unchanged: Callable[[], None] | None = None,
     keep: np.ndarray | None = None,
+    unindexed: frozenset[str] = frozenset(),
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
     splits, mixtures): where a shard has a sample index and a slice wants less than half of its
     samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
-    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams.
+    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams, as do the shards
+    in ``unindexed`` (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -195,7 +197,7 @@ def read_slices(
     """
     from .ranges import RangeReader
 
-    exact = RangeReader(getattr(fmt, "name", ""), storage)
+    exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
     cuts = np.cumsum([0, *(len(sl) for sl in slices)])
     masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
