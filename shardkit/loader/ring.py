@@ -142,12 +142,6 @@ def forget_inherited(keep: set[int]) -> None:
             pass
 
 
-class _Loan:
-    """The token a lent batch's storage refers to: one per batch handed out."""
-
-    __slots__ = ("__weakref__",)
-
-
 class _Slot:
     """One slot as the training process sees it: its mapped memory and the current loan."""
 
