@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
+from ..images.crops import BOX_FORMATS
 from ..images.decode import DEFAULT_MAX_PIXELS, check_pixels
-from ..images.geometry import BOX_FORMATS, crop_boxes, crop_mask
 from ..records import Record
 
 __all__ = [
@@ -155,6 +155,8 @@ def sample_geometry(
     there is nothing to move. ``decoder`` is the dataset's ``TensorDecoder`` with a geometry:
     the crop box is re-read from the image header (microseconds), so the image's own fused
     region decode runs untouched."""
+    from ..images.geometry import crop_boxes, crop_mask  # torch: only a tensor decode moves fields
+
     masks = [i for i, d in enumerate(decoders) if d is decode_field_image]
     at = None
     if boxes is not None:
