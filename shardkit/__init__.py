@@ -1,7 +1,9 @@
 """shardkit: pack folders of small images into sequential shards and stream them into PyTorch.
 
-``pack`` and the format/manifest helpers import without torch; ``ShardDataset`` and
-``FolderDataset`` load torch on first use, so ``shardkit info`` and friends start fast.
+The errors and the manifest's types are imported here; every other name (``pack``,
+``ShardWriter``, ``ShardDataset`` ...) on first use. ``pack`` and ``ShardView`` import without
+torch; ``ShardDataset`` and ``FolderDataset`` load it, so ``shardkit ls``, ``show``, ``info`` and
+``verify`` start fast.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from .errors import (
 )
 from .manifest import Manifest, ShardEntry, read_manifest
 from .records import Record
-from .write.packer import PackReport, pack
-from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
     from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
     from .stream.view import ShardView
+    from .write.packer import PackReport, pack
+    from .write.writer import ShardWriter
 
 __all__ = [
     "Boxes",
@@ -65,6 +67,9 @@ _LAZY = {
     "RandomResizedCrop": "images.crops",
     "ShardView": "stream.view",
     "ShardLoader": "loader",
+    "pack": "write.packer",
+    "PackReport": "write.packer",
+    "ShardWriter": "write.writer",
 }
 
 

@@ -595,7 +595,8 @@ def echo_warnings(caught) -> None:
 )
 def pack_task_cmd(plan, index, threads) -> None:
     """Run task I of a plan written by `shardkit pack --plan-only PLAN` (safe to re-run)."""
-    from .write.plan import load_task, run_task
+    from .write.plan import load_task
+    from .write.task import run_task
 
     task, total = load_task(plan, index)
     receipts = run_task(task, threads)

@@ -365,10 +365,6 @@ def write_index_file(shard_path: str, data: bytes) -> str:
     return path
 
 
-def exists_for(shard_path: str) -> bool:
-    return os.path.isfile(index_path(shard_path))
-
-
 def ensure_indexes(directory: str, entries: list) -> list:
     """Give every tar shard of ``entries`` (``ShardEntry``) in ``directory`` a valid index
     beside it, building what is missing or wrong from the shard's headers (a resumed pack's

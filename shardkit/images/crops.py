@@ -31,6 +31,7 @@ from ..errors import InputError, TransformError, check_choice
 from .decode import DEFAULT_MAX_PIXELS
 
 __all__ = [
+    "BOX_FORMATS",
     "INTERPOLATIONS",
     "CenterCrop",
     "CropError",
@@ -41,6 +42,10 @@ __all__ = [
     "policy_box",
     "random_resized_crop_box",
 ]
+
+#: Box layouts in pixels: corners, or COCO's (x, y, width, height). Here, beside the crops
+#: and without torch, so ``Boxes`` checks its format in the torch-free field module.
+BOX_FORMATS = ("xyxy", "xywh")
 
 #: Resize filters, antialiased when shrinking (torch's and PIL's: bicubic with a = -0.5).
 INTERPOLATIONS = ("bilinear", "bicubic")

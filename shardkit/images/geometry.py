@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError, check_choice
 from .crops import (
+    BOX_FORMATS,
     CenterCrop,
     RandomResizedCrop,
     center_crop_box,
@@ -333,10 +334,6 @@ def crop_mask(mask: torch.Tensor, box: CropBox, size: int) -> torch.Tensor:
     if box.flip:
         cols = cols[::-1]  # mirror the output, as the image's resize-then-flip does
     return torch.from_numpy(np.ascontiguousarray(mask.numpy()[:, rows][:, :, cols]))
-
-
-#: Box layouts in pixels: corners, or COCO's (x, y, width, height).
-BOX_FORMATS = ("xyxy", "xywh")
 
 
 def crop_boxes(

@@ -166,12 +166,6 @@ def _ring_files() -> dict[int, int]:
     return found
 
 
-class _Loan:
-    """The token a lent batch's storage refers to: one per batch handed out."""
-
-    __slots__ = ("__weakref__",)
-
-
 class _Slot:
     """One slot as the training process sees it: its mapped memory and the current loan."""
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
+from ..images.crops import BOX_FORMATS
 from ..images.decode import DEFAULT_MAX_PIXELS, check_pixels
-from ..images.geometry import BOX_FORMATS, crop_boxes, crop_mask
 from ..records import Record
 
 __all__ = [
@@ -157,6 +157,8 @@ def sample_geometry(
     and here alike, so a crop policy whose answer changes between calls still cuts image,
     masks and boxes at one box. ``decoder`` is the dataset's ``TensorDecoder`` with a
     geometry."""
+    from ..images.geometry import crop_boxes, crop_mask  # torch: only a tensor decode moves fields
+
     masks = [i for i, d in enumerate(decoders) if d is decode_field_image]
     at = None
     if boxes is not None:

@@ -16,7 +16,10 @@
   asked for.
 
 Usable with ``DataLoader`` and ``DistributedSampler``: a view pickles without open files and
-opens its shards again in each worker process.
+opens its shards again in each worker process. It is a map-style dataset by protocol
+(``__len__``, ``__getitem__``), not a subclass of torch's ``Dataset``: this module imports no
+torch, so ``shardkit ls`` and ``show`` answer from the index without loading it (``view + other``
+still gives torch's ``ConcatDataset``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from ..errors import InputError, ShardFormatError, StorageError, check_choice
 from ..formats.lmdb import LmdbSampleReader, file_stamp
@@ -55,7 +57,7 @@ __all__ = ["SampleSummary", "ShardView"]
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
 
-class ShardView(Dataset):
+class ShardView:
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
     ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``,
@@ -408,6 +410,12 @@ class ShardView(Dataset):
         state = dict(self.__dict__)
         state["_open"] = {}
         return state
+
+    def __add__(self, other):
+        """``view + other``: torch's ``ConcatDataset`` of both, as a torch ``Dataset`` gives."""
+        from torch.utils.data import ConcatDataset
+
+        return ConcatDataset([self, other])
 
     def __repr__(self) -> str:
         return f"ShardView({len(self.shards)} {self.format} shards, {len(self)} samples)"

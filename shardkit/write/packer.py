@@ -1,6 +1,7 @@
 """``shardkit pack``: images (a class-per-folder tree, or Python samples) into shards + manifest.
 
-A folder is packed in three steps (``shardkit.write.plan``), on one machine or on an engine:
+A folder is packed in three steps (``shardkit.write.plan``, ``task``, ``commit``), on one machine
+or on an engine:
 
     plan: scan SRC (shardkit.scan), shuffle once (numpy permutation of the sorted list), and fix
           every shard's samples and name from file sizes
@@ -39,18 +40,9 @@ from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
+from .commit import check_cluster_lock, commit_pack
 from .keys import dataset_keys
-from .plan import (
-    APPENDED_FIELD,
-    PackPlan,
-    ShardReceipt,
-    ShardTask,
-    check_cluster_lock,
-    commit_pack,
-    plan_pack,
-    run_task,
-    save_tasks,
-)
+from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack, save_tasks
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -64,6 +56,7 @@ from .read import (
     source_stats,
     stat_pair,
 )
+from .task import run_task
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Reading a source for a pack: each file in one read, checked (and maybe resized), on threads.
 
-Shared by ``packer`` (Python sample sources) and ``plan`` (folder shard tasks, on any engine),
-with the options and source fingerprint that decide a pack's bytes.
+Shared by ``packer`` (Python sample sources), ``plan`` (the fingerprint, file sizes) and
+``task`` (folder shard tasks, on any engine), with the options and source fingerprint that
+decide a pack's bytes.
 """
 
 from __future__ import annotations

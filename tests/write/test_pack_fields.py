@@ -224,7 +224,9 @@ def test_absolute_image_paths_pack_under_root_slash(tmp_path):
 @pytest.mark.parametrize("fmt, size", [("tar", "16kB"), ("lmdb", "80kB")])
 def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt, size):
     from shardkit.fsutil import DirLock
-    from shardkit.write.plan import ShardTask, commit_pack, plan_pack, run_task
+    from shardkit.write.commit import commit_pack
+    from shardkit.write.plan import ShardTask, plan_pack
+    from shardkit.write.task import run_task
 
     src = _captioned(tmp_path / "src", n=6)
     ref = str(tmp_path / "ref")
