@@ -93,6 +93,11 @@ FAST_DCT_DIFFERENCE = 24
 #: above any camera photo in a training set; ``ShardDataset(max_pixels=)`` moves it.
 DEFAULT_MAX_PIXELS = 100_000_000
 
+#: What a stored image becomes: an RGB PIL image, a uint8 CHW RGB tensor, or the stored bytes.
+DECODE_MODES = ("pil", "tensor", "raw")
+#: JPEG inverse DCTs: libjpeg-turbo's accurate one (the default), or its fast integer one.
+DCT_MODES = ("accurate", "fast")
+
 
 class ImageTooLarge(ValueError):
     """The header declares more pixels than the limit (a decompression bomb, or a huge scan)."""
