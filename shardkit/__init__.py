@@ -24,18 +24,22 @@ from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
     from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
+    from .images.geometry import Decode
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
+    from .stream.shuffle import Order
     from .stream.view import ShardView
 
 __all__ = [
     "Boxes",
     "CenterCrop",
+    "Decode",
     "FolderDataset",
     "InputError",
     "Manifest",
     "ManifestError",
+    "Order",
     "OutputError",
     "PackReport",
     "RandomCrop",
@@ -60,6 +64,8 @@ _LAZY = {
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
     "Boxes": "stream.fields",
+    "Decode": "images.geometry",
+    "Order": "stream.shuffle",
     "CenterCrop": "images.crops",
     "RandomCrop": "images.crops",
     "RandomResizedCrop": "images.crops",
