@@ -19,7 +19,7 @@ from .errors import (
 )
 from .manifest import Manifest, ShardEntry, read_manifest
 from .records import Record
-from .write.packer import PackReport, pack
+from .write.packer import PackOptions, PackReport, pack
 from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ __all__ = [
     "ManifestError",
     "Order",
     "OutputError",
+    "PackOptions",
     "PackReport",
     "RandomCrop",
     "RandomResizedCrop",
