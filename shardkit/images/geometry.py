@@ -1,6 +1,6 @@
 """Fixed-size images in one pass: crop box, DCT-scaled decode, antialiased uint8 resize, flip.
 
-``ShardDataset(decode="tensor", size=224, crop=..., flip=...)`` and ``ShardLoader`` both decode
+``ShardDataset(decode=Decode(crop=..., flip=...))`` and ``ShardLoader`` both decode
 through ``TensorDecoder``, so a sample gets the same pixels through either.
 
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any

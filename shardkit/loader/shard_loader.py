@@ -81,7 +81,7 @@ class ShardLoader:
 
     ::
 
-        ds = ShardDataset("shards/", decode="tensor", size=224, crop="random", flip=True)
+        ds = ShardDataset("shards/", decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loader = ShardLoader(ds, batch_size=256, device="cuda",
                              normalize=((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
         for epoch in range(90):

@@ -99,7 +99,7 @@ class FolderDataset(Dataset):
         return len(self.targets)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch of ``crop="random"``'s draws (a pure function of seed, epoch and path)."""
+        """The epoch of a random crop's draws (a pure function of seed, epoch and path)."""
         self.epoch = int(epoch)
 
     def relpath(self, index: int) -> str:
