@@ -412,6 +412,9 @@ class ShardDataset(IterableDataset):
         """The fixed-size output of ``decode`` (None: each image keeps its size)."""
         return self.decode.geometry
 
+    # The flat attributes of before the groups, read from them: the stages inside this module
+    # use them, and user code reading ``ds.shuffle`` keeps working.
+
     @property
     def shuffle(self) -> bool:
         return self.order.shuffle
