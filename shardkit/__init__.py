@@ -24,21 +24,26 @@ from .records import Record
 
 if TYPE_CHECKING:
     from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
+    from .images.geometry import Decode
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
+    from .stream.shuffle import Order
     from .stream.view import ShardView
-    from .write.packer import PackReport, pack
+    from .write.packer import PackOptions, PackReport, pack
     from .write.writer import ShardWriter
 
 __all__ = [
     "Boxes",
     "CenterCrop",
+    "Decode",
     "FolderDataset",
     "InputError",
     "Manifest",
     "ManifestError",
+    "Order",
     "OutputError",
+    "PackOptions",
     "PackReport",
     "RandomCrop",
     "RandomResizedCrop",
@@ -62,12 +67,15 @@ _LAZY = {
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
     "Boxes": "stream.fields",
+    "Decode": "images.geometry",
+    "Order": "stream.shuffle",
     "CenterCrop": "images.crops",
     "RandomCrop": "images.crops",
     "RandomResizedCrop": "images.crops",
     "ShardView": "stream.view",
     "ShardLoader": "loader",
     "pack": "write.packer",
+    "PackOptions": "write.packer",
     "PackReport": "write.packer",
     "ShardWriter": "write.writer",
 }

@@ -1,6 +1,6 @@
 """Fixed-size images in one pass: crop box, DCT-scaled decode, antialiased uint8 resize, flip.
 
-``ShardDataset(decode="tensor", size=224, crop=..., flip=...)`` and ``ShardLoader`` both decode
+``ShardDataset(decode=Decode(crop=..., flip=...))`` and ``ShardLoader`` both decode
 through ``TensorDecoder``, so a sample gets the same pixels through either.
 
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any
@@ -38,6 +38,8 @@ from .crops import (
     random_resized_crop_box,
 )
 from .decode import (
+    DCT_MODES,
+    DECODE_MODES,
     DEFAULT_MAX_PIXELS,
     BufferShapeError,
     check_pixels,
@@ -53,6 +55,7 @@ from .decode import (
 __all__ = [
     "CROP_MODES",
     "CropBox",
+    "Decode",
     "Geometry",
     "TensorDecoder",
     "BOX_FORMATS",
@@ -126,6 +129,88 @@ class Geometry:
                 f"over max_pixels={max_pixels}: give a smaller size (or crop=) or a larger "
                 "max_pixels="
             )
+
+
+@dataclass(frozen=True)
+class Decode:
+    """What a stored image becomes, as one value every reader takes (``ShardDataset``,
+    ``ShardLoader``, ``ShardView``, ``FolderDataset``, ``shardkit bench``), checked once here.
+
+    ``mode``: "tensor" (uint8 CHW RGB), "pil" (RGB PIL image, for PIL transforms) or "raw" (the
+    stored bytes). ``crop`` (mode "tensor"): a crop object (``shardkit.RandomResizedCrop(224)``,
+    ``CenterCrop(224, resize_short=256)``, ``RandomCrop``, or any object with ``size`` and
+    ``box(height, width, uniforms)``): fixed-size output, only the crop decoded. ``flip``: mirror
+    half the crops. ``max_pixels``: an image whose header declares more pixels is undecodable
+    (None: no limit). ``dct="fast"``: libjpeg-turbo's fast integer IDCT for JPEGs (see
+    docs/loader.md). A plain string ``"tensor"`` stands for ``Decode("tensor")``.
+    """
+
+    mode: str = "tensor"
+    crop: object | None = None
+    flip: bool = False
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
+    dct: str = "accurate"
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, DECODE_MODES)
+        check_choice("dct", self.dct, DCT_MODES)
+        m = self.max_pixels
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise InputError(f"max_pixels={m!r} must be an int >= 1, or None (no limit)")
+        if not isinstance(self.flip, (bool, np.bool_)):
+            raise InputError(f"flip={self.flip!r} must be True or False")
+        object.__setattr__(self, "flip", bool(self.flip))
+        if self.crop is None:
+            if self.flip:
+                raise InputError(
+                    "Decode(flip=True) mirrors crops: give crop= too (e.g. "
+                    "crop=shardkit.RandomResizedCrop(224))"
+                )
+            return
+        if isinstance(self.crop, str):
+            raise InputError(
+                f"Decode(crop={self.crop!r}) takes a crop object: "
+                "shardkit.RandomResizedCrop(size) or CenterCrop(size, resize_short=size)"
+            )
+        if self.mode != "tensor":
+            raise InputError(f'Decode(crop=...) needs mode="tensor" (got mode={self.mode!r})')
+        check_crop(self.crop)
+        self.geometry.check_output(self.max_pixels)
+
+    def __repr__(self) -> str:  # what differs from the defaults: a spelling to copy
+        parts = [repr(self.mode)] + [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in (("crop", None), ("flip", False),
+                                  ("max_pixels", DEFAULT_MAX_PIXELS), ("dct", "accurate"))
+            if getattr(self, name) != default
+        ]  # fmt: skip
+        return f"Decode({', '.join(parts)})"
+
+    @classmethod
+    def of(cls, value: Decode | str) -> Decode:
+        """``value`` as a ``Decode``: a mode string is ``Decode(mode)``."""
+        if isinstance(value, Decode):
+            return value
+        if not isinstance(value, str):
+            raise InputError(f'decode={value!r}: give "tensor", "pil", "raw" or a shardkit.Decode')
+        check_choice("decode", value, DECODE_MODES)
+        return cls(value)
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The fixed-size output ``TensorDecoder`` makes, None without a crop."""
+        if self.crop is None:
+            return None
+        return Geometry(None, self.crop, self.flip)
+
+    @property
+    def size(self) -> int | None:
+        """The output side in pixels, None without a crop (each image keeps its size)."""
+        return None if self.crop is None else int(self.crop.size)
+
+    def decoder(self, seed: int = 0, epoch: int = 0, rank: int = 0) -> TensorDecoder:
+        """Bytes -> uint8 CHW tensor for this decode, bound to (seed, epoch, rank)."""
+        return TensorDecoder(self.geometry, seed, epoch, rank, self.max_pixels, self.dct == "fast")
 
 
 # --- randomness -------------------------------------------------------------------------------

@@ -188,13 +188,13 @@ class Epoch:
     """The consumer side of one iteration over ``loader``'s workers."""
 
     def __init__(self, loader, workers, ring, ahead: int):
-        ds = loader.dataset
+        ds = loader.seam
         self.loader, self.workers, self.ring = loader, workers, ring
         self.ahead = ahead
         self.n = max(1, loader.num_workers)
-        self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
+        self.epoch = ds.start_epoch(World(ds.rank, ds.world_size, 0, 1))
         resumes = [
-            ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
+            ds.take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
             for w in range(self.n)
         ]
         self.gen, fill_ahead = self._generations(resumes)
@@ -379,7 +379,7 @@ class Epoch:
         if self.nhwc:
             images = images.permute(0, 3, 1, 2)
         labels = torch.tensor(msg.labels, dtype=torch.int64)
-        tt = self.loader.dataset.target_transform
+        tt = self.loader.seam.target_transform
         if tt is not None:
             labels = torch.utils.data.default_collate([tt(int(v)) for v in msg.labels])
         device, ready, copied = self.loader.device, None, None
@@ -477,7 +477,7 @@ class Epoch:
             return (images, labels, *(extra[e] for e in loader.extras))
         out = {"image": images, "label": labels}
         out.update((e, extra[e]) for e in loader.extras)
-        names = loader.dataset.fields + (BOX_COLUMNS if loader.dataset.boxes is not None else ())
+        names = loader.seam.fields + (BOX_COLUMNS if loader.seam.boxes is not None else ())
         for name, value in zip(names, fields, strict=True):
             if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
                 value = self._on_device(torch.from_numpy(value))
@@ -495,7 +495,7 @@ class Epoch:
         sample's crop region, then the batch resized, flipped and normalised in a few kernels
         there. What the device declines whole is decoded by the CPU decoder with the same box;
         what neither can decode is an error naming shard and key, or a counted skip."""
-        loader, ds = self.loader, self.loader.dataset
+        loader, ds = self.loader, self.loader.seam
         arr = self.ring.array(msg.worker, msg.slot, (msg.capacity,))
         offsets = msg.offsets
         bufs = [arr[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
@@ -508,7 +508,7 @@ class Epoch:
             self._lanes.put(lane)
 
     def _decode_batch(self, msg: Batch, bufs, size, target, decoder, stream):
-        loader, ds = self.loader, self.loader.dataset
+        loader, ds = self.loader, self.loader.seam
         ctx = torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
         timed = self.balance is not None
         with ctx:
@@ -597,7 +597,7 @@ class Epoch:
         scale = shift = None
         if self.loader.normalize is not None:
             scale, shift = self.scale, self.shift
-        how = self.loader.dataset.geometry.interpolation
+        how = self.loader.seam.geometry.interpolation
         on_device = [j for j, p in enumerate(pixels) if not isinstance(p, torch.Tensor)]
         crops = [pixels[j] for j in on_device]
         for group in groups(crops):
@@ -644,7 +644,7 @@ class Epoch:
     def _decode_on_cpu(self, buf, msg: Batch, i: int) -> torch.Tensor | None:
         """Sample ``i`` through the CPU path's decoder: its finished (3, S, S) uint8 image (a
         full-size one without ``size``), or None when skipped under ``on_error="skip"``."""
-        ds = self.loader.dataset
+        ds = self.loader.seam
         if self._cpu is None:
             self._cpu = ds.tensor_decoder(self.epoch)
         key = msg.keys[i]
@@ -657,7 +657,7 @@ class Epoch:
             if ds.on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=5)
-            ds._skip_counter(0)()
+            ds.skip_counter(0)()
             return None
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:

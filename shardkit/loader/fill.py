@@ -59,10 +59,12 @@ class Filler:
     """Worker ``worker``'s batches of ``dataset`` decoded into ``slots``."""
 
     def __init__(self, dataset, spec: FillSpec, worker: int, slots: MappedSlots):
-        self.ds, self.spec, self.worker, self.slots = dataset, spec, worker, slots
+        #: the dataset's options and epoch calls, through its one door (``DatasetSeam``)
+        self.ds = ds = dataset.seam()
+        self.spec, self.worker, self.slots = spec, worker, slots
         self.hw: tuple[int, int] | None = None
-        if dataset.geometry is not None:
-            self.hw = (dataset.geometry.size, dataset.geometry.size)
+        if ds.geometry is not None:
+            self.hw = (ds.geometry.size, ds.geometry.size)
         self._targets: dict[int, tuple[np.ndarray, list]] = {}
         self._capacity = 0  # encoded slots: bytes each one maps (grown for a larger batch)
         # decode_on="auto": the fraction of batches decoded here (set by the loader from both
@@ -76,7 +78,7 @@ class Filler:
         ``Abandon``). The slot of a yielded batch is the consumer's until it is given back."""
         ds, spec, bs = self.ds, self.spec, self.spec.batch_size
         world = World(ds.rank, ds.world_size, self.worker, spec.num_workers)
-        resume = EpochState.from_dict(start.resume, ds._facts) if start.resume else None
+        resume = EpochState.from_dict(start.resume, ds.facts) if start.resume else None
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
         self._epoch = start.epoch
@@ -298,7 +300,7 @@ class Filler:
         image's size."""
         if not names:
             return ()
-        extra = decoded_fields(rec, names, decoders, self.ds.max_pixels)
+        extra = decoded_fields(rec, names, decoders, self.ds.decode.max_pixels)
         if self._moved is not None:
             return self._moved(rec, extra, box)
         height, width = image_size(rec.data) if masks else (0, 0)
@@ -338,7 +340,9 @@ class Filler:
         taken, boxes, notes = [], [], []
         for rec in records:
             try:
-                extra = decoded_fields(rec, names, decoders, self.ds.max_pixels) if names else ()
+                extra = (
+                    decoded_fields(rec, names, decoders, self.ds.decode.max_pixels) if names else ()
+                )
                 box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
             except Exception as exc:
                 self._bad(rec, exc, notes)
@@ -404,7 +408,7 @@ class Filler:
     def count_skips(self, batch: Batch) -> None:
         """``batch`` is handed over: its skipped samples (one note each) count in ``ds.skipped``."""
         if batch.notes:
-            skipped = self.ds._skip_counter(self.worker)
+            skipped = self.ds.skip_counter(self.worker)
             for _ in batch.notes:
                 skipped()
 

@@ -44,7 +44,7 @@ OVERLAP_EPOCHS = True
 #: What the workers, their slots and the batches' layout are built from: fixed once the loader
 #: is (a changed one would meet workers filling for the old one: wrong pixels, lost samples).
 _FIXED = frozenset(
-    {"dataset", "batch_size", "num_workers", "drop_last", "device", "normalize",
+    {"dataset", "seam", "batch_size", "num_workers", "drop_last", "device", "normalize",
      "channels_last", "extras", "with_keys", "prefetch_factor", "start_method", "decode_on"}
 )  # fmt: skip
 
@@ -81,7 +81,7 @@ class ShardLoader:
 
     ::
 
-        ds = ShardDataset("shards/", decode="tensor", size=224, crop="random", flip=True)
+        ds = ShardDataset("shards/", decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loader = ShardLoader(ds, batch_size=256, device="cuda",
                              normalize=((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
         for epoch in range(90):
@@ -143,6 +143,7 @@ class ShardLoader:
         collate: Callable[[dict], Any] | None = None,
     ):
         _check_dataset(dataset)
+        seam = dataset.seam()  # the dataset's options, read whole through its one door
         _check_int("batch_size", batch_size, 1)
         num_workers = default_workers() if num_workers is None else num_workers
         _check_int("num_workers", num_workers, 0)
@@ -151,9 +152,9 @@ class ShardLoader:
             if not isinstance(flag, bool):
                 raise InputError(f"{name} must be True or False, got {flag!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
-        _check_masks(dataset, decode_on)
-        _check_sample_extras(dataset, decode_on)
-        if decode_on != "workers" and dataset.transform is not None:
+        _check_masks(seam, decode_on)
+        _check_sample_extras(seam, decode_on)
+        if decode_on != "workers" and seam.transform is not None:
             raise InputError(
                 f"decode_on={decode_on!r} decodes in the training process, after the workers: "
                 "a per-sample transform= has no pixels to run on there; apply it to the batch"
@@ -169,12 +170,13 @@ class ShardLoader:
         ):
             raise InputError(f"timeout must be seconds >= 0 (0: wait forever), got {timeout!r}")
         self.dataset = dataset
+        self.seam = seam
         self.batch_size = batch_size
         self.num_workers = int(num_workers)
         self.drop_last = bool(drop_last)
         self.device = torch.device(device) if device is not None else None
         self.channels_last = bool(channels_last)
-        self.extras = dataset.extras if with_keys is None else extras_of(with_keys)
+        self.extras = seam.extras if with_keys is None else extras_of(with_keys)
         self.with_keys = "key" in self.extras
         self.prefetch_factor = int(prefetch_factor)
         self.start_method = start_method
@@ -411,16 +413,16 @@ def _check_int(name: str, value, least: int) -> None:
 def _check_dataset(dataset) -> None:
     if not isinstance(dataset, ShardDataset):
         raise InputError(f"dataset must be a ShardDataset, got {type(dataset).__name__}")
-    if dataset.decode != "tensor":
+    if dataset.decode.mode != "tensor":
         raise InputError(
-            f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" '
-            f"(got decode={dataset.decode!r})"
+            f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" or '
+            f"a shardkit.Decode() (got decode={dataset.decode.mode!r})"
         )
 
 
-def _check_sample_extras(dataset, decode_on: str) -> None:
+def _check_sample_extras(seam, decode_on: str) -> None:
     """``sample_transform`` takes the decoded sample, which only the workers have."""
-    if getattr(dataset, "sample_transform", None) is not None and decode_on != "workers":
+    if seam.sample_transform is not None and decode_on != "workers":
         raise InputError(
             f"sample_transform= runs on each decoded sample in the workers: it needs "
             f'decode_on="workers" (got decode_on={decode_on!r}); decode_on="device" decodes '
@@ -428,14 +430,14 @@ def _check_sample_extras(dataset, decode_on: str) -> None:
         )
 
 
-def _check_masks(dataset, decode_on: str) -> None:
-    for name, decode in zip(dataset.fields, dataset.field_decoders or (), strict=False):
+def _check_masks(seam, decode_on: str) -> None:
+    for name, decode in zip(seam.fields, seam.field_decoders or (), strict=False):
         if decode is decode_field_image and decode_on != "workers":
             raise InputError(
                 f"fields=: {name!r} is image-shaped (a mask): it is cut with its image in the "
                 f'workers, so it needs decode_on="workers" (got {decode_on!r})'
             )
-    if getattr(dataset, "boxes", None) is not None and decode_on != "workers":
+    if seam.boxes is not None and decode_on != "workers":
         raise InputError(
             f'boxes= are moved with their image in the workers: use decode_on="workers" (got '
             f"{decode_on!r})"

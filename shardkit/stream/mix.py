@@ -87,7 +87,10 @@ class Source:
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
     "val", by a hash of each key alone (``split_members``): the same for every seed, after a
     re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val".
-    ``storage_options``: fsspec options for URLs.
+    ``storage_options``: fsspec options for URLs. ``fields``: the dataset's ``fields=`` this
+    source carries (None: all of them, a sample lacking one is an error); one it leaves out is
+    None in its samples, through ``ShardLoader`` too: a captioned set mixes with a classification
+    set (``Source("cls/", fields=())`` beside ``Source("clip/")`` under ``fields=("txt",)``).
     """
 
     path: str | os.PathLike | Sequence[str | os.PathLike]
@@ -96,8 +99,16 @@ class Source:
     split: str | None = None
     val_fraction: float = 0.1
     storage_options: dict | None = None
+    fields: Sequence[str] | None = None
 
     def __post_init__(self):
+        f = self.fields
+        if f is not None:
+            if isinstance(f, str) or not all(isinstance(n, str) for n in f):
+                raise InputError(
+                    f"{self.name}: fields={f!r}: give a list of field names (or None: all)"
+                )
+            object.__setattr__(self, "fields", tuple(n.lower() for n in f))
         # Numbers are stored as Python floats: numpy scalars (np.float32 ...) are numbers too,
         # and the checkpoint facts are JSON.
         w = self.weight
@@ -389,13 +400,17 @@ def mix_records(
     for s, p in zip(sources, plan.sources, strict=True):
         path, identity = s.manifest
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
+        have = s.source.fields
+        mine = [f for f in fields if have is None or f.lower() in have]
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=fields, unchanged=unchanged, keep=p.arrangement.keep,
+            fields=mine, unchanged=unchanged, keep=p.arrangement.keep,
             unindexed=s.unindexed,
         )  # fmt: skip
         if s.val_bits is not None and s.side_checked:
             recs = check_split(recs, p.slices, s, p.arrangement.keep)
+        if len(mine) < len(fields):
+            recs = _without(recs, [f.lower() for f in fields if f not in mine])
         if s.classes:
             recs = check_labels(recs, len(s.classes))
         if s.labels is not None:
@@ -465,6 +480,15 @@ def _wrong_side(url: str, k: int, key: str, val: int) -> ShardFormatError:
         f"split hash put it in {side}: the index is damaged or not this shard's; rebuild it "
         "(delete the .idx and run `shardkit index` on the dataset, or re-pack the shard)"
     )
+
+
+def _without(records: Iterable[Record], absent: list[str]) -> Iterator[Record]:
+    """The records of a source that carries none of ``absent``: those fields are None (a
+    declared absence, decoded as None; a field merely missing from a sample is an error)."""
+    none = dict.fromkeys(absent)
+    for rec in records:
+        rec.fields = {**(rec.fields or {}), **none}
+        yield rec
 
 
 def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:

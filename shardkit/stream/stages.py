@@ -24,10 +24,11 @@ from ..errors import (
     check_choice,
 )
 from ..images.crops import CropError
-from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
+from ..images.decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .fields import decode_field_image
+from .shuffle import EQUALIZE_MODES
 from .storage import Storage
 
 __all__ = [
@@ -51,11 +52,7 @@ __all__ = [
     "decoded_fields",
 ]
 
-EQUALIZE_MODES = ("pad", "drop", "none")
-DECODE_MODES = ("pil", "tensor", "raw")
 ON_ERROR_MODES = ("raise", "skip")
-#: JPEG inverse DCTs: libjpeg-turbo's accurate one (the default), or its fast integer one.
-DCT_MODES = ("accurate", "fast")
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -440,6 +437,9 @@ def decoded_fields(
     out = []
     for name, decode in zip(names, decoders, strict=True):
         data = have.get(name)
+        if data is None and name in have:  # its Source carries no such field: None
+            out.append(None)
+            continue
         if data is None:
             raise SampleError(
                 f"{rec.shard}: sample {rec.key!r} has no {name!r} field; pack it with one, drop "

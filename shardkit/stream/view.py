@@ -34,14 +34,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, ShardFormatError, StorageError, check_choice
+from ..errors import InputError, ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb_index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex
 from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
-from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
+from ..images.decode import decode_image
+from ..images.geometry import Decode
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
@@ -49,7 +50,7 @@ from .fields import field_spec
 from .indexes import shard_index
 from .ranges import read_range
 from .sources import resolve_source
-from .stages import DECODE_MODES, decoded_fields, sample_error
+from .stages import decoded_fields, sample_error
 from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
@@ -60,9 +61,9 @@ _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole 
 class ShardView:
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
-    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``,
-    ``transform``, ``target_transform``, ``with_keys``, ``fields``, ``max_pixels``: as
-    ``ShardDataset``.
+    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``
+    (a mode string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
+    ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
     ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
     cache; LMDB shards are fetched whole into ``cache_dir``).
     """
@@ -71,20 +72,29 @@ class ShardView:
         self,
         source,
         *,
-        decode: str = "pil",
+        decode: str | Decode = "pil",
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         with_keys: bool = False,
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
         storage_options: dict | None = None,
         cache_dir: str | None = None,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        max_pixels: int | None = None,
     ):
-        check_choice("decode", decode, DECODE_MODES)
-        self.decode, self.with_keys = decode, bool(with_keys)
+        if max_pixels is not None:  # the Decode's (one release): warns with the new spelling
+            from .retired import translate
+
+            _, decode, _, _ = translate(
+                {"max_pixels": max_pixels}, source=source, decode=decode, order=None,
+                storage=None, owner="ShardView",
+            )  # fmt: skip
+        #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
+        self.decode: Decode = Decode.of(decode)
+        self.with_keys = bool(with_keys)
         self.transform, self.target_transform = transform, target_transform
-        self.fields, self.field_decoders = field_spec(fields, decode)
-        self.max_pixels = max_pixels
+        self.fields, self.field_decoders = field_spec(fields, self.decode.mode)
+        self.max_pixels = self.decode.max_pixels
+        self._decoder = self.decode.decoder() if self.decode.geometry is not None else None
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
@@ -196,11 +206,16 @@ class ShardView:
         rec = self.record(i)
         if self.field_decoders is not None:
             extra = decoded_fields(rec, self.fields, self.field_decoders, self.max_pixels)
-        if self.decode == "raw":
+        if self.decode.mode == "raw":
             img = rec.data
         else:
             try:
-                img = decode_image(rec.data, self.decode, self.max_pixels)
+                if self._decoder is not None:  # a crop: drawn from (seed 0, epoch 0, key)
+                    img = self._decoder(rec.data, rec.key)
+                else:
+                    img = decode_image(
+                        rec.data, self.decode.mode, self.max_pixels, self.decode.dct == "fast"
+                    )
             except Exception as exc:
                 raise sample_error(rec, exc) from exc
         label = rec.label

@@ -1,6 +1,7 @@
 """Writing: an image folder (or your own samples) into shards and a manifest, and checking them.
 
-- ``packer``: ``pack()``, the folder -> shards command (scan, check, optional resize, write).
+- ``packer``: ``pack()`` and its ``PackOptions``, the folder -> shards command (scan, check,
+  optional resize, write).
 - ``plan``: a folder pack's plan (every shard's samples and name, before any image is read), its
   types (``ShardTask``, ``ShardReceipt``, ``PackPlan``) and the plan files of ``--plan-only``.
 - ``task``: ``run_task``, one task of the plan written into the job folder, a receipt per shard.

@@ -27,7 +27,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "FINGERPRINT_FIELD",
+    "PackOptions",
     "PackReport",
     "PackWarning",
     "Runner",
@@ -231,33 +232,56 @@ def _check_options(validate, on_error, workers, resize_short, seed) -> str:
     return "raise" if on_error == "fail" else on_error
 
 
+@dataclass(frozen=True)
+class PackOptions:
+    """How ``pack`` packs: every option but the source and the output, as one value that can be
+    kept, compared and handed on whole (``pack(src, out, options)``; keywords of ``pack`` set
+    the same fields). The fields are ``pack``'s documented keywords, with their defaults."""
+
+    shard_size: str | int = DEFAULT_SHARD_SIZE
+    format: str = "tar"
+    shuffle: bool = True
+    seed: int = 0
+    workers: int = 1
+    on_error: str = "skip"
+    overwrite: bool = False
+    resize_short: int | None = None
+    validate: str = "header"
+    progress: bool = True
+    on_shard: Callable[[str], None] | None = None
+    classes: Sequence[str] | None = None
+    storage_options: Mapping[str, Any] | None = None
+    work_dir: str | None = None
+    upload_concurrency: int = 4
+    runner: Runner | None = None
+    shards_per_task: int = 1
+    append: bool = False
+    plan_only: str | None = None
+    root: str | os.PathLike | None = None
+    allow_duplicates: bool = False
+
+    def __post_init__(self) -> None:
+        _check_options(self.validate, self.on_error, self.workers, self.resize_short, self.seed)
+
+    @classmethod
+    def of(cls, options: PackOptions | None, keywords: Mapping[str, Any]) -> PackOptions:
+        """``options`` (default: the defaults) with ``keywords`` set; an unknown one is named."""
+        if options is not None and not isinstance(options, PackOptions):
+            raise InputError(f"options={options!r}: give a shardkit.write.PackOptions")
+        unknown = sorted(set(keywords) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InputError(f"pack() got an unknown keyword {unknown[0]}=; see help(pack)")
+        return replace(options or cls(), **keywords)
+
+
 def pack(
     src: str | os.PathLike | Iterable[Any],
     out: str | os.PathLike,
-    *,
-    shard_size: str | int = DEFAULT_SHARD_SIZE,
-    format: str = "tar",
-    shuffle: bool = True,
-    seed: int = 0,
-    workers: int = 1,
-    on_error: str = "skip",
-    overwrite: bool = False,
-    resize_short: int | None = None,
-    validate: str = "header",
-    progress: bool = True,
-    on_shard: Callable[[str], None] | None = None,
-    classes: Sequence[str] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    work_dir: str | None = None,
-    upload_concurrency: int = 4,
-    runner: Runner | None = None,
-    shards_per_task: int = 1,
-    append: bool = False,
-    plan_only: str | None = None,
-    root: str | os.PathLike | None = None,
-    allow_duplicates: bool = False,
+    options: PackOptions | None = None,
+    **keywords: Any,
 ) -> PackReport:
-    """Pack ``src`` into shards in ``out``; see the module docstring.
+    """Pack ``src`` into shards in ``out``; see the module docstring. ``options``: a
+    ``PackOptions``; ``keywords`` (``shard_size="64MB"``, ``format="lmdb"`` ...) set its fields.
 
     ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``, ``.parquet`` with the
     ``parquet`` extra; ``shardkit.scan.scan_table``):
@@ -304,52 +328,44 @@ def pack(
     Raises InputError / OutputError for unusable arguments.
     """
     started = time.perf_counter()
-    on_error = _check_options(validate, on_error, workers, resize_short, seed)
+    o = PackOptions.of(options, keywords)
+    on_error = "raise" if o.on_error == "fail" else o.on_error
     from_folder = isinstance(src, (str, os.PathLike))
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
-        options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        options = pack_options(
+            o.format, o.shard_size, o.shuffle, o.seed, o.validate, o.resize_short, on_error
+        )
+        root = o.root
         if root is not None:  # a table's root; folder packs keep their fingerprints
             root = options["root"] = os.path.abspath(root)
-        if allow_duplicates:
+        if o.allow_duplicates:
             options["allow_duplicates"] = True
         out = os.fspath(out)
-        if append:
-            _check_append(out, overwrite)
-        with _session(runner):  # a cluster started for the stats serves the tasks
-            if not overwrite and plan_only is None:
-                current = _already_packed(src, out, options, progress, append, runner)
+        if o.append:
+            _check_append(out, o.overwrite)
+        with _session(o.runner):  # a cluster started for the stats serves the tasks
+            if not o.overwrite and o.plan_only is None:
+                current = _already_packed(src, out, options, o.progress, o.append, o.runner)
                 if current is not None:
                     return current
             kw = dict(
-                shard_size=shard_size,
-                format=format,
-                shuffle=shuffle,
-                seed=seed,
-                validate=validate,
-                resize_short=resize_short,
+                shard_size=o.shard_size,
+                format=o.format,
+                shuffle=o.shuffle,
+                seed=o.seed,
+                validate=o.validate,
+                resize_short=o.resize_short,
                 on_error=on_error,
-                progress=progress,
+                progress=o.progress,
                 root=root,
-                allow_duplicates=bool(allow_duplicates),
+                allow_duplicates=bool(o.allow_duplicates),
             )
             if not is_url(out) or out.startswith("file://"):
                 out = out.removeprefix("file://")
-                return _pack_planned(
-                    src,
-                    out,
-                    kw,
-                    overwrite,
-                    workers,
-                    on_shard,
-                    runner,
-                    shards_per_task,
-                    started,
-                    append,
-                    plan_only,
-                )
-        if runner is not None:
+                return _pack_planned(src, out, kw, o, started)
+        if o.runner is not None:
             raise InputError(
                 f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
                 "on every worker); pack into one, then upload it, or leave out the engine"
@@ -365,22 +381,24 @@ def pack(
         )
     writer = ShardWriter(
         out,
-        format,
-        shard_size,
-        classes=classes,
-        overwrite=overwrite,
-        on_shard=on_shard,
-        storage_options=storage_options,
-        work_dir=work_dir,
-        upload_concurrency=upload_concurrency,
+        o.format,
+        o.shard_size,
+        classes=o.classes,
+        overwrite=o.overwrite,
+        on_shard=o.on_shard,
+        storage_options=o.storage_options,
+        work_dir=o.work_dir,
+        upload_concurrency=o.upload_concurrency,
         _forbid_inside=src if from_folder else None,
     )
     if from_folder:
         with writer:
-            return _pack_to_url(src, writer, kw, workers, on_shard, started)
+            return _pack_to_url(src, writer, kw, o.workers, o.on_shard, started)
     with writer:
-        run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error)
-        errors = _write(run, writer, on_error, workers, progress)
+        run = _samples_run(
+            src, writer, o.shuffle, o.seed, o.workers, o.validate, o.resize_short, on_error
+        )
+        errors = _write(run, writer, on_error, o.workers, o.progress)
         skipped = run.errors + errors
         if not writer.samples:
             first = skipped[0] if skipped else SkippedFile("-", "the source is empty")
@@ -393,10 +411,10 @@ def pack(
             "source": run.name,
             "shard_size": writer.limit,
             "shuffle": run.shuffled,
-            "seed": int(seed),
-            "validate": validate,
-            "resize_short": resize_short,
-            "resize_quality": RESIZE_QUALITY if resize_short else None,
+            "seed": int(o.seed),
+            "validate": o.validate,
+            "resize_short": o.resize_short,
+            "resize_quality": RESIZE_QUALITY if o.resize_short else None,
             "format": writer.format.name,
             "on_error": on_error,
             "shardkit_version": pack_version(),
@@ -470,21 +488,12 @@ def _check_append(out: str, overwrite: bool) -> None:
         )
 
 
-def _pack_planned(
-    src,
-    out,
-    kw,
-    overwrite,
-    workers,
-    on_shard,
-    runner,
-    shards_per_task,
-    started,
-    append=False,
-    plan_only=None,
-) -> PackReport:
-    """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
+def _pack_planned(src, out, kw, o: PackOptions, started: float) -> PackReport:
+    """Plan, run (here on reader threads, or as tasks on ``o.runner``), commit."""
     from ..progress import Progress
+
+    overwrite, workers, on_shard, runner = o.overwrite, o.workers, o.on_shard, o.runner
+    shards_per_task, append, plan_only = o.shards_per_task, o.append, o.plan_only
 
     if getattr(runner, "cluster", False):
         check_cluster_lock(out)

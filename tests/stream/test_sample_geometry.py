@@ -138,7 +138,7 @@ def test_boxes_from_an_npy_field_and_refusals(tmp_path):
     assert index.tolist() == [0]
     with pytest.raises(InputError, match="add it to fields="):
         list(ShardDataset(str(out), decode="tensor", size=8, boxes=Boxes("json"), fields=("npy",)))
-    with pytest.raises(InputError, match="size="):
+    with pytest.raises(InputError, match=r"boxes= moves boxes.*Decode\(crop="):
         ShardDataset(str(out), decode="tensor", fields=("npy",), boxes=Boxes("npy"))
     with pytest.raises(InputError, match="format"):
         Boxes("npy", format="cxcywh")

@@ -16,7 +16,7 @@ import warnings
 import pytest
 from conftest import gnu_tar
 
-from shardkit import ShardDataset
+from shardkit import Order, ShardDataset
 from shardkit.errors import OutputError, ShardFormatError
 from shardkit.formats.tar import iter_tar_records
 from shardkit.manifest import INDEX_EVERY, read_manifest
@@ -86,7 +86,7 @@ def test_index_then_verify_and_stream(foreign):
     # ShardDataset now takes counts from the manifest: no header pass, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
+        ds = ShardDataset(str(foreign), decode="raw", order=Order(shuffle=False), with_keys=True)
     assert len(ds) == 240 and ds.classes == m.classes
     theirs = [
         (s["__key__"], s["jpg"], int(s["cls"]))
