@@ -24,7 +24,7 @@ from .records import Record
 
 if TYPE_CHECKING:
     from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
-    from .images.geometry import Decode
+    from .images.options import Decode
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
@@ -67,7 +67,7 @@ _LAZY = {
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
     "Boxes": "stream.fields",
-    "Decode": "images.geometry",
+    "Decode": "images.options",
     "Order": "stream.shuffle",
     "CenterCrop": "images.crops",
     "RandomCrop": "images.crops",

@@ -577,7 +577,7 @@ class ShardDataset(IterableDataset):
 
     def tensor_decoder(self, epoch: int) -> TensorDecoder:
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
-        return self.decode.decoder(self.seed, epoch, self.rank)
+        return TensorDecoder.of(self.decode, self.seed, epoch, self.rank)
 
     def records(self, world: World, epoch: int, batch_size: int | None = None) -> Iterator[Record]:
         """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->

@@ -13,7 +13,8 @@ from torch.utils.data import Dataset
 from ..errors import InputError, SampleError
 from ..images.checks import IMAGE_EXTENSIONS
 from ..images.decode import decode_image
-from ..images.geometry import Decode
+from ..images.geometry import TensorDecoder
+from ..images.options import Decode
 from ..scan import StrTable, scan_source
 from .storage import LocalStorage, Storage
 
@@ -126,7 +127,7 @@ class FolderDataset(Dataset):
                     data, self.decode.mode, self.decode.max_pixels, self.decode.dct == "fast"
                 )
             else:
-                img = self.decode.decoder(self.seed, self.epoch)(data, rel)
+                img = TensorDecoder.of(self.decode, self.seed, self.epoch)(data, rel)
         except Exception as exc:
             raise SampleError(
                 f"{path}: cannot be decoded ({exc}); remove or replace the file",

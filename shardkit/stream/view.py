@@ -42,7 +42,7 @@ from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
 from ..images.decode import decode_image
-from ..images.geometry import Decode
+from ..images.options import Decode
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
@@ -94,7 +94,11 @@ class ShardView:
         self.transform, self.target_transform = transform, target_transform
         self.fields, self.field_decoders = field_spec(fields, self.decode.mode)
         self.max_pixels = self.decode.max_pixels
-        self._decoder = self.decode.decoder() if self.decode.geometry is not None else None
+        self._decoder = None
+        if self.decode.geometry is not None:  # torch: only a cropping view needs it
+            from ..images.geometry import TensorDecoder
+
+            self._decoder = TensorDecoder.of(self.decode)
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
