@@ -24,7 +24,7 @@ from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .keys import dataset_keys, first_repeat, identity
+from .keys import identity, repeats_across
 from .writer import _within, next_shard_number, open_local_output, shard_name
 
 __all__ = ["MERGED_FIELD", "MergeReport", "merge"]
@@ -258,16 +258,17 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
 
 
 def _check_keys(in_place: str | None, base: Manifest, todo) -> None:
-    """Refuse datasets sharing a key (with the first one merged into, or with each other)."""
-    seen = dataset_keys(in_place, base) if in_place is not None else set()
-    for path, m in todo:
-        repeats, first = first_repeat(path, m, seen)
-        if repeats:
-            raise InputError(
-                f"{path}: {repeats} of its keys are in another dataset of this merge too (first: "
-                f"{first!r}); keys are unique within a dataset: leave it out, or pass "
-                "allow_duplicates=True to keep both copies"
-            )
+    """Refuse datasets sharing a key (with the first one merged into, or with each other): by
+    the key hashes their indexes store (``keys.repeats_across``), no shard's bytes read."""
+    datasets = [(in_place, base), *todo] if in_place is not None else list(todo)
+    found = repeats_across(datasets)
+    if found is not None:
+        i, repeats, first = found
+        raise InputError(
+            f"{datasets[i][0]}: {repeats} of its keys are in another dataset of this merge too "
+            f"(first: {first!r}); keys are unique within a dataset: leave it out, or pass "
+            "allow_duplicates=True to keep both copies"
+        )
 
 
 def _suffix(path: str) -> str:
