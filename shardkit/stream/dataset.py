@@ -38,7 +38,7 @@ from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from ..sizes import parse_size
 from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_hashes, split_positions
+from .indexes import all_keys, split_hashes, split_positions, warn_unindexed
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -339,6 +339,8 @@ class ShardDataset(IterableDataset):
             members = np.arange(size, dtype=np.int64)
             opts = src.storage_options
             by_keys = src.subset is not None and _is_keys(src.subset)
+            if src.split is not None or src.subset is not None:
+                warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
             if src.split is not None:  # the indexes' hashes: no key read where they exist
                 hashes = split_hashes(shards, r.format, store, opts) if keys is None else None
