@@ -532,6 +532,10 @@ def test_growth_reads_no_old_tar_and_still_refuses_a_key_twice(srcs, tmp_path, f
     if fmt == "tar":
         assert opens.shards() == []
     assert len(samples(tmp_path / "merged")) == 24 + 3
+    with _Opens(out, pb, tmp_path / "merged2") as opens:  # no key check: nothing read again
+        merge([out, pb], tmp_path / "merged2", allow_duplicates=True)
+    assert [p for p in opens.paths if p.endswith((".tar", ".idx"))] == []
+    assert verify(str(tmp_path / "merged2")).ok
     shared = tmp_path / "shared"  # shares A's class x: refused in any order, by count and key
     shutil.copytree(os.path.join(a, "x"), shared / "x")
     packed(shared, tmp_path / "ps", format=fmt)
