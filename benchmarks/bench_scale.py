@@ -16,6 +16,11 @@ whose shards have it deleted (through the ``lmdb`` package: an older pack's read
     python benchmarks/bench_scale.py --n 128000 --out /tmp/scale
     python benchmarks/bench_scale.py --n 1280000 --out /tmp/scale --json bench-out/scale.json
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
+    python benchmarks/bench_scale.py --n 128000 640000 --what append merge get miss showmiss
+
+Growth (``append``, ``merge``: 10,000 new samples, ``--new``) and key lookups (``get``,
+``miss``: CPU per ``ShardView.index`` call; ``showmiss``: ``show`` of a key no shard holds)
+report CPU seconds (user + system) and peak memory, so load on the machine does not move them.
 """
 
 from __future__ import annotations
@@ -37,14 +42,23 @@ CHILD = r"""
 import json, os, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 import numpy as np
-from shardkit import ShardDataset, ShardView
-from shardkit.stream.show import list_lines, show_lines
 what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
+if what in ("append", "merge"):  # as the CLI runs them: without torch
+    import shardkit.write.merge, shardkit.write.packer
+else:
+    from shardkit import ShardDataset, ShardView
+    from shardkit.stream.show import list_lines, show_lines
 def rchar():
     with open("/proc/self/io") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
-r0, t0 = rchar(), time.perf_counter()
-out = {"base_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # after imports
+def hwm():  # this process's peak RSS (ru_maxrss would keep the forking parent's peak)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+def cpu():
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+r0, t0, cpu0 = rchar(), time.perf_counter(), cpu()
+out = {"base_mb": hwm()}  # after imports
 if what == "subset":
     ds = ShardDataset(where, decode="raw", subset=0.01, with_keys=True)
     out["construct_s"] = time.perf_counter() - t0
@@ -65,9 +79,39 @@ elif what == "show":
 elif what == "epoch":
     ds = ShardDataset(where, decode="raw")
     out["samples"] = sum(1 for _ in ds)
+elif what == "append":  # key: a folder of new images; where: a fresh copy of the dataset
+    from shardkit.write.packer import pack
+    out["samples"] = pack(key, where, append=True, progress=False, shard_size="5MB").samples
+elif what == "merge":  # key: "B OUT"
+    from shardkit.write.merge import merge
+    other, into = key.split(" ")
+    out["samples"] = merge([where, other], into).samples
+elif what in ("get", "miss"):  # CPU per lookup, after the first two (the table is built)
+    view = ShardView(where, decode="raw")
+    rng = np.random.default_rng(0)
+    asked = [view.key(int(i)) for i in rng.integers(0, len(view), 200)]
+    if what == "miss":
+        asked = [k + "-missing" for k in asked]
+    def find(k):
+        try:
+            return view.index(k)
+        except Exception:
+            return None
+    find(asked[0]), find(asked[1])
+    c0 = cpu()
+    for k in asked:
+        find(k)
+    out["cpu_per_lookup_ms"] = (cpu() - c0) / len(asked) * 1e3
+elif what == "showmiss":  # one lookup of a key no shard holds, as `shardkit show` makes it
+    view = ShardView(where, decode="raw")
+    try:
+        list(show_lines(view, "no/such-key"))
+    except Exception as exc:
+        out["error"] = type(exc).__name__
 out["seconds"] = time.perf_counter() - t0
+out["cpu_s"] = cpu() - cpu0
 out["rchar"] = rchar() - r0
-out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out["peak_mb"] = hwm()
 print(json.dumps(out))
 """
 
@@ -146,6 +190,52 @@ def child(what: str, where: str, key: str = "") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: Growth: ``pack NEW OUT --append`` onto a fresh copy of the dataset (hard links, its manifest
+#: copied), and ``merge A B OUT`` with B a pack of the same new images.
+GROWTH = ["append", "merge"]
+#: ``ShardView.index(key)``: CPU per lookup of present and of missing keys; ``show`` of a
+#: missing key (memory).
+LOOKUPS = ["get", "miss", "showmiss"]
+
+
+def new_images(out: Path, n: int) -> str:
+    """``n`` new 64x64 JPEG files in 10 of the dataset's classes (keys no sample has)."""
+    folder = out / f"new{n}"
+    if not (folder / ".done").exists():
+        data = _jpeg()
+        for i in range(n):
+            cls = folder / f"n{i % 10:08d}"
+            cls.mkdir(parents=True, exist_ok=True)
+            (cls / f"new_{i}.jpg").write_bytes(data)
+        (folder / ".done").touch()
+    return str(folder)
+
+
+def grow(what: str, where: str, out: Path, n_new: int) -> dict:
+    import shutil
+
+    from shardkit.write.packer import pack
+
+    src = new_images(out, n_new)
+    target = out / "grow-target"
+    shutil.rmtree(target, ignore_errors=True)
+    if what == "append":
+        target.mkdir()
+        for name in os.listdir(where):
+            link = os.link if name != "manifest.json" else shutil.copyfile
+            link(os.path.join(where, name), target / name)
+        got = child("append", str(target), src)
+    else:
+        other = out / f"new{n_new}-packed"
+        if not (other / "manifest.json").exists():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pack(src, str(other), progress=False, shard_size="5MB")
+        got = child("merge", where, f"{other} {target}")
+    shutil.rmtree(target, ignore_errors=True)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
@@ -154,6 +244,10 @@ def main() -> None:
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
+    ap.add_argument("--new", type=int, default=10_000, help="Samples an append or merge adds.")
+    ap.add_argument(
+        "--index-only", action="store_true", help="Only the side with indexes (no older pack)."
+    )
     args = ap.parse_args()
     results = []
     for n in args.n:
@@ -168,10 +262,16 @@ def main() -> None:
         row = {"n": n, "dataset_bytes": total, "make_s": made, "load_before": os.getloadavg()}
         row["format"] = args.format
         whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
+        whats += GROWTH + LOOKUPS
         whats = [w for w in whats if args.what is None or w in args.what]
         for what in whats:
             for side, where in (("index", packed), ("no_index", bare)):
-                row[f"{what}/{side}"] = child(what, where, key)
+                if side == "no_index" and args.index_only:
+                    continue
+                if what in GROWTH:
+                    row[f"{what}/{side}"] = grow(what, where, args.out, args.new)
+                else:
+                    row[f"{what}/{side}"] = child(what, where, key)
         row["load_after"] = os.getloadavg()
         results.append(row)
         _print(row)
@@ -186,8 +286,11 @@ def _print(row: dict) -> None:
         f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of {row.get('format', 'tar')} "
         f"(made in {row['make_s']:.0f} s); load {row['load_before']} -> {row['load_after']}"
     )
-    base = next(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
-    print(f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch")
+    base = max(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
+    print(
+        f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch "
+        "(growth: the peak of a process that imports shardkit alone, as the CLI)"
+    )
     print(f"{'figure':34s} {'with index':>30s} {'without':>30s}")
     for what, label in (
         ("subset", "subset=0.01 epoch: read / drawn"),
@@ -196,11 +299,19 @@ def _print(row: dict) -> None:
         ("ls", "ls first line"),
         ("show", "show KEY"),
         ("epoch", "full epoch (raw)"),
+        ("append", "pack NEW --append (CPU)"),
+        ("merge", "merge A NEW OUT (CPU)"),
+        ("get", "view.index(key) CPU/lookup"),
+        ("miss", "view.index(missing) CPU/lookup"),
+        ("showmiss", "show a missing key"),
     ):
         if f"{what}/index" not in row:
             continue
         cells = []
         for side in ("index", "no_index"):
+            if f"{what}/{side}" not in row:
+                cells.append("-")
+                continue
             r = row[f"{what}/{side}"]
             more = r["peak_mb"] - r["base_mb"]
             if what == "subset":
@@ -208,6 +319,10 @@ def _print(row: dict) -> None:
                 cells.append(f"{r['rchar'] / 1e6:.1f} MB ({r['rchar'] / drawn:.2f}x)")
             elif what == "epoch":
                 cells.append(f"{r['samples'] / r['seconds']:,.0f}/s +{more:.0f} MB")
+            elif what in ("get", "miss"):
+                cells.append(f"{r['cpu_per_lookup_ms']:.3f} ms +{more:.0f} MB")
+            elif what in GROWTH:
+                cells.append(f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB")
             else:
                 cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read")
         print(f"{label:34s} {cells[0]:>30s} {cells[1]:>30s}")

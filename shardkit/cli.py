@@ -721,17 +721,24 @@ def verify_cmd(out, decode, quiet) -> None:
 @main.command("index")
 @click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--overwrite", is_flag=True, help="Replace an existing manifest.json.")
+@click.option(
+    "--append",
+    is_flag=True,
+    help="Add the shards an existing manifest.json does not list (reading only those; their "
+    "keys are checked against the dataset's).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def index_cmd(shards, overwrite, quiet) -> None:
+def index_cmd(shards, overwrite, append, quiet) -> None:
     """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
-    them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
+    them: exact counts, checksums for `verify`, the offset index and classes from .cls members.
+    With --append, tars dropped into an indexed folder are added to its manifest."""
     import warnings
 
     from .write.index import index_shards
 
     with warnings.catch_warnings():  # the summary line reports records passed over
         warnings.simplefilter("ignore", RuntimeWarning)
-        results = index_shards(shards, overwrite=overwrite, progress=not quiet)
+        results = index_shards(shards, overwrite=overwrite, append=append, progress=not quiet)
     for result in results:
         click.echo(result.summary())
 

@@ -38,7 +38,7 @@ from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .fields import Boxes, decode_field_image, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_hashes, split_positions, val_mask
+from .indexes import all_keys, split_hashes, split_positions, val_mask, warn_unindexed
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -332,6 +332,8 @@ class ShardDataset(IterableDataset):
             size = int(sum(s.samples for s in shards))
             members = np.arange(size, dtype=np.int64)
             by_keys = src.subset is not None and _is_keys(src.subset)
+            if src.split is not None or src.subset is not None:
+                warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
             val_bits, refused, unbound = None, set(), set()
             if src.split is not None:  # the indexes' hashes: no key read where they exist

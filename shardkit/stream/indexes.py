@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ __all__ = [
     "split_hashes",
     "split_positions",
     "val_mask",
+    "warn_unindexed",
 ]
 
 
@@ -228,3 +230,37 @@ def all_keys(
     finally:
         storage.close()
     return keys
+
+
+def warn_unindexed(shards: Sequence[ShardInfo], fmt: str, name: str, what: str) -> None:
+    """Warn once, before a subset or split is chosen, where plain tar shards have no sample
+    index (an older pack, or its ``.idx`` files left behind in a copy): then the split hashes
+    come from every shard's headers and a subset's epoch reads every shard whole, not the
+    drawn samples' bytes. Nothing is read to tell: a local shard's index is looked for (a stat
+    each); a remote one is taken as there where the manifest lists its sha256."""
+    if fmt != "tar":
+        return
+    plain = [s for s in shards if s.url.endswith(".tar")]
+    missing = [s for s in plain if not _index_there(s)]
+    if not missing:
+        return
+    where = os.path.dirname(missing[0].url) or "."
+    cost = {
+        "split": "this split reads their keys from every header of every one",
+        "subset": "this subset reads their every byte each epoch, not the drawn samples'",
+    }[what]
+    warnings.warn(
+        f"{name}: {len(missing)} of its {len(plain)} tar shards have no sample index (an older "
+        f"pack?), so {cost}; `shardkit index {where}` writes the indexes once, without "
+        "rewriting a shard",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _index_there(shard: ShardInfo) -> bool:
+    """A local shard's index: a stat; a remote one's: the manifest lists its sha256 (an older
+    pack's lists none; nothing is fetched to tell)."""
+    if is_url(shard.url) and not shard.url.startswith("file://"):
+        return bool(shard.index_sha256)
+    return os.path.exists(index_path(shard.url.removeprefix("file://")))

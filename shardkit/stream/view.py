@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import InputError, ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb_index import LmdbIndex
-from ..formats.sample_index import Members, SampleIndex
+from ..formats.sample_index import Members, SampleIndex, key_hashes
 from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
@@ -47,7 +47,7 @@ from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
 from .fields import field_spec
-from .indexes import shard_index
+from .indexes import shard_columns, shard_index
 from .ranges import read_range
 from .sources import resolve_source
 from .stages import decoded_fields, sample_error
@@ -126,6 +126,9 @@ class ShardView:
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
+        #: ``index(key)``: every key hash sorted and its position, built on the second lookup
+        self._by_hash: tuple[np.ndarray, np.ndarray] | None = None
+        self._lookups = 0
 
     # --- the index --------------------------------------------------------------------------
 
@@ -192,15 +195,70 @@ class ShardView:
         return self._table(shard).key(j)
 
     def index(self, key: str) -> int:
-        """The position of ``key`` (the first, should two shards hold the same key): shard by
-        shard, each index loaded when first needed."""
-        for k in range(len(self.shards)):
-            j = self._table(k).position(key)
-            if j is not None:
-                return self._starts[k] + j
+        """The position of ``key`` (the first, should two shards hold the same key), by its
+        key hash: the hashes the shards' indexes store (``split_hashes``' values, 8 bytes a
+        sample), matched then confirmed on the real key from the one shard's index that holds
+        it. The first lookup reads the hash columns shard by shard until it is found (``show``:
+        one shard's column held); a second builds one sorted table of every hash (12 bytes a
+        sample), and each lookup after is a binary search: O(log n), whatever the size."""
+        want = key_hashes([key])[0]
+        if self._by_hash is None and self._lookups:
+            self._by_hash = self._hash_table()
+        self._lookups += 1
+        if self._by_hash is not None:
+            hashes, positions = self._by_hash
+            lo = int(np.searchsorted(hashes, want))
+            hi = int(np.searchsorted(hashes, want, side="right"))
+            for i in sorted(positions[lo:hi].tolist()):
+                k, j = self._locate(i)
+                if self._table(k).key(j) == key:
+                    return i
+        else:
+            try:
+                for k in range(len(self.shards)):
+                    for j in np.flatnonzero(self._hashes(k) == want).tolist():
+                        if self._table(k).key(j) == key:
+                            return self._starts[k] + j
+            finally:
+                self.storage.close()
         raise InputError(
             f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
         )
+
+    def _hashes(self, k: int) -> np.ndarray:
+        """Shard ``k``'s key hashes in stored order: from its index already loaded, else the
+        hash column alone (tar: 16 bytes a sample read; LMDB: its index record), else hashed
+        from its keys (a shard without an index)."""
+        table = self._tables[k]
+        if table is not None and isinstance(table._keys, _INDEXES):
+            return table._keys.hashes
+        shard = self.shards[k]
+        if table is None and self.format == "tar":
+            cols = shard_columns(shard, self.storage_options)
+            if cols is not None:
+                return cols.hashes
+        elif table is None and self.format == "lmdb":  # the record read, not kept
+            reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=False)
+            try:
+                self._held_to(reader, shard.url)
+                index = reader.index(shard.samples)
+            finally:
+                reader.close()
+            if index is not None:
+                return index.hashes
+        return key_hashes(self._table(k).keys())
+
+    def _hash_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every key hash sorted, with each one's position (ties in position order)."""
+        try:
+            parts = [np.asarray(self._hashes(k), np.uint64) for k in range(len(self.shards))]
+        finally:
+            self.storage.close()
+        hashes = np.concatenate(parts) if parts else np.empty(0, np.uint64)
+        del parts
+        order = np.argsort(hashes, kind="stable")
+        hashes = hashes[order]
+        return hashes, order.astype(np.uint32 if len(order) < 1 << 32 else np.int64)
 
     def get(self, key: str) -> tuple:
         """The sample whose key is ``key``, decoded as ``view[i]``."""
@@ -428,6 +486,7 @@ class ShardView:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_open"] = {}
+        state["_by_hash"], state["_lookups"] = None, 0  # rebuilt where lookups are made
         return state
 
     def __add__(self, other):

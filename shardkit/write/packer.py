@@ -41,7 +41,7 @@ from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
 from .commit import check_cluster_lock, commit_pack
-from .keys import dataset_keys
+from .keys import held_by
 from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack, save_tasks
 from .read import (
     FINGERPRINT_FIELD,
@@ -507,7 +507,7 @@ def _pack_planned(src, out, kw, o: PackOptions, started: float) -> PackReport:
                     f"{out} holds {base.shard_format} shards; append with format="
                     f'"{base.shard_format}"'
                 )
-            existing = set() if kw["allow_duplicates"] else dataset_keys(out, base)
+            existing = None if kw["allow_duplicates"] else held_by(out, base)
             plan = plan_pack(src, out, **kw, existing=existing, engine=runner).appending(base)
             replaced = []  # nothing already packed is touched
             if not len(plan.order):

@@ -31,7 +31,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -344,15 +344,16 @@ def plan_pack(
     on_error: str,
     progress: bool = False,
     root: str | None = None,
-    existing: Container[str] = frozenset(),
+    existing: Callable[[Sequence[str]], np.ndarray] | None = None,
     allow_duplicates: bool = False,
     engine=None,
 ) -> PackPlan:
     """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
 
     ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
-    ``allow_duplicates``, samples whose key is in ``existing`` (the keys of the dataset an
-    append adds to) and table rows naming an image an earlier row named are left out.
+    ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
+    a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
+    named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``)."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
@@ -418,7 +419,7 @@ def plan_pack(
     return plan
 
 
-def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
+def _duplicates(src: str, scan: SourceScan, existing):
     """``(rows naming an image again, count of keys in existing, mask of both or None)``.
 
     A table may list one image on several rows; packing each would store it under several
@@ -434,11 +435,10 @@ def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
     why += " (allow_duplicates=True keeps each)"
     repeated = [SkippedFile(scan.files[i], why) for i in np.flatnonzero(dropped).tolist()]
     already = 0
-    if existing:
-        for i, key in enumerate(scan.keys):
-            if not dropped[i] and key in existing:
-                dropped[i] = True
-                already += 1
+    if existing is not None and len(scan.keys):
+        there = np.asarray(existing(scan.keys), dtype=bool) & ~dropped
+        already = int(there.sum())
+        dropped |= there
     return repeated, already, dropped if dropped.any() else None
 
 
