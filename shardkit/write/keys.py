@@ -77,19 +77,28 @@ def shard_hashes(folder: str, fmt: str, entry: ShardEntry) -> np.ndarray:
 
 
 def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, object | None]:
-    """``shard_hashes``, and the shard's keys where they had to be read for them (else None)."""
+    """``shard_hashes``, and the shard's key table where it was loaded for them (else None).
+
+    A tar index's stored hashes are used as they stand only once the whole file's sha256 is
+    the manifest's ``index_sha256`` (the packer's file, the split's rule): a hash column damaged
+    with its trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
+    Any other index (no ``index_sha256`` listed) has its keys hashed again; one that does not
+    match the manifest serves not at all (a warning names it) and the shard's headers do."""
     path = os.path.join(folder, entry.path)
     if fmt == "tar" and entry.path.endswith(".tar") and entry.sha256 and entry.samples >= 0:
         idx = index_path(path)
-        try:
-            with open(idx, "rb") as f:
-                data = f.read(columns_size(entry.samples))
-        except OSError:  # none (an older pack) or unreadable: the shard's headers serve
-            data = None
+        data = read_local(idx)  # ~90 bytes a sample: hashed whole, held one shard at a time
         if data is not None:
-            cols = decode_columns(data, idx, entry.samples, entry.bytes, entry.sha256)
-            if cols is not None:  # else a warning named it: its headers serve
-                return cols.hashes.astype(np.uint64), None
+            if entry.index_sha256 and hashlib.sha256(data).hexdigest() == entry.index_sha256:
+                head = data[: columns_size(entry.samples)]
+                cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256)
+                if cols is not None:  # else a warning named it: its headers serve
+                    return cols.hashes.astype(np.uint64), None
+            else:
+                args = (entry.samples, entry.bytes, entry.sha256, entry.index_sha256)
+                index = load_index(data, idx, *args)
+                if index is not None:
+                    return key_hashes(index.keys()), index
     elif fmt == "lmdb":
         index = read_lmdb_index(path, path, entry.samples)[0]
         if index is not None:

@@ -557,3 +557,32 @@ def test_growth_of_an_older_pack_without_indexes_reads_its_keys_from_the_shards(
         pack(a, str(out), shard_size="6kB", progress=False, append=True)
     assert len(opens.shards()) == len(read_manifest(str(out)).shards)  # the fallback: headers
     assert packed(c, out, append=True).samples == 12
+
+
+def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(srcs, tmp_path):
+    """A tar index whose hash column is damaged and whose trailing sha256 was fixed up (so the
+    file still checks by itself) would hide a key the dataset holds from the growth check, and
+    an append would add that key a second time: its hashes count only once the whole file is
+    the one the manifest's index_sha256 names; else its keys are hashed again."""
+    import hashlib as _hashlib
+
+    from shardkit.formats.sample_index import _HEAD, decode_index, index_path
+
+    a, _, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    for entry in read_manifest(str(out)).shards:  # every stored hash flipped, trailers fixed
+        path = index_path(os.path.join(out, entry.path))
+        data = bytearray(open(path, "rb").read())
+        n = decode_index(bytes(data), path).samples
+        for i in range(n):
+            data[_HEAD.size + 8 * (n + 1) + 8 * i + 7] ^= 0x80
+        data[-32:] = _hashlib.sha256(bytes(data[:-32])).digest()
+        with open(path, "wb") as f:
+            f.write(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stale indexes are named; the check is the test
+        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+    assert (again.samples, again.duplicates) == (0, 12)
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == len(set(keys)) == 12
