@@ -87,14 +87,15 @@ class Filler:
         self._moved = None
         if ds.geometry is not None and names:
             self._moved = sample_geometry(decoder, names, decoders, ds.boxes)
-        clock, timed = self.clock, self.clock.records(records)
+        clock, first = self.clock, True
         try:
             while True:
                 t0 = time.perf_counter()
                 slot = acquire()
                 t1 = time.perf_counter()
-                resized = decoder.resize_s
-                batch = self._pick()(slot, timed, decoder)
+                resized, source = decoder.resize_s, clock.source(records, first)
+                first = False
+                batch = self._pick()(slot, source, decoder)
                 batch.fill_s = time.perf_counter() - t1
                 clock.idle += t1 - t0
                 batch.times = clock.batch(batch.fill_s, decoder.resize_s - resized)

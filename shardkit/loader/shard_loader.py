@@ -320,8 +320,9 @@ class ShardLoader:
         ``wait_s``: the training process's time blocked in ``next()`` after the first batch
         (``first_wait_s``: the workers' start), ``step_s``: its time between batches,
         ``wait_share`` = wait / (wait + step) and its ``verdict`` ("not input-bound" under 5%,
-        "partly input-bound" to 20%, "input-bound"), ``images_per_s``, the per-batch wait's
-        ``wait_p50_s``/``wait_p95_s``/``wait_max_s``; where the workers' time went
+        "partly input-bound" to 20%, "input-bound"), ``images_per_s`` (after the first
+        batch), the per-batch wait's ``wait_p50_s``/``wait_p95_s``/``wait_max_s``; where the
+        workers' time went
         (``worker_{read,decode,resize,transform,copy,idle}_s`` and ``_share``: summed over the
         workers; idle is waiting for a free slot, the ring full) and the training process's
         (``trainer_copy_s``, ``trainer_normalize_s``, ``trainer_device_decode_s``); with
