@@ -12,7 +12,9 @@ is faster; rate: above 1 is faster), with the load average of every round:
 - ``writer``: ``ShardWriter`` with N tiny samples (a label and a caption field each);
 - ``epoch-raw``: one ``ShardDataset(decode="raw")`` epoch over the table's pack, samples/s;
 - ``epoch-rrc``: one ``ShardLoader`` epoch (2 workers, random-resized crops to 224) over the
-  folder's pack, images/s.
+  folder's pack, images/s;
+- ``epoch-tiny``: one ``ShardLoader`` epoch (2 workers, whole 8x8 JPEGs, batches of 256) over
+  the table's pack, images/s: the least work per image, where per-image costs show most.
 
 Every child times only its job (after imports); the data sets are made once, before round 1.
 
@@ -79,6 +81,10 @@ loader.close()
 print(json.dumps({"rate": n / (time.perf_counter() - t0), "samples": n + n0}))
 """
 
+_EPOCH_TINY = _EPOCH_RRC.replace(
+    'decode="tensor", size=224, crop="random", flip=True', 'decode="tensor"'
+).replace("ShardLoader(ds, 64,", "ShardLoader(ds, 256,")
+
 
 def child(checkout: Path, argv: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -122,10 +128,12 @@ def job(name: str, checkout: Path, data: dict[str, Path], out: Path, rows: int) 
         return child(checkout, [py, "-c", _WRITER, str(out), str(rows), str(data["jpeg"])])
     if name == "epoch-raw":
         return child(checkout, [py, "-c", _EPOCH_RAW, str(data["table-pack"])])
+    if name == "epoch-tiny":
+        return child(checkout, [py, "-c", _EPOCH_TINY, str(data["table-pack"])])
     return child(checkout, [py, "-c", _EPOCH_RRC, str(data["folder-pack"])])
 
 
-JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc")
+JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc", "epoch-tiny")
 
 
 def main() -> None:

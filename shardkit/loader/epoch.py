@@ -236,6 +236,7 @@ class Epoch:
         self._waited = 0.0
         self._draws = 0
         self.done = False
+        self.stats = loader._stats.begin(self.epoch, loader)  # stats.py
         workers.start(
             self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
         )
@@ -289,6 +290,7 @@ class Epoch:
                         f"{self.epoch} (generation bug)"
                     )
                 self.held[w].add(msg.slot)
+                self.stats.worker_times(msg.times)
                 for note in msg.notes:
                     warnings.warn(note, RuntimeWarning, stacklevel=4)
                 yield msg
@@ -300,6 +302,8 @@ class Epoch:
         drawn: deque = deque()
         counts, clock = self.loader.feed_counts, time.thread_time
         cpu0, seen0 = counts.cpu, counts.region + counts.whole + counts.cpu
+        st, now = self.stats, time.perf_counter
+        st.resumed(now())
         began = clock()
         try:
             for msg in self._ready():
@@ -314,7 +318,9 @@ class Epoch:
                         continue
                     counts.delivered += item[1][0].shape[0]
                     counts.trainer_cpu_s += clock() - began
+                    st.yielded(now(), item[1][0].shape[0])
                     yield out
+                    st.resumed(now())
                     began = clock()
                     # back in the caller's next(): its loop variable still holds the batch just
                     # yielded; every one before it is free (handed back earlier, the caller's
@@ -328,7 +334,9 @@ class Epoch:
                     continue
                 counts.delivered += item[1][0].shape[0]
                 counts.trainer_cpu_s += clock() - began
+                st.yielded(now(), item[1][0].shape[0])
                 yield out
+                st.resumed(now())
                 began = clock()
             self.done = True
             if counts.cpu > cpu0 and not counts.warned:
@@ -350,6 +358,7 @@ class Epoch:
             raise
         finally:
             self._abandon()
+            self.loader._stats.end(st, self.done, counts)  # the last next() included
 
     def _staged(self, item):
         """A staged batch, waiting for the decode thread where it is decoding there."""
@@ -384,6 +393,7 @@ class Epoch:
             labels = torch.utils.data.default_collate([tt(int(v)) for v in msg.labels])
         device, ready, copied = self.loader.device, None, None
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        t0 = time.perf_counter()
         with ctx:
             if device is not None:
                 images = images.to(device, non_blocking=True)  # from the pinned slot: async
@@ -391,7 +401,10 @@ class Epoch:
                     copied = torch.cuda.Event()
                     copied.record(self.stream)
                 labels = _pinned(labels, device)
+            t1 = time.perf_counter()
             images = self._convert(images)
+            self.stats.stage_copy_s += t1 - t0
+            self.stats.stage_normalize_s += time.perf_counter() - t1
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
@@ -502,10 +515,14 @@ class Epoch:
         size = ds.geometry.size if ds.geometry is not None else None
         target = loader.device or torch.device("cpu")
         decoder, stream = lane = self._lanes.get()
+        t0 = time.perf_counter()
         try:
             return self._decode_batch(msg, bufs, size, target, decoder, stream)
         finally:
             self._lanes.put(lane)
+            with self._lock:
+                self.stats.device_decode_s += time.perf_counter() - t0
+                self.stats.device_batches += 1
 
     def _decode_batch(self, msg: Batch, bufs, size, target, decoder, stream):
         loader, ds = self.loader, self.loader.seam

@@ -29,6 +29,7 @@ from ..stream.stages import decoded_fields, transform_error, undecodable
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
+from .stats import WorkerClock
 
 __all__ = ["Abandon", "FillSpec", "Filler"]
 
@@ -72,6 +73,7 @@ class Filler:
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
         self._sources = spec.sources  # the loader's with_keys, not the dataset's
+        self.clock = WorkerClock()  # where this worker's time goes, per batch (stats.py)
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
@@ -87,12 +89,18 @@ class Filler:
         self._moved = None
         if ds.geometry is not None and names:
             self._moved = sample_geometry(decoder, names, decoders, ds.boxes)
+        clock, first = self.clock, True
         try:
             while True:
-                slot = acquire()
                 t0 = time.perf_counter()
-                batch = self._pick()(slot, records, decoder)
-                batch.fill_s = time.perf_counter() - t0
+                slot = acquire()
+                t1 = time.perf_counter()
+                resized, source = decoder.resize_s, clock.source(records, first)
+                first = False
+                batch = self._pick()(slot, source, decoder)
+                batch.fill_s = time.perf_counter() - t1
+                clock.idle += t1 - t0
+                batch.times = clock.batch(batch.fill_s, decoder.resize_s - resized)
                 batch.epoch = start.epoch
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     if batch.consumed:  # skipped samples, a dropped batch: counted, no image
@@ -132,7 +140,7 @@ class Filler:
         ds, bs = self.ds, self.spec.batch_size
         targets = self._slot_targets(slot) if self.hw is not None else None
         planar = not self.spec.nhwc and ds.geometry is None
-        transform = ds.transform
+        transform = self.clock.timed(ds.transform)
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
         values: list[list] = [[] for _ in names + (BOX_COLUMNS if ds.boxes is not None else ())]
@@ -194,6 +202,7 @@ class Filler:
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
         columns = ("image", "label", "key", "source", *names)
         columns += BOX_COLUMNS if ds.boxes is not None else ()
+        sample_transform = self.clock.timed(ds.sample_transform)
         outputs, labels, keys, notes = [], [], [], []
         for rec in records:
             try:
@@ -206,7 +215,7 @@ class Filler:
             item = dict(zip(columns, (img, rec.label, rec.key, rec.source, *extra), strict=True))
             item["seed"] = sample_seed(ds.seed, self._epoch, rec.key)
             try:
-                outputs.append(ds.sample_transform(item))
+                outputs.append(sample_transform(item))
             except Exception as exc:
                 raise transform_error(rec, exc) from exc
             labels.append(rec.label)
@@ -360,9 +369,11 @@ class Filler:
             offsets.append(offsets[-1] + len(rec.data))
         if offsets[-1] > self._capacity:  # the slots grow to the largest batch, in powers of 2
             self._capacity = 1 << max(20, (offsets[-1] - 1).bit_length())
+        t0 = time.perf_counter()
         arr = self.slots.array(slot, (self._capacity,))
         for rec, lo, hi in zip(taken, offsets, offsets[1:], strict=False):
             arr[lo:hi] = np.frombuffer(rec.data, np.uint8)
+        self.clock.copy += time.perf_counter() - t0
         n = len(taken)
         batch = Batch(
             0, self.worker, slot, n, 0, 0, [r.label for r in taken], [r.key for r in taken],

@@ -29,6 +29,7 @@ from ..stream.stages import extras_of
 from .epoch import Balance, Epoch, FeedCounts, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
+from .stats import LoaderStats, StatsOptions, gather_stats
 from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
 
 __all__ = ["ShardLoader", "default_workers"]
@@ -123,6 +124,10 @@ class ShardLoader:
     ``default_collate`` makes them, any other is a list; ``collate`` then reshapes that batch.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
+    ``stats()`` says who waits for whom (the share of the loop's time blocked on batches, a
+    verdict, where the workers' and the training process's time goes); an input-bound epoch is
+    warned about once, naming a knob: ``stats=False`` (or ``StatsOptions(logger=True)``: as a
+    ``logging`` record) changes that.
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class ShardLoader:
         timeout: float = 0,
         decode_on: str = "workers",
         collate: Callable[[dict], Any] | None = None,
+        stats: StatsOptions | bool = True,
     ):
         _check_dataset(dataset)
         seam = dataset.seam()  # the dataset's options, read whole through its one door
@@ -185,6 +191,7 @@ class ShardLoader:
         if collate is not None and not callable(collate):
             raise InputError(f"collate must be a callable taking the batch dict, got {collate!r}")
         self.collate = collate
+        self._stats = LoaderStats(stats)  # who waits for whom, per epoch (``stats()``)
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
         self._balance = Balance()  # decode_on="auto": both sides' measured rates
         #: What the iterations cost the training process, and where device-side images were
@@ -307,6 +314,26 @@ class ShardLoader:
         is garbage-collected and at exit); the next iteration starts new ones."""
         self._abandon()
         self._res.close()
+
+    def stats(self, *, last: bool = False, all_ranks: bool = False, group=None) -> dict:
+        """Who waits for whom: a flat dict of numbers and short strings for any logger, for the
+        epoch in progress (after it, the one just finished; ``last=True``: the last finished).
+
+        ``wait_s``: the training process's time blocked in ``next()`` after the first batch
+        (``first_wait_s``: the workers' start), ``step_s``: its time between batches,
+        ``wait_share`` = wait / (wait + step) and its ``verdict`` ("not input-bound" under 5%,
+        "partly input-bound" to 20%, "input-bound"), ``images_per_s`` (after the first
+        batch), the per-batch wait's ``wait_p50_s``/``wait_p95_s``/``wait_max_s``; where the
+        workers' time went
+        (``worker_{read,decode,resize,transform,copy,idle}_s`` and ``_share``: summed over the
+        workers; idle is waiting for a free slot, the ring full) and the training process's
+        (``trainer_copy_s``, ``trainer_normalize_s``, ``trainer_device_decode_s``); with
+        ``decode_on="device"``/``"auto"``, the device decodes per path and the CPU fallbacks
+        with their reason. ``all_ranks=True`` (a collective: every rank calls it) adds each
+        rank's ``rank{r}_wait_share``, ``max_wait_share`` and ``slowest_rank`` over
+        ``torch.distributed`` (see docs/loader.md, "Is my training input-bound?")."""
+        out = self._stats.report(last, self)
+        return gather_stats(out, group) if all_ranks else out
 
     @property
     def worker_pids(self) -> list[int]:
