@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,7 +84,6 @@ INDEX_EVERY = 64
 MAX_MANIFEST_BYTES = 512 << 20
 #: Counts and byte sizes above this are damage (2^53: still exact as a JSON number anywhere).
 MAX_COUNT = 2**53
-_HEX = frozenset("0123456789abcdef")
 
 
 class _Bad(Exception):
@@ -132,11 +132,18 @@ def _list(doc: dict, key: str, *, required: bool = True) -> list:
 class ShardEntry:
     """One shard: ``path`` is relative to the manifest's directory (or URL prefix).
 
-    ``index`` (tar only) holds the byte offset of samples 0, ``INDEX_EVERY``, 2 x ``INDEX_EVERY``
-    ...: a worker whose slice starts mid-shard seeks there and hops over at most 63 samples,
-    instead of reading every byte before its first one. ``index_sha256`` (plain tar, optional:
-    older packs have none) is the sha256 of the shard's sample index ``path + ".idx"``, so the
-    manifest's checksums cover the index as they cover the shard.
+    ``index_sha256`` (plain tar, optional: older packs have none) is the sha256 of the shard's
+    sample index ``path + ".idx"``, so the manifest's checksums cover the index as they cover
+    the shard. That index holds every sample's byte offset, so a worker whose slice starts
+    mid-shard seeks there (``formats.sample_index.sample_offset``), and the manifest lists no
+    offsets of its own: opening a dataset costs O(shards) in every process, whatever the
+    sample count.
+
+    ``index`` (a tar shard without ``index_sha256`` only: packs made before the sample index)
+    holds the byte offset of samples 0, ``INDEX_EVERY``, 2 x ``INDEX_EVERY`` ...: such a
+    worker seeks there and hops over at most 63 samples. An older manifest that lists both
+    keeps only ``index_sha256``: the offsets come from the index its sha256 checks, and are not
+    held by every process.
     """
 
     path: str
@@ -153,11 +160,11 @@ class ShardEntry:
             "bytes": self.bytes,
             "sha256": self.sha256,
         }
-        if self.index:
+        if self.index_sha256:  # its offsets are in the sample index this sha256 covers
+            doc["index_sha256"] = self.index_sha256
+        elif self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
-        if self.index_sha256:
-            doc["index_sha256"] = self.index_sha256
         return doc
 
     @classmethod
@@ -166,6 +173,12 @@ class ShardEntry:
         if not isinstance(s, dict):
             raise _Bad(f"a shards item is {type(s).__name__}, not an object")
         path = _name(s.get("path"), "shard path")
+        samples = _count(s.get("samples"), f"shard {path!r} samples")
+        size = _count(s.get("bytes"), f"shard {path!r} bytes")
+        sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
+        if "index_sha256" in s:  # offsets listed beside it (older packs) are not used
+            index_sha = _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
+            return cls(path, samples, size, sha, (), index_sha)
         index: tuple[int, ...] = ()
         if "index" in s:
             if s.get("index_every") != INDEX_EVERY:
@@ -176,19 +189,14 @@ class ShardEntry:
             if not isinstance(raw, list):
                 raise _Bad(f"shard {path!r}: index is not a list")
             index = tuple(_count(x, f"shard {path!r} index entry") for x in raw)
-        samples = _count(s.get("samples"), f"shard {path!r} samples")
-        size = _count(s.get("bytes"), f"shard {path!r} bytes")
-        sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
-        index_sha = (
-            _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
-            if ("index_sha256" in s)
-            else ""
-        )
-        return cls(path, samples, size, sha, index, index_sha)
+        return cls(path, samples, size, sha, index, "")
+
+
+_SHA = re.compile("[0-9a-f]{64}")
 
 
 def _sha(value: Any, what: str) -> str:
-    if not isinstance(value, str) or len(value) != 64 or not all(c in _HEX for c in value):
+    if type(value) is not str or _SHA.fullmatch(value) is None:
         raise _Bad(f"{what} {_short(value)} is not 64 hex digits")
     return value
 
