@@ -3,7 +3,8 @@
 Per shard: size, sha256, the number of samples actually readable, labels within the class list
 (or -1, "no label": a dataset may hold labelled and unlabelled samples, FORMAT.md), the sample
 index beside a tar shard (present where the manifest lists its sha256, that sha256, and equal to
-what the shard's headers give), and with ``decode`` every image through PIL. ``verify_shard``
+what the shard's headers give; an older manifest's sparse offsets, where it lists them, against
+those headers), and with ``decode`` every image through PIL. ``verify_shard``
 takes one local file and one entry; for a URL dataset each shard is fetched to a temporary file
 first, the loop is the same.
 """

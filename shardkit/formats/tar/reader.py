@@ -256,15 +256,14 @@ def iter_tar_records(
     """Yield samples ``[start, stop)`` of a tar shard as Records, grouping members by key.
 
     Reads any readable binary stream front to back in ``chunk``-sized reads; samples before
-    ``start`` are hopped over. With the manifest's sparse ``index`` (byte offsets of samples 0,
-    64, 128, ...) and a seekable stream positioned at the shard's start, it first seeks to the
-    nearest indexed sample, so starting mid-shard reads at most 63 samples too many; ``at``
-    (the byte offset of sample ``start`` itself, from the shard's checked sample index) seeks
-    straight there. A shard
-    named ``.tar.gz``/``.tgz`` is decompressed as it streams and never seeks. ``fields``: the
-    (lowercased) extensions of extra members to carry, raw, in ``Record.fields``. A shard that
-    ends without its end-of-archive blocks, or mid-member, raises ShardFormatError: a truncated
-    copy never passes as a short epoch.
+    ``start`` are hopped over. Given ``at`` (the byte offset of sample ``start`` itself, from
+    the shard's checked sample index) and a seekable stream positioned at the shard's start, it
+    seeks straight there; given an older manifest's sparse ``index`` (byte offsets of samples 0,
+    64, 128, ...), to the nearest indexed sample, so starting mid-shard reads at most 63 samples
+    too many. A shard named ``.tar.gz``/``.tgz`` is decompressed as it streams and never seeks.
+    ``fields``: the (lowercased) extensions of extra members to carry, raw, in
+    ``Record.fields``. A shard that ends without its end-of-archive blocks, or mid-member,
+    raises ShardFormatError: a truncated copy never passes as a short epoch.
     """
     f, name, owned = _open(source)
     shard = shard or name
