@@ -7,8 +7,11 @@ without opening a shard), the class list, and checksums. Plain JSON; FORMAT.md s
 from __future__ import annotations
 
 import json
+import operator
 import os
+import re
 from dataclasses import asdict, dataclass, field
+from itertools import repeat
 from typing import Any
 
 from .errors import ManifestError
@@ -83,7 +86,6 @@ INDEX_EVERY = 64
 MAX_MANIFEST_BYTES = 512 << 20
 #: Counts and byte sizes above this are damage (2^53: still exact as a JSON number anywhere).
 MAX_COUNT = 2**53
-_HEX = frozenset("0123456789abcdef")
 
 
 class _Bad(Exception):
@@ -132,11 +134,18 @@ def _list(doc: dict, key: str, *, required: bool = True) -> list:
 class ShardEntry:
     """One shard: ``path`` is relative to the manifest's directory (or URL prefix).
 
-    ``index`` (tar only) holds the byte offset of samples 0, ``INDEX_EVERY``, 2 x ``INDEX_EVERY``
-    ...: a worker whose slice starts mid-shard seeks there and hops over at most 63 samples,
-    instead of reading every byte before its first one. ``index_sha256`` (plain tar, optional:
-    older packs have none) is the sha256 of the shard's sample index ``path + ".idx"``, so the
-    manifest's checksums cover the index as they cover the shard.
+    ``index_sha256`` (plain tar, optional: older packs have none) is the sha256 of the shard's
+    sample index ``path + ".idx"``, so the manifest's checksums cover the index as they cover
+    the shard. That index holds every sample's byte offset, so a worker whose slice starts
+    mid-shard seeks there (``formats.sample_index.sample_offset``), and the manifest lists no
+    offsets of its own: opening a dataset costs O(shards) in every process, whatever the
+    sample count.
+
+    ``index`` (a tar shard without ``index_sha256`` only: packs made before the sample index)
+    holds the byte offset of samples 0, ``INDEX_EVERY``, 2 x ``INDEX_EVERY`` ...: such a
+    worker seeks there and hops over at most 63 samples. An older manifest that lists both
+    keeps only ``index_sha256``: the offsets come from the index its sha256 checks, and are not
+    held by every process.
     """
 
     path: str
@@ -153,11 +162,11 @@ class ShardEntry:
             "bytes": self.bytes,
             "sha256": self.sha256,
         }
-        if self.index:
+        if self.index_sha256:  # its offsets are in the sample index this sha256 covers
+            doc["index_sha256"] = self.index_sha256
+        elif self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
-        if self.index_sha256:
-            doc["index_sha256"] = self.index_sha256
         return doc
 
     @classmethod
@@ -166,6 +175,12 @@ class ShardEntry:
         if not isinstance(s, dict):
             raise _Bad(f"a shards item is {type(s).__name__}, not an object")
         path = _name(s.get("path"), "shard path")
+        samples = _count(s.get("samples"), f"shard {path!r} samples")
+        size = _count(s.get("bytes"), f"shard {path!r} bytes")
+        sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
+        if "index_sha256" in s:  # offsets listed beside it (older packs) are not used
+            index_sha = _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
+            return cls(path, samples, size, sha, (), index_sha)
         index: tuple[int, ...] = ()
         if "index" in s:
             if s.get("index_every") != INDEX_EVERY:
@@ -176,19 +191,62 @@ class ShardEntry:
             if not isinstance(raw, list):
                 raise _Bad(f"shard {path!r}: index is not a list")
             index = tuple(_count(x, f"shard {path!r} index entry") for x in raw)
-        samples = _count(s.get("samples"), f"shard {path!r} samples")
-        size = _count(s.get("bytes"), f"shard {path!r} bytes")
-        sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
-        index_sha = (
-            _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
-            if ("index_sha256" in s)
-            else ""
-        )
-        return cls(path, samples, size, sha, index, index_sha)
+        return cls(path, samples, size, sha, index, "")
+
+
+_SHA = re.compile("[0-9a-f]{64}")
+_HEX_RUN = re.compile("[0-9a-f]*")
+_COLUMNS = operator.itemgetter("path", "samples", "bytes", "sha256")
+
+
+def _entries(items: list) -> list[ShardEntry]:
+    plain = _plain_entries(items)
+    return [ShardEntry.from_dict(s) for s in items] if plain is None else plain
+
+
+def _plain_entries(items: list) -> list[ShardEntry] | None:
+    """``items`` checked column by column, in C loops, not a dozen calls a shard: the shape
+    every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` or
+    not), which a 40,000-shard dataset opens in every process. None where any item is not of
+    that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
+    problem (the same checks, so the same manifests pass)."""
+    if not items:
+        return []
+    if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5}:
+        return None
+    try:
+        paths, counts, sizes, shas = map(list, zip(*map(_COLUMNS, items), strict=True))
+    except KeyError:
+        return None
+    index_shas = list(map(dict.get, items, repeat("index_sha256"), repeat("")))
+    listed = [x for x in index_shas if x != ""]
+    if len(listed) != len(items) - list(map(len, items)).count(4):  # a fifth key, not it
+        return None
+    if set(map(type, paths)) | set(map(type, shas)) | set(map(type, listed)) != {str}:
+        return None
+    if set(map(type, counts)) | set(map(type, sizes)) != {int}:
+        return None
+    if min(min(counts), min(sizes)) < 0 or max(max(counts), max(sizes)) > MAX_COUNT:
+        return None
+    if not _plain_text(paths, shas, listed):
+        return None
+    return list(map(ShardEntry, paths, counts, sizes, shas, [()] * len(paths), index_shas))
+
+
+def _plain_text(paths: list, shas: list, listed: list) -> bool:
+    """Whether every path is a plain name and every sha256 64 lowercase hex digits."""
+    names = "\0".join(paths)
+    if "/" in names or "\\" in names or names.count("\0") != len(paths) - 1:
+        return False
+    if not {"", ".", ".."}.isdisjoint(paths):
+        return False
+    if set(map(len, shas)) | set(map(len, listed)) != {64}:
+        return False
+    return bool(_HEX_RUN.fullmatch("".join(shas)) and _HEX_RUN.fullmatch("".join(listed)))
 
 
 def _sha(value: Any, what: str) -> str:
-    if not isinstance(value, str) or len(value) != 64 or not all(c in _HEX for c in value):
+    if type(value) is not str or _SHA.fullmatch(value) is None:
         raise _Bad(f"{what} {_short(value)} is not 64 hex digits")
     return value
 
@@ -266,7 +324,7 @@ class Manifest:
                 f"reads version {MANIFEST_VERSION}); upgrade shardkit or re-pack"
             )
         try:
-            shards = [ShardEntry.from_dict(s) for s in _list(doc, "shards")]
+            shards = _entries(_list(doc, "shards"))
             skipped = [
                 SkippedFile.from_dict(item) for item in _list(doc, "skipped", required=False)
             ]

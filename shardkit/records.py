@@ -38,8 +38,9 @@ class ShardInfo:
     resolution through planning and reading to the storage that fetches it.
 
     ``samples`` and ``bytes`` are ``UNKNOWN`` and ``sha256`` empty when no manifest describes the
-    shard (the dataset counts its samples; remote storage then cannot verify it). ``index`` is the
-    manifest's sparse byte-offset index (tar), so a reader starting mid-shard can seek.
+    shard (the dataset counts its samples; remote storage then cannot verify it). ``index`` is an
+    older manifest's sparse byte-offset index (tar without ``index_sha256``), so a reader
+    starting mid-shard can seek; a shard with ``index_sha256`` seeks through its sample index.
     """
 
     url: str

@@ -37,6 +37,7 @@ __all__ = [
     "key_hash",
     "key_hashes",
     "load_index",
+    "sample_offset",
 ]
 
 #: The index of shard ``X`` is the file ``X + INDEX_SUFFIX`` beside it.
@@ -435,3 +436,34 @@ def decode_columns(
         warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
         return None
     return IndexColumns(offsets, hashes)
+
+
+def sample_offset(
+    path: str, i: int, samples: int, size: int, sha256: str, index_sha256: str
+) -> int | None:
+    """The byte offset of sample ``i`` of the local tar shard ``path`` (``samples``, ``size``
+    and ``sha256`` as its manifest entry gives them), from the index beside it: where a reader
+    starting mid-shard seeks, instead of reading every byte before it.
+
+    Used only once the whole index file's sha256 is the entry's ``index_sha256`` (the offsets
+    are bytes this reader did not just read: one flipped byte would start the slice at another
+    sample), and its head names the shard; None otherwise (no index, another one, damaged: a
+    warning names a damaged or stale one), and the reader reads the shard from its start. One
+    read of the file (16 to 40 bytes a sample) and its sha256, per slice: never more than the
+    samples it saves reading."""
+    if not index_sha256 or not 0 <= i < samples:
+        return None
+    where = index_path(path)
+    data = read_local(where)
+    if data is None:
+        return None
+    if hashlib.sha256(data).hexdigest() != index_sha256:
+        warnings.warn(
+            f"{where}: stale or damaged sample index (its sha256 differs from the manifest's "
+            f"index_sha256); reading the shard from its start instead; {_REBUILD}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    cols = decode_columns(data[: columns_size(samples)], where, samples, size, sha256)
+    return None if cols is None else int(cols.offsets[i])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import posixpath
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -217,7 +216,7 @@ def dataset_facts(
     The fingerprint covers shard file names (not directories: a dataset moved or mounted
     elsewhere still resumes) and their sample counts, in order.
     """
-    names = [posixpath.basename(u.replace("\\", "/").rstrip("/")) for u in urls]
+    names = [u.replace("\\", "/").rstrip("/").rpartition("/")[2] for u in urls]
     blob = json.dumps([shard_format, names, [int(c) for c in counts]]).encode()
     return {
         "shards": len(urls),

@@ -206,8 +206,11 @@ def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
     if not manifest.shards:
         raise ManifestError(f"{manifest_path}: lists no shards; the pack was empty, re-pack")
     base = fs.dirname(manifest_path)
-    urls = [fs.join(base, e.path) for e in manifest.shards]
-    _check_unique(urls, manifest_path)
+    if fs.remote:
+        urls = [fs.join(base, e.path) for e in manifest.shards]
+    else:  # plain names (the manifest checks them), unique: one prefix, no join each
+        prefix = os.path.join(base, "")
+        urls = [prefix + e.path for e in manifest.shards]
     _check_exist(fs, urls)
     return ShardSource(
         shards=tuple(_info(u, e) for u, e in zip(urls, manifest.shards, strict=True)),

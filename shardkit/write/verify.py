@@ -3,7 +3,8 @@
 Per shard: size, sha256, the number of samples actually readable, labels within the class list
 (or -1, "no label": a dataset may hold labelled and unlabelled samples, FORMAT.md), the sample
 index beside a tar shard (present where the manifest lists its sha256, that sha256, and equal to
-what the shard's headers give), and with ``decode`` every image through PIL. ``verify_shard``
+what the shard's headers give; an older manifest's sparse offsets, where it lists them, against
+those headers), and with ``decode`` every image through PIL. ``verify_shard``
 takes one local file and one entry; for a URL dataset each shard is fetched to a temporary file
 first, the loop is the same.
 """
@@ -32,9 +33,10 @@ from ..formats.sample_index import (
     index_path,
     read_local,
 )
+from ..formats.tar.tally import tally_tar
 from ..fsutil import HashingReader, open_regular
 from ..images.checks import decode_error
-from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest
+from ..manifest import INDEX_EVERY, MANIFEST_NAME, Manifest, ShardEntry, read_manifest
 from ..paths import check_dataset_path
 from ..records import ShardInfo
 from ..stream.storage import LocalStorage
@@ -319,6 +321,24 @@ def index_problems(path: str, entry: ShardEntry, data: bytes | None, fix: str) -
     return [f"{'; '.join(problems)}; {fix}"] if problems else []
 
 
+def offset_problems(path: str, entry: ShardEntry, fix: str) -> list[str]:
+    """Where an older manifest's sparse offsets (``index``, read only where the entry has no
+    ``index_sha256``) are not the byte offsets of those samples' first headers in the local
+    tar shard ``path`` (one more pass, over headers only): a reader starting mid-shard seeks
+    there, and would start at another sample."""
+    if not entry.index:
+        return []
+    got = tally_tar(path, shard=entry.path).index  # as many as the manifest's (it checks)
+    wrong = [k for k, (a, b) in enumerate(zip(entry.index, got, strict=False)) if a != b]
+    if not wrong:
+        return []
+    k = wrong[0]
+    return [
+        f"offset index: entry {k} (sample {k * INDEX_EVERY}) is not where that sample starts "
+        f"in the shard; {fix}"
+    ]
+
+
 def verify(
     out: str,
     *,
@@ -356,6 +376,7 @@ def verify(
             problems, n = verify_shard(path, entry, fmt, decode=decode, num_classes=num_classes)
             if not problems and fmt.name == "tar" and entry.path.endswith(".tar"):
                 problems = index_problems(path, entry, read_index(entry), fix)
+                problems += offset_problems(path, entry, fix)
             return problems, n
 
     bad: list[ShardProblem] = []

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ...manifest import INDEX_EVERY
 from ...records import Record, ShardInfo
+from ...urls import is_url
 from ..base import ShardFormat
+from ..sample_index import sample_offset
 from .reader import iter_tar_records
 from .tally import count_tar_samples
 from .writer import TarShardWriter, TarSizer
@@ -45,11 +48,32 @@ class TarFormat(ShardFormat):
         stop: int | None = None,
         fields: Sequence[str] = (),
     ) -> Iterator[Record]:
+        at = _seek_point(shard, start)
         with storage.open(shard) as stream:  # a generator: opened on the first sample asked
             yield from iter_tar_records(
-                stream, shard=shard.url, start=start, stop=stop, index=shard.index, fields=fields
+                stream,
+                shard=shard.url,
+                start=start,
+                stop=stop,
+                index=shard.index,
+                fields=fields,
+                at=at,
             )
 
     def count(self, storage: Any, shard: ShardInfo) -> int:
         with storage.open(shard) as stream:
             return count_tar_samples(stream, shard=shard.url)
+
+
+def _seek_point(shard: ShardInfo, start: int) -> int | None:
+    """Where sample ``start`` of ``shard`` begins, from its sample index (checked against the
+    manifest's ``index_sha256``), for a slice that starts past the first ``INDEX_EVERY``
+    samples of a local plain tar whose manifest lists no offsets of its own; None: seek by the
+    manifest's ``index`` (older packs), or read from the start. A remote shard is read whole
+    into memory (or the cache) before its first sample, so hopping there costs no transfer."""
+    if start < INDEX_EVERY or shard.index or not shard.index_sha256:
+        return None
+    url = shard.url.removeprefix("file://")
+    if not url.endswith(".tar") or is_url(url):
+        return None
+    return sample_offset(url, start, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)

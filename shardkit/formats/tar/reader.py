@@ -251,29 +251,34 @@ def iter_tar_records(
     index: Sequence[int] = (),
     fields: Sequence[str] = (),
     chunk: int = 4 << 20,
+    at: int | None = None,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)`` of a tar shard as Records, grouping members by key.
 
     Reads any readable binary stream front to back in ``chunk``-sized reads; samples before
-    ``start`` are hopped over. With the manifest's sparse ``index`` (byte offsets of samples 0,
-    64, 128, ...) and a seekable stream positioned at the shard's start, it first seeks to the
-    nearest indexed sample, so starting mid-shard reads at most 63 samples too many. A shard
-    named ``.tar.gz``/``.tgz`` is decompressed as it streams and never seeks. ``fields``: the
-    (lowercased) extensions of extra members to carry, raw, in ``Record.fields``. A shard that
-    ends without its end-of-archive blocks, or mid-member, raises ShardFormatError: a truncated
-    copy never passes as a short epoch.
+    ``start`` are hopped over. Given ``at`` (the byte offset of sample ``start`` itself, from
+    the shard's checked sample index) and a seekable stream positioned at the shard's start, it
+    seeks straight there; given an older manifest's sparse ``index`` (byte offsets of samples 0,
+    64, 128, ...), to the nearest indexed sample, so starting mid-shard reads at most 63 samples
+    too many. A shard named ``.tar.gz``/``.tgz`` is decompressed as it streams and never seeks.
+    ``fields``: the (lowercased) extensions of extra members to carry, raw, in
+    ``Record.fields``. A shard that ends without its end-of-archive blocks, or mid-member,
+    raises ShardFormatError: a truncated copy never passes as a short epoch.
     """
     f, name, owned = _open(source)
     shard = shard or name
     first = offset = 0
     k = start // INDEX_EVERY
     gz = is_gzip_name(shard)
-    if k and k < len(index) and not gz:
+    if at is not None and start and not gz:
+        first, offset = start, at
+    elif k and k < len(index) and not gz:
+        first, offset = k * INDEX_EVERY, index[k]
+    if offset:
         try:
-            f.seek(index[k])
-            first, offset = k * INDEX_EVERY, index[k]
+            f.seek(offset)
         except (AttributeError, OSError, io.UnsupportedOperation):
-            pass  # not seekable: hop from the start
+            first = offset = 0  # not seekable: hop from the start
     want = frozenset(x.lower().encode() for x in fields)
     b = None
     try:
