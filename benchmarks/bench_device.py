@@ -125,7 +125,7 @@ def tests(args) -> dict:
 
 
 def probe(args) -> dict:
-    nv = dev._nvimgcodec()
+    nv = dev.nvimgcodec()
     bufs, boxes, _ = _records(args.shards, args.batch)
     kinds = nv.BackendKind
     lists = {
@@ -227,7 +227,7 @@ def pipeline(args) -> dict:
         row: dict = {
             "backend": decoder.backend,
             "options": decoder.options,
-            "memcpy2d": decoder._copier is not None,
+            "memcpy2d": decoder.memcpy2d,
         }
         for dtype in (torch.float16, torch.float32):
 
@@ -327,7 +327,7 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
         "process_cpu_us_per_image": proc / images * 1e6,
         "feed_counts": ld.feed_counts.as_dict(),
         "feed_counts_at_start": counts0,
-        "share_to_workers": ld._balance.sent if ld.decode_on == "auto" else None,
+        "share_to_workers": ld.balance.sent if ld.decode_on == "auto" else None,
         "repr": repr(ld),
     }
 

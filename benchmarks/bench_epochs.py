@@ -5,7 +5,7 @@ workers filling the next epoch ahead.
 ShardLoader alone (no model), LFW-shaped full decode (250x250) to uint8 batches of ``--batch``
 on ``--workers`` workers: short epochs of ``--short`` batches against long epochs of ``--long``
 batches, many epochs back to back (``set_epoch`` each), with filling ahead (the default) and
-without (``loader._overlap_epochs = False``). The four sides are interleaved round by round (a
+without (``loader.overlap_epochs = False``). The four sides are interleaved round by round (a
 fresh loader per side and round, whose first epoch starts the workers and is not timed), so a
 busy machine moves every side alike; each side runs about the same number of batches per round.
 Reported per side: images/s over all its epochs, boundaries included (median over rounds), and
@@ -61,7 +61,7 @@ def run_side(shards: Path, batch: int, workers: int, epochs: int, overlap: bool)
     """``epochs`` epochs back to back after an untimed first one: images/s and first waits."""
     ds = ShardDataset(str(shards), decode="tensor")
     loader = ShardLoader(ds, batch, num_workers=workers)
-    loader._overlap_epochs = overlap
+    loader.overlap_epochs = overlap
     loader.set_epoch(0)
     for _ in loader:  # starts the workers
         pass

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from shardkit.bench.config import BenchConfig  # noqa: E402
 from shardkit.bench.pagecache import evict_until_cold  # noqa: E402
-from shardkit.bench.runner import _prepare, _run  # noqa: E402
+from shardkit.bench.runner import prepare, run_prepared  # noqa: E402
 from shardkit.bench.sources import plan_sources  # noqa: E402
 
 CONFIGS = [("tar", 2), ("folder", 2), ("tar", 8), ("tar", 0)]
@@ -47,16 +47,16 @@ def main() -> None:
         data=args.data, formats=("folder", "tar"), workers=(0, 2, 8), mode="decode"
     ).resolved()
     sources, _ = plan_sources(base)
-    prep = _prepare(base, sources)
+    prep = prepare(base, sources)
     runs: dict[str, list[tuple[float, int, float]]] = {}
     load0, t0 = os.getloadavg(), time.time()
-    _run(replace(base, batches=5, max_seconds=0.2, min_seconds=0.0), prep, "tar", 0, -1)
+    run_prepared(replace(base, batches=5, max_seconds=0.2, min_seconds=0.0), prep, "tar", 0, -1)
     for r in range(args.repeats):
         for length in lengths:
             cfg = replace(base, min_samples=0, min_seconds=length, max_seconds=length)
             for fmt, w in CONFIGS:
                 evict_until_cold(prep.paths[fmt])
-                res, _ = _run(cfg, prep, fmt, w, r)
+                res, _ = run_prepared(cfg, prep, fmt, w, r)
                 runs.setdefault(f"{fmt}:{w}:{length:g}", []).append(
                     (res.samples_per_s, res.timed_samples, res.wall_s)
                 )

@@ -20,18 +20,12 @@ whose shards have it deleted (through the ``lmdb`` package: an older pack's read
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
-import subprocess
-import sys
 import time
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
 CHILD = r"""
 import json, os, resource, sys, time, warnings
@@ -72,89 +66,25 @@ print(json.dumps(out))
 """
 
 
-def _jpeg() -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    arr = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "JPEG", quality=85)
-    return buf.getvalue()
-
-
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
-    """N samples packed with indexes, and the same shards without them (hard links; LMDB: a
-    copy with the record deleted)."""
-    from shardkit import ShardWriter
-
-    tag = "" if fmt == "tar" else f"-{fmt}"
-    packed, bare = out / f"n{n}{tag}", out / f"n{n}{tag}-noindex"
-    if not (packed / "manifest.json").exists():
-        data = _jpeg()
-        rng = __import__("numpy").random.default_rng(0)
-        labels = rng.integers(0, 1000, n)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with ShardWriter(
-                str(packed),
-                shard_size="5MB",
-                format=fmt,
-                classes=[f"n{c:08d}" for c in range(1000)],
-            ) as w:
-                for i in range(n):
-                    c = int(labels[i])
-                    w.add(f"n{c:08d}/n{c:08d}_{i}", "jpg", data, c)
-    if fmt == "lmdb" and not bare.exists():
-        _without_records(packed, bare)
-    elif not bare.exists():
-        bare.mkdir()
-        for name in os.listdir(packed):
-            if not name.endswith(".idx"):
-                os.link(packed / name, bare / name)
+    """N samples packed with indexes, and the same shards without them (``data.scale_set``)."""
+    packed, bare = data.scale_set(n, out, fmt)
     return str(packed), str(bare)
 
 
-def _without_records(packed: Path, bare: Path) -> None:
-    """A copy of an LMDB pack whose shards have no index record: what an older pack reads."""
-    import shutil
-
-    import lmdb
-
-    from shardkit.formats.lmdb_index import INDEX_KEY
-
-    tmp = bare.with_name(bare.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(packed, tmp)
-    for name in os.listdir(tmp):
-        if name.endswith(".lmdb"):
-            env = lmdb.open(str(tmp / name), subdir=False, lock=False)
-            with env.begin(write=True) as txn:
-                txn.delete(INDEX_KEY)
-            env.close()
-    os.replace(tmp, bare)
-
-
 def child(what: str, where: str, key: str = "") -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, what, where, key],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.in_child(harness.ROOT, CHILD, what, where, key)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, rounds=1, against=False)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/shardkit-scale"))
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
-    args = ap.parse_args()
+    args = harness.parse(ap, smoke={"n": [500]})
+    args.out = args.out or data.root() / "scale"
     results = []
     for n in args.n:
         t0 = time.perf_counter()
@@ -165,26 +95,33 @@ def main() -> None:
         from shardkit import ShardView
 
         key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
-        row = {"n": n, "dataset_bytes": total, "make_s": made, "load_before": os.getloadavg()}
+        row = {"n": n, "dataset_bytes": total, "make_s": made}
+        row["load_before"] = harness.Load.now(harness.cores()).as_dict()
         row["format"] = args.format
         whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
         whats = [w for w in whats if args.what is None or w in args.what]
-        for what in whats:
-            for side, where in (("index", packed), ("no_index", bare)):
-                row[f"{what}/{side}"] = child(what, where, key)
-        row["load_after"] = os.getloadavg()
+        sides = {
+            f"{what}/{side}": (lambda r, what=what, where=where, key=key: child(what, where, key))
+            for what in whats
+            for side, where in (("index", packed), ("no_index", bare))
+        }
+        rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
+        for k, runs in rounds.results.items():  # the median run by seconds; all in "runs"
+            row[k] = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
+        row["runs"] = rounds.results
+        row["loads"] = [x.as_dict() for x in rounds.loads]
+        row["load_after"] = harness.Load.now(harness.cores()).as_dict()
         results.append(row)
         _print(row)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+    harness.write_result(args.json, "bench_scale", args, {"rows": results})
 
 
 def _print(row: dict) -> None:
     n = row["n"]
     print(
         f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of {row.get('format', 'tar')} "
-        f"(made in {row['make_s']:.0f} s); load {row['load_before']} -> {row['load_after']}"
+        f"(made in {row['make_s']:.0f} s); load {row['load_before']['load_1m']} -> "
+        f"{row['load_after']['load_1m']}"
     )
     base = next(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
     print(f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch")

@@ -308,8 +308,8 @@ def train(args) -> dict:
             rows[feeder] = _steps(model, opt, batches, device, args.batch, args.steps)
             if "loader" in sink:  # ShardLoader: where images were decoded, the trainer's CPU
                 rows[feeder]["feed"] = sink["loader"].feed_counts.as_dict()
-                if hasattr(sink["loader"], "_balance") and " auto" in feeder:
-                    rows[feeder]["share_to_workers"] = sink["loader"]._balance.sent
+                if hasattr(sink["loader"], "balance") and " auto" in feeder:
+                    rows[feeder]["share_to_workers"] = sink["loader"].balance.sent
             print(
                 f"  {name:9s} {feeder:12s} {rows[feeder]['images_per_s']:8.0f} img/s  "
                 f"waiting {rows[feeder]['wait_share']:.3f} of step time  "
