@@ -686,7 +686,7 @@ def main() -> None:
     only = set(args.only or ["a", "b", "memory"])
     torch.set_num_threads(1)  # the caller's thread only consumes; decoding runs elsewhere
     warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
-    out: dict = {"load_start": harness.Load.now(harness.cores()).as_dict(), "batch_size": BATCH}
+    out: dict = {"load_start": harness.load_now().as_dict(), "batch_size": BATCH}
     out["workers"] = WORKERS
     if "a" in only or "memory" in only:
         if args.ffcv_bytes:

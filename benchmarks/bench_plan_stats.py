@@ -89,7 +89,7 @@ def main() -> None:
 
 
 def report(results: dict, engines: list[str], sources: dict) -> None:
-    load = harness.Load.now(harness.cores())
+    load = harness.load_now()
     print(f"load average {load.text()}; {load.cpu_count} CPUs")
     print(
         f"{'source engine':<16}{'files':>9}{'scan cpu':>10}{'stat cpu':>10}{'plan cpu':>10}"

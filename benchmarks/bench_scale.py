@@ -96,7 +96,7 @@ def main() -> None:
 
         key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
         row = {"n": n, "dataset_bytes": total, "make_s": made}
-        row["load_before"] = harness.Load.now(harness.cores()).as_dict()
+        row["load_before"] = harness.load_now().as_dict()
         row["format"] = args.format
         whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
         whats = [w for w in whats if args.what is None or w in args.what]
@@ -110,7 +110,7 @@ def main() -> None:
             row[k] = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
         row["runs"] = rounds.results
         row["loads"] = [x.as_dict() for x in rounds.loads]
-        row["load_after"] = harness.Load.now(harness.cores()).as_dict()
+        row["load_after"] = harness.load_now().as_dict()
         results.append(row)
         _print(row)
     harness.write_result(args.json, "bench_scale", args, {"rows": results})

@@ -99,7 +99,7 @@ def main() -> None:
 
 
 def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: int) -> None:
-    load = harness.Load.now(harness.cores())
+    load = harness.load_now()
     print(f"load average {load.text()}; {load.cpu_count} CPUs")
     print(f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'pack s':>9}{'pack MB':>9}")
     for key, res in results.items():

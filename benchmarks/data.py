@@ -22,6 +22,8 @@ __all__ = [
     "imagenet",
     "jpeg_bytes",
     "lfw",
+    "lfw_with_captions",
+    "lfw_with_masks",
     "packed",
     "root",
     "scale_set",
@@ -59,6 +61,36 @@ def lfw(tree: Path | None = None, scale: float | None = None) -> Path:
         say(f"making {tree} ...")
         make_lfw(str(tree), scale=scale)
     return tree
+
+
+def lfw_with_captions(where: Path | None = None, scale: float = 0.15) -> Path:
+    """An LFW-shaped tree with a ``.txt`` caption and a ``.json`` record beside every image,
+    packed; returns the pack."""
+    where = Path(where) if where else root() / f"lfw-fields-{scale}"
+    tree = where / "tree"
+    if not tree.exists():
+        lfw(tree, scale)
+        for i, image in enumerate(sorted(tree.rglob("*.jpg"))):
+            stem = image.with_suffix("")
+            Path(f"{stem}.txt").write_text(f"a photo of {image.parent.name}, number {i}")
+            Path(f"{stem}.json").write_text(json.dumps({"i": i, "person": image.parent.name}))
+    return packed(tree, where / "packed")
+
+
+def lfw_with_masks(where: Path | None = None, scale: float = 0.15) -> Path:
+    """An LFW-shaped tree with a ``.seg.png`` mask (4 levels of the image's grey) beside every
+    image, packed; returns the pack."""
+    from PIL import Image
+
+    where = Path(where) if where else root() / f"lfw-masks-{scale}"
+    tree = where / "tree"
+    if not tree.exists():
+        lfw(tree, scale)
+        for image in sorted(tree.rglob("*.jpg")):
+            with Image.open(image) as img:
+                mask = img.convert("L").point(lambda v: v // 64)
+            mask.save(f"{image.with_suffix('')}.seg.png")
+    return packed(tree, where / "packed")
 
 
 def packed(src: Path, out: Path | None = None, **pack_kw) -> Path:

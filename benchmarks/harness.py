@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -39,9 +41,27 @@ for _p in (str(HERE), str(ROOT)):  # run from a checkout without install
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from shardkit.bench.results import Load  # noqa: E402
-from shardkit.bench.runner import cores, machine_facts  # noqa: E402
-from shardkit.bench.stats import Comparison, welch  # noqa: E402
+if TYPE_CHECKING:
+    from shardkit.bench.results import Load
+    from shardkit.bench.stats import Comparison
+
+# shardkit.bench's parts are imported when first used, not here: shardkit.bench imports torch,
+# and bench_device.py imports torchvision before torch, as training scripts do.
+
+
+def cores() -> int:
+    """CPUs this process may run on (``shardkit.bench.runner.cores``)."""
+    from shardkit.bench.runner import cores as bench_cores
+
+    return bench_cores()
+
+
+def load_now() -> Load:
+    """The load average and CPU counts now (``shardkit.bench.results.Load``)."""
+    from shardkit.bench.results import Load
+
+    return Load.now(cores())
+
 
 __all__ = [
     "ROOT",
@@ -49,11 +69,13 @@ __all__ = [
     "Rounds",
     "ceiling",
     "ceiling_at_once",
+    "cores",
     "cpu_seconds",
     "in_child",
     "interleave",
     "available",
     "live_cpu_seconds",
+    "load_now",
     "parse",
     "parser",
     "say",
@@ -125,6 +147,9 @@ class Rounds:
         return statistics.median(self.ratios(a, b, key))
 
     def welch(self, a: str, b: str, key: str = "rate") -> Comparison:
+        """Welch's t-test of the two contenders' values (``shardkit.bench.stats.welch``)."""
+        from shardkit.bench.stats import welch
+
         return welch(self.values(a, key), self.values(b, key))
 
     def load_text(self) -> str:
@@ -147,17 +172,21 @@ def interleave(
     first: Sequence[str] = (),
 ) -> Rounds:
     """Run every contender once per round; ``order``: "rotate" (each goes first in turn),
-    "reverse" (the order flips every round: for two contenders the same thing) or "fixed"
-    (the given order every round). ``first``: contenders that open every round, before the
-    others' order (a ceiling the round's other figures divide by)."""
+    "reverse" (the order flips every round: for two contenders the same thing), "shuffle"
+    (a random order seeded by the round) or "fixed" (the given order every round).
+    ``first``: contenders that open every round, before the others' order (a ceiling the
+    round's other figures divide by)."""
     names = [n for n in contenders if n not in first]
     out = Rounds([*first, *names], {n: [] for n in contenders})
     for r in range(rounds):
-        out.loads.append(Load.now(cores()))
+        out.loads.append(load_now())
         if order == "rotate":
             now = names[r % len(names) :] + names[: r % len(names)]
         elif order == "reverse":
             now = names if r % 2 == 0 else names[::-1]
+        elif order == "shuffle":  # seeded by the round: the same orders every run
+            now = list(names)
+            random.Random(r).shuffle(now)
         else:
             now = list(names)
         now = [*first, *now]
@@ -359,12 +388,14 @@ def write_result(
     rounds: Rounds | None = None,
 ) -> dict:
     """One schema: ``{schema, benchmark, args, machine, load_end, rounds, result}``."""
+    from shardkit.bench.runner import machine_facts
+
     doc = {
         "schema": SCHEMA,
         "benchmark": name,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine_facts(),
-        "load_end": Load.now(cores()).as_dict(),
+        "load_end": load_now().as_dict(),
         "rounds": rounds.as_dict() if rounds is not None else None,
         "result": result,
     }
