@@ -75,7 +75,9 @@ def bench_mixture(data: dict, repeats: int, workers: int, batch: int) -> dict:
         return ShardLoader(ds, batch_size=batch, num_workers=workers)
 
     def mixed():
-        ds = ShardDataset([Source(data["a"]), Source(data["b"])], decode="tensor", seed=1)
+        ds = ShardDataset(
+            [Source(data["a"]), Source(data["b"])], decode="tensor", seed=1, labels="union"
+        )
         return ShardLoader(ds, batch_size=batch, num_workers=workers)
 
     counts = {}

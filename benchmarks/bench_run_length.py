@@ -25,7 +25,7 @@ import numpy as np
 from shardkit.bench.config import BenchConfig
 from shardkit.bench.pagecache import evict_until_cold
 from shardkit.bench.runner import prepare, run_prepared
-from shardkit.bench.sources import plan_sources
+from shardkit.bench.sources import packed_skips, plan_sources
 
 CONFIGS = [("tar", 2), ("folder", 2), ("tar", 8), ("tar", 0)]
 
@@ -42,10 +42,14 @@ def main() -> None:
         data.lfw(Path(args.data), 0.01)
     lengths = [float(x) for x in args.lengths.split(",")]
     base = BenchConfig(
-        data=args.data, formats=("folder", "tar"), workers=(0, 2, 8), mode="decode"
+        data=args.data,
+        formats=("folder", "tar"),
+        workers=(0, 2, 8),
+        mode="decode",
+        batch_size=4 if args.smoke else 64,
     ).resolved()
-    sources, _ = plan_sources(base)
-    prep = prepare(base, sources)
+    sources, folder = plan_sources(base)
+    prep = prepare(base, sources, packed_skips(sources, folder))
     t0 = time.time()
     run_prepared(replace(base, batches=5, max_seconds=0.2, min_seconds=0.0), prep, "tar", 0, -1)
 
