@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -544,7 +543,7 @@ def main() -> None:
         "cpus": usable_cpus(),
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
-        "load_start": os.getloadavg(),
+        "load_start": harness.loadavg(),
     }
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()

@@ -10,7 +10,7 @@ fresh loader per side and round, whose first epoch starts the workers and is not
 busy machine moves every side alike; each side runs about the same number of batches per round.
 Reported per side: images/s over all its epochs, boundaries included (median over rounds), and
 the mean wait for an epoch's first batch; per mode, short / long (the goal with filling ahead, on
-2 cores: >= 0.95); and the load average before and after every round (``os.getloadavg``): on a
+2 cores: >= 0.95); and the load average before and after every round (``harness.loadavg``): on a
 shared machine, read the figures with it.
 
     python benchmarks/bench_epochs.py --lfw /tmp/bl/lfw --rounds 5

@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     smoke = {"lfw": makers.root() / "lfw-smoke", "lfw_scale": 0.01, "batch_size": 8}
     args = harness.parse(ap, smoke=smoke, argv=argv)
     args.repeats = args.rounds = args.repeats or args.rounds
-    load_before = os.getloadavg()
+    load_before = harness.loadavg()
     data = _data(args.lfw, args.lfw_scale)
     result: dict = {"cpus": os.cpu_count(), "workers": args.workers, "batch": args.batch_size}
     only = set(args.only or ["a", "b"])
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         result["random_access"] = bench_random_access(
             data, args.repeats, args.workers, args.batch_size
         )
-    result["loadavg"] = {"before": load_before, "after": os.getloadavg()}
+    result["loadavg"] = {"before": load_before, "after": harness.loadavg()}
     _print(result)
     harness.write_result(args.json, "bench_mix", args, result)
     return 0

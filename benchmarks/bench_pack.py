@@ -299,7 +299,7 @@ def _engines(args) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     cmds = _engine_commands(src, work, shard_size, args.processes)
     names = list(cmds)
-    load0 = os.getloadavg()
+    load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats; "
         f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
@@ -324,7 +324,7 @@ def _engines(args) -> int:
             flush=True,
         )
     _clean(work)
-    load1 = os.getloadavg()
+    load1 = harness.loadavg()
     speedups = {
         f"{base}{r}": [run[f"{base}{r}"] / run[f"local{r}"] for run in runs]
         for base in ("pack-t1", "pack-t2")
@@ -365,7 +365,7 @@ def _engines(args) -> int:
 def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     cmds = _ray_commands(src, work, shard_size, args.processes, scratch)
     names = list(cmds)
-    load0 = os.getloadavg()
+    load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
         f"{args.repeats} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
@@ -387,7 +387,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
             flush=True,
         )
     _clean(work)
-    load1 = os.getloadavg()
+    load1 = harness.loadavg()
     over = [r["ray"] - r["local"] for r in runs]
     ratio = [r["ray"] / r["local"] for r in runs]
     summary = {

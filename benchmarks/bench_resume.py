@@ -63,7 +63,7 @@ def main() -> None:
     k = int(batches * args.at)
     probe.set_epoch(args.epoch)
     state = probe.state_dict(batches=k, num_workers=args.workers)
-    load_before = os.getloadavg()
+    load_before = harness.loadavg()
 
     def fresh_epoch(r: int) -> float:
         ds = make(args)
@@ -89,7 +89,7 @@ def main() -> None:
             next(it)
         naive = time.perf_counter() - t0
         del it
-    load_after = os.getloadavg()
+    load_after = harness.loadavg()
 
     f_med, r_med = statistics.median(fresh), statistics.median(resumed)
     print(f"{probe!r}")

@@ -481,7 +481,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     if args.other_loader:
         bench_loader.load_other_loader(args.other_loader)
-    result: dict = {"load_start": os.getloadavg(), "cpus": usable_cpus()}
+    result: dict = {"load_start": harness.loadavg(), "cpus": usable_cpus()}
     if args.scaling:
         result["scaling"] = scaling(args)
         plot(result["scaling"], args.plot)

@@ -76,6 +76,7 @@ __all__ = [
     "available",
     "live_cpu_seconds",
     "load_now",
+    "loadavg",
     "parse",
     "parser",
     "say",
@@ -90,6 +91,12 @@ SCHEMA = 1
 def say(*parts) -> None:
     """Progress on stderr (stdout carries the table a user reads)."""
     print(*parts, file=sys.stderr, flush=True)
+
+
+def loadavg() -> tuple[float, float, float]:
+    """The 1, 5 and 15 minute load averages now, as ``os.getloadavg`` gives them."""
+    x = load_now()
+    return (x.load_1m, x.load_5m, x.load_15m)
 
 
 # --- CPU seconds -------------------------------------------------------------------------------
