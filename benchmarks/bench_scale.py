@@ -1,26 +1,40 @@
 #!/usr/bin/env python3
-"""What subsets, splits, random access, ``ls`` and ``show`` cost at ImageNet's sample count.
+"""What each operation costs at N samples: subsets, splits, lookups, growth, open, ls, show.
 
 Makes N samples (one tiny 64x64 JPEG's bytes under N keys in 1,000 classes, written with
 ``ShardWriter``: fast), then measures each figure in a fresh child process, with the sample
 indexes (``*.tar.idx``) and on the same shards without them (hard links, the indexes left out:
 an older pack), interleaved. ``--format lmdb``: LMDB shards with their index record, and a copy
-whose shards have it deleted (through the ``lmdb`` package: an older pack's reads):
+whose shards have it deleted (through the ``lmdb`` package: an older pack's reads). Every figure
+is given with N, in CPU seconds (this process, or the CLI child's own) and bytes, which a busy
+machine moves least:
 
-- ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own bytes;
-- ``split="val"`` construction: seconds and peak memory;
-- ``ShardView`` open: seconds and peak memory;
-- ``shardkit ls`` first line and ``shardkit show KEY``: seconds after imports, peak memory;
-- a full epoch (``decode="raw"``): samples/s, both sides (nothing else slower).
+- ``subset``: a ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own
+  bytes, CPU per drawn sample;
+- ``split``: ``split="val"`` construction: CPU and peak memory above the imports, per sample of
+  the whole data set;
+- ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
+- ``view``: ``ShardView`` open: CPU and peak memory;
+- ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
+- ``ls`` first line, ``show KEY``, ``show-missing`` (a key that is not there): CPU and memory;
+- ``epoch``: a full epoch (``decode="raw"``): samples/s and CPU per sample;
+- ``append`` (``shardkit pack MORE OUT --append`` of ``--new`` samples onto a hard-linked copy)
+  and ``merge`` (``shardkit merge OUT MORE NEW``): the CLI's CPU and peak memory, indexed side
+  only (growth is this code's, not an older pack's).
+
+``--many-shards S`` also makes the same N samples in about S shards and measures open, get,
+``ls``, ``show`` and ``show-missing`` on it (the per-shard costs: 40,000 shards at LAION size).
 
     python benchmarks/bench_scale.py --n 128000 --out /tmp/scale
-    python benchmarks/bench_scale.py --n 1280000 --out /tmp/scale --json bench-out/scale.json
+    python benchmarks/bench_scale.py --n 128000 1280000 --json bench-out/scale.json
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
+    python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -37,33 +51,73 @@ what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
 def rchar():
     with open("/proc/self/io") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
-r0, t0 = rchar(), time.perf_counter()
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+r0, c0, t0 = rchar(), cpu(), time.perf_counter()
 out = {"base_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # after imports
 if what == "subset":
     ds = ShardDataset(where, decode="raw", subset=0.01, with_keys=True)
     out["construct_s"] = time.perf_counter() - t0
+    c1 = cpu()
     n = sum(len(s[0]) for s in ds)
-    out["drawn"], out["image_bytes"] = len(ds), n
+    out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
 elif what == "split":
     ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
     out["len"] = len(ds)
+elif what == "split-epoch":
+    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+    c1 = cpu()
+    out["samples"] = sum(1 for _ in ds)
+    out["epoch_cpu_s"] = cpu() - c1
 elif what == "view":
     view = ShardView(where, decode="raw")
     out["len"] = len(view)
+elif what == "get":
+    view = ShardView(where, decode="raw")
+    keys = [view.key(int(i)) for i in np.random.default_rng(0).integers(0, len(view), 200)]
+    c1 = cpu()
+    for k in keys:
+        view.get(k)
+    out["lookups"], out["lookup_cpu_s"] = len(keys), cpu() - c1
 elif what == "ls":
     view = ShardView(where, decode="raw")
     out["line"] = next(iter(list_lines(view, 1)))
 elif what == "show":
     view = ShardView(where, decode="raw")
     out["lines"] = len(list(show_lines(view, key)))
+elif what == "show-missing":
+    view = ShardView(where, decode="raw")
+    try:
+        out["lines"] = len(list(show_lines(view, "no-such-class/no-such-key")))
+    except Exception as exc:  # the answer is an error naming the key
+        out["error"] = type(exc).__name__
 elif what == "epoch":
     ds = ShardDataset(where, decode="raw")
+    c1 = cpu()
     out["samples"] = sum(1 for _ in ds)
+    out["epoch_cpu_s"] = cpu() - c1
 out["seconds"] = time.perf_counter() - t0
+out["cpu_s"] = cpu() - c0
 out["rchar"] = rchar() - r0
 out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out))
 """
+
+# The CLI in a child: its own CPU seconds and peak memory (RUSAGE_CHILDREN of this wrapper).
+CLI = r"""
+import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+subprocess.run([sys.executable, "-m", "shardkit.cli", *sys.argv[1:]], check=True,
+               stdout=subprocess.DEVNULL)
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.ru_stime,
+                  "peak_mb": r.ru_maxrss / 1024}))
+"""
+
+WHATS = ("subset", "split", "split-epoch", "view", "get", "ls", "show", "show-missing", "epoch")
+GROWTH = ("append", "merge")
+MANY = ("view", "get", "ls", "show", "show-missing")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -76,6 +130,55 @@ def child(what: str, where: str, key: str = "") -> dict:
     return harness.in_child(harness.ROOT, CHILD, what, where, key)
 
 
+def growth(what: str, packed: Path, n: int, new: int, work: Path, fmt: str) -> dict:
+    """``append`` or ``merge`` of ``new`` samples onto the N-sample pack, in a CLI child."""
+    scratch = work / f"grow-{what}"
+    if what == "append":
+        more = data.scale_tree(new, n, work)
+        dest = data.linked_copy(packed, scratch)
+        argv = ["pack", more, dest, "--append", "-q", "--format", fmt]
+    else:
+        more, _ = data.scale_set(new, work, fmt, start=n)
+        shutil.rmtree(scratch, ignore_errors=True)
+        argv = ["merge", packed, more, scratch]
+    try:
+        return harness.in_child(harness.ROOT, CLI, *argv)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dict:
+    """Every asked figure on the N-sample set of ``shard_size`` shards, interleaved."""
+    from shardkit import ShardView
+
+    t0 = time.perf_counter()
+    packed, bare = data.scale_set(n, args.out, fmt, shard_size)
+    made = time.perf_counter() - t0
+    shards = [f for f in os.listdir(packed) if f.endswith(f".{fmt}")]
+    total = sum(os.path.getsize(packed / f) for f in shards)
+    key = ShardView(str(packed), decode="raw").key(n // 2)  # a sample halfway
+    row = {"n": n, "shards": len(shards), "dataset_bytes": total, "make_s": made, "format": fmt}
+    row["load_before"] = harness.load_now().as_dict()
+    sides = {
+        f"{what}/{side}": (lambda r, what=what, where=where: child(what, str(where), key))
+        for what in whats
+        for side, where in (("index", packed), ("no_index", bare))
+    }
+    sides.update(
+        {
+            f"{what}/index": (lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt))
+            for what in growth_whats
+        }
+    )
+    rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
+    for k, runs in rounds.results.items():  # the median run by CPU; all in "runs"
+        row[k] = sorted(runs, key=lambda x: x["cpu_s"])[len(runs) // 2]
+    row["runs"] = rounds.results
+    row["loads"] = [x.as_dict() for x in rounds.loads]
+    row["load_after"] = harness.load_now().as_dict()
+    return row
+
+
 def main() -> None:
     ap = harness.parser(__doc__, rounds=1, against=False)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
@@ -83,76 +186,78 @@ def main() -> None:
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
-    args = harness.parse(ap, smoke={"n": [500]})
+    ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
+    ap.add_argument("--many-shards", type=int, default=0, help="also a set of about S shards")
+    args = harness.parse(ap, smoke={"n": [500], "new": 50, "many_shards": 20})
     args.out = args.out or data.root() / "scale"
+    skip = {"epoch"} if args.skip_epoch else set()
+    whats = [w for w in WHATS if w not in skip and (args.what is None or w in args.what)]
+    grows = [w for w in GROWTH if args.what is None or w in args.what]
+    many = [w for w in MANY if args.what is None or w in args.what]
     results = []
     for n in args.n:
-        t0 = time.perf_counter()
-        packed, bare = make(args.out, n, args.format)
-        made = time.perf_counter() - t0
-        tars = [f for f in os.listdir(packed) if f.endswith(f".{args.format}")]
-        total = sum(os.path.getsize(os.path.join(packed, f)) for f in tars)
-        from shardkit import ShardView
-
-        key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
-        row = {"n": n, "dataset_bytes": total, "make_s": made}
-        row["load_before"] = harness.load_now().as_dict()
-        row["format"] = args.format
-        whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
-        whats = [w for w in whats if args.what is None or w in args.what]
-        sides = {
-            f"{what}/{side}": (lambda r, what=what, where=where, key=key: child(what, where, key))
-            for what in whats
-            for side, where in (("index", packed), ("no_index", bare))
-        }
-        rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
-        for k, runs in rounds.results.items():  # the median run by seconds; all in "runs"
-            row[k] = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
-        row["runs"] = rounds.results
-        row["loads"] = [x.as_dict() for x in rounds.loads]
-        row["load_after"] = harness.load_now().as_dict()
+        row = measure(args, n, args.format, "5MB", whats, grows)
         results.append(row)
         _print(row)
+        if args.many_shards and many:
+            per = max(4096, row["dataset_bytes"] // args.many_shards)
+            row = measure(args, n, args.format, f"{per}B", many, [])
+            results.append(row)
+            _print(row)
     harness.write_result(args.json, "bench_scale", args, {"rows": results})
+
+
+LABELS = {
+    "subset": "subset=0.01 epoch",
+    "split": 'split="val" construction',
+    "split-epoch": 'split="val" epoch',
+    "view": "ShardView open",
+    "get": "get(key), per lookup",
+    "ls": "ls first line",
+    "show": "show KEY",
+    "show-missing": "show a missing key",
+    "epoch": "full epoch (raw)",
+    "append": "pack --append",
+    "merge": "merge",
+}
+
+
+def _cell(what: str, r: dict, row: dict) -> str:
+    """One figure: CPU seconds (per sample or lookup where that is the question) and bytes."""
+    more = r["peak_mb"] - r.get("base_mb", 0.0)
+    if what == "subset":
+        drawn = r["drawn"] * row["dataset_bytes"] / row["n"]
+        us = r["epoch_cpu_s"] / max(1, r["drawn"]) * 1e6
+        return f"read {r['rchar'] / drawn:.2f}x drawn, {us:.0f} us CPU/sample"
+    if what in ("epoch", "split-epoch"):
+        us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
+        return f"{us:.1f} us CPU/sample +{more:.0f} MB"
+    if what == "split":
+        per = more * 2**20 / row["n"]
+        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B/sample)"
+    if what == "get":
+        return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
+    if what in GROWTH:
+        return f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB"
+    return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read"
 
 
 def _print(row: dict) -> None:
     n = row["n"]
     print(
-        f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of {row.get('format', 'tar')} "
-        f"(made in {row['make_s']:.0f} s); load {row['load_before']['load_1m']} -> "
-        f"{row['load_after']['load_1m']}"
+        f"\nN = {n:,} samples in {row['shards']:,} shards, {row['dataset_bytes'] / 1e9:.2f} GB of "
+        f"{row['format']} (made in {row['make_s']:.0f} s); load "
+        f"{row['load_before']['load_1m']} -> {row['load_after']['load_1m']}"
     )
-    base = next(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
-    print(f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch")
-    print(f"{'figure':34s} {'with index':>30s} {'without':>30s}")
-    for what, label in (
-        ("subset", "subset=0.01 epoch: read / drawn"),
-        ("split", 'split="val" construction'),
-        ("view", "ShardView open"),
-        ("ls", "ls first line"),
-        ("show", "show KEY"),
-        ("epoch", "full epoch (raw)"),
-    ):
+    print("memory: peak above what a process holds after importing shardkit+torch")
+    print(f"{'figure':28s} {'with index':>44s} {'without':>44s}")
+    for what, label in LABELS.items():
         if f"{what}/index" not in row:
             continue
-        cells = []
-        for side in ("index", "no_index"):
-            r = row[f"{what}/{side}"]
-            more = r["peak_mb"] - r["base_mb"]
-            if what == "subset":
-                drawn = r["drawn"] * _sample_bytes(row)
-                cells.append(f"{r['rchar'] / 1e6:.1f} MB ({r['rchar'] / drawn:.2f}x)")
-            elif what == "epoch":
-                cells.append(f"{r['samples'] / r['seconds']:,.0f}/s +{more:.0f} MB")
-            else:
-                cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read")
-        print(f"{label:34s} {cells[0]:>30s} {cells[1]:>30s}")
-
-
-def _sample_bytes(row: dict) -> float:
-    """Bytes of one sample in its shard (all samples are alike here: one JPEG, one label)."""
-    return row["dataset_bytes"] / row["n"]
+        cells = [_cell(what, row[f"{what}/index"], row)]
+        if f"{what}/no_index" in row:
+            cells.append(_cell(what, row[f"{what}/no_index"], row))
+        print(f"{label:28s} " + " ".join(f"{c:>44s}" for c in cells))
 
 
 if __name__ == "__main__":

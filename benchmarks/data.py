@@ -26,7 +26,9 @@ __all__ = [
     "lfw_with_masks",
     "packed",
     "root",
+    "linked_copy",
     "scale_set",
+    "scale_tree",
     "table",
     "tiny_jpeg",
 ]
@@ -199,17 +201,19 @@ def clip_shards(tree: Path, out: Path | None = None, per_shard: int = 100) -> Pa
 
 
 def scale_set(
-    n: int, work: Path | None = None, fmt: str = "tar", shard_size: str = "5MB"
+    n: int, work: Path | None = None, fmt: str = "tar", shard_size: str = "5MB", start: int = 0
 ) -> tuple[Path, Path]:
     """N samples (one tiny JPEG's bytes under N keys in 1,000 classes, ``ShardWriter``: fast)
     packed with sample indexes, and the same shards without them (an older pack: hard links
-    with the ``.idx`` files left out; LMDB: a copy whose shards lost their index record)."""
+    with the ``.idx`` files left out; LMDB: a copy whose shards lost their index record).
+    ``start``: the first sample's number in the keys (a set to merge with another)."""
     import numpy as np
 
     from shardkit import ShardWriter
 
     work = Path(work) if work else root() / "scale"
     tag = ("" if fmt == "tar" else f"-{fmt}") + ("" if shard_size == "5MB" else f"-{shard_size}")
+    tag += f"-from{start}" if start else ""
     with_idx, bare = work / f"n{n}{tag}", work / f"n{n}{tag}-noindex"
     if not (with_idx / "manifest.json").exists():
         blob = tiny_jpeg()
@@ -222,7 +226,7 @@ def scale_set(
             ) as w:
                 for i in range(n):
                     c = int(labels[i])
-                    w.add(f"n{c:08d}/n{c:08d}_{i}", "jpg", blob, c)
+                    w.add(f"n{c:08d}/n{c:08d}_{start + i}", "jpg", blob, c)
     if not bare.exists():
         if fmt == "lmdb":
             _without_records(with_idx, bare)
@@ -232,6 +236,46 @@ def scale_set(
                 if not name.endswith(".idx"):
                     os.link(with_idx / name, bare / name)
     return with_idx, bare
+
+
+def scale_tree(k: int, start: int, work: Path | None = None) -> Path:
+    """A class-per-folder tree of ``k`` new samples keyed like ``scale_set``'s from ``start``
+    on (hard links to one tiny JPEG): what ``pack --append`` adds to a scale set."""
+    import numpy as np
+
+    work = Path(work) if work else root() / "scale"
+    tree = work / f"more-{k}-from{start}"
+    if tree.exists():
+        return tree
+    tmp = tree.with_name(tree.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    seed = tmp / "seed.jpg"
+    tmp.mkdir(parents=True)
+    seed.write_bytes(tiny_jpeg(seed=1))
+    labels = np.random.default_rng(1).integers(0, 1000, k)
+    for i in range(k):
+        c = int(labels[i])
+        folder = tmp / f"n{c:08d}"
+        folder.mkdir(exist_ok=True)
+        os.link(seed, folder / f"n{c:08d}_{start + i}.jpg")
+    seed.unlink()
+    os.replace(tmp, tree)
+    return tree
+
+
+def linked_copy(src: Path, dest: Path) -> Path:
+    """A copy of a pack whose shard files are hard links (never rewritten) and whose other
+    files (manifest, sidecars) are copies: a pack to append to without touching ``src``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in os.listdir(src):
+        if name.endswith((".tar", ".idx", ".lmdb")):
+            os.link(src / name, dest / name)
+        elif (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+        else:
+            shutil.copytree(src / name, dest / name)
+    return dest
 
 
 def _without_records(packed_dir: Path, bare: Path) -> None:
