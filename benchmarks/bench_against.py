@@ -8,7 +8,7 @@ and reports per job the median over rounds of the per-round ratio this / against
 is faster; rate: above 1 is faster), with the load average of every round:
 
 - ``pack-folder``: ``shardkit pack`` of a folder of ImageNet-shaped photos (``shardkit synth``);
-- ``pack-table``: ``shardkit pack`` of an N-row CSV of tiny JPEGs (``bench_table.make_table``);
+- ``pack-table``: ``shardkit pack`` of an N-row CSV of tiny JPEGs (``data.table``);
 - ``writer``: ``ShardWriter`` with N tiny samples (a label and a caption field each);
 - ``epoch-raw``: one ``ShardDataset(decode="raw")`` epoch over the table's pack, samples/s;
 - ``epoch-rrc``: one ``ShardLoader`` epoch (2 workers, random-resized crops to 224) over the

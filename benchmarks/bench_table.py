@@ -49,11 +49,6 @@ print(json.dumps({"seconds": dt,
 """
 
 
-def make_table(work: Path, rows: int, classes: int = 1000) -> Path:
-    """Kept for the docs that cite it: ``data.table``."""
-    return data.table(work, rows, classes)
-
-
 def plan_once(checkout: Path, table: Path, out: Path) -> dict:
     return harness.in_child(checkout, _PLAN, table, out)
 

@@ -51,6 +51,7 @@ def data_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a busy 2-core machine: bench_scale starts ~30 child processes
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
     if script in NEEDS_GPU and not _gpu():
@@ -64,7 +65,7 @@ def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=840,
     )
     assert r.returncode == 0, f"{script} --smoke failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     doc = json.loads(out.read_text())
