@@ -183,6 +183,8 @@ def interleave(
     (a random order seeded by the round) or "fixed" (the given order every round).
     ``first``: contenders that open every round, before the others' order (a ceiling the
     round's other figures divide by)."""
+    if order not in ("rotate", "reverse", "shuffle", "fixed"):
+        raise SystemExit(f"interleave: order {order!r} is not rotate, reverse, shuffle or fixed")
     names = [n for n in contenders if n not in first]
     out = Rounds([*first, *names], {n: [] for n in contenders})
     for r in range(rounds):
