@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all test-fast lint bench clean
+.PHONY: demo test test-slow test-all lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt shardkit/images/_native.c
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,6 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
-
-# The name `make test` had before the slow tests moved out of it.
-test-fast: test
 
 # Lint and the format check, as CI runs them (`ruff format` without --check rewrites files), and
 # no tracker numbers in the code (`#12`, `issue 13`, `H9s`: that history belongs in git log).

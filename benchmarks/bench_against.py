@@ -12,7 +12,9 @@ is faster; rate: above 1 is faster), with the load average of every round:
 - ``writer``: ``ShardWriter`` with N tiny samples (a label and a caption field each);
 - ``epoch-raw``: one ``ShardDataset(decode="raw")`` epoch over the table's pack, samples/s;
 - ``epoch-rrc``: one ``ShardLoader`` epoch (2 workers, random-resized crops to 224) over the
-  folder's pack, images/s.
+  folder's pack, images/s;
+- ``epoch-tiny``: one ``ShardLoader`` epoch (2 workers, whole 8x8 JPEGs, batches of 256) over
+  the table's pack, images/s: the least work per image, where per-image costs show most.
 
 Every child times only its job (after imports); the data sets are made once, before round 1.
 
@@ -71,7 +73,11 @@ loader.close()
 print(json.dumps({"rate": n / (time.perf_counter() - t0), "samples": n + n0}))
 """
 
-JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc")
+_EPOCH_TINY = _EPOCH_RRC.replace(
+    'decode="tensor", size=224, crop="random", flip=True', 'decode="tensor"'
+).replace("ShardLoader(ds, 64,", "ShardLoader(ds, 256,")
+
+JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc", "epoch-tiny")
 
 
 def make_data(work: Path, rows: int, per_class: int) -> dict[str, Path]:
@@ -95,6 +101,8 @@ def job(name: str, checkout: Path, made: dict[str, Path], out: Path, rows: int) 
         return harness.in_child(checkout, _WRITER, out, rows, made["jpeg"])
     if name == "epoch-raw":
         return harness.in_child(checkout, _EPOCH_RAW, made["table-pack"])
+    if name == "epoch-tiny":
+        return harness.in_child(checkout, _EPOCH_TINY, made["table-pack"])
     return harness.in_child(checkout, _EPOCH_RRC, made["folder-pack"])
 
 

@@ -14,7 +14,8 @@ batch already on the GPU (the GPU's own speed) vs ShardLoader(device="cuda") vs
 DataLoader(ShardDataset, pin_memory=True); bf16 autocast, channels_last, SGD, batch 256, epochs
 of at least ``--samples`` (shards replicated), full batches only (a new batch shape makes
 cudnn.benchmark re-tune). Reported: images/s, the share of step time the GPU waited for data
-(CUDA events around each step's compute: the gaps between steps), and what the loader did.
+(CUDA events around each step's compute: the gaps between steps), and what the loader did and
+said of the run (``loader.stats()``: its wait share, verdict and where the time went).
 ``--train tiny --device cpu`` runs the same loop with a small CNN on the CPU (a smoke test).
 
     python benchmarks/bench_train.py --scaling --lfw /tmp/bl/lfw --imagenet /tmp/bl/imagenet
@@ -326,11 +327,20 @@ def train(args) -> dict:
             rows[feeder] = _steps(model, opt, batches, device, args.batch, args.steps)
             if "loader" in sink:  # ShardLoader: where images were decoded, the trainer's CPU
                 rows[feeder]["feed"] = sink["loader"].feed_counts.as_dict()
+                # and what the loader itself says of the epoch (``loader.stats()``): the run
+                # time verdict next to the bench's own measure of the GPU's wait
+                rows[feeder]["loader_stats"] = sink["loader"].stats()
                 if hasattr(sink["loader"], "balance") and " auto" in feeder:
                     rows[feeder]["share_to_workers"] = sink["loader"].balance.sent
+            said = rows[feeder].get("loader_stats")
+            said = (
+                f"  loader.stats(): {said['verdict']} ({said['wait_share'] or 0:.3f})"
+                if said
+                else ""
+            )
             print(
                 f"  {name:9s} {feeder:12s} {rows[feeder]['images_per_s']:8.0f} img/s  "
-                f"waiting {rows[feeder]['wait_share']:.3f} of step time  "
+                f"waiting {rows[feeder]['wait_share']:.3f} of step time{said}  "
                 f"{rows[feeder].get('feed', '')}",
                 flush=True,
             )

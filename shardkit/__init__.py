@@ -1,7 +1,9 @@
 """shardkit: pack folders of small images into sequential shards and stream them into PyTorch.
 
-``pack`` and the format/manifest helpers import without torch; ``ShardDataset`` and
-``FolderDataset`` load torch on first use, so ``shardkit info`` and friends start fast.
+The errors and the manifest's types are imported here; every other name (``pack``,
+``ShardWriter``, ``ShardDataset`` ...) on first use. ``pack`` and ``ShardView`` import without
+torch; ``ShardDataset`` and ``FolderDataset`` load it, so ``shardkit ls``, ``show``, ``info`` and
+``verify`` start fast.
 """
 
 from __future__ import annotations
@@ -19,24 +21,29 @@ from .errors import (
 )
 from .manifest import Manifest, ShardEntry, read_manifest
 from .records import Record
-from .write.packer import PackReport, pack
-from .write.writer import ShardWriter
 
 if TYPE_CHECKING:
     from .images.crops import CenterCrop, RandomCrop, RandomResizedCrop
+    from .images.options import Decode
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
+    from .stream.shuffle import Order
     from .stream.view import ShardView
+    from .write.packer import PackOptions, PackReport, pack
+    from .write.writer import ShardWriter
 
 __all__ = [
     "Boxes",
     "CenterCrop",
+    "Decode",
     "FolderDataset",
     "InputError",
     "Manifest",
     "ManifestError",
+    "Order",
     "OutputError",
+    "PackOptions",
     "PackReport",
     "RandomCrop",
     "RandomResizedCrop",
@@ -60,11 +67,17 @@ _LAZY = {
     "FolderDataset": "stream.dataset",
     "Source": "stream.dataset",
     "Boxes": "stream.fields",
+    "Decode": "images.options",
+    "Order": "stream.shuffle",
     "CenterCrop": "images.crops",
     "RandomCrop": "images.crops",
     "RandomResizedCrop": "images.crops",
     "ShardView": "stream.view",
     "ShardLoader": "loader",
+    "pack": "write.packer",
+    "PackOptions": "write.packer",
+    "PackReport": "write.packer",
+    "ShardWriter": "write.writer",
 }
 
 

@@ -425,7 +425,9 @@ def pack_cmd(
     SRC may also be a table (.csv, .tsv, .jsonl, .parquet with pyarrow) with an image column
     (image, path, file or filename), optionally a caption (caption, text: field txt) and a label
     column; other columns go into field json. An img2dataset shard table (a key column, no
-    image column) names its images <table name>/<key>.jpg beside it.
+    image column) finds its images beside it, in <table name>/<key>.jpg or <table name>.tar;
+    SRC may be img2dataset's whole output folder (tables beside tars): one pack, reading the
+    images from the tars, each sample keyed by img2dataset's key as `shardkit index` keys it.
 
     OUT may be a URL (s3://bucket/prefix/): shards upload as they complete, the manifest last.
     Run again with the same files and options, it says OUT is up to date and exits 0, as make
@@ -593,7 +595,8 @@ def echo_warnings(caught) -> None:
 )
 def pack_task_cmd(plan, index, threads) -> None:
     """Run task I of a plan written by `shardkit pack --plan-only PLAN` (safe to re-run)."""
-    from .write.plan import load_task, run_task
+    from .write.plan import load_task
+    from .write.task import run_task
 
     task, total = load_task(plan, index)
     receipts = run_task(task, threads)
@@ -677,7 +680,11 @@ def info_cmd(out, as_json, list_skipped) -> None:
         f"shards:   {info['shards']}",
         f"samples:  {info['samples']}",
         f"bytes:    {info['bytes']} ({size_text(info['bytes'])})",
-        f"classes:  {info['num_classes']} ({shown})",
+        f"classes:  {info['num_classes']} ({shown})"
+        if names
+        else "classes:  none (unlabelled"
+        + ("; captioned: field txt" if "txt" in info["fields"] else "")
+        + ")",
         "fields:   "
         + (", ".join(f"{k} {v}" for k, v in info["fields"].items()) or "none")
         + (" (samples carrying each)" if info["fields"] else ""),
@@ -714,17 +721,24 @@ def verify_cmd(out, decode, quiet) -> None:
 @main.command("index")
 @click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--overwrite", is_flag=True, help="Replace an existing manifest.json.")
+@click.option(
+    "--append",
+    is_flag=True,
+    help="Add the shards an existing manifest.json does not list (reading only those; their "
+    "keys are checked against the dataset's).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def index_cmd(shards, overwrite, quiet) -> None:
+def index_cmd(shards, overwrite, append, quiet) -> None:
     """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
-    them: exact counts, checksums for `verify`, the offset index and classes from .cls members."""
+    them: exact counts, checksums for `verify`, the offset index and classes from .cls members.
+    With --append, tars dropped into an indexed folder are added to its manifest."""
     import warnings
 
     from .write.index import index_shards
 
     with warnings.catch_warnings():  # the summary line reports records passed over
         warnings.simplefilter("ignore", RuntimeWarning)
-        results = index_shards(shards, overwrite=overwrite, progress=not quiet)
+        results = index_shards(shards, overwrite=overwrite, append=append, progress=not quiet)
     for result in results:
         click.echo(result.summary())
 
@@ -993,20 +1007,26 @@ def ls_cmd(out, offset, limit, head, prefix, as_json) -> None:
     help="The sample at this position (as `ls` prints it) instead of KEY; KEY may also be #N.",
 )
 @click.option(
+    "--key",
+    "literal",
+    default=None,
+    help="The sample with exactly this key, even one that looks like #N (KEY's other reading).",
+)
+@click.option(
     "--to",
     "folder",
     type=click.Path(file_okay=False),
     default=None,
     help="Write the sample's members into this folder (KEY.EXT each) instead of printing.",
 )
-def show_cmd(out, key, position, folder) -> None:
+def show_cmd(out, key, position, literal, folder) -> None:
     """Print the sample KEY (or #N) of OUT: its fields, JSON pretty-printed, text escaped; or
-    write its members."""
+    write its members. A key that looks like #N is given with --key."""
     from .stream.show import escape, resolve_sample, show_lines, write_members
     from .stream.view import ShardView
 
     view = ShardView(out, decode="raw")
-    i = resolve_sample(view, key, position)
+    i = resolve_sample(view, key, position, literal)
     if folder is None:
         for line in show_lines(view, i):
             click.echo(line)

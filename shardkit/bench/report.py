@@ -10,14 +10,14 @@ import json
 from dataclasses import replace
 
 from ..fsutil import atomic_write_bytes
+from ..loader.stats import NOT_INPUT_BOUND, PARTLY_AT, verdict_of
 from .results import BenchResult, Row
 from .stats import ALPHA, Comparison, welch
 
-__all__ = ["INPUT_BOUND", "format_table", "verdict", "to_json", "write_json"]
+__all__ = ["format_table", "verdict", "to_json", "write_json"]
 
-#: Wait fraction above which the training loop counts as input-bound (it waits for data for more
-#: than this share of its time instead of stepping).
-INPUT_BOUND = 0.10
+# The words and thresholds of "input-bound" are the training-time stats' (``ShardLoader.stats``):
+# one vocabulary before training and during it. The runs fit when the wait is under PARTLY_AT.
 #: Shortest timed run whose rate the verdict compares. Below it a run is a batch or two, and one
 #: scheduler delay or page fault is a large share of it: a t-test on such runs (seen: runs of
 #: ~0.5 ms called "real (p<0.001)") measures timer and scheduler noise, not the loader. 0.1 s
@@ -327,19 +327,19 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
     cfg = result.config
     wait = best.wait_fraction
     rows = [r for r in result.rows if r.format == fmt]
-    if wait <= INPUT_BOUND:
-        enough = [r for r in rows if r.wait_fraction <= INPUT_BOUND]
+    said = verdict_of(wait)
+    if said == NOT_INPUT_BOUND:
+        enough = [r for r in rows if r.wait_fraction < PARTLY_AT]
         fewest = min(enough, key=lambda r: r.workers)
         return (
-            f"{fmt}: not input-bound: the loop waits {wait:.0%} of its time at {best.workers} "
-            f"workers; {fewest.workers} workers already keep the wait under "
-            f"{INPUT_BOUND:.0%}."
+            f"{fmt}: {said}: the loop waits {wait:.0%} of its time at {best.workers} "
+            f"workers; {fewest.workers} workers already keep the wait under {PARTLY_AT:.0%}."
         )
     stall = best.stall_fraction
     if stall < wait / 2:
         per_batch = (wait - stall) * (1000.0 / max(best.mean / cfg.batch_size, 1e-9))
         return (
-            f"{fmt}: INPUT-BOUND by transfer, not loading: the loop waits {wait:.0%} of its time "
+            f"{fmt}: {said} by transfer, not loading: the loop waits {wait:.0%} of its time "
             f"at {best.workers} workers but only {stall:.0%} before a batch was ready; the rest, "
             f"~{per_batch:.1f} ms per batch, is the DataLoader handing a ready batch over. Fewer "
             "bytes per batch help (pre-resize with `shardkit pack --resize-short N`, crop in the "
@@ -349,10 +349,12 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
     other_ok = [
         f
         for f in result.formats()
-        if f not in (fmt, "folder", "memory") and result.best(f).wait_fraction <= INPUT_BOUND
+        if f not in (fmt, "folder", "memory") and result.best(f).wait_fraction < PARTLY_AT
     ]
     if fmt == "folder" and other_ok:
-        fixes.append(f"switch to shards ({', '.join(other_ok)} kept the wait under 10%)")
+        fixes.append(
+            f"switch to shards ({', '.join(other_ok)} kept the wait under {PARTLY_AT:.0%})"
+        )
     by_w = sorted(rows, key=lambda r: r.workers)
     if best.workers == by_w[-1].workers and len(by_w) > 1 and compare(by_w[-1], by_w[-2]).real:
         fixes.append("more workers (the rate still rose at the largest count tried)")
@@ -378,7 +380,7 @@ def _step_advice(result: BenchResult, fmt: str, best: Row, need: float) -> str:
             "more workers, shards, or pre-resizing; this run cannot tell which limit dominates"
         )
     return (
-        f"{fmt}: INPUT-BOUND: the loop waits {wait:.0%} of its time even at its best "
+        f"{fmt}: {said}: the loop waits {wait:.0%} of its time even at its best "
         f"({best.workers} workers, {best.mean:,.0f} of the {need:,.0f} samples/s the step could "
         f"take). Try: {'; '.join(fixes)}."
     )

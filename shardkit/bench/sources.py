@@ -285,29 +285,30 @@ def make_dataset(fmt: str, path: str, cfg: BenchConfig, storage, skip=()):
     """
     from ..stream.dataset import FolderDataset, ShardDataset
 
-    decode = DATASET_DECODE[cfg.mode]
+    decode = bench_decode(cfg)  # one Decode for every reader compared
     transform = Augment() if cfg.mode == "augment" else None
-    size = image_size(cfg)
     if fmt == "memory":
         blobs, labels = load_all(path, skip)
         return MemoryDataset(
-            blobs, labels, decode=decode, transform=transform, seed=cfg.seed, size=size
-        )
+            blobs, labels, decode=decode.mode, transform=transform, seed=cfg.seed,
+            size=decode.size,
+        )  # fmt: skip
     if fmt == "folder":
-        return FolderDataset(
-            path, decode=decode, transform=transform, storage=storage, size=size, skip=skip
-        )
+        return FolderDataset(path, decode=decode, transform=transform, storage=storage, skip=skip)
     if is_url(path):
         storage = None  # remote storage: LocalStorage cannot open URLs
-    return ShardDataset(
-        path,
-        decode=decode,
-        transform=transform,
-        shuffle=True,
-        seed=cfg.seed,
-        storage=storage,
-        size=size,
-    )
+    return ShardDataset(path, decode=decode, transform=transform, seed=cfg.seed, storage=storage)
+
+
+def bench_decode(cfg: BenchConfig):
+    """The ``shardkit.Decode`` every dataset of a run takes: ``cfg.mode``'s, with a centre
+    crop to ``cfg.size`` in decode mode."""
+    from ..images.crops import CenterCrop
+    from ..images.geometry import Decode
+
+    size = image_size(cfg)
+    mode = DATASET_DECODE[cfg.mode]
+    return Decode(mode, crop=CenterCrop(size, resize_short=size) if size else None)
 
 
 def packed_skips(sources: dict[str, str], data: str | None) -> list[str]:
@@ -327,7 +328,7 @@ def packed_skips(sources: dict[str, str], data: str | None) -> list[str]:
 
 def load_all(path: str, skip=()) -> tuple[list[bytes], list[int]]:
     """Every sample's stored bytes and label, from an image folder or from packed shards."""
-    from ..stream.dataset import FolderDataset, ShardDataset
+    from ..stream.dataset import FolderDataset, Order, ShardDataset
 
     packed = is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME))
     if os.path.isdir(path) and not packed:
@@ -337,7 +338,7 @@ def load_all(path: str, skip=()) -> tuple[list[bytes], list[int]]:
             with open(os.path.join(folder.root, folder.relpath(i)), "rb") as f:
                 blobs.append(f.read())
         return blobs, folder.targets.tolist()
-    pairs = list(ShardDataset(path, decode="raw", shuffle=False))
+    pairs = list(ShardDataset(path, decode="raw", order=Order.sequential()))
     return [d for d, _ in pairs], [lab for _, lab in pairs]
 
 
@@ -380,9 +381,9 @@ def sample_bytes(fmt: str, ds, count: int, seed: int) -> list[bytes]:
             with open(os.path.join(ds.root, ds.relpath(i)), "rb") as f:
                 out.append(f.read())
         return out
-    from ..stream.dataset import ShardDataset
+    from ..stream.dataset import Order, ShardDataset
 
-    raw = ShardDataset(ds.urls, decode="raw", shuffle=False, storage=ds.storage)
+    raw = ShardDataset(ds.urls, decode="raw", order=Order.sequential(), storage=ds.storage)
     out = []
     for data, _label in raw:
         out.append(data)

@@ -230,7 +230,7 @@ class MemoryDataset(IterableDataset):
 
 def sample_decoder(decode: str, size: int | None):
     """Bytes -> what the datasets yield in this mode: ``decode_image``, or with ``size`` the
-    fixed-size ``TensorDecoder`` (centre crop) that ``ShardDataset(size=)`` uses."""
+    fixed-size ``TensorDecoder`` of ``Decode(crop=CenterCrop(size, size))`` (a centre crop)."""
     from ..images.decode import decode_image
 
     if size is None:

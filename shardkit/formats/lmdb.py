@@ -352,13 +352,21 @@ def _read_page(fd: int, psize: int, last: int, pgno: int, want: int):
 
 
 class _Walker:
-    """Visits every branch, leaf and overflow page of the tree, counting them as it goes."""
+    """Visits every branch, leaf and overflow page of the tree, counting them as it goes.
+
+    Each page is visited at most once: a tree reaches every page by one path, so a page met
+    twice (branch pages of a crafted file all naming one child) is damage, and the walk is
+    bounded by the file's page count instead of the fan-out to the power of the depth."""
 
     def __init__(self, fd: int, psize: int, last_pgno: int):
         self.fd, self.psize, self.last = fd, psize, last_pgno
         self.seen = [0, 0, 0, 0]  # branch pages, leaf pages, overflow pages, entries
+        self.visited: set[int] = set()
 
     def page(self, pgno: int, want: int) -> tuple[bytes, tuple[int, ...]]:
+        if pgno in self.visited:
+            raise _Damaged(f"page {pgno} is reached twice (a tree reaches each page once)")
+        self.visited.add(pgno)
         return _read_page(self.fd, self.psize, self.last, pgno, want)
 
     def walk(self, pgno: int, level: int) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "decode_index",
     "encode_index",
     "index_path",
+    "key_hash",
     "key_hashes",
     "load_index",
 ]
@@ -70,6 +71,12 @@ def key_hashes(keys: Sequence[str | bytes], salt: bytes = SPLIT_SALT) -> np.ndar
     if not digests:
         return np.empty(0, np.uint64)
     return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
+
+
+def key_hash(key: str) -> int:
+    """One key's split hash (``key_hashes`` of one key, as an int)."""
+    raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
 def index_path(shard_path: str) -> str:
@@ -215,11 +222,13 @@ class SampleIndex(KeyTable):
     members: Members | None = None
 
 
-def decode_index(data: bytes, where: str) -> SampleIndex:
-    """Parse and check an index file's bytes; ``SampleIndexError`` naming ``where`` if damaged."""
+def decode_index(data: bytes, where: str, trailer: bool = True) -> SampleIndex:
+    """Parse and check an index file's bytes; ``SampleIndexError`` naming ``where`` if damaged.
+    ``trailer=False``: the caller has checked the whole file's sha256 (the manifest's
+    ``index_sha256``), which covers the trailing one."""
     if len(data) < _HEAD.size + 8 + _TRAILER or data[:8] != MAGIC:
         raise _damaged(where, "not a shardkit sample index")
-    if hashlib.sha256(data[:-_TRAILER]).digest() != data[-_TRAILER:]:
+    if trailer and hashlib.sha256(memoryview(data)[:-_TRAILER]).digest() != data[-_TRAILER:]:
         raise _damaged(where, "its checksum does not match its contents")
     magic, version, _, n, size, sha, klen = _HEAD.unpack_from(data)
     if version not in READS:
@@ -305,14 +314,15 @@ def load_index(
     if data is None or not sha256:
         return None
     try:
-        index = decode_index(data, where)
+        listed = bool(index_sha256) and hashlib.sha256(data).hexdigest() == index_sha256
+        index = decode_index(data, where, trailer=not listed)
         if (index.samples, index.shard_bytes, index.sha256) != (samples, size, sha256):
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard: "
                 f"{index.samples} samples, {index.shard_bytes} bytes, where the manifest says "
                 f"{samples} and {size}); {_REBUILD}"
             )
-        if index_sha256 and hashlib.sha256(data).hexdigest() != index_sha256:
+        if index_sha256 and not listed:
             raise SampleIndexError(
                 f"{where}: stale sample index (its sha256 differs from the manifest's "
                 f"index_sha256); {_REBUILD}"
@@ -353,10 +363,6 @@ def write_index_file(shard_path: str, data: bytes) -> str:
             os.unlink(tmp)
         raise
     return path
-
-
-def exists_for(shard_path: str) -> bool:
-    return os.path.isfile(index_path(shard_path))
 
 
 def ensure_indexes(directory: str, entries: list) -> list:

@@ -28,8 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import InputError, TransformError, check_choice
+from .decode import DEFAULT_MAX_PIXELS
 
 __all__ = [
+    "BOX_FORMATS",
     "INTERPOLATIONS",
     "CenterCrop",
     "CropError",
@@ -41,6 +43,10 @@ __all__ = [
     "random_resized_crop_box",
 ]
 
+#: Box layouts in pixels: corners, or COCO's (x, y, width, height). Here, beside the crops
+#: and without torch, so ``Boxes`` checks its format in the torch-free field module.
+BOX_FORMATS = ("xyxy", "xywh")
+
 #: Resize filters, antialiased when shrinking (torch's and PIL's: bicubic with a = -0.5).
 INTERPOLATIONS = ("bilinear", "bicubic")
 
@@ -48,7 +54,32 @@ INTERPOLATIONS = ("bilinear", "bicubic")
 def _check_size(size) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise InputError(f"size={size!r} must be an int >= 1 (the square output's side)")
+    if size * size > DEFAULT_MAX_PIXELS:
+        raise InputError(
+            f"size={size} makes {size} x {size} = {size * size} output pixels per image, over "
+            f"{DEFAULT_MAX_PIXELS} (max_pixels' default): give the side in pixels, e.g. 224"
+        )
     return size
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_pair(name: str, value, rule: str, ok) -> tuple[float, float]:
+    """``value`` as a (min, max) pair of finite numbers for which ``ok(lo, hi)`` holds; else one
+    InputError naming the argument and the rule (not numpy's or Python's unpacking error)."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else None
+    if (
+        pair is None
+        or len(pair) != 2
+        or not all(_is_number(v) and math.isfinite(v) for v in pair)
+        or not ok(*pair)
+    ):
+        raise InputError(
+            f"{name}={value!r} must be a (min, max) pair of finite numbers with {rule}"
+        )
+    return float(pair[0]), float(pair[1])
 
 
 def _check_common(crop) -> None:
@@ -67,26 +98,38 @@ class RandomResizedCrop:
 
     def __post_init__(self) -> None:
         _check_common(self)
-        lo, hi = self.scale
-        if not 0 < lo <= hi <= 1:
-            raise InputError(f"scale={self.scale} must satisfy 0 < min <= max <= 1")
-        if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise InputError(f"ratio={self.ratio} must satisfy 0 < min <= max")
+        scale = _check_pair(
+            "scale", self.scale, "0 < min <= max <= 1 (fractions of the image's area)",
+            lambda lo, hi: 0 < lo <= hi <= 1,
+        )  # fmt: skip
+        ratio = _check_pair(
+            "ratio", self.ratio, "0 < min <= max (width / height, e.g. (3/4, 4/3))",
+            lambda lo, hi: 0 < lo <= hi,
+        )  # fmt: skip
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "ratio", ratio)
 
     def box(self, height: int, width: int, uniforms: Iterator[float]):
         return random_resized_crop_box(height, width, self.scale, self.ratio, uniforms)
 
 
+#: The largest ``resize_short``: the side of a max_pixels' default square (a larger one would
+#: describe a resized image no decoder is allowed to make).
+MAX_SHORT_SIDE = math.isqrt(DEFAULT_MAX_PIXELS)
+
+
 def _short_range(value, size: int) -> tuple[int, int] | None:
     if value is None:
         return None
-    lo, hi = (value, value) if isinstance(value, int) else tuple(value)
-    if not (isinstance(lo, int) and isinstance(hi, int)) or not size <= lo <= hi:
+    pair = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
+    ints = len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+    if not ints or not size <= pair[0] <= pair[1] <= MAX_SHORT_SIDE:
         raise InputError(
             f"resize_short={value!r} must be an int or (min, max) of ints with "
-            f"size ({size}) <= min <= max: the shorter side before the crop"
+            f"size ({size}) <= min <= max <= {MAX_SHORT_SIDE}: the shorter side in pixels "
+            "before the crop (e.g. 256)"
         )
-    return lo, hi
+    return pair
 
 
 @dataclass(frozen=True)
@@ -163,23 +206,26 @@ def random_resized_crop_box(
     uniforms: Iterator[float],
 ) -> tuple[int, int, int, int]:
     """torchvision's ``RandomResizedCrop.get_params``: 10 tries of (area, log-uniform aspect),
-    then the whole image clamped to ``ratio``, centered."""
+    then the whole image clamped to ``ratio``, centered. Any finite positive ``ratio`` gives a
+    box of at least one pixel: a side that overflows to infinity fails its try (as a side
+    over the image does), and the clamped whole image keeps one row or column at least."""
     area = height * width
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
         target = area * (scale[0] + (scale[1] - scale[0]) * next(uniforms))
         aspect = math.exp(log_lo + (log_hi - log_lo) * next(uniforms))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(next(uniforms) * (height - h + 1))
-            left = int(next(uniforms) * (width - w + 1))
-            return top, left, h, w
+        wf, hf = math.sqrt(target * aspect), math.sqrt(target / aspect)
+        if wf < width + 1 and hf < height + 1:  # else round() is over the image (or infinite)
+            w, h = int(round(wf)), int(round(hf))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(next(uniforms) * (height - h + 1))
+                left = int(next(uniforms) * (width - w + 1))
+                return top, left, h, w
     in_ratio = width / height
     if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, max(1, int(round(width / ratio[0])))
     elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
+        h, w = height, max(1, int(round(height * ratio[1])))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w

@@ -90,8 +90,13 @@ FAST_DCT_DIFFERENCE = 24
 
 #: Images whose header declares more pixels than this are refused before any pixel is decoded:
 #: a 2 KB JPEG may declare 60000x60000 (a 10 GiB allocation). 100 megapixels (300 MB as RGB) is
-#: above any camera photo in a training set; ``ShardDataset(max_pixels=)`` moves it.
+#: above any camera photo in a training set; ``Decode(max_pixels=)`` moves it.
 DEFAULT_MAX_PIXELS = 100_000_000
+
+#: What a stored image becomes: an RGB PIL image, a uint8 CHW RGB tensor, or the stored bytes.
+DECODE_MODES = ("pil", "tensor", "raw")
+#: JPEG inverse DCTs: libjpeg-turbo's accurate one (the default), or its fast integer one.
+DCT_MODES = ("accurate", "fast")
 
 
 class ImageTooLarge(ValueError):
@@ -104,7 +109,7 @@ def check_pixels(height: int, width: int, max_pixels: int | None) -> None:
         raise ImageTooLarge(
             f"its header declares {width}x{height} = {height * width} pixels, over the limit "
             f"max_pixels={max_pixels} (a decompression bomb, or an image larger than any "
-            "training photo: pass ShardDataset(max_pixels=...) to allow it)"
+            "training photo: pass decode=Decode(max_pixels=...) to allow it)"
         )
 
 

@@ -1,6 +1,6 @@
 """Fixed-size images in one pass: crop box, DCT-scaled decode, antialiased uint8 resize, flip.
 
-``ShardDataset(decode="tensor", size=224, crop=..., flip=...)`` and ``ShardLoader`` both decode
+``ShardDataset(decode=Decode(crop=..., flip=...))`` and ``ShardLoader`` both decode
 through ``TensorDecoder``, so a sample gets the same pixels through either.
 
 Only the work the output needs is done: the crop box is chosen from the JPEG header before any
@@ -19,9 +19,8 @@ numpy Generator per sample would cost ~10 us, a tenth of a small image's decode.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,12 +28,8 @@ import torch.nn.functional as F
 
 from ..errors import InputError, check_choice
 from .crops import (
-    CenterCrop,
-    CropError,
-    RandomCrop,
-    RandomResizedCrop,
+    BOX_FORMATS,
     center_crop_box,
-    check_crop,
     policy_box,
     random_resized_crop_box,
 )
@@ -50,11 +45,13 @@ from .decode import (
     scratch_hwc,
     to_planes,
 )
+from .options import CROP_MODES, CropBox, Decode, Geometry
 
 __all__ = [
     "scaled_box",
     "CROP_MODES",
     "CropBox",
+    "Decode",
     "Geometry",
     "TensorDecoder",
     "BOX_FORMATS",
@@ -66,58 +63,6 @@ __all__ = [
     "sample_seed",
     "sample_uniforms",
 ]
-
-CROP_MODES = ("center", "random")
-_OWN_CROPS = (RandomResizedCrop, CenterCrop, RandomCrop)
-
-
-class CropBox(NamedTuple):
-    """A sample's crop: the image's (height, width), the box (top, left, h, w) in its full-size
-    pixels, and whether the crop is mirrored."""
-
-    height: int
-    width: int
-    top: int
-    left: int
-    h: int
-    w: int
-    flip: bool
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """``size`` x ``size`` output of a crop policy (``shardkit.images.crops``): ``crop`` is a
-    crop object, or the shorthands "center" (``CenterCrop(size, resize_short=size)``: the
-    central square) and "random" (``RandomResizedCrop(size)``: ImageNet's scale 0.08-1, ratio
-    3/4-4/3, bilinear); ``flip``: mirror left-right with probability 1/2. With a crop object
-    ``size`` may be None (the object's) or must equal it."""
-
-    size: int | None
-    crop: object = "center"
-    flip: bool = False
-
-    def __post_init__(self) -> None:
-        crop = self.crop
-        if isinstance(crop, str):
-            if self.size is None or isinstance(self.size, bool) or self.size < 1:
-                raise InputError(f"size={self.size} must be >= 1 (the output side in pixels)")
-            check_choice("crop", crop, CROP_MODES)
-            size = int(self.size)
-            crop = RandomResizedCrop(size) if crop == "random" else CenterCrop(size, size)
-        else:
-            check_crop(crop)
-            if self.size is not None and self.size != crop.size:
-                raise InputError(
-                    f"size={self.size} but crop={crop!r} makes {crop.size} x {crop.size}: "
-                    "give the size in one place (the crop object)"
-                )
-        object.__setattr__(self, "crop", crop)
-        object.__setattr__(self, "size", int(crop.size))
-        object.__setattr__(self, "flip", bool(self.flip))
-
-    @property
-    def interpolation(self) -> str:
-        return getattr(self.crop, "interpolation", "bilinear")
 
 
 # --- randomness -------------------------------------------------------------------------------
@@ -157,6 +102,11 @@ class TensorDecoder:
     Without geometry ``out`` may also be an (H, W, 3) numpy array (the loader's fastest path).
     """
 
+    @classmethod
+    def of(cls, decode: Decode, seed: int = 0, epoch: int = 0, rank: int = 0) -> TensorDecoder:
+        """Bytes -> uint8 CHW tensor for ``decode``, bound to (seed, epoch, rank)."""
+        return cls(decode.geometry, seed, epoch, rank, decode.max_pixels, decode.dct == "fast")
+
     def __init__(
         self,
         geometry: Geometry | None,
@@ -170,11 +120,14 @@ class TensorDecoder:
         self.seed, self.epoch, self.rank = int(seed), int(epoch), int(rank)
         self.max_pixels = max_pixels
         self.fast_dct = bool(fast_dct)
+        self.resize_s = 0.0  # seconds in crop/resize so far (ShardLoader's stats read it)
 
-    def __call__(self, data: bytes, key: str = "", out=None):
+    def __call__(self, data: bytes, key: str = "", out=None, box: CropBox | None = None):
+        """``data``'s pixels; ``box``: its crop as ``crop_box`` gave it (None: asked here). A
+        sample's masks and boxes are cut at the box its image was: pass the one box to both."""
         if self.geometry is None:
             return self._full(data, key, out)
-        crop = self.crop_box(data, key)
+        crop = self.crop_box(data, key) if box is None else box
         height, width, top, left, h, w, flip = crop
         size = self.geometry.size
         # Smallest decode whose crop still covers size x size (never larger than the image).
@@ -195,24 +148,18 @@ class TensorDecoder:
 
     def crop_box(self, data: bytes, key: str = "") -> CropBox:
         """The sample's crop in full-size pixels and its flip, from the header alone: what a
-        decoder elsewhere (``shardkit.images.device``) needs to give the same sample."""
+        decoder elsewhere (``shardkit.images.device``) needs to give the same sample.
+
+        The crop object is asked once per call: a caller that also moves masks or boxes asks
+        once per sample and passes the box to ``__call__`` (a policy whose answer changes
+        between calls, a counter or a curriculum, then still cuts a sample's image and masks
+        at one box). Whatever the crop raises or returns outside the image is a ``CropError``
+        (a bug in the policy or its arguments, never an undecodable sample)."""
         g = self.geometry
         height, width = image_size(data)
         check_pixels(height, width, self.max_pixels)
         uniforms = sample_uniforms(self.seed, self.epoch, self.rank, key)
-        if type(g.crop) in _OWN_CROPS:
-            box = g.crop.box(height, width, uniforms)
-        else:  # a user's policy: its errors are its own (CropError), its box is checked
-            box = policy_box(g.crop, height, width, uniforms, key)
-            again = sample_uniforms(self.seed, self.epoch, self.rank, key)
-            if policy_box(g.crop, height, width, again, key) != box:
-                raise CropError(
-                    f"sample {key!r}: {type(g.crop).__name__}.box({height}, {width}, ...) gave "
-                    "another box when asked again: draw only from uniforms (the sample's masks, "
-                    "boxes, device decode and resumed epochs each ask for its box)",
-                    key=key,
-                )
-        top, left, h, w = box
+        top, left, h, w = policy_box(g.crop, height, width, uniforms, key)
         flip = g.flip and next(uniforms) < 0.5
         return CropBox(height, width, top, left, h, w, flip)
 
@@ -221,8 +168,10 @@ class TensorDecoder:
         # (1, 3, h, w) channels_last: the layout of torch's AVX uint8 resize, which runs 2x
         # slower on the strided view of a crop than on a contiguous copy of it. The flip is
         # made in that copy (flip and resize commute), so it costs no extra pass.
+        t0 = time.perf_counter()
         x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
         img = resized(x, size, flip, self.geometry.interpolation)[0]
+        self.resize_s += time.perf_counter() - t0
         if out is None:
             return img.contiguous()
         hwc = img.permute(1, 2, 0)
@@ -330,10 +279,6 @@ def crop_mask(mask: torch.Tensor, box: CropBox, size: int) -> torch.Tensor:
     if box.flip:
         cols = cols[::-1]  # mirror the output, as the image's resize-then-flip does
     return torch.from_numpy(np.ascontiguousarray(mask.numpy()[:, rows][:, :, cols]))
-
-
-#: Box layouts in pixels: corners, or COCO's (x, y, width, height).
-BOX_FORMATS = ("xyxy", "xywh")
 
 
 def crop_boxes(

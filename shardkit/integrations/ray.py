@@ -24,7 +24,8 @@ from ..extras import require
 from ..write.engines import PLAN_CHUNK, RETRYABLE, TaskFailed
 from ..write.packer import PackReport
 from ..write.packer import pack as _pack
-from ..write.plan import ShardReceipt, ShardTask, run_task
+from ..write.plan import ShardReceipt, ShardTask
+from ..write.task import run_task
 
 __all__ = ["RayRunner", "pack"]
 

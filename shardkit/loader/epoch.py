@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ShardkitError
+from ..errors import InputError, ShardkitError
 from ..images.device import groups, resize_batch, versions_text
 from ..images.geometry import ShapeError
 from ..records import Record
@@ -188,13 +188,13 @@ class Epoch:
     """The consumer side of one iteration over ``loader``'s workers."""
 
     def __init__(self, loader, workers, ring, ahead: int):
-        ds = loader.dataset
+        ds = loader.seam
         self.loader, self.workers, self.ring = loader, workers, ring
         self.ahead = ahead
         self.n = max(1, loader.num_workers)
-        self.epoch = ds._start_epoch(World(ds.rank, ds.world_size, 0, 1))
+        self.epoch = ds.start_epoch(World(ds.rank, ds.world_size, 0, 1))
         resumes = [
-            ds._take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
+            ds.take_resume(World(ds.rank, ds.world_size, w, self.n), self.epoch)
             for w in range(self.n)
         ]
         self.gen, fill_ahead = self._generations(resumes)
@@ -236,6 +236,7 @@ class Epoch:
         self._waited = 0.0
         self._draws = 0
         self.done = False
+        self.stats = loader._stats.begin(self.epoch, loader)  # stats.py
         workers.start(
             self.gen, self.epoch, [r.to_dict() if r else None for r in resumes], fill_ahead
         )
@@ -289,6 +290,7 @@ class Epoch:
                         f"{self.epoch} (generation bug)"
                     )
                 self.held[w].add(msg.slot)
+                self.stats.worker_times(msg.times)
                 for note in msg.notes:
                     warnings.warn(note, RuntimeWarning, stacklevel=4)
                 yield msg
@@ -300,6 +302,8 @@ class Epoch:
         drawn: deque = deque()
         counts, clock = self.loader.feed_counts, time.thread_time
         cpu0, seen0 = counts.cpu, counts.region + counts.whole + counts.cpu
+        st, now = self.stats, time.perf_counter
+        st.resumed(now())
         began = clock()
         try:
             for msg in self._ready():
@@ -314,7 +318,9 @@ class Epoch:
                         continue
                     counts.delivered += item[1][0].shape[0]
                     counts.trainer_cpu_s += clock() - began
+                    st.yielded(now(), item[1][0].shape[0])
                     yield out
+                    st.resumed(now())
                     began = clock()
                     # back in the caller's next(): its loop variable still holds the batch just
                     # yielded; every one before it is free (handed back earlier, the caller's
@@ -328,7 +334,9 @@ class Epoch:
                     continue
                 counts.delivered += item[1][0].shape[0]
                 counts.trainer_cpu_s += clock() - began
+                st.yielded(now(), item[1][0].shape[0])
                 yield out
+                st.resumed(now())
                 began = clock()
             self.done = True
             if counts.cpu > cpu0 and not counts.warned:
@@ -350,6 +358,7 @@ class Epoch:
             raise
         finally:
             self._abandon()
+            self.loader._stats.end(st, self.done, counts)  # the last next() included
 
     def _staged(self, item):
         """A staged batch, waiting for the decode thread where it is decoding there."""
@@ -379,11 +388,12 @@ class Epoch:
         if self.nhwc:
             images = images.permute(0, 3, 1, 2)
         labels = torch.tensor(msg.labels, dtype=torch.int64)
-        tt = self.loader.dataset.target_transform
+        tt = self.loader.seam.target_transform
         if tt is not None:
             labels = torch.utils.data.default_collate([tt(int(v)) for v in msg.labels])
         device, ready, copied = self.loader.device, None, None
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        t0 = time.perf_counter()
         with ctx:
             if device is not None:
                 images = images.to(device, non_blocking=True)  # from the pinned slot: async
@@ -391,7 +401,10 @@ class Epoch:
                     copied = torch.cuda.Event()
                     copied.record(self.stream)
                 labels = _pinned(labels, device)
+            t1 = time.perf_counter()
             images = self._convert(images)
+            self.stats.stage_copy_s += t1 - t0
+            self.stats.stage_normalize_s += time.perf_counter() - t1
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
@@ -403,14 +416,67 @@ class Epoch:
         return out, (images, labels), ready, copied, slot, (msg.worker, msg.consumed)
 
     def _stage_samples(self, msg: Batch):
-        """A batch of ``sample_transform`` outputs (batched in the worker; its slot held no
-        pixels and goes back now): stacked columns moved to the device, then ``collate``."""
-        out = unbatch_arrays(msg.samples, self._on_device)
+        """A batch of ``sample_transform`` outputs (batched in the worker): its stacked columns
+        are in the slot (views of it, lent as the images of the plain path are: the slot goes
+        back once the caller no longer holds them), moved to the device; the image column
+        normalised and laid out as the loader says (``_sample_images``), then ``collate``."""
+        slot = None
+        if msg.capacity:
+            slot = self.ring.lend(msg.worker, msg.slot, (msg.capacity,))
+        out = unbatch_arrays(msg.samples, self._on_device, slot)
+        out = self._sample_images(out)
         if self.loader.collate is not None:
             out = self.loader.collate(out)
-        self._give_back(msg.worker, msg.slot)
+        held = None
+        if slot is not None and not self.cuda:  # views of the slot: held as a lent batch's
+            held = (msg.worker, msg.slot)
+        else:  # nothing over the slot (a CUDA device copied it through pinned memory)
+            self._give_back(msg.worker, msg.slot)
         labels = torch.tensor(msg.labels, dtype=torch.int64)  # counts the batch's samples
-        return out, (labels,), None, None, None, (msg.worker, msg.consumed)
+        return out, (labels,), None, None, held, (msg.worker, msg.consumed)
+
+    def _sample_images(self, out):
+        """``normalize=``/``channels_last=`` on a ``sample_transform`` batch: applied to its
+        image column (a dict's "image", a tuple's first, or the one column) where that is a
+        uint8 (N, 3, H, W) tensor; anything else is refused naming the option, never a batch
+        silently left uint8."""
+        loader = self.loader
+        if loader.normalize is None and not loader.channels_last:
+            return out
+        if isinstance(out, dict):
+            where, images = '"image"', out.get("image")
+        elif isinstance(out, tuple):
+            where, images = "its first column", out[0] if out else None
+        else:
+            where, images = "the batch", out
+        ok = isinstance(images, torch.Tensor) and images.dtype == torch.uint8
+        if not (ok and images.dim() == 4 and images.shape[1] == 3):
+            options = [o for o, on in (("normalize", loader.normalize is not None),
+                                       ("channels_last", loader.channels_last)) if on]  # fmt: skip
+            got = (
+                f"a {images.dtype} tensor of shape {tuple(images.shape)}"
+                if isinstance(images, torch.Tensor)
+                else f"a {type(images).__name__}"
+            )
+            raise InputError(
+                f"ShardLoader({'=, '.join(options)}=) applies to the sample_transform's images, "
+                f"a uint8 (N, 3, H, W) batch under {where}, but it is {got}: return the uint8 "
+                'image as "image" (or first), or normalise in the sample_transform and drop '
+                f"{'=/'.join(options)}="
+            )
+        fmt = torch.channels_last if loader.channels_last else torch.contiguous_format
+        if loader.normalize is not None:
+            converted = torch.empty(
+                images.shape, dtype=torch.float32, device=images.device, memory_format=fmt
+            )
+            torch.addcmul(self.shift, images, self.scale, out=converted)
+        else:
+            converted = images.contiguous(memory_format=fmt)
+        if isinstance(out, dict):
+            return {**out, "image": converted}
+        if isinstance(out, tuple):
+            return (converted, *out[1:])
+        return converted
 
     def _output(self, images, labels, keys: list, fields: list | None, sources=None):
         """The caller's batch: ``(images, labels[, keys][, sources])``, or with the dataset's
@@ -424,7 +490,7 @@ class Epoch:
             return (images, labels, *(extra[e] for e in loader.extras))
         out = {"image": images, "label": labels}
         out.update((e, extra[e]) for e in loader.extras)
-        names = loader.dataset.fields + (BOX_COLUMNS if loader.dataset.boxes is not None else ())
+        names = loader.seam.fields + (BOX_COLUMNS if loader.seam.boxes is not None else ())
         for name, value in zip(names, fields, strict=True):
             if isinstance(value, np.ndarray):  # masks: one (N, C, H, W) array per batch
                 value = self._on_device(torch.from_numpy(value))
@@ -442,20 +508,24 @@ class Epoch:
         sample's crop region, then the batch resized, flipped and normalised in a few kernels
         there. What the device declines whole is decoded by the CPU decoder with the same box;
         what neither can decode is an error naming shard and key, or a counted skip."""
-        loader, ds = self.loader, self.loader.dataset
+        loader, ds = self.loader, self.loader.seam
         arr = self.ring.array(msg.worker, msg.slot, (msg.capacity,))
         offsets = msg.offsets
         bufs = [arr[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
         size = ds.geometry.size if ds.geometry is not None else None
         target = loader.device or torch.device("cpu")
         decoder, stream = lane = self._lanes.get()
+        t0 = time.perf_counter()
         try:
             return self._decode_batch(msg, bufs, size, target, decoder, stream)
         finally:
             self._lanes.put(lane)
+            with self._lock:
+                self.stats.device_decode_s += time.perf_counter() - t0
+                self.stats.device_batches += 1
 
     def _decode_batch(self, msg: Batch, bufs, size, target, decoder, stream):
-        loader, ds = self.loader, self.loader.dataset
+        loader, ds = self.loader, self.loader.seam
         ctx = torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
         timed = self.balance is not None
         with ctx:
@@ -544,7 +614,7 @@ class Epoch:
         scale = shift = None
         if self.loader.normalize is not None:
             scale, shift = self.scale, self.shift
-        how = self.loader.dataset.geometry.interpolation
+        how = self.loader.seam.geometry.interpolation
         on_device = [j for j, p in enumerate(pixels) if not isinstance(p, torch.Tensor)]
         crops = [pixels[j] for j in on_device]
         for group in groups(crops):
@@ -591,19 +661,20 @@ class Epoch:
     def _decode_on_cpu(self, buf, msg: Batch, i: int) -> torch.Tensor | None:
         """Sample ``i`` through the CPU path's decoder: its finished (3, S, S) uint8 image (a
         full-size one without ``size``), or None when skipped under ``on_error="skip"``."""
-        ds = self.loader.dataset
+        ds = self.loader.seam
         if self._cpu is None:
             self._cpu = ds.tensor_decoder(self.epoch)
         key = msg.keys[i]
+        box = msg.boxes[i] if msg.boxes is not None else None  # the worker's: asked once
         try:
-            return self._cpu(buf.tobytes(), key)
+            return self._cpu(buf.tobytes(), key, box=box)
         except Exception as exc:
             rec = Record(key=key, ext="", data=b"", label=msg.labels[i], shard=msg.shards[i])
             err = sample_error(rec, exc)
             if ds.on_error == "raise":
                 raise err from exc
             warnings.warn(f"skipped: {err}", RuntimeWarning, stacklevel=5)
-            ds._skip_counter(0)()
+            ds.skip_counter(0)()
             return None
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:

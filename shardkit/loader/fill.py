@@ -29,6 +29,7 @@ from ..stream.stages import decoded_fields, transform_error, undecodable
 from ..stream.world import World
 from .messages import Batch, Start
 from .ring import MappedSlots
+from .stats import WorkerClock
 
 __all__ = ["Abandon", "FillSpec", "Filler"]
 
@@ -59,10 +60,12 @@ class Filler:
     """Worker ``worker``'s batches of ``dataset`` decoded into ``slots``."""
 
     def __init__(self, dataset, spec: FillSpec, worker: int, slots: MappedSlots):
-        self.ds, self.spec, self.worker, self.slots = dataset, spec, worker, slots
+        #: the dataset's options and epoch calls, through its one door (``DatasetSeam``)
+        self.ds = ds = dataset.seam()
+        self.spec, self.worker, self.slots = spec, worker, slots
         self.hw: tuple[int, int] | None = None
-        if dataset.geometry is not None:
-            self.hw = (dataset.geometry.size, dataset.geometry.size)
+        if ds.geometry is not None:
+            self.hw = (ds.geometry.size, ds.geometry.size)
         self._targets: dict[int, tuple[np.ndarray, list]] = {}
         self._capacity = 0  # encoded slots: bytes each one maps (grown for a larger batch)
         # decode_on="auto": the fraction of batches decoded here (set by the loader from both
@@ -70,13 +73,14 @@ class Filler:
         self.share, self._owed = 0.5, 0.0
         self._moved = None  # per epoch: the dataset's mover of masks and boxes (or None)
         self._sources = spec.sources  # the loader's with_keys, not the dataset's
+        self.clock = WorkerClock()  # where this worker's time goes, per batch (stats.py)
 
     def run(self, start: Start, acquire: Callable[[], int]) -> Iterator[Batch]:
         """The batches of ``start``'s epoch; ``acquire()`` gives a free slot (or raises
         ``Abandon``). The slot of a yielded batch is the consumer's until it is given back."""
         ds, spec, bs = self.ds, self.spec, self.spec.batch_size
         world = World(ds.rank, ds.world_size, self.worker, spec.num_workers)
-        resume = EpochState.from_dict(start.resume, ds._facts) if start.resume else None
+        resume = EpochState.from_dict(start.resume, ds.facts) if start.resume else None
         records = ds.records_from(world, start.epoch, resume, bs)
         decoder = ds.tensor_decoder(start.epoch)
         self._epoch = start.epoch
@@ -85,12 +89,18 @@ class Filler:
         self._moved = None
         if ds.geometry is not None and names:
             self._moved = sample_geometry(decoder, names, decoders, ds.boxes)
+        clock, first = self.clock, True
         try:
             while True:
-                slot = acquire()
                 t0 = time.perf_counter()
-                batch = self._pick()(slot, records, decoder)
-                batch.fill_s = time.perf_counter() - t0
+                slot = acquire()
+                t1 = time.perf_counter()
+                resized, source = decoder.resize_s, clock.source(records, first)
+                first = False
+                batch = self._pick()(slot, source, decoder)
+                batch.fill_s = time.perf_counter() - t1
+                clock.idle += t1 - t0
+                batch.times = clock.batch(batch.fill_s, decoder.resize_s - resized)
                 batch.epoch = start.epoch
                 if batch.count == 0 or (batch.count < bs and spec.drop_last):
                     if batch.consumed:  # skipped samples, a dropped batch: counted, no image
@@ -130,7 +140,7 @@ class Filler:
         ds, bs = self.ds, self.spec.batch_size
         targets = self._slot_targets(slot) if self.hw is not None else None
         planar = not self.spec.nhwc and ds.geometry is None
-        transform = ds.transform
+        transform = self.clock.timed(ds.transform)
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
         values: list[list] = [[] for _ in names + (BOX_COLUMNS if ds.boxes is not None else ())]
@@ -142,13 +152,14 @@ class Filler:
         for rec in records:
             img = None
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
                 if transform is not None or targets is None:
-                    img = decoder(rec.data, rec.key)  # a new tensor, for the transform or sizing
+                    img = decoder(rec.data, rec.key, box=box)  # for the transform or sizing
                 elif planar:
                     decoder.into_planes(rec.data, rec.key, targets[n])
                 else:
-                    decoder(rec.data, rec.key, targets[n])
+                    decoder(rec.data, rec.key, targets[n], box=box)
             except ShapeError as exc:
                 raise ShapeError(f"{rec.shard}: {exc}") from None
             except Exception as exc:  # decoders raise many types for bad data
@@ -183,24 +194,28 @@ class Filler:
     def _fill_samples(self, slot: int, records: Iterator, decoder) -> Batch:
         """The dataset's ``sample_transform`` on each whole sample (the dict ``ShardDataset``
         gives it: image, label, key, fields, boxes, seed), its outputs batched here
-        (``batch_samples``) and sent through the pipe; the slot carries no pixels."""
+        (``batch_samples``); each column stacked into one array (tensors of one shape, numbers)
+        is written into the slot and named by place (``InRing``), as the images of the plain
+        path are: only what does not stack (strings, lists of boxes) goes through the pipe."""
         ds, bs = self.ds, self.spec.batch_size
         names, decoders = self._fields()
         masks = [j for j, d in enumerate(decoders) if d is decode_field_image]
         columns = ("image", "label", "key", "source", *names)
         columns += BOX_COLUMNS if ds.boxes is not None else ()
+        sample_transform = self.clock.timed(ds.sample_transform)
         outputs, labels, keys, notes = [], [], [], []
         for rec in records:
             try:
-                extra = self._sample_fields(rec, names, decoders, masks, decoder)
-                img = decoder(rec.data, rec.key)
+                box = self._box(rec, decoder)
+                extra = self._sample_fields(rec, names, decoders, masks, box)
+                img = decoder(rec.data, rec.key, box=box)
             except Exception as exc:  # decoders raise many types for bad data
                 self._bad(rec, exc, notes)
                 continue
             item = dict(zip(columns, (img, rec.label, rec.key, rec.source, *extra), strict=True))
             item["seed"] = sample_seed(ds.seed, self._epoch, rec.key)
             try:
-                outputs.append(ds.sample_transform(item))
+                outputs.append(sample_transform(item))
             except Exception as exc:
                 raise transform_error(rec, exc) from exc
             labels.append(rec.label)
@@ -209,8 +224,27 @@ class Filler:
                 break
         n = len(outputs)
         batch = Batch(0, self.worker, slot, n, 0, 0, labels, keys, notes, n + len(notes))
-        batch.samples = batch_samples(outputs) if outputs else None
+        if outputs:
+            batch.samples, batch.capacity = self._in_ring(slot, batch_samples(outputs))
         return batch
+
+    def _in_ring(self, slot: int, samples) -> tuple[object, int]:
+        """``samples`` with each stacked column's array written into ``slot`` (64-byte aligned)
+        and replaced by its place; the bytes the slot maps (0: nothing placed)."""
+        stacked = [a for a in _arrays(samples) if a.array.dtype in _RING_DTYPES]
+        if not stacked:
+            return samples, 0
+        at, places = 0, {}
+        for a in stacked:
+            places[id(a)] = at
+            at += -(-a.array.nbytes // 64) * 64
+        if at > self._capacity:  # the slots grow to the largest batch, in powers of 2
+            self._capacity = 1 << max(20, (at - 1).bit_length())
+        arr = self.slots.array(slot, (self._capacity,))
+        for a in stacked:
+            lo = places[id(a)]
+            arr[lo : lo + a.array.nbytes] = np.ascontiguousarray(a.array).reshape(-1).view(np.uint8)
+        return _placed(samples, places), self._capacity
 
     def _fill_whole(self, slot: int, records: Iterator, decoder) -> Batch:
         """``_fill`` for whole images without a transform or fields (the plain full decode):
@@ -264,14 +298,20 @@ class Filler:
         batch.sources = [r.source for r in taken] if self._sources else None
         return batch
 
-    def _sample_fields(self, rec, names, decoders, masks: list[int], decoder) -> tuple:
+    def _box(self, rec, decoder):
+        """The sample's crop box, asked once (None without ``size=``): its image, masks and
+        boxes are all cut at it."""
+        return decoder.crop_box(rec.data, rec.key) if self.ds.geometry is not None else None
+
+    def _sample_fields(self, rec, names, decoders, masks: list[int], box) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
-        its image; without ``size=``, masks must have their image's size."""
+        its image (cut at ``box``, the image's); without ``size=``, masks must have their
+        image's size."""
         if not names:
             return ()
-        extra = decoded_fields(rec, names, decoders, self.ds.max_pixels)
+        extra = decoded_fields(rec, names, decoders, self.ds.decode.max_pixels)
         if self._moved is not None:
-            return self._moved(rec, extra)
+            return self._moved(rec, extra, box)
         height, width = image_size(rec.data) if masks else (0, 0)
         for j in masks:
             if tuple(extra[j].shape[-2:]) != (height, width):
@@ -309,7 +349,9 @@ class Filler:
         taken, boxes, notes = [], [], []
         for rec in records:
             try:
-                extra = decoded_fields(rec, names, decoders, self.ds.max_pixels) if names else ()
+                extra = (
+                    decoded_fields(rec, names, decoders, self.ds.decode.max_pixels) if names else ()
+                )
                 box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
             except Exception as exc:
                 self._bad(rec, exc, notes)
@@ -327,9 +369,11 @@ class Filler:
             offsets.append(offsets[-1] + len(rec.data))
         if offsets[-1] > self._capacity:  # the slots grow to the largest batch, in powers of 2
             self._capacity = 1 << max(20, (offsets[-1] - 1).bit_length())
+        t0 = time.perf_counter()
         arr = self.slots.array(slot, (self._capacity,))
         for rec, lo, hi in zip(taken, offsets, offsets[1:], strict=False):
             arr[lo:hi] = np.frombuffer(rec.data, np.uint8)
+        self.clock.copy += time.perf_counter() - t0
         n = len(taken)
         batch = Batch(
             0, self.worker, slot, n, 0, 0, [r.label for r in taken], [r.key for r in taken],
@@ -375,7 +419,7 @@ class Filler:
     def count_skips(self, batch: Batch) -> None:
         """``batch`` is handed over: its skipped samples (one note each) count in ``ds.skipped``."""
         if batch.notes:
-            skipped = self.ds._skip_counter(self.worker)
+            skipped = self.ds.skip_counter(self.worker)
             for _ in batch.notes:
                 skipped()
 
@@ -458,6 +502,43 @@ class Array:
     array: np.ndarray
 
 
+#: What a stacked column may be in the ring: numpy dtypes torch views alike (native order).
+_RING_DTYPES = tuple(
+    np.dtype(t) for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
+                          np.float16, np.float32, np.float64)
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class InRing:
+    """A stacked column written into the batch's slot: its bytes at ``offset``, as an array of
+    ``shape`` and ``dtype`` (numpy's name)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _arrays(batch) -> list[Stacked]:
+    """The stacked columns of ``batch_samples``' batch, in order."""
+    if isinstance(batch, dict):
+        return [a for v in batch.values() for a in _arrays(v)]
+    if isinstance(batch, tuple):
+        return [a for v in batch for a in _arrays(v)]
+    return [batch] if isinstance(batch, Stacked) else []
+
+
+def _placed(batch, places: dict[int, int]):
+    """``batch`` with each stacked column written at ``places[id(column)]`` named by place."""
+    if isinstance(batch, dict):
+        return {k: _placed(v, places) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_placed(v, places) for v in batch)
+    if isinstance(batch, Stacked) and id(batch) in places:
+        return InRing(places[id(batch)], batch.array.shape, batch.array.dtype.str)
+    return batch
+
+
 def _column(values: list):
     first = values[0]
     if isinstance(first, torch.Tensor) and all(
@@ -533,13 +614,19 @@ def _what(out) -> str:
     return f"a {type(out).__name__}"
 
 
-def unbatch_arrays(batch, to_tensor: Callable[[torch.Tensor], torch.Tensor]):
+def unbatch_arrays(batch, to_tensor: Callable[[torch.Tensor], torch.Tensor], slot=None):
     """``batch_samples``' batch in the caller: stacked columns as tensors through ``to_tensor``
-    (the loader's device), list columns' arrays as tensors."""
+    (the loader's device), list columns' arrays as tensors. ``slot``: the batch's slot as a
+    uint8 tensor (lent by the ring), over which columns written there (``InRing``) are views."""
     if isinstance(batch, dict):
-        return {k: unbatch_arrays(v, to_tensor) for k, v in batch.items()}
+        return {k: unbatch_arrays(v, to_tensor, slot) for k, v in batch.items()}
     if isinstance(batch, tuple):
-        return tuple(unbatch_arrays(v, to_tensor) for v in batch)
+        return tuple(unbatch_arrays(v, to_tensor, slot) for v in batch)
+    if isinstance(batch, InRing):
+        dtype = torch.from_numpy(np.empty(0, np.dtype(batch.dtype))).dtype
+        nbytes = int(np.prod(batch.shape, dtype=np.int64)) * np.dtype(batch.dtype).itemsize
+        view = slot[batch.offset : batch.offset + nbytes].view(dtype).view(batch.shape)
+        return to_tensor(view)
     if isinstance(batch, Stacked):
         return to_tensor(torch.from_numpy(batch.array))
     if isinstance(batch, torch.Tensor):

@@ -97,6 +97,8 @@ class Batch:
     samples: object = None
     # each sample's source in a mixture (``Record.source``), where the batch reports it
     sources: list[int] | None = None
+    # where the worker's time went for this batch (``stats.WORKER_PARTS``: read, decode, ...)
+    times: tuple | None = None
 
 
 @dataclass(slots=True)

@@ -124,28 +124,46 @@ def _unmap(addr: int, nbytes: int) -> None:
 
 
 def forget_inherited(keep: set[int]) -> None:
-    """In a forked worker, before it maps anything: unmap every ring mapping and close every ring
-    descriptor it inherited except ``keep`` (its own slots). Without this, a loader's ring stays
-    alive in the workers of every loader started after it. The inherited Python objects over
-    those mappings are never touched in the worker; their unmapping is cancelled, as the address
-    range may be reused."""
+    """In a worker (forked, spawned or from a fork server), before it maps anything: unmap every
+    ring mapping and close every ring descriptor it inherited except ``keep`` (its own slots),
+    which it tracks from now on (a spawned worker's arrive as bare numbers: untracked, a
+    replaced slot's old file was never closed, and kept its memory alive). Without this, a
+    loader's ring stays alive in the workers of every loader started after it. Any other ring
+    file open here (``_ring_files``: one this process's bookkeeping missed) is closed too. The
+    inherited Python objects over those mappings are never touched in the worker; their
+    unmapping is cancelled, as the address range may be reused."""
     for fin in list(_MAPS.values()):
         info = fin.detach()
         if info is not None:
             _unmap(*info[2])
     _MAPS.clear()
-    for fd in list(_FDS - keep):
+    for fd in (_FDS | set(_ring_files())) - keep:
         _FDS.discard(fd)
         try:
             os.close(fd)
         except OSError:
             pass
+    _FDS.update(keep)
 
 
-class _Loan:
-    """The token a lent batch's storage refers to: one per batch handed out."""
-
-    __slots__ = ("__weakref__",)
+def _ring_files() -> dict[int, int]:
+    """Every ring file this process holds a descriptor of, found by name (``memfd_create``'s):
+    descriptor -> inode. Empty where ``/proc`` cannot say (not Linux). Only a worker starting
+    closes what it finds: elsewhere a descriptor not in ``_FDS`` may be another owner's to
+    close (closing it here would make that owner's close hit whatever reused the number)."""
+    found = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # pragma: no cover - not Linux
+        return found
+    for name in names:
+        fd = int(name)
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shardkit-ring"):
+                found[fd] = os.fstat(fd).st_ino
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return found
 
 
 class _Slot:

@@ -29,6 +29,7 @@ from ..stream.stages import extras_of
 from .epoch import Balance, Epoch, FeedCounts, Position, slots_per_worker
 from .fill import FillSpec
 from .ring import Ring
+from .stats import LoaderStats, StatsOptions, gather_stats
 from .workers import ForeignLoaderError, LocalWorkers, ProcessWorkers, default_start_method
 
 __all__ = ["ShardLoader", "default_workers"]
@@ -44,7 +45,7 @@ OVERLAP_EPOCHS = True
 #: What the workers, their slots and the batches' layout are built from: fixed once the loader
 #: is (a changed one would meet workers filling for the old one: wrong pixels, lost samples).
 _FIXED = frozenset(
-    {"dataset", "batch_size", "num_workers", "drop_last", "device", "normalize",
+    {"dataset", "seam", "batch_size", "num_workers", "drop_last", "device", "normalize",
      "channels_last", "extras", "with_keys", "prefetch_factor", "start_method", "decode_on"}
 )  # fmt: skip
 
@@ -81,7 +82,7 @@ class ShardLoader:
 
     ::
 
-        ds = ShardDataset("shards/", decode="tensor", size=224, crop="random", flip=True)
+        ds = ShardDataset("shards/", decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loader = ShardLoader(ds, batch_size=256, device="cuda",
                              normalize=((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
         for epoch in range(90):
@@ -123,6 +124,10 @@ class ShardLoader:
     ``default_collate`` makes them, any other is a list; ``collate`` then reshapes that batch.
     ``len(loader)`` is the batches per epoch on this rank; under ``on_error="skip"`` a worker
     whose samples were skipped ends its last batch early.
+    ``stats()`` says who waits for whom (the share of the loop's time blocked on batches, a
+    verdict, where the workers' and the training process's time goes); an input-bound epoch is
+    warned about once, naming a knob: ``stats=False`` (or ``StatsOptions(logger=True)``: as a
+    ``logging`` record) changes that.
     """
 
     def __init__(
@@ -141,8 +146,10 @@ class ShardLoader:
         timeout: float = 0,
         decode_on: str = "workers",
         collate: Callable[[dict], Any] | None = None,
+        stats: StatsOptions | bool = True,
     ):
         _check_dataset(dataset)
+        seam = dataset.seam()  # the dataset's options, read whole through its one door
         _check_int("batch_size", batch_size, 1)
         num_workers = default_workers() if num_workers is None else num_workers
         _check_int("num_workers", num_workers, 0)
@@ -151,9 +158,9 @@ class ShardLoader:
             if not isinstance(flag, bool):
                 raise InputError(f"{name} must be True or False, got {flag!r}")
         check_choice("decode_on", decode_on, DECODE_ON)
-        _check_masks(dataset, decode_on)
-        _check_sample_extras(dataset, decode_on)
-        if decode_on != "workers" and dataset.transform is not None:
+        _check_masks(seam, decode_on)
+        _check_sample_extras(seam, decode_on)
+        if decode_on != "workers" and seam.transform is not None:
             raise InputError(
                 f"decode_on={decode_on!r} decodes in the training process, after the workers: "
                 "a per-sample transform= has no pixels to run on there; apply it to the batch"
@@ -169,12 +176,13 @@ class ShardLoader:
         ):
             raise InputError(f"timeout must be seconds >= 0 (0: wait forever), got {timeout!r}")
         self.dataset = dataset
+        self.seam = seam
         self.batch_size = batch_size
         self.num_workers = int(num_workers)
         self.drop_last = bool(drop_last)
         self.device = torch.device(device) if device is not None else None
         self.channels_last = bool(channels_last)
-        self.extras = dataset.extras if with_keys is None else extras_of(with_keys)
+        self.extras = seam.extras if with_keys is None else extras_of(with_keys)
         self.with_keys = "key" in self.extras
         self.prefetch_factor = int(prefetch_factor)
         self.start_method = start_method
@@ -183,6 +191,7 @@ class ShardLoader:
         if collate is not None and not callable(collate):
             raise InputError(f"collate must be a callable taking the batch dict, got {collate!r}")
         self.collate = collate
+        self._stats = LoaderStats(stats)  # who waits for whom, per epoch (``stats()``)
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
         self._balance = Balance()  # decode_on="auto": both sides' measured rates
         #: What the iterations cost the training process, and where device-side images were
@@ -305,6 +314,26 @@ class ShardLoader:
         is garbage-collected and at exit); the next iteration starts new ones."""
         self._abandon()
         self._res.close()
+
+    def stats(self, *, last: bool = False, all_ranks: bool = False, group=None) -> dict:
+        """Who waits for whom: a flat dict of numbers and short strings for any logger, for the
+        epoch in progress (after it, the one just finished; ``last=True``: the last finished).
+
+        ``wait_s``: the training process's time blocked in ``next()`` after the first batch
+        (``first_wait_s``: the workers' start), ``step_s``: its time between batches,
+        ``wait_share`` = wait / (wait + step) and its ``verdict`` ("not input-bound" under 5%,
+        "partly input-bound" to 20%, "input-bound"), ``images_per_s`` (after the first
+        batch), the per-batch wait's ``wait_p50_s``/``wait_p95_s``/``wait_max_s``; where the
+        workers' time went
+        (``worker_{read,decode,resize,transform,copy,idle}_s`` and ``_share``: summed over the
+        workers; idle is waiting for a free slot, the ring full) and the training process's
+        (``trainer_copy_s``, ``trainer_normalize_s``, ``trainer_device_decode_s``); with
+        ``decode_on="device"``/``"auto"``, the device decodes per path and the CPU fallbacks
+        with their reason. ``all_ranks=True`` (a collective: every rank calls it) adds each
+        rank's ``rank{r}_wait_share``, ``max_wait_share`` and ``slowest_rank`` over
+        ``torch.distributed`` (see docs/loader.md, "Is my training input-bound?")."""
+        out = self._stats.report(last, self)
+        return gather_stats(out, group) if all_ranks else out
 
     @property
     def worker_pids(self) -> list[int]:
@@ -431,16 +460,16 @@ def _check_int(name: str, value, least: int) -> None:
 def _check_dataset(dataset) -> None:
     if not isinstance(dataset, ShardDataset):
         raise InputError(f"dataset must be a ShardDataset, got {type(dataset).__name__}")
-    if dataset.decode != "tensor":
+    if dataset.decode.mode != "tensor":
         raise InputError(
-            f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" '
-            f"(got decode={dataset.decode!r})"
+            f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" or '
+            f"a shardkit.Decode() (got decode={dataset.decode.mode!r})"
         )
 
 
-def _check_sample_extras(dataset, decode_on: str) -> None:
+def _check_sample_extras(seam, decode_on: str) -> None:
     """``sample_transform`` takes the decoded sample, which only the workers have."""
-    if getattr(dataset, "sample_transform", None) is not None and decode_on != "workers":
+    if seam.sample_transform is not None and decode_on != "workers":
         raise InputError(
             f"sample_transform= runs on each decoded sample in the workers: it needs "
             f'decode_on="workers" (got decode_on={decode_on!r}); decode_on="device" decodes '
@@ -448,14 +477,14 @@ def _check_sample_extras(dataset, decode_on: str) -> None:
         )
 
 
-def _check_masks(dataset, decode_on: str) -> None:
-    for name, decode in zip(dataset.fields, dataset.field_decoders or (), strict=False):
+def _check_masks(seam, decode_on: str) -> None:
+    for name, decode in zip(seam.fields, seam.field_decoders or (), strict=False):
         if decode is decode_field_image and decode_on != "workers":
             raise InputError(
                 f"fields=: {name!r} is image-shaped (a mask): it is cut with its image in the "
                 f'workers, so it needs decode_on="workers" (got {decode_on!r})'
             )
-    if getattr(dataset, "boxes", None) is not None and decode_on != "workers":
+    if seam.boxes is not None and decode_on != "workers":
         raise InputError(
             f'boxes= are moved with their image in the workers: use decode_on="workers" (got '
             f"{decode_on!r})"

@@ -76,7 +76,12 @@ class RemoteStorage:
     shards fetched ahead per worker (0 turns it off). ``retries``/``backoff``: the retry budget
     (see ``RetryPolicy``). ``timeout``: seconds without progress before an attempt counts as
     stalled. ``verify=False`` skips the size and sha256 checks a ``ShardInfo`` asks for.
+    A source of local paths is read by ``LocalStorage`` even under ``storage=RemoteStorage(...)``
+    (``urls_only``): one object configures a mixture of local and remote sources.
     """
+
+    #: configures URL sources only; ShardDataset reads local paths with LocalStorage
+    urls_only = True
 
     def __init__(
         self,

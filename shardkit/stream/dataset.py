@@ -19,11 +19,13 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import os
 import secrets
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,14 +33,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import InputError, ShardkitError, StorageError, check_choice
 from ..formats import FORMATS
-from ..images.decode import DEFAULT_MAX_PIXELS
-from ..images.geometry import Geometry, TensorDecoder, sample_seed
+from ..images.geometry import Decode, Geometry, TensorDecoder, sample_seed
 from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
-from ..sizes import parse_size
-from .fields import Boxes, field_spec, sample_geometry
+from .fields import Boxes, decode_field_image, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_hashes, split_positions
+from .indexes import all_keys, split_hashes, split_positions, val_mask, warn_unindexed
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -64,12 +64,10 @@ from .resume import (
     worker_left,
     worker_plan,
 )
-from .shuffle import DEFAULT_BUFFER_SIZE, shard_order, shuffle_buffer
+from .retired import translate
+from .shuffle import Order, shard_order, shuffle_buffer
 from .sources import resolve_source
 from .stages import (
-    DCT_MODES,
-    DECODE_MODES,
-    EQUALIZE_MODES,
     EXTRAS,
     ON_ERROR_MODES,
     apply_transforms,
@@ -83,20 +81,10 @@ from .stages import (
     read_slices,
     sample_counts,
 )
-from .storage import Storage, storage_for
+from .storage import LocalStorage, Storage, is_url, storage_for
 from .world import World, current_world, distributed_rank
 
-__all__ = ["ShardDataset", "FolderDataset", "Source"]
-
-
-def _geometry(decode: str, size, crop, flip) -> Geometry | None:
-    """The fixed-size output asked for: ``size=`` with a shorthand crop, or a crop object."""
-    if size is None and isinstance(crop, str):
-        return None
-    if decode != "tensor":
-        what = f"size={size}" if size is not None else f"crop={crop!r}"
-        raise InputError(f'{what} needs decode="tensor" (got decode={decode!r})')
-    return Geometry(None if size is None else int(size), crop, bool(flip))
+__all__ = ["DatasetSeam", "Decode", "FolderDataset", "Order", "ShardDataset", "Source"]
 
 
 def _pil_collate(batch, *, collate_fn_map=None):
@@ -129,6 +117,44 @@ _IN_WORKERS = _RESUMED + _SKIP_SLOTS  # 1 once DataLoader workers iterated this 
 _STATE_LEN = _IN_WORKERS + 1
 
 
+@dataclass(frozen=True)
+class DatasetSeam:
+    """What a reader that runs a dataset's stages in its own workers (``ShardLoader``) reads of
+    the dataset: the option groups whole, and the dataset's epoch bookkeeping as calls. The one
+    door (``ShardDataset.seam()``), so such a reader touches no loose or private attribute and
+    a change inside the dataset shows here first."""
+
+    decode: Decode
+    order: Order
+    seed: int
+    rank: int
+    world_size: int
+    extras: tuple[str, ...]
+    fields: tuple[str, ...]
+    field_decoders: tuple | None
+    boxes: Boxes | None
+    transform: Callable | None
+    target_transform: Callable | None
+    sample_transform: Callable | None
+    on_error: str
+    #: what a checkpoint must agree on (``stream.resume.dataset_facts``)
+    facts: dict
+    #: ``(world, mark=True) -> epoch``: the epoch an iteration reads (warns on a repeat)
+    start_epoch: Callable
+    #: ``(world, epoch) -> EpochState | None``: the loaded state, once per worker
+    take_resume: Callable
+    #: ``(worker) -> () -> None``: counts one sample skipped under ``on_error="skip"``
+    skip_counter: Callable
+    #: ``(world, epoch, resume, batch_size) -> records``: the stored records a worker reads
+    records_from: Callable
+    #: ``(epoch) -> TensorDecoder``: bytes -> uint8 CHW tensor for ``decode``, bound to epoch
+    tensor_decoder: Callable
+
+    @property
+    def geometry(self) -> Geometry | None:
+        return self.decode.geometry
+
+
 class ShardDataset(IterableDataset):
     """Stream tar or LMDB shards across DataLoader workers and DDP ranks, shuffled per epoch.
 
@@ -141,39 +167,41 @@ class ShardDataset(IterableDataset):
             for images, labels in loader: ...
 
     ``source``: glob, brace pattern, list of shards, shard directory or its manifest.json (local
-    or URL). ``decode``: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
-    bytes). ``shuffle=False`` reads shards in order with no buffer (evaluation). ``buffer_size``:
-    samples held per worker for the sample-level shuffle. ``with_keys=True`` yields ``(image, label,
-    key)``; ``with_keys=("key", "source")`` adds after the key the position of the sample's
-    ``Source`` in a mixture (0 without one; ``ds.source_names`` names them). ``fields=("txt",
-    "json", "seg.png")`` (tar and LMDB): each sample gains those fields after the key, decoded by
-    extension (``txt`` str, ``json`` object, ``cls`` int, image types uint8 CHW tensors with their
-    stored channels, ``npy`` arrays; others bytes); a mapping chooses per field (``{"json":
-    "raw"}``, a callable on the bytes; see shardkit.stream.fields); a sample lacking one is an error
-    naming shard and key (skipped under ``on_error="skip"``). With ``decode="raw"`` a sequence gives
-    the stored bytes, None where a sample has none. ``on_error="skip"`` warns and counts undecodable
-    samples in ``ds.skipped`` instead of raising (that rank then yields fewer than ``len(ds)``).
-    ``max_pixels``: an image whose header declares more pixels is undecodable, refused before any
-    pixel is decoded (default 100 megapixels; None: no limit). ``dct="fast"`` (``decode="tensor"``):
-    libjpeg-turbo's fast integer IDCT for JPEGs, FFCV's default: faster, pixels within
-    ``images.decode.FAST_DCT_DIFFERENCE`` levels of the accurate default (see docs/loader.md).
-    ``rank``/``world_size`` override distributed discovery (which happens here, at construction,
-    like DistributedSampler: build the dataset after ``init_process_group`` or under torchrun).
-    ``storage`` overrides how shards are opened (see shardkit.stream.storage); ``storage_options``,
-    ``cache_dir``, ``cache_limit`` (bytes or a size string such as "10GB") and ``prefetch`` (shards
-    fetched ahead per worker, 0: none) configure the remote storage built for URL sources; with
-    ``storage`` given, ``cache_dir``/``cache_limit`` are refused (pass them to it).
+    or URL), or ``Source``s (what to read: subsets, splits, weights; below). The options come in
+    groups, each one value checked at construction:
 
-    ``size`` (with ``decode="tensor"``) gives ``size`` x ``size`` uint8 CHW images in one pass
-    (see shardkit.images.geometry): ``crop="center"`` (resize the shorter side, center-crop) or
-    ``"random"`` (RandomResizedCrop, scale 0.08-1, ratio 3/4-4/3), ``flip=True`` mirrors half of
-    them. ``crop`` may instead be a crop object (shardkit.images.crops: ``RandomResizedCrop(224,
-    scale=(0.9, 1.0), interpolation="bicubic")``, ``CenterCrop(224, resize_short=256)``,
-    ``RandomCrop``, or any object with ``size`` and ``box(height, width, uniforms)``), which
-    gives the size; its box is chosen from the header in the workers and only it is decoded.
-    The randomness is a function of (seed, epoch, rank, key), so runs repeat. Image
-    fields (masks, ``seg.png``) get the image's crop, a nearest-neighbour resize and its flip; a
-    mask of another size than its image is an error naming shard and key (a skip under
+    - ``decode``: what a stored image becomes, a ``shardkit.Decode`` (shardkit.images.geometry)
+      or its mode alone: "pil" (RGB PIL image), "tensor" (uint8 CHW RGB tensor) or "raw" (stored
+      bytes). ``Decode(crop=RandomResizedCrop(224), flip=True)`` gives fixed-size images in one
+      pass: the crop object (``CenterCrop(224, resize_short=256)``, ``RandomCrop``, or any object
+      with ``size`` and ``box(height, width, uniforms)``) chooses its box from the header in the
+      workers and only it is decoded; the randomness is a function of (seed, epoch, rank, key),
+      so runs repeat. ``max_pixels``: an image whose header declares more is undecodable (default
+      100 megapixels; None: no limit). ``dct="fast"``: libjpeg-turbo's fast integer IDCT, FFCV's
+      default, within ``images.decode.FAST_DCT_DIFFERENCE`` levels of the accurate one.
+    - ``order``: a ``shardkit.Order(shuffle, buffer_size, equalize)`` (shardkit.stream.shuffle);
+      ``Order.sequential()`` reads every sample once in packed order (evaluation). With ``seed``
+      it is what a checkpoint must agree on. ``seed`` also seeds crops and subsets.
+    - ``storage``: how shards are opened (see shardkit.stream.storage): ``RemoteStorage(
+      storage_options=, cache_dir=, cache_limit=, prefetch=)`` configures URL sources (local
+      ones are read by ``LocalStorage``); a mixture gives each ``Source`` its own copy.
+
+    ``with_keys=True`` yields ``(image, label, key)``; ``with_keys=("key", "source")`` adds after
+    the key the position of the sample's ``Source`` in a mixture (0 without one;
+    ``ds.source_names`` names them). ``fields=("txt", "json", "seg.png")`` (tar and LMDB): each
+    sample gains those fields after the key, decoded by extension (``txt`` str, ``json`` object,
+    ``cls`` int, image types uint8 CHW tensors with their stored channels, ``npy`` arrays;
+    others bytes); a mapping chooses per field (``{"json": "raw"}``, a callable on the bytes;
+    see shardkit.stream.fields); a sample lacking one is an error naming shard and key (skipped
+    under ``on_error="skip"``), except a field its ``Source(fields=...)`` leaves out: None. With
+    ``decode="raw"`` a sequence gives the stored bytes, None where a sample has none.
+    ``on_error="skip"`` warns and counts undecodable samples in ``ds.skipped`` instead of raising
+    (that rank then yields fewer than ``len(ds)``). ``rank``/``world_size`` override distributed
+    discovery (which happens here, at construction, like DistributedSampler: build the dataset
+    after ``init_process_group`` or under torchrun).
+
+    Image fields (masks, ``seg.png``) get the image's crop, a nearest-neighbour resize and its
+    flip; a mask of another size than its image is an error naming shard and key (a skip under
     ``on_error="skip"``). ``boxes=Boxes("json", key="boxes", format="xywh")`` (see
     shardkit.stream.fields) reads pixel boxes from a requested field and moves them likewise:
     each sample ends with ``boxes``, float32 (K, 4) xyxy in output pixels (boxes cut to nothing
@@ -194,92 +222,68 @@ class ShardDataset(IterableDataset):
 
     Choosing what to read (shardkit.stream.mix, docs/mixing.md): ``source`` may be a list of
     ``Source(path, weight=...)``, mixed with exact per-epoch shares and stratified so every batch
-    follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); ``subset`` (a
-    fraction or a list of keys) and ``split`` ("train"/"val", about ``val_fraction`` of the
-    keys in "val", by a hash of the key alone: the same for every seed, across re-packs and as
-    the dataset grows) narrow one source (with ``Source``s, give them per ``Source``).
-    ``labels="union"`` maps the sources' labels onto the union of their class names; "keep"
-    (default) leaves each source's stored labels.
+    follows the weights; ``epoch_size`` fixes the samples per epoch (any dataset); a ``Source``'s
+    ``subset`` (a fraction or a list of keys) and ``split`` ("train"/"val", about
+    ``val_fraction`` of the keys in "val", by a hash of the key alone: the same for every seed,
+    across re-packs and as the dataset grows) narrow it: ``ShardDataset(Source("out/",
+    split="val"))``. ``labels="union"`` maps the sources' labels onto the union of their class
+    names; "keep" (default) leaves each source's stored labels.
+
+    The keywords these groups replaced (``size``, ``crop``, ``flip``, ``max_pixels``, ``dct``,
+    ``shuffle``, ``buffer_size``, ``equalize``, ``subset``, ``split``, ``val_fraction``,
+    ``storage_options``, ``cache_dir``, ``cache_limit``, ``prefetch``) still work for one
+    release, with a ``DeprecationWarning`` that prints the new spelling (shardkit.stream.retired).
     """
 
     def __init__(
         self,
         source: str | os.PathLike | Sequence[str | os.PathLike] | Source | Sequence[Source],
         *,
-        decode: str = "pil",
-        transform: Callable | None = None,
-        target_transform: Callable | None = None,
-        shuffle: bool = True,
+        decode: str | Decode = "pil",
+        order: Order | None = None,
         seed: int = 0,
-        buffer_size: int = DEFAULT_BUFFER_SIZE,
-        equalize: str = "pad",
-        with_keys: bool | str | Sequence[str] = False,
-        on_error: str = "raise",
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
         boxes: Boxes | None = None,
+        with_keys: bool | str | Sequence[str] = False,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
         sample_transform: Callable[[dict], object] | None = None,
+        on_error: str = "raise",
         storage: Storage | None = None,
-        storage_options: dict | None = None,
-        cache_dir: str | None = None,
-        cache_limit: int | str | None = None,
-        prefetch: int = 2,
+        epoch_size: int | None = None,
+        labels: str = "keep",
+        batch_size: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        batch_size: int | None = None,
-        size: int | None = None,
-        crop: str | object = "center",
-        flip: bool = False,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        dct: str = "accurate",
-        epoch_size: int | None = None,
-        subset: float | Sequence[str] | None = None,
-        split: str | None = None,
-        val_fraction: float = 0.1,
-        labels: str = "keep",
+        **retired,
     ):
         super().__init__()
-        check_choice("decode", decode, DECODE_MODES)
-        self.geometry = _geometry(decode, size, crop, flip)
-        check_choice("equalize", equalize, EQUALIZE_MODES)
+        source, decode, order, storage = translate(
+            retired, source=source, decode=decode, order=order, storage=storage
+        )
+        #: what a stored image becomes (``shardkit.Decode``); a mode string stands for Decode(mode)
+        self.decode: Decode = Decode.of(decode)
+        if order is not None and not isinstance(order, Order):
+            raise InputError(f"order={order!r}: give a shardkit.Order (or Order.sequential())")
+        #: how an epoch is ordered and cut (``shardkit.Order``)
+        self.order: Order = order if order is not None else Order()
         check_choice("on_error", on_error, ON_ERROR_MODES)
-        if buffer_size < 0:
-            raise InputError(f"buffer_size={buffer_size} must be >= 0 (0 or 1: no buffer)")
-        if max_pixels is not None and (
-            isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
-        ):
-            raise InputError(f"max_pixels={max_pixels!r} must be an int >= 1, or None (no limit)")
-        self.max_pixels = max_pixels
-        check_choice("dct", dct, DCT_MODES)
-        self.dct = dct
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
             raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
         self.batch_size = None if batch_size is None else int(batch_size)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise InputError(f"prefetch={prefetch!r} must be an int >= 0 (0: no prefetch)")
-        if cache_limit is not None:
-            cache_limit = parse_size(cache_limit, "cache_limit", minimum=0)
-        if storage is not None and (cache_dir is not None or cache_limit is not None):
-            raise InputError(
-                "cache_dir/cache_limit configure the storage shardkit builds; with storage= pass "
-                "them to that storage instead (e.g. RemoteStorage(cache_dir=...))"
-            )
-        self.decode = decode
         self.transform = transform
         self.target_transform = target_transform
-        self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.buffer_size = int(buffer_size)
-        self.equalize = equalize
         #: what follows the label: ("key",) for with_keys=True, ("key", "source") ...
         self.extras = extras_of(with_keys)
         self.with_keys = "key" in self.extras
         self.on_error = on_error
-        self.fields, self.field_decoders = field_spec(fields, decode)
+        self.fields, self.field_decoders = field_spec(fields, self.decode.mode)
         self.boxes = boxes
         if boxes is not None and (self.geometry is None or self.field_decoders is None):
             raise InputError(
-                'boxes= moves boxes with the image\'s crop: pass decode="tensor" and size= (and '
-                "crop=, flip=), with the boxes' field in fields="
+                "boxes= moves boxes with the image's crop: pass decode=Decode(crop=...), with "
+                "the boxes' field in fields="
             )
         if sample_transform is not None and (transform is not None or target_transform):
             raise InputError(
@@ -291,30 +295,20 @@ class ShardDataset(IterableDataset):
         self.sources: tuple[MixedSource, ...] = ()
         self.shares: tuple[int, ...] = ()
         self._layouts: dict[int, MixLayout] = {}
-        mixed = _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels)
+        mixed = _chosen(source, epoch_size, labels)
         self.labels = labels
         if mixed is not None:
-            if storage is not None:
-                raise InputError(
-                    "storage= is for one plain source; a mixture, subset, split or epoch_size "
-                    "builds a storage per source (give storage_options= or cache_dir= instead)"
-                )
-            self._init_mix(mixed, epoch_size, cache_dir, cache_limit, prefetch)
+            self._init_mix(mixed, epoch_size, storage)
             return
 
-        check_source(source, storage_options)  # "no such file", "no such bucket": named first
-        resolved = resolve_source(source, storage_options=storage_options)
+        options = _options_of(storage)
+        check_source(source, options)  # "no such file", "no such bucket": named first
+        resolved = resolve_source(source, storage_options=options)
         self.shard_format: str = resolved.format
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self._manifest_identity = file_identity(self.manifest_path)
-        self.storage: Storage = storage or storage_for(
-            list(resolved.urls),
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit=cache_limit,
-            prefetch=prefetch,
-        )
+        self.storage: Storage = _storage(list(resolved.urls), storage, copy=False)
         # Counted once here, in the main process, so workers never open a shard just to plan.
         self.shards: tuple[ShardInfo, ...] = _counted(
             resolved.shards, resolved.format, self.storage
@@ -323,33 +317,41 @@ class ShardDataset(IterableDataset):
         self.num_samples = int(self.counts.sum())
         self._finish_init(_describe(source))
 
-    def _init_mix(self, mixed, epoch_size, cache_dir, cache_limit, prefetch) -> None:
-        """Resolve each ``Source``: shards, storage, the samples it may draw, its share."""
+    def _init_mix(self, mixed, epoch_size, storage) -> None:
+        """Resolve each ``Source``: shards, storage (its own copy of ``storage``), the samples it
+        may draw, its share."""
         resolved: list[MixedSource] = []
         offset = 0
         for src in mixed:
-            check_source(src.path, src.storage_options)
-            r = resolve_source(src.path, storage_options=src.storage_options)
-            store = storage_for(
-                list(r.urls), storage_options=src.storage_options, cache_dir=cache_dir,
-                cache_limit=cache_limit, prefetch=prefetch,
-            )  # fmt: skip
+            _check_source_fields(src, self.fields, self.field_decoders, self.boxes)
+            opts = src.storage_options if src.storage_options is not None else _options_of(storage)
+            check_source(src.path, opts)
+            r = resolve_source(src.path, storage_options=opts)
+            store = _storage(list(r.urls), storage, copy=True, options=src.storage_options)
             shards = _counted(r.shards, r.format, store)
             size = int(sum(s.samples for s in shards))
             members = np.arange(size, dtype=np.int64)
-            opts = src.storage_options
             by_keys = src.subset is not None and _is_keys(src.subset)
+            if src.split is not None or src.subset is not None:
+                warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
+            val_bits, refused, unbound = None, set(), set()
             if src.split is not None:  # the indexes' hashes: no key read where they exist
-                hashes = split_hashes(shards, r.format, store, opts) if keys is None else None
+                if keys is None:
+                    hashes = split_hashes(shards, r.format, store, opts, refused, unbound)
+                else:
+                    hashes = None
                 hashes = key_hashes(keys) if hashes is None else hashes
                 members = split_positions(hashes, src.split, src.val_fraction)
+                val_bits = np.packbits(val_mask(hashes, src.val_fraction))
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
             classes = tuple(r.classes) if r.classes else None
             mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
             mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
+            mixed_source.val_bits, mixed_source.unindexed = val_bits, frozenset(refused)
+            mixed_source.side_checked = frozenset(unbound)
             resolved.append(mixed_source)
             offset += size
         weights = [s.source.weight for s in resolved]
@@ -381,8 +383,8 @@ class ShardDataset(IterableDataset):
             raise InputError(f"{where}: the shards hold no samples")
         if self.equalize != "pad" and self.num_samples < self.world_size:
             raise InputError(
-                f"{where}: {self.num_samples} samples cannot give each of "
-                f'{self.world_size} ranks one with equalize="{self.equalize}"; use equalize="pad"'
+                f"{where}: {self.num_samples} samples cannot give each of {self.world_size} "
+                f'ranks one with Order(equalize="{self.equalize}"); use equalize="pad"'
             )
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
@@ -399,6 +401,48 @@ class ShardDataset(IterableDataset):
         self._resume_token = 0
         self._resume_local = False  # loaded inside a DataLoader worker (StatefulDataLoader)
         self._progress = None  # this process's live position (shardkit.stream.resume.Progress)
+
+    # --- the option groups, read whole by readers (ShardLoader) ------------------------------
+
+    def seam(self) -> DatasetSeam:
+        """What ``ShardLoader`` reads of this dataset (see ``DatasetSeam``)."""
+        return DatasetSeam(
+            decode=self.decode, order=self.order, seed=self.seed, rank=self.rank,
+            world_size=self.world_size, extras=self.extras, fields=tuple(self.fields),
+            field_decoders=self.field_decoders, boxes=self.boxes, transform=self.transform,
+            target_transform=self.target_transform, sample_transform=self.sample_transform,
+            on_error=self.on_error, facts=self._facts, start_epoch=self._start_epoch,
+            take_resume=self._take_resume, skip_counter=self._skip_counter,
+            records_from=self.records_from, tensor_decoder=self.tensor_decoder,
+        )  # fmt: skip
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The fixed-size output of ``decode`` (None: each image keeps its size)."""
+        return self.decode.geometry
+
+    # The flat attributes of before the groups, read from them: the stages inside this module
+    # use them, and user code reading ``ds.shuffle`` keeps working.
+
+    @property
+    def shuffle(self) -> bool:
+        return self.order.shuffle
+
+    @property
+    def buffer_size(self) -> int:
+        return self.order.buffer_size
+
+    @property
+    def equalize(self) -> str:
+        return self.order.equalize
+
+    @property
+    def max_pixels(self) -> int | None:
+        return self.decode.max_pixels
+
+    @property
+    def dct(self) -> str:
+        return self.decode.dct
 
     @property
     def source_names(self) -> tuple[str, ...]:
@@ -439,14 +483,22 @@ class ShardDataset(IterableDataset):
         self, world: World | None = None, epoch: int | None = None, batch_size: int | None = None
     ) -> list[ShardSlice]:
         """The slices one worker reads in an epoch (default: the caller's, current epoch);
-        ``batch_size`` cuts worker parts at its multiples (``stream.worker_span``)."""
-        if self.sources:
-            raise InputError(
-                "plan(): a mixture, subset or epoch_size reads positions of several sources, not "
-                "one slice list; iterate the dataset (or use ds.state_dict()) instead"
-            )
+        ``batch_size`` cuts worker parts at its multiples (``stream.worker_span``). A mixture
+        (or a subset, split, epoch_size) reads each source's slices in turn, interleaved by
+        its schedule: they are listed source by source, shard numbers in ``ds.shards``; a
+        subset's slices are the runs read, which may hold samples it passes over."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
+        if self.sources:
+            mixplan = mix_worker_plan(
+                self._layout(epoch), self.sources, world, self._facts,
+                batch_size=batch_size or self.batch_size,
+            )  # fmt: skip
+            out, first = [], 0
+            for s, p in zip(self.sources, mixplan.sources, strict=True):
+                out += [ShardSlice(first + sl.shard, sl.start, sl.stop) for sl in p.slices]
+                first += len(s.shards)
+            return out
         order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
         return plan_epoch(
             self.counts,
@@ -491,13 +543,13 @@ class ShardDataset(IterableDataset):
 
     def _samples(self, world: World, epoch: int) -> Iterator[tuple]:
         records = self.records(world, epoch)
-        decoder = self.tensor_decoder(epoch) if self.decode == "tensor" else None
+        decoder = self.tensor_decoder(epoch) if self.decode.mode == "tensor" else None
         geometry = None
         if self.geometry is not None and self.field_decoders is not None:
             geometry = sample_geometry(decoder, self.fields, self.field_decoders, self.boxes)
         samples = decode_records(
             records,
-            self.decode,
+            self.decode.mode,
             on_error=self.on_error,
             with_keys=EXTRAS if self.sample_transform is not None else self.extras,
             skipped=self._skip_counter(world.worker),
@@ -527,9 +579,7 @@ class ShardDataset(IterableDataset):
 
     def tensor_decoder(self, epoch: int) -> TensorDecoder:
         """Bytes -> uint8 CHW tensor with this dataset's geometry, bound to ``epoch``."""
-        return TensorDecoder(
-            self.geometry, self.seed, epoch, self.rank, self.max_pixels, self.dct == "fast"
-        )
+        return TensorDecoder.of(self.decode, self.seed, epoch, self.rank)
 
     def records(self, world: World, epoch: int, batch_size: int | None = None) -> Iterator[Record]:
         """The stored records worker ``world.worker`` delivers in ``epoch``, in order: plan ->
@@ -719,9 +769,8 @@ class ShardDataset(IterableDataset):
                 " samples", " per epoch"
             )
         return (
-            f"ShardDataset({what}, rank {self.rank}/{self.world_size}, decode={self.decode!r}, "
-            f"shuffle={self.shuffle}, buffer_size={self.buffer_size}, "
-            f"equalize={self.equalize!r}"
+            f"ShardDataset({what}, rank {self.rank}/{self.world_size}, "
+            f"decode={self.decode!r}, order={self.order!r}"
             + (f", batch_size={self.batch_size})" if self.batch_size else ")")
         )
 
@@ -730,7 +779,7 @@ def _is_keys(subset) -> bool:
     return not isinstance(subset, (int, float))
 
 
-def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, labels):
+def _chosen(source, epoch_size, labels):
     """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
     check_choice("labels", labels, LABEL_MODES)
     whole = isinstance(epoch_size, (int, np.integer)) and not isinstance(epoch_size, bool)
@@ -739,9 +788,9 @@ def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, la
             f"epoch_size={epoch_size!r} must be a whole number >= 1 (an int, samples per epoch) "
             "or None (the sources' sizes)"
         )
-    mixed = _as_sources(source, subset, split, val_fraction, storage_options)
+    mixed = _as_sources(source)
     if mixed is None and epoch_size is not None:
-        mixed = [Source(source, storage_options=storage_options)]
+        mixed = [Source(source)]
     if mixed is None and labels != "keep":
         raise InputError(
             'labels="union" maps the class lists of several Source()s; a single source keeps '
@@ -750,25 +799,61 @@ def _chosen(source, subset, split, val_fraction, storage_options, epoch_size, la
     return mixed
 
 
-def _as_sources(source, subset, split, val_fraction, storage_options) -> list[Source] | None:
-    """The ``Source`` list a dataset mixes, or None for one plain source (no subset/split)."""
+def _as_sources(source) -> list[Source] | None:
+    """The ``Source`` list a dataset mixes, or None for one plain source (a path, glob, list)."""
     if isinstance(source, Source):
-        source = [source]
-    many = (
-        not isinstance(source, (str, os.PathLike))
-        and len(source) > 0
-        and all(isinstance(s, Source) for s in source)
-    )
-    if many:
-        if subset is not None or split is not None:
-            raise InputError("with Source()s, give subset= and split= to each Source")
-        return list(source)
-    if not isinstance(source, (str, os.PathLike)) and any(isinstance(s, Source) for s in source):
-        raise InputError("a source list mixes Source()s and paths: wrap every path in Source()")
-    if subset is None and split is None:
+        return [source]
+    if isinstance(source, (str, os.PathLike)):
         return None
-    return [Source(source, subset=subset, split=split, val_fraction=val_fraction,
-                   storage_options=storage_options)]  # fmt: skip
+    if len(source) > 0 and all(isinstance(s, Source) for s in source):
+        return list(source)
+    if any(isinstance(s, Source) for s in source):
+        raise InputError("a source list mixes Source()s and paths: wrap every path in Source()")
+    return None
+
+
+def _check_source_fields(src: Source, fields, decoders, boxes) -> None:
+    """A ``Source(fields=...)`` may leave out text-like fields (None in its samples), not a
+    mask nor the boxes' field: those are cut with the image, and None has no pixels."""
+    if src.fields is None:
+        return
+    for name, decode in zip(fields, decoders or (None,) * len(fields), strict=True):
+        if name.lower() in src.fields:
+            continue
+        if decode is decode_field_image or (boxes is not None and boxes.field == name):
+            raise InputError(
+                f"{src.name}: Source(fields={list(src.fields)}) leaves out {name!r}, which is "
+                "cut with the image (a mask or the boxes' field): every source must carry it"
+            )
+
+
+def _options_of(storage) -> dict | None:
+    """The fsspec options a storage object carries (``RemoteStorage``), to resolve URLs with."""
+    options = getattr(storage, "storage_options", None)
+    return dict(options) if options else None
+
+
+def _storage(urls: list[str], storage, *, copy: bool, options: dict | None = None) -> Storage:
+    """The storage to read ``urls`` with: the default for them without ``storage``; a storage
+    that only configures URLs (``RemoteStorage``) leaves local paths to ``LocalStorage``;
+    ``copy``: a copy of its own (a mixture's sources each hold one: it is configuration only),
+    with a ``Source``'s own fsspec ``options`` where it gives them."""
+    if storage is None:
+        return storage_for(urls, storage_options=options)
+    urls_only = getattr(storage, "urls_only", False)
+    if urls_only and not any(is_url(os.fspath(u)) for u in urls):
+        return LocalStorage()
+    if not isinstance(storage, Storage):
+        raise InputError(
+            f"storage={storage!r} is not a storage: give shardkit.remote.RemoteStorage(...), "
+            "LocalStorage() or an object with open/local_path/prefetch/close"
+        )
+    if not copy:
+        return storage
+    own = _copy.copy(storage)
+    if urls_only and options is not None:
+        own.storage_options = dict(options)
+    return own
 
 
 def _mixed_classes(sources: Sequence[MixedSource], labels: str) -> list[str] | None:

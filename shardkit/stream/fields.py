@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import InputError, SampleError, check_choice
 from ..images.checks import IMAGE_EXTENSIONS
+from ..images.crops import BOX_FORMATS
 from ..images.decode import DEFAULT_MAX_PIXELS, check_pixels
-from ..images.geometry import BOX_FORMATS, crop_boxes, crop_mask
 from ..records import Record
 
 __all__ = [
@@ -150,11 +150,15 @@ class Boxes:
 def sample_geometry(
     decoder, names: Sequence[str], decoders: Sequence[FieldDecoder], boxes: Boxes | None
 ) -> Callable[[Record, tuple], tuple] | None:
-    """``(rec, fields) -> fields + (boxes, box_index)?``: the image's crop, resize and flip
-    applied to its image fields (masks, nearest neighbour) and to its ``boxes``; None when
-    there is nothing to move. ``decoder`` is the dataset's ``TensorDecoder`` with a geometry:
-    the crop box is re-read from the image header (microseconds), so the image's own fused
-    region decode runs untouched."""
+    """``(rec, fields, box) -> fields + (boxes, box_index)?``: the image's crop, resize and
+    flip applied to its image fields (masks, nearest neighbour) and to its ``boxes``; None when
+    there is nothing to move. ``box`` is the ``CropBox`` the sample's image was (or will be)
+    decoded at: ``decoder.crop_box`` asked once per sample, its answer passed to the decoder
+    and here alike, so a crop policy whose answer changes between calls still cuts image,
+    masks and boxes at one box. ``decoder`` is the dataset's ``TensorDecoder`` with a
+    geometry."""
+    from ..images.geometry import crop_boxes, crop_mask  # torch: only a tensor decode moves fields
+
     masks = [i for i, d in enumerate(decoders) if d is decode_field_image]
     at = None
     if boxes is not None:
@@ -167,8 +171,7 @@ def sample_geometry(
         return None
     size = decoder.geometry.size
 
-    def apply(rec: Record, extra: tuple) -> tuple:
-        box = decoder.crop_box(rec.data, rec.key)
+    def apply(rec: Record, extra: tuple, box) -> tuple:
         out = list(extra)
         for i in masks:
             try:

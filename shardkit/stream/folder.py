@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from ..errors import InputError, SampleError, check_choice
+from ..errors import InputError, SampleError
 from ..images.checks import IMAGE_EXTENSIONS
 from ..images.decode import decode_image
-from ..images.geometry import Geometry, TensorDecoder
+from ..images.geometry import TensorDecoder
+from ..images.options import Decode
 from ..scan import StrTable, scan_source
-from .stages import DECODE_MODES
 from .storage import LocalStorage, Storage
 
 __all__ = ["FolderDataset"]
@@ -32,9 +32,10 @@ class FolderDataset(Dataset):
     a list of str objects write their refcounts and so copy every page; numpy arrays stay shared.
     Files are read through ``storage`` (a ``LocalStorage(latency_ms=...)`` charges per image).
 
-    ``size``/``crop`` (with ``decode="tensor"``) give fixed-size images through the same
-    ``TensorDecoder`` as ``ShardDataset(size=, crop=)``: the same pixels from a folder and from
-    its shards, so images of mixed sizes batch. ``skip``: relative paths to leave out, e.g. the
+    ``decode``: a mode string or the ``shardkit.Decode`` ShardDataset takes; with a crop
+    (``Decode(crop=RandomResizedCrop(224))``) images come out fixed-size through the same
+    ``TensorDecoder``: the same pixels from a folder and from its shards, so images of mixed
+    sizes batch. ``skip``: relative paths to leave out, e.g. the
     ``skipped`` of a manifest packed from this folder, so both read the same samples.
     """
 
@@ -42,32 +43,42 @@ class FolderDataset(Dataset):
         self,
         root: str | os.PathLike,
         *,
-        decode: str = "pil",
+        decode: str | Decode = "pil",
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         storage: Storage | None = None,
         extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS)),
         with_keys: bool = False,
-        size: int | None = None,
-        crop: str = "center",
         seed: int = 0,
         skip: Iterable[str] = (),
+        **retired,
     ):
-        check_choice("decode", decode, DECODE_MODES)
-        if size is not None and decode != "tensor":
-            raise InputError(f'size={size} needs decode="tensor" (got decode={decode!r})')
-        self.geometry = Geometry(int(size), crop) if size is not None else None
+        if retired:  # size=, crop= (one release): the Decode they stand for
+            from .retired import translate
+
+            _, decode, _, _ = translate(
+                retired, source=root, decode=decode, order=None, storage=None,
+                owner="FolderDataset", groups=("decode",),
+            )  # fmt: skip
+        #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
+        self.decode: Decode = Decode.of(decode)
+        self.geometry = self.decode.geometry
         self.seed, self.epoch = int(seed), 0
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise InputError(f"{self.root}: not a directory; pass a class-per-folder image tree")
-        self.decode = decode
         self.transform = transform
         self.target_transform = target_transform
         self.storage: Storage = storage or LocalStorage()
         self.with_keys = bool(with_keys)
         exts = {e.lower().lstrip(".") for e in extensions}
         scan = scan_source(self.root)  # pack's scanner: same classes, labels, skips
+        if scan.from_table:
+            raise InputError(
+                f"{self.root}: img2dataset's output (tables beside their tars or folders), not "
+                "a class-per-folder tree; `shardkit pack` it, or `shardkit index` its tars, "
+                "and read it with ShardDataset"
+            )
         self.classes: list[str] = list(scan.classes)
         keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
         left_out = set(skip)
@@ -95,7 +106,7 @@ class FolderDataset(Dataset):
         return len(self.targets)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch of ``crop="random"``'s draws (a pure function of seed, epoch and path)."""
+        """The epoch of a random crop's draws (a pure function of seed, epoch and path)."""
         self.epoch = int(epoch)
 
     def relpath(self, index: int) -> str:
@@ -112,9 +123,11 @@ class FolderDataset(Dataset):
             data = f.read()
         try:
             if self.geometry is None:
-                img = decode_image(data, self.decode)
+                img = decode_image(
+                    data, self.decode.mode, self.decode.max_pixels, self.decode.dct == "fast"
+                )
             else:
-                img = TensorDecoder(self.geometry, self.seed, self.epoch)(data, rel)
+                img = TensorDecoder.of(self.decode, self.seed, self.epoch)(data, rel)
         except Exception as exc:
             raise SampleError(
                 f"{path}: cannot be decoded ({exc}); remove or replace the file",

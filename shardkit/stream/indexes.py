@@ -9,7 +9,10 @@ reads the shard as before.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +43,8 @@ __all__ = [
     "shard_keys",
     "split_hashes",
     "split_positions",
+    "val_mask",
+    "warn_unindexed",
 ]
 
 
@@ -48,12 +53,16 @@ def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> Sample
     (or it is damaged or stale: a warning names it)."""
     if not shard.sha256 or not shard.url.endswith(".tar"):
         return None  # no manifest to check it against, a compressed tar, or LMDB
+    data = _index_bytes(shard, storage_options)
+    where = index_path(shard.url)
+    return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
+
+
+def _index_bytes(shard: ShardInfo, storage_options) -> bytes | None:
     where = index_path(shard.url)
     if is_url(shard.url):
-        data = remote_bytes(where, storage_options)
-    else:
-        data = read_local(where.removeprefix("file://"))
-    return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
+        return remote_bytes(where, storage_options)
+    return read_local(where.removeprefix("file://"))
 
 
 def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
@@ -103,6 +112,11 @@ def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=Non
         index = shard_index(shard, storage_options) if fmt == "tar" else None
     if index is not None:
         return index.keys()
+    return _keys_read(shard, fmt, storage)
+
+
+def _keys_read(shard: ShardInfo, fmt: str, storage: Storage) -> list[str]:
+    """Every key of one shard read from the shard itself (its headers, or each LMDB value)."""
     from ..formats.tar.tally import tally_tar
 
     if fmt == "lmdb":
@@ -126,32 +140,83 @@ def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=Non
 
 
 def split_hashes(
-    shards: Sequence[ShardInfo], fmt: str, storage: Storage, storage_options=None
+    shards: Sequence[ShardInfo],
+    fmt: str,
+    storage: Storage,
+    storage_options=None,
+    refused: set[str] | None = None,
+    unbound: set[str] | None = None,
 ) -> np.ndarray:
-    """The split hash of every sample, in stored order: read from the indexes (no key is
-    decoded), hashed from the keys where a shard has none."""
+    """The split hash of every sample, in stored order, never taken on trust: a tar index's
+    hashes are used once the whole file's sha256 is the manifest's ``index_sha256``; else (an
+    LMDB index record, whose own checksum anyone rewriting it can fix up; a tar index the
+    manifest lists no sha256 of) they are hashed again from the index's keys and compared,
+    and a mismatch is a warning naming the shard, the keys' hashes used. A shard without an
+    index has its keys read and hashed. ``refused`` gains the url of each shard whose index
+    was not used as it stands (damaged, stale, or its hashes not its keys'): an epoch must not
+    read through it either. ``unbound`` gains the url of each shard whose hashes came from an
+    index's key table that no checksum in the manifest ties to the shard (LMDB's record, a tar
+    index without ``index_sha256``): an epoch checks each sample it reads of those
+    (``mix.check_split``)."""
     parts = []
     try:
         for shard in shards:
-            if fmt == "lmdb":
-                index = lmdb_index(shard, storage)
-            else:
-                index = shard_columns(shard, storage_options) if fmt == "tar" else None
-            if index is not None:  # the stored hashes: no key read or hashed
-                parts.append(index.hashes.astype(np.uint64))
-            else:
-                parts.append(key_hashes(shard_keys(shard, fmt, storage, storage_options)))
+            hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
+            if hashes is None:
+                hashes = key_hashes(_keys_read(shard, fmt, storage))
+            elif unbound is not None and not (fmt == "tar" and shard.index_sha256 and trusted):
+                unbound.add(shard.url)
+            if not trusted and refused is not None:
+                refused.add(shard.url)
+            parts.append(hashes)
     finally:
         storage.close()
     return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
 
+def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_options):
+    """``shard``'s split hashes from its index, checked (``split_hashes``), and whether the
+    index holds them as they are; (None, False) where it has no usable index (a warning has
+    named a damaged or stale one)."""
+    if fmt == "tar" and shard.index_sha256 and shard.sha256 and shard.url.endswith(".tar"):
+        data = _index_bytes(shard, storage_options)  # the packer's file: its head is enough
+        if data is not None and hashlib.sha256(data).hexdigest() == shard.index_sha256:
+            head, where = data[: columns_size(shard.samples)], index_path(shard.url)
+            cols = decode_columns(head, where, shard.samples, shard.bytes, shard.sha256)
+            return (None, False) if cols is None else (cols.hashes.astype(np.uint64), True)
+    if fmt == "lmdb":
+        index = lmdb_index(shard, storage)
+    else:
+        index = shard_index(shard, storage_options) if fmt == "tar" else None
+    if index is None:
+        return None, False
+    hashes = key_hashes(index.keys())
+    trusted = bool(np.array_equal(hashes, index.hashes))
+    if not trusted:
+        bad = int(np.count_nonzero(hashes != index.hashes))
+        if fmt == "tar":
+            what, fix = f"{shard.url}.idx", "delete it and run `shardkit index` on the dataset"
+        else:
+            what, fix = f"{shard.url}: its index record", "re-pack the shard"
+        warnings.warn(
+            f"{what}: {bad} split hash(es) are not their keys' hashes (the index is damaged); "
+            f"the split uses the keys' own hashes ({fix})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return hashes, trusted
+
+
 def split_positions(hashes: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
     """Positions of the ``split`` part, ascending: "val" where the hash is below
     ``val_fraction * 2**64`` (FORMAT.md, "Train/val splits"), "train" elsewhere."""
-    threshold = np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
-    val = hashes < threshold
+    val = val_mask(hashes, val_fraction)
     return np.flatnonzero(val if split == "val" else ~val).astype(np.int64)
+
+
+def val_mask(hashes: np.ndarray, val_fraction: float) -> np.ndarray:
+    """True where a hash puts its sample in "val"."""
+    return hashes < np.uint64(math.ceil(val_fraction * 2**64))  # exact: h < x iff h < ceil(x)
 
 
 def all_keys(
@@ -165,3 +230,37 @@ def all_keys(
     finally:
         storage.close()
     return keys
+
+
+def warn_unindexed(shards: Sequence[ShardInfo], fmt: str, name: str, what: str) -> None:
+    """Warn once, before a subset or split is chosen, where plain tar shards have no sample
+    index (an older pack, or its ``.idx`` files left behind in a copy): then the split hashes
+    come from every shard's headers and a subset's epoch reads every shard whole, not the
+    drawn samples' bytes. Nothing is read to tell: a local shard's index is looked for (a stat
+    each); a remote one is taken as there where the manifest lists its sha256."""
+    if fmt != "tar":
+        return
+    plain = [s for s in shards if s.url.endswith(".tar")]
+    missing = [s for s in plain if not _index_there(s)]
+    if not missing:
+        return
+    where = os.path.dirname(missing[0].url) or "."
+    cost = {
+        "split": "this split reads their keys from every header of every one",
+        "subset": "this subset reads their every byte each epoch, not the drawn samples'",
+    }[what]
+    warnings.warn(
+        f"{name}: {len(missing)} of its {len(plain)} tar shards have no sample index (an older "
+        f"pack?), so {cost}; `shardkit index {where}` writes the indexes once, without "
+        "rewriting a shard",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _index_there(shard: ShardInfo) -> bool:
+    """A local shard's index: a stat; a remote one's: the manifest lists its sha256 (an older
+    pack's lists none; nothing is fetched to tell)."""
+    if is_url(shard.url) and not shard.url.startswith("file://"):
+        return bool(shard.index_sha256)
+    return os.path.exists(index_path(shard.url.removeprefix("file://")))

@@ -26,7 +26,9 @@ source sequence, and each source's buffer is recomputed from positions alone.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,8 +37,8 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
-from ..formats.sample_index import SPLIT_SALT, key_hashes
-from ..records import Record, ShardInfo
+from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
+from ..records import Record, ShardInfo, ShardSlice
 from .resume import (
     Arrangement,
     EpochLayout,
@@ -85,7 +87,10 @@ class Source:
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
     "val", by a hash of each key alone (``split_members``): the same for every seed, after a
     re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val".
-    ``storage_options``: fsspec options for URLs.
+    ``storage_options``: fsspec options for URLs. ``fields``: the dataset's ``fields=`` this
+    source carries (None: all of them, a sample lacking one is an error); one it leaves out is
+    None in its samples, through ``ShardLoader`` too: a captioned set mixes with a classification
+    set (``Source("cls/", fields=())`` beside ``Source("clip/")`` under ``fields=("txt",)``).
     """
 
     path: str | os.PathLike | Sequence[str | os.PathLike]
@@ -94,8 +99,16 @@ class Source:
     split: str | None = None
     val_fraction: float = 0.1
     storage_options: dict | None = None
+    fields: Sequence[str] | None = None
 
     def __post_init__(self):
+        f = self.fields
+        if f is not None:
+            if isinstance(f, str) or not all(isinstance(n, str) for n in f):
+                raise InputError(
+                    f"{self.name}: fields={f!r}: give a list of field names (or None: all)"
+                )
+            object.__setattr__(self, "fields", tuple(n.lower() for n in f))
         # Numbers are stored as Python floats: numpy scalars (np.float32 ...) are numbers too,
         # and the checkpoint facts are JSON.
         w = self.weight
@@ -139,6 +152,14 @@ class MixedSource:
     #: (manifest path, its identity when the dataset was built): a re-pack under the reader's
     #: feet is refused (``stages.manifest_unchanged``); (None, None) without a local manifest.
     manifest: tuple[str | None, tuple | None] = (None, None)
+    #: With ``split=``: which samples the index's split hashes put in "val" (``np.packbits``),
+    #: so each sample read is checked against its own key's hash (``check_split``).
+    val_bits: np.ndarray | None = None
+    #: Shards whose index the split refused (damaged, stale, hashes not its keys'): streamed.
+    unindexed: frozenset[str] = frozenset()
+    #: Shards whose split came from a key table no manifest checksum ties to the shard: each
+    #: sample read is checked by its own key (``check_split``).
+    side_checked: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:
@@ -379,10 +400,17 @@ def mix_records(
     for s, p in zip(sources, plan.sources, strict=True):
         path, identity = s.manifest
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
+        have = s.source.fields
+        mine = [f for f in fields if have is None or f.lower() in have]
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=fields, unchanged=unchanged, keep=p.arrangement.keep,
+            fields=mine, unchanged=unchanged, keep=p.arrangement.keep,
+            unindexed=s.unindexed,
         )  # fmt: skip
+        if s.val_bits is not None and s.side_checked:
+            recs = check_split(recs, p.slices, s, p.arrangement.keep)
+        if len(mine) < len(fields):
+            recs = _without(recs, [f.lower() for f in fields if f not in mine])
         if s.classes:
             recs = check_labels(recs, len(s.classes))
         if s.labels is not None:
@@ -392,6 +420,75 @@ def mix_records(
             recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
     return interleave(streams, plan.schedule, [s.source.name for s in sources])
+
+
+def check_split(
+    records: Iterable[Record],
+    slices: Sequence[ShardSlice],
+    s: MixedSource,
+    keep: np.ndarray | None = None,
+) -> Iterator[Record]:
+    """``records`` (``read_slices`` of ``slices``), each sample read of the shards in
+    ``s.side_checked`` checked against the side the split put it on: its key's own hash is
+    taken (one BLAKE2b of a few bytes) and compared with ``s.val_bits``, for each record the
+    plan keeps (``keep``; those read through to bridge a hole are dropped). The split of those
+    shards came from a key table nothing ties to the shard; one that is not the shard's (keys
+    swapped, their hashes and the record's checksum made to match) would otherwise hand out a
+    sample of the other side: here that is an error naming the shard and the key. (A tar index
+    whose sha256 is the manifest's ``index_sha256`` is the packer's: its shards pass as read.)"""
+    from .ranges import SKIPPED
+
+    starts = np.concatenate(([0], np.cumsum([sh.samples for sh in s.shards]))).tolist()
+    bits = s.val_bits.tobytes()  # bit p (most significant first): sample p is val
+    threshold = math.ceil(s.source.val_fraction * 2**64)
+    it = iter(records)
+    at = 0  # records so far: the position in ``keep``
+    try:
+        for sl in slices:
+            if s.shards[sl.shard].url not in s.side_checked:
+                yield from itertools.islice(it, sl.stop - sl.start)
+                at += sl.stop - sl.start
+                continue
+            base = starts[sl.shard]
+            wanted = (
+                [True] * (sl.stop - sl.start)
+                if keep is None
+                else keep[at : at + sl.stop - sl.start].tolist()
+            )
+            at += sl.stop - sl.start
+            for k, kept in zip(range(sl.start, sl.stop), wanted, strict=True):
+                rec = next(it, None)
+                if rec is None:
+                    return  # read_slices has raised for a short shard
+                if kept and rec is not SKIPPED:
+                    p = base + k
+                    val = bits[p >> 3] >> (7 - (p & 7)) & 1
+                    if (key_hash(rec.key) < threshold) != val:
+                        raise _wrong_side(s.shards[sl.shard].url, k, rec.key, val)
+                yield rec
+        yield from it  # nothing: read_slices ends (and closes its storage) here
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def _wrong_side(url: str, k: int, key: str, val: int) -> ShardFormatError:
+    side, other = ("val", "train") if val else ("train", "val")
+    return ShardFormatError(
+        f"{url}: sample {k} (key {key!r}) is a {other} sample by its key, but its index's "
+        f"split hash put it in {side}: the index is damaged or not this shard's; rebuild it "
+        "(delete the .idx and run `shardkit index` on the dataset, or re-pack the shard)"
+    )
+
+
+def _without(records: Iterable[Record], absent: list[str]) -> Iterator[Record]:
+    """The records of a source that carries none of ``absent``: those fields are None (a
+    declared absence, decoded as None; a field merely missing from a sample is an error)."""
+    none = dict.fromkeys(absent)
+    for rec in records:
+        rec.fields = {**(rec.fields or {}), **none}
+        yield rec
 
 
 def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:

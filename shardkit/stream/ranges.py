@@ -53,8 +53,11 @@ SKIPPED = Record("", "", b"", -1)
 class RangeReader:
     """Reads slices as exact ranges where their shard has a sample index (tar only)."""
 
-    def __init__(self, fmt_name: str, storage):
+    def __init__(self, fmt_name: str, storage, unindexed: frozenset[str] = frozenset()):
         self.tar = fmt_name == "tar"
+        #: Shards whose index the dataset refused when it was built: streamed, never read
+        #: through it.
+        self.unindexed = unindexed
         self.storage_options = getattr(storage, "storage_options", None)
         self._indexes: dict[str, IndexColumns | None] = {}
         self._fd: tuple[str, int] | None = None
@@ -66,6 +69,8 @@ class RangeReader:
         (``wanted`` of its samples) less than half the shard, which streaming reads as fast."""
         if not self.tar or sl.stop <= sl.start or 2 * wanted > shard.samples:
             return False  # the index is not even read
+        if shard.url in self.unindexed:
+            return False
         if shard.url not in self._indexes:
             self._indexes[shard.url] = shard_columns(shard, self.storage_options)
         return self._indexes[shard.url] is not None

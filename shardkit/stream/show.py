@@ -63,9 +63,10 @@ def list_lines(
 ) -> Iterator[str]:
     """One line per sample in packed order (index, key, label (class), members with sizes),
     from ``offset``, at most ``limit``, only keys starting with ``prefix``; each line made as it
-    is needed, from the shard's sample index alone where it lists the members (else from the
-    sample's bytes). ``as_json``: one JSON object per line (``index``, ``key``, ``label``,
-    ``class``, ``members``: ``[[ext, bytes], ...]``)."""
+    is needed, from the shard's sample index where it lists the members, each member's header
+    checked against it (``ShardView.summary``; else from the sample's bytes). ``as_json``: one
+    JSON object per line (``index``, ``key``, ``label``, ``class``, ``members``:
+    ``[[ext, bytes], ...]``)."""
     shown = 0
     for i in range(offset, len(view)):
         if limit is not None and shown >= limit:
@@ -85,9 +86,16 @@ def list_lines(
         yield f"{i}  {escape(s.key)}  label {_label(view, s.label)}  {sizes}"
 
 
-def resolve_sample(view: ShardView, key: str | None, position: int | None) -> int:
+def resolve_sample(
+    view: ShardView, key: str | None, position: int | None, literal: str | None = None
+) -> int:
     """The position ``show`` means: ``--index N``, ``#N`` (as ``ls`` prints it), or a key (one
-    lookup). A key that is itself ``#N`` is still found when no position is meant by it."""
+    lookup). ``literal`` (``--key``) is a key whatever it looks like: a key that is itself
+    ``#N`` is reached only that way, as ``#N`` always means the position."""
+    if literal is not None:
+        if key is not None or position is not None:
+            raise InputError("give one of KEY, --key KEY or --index N")
+        return view.index(literal)
     if position is not None:
         if key is not None:
             raise InputError("give a KEY or --index N, not both")

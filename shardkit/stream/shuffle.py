@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from ..errors import InputError, check_choice
+
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
+    "EQUALIZE_MODES",
+    "Order",
     "buffer_rng",
     "draw_block",
     "rng_for",
@@ -34,6 +39,51 @@ T = TypeVar("T")
 #: Samples held per worker. 1000 keeps encoded memory near 13 MB (LFW) to 110 MB (ImageNet) per
 #: worker while moving samples ~1000 positions, i.e. across ~15 batches of 64.
 DEFAULT_BUFFER_SIZE = 1000
+
+#: How ranks are made equal for DDP (see ``shardkit.stream.dataset``): pad, drop, or none.
+EQUALIZE_MODES = ("pad", "drop", "none")
+
+
+@dataclass(frozen=True)
+class Order:
+    """How an epoch is ordered and cut; with the dataset's seed, the order half of a checkpoint's
+    facts (a state saved under one ``Order`` is refused under another).
+
+    ``shuffle``: permute the shards per epoch and pass samples through a buffer of
+    ``buffer_size`` per worker (0 or 1: no buffer). ``equalize``: "pad" (every rank yields
+    ceil(N / world_size), like DistributedSampler), "drop" (floor) or "none" (parts differ by at
+    most one; every sample once). ``Order.sequential()``: every sample once, in packed order
+    (evaluation).
+    """
+
+    shuffle: bool = True
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    equalize: str = "pad"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shuffle, (bool, np.bool_)):
+            raise InputError(f"shuffle={self.shuffle!r} must be True or False")
+        object.__setattr__(self, "shuffle", bool(self.shuffle))
+        b = self.buffer_size
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0:
+            raise InputError(f"buffer_size={b!r} must be an int >= 0 (0 or 1: no buffer)")
+        object.__setattr__(self, "buffer_size", int(b))
+        check_choice("equalize", self.equalize, EQUALIZE_MODES)
+
+    def __repr__(self) -> str:  # what differs from the defaults: a spelling to copy
+        parts = [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in (("shuffle", True), ("buffer_size", DEFAULT_BUFFER_SIZE),
+                                  ("equalize", "pad"))
+            if getattr(self, name) != default
+        ]  # fmt: skip
+        return f"Order({', '.join(parts)})"
+
+    @classmethod
+    def sequential(cls) -> Order:
+        """Every sample once, in packed order, ranks differing by at most one: evaluation."""
+        return cls(shuffle=False, equalize="none")
+
 
 # Domain tags keep the shard permutation and the per-worker buffers on unrelated streams even
 # when (rank, worker) happen to equal other seed words.

@@ -24,10 +24,11 @@ from ..errors import (
     check_choice,
 )
 from ..images.crops import CropError
-from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
+from ..images.decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .fields import decode_field_image
+from .shuffle import EQUALIZE_MODES
 from .storage import Storage
 
 __all__ = [
@@ -51,11 +52,7 @@ __all__ = [
     "decoded_fields",
 ]
 
-EQUALIZE_MODES = ("pad", "drop", "none")
-DECODE_MODES = ("pil", "tensor", "raw")
 ON_ERROR_MODES = ("raise", "skip")
-#: JPEG inverse DCTs: libjpeg-turbo's accurate one (the default), or its fast integer one.
-DCT_MODES = ("accurate", "fast")
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -170,13 +167,15 @@ def read_slices(
     fields: Sequence[str] = (),
     unchanged: Callable[[], None] | None = None,
     keep: np.ndarray | None = None,
+    unindexed: frozenset[str] = frozenset(),
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
     splits, mixtures): where a shard has a sample index and a slice wants less than half of its
     samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
-    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams.
+    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams, as do the shards
+    in ``unindexed`` (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -195,7 +194,7 @@ def read_slices(
     """
     from .ranges import RangeReader
 
-    exact = RangeReader(getattr(fmt, "name", ""), storage)
+    exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
     cuts = np.cumsum([0, *(len(sl) for sl in slices)])
     masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
@@ -357,8 +356,9 @@ def decode_records(
     ``field_decoders`` (one per field, None: the stored bytes; see shardkit.stream.fields):
     fields are decoded and required: a sample without one, or whose field does not decode, is
     an error naming shard, key and field (a skip under ``on_error="skip"``).
-    ``geometry(rec, fields)`` moves the decoded fields with the image's crop (masks, boxes:
-    ``shardkit.stream.fields.sample_geometry``).
+    ``geometry(rec, fields, box)`` moves the decoded fields with the image's crop (masks,
+    boxes: ``shardkit.stream.fields.sample_geometry``); ``decoder`` is then a ``TensorDecoder``
+    whose ``crop_box`` is asked once per sample, the box given to both.
     """
     check_choice("decode", mode, DECODE_MODES)
     check_choice("on_error", on_error, ON_ERROR_MODES)
@@ -397,9 +397,12 @@ def _decoded(
         try:
             if field_decoders is not None:
                 extra = decoded_fields(rec, names, field_decoders, max_pixels)
-            img = _image(rec, mode, decoder, max_pixels)
-            if geometry is not None:
-                extra = geometry(rec, extra)
+            if geometry is None:
+                img = _image(rec, mode, decoder, max_pixels)
+            else:  # one box for the image and its masks and boxes: the crop is asked once
+                box = decoder.crop_box(rec.data, rec.key)
+                img = decoder(rec.data, rec.key, box=box)
+                extra = geometry(rec, extra, box)
         except Exception as exc:
             err = undecodable(rec, exc)
             if on_error == "raise":
@@ -434,6 +437,9 @@ def decoded_fields(
     out = []
     for name, decode in zip(names, decoders, strict=True):
         data = have.get(name)
+        if data is None and name in have:  # its Source carries no such field: None
+            out.append(None)
+            continue
         if data is None:
             raise SampleError(
                 f"{rec.shard}: sample {rec.key!r} has no {name!r} field; pack it with one, drop "

@@ -16,7 +16,10 @@
   asked for.
 
 Usable with ``DataLoader`` and ``DistributedSampler``: a view pickles without open files and
-opens its shards again in each worker process.
+opens its shards again in each worker process. It is a map-style dataset by protocol
+(``__len__``, ``__getitem__``), not a subclass of torch's ``Dataset``: this module imports no
+torch, so ``shardkit ls`` and ``show`` answer from the index without loading it (``view + other``
+still gives torch's ``ConcatDataset``).
 """
 
 from __future__ import annotations
@@ -25,28 +28,29 @@ import bisect
 import io
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.utils.data import Dataset
 
-from ..errors import InputError, ShardFormatError, StorageError, check_choice
+from ..errors import InputError, ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb_index import LmdbIndex
-from ..formats.sample_index import Members, SampleIndex
+from ..formats.sample_index import Members, SampleIndex, key_hashes
 from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
-from ..images.decode import DEFAULT_MAX_PIXELS, decode_image
+from ..images.decode import decode_image
+from ..images.options import Decode
 from ..paths import check_source
 from ..records import Record, ShardInfo
 from ..urls import is_url
 from .fields import field_spec
-from .indexes import shard_index
+from .indexes import shard_columns, shard_index
 from .ranges import read_range
 from .sources import resolve_source
-from .stages import DECODE_MODES, decoded_fields, sample_error
+from .stages import decoded_fields, sample_error
 from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
@@ -54,12 +58,12 @@ __all__ = ["SampleSummary", "ShardView"]
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
 
-class ShardView(Dataset):
+class ShardView:
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
-    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``,
-    ``transform``, ``target_transform``, ``with_keys``, ``fields``, ``max_pixels``: as
-    ``ShardDataset``.
+    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``
+    (a mode string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
+    ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
     ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
     cache; LMDB shards are fetched whole into ``cache_dir``).
     """
@@ -68,20 +72,33 @@ class ShardView(Dataset):
         self,
         source,
         *,
-        decode: str = "pil",
+        decode: str | Decode = "pil",
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         with_keys: bool = False,
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
         storage_options: dict | None = None,
         cache_dir: str | None = None,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        max_pixels: int | None = None,
     ):
-        check_choice("decode", decode, DECODE_MODES)
-        self.decode, self.with_keys = decode, bool(with_keys)
+        if max_pixels is not None:  # the Decode's (one release): warns with the new spelling
+            from .retired import translate
+
+            _, decode, _, _ = translate(
+                {"max_pixels": max_pixels}, source=source, decode=decode, order=None,
+                storage=None, owner="ShardView",
+            )  # fmt: skip
+        #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
+        self.decode: Decode = Decode.of(decode)
+        self.with_keys = bool(with_keys)
         self.transform, self.target_transform = transform, target_transform
-        self.fields, self.field_decoders = field_spec(fields, decode)
-        self.max_pixels = max_pixels
+        self.fields, self.field_decoders = field_spec(fields, self.decode.mode)
+        self.max_pixels = self.decode.max_pixels
+        self._decoder = None
+        if self.decode.geometry is not None:  # torch: only a cropping view needs it
+            from ..images.geometry import TensorDecoder
+
+            self._decoder = TensorDecoder.of(self.decode)
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
@@ -109,6 +126,9 @@ class ShardView(Dataset):
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
+        #: ``index(key)``: every key hash sorted and its position, built on the second lookup
+        self._by_hash: tuple[np.ndarray, np.ndarray] | None = None
+        self._lookups = 0
 
     # --- the index --------------------------------------------------------------------------
 
@@ -175,15 +195,70 @@ class ShardView(Dataset):
         return self._table(shard).key(j)
 
     def index(self, key: str) -> int:
-        """The position of ``key`` (the first, should two shards hold the same key): shard by
-        shard, each index loaded when first needed."""
-        for k in range(len(self.shards)):
-            j = self._table(k).position(key)
-            if j is not None:
-                return self._starts[k] + j
+        """The position of ``key`` (the first, should two shards hold the same key), by its
+        key hash: the hashes the shards' indexes store (``split_hashes``' values, 8 bytes a
+        sample), matched then confirmed on the real key from the one shard's index that holds
+        it. The first lookup reads the hash columns shard by shard until it is found (``show``:
+        one shard's column held); a second builds one sorted table of every hash (12 bytes a
+        sample), and each lookup after is a binary search: O(log n), whatever the size."""
+        want = key_hashes([key])[0]
+        if self._by_hash is None and self._lookups:
+            self._by_hash = self._hash_table()
+        self._lookups += 1
+        if self._by_hash is not None:
+            hashes, positions = self._by_hash
+            lo = int(np.searchsorted(hashes, want))
+            hi = int(np.searchsorted(hashes, want, side="right"))
+            for i in sorted(positions[lo:hi].tolist()):
+                k, j = self._locate(i)
+                if self._table(k).key(j) == key:
+                    return i
+        else:
+            try:
+                for k in range(len(self.shards)):
+                    for j in np.flatnonzero(self._hashes(k) == want).tolist():
+                        if self._table(k).key(j) == key:
+                            return self._starts[k] + j
+            finally:
+                self.storage.close()
         raise InputError(
             f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
         )
+
+    def _hashes(self, k: int) -> np.ndarray:
+        """Shard ``k``'s key hashes in stored order: from its index already loaded, else the
+        hash column alone (tar: 16 bytes a sample read; LMDB: its index record), else hashed
+        from its keys (a shard without an index)."""
+        table = self._tables[k]
+        if table is not None and isinstance(table._keys, _INDEXES):
+            return table._keys.hashes
+        shard = self.shards[k]
+        if table is None and self.format == "tar":
+            cols = shard_columns(shard, self.storage_options)
+            if cols is not None:
+                return cols.hashes
+        elif table is None and self.format == "lmdb":  # the record read, not kept
+            reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=False)
+            try:
+                self._held_to(reader, shard.url)
+                index = reader.index(shard.samples)
+            finally:
+                reader.close()
+            if index is not None:
+                return index.hashes
+        return key_hashes(self._table(k).keys())
+
+    def _hash_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every key hash sorted, with each one's position (ties in position order)."""
+        try:
+            parts = [np.asarray(self._hashes(k), np.uint64) for k in range(len(self.shards))]
+        finally:
+            self.storage.close()
+        hashes = np.concatenate(parts) if parts else np.empty(0, np.uint64)
+        del parts
+        order = np.argsort(hashes, kind="stable")
+        hashes = hashes[order]
+        return hashes, order.astype(np.uint32 if len(order) < 1 << 32 else np.int64)
 
     def get(self, key: str) -> tuple:
         """The sample whose key is ``key``, decoded as ``view[i]``."""
@@ -193,11 +268,16 @@ class ShardView(Dataset):
         rec = self.record(i)
         if self.field_decoders is not None:
             extra = decoded_fields(rec, self.fields, self.field_decoders, self.max_pixels)
-        if self.decode == "raw":
+        if self.decode.mode == "raw":
             img = rec.data
         else:
             try:
-                img = decode_image(rec.data, self.decode, self.max_pixels)
+                if self._decoder is not None:  # a crop: drawn from (seed 0, epoch 0, key)
+                    img = self._decoder(rec.data, rec.key)
+                else:
+                    img = decode_image(
+                        rec.data, self.decode.mode, self.max_pixels, self.decode.dct == "fast"
+                    )
             except Exception as exc:
                 raise sample_error(rec, exc) from exc
         label = rec.label
@@ -271,6 +351,9 @@ class ShardView(Dataset):
             want = key + b"." + ext.encode("utf-8", "surrogateescape")
             if name[: len(key)] != key[:100] or name.lower() != want[:100].lower():
                 return None  # a long-name or PAX member, or the shard changed: read it whole
+            if header_size(blob[:BLOCK]) != size:  # the index's size is not the header's
+                _lying_index(info.url, j, f"member {ext!r} of {size} bytes")
+                return None
             out.append((ext, blob[BLOCK:]))
         return out
 
@@ -296,15 +379,49 @@ class ShardView(Dataset):
         return out
 
     def summary(self, i) -> SampleSummary:
-        """Sample ``i``'s key, label and members' sizes: from the shard's index alone where it
-        lists them (no byte of the shard read), else from the sample's members."""
+        """Sample ``i``'s key, label and members' sizes. Where a local shard's index lists the
+        members, each member's header is read (not its data; a label's data too) and its name
+        and size checked against the index's, and the label is the label member's: a few
+        hundred bytes a member, never the image. Else (or where they differ: a warning names
+        the index) from the sample's members, read whole. A remote shard's summary is its
+        index's (one ranged GET a member would make ``ls`` slow), that index checked against
+        the manifest's ``index_sha256`` when it was loaded."""
         shard, j = self._locate(i)
         table = self._table(shard)
         if self.format == "tar" and table.members is not None:
-            sizes = [(ext, size) for ext, _, size in table.members.of(j)]
-            return SampleSummary(table.key(j), int(table.members.labels[j]), sizes)
+            if is_url(self.shards[shard].url):  # a GET a member: the index's (its sha256 the
+                sizes = [(ext, size) for ext, _, size in table.members.of(j)]  # manifest's)
+                return SampleSummary(table.key(j), int(table.members.labels[j]), sizes)
+            got = self._checked_summary(shard, j, table)
+            if got is not None:
+                return got
         members = self.members(i)
         return SampleSummary(self.key(i), _label_of(members), [(e, len(d)) for e, d in members])
+
+    def _checked_summary(self, shard: int, j: int, table: _Table) -> SampleSummary | None:
+        """The summary from the index, each member's header read and compared with it; None
+        where a header is not what the index says (a long name read whole; else a warning)."""
+        info = self.shards[shard]
+        key = table.key(j).encode("utf-8", "surrogateescape")
+        sizes, label_data = [], None
+        for ext, at, size in table.members.of(j):
+            labelled = label_data is None and ext.lower() in LABEL_EXTS
+            blob = self._read(shard, info, at - BLOCK, at + size if labelled else at)
+            name = blob[:100].rstrip(b"\0")
+            want = key + b"." + ext.encode("utf-8", "surrogateescape")
+            if name[: len(key)] != key[:100] or name.lower() != want[:100].lower():
+                return None  # a long-name or PAX member: the sample is read whole
+            if header_size(blob[:BLOCK]) != size:
+                _lying_index(info.url, j, f"member {ext!r} of {size} bytes")
+                return None
+            if labelled:
+                label_data = blob[BLOCK:]
+            sizes.append((ext, size))
+        label = _label_of([("cls", label_data)]) if label_data is not None else -1
+        if label != int(table.members.labels[j]):
+            _lying_index(info.url, j, f"label {int(table.members.labels[j])}")
+            return None
+        return SampleSummary(table.key(j), label, sizes)
 
     def _locate(self, i) -> tuple[int, int]:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
@@ -351,17 +468,32 @@ class ShardView(Dataset):
             self._open, self._pid = {}, os.getpid()
 
     def close(self) -> None:
-        for handle in self._open.values():
+        """Close the shards this process opened (a view dropped without it closes them when
+        it is collected: ``__del__``)."""
+        handles, self._open = getattr(self, "_open", {}), {}
+        for handle in handles.values():
             if isinstance(handle, int):
                 os.close(handle)
             else:
                 handle.close()
-        self._open = {}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown, a descriptor closed elsewhere: nothing to do
+            pass
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_open"] = {}
+        state["_by_hash"], state["_lookups"] = None, 0  # rebuilt where lookups are made
         return state
+
+    def __add__(self, other):
+        """``view + other``: torch's ``ConcatDataset`` of both, as a torch ``Dataset`` gives."""
+        from torch.utils.data import ConcatDataset
+
+        return ConcatDataset([self, other])
 
     def __repr__(self) -> str:
         return f"ShardView({len(self.shards)} {self.format} shards, {len(self)} samples)"
@@ -391,6 +523,30 @@ class SampleSummary:
     key: str
     label: int
     members: list[tuple[str, int]]
+
+
+def header_size(header: bytes) -> int:
+    """The data size a tar header gives (octal, or GNU base-256); -1 where it is not a
+    number (never a member's size)."""
+    field = header[124:136]
+    if field[:1] == b"\x80":
+        return int.from_bytes(field[1:], "big")
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return -1
+
+
+def _lying_index(url: str, j: int, what: str) -> None:
+    """Warn that ``url``'s sample index does not describe the shard's headers (the sample is
+    then read from its headers: the bytes and label handed out are the shard's)."""
+    warnings.warn(
+        f"{url}.idx: sample {j}'s {what} in the sample index is not what the shard's header "
+        "says; reading the sample from its headers instead (rebuild the index: delete it and "
+        "run `shardkit index` on the dataset)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _label_of(members: list[tuple[str, bytes]]) -> int:

@@ -1,6 +1,6 @@
 """Runners: where a pack's shard tasks run. ``LocalRunner`` is a process pool on this machine.
 
-A runner is a callable ``runner(tasks) -> receipts`` (``shardkit.write.plan``); ``pack(...,
+A runner is a callable ``runner(tasks) -> receipts`` (``shardkit.write.task``); ``pack(...,
 runner=...)`` plans, hands it the tasks and commits. Tasks are idempotent, so a runner may
 retry or even repeat one freely. A runner may also offer ``map_chunks(fn, chunks)``
 (``[fn(*c) for c in chunks]``, run where it runs tasks, retried alike): the plan then hands it
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import InputError, ShardkitError, StorageError
-from .plan import ShardReceipt, ShardTask, run_task
+from .plan import ShardReceipt, ShardTask
+from .task import run_task
 
 __all__ = ["PLAN_CHUNK", "RETRYABLE", "LocalRunner", "TaskFailed", "die_with_parent"]
 

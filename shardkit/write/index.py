@@ -47,11 +47,21 @@ class IndexResult:
     imageless: int
     #: The manifest was shardkit's and kept: only the sample indexes were written.
     kept: bool = False
+    #: ``append=True``: the shards added to the manifest (0: it listed every shard given).
+    added: int | None = None
 
     def summary(self) -> str:
         m = self.manifest
         n = self.imageless
         extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
+        if self.added is not None:
+            if not self.added:
+                return f"{self.manifest_path} lists every shard given: nothing new to index"
+            return (
+                f"added {self.added} shard{'s' if self.added != 1 else ''} to "
+                f"{self.manifest_path}: {len(m.shards)} shards, {m.num_samples} samples now"
+                f"{extra}"
+            )
         if self.kept:
             return (
                 f"wrote the sample indexes of {len(m.shards)} shards ({m.num_samples} samples) "
@@ -88,7 +98,11 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 
 def index_shards(
-    paths: Sequence[str | os.PathLike], *, overwrite: bool = False, progress: bool = False
+    paths: Sequence[str | os.PathLike],
+    *,
+    overwrite: bool = False,
+    append: bool = False,
+    progress: bool = False,
 ) -> list[IndexResult]:
     """Write ``manifest.json`` beside the given tar shards (one per directory), reading each once.
 
@@ -96,24 +110,24 @@ def index_shards(
     lists them in the order given (a directory's in name order). Classes are ``"0" .. "K-1"``
     when ``cls``/``label`` members hold integers up to K-1, else empty (labels -1). Compressed
     shards get counts and checksums but no offset index (they cannot seek). Raises OutputError
-    if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``).
+    if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``: every shard
+    read again) or ``append=True`` (``--append``: only the shards it does not list are read and
+    added after the others, O(the new shards); ``append_shards``).
     """
     from ..progress import track
 
     files = _expand([os.fspath(p) for p in paths])
-    by_dir: dict[str, list[str]] = {}
-    seen: set[str] = set()
-    for p in files:
-        real = os.path.realpath(p)
-        if real in seen:
-            raise InputError(f"{p}: listed twice; each shard must appear once")
-        seen.add(real)
-        if format_for_path(p).name != "tar":
-            raise InputError(
-                f"{p}: shardkit index reads tar shards (.tar, .tar.gz, .tgz); LMDB shards are "
-                "only written by `shardkit pack`, which writes their manifest"
-            )
-        by_dir.setdefault(os.path.dirname(os.path.abspath(p)), []).append(p)
+    by_dir = _by_dir(files)
+    if overwrite and append:
+        raise InputError("pass append=True or overwrite=True, not both")
+    grown: list[IndexResult] = []
+    if append:  # directories with a manifest grow; any other is indexed as without append
+        grown = [
+            append_shards(d, m, by_dir.pop(d), progress) for d, m in _manifests(by_dir).items()
+        ]
+        files = [p for p in files if os.path.dirname(os.path.abspath(p)) in by_dir]
+        if not files:
+            return grown
     packed = _packed(by_dir, overwrite)
     if packed:  # shardkit's own datasets: add the sample indexes, keep the manifests
         return [_index_packed(d, m, progress) for d, m in packed.items()]
@@ -152,7 +166,25 @@ def index_shards(
         mine = [(p, data) for p, data in indexes if os.path.dirname(os.path.abspath(p)) == d]
         path = _publish(d, manifest, mine)
         results.append(IndexResult(path, manifest, imageless[d]))
-    return results
+    return grown + results
+
+
+def _by_dir(files: list[str]) -> dict[str, list[str]]:
+    """The tar shards given, by directory; each named once."""
+    by_dir: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for p in files:
+        real = os.path.realpath(p)
+        if real in seen:
+            raise InputError(f"{p}: listed twice; each shard must appear once")
+        seen.add(real)
+        if format_for_path(p).name != "tar":
+            raise InputError(
+                f"{p}: shardkit index reads tar shards (.tar, .tar.gz, .tgz); LMDB shards are "
+                "only written by `shardkit pack`, which writes their manifest"
+            )
+        by_dir.setdefault(os.path.dirname(os.path.abspath(p)), []).append(p)
+    return by_dir
 
 
 def _publish(d: str, manifest: Manifest, indexes: list[tuple[str, bytes]]) -> str:
@@ -197,7 +229,11 @@ def _packed(by_dir: dict[str, list[str]], overwrite: bool) -> dict[str, Manifest
         if os.path.lexists(target) and not overwrite:
             packed[d] = _listed(target, by_dir[d])
             if packed[d].pack.get("indexed_by"):  # ours from a tar: replaced only on request
-                raise OutputError(f"{target} already exists; pass overwrite=True to replace it")
+                raise OutputError(
+                    f"{target} already exists and lists every shard given: nothing new to "
+                    "index (a tar added to the folder later is added by append=True; "
+                    "overwrite=True reads every shard again)"
+                )
     return packed
 
 
@@ -226,10 +262,12 @@ def _listed(target: str, files: list[str]) -> Manifest:
     dataset gets its sample indexes); else the manifest is someone else's to replace."""
     manifest = read_manifest(target)
     listed = {e.path for e in manifest.shards}
-    if not all(os.path.basename(f) in listed for f in files):
+    new = [f for f in files if os.path.basename(f) not in listed]
+    if new:
         raise OutputError(
-            f"{target} already exists and does not list every shard given; pass "
-            "overwrite=True (--overwrite) to replace it"
+            f"{target} already exists and does not list {os.path.basename(new[0])}"
+            f"{f' and {len(new) - 1} more' if len(new) > 1 else ''}: append=True adds the "
+            "shards it does not list (reading only those); overwrite=True replaces it"
         )
     return manifest
 
@@ -274,3 +312,97 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
         except OSError as exc:
             raise write_error(d, exc, MANIFEST_NAME) from None
     return IndexResult(path, manifest, 0, kept=True)
+
+
+def _manifests(by_dir: dict[str, list[str]]) -> dict[str, Manifest]:
+    """The manifest already in each directory that has one (``append``: grown, not replaced)."""
+    return {
+        d: read_manifest(os.path.join(d, MANIFEST_NAME))
+        for d in by_dir
+        if os.path.lexists(os.path.join(d, MANIFEST_NAME))
+    }
+
+
+def append_shards(d: str, manifest: Manifest, files: list[str], progress: bool) -> IndexResult:
+    """Add the tar shards among ``files`` that ``manifest`` (in ``d``) does not list, after the
+    ones it does: each new shard is read once (counts, sha256, its sample index), its keys are
+    checked against the dataset's by the key hashes its indexes store (``keys.found_in``: no old
+    shard's bytes read) and against each other, then its index files and the grown manifest are
+    written (manifest last, atomically). Labels must fit the manifest's classes; a dataset that
+    ``index`` made (classes ``"0" .. "K-1"``) grows its list to the new labels."""
+    import numpy as np
+
+    from ..formats.sample_index import key_hashes
+    from ..progress import track
+    from .keys import found_in
+
+    listed = {e.path for e in manifest.shards}
+    if manifest.shard_format != "tar":
+        raise InputError(f"{d}: holds {manifest.shard_format} shards; index adds tar shards")
+    new = [f for f in files if os.path.basename(f) not in listed]
+    if not new:
+        return IndexResult(os.path.join(d, MANIFEST_NAME), manifest, 0, kept=True, added=0)
+    entries, indexes, keys, owner = [], [], [], []
+    labels: set[int] = set()
+    imageless = 0
+    fields = dict(manifest.fields)
+    for p in track(new, "index", "shard", enabled=progress):
+        tally, size, sha, sample_index = _read_tar(p)
+        if sample_index:
+            indexes.append((p, sample_index))
+        labels |= tally.labels
+        imageless += tally.imageless
+        for name, n in tally.fields.items():
+            fields[name] = fields.get(name, 0) + n
+        keys.extend(tally.keys)
+        owner.extend([p] * len(tally.keys))
+        index = () if is_gzip_name(p) else tuple(tally.index[::INDEX_EVERY])
+        index_sha = hashlib.sha256(sample_index).hexdigest() if sample_index else ""
+        entries.append(ShardEntry(os.path.basename(p), tally.samples, size, sha, index, index_sha))
+    seen: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        j = seen.setdefault(k, i)
+        if j != i:
+            raise InputError(
+                f"{owner[i]}: key {k!r} is in {owner[j]} too; keys are unique within a "
+                "dataset: leave one of them out"
+            )
+    there = found_in(d, manifest, key_hashes(keys), keys.__getitem__)
+    if there.any():
+        i = int(np.argmax(there))
+        raise InputError(
+            f"{owner[i]}: {int(there.sum())} of the new shards' keys are in {d} already "
+            f"(first: {keys[i]!r}); keys are unique within a dataset: leave that shard out"
+        )
+    classes = _grown_classes(d, manifest, labels)
+    pack = dict(manifest.pack)
+    if imageless:
+        pack["records_without_image"] = int(pack.get("records_without_image", 0)) + imageless
+        warn_imageless(d, imageless)
+    grown = replace(
+        manifest,
+        classes=classes,
+        shards=[*manifest.shards, *entries],
+        pack=pack,
+        fields=dict(sorted(fields.items())),
+    )
+    path = _publish(d, grown, indexes)
+    return IndexResult(path, grown, imageless, added=len(entries))
+
+
+def _grown_classes(d: str, manifest: Manifest, labels: set[int]) -> list[str]:
+    """The class list once shards with ``labels`` are added: a pack's names must cover them;
+    ``index``'s ``"0" .. "K-1"`` grows to the largest."""
+    old = list(manifest.classes)
+    labels = labels - {-1}
+    if not labels or max(labels) < len(old):
+        if labels and min(labels) < 0:
+            raise InputError(f"{d}: the new shards hold label {min(labels)}; labels are >= -1")
+        return old
+    if old != [str(i) for i in range(len(old))]:
+        raise InputError(
+            f"{d}: the new shards hold label {max(labels)}, and its manifest names "
+            f"{len(old)} classes; pack their images with `shardkit pack SRC {d} --append`, "
+            "which maps classes by name"
+        )
+    return _classes(labels | set(range(len(old))))

@@ -24,7 +24,7 @@ from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .keys import dataset_keys, first_repeat, identity
+from .keys import identity, repeats_across
 from .writer import _within, next_shard_number, open_local_output, shard_name
 
 __all__ = ["MERGED_FIELD", "MergeReport", "merge"]
@@ -210,6 +210,7 @@ def _already_merged(out: str, manifests, in_place: bool) -> MergeReport | None:
 def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> MergeReport:
     entries: list[ShardEntry] = []
     added, linked = [], 0
+    unchecked = set()  # shards whose index is checked (or built) before publishing
     skipped = []
     base = manifests[0][1]
     if in_place:
@@ -235,9 +236,13 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
             name = shard_name(number, "") + _suffix(s.path)
             number += 1
             linked += _place(src, os.path.join(staging, name))
-            if os.path.isfile(index_path(src)):  # checked (or rebuilt) before publishing
+            index_sha256 = ""
+            if os.path.isfile(index_path(src)):
                 _place(index_path(src), index_path(os.path.join(staging, name)))
-            entries.append(ShardEntry(name, s.samples, s.bytes, s.sha256, s.index))
+                index_sha256 = s.index_sha256  # the same bytes: checked wherever it is read
+            entries.append(ShardEntry(name, s.samples, s.bytes, s.sha256, s.index, index_sha256))
+            if not index_sha256:  # an older pack's, or none
+                unchecked.add(name)
             added.append(name)
         skipped += m.skipped
         merged.append({"dataset": os.path.abspath(path), "identity": identity(m), "pack": m.pack})
@@ -248,9 +253,10 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     for m in [base] * in_place + [m for _, m in todo]:  # every dataset merged
         for name, count in m.fields.items():
             fields[name] = fields.get(name, 0) + count
-    new = set(added)  # their indexes checked (or built): the manifest lists their sha256
-    checked = iter(ensure_indexes(staging, [e for e in entries if e.path in new]))
-    entries = [next(checked) if e.path in new else e for e in entries]
+    # their indexes checked (or built): the manifest lists their sha256; the others' index files
+    # are the bytes their own manifest lists (linked or copied), as every reader checks them
+    checked = iter(ensure_indexes(staging, [e for e in entries if e.path in unchecked]))
+    entries = [next(checked) if e.path in unchecked else e for e in entries]
     manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
     write_manifest(manifest, staging)
     path = publish(out, staging, added, MANIFEST_NAME)
@@ -258,16 +264,17 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
 
 
 def _check_keys(in_place: str | None, base: Manifest, todo) -> None:
-    """Refuse datasets sharing a key (with the first one merged into, or with each other)."""
-    seen = dataset_keys(in_place, base) if in_place is not None else set()
-    for path, m in todo:
-        repeats, first = first_repeat(path, m, seen)
-        if repeats:
-            raise InputError(
-                f"{path}: {repeats} of its keys are in another dataset of this merge too (first: "
-                f"{first!r}); keys are unique within a dataset: leave it out, or pass "
-                "allow_duplicates=True to keep both copies"
-            )
+    """Refuse datasets sharing a key (with the first one merged into, or with each other): by
+    the key hashes their indexes store (``keys.repeats_across``), no shard's bytes read."""
+    datasets = [(in_place, base), *todo] if in_place is not None else list(todo)
+    found = repeats_across(datasets)
+    if found is not None:
+        i, repeats, first = found
+        raise InputError(
+            f"{datasets[i][0]}: {repeats} of its keys are in another dataset of this merge too "
+            f"(first: {first!r}); keys are unique within a dataset: leave it out, or pass "
+            "allow_duplicates=True to keep both copies"
+        )
 
 
 def _suffix(path: str) -> str:

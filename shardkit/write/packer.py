@@ -1,6 +1,7 @@
 """``shardkit pack``: images (a class-per-folder tree, or Python samples) into shards + manifest.
 
-A folder is packed in three steps (``shardkit.write.plan``), on one machine or on an engine:
+A folder is packed in three steps (``shardkit.write.plan``, ``task``, ``commit``), on one machine
+or on an engine:
 
     plan: scan SRC (shardkit.scan), shuffle once (numpy permutation of the sorted list), and fix
           every shard's samples and name from file sizes
@@ -26,7 +27,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,18 +40,9 @@ from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_url
 from . import samples as _samples
-from .keys import dataset_keys
-from .plan import (
-    APPENDED_FIELD,
-    PackPlan,
-    ShardReceipt,
-    ShardTask,
-    check_cluster_lock,
-    commit_pack,
-    plan_pack,
-    run_task,
-    save_tasks,
-)
+from .commit import check_cluster_lock, commit_pack
+from .keys import held_by
+from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack, save_tasks
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -64,11 +56,13 @@ from .read import (
     source_stats,
     stat_pair,
 )
+from .task import run_task
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "FINGERPRINT_FIELD",
+    "PackOptions",
     "PackReport",
     "PackWarning",
     "Runner",
@@ -109,6 +103,8 @@ class PackReport:
     #: Samples not packed because OUT already holds their key (``append=True``), or a table
     #: listed their image on an earlier row; ``allow_duplicates=True`` packs them.
     duplicates: int = 0
+    #: img2dataset rows whose download had failed (``status`` not ``success``): no image.
+    failed_downloads: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -141,6 +137,11 @@ class PackReport:
             f"Skipped {self.errors} bad or unreadable image(s) and {self.not_images} non-image "
             f"file(s)"
         )
+        if self.failed_downloads:
+            text += (
+                f"; {self.failed_downloads} failed download(s) (img2dataset status not "
+                "success: no image, listed under skipped)"
+            )
         if self.empty_classes:
             text += f"; {len(self.empty_classes)} empty class folder(s)"
         if self.duplicates:
@@ -204,6 +205,7 @@ def _already_packed(
         skipped=sorted(manifest.skipped, key=lambda s: s.path),
         errors=max(0, len(manifest.skipped) - len(scan.ignored)),
         not_images=scan.not_images,
+        failed_downloads=scan.failed_downloads,
         empty_classes=list(scan.empty_classes),
         up_to_date=True,
     )
@@ -230,33 +232,56 @@ def _check_options(validate, on_error, workers, resize_short, seed) -> str:
     return "raise" if on_error == "fail" else on_error
 
 
+@dataclass(frozen=True)
+class PackOptions:
+    """How ``pack`` packs: every option but the source and the output, as one value that can be
+    kept, compared and handed on whole (``pack(src, out, options)``; keywords of ``pack`` set
+    the same fields). The fields are ``pack``'s documented keywords, with their defaults."""
+
+    shard_size: str | int = DEFAULT_SHARD_SIZE
+    format: str = "tar"
+    shuffle: bool = True
+    seed: int = 0
+    workers: int = 1
+    on_error: str = "skip"
+    overwrite: bool = False
+    resize_short: int | None = None
+    validate: str = "header"
+    progress: bool = True
+    on_shard: Callable[[str], None] | None = None
+    classes: Sequence[str] | None = None
+    storage_options: Mapping[str, Any] | None = None
+    work_dir: str | None = None
+    upload_concurrency: int = 4
+    runner: Runner | None = None
+    shards_per_task: int = 1
+    append: bool = False
+    plan_only: str | None = None
+    root: str | os.PathLike | None = None
+    allow_duplicates: bool = False
+
+    def __post_init__(self) -> None:
+        _check_options(self.validate, self.on_error, self.workers, self.resize_short, self.seed)
+
+    @classmethod
+    def of(cls, options: PackOptions | None, keywords: Mapping[str, Any]) -> PackOptions:
+        """``options`` (default: the defaults) with ``keywords`` set; an unknown one is named."""
+        if options is not None and not isinstance(options, PackOptions):
+            raise InputError(f"options={options!r}: give a shardkit.write.PackOptions")
+        unknown = sorted(set(keywords) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InputError(f"pack() got an unknown keyword {unknown[0]}=; see help(pack)")
+        return replace(options or cls(), **keywords)
+
+
 def pack(
     src: str | os.PathLike | Iterable[Any],
     out: str | os.PathLike,
-    *,
-    shard_size: str | int = DEFAULT_SHARD_SIZE,
-    format: str = "tar",
-    shuffle: bool = True,
-    seed: int = 0,
-    workers: int = 1,
-    on_error: str = "skip",
-    overwrite: bool = False,
-    resize_short: int | None = None,
-    validate: str = "header",
-    progress: bool = True,
-    on_shard: Callable[[str], None] | None = None,
-    classes: Sequence[str] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    work_dir: str | None = None,
-    upload_concurrency: int = 4,
-    runner: Runner | None = None,
-    shards_per_task: int = 1,
-    append: bool = False,
-    plan_only: str | None = None,
-    root: str | os.PathLike | None = None,
-    allow_duplicates: bool = False,
+    options: PackOptions | None = None,
+    **keywords: Any,
 ) -> PackReport:
-    """Pack ``src`` into shards in ``out``; see the module docstring.
+    """Pack ``src`` into shards in ``out``; see the module docstring. ``options``: a
+    ``PackOptions``; ``keywords`` (``shard_size="64MB"``, ``format="lmdb"`` ...) set its fields.
 
     ``src`` may also be a table (``.csv``, ``.tsv``, ``.jsonl``, ``.parquet`` with the
     ``parquet`` extra; ``shardkit.scan.scan_table``):
@@ -303,52 +328,44 @@ def pack(
     Raises InputError / OutputError for unusable arguments.
     """
     started = time.perf_counter()
-    on_error = _check_options(validate, on_error, workers, resize_short, seed)
+    o = PackOptions.of(options, keywords)
+    on_error = "raise" if o.on_error == "fail" else o.on_error
     from_folder = isinstance(src, (str, os.PathLike))
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
-        options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
+        options = pack_options(
+            o.format, o.shard_size, o.shuffle, o.seed, o.validate, o.resize_short, on_error
+        )
+        root = o.root
         if root is not None:  # a table's root; folder packs keep their fingerprints
             root = options["root"] = os.path.abspath(root)
-        if allow_duplicates:
+        if o.allow_duplicates:
             options["allow_duplicates"] = True
         out = os.fspath(out)
-        if append:
-            _check_append(out, overwrite)
-        with _session(runner):  # a cluster started for the stats serves the tasks
-            if not overwrite and plan_only is None:
-                current = _already_packed(src, out, options, progress, append, runner)
+        if o.append:
+            _check_append(out, o.overwrite)
+        with _session(o.runner):  # a cluster started for the stats serves the tasks
+            if not o.overwrite and o.plan_only is None:
+                current = _already_packed(src, out, options, o.progress, o.append, o.runner)
                 if current is not None:
                     return current
             kw = dict(
-                shard_size=shard_size,
-                format=format,
-                shuffle=shuffle,
-                seed=seed,
-                validate=validate,
-                resize_short=resize_short,
+                shard_size=o.shard_size,
+                format=o.format,
+                shuffle=o.shuffle,
+                seed=o.seed,
+                validate=o.validate,
+                resize_short=o.resize_short,
                 on_error=on_error,
-                progress=progress,
+                progress=o.progress,
                 root=root,
-                allow_duplicates=bool(allow_duplicates),
+                allow_duplicates=bool(o.allow_duplicates),
             )
             if not is_url(out) or out.startswith("file://"):
                 out = out.removeprefix("file://")
-                return _pack_planned(
-                    src,
-                    out,
-                    kw,
-                    overwrite,
-                    workers,
-                    on_shard,
-                    runner,
-                    shards_per_task,
-                    started,
-                    append,
-                    plan_only,
-                )
-        if runner is not None:
+                return _pack_planned(src, out, kw, o, started)
+        if o.runner is not None:
             raise InputError(
                 f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
                 "on every worker); pack into one, then upload it, or leave out the engine"
@@ -364,22 +381,24 @@ def pack(
         )
     writer = ShardWriter(
         out,
-        format,
-        shard_size,
-        classes=classes,
-        overwrite=overwrite,
-        on_shard=on_shard,
-        storage_options=storage_options,
-        work_dir=work_dir,
-        upload_concurrency=upload_concurrency,
+        o.format,
+        o.shard_size,
+        classes=o.classes,
+        overwrite=o.overwrite,
+        on_shard=o.on_shard,
+        storage_options=o.storage_options,
+        work_dir=o.work_dir,
+        upload_concurrency=o.upload_concurrency,
         _forbid_inside=src if from_folder else None,
     )
     if from_folder:
         with writer:
-            return _pack_to_url(src, writer, kw, workers, on_shard, started)
+            return _pack_to_url(src, writer, kw, o.workers, o.on_shard, started)
     with writer:
-        run = _samples_run(src, writer, shuffle, seed, workers, validate, resize_short, on_error)
-        errors = _write(run, writer, on_error, workers, progress)
+        run = _samples_run(
+            src, writer, o.shuffle, o.seed, o.workers, o.validate, o.resize_short, on_error
+        )
+        errors = _write(run, writer, on_error, o.workers, o.progress)
         skipped = run.errors + errors
         if not writer.samples:
             first = skipped[0] if skipped else SkippedFile("-", "the source is empty")
@@ -392,10 +411,10 @@ def pack(
             "source": run.name,
             "shard_size": writer.limit,
             "shuffle": run.shuffled,
-            "seed": int(seed),
-            "validate": validate,
-            "resize_short": resize_short,
-            "resize_quality": RESIZE_QUALITY if resize_short else None,
+            "seed": int(o.seed),
+            "validate": o.validate,
+            "resize_short": o.resize_short,
+            "resize_quality": RESIZE_QUALITY if o.resize_short else None,
             "format": writer.format.name,
             "on_error": on_error,
             "shardkit_version": pack_version(),
@@ -421,6 +440,7 @@ def _written_report(done, writer: ShardWriter, skipped: list, scan, started: flo
         skipped=sorted(writer.skipped, key=lambda s: s.path),
         errors=len(skipped),
         not_images=scan.not_images,
+        failed_downloads=getattr(scan, "failed_downloads", 0),  # a Python source has none
         empty_classes=list(scan.empty_classes),
     )
 
@@ -468,21 +488,12 @@ def _check_append(out: str, overwrite: bool) -> None:
         )
 
 
-def _pack_planned(
-    src,
-    out,
-    kw,
-    overwrite,
-    workers,
-    on_shard,
-    runner,
-    shards_per_task,
-    started,
-    append=False,
-    plan_only=None,
-) -> PackReport:
-    """Plan, run (here on reader threads, or as tasks on ``runner``), commit."""
+def _pack_planned(src, out, kw, o: PackOptions, started: float) -> PackReport:
+    """Plan, run (here on reader threads, or as tasks on ``o.runner``), commit."""
     from ..progress import Progress
+
+    overwrite, workers, on_shard, runner = o.overwrite, o.workers, o.on_shard, o.runner
+    shards_per_task, append, plan_only = o.shards_per_task, o.append, o.plan_only
 
     if getattr(runner, "cluster", False):
         check_cluster_lock(out)
@@ -496,7 +507,7 @@ def _pack_planned(
                     f"{out} holds {base.shard_format} shards; append with format="
                     f'"{base.shard_format}"'
                 )
-            existing = set() if kw["allow_duplicates"] else dataset_keys(out, base)
+            existing = None if kw["allow_duplicates"] else held_by(out, base)
             plan = plan_pack(src, out, **kw, existing=existing, engine=runner).appending(base)
             replaced = []  # nothing already packed is touched
             if not len(plan.order):
@@ -546,6 +557,7 @@ def _pack_planned(
         skipped=list(manifest.skipped),
         errors=len(skipped),
         not_images=scan.not_images,
+        failed_downloads=scan.failed_downloads,
         empty_classes=list(scan.empty_classes),
         appended_to=plan.base.num_samples if plan.base is not None else None,
         duplicates=plan.already_there + len(plan.repeated),
@@ -567,6 +579,7 @@ def _nothing_to_append(plan: PackPlan, out: str, started: float) -> PackReport:
         skipped=list(base.skipped),
         errors=0,
         not_images=plan.scan.not_images,
+        failed_downloads=plan.scan.failed_downloads,
         empty_classes=list(plan.scan.empty_classes),
         appended_to=base.num_samples,
         duplicates=plan.already_there + len(plan.repeated),
@@ -586,6 +599,7 @@ def _planned_report(plan: PackPlan, out: str, started: float) -> PackReport:
         skipped=list(plan.scan.errors),
         errors=len(plan.scan.errors),
         not_images=plan.scan.not_images,
+        failed_downloads=plan.scan.failed_downloads,
         empty_classes=list(plan.scan.empty_classes),
         up_to_date=False,
     )

@@ -1,23 +1,26 @@
 """Plan, run, commit: a folder pack as shard tasks that any engine runs, byte-identical to one.
 
-- ``plan_pack`` (the driver) lists SRC, shuffles, and fixes every shard's samples and final name
-  from file sizes alone, before any image is read: the writers roll by size only
+- ``plan_pack`` (the driver, this module) lists SRC, shuffles, and fixes every shard's samples
+  and final name from file sizes alone, before any image is read: the writers roll by size only
   (``ShardFormat.sizer``), so the plan is a function of the listing, the options and the seed.
-- ``run_task`` (any process on any machine that sees SRC and OUT) writes its planned shards
-  under temporary names in the job folder, renames each when complete and returns a
-  ``ShardReceipt`` (also written beside it). Run twice, it writes the same bytes under the same
-  names: a retried, duplicated or speculative task is harmless.
-- ``commit_pack`` (the driver) refuses unless the receipts cover every shard exactly once,
-  builds the manifest ``pack`` writes and publishes it with the commit journal, manifest last.
+- ``run_task`` (``write.task``; any process on any machine that sees SRC and OUT) writes its
+  planned shards under temporary names in the job folder, renames each when complete and
+  returns a ``ShardReceipt`` (also written beside it). Run twice, it writes the same bytes under
+  the same names: a retried, duplicated or speculative task is harmless.
+- ``commit_pack`` (``write.commit``; the driver) refuses unless the receipts cover every shard
+  exactly once, builds the manifest ``pack`` writes and publishes it with the commit journal,
+  manifest last.
 
-``pack`` on one machine runs the whole plan as one task in-process (reader threads), and
-``--engine`` runs it as many tasks elsewhere: same planner, same bytes, by construction. A
-skipped (bad) file keeps its slot in the plan, so its shard ends a little smaller; with
-``resize_short`` the plan budgets each image at its source size (``shard_size`` is then a
-budget on source bytes). The job folder ``OUT/.partial-job-<plan>/`` holds finished shards and
-their receipts (``shard-NNNNNN.json``): a re-run of the same plan skips shards whose receipt and
-file size agree, so a killed job resumes; another plan (other files, other options) never reads
-them, and its commit removes them. Nothing here imports an engine.
+This module holds the types the three share (``ShardTask``, ``ShardReceipt``, ``PackPlan``),
+the planner, and the plan files batch schedulers run tasks from (``save_tasks``,
+``load_task``). ``pack`` on one machine runs the whole plan as one task in-process (reader
+threads), and ``--engine`` runs it as many tasks elsewhere: same planner, same bytes, by
+construction. A skipped (bad) file keeps its slot in the plan, so its shard ends a little
+smaller; with ``resize_short`` the plan budgets each image at its source size (``shard_size``
+is then a budget on source bytes). The job folder ``OUT/.partial-job-<plan>/`` holds finished
+shards and their receipts (``shard-NNNNNN.json``): a re-run of the same plan skips shards whose
+receipt and file size agree, so a killed job resumes; another plan (other files, other options)
+never reads them, and its commit removes them. Nothing here imports an engine.
 """
 
 from __future__ import annotations
@@ -27,73 +30,39 @@ import itertools
 import json
 import os
 import re
-import shutil
 import warnings
-from collections import deque
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 import numpy as np
 
-from ..errors import InputError, OutputError
+from ..errors import InputError
 from ..formats import get_format
-from ..formats.sample_index import ensure_indexes, index_path
-from ..fsutil import (
-    JOB_MARK,
-    JOURNAL_NAME,
-    STAGING_PREFIX,
-    atomic_write_bytes,
-    fsync_dir,
-    interrupted_commit,
-    open_regular,
-    publish,
-    temp_name,
-    write_error,
-)
+from ..fsutil import JOB_MARK, STAGING_PREFIX, atomic_write_bytes, open_regular, write_error
 from ..images.decode import RESIZE_QUALITY
-from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
-from ..scan import (
-    SourceScan,
-    check_source_dir,
-    field_files,
-    inline_fields,
-    is_table,
-    repeats,
-    scan_source,
-)
+from ..manifest import Manifest, ShardEntry, SkippedFile
+from ..scan import SourceScan, check_source_dir, repeats, scan_source
 from .read import (
     FINGERPRINT_FIELD,
-    READ_AHEAD,
-    READ_BATCH,
-    Ahead,
     PackWarning,
     SourceStats,
-    check_sample,
     fingerprint,
-    ordered_map,
     pack_options,
     pack_version,
-    read_fields,
-    read_file,
     source_stats,
-    stat_pair,
 )
-from .writer import ShardSizeWarning, next_shard_number, shard_name
+from .writer import ShardSizeWarning, next_shard_number
 
 __all__ = [
     "APPENDED_FIELD",
-    "load_task",
-    "save_tasks",
     "JOB_PREFIX",
-    "CommitResult",
     "PackPlan",
     "PlanTasks",
     "ShardReceipt",
     "ShardTask",
-    "commit_pack",
+    "load_task",
     "plan_pack",
-    "run_task",
+    "save_tasks",
 ]
 
 #: The manifest's ``pack`` key listing, per ``--append``, how the shards it added were packed.
@@ -375,15 +344,16 @@ def plan_pack(
     on_error: str,
     progress: bool = False,
     root: str | None = None,
-    existing: Container[str] = frozenset(),
+    existing: Callable[[Sequence[str]], np.ndarray] | None = None,
     allow_duplicates: bool = False,
     engine=None,
 ) -> PackPlan:
     """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
 
     ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
-    ``allow_duplicates``, samples whose key is in ``existing`` (the keys of the dataset an
-    append adds to) and table rows naming an image an earlier row named are left out.
+    ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
+    a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
+    named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``)."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
@@ -394,7 +364,7 @@ def plan_pack(
     scan = scan_source(src, progress=progress, root=root)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
-        where = bad.path if is_table(src) else os.path.join(src, bad.path)  # rows name the table
+        where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
         raise InputError(f'{where}: {bad.reason}; remove or fix it, or pass on_error="skip"')
     for cls in scan.empty_classes:
         warnings.warn(
@@ -439,6 +409,7 @@ def plan_pack(
         "shardkit_version": pack_version(),
         "non_image_files": dict(sorted(scan.non_image_exts.items())),
         "links_outside_source": scan.outside_links,
+        **({"failed_downloads": scan.failed_downloads} if scan.failed_downloads else {}),
         FINGERPRINT_FIELD: fp,
     }
     if already:
@@ -448,22 +419,26 @@ def plan_pack(
     return plan
 
 
-def _duplicates(src: str, scan: SourceScan, existing: Container[str]):
+def _duplicates(src: str, scan: SourceScan, existing):
     """``(rows naming an image again, count of keys in existing, mask of both or None)``.
 
     A table may list one image on several rows; packing each would store it under several
     keys, which a split by key could place on both sides (train and val): the first row wins.
     """
-    dropped = repeats(scan.files) if is_table(src) else np.zeros(len(scan.files), dtype=bool)
+    if scan.again is not None:  # a key column: a key listed again
+        dropped = scan.again.copy()
+    elif scan.keyed or not scan.from_table:
+        dropped = np.zeros(len(scan.files), dtype=bool)
+    else:
+        dropped = repeats(scan.files)
     why = f"{src}: listed on more than one row; packed once, from its first row"
     why += " (allow_duplicates=True keeps each)"
     repeated = [SkippedFile(scan.files[i], why) for i in np.flatnonzero(dropped).tolist()]
     already = 0
-    if existing:
-        for i, key in enumerate(scan.keys):
-            if not dropped[i] and key in existing:
-                dropped[i] = True
-                already += 1
+    if existing is not None and len(scan.keys):
+        there = np.asarray(existing(scan.keys), dtype=bool) & ~dropped
+        already = int(there.sum())
+        dropped |= there
     return repeated, already, dropped if dropped.any() else None
 
 
@@ -520,354 +495,6 @@ def _field_sizes(scan: SourceScan, stats: SourceStats, rows: list[int]) -> list:
             sizes += [(len(n), len(v)) for n, v in scan.inline_fields(i).items()]
         out.append(sizes or ())
     return out
-
-
-# --- run ---------------------------------------------------------------------------------------
-
-
-def _receipt_path(job: str, shard: int) -> str:
-    return os.path.join(job, shard_name(shard, ".json"))
-
-
-def done_receipt(job: str, shard: int) -> ShardReceipt | None:
-    """The receipt of ``shard`` in ``job`` if its shard is there at the size it records."""
-    try:
-        with open_regular(_receipt_path(job, shard)) as f:
-            receipt = ShardReceipt.from_json(f.read())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if receipt.shard != shard:
-        return None
-    if receipt.samples and stat_pair(os.path.join(job, receipt.path))[0] != receipt.bytes:
-        return None
-    return receipt
-
-
-def _loader(task: ShardTask) -> Callable:
-    """The reader-thread function: ``(k, batch, ahead, hint_own)`` -> ``(k, loaded samples)``;
-    hinting ``ahead`` (the batch this thread likely reads next) overlaps its reads with these."""
-    root, files, exts, keys, labels = task.root, task.files, task.exts, task.keys, task.labels
-    validate, resize = task.validate, task.resize_short
-    sidecars, inline = task.sidecars, task.inline
-
-    def load(item: tuple) -> tuple[int, list]:
-        k, batch, ahead, hint_own = item
-        if hint_own:
-            load.ahead.hint(root, files, batch)
-        load.ahead.hint(root, files, ahead)
-        out = []
-        for i in batch:
-            ext, key, label = exts[i], keys[i], int(labels[i])
-            try:
-                data, _ = read_file(os.path.join(root, files[i]), load.ahead.take(i))
-            except OSError as exc:
-                out.append((i, key, None, ext, f"unreadable: {exc.strerror or exc}", label, None))
-                continue
-            checked = check_sample(data, ext, validate, resize)
-            fields, why = None, None
-            if len(sidecars) and sidecars[i]:
-                fields, why = read_fields(root, field_files(files[i], sidecars[i]), validate)
-            if len(inline) and inline[i]:
-                fields = {**(fields or {}), **inline_fields(inline[i])}
-            if why is not None and checked[2] is None:
-                checked = (None, ext, why)
-            out.append((i, key, *checked, label, fields))
-        return k, out
-
-    load.ahead = Ahead()
-    return load
-
-
-def _batches(task: ShardTask, todo: list[int], threads: int) -> Iterator[tuple]:
-    """Read batches of the shards ``todo`` in order; each names the batch its thread reads next.
-
-    Sliced from the numpy order as they are needed: no Python list of every sample."""
-
-    def plain() -> Iterator[tuple[int, list]]:
-        for k in todo:
-            lo, hi = task.starts[k], task.starts[k + 1]
-            for a in range(lo, hi, READ_BATCH):
-                yield k, task.order[a : min(a + READ_BATCH, hi)].tolist()
-
-    window: deque = deque()
-    it = plain()
-    window.extend(islice(it, threads + 1))
-    j = 0
-    while window:
-        k, batch = window.popleft()
-        ahead = window[threads - 1][1] if len(window) >= threads else []
-        yield k, batch, ahead, j < threads
-        window.extend(islice(it, 1))
-        j += 1
-
-
-def run_task(
-    task: ShardTask,
-    threads: int = 1,
-    *,
-    on_shard: Callable[[str], None] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> list[ShardReceipt]:
-    """Write ``task``'s shards into its job folder; a receipt per shard, in shard order.
-
-    Shards already there with a matching receipt are kept (a resumed or repeated task);
-    each other shard is written under a temporary name, renamed when complete, then its receipt
-    written. ``threads`` read (the calling thread writes); ``on_shard(path)`` is called as each
-    shard is complete; ``progress(n)`` as ``n`` more samples are read.
-    """
-    out = os.path.dirname(task.job)
-    try:
-        os.makedirs(task.job, exist_ok=True)
-    except OSError as exc:
-        raise write_error(out, exc, "the job folder") from None
-    receipts: dict[int, ShardReceipt] = {}
-    todo = []
-    for k, shard in enumerate(task.shards):
-        old = done_receipt(task.job, shard)
-        if old is None:
-            todo.append(k)
-            continue
-        receipts[shard] = old
-        if progress is not None:
-            progress(task.starts[k + 1] - task.starts[k])
-        if on_shard is not None and old.samples:
-            on_shard(os.path.join(task.job, old.path))
-    _write_shards(task, todo, threads, receipts, on_shard, progress)
-    return [receipts[s] for s in task.shards]
-
-
-def _write_shards(
-    task: ShardTask, todo: list[int], threads: int, receipts: dict, on_shard, progress
-):
-    """Read the ``todo`` shards' samples on ``threads`` and write them, one shard at a time."""
-    fmt = get_format(task.format)
-    out = os.path.dirname(task.job)
-    load = _loader(task)
-    cur: _Open | None = None
-    try:
-        batches = _batches(task, todo, threads)
-        for k, loaded in ordered_map(load, batches, threads, READ_AHEAD * threads):
-            if cur is None or cur.k != k:
-                if cur is not None:
-                    receipts[cur.shard] = _finish(task, cur, on_shard)
-                cur = _Open(task, k, fmt)
-            for i, key, data, ext, reason, label, fields in loaded:
-                if data is None:
-                    if task.on_error == "raise":
-                        raise InputError(
-                            f"{os.path.join(task.root, task.files[i])}: {reason}; remove or fix "
-                            'it, or pass on_error="skip"'
-                        )
-                    cur.skipped.append((task.files[i], reason))
-                    continue
-                try:
-                    cur.writer.add(key, ext, data, label, tuple(fields.items()) if fields else ())
-                except OSError as exc:
-                    raise write_error(out, exc, "shards") from None
-                for name in fields or ():
-                    cur.fields[name] = cur.fields.get(name, 0) + 1
-            if progress is not None:
-                progress(len(loaded))
-        if cur is not None:
-            receipts[cur.shard] = _finish(task, cur, on_shard)
-            cur = None
-    finally:
-        if cur is not None:
-            cur.writer.abort()
-        load.ahead.close()
-
-
-class _Open:
-    """The shard being written: its writer on a temporary name, and the files it skipped."""
-
-    def __init__(self, task: ShardTask, k: int, fmt):
-        self.k, self.shard = k, task.first + k
-        self.name = shard_name(self.shard, fmt.suffix)
-        self.tmp = temp_name(os.path.join(task.job, self.name))
-        self.skipped: list[tuple[str, str]] = []
-        self.fields: dict[str, int] = {}
-        try:
-            self.writer = fmt.open_writer(self.tmp)
-        except OSError as exc:
-            raise write_error(os.path.dirname(task.job), exc, "shards") from None
-
-
-def _finish(task: ShardTask, cur: _Open, on_shard) -> ShardReceipt:
-    """Close, rename and record one shard; a shard whose every file was skipped is not kept."""
-    try:
-        stats = cur.writer.close()
-        final = os.path.join(task.job, cur.name)
-        if stats.samples:
-            if os.path.exists(index_path(cur.tmp)):  # the index first: a kept shard has one
-                os.replace(index_path(cur.tmp), index_path(final))
-            os.replace(cur.tmp, final)
-            fsync_dir(task.job)
-        else:
-            os.unlink(cur.tmp)
-        receipt = ShardReceipt(
-            cur.shard,
-            cur.name,
-            stats.samples,
-            stats.bytes if stats.samples else 0,
-            stats.sha256,
-            tuple(stats.index),
-            tuple(cur.skipped),
-            tuple(sorted(cur.fields.items())),
-            stats.index_sha256,
-        )
-        atomic_write_bytes(_receipt_path(task.job, cur.shard), receipt.to_json())
-    except OSError as exc:
-        cur.writer.abort()
-        raise write_error(os.path.dirname(task.job), exc, "shards") from None
-    if on_shard is not None and stats.samples:
-        on_shard(final)
-    return receipt
-
-
-# --- commit ------------------------------------------------------------------------------------
-
-
-@dataclass
-class CommitResult:
-    """What ``commit_pack`` published."""
-
-    manifest_path: str
-    manifest: Manifest
-    #: Files the tasks could not pack (bad or unreadable images), beside the scan's errors.
-    task_skipped: list[SkippedFile]
-
-
-def check_receipts(plan: PackPlan, receipts: Iterable[ShardReceipt]) -> list[ShardReceipt]:
-    """The receipts in shard order, exactly one per planned shard; else an ``OutputError``."""
-    by: dict[int, ShardReceipt] = {}
-    twice: set[int] = set()
-    for r in receipts:
-        if r.shard in by:
-            twice.add(r.shard)
-        by[r.shard] = r
-    n, first = plan.num_shards, plan.first
-    missing = [i for i in range(first, first + n) if i not in by]
-    unknown = sorted(i for i in by if not first <= i < first + n)
-    if missing or twice or unknown:
-        what = "; ".join(
-            f"{label} {_ranges(ids)}"
-            for label, ids in (
-                ("no receipt for shard(s)", missing),
-                ("more than one receipt for shard(s)", sorted(twice)),
-                ("receipt(s) for shard(s) the plan does not have", unknown),
-            )
-            if ids
-        )
-        raise OutputError(
-            f"cannot commit {plan.out!r}: the plan has {n} shard(s) and {what}; run the missing "
-            "tasks (or pack again with the same options, which resumes) and commit each shard once"
-        )
-    return [by[i] for i in range(first, first + n)]
-
-
-def _ranges(ids: list[int]) -> str:
-    shown = ", ".join(str(i) for i in ids[:8])
-    return shown + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
-
-
-def commit_pack(
-    plan: PackPlan, receipts: Iterable[ShardReceipt], *, replaced: Sequence[str] = ()
-) -> CommitResult:
-    """Publish the job's shards and the manifest ``pack`` writes, all or nothing, manifest last.
-
-    The caller holds OUT's lock (``writer.open_local_output``); ``replaced`` are the old
-    dataset's shards, deleted by the commit. Other plans' job folders are removed afterwards.
-    """
-    ordered = check_receipts(plan, receipts)
-    scan = plan.scan
-    task_skipped = [SkippedFile(p, why) for r in ordered for p, why in r.skipped]
-    entries = []
-    for r in ordered:
-        if not r.samples:
-            continue
-        if stat_pair(os.path.join(plan.job, r.path))[0] != r.bytes:
-            raise OutputError(
-                f"cannot commit {plan.out!r}: {os.path.join(plan.job, r.path)} is missing or not "
-                f"the {r.bytes} bytes its receipt says; pack again with the same options, which "
-                "rewrites it"
-            )
-        entries.append(r.entry())
-    try:  # the indexes checked (or built) now: the manifest lists their sha256
-        entries = ensure_indexes(plan.job, entries)
-    except OSError as exc:
-        raise write_error(plan.out, exc, "the sample indexes") from None
-    if not entries:
-        skipped = list(scan.errors) + task_skipped
-        first = skipped[0]
-        raise InputError(
-            f"source {plan.src}: none of its {len(scan.files) + len(scan.errors)} images could "
-            f"be packed (first: {first.path}: {first.reason}); see validate= and on_error="
-        )
-    skipped = list(scan.errors) + task_skipped + list(scan.ignored) + plan.repeated
-    fields: dict[str, int] = {}
-    for r in ordered:
-        for name, count in r.fields:
-            fields[name] = fields.get(name, 0) + count
-    manifest = Manifest(
-        shard_format=plan.options["format"],
-        classes=list(scan.classes),
-        shards=entries,
-        skipped=sorted(skipped, key=lambda s: s.path),
-        pack=dict(plan.pack_info),
-        fields=fields,
-    )
-    if plan.base is not None:  # the old entries as they are, then the new shards
-        base = plan.base
-        manifest = Manifest(
-            shard_format=base.shard_format,
-            classes=list(plan.classes or ()),
-            shards=list(base.shards) + entries,
-            skipped=list(base.skipped) + sorted(skipped, key=lambda s: s.path),
-            pack={
-                **base.pack,
-                APPENDED_FIELD: [*base.pack.get(APPENDED_FIELD, []), plan.pack_info],
-            },
-            fields={n: base.fields.get(n, 0) + fields.get(n, 0) for n in {*base.fields, *fields}},
-        )
-    out = plan.out
-    try:
-        write_manifest(manifest, plan.job)
-    except OSError as exc:
-        raise write_error(out, exc, MANIFEST_NAME) from None
-    try:
-        path = publish(out, plan.job, [e.path for e in entries], MANIFEST_NAME, remove=replaced)
-    except OSError as exc:
-        if interrupted_commit(out) is not None:
-            raise OutputError(
-                f"cannot finish the commit in {out!r}: {exc.strerror or exc}; packing into it "
-                "again completes it"
-            ) from None
-        raise write_error(out, exc, f"the commit journal {JOURNAL_NAME}") from None
-    remove_other_jobs(out)
-    return CommitResult(path, manifest, task_skipped)
-
-
-def check_cluster_lock(out: str, mounts: str = "/proc/self/mounts") -> None:
-    """Refuse an ``out`` on a FUSE mount (s3fs, gcsfuse ...) for a pack on several machines:
-    its ``flock`` (one writer per output) holds on one machine only, so two drivers could
-    commit into it at once. ``mounts``: the mount table to read (Linux's)."""
-    try:
-        with open(mounts, encoding="utf-8", errors="replace") as f:
-            table = [line.split()[1:3] for line in f if len(line.split()) >= 3]
-    except OSError:
-        return
-    real = os.path.realpath(out)
-    best, fstype = "", ""
-    for point, kind in table:
-        point = point.replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-            best, fstype = point, kind
-    if fstype.startswith("fuse"):
-        raise OutputError(
-            f"output {out!r} is on a {fstype} mount ({best}), whose file lock holds on this "
-            "machine only; an engine across machines needs a filesystem with cluster-wide "
-            "flock (NFSv4, Lustre with -o flock), or leave out --engine"
-        )
 
 
 # --- plan files: batch schedulers ---------------------------------------------------------------
@@ -943,11 +570,3 @@ def _outside(task: ShardTask) -> str | None:
 
 def _climbs(rel: str) -> bool:
     return not rel or rel.startswith("/") or "\x00" in rel or ".." in rel.split("/")
-
-
-def remove_other_jobs(out: str, keep: str = "") -> None:
-    """Job folders of other plans in ``out`` (their receipts can never be used): removed.
-    The caller holds ``out``'s lock, so no job is running there."""
-    for name in os.listdir(out):
-        if name.startswith(JOB_PREFIX) and name != keep:
-            shutil.rmtree(os.path.join(out, name), ignore_errors=True)

@@ -1,7 +1,8 @@
 """Reading a source for a pack: each file in one read, checked (and maybe resized), on threads.
 
-Shared by ``packer`` (Python sample sources) and ``plan`` (folder shard tasks, on any engine),
-with the options and source fingerprint that decide a pack's bytes.
+Shared by ``packer`` (Python sample sources), ``plan`` (the fingerprint, file sizes) and
+``task`` (folder shard tasks, on any engine), with the options and source fingerprint that
+decide a pack's bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from ..formats import get_format
 from ..images.checks import check_image_bytes, decode_error
 from ..images.decode import resize_short_side
-from ..scan import SourceScan, field_files
+from ..scan import SourceScan, field_files, member_of, member_stat, read_member
 from ..sizes import parse_size
 
 __all__ = [
@@ -70,9 +71,16 @@ def read_file(path: str, fd: int | None = None) -> tuple[bytes, os.stat_result]:
     """Whole file in one read, and its ``fstat``; O_NONBLOCK so a FIFO swapped in after the scan
     cannot hang us.
 
-    ``fd``: the file already opened (by the read-ahead hint); it is closed here either way."""
+    ``fd``: the file already opened (by the read-ahead hint); it is closed here either way.
+    A member of a tar (``DIR/00000.tar/000000407.jpg``: img2dataset's images) is read in place,
+    with the tar's ``stat``."""
     if fd is None:
-        fd = os.open(path, _OPEN_FLAGS)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            if member_of(path) is None:
+                raise
+            return read_member(path)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -191,7 +199,10 @@ def stat_pair(path: str) -> tuple[int, int]:
     try:
         st = os.stat(path)
     except OSError:
-        return (-1, -1)
+        try:  # a member of a tar (img2dataset's images): its size, the tar's mtime
+            return member_stat(path) or (-1, -1)
+        except OSError:
+            return (-1, -1)
     return (st.st_size, st.st_mtime_ns)
 
 
@@ -241,6 +252,10 @@ def fingerprint(scan: SourceScan, stats: SourceStats, options: dict) -> str:
         "ignored": [(e.path, e.reason) for e in scan.ignored],
         "non_image_exts": dict(sorted(scan.non_image_exts.items())),
     }
+    if scan.keyed:  # img2dataset's keys: packs made when keys were paths differ
+        head["keys"] = "key column"
+    if scan.failed_downloads:
+        head["failed_downloads"] = scan.failed_downloads
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
     parts = [scan.files.offsets, scan.files.blob, stats.files]
     if len(scan.inline):  # a table (one entry per row): its captions, columns and labels

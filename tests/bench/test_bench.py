@@ -289,9 +289,9 @@ def test_verdict_says_input_bound_and_what_to_change():
     text = "\n".join(verdict(result))
     assert "folder: fastest mean at 4 workers" in text and "faster than 0 workers" in text
     assert "tar vs folder, each at its best: 4.6x" in text
-    assert "folder: INPUT-BOUND" in text and "switch to shards (tar" in text
+    assert "folder: input-bound" in text and "switch to shards (tar" in text
     assert "more workers" in text  # folder still rose at the largest count tried
-    assert "tar: not input-bound" in text and "0 workers already keep the wait under 10%" in text
+    assert "tar: not input-bound" in text and "0 workers already keep the wait under 5%" in text
 
 
 def test_verdict_separates_waiting_on_transfer_from_waiting_on_loading():
@@ -299,7 +299,7 @@ def test_verdict_separates_waiting_on_transfer_from_waiting_on_loading():
     cfg = cfg.resolved()
     rows = [_row("tar", 2, [2000, 2000], 0.3, stall=0.02)]
     text = "\n".join(verdict(BenchResult(cfg, rows, {}, {}, 2, None, None, {}, 1.0)))
-    assert "tar: INPUT-BOUND by transfer, not loading" in text and "more workers do not" in text
+    assert "tar: input-bound by transfer, not loading" in text and "more workers do not" in text
 
 
 def test_stack_images_keeps_values_and_shapes():

@@ -49,6 +49,7 @@ VALUES = {
     "--limit": "3",
     "--prefix": "a/",
     "--index": "1",
+    "--key": "a/k1",
     "--to": "some/folder",
     "--root": "some/root",
     "--engine": "local",

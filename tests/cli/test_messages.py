@@ -76,8 +76,9 @@ def test_index_names_overwrite_once(tmp_path):
     assert runner.invoke(main, ["index", str(foreign), "-q"]).exit_code == 0
     res = runner.invoke(main, ["index", str(foreign), "-q"])
     assert res.exit_code != 0
-    assert "already exists; pass --overwrite to replace it" in res.output
-    assert "(--overwrite)" not in res.output
+    assert "already exists and lists every shard given: nothing new to index" in res.output
+    assert "added by --append; --overwrite reads every shard again" in res.output
+    assert "(--overwrite)" not in res.output and res.output.count("--overwrite") == 1
 
 
 def test_a_tiny_shard_size_is_one_warning_line_not_one_per_shard(tmp_path):

@@ -47,6 +47,8 @@ README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 #: The most lines README may have: a front door, with the rest in docs/.
 README_MAX_LINES = 350
+#: How shardkit's retired-keyword warnings begin (``shardkit.stream.retired.PREFIX``).
+RETIRED = "retired keyword"
 SCALE = "0.05"  # ~660 images: the whole README in about a minute on 2 cores
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -148,6 +150,8 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
         "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # -W error::DeprecationWarning for shardkit's retired keywords, in every command
+        "PYTHONWARNINGS": f"error:{RETIRED}:DeprecationWarning",
         # what torchrun sets, for a world of one
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -208,6 +212,8 @@ def run_python(block: Block, namespace: dict, name: str = "README.md") -> None:
     code = compile(block.text, f"{name}:{block.line}", "exec")
     with contextlib.redirect_stdout(out), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # the docs show the current spelling: a retired keyword is an error, not a warning
+        warnings.filterwarnings("error", message=RETIRED, category=DeprecationWarning)
         exec(code, namespace)
     if block.expected is not None:
         assert_output_like(

@@ -27,7 +27,7 @@ from shardkit.formats.lmdb_index import (
 )
 from shardkit.formats.sample_index import key_hashes
 from shardkit.manifest import read_manifest, write_manifest
-from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.dataset import Order, ShardDataset, Source
 from shardkit.stream.view import ShardView
 from shardkit.write.engines import LocalRunner
 from shardkit.write.merge import merge
@@ -149,7 +149,7 @@ def test_pack_engines_append_merge_and_writer_write_the_same_records(src, tmp_pa
 
 
 def _split(where, **kw) -> list[str]:
-    ds = ShardDataset(str(where), decode="raw", with_keys=True, shuffle=False, **kw)
+    ds = ShardDataset(Source(str(where), **kw), decode="raw", with_keys=True, order=Order(False))
     return [s[2] for s in ds]
 
 

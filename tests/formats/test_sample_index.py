@@ -357,3 +357,27 @@ def test_a_flipped_byte_in_the_members_section_is_detected(src, tmp_path):
     body = bytes(data[:-32])
     with pytest.raises(SampleIndexError, match="outside its sample's byte range"):
         decode_index(body + hashlib.sha256(body).digest(), shard)
+
+
+def test_a_subset_or_split_of_shards_without_indexes_warns_once_naming_shardkit_index(tmp_path):
+    from shardkit.stream.dataset import ShardDataset
+    from shardkit.stream.view import ShardView
+
+    src = random_tree(tmp_path / "src", 40)
+    out = tmp_path / "out"
+    quiet(pack, src, str(out), shard_size="6kB", progress=False)
+    bare = _without_indexes(out, tmp_path / "bare")
+    n = len(read_manifest(bare).shards)
+    keys = ShardView(str(out), decode="raw").keys()[::3]
+    for kw in ({"split": "val"}, {"subset": 0.2}, {"subset": keys}):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            ShardDataset(bare, decode="raw", **kw)
+        said = [str(w.message) for w in got if "no sample index" in str(w.message)]
+        assert len(said) == 1, said  # once, at construction
+        assert f"{n} of its {n} tar shards have no sample index" in said[0]
+        assert f"`shardkit index {bare}`" in said[0]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*no sample index")
+            ShardDataset(str(out), decode="raw", **kw)  # indexed: nothing to say
+            ShardDataset(bare, decode="raw")  # a plain epoch reads every shard anyway

@@ -230,24 +230,77 @@ def test_a_crop_policys_error_is_raised_whatever_on_error_never_a_skipped_sample
         assert isinstance(caught.value.__cause__, ZeroDivisionError)
 
 
-class _Drifting(_TopLeftQuarter):
-    """Not drawn from ``uniforms``: a box that moves with every call (as one drawn from the
-    ``random`` module would)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def box(self, height, width, uniforms):
-        self.calls += 1
-        return self.calls % 2, 0, height // 2, width // 2
+INF = float("inf")
 
 
-def test_a_crop_policy_that_gives_another_box_each_time_is_refused(boxed):
-    """Its sample's mask was cut at one box and its image at another (masks, boxes, the device
-    path and a resume each ask again): a CropError saying to draw from uniforms."""
-    ds = ShardDataset(boxed, decode="tensor", crop=_Drifting(), fields=["seg.png"], on_error="skip")
-    with pytest.raises(
-        CropError, match=r"sample 'c0/im\d': _Drifting.box\(90, 120, \.\.\.\) gave another"
-    ):
-        next(iter(ds))
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: RandomResizedCrop(32, ratio=(INF, INF)), "ratio="),
+        (lambda: RandomResizedCrop(32, ratio=(float("nan"), 1.0)), "ratio="),
+        (lambda: RandomResizedCrop(32, ratio=(0, 1)), "ratio="),
+        (lambda: RandomResizedCrop(32, scale=(0.5,)), "scale="),
+        (lambda: RandomResizedCrop(32, scale=("a", "b")), "scale="),
+        (lambda: RandomResizedCrop(32, scale=0.5), "scale="),
+        (lambda: RandomResizedCrop(32, scale=(0.5, INF)), "scale="),
+        (lambda: RandomResizedCrop(10**6), "size="),
+        (lambda: RandomResizedCrop(30000), "size="),
+        (lambda: CenterCrop(30000), "size="),
+        (lambda: RandomCrop(32, resize_short=40.5), "resize_short="),
+        (lambda: RandomCrop(32, resize_short=(48, 40)), "resize_short="),
+        (lambda: CenterCrop(32, resize_short=10**400), "resize_short="),
+    ],
+    ids=[
+        "ratio-inf",
+        "ratio-nan",
+        "ratio-0",
+        "scale-one",
+        "scale-text",
+        "scale-number",
+        "scale-inf",
+        "size-1e6",
+        "size-30000",
+        "center-30000",
+        "short-float",
+        "short-unordered",
+        "short-huge",
+    ],  # fmt: skip
+)
+def test_crop_arguments_are_refused_at_construction_in_one_line(make, named):
+    """Non-finite, unordered, non-positive or huge arguments: accepted before, then every sample
+    was "cannot be decoded" (an empty epoch under on_error="skip") or one ran for minutes (900
+    MP asked per 64x48 JPEG); a wrong shape or type was a raw ValueError or TypeError."""
+    with pytest.raises(InputError) as caught:
+        make()
+    message = str(caught.value)
+    assert message.startswith(named) and "\n" not in message
+
+
+@pytest.mark.parametrize("ratio", [(1e-300, 1e-300), (1e300, 1e300), (1e-300, 1e300)])
+def test_extreme_finite_ratios_give_a_box_inside_the_image(boxed, ratio):
+    """A side that overflows, or rounds to 0, fails its try; the clamped whole image keeps one
+    row or column: every sample is delivered, none skipped."""
+    crop = RandomResizedCrop(16, ratio=ratio)
+    dec = TensorDecoder(Geometry(None, crop), seed=1)
+    for i in range(20):
+        top, left, h, w = crop.box(90, 120, sample_uniforms(0, 0, 0, str(i)))
+        assert h >= 1 and w >= 1 and top + h <= 90 and left + w <= 120
+    assert dec(_jpeg(120, 90), "k").shape == (3, 16, 16)
+    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    assert len(list(ds)) == 6 and ds.skipped == 0
+
+
+def test_an_output_over_the_datasets_max_pixels_is_refused(boxed):
+    with pytest.raises(InputError, match=r"^size 2000 makes .* over max_pixels=1000000"):
+        ShardDataset(boxed, decode="tensor", crop=RandomResizedCrop(2000), max_pixels=10**6)
+
+
+def test_a_builtin_crops_own_failure_is_a_crop_error_not_an_undecodable_sample(boxed):
+    """Whatever a crop's box rule raises (here a ratio forced past the construction checks) is
+    the crop's error, raised whatever on_error, never "cannot be decoded ... re-pack"."""
+    crop = RandomResizedCrop(16)
+    object.__setattr__(crop, "ratio", (0.0, 1.0))  # math.log(0): a bug in the rule's arguments
+    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    with pytest.raises(CropError, match=r"sample 'c0/im\d': RandomResizedCrop\.box\(90, 120"):
+        list(ds)
     assert ds.skipped == 0

@@ -272,6 +272,46 @@ def test_processes_forked_beside_a_loader_hold_none_of_its_ring(shards):
     b.close()
 
 
+def _ring_inodes(pid: int) -> list[int]:
+    """The inode of every ring file ``pid`` holds a descriptor of, one entry per descriptor."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "shardkit-ring" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                found.append(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_after_close_no_process_holds_a_descriptor_of_the_ring(shards, method):
+    """A loader B started while A runs, both handing out batches their caller keeps (each slot
+    then gets a new file): once A is closed neither the trainer nor B's workers hold any of A's
+    ring files, and each B worker holds its own slots' and no more. A spawned or fork-server
+    worker kept the old file of every replaced slot open (and its memory alive)."""
+    ds = ShardDataset(shards, decode="tensor")
+    a = ShardLoader(ds, 4, num_workers=2)
+    kept_a = list(a)  # every slot replaced once
+    it_a = iter(a)
+    kept_a.append(next(it_a))
+    b = ShardLoader(ds, 4, num_workers=2, start_method=method)
+    kept_b = list(b)  # every slot of b replaced: a new file sent to its workers
+    kept_b += list(b)
+    it_b = iter(b)
+    kept_b.append(next(it_b))
+    files_a = {os.fstat(fd).st_ino for fds in a._res.ring._fds for fd in fds}
+    a.close()
+    assert not files_a & set(_ring_inodes(os.getpid()))
+    for pid in b.worker_pids:
+        held = _ring_inodes(pid)
+        assert len(held) == b._res.ring.slots and not files_a & set(held)
+    assert sum(len(x) for x, _ in it_b) == N - 4
+    b.close()
+    assert _ring_inodes(os.getpid()) == []
+    assert len(kept_a) == 11 and len(kept_b) == 21
+
+
 def test_a_stopped_worker_is_warned_about_with_its_pid_and_state(shards, monkeypatch):
     from shardkit.loader import workers
 

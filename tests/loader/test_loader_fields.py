@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from shardkit import ShardDataset, ShardLoader, pack
-from shardkit.errors import SampleError
+from shardkit.errors import InputError, SampleError
 from shardkit.images.device import device_decode_available
 
 pytestmark = [
@@ -197,6 +197,68 @@ def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shar
             assert int(batch["seed"][j]) == ref["seed"]
         keys += batch["key"]
     assert sorted(keys) == sorted(reference) and len(keys) == N - 1
+    loader.close()
+
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_normalize_and_channels_last_apply_to_sample_transform_batches(shards, workers):
+    """They were ignored: uint8 batches came back, no warning. The image column ("image")
+    is normalised and laid out as for plain batches; its other columns are as they were."""
+    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    plain = {k: b for b in ShardLoader(_ds(shards, **kw), 4) for k, b in _by_key(b)}
+    loader = ShardLoader(
+        _ds(shards, **kw), 4, num_workers=workers, normalize=(MEAN, STD), channels_last=True
+    )
+    mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+    seen = 0
+    for batch in loader:
+        images = batch["image"]
+        assert images.dtype == torch.float32
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        for j, key in enumerate(batch["key"]):
+            want = (plain[key]["image"].float() / 255 - mean) / std
+            torch.testing.assert_close(images[j], want, atol=1e-5, rtol=1e-5)
+            assert int(batch["seed"][j]) == plain[key]["seed"]
+            seen += 1
+    assert seen == N - 1
+    loader.close()
+
+
+def _by_key(batch: dict):
+    for j, key in enumerate(batch["key"]):
+        yield key, {"image": batch["image"][j], "seed": int(batch["seed"][j])}
+
+
+def test_normalize_on_a_sample_transform_batch_without_an_image_column_is_refused(shards):
+    kw = dict(size=8, sample_transform=lambda s: {"x": s["image"].float(), "key": s["key"]})
+    with pytest.raises(InputError, match=r"^ShardLoader\(normalize=\) .* under \"image\""):
+        list(ShardLoader(_ds(shards, **kw), 4, num_workers=0, normalize=(MEAN, STD)))
+    kw = dict(size=8, sample_transform=lambda s: (s["image"].float(), s["label"]))
+    with pytest.raises(InputError, match=r"channels_last=\) .* first column, but it is a "):
+        list(ShardLoader(_ds(shards, **kw), 4, num_workers=0, channels_last=True))
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_sample_transform_tensors_of_one_shape_travel_in_the_ring(shards, workers):
+    """Stacked columns were pickled through the pipe; they are written into the batch's slot
+    and lent as the plain path's images are: kept batches keep their values."""
+    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    reference = {s["key"]: s for s in _ds(shards, **kw)}
+    loader = ShardLoader(_ds(shards, **kw), 4, num_workers=workers)
+    it = iter(loader)
+    kept = [next(it)]
+    assert loader._res.ring.nbytes > 0  # the slot was mapped: the columns came through it
+    kept += it  # every batch kept: the slots get fresh memory, nothing is overwritten
+    keys = []
+    for batch in kept:
+        for j, key in enumerate(batch["key"]):
+            assert torch.equal(batch["image"][j], reference[key]["image"])
+            assert int(batch["seed"][j]) == reference[key]["seed"]
+        keys += batch["key"]
+    assert sorted(keys) == sorted(reference)
     loader.close()
 
 

@@ -512,7 +512,7 @@ def test_remote_options_are_checked_and_sizes_accepted(data):
         ShardDataset(data["tar"], prefetch=-1)
     with pytest.raises(InputError, match="cache_limit='lots'"):
         ShardDataset(data["tar"], cache_limit="lots")
-    with pytest.raises(InputError, match="with storage= pass them to that storage"):
+    with pytest.raises(InputError, match="cache_dir= and storage= both set one option group"):
         ShardDataset(data["tar"], storage=LocalStorage(), cache_dir="/tmp/x")
     ds = ShardDataset(data["tar"], cache_limit="1GB", prefetch=0)  # local: options unused
     assert isinstance(ds.storage, LocalStorage) and len(ds) == N

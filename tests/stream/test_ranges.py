@@ -148,4 +148,7 @@ def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(packed,
     with pytest.raises(Exception, match=r"shard-000001\.tar|order"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            [s[2] for s in ShardDataset(str(copy), decode="raw", with_keys=True, subset=0.5)]
+            [
+                s[2]
+                for s in ShardDataset(Source(str(copy), subset=0.5), decode="raw", with_keys=True)
+            ]

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit import Boxes, ShardDataset, ShardWriter
+from shardkit import Boxes, ShardDataset, ShardLoader, ShardWriter
 from shardkit.errors import InputError, SampleError
 from shardkit.images.geometry import CropBox, Geometry, TensorDecoder, crop_boxes
 
@@ -138,7 +138,7 @@ def test_boxes_from_an_npy_field_and_refusals(tmp_path):
     assert index.tolist() == [0]
     with pytest.raises(InputError, match="add it to fields="):
         list(ShardDataset(str(out), decode="tensor", size=8, boxes=Boxes("json"), fields=("npy",)))
-    with pytest.raises(InputError, match="size="):
+    with pytest.raises(InputError, match=r"boxes= moves boxes.*Decode\(crop="):
         ShardDataset(str(out), decode="tensor", fields=("npy",), boxes=Boxes("npy"))
     with pytest.raises(InputError, match="format"):
         Boxes("npy", format="cxcywh")
@@ -222,3 +222,53 @@ def test_sample_transform_sees_the_sample_and_repeats_across_workers(positions):
     }
     with pytest.raises(InputError, match="sample_transform="):
         ShardDataset(positions, transform=len, sample_transform=augment)
+
+
+class _Curriculum:
+    """A crop whose answer changes between calls (a counter, as a curriculum's step would be):
+    the same box for two calls in a row, then the next one, so asking twice to compare passes."""
+
+    size = 16
+
+    def __init__(self):
+        self.calls = 0
+
+    def box(self, height, width, uniforms):
+        self.calls += 1
+        at = (self.calls - 1) // 2 % 5 * 8
+        return at, at, 16, 16
+
+
+def _cut_where_its_image_was(samples) -> int:
+    """Each sample's mask and boxes against the box its image shows: a box of ``size`` x
+    ``size`` is not resized, so the image's pixels are their own full-size x and y."""
+    n = 0
+    for img, mask, boxes in samples:
+        left, top = int(img[0, 0, 0]), int(img[1, 0, 0])
+        y, x = np.mgrid[top : top + 16, left : left + 16]
+        assert np.array_equal(img[0].numpy(), x) and np.array_equal(img[1].numpy(), y)
+        assert np.array_equal(mask[0].numpy(), (x * 7 + y * 13) % 251), (top, left)
+        want = np.clip([[5 - left, 5 - top, 45 - left, 35 - top]], 0, 16)  # the xywh 5,5,40,30
+        assert boxes[:1].tolist() == want.tolist(), (top, left)
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("workers", [None, 0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_crop_asked_once_cuts_image_masks_and_boxes_at_one_box(positions, workers):
+    """A crop hook is asked once per sample and its box used for the image, masks and boxes
+    alike: one whose answer changes between calls still gives aligned samples."""
+    ds = ShardDataset(
+        positions, decode="tensor", crop=_Curriculum(), fields=("seg.png", "json"),
+        boxes=Boxes("json", "annotations", "xywh"),
+    )  # fmt: skip
+    if workers is None:
+        samples = ((img, mask, boxes) for img, _, mask, _, boxes, _ in ds)
+    else:
+        batches = ShardLoader(ds, 4, num_workers=workers)
+        samples = (
+            (img, mask, boxes)
+            for b in batches
+            for img, mask, boxes in zip(b["image"], b["seg.png"], b["boxes"], strict=True)
+        )
+    assert _cut_where_its_image_was(samples) == 12

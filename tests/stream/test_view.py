@@ -274,3 +274,45 @@ def test_members_by_name_of_a_shard_changed_under_the_view_are_refused(tmp_path)
     (out / "shard-000001.tar").replace(out / "shard-000000.tar")  # other samples, same layout
     with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 0 is not where"):
         view.members(0, ("txt",))
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_lookup_by_key_loads_one_index_and_a_missing_key_none(packs, fmt, monkeypatch):
+    import shardkit.stream.view as view_mod
+
+    src = packs[0] if fmt == "tar" else packs[1]
+    keys = ShardView(src, decode="raw").keys()
+    loads = []  # the shards whose index (keys, byte ranges) a view loads and holds
+    real = view_mod.ShardView._index
+    monkeypatch.setattr(view_mod.ShardView, "_index", lambda v, s: loads.append(s) or real(v, s))
+    view = ShardView(src, decode="raw", with_keys=True)
+    assert len(view.shards) > 2
+    for _ in range(3):  # the first lookup walks the hash columns, the next ones a sorted table
+        with pytest.raises(InputError, match="no sample with key 'nope'"):
+            view.get("nope")
+    assert loads == []  # a missing key: answered from the key hashes, no index loaded
+    last = keys[-1]
+    assert view.get(last)[2] == last and len(loads) == 1  # one index: the shard holding it
+    for i, k in enumerate(keys):
+        assert view.index(k) == i
+    assert len(loads) == len(view.shards)  # each index once, on its first key
+
+
+def test_a_lookup_confirms_the_hash_by_the_key_and_finds_the_first_of_twins(tmp_path, monkeypatch):
+    import shardkit.stream.view as view_mod
+
+    with warnings.catch_warnings(), ShardWriter(str(tmp_path / "d"), shard_size="1kB") as w:
+        warnings.simplefilter("ignore")  # a shard per sample: warned about, wanted here
+        for i in range(5):
+            w.add(f"k{i % 3}", "jpg", b"x%d" % i, i)
+    view = ShardView(str(tmp_path / "d"), decode="raw", with_keys=True)
+    assert len(view.shards) == 5
+    assert [view.index(k) for k in ("k0", "k1", "k2", "k0")] == [0, 1, 2, 0]  # the first twin
+    real = view_mod.key_hashes  # a 64-bit collision: "k9" hashes as "k1" does
+    monkeypatch.setattr(
+        view_mod, "key_hashes", lambda keys: real(["k1" if k == "k9" else k for k in keys])
+    )
+    for fresh in (False, True):  # the sorted table, then the first lookup's walk
+        view = ShardView(str(tmp_path / "d"), decode="raw") if fresh else view
+        with pytest.raises(InputError, match="no sample with key 'k9'"):
+            view.index("k9")

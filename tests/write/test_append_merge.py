@@ -464,3 +464,125 @@ def test_merge_refuses_one_dataset_twice_and_shared_keys_unless_told(srcs, tmp_p
     assert len(samples(pa)) == 12
     assert cli("merge", str(pa), str(tmp_path / "ps"), str(out), "--allow-duplicates")
     assert len(samples(out)) == 12 + 7
+
+
+# --- growth reads the indexes, not the shards --------------------------------------------------
+
+
+class _Opens:
+    """Counts files opened under a folder (an audit hook sees every ``open`` and ``os.open``,
+    shardkit's and the libraries'): what growth read of the dataset it grows."""
+
+    watching: list[_Opens] = []  # the counters counting now
+
+    def __init__(self, *folders):
+        self.folders = [os.path.realpath(f) + os.sep for f in folders]
+        self.paths: list[str] = []
+
+    def __enter__(self):
+        if not _Opens.hooked:
+            sys.addaudithook(_Opens._hook)  # once per process: hooks cannot be removed
+            _Opens.hooked = True
+        _Opens.watching.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _Opens.watching.remove(self)
+
+    hooked = False
+
+    @staticmethod
+    def _hook(event, args):
+        if event != "open" or not _Opens.watching or not isinstance(args[0], (str, bytes)):
+            return
+        path = os.path.realpath(os.fsdecode(args[0]))
+        for w in _Opens.watching:
+            if any(path.startswith(f) for f in w.folders):
+                w.paths.append(path)
+
+    def shards(self) -> list[str]:
+        """Shard files opened (a ``.tar``, ``.lmdb``: their data; not their ``.idx``)."""
+        return [p for p in self.paths if p.endswith((".tar", ".lmdb"))]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_growth_reads_no_old_tar_and_still_refuses_a_key_twice(srcs, tmp_path, fmt):
+    a, _, c = srcs
+    out, pb = tmp_path / "out", tmp_path / "pb"
+    packed(a, out, format=fmt)
+    packed(tree(tmp_path / "p", {"x": 3}, 7), pb, format=fmt)  # classes: a prefix of out's
+    old = [os.path.join(out, s.path) for s in read_manifest(str(out)).shards]
+    assert len(old) > 2
+    with _Opens(out) as opens:
+        report = packed(c, out, append=True, format=fmt)
+    assert report.samples == 12 and report.duplicates == 0
+    if fmt == "tar":  # LMDB's keys are in an index record inside each shard: read there
+        assert not set(opens.shards()) & set(old)
+    assert any(p.endswith(".idx") for p in opens.paths) or fmt == "lmdb"
+    with _Opens(out) as opens, pytest.warns(UserWarning, match=r"left out 12 whose key"):
+        again = pack(a, str(out), shard_size="6kB", progress=False, append=True, format=fmt)
+    assert (again.samples, again.duplicates) == (0, 12)  # every key is there: refused
+    if fmt == "tar":
+        grown = {os.path.join(out, s.path) for s in read_manifest(str(out)).shards}
+        assert len(set(opens.shards()) & grown) <= 2  # the shards of the matches: their keys
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == 24 == len(set(keys))
+    with _Opens(out, pb) as opens:  # merged: the shards are linked, never read
+        merge([out, pb], tmp_path / "merged")
+    if fmt == "tar":
+        assert opens.shards() == []
+    assert len(samples(tmp_path / "merged")) == 24 + 3
+    with _Opens(out, pb, tmp_path / "merged2") as opens:  # no key check: nothing read again
+        merge([out, pb], tmp_path / "merged2", allow_duplicates=True)
+    assert [p for p in opens.paths if p.endswith((".tar", ".idx"))] == []
+    assert verify(str(tmp_path / "merged2")).ok
+    shared = tmp_path / "shared"  # shares A's class x: refused in any order, by count and key
+    shutil.copytree(os.path.join(a, "x"), shared / "x")
+    packed(shared, tmp_path / "ps", format=fmt)
+    for order in ([out, tmp_path / "ps"], [tmp_path / "ps", out]):
+        with pytest.raises(
+            InputError, match=r": 6 of its keys are in another dataset .*first: 'x/x"
+        ):
+            merge(order, tmp_path / "m2")
+
+
+def test_growth_of_an_older_pack_without_indexes_reads_its_keys_from_the_shards(srcs, tmp_path):
+    a, _, c = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    for name in os.listdir(out):
+        if name.endswith(".idx"):
+            os.unlink(out / name)
+    with _Opens(out) as opens, pytest.warns(UserWarning, match=r"left out 12 whose key"):
+        pack(a, str(out), shard_size="6kB", progress=False, append=True)
+    assert len(opens.shards()) == len(read_manifest(str(out)).shards)  # the fallback: headers
+    assert packed(c, out, append=True).samples == 12
+
+
+def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(srcs, tmp_path):
+    """A tar index whose hash column is damaged and whose trailing sha256 was fixed up (so the
+    file still checks by itself) would hide a key the dataset holds from the growth check, and
+    an append would add that key a second time: its hashes count only once the whole file is
+    the one the manifest's index_sha256 names; else its keys are hashed again."""
+    import hashlib as _hashlib
+
+    from shardkit.formats.sample_index import _HEAD, decode_index, index_path
+
+    a, _, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    for entry in read_manifest(str(out)).shards:  # every stored hash flipped, trailers fixed
+        path = index_path(os.path.join(out, entry.path))
+        data = bytearray(open(path, "rb").read())
+        n = decode_index(bytes(data), path).samples
+        for i in range(n):
+            data[_HEAD.size + 8 * (n + 1) + 8 * i + 7] ^= 0x80
+        data[-32:] = _hashlib.sha256(bytes(data[:-32])).digest()
+        with open(path, "wb") as f:
+            f.write(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stale indexes are named; the check is the test
+        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+    assert (again.samples, again.duplicates) == (0, 12)
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == len(set(keys)) == 12

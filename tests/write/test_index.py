@@ -16,7 +16,7 @@ import warnings
 import pytest
 from conftest import gnu_tar
 
-from shardkit import ShardDataset
+from shardkit import Order, ShardDataset
 from shardkit.errors import OutputError, ShardFormatError
 from shardkit.formats.tar import iter_tar_records
 from shardkit.manifest import INDEX_EVERY, read_manifest
@@ -86,7 +86,7 @@ def test_index_then_verify_and_stream(foreign):
     # ShardDataset now takes counts from the manifest: no header pass, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
+        ds = ShardDataset(str(foreign), decode="raw", order=Order(shuffle=False), with_keys=True)
     assert len(ds) == 240 and ds.classes == m.classes
     theirs = [
         (s["__key__"], s["jpg"], int(s["cls"]))
@@ -241,3 +241,53 @@ def test_samples_without_a_label_index_as_minus_one_beside_labelled_ones(tmp_pat
     assert r.manifest.classes == ["0", "1"] and verify(str(tmp_path / "d")).ok
     ds = ShardDataset(str(tmp_path / "d"), decode="raw", with_keys=True, shuffle=False)
     assert [(k, label) for _, label, k in ds] == [("a", 1), ("b", -1), ("c", -1)]
+
+
+def test_index_append_adds_only_the_new_tars_and_refuses_a_key_twice(foreign, tmp_path):
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.errors import InputError
+
+    with pytest.warns(RuntimeWarning):
+        index_shards([foreign])
+    before = read_manifest(str(foreign))
+    _tarfile(foreign / "a-003.tar", _members(30, 3))  # dropped in later
+    r = CliRunner().invoke(main, ["index", str(foreign), "-q"])
+    assert r.exit_code == 2 and "does not list a-003.tar: --append adds" in r.output
+    assert "--overwrite (--overwrite)" not in r.output and r.output.count("--overwrite") == 1
+    old = [os.path.realpath(foreign / s.path) for s in before.shards]
+    opened = []
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], str):
+            opened.append(os.path.realpath(args[0]))
+
+    sys.addaudithook(hook)  # growth reads the new tar and the old indexes, not the old tars
+    try:
+        (result,) = quiet_index([foreign], append=True)
+    finally:
+        opened.append(None)  # the hook stays (it cannot be removed): stop counting here
+    opened = opened[: opened.index(None)]
+    assert os.path.realpath(foreign / "a-003.tar") in opened  # read whole: counted, hashed
+    # a compressed tar has no index (it cannot seek): its keys come from its headers
+    assert set(opened) & set(old) == {os.path.realpath(foreign / "a-002.tar.gz")}
+    assert result.added == 1 and "added 1 shard" in result.summary()
+    m = read_manifest(str(foreign))
+    assert m.shards[:3] == before.shards and m.shards[3].path == "a-003.tar"
+    assert m.num_samples == before.num_samples + 30 and m.classes == before.classes
+    assert verify(str(foreign)).ok
+    keys = [k for _, _, k in ShardDataset(str(foreign), decode="raw", with_keys=True)]
+    assert len(keys) == 270 == len(set(keys))
+    (again,) = quiet_index([foreign], append=True)  # nothing new: nothing written
+    assert again.added == 0 and read_manifest(str(foreign)) == m
+    _tarfile(foreign / "a-004.tar", _members(5, 1))  # the keys of a-001.tar again
+    with pytest.raises(InputError, match=r"a-004.tar: 5 of the new shards' keys are in .* already"):
+        quiet_index([foreign], append=True)
+    assert read_manifest(str(foreign)) == m
+
+
+def quiet_index(paths, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return index_shards(paths, **kw)

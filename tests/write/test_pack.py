@@ -881,7 +881,7 @@ def test_bad_seed_and_unwritable_output(tree, tmp_path):
 
 def test_ctrl_c_after_the_renames_removes_the_moved_shards(tree, tmp_path, monkeypatch):
     """Ctrl-C once every shard is complete, as the manifest is written: nothing is left."""
-    pack_module = importlib.import_module("shardkit.write.plan")  # a folder's commit is there
+    pack_module = importlib.import_module("shardkit.write.commit")  # a folder's commit is there
 
     src, files = tree
     out = tmp_path / "out"

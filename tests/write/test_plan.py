@@ -30,10 +30,12 @@ from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import HOST, STAGING_PREFIX, DirLock, remove_stale_staging
 from shardkit.manifest import read_manifest
+from shardkit.write.commit import check_cluster_lock, commit_pack
 from shardkit.write.engines import LocalRunner, TaskFailed
 from shardkit.write.packer import pack
-from shardkit.write.plan import JOB_PREFIX, check_cluster_lock, commit_pack, plan_pack, run_task
+from shardkit.write.plan import JOB_PREFIX, plan_pack
 from shardkit.write.read import source_stats, span_stats
+from shardkit.write.task import run_task
 
 
 def make_tree(root, classes=("a", "b", "c"), per_class=14, seed=0, bad=True):
@@ -465,7 +467,7 @@ _RAY_CASES = textwrap.dedent(
     from shardkit.scan import scan_source
     from shardkit.write.engines import PLAN_CHUNK
     from shardkit.write.packer import pack
-    from shardkit.write.plan import run_task
+    from shardkit.write.task import run_task
     from shardkit.write.read import source_stats, span_stats
 
     src, base, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -629,7 +631,7 @@ _DASK_RECIPE = textwrap.dedent(
     warnings.simplefilter("ignore")
     from dask.distributed import Client, LocalCluster
     from shardkit.write.packer import pack
-    from shardkit.write.plan import run_task
+    from shardkit.write.task import run_task
 
     src, out, marker = sys.argv[1:4]
 
@@ -678,7 +680,7 @@ _KILLED_POOL_DRIVER = textwrap.dedent(
     import os, signal, sys, time, warnings
     from shardkit import pack
     from shardkit.write.engines import LocalRunner
-    from shardkit.write.plan import run_task
+    from shardkit.write.task import run_task
     warnings.simplefilter("ignore")
     src, out, pids = sys.argv[1:4]
 

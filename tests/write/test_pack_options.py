@@ -1,0 +1,43 @@
+"""``pack``'s options as one value: ``PackOptions``, with ``pack``'s keywords as its fields."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from conftest import image_tree
+
+from shardkit import InputError, PackOptions, pack
+from shardkit.manifest import read_manifest
+from shardkit.write import packer
+
+
+def _shards(out) -> list[tuple[str, int, str]]:
+    return [(e.path, e.samples, e.sha256) for e in read_manifest(str(out)).shards]
+
+
+@pytest.mark.filterwarnings("ignore::shardkit.write.writer.ShardSizeWarning")
+def test_pack_options_and_keywords_pack_the_same(tmp_path):
+    src = image_tree(tmp_path / "src", 30)
+    options = PackOptions(shard_size=12000, format="lmdb", seed=4, progress=False)
+    a = pack(str(src), str(tmp_path / "a"), options)
+    b = pack(str(src), str(tmp_path / "b"), shard_size=12000, format="lmdb", seed=4, progress=False)
+    assert a.shards == b.shards > 1 and _shards(tmp_path / "a") == _shards(tmp_path / "b")
+    # keywords set fields of the options given
+    c = pack(str(src), str(tmp_path / "c"), options, format="tar")
+    assert c.format == "tar" and c.samples == a.samples
+
+
+def test_pack_options_check_themselves_and_name_unknown_keywords(tmp_path):
+    with pytest.raises(InputError, match="validate='bogus'"):
+        PackOptions(validate="bogus")
+    with pytest.raises(InputError, match="unknown keyword shardsize="):
+        pack(str(tmp_path), str(tmp_path / "out"), shardsize="1MB")
+    with pytest.raises(InputError, match="PackOptions"):
+        pack(str(tmp_path), str(tmp_path / "out"), {"format": "tar"})
+
+
+def test_the_planned_pack_takes_the_options_whole():
+    """The folder pack hands ``PackOptions`` on whole, not its fields one by one."""
+    params = inspect.signature(packer._pack_planned).parameters
+    assert list(params) == ["src", "out", "kw", "o", "started"]
