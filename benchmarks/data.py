@@ -24,6 +24,7 @@ __all__ = [
     "lfw",
     "lfw_with_captions",
     "lfw_with_masks",
+    "noisy",
     "packed",
     "root",
     "linked_copy",
@@ -93,6 +94,35 @@ def lfw_with_masks(where: Path | None = None, scale: float = 0.15) -> Path:
                 mask = img.convert("L").point(lambda v: v // 64)
             mask.save(f"{image.with_suffix('')}.seg.png")
     return packed(tree, where / "packed")
+
+
+def noisy(
+    tree: Path | None = None,
+    count: int = 2048,
+    width: int = 160,
+    height: int = 120,
+    classes: int = 4,
+) -> Path:
+    """``count`` JPEGs of random pixels (``width`` x ``height``, quality 90) in ``classes`` class
+    folders: small photos whose decode costs little, so what a loader does around each image
+    (a sample transform, its batch's way to the caller) shows."""
+    import numpy as np
+    from PIL import Image
+
+    tree = Path(tree) if tree else root() / f"noisy-{count}-{width}x{height}"
+    if tree.exists():
+        return tree
+    say(f"making {tree} ...")
+    tmp = tree.with_name(tree.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = tmp / f"c{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i:05d}.jpg", quality=90)
+    os.replace(tmp, tree)
+    return tree
 
 
 def packed(src: Path, out: Path | None = None, **pack_kw) -> Path:
