@@ -42,6 +42,8 @@ for epoch in range(int(sys.argv[4])):
     t0 = time.process_time()
     n += sum(len(x) for x, _ in it)
     cpu += time.process_time() - t0
+if n == 0:
+    sys.exit(f"{sys.argv[1]}: one batch or less per epoch: smaller batches or more data")
 print(json.dumps({"rate": n / max(cpu, 1e-9), "images": n}))
 """
 

@@ -235,7 +235,7 @@ def in_child(checkout: Path | str, code: str, *args: str, cwd: Path | str | None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
-        raise SystemExit(f"failed in {checkout}: {' '.join(args)}\n{r.stderr[-3000:]}")
+        raise SystemExit(f"failed in {checkout}: {' '.join(map(str, args))}\n{r.stderr[-3000:]}")
     where = next((x[9:] for x in r.stderr.splitlines() if x.startswith("SHARDKIT=")), "")
     if not where.startswith(str(checkout)):
         raise SystemExit(f"the child ran {where}, not {checkout}'s shardkit")

@@ -92,6 +92,18 @@ def test_every_script_is_on_the_harness():
         assert "import _" not in text and "_prepare," not in text, name
 
 
+@pytest.mark.slow
+def test_harness_in_child_failure_names_the_checkout_and_its_arguments(tmp_path):
+    """A contender that fails in its child stops the run with one message naming the checkout,
+    the arguments (paths and numbers, as the scripts pass them) and the child's stderr."""
+    code = "import sys; sys.exit('no batch timed in ' + sys.argv[1])"
+    with pytest.raises(SystemExit) as exc:
+        harness.in_child(ROOT, code, tmp_path / "pack", 64)
+    text = str(exc.value)
+    assert f"failed in {ROOT}: {tmp_path / 'pack'} 64" in text
+    assert f"no batch timed in {tmp_path / 'pack'}" in text
+
+
 def test_interleave_rotates_records_load_and_cpu():
     calls = []
 
