@@ -8,7 +8,7 @@ and reports per job the median over rounds of the per-round ratio this / against
 is faster; rate: above 1 is faster), with the load average of every round:
 
 - ``pack-folder``: ``shardkit pack`` of a folder of ImageNet-shaped photos (``shardkit synth``);
-- ``pack-table``: ``shardkit pack`` of an N-row CSV of tiny JPEGs (``bench_table.make_table``);
+- ``pack-table``: ``shardkit pack`` of an N-row CSV of tiny JPEGs (``data.table``);
 - ``writer``: ``ShardWriter`` with N tiny samples (a label and a caption field each);
 - ``epoch-raw``: one ``ShardDataset(decode="raw")`` epoch over the table's pack, samples/s;
 - ``epoch-rrc``: one ``ShardLoader`` epoch (2 workers, random-resized crops to 224) over the
@@ -23,19 +23,11 @@ Every child times only its job (after imports); the data sets are made once, bef
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
-import statistics
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data
+import harness
 
 _TIME_CLI = """
 import subprocess, sys, time, json
@@ -85,95 +77,70 @@ _EPOCH_TINY = _EPOCH_RRC.replace(
     'decode="tensor", size=224, crop="random", flip=True', 'decode="tensor"'
 ).replace("ShardLoader(ds, 64,", "ShardLoader(ds, 256,")
 
-
-def child(checkout: Path, argv: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    r = subprocess.run(argv, env=env, cwd=checkout, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"failed in {checkout}: {' '.join(argv)}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc", "epoch-tiny")
 
 
 def make_data(work: Path, rows: int, per_class: int) -> dict[str, Path]:
     """The folder, the table and their packs (packed by this checkout), made once."""
-    from bench_table import make_table
-
-    from shardkit import pack
-    from shardkit.synth import make_imagenet
-
-    folder = work / "inet"
-    if not folder.exists():
-        make_imagenet(str(folder), classes=4, images_per_class=per_class)
-    table = make_table(work / "table", rows, classes=100)
-    packs = {"folder": work / "inet-pack", "table": work / f"table-{rows}-pack"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, src in (("folder", folder), ("table", table)):
-            if not (packs[name] / "manifest.json").exists():
-                pack(str(src), str(packs[name]), progress=False, overwrite=True)
-    jpeg = next((work / "table").glob("seed*.jpg"))
-    made = {"folder": folder, "table": table, "jpeg": jpeg}
-    return {**made, **{f"{k}-pack": v for k, v in packs.items()}}
+    folder = data.imagenet(work / "inet", classes=4, per_class=per_class)
+    table = data.table(work / "table", rows, classes=100)
+    made = {"folder": folder, "table": table, "jpeg": next((work / "table").glob("seed*.jpg"))}
+    made["folder-pack"] = data.packed(folder, work / "inet-pack")
+    made["table-pack"] = data.packed(table, work / f"table-{rows}-pack")
+    return made
 
 
-def job(name: str, checkout: Path, data: dict[str, Path], out: Path, rows: int) -> dict:
+def job(name: str, checkout: Path, made: dict[str, Path], out: Path, rows: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    py = sys.executable
     if name == "pack-folder":
-        return child(checkout, [py, "-c", _TIME_CLI, "pack", str(data["folder"]), str(out), "-q"])
+        return harness.in_child(checkout, _TIME_CLI, "pack", made["folder"], out, "-q")
     if name == "pack-table":
-        cli = ["pack", str(data["table"]), str(out), "-q", "--shard-size", "64MB"]
-        return child(checkout, [py, "-c", _TIME_CLI, *cli])
+        cli = ["pack", made["table"], out, "-q", "--shard-size", "64MB"]
+        return harness.in_child(checkout, _TIME_CLI, *cli)
     if name == "writer":
-        return child(checkout, [py, "-c", _WRITER, str(out), str(rows), str(data["jpeg"])])
+        return harness.in_child(checkout, _WRITER, out, rows, made["jpeg"])
     if name == "epoch-raw":
-        return child(checkout, [py, "-c", _EPOCH_RAW, str(data["table-pack"])])
+        return harness.in_child(checkout, _EPOCH_RAW, made["table-pack"])
     if name == "epoch-tiny":
-        return child(checkout, [py, "-c", _EPOCH_TINY, str(data["table-pack"])])
-    return child(checkout, [py, "-c", _EPOCH_RRC, str(data["folder-pack"])])
-
-
-JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc", "epoch-tiny")
+        return harness.in_child(checkout, _EPOCH_TINY, made["table-pack"])
+    return harness.in_child(checkout, _EPOCH_RRC, made["folder-pack"])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--against", type=Path, required=True, help="the other checkout")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-against"))
+    ap = harness.parser(__doc__, rounds=3)
+    ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--rows", type=int, default=100_000, help="table rows and writer samples")
     ap.add_argument("--per-class", type=int, default=250, help="folder photos per class (x4)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", default=",".join(JOBS))
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_against.json")
-    a = ap.parse_args()
-    data = make_data(a.work, a.rows, a.per_class)
-    checkouts = {"this": ROOT, "against": a.against.resolve()}
+    a = harness.parse(ap, smoke={"rows": 300, "per_class": 4})
+    if a.against is None and not a.smoke:
+        raise SystemExit("--against DIR is required (another checkout)")
+    against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
+    work = a.work or data.root() / "against"
+    made = make_data(work, a.rows, a.per_class)
+    checkouts = {"this": harness.ROOT, "against": against}
     jobs = a.jobs.split(",")
-    results: dict[str, dict[str, list[dict]]] = {j: {c: [] for c in checkouts} for j in jobs}
-    loads = []
-    for r in range(a.rounds):
-        loads.append(round(os.getloadavg()[0], 2))
-        for j in jobs:
-            order = list(checkouts) if r % 2 == 0 else list(checkouts)[::-1]
-            for c in order:
-                results[j][c].append(job(j, checkouts[c], data, a.work / f"out-{c}", a.rows))
-        print(f"round {r + 1}/{a.rounds} done, load {loads[-1]}", file=sys.stderr)
+    sides = {  # every job on both checkouts each round; the order flips every round
+        f"{j}/{c}": (lambda r, c=c, j=j: job(j, checkouts[c], made, work / f"out-{c}", a.rows))
+        for j in jobs
+        for c in checkouts
+    }
+    rounds = harness.interleave(sides, a.rounds, order="reverse")
     summary = {}
     for j in jobs:
-        key = "seconds" if "seconds" in results[j]["this"][0] else "rate"
-        pairs = zip(results[j]["this"], results[j]["against"], strict=True)
-        ratios = [x[key] / y[key] for x, y in pairs]
+        this, other = f"{j}/this", f"{j}/against"
+        key = "seconds" if "seconds" in rounds.results[this][0] else "rate"
         summary[j] = {
             "measure": key,
-            "this": statistics.median(x[key] for x in results[j]["this"]),
-            "against": statistics.median(x[key] for x in results[j]["against"]),
-            "ratio": statistics.median(ratios),
-            "ratios": [round(x, 3) for x in ratios],
+            "this": rounds.median(this, key),
+            "against": rounds.median(other, key),
+            "ratio": rounds.ratio(this, other, key),
+            "ratios": [round(x, 3) for x in rounds.ratios(this, other, key)],
         }
-    doc = {"against": str(checkouts["against"]), "rows": a.rows, "loads": loads, "jobs": summary}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1))
-    print(f"load average per round: {loads}")
+    result = {"against": str(against), "rows": a.rows, "jobs": summary}
+    harness.write_result(a.json or harness.ROOT / "bench-out" / "bench_against.json",
+                         "bench_against", a, result, rounds)  # fmt: skip
+    print(f"load average per round: {rounds.load_text()}")
     print(f"{'job':12s} {'measure':8s} {'this':>10s} {'against':>10s} {'ratio':>7s}  per round")
     for j, s in summary.items():
         better = "(<1 faster)" if s["measure"] == "seconds" else "(>1 faster)"

@@ -24,48 +24,16 @@ WebDataset on 2 cores.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import math
 import os
 import random
-import resource
 import statistics
-import sys
-import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-
-
-def _shards(tree: Path, out: Path, per_shard: int) -> str:
-    """img2dataset's layout for every photo of ``tree``, then ``shardkit index``."""
-    if (out / "manifest.json").exists():
-        return str(out)
-    from shardkit.write.index import index_shards
-
-    photos = sorted(tree.rglob("*.JPEG")) + sorted(tree.rglob("*.jpg"))
-    out.mkdir(parents=True, exist_ok=True)
-    for s in range(0, len(photos), per_shard):
-        with tarfile.open(out / f"{s // per_shard:05d}.tar", "w") as tar:
-            for j, path in enumerate(photos[s : s + per_shard]):
-                key = f"{s // per_shard:05d}{j:04d}"
-                meta = {"url": f"https://example.com/{path.name}", "key": key, "caption": None,
-                        "status": "success", "exif": None, "error_message": None}  # fmt: skip
-                members = (
-                    ("jpg", path.read_bytes()),
-                    ("txt", f"a photo of a {path.parent.name}".encode()),
-                    ("json", json.dumps(meta).encode()),
-                )
-                for ext, data in members:
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    index_shards([str(out)])
-    return str(out)
+import data
+import harness
 
 
 def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
@@ -130,15 +98,6 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
     return _rate(iter(loader), lambda b: len(b[0]))
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and of its ended children (the workers, once joined)."""
-    own, kids = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def _rate(it, count) -> float:
     next(it)  # workers started, shards open: time the steady epoch after the first batch
     n, t0 = 0, time.perf_counter()
@@ -148,46 +107,42 @@ def _rate(it, count) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--imagenet", type=Path, default=Path("/tmp/bench-crops/inet"))
+    ap = harness.parser(__doc__, rounds=3, against=False)
+    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
     ap.add_argument("--classes", type=int, default=4)
     ap.add_argument("--per-class", type=int, default=150)
     ap.add_argument("--per-shard", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_clip.json")
-    args = ap.parse_args()
-    if not args.imagenet.exists():
-        from shardkit.synth import make_imagenet
-
-        make_imagenet(str(args.imagenet), classes=args.classes, images_per_class=args.per_class)
-    source = _shards(args.imagenet, args.imagenet.parent / "clip-shards", args.per_shard)
+    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "per_shard": 4, "batch": 4})
+    tree = data.imagenet(args.imagenet, args.classes, args.per_class)
+    source = str(data.clip_shards(tree, tree.parent / "clip-shards", args.per_shard))
+    count = sum(1 for _ in tree.rglob("*.JPEG"))
     sides = {"shardkit": _shardkit_epoch, "webdataset": _webdataset_epoch}
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    cpu: dict[str, list[float]] = {name: [] for name in sides}
-    count = sum(1 for _ in args.imagenet.rglob("*.JPEG"))
-    loads = []
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-        for name in order:
-            cpu0 = _cpu()
-            rates[name].append(sides[name](source, args.workers, args.batch, r))
-            cpu[name].append((_cpu() - cpu0) / count * 1e6)
-        print(f"round {r}: load {loads[-1]:.2f} " + ", ".join(
-            f"{n} {rates[n][-1]:.0f} img/s" for n in sides), file=sys.stderr)  # fmt: skip
-    ratios = [a / b for a, b in zip(rates["shardkit"], rates["webdataset"], strict=True)]
+    try:
+        import webdataset  # noqa: F401
+    except ImportError:
+        if not args.smoke:
+            raise
+        del sides["webdataset"]  # smoke: the contender's package is not installed
+    rounds = harness.interleave(
+        {n: (lambda r, f=f: f(source, args.workers, args.batch, r)) for n, f in sides.items()},
+        args.rounds,
+        order="reverse",
+    )
+    rates = {n: rounds.values(n) for n in sides}
+    cpu = {n: [c / count * 1e6 for c in rounds.values(n, "cpu_s")] for n in sides}
     result = dict(
-        workers=args.workers, batch=args.batch, rounds=args.rounds, cpus=os.cpu_count(),
-        images_per_s={n: statistics.median(v) for n, v in rates.items()}, rates=rates,
+        images_per_s={n: rounds.median(n) for n in sides},
+        rates=rates,
         cpu_us_per_image={n: statistics.median(v) for n, v in cpu.items()},
-        ratio=statistics.median(ratios), ratios=ratios, load_per_round=loads,
-        load_end=os.getloadavg()[0],
-    )  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    )
+    if "webdataset" in sides:
+        result["ratio"] = rounds.ratio("shardkit", "webdataset")
+        result["ratios"] = rounds.ratios("shardkit", "webdataset")
+    out = args.json or harness.ROOT / "bench-out" / "bench_clip.json"
+    harness.write_result(out, "bench_clip", args, result, rounds)
+    print(json.dumps({**result, "load_per_round": rounds.load_text()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,18 +24,12 @@ entropy-decoded, whatever its columns: the part no crop policy can skip).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
 
 class TopHalfHook:
@@ -67,21 +61,7 @@ def contenders() -> dict[str, dict]:
     }
 
 
-def _data(tree: Path, classes: int, per_class: int) -> str:
-    from shardkit import pack
-    from shardkit.synth import make_imagenet
-
-    if not tree.exists():
-        make_imagenet(str(tree), classes=classes, images_per_class=per_class)
-    out = tree.parent / f"{tree.name}-tar"
-    if not (out / "manifest.json").exists():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pack(str(tree), str(out), progress=False)
-    return str(out)
-
-
-def _epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[float, int]:
+def epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[float, int]:
     from shardkit import ShardDataset, ShardLoader
 
     ds = ShardDataset(source, decode="tensor", flip=True, **kw)
@@ -103,27 +83,15 @@ def _epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple
 
 _AGAINST = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-import shardkit  # the other checkout's, bound before bench_crops puts this one on the path
-sys.path.insert(1, sys.argv[2])
 import bench_crops
-rate, n = bench_crops._epoch(sys.argv[3], dict(size=224, crop="random"), *map(int, sys.argv[4:]))
-print(json.dumps({"rate": rate, "n": n, "shardkit": shardkit.__file__}))
+rate, n = bench_crops.epoch(sys.argv[1], dict(size=224, crop="random"), *map(int, sys.argv[2:]))
+print(json.dumps({"rate": rate, "n": n}))
 """
 
 
 def _epoch_against(checkout: Path, source: str, workers: int, batch: int, epoch: int) -> float:
     """``crop="random"`` through another checkout's ShardLoader, in a child process."""
-    argv = [str(checkout), str(ROOT / "benchmarks"), source, str(workers), str(batch), str(epoch)]
-    r = subprocess.run(
-        [sys.executable, "-c", _AGAINST, *argv], capture_output=True, text=True, check=False
-    )
-    if r.returncode != 0:
-        raise SystemExit(f"--against {checkout} failed:\n{r.stderr[-2000:]}")
-    doc = json.loads(r.stdout.strip().splitlines()[-1])
-    if not doc["shardkit"].startswith(str(checkout)):
-        raise SystemExit(f"--against ran {doc['shardkit']}, not {checkout}'s shardkit")
-    return doc["rate"]
+    return harness.in_child(checkout, _AGAINST, source, workers, batch, epoch)["rate"]
 
 
 def _breakdown(source: str, cons: dict, count: int, rounds: int) -> dict:
@@ -134,11 +102,11 @@ def _breakdown(source: str, cons: dict, count: int, rounds: int) -> dict:
 
     from shardkit import ShardDataset
     from shardkit.images.decode import decode_jpeg_region, jpeg_scale
-    from shardkit.images.geometry import _scaled_box, resized
+    from shardkit.images.geometry import resized, scaled_box
 
     torch.set_num_threads(1)
     raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
-    photos = [(d, k) for (d, _, k), _ in zip(raw, range(count), strict=False)]
+    photos = [(b, k) for (b, _, k), _ in zip(raw, range(count), strict=False)]
     out = {}
     for name, kw in cons.items():
         if not kw:
@@ -149,15 +117,15 @@ def _breakdown(source: str, cons: dict, count: int, rounds: int) -> dict:
         for _ in range(rounds):
             t = {"box": 0.0, "decode": 0.0, "resize": 0.0}
             area = rows = 0.0
-            for data, key in photos:
+            for blob, key in photos:
                 t0 = time.perf_counter()
-                height, width, top, left, h, w, flip = dec.crop_box(data, key)
+                height, width, top, left, h, w, flip = dec.crop_box(blob, key)
                 need = (min(height, -(-height * size // h)), min(width, -(-width * size // w)))
                 d = jpeg_scale(height, width, need)
                 dh, dw = -(-height // d), -(-width // d)
-                y0, x0, y1, x1 = _scaled_box(top, left, h, w, height, width, dh, dw)
+                y0, x0, y1, x1 = scaled_box(top, left, h, w, height, width, dh, dw)
                 t1 = time.perf_counter()
-                px = decode_jpeg_region(data, d, y0, x0, y1 - y0, x1 - x0)
+                px = decode_jpeg_region(blob, d, y0, x0, y1 - y0, x1 - x0)
                 t2 = time.perf_counter()
                 resized(torch.from_numpy(px).permute(2, 0, 1)[None], size, flip, how)
                 t3 = time.perf_counter()
@@ -187,9 +155,9 @@ def _difference(source: str, kw: dict, count: int) -> float:
     how = ds.geometry.interpolation
     raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
     diffs = []
-    for (img, _, key), (data, _, _) in zip(ds, raw, strict=False):
-        box = dec.crop_box(data, key)
-        full = torch.from_numpy(decode_rgb(data)).permute(2, 0, 1)[None]
+    for (img, _, key), (blob, _, _) in zip(ds, raw, strict=False):
+        box = dec.crop_box(blob, key)
+        full = torch.from_numpy(decode_rgb(blob)).permute(2, 0, 1)[None]
         x = full[:, :, box.top : box.top + box.h, box.left : box.left + box.w].contiguous()
         ref = F.interpolate(x, size=(224, 224), mode=how, antialias=True)[0]
         ref = ref.flip(-1) if box.flip else ref
@@ -200,56 +168,42 @@ def _difference(source: str, kw: dict, count: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--imagenet", type=Path, default=Path("/tmp/bench-crops/inet"))
+    ap = harness.parser(__doc__, rounds=3)
+    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
     ap.add_argument("--classes", type=int, default=4)
     ap.add_argument("--per-class", type=int, default=150)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", type=int, default=64)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_crops.json")
-    ap.add_argument("--against", type=Path, default=None, help="another checkout's crop=random")
     ap.add_argument("--breakdown", action="store_true", help="where each variant's time goes")
-    args = ap.parse_args()
-    source = _data(args.imagenet, args.classes, args.per_class)
+    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "batch": 4, "check": 2})
+    tree = data.imagenet(args.imagenet, args.classes, args.per_class)
+    source = str(data.packed(tree))
     cons = contenders()
     against = f'crop="random" ({args.against})' if args.against else None
     if against:
         cons[against] = {}
-    rates: dict[str, list[float]] = {name: [] for name in cons}
-    loads = []
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        names = list(cons)
-        names = names[r % len(names) :] + names[: r % len(names)]  # each goes first in turn
-        for name in names:
-            if name == against:
-                rate = _epoch_against(args.against.resolve(), source, args.workers, args.batch, r)
-            else:
-                rate, _ = _epoch(source, cons[name], args.workers, args.batch, r)
-            rates[name].append(rate)
-        print(f"round {r}: load {loads[-1]:.2f}", file=sys.stderr)
+
+    def run(name):
+        if name == against:
+            return lambda r: _epoch_against(args.against, source, args.workers, args.batch, r)
+        return lambda r: epoch(source, cons[name], args.workers, args.batch, r)[0]
+
+    rounds = harness.interleave({name: run(name) for name in cons}, args.rounds)
     base = 'crop="random" (today)'
     rows = []
     for name, kw in cons.items():
-        ratios = [a / b for a, b in zip(rates[name], rates[base], strict=True)]
         row = dict(
             name=name,
-            images_per_s=statistics.median(rates[name]),
-            ratio_to_today=statistics.median(ratios),
+            images_per_s=rounds.median(name),
+            ratio_to_today=rounds.ratio(name, base),
             mean_difference=None if name == against else _difference(source, kw, args.check),
         )
         if against:  # the same per-round ratio against the other checkout's crop="random"
-            pairs = zip(rates[name], rates[against], strict=True)
-            row["ratio_to_against"] = statistics.median(a / b for a, b in pairs)
+            row["ratio_to_against"] = rounds.ratio(name, against)
         rows.append(row)
-    result = dict(
-        workers=args.workers, batch=args.batch, rounds=args.rounds, load_per_round=loads,
-        load_end=os.getloadavg()[0], cpus=os.cpu_count(), rows=rows,
-    )  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    result = dict(rows=rows)
+    out = args.json or harness.ROOT / "bench-out" / "bench_crops.json"
     print(f"{'contender':34} {'img/s':>8} {'vs today':>9} {'vs against':>10} {'mean diff':>10}")
     for row in rows:
         vs = row.get("ratio_to_against")
@@ -258,16 +212,16 @@ def main() -> None:
             f"{row['name'][:34]:34} {row['images_per_s']:8.0f} {row['ratio_to_today']:9.2f} "
             f"{'-' if vs is None else f'{vs:.2f}':>10} {'-' if diff is None else f'{diff:.2f}':>10}"
         )
-    print(f"load average per round {loads}, at the end {result['load_end']:.2f}")
+    print(f"load average per round {rounds.load_text()}")
     if args.breakdown:
         result["breakdown"] = parts = _breakdown(source, cons, 200, 3)
-        args.json.write_text(json.dumps(result, indent=2))
         print(f"one thread, us/image: {'contender':34} box decode resize  area rows-read")
         for name, p in parts.items():
             print(
                 f"{'':22}{name[:34]:34} {p['box']:4.0f} {p['decode']:6.0f} {p['resize']:6.0f} "
                 f"{p['crop_area']:5.2f} {p['rows_decoded']:5.2f}"
             )
+    harness.write_result(out, "bench_crops", args, result, rounds)
 
 
 if __name__ == "__main__":

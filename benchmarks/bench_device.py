@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,9 +40,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data as makers
+import harness
+
+ROOT = harness.ROOT
 
 SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "epochs", "train")
 
@@ -62,7 +62,6 @@ TORCHVISION = _early_torchvision(sys.argv)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ensure  # noqa: E402
 from bench_train import MEAN_STD, replicated, usable_cpus  # noqa: E402
 
 from shardkit import ShardDataset, ShardLoader  # noqa: E402
@@ -125,7 +124,7 @@ def tests(args) -> dict:
 
 
 def probe(args) -> dict:
-    nv = dev._nvimgcodec()
+    nv = dev.nvimgcodec()
     bufs, boxes, _ = _records(args.shards, args.batch)
     kinds = nv.BackendKind
     lists = {
@@ -227,7 +226,7 @@ def pipeline(args) -> dict:
         row: dict = {
             "backend": decoder.backend,
             "options": decoder.options,
-            "memcpy2d": decoder._copier is not None,
+            "memcpy2d": decoder.memcpy2d,
         }
         for dtype in (torch.float16, torch.float32):
 
@@ -327,7 +326,7 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
         "process_cpu_us_per_image": proc / images * 1e6,
         "feed_counts": ld.feed_counts.as_dict(),
         "feed_counts_at_start": counts0,
-        "share_to_workers": ld._balance.sent if ld.decode_on == "auto" else None,
+        "share_to_workers": ld.balance.sent if ld.decode_on == "auto" else None,
         "repr": repr(ld),
     }
 
@@ -515,14 +514,14 @@ def summary(r: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--no-torchvision", action="store_true")
-    ap.add_argument("--imagenet", type=Path, default=Path("/tmp/shardkit-bench/imagenet"))
+    ap.add_argument("--imagenet", type=Path, default=None, help="default: the data root")
     ap.add_argument("--per-class", type=int, default=100, help="synthetic ImageNet, 20 classes")
     ap.add_argument("--samples", type=int, default=100_000, help="samples per long epoch")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60, help="loader: timed batches")
     ap.add_argument("--short-epochs", type=int, default=8)
@@ -533,14 +532,18 @@ def main() -> None:
     ap.add_argument(
         "--decode-on", type=lambda s: s.split(","), default=["workers", "device", "auto"]
     )
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_device.json")
-    args = ap.parse_args()
+    smoke = {"per_class": 4, "samples": 400, "batch": 16, "warmup": 1, "steps": 3}
+    smoke.update(short_epochs=2, epoch_samples=200, train_steps=3, models="resnet18")
+    args = harness.parse(ap, smoke={**smoke, "sections": "cpu,probe,pipeline,loader"})
+    args.reps = args.rounds = args.reps or args.rounds
+    args.json = args.json or ROOT / "bench-out" / "bench_device.json"
+    args.imagenet = args.imagenet or makers.root() / "imagenet"
     result: dict = {
         "torchvision_first": TORCHVISION,
         "cpus": usable_cpus(),
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
-        "load_start": os.getloadavg(),
+        "load_start": harness.loadavg(),
     }
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
@@ -551,16 +554,8 @@ def main() -> None:
     wanted = args.sections.split(",")
     if any(s != "tests" for s in wanted):
         t = time.perf_counter()
-        from shardkit import synth
-
-        if not args.imagenet.exists():
-            synth.make_imagenet(
-                str(args.imagenet),
-                classes=20,
-                images_per_class=args.per_class,
-                workers=usable_cpus(),
-            )
-        args.shards = ensure(args.imagenet, "imagenet", 1.0)
+        tree = makers.imagenet(args.imagenet, classes=20, per_class=args.per_class)
+        args.shards = makers.packed(tree, shard_size="16MB")
         result["data_s"] = time.perf_counter() - t
     for name in SECTIONS:
         if name not in wanted:
@@ -573,11 +568,9 @@ def main() -> None:
             result[name] = {"error": traceback.format_exc()[-2000:]}
             print(result[name]["error"], flush=True)
         result[name + "_s"] = time.perf_counter() - t
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-    result["load_end"] = os.getloadavg()
+        harness.write_result(args.json, "bench_device", args, result)  # each section: kept
     result["versions_end"] = dev.versions_text()
-    args.json.write_text(json.dumps(result, indent=1, default=str))
+    harness.write_result(args.json, "bench_device", args, result)
     summary(result)
     print(f"json: {args.json}")
 

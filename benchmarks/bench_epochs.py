@@ -5,12 +5,12 @@ workers filling the next epoch ahead.
 ShardLoader alone (no model), LFW-shaped full decode (250x250) to uint8 batches of ``--batch``
 on ``--workers`` workers: short epochs of ``--short`` batches against long epochs of ``--long``
 batches, many epochs back to back (``set_epoch`` each), with filling ahead (the default) and
-without (``loader._overlap_epochs = False``). The four sides are interleaved round by round (a
+without (``loader.overlap_epochs = False``). The four sides are interleaved round by round (a
 fresh loader per side and round, whose first epoch starts the workers and is not timed), so a
 busy machine moves every side alike; each side runs about the same number of batches per round.
 Reported per side: images/s over all its epochs, boundaries included (median over rounds), and
 the mean wait for an epoch's first batch; per mode, short / long (the goal with filling ahead, on
-2 cores: >= 0.95); and the load average before and after every round (``os.getloadavg``): on a
+2 cores: >= 0.95); and the load average before and after every round (``harness.loadavg``): on a
 shared machine, read the figures with it.
 
     python benchmarks/bench_epochs.py --lfw /tmp/bl/lfw --rounds 5
@@ -23,22 +23,18 @@ tar shards once.
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data
+import harness
 
-from bench_loader import ensure  # noqa: E402
+from shardkit import ShardDataset, ShardLoader
 
-from shardkit import ShardDataset, ShardLoader  # noqa: E402
+ROOT = harness.ROOT
 
 
 def subset_tree(src: Path, images: int) -> Path:
@@ -61,7 +57,7 @@ def run_side(shards: Path, batch: int, workers: int, epochs: int, overlap: bool)
     """``epochs`` epochs back to back after an untimed first one: images/s and first waits."""
     ds = ShardDataset(str(shards), decode="tensor")
     loader = ShardLoader(ds, batch, num_workers=workers)
-    loader._overlap_epochs = overlap
+    loader.overlap_epochs = overlap
     loader.set_epoch(0)
     for _ in loader:  # starts the workers
         pass
@@ -87,7 +83,7 @@ def run_side(shards: Path, batch: int, workers: int, epochs: int, overlap: bool)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
     ap.add_argument("--lfw-scale", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=256)
@@ -95,68 +91,50 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=6, help="batches per short epoch")
     ap.add_argument("--long", type=int, default=48, help="batches per long epoch")
     ap.add_argument("--long-epochs", type=int, default=2, help="timed long epochs per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_epochs.json")
-    args = ap.parse_args()
+    smoke = {"lfw": data.root() / "lfw-smoke", "lfw_scale": 0.01, "batch": 8, "long": 4}
+    args = harness.parse(ap, smoke={**smoke, "short": 2, "long_epochs": 1})
+    args.json = args.json or ROOT / "bench-out" / "bench_epochs.json"
 
-    if not args.lfw.exists():
-        from shardkit import synth
-
-        print(f"making {args.lfw} ...", flush=True)
-        synth.make_lfw(str(args.lfw), scale=args.lfw_scale)
+    lfw = data.lfw(args.lfw, args.lfw_scale)
     lengths = {"short": args.short, "long": args.long}
     shards = {
-        name: ensure(subset_tree(args.lfw, batches * args.batch), "lfw", args.lfw_scale)
+        name: data.packed(subset_tree(lfw, batches * args.batch), shard_size="16MB")
         for name, batches in lengths.items()
     }
     total = args.long * args.long_epochs  # batches per side and round
     epochs = {name: max(1, round(total / batches)) for name, batches in lengths.items()}
-    sides = [(name, overlap) for overlap in (True, False) for name in lengths]
     label = {True: "overlap", False: "no overlap"}
-    results: dict[str, list[dict]] = {f"{n} {label[o]}": [] for n, o in sides}
-    loads = []
+    sides = {
+        f"{name} {label[overlap]}": (
+            lambda r, name=name, overlap=overlap: run_side(
+                shards[name], args.batch, args.workers, epochs[name], overlap
+            )
+        )
+        for overlap in (True, False)
+        for name in lengths
+    }
     print(
         f"{args.workers} workers, batch {args.batch}: short epochs of {args.short} batches "
         f"(x{epochs['short']}), long of {args.long} (x{epochs['long']}), {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs",
         flush=True,
     )
-    for r in range(args.rounds):
-        before = os.getloadavg()
-        order = sides if r % 2 == 0 else sides[::-1]
-        for name, overlap in order:
-            m = run_side(shards[name], args.batch, args.workers, epochs[name], overlap)
-            results[f"{name} {label[overlap]}"].append(m)
-        after = os.getloadavg()
-        loads.append({"before": before, "after": after})
-        line = ", ".join(f"{k} {v[-1]['images_per_s']:.0f}" for k, v in results.items())
-        print(f"round {r + 1}: {line} img/s; load {before[0]:.1f} -> {after[0]:.1f}", flush=True)
-
+    rounds = harness.interleave(sides, args.rounds, order="reverse")
     summary = {}
-    for key, runs in results.items():
+    for key in sides:
         summary[key] = {
-            "images_per_s": statistics.median(m["images_per_s"] for m in runs),
-            "first_batch_wait_ms": statistics.median(m["first_batch_wait_ms"] for m in runs),
+            "images_per_s": rounds.median(key, "images_per_s"),
+            "first_batch_wait_ms": rounds.median(key, "first_batch_wait_ms"),
         }
         print(
             f"{key:>18}: {summary[key]['images_per_s']:7.0f} img/s, first batch of an epoch "
             f"after {summary[key]['first_batch_wait_ms']:.0f} ms"
         )
     for mode in ("overlap", "no overlap"):
-        ratios = [
-            s["images_per_s"] / lg["images_per_s"]
-            for s, lg in zip(results[f"short {mode}"], results[f"long {mode}"], strict=True)
-        ]
-        summary[f"short/long {mode}"] = statistics.median(ratios)
-        print(f"short / long, {mode}: {statistics.median(ratios):.3f} (median of per-round ratios)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-             "rounds": results, "loadavg": loads},
-            indent=1,
-        )
-    )  # fmt: skip
+        ratio = rounds.ratio(f"short {mode}", f"long {mode}", "images_per_s")
+        summary[f"short/long {mode}"] = ratio
+        print(f"short / long, {mode}: {ratio:.3f} (median of per-round ratios)")
+    harness.write_result(args.json, "bench_epochs", args, summary, rounds)
     print(f"wrote {args.json}")
 
 

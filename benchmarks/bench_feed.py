@@ -25,22 +25,18 @@ average. On a GPU node ``bench_device.py`` measures the same under a real model.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data
+import harness
+import torch
 
-import torch  # noqa: E402
-from bench_loader import ensure  # noqa: E402
+from shardkit import ShardDataset, ShardLoader
 
-from shardkit import ShardDataset, ShardLoader  # noqa: E402
+ROOT = harness.ROOT
 
 
 def _step_matmul(ms: float):
@@ -94,58 +90,60 @@ def _run(shards: Path, args, step, batches: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=3, against=False)
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
     ap.add_argument("--lfw-scale", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batches", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_feed.json")
-    args = ap.parse_args()
-    shards = ensure(args.lfw, "lfw", args.lfw_scale)
+    smoke = {"lfw": data.root() / "lfw-smoke", "lfw_scale": 0.01, "batch": 8, "batches": 6}
+    args = harness.parse(ap, smoke=smoke)
+    args.json = args.json or ROOT / "bench-out" / "bench_feed.json"
+    shards = data.packed(data.lfw(args.lfw, args.lfw_scale), shard_size="16MB")
     threads = os.cpu_count() or 1
-    rows: dict[str, list] = {}
-    loads = []
-    step_ms = None
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
+    state: dict = {"step_ms": None}
+
+    def alone(r: int) -> dict:
         torch.set_num_threads(threads)
-        alone = _run(shards, args, None, args.batches)
-        rows.setdefault("alone", []).append(alone)
-        if step_ms is None:  # one batch at the loader's own rate
-            step_ms = args.batch / alone["images_per_s"] * 1e3
-        pause = step_ms / 1e3
-        rows.setdefault("gpu-like step", []).append(
-            _run(shards, args, lambda pause=pause: time.sleep(pause), args.batches)
-        )
-        busy = _step_matmul(step_ms)
+        res = _run(shards, args, None, args.batches)
+        if state["step_ms"] is None:  # one batch at the loader's own rate
+            state["step_ms"] = args.batch / res["images_per_s"] * 1e3
+        return res
+
+    def gpu_like(r: int) -> dict:
+        pause = state["step_ms"] / 1e3
+        res = _run(shards, args, lambda: time.sleep(pause), args.batches)
+        busy = state["busy"] = _step_matmul(state["step_ms"])
         t = time.perf_counter()
         for _ in range(10):
             busy()
-        step_rate = args.batch / ((time.perf_counter() - t) / 10)
-        for n in sorted({1, threads}):
+        state["step_rate"] = args.batch / ((time.perf_counter() - t) / 10)
+        return res
+
+    def cpu_step(n: int):
+        def run(r: int) -> dict:
             torch.set_num_threads(n)
-            row = _run(shards, args, busy, args.batches // 2)
-            row["step_alone_images_per_s"] = step_rate
-            rows.setdefault(f"cpu step, {n} threads", []).append(row)
-        print(
-            f"round {r + 1}: "
-            + ", ".join(f"{k} {v[-1]['images_per_s']:.0f}" for k, v in rows.items())
-            + f" img/s; load {loads[-1]:.1f}",
-            flush=True,
-        )
-    out: dict = {"batch": args.batch, "workers": args.workers, "step_ms": step_ms, "loads": loads}
-    alone = statistics.median(x["images_per_s"] for x in rows["alone"])
+            row = _run(shards, args, state["busy"], args.batches // 2)
+            row["step_alone_images_per_s"] = state["step_rate"]
+            return row
+
+        return run
+
+    sides = {"alone": alone, "gpu-like step": gpu_like}
+    sides.update({f"cpu step, {n} threads": cpu_step(n) for n in sorted({1, threads})})
+    rounds = harness.interleave(sides, args.rounds, order="fixed")  # each needs the one before
+    rows = rounds.results
+    out: dict = {"batch": args.batch, "workers": args.workers, "step_ms": state["step_ms"]}
+    alone_rate = rounds.median("alone", "images_per_s")
     for name, runs in rows.items():
         rate = statistics.median(x["images_per_s"] for x in runs)
         cpu = statistics.median(x["trainer_cpu_us_per_image"] for x in runs)
         if name.startswith("cpu step"):
             bound = statistics.median(x["step_alone_images_per_s"] for x in runs)
             # the step and the workers share the cores: both at once give 1 / (1/L + 1/S)
-            bound = 1 / (1 / alone + 1 / bound)
+            bound = 1 / (1 / alone_rate + 1 / bound)
         else:
-            bound = alone
+            bound = alone_rate
         what = "of step and loader in turn" if name.startswith("cpu") else "of the loader alone"
         out[name] = {"images_per_s": rate, "ratio": rate / bound, "ratio_of": what}
         out[name]["trainer_cpu_us_per_image"] = cpu
@@ -153,9 +151,7 @@ def main() -> None:
             f"{name:22s} {rate:7.0f} img/s  {rate / bound:.3f} {what}, "
             f"trainer CPU {cpu:.1f} us/image"
         )
-    out["load_end"] = os.getloadavg()[0]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    harness.write_result(args.json, "bench_feed", args, out, rounds)
     print(f"wrote {args.json}")
 
 

@@ -13,33 +13,11 @@ per batch, fields decoded in its workers), with the training process's own CPU p
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-
-
-def _data(root: Path, scale: float) -> str:
-    """The tree with captions (made when missing) and its pack; returns the pack's folder."""
-    from shardkit.synth import make_lfw
-    from shardkit.write.packer import pack
-
-    tree, out = root / "tree", root / "packed"
-    if not tree.exists():
-        make_lfw(tree, scale=scale)
-        for i, image in enumerate(sorted(tree.rglob("*.jpg"))):
-            stem = image.with_suffix("")
-            Path(f"{stem}.txt").write_text(f"a photo of {image.parent.name}, number {i}")
-            Path(f"{stem}.json").write_text(json.dumps({"i": i, "person": image.parent.name}))
-    if not (out / "manifest.json").exists():
-        pack(str(tree), str(out), progress=False)
-    return str(out)
+import data
+import harness
 
 
 def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int, shard_loader=False):
@@ -68,30 +46,42 @@ def main() -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # each contender re-reads epoch 0 on purpose
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/shardkit-bench-fields"))
+    ap = harness.parser(__doc__, rounds=5, against=False)
+    ap.add_argument("--data", type=Path, default=None, help="default: the data root")
     ap.add_argument("--scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=64)
-    args = ap.parse_args()
-    src = _data(args.data, args.scale)
-    load_before = os.getloadavg()[0]
-    runs: dict = {}
-    for _ in range(args.repeats):
-        for name, loader in (("DataLoader", False), ("ShardLoader", True)):
-            for what, fields in (("plain", ()), ("fields", ("txt", "json"))):
-                res = _rate(src, fields, args.workers, args.batch_size, loader)
-                runs.setdefault((name, what), []).append(res)
+    args = harness.parse(ap, smoke={"scale": 0.01, "batch_size": 8})
+    args.repeats = args.rounds = args.repeats or args.rounds
+    src = str(data.lfw_with_captions(args.data, args.scale))
+
+    def side(loader: bool, fields: tuple):
+        def run(r: int) -> dict:
+            rate, main_us = _rate(src, fields, args.workers, args.batch_size, loader)
+            return {"rate": rate, "main_us": main_us}
+
+        return run
+
+    sides = {
+        f"{name} {what}": side(loader, fields)
+        for name, loader in (("DataLoader", False), ("ShardLoader", True))
+        for what, fields in (("plain", ()), ("fields", ("txt", "json")))
+    }
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
+    result = {}
     for name in ("DataLoader", "ShardLoader"):
-        plain, fields = runs[(name, "plain")], runs[(name, "fields")]
-        ratio = statistics.median(f[0] / p[0] for f, p in zip(fields, plain, strict=True))
+        plain, fields = f"{name} plain", f"{name} fields"
+        ratio = rounds.ratio(fields, plain)
+        result[name] = {"ratio": ratio, "plain": rounds.median(plain),
+                        "fields": rounds.median(fields)}  # fmt: skip
         print(f"{name}: images/s, median of {args.repeats}: image only "
-              f"{statistics.median(r[0] for r in plain):.0f}, with txt+json "
-              f"{statistics.median(r[0] for r in fields):.0f}; ratio {ratio:.3f}; training "
-              f"process CPU {statistics.median(r[1] for r in plain):.0f} -> "
-              f"{statistics.median(r[1] for r in fields):.0f} us/image")  # fmt: skip
-    print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+              f"{rounds.median(plain):.0f}, with txt+json "
+              f"{rounds.median(fields):.0f}; ratio {ratio:.3f}; training "
+              f"process CPU {rounds.median(plain, 'main_us'):.0f} -> "
+              f"{rounds.median(fields, 'main_us'):.0f} us/image")  # fmt: skip
+    print(f"load average per round {rounds.load_text()}")
+    harness.write_result(args.json, "bench_fields", args, result, rounds)
 
 
 if __name__ == "__main__":

@@ -55,24 +55,20 @@ shards beside them; an existing tree is used as it is.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import glob
 import itertools
-import json
-import multiprocessing as mp
-import os
-import resource
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
-import simplejpeg  # noqa: E402
+ROOT = harness.ROOT
+
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -80,7 +76,6 @@ from shardkit import FolderDataset, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.loader.fill import Filler, FillSpec  # noqa: E402
 from shardkit.loader.messages import Start  # noqa: E402
 from shardkit.loader.ring import MappedSlots, Ring  # noqa: E402
-from shardkit.manifest import MANIFEST_NAME  # noqa: E402
 from shardkit.stream.world import World  # noqa: E402
 
 BATCH = 64
@@ -92,30 +87,12 @@ WORKERS = 2
 
 def ensure(src: Path, kind: str, scale: float, per_class: int = 250) -> Path:
     """The image tree (synthesised if missing) packed to 16 MB tar shards beside it."""
-    if not src.exists():
-        from shardkit import synth
-
-        print(f"making {src} ...", flush=True)
-        if kind == "lfw":
-            synth.make_lfw(str(src), scale=scale)
-        else:
-            synth.make_imagenet(str(src), classes=20, images_per_class=per_class)
-    shards = src.with_name(src.name + "-tar")
-    if not (shards / MANIFEST_NAME).exists():
-        from shardkit import pack
-
-        print(f"packing {src} -> {shards} ...", flush=True)
-        pack(str(src), str(shards), shard_size="16MB", progress=False)
-    return shards
+    tree = data.lfw(src, scale) if kind == "lfw" else data.imagenet(src, 20, per_class)
+    return data.packed(tree, shard_size="16MB")
 
 
 def image_bytes(src: Path) -> list[bytes]:
-    files = sorted(glob.glob(str(src / "*" / "*")))
-    out = []
-    for f in files:
-        with open(f, "rb") as fh:
-            out.append(fh.read())  # also puts the folder contender's files in the page cache
-    return out
+    return data.jpeg_bytes(src)  # also puts the folder contender's files in the page cache
 
 
 def rss_mb(pid: int | None = None) -> float:
@@ -129,72 +106,30 @@ def rss_mb(pid: int | None = None) -> float:
 # --- the ceiling -------------------------------------------------------------------------------
 
 
-def _decode_all(datas: list[bytes], fastdct: bool = False) -> None:
-    for d in datas:
-        simplejpeg.decode_jpeg(d, fastdct=fastdct)
-
-
 def ceiling_one(datas: list[bytes], fastdct: bool = False) -> tuple[float, float]:
-    """Images/s of one process decoding from memory, times min(2, cores); and its CPU
-    microseconds per image (what contention from other processes changes least).
-    ``fastdct``: libjpeg-turbo's faster, less accurate integer IDCT, which FFCV decodes with
-    (shardkit and the plain ceiling use the accurate one, as Pillow does)."""
-    t, c = time.perf_counter(), time.thread_time()
-    _decode_all(datas, fastdct)
-    cpu = (time.thread_time() - c) / len(datas) * 1e6
-    cores = min(2, len(os.sched_getaffinity(0)))
-    return len(datas) / (time.perf_counter() - t) * cores, cpu
-
-
-def _decode_part(datas, start, done):
-    start.wait()
-    _decode_all(datas)
-    done.put(time.perf_counter())
+    """The harness's ceiling: images/s of one process decoding from memory with simplejpeg,
+    times min(2, cores); and its CPU microseconds per image (what contention from other
+    processes changes least). ``fastdct``: libjpeg-turbo's faster, less accurate integer IDCT,
+    which FFCV decodes with (shardkit and the plain ceiling use the accurate one, as Pillow
+    does)."""
+    c = harness.ceiling(datas, fastdct=fastdct)
+    return c.scaled, c.cpu_us
 
 
 def ceiling_n(datas: list[bytes], n: int) -> float:
-    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time (what the
-    cores give right now)."""
-    ctx = mp.get_context("fork")
-    start, done = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_decode_part, args=(datas[i::n], start, done)) for i in range(n)]
-    for p in procs:
-        p.start()
-    time.sleep(0.2)
-    t = time.perf_counter()
-    start.set()
-    ends = [done.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return len(datas) / (max(ends) - t)
+    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time."""
+    return harness.ceiling_at_once(datas, n)
 
 
 def ceiling_two(datas: list[bytes]) -> float:
-    """Images/s of two processes decoding halves at once."""
     return ceiling_n(datas, 2)
 
 
 # --- contenders --------------------------------------------------------------------------------
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process (all threads) plus its exited children (DataLoader workers)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
-
-
-def live_cpu_s(pids) -> float:
-    """CPU seconds so far of live processes (ShardLoader's persistent workers: not yet reaped,
-    so not in RUSAGE_CHILDREN)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-        except OSError:
-            continue
-    return total / os.sysconf("SC_CLK_TCK")
+_cpu_s = harness.cpu_seconds  # this process and its exited children (DataLoader workers)
+live_cpu_s = harness.live_cpu_seconds  # ShardLoader's persistent workers: not yet reaped
 
 
 def timed_epoch(batches) -> dict:
@@ -551,24 +486,22 @@ def measure(
     """Every contender once per repeat, then each of ``loops`` (``WorkerLoop``); ``ffcv``: the
     contender whose images/s the others' are also given as a share of."""
     loops = loops or {}
-    rows: dict[str, list[dict]] = {k: [] for k in contenders}
-    eff: dict[str, list[dict]] = {k: [] for k in loops}
-    ceil1, ceil2, cpu1, loads, fast = [], [], [], [], []
-    epoch = 0
-    for r in range(repeats):
-        loads.append(os.getloadavg()[0])
+    epoch = itertools.count(1)
+    ceil: dict[str, float] = {}
+
+    def ceiling(r: int) -> dict:  # first in every round: the contenders divide by it
         rate, cpu = ceiling_one(datas)
-        fast.append(ceiling_one(datas, fastdct=True)[0])
-        ceil1.append(rate)
-        cpu1.append(cpu)
-        ceil2.append(ceiling_two(datas))
-        for cname, make in contenders.items():
-            epoch += 1
-            res = timed_epoch(make(epoch))
-            res["ratio_to_ceiling"] = res["images_per_s"] / ceil1[-1]
-            res["ratio_to_two_processes"] = res["images_per_s"] / ceil2[-1]
-            res["cpu_efficiency"] = cpu1[-1] / res["cpu_us_per_image"]
-            rows[cname].append(res)
+        ceil.update(
+            one=rate, cpu=cpu, fast=ceiling_one(datas, fastdct=True)[0], two=ceiling_two(datas)
+        )
+        return dict(ceil)
+
+    def contender(cname, make):
+        def run(r: int) -> dict:
+            res = timed_epoch(make(next(epoch)))
+            res["ratio_to_ceiling"] = res["images_per_s"] / ceil["one"]
+            res["ratio_to_two_processes"] = res["images_per_s"] / ceil["two"]
+            res["cpu_efficiency"] = ceil["cpu"] / res["cpu_us_per_image"]
             print(
                 f"  [{name} {r + 1}/{repeats}] {cname:40s} {res['images_per_s']:7.0f} img/s  "
                 f"{res['ratio_to_ceiling']:5.2f} of ceiling  first batch "
@@ -576,22 +509,35 @@ def measure(
                 f"({res['main_cpu_us_per_image']:.0f} in the training process)",
                 flush=True,
             )
-        print(
-            f"  [{name} {r + 1}/{repeats}] ceiling (1 process x2) {ceil1[-1]:.0f}, "
-            f"2 processes {ceil2[-1]:.0f} img/s, {cpu1[-1]:.0f} CPU us/image decoding alone, "
-            f"load {loads[-1]:.1f}",
-            flush=True,
-        )
-        for layout, loop in loops.items():
-            epoch += 1
-            res = loop.once(epoch)
-            eff[layout].append(res)
+            return res
+
+        return run
+
+    def loop_run(layout, loop):
+        def run(r: int) -> dict:
+            res = loop.once(next(epoch))
             print(
                 f"  [{name} {r + 1}/{repeats}] per-worker efficiency {layout}: bare "
                 f"{res['bare_us_per_image']:.1f}, records {res['records_us_per_image']:.1f}, "
                 f"fill {res['fill_us_per_image']:.1f} CPU us/image -> {res['efficiency']:.3f}",
                 flush=True,
             )
+            return res
+
+        return run
+
+    sides = {"(ceiling)": ceiling}
+    sides.update({cname: contender(cname, make) for cname, make in contenders.items()})
+    sides.update({f"(loop) {layout}": loop_run(layout, loop) for layout, loop in loops.items()})
+    rounds = harness.interleave(sides, repeats, order="fixed")
+    rows = {k: rounds.results[k] for k in contenders}
+    eff = {k: rounds.results[f"(loop) {k}"] for k in loops}
+    for runs in [*rows.values(), *eff.values()]:
+        for x in runs:  # the harness's own figures: not the contender's
+            x.pop("cpu_s", None), x.pop("wall_s", None)
+    ceil1, ceil2 = rounds.values("(ceiling)", "one"), rounds.values("(ceiling)", "two")
+    fast, cpu1 = rounds.values("(ceiling)", "fast"), rounds.values("(ceiling)", "cpu")
+    loads = [x.load_1m for x in rounds.loads]
     summary = {
         "ceiling_one_x2": ceil1,
         "ceiling_two_processes": ceil2,
@@ -642,7 +588,7 @@ def memory(shards: Path, epochs: int) -> dict:
             pass
         ours.append(rss_mb())
         ours_workers.append([rss_mb(p) for p in loader.worker_pids])
-    ring = repr(loader._res.ring)
+    ring = repr(loader.ring)
     loader.close()
     ds2 = ShardDataset(str(shards), decode="tensor")
     dl = DataLoader(ds2, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
@@ -706,7 +652,7 @@ def report(part: str, m: dict, text: str, repeats: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=3, against=False)
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
     ap.add_argument("--lfw-scale", type=float, default=1.0)
     ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
@@ -716,10 +662,9 @@ def main() -> None:
         default=250,
         help="images per class (20 classes) when the ImageNet tree is made",
     )
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the memory check")
     ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
     ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
     ap.add_argument(
@@ -732,13 +677,16 @@ def main() -> None:
         help="comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
         "processes between the ones compared",
     )
-    args = ap.parse_args()
+    root = data.root()
+    smoke = {"lfw": root / "lfw-smoke", "lfw_scale": 0.01, "imagenet": root / "inet-smoke"}
+    args = harness.parse(ap, smoke={**smoke, "imagenet_per_class": 4, "epochs": 2})
+    args.repeats = args.rounds = args.repeats or args.rounds
     if args.thread_loader:
         load_other_loader(args.thread_loader)
     only = set(args.only or ["a", "b", "memory"])
     torch.set_num_threads(1)  # the caller's thread only consumes; decoding runs elsewhere
     warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
-    out: dict = {"cpus": os.cpu_count(), "load_start": os.getloadavg(), "batch_size": BATCH}
+    out: dict = {"load_start": harness.load_now().as_dict(), "batch_size": BATCH}
     out["workers"] = WORKERS
     if "a" in only or "memory" in only:
         if args.ffcv_bytes:
@@ -751,7 +699,7 @@ def main() -> None:
         contenders = contenders_a(args.lfw, lfw_shards)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
-        contenders = chosen(contenders, args.contenders)
+        contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         loops = worker_loops(ShardDataset(str(lfw_shards), decode="tensor"))
         out["a"] = measure("a", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
         for loop in loops.values():
@@ -763,7 +711,7 @@ def main() -> None:
         contenders = contenders_b(inet_shards)
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
-        contenders = chosen(contenders, args.contenders)
+        contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         geo = dict(decode="tensor", size=224, crop="random", flip=True)
         loops = worker_loops(ShardDataset(str(inet_shards), **geo))
         out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
@@ -781,13 +729,10 @@ def main() -> None:
         print("  ", m["ring"])
         print("  DataLoader main RSS MB:", [round(x) for x in m["dataloader_main_rss_mb"]])
         print("  DataLoader workers RSS MB:", [[round(x) for x in w] for w in m["workers_rss_mb"]])
-    out["load_end"] = os.getloadavg()
     for part in ("a", "b"):
         if part in out:
             report(part, out[part], out[part + "_bytes"], args.repeats)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    harness.write_result(args.json, "bench_loader", args, out)
 
 
 if __name__ == "__main__":

@@ -16,36 +16,14 @@ load average is printed beside it.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
 SIZE = 64
-
-
-def _data(root: Path, scale: float) -> str:
-    """The tree with masks (made when missing) and its pack; returns the pack's folder."""
-    from PIL import Image
-
-    from shardkit.synth import make_lfw
-    from shardkit.write.packer import pack
-
-    tree, out = root / "tree", root / "packed"
-    if not tree.exists():
-        make_lfw(tree, scale=scale)
-        for image in sorted(tree.rglob("*.jpg")):
-            with Image.open(image) as img:
-                mask = img.convert("L").point(lambda v: v // 64)
-            mask.save(f"{image.with_suffix('')}.seg.png")
-    if not (out / "manifest.json").exists():
-        pack(str(tree), str(out), progress=False)
-    return str(out)
 
 
 def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int) -> float:
@@ -81,33 +59,42 @@ def _mask_costs(src: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/shardkit-bench-masks"))
+    ap = harness.parser(__doc__, rounds=5, against=False)
+    ap.add_argument("--data", type=Path, default=None, help="default: the data root")
     ap.add_argument("--scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=64)
-    args = ap.parse_args()
-    src = _data(args.data, args.scale)
-    load_before = os.getloadavg()[0]
-    plain, masked, decodes, geoms = [], [], [], []
-    for _ in range(args.repeats):
-        plain.append(_rate(src, (), args.workers, args.batch_size))
-        masked.append(_rate(src, ("seg.png",), args.workers, args.batch_size))
+    args = harness.parse(ap, smoke={"scale": 0.01, "batch_size": 8})
+    args.repeats = args.rounds = args.repeats or args.rounds
+    src = str(data.lfw_with_masks(args.data, args.scale))
+
+    def costs(r: int) -> dict:
         decode, geom = _mask_costs(src)
-        decodes.append(decode)
-        geoms.append(geom)
+        return {"decode": decode, "geom": geom}
+
+    sides = {
+        "plain": lambda r: _rate(src, (), args.workers, args.batch_size),
+        "masked": lambda r: _rate(src, ("seg.png",), args.workers, args.batch_size),
+        "mask costs": costs,
+    }
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
+    plain, masked = rounds.values("plain"), rounds.values("masked")
+    decodes, geoms = rounds.values("mask costs", "decode"), rounds.values("mask costs", "geom")
     extra = statistics.median(
         (1 / m - 1 / p) / d for m, p, d in zip(masked, plain, decodes, strict=True)
     )
     p, m = statistics.median(plain), statistics.median(masked)
     d, g = statistics.median(decodes), statistics.median(geoms)
     per_mask = 1e6 * (1 / m - 1 / p)
-    load = f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    load = f"load average per round {rounds.load_text()}"
     print(f"images/s, median of {args.repeats}, {args.workers} worker(s): image only {p:.0f}, "
           f"with seg.png {m:.0f} (ratio {m / p:.3f}); mask per sample {per_mask:.0f} us "
           f"against its own decode {1e6 * d:.0f} us (ratio {extra:.2f}; crop/resize/flip "
           f"{1e6 * g:.0f} us) ({load})")  # fmt: skip
+    result = {"images_per_s": p, "masked_images_per_s": m, "mask_us": per_mask}
+    result.update(mask_decode_us=1e6 * d, mask_geometry_us=1e6 * g, extra_to_decode=extra)
+    harness.write_result(args.json, "bench_masks", args, result, rounds)
 
 
 if __name__ == "__main__":

@@ -20,28 +20,21 @@ ratios. The load average before and after is printed with the table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import resource
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data as makers
+import harness
+
+ROOT = harness.ROOT
 
 
 def _data(lfw: Path, scale: float) -> dict[str, str]:
     """The tree (made with shardkit synth when missing), its two halves by class, and packs."""
-    from shardkit.synth import make_lfw
-    from shardkit.write.packer import pack
-
-    if not lfw.exists():
-        os.environ.setdefault("SHARDKIT_LFW_SCALE", str(scale))
-        make_lfw(str(lfw))
+    lfw = makers.lfw(lfw, scale)
     base = lfw.parent / f"{lfw.name}-mix"
     classes = sorted(p.name for p in lfw.iterdir() if p.is_dir())
     half = len(classes) // 2
@@ -54,23 +47,12 @@ def _data(lfw: Path, scale: float) -> dict[str, str]:
                 for f in (lfw / name).iterdir():
                     os.link(f, tree / name / f.name)
         out[f"tree-{part}"] = str(tree)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, tree in (("one", out["tree"]), ("a", out["tree-a"]), ("b", out["tree-b"])):
-            dest = base / f"pack-{name}"
-            if not (dest / "manifest.json").exists():
-                pack(tree, str(dest), shard_size="64MB", progress=False)
-            out[name] = str(dest)
+    for name, tree in (("one", out["tree"]), ("a", out["tree-a"]), ("b", out["tree-b"])):
+        out[name] = str(makers.packed(Path(tree), base / f"pack-{name}", shard_size="64MB"))
     return out
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and its reaped children (the loader's workers)."""
-    own, kids = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+_cpu = harness.cpu_seconds  # this process and its reaped children (the loader's workers)
 
 
 def _epoch_rate(make, epoch: int) -> tuple[float, float, int]:
@@ -93,19 +75,28 @@ def bench_mixture(data: dict, repeats: int, workers: int, batch: int) -> dict:
         return ShardLoader(ds, batch_size=batch, num_workers=workers)
 
     def mixed():
-        ds = ShardDataset([Source(data["a"]), Source(data["b"])], decode="tensor", seed=1)
+        ds = ShardDataset(
+            [Source(data["a"]), Source(data["b"])], decode="tensor", seed=1, labels="union"
+        )
         return ShardLoader(ds, batch_size=batch, num_workers=workers)
 
-    rates: dict[str, list[float]] = {"one source": [], "2-source mixture": []}
-    cpu: dict[str, list[float]] = {"one source": [], "2-source mixture": []}
     counts = {}
     _epoch_rate(one, 0), _epoch_rate(mixed, 0)  # warm-up: page cache, worker start-up paths
-    for r in range(repeats):
-        for name, make in (("one source", one), ("2-source mixture", mixed)):
-            rate, us, n = _epoch_rate(make, r + 1)
-            rates[name].append(rate)
-            cpu[name].append(us)
-            counts[name] = n
+
+    def side(name, make):
+        def run(r: int) -> dict:
+            rate, us, counts[name] = _epoch_rate(make, r + 1)
+            return {"rate": rate, "cpu_us": us}
+
+        return run
+
+    sides = {
+        "one source": side("one source", one),
+        "2-source mixture": side("2-source mixture", mixed),
+    }
+    rounds = harness.interleave(sides, repeats, order="fixed")
+    rates = {name: rounds.values(name) for name in sides}
+    cpu = {name: rounds.values(name, "cpu_us") for name in sides}
     ratios = [m / o for m, o in zip(rates["2-source mixture"], rates["one source"], strict=True)]
     cpu_ratios = [m / o for m, o in zip(cpu["2-source mixture"], cpu["one source"], strict=True)]
     return {
@@ -142,17 +133,22 @@ def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> d
 
     out = {}
     for cache in ("warm", "cold"):
-        rates: dict[str, list[float]] = {"folder": [], "view": []}
-        cpu: dict[str, list[float]] = {"folder": [], "view": []}
-        for r in range(repeats):
-            for name, ds in (("folder", folder), ("view", view)):
+
+        def side(name, ds, cache=cache):
+            def once(r: int) -> dict:
                 if cache == "warm":
                     prime(files[name])
                 else:
                     evict_until_cold(files[name])
                 rate, us = run(ds, r)
-                rates[name].append(rate)
-                cpu[name].append(us)
+                return {"rate": rate, "cpu_us": us}
+
+            return once
+
+        sides = {"folder": side("folder", folder), "view": side("view", view)}
+        rounds = harness.interleave(sides, repeats, order="fixed")
+        rates = {name: rounds.values(name) for name in sides}
+        cpu = {name: rounds.values(name, "cpu_us") for name in sides}
         ratios = [v / f for v, f in zip(rates["view"], rates["folder"], strict=True)]
         cpu_ratios = [v / f for v, f in zip(cpu["view"], cpu["folder"], strict=True)]
         out[cache] = {
@@ -165,16 +161,17 @@ def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> d
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
     ap.add_argument("--lfw-scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--only", action="append", choices=["a", "b"])
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
-    load_before = os.getloadavg()
+    smoke = {"lfw": makers.root() / "lfw-smoke", "lfw_scale": 0.01, "batch_size": 8}
+    args = harness.parse(ap, smoke=smoke, argv=argv)
+    args.repeats = args.rounds = args.repeats or args.rounds
+    load_before = harness.loadavg()
     data = _data(args.lfw, args.lfw_scale)
     result: dict = {"cpus": os.cpu_count(), "workers": args.workers, "batch": args.batch_size}
     only = set(args.only or ["a", "b"])
@@ -184,11 +181,9 @@ def main(argv=None) -> int:
         result["random_access"] = bench_random_access(
             data, args.repeats, args.workers, args.batch_size
         )
-    result["loadavg"] = {"before": load_before, "after": os.getloadavg()}
+    result["loadavg"] = {"before": load_before, "after": harness.loadavg()}
     _print(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    harness.write_result(args.json, "bench_mix", args, result)
     return 0
 
 

@@ -29,8 +29,6 @@ column shows what that costs tar).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -39,10 +37,21 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
-from shardkit.bench.pagecache import evict, resident_fraction  # noqa: E402
+from shardkit.bench.pagecache import evict, resident_fraction
+
+ROOT = harness.ROOT
+
+
+def _interleave(names: list[str], once, repeats: int) -> tuple[list[dict], harness.Rounds]:
+    """Every command once per repeat, the order rotating; ``once(name)`` returns a dict of
+    figures. Returns per repeat ``{name: figures}`` (the shape the summaries read) and the
+    rounds."""
+    rounds = harness.interleave({n: (lambda r, n=n: once(n)) for n in names}, repeats)
+    runs = [{n: rounds.results[n][r] for n in names} for r in range(repeats)]
+    return runs, rounds
 
 
 def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
@@ -102,24 +111,19 @@ def _tree_size(src: Path) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument(
         "--src",
         default=str(ROOT / "data" / "lfw"),
         help="class-per-folder tree (default data/lfw, made with synth if missing)",
     )
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument(
         "--work",
         default=str(ROOT / "bench-out" / "pack-work"),
         help="scratch directory for outputs (emptied before every command)",
     )
     ap.add_argument("--shard-size", default="256MB")
-    ap.add_argument(
-        "--json",
-        default=str(ROOT / "bench-out" / "bench_pack.json"),
-        help="where to write the raw timings and ratios",
-    )
     ap.add_argument(
         "--private-copy",
         action="store_true",
@@ -134,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=2, help="--engines: worker processes")
     ap.add_argument("--ray", action="store_true", help="--engines: Ray against the process pool")
     ap.add_argument("--tiny", type=int, default=0, help="make N tiny JPEGs at --src first")
-    args = ap.parse_args(argv)
+    root = data.root()
+    smoke = {"src": str(root / "lfw-smoke"), "work": str(root / "pack-work")}
+    args = harness.parse(ap, smoke=smoke, argv=argv)
+    args.repeats = args.rounds = args.repeats or args.rounds
+    args.json = args.json or ROOT / "bench-out" / "bench_pack.json"
+    if args.smoke and not args.tiny:
+        data.lfw(Path(args.src), 0.01)
     if args.engines:
         return _engines(args)
 
@@ -142,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not src.is_dir():
         if src != (ROOT / "data" / "lfw").resolve():
             raise SystemExit(f"error: source {src} does not exist")
-        from shardkit.synth import make_lfw
-
-        print(f"making the default LFW set at {src} ...", file=sys.stderr)
-        make_lfw(src)
+        data.lfw(src)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     if args.private_copy:
@@ -164,21 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    runs: list[dict[str, float]] = []
-    residency: list[float] = []
-    resident: list[dict[str, float]] = []
-    for rep in range(args.repeats):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        times: dict[str, float] = {}
-        res: dict[str, float] = {}
-        for name in order:
-            _clean(work)
-            evict(src)
-            res[name] = resident_fraction(src)
-            times[name] = _time(cmds[name])
-        runs.append(times)
-        resident.append(res)
-        residency += res.values()
+    def once(name: str) -> dict:
+        _clean(work)
+        evict(src)
+        resident = resident_fraction(src)
+        return {"seconds": _time(cmds[name]), "resident": resident}
+
+    got, rounds = _interleave(names, once, args.repeats)
+    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    resident = [{n: r[n]["resident"] for n in names} for r in got]
+    residency = [x for res in resident for x in res.values()]
+    for rep, times in enumerate(runs):
         print(
             f"repeat {rep + 1}: "
             + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
@@ -205,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "resident_fraction_before": resident,
         "cpus": os.cpu_count(),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    harness.write_result(args.json, "bench_pack", args, summary, rounds)
 
     med = summary["median_seconds"]
     print()
@@ -297,22 +299,23 @@ def _engines(args) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     cmds = _engine_commands(src, work, shard_size, args.processes)
     names = list(cmds)
-    load0 = os.getloadavg()
+    load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats; "
         f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
         flush=True,
     )
-    runs, cpus = [], []
-    for rep in range(args.repeats):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        times, cpu = {}, {}
-        for name in order:
-            _clean(work)
-            evict(src)
-            times[name] = _cpu_time(cmds[name], cpu, name)
-        runs.append(times)
-        cpus.append(cpu)
+
+    def once(name: str) -> dict:
+        _clean(work)
+        evict(src)
+        cpu: dict = {}
+        return {"seconds": _cpu_time(cmds[name], cpu, name), "cpu": cpu[name]}
+
+    got, rounds = _interleave(names, once, args.repeats)
+    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    cpus = [{n: r[n]["cpu"] for n in names} for r in got]
+    for rep, times in enumerate(runs):
         print(
             f"repeat {rep + 1}: "
             + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
@@ -321,7 +324,7 @@ def _engines(args) -> int:
             flush=True,
         )
     _clean(work)
-    load1 = os.getloadavg()
+    load1 = harness.loadavg()
     speedups = {
         f"{base}{r}": [run[f"{base}{r}"] / run[f"local{r}"] for run in runs]
         for base in ("pack-t1", "pack-t2")
@@ -341,8 +344,7 @@ def _engines(args) -> int:
         "loadavg_before": load0,
         "loadavg_after": load1,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    harness.write_result(args.json, "bench_pack", args, summary, rounds)
     print(f"\n{'command':<14} {'median s':>9} {'CPU s':>7}")
     for n in names:
         wall, used = statistics.median(r[n] for r in runs), statistics.median(c[n] for c in cpus)
@@ -363,21 +365,21 @@ def _engines(args) -> int:
 def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     cmds = _ray_commands(src, work, shard_size, args.processes, scratch)
     names = list(cmds)
-    load0 = os.getloadavg()
+    load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
         f"{args.repeats} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
         f"{load0[2]:.2f}",
         flush=True,
     )
-    runs = []
-    for rep in range(args.repeats):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        times = {}
-        for name in order:
-            _clean(work)
-            times[name] = _time(cmds[name])
-        runs.append(times)
+
+    def once(name: str) -> dict:
+        _clean(work)
+        return {"seconds": _time(cmds[name])}
+
+    got, rounds = _interleave(names, once, args.repeats)
+    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    for rep, times in enumerate(runs):
         print(
             f"repeat {rep + 1}: "
             + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
@@ -385,7 +387,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
             flush=True,
         )
     _clean(work)
-    load1 = os.getloadavg()
+    load1 = harness.loadavg()
     over = [r["ray"] - r["local"] for r in runs]
     ratio = [r["ray"] / r["local"] for r in runs]
     summary = {
@@ -399,8 +401,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
         "loadavg_before": load0,
         "loadavg_after": load1,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    harness.write_result(args.json, "bench_pack", args, summary, rounds)
     for n in names:
         print(f"{n:<8} median {statistics.median(r[n] for r in runs):.2f} s")
     print(

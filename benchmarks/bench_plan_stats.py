@@ -2,7 +2,7 @@
 """The driver's own CPU time for planning a pack, with the plan's ``stat`` calls on the driver
 or on an engine (``map_chunks``: ``LocalRunner``'s pool, a local Ray cluster).
 
-Uses ``bench_table.make_table``'s N-row CSV (images: hard links under ``img/<class>/``) as the
+Uses ``data.table``'s N-row CSV (images: hard links under ``img/<class>/``) as the
 table source, and its ``img`` folder as the class-per-folder source. Each measurement runs in
 a fresh child process; the engine is started before the clock (a Ray cluster's start-up and
 a pool's fork are reported apart, not counted). Per source and engine it reports the driver's
@@ -17,17 +17,10 @@ Rounds are interleaved:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_table import make_table
-
-ROOT = Path(__file__).resolve().parents[1]
+import data
+import harness
 
 _CHILD = """
 import json, os, resource, sys, time, warnings
@@ -72,46 +65,32 @@ print(json.dumps({"files": len(scan.files), "scan_cpu": c1 - c0, "stats_cpu": c2
 """
 
 
-def once(src: Path, engine: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(src), engine],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        raise SystemExit(f"{engine} on {src} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, rounds=3, against=False)
     ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--work", default="/tmp/bench-table")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--engines", default="none,local,ray")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    table = make_table(work, a.rows)
+    a = harness.parse(ap, smoke={"rows": 300, "engines": "none,local"})
+    a.rounds = a.repeats or a.rounds
+    work = a.work or data.root() / "table"
+    table = data.table(work, a.rows)
     sources = {"table": table, "folder": work / "img"}
     engines = a.engines.split(",")
-    results: dict = {}
-    for rep in range(a.repeats):
-        order = engines if rep % 2 == 0 else list(reversed(engines))
-        for name, src in sources.items():
-            for engine in order:
-                results.setdefault(f"{name} {engine}", []).append(once(src, engine))
-    report(results, engines, sources)
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
+    sides = {
+        f"{name} {engine}": (lambda r, src=src, engine=engine: harness.in_child(
+            harness.ROOT, _CHILD, src, engine))
+        for name, src in sources.items()
+        for engine in engines
+    }  # fmt: skip
+    rounds = harness.interleave(sides, a.rounds, order="reverse")
+    report(rounds.results, engines, sources)
+    harness.write_result(a.json, "bench_plan_stats", a, {}, rounds)
 
 
 def report(results: dict, engines: list[str], sources: dict) -> None:
-    load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
+    load = harness.load_now()
+    print(f"load average {load.text()}; {load.cpu_count} CPUs")
     print(
         f"{'source engine':<16}{'files':>9}{'scan cpu':>10}{'stat cpu':>10}{'plan cpu':>10}"
         f"{'stat wall':>11}{'start s':>9}{'peak MB':>9}"

@@ -26,8 +26,6 @@ the CPUs (server, proxy and client share them), not by a network.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -38,8 +36,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
+
+ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT / "tests"))  # the loopback servers live beside the tests
 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
@@ -57,19 +57,7 @@ BATCH = 64
 
 
 def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
-    if not src.is_dir():
-        from shardkit.synth import make_lfw
-
-        print(f"making {src} ...", flush=True)
-        make_lfw(str(src))
-    from shardkit import pack
-    from shardkit.sizes import parse_size
-
-    if (shards / MANIFEST_NAME).exists():
-        if read_manifest(str(shards)).pack.get("shard_size") == parse_size(shard_size):
-            return
-    print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
-    pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)
+    data.packed(data.lfw(src), shards, shard_size=shard_size, workers=2)
 
 
 # --- the server process -----------------------------------------------------------------------
@@ -169,7 +157,7 @@ def collate_raw(batch):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=3, against=False)
     ap.add_argument("--src", default=str(ROOT / "data/lfw"))
     ap.add_argument("--shards", default=str(ROOT / "bench-out/remote/lfw-tar"))
     ap.add_argument(
@@ -189,10 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--folder-images", type=int, default=600, help="folder subset size")
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
+    root = data.root()
+    smoke = {"src": str(root / "lfw-smoke"), "shards": str(root / "lfw-smoke-remote")}
+    smoke.update(latency_ms=1.0, folder_images=40, shard_size="1MB")
+    args = harness.parse(ap, smoke=smoke, argv=argv)
+    args.repeats = args.rounds = args.repeats or args.rounds
+    if args.smoke:
+        data.lfw(Path(args.src), 0.01)
 
     src, shards = Path(args.src), Path(args.shards)
     ensure_data(src, shards, args.shard_size)
@@ -270,24 +263,23 @@ def main(argv: list[str] | None = None) -> int:
         collate_fn=collate_raw,
     )
     pool = ctx.Pool(args.workers)
-    results: dict[str, list] = {k: [] for k in ("raw", "stream", "stream_p0", "folder")}
     # Warm-up: start the persistent workers and the pool, fill server-side caches.
     for ld in loaders.values():
         stream(ld, nbytes)
     stream(folder_loader, 0)
     raw_transfer(pool, urls, opts, args.workers, in_flight)
-    for rep in range(args.repeats):
-        order = ["raw", "stream", "stream_p0", "folder"]
-        random.Random(rep).shuffle(order)
-        for name in order:
-            if name == "raw":
-                mb_s, _ = raw_transfer(pool, urls, opts, args.workers, in_flight)
-                results["raw"].append({"mb_s": mb_s})
-            elif name == "folder":
-                results["folder"].append(stream(folder_loader, 0))
-            else:
-                results[name].append(stream(loaders[name], nbytes))
-        print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
+
+    def raw(r: int) -> dict:
+        return {"mb_s": raw_transfer(pool, urls, opts, args.workers, in_flight)[0]}
+
+    sides = {
+        "raw": raw,
+        "stream": lambda r: stream(loaders["stream"], nbytes),
+        "stream_p0": lambda r: stream(loaders["stream_p0"], nbytes),
+        "folder": lambda r: stream(folder_loader, 0),
+    }
+    rounds = harness.interleave(sides, args.repeats, order="shuffle")
+    results = rounds.results
     pool.close()
     parent.send("stop")
     server.join(10)
@@ -336,9 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         f"folder, 1 req/image   {summary['folder_samples_s']:17.0f} img/s  -> shards are "
         f"{summary['shards_vs_folder']:.1f}x faster"
     )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+    harness.write_result(args.json, "bench_remote", args, summary, rounds)
     return 0
 
 

@@ -12,11 +12,12 @@ support does: iterate and discard the consumed batches (torchdata's "naive fast-
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
+import data
+import harness
 from torch.utils.data import DataLoader
 
 from shardkit import ShardDataset
@@ -37,15 +38,21 @@ def make(args) -> ShardDataset:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("shards", help="shard directory (e.g. packed LFW)")
+    p = harness.parser(__doc__, rounds=7, against=False)
+    p.add_argument("shards", nargs="?", help="shard directory (e.g. packed LFW)")
     p.add_argument("--at", type=float, default=0.9, help="resume point, fraction of the epoch")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     p.add_argument("--epoch", type=int, default=3)
     p.add_argument("--no-naive", action="store_true", help="skip the fast-forward reference")
-    args = p.parse_args()
+    args = harness.parse(p, smoke={"batch_size": 8})
+    args.repeats = args.rounds = args.repeats or args.rounds
+    if args.smoke and args.shards is None:
+        lfw = data.lfw(data.root() / "lfw-smoke", 0.01)
+        args.shards = str(data.packed(lfw, shard_size="16MB"))
+    if args.shards is None:
+        p.error("the shard directory is required (e.g. packed LFW)")
 
     for name in sorted(os.listdir(args.shards)):  # page cache: measure the loader, not the disk
         with open(os.path.join(args.shards, name), "rb") as f:
@@ -56,16 +63,21 @@ def main() -> None:
     k = int(batches * args.at)
     probe.set_epoch(args.epoch)
     state = probe.state_dict(batches=k, num_workers=args.workers)
-    load_before = os.getloadavg()
+    load_before = harness.loadavg()
 
-    fresh, resumed = [], []
-    for _ in range(args.repeats):
+    def fresh_epoch(r: int) -> float:
         ds = make(args)
         ds.set_epoch(args.epoch)
-        fresh.append(first_batch(ds, args))
+        return first_batch(ds, args)
+
+    def resumed_epoch(r: int) -> float:
         ds = make(args)
         ds.load_state_dict(state)
-        resumed.append(first_batch(ds, args))
+        return first_batch(ds, args)
+
+    sides = {"fresh": fresh_epoch, "resumed": resumed_epoch}
+    rounds = harness.interleave(sides, args.repeats, order="fixed", quiet=True)
+    fresh, resumed = rounds.values("fresh"), rounds.values("resumed")
     naive = None
     if not args.no_naive:
         ds = make(args)
@@ -77,7 +89,7 @@ def main() -> None:
             next(it)
         naive = time.perf_counter() - t0
         del it
-    load_after = os.getloadavg()
+    load_after = harness.loadavg()
 
     f_med, r_med = statistics.median(fresh), statistics.median(resumed)
     print(f"{probe!r}")
@@ -91,6 +103,8 @@ def main() -> None:
     if naive is not None:
         print(f"fast-forward by iterating (one run): {naive * 1000:,.0f} ms = {naive / r_med:.0f}x")
     print(f"load average before {_load(load_before)}, after {_load(load_after)}")
+    result = {"fresh_s": f_med, "resumed_s": r_med, "ratio": r_med / f_med, "naive_s": naive}
+    harness.write_result(args.json, "bench_resume", args, result, rounds)
 
 
 def _ms(values) -> str:

@@ -14,63 +14,68 @@ Run it on a quiet machine: at a load above the cores, load noise swamps the run 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import data
+import harness
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-
-from shardkit.bench.config import BenchConfig  # noqa: E402
-from shardkit.bench.pagecache import evict_until_cold  # noqa: E402
-from shardkit.bench.runner import _prepare, _run  # noqa: E402
-from shardkit.bench.sources import plan_sources  # noqa: E402
+from shardkit.bench.config import BenchConfig
+from shardkit.bench.pagecache import evict_until_cold
+from shardkit.bench.runner import prepare, run_prepared
+from shardkit.bench.sources import packed_skips, plan_sources
 
 CONFIGS = [("tar", 2), ("folder", 2), ("tar", 8), ("tar", 0)]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--data", default="data/lfw")
     ap.add_argument("--lengths", default="0.25,0.5,1,1.5,2,3")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
+    smoke = {"data": str(data.root() / "lfw-smoke"), "lengths": "0.1"}
+    args = harness.parse(ap, smoke=smoke)
+    args.repeats = args.rounds = args.repeats or args.rounds
+    if args.smoke:
+        data.lfw(Path(args.data), 0.01)
     lengths = [float(x) for x in args.lengths.split(",")]
     base = BenchConfig(
-        data=args.data, formats=("folder", "tar"), workers=(0, 2, 8), mode="decode"
+        data=args.data,
+        formats=("folder", "tar"),
+        workers=(0, 2, 8),
+        mode="decode",
+        batch_size=4 if args.smoke else 64,
     ).resolved()
-    sources, _ = plan_sources(base)
-    prep = _prepare(base, sources)
-    runs: dict[str, list[tuple[float, int, float]]] = {}
-    load0, t0 = os.getloadavg(), time.time()
-    _run(replace(base, batches=5, max_seconds=0.2, min_seconds=0.0), prep, "tar", 0, -1)
-    for r in range(args.repeats):
-        for length in lengths:
-            cfg = replace(base, min_samples=0, min_seconds=length, max_seconds=length)
-            for fmt, w in CONFIGS:
-                evict_until_cold(prep.paths[fmt])
-                res, _ = _run(cfg, prep, fmt, w, r)
-                runs.setdefault(f"{fmt}:{w}:{length:g}", []).append(
-                    (res.samples_per_s, res.timed_samples, res.wall_s)
-                )
-        print(f"repeat {r + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
-    print(f"load before {load0}, after {os.getloadavg()}, {time.time() - t0:.0f} s")
+    sources, folder = plan_sources(base)
+    prep = prepare(base, sources, packed_skips(sources, folder))
+    t0 = time.time()
+    run_prepared(replace(base, batches=5, max_seconds=0.2, min_seconds=0.0), prep, "tar", 0, -1)
+
+    def side(length: float, fmt: str, w: int):
+        cfg = replace(base, min_samples=0, min_seconds=length, max_seconds=length)
+
+        def run(r: int) -> dict:
+            evict_until_cold(prep.paths[fmt])
+            res, _ = run_prepared(cfg, prep, fmt, w, r)
+            return {"rate": res.samples_per_s, "samples": res.timed_samples, "wall": res.wall_s}
+
+        return run
+
+    sides = {
+        f"{fmt}:{w}:{length:g}": side(length, fmt, w) for length in lengths for fmt, w in CONFIGS
+    }
+    rounds = harness.interleave(sides, args.repeats, order="fixed")
+    print(f"load per round {rounds.load_text()}, {time.time() - t0:.0f} s")
     print("format:workers:L   mean samples/s   CV   timed samples   wall s")
-    for key, values in runs.items():
-        rates = np.array([v[0] for v in values])
-        cv = rates.std(ddof=1) / rates.mean()
-        samples = np.mean([v[1] for v in values])
-        wall = np.mean([v[2] for v in values])
+    for key in sides:
+        rates = np.array(rounds.values(key))
+        cv = rates.std(ddof=1) / rates.mean() if len(rates) > 1 else float("nan")
+        samples = np.mean(rounds.values(key, "samples"))
+        wall = np.mean(rounds.values(key, "wall"))
         print(f"{key:18s} {rates.mean():14.0f} {cv:5.2f} {samples:15.0f} {wall:8.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"load_before": load0, "runs": runs}, indent=1))
+    harness.write_result(args.json, "bench_run_length", args, {}, rounds)
 
 
 if __name__ == "__main__":

@@ -1,336 +1,279 @@
 #!/usr/bin/env python3
-"""What subsets, splits, random access, ``ls`` and ``show`` cost at ImageNet's sample count.
+"""What each operation costs at N samples: subsets, splits, lookups, growth, open, ls, show.
 
 Makes N samples (one tiny 64x64 JPEG's bytes under N keys in 1,000 classes, written with
 ``ShardWriter``: fast), then measures each figure in a fresh child process, with the sample
 indexes (``*.tar.idx``) and on the same shards without them (hard links, the indexes left out:
 an older pack), interleaved. ``--format lmdb``: LMDB shards with their index record, and a copy
-whose shards have it deleted (through the ``lmdb`` package: an older pack's reads):
+whose shards have it deleted (through the ``lmdb`` package: an older pack's reads). Every figure
+is given with N, in CPU seconds (this process, or the CLI child's own) and bytes, which a busy
+machine moves least:
 
-- ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own bytes;
-- ``split="val"`` construction: seconds and peak memory;
-- ``ShardView`` open: seconds and peak memory;
-- ``shardkit ls`` first line and ``shardkit show KEY``: seconds after imports, peak memory;
-- a full epoch (``decode="raw"``): samples/s, both sides (nothing else slower).
+- ``subset``: a ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own
+  bytes, CPU per drawn sample;
+- ``split``: ``split="val"`` construction: CPU and peak memory above the imports, per sample of
+  the whole data set;
+- ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
+- ``view``: ``ShardView`` open: CPU and peak memory;
+- ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
+- ``ls`` first line, ``show KEY``, ``show-missing`` (a key that is not there): CPU and memory;
+- ``epoch``: a full epoch (``decode="raw"``): samples/s and CPU per sample;
+- ``append`` (``shardkit pack MORE OUT --append`` of ``--new`` samples onto a hard-linked copy)
+  and ``merge`` (``shardkit merge OUT MORE NEW``): the CLI's CPU and peak memory, indexed side
+  only (growth is this code's, not an older pack's).
+
+``--many-shards S`` also makes the same N samples in about S shards and measures open, get,
+``ls``, ``show`` and ``show-missing`` on it (the per-shard costs: 40,000 shards at LAION size).
 
     python benchmarks/bench_scale.py --n 128000 --out /tmp/scale
-    python benchmarks/bench_scale.py --n 1280000 --out /tmp/scale --json bench-out/scale.json
+    python benchmarks/bench_scale.py --n 128000 1280000 --json bench-out/scale.json
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
-    python benchmarks/bench_scale.py --n 128000 640000 --what append merge get miss showmiss
-
-Growth (``append``, ``merge``: 10,000 new samples, ``--new``) and key lookups (``get``,
-``miss``: CPU per ``ShardView.index`` call; ``showmiss``: ``show`` of a key no shard holds)
-report CPU seconds (user + system) and peak memory, so load on the machine does not move them.
+    python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
-import subprocess
-import sys
+import shutil
 import time
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
 CHILD = r"""
 import json, os, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 import numpy as np
+from shardkit import ShardDataset, ShardView
+from shardkit.stream.show import list_lines, show_lines
 what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
-if what in ("append", "merge"):  # as the CLI runs them: without torch
-    import shardkit.write.merge, shardkit.write.packer
-else:
-    from shardkit import ShardDataset, ShardView
-    from shardkit.stream.show import list_lines, show_lines
 def rchar():
     with open("/proc/self/io") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
-def hwm():  # this process's peak RSS (ru_maxrss would keep the forking parent's peak)
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
 def cpu():
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-r0, t0, cpu0 = rchar(), time.perf_counter(), cpu()
-out = {"base_mb": hwm()}  # after imports
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+def status_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) / 1024
+try:  # the peak from here on, not the imports' transient one (Linux: clear_refs 5 resets VmHWM)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+r0, c0, t0 = rchar(), cpu(), time.perf_counter()
+out = {"base_mb": status_mb("VmRSS")}  # after imports
 if what == "subset":
     ds = ShardDataset(where, decode="raw", subset=0.01, with_keys=True)
     out["construct_s"] = time.perf_counter() - t0
+    c1 = cpu()
     n = sum(len(s[0]) for s in ds)
-    out["drawn"], out["image_bytes"] = len(ds), n
+    out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
 elif what == "split":
     ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
     out["len"] = len(ds)
+elif what == "split-epoch":
+    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+    c1 = cpu()
+    out["samples"] = sum(1 for _ in ds)
+    out["epoch_cpu_s"] = cpu() - c1
 elif what == "view":
     view = ShardView(where, decode="raw")
     out["len"] = len(view)
+elif what == "get":
+    view = ShardView(where, decode="raw")
+    keys = [view.key(int(i)) for i in np.random.default_rng(0).integers(0, len(view), 200)]
+    view.index(keys[0]), view.index(keys[1])  # the first two build the sorted hash table
+    c1 = cpu()
+    for k in keys:
+        view.index(k)
+    out["lookups"], out["lookup_cpu_s"] = len(keys), cpu() - c1
+    c1 = cpu()
+    for k in keys:  # a key no shard holds: answered without loading an index
+        try:
+            view.index(k + "-missing")
+        except Exception:
+            pass
+    out["miss_cpu_s"] = cpu() - c1
 elif what == "ls":
     view = ShardView(where, decode="raw")
     out["line"] = next(iter(list_lines(view, 1)))
 elif what == "show":
     view = ShardView(where, decode="raw")
     out["lines"] = len(list(show_lines(view, key)))
-elif what == "epoch":
-    ds = ShardDataset(where, decode="raw")
-    out["samples"] = sum(1 for _ in ds)
-elif what == "append":  # key: a folder of new images; where: a fresh copy of the dataset
-    from shardkit.write.packer import pack
-    out["samples"] = pack(key, where, append=True, progress=False, shard_size="5MB").samples
-elif what == "merge":  # key: "B OUT"
-    from shardkit.write.merge import merge
-    other, into = key.split(" ")
-    out["samples"] = merge([where, other], into).samples
-elif what in ("get", "miss"):  # CPU per lookup, after the first two (the table is built)
-    view = ShardView(where, decode="raw")
-    rng = np.random.default_rng(0)
-    asked = [view.key(int(i)) for i in rng.integers(0, len(view), 200)]
-    if what == "miss":
-        asked = [k + "-missing" for k in asked]
-    def find(k):
-        try:
-            return view.index(k)
-        except Exception:
-            return None
-    find(asked[0]), find(asked[1])
-    c0 = cpu()
-    for k in asked:
-        find(k)
-    out["cpu_per_lookup_ms"] = (cpu() - c0) / len(asked) * 1e3
-elif what == "showmiss":  # one lookup of a key no shard holds, as `shardkit show` makes it
+elif what == "show-missing":
     view = ShardView(where, decode="raw")
     try:
-        list(show_lines(view, "no/such-key"))
-    except Exception as exc:
+        out["lines"] = len(list(show_lines(view, "no-such-class/no-such-key")))
+    except Exception as exc:  # the answer is an error naming the key
         out["error"] = type(exc).__name__
+elif what == "epoch":
+    ds = ShardDataset(where, decode="raw")
+    c1 = cpu()
+    out["samples"] = sum(1 for _ in ds)
+    out["epoch_cpu_s"] = cpu() - c1
 out["seconds"] = time.perf_counter() - t0
-out["cpu_s"] = cpu() - cpu0
+out["cpu_s"] = cpu() - c0
 out["rchar"] = rchar() - r0
-out["peak_mb"] = hwm()
+out["peak_mb"] = status_mb("VmHWM")
 print(json.dumps(out))
 """
 
+# The CLI in a child: its own CPU seconds and peak memory (RUSAGE_CHILDREN of this wrapper).
+CLI = r"""
+import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+subprocess.run([sys.executable, "-m", "shardkit.cli", *sys.argv[1:]], check=True,
+               stdout=subprocess.DEVNULL)
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.ru_stime,
+                  "peak_mb": r.ru_maxrss / 1024}))
+"""
 
-def _jpeg() -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    arr = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "JPEG", quality=85)
-    return buf.getvalue()
+WHATS = ("subset", "split", "split-epoch", "view", "get", "ls", "show", "show-missing", "epoch")
+GROWTH = ("append", "merge")
+MANY = ("view", "get", "ls", "show", "show-missing")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
-    """N samples packed with indexes, and the same shards without them (hard links; LMDB: a
-    copy with the record deleted)."""
-    from shardkit import ShardWriter
-
-    tag = "" if fmt == "tar" else f"-{fmt}"
-    packed, bare = out / f"n{n}{tag}", out / f"n{n}{tag}-noindex"
-    if not (packed / "manifest.json").exists():
-        data = _jpeg()
-        rng = __import__("numpy").random.default_rng(0)
-        labels = rng.integers(0, 1000, n)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with ShardWriter(
-                str(packed),
-                shard_size="5MB",
-                format=fmt,
-                classes=[f"n{c:08d}" for c in range(1000)],
-            ) as w:
-                for i in range(n):
-                    c = int(labels[i])
-                    w.add(f"n{c:08d}/n{c:08d}_{i}", "jpg", data, c)
-    if fmt == "lmdb" and not bare.exists():
-        _without_records(packed, bare)
-    elif not bare.exists():
-        bare.mkdir()
-        for name in os.listdir(packed):
-            if not name.endswith(".idx"):
-                os.link(packed / name, bare / name)
+    """N samples packed with indexes, and the same shards without them (``data.scale_set``)."""
+    packed, bare = data.scale_set(n, out, fmt)
     return str(packed), str(bare)
 
 
-def _without_records(packed: Path, bare: Path) -> None:
-    """A copy of an LMDB pack whose shards have no index record: what an older pack reads."""
-    import shutil
-
-    import lmdb
-
-    from shardkit.formats.lmdb_index import INDEX_KEY
-
-    tmp = bare.with_name(bare.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(packed, tmp)
-    for name in os.listdir(tmp):
-        if name.endswith(".lmdb"):
-            env = lmdb.open(str(tmp / name), subdir=False, lock=False)
-            with env.begin(write=True) as txn:
-                txn.delete(INDEX_KEY)
-            env.close()
-    os.replace(tmp, bare)
-
-
 def child(what: str, where: str, key: str = "") -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, what, where, key],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.in_child(harness.ROOT, CHILD, what, where, key)
 
 
-#: Growth: ``pack NEW OUT --append`` onto a fresh copy of the dataset (hard links, its manifest
-#: copied), and ``merge A B OUT`` with B a pack of the same new images.
-GROWTH = ["append", "merge"]
-#: ``ShardView.index(key)``: CPU per lookup of present and of missing keys; ``show`` of a
-#: missing key (memory).
-LOOKUPS = ["get", "miss", "showmiss"]
-
-
-def new_images(out: Path, n: int) -> str:
-    """``n`` new 64x64 JPEG files in 10 of the dataset's classes (keys no sample has)."""
-    folder = out / f"new{n}"
-    if not (folder / ".done").exists():
-        data = _jpeg()
-        for i in range(n):
-            cls = folder / f"n{i % 10:08d}"
-            cls.mkdir(parents=True, exist_ok=True)
-            (cls / f"new_{i}.jpg").write_bytes(data)
-        (folder / ".done").touch()
-    return str(folder)
-
-
-def grow(what: str, where: str, out: Path, n_new: int) -> dict:
-    import shutil
-
-    from shardkit.write.packer import pack
-
-    src = new_images(out, n_new)
-    target = out / "grow-target"
-    shutil.rmtree(target, ignore_errors=True)
+def growth(what: str, packed: Path, n: int, new: int, work: Path, fmt: str) -> dict:
+    """``append`` or ``merge`` of ``new`` samples onto the N-sample pack, in a CLI child."""
+    scratch = work / f"grow-{what}"
     if what == "append":
-        target.mkdir()
-        for name in os.listdir(where):
-            link = os.link if name != "manifest.json" else shutil.copyfile
-            link(os.path.join(where, name), target / name)
-        got = child("append", str(target), src)
+        more = data.scale_tree(new, n, work)
+        dest = data.linked_copy(packed, scratch)
+        argv = ["pack", more, dest, "--append", "-q", "--format", fmt]
     else:
-        other = out / f"new{n_new}-packed"
-        if not (other / "manifest.json").exists():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                pack(src, str(other), progress=False, shard_size="5MB")
-        got = child("merge", where, f"{other} {target}")
-    shutil.rmtree(target, ignore_errors=True)
-    return got
+        more, _ = data.scale_set(new, work, fmt, start=n)
+        shutil.rmtree(scratch, ignore_errors=True)
+        argv = ["merge", packed, more, scratch]
+    try:
+        return harness.in_child(harness.ROOT, CLI, *argv)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dict:
+    """Every asked figure on the N-sample set of ``shard_size`` shards, interleaved."""
+    from shardkit import ShardView
+
+    t0 = time.perf_counter()
+    packed, bare = data.scale_set(n, args.out, fmt, shard_size)
+    made = time.perf_counter() - t0
+    shards = [f for f in os.listdir(packed) if f.endswith(f".{fmt}")]
+    total = sum(os.path.getsize(packed / f) for f in shards)
+    key = ShardView(str(packed), decode="raw").key(n // 2)  # a sample halfway
+    row = {"n": n, "shards": len(shards), "dataset_bytes": total, "make_s": made, "format": fmt}
+    row["load_before"] = harness.load_now().as_dict()
+    sides = {
+        f"{what}/{side}": (lambda r, what=what, where=where: child(what, str(where), key))
+        for what in whats
+        for side, where in (("index", packed), ("no_index", bare))
+    }
+    sides.update(
+        {
+            f"{what}/index": (lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt))
+            for what in growth_whats
+        }
+    )
+    rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
+    for k, runs in rounds.results.items():  # the median run by CPU; all in "runs"
+        row[k] = sorted(runs, key=lambda x: x["cpu_s"])[len(runs) // 2]
+    row["runs"] = rounds.results
+    row["loads"] = [x.as_dict() for x in rounds.loads]
+    row["load_after"] = harness.load_now().as_dict()
+    return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = harness.parser(__doc__, rounds=1, against=False)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/shardkit-scale"))
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
-    ap.add_argument("--new", type=int, default=10_000, help="Samples an append or merge adds.")
-    ap.add_argument(
-        "--index-only", action="store_true", help="Only the side with indexes (no older pack)."
-    )
-    args = ap.parse_args()
+    ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
+    ap.add_argument("--many-shards", type=int, default=0, help="also a set of about S shards")
+    args = harness.parse(ap, smoke={"n": [500], "new": 50, "many_shards": 20})
+    args.out = args.out or data.root() / "scale"
+    skip = {"epoch"} if args.skip_epoch else set()
+    whats = [w for w in WHATS if w not in skip and (args.what is None or w in args.what)]
+    grows = [w for w in GROWTH if args.what is None or w in args.what]
+    many = [w for w in MANY if args.what is None or w in args.what]
     results = []
     for n in args.n:
-        t0 = time.perf_counter()
-        packed, bare = make(args.out, n, args.format)
-        made = time.perf_counter() - t0
-        tars = [f for f in os.listdir(packed) if f.endswith(f".{args.format}")]
-        total = sum(os.path.getsize(os.path.join(packed, f)) for f in tars)
-        from shardkit import ShardView
-
-        key = ShardView(packed, decode="raw").key(n // 2)  # a sample halfway
-        row = {"n": n, "dataset_bytes": total, "make_s": made, "load_before": os.getloadavg()}
-        row["format"] = args.format
-        whats = ["subset", "split", "view", "ls", "show"] + ([] if args.skip_epoch else ["epoch"])
-        whats += GROWTH + LOOKUPS
-        whats = [w for w in whats if args.what is None or w in args.what]
-        for what in whats:
-            for side, where in (("index", packed), ("no_index", bare)):
-                if side == "no_index" and args.index_only:
-                    continue
-                if what in GROWTH:
-                    row[f"{what}/{side}"] = grow(what, where, args.out, args.new)
-                else:
-                    row[f"{what}/{side}"] = child(what, where, key)
-        row["load_after"] = os.getloadavg()
+        row = measure(args, n, args.format, "5MB", whats, grows)
         results.append(row)
         _print(row)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        if args.many_shards and many:
+            per = max(4096, row["dataset_bytes"] // args.many_shards)
+            row = measure(args, n, args.format, f"{per}B", many, [])
+            results.append(row)
+            _print(row)
+    harness.write_result(args.json, "bench_scale", args, {"rows": results})
+
+
+LABELS = {
+    "subset": "subset=0.01 epoch",
+    "split": 'split="val" construction',
+    "split-epoch": 'split="val" epoch',
+    "view": "ShardView open",
+    "get": "get(key), per lookup",
+    "ls": "ls first line",
+    "show": "show KEY",
+    "show-missing": "show a missing key",
+    "epoch": "full epoch (raw)",
+    "append": "pack --append",
+    "merge": "merge",
+}
+
+
+def _cell(what: str, r: dict, row: dict) -> str:
+    """One figure: CPU seconds (per sample or lookup where that is the question) and bytes."""
+    more = r["peak_mb"] - r.get("base_mb", 0.0)
+    if what == "subset":
+        drawn = r["drawn"] * row["dataset_bytes"] / row["n"]
+        us = r["epoch_cpu_s"] / max(1, r["drawn"]) * 1e6
+        return f"read {r['rchar'] / drawn:.2f}x drawn, {us:.0f} us CPU/sample"
+    if what in ("epoch", "split-epoch"):
+        us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
+        return f"{us:.1f} us CPU/sample +{more:.0f} MB"
+    if what == "split":
+        per = more * 2**20 / row["n"]
+        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B/sample)"
+    if what == "get":
+        return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
+    if what in GROWTH:
+        return f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB"
+    return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read"
 
 
 def _print(row: dict) -> None:
     n = row["n"]
     print(
-        f"\nN = {n:,} samples, {row['dataset_bytes'] / 1e9:.2f} GB of {row.get('format', 'tar')} "
-        f"(made in {row['make_s']:.0f} s); load {row['load_before']} -> {row['load_after']}"
+        f"\nN = {n:,} samples in {row['shards']:,} shards, {row['dataset_bytes'] / 1e9:.2f} GB of "
+        f"{row['format']} (made in {row['make_s']:.0f} s); load "
+        f"{row['load_before']['load_1m']} -> {row['load_after']['load_1m']}"
     )
-    base = max(r["base_mb"] for k, r in row.items() if k.endswith("/index"))
-    print(
-        f"memory: peak above the {base:.0f} MB a process holds after importing shardkit+torch "
-        "(growth: the peak of a process that imports shardkit alone, as the CLI)"
-    )
-    print(f"{'figure':34s} {'with index':>30s} {'without':>30s}")
-    for what, label in (
-        ("subset", "subset=0.01 epoch: read / drawn"),
-        ("split", 'split="val" construction'),
-        ("view", "ShardView open"),
-        ("ls", "ls first line"),
-        ("show", "show KEY"),
-        ("epoch", "full epoch (raw)"),
-        ("append", "pack NEW --append (CPU)"),
-        ("merge", "merge A NEW OUT (CPU)"),
-        ("get", "view.index(key) CPU/lookup"),
-        ("miss", "view.index(missing) CPU/lookup"),
-        ("showmiss", "show a missing key"),
-    ):
+    print("memory: peak resident above what a process holds after importing shardkit+torch")
+    print(f"{'figure':28s} {'with index':>44s} {'without':>44s}")
+    for what, label in LABELS.items():
         if f"{what}/index" not in row:
             continue
-        cells = []
-        for side in ("index", "no_index"):
-            if f"{what}/{side}" not in row:
-                cells.append("-")
-                continue
-            r = row[f"{what}/{side}"]
-            more = r["peak_mb"] - r["base_mb"]
-            if what == "subset":
-                drawn = r["drawn"] * _sample_bytes(row)
-                cells.append(f"{r['rchar'] / 1e6:.1f} MB ({r['rchar'] / drawn:.2f}x)")
-            elif what == "epoch":
-                cells.append(f"{r['samples'] / r['seconds']:,.0f}/s +{more:.0f} MB")
-            elif what in ("get", "miss"):
-                cells.append(f"{r['cpu_per_lookup_ms']:.3f} ms +{more:.0f} MB")
-            elif what in GROWTH:
-                cells.append(f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB")
-            else:
-                cells.append(f"{r['seconds']:.2f} s +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read")
-        print(f"{label:34s} {cells[0]:>30s} {cells[1]:>30s}")
-
-
-def _sample_bytes(row: dict) -> float:
-    """Bytes of one sample in its shard (all samples are alike here: one JPEG, one label)."""
-    return row["dataset_bytes"] / row["n"]
+        cells = [_cell(what, row[f"{what}/index"], row)]
+        if f"{what}/no_index" in row:
+            cells.append(_cell(what, row[f"{what}/no_index"], row))
+        print(f"{label:28s} " + " ".join(f"{c:>44s}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -3,30 +3,29 @@
 
 Wall-clock rates on a loaded machine swing 0.4x-2x from round to round (bench_against at load
 14 on 2 cores); CPU time per image does not wait for a core. ``ShardLoader(num_workers=0)`` runs
-the fill loop in the caller, so the child's CPU time is the whole loader's: read, decode, the
-counters. Each round runs both checkouts in fresh child processes, alternating which goes first;
-reported per job, the median over rounds of this checkout's images per CPU-second over the
-other's (above 1: this one is cheaper). Jobs: ``tiny`` (whole 8x8 JPEGs, batches of 256: the
-least work per image, where per-image costs show most) and ``rrc`` (ImageNet-shaped photos,
-random-resized crops to 224, two epochs). The data are bench_against.py's (run it once first):
+the fill loop in the caller, so the child's CPU time (``time.process_time``, after the first
+batch) is the whole loader's: read, decode, the counters. Each round runs every job on both
+checkouts in fresh child processes (``harness.in_child``, ``OMP_NUM_THREADS=1``), flipping
+which goes first every round; reported per job, the median over rounds of this checkout's
+images per CPU-second over the other's (above 1: this one is cheaper), with each round's load
+average. Jobs: ``tiny`` (whole 8x8 JPEGs, batches of 256, one epoch: the least work per image,
+where per-image costs show most) and ``rrc`` (ImageNet-shaped photos, random-resized crops to
+224, batches of 64, two epochs). The data are bench_against.py's (``data.table`` and
+``data.imagenet`` under ``--work``, packed by this checkout), made on the first run:
 
     git worktree add /tmp/base <rev>   # or: git archive <rev> | tar -x -C /tmp/base
-    python benchmarks/bench_against.py --against /tmp/base --jobs epoch-tiny --rounds 1 \
-        --rows 8000 --per-class 100 --work /tmp/bench-against
-    python benchmarks/bench_stats_overhead.py /tmp/base --rounds 9 --work /tmp/bench-against
+    python benchmarks/bench_stats_overhead.py --against /tmp/base --rounds 9
 """
 
-import argparse
-import json
+from __future__ import annotations
+
 import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import data
+import harness
 
-CHILD = r"""
+_CHILD = r"""
 import json, sys, time, warnings
 warnings.simplefilter("ignore")
 from shardkit import ShardDataset, ShardLoader
@@ -35,54 +34,69 @@ if sys.argv[2] == "rrc":
     kw.update(size=224, crop="random", flip=True)
 ds = ShardDataset(sys.argv[1], **kw)
 loader = ShardLoader(ds, int(sys.argv[3]), num_workers=0)
-n = 0
+n, cpu = 0, 0.0
 for epoch in range(int(sys.argv[4])):
     loader.set_epoch(epoch)
     it = iter(loader)
     next(it)
     t0 = time.process_time()
     n += sum(len(x) for x, _ in it)
-    cpu = time.process_time() - t0 if epoch == 0 else cpu + time.process_time() - t0
-print(json.dumps({"rate": n / cpu}))
+    cpu += time.process_time() - t0
+if n == 0:
+    sys.exit(f"{sys.argv[1]}: one batch or less per epoch: smaller batches or more data")
+print(json.dumps({"rate": n / max(cpu, 1e-9), "images": n}))
 """
 
-
-def run(checkout, *args):
-    env = {**os.environ, "PYTHONPATH": checkout, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-c", CHILD, *args],
-        env=env,
-        cwd=checkout,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(r.stdout.strip().splitlines()[-1])["rate"]
+JOBS = ("tiny", "rrc")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("against", type=Path, help="the other checkout")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-against"))
-    ap.add_argument("--rows", type=int, default=8000, help="the table's rows (bench_against)")
-    ap.add_argument("--rounds", type=int, default=9)
-    a = ap.parse_args()
-    this, against, rounds = str(ROOT), str(a.against.resolve()), a.rounds
+    ap = harness.parser(__doc__, rounds=9)
+    ap.add_argument("--work", type=Path, default=None, help="data (default: bench_against's)")
+    ap.add_argument("--rows", type=int, default=8000, help="the table's rows (tiny)")
+    ap.add_argument("--per-class", type=int, default=100, help="photos per class, x4 (rrc)")
+    ap.add_argument("--tiny-batch", type=int, default=256)
+    ap.add_argument("--rrc-batch", type=int, default=64)
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    a = harness.parse(ap, smoke={"rows": 300, "per_class": 4, "tiny_batch": 16, "rrc_batch": 4})
+    if a.against is None and not a.smoke:
+        raise SystemExit("--against DIR is required (another checkout)")
+    against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
+    os.environ["OMP_NUM_THREADS"] = "1"  # the children's torch: one thread, as the fill loop
+    work = a.work or data.root() / "against"  # bench_against.py's data, shared with it
+    table = data.packed(
+        data.table(work / "table", a.rows, classes=100), work / f"table-{a.rows}-pack"
+    )
+    inet = data.packed(data.imagenet(work / "inet", 4, a.per_class), work / "inet-pack")
     jobs = {
-        "tiny": (str(a.work / f"table-{a.rows}-pack"), "tiny", "256", "1"),
-        "rrc": (str(a.work / "inet-pack"), "rrc", "64", "2"),
+        "tiny": (table, "tiny", a.tiny_batch, 1),
+        "rrc": (inet, "rrc", a.rrc_batch, 2),
     }
-    out, loads = {}, []
-    for name, args in jobs.items():
-        ratios = []
-        for r in range(rounds):
-            loads.append(round(os.getloadavg()[0], 1))
-            order = [this, against] if r % 2 == 0 else [against, this]
-            got = {c: run(c, *args) for c in order}
-            ratios.append(got[this] / got[against])
-        out[name] = {"ratio": statistics.median(ratios), "ratios": [round(x, 3) for x in ratios]}
-        print(name, out[name], flush=True)
-    print("load averages:", loads)
+    names = a.jobs.split(",")
+    checkouts = {"this": harness.ROOT, "against": against}
+    sides = {
+        f"{j}/{c}": (lambda r, j=j, c=c: harness.in_child(checkouts[c], _CHILD, *jobs[j]))
+        for j in names
+        for c in checkouts
+    }
+    rounds = harness.interleave(sides, a.rounds, order="reverse")
+    summary = {}
+    for j in names:
+        this, other = f"{j}/this", f"{j}/against"
+        summary[j] = {
+            "measure": "images per CPU-second",
+            "this": rounds.median(this),
+            "against": rounds.median(other),
+            "ratio": rounds.ratio(this, other),
+            "ratios": [round(x, 3) for x in rounds.ratios(this, other)],
+        }
+    print(f"load average per round: {rounds.load_text()}")
+    print(f"{'job':5s} {'this':>10s} {'against':>10s} {'ratio':>7s}  per round (>1: this cheaper)")
+    for j, s in summary.items():
+        print(f"{j:5s} {s['this']:10.0f} {s['against']:10.0f} {s['ratio']:7.3f}  {s['ratios']}")
+    result = {"against": str(against), "rows": a.rows, "jobs": summary}
+    out = a.json or harness.ROOT / "bench-out" / "bench_stats_overhead.json"
+    harness.write_result(out, "bench_stats_overhead", a, result, rounds)
 
 
 if __name__ == "__main__":

@@ -26,25 +26,22 @@ image of the workers and the main process, which contention does not change much
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
+
+ROOT = harness.ROOT
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit.formats import get_format  # noqa: E402
-from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from shardkit.manifest import read_manifest  # noqa: E402
 from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
@@ -52,23 +49,7 @@ from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 
 def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
     """The LFW tree (synthesised if missing) packed to tar shards (reused when up to date)."""
-    if not src.exists():
-        from shardkit.synth import make_lfw
-
-        print(f"making {src} with shardkit.synth.make_lfw ...", flush=True)
-        make_lfw(src)
-    manifest = shards / MANIFEST_NAME
-    if manifest.exists():
-        m = read_manifest(str(shards))
-        same_src = os.path.abspath(m.pack.get("source", "")) == os.path.abspath(src)
-        from shardkit.sizes import parse_size
-
-        if same_src and m.pack.get("shard_size") == parse_size(shard_size):
-            return
-    from shardkit.write.packer import pack
-
-    print(f"packing {src} -> {shards} ({shard_size} shards) ...", flush=True)
-    pack(str(src), str(shards), shard_size=shard_size, overwrite=True, progress=False, workers=2)
+    data.packed(data.lfw(src), shards, shard_size=shard_size, workers=2)
 
 
 def warm(paths: list[str]) -> int:
@@ -114,18 +95,20 @@ def bench_raw(urls: list[str], repeats: int) -> dict:
         "webdataset WebDataset(shards)": lambda e: theirs(),
         "webdataset .shuffle(1000)": lambda e: theirs_shuffled(),
     }
-    rates: dict[str, list[float]] = {k: [] for k in sides}
     counts = {}
-    for rep in range(repeats):
-        names = list(sides)
-        names = names[rep % len(names) :] + names[: rep % len(names)]  # rotate the order
-        for name in names:
+
+    def side(name):
+        def run(rep: int) -> float:
             ds = sides[name](rep)
             if isinstance(ds, ShardDataset):
                 ds.set_epoch(rep)
-            r, n = rate(ds)
-            rates[name].append(r)
-            counts[name] = n
+            r, counts[name] = rate(ds)
+            return r
+
+        return run
+
+    rounds = harness.interleave({name: side(name) for name in sides}, repeats, quiet=True)
+    rates = {name: rounds.values(name) for name in sides}
     keys = list(sides)
     wds_plain, wds_shuf = rates[keys[2]], rates[keys[3]]
     return {
@@ -144,21 +127,6 @@ def bench_raw(urls: list[str], repeats: int) -> dict:
     }
 
 
-def pil_decode(data: bytes) -> np.ndarray:
-    img = Image.open(io.BytesIO(data))
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    return np.array(img)
-
-
-def decode_ceiling(blobs: list[bytes]) -> float:
-    """Images/s of one process doing nothing but PIL-decoding JPEG bytes already in memory."""
-    t0 = time.perf_counter()
-    for b in blobs:
-        pil_decode(b)
-    return len(blobs) / (time.perf_counter() - t0)
-
-
 class _Epochs:
     """Hands out fresh epoch numbers, so no measured pass repeats an earlier order."""
 
@@ -172,10 +140,7 @@ class _Epochs:
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return harness.live_cpu_seconds([pid])
 
 
 def loader_pass(loader: DataLoader, epochs: _Epochs) -> tuple[float, float, float]:
@@ -210,23 +175,6 @@ class ConstantImages(torch.utils.data.IterableDataset):
             yield img, 0
 
 
-def _decode_n(blobs: list[bytes]) -> int:
-    for b in blobs:
-        pil_decode(b)
-    return len(blobs)
-
-
-def parallel_ceiling(blobs: list[bytes], workers: int) -> float:
-    """Images/s of ``workers`` processes decoding at the same time (what the cores really give)."""
-    import multiprocessing as mp
-
-    with mp.get_context("fork").Pool(workers) as pool:
-        pool.map(_decode_n, [blobs[:50]] * workers)  # start-up outside the timing
-        t0 = time.perf_counter()
-        n = sum(pool.map(_decode_n, [blobs] * workers))
-        return n / (time.perf_counter() - t0)
-
-
 def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, blobs) -> dict:
     ds = ShardDataset(urls, decode="tensor")
     shape = tuple(ds_first_shape(ds))
@@ -258,20 +206,26 @@ def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, bl
     }
     for loader, epochs in loaders.values():  # warm-up: start the workers, fill caches
         loader_pass(loader, epochs)
-    runs: dict[str, list] = {k: [] for k in ["ceiling", "ceiling_cpu", "parallel", *loaders]}
-    for rep in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        single = _decode_n(blobs) / (time.perf_counter() - t0)
-        runs["ceiling_cpu"].append((time.process_time() - c0) / len(blobs))
-        runs["ceiling"].append(single * workers)
-        runs["parallel"].append(parallel_ceiling(blobs, workers))
-        names = list(loaders)
-        for name in names[rep % 3 :] + names[: rep % 3]:  # rotate the order
-            loader, epochs = loaders[name]
-            rate_, wcpu, mcpu = loader_pass(loader, epochs)
-            n = len(folder)
-            runs[name].append((rate_, wcpu / n, mcpu / n))
-    del loaders
+    n = len(folder)
+
+    def ceiling(r: int) -> dict:  # PIL decodes, as FolderDataset's and the workers' decode
+        c = harness.ceiling(blobs, decoder="pil", processes=workers, at_once=True)
+        return {"ceiling": c.scaled, "ceiling_cpu": c.cpu_us / 1e6, "parallel": c.at_once}
+
+    def side(name):
+        def run(r: int) -> dict:
+            rate_, wcpu, mcpu = loader_pass(*loaders[name])
+            return {"rate": rate_, "workers_cpu": wcpu / n, "main_cpu": mcpu / n}
+
+        return run
+
+    sides = {"(ceiling)": ceiling, **{name: side(name) for name in loaders}}
+    rounds = harness.interleave(sides, repeats, first=["(ceiling)"], quiet=True)
+    runs = {k: rounds.values("(ceiling)", k) for k in ("ceiling", "ceiling_cpu", "parallel")}
+    for name in loaders:
+        res = rounds.results[name]
+        runs[name] = [(x["rate"], x["workers_cpu"], x["main_cpu"]) for x in res]
+    loaders.clear()  # the persistent workers go with the loaders
     med = statistics.median
 
     def ratio(a, b):  # median of per-repeat ratios: both sides measured in the same repeat
@@ -440,23 +394,27 @@ def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--src", default=str(ROOT / "data" / "lfw"), help="class-per-folder tree")
     ap.add_argument("--shards", default="/tmp/bench-shards", help="where to pack the tar shards")
     ap.add_argument("--shard-size", default="16MB", help="13 shards for LFW at the default")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=5, help="epochs for the memory check")
     ap.add_argument("--decode-samples", type=int, default=3000, help="images in the ceiling")
-    ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "--only",
         choices=["raw", "end_to_end", "memory", "shuffle"],
         action="append",
         help="run only these parts (repeatable)",
     )
-    args = ap.parse_args()
+    root = data.root()
+    smoke = {"src": str(root / "lfw-smoke"), "shards": str(root / "lfw-smoke-stream")}
+    args = harness.parse(ap, smoke={**smoke, "epochs": 2, "decode_samples": 50})
+    args.repeats = args.rounds = args.repeats or args.rounds
+    if args.smoke:
+        data.lfw(Path(args.src), 0.01)
 
     src, shards = Path(args.src), Path(args.shards)
     ensure_data(src, shards, args.shard_size)
@@ -486,6 +444,8 @@ def main() -> None:
     }
     print(f"{manifest.num_samples} samples in {len(urls)} shards, {mean_bytes / 1e3:.1f} KB each")
     parts = set(args.only or ["raw", "end_to_end", "memory", "shuffle"])
+    if args.smoke and not harness.available("webdataset"):
+        parts.discard("raw")
     if "raw" in parts:
         print("raw iteration ...", flush=True)
         results["raw"] = bench_raw(urls, args.repeats)
@@ -503,10 +463,7 @@ def main() -> None:
         print("shuffle quality ...", flush=True)
         results["shuffle"] = bench_shuffle(urls, [0, 10, 100, 1000, 5000], args.batch)
     report(results)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-        print(f"\nresults: {args.json}")
+    harness.write_result(args.json, "bench_stream", args, results)
 
 
 def report(r: dict) -> None:

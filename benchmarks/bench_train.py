@@ -27,17 +27,16 @@ Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data
+import harness
+
+ROOT = harness.ROOT
 
 import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
@@ -78,10 +77,7 @@ def bare_cpu_us(datas: list[bytes], kw: dict, batch: int) -> tuple[float, float,
     """CPU us per image in this process of: simplejpeg alone (into one reused, cache-hot
     array), the workers' own decoder call into that array, and the same call into the images of
     three batch-sized arrays in turn (as any loader must write its batches: cold memory)."""
-    c = time.thread_time()
-    for d in datas:
-        simplejpeg.decode_jpeg(d)
-    plain = (time.thread_time() - c) / len(datas) * 1e6
+    plain = harness.ceiling(datas, processes=1).cpu_us
     size = kw.get("size")
     geometry = Geometry(size, kw["crop"], kw["flip"]) if size else None
     decoder = TensorDecoder(geometry, 0, 0, 0)
@@ -116,66 +112,88 @@ def scaling(args) -> dict:
     out: dict = {"cpus": usable_cpus(), "batch_size": args.batch, "workloads": {}}
     counts = args.workers or worker_counts(usable_cpus())
     for part in args.only or ["a", "b"]:
-        title, kw = WORKLOADS[part]
-        src = args.lfw if part == "a" else args.imagenet
-        shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
-        datas = image_bytes(src)
-        plain, hot, own = bare_cpu_us(datas, kw, args.batch)
-        print(
-            f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
-            f"(simplejpeg), the workers' decoder call {hot:.0f} into one array, {own:.0f} "
-            "into batch buffers",
-            flush=True,
-        )
-        names = ["ShardLoader", "DataLoader"] + (["other ShardLoader"] if args.other_loader else [])
-        rows = {n: {"ceiling": [], **{name: [] for name in names}} for n in counts}
-        loaders: dict = {}
-        for r in range(args.repeats):
-            for n in counts:
-                load = os.getloadavg()[0]
-                rows[n]["ceiling"].append(ceiling_n(datas, n))
-                for name in names:
-                    key = (name, n)
-                    if key not in loaders:  # built once and warmed up, as a trainer keeps it
-                        loaders[key] = _build(name, shards, kw, n, args.batch)
-                        timed_epoch(_epoch(*loaders[key], 0))
-                    res = timed_epoch(_epoch(*loaders[key], r + 1))
-                    pids = getattr(loaders[key][1], "worker_pids", [])
-                    if pids:
-                        res["worker_efficiency_hot"] = hot / (
-                            res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
-                        )
-                        res["worker_efficiency"] = own / (
-                            res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
-                        )
-                    res["main_cpu_share"] = res["main_cpu_us_per_image"] / plain
-                    res["load_1min"] = load
-                    rows[n][name].append(res)
-                c = rows[n]["ceiling"][-1]
-                s, d = rows[n]["ShardLoader"][-1], rows[n]["DataLoader"][-1]
-                other = ""
-                if args.other_loader:
-                    o = rows[n]["other ShardLoader"][-1]
-                    other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
-                print(
-                    f"  [{part} {r + 1}/{args.repeats}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
-                    f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                    f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
-                    f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
-                    f"{s['main_cpu_share']:.3f} of a decode  load {load:.1f}",
-                    flush=True,
-                )
-        for _, loader in loaders.values():
-            if hasattr(loader, "close"):
-                loader.close()
-        out["workloads"][part] = {
-            "title": title,
-            "bare_cpu_us_simplejpeg": plain,
-            "bare_cpu_us_decoder_one_array": hot,
-            "bare_cpu_us_decoder_batches": own,
-            "by_workers": {str(n): _summary(rows[n]) for n in counts},
-        }
+        out["workloads"][part] = _scaling_part(args, part, counts)
     return out
+
+
+def _scaling_part(args, part: str, counts: list[int]) -> dict:
+    title, kw = WORKLOADS[part]
+    src = args.lfw if part == "a" else args.imagenet
+    shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
+    datas = image_bytes(src)
+    plain, hot, own = bare_cpu_us(datas, kw, args.batch)
+    print(
+        f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
+        f"(simplejpeg), the workers' decoder call {hot:.0f} into one array, {own:.0f} "
+        "into batch buffers",
+        flush=True,
+    )
+    names = ["ShardLoader", "DataLoader"] + (["other ShardLoader"] if args.other_loader else [])
+    loaders: dict = {}
+
+    def ceiling(n: int):
+        return lambda r: ceiling_n(datas, n)
+
+    def contender(name: str, n: int):
+        def run(r: int) -> dict:
+            key = (name, n)
+            if key not in loaders:  # built once and warmed up, as a trainer keeps it
+                loaders[key] = _build(name, shards, kw, n, args.batch)
+                timed_epoch(_epoch(*loaders[key], 0))
+            res = timed_epoch(_epoch(*loaders[key], r + 1))
+            if getattr(loaders[key][1], "worker_pids", []):
+                workers = res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
+                res["worker_efficiency_hot"] = hot / workers
+                res["worker_efficiency"] = own / workers
+            res["main_cpu_share"] = res["main_cpu_us_per_image"] / plain
+            return res
+
+        return run
+
+    sides = {}
+    for n in counts:  # per worker count: its ceiling first, then the loaders
+        sides[f"ceiling {n}"] = ceiling(n)
+        sides.update({f"{name} {n}": contender(name, n) for name in names})
+    rounds = harness.interleave(sides, args.repeats, order="fixed")
+    rows = {}
+    for n in counts:
+        rows[n] = {"ceiling": rounds.values(f"ceiling {n}")}
+        for name in names:
+            runs = rounds.results[f"{name} {n}"]
+            for x, load in zip(runs, rounds.loads, strict=True):
+                x.pop("cpu_s", None), x.pop("wall_s", None)
+                x["load_1min"] = load.load_1m
+            rows[n][name] = runs
+    _print_rounds(args, part, counts, rows)
+    for _, loader in loaders.values():
+        if hasattr(loader, "close"):
+            loader.close()
+    return {
+        "title": title,
+        "bare_cpu_us_simplejpeg": plain,
+        "bare_cpu_us_decoder_one_array": hot,
+        "bare_cpu_us_decoder_batches": own,
+        "by_workers": {str(n): _summary(rows[n]) for n in counts},
+    }
+
+
+def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
+    for r in range(args.repeats):
+        for n in counts:
+            c = rows[n]["ceiling"][r]
+            s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
+            other = ""
+            if args.other_loader:
+                o = rows[n]["other ShardLoader"][r]
+                other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
+            print(
+                f"  [{part} {r + 1}/{args.repeats}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
+                f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
+                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
+                f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
+                f"{s['main_cpu_share']:.3f} of a decode  load {s['load_1min']:.1f}",
+                flush=True,
+            )
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
@@ -312,8 +330,8 @@ def train(args) -> dict:
                 # and what the loader itself says of the epoch (``loader.stats()``): the run
                 # time verdict next to the bench's own measure of the GPU's wait
                 rows[feeder]["loader_stats"] = sink["loader"].stats()
-                if hasattr(sink["loader"], "_balance") and " auto" in feeder:
-                    rows[feeder]["share_to_workers"] = sink["loader"]._balance.sent
+                if hasattr(sink["loader"], "balance") and " auto" in feeder:
+                    rows[feeder]["share_to_workers"] = sink["loader"].balance.sent
             said = rows[feeder].get("loader_stats")
             said = (
                 f"  loader.stats(): {said['verdict']} ({said['wait_share'] or 0:.3f})"
@@ -431,7 +449,7 @@ def _steps(model, opt, batches, device, batch: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, rounds=3, against=False)
     ap.add_argument("--scaling", action="store_true")
     ap.add_argument("--train", help="comma-separated torchvision models (or tiny)")
     ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
@@ -439,7 +457,7 @@ def main() -> None:
     ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--only", action="append", choices=["a", "b"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--batch", type=int, default=64, help="batch size of --scaling")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--samples", type=int, default=40_000, help="--train: samples per epoch")
@@ -458,24 +476,29 @@ def main() -> None:
         help="--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
         "commit's; see bench_loader.load_other_loader)",
     )
-    ap.add_argument("--json", type=Path, default=ROOT / "bench-out" / "bench_train.json")
     ap.add_argument("--plot", type=Path, default=ROOT / "bench-out" / "bench_train.png")
-    args = ap.parse_args()
+    root = data.root()
+    smoke = {"lfw": root / "lfw-smoke", "lfw_scale": 0.01, "imagenet": root / "inet-smoke"}
+    smoke.update(scaling=True, workers=[1], only=["a"], batch=8, device="cpu")
+    args = harness.parse(ap, smoke=smoke)
+    args.repeats = args.rounds = args.repeats or args.rounds
+    args.json = args.json or ROOT / "bench-out" / "bench_train.json"
+    if args.smoke:
+        args.plot = args.json.with_suffix(".png")
+        args.train = "tiny" if args.train else None
     if not args.scaling and not args.train:
         ap.error("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     if args.other_loader:
         bench_loader.load_other_loader(args.other_loader)
-    result: dict = {"load_start": os.getloadavg(), "cpus": usable_cpus()}
+    result: dict = {"load_start": harness.loadavg(), "cpus": usable_cpus()}
     if args.scaling:
         result["scaling"] = scaling(args)
         plot(result["scaling"], args.plot)
     if args.train:
         args.batch_train = 256
         result["train"] = train(argparse.Namespace(**{**vars(args), "batch": 256}))
-    result["load_end"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1, default=float))
+    harness.write_result(args.json, "bench_train", args, result)
     print(f"json: {args.json}")
 
 

@@ -601,3 +601,9 @@ def _write_outputs(result: BenchResult) -> None:
 
         plot_timeline(result.timeline, cfg.timeline_path, result)
         say(cfg, f"wrote {cfg.timeline_path}")
+
+
+# Documented internal seam for benchmarks/bench_run_length.py, which times single runs of the
+# bench's own configurations at several lengths: the data prepared once, then one run.
+prepare = _prepare
+run_prepared = _run

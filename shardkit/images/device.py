@@ -51,6 +51,7 @@ __all__ = [
     "Crop",
     "DeviceDecoder",
     "aa_weights",
+    "nvimgcodec",
     "device_decode_available",
     "place",
     "resize_batch",
@@ -255,6 +256,11 @@ class DeviceDecoder:
                 break
         self.backend = f"{where}, {self.upsampling} upsampling"
         self._copier = _CudaCopier.find() if self.cuda else None
+
+    @property
+    def memcpy2d(self) -> bool:
+        """Whether the crops reach the batch by one strided CUDA copy (not one per image)."""
+        return self._copier is not None
 
     def _build(self, order, options: str):
         nv = self._nv
@@ -519,3 +525,7 @@ def place(
         out.copy_(x[0])
         return
     out.copy_(resized(x, size, flip, interpolation)[0])
+
+
+#: nvImageCodec's module, or None where it is not installed (benchmarks/bench_device.py's probe).
+nvimgcodec = _nvimgcodec

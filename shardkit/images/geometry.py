@@ -48,6 +48,7 @@ from .decode import (
 from .options import CROP_MODES, CropBox, Decode, Geometry
 
 __all__ = [
+    "scaled_box",
     "CROP_MODES",
     "CropBox",
     "Decode",
@@ -326,3 +327,8 @@ def _scaled_box(top, left, h, w, height, width, dh, dw) -> tuple[int, int, int, 
 
 class ShapeError(InputError):
     """An image does not have the size of its batch (a usage error, not a corrupt sample)."""
+
+
+#: Public name of the box scaling a region decode uses (benchmarks/bench_crops.py's breakdown
+#: times the same steps the decoder takes).
+scaled_box = _scaled_box

@@ -340,6 +340,26 @@ class ShardLoader:
         """The worker processes' ids (empty before the first iteration and after ``close``)."""
         return self._res.workers.pids if self._res.workers is not None else []
 
+    @property
+    def overlap_epochs(self) -> bool:
+        """Whether the workers fill the next epoch's first batches while this one drains (on
+        by default; set False to measure what the overlap gives: benchmarks/bench_epochs.py)."""
+        return self._overlap_epochs
+
+    @overlap_epochs.setter
+    def overlap_epochs(self, on: bool) -> None:
+        self._overlap_epochs = bool(on)
+
+    @property
+    def balance(self) -> Balance:
+        """``decode_on="auto"``'s measured rates of both sides and the share sent to workers."""
+        return self._balance
+
+    @property
+    def ring(self):
+        """The shared batch ring (None before the first iteration and after ``close``)."""
+        return self._res.ring
+
     def __repr__(self) -> str:
         ring = self._res.ring
         decode = f"{self.decode_on!r}" + (

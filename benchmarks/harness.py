@@ -1,0 +1,415 @@
+"""The one harness every benchmark in this folder runs on.
+
+FFCV's shape (one harness, one small file per question) with shardkit's interleaving, which
+FFCV lacks: on a shared machine two contenders timed one after the other measure the load, not
+the code, so every figure here is taken in rounds, every contender once per round in a rotating
+(or alternating) order, with the load average recorded at the start of each round, and a
+comparison is the median of per-round ratios. What lives here, once:
+
+- ``interleave(contenders, rounds)`` -> ``Rounds`` (each round's ``Load``, every result, the CPU
+  seconds of each call); ``Rounds.median``, ``Rounds.ratio`` (median of per-round ratios),
+  ``Rounds.welch`` (``shardkit.bench.stats``);
+- ``cpu_seconds()``: this process and its ended children (DataLoader workers once joined);
+- ``in_child(checkout, code, *args)``: a contender in a fresh child process with ``checkout``
+  first on ``sys.path`` (``--against`` another checkout, or a cold process of this one);
+- ``ceiling(blobs, ...)``: THE decode ceiling, one definition with its variants named;
+- ``parser()``/``parse()``: the common flags (``--rounds --json --against --smoke``) and the
+  smoke mode (tiny data, one round) that ``tests/bench/test_benchmarks_smoke.py`` runs;
+- ``write_result()``: one JSON schema for every benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE), str(ROOT)):  # run from a checkout without install
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+if TYPE_CHECKING:
+    from shardkit.bench.results import Load
+    from shardkit.bench.stats import Comparison
+
+# shardkit.bench's parts are imported when first used, not here: shardkit.bench imports torch,
+# and bench_device.py imports torchvision before torch, as training scripts do.
+
+
+def cores() -> int:
+    """CPUs this process may run on (``shardkit.bench.runner.cores``)."""
+    from shardkit.bench.runner import cores as bench_cores
+
+    return bench_cores()
+
+
+def load_now() -> Load:
+    """The load average and CPU counts now (``shardkit.bench.results.Load``)."""
+    from shardkit.bench.results import Load
+
+    return Load.now(cores())
+
+
+__all__ = [
+    "ROOT",
+    "Ceiling",
+    "Rounds",
+    "ceiling",
+    "ceiling_at_once",
+    "cores",
+    "cpu_seconds",
+    "in_child",
+    "interleave",
+    "available",
+    "live_cpu_seconds",
+    "load_now",
+    "loadavg",
+    "parse",
+    "parser",
+    "say",
+    "smoke_drop",
+    "write_result",
+]
+
+#: Schema version of ``write_result``'s JSON.
+SCHEMA = 1
+
+
+def say(*parts) -> None:
+    """Progress on stderr (stdout carries the table a user reads)."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def loadavg() -> tuple[float, float, float]:
+    """The 1, 5 and 15 minute load averages now, as ``os.getloadavg`` gives them."""
+    x = load_now()
+    return (x.load_1m, x.load_5m, x.load_15m)
+
+
+# --- CPU seconds -------------------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of its ended, waited-for children."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def live_cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds so far of live processes (persistent workers: not in RUSAGE_CHILDREN yet)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        except OSError:
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+# --- interleaved rounds ------------------------------------------------------------------------
+
+
+@dataclass
+class Rounds:
+    """Every contender's result per round, each round's load, in the order they ran.
+
+    A contender's callable returns a dict of figures (a bare number is ``{"rate": x}``); the
+    harness adds ``cpu_s`` (CPU seconds of the call: this process and its ended children) and
+    ``wall_s`` unless the callable set them.
+    """
+
+    names: list[str]
+    results: dict[str, list[dict]] = field(default_factory=dict)
+    loads: list[Load] = field(default_factory=list)
+    orders: list[list[str]] = field(default_factory=list)
+
+    def values(self, name: str, key: str = "rate") -> list[float]:
+        return [r[key] for r in self.results[name]]
+
+    def median(self, name: str, key: str = "rate") -> float:
+        return statistics.median(self.values(name, key))
+
+    def ratios(self, a: str, b: str, key: str = "rate") -> list[float]:
+        pairs = zip(self.values(a, key), self.values(b, key), strict=True)
+        return [x / y if y else float("inf") for x, y in pairs]
+
+    def ratio(self, a: str, b: str, key: str = "rate") -> float:
+        """The median of per-round ratios ``a / b``: each round's pair shares its load."""
+        return statistics.median(self.ratios(a, b, key))
+
+    def welch(self, a: str, b: str, key: str = "rate") -> Comparison:
+        """Welch's t-test of the two contenders' values (``shardkit.bench.stats.welch``)."""
+        from shardkit.bench.stats import welch
+
+        return welch(self.values(a, key), self.values(b, key))
+
+    def load_text(self) -> str:
+        return " ".join(f"{x.load_1m:.2f}" for x in self.loads)
+
+    def as_dict(self) -> dict:
+        return {
+            "names": self.names,
+            "loads": [x.as_dict() for x in self.loads],
+            "orders": self.orders,
+            "results": self.results,
+        }
+
+
+def interleave(
+    contenders: dict[str, Callable[[int], dict | float]],
+    rounds: int,
+    order: str = "rotate",
+    quiet: bool = False,
+    first: Sequence[str] = (),
+) -> Rounds:
+    """Run every contender once per round; ``order``: "rotate" (each goes first in turn),
+    "reverse" (the order flips every round: for two contenders the same thing), "shuffle"
+    (a random order seeded by the round) or "fixed" (the given order every round).
+    ``first``: contenders that open every round, before the others' order (a ceiling the
+    round's other figures divide by)."""
+    if order not in ("rotate", "reverse", "shuffle", "fixed"):
+        raise SystemExit(f"interleave: order {order!r} is not rotate, reverse, shuffle or fixed")
+    names = [n for n in contenders if n not in first]
+    out = Rounds([*first, *names], {n: [] for n in contenders})
+    for r in range(rounds):
+        out.loads.append(load_now())
+        if order == "rotate":
+            now = names[r % len(names) :] + names[: r % len(names)]
+        elif order == "reverse":
+            now = names if r % 2 == 0 else names[::-1]
+        elif order == "shuffle":  # seeded by the round: the same orders every run
+            now = list(names)
+            random.Random(r).shuffle(now)
+        else:
+            now = list(names)
+        now = [*first, *now]
+        out.orders.append(now)
+        for name in now:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            got = contenders[name](r)
+            res = dict(got) if isinstance(got, dict) else {"rate": float(got)}
+            res.setdefault("cpu_s", cpu_seconds() - c0)
+            res.setdefault("wall_s", time.perf_counter() - t0)
+            out.results[name].append(res)
+        if not quiet:
+            say(f"round {r + 1}/{rounds}: load {out.loads[-1].text()}")
+    return out
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def in_child(checkout: Path | str, code: str, *args: str, cwd: Path | str | None = None) -> dict:
+    """Run ``python -c code *args`` with ``checkout`` (and benchmarks/) first on sys.path; the
+    child prints one JSON object as its last line, returned with ``child_wall_s`` and
+    ``child_cpu_s`` (the child's own CPU and its children's) added. The child's shardkit is
+    checked to come from ``checkout``."""
+    checkout = Path(checkout).resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(HERE)])}
+    check = "import shardkit as _k, sys as _s; _s.stderr.write('SHARDKIT=' + _k.__file__ + '\\n')\n"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-c", check + code, *map(str, args)],
+        env=env,
+        cwd=str(cwd or checkout),
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        raise SystemExit(f"failed in {checkout}: {' '.join(map(str, args))}\n{r.stderr[-3000:]}")
+    where = next((x[9:] for x in r.stderr.splitlines() if x.startswith("SHARDKIT=")), "")
+    if not where.startswith(str(checkout)):
+        raise SystemExit(f"the child ran {where}, not {checkout}'s shardkit")
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    doc.setdefault("child_wall_s", wall)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    doc.setdefault("child_cpu_s", cpu)
+    return doc
+
+
+# --- the decode ceiling ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The decode ceiling of one set of JPEG bytes, decoded whole from memory (no reading, no
+    loader): what no loader can beat on this machine.
+
+    ``one``: images/s of this process on one thread; ``cpu_us``: its CPU microseconds per image
+    (what other processes' load changes least); ``cores``: the cores it is scaled to;
+    ``scaled``: ``one * cores`` (the ceiling the docs' "of the ceiling" figures divide by);
+    ``at_once``: images/s of ``cores`` processes decoding shares at the same time (what the
+    cores really give right now on a shared machine; None when not asked for).
+    """
+
+    decoder: str
+    one: float
+    cpu_us: float
+    cores: int
+    scaled: float
+    at_once: float | None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _decoder(name: str, fastdct: bool = False) -> Callable[[bytes], object]:
+    if name == "simplejpeg":
+        import simplejpeg
+
+        return lambda d: simplejpeg.decode_jpeg(d, fastdct=fastdct)
+    if name == "pil":
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        return lambda d: np.asarray(Image.open(io.BytesIO(d)).convert("RGB"))
+    raise SystemExit(f"unknown decoder {name!r}: simplejpeg or pil")
+
+
+def _decode_part(name, fastdct, datas, start, done) -> None:
+    dec = _decoder(name, fastdct)
+    start.wait()
+    for d in datas:
+        dec(d)
+    done.put(time.perf_counter())
+
+
+def ceiling_at_once(
+    blobs: Sequence[bytes], processes: int, *, decoder: str = "simplejpeg", fastdct: bool = False
+) -> float:
+    """Images/s of ``processes`` processes decoding shares of ``blobs`` at the same time (what
+    the cores really give right now): the ``at_once`` part of ``ceiling``."""
+    n = processes
+    ctx = mp.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_decode_part, args=(decoder, fastdct, blobs[i::n], start, done))
+        for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    start.set()
+    ends = [done.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return len(blobs) / (max(ends) - t0)
+
+
+def ceiling(
+    blobs: Sequence[bytes],
+    *,
+    decoder: str = "simplejpeg",
+    processes: int | None = None,
+    at_once: bool = False,
+    fastdct: bool = False,
+) -> Ceiling:
+    """THE decode ceiling: full decodes of ``blobs`` to RGB in memory, one pass.
+
+    ``decoder``: "simplejpeg" (libjpeg-turbo, what shardkit's tensor path decodes with) or
+    "pil" (Pillow, what a torchvision-style pipeline decodes with). ``processes``: the cores to
+    scale to (default ``min(2, cores())``, the loader goals' "2-core ceiling"); ``at_once``:
+    also measure that many processes decoding shares at the same time. ``fastdct``: the
+    faster, less accurate IDCT FFCV decodes with.
+    """
+    n = processes or min(2, cores())
+    dec = _decoder(decoder, fastdct)
+    t, c = time.perf_counter(), time.thread_time()
+    for d in blobs:
+        dec(d)
+    cpu_us = (time.thread_time() - c) / len(blobs) * 1e6
+    one = len(blobs) / (time.perf_counter() - t)
+    both = ceiling_at_once(blobs, n, decoder=decoder, fastdct=fastdct) if at_once else None
+    return Ceiling(decoder, one, cpu_us, n, one * n, both)
+
+
+# --- flags, smoke mode, results ----------------------------------------------------------------
+
+
+def parser(doc: str | None, rounds: int = 3, against: bool = True) -> argparse.ArgumentParser:
+    """An ArgumentParser with the flags every benchmark shares."""
+    ap = argparse.ArgumentParser(
+        description=(doc or "").split("\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    if against:
+        ap.add_argument("--against", type=Path, default=None, help="another checkout, side by side")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny data, one round: does the case still run?"
+    )
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, smoke: dict | None = None, argv=None) -> argparse.Namespace:
+    """Parse; under ``--smoke`` the given attributes are replaced by their tiny values, and
+    ``rounds`` (and ``repeats``, where a case has them) become 1."""
+    args = ap.parse_args(argv)
+    if args.smoke:
+        for k, v in {"rounds": 1, **(smoke or {})}.items():
+            setattr(args, k, v)
+        if hasattr(args, "repeats"):
+            args.repeats = 1
+    return args
+
+
+def available(module: str) -> bool:
+    """Whether ``module`` can be imported (a contender's package: webdataset, ffcv...)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def smoke_drop(contenders: dict, args: argparse.Namespace, *packages: str) -> dict:
+    """Under ``--smoke``, the contenders without the ones named after a package that is not
+    installed; otherwise all of them (a real run fails loudly on a missing package)."""
+    gone = [p for p in packages if args.smoke and not available(p)]
+    return {k: v for k, v in contenders.items() if not any(p in k.lower() for p in gone)}
+
+
+def write_result(
+    path: Path | None,
+    name: str,
+    args: argparse.Namespace,
+    result: dict,
+    rounds: Rounds | None = None,
+) -> dict:
+    """One schema: ``{schema, benchmark, args, machine, load_end, rounds, result}``."""
+    from shardkit.bench.runner import machine_facts
+
+    doc = {
+        "schema": SCHEMA,
+        "benchmark": name,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_facts(),
+        "load_end": load_now().as_dict(),
+        "rounds": rounds.as_dict() if rounds is not None else None,
+        "result": result,
+    }
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    return doc

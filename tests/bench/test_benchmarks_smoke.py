@@ -1,0 +1,177 @@
+"""Every script in benchmarks/ still runs, and the harness they share computes what it says.
+
+The scripts are not part of the package, so nothing else imports them: a refactor of shardkit
+would break them silently (two did break that way: a mixture of two class lists and the bench
+runner's preparation). The slow test runs each one with ``--smoke`` (tiny data, one round) in a
+child process and checks the JSON it writes; the cases that need a GPU are skipped without
+one, and a contender whose package is missing (webdataset, ffcv) is left out by the script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import harness  # noqa: E402
+
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py"))
+
+#: Extra flags per script: the --against path is exercised against this very checkout.
+EXTRA = {
+    "bench_against.py": ["--against", str(ROOT)],
+    "bench_crops.py": ["--against", str(ROOT)],
+    "bench_sample_transform.py": ["--against", str(ROOT)],
+    "bench_stats_overhead.py": ["--against", str(ROOT)],
+    "bench_table.py": ["--against", str(ROOT)],
+}
+
+
+def _gpu() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
+NEEDS_GPU = {"bench_device.py"}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """One data root for every script: the tiny trees are made once and shared."""
+    return tmp_path_factory.mktemp("bench-data")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a busy 2-core machine: bench_scale starts ~30 child processes
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
+    if script in NEEDS_GPU and not _gpu():
+        pytest.skip("needs a CUDA device")
+    out = tmp_path / "result.json"
+    env = {**os.environ, "SHARDKIT_BENCH_DATA": str(data_root), "PYTHONWARNINGS": "ignore"}
+    argv = [sys.executable, str(BENCHMARKS / script), "--smoke", "--json", str(out)]
+    r = subprocess.run(
+        [*argv, *EXTRA.get(script, [])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert r.returncode == 0, f"{script} --smoke failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == harness.SCHEMA
+    assert doc["benchmark"] == script.removesuffix(".py")
+    assert doc["args"]["smoke"] is True
+    assert doc["machine"]["cores"] >= 1
+    if doc["rounds"] is not None:
+        assert len(doc["rounds"]["loads"]) == 1  # one round in smoke mode, its load recorded
+
+
+def test_every_script_is_on_the_harness():
+    """No script keeps a harness of its own: the load, the JSON and the rounds come from
+    harness.py, and no private shardkit name is used."""
+    for name in SCRIPTS:
+        text = (BENCHMARKS / name).read_text()
+        assert "import harness" in text, name
+        assert "os.getloadavg" not in text, name
+        assert "write_text(json.dumps" not in text, name
+        for private in ("._balance", "._overlap_epochs", "._res.", "._copier", "._nvimgcodec"):
+            assert private not in text, (name, private)
+        assert "import _" not in text and "_prepare," not in text, name
+
+
+@pytest.mark.slow
+def test_harness_in_child_failure_names_the_checkout_and_its_arguments(tmp_path):
+    """A contender that fails in its child stops the run with one message naming the checkout,
+    the arguments (paths and numbers, as the scripts pass them) and the child's stderr."""
+    code = "import sys; sys.exit('no batch timed in ' + sys.argv[1])"
+    with pytest.raises(SystemExit) as exc:
+        harness.in_child(ROOT, code, tmp_path / "pack", 64)
+    text = str(exc.value)
+    assert f"failed in {ROOT}: {tmp_path / 'pack'} 64" in text
+    assert f"no batch timed in {tmp_path / 'pack'}" in text
+
+
+def test_interleave_rotates_records_load_and_cpu():
+    calls = []
+
+    def side(name):
+        def run(r):
+            calls.append((r, name))
+            return {"rate": {"a": 2.0, "b": 1.0, "c": 4.0}[name] * (r + 1)}
+
+        return run
+
+    rounds = harness.interleave({n: side(n) for n in "abc"}, 3, quiet=True)
+    assert rounds.orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert [n for _, n in calls] == [n for order in rounds.orders for n in order]
+    assert len(rounds.loads) == 3 and all(x.cores >= 1 for x in rounds.loads)
+    assert all("cpu_s" in x and "wall_s" in x for x in rounds.results["a"])
+    assert rounds.ratios("a", "b") == [2.0, 2.0, 2.0]
+    assert rounds.median("c") == 8.0
+
+
+def test_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians():
+    values = {"a": [10.0, 1.0, 4.0], "b": [5.0, 4.0, 1.0]}
+    rounds = harness.interleave(
+        {n: (lambda r, n=n: values[n][r]) for n in values}, 3, order="reverse", quiet=True
+    )
+    assert rounds.orders == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert rounds.ratio("a", "b") == 2.0  # per round 2.0, 0.25, 4.0
+    assert rounds.median("a") / rounds.median("b") == 1.0  # what a ratio of medians says
+
+
+def test_first_contenders_open_every_round_and_shuffle_is_seeded():
+    names = {n: (lambda r: 1.0) for n in ("ceiling", "x", "y", "z")}
+    rounds = harness.interleave(names, 3, first=["ceiling"], quiet=True)
+    assert all(order[0] == "ceiling" for order in rounds.orders)
+    assert rounds.orders[1][1:] == ["y", "z", "x"]
+    again = harness.interleave(names, 3, order="shuffle", quiet=True).orders
+    assert again == harness.interleave(names, 3, order="shuffle", quiet=True).orders
+
+
+def test_smoke_drop_leaves_out_only_missing_packages_and_only_in_smoke_mode(tmp_path):
+    cons = {"ShardLoader": 1, "webdataset + DataLoader": 2, "FFCV Loader": 3}
+    ap = harness.parser("x")
+    smoke = harness.parse(ap, argv=["--smoke"])
+    real = harness.parse(ap, argv=[])
+    assert harness.smoke_drop(cons, smoke, "surely_not_installed_pkg") == cons
+    gone = harness.smoke_drop(cons, smoke, "ffcv") if not harness.available("ffcv") else None
+    if gone is not None:
+        assert "FFCV Loader" not in gone and "ShardLoader" in gone
+    assert harness.smoke_drop(cons, real, "ffcv") == cons
+    assert smoke.rounds == 1 and real.rounds == 3
+
+
+def test_write_result_is_one_schema(tmp_path):
+    ap = harness.parser("x")
+    args = harness.parse(ap, argv=["--rounds", "2"])
+    rounds = harness.interleave({"a": lambda r: 1.0}, 2, quiet=True)
+    doc = harness.write_result(tmp_path / "r.json", "bench_x", args, {"k": 1}, rounds)
+    back = json.loads((tmp_path / "r.json").read_text())
+    assert back == json.loads(json.dumps(doc, default=str))
+    assert set(back) == {"schema", "benchmark", "args", "machine", "load_end", "rounds", "result"}
+    assert back["rounds"]["names"] == ["a"] and len(back["rounds"]["results"]["a"]) == 2
+
+
+def test_ceiling_is_one_definition_with_its_variants():
+    import data
+
+    blobs = [data.tiny_jpeg(64, seed) for seed in range(8)]
+    c = harness.ceiling(blobs, processes=2)
+    assert c.decoder == "simplejpeg" and c.cores == 2
+    assert c.scaled == pytest.approx(c.one * 2) and c.cpu_us > 0 and c.at_once is None
+    pil = harness.ceiling(blobs, decoder="pil", processes=1)
+    assert pil.scaled == pytest.approx(pil.one)
