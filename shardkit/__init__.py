@@ -4,6 +4,15 @@ The errors and the manifest's types are imported here; every other name (``pack`
 ``ShardWriter``, ``ShardDataset`` ...) on first use. ``pack`` and ``ShardView`` import without
 torch; ``ShardDataset`` and ``FolderDataset`` load it, so ``shardkit ls``, ``show``, ``info`` and
 ``verify`` start fast.
+
+The packages follow the flow of the data (docs/design.md maps every module): ``scan`` (what a
+source holds), ``write`` (sources into shards), ``formats`` (the bytes of a shard), ``stream``
+(shards back into samples), ``loader`` (samples into batches), ``images`` (decoding, on either
+side), ``remote`` (shards behind URLs), ``bench`` (``shardkit bench``), ``synth`` (the embedded
+datasets) and ``integrations`` (Ray). Beside them: ``cli`` (the command), ``errors``,
+``manifest``, ``records`` (the typed records between stages), ``fsutil`` (crash-safe output),
+``paths`` (what kind of path was given), ``progress``, ``sizes``, ``urls``, ``redact``, ``retry``
+and ``extras`` (optional dependencies).
 """
 
 from __future__ import annotations

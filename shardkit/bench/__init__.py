@@ -4,8 +4,10 @@ Measures folder-of-files against tar and LMDB shards through real DataLoaders ac
 counts, and reports a table, a verdict in words, JSON, an error-bar plot and a measured worker
 timeline. One concern per module: ``config`` (what to measure), ``sources`` (where each format
 reads from), ``workloads`` (what a run asks of the pipeline, the probes), ``runner`` (exactly
-what is timed), ``results``, ``report`` (table, verdict, JSON) and ``plot`` (the ``bench``
-extra).
+what is timed), ``results``, ``report`` (table, verdict, JSON), ``plot`` (the ``bench``
+extra), ``stats`` (Welch's t-test: is a difference real), ``estimate`` (how long a run will
+take, said before it starts) and ``pagecache`` (the page cache dropped for cold runs, without
+root).
 """
 
 from __future__ import annotations

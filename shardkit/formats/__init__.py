@@ -3,6 +3,13 @@ readers and its ``ShardFormat`` subclass (``tar.format.TarFormat``, ``lmdb.LmdbF
 
 A ``ShardFormat`` (``base``) bundles the few operations the packer and the streaming path need,
 so neither of them branches on the format anywhere else. FORMAT.md specifies the bytes of each.
+
+- ``tar/``: tar shards in the WebDataset convention (``format``, ``writer``, ``parse``,
+  ``reader``, ``tally``).
+- ``lmdb``: single-file LMDB shards, and ``lmdb_index``, the sample index record inside each.
+- ``sample_index``: the sample index beside each tar shard (``.tar.idx``): offsets, key hashes,
+  keys, labels and members, so nothing has to walk a shard's headers.
+- ``base``: ``ShardFormat`` and ``FormatWriter``, what every format provides.
 """
 
 from __future__ import annotations

@@ -4,7 +4,13 @@
   cheap structural check and the full decode check.
 - ``decode``: JPEG through TurboJPEG (and the region decoder built from ``_native.c``), Pillow
   for the rest.
-- ``geometry``: crop and resize specs and ``TensorDecoder`` (torch; imported on its own).
+- ``crops``: the crop objects (``RandomResizedCrop``, ``CenterCrop``, ``RandomCrop``): a box
+  chosen from the header, their arguments checked at construction.
+- ``options``: ``Decode``, what a stored image becomes, the one value every reader takes (no
+  torch).
+- ``geometry``: ``TensorDecoder``, crop, DCT-scaled decode and resize in one pass (torch;
+  imported on its own).
+- ``device``: a whole batch decoded in the training process with nvImageCodec, on the GPU.
 
 A GPU decoder plugs in beside ``decode``: ``geometry.TensorDecoder`` is the one caller that turns
 bytes into a batch slot.

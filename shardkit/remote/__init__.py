@@ -3,11 +3,14 @@
 Optional: needs fsspec plus the backend of the URL's protocol (``pip install shardkit[s3]`` for
 ``s3://``; ``aiohttp`` for ``https://``). Nothing here is imported for local datasets.
 
-- ``RemoteStorage``: the ``Storage`` that ``ShardDataset`` uses for URL sources.
-- ``ShardCache``: the shared on-disk cache behind ``cache_dir=``.
-- ``fetch``/``read_bytes``: whole-object reads with retries and resume.
-- ``read_manifest_url``/``local_copy``: what ``verify``/``dataset_info`` use for URLs.
-- ``upload_file``/``Uploader``: what ``ShardWriter`` uses for a URL ``out``.
+- ``storage``: ``RemoteStorage``, the ``Storage`` that ``ShardDataset`` uses for URL sources
+  (configuration only).
+- ``fs``: fsspec filesystems built for streaming, one set per process.
+- ``cache``: ``ShardCache``, the shared on-disk cache behind ``cache_dir=``.
+- ``prefetch``: the next shards fetched in the background while one is read.
+- ``fetch``: ``fetch``/``read_bytes``, whole-object reads with retries and resume.
+- ``inspect``: ``read_manifest_url``/``local_copy``, what ``verify``/``dataset_info`` use for URLs.
+- ``upload``: ``upload_file``/``Uploader``, what ``ShardWriter`` uses for a URL ``out``.
 
 ``shardkit.pack``, ``shardkit.write.verify.verify`` and ``dataset_info`` take URLs themselves.
 The retry policy and the redaction of secrets in messages are ``shardkit.retry`` and
