@@ -312,7 +312,7 @@ def _shape_error(key: str, size: tuple[int, int], batch: tuple[int, int]) -> Sha
     (height, width), (bh, bw) = size, batch
     return ShapeError(
         f"sample {key!r} is {width}x{height} but its batch holds {bw}x{bh} images; "
-        "pass size= (and crop=) to ShardDataset for fixed-size batches"
+        "pass decode=Decode(crop=...) to ShardDataset for fixed-size batches"
     )
 
 

@@ -5,7 +5,8 @@ pixels in a slot), ``workers.py`` (where that loop runs: worker processes, or th
 ``num_workers=0``), ``messages.py`` (what crosses the pipe: slot numbers, labels, keys),
 ``ring.py`` (the slots' memory, shared and reused), ``epoch.py`` (the consumer: batch order,
 device staging, when a slot may be reused) and ``shard_loader.py`` (the ``ShardLoader`` surface);
-``stats.py`` says who waits for whom (``ShardLoader.stats()``, ``replay``).
+``stats.py`` says who waits for whom (``ShardLoader.stats()``, ``replay``), and
+``device_feed.py`` decodes stored bytes on the GPU for ``decode_on="device"`` and ``"auto"``.
 """
 
 from .shard_loader import ShardLoader, default_workers

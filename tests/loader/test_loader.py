@@ -365,7 +365,7 @@ def test_batches_differ_in_size_without_size_raises_naming_the_key(tmp_path):
         Image.fromarray(np.zeros((wh[1], wh[0], 3), np.uint8)).save(d / f"im{i}.jpg")
     pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
     loader = ShardLoader(_ds(str(tmp_path / "tar"), shuffle=False), 3, num_workers=1)
-    message = r"sample 'c/im\d' is \d+x14 but its batch holds \d+x14 images; pass size="
+    message = r"sample 'c/im\d' is \d+x14 but its batch holds \d+x14 images; pass decode=Decode"
     with pytest.raises(InputError, match=message):
         list(loader)
 

@@ -638,7 +638,7 @@ def test_auto_balance_tries_the_workers_alone_and_backs_off_when_they_fall_short
     """The controller on its own, with a made-up clock: the workers take nearly all until the
     caller waits; both sides at their rates while it does; the workers alone again once it no
     longer waits, later each time that fell short."""
-    from shardkit.loader.epoch import IDLE_SHARE, PATIENCE, Balance
+    from shardkit.loader.device_feed import IDLE_SHARE, PATIENCE, Balance
 
     bal, now = Balance(worker_s=0.01, device_s=0.001), 0.0
 
