@@ -34,6 +34,14 @@ this script ran on the harness):
 | 40,000 x 10,000 (96 MB -> 10 MB) | 1.62 s CPU, +453 MB | 0.54 s, +54 MB | 1.58 s, +453 MB |
 | 40,000 x 128 (12.2 MB -> 9.8 MB) | 0.54 s, +53 MB | 0.49 s, +52 MB | 0.57 s, +53 MB |
 
+On the harness, the same VM and day (load 8.3-8.6, 3 rounds, 40,000 x 10,000; ratios are
+medians of per-round ratios to ``current``): ``current`` 0.50-0.54 s, +54 MB; ``json-offsets``
+read now 2.97-3.19x the CPU, 8.4x the memory; ``--against`` 16caec4 opening ``json-offsets``
+6.45x (3.43 s), ``--against`` 378a9b7 (where the offsets change began) 7.09x (3.56 s), 8.4x the
+memory both. Those two trees pay more than the table's "before" column: they also predate the
+manifest check column by column that came with the offsets change, so their ratio is not the
+JSON offsets' alone.
+
 What is left is O(shards): the JSON parse, one ``ShardEntry`` and one ``ShardInfo`` per shard,
 one ``stat`` per local shard (about 0.1 s each at 40,000 on this machine).
 """
