@@ -2,11 +2,12 @@
 """What opening a many-shard dataset costs each process: CPU seconds and memory.
 
 Every DataLoader worker (and every rank) parses the manifest and builds the shard list, so this
-is paid per process. Makes one real tar shard of ``--samples`` tiny samples (with its ``.idx``)
-and hard-links it ``--shards`` times under a manifest listing every link (no disk beyond one
-shard), then in a fresh child process per case measures ``ShardDataset(DIR, decode="raw")``
-and ``len()``: CPU seconds (user + system, so load does not move them) and peak memory over the
-imports. Cases, measured interleaved:
+is paid per process. ``data.many_shards`` makes one real tar shard of ``--samples`` tiny samples
+(with its ``.idx``) and hard-links it ``--shards`` times under a manifest listing every link (no
+disk beyond one shard); each contender then opens it in a fresh child process
+(``harness.in_child``) and measures ``ShardDataset(DIR, decode="raw")`` and ``len()``: CPU
+seconds (user + system, so load does not move them) and peak memory over the imports.
+Contenders, interleaved round by round (each goes first in turn, each round's load recorded):
 
 - ``current``: the pack as this checkout writes it;
 - ``json-offsets``: the same shards under a manifest that also lists each shard's sparse byte
@@ -15,6 +16,9 @@ imports. Cases, measured interleaved:
 - with ``--against DIR`` (another checkout, e.g. ``git worktree add /tmp/old 16caec4``): that
   checkout opening ``json-offsets``, its own format.
 
+Reported per contender: the median CPU seconds and MB over rounds, and the median of per-round
+ratios contender / ``current`` (above 1: ``current`` opens cheaper).
+
     python benchmarks/bench_open.py --shards 40000 --samples 10000 --against /tmp/old
     python benchmarks/bench_open.py --shards 40000 --samples 128 --against /tmp/old
 
@@ -22,12 +26,21 @@ imports. Cases, measured interleaved:
 128 a shard (2 offsets, a 12 MB manifest) is the shape of the scale trial's 40,000-shard set.
 
 Measured 2026-11-29 on the shared 2-core VM (load 7-9, so CPU seconds run high; the ratios are
-the figures), against the tree before the offsets left the manifest:
+the figures), against the tree before the offsets left the manifest (best of 3 per case, before
+this script ran on the harness):
 
 | shape | before (JSON offsets) | now | older pack, read now |
 |---|---|---|---|
 | 40,000 x 10,000 (96 MB -> 10 MB) | 1.62 s CPU, +453 MB | 0.54 s, +54 MB | 1.58 s, +453 MB |
 | 40,000 x 128 (12.2 MB -> 9.8 MB) | 0.54 s, +53 MB | 0.49 s, +52 MB | 0.57 s, +53 MB |
+
+On the harness, the same VM and day (load 8.3-8.6, 3 rounds, 40,000 x 10,000; ratios are
+medians of per-round ratios to ``current``): ``current`` 0.50-0.54 s, +54 MB; ``json-offsets``
+read now 2.97-3.19x the CPU, 8.4x the memory; ``--against`` 16caec4 opening ``json-offsets``
+6.45x (3.43 s), ``--against`` 378a9b7 (where the offsets change began) 7.09x (3.56 s), 8.4x the
+memory both. Those two trees pay more than the table's "before" column: they also predate the
+manifest check column by column that came with the offsets change, so their ratio is not the
+JSON offsets' alone.
 
 What is left is O(shards): the JSON parse, one ``ShardEntry`` and one ``ShardInfo`` per shard,
 one ``stat`` per local shard (about 0.1 s each at 40,000 on this machine).
@@ -35,19 +48,13 @@ one ``stat`` per local shard (about 0.1 s each at 40,000 on this machine).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import data
+import harness
 
-CHILD = r"""
+_CHILD = r"""
 import json, resource, sys, warnings
 warnings.simplefilter("ignore")
 from shardkit import ShardDataset
@@ -64,82 +71,59 @@ print(json.dumps({"cpu_s": cpu() - c0, "mb": hwm() - base, "len": n}))
 """
 
 
-def make(out: Path, shards: int, samples: int) -> tuple[str, str]:
-    """The many-shard pack (``current``) and its ``json-offsets`` twin (same shard files)."""
-    from shardkit import ShardWriter
-    from shardkit.formats.sample_index import decode_index, index_path
-
-    packed, legacy = out / f"s{shards}x{samples}", out / f"s{shards}x{samples}-json"
-    if (packed / "manifest.json").exists() and (legacy / "manifest.json").exists():
-        return str(packed), str(legacy)
-    one = out / f"one{samples}"
-    if not (one / "manifest.json").exists():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with ShardWriter(str(one), shard_size="1GB", classes=["a", "b"]) as w:
-                for i in range(samples):
-                    w.add(f"k{i:07d}", "jpg", b"\xff\xd8" + i.to_bytes(8, "big"), i % 2)
-    doc = json.loads((one / "manifest.json").read_text())
-    (entry,) = doc["shards"]
-    entry = {k: v for k, v in entry.items() if k not in ("index", "index_every")}
-    src = one / entry["path"]
-    offsets = decode_index((one / index_path(entry["path"])).read_bytes(), "one").offsets
-    for d, inline in ((packed, False), (legacy, True)):
-        d.mkdir(parents=True, exist_ok=True)
-        own = d.with_name(d.name + "-src.tar")  # one source per pack: a file has < 65,000 links
-        if not own.exists():
-            shutil.copyfile(src, own)
-            shutil.copyfile(index_path(str(src)), index_path(str(own)))
-        listed = []
-        for i in range(shards):
-            name = f"shard-{i:06d}.tar"
-            for a, b in ((own, d / name), (index_path(str(own)), d / index_path(name))):
-                if not os.path.exists(b):
-                    os.link(a, b)
-            e = dict(entry, path=name)
-            if inline:
-                e["index_every"] = 64
-                e["index"] = offsets[:-1:64].tolist()
-            listed.append(e)
-        m = dict(doc, shards=listed, num_samples=shards * samples, total_bytes=0)
-        m["total_bytes"] = shards * entry["bytes"]
-        (d / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
-    return str(packed), str(legacy)
-
-
-def child(where: str, checkout: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, where], capture_output=True, text=True, env=env, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> None:
+    ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--shards", type=int, default=40000)
     ap.add_argument("--samples", type=int, default=10000, help="samples per shard")
-    ap.add_argument("--out", default="/tmp/bench-open")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--against", help="another checkout, opening the json-offsets pack")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    packed, legacy = make(out, args.shards, args.samples)
-    cases = [("current", packed, ROOT), ("json-offsets", legacy, ROOT)]
-    if args.against:
-        cases.append(("against: json-offsets", legacy, Path(args.against).resolve()))
-    for name, where, _ in cases:
-        size = os.path.getsize(os.path.join(where, "manifest.json"))
+    ap.add_argument(
+        "--work", "--out", type=Path, default=None, help="data (default: <data root>/open)"
+    )
+    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
+    a = harness.parse(ap, smoke={"shards": 20, "samples": 200})
+    a.repeats = a.rounds = a.repeats or a.rounds
+    packed, legacy = data.many_shards(a.shards, a.samples, a.work)
+    cases = {"current": (packed, harness.ROOT), "json-offsets": (legacy, harness.ROOT)}
+    if a.against is not None:
+        cases["against: json-offsets"] = (legacy, a.against.resolve())
+    sizes = {name: os.path.getsize(where / "manifest.json") for name, (where, _) in cases.items()}
+    for name, size in sizes.items():
         print(f"{name}: manifest.json {size / 1e6:.1f} MB")
-    best: dict[str, dict] = {}
-    for _ in range(args.repeats):
-        for name, where, checkout in cases:
-            r = child(where, checkout)
-            if name not in best or r["cpu_s"] < best[name]["cpu_s"]:
-                best[name] = r
-    print(f"open at {args.shards} shards x {args.samples} samples (best of {args.repeats})")
-    for name, r in best.items():
-        print(f"  {name:24s} {r['cpu_s']:6.3f} s CPU  +{r['mb']:5.1f} MB  len {r['len']}")
+    contenders = {
+        name: (lambda r, w=where, c=checkout: harness.in_child(c, _CHILD, w))
+        for name, (where, checkout) in cases.items()
+    }
+    rounds = harness.interleave(contenders, a.rounds)
+    want = a.shards * a.samples
+    for name in cases:
+        got = {x["len"] for x in rounds.results[name]}
+        if got != {want}:
+            raise SystemExit(f"{name}: len() gave {sorted(got)}, not {want}")
+    summary = {}
+    for name in cases:
+        summary[name] = {
+            "manifest_bytes": sizes[name],
+            "cpu_s": rounds.median(name, "cpu_s"),
+            "mb": rounds.median(name, "mb"),
+            "cpu_ratio": rounds.ratio(name, "current", "cpu_s"),
+            "mb_ratio": rounds.ratio(name, "current", "mb"),
+            "cpu_ratios": [round(x, 3) for x in rounds.ratios(name, "current", "cpu_s")],
+        }
+    print(f"load average per round: {rounds.load_text()}")
+    print(f"open at {a.shards} shards x {a.samples} samples (median of {a.rounds} rounds)")
+    print(f"  {'':24s} {'CPU':>8s}  {'memory':>9s}  {'/ current (CPU, memory)':s}")
+    for name, s in summary.items():
+        print(
+            f"  {name:24s} {s['cpu_s']:6.3f} s  +{s['mb']:6.1f} MB"
+            f"  {s['cpu_ratio']:5.2f}x {s['mb_ratio']:5.2f}x  per round {s['cpu_ratios']}"
+        )
+    result = {
+        "shards": a.shards,
+        "samples": a.samples,
+        "against": str(a.against.resolve()) if a.against is not None else None,
+        "cases": summary,
+    }
+    out = a.json or harness.ROOT / "bench-out" / "bench_open.json"
+    harness.write_result(out, "bench_open", a, result, rounds)
 
 
 if __name__ == "__main__":

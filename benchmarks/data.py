@@ -28,6 +28,7 @@ __all__ = [
     "packed",
     "root",
     "linked_copy",
+    "many_shards",
     "scale_set",
     "scale_tree",
     "table",
@@ -306,6 +307,60 @@ def linked_copy(src: Path, dest: Path) -> Path:
         else:
             shutil.copytree(src / name, dest / name)
     return dest
+
+
+def many_shards(shards: int, samples: int, work: Path | None = None) -> tuple[Path, Path]:
+    """A pack of ``shards`` tar shards of ``samples`` tiny samples each, and its
+    ``json-offsets`` twin: the same shards under a manifest that also lists each shard's
+    sparse byte offsets as JSON ints (``index_every``/``index``, how packs were written before
+    the offsets were read from each shard's ``.idx``). One real shard (with its ``.idx``) is
+    written once and hard-linked ``shards`` times per pack: no disk beyond one shard a pack."""
+    from shardkit import ShardWriter
+    from shardkit.formats.sample_index import decode_index, index_path
+
+    work = Path(work) if work else root() / "open"
+    packed_dir, legacy = work / f"s{shards}x{samples}", work / f"s{shards}x{samples}-json"
+    if (packed_dir / "manifest.json").exists() and (legacy / "manifest.json").exists():
+        return packed_dir, legacy
+    one = work / f"one{samples}"
+    if not (one / "manifest.json").exists():
+        say(f"making {one} ...")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with ShardWriter(str(one), shard_size="1GB", classes=["a", "b"]) as w:
+                for i in range(samples):
+                    w.add(f"k{i:07d}", "jpg", b"\xff\xd8" + i.to_bytes(8, "big"), i % 2)
+    doc = json.loads((one / "manifest.json").read_text())
+    (entry,) = doc["shards"]
+    entry = {k: v for k, v in entry.items() if k not in ("index", "index_every")}
+    src = one / entry["path"]
+    offsets = decode_index((one / index_path(entry["path"])).read_bytes(), "one").offsets
+    say(f"linking {shards} shards into {packed_dir} and {legacy} ...")
+    for d, inline in ((packed_dir, False), (legacy, True)):
+        d.mkdir(parents=True, exist_ok=True)
+        own = d.with_name(d.name + "-src.tar")  # one source per pack: a file has < 65,000 links
+        if not own.exists():
+            shutil.copyfile(src, own)
+            shutil.copyfile(index_path(str(src)), index_path(str(own)))
+        listed = []
+        for i in range(shards):
+            name = f"shard-{i:06d}.tar"
+            for a, b in ((own, d / name), (index_path(str(own)), d / index_path(name))):
+                if not os.path.exists(b):
+                    os.link(a, b)
+            e = dict(entry, path=name)
+            if inline:
+                e["index_every"] = 64
+                e["index"] = offsets[:-1:64].tolist()
+            listed.append(e)
+        m = dict(doc, shards=listed, num_samples=shards * samples)
+        m["total_bytes"] = shards * entry["bytes"]
+        tmp = d / "manifest.json.tmp"  # the manifest last, whole: a complete pack or none
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(m, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, d / "manifest.json")
+    return packed_dir, legacy
 
 
 def _without_records(packed_dir: Path, bare: Path) -> None:

@@ -29,6 +29,7 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py"))
 EXTRA = {
     "bench_against.py": ["--against", str(ROOT)],
     "bench_crops.py": ["--against", str(ROOT)],
+    "bench_open.py": ["--against", str(ROOT)],
     "bench_sample_transform.py": ["--against", str(ROOT)],
     "bench_stats_overhead.py": ["--against", str(ROOT)],
     "bench_table.py": ["--against", str(ROOT)],
