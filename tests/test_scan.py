@@ -1,4 +1,4 @@
-"""The one rule of what a sample is, shared by pack and FolderDataset (shardkit/scan.py)."""
+"""The one rule of what a sample is, shared by pack and FolderDataset (shardkit/scan/)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _tables(names):
 
 @pytest.mark.parametrize("coarse", [False, True])
 def test_table_keys_and_repeats_equal_the_rules_on_lists(monkeypatch, coarse):
-    from shardkit import scan as scan_mod
+    from shardkit.scan import keys as scan_mod
 
     if coarse:  # every string meets others: each decision falls to the exact comparison
         monkeypatch.setattr(scan_mod, "_hash", lambda s: hash(s) % 3)
