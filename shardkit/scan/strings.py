@@ -12,6 +12,9 @@ import numpy as np
 
 __all__ = ["StrTable"]
 
+#: Rows ``StrTable.take`` gathers at a time (its int64 byte indexes are of one block, not all).
+TAKE_BLOCK = 1 << 12
+
 
 class StrTable(Sequence[str]):
     """An immutable list of str stored as one uint8 blob and int64 offsets (fork-friendly)."""
@@ -41,15 +44,20 @@ class StrTable(Sequence[str]):
         return out
 
     def take(self, rows: np.ndarray) -> StrTable:
-        """The strings at ``rows`` as a new table, gathered from the arrays (no str made)."""
+        """The strings at ``rows`` as a new table, gathered from the arrays (no str made),
+        ``TAKE_BLOCK`` rows at a time: beside the result it holds one block's byte indexes."""
         rows = np.asarray(rows, dtype=np.int64)
         starts = self.offsets[rows]
         lengths = self.offsets[rows + 1] - starts
         out = StrTable()
         out.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=out.offsets[1:])
-        shift = np.repeat(starts - out.offsets[:-1], lengths)
-        out.blob = self.blob[np.arange(int(out.offsets[-1]), dtype=np.int64) + shift]
+        out.blob = np.empty(int(out.offsets[-1]), dtype=np.uint8)
+        for a in range(0, len(rows), TAKE_BLOCK):
+            b = min(a + TAKE_BLOCK, len(rows))
+            lo, hi = int(out.offsets[a]), int(out.offsets[b])
+            shift = np.repeat(starts[a:b] - out.offsets[a:b], lengths[a:b])
+            out.blob[lo:hi] = self.blob[np.arange(lo, hi, dtype=np.int64) + shift]
         return out
 
     def span(self, lo: int, hi: int) -> StrTable:

@@ -225,7 +225,8 @@ def test_absolute_image_paths_pack_under_root_slash(tmp_path):
 def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt, size):
     from shardkit.fsutil import DirLock
     from shardkit.write.commit import commit_pack
-    from shardkit.write.plan import ShardTask, plan_pack
+    from shardkit.write.plan import plan_pack
+    from shardkit.write.planfile import load_task, save_tasks
     from shardkit.write.task import run_task
 
     src = _captioned(tmp_path / "src", n=6)
@@ -241,7 +242,9 @@ def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt,
         str(src), out, shard_size=size, format=fmt, shuffle=True, seed=0, validate="header",
         resize_short=None, on_error="skip",
     )  # fmt: skip
-    tasks = [ShardTask.from_dict(json.loads(json.dumps(t.to_dict()))) for t in plan.tasks(2)]
+    os.makedirs(out)
+    save_tasks(plan.tasks(2), str(tmp_path / "plan"), "commit")  # through the plan file
+    tasks = [load_task(str(tmp_path / "plan"), i)[0] for i in range(len(plan.tasks(2)))]
     receipts = [r for t in tasks for r in run_task(t)]
     with DirLock(out):
         commit_pack(plan, receipts)
