@@ -23,6 +23,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
+from itertools import islice
+from operator import attrgetter
+from stat import S_ISREG
 
 import numpy as np
 
@@ -43,6 +46,7 @@ from .strings import StrTable
 from .table import TABLE_SUFFIXES, img2dataset_tables, is_table, scan_table, scan_tables
 
 _FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_NAME = attrgetter("name")
 
 
 def scan_source(src: str, progress: bool = False, root: str | None = None) -> SourceScan:
@@ -89,23 +93,22 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
     keys: list[StrTable] = []
     sidecars: list[StrTable] = []
     labels: list[np.ndarray] = []
-    idents: list[np.ndarray] = []  # per file: device, inode, 1 if reached through a symlink
+    # per file: device, inode, 1 if reached through a symlink, size, mtime_ns (its one stat)
+    idents: list[np.ndarray] = []
     bar = Progress(len(folders), f"scan {src}", "class", enabled=progress)
     for label, cls in enumerate(folders):
         rels: list[str] = []
         cls_exts: list[str] = []
-        ids: list[tuple[int, int, int]] = []
+        ids: list[tuple[int, ...]] = []
         sides: list[str] = []
         _walk_class(root, cls, seen, scan, rels, cls_exts, real_root, ids, sides)
         bar.update(1)
         if not rels:
             scan.empty_classes.append(scan.classes[label])
             continue
-        order = sorted(range(len(rels)), key=rels.__getitem__)
-        rels = [rels[i] for i in order]
-        cls_exts = [cls_exts[i] for i in order]
-        sidecars.append(StrTable(sides[i] for i in order))
-        idents.append(np.array([ids[i] for i in order], dtype=np.int64).reshape(-1, 3))
+        rels, cls_exts, sides, ids = _sorted_by_path(rels, cls_exts, sides, ids)
+        sidecars.append(_blanks(len(sides)) if not any(sides) else StrTable(sides))
+        idents.append(np.array(ids, dtype=np.int64).reshape(-1, 5))
         files.append(StrTable(rels))
         exts.append(StrTable(cls_exts))
         keys.append(StrTable(_assign_keys(rels, cls_exts)))
@@ -117,8 +120,17 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
     )
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
     if idents:
-        _drop_linked_twins(scan, np.concatenate(idents))
-    _count_fields(scan, (s.lower().split(FIELD_SEP) if s else () for s in scan.sidecars))
+        ident = np.concatenate(idents)
+        scan.stats = np.ascontiguousarray(ident[:, 3:5])
+        _drop_linked_twins(scan, ident)
+    if scan.sidecars.blob.size:  # some sample has field files
+        _count_fields(scan, (s.lower().split(FIELD_SEP) if s else () for s in scan.sidecars))
+    _refuse_empty(src, scan)
+    return scan
+
+
+def _refuse_empty(src: str, scan: SourceScan) -> None:
+    """A source with no class folder, or no image in them, is an error that says what it holds."""
     if not scan.classes:
         tars = (
             ""
@@ -137,7 +149,21 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
             f"source {src!r} has no images (.{', .'.join(sorted(IMAGE_EXTENSIONS))}) in its "
             f"{len(scan.classes)} class folder(s)"
         )
-    return scan
+
+
+def _sorted_by_path(rels: list[str], *parallel: list) -> tuple[list, ...]:
+    """``rels`` and its parallel lists in path order (as listed already in a flat folder)."""
+    if all(a < b for a, b in zip(rels, islice(rels, 1, None), strict=False)):
+        return (rels, *parallel)
+    order = sorted(range(len(rels)), key=rels.__getitem__)
+    return tuple([x[i] for i in order] for x in (rels, *parallel))
+
+
+def _blanks(n: int) -> StrTable:
+    """A table of ``n`` empty strings (a class folder without field files), made from arrays."""
+    out = StrTable()
+    out.offsets = np.zeros(n + 1, dtype=np.int64)
+    return out
 
 
 def _count_fields(scan: SourceScan, per_sample: Iterable[Iterable[str]]) -> None:
@@ -150,14 +176,14 @@ def _count_fields(scan: SourceScan, per_sample: Iterable[Iterable[str]]) -> None
 def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
     """A symbolic link to a file that is already a sample is no second sample: listed as ignored.
 
-    ``idents``: (device, inode, via-link) per file. Of files sharing a device and inode, those
+    ``idents``: (device, inode, via-link, ...) per file. Of files sharing a device and inode, those
     reached without a link stay (hard links are separate files to every tool); links go, unless
     only links lead there (a farm of links to files outside SRC): then the first stays.
     """
     order = np.lexsort((idents[:, 2], idents[:, 1], idents[:, 0]))
     dup = np.zeros(len(idents), dtype=bool)
     same = np.all(idents[order[1:], :2] == idents[order[:-1], :2], axis=1)
-    if not same.any():
+    if not (same & (idents[order[1:], 2] != 0)).any():  # no link to a file met before it
         return
     keep_of: dict[tuple[int, int], int] = {}
     for pos, i in enumerate(order.tolist()):
@@ -175,6 +201,8 @@ def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
             for t in (scan.files, scan.keys, scan.exts, scan.sidecars)
         )
         scan.labels = scan.labels[keep]
+        if scan.stats is not None:
+            scan.stats = scan.stats[keep]
 
 
 def check_source_dir(src: str) -> None:
@@ -226,7 +254,7 @@ def _walk_class(
     rels: list[str],
     exts: list[str],
     real_root: str,
-    ids: list[tuple[int, int, int]],
+    ids: list[tuple[int, ...]],
     sides: list[str],
 ) -> None:
     stack = [cls]
@@ -252,9 +280,14 @@ def _walk_class(
             continue
         subdirs, files = [], []
         for entry in entries:
-            scan.outside_links += _leaves(entry, real_root)
+            try:
+                link = entry.is_symlink()
+            except OSError:
+                link = False
+            if link:  # (inline: this runs per file)
+                scan.outside_links += _leaves(entry, real_root)
             (subdirs if _is_dir(entry) else files).append(entry)
-        _group_folder(rel_dir, sorted(files, key=lambda e: e.name), scan, rels, exts, ids, sides)
+        _group_folder(rel_dir, sorted(files, key=_NAME), scan, rels, exts, ids, sides)
         stack.extend(sorted((f"{rel_dir}/{e.name}" for e in subdirs), reverse=True))
 
 
@@ -270,21 +303,21 @@ def _group_folder(
     scan: SourceScan,
     rels: list[str],
     exts: list[str],
-    ids: list[tuple[int, int, int]],
+    ids: list[tuple[int, ...]],
     sides: list[str],
 ) -> None:
     """The samples of one folder's files: images first, then each sidecar joins its image."""
+    split = [_split_key(entry.name) for entry in files]  # once per file: this runs per file
     plain: dict[str, list[str]] = {}  # key stem -> names of its plain-image members
-    for entry in files:
-        stem, suffix = _split_key(entry.name)
+    for entry, (stem, suffix) in zip(files, split, strict=True):
         if suffix.lower() in IMAGE_EXTENSIONS:
             plain.setdefault(stem, []).append(entry.name)
     position: dict[str, int] = {}  # key stem -> index in rels of its one plain image
     others: list[os.DirEntry] = []
-    for entry in files:
-        stem, suffix = _split_key(entry.name)
-        is_plain = suffix.lower() in IMAGE_EXTENSIONS
-        ext = _image_ext(entry.name)
+    for entry, (stem, suffix) in zip(files, split, strict=True):
+        low = suffix.lower()
+        is_plain = low in IMAGE_EXTENSIONS
+        ext = low if is_plain else _image_ext(entry.name)  # a plain suffix holds no dot
         if not is_plain and (stem in plain or ext is None):
             others.append(entry)  # a field of a sample, or not an image at all
             continue
@@ -364,20 +397,21 @@ def _add_image(
     scan: SourceScan,
     rels: list[str],
     exts: list[str],
-    ids: list[tuple[int, int, int]],
+    ids: list[tuple[int, ...]],
 ) -> bool:
     """List one image-named file as a sample (True) or as an error (False)."""
     try:
-        regular = entry.is_file()
-        st = entry.stat() if regular else None
+        st = entry.stat()  # links followed, as is_file() would; one call per file
     except OSError:
-        regular, st = False, None
+        st = None
+    if st is not None and not S_ISREG(st.st_mode):
+        st = None
     if st is not None and st.st_size == 0:  # pack's header check would say the same
         scan.errors.append(SkippedFile(rel, EMPTY_FILE))
     elif st is not None:
         rels.append(rel)
         exts.append(ext)
-        ids.append((st.st_dev, st.st_ino, int(entry.is_symlink())))
+        ids.append((st.st_dev, st.st_ino, int(entry.is_symlink()), st.st_size, st.st_mtime_ns))
         return True
     elif entry.is_symlink() and not os.path.exists(entry.path):
         scan.errors.append(SkippedFile(rel, "unreadable: broken symbolic link"))

@@ -20,6 +20,9 @@ def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
     ``encode_key`` makes keys dot-free, so the with-extension form stays a valid key.
     """
     stems = [rel[: -len(ext) - 1] for rel, ext in zip(rels, exts, strict=True)]
+    if len(set(stems)) == len(stems):  # the usual case: encode_key keeps distinct stems distinct
+        # encode_key works character by character and no path holds a NUL: one call per list
+        return encode_key("\0".join(stems)).split("\0") if stems else []
     counts: dict[str, int] = {}
     for s, _ in set(zip(stems, rels, strict=True)):  # a file a table lists twice is one file
         counts[s] = counts.get(s, 0) + 1
