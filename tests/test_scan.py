@@ -136,3 +136,14 @@ def test_the_same_pack_again_stats_no_image_a_second_time(tmp_path, monkeypatch)
     again = pack(str(src), str(out), progress=False, validate="none")
     assert again.up_to_date and again.samples == first.samples == 6
     assert not [p for p in seen if p.endswith((".jpg", ".jpeg"))], seen
+
+
+def test_a_tables_scan_records_each_rows_image_stat_in_row_order(tmp_path):
+    from shardkit.write.read import file_stats
+
+    src = _stat_tree(tmp_path / "src")
+    rows = ["a/c.jpeg", "b/again.jpg", "a/a/x.jpg", "missing.jpg", "a/b.jpg"]  # a link, too
+    (src / "t.csv").write_text("image\n" + "\n".join(rows) + "\n")
+    scan = scan_source(str(src / "t.csv"))
+    assert list(scan.files) == ["a/c.jpeg", "b/again.jpg", "a/a/x.jpg", "a/b.jpg"]
+    assert scan.stats.tolist() == file_stats(str(src), scan.files).tolist()

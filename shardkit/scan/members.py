@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from stat import S_ISREG
 
 from ..errors import InputError
 
@@ -91,9 +92,19 @@ def read_member(path: str) -> tuple[bytes, os.stat_result]:
 
 def is_image_file(path: str) -> bool:
     """A regular file, or a member of a tar (``member_path``)."""
-    if os.path.isfile(path):
-        return True
+    return image_stat(path) is not None
+
+
+def image_stat(path: str) -> tuple[int, int] | None:
+    """``(size, mtime_ns)`` of a regular file (links followed) or of a tar member
+    (``member_stat``); None where it is neither: a table's scan keeps it for the plan."""
     try:
-        return member_stat(path) is not None
+        st = os.stat(path)
     except OSError:
-        return False
+        st = None
+    if st is not None and S_ISREG(st.st_mode):
+        return st.st_size, st.st_mtime_ns
+    try:
+        return member_stat(path)
+    except OSError:
+        return None

@@ -68,8 +68,8 @@ class SourceScan:
     #: Rows of tables (their errors name ``TABLE:LINE``), not files of a folder.
     from_table: bool = False
     #: ``(size, mtime_ns)`` of each file (an (n, 2) int64 array) from the walk's own ``stat`` of
-    #: it, so a plan (and the "up to date" check) need not ``stat`` every file again; None:
-    #: not taken (tables).
+    #: it (a table's: of each accepted row's image), so a plan (and the "up to date" check)
+    #: need not ``stat`` every file again; None: not taken.
     stats: np.ndarray | None = None
 
     def fields_of(self, i: int) -> list[tuple[str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from ..extras import require
 from ..formats import encode_key
 from ..manifest import SkippedFile
 from .keys import _column_keys, _table_keys
-from .members import is_image_file, member_of, member_path, tar_members
+from .members import image_stat, member_of, member_path, tar_members
 from .source import SourceScan, _image_ext
 from .strings import _Growing
 
@@ -153,6 +154,7 @@ class _TableRows:
         self.names: dict[str, int] = {}
         self.field_counts: dict[str, int] = {}
         self.unlabelled: int | None = None  # line of the first row without a label
+        self.stats = array("q")  # (size, mtime_ns) of each row's image: 16 bytes a row
 
     def add(
         self, rel: str, ext: str, fields: dict, name: str | None, line: int, key: str | None
@@ -208,6 +210,7 @@ class _TableRows:
         codes, self.code_parts = self.code_parts, []
         scan.labels = rank[np.concatenate(codes)] if codes else np.zeros(0, dtype=np.int64)
         scan.field_counts = dict(sorted(self.field_counts.items()))
+        scan.stats = np.frombuffer(self.stats, dtype=np.int64).reshape(-1, 2)
         if scan.keyed:  # img2dataset's keys, as its tars and `shardkit index` have them
             scan.keys, scan.again = _column_keys(self.key_table.table())
         else:
@@ -262,12 +265,13 @@ def scan_tables(paths: Sequence[str], root: str | None = None, folder: str = "")
             ext = _image_ext(rel.rsplit("/", 1)[-1])
             if ext is None:
                 scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
-            elif not is_image_file(os.path.join(base, rel)):
+            elif (st := image_stat(os.path.join(base, rel))) is None:
                 scan.errors.append(SkippedFile(rel, f"{where}: {cols.missing(rel)}"))
             else:
                 fields = _row_fields(row, cols.image_col, cols.caption_col, where)
                 key = row[KEY_COLUMN] if cols.keyed is not None else None
                 rows.add(rel, ext, fields, _label_of(row, where), line, key)
+                rows.stats.extend(st)
     rows.finish(scan)
     if not len(scan.files) and not scan.errors:
         raise InputError(f"table {name!r} has no rows")
