@@ -393,6 +393,7 @@ def plan_pack(
         order = order[~dropped[order]]
     starts = _roll(scan, stats, order, options["format"], options["shard_size"])
     fp = fingerprint(scan, stats, options)
+    scan.stats = stats = None  # rolled and fingerprinted: 16 bytes a row not held for the tasks
     info = {
         "source": src,
         "shard_size": options["shard_size"],
