@@ -93,8 +93,8 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
     keys: list[StrTable] = []
     sidecars: list[StrTable] = []
     labels: list[np.ndarray] = []
-    # per file: device, inode, 1 if reached through a symlink, size, mtime_ns (its one stat)
-    idents: list[np.ndarray] = []
+    idents: list[np.ndarray] = []  # per file: device, inode, 1 if reached through a symlink
+    stat_parts: list[np.ndarray] = []  # per file: size, mtime_ns
     bar = Progress(len(folders), f"scan {src}", "class", enabled=progress)
     for label, cls in enumerate(folders):
         rels: list[str] = []
@@ -108,7 +108,10 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
             continue
         rels, cls_exts, sides, ids = _sorted_by_path(rels, cls_exts, sides, ids)
         sidecars.append(_blanks(len(sides)) if not any(sides) else StrTable(sides))
-        idents.append(np.array(ids, dtype=np.int64).reshape(-1, 5))
+        both = np.array(ids, dtype=np.int64).reshape(-1, 5)  # one class's, then apart:
+        idents.append(both[:, :3].copy())
+        stat_parts.append(both[:, 3:].copy())
+        del both
         files.append(StrTable(rels))
         exts.append(StrTable(cls_exts))
         keys.append(StrTable(_assign_keys(rels, cls_exts)))
@@ -120,9 +123,8 @@ def scan_source(src: str, progress: bool = False, root: str | None = None) -> So
     )
     scan.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
     if idents:
-        ident = np.concatenate(idents)
-        scan.stats = np.ascontiguousarray(ident[:, 3:5])
-        _drop_linked_twins(scan, ident)
+        scan.stats = np.concatenate(stat_parts)
+        _drop_linked_twins(scan, np.concatenate(idents))
     if scan.sidecars.blob.size:  # some sample has field files
         _count_fields(scan, (s.lower().split(FIELD_SEP) if s else () for s in scan.sidecars))
     _refuse_empty(src, scan)
@@ -176,13 +178,17 @@ def _count_fields(scan: SourceScan, per_sample: Iterable[Iterable[str]]) -> None
 def _drop_linked_twins(scan: SourceScan, idents: np.ndarray) -> None:
     """A symbolic link to a file that is already a sample is no second sample: listed as ignored.
 
-    ``idents``: (device, inode, via-link, ...) per file. Of files sharing a device and inode, those
+    ``idents``: (device, inode, via-link) per file. Of files sharing a device and inode, those
     reached without a link stay (hard links are separate files to every tool); links go, unless
     only links lead there (a farm of links to files outside SRC): then the first stays.
     """
     order = np.lexsort((idents[:, 2], idents[:, 1], idents[:, 0]))
     dup = np.zeros(len(idents), dtype=bool)
-    same = np.all(idents[order[1:], :2] == idents[order[:-1], :2], axis=1)
+    same = np.ones(len(order) - 1, dtype=bool)
+    for col in (0, 1):  # a column at a time: 8 bytes a file of temporaries, not 32
+        ordered = idents[order, col]
+        same &= ordered[1:] == ordered[:-1]
+        del ordered
     if not (same & (idents[order[1:], 2] != 0)).any():  # no link to a file met before it
         return
     keep_of: dict[tuple[int, int], int] = {}
