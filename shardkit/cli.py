@@ -384,7 +384,7 @@ def synth_imagenet(
     type=click.Path(dir_okay=False),
     default=None,
     metavar="PLAN",
-    help="Write the shard tasks to PLAN (JSON) and stop: run each with `shardkit pack-task PLAN "
+    help="Write the shard tasks to the file PLAN and stop: run each with `shardkit pack-task PLAN "
     "--task I` (e.g. a SLURM array), then this command without --plan-only commits.",
 )
 @click.option(
@@ -595,7 +595,7 @@ def echo_warnings(caught) -> None:
 )
 def pack_task_cmd(plan, index, threads) -> None:
     """Run task I of a plan written by `shardkit pack --plan-only PLAN` (safe to re-run)."""
-    from .write.plan import load_task
+    from .write.planfile import load_task
     from .write.task import run_task
 
     task, total = load_task(plan, index)

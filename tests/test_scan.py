@@ -1,4 +1,4 @@
-"""The one rule of what a sample is, shared by pack and FolderDataset (shardkit/scan.py)."""
+"""The one rule of what a sample is, shared by pack and FolderDataset (shardkit/scan/)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _tables(names):
 
 @pytest.mark.parametrize("coarse", [False, True])
 def test_table_keys_and_repeats_equal_the_rules_on_lists(monkeypatch, coarse):
-    from shardkit import scan as scan_mod
+    from shardkit.scan import keys as scan_mod
 
     if coarse:  # every string meets others: each decision falls to the exact comparison
         monkeypatch.setattr(scan_mod, "_hash", lambda s: hash(s) % 3)
@@ -89,3 +89,61 @@ def test_table_keys_and_repeats_equal_the_rules_on_lists(monkeypatch, coarse):
         expected.append(name in seen)
         seen.add(name)
     assert scan_mod.repeats(files).tolist() == expected
+
+
+# --- the walk's own stat: the plan and the "up to date" check take it, no second stat per file --
+
+
+def _stat_tree(src):
+    """Subfolders listed before a file that sorts after them (the class is reordered), links,
+    an outside link, and files of distinct sizes and mtimes (a misaligned row shows)."""
+    outside = src.parent / "store"
+    outside.mkdir()
+    (outside / "far.jpg").write_bytes(b"\xff\xd8\xff" + b"f" * 700)
+    for k, rel in enumerate(["a/b.jpg", "a/a/x.jpg", "a/a/z/y.jpg", "a/c.jpeg", "b/q.jpg"]):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(b"\xff\xd8\xff" + bytes([k]) * (100 + 37 * k))
+        os.utime(src / rel, ns=(10**18, 10**18 + 1000 * k))
+    os.symlink(src / "a" / "b.jpg", src / "b" / "again.jpg")  # a link to a sample: dropped
+    os.symlink(outside / "far.jpg", src / "b" / "far.jpg")
+    return src
+
+
+def test_the_walk_records_each_files_size_and_mtime_in_sample_order(tmp_path):
+    from shardkit.write.read import file_stats
+
+    src = _stat_tree(tmp_path / "src")
+    scan = scan_source(str(src))
+    assert list(scan.files) == ["a/a/x.jpg", "a/a/z/y.jpg", "a/b.jpg", "a/c.jpeg", "b/far.jpg",
+                                "b/q.jpg"]  # fmt: skip
+    assert scan.stats.tolist() == file_stats(str(src), scan.files).tolist()
+
+
+def test_the_same_pack_again_stats_no_image_a_second_time(tmp_path, monkeypatch):
+    """The "up to date" check costs the walk (its one stat per file), not a second os.stat of
+    every image on top."""
+    src = _stat_tree(tmp_path / "src")
+    out = tmp_path / "out"
+    first = pack(str(src), str(out), progress=False, validate="none")
+    seen: list[str] = []
+    real = os.stat
+
+    def counting(path, *args, **kw):
+        seen.append(os.fspath(path))
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(os, "stat", counting)
+    again = pack(str(src), str(out), progress=False, validate="none")
+    assert again.up_to_date and again.samples == first.samples == 6
+    assert not [p for p in seen if p.endswith((".jpg", ".jpeg"))], seen
+
+
+def test_a_tables_scan_records_each_rows_image_stat_in_row_order(tmp_path):
+    from shardkit.write.read import file_stats
+
+    src = _stat_tree(tmp_path / "src")
+    rows = ["a/c.jpeg", "b/again.jpg", "a/a/x.jpg", "missing.jpg", "a/b.jpg"]  # a link, too
+    (src / "t.csv").write_text("image\n" + "\n".join(rows) + "\n")
+    scan = scan_source(str(src / "t.csv"))
+    assert list(scan.files) == ["a/c.jpeg", "b/again.jpg", "a/a/x.jpg", "a/b.jpg"]
+    assert scan.stats.tolist() == file_stats(str(src), scan.files).tolist()

@@ -3,7 +3,8 @@
 - ``packer``: ``pack()`` and its ``PackOptions``, the folder -> shards command (scan, check,
   optional resize, write).
 - ``plan``: a folder pack's plan (every shard's samples and name, before any image is read), its
-  types (``ShardTask``, ``ShardReceipt``, ``PackPlan``) and the plan files of ``--plan-only``.
+  types (``ShardTask``, ``ShardReceipt``, ``PackPlan``).
+- ``planfile``: the plan files of ``--plan-only`` that ``pack-task`` runs (arrays, checksummed).
 - ``task``: ``run_task``, one task of the plan written into the job folder, a receipt per shard.
 - ``commit``: ``commit_pack``, the receipts checked and published with the manifest, manifest
   last; the cluster-lock check of engines across machines.

@@ -42,7 +42,8 @@ from ..urls import is_url
 from . import samples as _samples
 from .commit import check_cluster_lock, commit_pack
 from .keys import held_by
-from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack, save_tasks
+from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack
+from .planfile import save_tasks
 from .read import (
     FINGERPRINT_FIELD,
     READ_AHEAD,
@@ -309,8 +310,9 @@ def pack(
     shards in OUT's job folder and the same command resumes from them (in-process: only a
     killed run; an error or Ctrl-C cleans up).
 
-    ``plan_only="plan.json"`` writes the plan's tasks (``shards_per_task`` shards each) to that
-    JSON file and stops: run each with ``shardkit pack-task plan.json --task I`` (a SLURM array,
+    ``plan_only="pack.plan"`` writes the plan's tasks (``shards_per_task`` shards each) to that
+    file (arrays, ``write.planfile``) and stops: run each with ``shardkit pack-task pack.plan
+    --task I`` (a SLURM array,
     any scheduler), then this same call without ``plan_only`` commits (every shard done is kept).
     The report then counts planned shards and samples, nothing written.
 

@@ -11,25 +11,23 @@
   exactly once, builds the manifest ``pack`` writes and publishes it with the commit journal,
   manifest last.
 
-This module holds the types the three share (``ShardTask``, ``ShardReceipt``, ``PackPlan``),
-the planner, and the plan files batch schedulers run tasks from (``save_tasks``,
-``load_task``). ``pack`` on one machine runs the whole plan as one task in-process (reader
-threads), and ``--engine`` runs it as many tasks elsewhere: same planner, same bytes, by
-construction. A skipped (bad) file keeps its slot in the plan, so its shard ends a little
-smaller; with ``resize_short`` the plan budgets each image at its source size (``shard_size``
-is then a budget on source bytes). The job folder ``OUT/.partial-job-<plan>/`` holds finished
-shards and their receipts (``shard-NNNNNN.json``): a re-run of the same plan skips shards whose
-receipt and file size agree, so a killed job resumes; another plan (other files, other options)
-never reads them, and its commit removes them. Nothing here imports an engine.
+This module holds the types the three share (``ShardTask``, ``ShardReceipt``, ``PackPlan``), and
+the planner (the plan files batch schedulers run tasks from: ``write.planfile``). ``pack`` on one
+machine runs the whole plan as one task in-process (reader threads), and ``--engine`` runs it as
+many tasks elsewhere: same planner, same bytes, by construction. A skipped (bad) file keeps its
+slot in the plan, so its shard ends a little smaller; with ``resize_short`` the plan budgets each
+image at its source size (``shard_size`` is then a budget on source bytes). The job folder
+``OUT/.partial-job-<plan>/`` holds finished shards and their receipts (``shard-NNNNNN.json``): a
+re-run of the same plan skips shards whose receipt and file size agree, so a killed job resumes;
+another plan (other files, other options) never reads them, and its commit removes them. Nothing
+here imports an engine.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..formats import get_format
-from ..fsutil import JOB_MARK, STAGING_PREFIX, atomic_write_bytes, open_regular, write_error
+from ..fsutil import JOB_MARK, STAGING_PREFIX
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import Manifest, ShardEntry, SkippedFile
 from ..scan import SourceScan, check_source_dir, repeats, scan_source
@@ -60,9 +58,7 @@ __all__ = [
     "PlanTasks",
     "ShardReceipt",
     "ShardTask",
-    "load_task",
     "plan_pack",
-    "save_tasks",
 ]
 
 #: The manifest's ``pack`` key listing, per ``--append``, how the shards it added were packed.
@@ -160,7 +156,8 @@ class ShardTask:
         return range(self.first, self.first + len(self.starts) - 1)
 
     def to_dict(self) -> dict:
-        """Plain JSON (a plan file for batch schedulers such as SLURM arrays; never pickle)."""
+        """Plain JSON, a row per list item: a task of the first plan-file version (still read;
+        ``write.planfile`` writes arrays now)."""
         n = len(self.order)
         pick = self.order.tolist() if n else []
         return {
@@ -396,6 +393,7 @@ def plan_pack(
         order = order[~dropped[order]]
     starts = _roll(scan, stats, order, options["format"], options["shard_size"])
     fp = fingerprint(scan, stats, options)
+    scan.stats = stats = None  # rolled and fingerprinted: 16 bytes a row not held for the tasks
     info = {
         "source": src,
         "shard_size": options["shard_size"],
@@ -495,78 +493,3 @@ def _field_sizes(scan: SourceScan, stats: SourceStats, rows: list[int]) -> list:
             sizes += [(len(n), len(v)) for n, v in scan.inline_fields(i).items()]
         out.append(sizes or ())
     return out
-
-
-# --- plan files: batch schedulers ---------------------------------------------------------------
-
-PLAN_FORMAT = "shardkit-pack-plan"
-
-
-def save_tasks(tasks: Sequence[ShardTask], path: str, command: str) -> None:
-    """Write ``tasks`` as a JSON plan file (atomically); ``command`` commits once they are done."""
-    doc = {
-        "format": PLAN_FORMAT,
-        "version": 1,
-        "commit": command,
-        "tasks": [t.to_dict() for t in tasks],
-    }
-    try:
-        atomic_write_bytes(path, json.dumps(doc).encode())
-    except OSError as exc:
-        raise write_error(os.path.dirname(path) or ".", exc, os.path.basename(path)) from None
-
-
-def load_task(path: str, index: int) -> tuple[ShardTask, int]:
-    """Task ``index`` of the plan file at ``path``, and how many tasks it holds."""
-    try:
-        with open_regular(path) as f:
-            doc = json.load(f)
-        if doc.get("format") != PLAN_FORMAT or doc.get("version") != 1:
-            raise ValueError("not a shardkit plan file")
-        tasks = doc["tasks"]
-        if not 0 <= index < len(tasks):
-            raise InputError(f"{path}: no task {index}; it holds tasks 0..{len(tasks) - 1}")
-        task = ShardTask.from_dict(tasks[index])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InputError(
-            f"{path}: not a readable shardkit plan ({exc}); make one with `shardkit pack SRC OUT "
-            "--plan-only PLAN`"
-        ) from None
-    why = _outside(task)
-    if why is not None:
-        raise InputError(
-            f"{path}: task {index} {why}, which a plan shardkit wrote never does (the file was "
-            "edited); nothing was read or written: make the plan again with `shardkit pack SRC "
-            "OUT --plan-only PLAN`"
-        )
-    return task, len(tasks)
-
-
-def _outside(task: ShardTask) -> str | None:
-    """What in ``task`` would read outside its source root or write outside its job folder."""
-    name = os.path.basename(task.job)
-    if (
-        not os.path.isabs(task.job)
-        or os.path.normpath(task.job) != task.job
-        or not os.path.isdir(os.path.dirname(task.job))  # OUT, made by --plan-only
-        or not os.path.isabs(task.root)
-        or not re.fullmatch(re.escape(JOB_PREFIX) + "[0-9a-f]{16}", name)
-        or "\x00" in task.job + task.root
-    ):
-        return f"writes into {task.job!r}, not a job folder OUT/{JOB_PREFIX}<hex>"
-    if (
-        task.first < 0
-        or not task.starts
-        or task.starts[0] != 0
-        or list(task.starts) != sorted(task.starts)
-        or task.starts[-1] > len(task.files)
-    ):
-        return "numbers its shards or samples out of order"
-    for rel, side in itertools.zip_longest(task.files, task.sidecars, fillvalue=""):
-        if _climbs(rel) or "\x00" in side:  # field files: suffixes of rel, in its folder
-            return f"reads {rel!r}, outside its source root {task.root!r}"
-    return None
-
-
-def _climbs(rel: str) -> bool:
-    return not rel or rel.startswith("/") or "\x00" in rel or ".." in rel.split("/")

@@ -853,7 +853,7 @@ def test_all_images_bad_is_an_input_error(tmp_path):
 
 
 def test_non_images_past_the_listing_limit_are_counted(tree, tmp_path, monkeypatch):
-    pack_module = importlib.import_module("shardkit.scan")  # shared by pack and FolderDataset
+    pack_module = importlib.import_module("shardkit.scan.source")  # pack and FolderDataset
 
     src, files = tree
     monkeypatch.setattr(pack_module, "LIST_NON_IMAGES", 2)

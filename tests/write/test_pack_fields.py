@@ -225,7 +225,8 @@ def test_absolute_image_paths_pack_under_root_slash(tmp_path):
 def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt, size):
     from shardkit.fsutil import DirLock
     from shardkit.write.commit import commit_pack
-    from shardkit.write.plan import ShardTask, plan_pack
+    from shardkit.write.plan import plan_pack
+    from shardkit.write.planfile import load_task, save_tasks
     from shardkit.write.task import run_task
 
     src = _captioned(tmp_path / "src", n=6)
@@ -241,7 +242,9 @@ def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt,
         str(src), out, shard_size=size, format=fmt, shuffle=True, seed=0, validate="header",
         resize_short=None, on_error="skip",
     )  # fmt: skip
-    tasks = [ShardTask.from_dict(json.loads(json.dumps(t.to_dict()))) for t in plan.tasks(2)]
+    os.makedirs(out)
+    save_tasks(plan.tasks(2), str(tmp_path / "plan"), "commit")  # through the plan file
+    tasks = [load_task(str(tmp_path / "plan"), i)[0] for i in range(len(plan.tasks(2)))]
     receipts = [r for t in tasks for r in run_task(t)]
     with DirLock(out):
         commit_pack(plan, receipts)
@@ -310,7 +313,7 @@ def test_excel_csv_and_long_captions_pack(tmp_path):
 def test_table_rows_that_cannot_be_packed_are_one_line_naming_file_and_line(
     tmp_path, monkeypatch, name, text, message
 ):
-    monkeypatch.setattr(scan, "MAX_TABLE_CELL", 2 << 20, raising=False)  # a small test file
+    monkeypatch.setattr(scan.table, "MAX_TABLE_CELL", 2 << 20, raising=False)  # a small test file
     root = _table_set(tmp_path / "set")
     (root / name).write_text(text)
     r = CliRunner().invoke(main, ["pack", str(root / name), str(tmp_path / "o"), "--on-error",
@@ -335,7 +338,7 @@ def test_a_parquet_table_packs_to_the_bytes_of_the_same_csv(tmp_path, monkeypatc
     names = ("image", "caption", "label", "src")
     cols = {name: [r[k] for r in rows] for k, name in enumerate(names)}
     _parquet(root / "t.parquet", cols, row_group_size=1)
-    monkeypatch.setattr(scan, "PARQUET_BATCH", 1)  # a batch per row: the rows stream through
+    monkeypatch.setattr(scan.table, "PARQUET_BATCH", 1)  # a batch per row: the rows stream through
     with pytest.warns(UserWarning, match="listed again"):
         from_csv = pack(str(root / "t.csv"), str(tmp_path / "a"), shuffle=False, progress=False)
     with pytest.warns(UserWarning, match="listed again"):

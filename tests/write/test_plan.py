@@ -730,8 +730,26 @@ def test_a_killed_pool_driver_takes_its_workers_along_and_the_same_command_resum
     assert digest(out) == digest(refs["tar"])
 
 
-def test_a_tampered_plan_file_reads_and_writes_nothing_outside_its_source_and_job(src, tmp_path):
-    out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
+def _json_plan(plan_path, tasks, command="commit"):
+    """A plan file of the first version (JSON, a list per column), as shardkit wrote it."""
+    doc = {"format": "shardkit-pack-plan", "version": 1, "commit": command}
+    doc["tasks"] = [t.to_dict() for t in tasks]
+    with open(plan_path, "w") as f:
+        json.dump(doc, f)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_tampered_plan_file_reads_and_writes_nothing_outside_its_source_and_job(
+    src, tmp_path, version
+):
+    """An edited plan (its checksums made to match again, or JSON of the first version) that
+    would read outside the source or write outside the job is refused before any work."""
+    import dataclasses
+
+    from shardkit.scan import StrTable
+    from shardkit.write.planfile import load_task, save_tasks
+
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan")
     r = CliRunner().invoke(
         main, ["pack", src, out, "-q", "--shard-size", "12kB", "--plan-only", plan]
     )
@@ -739,23 +757,100 @@ def test_a_tampered_plan_file_reads_and_writes_nothing_outside_its_source_and_jo
     victim = tmp_path / "victim"
     victim.mkdir()
     (tmp_path / "secret.jpg").write_bytes(open(os.path.join(src, "a", "a_000.jpg"), "rb").read())
-    good = json.loads(open(plan).read())
+    good, _ = load_task(plan, 0)
     tampered = {
         "job": str(victim),
         "root": "src",  # relative
-        "files": ["../secret.jpg"] + good["tasks"][0]["files"][1:],
+        "files": StrTable(["../secret.jpg", *list(good.files)[1:]]),
     }
     for field, value in tampered.items():
-        doc = json.loads(json.dumps(good))
-        doc["tasks"][0][field] = value
-        with open(plan, "w") as f:
-            json.dump(doc, f)
+        task = dataclasses.replace(good, **{field: value})
+        if version == 2:
+            save_tasks([task], plan, "commit")
+        else:
+            _json_plan(plan, [task])
         r = CliRunner().invoke(main, ["pack-task", plan, "--task", "0"])
         assert r.exit_code == 2, r.output
         assert f"{plan}: task 0 " in r.output and "the file was edited" in r.output
         assert os.listdir(victim) == [] and not [
             n for n in os.listdir(out) if n.startswith(JOB_PREFIX)
         ]
+
+
+def _task_rows(task) -> dict:
+    """A task as plain values, sample by sample in its order."""
+    rows = np.asarray(task.order).tolist()
+    cols = {
+        name: [getattr(task, name)[i] for i in rows] if len(getattr(task, name)) else []
+        for name in ("files", "keys", "exts", "sidecars", "inline")
+    }
+    cols["labels"] = [int(task.labels[i]) for i in rows]
+    for name in ("job", "root", "format", "validate", "resize_short", "on_error", "first"):
+        cols[name] = getattr(task, name)
+    cols["starts"] = list(task.starts)
+    return cols
+
+
+@pytest.mark.parametrize("source", ["table", "fields"])
+def test_a_plan_file_round_trips_every_task(tmp_path, source):
+    """Every task read back from the plan file is the task the plan made: its samples (paths,
+    keys, extensions, labels, field files, a table's fields) and its shards."""
+    from shardkit.write.planfile import load_task, save_tasks
+
+    where = _golden_table(tmp_path) if source == "table" else _fields_tree(tmp_path / "f")
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = quiet(plan_pack, str(where), str(out), **{**_PLAN_KW, "shard_size": "4KB"})
+    tasks = plan.tasks(3)
+    assert len(tasks) > 2
+    path = str(tmp_path / "plan")
+    save_tasks(tasks, path, "commit")
+    assert open(path, "rb").read(8) == b"SKPLAN2\n"
+    for i, task in enumerate(tasks):
+        back, total = load_task(path, i)
+        assert total == len(tasks)
+        assert _task_rows(back) == _task_rows(task), i
+    got = _task_rows(load_task(path, 0)[0])
+    assert got["inline" if source == "table" else "sidecars"]  # the fields went through
+
+
+def test_a_first_version_json_plan_file_still_runs_and_packs_the_same(src, refs, tmp_path):
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
+    os.makedirs(out)
+    made = quiet(plan_pack, src, out, **{**_PLAN_KW, "shard_size": "12kB"})
+    _json_plan(plan, made.tasks(4))
+    for i in range(len(made.tasks(4))):
+        r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(i)])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["pack", src, out, "-q", "--shard-size", "12kB"])
+    assert r.exit_code == 0, r.output
+    assert digest(out) == digest(refs["tar"])
+
+
+@pytest.mark.parametrize("where", ["section", "footer", "cut", "other"])
+def test_a_plan_file_changed_or_cut_short_is_refused_naming_it(src, tmp_path, where):
+    out, plan = str(tmp_path / "out"), str(tmp_path / "plan")
+    r = CliRunner().invoke(
+        main, ["pack", src, out, "-q", "--shard-size", "12kB", "--plan-only", plan]
+    )
+    assert r.exit_code == 0, r.output
+    data = bytearray(open(plan, "rb").read())
+    if where == "section":
+        data[20] ^= 1  # a byte of task 0's paths
+    elif where == "footer":
+        data[-60] ^= 1
+    elif where == "cut":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"PK\x03\x04 a zip, say")
+    open(plan, "wb").write(bytes(data))
+    r = CliRunner().invoke(main, ["pack-task", plan, "--task", "0"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f"{plan}: not a readable shardkit plan (" in r.output, r.output
+    why = {"section": "task 0's samples do not match their sha256", "footer": "footer does not"}
+    why |= {"cut": "cut short", "other": "not a shardkit plan file"}
+    assert why[where] in r.output, r.output
+    assert not [n for n in os.listdir(out) if n.startswith(JOB_PREFIX)]
 
 
 # --- tables at scale: the same bytes, memory by the row ------------------------------------------
@@ -875,3 +970,27 @@ def test_tasks_carry_their_samples_as_tables_not_lists(tmp_path):
             assert list(mine) == [whole[i] for i in rows]
         assert list(task.inline) == [scan.inline[i] for i in rows]
     assert sum(len(t.order) for t in tasks) == len(plan.order)
+
+
+def _plan_file_peak(table, out, path) -> int:
+    import tracemalloc
+
+    from shardkit.write.planfile import save_tasks
+
+    plan = quiet(plan_pack, str(table), str(out), **{**_PLAN_KW, "shard_size": "1MB"})
+    tracemalloc.start()
+    try:
+        save_tasks(plan.tasks(1), str(path), "commit")
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.slow
+def test_writing_a_plan_file_holds_one_task_not_every_row(tmp_path):
+    small, big = _linked_table(tmp_path, 9000), _linked_table(tmp_path, 30000)
+    a = _plan_file_peak(small, tmp_path / "o1", tmp_path / "p1")
+    b = _plan_file_peak(big, tmp_path / "o2", tmp_path / "p2")
+    # Tasks of one 1 MB shard each (~500 rows): what writing holds does not grow with the rows;
+    # a file built whole (JSON lists of every row) held ~500 bytes a row more.
+    assert (b - a) / 21000 < 20, (a, b)

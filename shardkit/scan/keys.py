@@ -1,0 +1,168 @@
+"""A sample's key from its path, and repeated keys or rows found from hashes: the one key rule
+of a folder (per class, lists) and of a table (whole-table arrays, strings compared only where
+hashes meet), which must agree exactly.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from ..formats import encode_key
+from .strings import StrTable
+
+
+def _assign_keys(rels: list[str], exts: list[str]) -> list[str]:
+    """Key = relative path without extension; with it where two files share a stem (x.jpg, x.png).
+
+    ``encode_key`` makes keys dot-free, so the with-extension form stays a valid key.
+    """
+    stems = [rel[: -len(ext) - 1] for rel, ext in zip(rels, exts, strict=True)]
+    if len(set(stems)) == len(stems):  # the usual case: encode_key keeps distinct stems distinct
+        # encode_key works character by character and no path holds a NUL: one call per list
+        return encode_key("\0".join(stems)).split("\0") if stems else []
+    counts: dict[str, int] = {}
+    for s, _ in set(zip(stems, rels, strict=True)):  # a file a table lists twice is one file
+        counts[s] = counts.get(s, 0) + 1
+    keys, used = [], set()
+    for rel, stem in zip(rels, stems, strict=True):
+        key = encode_key(stem if counts[stem] == 1 else rel)
+        base, n = key, 1
+        while key in used:  # only for contrived names like x.jpg.png beside x.jpg + x.png
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+def _hash(s: str) -> int:
+    """Python's hash of ``s``: equal strings, equal hashes (rows are compared where they meet)."""
+    return hash(s)
+
+
+def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
+    return np.fromiter((_hash(s) for s in strings), dtype=np.int64, count=n)
+
+
+def _meeting(hashes: np.ndarray) -> np.ndarray:
+    """The rows whose hash some other row shares, in row order: the only rows that may hold
+    a string another row holds (the few others a collision brings are compared exactly)."""
+    order = np.argsort(hashes, kind="stable")
+    same = hashes[order[1:]] == hashes[order[:-1]]
+    mark = np.zeros(len(hashes), dtype=bool)
+    mark[1:] |= same
+    mark[:-1] |= same
+    return np.sort(order[mark])
+
+
+def repeats(table: StrTable) -> np.ndarray:
+    """Per row of ``table``: whether an earlier row holds the same string (a bool array)."""
+    again = np.zeros(len(table), dtype=bool)
+    seen: set[str] = set()
+    for i in _meeting(_hashes(table, len(table))).tolist():
+        s = table[i]
+        again[i] = s in seen
+        seen.add(s)
+    return again
+
+
+def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
+    """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
+    row held (only the rows whose stem or key another row shares are compared as strings)."""
+    n = len(files)
+    # Files sharing a stem: two spellings of one stem differ only in their extension, so a
+    # stem is shared where rows of one stem hash spell their extensions differently.
+    spelled: dict[str, int] = {}
+    stem_hashes, spelling = array("q"), array("i")  # 8 and 4 bytes a row, no int objects
+    for r, e in _pairs(files, exts):
+        stem_hashes.append(_hash(r[: -len(e) - 1]))
+        spelling.append(spelled.setdefault(r[-len(e) :], len(spelled)))
+    stem_hashes = np.frombuffer(stem_hashes, dtype=np.int64)
+    spelling = np.frombuffer(spelling, dtype=np.int32)
+    shared = np.zeros(0, dtype=np.int64)
+    if len(spelled) > 1:
+        order = np.argsort(stem_hashes, kind="stable")
+        ordered = stem_hashes[order]
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        runs = np.flatnonzero(starts)
+        by_run = spelling[order]
+        mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
+        shared = np.sort(order[mixed[np.cumsum(starts) - 1]])
+        del order, ordered, starts, by_run
+    del stem_hashes, spelling
+    by_stem: dict[str, set[str]] = {}
+    for i in shared.tolist():
+        rel, ext = files[i], exts[i]
+        by_stem.setdefault(rel[: -len(ext) - 1], set()).add(rel)
+    long = {s for s, rels in by_stem.items() if len(rels) > 1}  # keyed with their extension
+
+    def natural() -> Iterator[str]:
+        for rel, ext in _pairs(files, exts):
+            stem = rel[: -len(ext) - 1]
+            yield encode_key(rel if stem in long else stem)
+
+    hashed = array("q")
+
+    def record(keys: Iterator[str]) -> Iterator[str]:
+        for key in keys:
+            hashed.append(_hash(key))
+            yield key
+
+    keys = StrTable(record(natural()))
+    key_hashes = np.frombuffer(hashed, dtype=np.int64)
+    meet = _meeting(key_hashes)
+    if not len(meet):
+        return keys
+    return _suffixed(files, exts, long, keys, key_hashes, meet)
+
+
+def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTable:
+    """``keys`` with a ~N suffix on each key met again, in row order (``meet``: the rows whose
+    key hash another row shares); if a suffixed key could be another row's own key (names
+    that end in ~N), the exact sequential rule of ``_assign_keys`` decides."""
+    fixed, used = {}, set()
+    for i in meet.tolist():
+        rel, ext = files[i], exts[i]
+        stem = rel[: -len(ext) - 1]
+        key = base = encode_key(rel if stem in long else stem)
+        k = 1
+        while key in used:
+            k += 1
+            key = f"{base}~{k}"
+        used.add(key)
+        if key != base:
+            fixed[i] = key
+    known = np.sort(key_hashes)
+    made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
+    if (known[pos] == made).any():
+        return StrTable(_assign_keys(list(files), list(exts)))
+    return StrTable(fixed.get(i, k) for i, k in enumerate(keys))
+
+
+def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:
+    return zip(files, exts, strict=True)
+
+
+def _column_keys(raw: StrTable) -> tuple[StrTable, np.ndarray | None]:
+    """Keys from a key column, and which rows repeat an earlier row's key (None: none do).
+
+    A repeated key (one table listing a row twice, or two img2dataset runs in one folder) gets
+    ``~2``, ``~3``... in row order, the suffix a table's repeated image gets: the pack keeps
+    the first row unless ``allow_duplicates``, and then every key is still distinct."""
+    again = repeats(raw)
+    if not again.any():
+        return raw, None
+    keys, used = [], set()
+    for key in raw:
+        base, n = key, 1
+        while key in used:
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        keys.append(key)
+    return StrTable(keys), again

@@ -1,0 +1,448 @@
+"""Tables as a source: one row per sample (CSV, TSV, JSONL, Parquet), and img2dataset's output
+folder (its per-shard tables, the images in folders or in the tars beside them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+from ..extras import require
+from ..formats import encode_key
+from ..manifest import SkippedFile
+from .keys import _column_keys, _table_keys
+from .members import image_stat, member_of, member_path, tar_members
+from .source import SourceScan, _image_ext
+from .strings import _Growing
+
+#: File endings read as a table source (``.parquet`` needs pyarrow: the ``parquet`` extra).
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")
+#: Rows of a Parquet table converted to Python at a time (read a row group's batch at a time).
+PARQUET_BATCH = 4096
+#: Columns naming the image file (the first one present is used), relative to the table's root.
+IMAGE_COLUMNS = ("image", "path", "file", "filename")
+#: Columns holding the caption (stored as field ``txt``); the first one present is used.
+CAPTION_COLUMNS = ("caption", "text", "txt")
+#: The column holding the class name, if the table has one (sorted names give the labels).
+LABEL_COLUMN = "label"
+
+
+def is_table(src: str) -> bool:
+    return str(src).lower().endswith(TABLE_SUFFIXES)
+
+
+#: The longest cell a CSV/TSV table may hold (a long caption); Python's csv module alone stops
+#: at 128 KiB. A longer cell is an error naming the table and line.
+MAX_TABLE_CELL = 64 << 20
+
+
+def _table_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` of a csv/tsv (header row first) or jsonl (one object a line);
+    of a Parquet file, ``(row number from 1, row)``.
+
+    UTF-8, with or without a byte-order mark (Excel's "CSV UTF-8" writes one). Whatever the
+    text holds, a row that cannot be read is an ``InputError`` naming the table and line."""
+    if path.lower().endswith(".parquet"):
+        yield from _parquet_rows(path)
+        return
+    try:
+        f = open(path, encoding="utf-8-sig", newline="")
+    except OSError as exc:
+        raise InputError(f"cannot read table {path!r}: {exc.strerror}") from None
+    with f:
+        try:
+            if path.lower().endswith(".jsonl"):
+                yield from _jsonl_rows(path, f)
+            else:
+                yield from _csv_rows(path, f, "\t" if path.lower().endswith(".tsv") else ",")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
+    """The rows of a Parquet file as dicts, ``PARQUET_BATCH`` rows converted at a time (one
+    row group's columns in memory, not the file). A cell JSON cannot hold (bytes, a date) is
+    refused naming the row and column: it would have to go into field ``json``."""
+    require("parquet", f"reading the Parquet table {path!r}")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+        n = 0
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(
+            f"{path}: not a readable Parquet table ({exc}); fix or rewrite it"
+        ) from None
+
+
+def _jsonl_rows(path: str, f) -> Iterator[tuple[int, dict]]:
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            why = exc if isinstance(exc, ValueError) else "nested too deeply"
+            raise InputError(f"{path}:{n}: not a JSON object ({why})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
+        yield n, row
+
+
+def _csv_rows(path: str, f, sep: str) -> Iterator[tuple[int, dict]]:
+    """The rows of a CSV/TSV as dicts under its header; a row with more or fewer cells than
+    the header is refused (its cells would land under the wrong columns)."""
+    import csv
+
+    old = csv.field_size_limit(MAX_TABLE_CELL)
+    reader = csv.reader(f, delimiter=sep)
+    try:
+        header = next(reader, None)
+        for cells in reader:
+            if not cells:  # a blank line
+                continue
+            if len(cells) != len(header):
+                n = len(cells)
+                raise InputError(
+                    f"{path}:{reader.line_num}: {n} cell{'s' if n != 1 else ''} under a header "
+                    f"of {len(header)} ({', '.join(map(repr, header))}); give every row one cell "
+                    f"per column, in double quotes where it holds the separator {sep!r}"
+                )
+            yield reader.line_num, dict(zip(header, cells, strict=True))
+    except csv.Error as exc:
+        raise InputError(
+            f"{path}:{reader.line_num}: not a readable table row ({exc}; a cell may hold at "
+            f"most {MAX_TABLE_CELL >> 20} MiB); fix the row"
+        ) from None
+    finally:
+        csv.field_size_limit(old)
+
+
+def _column(path: str, row: dict, names: Sequence[str]) -> str | None:
+    return next((c for c in names if c in row), None)
+
+
+#: Rows of a table turned into numpy tables at a time: a row's Python objects (its cells, path,
+#: fields) live for one chunk only, so scanning a table of any length holds ~its text in arrays.
+TABLE_CHUNK = 1 << 13
+
+
+class _TableRows:
+    """A table's accepted rows, gathered ``TABLE_CHUNK`` at a time into growing tables."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rels: list[str] = []
+        self.exts: list[str] = []
+        self.inline: list[str] = []
+        self.codes: list[int] = []  # label name -> its number in order of first appearance
+        self.tables = {"files": _Growing(), "exts": _Growing(), "inline": _Growing()}
+        self.keys: list[str] = []  # img2dataset's keys, when rows name their images by key
+        self.key_table = _Growing()
+        self.code_parts: list[np.ndarray] = []
+        self.names: dict[str, int] = {}
+        self.field_counts: dict[str, int] = {}
+        self.unlabelled: int | None = None  # line of the first row without a label
+        self.stats = array("q")  # (size, mtime_ns) of each row's image: 16 bytes a row
+
+    def add(
+        self, rel: str, ext: str, fields: dict, name: str | None, line: int, key: str | None
+    ) -> None:
+        try:
+            text = json.dumps(fields, ensure_ascii=False, sort_keys=True) if fields else ""
+        except TypeError as exc:  # a Parquet cell of bytes, a date ...
+            raise InputError(
+                f"{self.path}:{line}: a cell that JSON cannot hold ({exc}); convert the column "
+                "to text or numbers, or drop it"
+            ) from None
+        self.rels.append(rel)
+        self.exts.append(ext)
+        self.inline.append(text)
+        if key is not None:
+            self.keys.append(encode_key(key))
+        for f in fields:
+            self.field_counts[f] = self.field_counts.get(f, 0) + 1
+        if name is None:
+            self.codes.append(-1)
+            if self.unlabelled is None:
+                self.unlabelled = line
+        else:
+            self.codes.append(self.names.setdefault(name, len(self.names)))
+        if len(self.rels) >= TABLE_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, rows in (("files", self.rels), ("exts", self.exts), ("inline", self.inline)):
+            self.tables[name].extend(rows)
+            rows.clear()
+        self.key_table.extend(self.keys)
+        self.keys.clear()
+        self.code_parts.append(np.array(self.codes, dtype=np.int64))
+        self.codes.clear()
+
+    def finish(self, scan: SourceScan) -> None:
+        """Fill ``scan``: files, exts, fields, sorted classes and labels, keys."""
+        self.flush()
+        if self.names and self.unlabelled is not None:
+            raise InputError(
+                f"{self.path}:{self.unlabelled}: no {LABEL_COLUMN!r}; give every row a label "
+                "or none"
+            )
+        scan.files, scan.exts, scan.inline = (
+            self.tables.pop(k).table() for k in ("files", "exts", "inline")
+        )
+        scan.classes = sorted(self.names)
+        rank = np.zeros(len(self.names) + 1, dtype=np.int64)
+        rank[-1] = -1  # code -1 (no label) reads the last entry
+        for label, name in enumerate(scan.classes):
+            rank[self.names[name]] = label
+        codes, self.code_parts = self.code_parts, []
+        scan.labels = rank[np.concatenate(codes)] if codes else np.zeros(0, dtype=np.int64)
+        scan.field_counts = dict(sorted(self.field_counts.items()))
+        scan.stats = np.frombuffer(self.stats, dtype=np.int64).reshape(-1, 2)
+        if scan.keyed:  # img2dataset's keys, as its tars and `shardkit index` have them
+            scan.keys, scan.again = _column_keys(self.key_table.table())
+        else:
+            scan.keys = _table_keys(scan.files, scan.exts)
+
+
+def scan_table(path: str, root: str | None = None) -> SourceScan:
+    """``scan_tables`` of one table (see there)."""
+    return scan_tables([path], root)
+
+
+def scan_tables(paths: Sequence[str], root: str | None = None, folder: str = "") -> SourceScan:
+    """List the samples of a table: one row each, in row order.
+
+    The image column (``IMAGE_COLUMNS``) names a file relative to ``root`` (default: the table's
+    folder); the caption column (``CAPTION_COLUMNS``) becomes field ``txt``, a ``label`` column
+    gives class names (sorted: labels; none: samples carry no label, -1), every other column goes
+    into field ``json`` as an object. Nothing is read outside ``root``: a path that is absolute,
+    climbs out with ``..`` or resolves (through a symbolic link) outside it is refused, naming
+    the row; pass a wider ``root`` to allow it. A row naming a missing or non-image file is
+    listed in ``errors`` (pack's ``on_error`` decides). Rows stream through in chunks into
+    numpy tables (``TABLE_CHUNK``): no Python object per row outlives its chunk.
+
+    Several tables (``paths``, of an img2dataset output ``folder``: ``img2dataset_tables``)
+    are read as one, in the order given, each row's key being img2dataset's own (``KEY_COLUMN``).
+    """
+    name = folder or paths[0]
+    table = os.path.abspath(paths[0])
+    base = os.path.abspath(root) if root is not None else os.path.dirname(table)
+    if not os.path.isdir(base):
+        raise InputError(f"root {base!r} of table {name!r} is not a directory")
+    real_base = os.path.realpath(base)
+    scan = SourceScan(root=base, classes=[], from_table=True)
+    rows = _TableRows(name)
+    for path in paths:
+        cols: _Columns | None = None
+        for line, row in _table_rows(path):
+            if cols is None:
+                cols = _Columns.of(path, row, base)
+                if folder and cols.keyed is None:
+                    raise InputError(
+                        f"{path}: no {KEY_COLUMN!r} column; a folder of tables is packed as "
+                        "img2dataset's output, whose tables all have one (pack other tables "
+                        "one at a time)"
+                    )
+                scan.keyed = cols.keyed is not None
+            where = f"{path}:{line}"
+            rel = cols.image(row, scan, where)
+            if rel is None:
+                continue
+            rel = _inside(rel, base, real_base, where)
+            ext = _image_ext(rel.rsplit("/", 1)[-1])
+            if ext is None:
+                scan.errors.append(SkippedFile(rel, f"{where}: not an image file name"))
+            elif (st := image_stat(os.path.join(base, rel))) is None:
+                scan.errors.append(SkippedFile(rel, f"{where}: {cols.missing(rel)}"))
+            else:
+                fields = _row_fields(row, cols.image_col, cols.caption_col, where)
+                key = row[KEY_COLUMN] if cols.keyed is not None else None
+                rows.add(rel, ext, fields, _label_of(row, where), line, key)
+                rows.stats.extend(st)
+    rows.finish(scan)
+    if not len(scan.files) and not scan.errors:
+        raise InputError(f"table {name!r} has no rows")
+    return scan
+
+
+#: img2dataset's per-shard table: no image column, a ``key`` per row whose image it wrote as
+#: ``<table name>/<key>.<ext>`` beside the table (``--output_format files``), and a ``status``.
+KEY_COLUMN = "key"
+
+
+@dataclass
+class _Columns:
+    """Which columns of a table name the image and hold the caption (its first row decides)."""
+
+    image_col: str | None
+    caption_col: str | None
+    #: img2dataset's layout: the folder of the images named by ``key`` (None: an image column),
+    #: relative to the root; its tar (``--output_format webdataset``) is ``keyed + ".tar"``.
+    keyed: str | None = None
+    #: The ``keyed`` folder exists (else each row's image is looked for in the tar alone).
+    keyed_dir: bool = False
+
+    @classmethod
+    def of(cls, path: str, row: dict, base: str) -> _Columns:
+        image_col = _column(path, row, IMAGE_COLUMNS)
+        keyed = None
+        if image_col is None and KEY_COLUMN in row:
+            stem = os.path.basename(path).rsplit(".", 1)[0]
+            keyed = os.path.relpath(
+                os.path.join(os.path.dirname(os.path.abspath(path)), stem), base
+            )
+        elif image_col is None:
+            raise InputError(
+                f"{path}: no image column; name the column holding the image paths one of "
+                f"{', '.join(IMAGE_COLUMNS)} (or give a {KEY_COLUMN!r} column, as img2dataset "
+                "does, with the images in a folder named like the table)"
+            )
+        keyed_dir = keyed is not None and os.path.isdir(os.path.join(base, keyed))
+        return cls(image_col, _column(path, row, CAPTION_COLUMNS), keyed, keyed_dir)
+
+    def image(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        """The row's image path as written (None: listed in ``scan`` as an error or ignored)."""
+        if self.keyed is not None:
+            return self._keyed(row, scan, where)
+        rel = row.get(self.image_col)
+        if rel is not None and not isinstance(rel, str):  # an int, the image's bytes ...
+            what = "bytes" if isinstance(rel, (bytes, bytearray)) else type(rel).__name__
+            raise InputError(
+                f"{where}: column {self.image_col!r} holds {what} ({_short(rel)}), not an image "
+                "path; make it the text path of each image file (relative to the table), "
+                "writing images held in the table to files first"
+            )
+        if not rel or "\0" in rel:
+            why = "a NUL character in the image path" if rel else "no image path"
+            scan.errors.append(SkippedFile(where, f"{why} in column {self.image_col!r}"))
+            return None
+        return rel
+
+    def missing(self, rel: str) -> str:
+        """Why ``rel`` (a row's image) is no file: for img2dataset, where it was looked for."""
+        if self.keyed is None:
+            return "no such image file"
+        name = rel.rsplit("/", 1)[-1]
+        return (
+            f"no image {name} in {self.keyed}/ or {self.keyed}.tar beside the table (where "
+            "img2dataset writes them); tars without their tables: `shardkit index DIR`"
+        )
+
+    def _keyed(self, row: dict, scan: SourceScan, where: str) -> str | None:
+        key, status = row.get(KEY_COLUMN), row.get("status")
+        if not isinstance(key, str) or not key or "\0" in key or "/" in key:
+            scan.errors.append(SkippedFile(where, f"no usable {KEY_COLUMN!r} ({key!r})"))
+            return None
+        stem = f"{self.keyed}/{key}"
+        if status is not None and status != "success":  # a failed download: no image
+            scan.add_failed_download(
+                stem, f"{where}: failed download (img2dataset status {status!r}), no image"
+            )
+            return None
+        base = scan.root
+        for e in _KEYED_EXTS if self.keyed_dir else ():  # --output_format files
+            if os.path.isfile(os.path.join(base, f"{stem}.{e}")):
+                return f"{stem}.{e}"
+        tar = f"{self.keyed}.tar"  # --output_format webdataset
+        if os.path.isfile(os.path.join(base, tar)):
+            members = tar_members(os.path.join(base, tar))
+            for e in _KEYED_EXTS:
+                if f"{key}.{e}" in members:
+                    return member_path(tar, f"{key}.{e}", members[f"{key}.{e}"])
+        return f"{stem}.jpg"
+
+
+#: The extensions a keyed image is looked for with, img2dataset's default first.
+_KEYED_EXTS = ("jpg", "png", "webp", "jpeg")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def img2dataset_tables(src: str) -> list[str]:
+    """The per-shard tables of an img2dataset output folder, in name order ([] if ``src`` is
+    none): ``.parquet`` files with their shard's images beside them, as ``<stem>.tar``
+    (``--output_format webdataset``), or as a ``<stem>/`` folder (``files``) with the shard's
+    ``<stem>_stats.json`` (a class folder beside a table of the same name is not enough)."""
+    try:
+        names = sorted(n for n in os.listdir(src) if not n.startswith("."))
+    except OSError:
+        return []
+    here = set(names)
+    tables = [n for n in names if n.lower().endswith(".parquet")]
+    stems = [t[: -len(".parquet")] for t in tables]
+    if not any(f"{s}.tar" in here or (s in here and f"{s}_stats.json" in here) for s in stems):
+        return []
+    return [os.path.join(src, t) for t in tables]
+
+
+def _label_of(row: dict, where: str) -> str | None:
+    """A row's class name (None: the row has no label), refused where no manifest could hold
+    it as a class name."""
+    label = row.get(LABEL_COLUMN)
+    if label is None:
+        return None
+    name = str(label)
+    if "\0" in name:
+        raise InputError(f"{where}: label {name!r} holds a NUL character; fix the row")
+    return name
+
+
+def _row_fields(row: dict, image_col: str, caption_col: str | None, where: str) -> dict:
+    """A row's fields: the caption as ``txt``, the other columns but label as ``json``."""
+    fields: dict = {}
+    rest = {k: v for k, v in row.items() if k not in (image_col, caption_col, LABEL_COLUMN)}
+    if caption_col is not None and row.get(caption_col) is not None:
+        caption = row[caption_col]
+        try:
+            fields["txt"] = caption if isinstance(caption, str) else json.dumps(caption)
+        except TypeError as exc:  # bytes, a date ...
+            raise InputError(
+                f"{where}: column {caption_col!r} holds a cell that JSON cannot hold ({exc}); "
+                "make the captions text"
+            ) from None
+    if rest:
+        fields["json"] = rest
+    return fields
+
+
+def _inside(rel: str, base: str, real_base: str, where: str) -> str:
+    """``rel`` normalised relative to ``base``, if it names a file under ``base`` (links
+    resolved); else refused. An absolute path is taken when it lies under ``base``."""
+    norm = os.path.normpath(rel).replace(os.sep, "/")
+    if os.path.isabs(norm):
+        norm = next(
+            (
+                os.path.relpath(norm, b).replace(os.sep, "/")
+                for b in (base, real_base)
+                if norm.startswith(b.rstrip(os.sep) + os.sep)
+            ),
+            "..",  # not under the root: refused below
+        )
+    member = member_of(os.path.join(base, norm))  # a tar's member: where the tar leads
+    target = os.path.realpath(member[0] if member else os.path.join(base, norm))
+    if (
+        norm == ".."
+        or norm.startswith("../")
+        or not target.startswith(real_base.rstrip(os.sep) + os.sep)
+    ):
+        raise InputError(
+            f"{where}: image path {rel!r} leads outside {base!r}; nothing outside the table's "
+            "folder is read unless you pass a root that holds it (--root DIR, root=DIR)"
+        )
+    return norm
