@@ -146,10 +146,9 @@ def test_inspecting_commands_import_no_torch_at_module_level(command):
 
 def test_the_import_walk_sees_torch_and_the_loader_where_they_are_imported():
     assert "torch" in _loaded_by({"shardkit.stream.dataset"})
-    assert _heavy(_loaded_by({"shardkit.loader"}))[:2] == [
-        "shardkit.loader",
-        "shardkit.loader.epoch",
-    ]
+    assert {"shardkit.loader", "shardkit.loader.epoch"} <= set(
+        _heavy(_loaded_by({"shardkit.loader"}))
+    )
 
 
 def test_a_view_is_still_a_dataset_to_torch(packed_tree):
