@@ -1,7 +1,7 @@
 """``ShardDataset`` streams packed shards into PyTorch (``FolderDataset``, the per-file baseline,
 is in ``shardkit.stream.folder`` and re-exported here).
 
-Splitting (see ``shardkit.stream.stages.plan_epoch``): every epoch the shard list is permuted from
+Splitting (``shardkit.stream.partition.plan_epoch``): every epoch the shard list is permuted from
 (seed, epoch) identically on every rank, laid end to end as one stream of N samples, and cut into
 ``world_size`` contiguous rank parts, each into ``num_workers`` contiguous worker parts. Cuts fall
 between samples, not shards, so one shard can feed several workers: no worker idles and no rank is
@@ -42,18 +42,24 @@ from .indexes import all_keys, split_hashes, split_positions, val_mask, warn_uni
 from .mix import (
     LABEL_MODES,
     MixedSource,
-    MixLayout,
     Source,
     apportion,
     check_weights,
     key_hashes,
     mix_facts,
     mix_records,
-    mix_worker_plan,
     subset_members,
 )
-from .resume import (
+from .partition import (
     EpochLayout,
+    MixLayout,
+    mix_worker_plan,
+    plan_epoch,
+    rank_samples,
+    sample_counts,
+    worker_plan,
+)
+from .resume import (
     EpochState,
     arrange,
     count_delivered,
@@ -62,7 +68,6 @@ from .resume import (
     samples_left,
     worker_counts_state,
     worker_left,
-    worker_plan,
 )
 from .retired import translate
 from .shuffle import Order, shard_order, shuffle_buffer
@@ -76,10 +81,7 @@ from .stages import (
     extras_of,
     file_identity,
     manifest_unchanged,
-    plan_epoch,
-    rank_samples,
     read_slices,
-    sample_counts,
 )
 from .storage import LocalStorage, Storage, is_url, storage_for
 from .world import World, current_world, distributed_rank
