@@ -164,7 +164,7 @@ def _without_records(packed: Path, bare: Path) -> None:
 
     import lmdb
 
-    from shardkit.formats.lmdb_index import INDEX_KEY
+    from shardkit.formats.lmdb.index import INDEX_KEY
 
     tmp = bare.with_name(bare.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, read_lmdb_index
-from ..formats.lmdb_index import LmdbIndex
+from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
