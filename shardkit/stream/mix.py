@@ -251,17 +251,17 @@ def mix_records(
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
             fields=mine, unchanged=unchanged, keep=p.arrangement.keep,
-            unindexed=s.unindexed,
+            unindexed=s.unindexed, drop=True,
         )  # fmt: skip
         if s.val_bits is not None and s.side_checked:
-            recs = check_split(recs, p.slices, s, p.arrangement.keep)
+            recs = check_split(recs, p.slices, s, p.arrangement.keep, dropped=True)
         if len(mine) < len(fields):
             recs = _without(recs, [f.lower() for f in fields if f not in mine])
         if s.classes:
             recs = check_labels(recs, len(s.classes))
         if s.labels is not None:
             recs = _relabel(recs, s.labels)
-        recs = arrange(recs, p.arrangement)
+        recs = arrange(recs, p.arrangement, dropped=True)
         if shuffle and buffer_size > 1:
             recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
@@ -273,11 +273,13 @@ def check_split(
     slices: Sequence[ShardSlice],
     s: MixedSource,
     keep: np.ndarray | None = None,
+    dropped: bool = False,
 ) -> Iterator[Record]:
     """``records`` (``read_slices`` of ``slices``), each sample read of the shards in
     ``s.side_checked`` checked against the side the split put it on: its key's own hash is
     taken (one BLAKE2b of a few bytes) and compared with ``s.val_bits``, for each record the
-    plan keeps (``keep``; those read through to bridge a hole are dropped). The split of those
+    plan keeps (``keep``; those read through to bridge a hole are dropped; ``dropped``: the
+    records are the kept ones alone, ``read_slices(drop=True)``). The split of those
     shards came from a key table nothing ties to the shard; one that is not the shard's (keys
     swapped, their hashes and the record's checksum made to match) would otherwise hand out a
     sample of the other side: here that is an error naming the shard and the key. (A tar index
@@ -291,18 +293,16 @@ def check_split(
     at = 0  # records so far: the position in ``keep``
     try:
         for sl in slices:
+            n = sl.stop - sl.start
+            wanted = [True] * n if keep is None else keep[at : at + n].tolist()
+            at += n
             if s.shards[sl.shard].url not in s.side_checked:
-                yield from itertools.islice(it, sl.stop - sl.start)
-                at += sl.stop - sl.start
+                yield from itertools.islice(it, sum(wanted) if dropped else n)
                 continue
             base = starts[sl.shard]
-            wanted = (
-                [True] * (sl.stop - sl.start)
-                if keep is None
-                else keep[at : at + sl.stop - sl.start].tolist()
-            )
-            at += sl.stop - sl.start
             for k, kept in zip(range(sl.start, sl.stop), wanted, strict=True):
+                if dropped and not kept:
+                    continue
                 rec = next(it, None)
                 if rec is None:
                     return  # read_slices has raised for a short shard

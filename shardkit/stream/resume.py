@@ -320,9 +320,13 @@ class Arrangement:
     fill: int
 
 
-def arrange(records: Iterable[Record], how: Arrangement) -> Iterator[Record | None]:
+def arrange(
+    records: Iterable[Record], how: Arrangement, dropped: bool = False
+) -> Iterator[Record | None]:
+    """``records`` as ``how`` arranges them; ``dropped``: they are the kept ones already
+    (``read_slices(drop=True)``)."""
     it = iter(records)
-    holes = np.flatnonzero(~how.keep)
+    holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
     checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
     kept = itertools.chain(
         itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it

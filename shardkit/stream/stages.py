@@ -63,14 +63,18 @@ def read_slices(
     unchanged: Callable[[], None] | None = None,
     keep: np.ndarray | None = None,
     unindexed: frozenset[str] = frozenset(),
+    drop: bool = False,
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
-    splits, mixtures): where a shard has a sample index and a slice wants less than half of its
-    samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
-    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams, as do the shards
-    in ``unindexed`` (their index was refused when the dataset was built).
+    splits, mixtures): where a shard has a sample index (or is LMDB) and a slice wants at most
+    a quarter of its samples (``ranges.RANGED_SHARE``), only the wanted ones are read, as exact
+    byte ranges or lookups (``stream.ranges``), the others stand as ``SKIPPED``; ``drop``: only
+    the records ``keep`` wants are yielded (the others are not even parsed where read as
+    ranges), so the consumer does not pass nine unwanted records per wanted one of a 10%
+    split. Without ``keep`` (a plain epoch) every slice streams, as do the shards in
+    ``unindexed`` (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -106,20 +110,21 @@ def read_slices(
                 storage.prefetch(streamed[k:])  # this shard first: it is opened next
                 k += 1
             got = 0
-            want = sl.stop - sl.start
+            want, flags = _dropping(sl, masks[n] if drop else None, spans[n] is not None)
             stop = None if sl.stop == shard.samples else sl.stop
             records = None
             if unchanged is not None:
                 unchanged()
             try:
                 if spans[n] is not None:
-                    records = exact.records(sl, shard, masks[n], fields)
+                    records = exact.records(sl, shard, masks[n], fields, skipped=not drop)
                 else:
                     records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
                     if got == want:
                         _more_than_counted(shard.url, sl.stop)
-                    yield rec
+                    if flags is None or flags[got]:
+                        yield rec
                     got += 1
             except ShardkitError:
                 raise
@@ -137,6 +142,17 @@ def read_slices(
     finally:
         exact.close()
         storage.close()
+
+
+def _dropping(sl: ShardSlice, mask: np.ndarray | None, ranged: bool) -> tuple[int, list | None]:
+    """(records the slice's reader yields, which of them to yield on: None, all) where
+    ``read_slices`` drops the unwanted: a range reader reads the wanted alone; a streamed
+    slice reads every record and the mask picks."""
+    if mask is None:
+        return sl.stop - sl.start, None
+    if ranged:
+        return int(mask.sum()), None
+    return sl.stop - sl.start, mask.tolist()
 
 
 def file_identity(path: str | None) -> tuple[int, int, int] | None:

@@ -25,6 +25,7 @@ from .btree import (
     NODE_HDR,
     P_BRANCH,
     P_LEAF,
+    P_OVERFLOW,
     Damaged,
     check_structure,
     child,
@@ -211,7 +212,13 @@ class _Shard:
         pages = (HDR - 1 + dsize) // self.psize + 1
         if not 2 <= first <= self.last + 1 - pages:
             raise Damaged(f"a value on overflow pages {first}+{pages}")
-        return raw[ptr + NODE_HDR : end], self._pread(n, first * self.psize + HDR)
+        if self.walked:  # the walk has checked every overflow page's header
+            return raw[ptr + NODE_HDR : end], self._pread(n, first * self.psize + HDR)
+        data = self._pread(HDR + n, first * self.psize)  # its header read and checked with it
+        got, _, oflags, opages = struct.unpack_from("<QHHI", data)
+        if got != first or oflags != P_OVERFLOW or opages != pages:
+            raise Damaged(f"overflow page {first} does not match its {dsize}-byte value")
+        return raw[ptr + NODE_HDR : end], data[HDR:]
 
     def items(self, first: bytes, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
         """``(key, value)`` in key order from the first key not below ``first``: a cursor that
@@ -355,10 +362,14 @@ class LmdbSampleReader:
     """Random access to one LMDB shard: ``get(i)`` is one B-tree descent on a descriptor opened
     (and structure-checked) once. ``stamp`` is the file's identity (device, inode, size, mtime)
     when it was opened, for a caller that indexed it earlier. ``walk=False``: the structure is
-    checked when a sample is first read, not before ``index()``. ``close()`` closes it."""
+    checked when a sample is first read, not before ``index()``. ``walk=None``: never walked,
+    for a reader that looks up a few samples of a large shard (a subset's, a split's): the walk
+    reads every page, O(shard), while each lookup already checks every page it reads (header,
+    bounds, depth; a value's overflow header in the same read). ``close()`` closes it."""
 
-    def __init__(self, path: str | os.PathLike, shard: str = "", *, walk: bool = True):
-        self._reader = _Shard(path, shard, walk)
+    def __init__(self, path: str | os.PathLike, shard: str = "", *, walk: bool | None = True):
+        self._reader = _Shard(path, shard, bool(walk))
+        self._walk = walk is not None
         self.shard, self.stamp = self._reader.shard, self._reader.stamp
         try:
             self.samples = self._reader.count()
@@ -372,7 +383,8 @@ class LmdbSampleReader:
     def get(self, index: int, fields: Sequence[str] | None = ()) -> Record:
         """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked;
         ``None``: every field it has)."""
-        self._reader.walk()
+        if self._walk:
+            self._reader.walk()
         try:
             value = self._reader.get(sample_key(index))
             extra = None
