@@ -164,3 +164,42 @@ def test_a_lookup_without_the_walk_still_refuses_a_damaged_overflow_page(tmp_pat
         list(ds)
     assert shard in str(err.value) and "overflow page" in str(err.value)
     assert where  # the other pack is untouched
+
+
+def test_split_construction_holds_a_byte_or_two_per_sample_not_the_hashes(tmp_path):
+    """Counted (tracemalloc, numpy's arrays included): building ``split="val"`` over 12,000
+    samples in 30 shards peaks at the val/train mask (1 byte a sample, 2 while the shards'
+    parts are joined), the members (8 bytes each, a tenth of the samples) and one shard's
+    index at a time, not every sample's hash and position (24 bytes a sample)."""
+    import tracemalloc
+
+    import shardkit.stream.dataset as dataset_module
+
+    data = _jpeg()
+    out = tmp_path / "out"
+    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+        for i in range(12000):
+            w.add(f"c0/k{i:05d}", "jpg", data, 0)
+    seen = {}
+    counted, subset = dataset_module._counted, dataset_module.subset_members
+
+    def after_counting(*args, **kw):  # the split starts here: the shard list is read
+        got = counted(*args, **kw)
+        tracemalloc.reset_peak()
+        seen["base"] = tracemalloc.get_traced_memory()[0]
+        return got
+
+    def members_chosen(*args, **kw):
+        got = subset(*args, **kw)
+        seen["peak"] = tracemalloc.get_traced_memory()[1] - seen["base"]
+        return got
+
+    dataset_module._counted, dataset_module.subset_members = after_counting, members_chosen
+    tracemalloc.start()
+    try:
+        ds = ShardDataset(str(out), decode="raw", split="val", val_fraction=0.1, seed=7)
+    finally:
+        tracemalloc.stop()
+        dataset_module._counted, dataset_module.subset_members = counted, subset
+    assert 30 <= len(ds.shards) and 900 < len(ds) < 1500
+    assert seen["peak"] <= 8 * 12000
