@@ -366,7 +366,7 @@ def many_shards(shards: int, samples: int, work: Path | None = None) -> tuple[Pa
 def _without_records(packed_dir: Path, bare: Path) -> None:
     import lmdb
 
-    from shardkit.formats.lmdb_index import INDEX_KEY
+    from shardkit.formats.lmdb.index import INDEX_KEY
 
     tmp = bare.with_name(bare.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

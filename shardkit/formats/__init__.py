@@ -6,7 +6,8 @@ so neither of them branches on the format anywhere else. FORMAT.md specifies the
 
 - ``tar/``: tar shards in the WebDataset convention (``format``, ``writer``, ``parse``,
   ``reader``, ``tally``).
-- ``lmdb``: single-file LMDB shards, and ``lmdb_index``, the sample index record inside each.
+- ``lmdb/``: single-file LMDB shards (``writer``, ``btree``, ``reader``, and ``index``, the
+  sample index record inside each shard).
 - ``sample_index``: the sample index beside each tar shard (``.tar.idx``): offsets, key hashes,
   keys, labels and members, so nothing has to walk a shard's headers.
 - ``base``: ``ShardFormat`` and ``FormatWriter``, what every format provides.

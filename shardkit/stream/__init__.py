@@ -2,16 +2,22 @@
 
 ``ShardDataset.__iter__`` (``dataset``) runs, in each DataLoader worker::
 
-    sources:  "out/*.tar", a manifest or URLs -> the shard list (ShardInfo: url, samples, bytes)
-    world:    this process's rank and worker
-    shuffle:  shard_order(seed, epoch) -> the epoch's shard order, the same on every rank
-    resume:   worker_plan -> this worker's slices (stages.plan_epoch), continued after a checkpoint
-    stages:   read_slices -> check_labels -> (resumed: resume.arrange) -> shuffle.shuffle_buffer
-              -> resume.count_delivered -> decode_records -> apply_transforms
-    storage:  where read_slices gets the shard bytes (local files; remote.RemoteStorage for URLs)
+    sources:   "out/*.tar", a manifest or URLs -> the shard list (ShardInfo: url, samples, bytes)
+    indexes:   the shards' sample indexes (keys, byte ranges, split hashes), checked before use
+    world:     this process's rank and worker
+    shuffle:   shard_order(seed, epoch) -> the epoch's shard order, the same on every rank
+    partition: the epoch's stream cut into rank and worker parts -> this worker's slices
+               (plan_epoch; worker_plan: fresh or continued after a checkpoint)
+    resume:    the checkpoint state and the shuffle buffer replayed on positions
+    stages:    read_slices -> check_labels -> (resumed: resume.arrange) -> shuffle.shuffle_buffer
+               -> resume.count_delivered -> decode_records -> apply_transforms
+    ranges:    the exact byte ranges read_slices takes for the few samples a slice wants
+    fields:    extra members (txt, json, seg.png ...) decoded by their extension
+    storage:   where read_slices gets the shard bytes (local files; remote.RemoteStorage for URLs)
 
 ``mix`` makes an epoch of several weighted ``Source``s, subsets, splits or a fixed epoch size:
-one stream of positions the same stages read, one reader and shuffle buffer per source.
+one stream of positions (``partition.MixLayout``) the same stages read, one reader and shuffle
+buffer per source. ``retired`` turns the keywords the option objects replaced into them.
 ``view`` (``ShardView``) is random access by index or key, for evaluation and debugging, and
 ``show`` what ``shardkit ls``/``show`` print over it.
 
@@ -19,6 +25,7 @@ one stream of positions the same stages read, one reader and shuffle buffer per 
 stages are plain generators, each testable alone on a list; they are exported here.
 """
 
+from .partition import plan_epoch, rank_samples, sample_counts, worker_span
 from .stages import (
     DECODE_MODES,
     EQUALIZE_MODES,
@@ -26,12 +33,8 @@ from .stages import (
     apply_transforms,
     check_labels,
     decode_records,
-    plan_epoch,
-    rank_samples,
     read_slices,
-    sample_counts,
     sample_error,
-    worker_span,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """``ShardDataset`` streams packed shards into PyTorch (``FolderDataset``, the per-file baseline,
 is in ``shardkit.stream.folder`` and re-exported here).
 
-Splitting (see ``shardkit.stream.stages.plan_epoch``): every epoch the shard list is permuted from
+Splitting (``shardkit.stream.partition.plan_epoch``): every epoch the shard list is permuted from
 (seed, epoch) identically on every rank, laid end to end as one stream of N samples, and cut into
 ``world_size`` contiguous rank parts, each into ``num_workers`` contiguous worker parts. Cuts fall
 between samples, not shards, so one shard can feed several workers: no worker idles and no rank is
@@ -38,22 +38,28 @@ from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
 from .fields import Boxes, decode_field_image, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_hashes, split_positions, val_mask, warn_unindexed
+from .indexes import all_keys, split_mask, val_mask, warn_unindexed
 from .mix import (
     LABEL_MODES,
     MixedSource,
-    MixLayout,
     Source,
     apportion,
     check_weights,
     key_hashes,
     mix_facts,
     mix_records,
-    mix_worker_plan,
     subset_members,
 )
-from .resume import (
+from .partition import (
     EpochLayout,
+    MixLayout,
+    mix_worker_plan,
+    plan_epoch,
+    rank_samples,
+    sample_counts,
+    worker_plan,
+)
+from .resume import (
     EpochState,
     arrange,
     count_delivered,
@@ -62,7 +68,6 @@ from .resume import (
     samples_left,
     worker_counts_state,
     worker_left,
-    worker_plan,
 )
 from .retired import translate
 from .shuffle import Order, shard_order, shuffle_buffer
@@ -76,10 +81,7 @@ from .stages import (
     extras_of,
     file_identity,
     manifest_unchanged,
-    plan_epoch,
-    rank_samples,
     read_slices,
-    sample_counts,
 )
 from .storage import LocalStorage, Storage, is_url, storage_for
 from .world import World, current_world, distributed_rank
@@ -330,20 +332,24 @@ class ShardDataset(IterableDataset):
             store = _storage(list(r.urls), storage, copy=True, options=src.storage_options)
             shards = _counted(r.shards, r.format, store)
             size = int(sum(s.samples for s in shards))
-            members = np.arange(size, dtype=np.int64)
             by_keys = src.subset is not None and _is_keys(src.subset)
             if src.split is not None or src.subset is not None:
                 warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
             val_bits, refused, unbound = None, set(), set()
-            if src.split is not None:  # the indexes' hashes: no key read where they exist
-                if keys is None:
-                    hashes = split_hashes(shards, r.format, store, opts, refused, unbound)
+            if src.split is None:
+                members = np.arange(size, dtype=np.int64)
+            else:  # the indexes' hashes: no key read where they exist
+                if keys is None:  # one shard's hashes at a time: a byte a sample held
+                    val = split_mask(
+                        shards, r.format, store, src.val_fraction, opts, refused, unbound
+                    )
                 else:
-                    hashes = None
-                hashes = key_hashes(keys) if hashes is None else hashes
-                members = split_positions(hashes, src.split, src.val_fraction)
-                val_bits = np.packbits(val_mask(hashes, src.val_fraction))
+                    val = val_mask(key_hashes(keys), src.val_fraction)
+                members = np.flatnonzero(val if src.split == "val" else ~val)
+                members = members.astype(np.int64, copy=False)
+                val_bits = np.packbits(val)
+                del val
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, read_lmdb_index
-from ..formats.lmdb_index import LmdbIndex
+from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
@@ -42,6 +42,7 @@ __all__ = [
     "shard_index",
     "shard_keys",
     "split_hashes",
+    "split_mask",
     "split_positions",
     "val_mask",
     "warn_unindexed",
@@ -158,7 +159,30 @@ def split_hashes(
     index's key table that no checksum in the manifest ties to the shard (LMDB's record, a tar
     index without ``index_sha256``): an epoch checks each sample it reads of those
     (``mix.check_split``)."""
-    parts = []
+    parts = list(_shard_hashes(shards, fmt, storage, storage_options, refused, unbound))
+    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+
+
+def split_mask(
+    shards: Sequence[ShardInfo],
+    fmt: str,
+    storage: Storage,
+    val_fraction: float,
+    storage_options=None,
+    refused: set[str] | None = None,
+    unbound: set[str] | None = None,
+) -> np.ndarray:
+    """``val_mask(split_hashes(...))``, one shard's hashes held at a time: 1 byte a sample of
+    the dataset (2 while the shards' parts are joined) where the hashes took 8 (16)."""
+    parts = [
+        val_mask(h, val_fraction)
+        for h in _shard_hashes(shards, fmt, storage, storage_options, refused, unbound)
+    ]
+    return np.concatenate(parts) if parts else np.empty(0, bool)
+
+
+def _shard_hashes(shards, fmt, storage, storage_options, refused, unbound):
+    """Each shard's split hashes in turn, checked as ``split_hashes`` says."""
     try:
         for shard in shards:
             hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
@@ -168,10 +192,9 @@ def split_hashes(
                 unbound.add(shard.url)
             if not trusted and refused is not None:
                 refused.add(shard.url)
-            parts.append(hashes)
+            yield hashes
     finally:
         storage.close()
-    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
 
 def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_options):

@@ -15,12 +15,14 @@ A plain ``ShardDataset`` reads every sample of its shards once per epoch. With `
    share within about one sample, so every batch follows the weights, not only the epoch.
 
 Ranks and workers cut the mixed stream into contiguous parts exactly as a plain stream
-(``stages.plan_epoch``), so ``len``, ``equalize`` and ``batch_size`` mean what they always do. A
-worker reads each source's positions of its part sequentially (a reader per source), passes each
-source through its own shuffle buffer and interleaves them by the stream's source sequence; the
-buffers never mix sources, so the per-batch proportions survive shuffling. Checkpoints reuse the
-plain states (``stream.resume``): a worker's delivered count splits into per-source counts by the
-source sequence, and each source's buffer is recomputed from positions alone.
+(``partition.plan_epoch``; the stream is ``partition.MixLayout``, a worker's plan of it
+``partition.mix_worker_plan``), so ``len``, ``equalize`` and ``batch_size`` mean what they always
+do. A worker reads each source's positions of its part sequentially (a reader per source),
+passes each source through its own shuffle buffer and interleaves them by the stream's source
+sequence; the buffers never mix sources, so the per-batch proportions survive shuffling.
+Checkpoints reuse the plain states (``stream.resume``): a worker's delivered count splits into
+per-source counts by the source sequence, and each source's buffer is recomputed from positions
+alone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,21 +41,11 @@ from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
 from ..records import Record, ShardInfo, ShardSlice
-from .resume import (
-    Arrangement,
-    EpochLayout,
-    EpochState,
-    Progress,
-    arrange,
-    buffer_point,
-    positions_to_slices,
-    progress_at,
-    segment_streams,
-)
+from .partition import EpochLayout, MixLayout, MixPlan
+from .resume import arrange
 from .shuffle import rng_for
 from .stages import check_labels, manifest_unchanged, read_slices
 from .storage import Storage
-from .world import World
 
 __all__ = [
     "LABEL_MODES",
@@ -66,15 +58,15 @@ __all__ = [
     "key_hashes",
     "split_members",
     "subset_members",
-    "mix_worker_plan",
     "mix_records",
 ]
 
 LABEL_MODES = ("keep", "union")
 SPLITS = ("train", "val")
 
-# Domain tags: the draws, the per-source buffers and the subset draw never share a random stream.
-_DRAW, _MIXBUF, _SUBSET = 0x3D1C, 0x3B0F, 0x5B5E
+# Domain tag of the subset draw (``stream.partition`` has the draws' and the buffers'): they
+# never share a random stream.
+_SUBSET = 0x5B5E
 
 
 @dataclass(frozen=True)
@@ -235,153 +227,7 @@ def subset_members(
     return chosen[np.isin(chosen, members)]
 
 
-@dataclass(frozen=True)
-class MixLayout(EpochLayout):
-    """One epoch's mixed stream: ``source[p]`` and ``ids[p]`` (global sample id) of position p.
-
-    An ``EpochLayout`` of one pseudo-shard of ``epoch_size`` positions, so rank and worker spans,
-    ``equalize`` and the resume arithmetic of ``stream.resume`` apply unchanged; ``consumed``
-    replays one buffer per source instead of one per worker.
-    """
-
-    source: np.ndarray = field(default=None)
-    ids: np.ndarray = field(default=None)
-    num_sources: int = 1
-
-    @classmethod
-    def build(
-        cls,
-        sources: Sequence[MixedSource],
-        shares: Sequence[int],
-        *,
-        seed: int,
-        epoch: int,
-        shuffle: bool,
-        buffer_size: int,
-        equalize: str,
-    ) -> MixLayout:
-        ids, times, src = [], [], []
-        for i, (s, n) in enumerate(zip(sources, shares, strict=True)):
-            drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), shuffle)
-            ids.append(drawn + s.offset)
-            times.append((np.arange(n, dtype=np.float64) + 0.5) / max(n, 1))
-            src.append(np.full(n, i, dtype=np.int64))
-        order = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
-        total = int(sum(shares))
-        return cls(
-            np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size, equalize,
-            source=np.concatenate(src)[order], ids=np.concatenate(ids)[order],
-            num_sources=len(sources),
-        )  # fmt: skip
-
-    def buffer_rng(self, rank: int, worker: int, segment: int, source: int):
-        return rng_for(self.seed, self.epoch, _MIXBUF, rank, worker, segment, source)
-
-    def consumed(self, stream, idx, rank, worker, segment, delivered) -> np.ndarray:
-        """Entries of ``idx`` (a worker's part of ``stream``) delivered after ``delivered``
-        outputs: per source, the count the source sequence gives, replayed on its own buffer."""
-        src = self.source[stream[idx]]
-        out = []
-        for i in range(self.num_sources):
-            sel = np.flatnonzero(src == i)
-            c = int(np.count_nonzero(src[:delivered] == i))
-            rng = self.buffer_rng(rank, worker, segment, i)
-            out.append(idx[sel[buffer_point(len(sel), self.buffered, rng, c).consumed()]])
-        return np.concatenate(out) if out else np.empty(0, np.int64)
-
-
-def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
-    """``n`` positions of source ``s``: whole passes over its members, then a draw without
-    replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
-    ascending within a shard so reading stays sequential."""
-    m = len(s.members)
-    counts = np.fromiter((x.samples for x in s.shards), np.int64, len(s.shards))
-    shard_of = np.searchsorted(np.cumsum(counts), s.members, side="right")
-    passes, rest = divmod(n, m)
-    out = []
-    for p in range(passes + (1 if rest else 0)):
-        rank = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
-        pick = np.arange(m)
-        if p == passes:  # the partial pass: a draw without replacement, kept in stored order
-            pick = np.sort(rng.choice(m, size=rest, replace=False))
-        pos = np.argsort(rank[shard_of[pick]], kind="stable")
-        out.append(s.members[pick[pos]])
-    return np.concatenate(out) if out else np.empty(0, np.int64)
-
-
-# --- one worker's iteration ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SourcePlan:
-    """What a worker reads from one source: slices, how they refill that source's buffer."""
-
-    slices: list
-    arrangement: Arrangement
-    buffer: tuple[int, int]
-    rng: np.random.Generator
-
-
-@dataclass(frozen=True)
-class MixPlan:
-    """One worker's epoch over a mixture: per-source plans and the source sequence still to
-    deliver (``schedule``), with the live count for ``state_dict``."""
-
-    sources: list[SourcePlan]
-    schedule: np.ndarray
-    progress: Progress
-
-
-def mix_worker_plan(
-    layout: MixLayout,
-    sources: Sequence[MixedSource],
-    world: World,
-    facts: dict,
-    state: EpochState | None = None,
-    *,
-    batch_size: int | None = None,
-    in_worker: bool = False,
-) -> MixPlan:
-    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given
-    (the same arithmetic as ``resume.worker_plan``, one buffer per source)."""
-    if state is None:
-        state = EpochState.start(
-            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
-        )
-    state = replace(
-        state.on_world(world.world_size, world.num_workers, batch_size), rank=world.rank
-    )
-    seg, number = state.segments[-1], len(state.segments) - 1
-    stream = segment_streams(layout, state.segments)
-    total = len(stream)
-    worker = (seg.slot0 + world.worker) % world.num_workers
-    lo, hi = layout.span(total, world.rank, seg, worker)
-    done = seg.delivered[worker]
-    if done is None:
-        raise InputError(
-            f"state holds no count for DataLoader worker {worker}: it was saved by another "
-            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
-        )
-    done = min(done, hi - lo)
-    part = stream[np.arange(lo, hi, dtype=np.int64) % max(total, 1)] if total else stream[:0]
-    src, ids = layout.source[part], layout.ids[part]
-    plans = []
-    for i, s in enumerate(sources):
-        mine = ids[src == i] - s.offset
-        c = int(np.count_nonzero(src[:done] == i))
-        size = layout.buffered
-        point = buffer_point(len(mine), size, layout.buffer_rng(world.rank, worker, number, i), c)
-        held = np.flatnonzero(point.slots >= 0)
-        by_position = np.argsort(point.slots[held], kind="stable")
-        wanted = np.concatenate(
-            (point.slots[held][by_position], np.arange(point.frontier, len(mine), dtype=np.int64))
-        )
-        slices, keep = positions_to_slices(s.layout(), mine[wanted])
-        how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
-        rng = layout.buffer_rng(world.rank, worker, number, i)
-        plans.append(SourcePlan(slices, how, (point.steps, point.flushed), rng))
-    progress = progress_at(layout, state, total, worker, in_worker, done)
-    return MixPlan(plans, src[done:], progress)
+# --- one worker's records ----------------------------------------------------------------------
 
 
 def mix_records(
@@ -405,17 +251,17 @@ def mix_records(
         recs: Iterable[Record] = read_slices(
             p.slices, s.shards, FORMATS[s.format], s.storage,
             fields=mine, unchanged=unchanged, keep=p.arrangement.keep,
-            unindexed=s.unindexed,
+            unindexed=s.unindexed, drop=True,
         )  # fmt: skip
         if s.val_bits is not None and s.side_checked:
-            recs = check_split(recs, p.slices, s, p.arrangement.keep)
+            recs = check_split(recs, p.slices, s, p.arrangement.keep, dropped=True)
         if len(mine) < len(fields):
             recs = _without(recs, [f.lower() for f in fields if f not in mine])
         if s.classes:
             recs = check_labels(recs, len(s.classes))
         if s.labels is not None:
             recs = _relabel(recs, s.labels)
-        recs = arrange(recs, p.arrangement)
+        recs = arrange(recs, p.arrangement, dropped=True)
         if shuffle and buffer_size > 1:
             recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
@@ -427,11 +273,13 @@ def check_split(
     slices: Sequence[ShardSlice],
     s: MixedSource,
     keep: np.ndarray | None = None,
+    dropped: bool = False,
 ) -> Iterator[Record]:
     """``records`` (``read_slices`` of ``slices``), each sample read of the shards in
     ``s.side_checked`` checked against the side the split put it on: its key's own hash is
     taken (one BLAKE2b of a few bytes) and compared with ``s.val_bits``, for each record the
-    plan keeps (``keep``; those read through to bridge a hole are dropped). The split of those
+    plan keeps (``keep``; those read through to bridge a hole are dropped; ``dropped``: the
+    records are the kept ones alone, ``read_slices(drop=True)``). The split of those
     shards came from a key table nothing ties to the shard; one that is not the shard's (keys
     swapped, their hashes and the record's checksum made to match) would otherwise hand out a
     sample of the other side: here that is an error naming the shard and the key. (A tar index
@@ -445,18 +293,16 @@ def check_split(
     at = 0  # records so far: the position in ``keep``
     try:
         for sl in slices:
+            n = sl.stop - sl.start
+            wanted = [True] * n if keep is None else keep[at : at + n].tolist()
+            at += n
             if s.shards[sl.shard].url not in s.side_checked:
-                yield from itertools.islice(it, sl.stop - sl.start)
-                at += sl.stop - sl.start
+                yield from itertools.islice(it, sum(wanted) if dropped else n)
                 continue
             base = starts[sl.shard]
-            wanted = (
-                [True] * (sl.stop - sl.start)
-                if keep is None
-                else keep[at : at + sl.stop - sl.start].tolist()
-            )
-            at += sl.stop - sl.start
             for k, kept in zip(range(sl.start, sl.stop), wanted, strict=True):
+                if dropped and not kept:
+                    continue
                 rec = next(it, None)
                 if rec is None:
                     return  # read_slices has raised for a short shard

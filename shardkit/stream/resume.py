@@ -1,18 +1,20 @@
 """Mid-epoch checkpoints: where an epoch stands, recomputed from sample positions alone.
 
-An epoch's plan is a pure function of (seed, epoch, world) (``stream.plan_epoch``) and the shuffle
+An epoch's plan is a pure function of (seed, epoch, world) (``stream.partition``) and the shuffle
 buffer's choices depend only on its generator and on positions, never on bytes
 (``shuffle.shuffle_buffer``). So "worker w has delivered c samples" is enough to know, without
 reading a byte, which samples it delivered, which sit in its buffer and where its reading stops.
 A resumed worker reads the buffer's residents and then the unread rest, seeking through the
 shards' offset index; the consumed prefix is neither read nor decoded.
 
-A state is plain data (ints, strings, lists, None): ``json`` and ``torch.save`` both round-trip
-it. It holds the epoch, a fingerprint of the dataset, and one *segment* per world the epoch was
-played on: world size, DataLoader workers, samples delivered by each worker. DDP ranks step
-together, so one rank's segment describes every rank. Loading it on another world (elastic)
-freezes the segment: the samples the old world planned but did not deliver become the stream of a
-new segment, split over the new world with the usual rules (``equalize``, ``batch_size``).
+The plan of a resumed worker is ``partition.worker_plan``'s; this module keeps the state and the
+replay of the shuffle buffer it needs. A state is plain data (ints, strings, lists, None): ``json``
+and ``torch.save`` both round-trip it. It holds the epoch, a fingerprint of the dataset, and one
+*segment* per world the epoch was played on: world size, DataLoader workers, samples delivered by
+each worker. DDP ranks step together, so one rank's segment describes every rank. Loading it on
+another world (elastic) freezes the segment: the samples the old world planned but did not
+deliver become the stream of a new segment, split over the new world with the usual rules
+(``equalize``, ``batch_size``).
 """
 
 from __future__ import annotations
@@ -21,26 +23,26 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError
-from ..records import Record, ShardSlice
-from .shuffle import buffer_rng, draw_block, shard_order
-from .stages import _rank_span, plan_epoch, worker_span
+from ..records import Record
+from .shuffle import draw_block
 from .world import World
+
+if TYPE_CHECKING:  # the plan imports the state, not the other way round
+    from .partition import EpochLayout
 
 __all__ = [
     "STATE_FORMAT",
     "Segment",
     "EpochState",
-    "EpochLayout",
-    "WorkerPlan",
     "Progress",
     "dataset_facts",
     "progress_at",
-    "worker_plan",
     "rank_state",
     "worker_counts_state",
     "round_robin",
@@ -52,12 +54,6 @@ __all__ = [
 ]
 
 STATE_FORMAT = "shardkit.resume/1"
-
-#: Holes of at most this many samples between wanted samples are read through rather than
-#: sought over: each seek re-opens the shard, lands on an index entry (every 64 samples) and
-#: refills the tar reader's window, which costs about what reading ~30 LFW-sized samples does.
-_MERGE_GAP = 32
-
 
 # --- the state ------------------------------------------------------------------------------
 
@@ -229,61 +225,6 @@ def dataset_facts(
     }
 
 
-# --- epoch geometry on positions ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EpochLayout:
-    """What planning an epoch needs: shard counts and the settings that shape the order."""
-
-    counts: np.ndarray
-    seed: int
-    epoch: int
-    shuffle: bool
-    buffer_size: int
-    equalize: str
-    order: np.ndarray = field(init=False)
-    ends: np.ndarray = field(init=False)
-
-    def __post_init__(self):
-        order = shard_order(len(self.counts), self.seed, self.epoch, self.shuffle)
-        object.__setattr__(self, "order", order)
-        object.__setattr__(self, "ends", np.cumsum(np.asarray(self.counts)[order]))
-
-    @property
-    def total(self) -> int:
-        return int(self.ends[-1]) if len(self.ends) else 0
-
-    @property
-    def buffered(self) -> int:
-        """The buffer size in effect (0: no buffer)."""
-        return self.buffer_size if self.shuffle and self.buffer_size > 1 else 0
-
-    def span(self, total: int, rank: int, seg: Segment, worker: int) -> tuple[int, int]:
-        """[lo, hi) of a worker's part of a stream of ``total`` (past ``total``: wraps)."""
-        start, stop = _rank_span(total, rank, seg.world_size, self.equalize)
-        lo, hi = worker_span(stop - start, worker, seg.num_workers, seg.batch_size)
-        return start + lo, start + hi
-
-    def finished(self, total: int, seg: Segment, worker: int) -> int:
-        """The count a rank saves for worker ``worker`` once its part is done: its longest part
-        over the ranks. A rank's state stands for every rank, and under ``equalize="none"``
-        another rank's part may be a sample longer; a loop that ended on the saving rank ended
-        on every rank, so that sample must not be delivered again."""
-        spans = (self.span(total, r, seg, worker) for r in range(seg.world_size))
-        return max(hi - lo for lo, hi in spans)
-
-    def planned(self, total: int, world_size: int) -> int:
-        """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
-        return world_size * (total // world_size) if self.equalize == "drop" else total
-
-    def consumed(self, stream, idx, rank: int, worker: int, segment: int, delivered: int):
-        """Entries of ``idx`` (a worker's part of ``stream``) it delivered after ``delivered``
-        outputs of its buffer (a mixture replays one buffer per source: stream.mix)."""
-        rng = _segment_rng(self, rank, worker, segment)
-        return idx[buffer_point(len(idx), self.buffered, rng, delivered).consumed()]
-
-
 @dataclass(frozen=True)
 class BufferPoint:
     """A shuffle buffer after delivering some items, worked out on stream indices.
@@ -321,10 +262,6 @@ def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) ->
     if flushed:
         slots[rng.permutation(fill)[:flushed]] = -1
     return BufferPoint(slots, fill + steps, steps, flushed)
-
-
-def _segment_rng(layout: EpochLayout, rank: int, worker: int, segment: int):
-    return buffer_rng(layout.seed, layout.epoch, rank, worker, segment)
 
 
 def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndarray:
@@ -368,30 +305,6 @@ def worker_left(layout: EpochLayout, state: EpochState, world: World, batch_size
     return max(0, hi - lo - seg.delivered[worker])
 
 
-def positions_to_slices(
-    layout: EpochLayout, positions: np.ndarray
-) -> tuple[list[ShardSlice], np.ndarray]:
-    """Slices that read ``positions`` (epoch stream positions) in the given order, and a mask
-    over the records they yield of those wanted (small holes are read through, not sought)."""
-    if not len(positions):
-        return [], np.zeros(0, dtype=bool)
-    shard_at = np.searchsorted(layout.ends, positions, side="right")
-    first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.order[shard_at]]
-    offsets = positions - first
-    step = np.diff(positions)
-    cut = (np.diff(shard_at) != 0) | (step < 1) | (step > _MERGE_GAP)
-    starts = np.concatenate(([0], np.flatnonzero(cut) + 1))
-    stops = np.concatenate((starts[1:], [len(positions)]))
-    slices, masks = [], []
-    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
-        lo, hi = int(offsets[a]), int(offsets[b - 1]) + 1
-        slices.append(ShardSlice(int(layout.order[shard_at[a]]), lo, hi))
-        mask = np.zeros(hi - lo, dtype=bool)
-        mask[offsets[a:b] - lo] = True
-        masks.append(mask)
-    return slices, np.concatenate(masks)
-
-
 # --- one worker's iteration -----------------------------------------------------------------
 
 
@@ -406,9 +319,13 @@ class Arrangement:
     fill: int
 
 
-def arrange(records: Iterable[Record], how: Arrangement) -> Iterator[Record | None]:
+def arrange(
+    records: Iterable[Record], how: Arrangement, dropped: bool = False
+) -> Iterator[Record | None]:
+    """``records`` as ``how`` arranges them; ``dropped``: they are the kept ones already
+    (``read_slices(drop=True)``)."""
     it = iter(records)
-    holes = np.flatnonzero(~how.keep)
+    holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
     checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
     kept = itertools.chain(
         itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
@@ -461,75 +378,6 @@ def count_delivered(records: Iterable, progress: Progress) -> Iterator:
     for rec in records:
         progress.delivered += 1
         yield rec
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """What one worker reads and how: the pipeline in ShardDataset.__iter__ follows it."""
-
-    slices: list[ShardSlice]
-    rng: np.random.Generator
-    buffer: tuple[int, int]
-    arrangement: Arrangement | None
-    progress: Progress
-
-
-def worker_plan(
-    layout: EpochLayout,
-    world: World,
-    facts: dict,
-    state: EpochState | None = None,
-    *,
-    batch_size: int | None = None,
-    in_worker: bool = False,
-) -> WorkerPlan:
-    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given;
-    ``batch_size``: cut worker parts at its multiples (``stream.worker_span``)."""
-    if state is None:
-        slices = plan_epoch(
-            layout.counts,
-            layout.order,
-            rank=world.rank,
-            world_size=world.world_size,
-            worker=world.worker,
-            num_workers=world.num_workers,
-            equalize=layout.equalize,
-            batch_size=batch_size,
-        )
-        start = EpochState.start(
-            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
-        )
-        rng = buffer_rng(layout.seed, layout.epoch, world.rank, world.worker)
-        progress = progress_at(layout, start, layout.total, world.worker, in_worker, 0)
-        return WorkerPlan(slices, rng, (0, 0), None, progress)
-    state = state.on_world(world.world_size, world.num_workers, batch_size)
-    state = replace(state, rank=world.rank)
-    seg, number = state.segments[-1], len(state.segments) - 1
-    stream = segment_streams(layout, state.segments)
-    total = len(stream)
-    worker = (seg.slot0 + world.worker) % world.num_workers
-    lo, hi = layout.span(total, world.rank, seg, worker)
-    n = hi - lo
-    done = seg.delivered[worker]
-    if done is None:
-        raise InputError(
-            f"state holds no count for DataLoader worker {worker}: it was saved by another "
-            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
-        )
-    done = min(done, n)
-    size = layout.buffered
-    point = buffer_point(n, size, _segment_rng(layout, world.rank, worker, number), done)
-    held = np.flatnonzero(point.slots >= 0)
-    by_position = np.argsort(point.slots[held], kind="stable")
-    wanted = np.concatenate(
-        (point.slots[held][by_position], np.arange(point.frontier, n, dtype=np.int64))
-    )
-    positions = stream[(lo + wanted) % max(total, 1)] if total else wanted
-    slices, keep = positions_to_slices(layout, positions)
-    how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
-    rng = _segment_rng(layout, world.rank, worker, number)
-    progress = progress_at(layout, state, total, worker, in_worker, done)
-    return WorkerPlan(slices, rng, (point.steps, point.flushed), how, progress)
 
 
 # --- a whole rank's position from a batch count ------------------------------------------------

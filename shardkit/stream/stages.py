@@ -1,7 +1,7 @@
 """The streaming pipeline's stages, each testable alone on a list.
 
-The order ``ShardDataset`` runs them in is drawn in ``shardkit.stream``'s docstring.
-``plan_epoch`` is plain arithmetic on sample counts. The other stages are generators
+The order ``ShardDataset`` runs them in is drawn in ``shardkit.stream``'s docstring; what each
+worker reads (its slices) is planned in ``stream.partition``. The stages are generators
 ``stage(iterable, ...) -> Iterator``. Hot loops stay lean: no per-sample dicts, logging or
 re-planning.
 """
@@ -36,16 +36,12 @@ __all__ = [
     "DCT_MODES",
     "DECODE_MODES",
     "ON_ERROR_MODES",
-    "rank_samples",
-    "worker_span",
-    "plan_epoch",
     "sample_error",
     "undecodable",
     "transform_error",
     "file_identity",
     "manifest_unchanged",
     "read_slices",
-    "sample_counts",
     "check_labels",
     "decode_records",
     "apply_transforms",
@@ -53,107 +49,6 @@ __all__ = [
 ]
 
 ON_ERROR_MODES = ("raise", "skip")
-
-
-# --- planning ---------------------------------------------------------------------------------
-
-
-def _rank_span(total: int, rank: int, world_size: int, equalize: str) -> tuple[int, int]:
-    """[start, stop) of this rank's part of the epoch stream; stop may exceed ``total`` (pad)."""
-    check_choice("equalize", equalize, EQUALIZE_MODES)
-    if equalize == "pad":
-        per = -(-total // world_size)
-        return rank * per, (rank + 1) * per
-    if equalize == "drop":
-        per = total // world_size
-        return rank * per, (rank + 1) * per
-    return rank * total // world_size, (rank + 1) * total // world_size  # "none"
-
-
-def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
-    """Samples rank ``rank`` yields per epoch: ``len(ds)``."""
-    start, stop = _rank_span(total, rank, world_size, equalize)
-    return stop - start
-
-
-def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
-    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on."""
-    return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
-
-
-def worker_span(
-    length: int, worker: int, num_workers: int, batch_size: int | None = None
-) -> tuple[int, int]:
-    """[lo, hi) of worker ``worker``'s contiguous part of a rank part of ``length`` samples.
-
-    ``batch_size`` None: parts differ by at most one sample. Otherwise parts are cut at multiples
-    of ``batch_size`` the way a DataLoader draws batches from an IterableDataset's workers: batch
-    k of the rank comes from worker ``k % num_workers``, only the rank's last batch is short,
-    so the rank yields exactly ceil(length / batch_size) batches (not up to one short batch per
-    worker) and ranks with equal ``length`` take equal steps.
-    """
-    if not batch_size:
-        return worker * length // num_workers, (worker + 1) * length // num_workers
-    batches = -(-length // batch_size)
-    short_owner = (batches - 1) % num_workers  # holds the rank's last, possibly short, batch
-    deficit = batches * batch_size - length
-
-    def start(w: int) -> int:
-        full = sum((batches - v + num_workers - 1) // num_workers for v in range(w))
-        return full * batch_size - (deficit if short_owner < w else 0)
-
-    return start(worker), start(worker + 1)
-
-
-def plan_epoch(
-    shards: Sequence[ShardInfo] | np.ndarray,
-    order: Sequence[int] | np.ndarray,
-    *,
-    rank: int,
-    world_size: int,
-    worker: int,
-    num_workers: int,
-    equalize: str = "pad",
-    batch_size: int | None = None,
-) -> list[ShardSlice]:
-    """The slices worker ``worker`` of rank ``rank`` reads this epoch, in reading order.
-
-    The shards, taken in ``order``, are laid end to end as one stream of N samples. It is cut into
-    ``world_size`` contiguous rank parts (``equalize``: "pad" gives every rank ceil(N/W) samples,
-    the surplus re-read from the start of the stream; "drop" gives floor(N/W), the tail unread;
-    "none" gives parts differing by at most one), then each rank part into ``num_workers``
-    contiguous worker parts whose sizes differ by at most one and are the same on every rank
-    (with ``batch_size``, cut at multiples of it: see ``worker_span``). Parts are cut at sample
-    boundaries, not shard boundaries, so a single shard can feed many workers and no worker idles
-    while another has work. ``shards`` may also be their ``sample_counts`` array, computed once
-    by a caller that plans many epochs.
-    """
-    counts = shards if isinstance(shards, np.ndarray) else sample_counts(shards)
-    order = np.asarray(order, dtype=np.int64)
-    ordered = counts[order]
-    total = int(ordered.sum())
-    start, stop = _rank_span(total, rank, world_size, equalize)
-    lo, hi = worker_span(stop - start, worker, num_workers, batch_size)
-    lo, hi = start + lo, start + hi
-    if lo >= hi:
-        return []
-    ends = np.cumsum(ordered)  # ends[i]: stream position just after the i-th shard read
-    slices: list[ShardSlice] = []
-    pos = lo
-    while pos < hi:  # wraps past N only under "pad"
-        p = pos % total
-        q = min(total, p + (hi - pos))
-        i = int(np.searchsorted(ends, p, side="right"))
-        while p < q:
-            end = int(ends[i])
-            if end > p:  # empty shards have end == p: nothing to read there
-                first = end - int(ordered[i])
-                take = min(q, end)
-                slices.append(ShardSlice(int(order[i]), p - first, take - first))
-                pos += take - p
-                p = take
-            i += 1
-    return slices
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -168,14 +63,18 @@ def read_slices(
     unchanged: Callable[[], None] | None = None,
     keep: np.ndarray | None = None,
     unindexed: frozenset[str] = frozenset(),
+    drop: bool = False,
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
-    splits, mixtures): where a shard has a sample index and a slice wants less than half of its
-    samples, only the wanted ones are read, as exact byte ranges (``stream.ranges``), the others
-    stand as ``SKIPPED``. Without ``keep`` (a plain epoch) every slice streams, as do the shards
-    in ``unindexed`` (their index was refused when the dataset was built).
+    splits, mixtures): where a shard has a sample index (or is LMDB) and a slice wants at most
+    a quarter of its samples (``ranges.RANGED_SHARE``), only the wanted ones are read, as exact
+    byte ranges or lookups (``stream.ranges``), the others stand as ``SKIPPED``; ``drop``: only
+    the records ``keep`` wants are yielded (the others are not even parsed where read as
+    ranges), so the consumer does not pass nine unwanted records per wanted one of a 10%
+    split. Without ``keep`` (a plain epoch) every slice streams, as do the shards in
+    ``unindexed`` (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -211,20 +110,21 @@ def read_slices(
                 storage.prefetch(streamed[k:])  # this shard first: it is opened next
                 k += 1
             got = 0
-            want = sl.stop - sl.start
+            want, flags = _dropping(sl, masks[n] if drop else None, spans[n] is not None)
             stop = None if sl.stop == shard.samples else sl.stop
             records = None
             if unchanged is not None:
                 unchanged()
             try:
                 if spans[n] is not None:
-                    records = exact.records(sl, shard, masks[n], fields)
+                    records = exact.records(sl, shard, masks[n], fields, skipped=not drop)
                 else:
                     records = fmt.records(storage, shard, sl.start, stop, fields)
                 for rec in records:
                     if got == want:
                         _more_than_counted(shard.url, sl.stop)
-                    yield rec
+                    if flags is None or flags[got]:
+                        yield rec
                     got += 1
             except ShardkitError:
                 raise
@@ -242,6 +142,17 @@ def read_slices(
     finally:
         exact.close()
         storage.close()
+
+
+def _dropping(sl: ShardSlice, mask: np.ndarray | None, ranged: bool) -> tuple[int, list | None]:
+    """(records the slice's reader yields, which of them to yield on: None, all) where
+    ``read_slices`` drops the unwanted: a range reader reads the wanted alone; a streamed
+    slice reads every record and the mask picks."""
+    if mask is None:
+        return sl.stop - sl.start, None
+    if ranged:
+        return int(mask.sum()), None
+    return sl.stop - sl.start, mask.tolist()
 
 
 def file_identity(path: str | None) -> tuple[int, int, int] | None:

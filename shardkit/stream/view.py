@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError, StorageError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
-from ..formats.lmdb_index import LmdbIndex
+from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex, key_hashes
 from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample

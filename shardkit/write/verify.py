@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
 from ..formats.lmdb import LmdbSampleReader
-from ..formats.lmdb_index import LmdbIndex, LmdbIndexError
+from ..formats.lmdb.index import LmdbIndex, LmdbIndexError
 from ..formats.sample_index import (
     INDEX_SUFFIX,
     SampleIndexError,

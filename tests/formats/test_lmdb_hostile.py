@@ -372,17 +372,17 @@ def _one_child_tree(path, depth: int = 4) -> int:
     """A crafted single-file LMDB: two meta pages, then ``depth - 1`` branch pages each holding
     as many nodes as fit (2,036), every node naming the next page, and one leaf. A walk that
     follows every node visits the leaf 2036**(depth - 2) times; returns the file's pages."""
-    from shardkit.formats import lmdb as L
+    from shardkit.formats.lmdb import btree as L
 
     psize, pages = PAGE, 2 + depth
     root, last = 2, pages - 1
 
     def meta(pgno: int, txnid: int) -> bytes:
         raw = bytearray(psize)
-        L._PAGE_HDR.pack_into(raw, 0, pgno, 0, 0x08, 0, 0)
-        L._META.pack_into(raw, 16, L._MAGIC, L._DATA_VERSION, 0, pages * psize)
-        L._DB.pack_into(raw, 16 + 24, psize, 0, 0, 0, 0, 0, 0, 2**64 - 1)  # free DB
-        L._DB.pack_into(raw, 16 + 72, 0, 0, depth, depth - 1, 1, 0, 1, root)  # main DB
+        L.PAGE_HDR.pack_into(raw, 0, pgno, 0, 0x08, 0, 0)
+        L.META.pack_into(raw, 16, L.MAGIC, L.DATA_VERSION, 0, pages * psize)
+        L.DB.pack_into(raw, 16 + 24, psize, 0, 0, 0, 0, 0, 0, 2**64 - 1)  # free DB
+        L.DB.pack_into(raw, 16 + 72, 0, 0, depth, depth - 1, 1, 0, 1, root)  # main DB
         struct.pack_into("<QQ", raw, 16 + 120, last, txnid)
         return bytes(raw)
 
@@ -390,9 +390,9 @@ def _one_child_tree(path, depth: int = 4) -> int:
         raw = bytearray(psize)
         node = psize - 8
         n = (node - 16) // 2 if flags == 0x01 else 1
-        L._PAGE_HDR.pack_into(raw, 0, pgno, 0, flags, 16 + 2 * n, node)
+        L.PAGE_HDR.pack_into(raw, 0, pgno, 0, flags, 16 + 2 * n, node)
         struct.pack_into(f"<{n}H", raw, 16, *[node] * n)  # every pointer at the one node
-        L._NODE.pack_into(raw, node, child & 0xFFFF, child >> 16 & 0xFFFF, child >> 32, 0)
+        L.NODE.pack_into(raw, node, child & 0xFFFF, child >> 16 & 0xFFFF, child >> 32, 0)
         return bytes(raw)
 
     body = [meta(0, 1), meta(1, 2)]
@@ -407,13 +407,14 @@ def test_a_tree_whose_branches_all_name_one_page_is_refused_after_each_page_once
 ):
     """Counted, not timed: each page read is counted, and the walk may read each page of the
     file once (a walk that follows every node would read the leaf 2036**2 times)."""
-    from shardkit.formats import lmdb as L
+    from shardkit.formats.lmdb import btree as L
+    from shardkit.formats.lmdb import count_lmdb_samples
 
     path = tmp_path / "crafted.lmdb"
     pages = _one_child_tree(path)
     assert os.path.getsize(path) == pages * PAGE
     reads = []
-    real = L._read_page
+    real = L.read_page
 
     def counted(*args):
         reads.append(args[3])
@@ -421,9 +422,9 @@ def test_a_tree_whose_branches_all_name_one_page_is_refused_after_each_page_once
             raise RuntimeError(f"the walk read {len(reads)} pages of a {pages}-page file")
         return real(*args)
 
-    monkeypatch.setattr(L, "_read_page", counted)
+    monkeypatch.setattr(L, "read_page", counted)
     with pytest.raises(ShardFormatError) as err:
-        L.count_lmdb_samples(str(path))
+        count_lmdb_samples(str(path))
     message = str(err.value)
     assert str(path) in message and "reached twice" in message and "\n" not in message
     assert len(reads) <= pages

@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import quiet, random_tree
 
-import shardkit.formats.lmdb as lmdb_mod
+import shardkit.formats.lmdb.reader as lmdb_reader
 from shardkit.cli import main
 from shardkit.formats.lmdb import LmdbSampleReader, iter_lmdb_records, read_lmdb_index
-from shardkit.formats.lmdb_index import (
+from shardkit.formats.lmdb.index import (
     INDEX_KEY,
     LmdbIndexError,
     decode_lmdb_index,
@@ -198,7 +198,7 @@ class _Reads:
             self.bytes += len(data)
             return data
 
-        monkeypatch.setattr(lmdb_mod.os, "pread", counting)
+        monkeypatch.setattr(lmdb_reader.os, "pread", counting)
 
     def take(self) -> tuple[int, int]:
         got = self.calls, self.bytes

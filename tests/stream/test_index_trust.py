@@ -17,7 +17,7 @@ from conftest import quiet, random_tree, without_index_sha256
 
 from shardkit import ShardDataset, ShardView
 from shardkit.errors import ShardFormatError
-from shardkit.formats.lmdb_index import INDEX_KEY, decode_lmdb_index, encode_lmdb_index
+from shardkit.formats.lmdb.index import INDEX_KEY, decode_lmdb_index, encode_lmdb_index
 from shardkit.formats.sample_index import _HEAD, decode_index, index_path, key_hashes
 from shardkit.manifest import read_manifest
 from shardkit.write.packer import pack

@@ -125,7 +125,12 @@ def test_a_subset_on_s3_is_one_ranged_get_per_run(s3, packed):
     assert sum(spans) <= 2 * sum(sizes[k] for k in want)
 
 
-def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(packed, tmp_path):
+def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(
+    packed, tmp_path, monkeypatch
+):
+    from shardkit.stream import ranges
+
+    monkeypatch.setattr(ranges, "RANGED_SHARE", 0.6)  # a half subset's slices read as ranges
     out, _ = packed
     copy = tmp_path / "copy"
     copy.mkdir()

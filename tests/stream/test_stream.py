@@ -14,14 +14,9 @@ from shardkit.errors import InputError, SampleError, ShardFormatError, StorageEr
 from shardkit.formats import get_format
 from shardkit.images.decode import decode_image
 from shardkit.records import Record, ShardInfo, ShardSlice
+from shardkit.stream.partition import plan_epoch, rank_samples
 from shardkit.stream.shuffle import shard_order
-from shardkit.stream.stages import (
-    apply_transforms,
-    decode_records,
-    plan_epoch,
-    rank_samples,
-    read_slices,
-)
+from shardkit.stream.stages import apply_transforms, decode_records, read_slices
 from shardkit.stream.storage import LocalStorage
 
 # --- planning ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .parse import (
     is_gzip_name,
 )
 
-__all__ = ["iter_tar_records", "read_sample"]
+__all__ = ["iter_tar_records", "read_run", "read_sample"]
 
 try:  # the C parser of plain samples (shardkit/images/_native.c); optional, as its decoders
     from ...images._native import tar_samples as _tar_samples
@@ -362,6 +362,28 @@ def read_sample(blob: bytes, shard: str, fields: Sequence[str] = ()) -> Record |
         shard,
         extra,
     )
+
+
+def read_run(
+    blob: bytes, starts: Sequence[int], end: int, shard: str, fields: Sequence[str] = ()
+) -> list[Record | None]:
+    """The samples of ``blob`` that start at ``starts[i]`` and end at ``starts[i + 1]`` (a run
+    of consecutive samples, as a sample index places them): what ``read_sample`` gives for each.
+    The plain ones are parsed in C in one call (``_native.tar_samples``, as a streamed shard's
+    are), which needs each sample closed by the next one's header: ``end`` (past
+    ``starts[-1]``) is how far the blob may be read for it. The rest go through
+    ``read_sample``; a caller checks each record against its index (its key's hash)."""
+    n = len(starts) - 1
+    out: list[Record | None] = []
+    if _tar_samples is not None and n > 0:
+        want = frozenset(x.lower().encode() for x in fields)
+        got, _, _ = _tar_samples(
+            blob, starts[0], end, 0, 0, n, 1 << 62, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard
+        )
+        out = list(got)
+    for i in range(len(out), n):
+        out.append(read_sample(blob[starts[i] : starts[i + 1]], shard, fields))
+    return out
 
 
 def _slow_sample(blob: bytes, shard: str, fields: Sequence[str]) -> Record | None:

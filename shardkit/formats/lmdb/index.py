@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ShardFormatError
-from .sample_index import KeyTable, key_hashes
+from ...errors import ShardFormatError
+from ..sample_index import KeyTable, key_hashes
 
 __all__ = ["INDEX_KEY", "LmdbIndex", "LmdbIndexError", "decode_lmdb_index", "encode_lmdb_index"]
 

@@ -1,0 +1,205 @@
+"""Split and subset epochs read the wanted samples alone, and give the samples they gave before:
+the same samples in the same order as the reader that read them one by one (digests taken from
+that reader, for a fixed pack, seed and epoch), with the read calls counted."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from shardkit import ShardDataset, ShardWriter
+from shardkit.errors import ShardFormatError
+from shardkit.stream.mix import Source
+
+
+def _jpeg() -> bytes:
+    arr = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=80)
+    return buf.getvalue()
+
+
+def _make(out, fmt: str, shard_size: str = "40kB") -> str:
+    """1,200 samples in shards of ~40 kB: keys and labels fixed, each sample's bytes its own."""
+    data = _jpeg()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        classes = [f"c{c}" for c in range(5)]
+        with ShardWriter(str(out), shard_size=shard_size, format=fmt, classes=classes) as w:
+            for i in range(1200):
+                w.add(f"c{i % 5}/k{i:05d}", "jpg", data + b"%d" % i, i % 5)
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=["tar", "lmdb"])
+def pack(request, tmp_path_factory):
+    return request.param, _make(tmp_path_factory.mktemp("split") / "out", request.param)
+
+
+def _digest(where, **kw) -> tuple[int, str]:
+    ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, **kw)
+    ds.set_epoch(1)
+    h = hashlib.sha256()
+    n = 0
+    for img, label, key in ds:
+        h.update(b"%s %d %s\n" % (key.encode(), label, hashlib.sha256(img).hexdigest().encode()))
+        n += 1
+    return n, h.hexdigest()[:24]
+
+
+#: (samples, digest of key, label and bytes in order) of epoch 1, seed 7, as the reader that
+#: read split and subset samples one range (tar) or one streamed slice (LMDB) at a time gave.
+BEFORE = {
+    ("tar", "val"): (131, "e0eb6c0484193a6d3bc4fdeb"),
+    ("tar", "train"): (1069, "aedfe326e89c53f580f0dfe9"),
+    ("tar", "subset"): (24, "d0df5b0fd071eb1ac41d73bb"),
+    ("tar", "subset30"): (360, "8ddbc1b5a50ded7e24044632"),
+    ("tar", "mix"): (300, "98a7c8ece23985081fbf4bdc"),
+    ("lmdb", "val"): (131, "3fb1b9e57fd4cf9d95e26732"),
+    ("lmdb", "train"): (1069, "a4bc9fa7460a5aa628075849"),
+    ("lmdb", "subset"): (24, "57c212e7b46933fefeda88a0"),
+    ("lmdb", "subset30"): (360, "b6bf078671cb1c54a5e44ade"),
+    ("lmdb", "mix"): (300, "92e8d5512e5757a71e7d812b"),
+}
+
+
+@pytest.mark.parametrize("what", ["val", "train", "subset", "subset30", "mix"])
+def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
+    fmt, where = pack
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if what == "mix":
+            got = _digest(
+                [Source(where, subset=0.05, weight=0.5), Source(where, split="val", weight=0.5)],
+                epoch_size=300,
+            )
+        else:
+            kw = {
+                "val": {"split": "val", "val_fraction": 0.1},
+                "train": {"split": "train", "val_fraction": 0.1},
+                "subset": {"subset": 0.02},
+                "subset30": {"subset": 0.3},
+            }[what]
+            got = _digest(where, **kw)
+    assert got == BEFORE[fmt, what]
+
+
+class _Preads:
+    """Counts ``os.pread`` calls (how both readers read a local shard's bytes)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = os.pread
+
+        def counting(fd, n, offset):
+            self.calls += 1
+            return real(fd, n, offset)
+
+        monkeypatch.setattr(os, "pread", counting)
+
+
+@pytest.mark.parametrize("kw", [{"subset": 0.02}, {"split": "val", "val_fraction": 0.05}])
+def test_a_sparse_lmdb_epoch_reads_a_few_pages_per_drawn_sample(tmp_path, monkeypatch, kw):
+    """Counted: a lookup reads the leaf page and the value, the shard opened once for all its
+    drawn samples; the tree is not walked first (the walk reads every page of the shard:
+    about a hundred reads per drawn sample of a 1% subset). Shards of ~400 samples: opening
+    one costs a few reads of its own (meta pages, the count), as a large shard's does."""
+    where = _make(tmp_path / "out", "lmdb", "400kB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, **kw)
+    reads = _Preads(monkeypatch)
+    drawn = sum(1 for _ in ds)
+    assert 0 < drawn <= 80
+    assert reads.calls <= 4 * drawn
+
+
+def test_a_sparse_tar_epoch_reads_each_wanted_run_once(tmp_path, monkeypatch):
+    where = _make(tmp_path / "out", "tar")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, split="val")
+    reads = _Preads(monkeypatch)
+    drawn = sum(1 for _ in ds)
+    assert 0 < drawn and reads.calls <= drawn
+
+
+def _overflow_pages(path: str, psize: int = 4096) -> list[int]:
+    """Page numbers of an LMDB file's overflow pages (flags 0x04, each naming itself)."""
+    raw = open(path, "rb").read()
+    pages = []
+    for p in range(2, len(raw) // psize):
+        pgno = int.from_bytes(raw[p * psize : p * psize + 8], "little")
+        flags = int.from_bytes(raw[p * psize + 10 : p * psize + 12], "little")
+        if pgno == p and flags == 0x04:
+            pages.append(p)
+    return pages
+
+
+def test_a_lookup_without_the_walk_still_refuses_a_damaged_overflow_page(tmp_path):
+    """The sparse read skips the walk, so each value's overflow header is checked as it is read:
+    a damaged one is an error naming the shard, never another sample's bytes."""
+    where = _make(tmp_path / "out", "lmdb")
+    data = _jpeg() * 2
+    with ShardWriter(str(tmp_path / "big"), format="lmdb", classes=["c0"]) as w:
+        for i in range(60):
+            w.add(f"c0/b{i:03d}", "jpg", data + bytes(3000) + b"%d" % i, 0)  # overflow values
+    shard = next(str(p) for p in (tmp_path / "big").iterdir() if p.suffix == ".lmdb")
+    pages = _overflow_pages(shard)
+    assert len(pages) >= 60
+    with open(shard, "r+b") as f:
+        for p in pages:
+            f.seek(p * 4096)
+            f.write((p + 1).to_bytes(8, "little"))  # each names the next page
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = ShardDataset(str(tmp_path / "big"), decode="raw", subset=0.05, seed=7)
+    with pytest.raises(ShardFormatError) as err:
+        list(ds)
+    assert shard in str(err.value) and "overflow page" in str(err.value)
+    assert where  # the other pack is untouched
+
+
+def test_split_construction_holds_a_byte_or_two_per_sample_not_the_hashes(tmp_path):
+    """Counted (tracemalloc, numpy's arrays included): building ``split="val"`` over 12,000
+    samples in 30 shards peaks at the val/train mask (1 byte a sample, 2 while the shards'
+    parts are joined), the members (8 bytes each, a tenth of the samples) and one shard's
+    index at a time, not every sample's hash and position (24 bytes a sample)."""
+    import tracemalloc
+
+    import shardkit.stream.dataset as dataset_module
+
+    data = _jpeg()
+    out = tmp_path / "out"
+    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+        for i in range(12000):
+            w.add(f"c0/k{i:05d}", "jpg", data, 0)
+    seen = {}
+    counted, subset = dataset_module._counted, dataset_module.subset_members
+
+    def after_counting(*args, **kw):  # the split starts here: the shard list is read
+        got = counted(*args, **kw)
+        tracemalloc.reset_peak()
+        seen["base"] = tracemalloc.get_traced_memory()[0]
+        return got
+
+    def members_chosen(*args, **kw):
+        got = subset(*args, **kw)
+        seen["peak"] = tracemalloc.get_traced_memory()[1] - seen["base"]
+        return got
+
+    dataset_module._counted, dataset_module.subset_members = after_counting, members_chosen
+    tracemalloc.start()
+    try:
+        ds = ShardDataset(str(out), decode="raw", split="val", val_fraction=0.1, seed=7)
+    finally:
+        tracemalloc.stop()
+        dataset_module._counted, dataset_module.subset_members = counted, subset
+    assert 30 <= len(ds.shards) and 900 < len(ds) < 1500
+    assert seen["peak"] <= 8 * 12000
