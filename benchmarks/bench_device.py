@@ -17,6 +17,10 @@ Sections (``--sections``, default all; each is timed and its errors recorded, ne
 - ``loader``: ShardLoader without a model, RRC-224 + flip, batch 256, epochs of ``--samples``:
   decode_on workers / device / auto, images/s, ``feed_counts`` (where each image was decoded,
   the trainer's CPU per image).
+- ``stub`` (alone: ``--stub``, no GPU needed): decode_on="device" on the CPU with
+  ``StandInDecoder(stub=True)`` and the batch resize stubbed too: the decode thread's own CPU
+  per image (``time.thread_time`` in that thread), the Python of the device path around the
+  decode and resize calls, which runs alike on a GPU.
 - ``epochs``: the same loader (workers) on short epochs (``--short`` batches) back to back
   against one long epoch: the bubble at each epoch boundary.
 - ``train``: ``bench_train.train`` (ResNet-18/50, bf16, channels_last) for each decode_on.
@@ -27,6 +31,7 @@ answers. The data (``--imagenet``) is made on the machine when missing.
 
     python benchmarks/bench_device.py --json $OUT/device.json
     python benchmarks/bench_device.py --sections probe,pipeline --samples 20000
+    python benchmarks/bench_device.py --stub --samples 5000 --workers 1   # any machine
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import harness
 
 ROOT = harness.ROOT
 
-SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "epochs", "train")
+SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "stub", "epochs", "train")
 
 
 def _early_torchvision(argv: list[str]) -> bool:
@@ -404,6 +409,107 @@ def cpu_backend(args) -> dict:
     return row
 
 
+def stub(args) -> dict:
+    """The decode thread's CPU per image with the decode (``StandInDecoder(stub=True)``) and the
+    batch resize (``resize_batch``) stubbed: what the device path's own Python costs per image
+    in the training process, measured by ``time.thread_time`` in the decode thread around each
+    batch, less the time inside the two stubs."""
+    import threading
+
+    from shardkit.loader import device_feed
+
+    spent = {"batch": 0.0, "decode": 0.0, "resize": 0.0, "images": 0, "batches": 0}
+    lock = threading.Lock()
+
+    class Timed(dev.StandInDecoder):
+        def decode(self, buffers, boxes, stream=None):
+            c = time.thread_time()
+            out = super().decode(buffers, boxes, stream)
+            with lock:
+                spent["decode"] += time.thread_time() - c
+            return out
+
+    def resize(*a, **k):
+        c = time.thread_time()
+        with lock:
+            spent["resize"] += time.thread_time() - c
+
+    stage = device_feed.DeviceFeed._stage_encoded
+
+    def staged(self, msg):
+        c = time.thread_time()
+        try:
+            return stage(self, msg)
+        finally:
+            with lock:
+                spent["batch"] += time.thread_time() - c
+                spent["images"] += msg.count
+                spent["batches"] += 1
+
+    def factory(device=None, upsampling=None):
+        return Timed(device, stub=True)
+
+    n = args.workers or max(1, usable_cpus() - 1)
+    urls = _urls(args)
+    out: dict = {"num_workers": n}
+    # 16: the Python alone (the batch's tensors tiny); 224: with the host's copies into the
+    # batch (index_copy_ of the size groups), which on a GPU are kernels, not host time
+    for size in (16, 224):
+        for k in spent:
+            spent[k] = 0
+        device_feed.DeviceFeed._stage_encoded, real_resize = staged, device_feed.resize_batch
+        device_feed.resize_batch = resize
+        try:
+            ds = ShardDataset(urls, **{**GEO, "size": size})
+            ld = ShardLoader(
+                ds,
+                args.batch,
+                num_workers=n,
+                drop_last=True,
+                normalize=MEAN_STD,
+                channels_last=True,
+                decode_on="device",
+                _decoder_factory=factory,
+            )
+            try:
+                it = iter(ld)
+                for _ in range(args.warmup):
+                    next(it)
+                for k in spent:
+                    spent[k] = 0
+                row = _drain_more(it, args.steps, args.batch)
+            finally:
+                ld.close()
+        finally:
+            device_feed.DeviceFeed._stage_encoded, device_feed.resize_batch = stage, real_resize
+        images = spent["images"] or 1
+        rest = spent["batch"] - spent["decode"] - spent["resize"]
+        row.update(
+            {
+                "batches": spent["batches"],
+                "decode_thread_cpu_us_per_image": spent["batch"] / images * 1e6,
+                "in_decode_stub_us_per_image": spent["decode"] / images * 1e6,
+                "in_resize_stub_us_per_image": spent["resize"] / images * 1e6,
+                "device_path_python_us_per_image": rest / images * 1e6,
+            }
+        )
+        out[f"size_{size}"] = row
+        print(f"  stub size {size}: {row}", flush=True)
+    return out
+
+
+def _drain_more(it, steps: int, batch: int) -> dict:
+    """``steps`` more batches of ``it``: the calling thread's and the process's CPU per image."""
+    c, p = time.thread_time(), time.process_time()
+    for _ in range(steps):
+        next(it)
+    images = steps * batch
+    return {
+        "trainer_thread_cpu_us_per_image": (time.thread_time() - c) / images * 1e6,
+        "process_cpu_us_per_image": (time.process_time() - p) / images * 1e6,
+    }
+
+
 def epochs(args) -> dict:
     """Short epochs back to back against one long one, the same loader settings."""
     n = args.workers or max(1, usable_cpus() - 1)
@@ -508,6 +614,17 @@ def summary(r: dict) -> None:
     print("tests:", (r.get("tests") or {}).get("tail", ["-"])[-1:])
     _summary_decode(r)
     _summary_feed(r)
+    for size, st in (r.get("stub") or {}).items():
+        if not isinstance(st, dict) or "decode_thread_cpu_us_per_image" not in st:
+            continue
+        print(
+            f"stub {size}: decode thread "
+            f"{_num(st, 'decode_thread_cpu_us_per_image', '.1f')} us/img, "
+            f"device path's Python {_num(st, 'device_path_python_us_per_image', '.1f')} us/img "
+            f"(decode stub {_num(st, 'in_decode_stub_us_per_image', '.1f')}, resize stub "
+            f"{_num(st, 'in_resize_stub_us_per_image', '.1f')}), trainer thread "
+            f"{_num(st, 'trainer_thread_cpu_us_per_image', '.1f')} us/img"
+        )
     for name in SECTIONS:
         if isinstance(r.get(name), dict) and "error" in r[name]:
             print(f"{name} ERROR: {r[name]['error'][-400:]}")
@@ -517,6 +634,7 @@ def main() -> None:
     ap = harness.parser(__doc__, rounds=5, against=False)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--no-torchvision", action="store_true")
+    ap.add_argument("--stub", action="store_true", help="the stub section alone (no GPU needed)")
     ap.add_argument("--imagenet", type=Path, default=None, help="default: the data root")
     ap.add_argument("--per-class", type=int, default=100, help="synthetic ImageNet, 20 classes")
     ap.add_argument("--samples", type=int, default=100_000, help="samples per long epoch")
@@ -551,7 +669,7 @@ def main() -> None:
         result["versions"] = dev.versions_text()
     except Exception as exc:
         result["versions"] = repr(exc)
-    wanted = args.sections.split(",")
+    wanted = ["stub"] if args.stub else args.sections.split(",")
     if any(s != "tests" for s in wanted):
         t = time.perf_counter()
         tree = makers.imagenet(args.imagenet, classes=20, per_class=args.per_class)

@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import os
 import re
+import time
 from collections.abc import Sequence
 from importlib import metadata
 from typing import NamedTuple
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_MEAN_DIFFERENCE",
     "Crop",
     "DeviceDecoder",
+    "StandInDecoder",
     "aa_weights",
     "nvimgcodec",
     "device_decode_available",
@@ -359,6 +361,75 @@ class DeviceDecoder:
         out = torch.empty((len(crops), hmax, wmax, 3), dtype=torch.uint8, device=target)
         if self._copier is not None:
             self._copier.copy(crops, out)
+            return out
+        for i, c in enumerate(crops):
+            out[i, : c.h, : c.w].copy_(self.tensor(c))
+        return out
+
+
+class StandInDecoder:
+    """A stand-in for ``DeviceDecoder`` where there is no GPU (tests, ``bench_device --stub``):
+    the same calls the loader's decode threads make (``decode``, ``tensor``, ``padded``), each
+    image decoded whole by the CPU decoder and its box cut from it (the CPU path's pixels at
+    full scale, as nvImageCodec's region decode), then the thread sleeps ``seconds`` per image:
+    a sleep releases the GIL as nvImageCodec's calls do, so the decode threads, lanes, ordering,
+    fallbacks and ``"auto"``'s balance run as on a GPU with a known decode time.
+    ``stub=True`` decodes and copies nothing (each crop a view of one zero image, the padded
+    batch unwritten: wrong pixels), to measure the Python of the decode thread alone. Only
+    ever chosen explicitly (``ShardLoader(_decoder_factory=...)``); what fails to decode is
+    declined (None), as the real decoder declines it, and reaches the CPU fallback."""
+
+    cuda = False
+    upsampling = "fancy"  # libjpeg's, the CPU path's
+
+    def __init__(self, device=None, upsampling=None, *, seconds: float = 0.0, stub: bool = False):
+        self.device = device
+        self.seconds = float(seconds)
+        self.stub = stub
+        self.calls = 0  # decode calls: the tests count them
+        self.images = 0
+        self.declined = 0
+        self.backend = f"stand-in ({'stub' if stub else 'CPU decoder'}, {self.seconds:g} s/image)"
+        self._zeros = np.zeros((0, 0, 3), np.uint8)
+
+    def decode(self, buffers, boxes, stream=None) -> list[Crop | None]:
+        from .decode import decode_rgb
+
+        out: list[Crop | None] = []
+        for buf, box in zip(buffers, boxes, strict=True):
+            if self.stub:
+                h, w = (box.h, box.w) if box is not None else (1, 1)
+                if self._zeros.shape[0] < h or self._zeros.shape[1] < w:
+                    hh, ww = max(h, self._zeros.shape[0]), max(w, self._zeros.shape[1])
+                    self._zeros = np.zeros((hh, ww, 3), np.uint8)
+                out.append(Crop(self._zeros, 0, 0, h, w))
+                continue
+            try:
+                img = decode_rgb(bytes(buf), max_pixels=None)
+            except Exception:  # declined whole: the CPU fallback decides (and names it)
+                self.declined += 1
+                out.append(None)
+                continue
+            if box is None:
+                out.append(Crop(img, 0, 0, img.shape[0], img.shape[1]))
+            else:
+                out.append(Crop(img, box.top, box.left, box.h, box.w))
+        self.calls += 1
+        self.images += len(out)
+        if self.seconds > 0:
+            time.sleep(self.seconds * len(out))  # the GIL released, as nvImageCodec's decode
+        return out
+
+    def tensor(self, crop: Crop) -> torch.Tensor:
+        t = torch.from_numpy(crop.image)
+        return t[crop.top : crop.top + crop.h, crop.left : crop.left + crop.w]
+
+    def padded(self, crops: Sequence[Crop], target: torch.device) -> torch.Tensor:
+        """As ``DeviceDecoder.padded``; under ``stub``, the batch left unwritten (no copy)."""
+        hmax = max(c.h for c in crops)
+        wmax = max(c.w for c in crops)
+        out = torch.empty((len(crops), hmax, wmax, 3), dtype=torch.uint8, device=target)
+        if self.stub:
             return out
         for i, c in enumerate(crops):
             out[i, : c.h, : c.w].copy_(self.tensor(c))

@@ -147,6 +147,7 @@ class ShardLoader:
         decode_on: str = "workers",
         collate: Callable[[dict], Any] | None = None,
         stats: StatsOptions | bool = True,
+        _decoder_factory: Callable[..., Any] | None = None,
     ):
         _check_dataset(dataset)
         seam = dataset.seam()  # the dataset's options, read whole through its one door
@@ -193,6 +194,9 @@ class ShardLoader:
         self.collate = collate
         self._stats = LoaderStats(stats)  # who waits for whom, per epoch (``stats()``)
         self._decoder = None  # decode_on="device": one nvImageCodec decoder for the loader's life
+        # An internal seam for tests and benchmarks only (never a default): builds the device
+        # decoders instead of ``DeviceDecoder``, e.g. ``images.device.StandInDecoder``.
+        self._decoder_factory = _decoder_factory or DeviceDecoder
         self._balance = Balance()  # decode_on="auto": both sides' measured rates
         #: What the iterations cost the training process, and where device-side images were
         #: decoded (region, whole on the device, the CPU): ``feed_counts.as_dict()``.
@@ -408,7 +412,7 @@ class ShardLoader:
 
     def _device_decoder(self) -> DeviceDecoder:
         if self._decoder is None:
-            self._decoder = DeviceDecoder(self.device)
+            self._decoder = self._decoder_factory(self.device)
         return self._decoder
 
     def _device_decoders(self, count: int) -> list[DeviceDecoder]:
@@ -417,7 +421,7 @@ class ShardLoader:
         have = self.__dict__.setdefault("_more_decoders", [])
         while len(have) < count - 1:
             first = self._device_decoder()
-            have.append(DeviceDecoder(self.device, upsampling=first.upsampling))
+            have.append(self._decoder_factory(self.device, upsampling=first.upsampling))
         return [self._device_decoder(), *have[: count - 1]]
 
     def _check_descriptors(self, workers: int, slots: int) -> None:

@@ -80,6 +80,30 @@ def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
         assert len(doc["rounds"]["loads"]) == 1  # one round in smoke mode, its load recorded
 
 
+@pytest.mark.slow
+def test_bench_device_stub_measures_the_decode_threads_python_without_a_gpu(data_root, tmp_path):
+    """``bench_device.py --stub``: the device path with its decode and resize stubbed runs on
+    any machine and reports the decode thread's CPU per image for both output sizes."""
+    out = tmp_path / "result.json"
+    env = {**os.environ, "SHARDKIT_BENCH_DATA": str(data_root), "PYTHONWARNINGS": "ignore"}
+    argv = [sys.executable, str(BENCHMARKS / "bench_device.py"), "--smoke", "--stub"]
+    r = subprocess.run(
+        [*argv, "--workers", "1", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, f"--stub failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    stub = json.loads(out.read_text())["result"]["stub"]
+    for size in ("size_16", "size_224"):
+        row = stub[size]
+        assert row["batches"] >= 3, (size, row)  # every timed batch went through the stubs
+        assert 0 < row["in_decode_stub_us_per_image"] < row["decode_thread_cpu_us_per_image"]
+        assert row["device_path_python_us_per_image"] > 0
+
+
 def test_every_script_is_on_the_harness():
     """No script keeps a harness of its own: the load, the JSON and the rounds come from
     harness.py, and no private shardkit name is used."""
