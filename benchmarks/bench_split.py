@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """What a split or subset epoch costs per sample against a full epoch, in CPU seconds and reads.
 
-Makes N samples (``bench_scale.make``: one tiny JPEG's bytes under N keys, 5 MB shards, with
-their sample indexes) and runs, each in a fresh child process, two epochs (``decode="raw"``,
-seed 3) of: the whole dataset, ``split="val"`` and ``split="train"`` (``val_fraction=0.1``) and
-``subset=0.01``; the second epoch is reported (the first also loads the indexes). Figures are
-CPU seconds (user + system) per delivered sample, so load on the machine does not move them
-much, and ``os.pread`` calls per delivered sample (how both formats read local shards).
-``--against DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree of main),
-interleaved.
+Makes N samples (``data.scale_set``, bench_scale's set: one tiny JPEG's bytes under N keys, 5 MB
+shards, with their sample indexes) and runs, each in a fresh child process
+(``harness.in_child``), two epochs (``decode="raw"``, seed 3) of: the whole dataset,
+``split="val"`` and ``split="train"`` (``val_fraction=0.1``) and ``subset=0.01``; the second
+epoch is reported (the first also loads the indexes). Figures are CPU seconds (user + system)
+per delivered sample, so load on the machine does not move them much, and ``os.pread`` calls
+per delivered sample (how both formats read local shards). ``--against DIR``: the same runs on
+another checkout's ``shardkit`` (e.g. a worktree of main).
+
+Every (N, format, epoch, checkout) is one contender, interleaved round by round (each goes first
+in turn, each round's load recorded); reported per contender: the median over rounds of CPU per
+sample and reads per sample, the median of per-round ratios to the same checkout's full epoch
+(``x full``), and with ``--against`` the median of per-round ratios this / that.
 
     python benchmarks/bench_split.py --n 128000 640000 --out /tmp/scale
     python benchmarks/bench_split.py --n 640000 --format lmdb --what subset val
@@ -17,21 +22,15 @@ interleaved.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import data
+import harness
 
-CHILD = r"""
+_CHILD = r"""
 import json, os, resource, sys, warnings
-root, where, what = sys.argv[1], sys.argv[2], sys.argv[3]
-sys.path.insert(0, root)
 warnings.simplefilter("ignore")
+where, what = sys.argv[1], sys.argv[2]
 from shardkit import ShardDataset
 calls = [0]
 real = os.pread
@@ -51,44 +50,69 @@ for epoch in (1, 2):
     c0 = cpu()
     n = sum(1 for _ in ds)
     c1 = cpu()
+if n == 0:
+    sys.exit(f"{where}: {what} delivered no sample: more samples (--n)")
 print(json.dumps({"n": n, "us": 1e6 * (c1 - c0) / n, "reads": calls[0] / n}))
 """
 
-
-def run(root: str, where: str, what: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, root, where, what], capture_output=True, text=True, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+WHATS = ("full", "val", "train", "subset")
 
 
 def main() -> None:
-    from bench_scale import make
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--n", type=int, nargs="+", default=[128000])
-    ap.add_argument("--out", default="/tmp/scale")
-    ap.add_argument("--format", default="tar", choices=["tar", "lmdb"])
-    ap.add_argument("--what", nargs="+", default=["full", "val", "train", "subset"])
-    ap.add_argument("--against", help="another checkout whose shardkit to measure beside")
-    args = ap.parse_args()
-    roots = [("this", str(ROOT))] + ([("that", args.against)] if args.against else [])
-    for n in args.n:
-        where, _ = make(Path(args.out), n, args.format)
-        full = {}
-        for what in ["full"] + [w for w in args.what if w != "full"]:
-            for name, root in roots:
-                got = run(root, where, what)
-                if what == "full":
-                    full[name] = got["us"]
-                ratio = got["us"] / full[name] if full.get(name) else float("nan")
-                print(
-                    f"N={n:>9,} {args.format} {what:6s} {name}: {got['n']:>9,} samples, "
-                    f"{got['us']:6.2f} us CPU/sample ({ratio:4.2f}x full), "
-                    f"{got['reads']:6.2f} preads/sample",
-                    flush=True,
-                )
-        os.sync()
+    ap = harness.parser(__doc__, rounds=3)
+    ap.add_argument("--n", type=int, nargs="+", default=[128_000])
+    ap.add_argument(
+        "--out", "--work", type=Path, default=None, help="data (default: <data root>/scale)"
+    )
+    ap.add_argument("--format", nargs="+", default=["tar"], choices=["tar", "lmdb"])
+    ap.add_argument("--what", nargs="+", default=list(WHATS), choices=list(WHATS))
+    a = harness.parse(ap, smoke={"n": [2000], "format": ["tar", "lmdb"]})
+    work = a.out or data.root() / "scale"
+    whats = ["full"] + [w for w in a.what if w != "full"]  # every ratio divides by a full epoch
+    checkouts = {"this": harness.ROOT}
+    if a.against is not None:
+        checkouts["that"] = a.against.resolve()
+    sets = {(n, fmt): data.scale_set(n, work, fmt)[0] for n in a.n for fmt in a.format}
+    contenders = {
+        f"{n}/{fmt}/{what}/{side}": (
+            lambda r, c=checkout, w=where, what=what: harness.in_child(c, _CHILD, w, what)
+        )
+        for (n, fmt), where in sets.items()
+        for what in whats
+        for side, checkout in checkouts.items()
+    }
+    rounds = harness.interleave(contenders, a.rounds)
+    rows = []
+    for n, fmt in sets:
+        for what in whats:
+            for side in checkouts:
+                name, full = f"{n}/{fmt}/{what}/{side}", f"{n}/{fmt}/full/{side}"
+                row = {
+                    "n": n,
+                    "format": fmt,
+                    "what": what,
+                    "checkout": side,
+                    "samples": rounds.median(name, "n"),
+                    "us_per_sample": rounds.median(name, "us"),
+                    "reads_per_sample": rounds.median(name, "reads"),
+                    "x_full": rounds.ratio(name, full, "us"),
+                    "x_full_ratios": [round(x, 3) for x in rounds.ratios(name, full, "us")],
+                }
+                if side == "this" and "that" in checkouts:
+                    other = f"{n}/{fmt}/{what}/that"
+                    row["x_that"] = rounds.ratio(name, other, "us")
+                rows.append(row)
+    print(f"load average per round: {rounds.load_text()}")
+    for r in rows:
+        against = f", {r['x_that']:4.2f}x that" if "x_that" in r else ""
+        print(
+            f"N={r['n']:>9,} {r['format']:4s} {r['what']:6s} {r['checkout']}: "
+            f"{r['samples']:>9,.0f} samples, {r['us_per_sample']:6.2f} us CPU/sample "
+            f"({r['x_full']:4.2f}x full{against}), {r['reads_per_sample']:6.2f} preads/sample"
+        )
+    result = {"checkouts": {k: str(v) for k, v in checkouts.items()}, "rows": rows}
+    out = a.json or harness.ROOT / "bench-out" / "bench_split.json"
+    harness.write_result(out, "bench_split", a, result, rounds)
 
 
 if __name__ == "__main__":
