@@ -359,3 +359,16 @@ def as_previous_release(out) -> None:
         with open(index_path(shard), "wb") as f:
             f.write(encode_v1_index(e.bytes, e.sha256, keys, [*tally.index, tally.end]))
     without_index_sha256(out)
+
+
+def gradient_photo(i: int, w: int = 120, h: int = 90):
+    """Smooth gradients with some texture (seeded by ``i``): resize filters differ on it as on
+    photos, so a decoder or resize that is off shows in the pixels."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(i)
+    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], -1)
+    noisy = base + rng.normal(0, 12, base.shape)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))

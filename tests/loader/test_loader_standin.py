@@ -8,10 +8,9 @@ from __future__ import annotations
 import io
 import threading
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from conftest import gradient_photo
 
 from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.errors import SampleError
@@ -22,14 +21,7 @@ from shardkit.loader import epoch as epoch_mod
 pytestmark = [pytest.mark.filterwarnings("ignore:ShardDataset iterated epoch:RuntimeWarning")]
 
 N = 24
-
-
-def _photo(i: int, w: int = 120, h: int = 90) -> Image.Image:
-    y, x = np.mgrid[0:h, 0:w]
-    rng = np.random.default_rng(i)
-    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], -1)
-    noisy = base + rng.normal(0, 12, base.shape)
-    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+_photo = gradient_photo
 
 
 @pytest.fixture(scope="module")
