@@ -372,3 +372,15 @@ def gradient_photo(i: int, w: int = 120, h: int = 90):
     base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], -1)
     noisy = base + rng.normal(0, 12, base.shape)
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def import_target(node, here: str) -> str:
+    """The module a ``from ... import`` statement ``node`` names, its dots resolved against the
+    package ``here`` (the import-walking tests: the layers, the commands that load no torch)."""
+    base = here
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    target = node.module or ""
+    if node.level:
+        target = f"{base}.{target}" if target else base
+    return target

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import import_target
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "shardkit"
@@ -43,12 +44,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in known)
         elif isinstance(node, ast.ImportFrom):
-            base = here
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = node.module or ""
-            if node.level:
-                target = f"{base}.{target}" if target else base
+            target = import_target(node, here)
             if target in known:
                 found.add(target)
             for alias in node.names:  # `from . import x` where x is a submodule

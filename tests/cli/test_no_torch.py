@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import import_target
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardkit"
@@ -87,12 +88,7 @@ def _imports_now(body: list[ast.stmt], module: str, is_package: bool) -> set[str
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = here
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = node.module or ""
-            if node.level:
-                target = f"{base}.{target}" if target else base
+            target = import_target(node, here)
             found.add(target)
             found.update(f"{target}.{a.name}" for a in node.names)
         for child in ast.iter_child_nodes(node):
