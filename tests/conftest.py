@@ -6,6 +6,7 @@ from __future__ import annotations
 # The loopback servers (moto S3, HTTP with Range, the fault proxy) and their session fixtures
 # live in remote_servers.py, loaded as a plugin so the remote test files just ask for
 # ``s3``/``http``. Image trees, packed datasets and the CLI runner are built here once.
+import contextlib
 import gc
 import os
 import random
@@ -384,3 +385,45 @@ def import_target(node, here: str) -> str:
     if node.level:
         target = f"{base}.{target}" if target else base
     return target
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world_size: int):
+    """Join a real gloo group on loopback as ``rank`` (inside a spawned rank), and leave it however
+    the body ends. The 60 s timeout makes a rank with an extra collective fail, never hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., None], nprocs: int, *args, limit_s: float = 150.0) -> None:
+    """Run ``fn(rank, port, *args)`` in ``nprocs`` spawned processes on a free loopback port and
+    wait for all of them; a rank that fails fails the test, and no rank outlives it (one still
+    running after ``limit_s`` is killed and the test fails)."""
+    import torch.multiprocessing as mp
+    from remote_servers import free_port
+
+    ctx = mp.start_processes(
+        fn, args=(free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + limit_s
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{nprocs} ranks did not finish within {limit_s:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()

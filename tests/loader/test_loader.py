@@ -3,7 +3,6 @@ ShardDataset guarantee."""
 
 from __future__ import annotations
 
-import datetime
 import gc
 import io
 import json
@@ -16,9 +15,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import gloo_rank, run_ranks
 from PIL import Image
-from remote_servers import free_port
 
 from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError, ShardFormatError, TransformError
@@ -570,16 +568,7 @@ def test_cuda_batches_match_the_cpu_path(shards, channels_last):
 
 
 def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=3,
-        timeout=datetime.timedelta(seconds=60),  # a rank with an extra step fails, never hangs
-    )
-    try:
+    with gloo_rank(rank, port, 3) as dist:
         ds = ShardDataset(data_dir, decode="tensor", with_keys=True, equalize="drop")
         loader = ShardLoader(ds, 2, num_workers=2)
         steps, keys = 0, []
@@ -590,26 +579,11 @@ def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
             keys += k
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"steps": steps, "len": len(loader), "keys": keys}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # real ranks: spawned processes over gloo
 def test_three_real_ranks_step_together(shards, tmp_path):
-    ctx = mp.start_processes(
-        _rank,
-        args=(free_port(), shards, str(tmp_path)),
-        nprocs=3,
-        join=False,
-        start_method="spawn",
-    )
-    waited = 0
-    while not ctx.join(timeout=5):
-        waited += 5
-        if waited >= 150:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("ranks did not finish within 150 s")
+    run_ranks(_rank, 3, shards, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert {r["steps"] for r in results} == {r["len"] for r in results} == {4}  # 7 each, by 2
     keys = [k for r in results for k in r["keys"]]

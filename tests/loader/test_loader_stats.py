@@ -3,15 +3,14 @@ clock around ``next()``; the warning; every rank over gloo; the replayed ideal."
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 import warnings
 
 import numpy as np
 import pytest
+from conftest import gloo_rank, run_ranks
 from PIL import Image
-from remote_servers import free_port
 
 from shardkit import ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError
@@ -200,16 +199,7 @@ def test_replay_times_the_step_on_delivered_batches(shards):
 
 
 def _rank(rank: int, port: int, shards: str, out: str):
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_rank(rank, port, 2):
         slow = _Slow(0.03) if rank == 1 else None  # rank 1's loader holds the others up
         ds = ShardDataset(shards, decode="tensor", transform=slow)
         loader = ShardLoader(ds, batch_size=2, num_workers=1, stats=False)
@@ -219,17 +209,11 @@ def _rank(rank: int, port: int, shards: str, out: str):
         loader.close()
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump(s, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_stats_of_every_rank_over_gloo(shards, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _rank, args=(free_port(), shards, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    run_ranks(_rank, 2, shards, str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for s in got:
         assert s["slowest_rank"] == 1

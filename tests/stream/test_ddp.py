@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import gloo_rank, run_ranks
 from PIL import Image
-from remote_servers import free_port
 
 from shardkit.write.packer import pack
 
@@ -21,21 +19,13 @@ WORLD = 2
 
 
 def _train(rank: int, port: int, data_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
     from shardkit.stream.dataset import ShardDataset
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),  # a rank with extra steps fails, never hangs
-    )
-    try:
+    with gloo_rank(rank, port, WORLD):
         torch.manual_seed(0)
         ds = ShardDataset(data_dir, decode="tensor", with_keys=True, seed=11)
         assert (ds.rank, ds.world_size) == (rank, WORLD)  # discovered from torch.distributed
@@ -55,8 +45,6 @@ def _train(rank: int, port: int, data_dir: str, out_dir: str) -> None:
         weights = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"steps": steps, "len": len(ds), "keys": keys, "weights": weights}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +59,7 @@ def shards(tmp_path_factory):
 
 
 def test_two_rank_ddp_epoch(shards, tmp_path):
-    ctx = mp.start_processes(
-        _train,
-        args=(free_port(), shards, str(tmp_path)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join():  # True once all ranks exited cleanly; pytest-timeout bounds it
-            pass
-    finally:
-        for p in ctx.processes:  # a timed-out or failed test leaves no rank behind
-            if p.is_alive():
-                p.kill()
+    run_ranks(_train, WORLD, shards, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert results[0]["steps"] == results[1]["steps"] > 0
     assert results[0]["len"] == results[1]["len"] == N // WORLD

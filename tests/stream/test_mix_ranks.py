@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections import Counter
 
 import pytest
-from remote_servers import free_port
+from conftest import gloo_rank, run_ranks
 from torch.utils.data import DataLoader
 
 from shardkit import ShardDataset, ShardLoader, Source
@@ -116,16 +115,8 @@ def _gloo_rank(rank: int, port: int, two, out_dir: str, stop: int):
     """Take ``stop`` steps and checkpoint; then, as a restarted job would, build a new dataset
     and loader, load rank 0's state and finish the epoch."""
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_rank(rank, port, 2) as dist:
         out = {}
         for phase in ("before", "after"):
             ds = _ds(two, decode="raw", batch_size=B)  # rank, world: torch.distributed
@@ -147,27 +138,10 @@ def _gloo_rank(rank: int, port: int, two, out_dir: str, stop: int):
             dist.barrier()  # rank 0's state is on disk before anyone loads it
         with open(os.path.join(out_dir, f"keys{rank}.json"), "w") as f:
             json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_mixture_checkpoint_and_resume(two, tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        _gloo_rank,
-        args=(free_port(), two, str(tmp_path), 7),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join():
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_gloo_rank, 2, two, str(tmp_path), 7)
     states = [json.loads((tmp_path / f"state{r}.json").read_text()) for r in range(2)]
     assert {**states[0], "rank": 1} == states[1]  # one rank's state stands for the world
     got = [json.loads((tmp_path / f"keys{r}.json").read_text()) for r in range(2)]

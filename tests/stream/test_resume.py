@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import gloo_rank, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -579,18 +580,7 @@ def test_state_dict_in_the_main_process_after_workers_names_the_way_out(data):
 def _gloo_rank(rank: int, port: int, data_dir: str, out_dir: str, stop: int):
     """Take ``stop`` steps and checkpoint; then, as a restarted job would, build a new dataset
     and loader, load rank 0's state and finish the epoch."""
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_rank(rank, port, 2) as dist:
         out = {}
         for phase in ("before", "after"):
             ds = _ds(data_dir, buffer_size=40, batch_size=B)  # rank, world: torch.distributed
@@ -613,8 +603,6 @@ def _gloo_rank(rank: int, port: int, data_dir: str, out_dir: str, stop: int):
             dist.barrier()  # rank 0's state is on disk before anyone loads it
         with open(os.path.join(out_dir, f"keys{rank}.json"), "w") as f:
             json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -622,27 +610,7 @@ def test_two_gloo_ranks_checkpoint_and_resume(data, tmp_path):
     """Two real ranks stop after 7 steps; their states agree (one stands for the world); then
     each loads rank 0's into a new dataset and finishes: each rank's keys are its uninterrupted
     epoch's, and the ranks took equal steps."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        _gloo_rank,
-        args=(port, str(data), str(tmp_path), 7),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join():
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_gloo_rank, 2, str(data), str(tmp_path), 7)
     states = [json.loads((tmp_path / f"state{r}.json").read_text()) for r in range(2)]
     assert states[0]["rank"] == 0 and states[1]["rank"] == 1
     assert {**states[0], "rank": 1} == states[1]
