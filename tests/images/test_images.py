@@ -158,6 +158,14 @@ def test_decode_into_a_caller_buffer():
         decode_rgb(data, out=np.zeros((48, 65, 3), np.uint8))
 
 
+def test_a_batch_decode_without_the_native_extension_leaves_every_image_to_decode_rgb(monkeypatch):
+    monkeypatch.setattr(image_mod, "_native", None)
+    out = np.zeros((1, 30, 40, 3), np.uint8)
+    assert decode_jpeg_batch([_encode(_photo(40, 30))], out, 0, False) == 0
+    assert not out.any()
+
+
+@needs_roi
 @pytest.mark.parametrize("planar", [False, True])
 @pytest.mark.parametrize("fast", [False, True])
 def test_a_batch_decode_gives_decode_rgbs_pixels_and_leaves_the_rest_to_it(planar, fast):
