@@ -10,12 +10,14 @@ import json
 import operator
 import os
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import repeat
 from typing import Any
 
 from .errors import ManifestError
 from .fsutil import atomic_write_bytes, interrupted_commit, interrupted_message, open_regular
+from .records import ShardTable
 from .urls import is_url, join_url, url_name, url_parent, url_path
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "Manifest",
     "INDEX_EVERY",
     "ShardEntry",
+    "ShardEntries",
     "SkippedFile",
     "manifest_location",
     "portable_text",
@@ -194,24 +197,82 @@ class ShardEntry:
         return cls(path, samples, size, sha, index, "")
 
 
+class ShardEntries(ShardTable):
+    """manifest.json's ``shards`` as columns (``ShardTable``), each item a ``ShardEntry``.
+
+    What ``read_manifest`` gives as ``Manifest.shards``: a 40,000-shard manifest is parsed into
+    a few columns, not 40,000 objects, because every process that opens the dataset parses it;
+    ``entries[i]`` makes shard ``i``'s ``ShardEntry`` when asked. ``names`` are the entries'
+    ``path``. Writers may still give ``Manifest`` a plain list of ``ShardEntry``; an item may be
+    replaced (``entries[i] = entry``), which copies the columns it changes.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, shards: Iterable[ShardEntry]) -> ShardEntries:  # type: ignore[override]
+        """``shards`` (``ShardEntry`` items, or a table of them) as a table."""
+        if type(shards) is cls:
+            return shards  # type: ignore[return-value]
+        rows = list(shards)
+        return cls(
+            [e.path for e in rows],
+            [e.samples for e in rows],
+            [e.bytes for e in rows],
+            [e.sha256 for e in rows],
+            [e.index_sha256 for e in rows],
+            {i: e.index for i, e in enumerate(rows) if e.index},
+        )
+
+    def _row(self, i: int) -> ShardEntry:  # type: ignore[override]
+        return ShardEntry(
+            self.names[i],
+            int(self.samples[i]),
+            int(self.bytes[i]),
+            self.sha256[i],
+            self.index.get(i, ()),
+            self.index_sha256[i],
+        )
+
+    def __setitem__(self, i: int, entry: ShardEntry) -> None:
+        i = range(len(self))[i]
+        samples, size = self.samples.copy(), self.bytes.copy()
+        samples[i], size[i] = entry.samples, entry.bytes
+        samples.flags.writeable = size.flags.writeable = False
+        self.samples, self.bytes = samples, size
+        self.names = [*self.names[:i], entry.path, *self.names[i + 1 :]]
+        self.sha256 = [*self.sha256[:i], entry.sha256, *self.sha256[i + 1 :]]
+        isha = self.index_sha256
+        self.index_sha256 = [*isha[:i], entry.index_sha256, *isha[i + 1 :]]
+        self.index = {k: v for k, v in self.index.items() if k != i}
+        if entry.index:
+            self.index[i] = tuple(entry.index)
+
+
+def shard_entries(shards: Sequence[ShardEntry]) -> ShardEntries:
+    """A manifest's shards as columns, whether it was parsed (a table) or built (a list)."""
+    return ShardEntries.of(shards)
+
+
 _SHA = re.compile("[0-9a-f]{64}")
 _HEX_RUN = re.compile("[0-9a-f]*")
 _COLUMNS = operator.itemgetter("path", "samples", "bytes", "sha256")
 
 
-def _entries(items: list) -> list[ShardEntry]:
+def _entries(items: list) -> ShardEntries:
     plain = _plain_entries(items)
-    return [ShardEntry.from_dict(s) for s in items] if plain is None else plain
+    return ShardEntries.of(map(ShardEntry.from_dict, items)) if plain is None else plain
 
 
-def _plain_entries(items: list) -> list[ShardEntry] | None:
+def _plain_entries(items: list) -> ShardEntries | None:
     """``items`` checked column by column, in C loops, not a dozen calls a shard: the shape
     every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` or
     not), which a 40,000-shard dataset opens in every process. None where any item is not of
     that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
-    problem (the same checks, so the same manifests pass)."""
+    problem (the same checks, so the same manifests pass). The columns become the table as they
+    are: no object a shard."""
     if not items:
-        return []
+        return ShardEntries([], (), ())
     if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5}:
         return None
     try:
@@ -230,7 +291,7 @@ def _plain_entries(items: list) -> list[ShardEntry] | None:
         return None
     if not _plain_text(paths, shas, listed):
         return None
-    return list(map(ShardEntry, paths, counts, sizes, shas, [()] * len(paths), index_shas))
+    return ShardEntries(paths, counts, sizes, shas, index_shas)
 
 
 def _plain_text(paths: list, shas: list, listed: list) -> bool:
@@ -267,7 +328,9 @@ class SkippedFile:
 class Manifest:
     shard_format: str
     classes: list[str]
-    shards: list[ShardEntry]
+    #: The shards in order: a ``ShardEntries`` table when read, any list of ``ShardEntry``
+    #: when built by a writer.
+    shards: Sequence[ShardEntry]
     skipped: list[SkippedFile] = field(default_factory=list)
     pack: dict[str, Any] = field(default_factory=dict)
     #: Extra fields stored beside the images: name -> samples carrying it (``{}``: none; then
@@ -278,10 +341,14 @@ class Manifest:
 
     @property
     def num_samples(self) -> int:
+        if isinstance(self.shards, ShardTable):
+            return sum(self.shards.samples.tolist())  # exact: no int64 wrap
         return sum(s.samples for s in self.shards)
 
     @property
     def total_bytes(self) -> int:
+        if isinstance(self.shards, ShardTable):
+            return sum(self.shards.bytes.tolist())
         return sum(s.bytes for s in self.shards)
 
     def to_json(self) -> str:
@@ -352,10 +419,10 @@ class Manifest:
                 f"{source}: num_samples {doc['num_samples']} disagrees with the shard counts "
                 f"({manifest.num_samples}); the manifest was edited or damaged, re-pack"
             )
-        names = [s.path for s in shards]
+        names = shards.names
         if len(set(names)) != len(names):
             raise ManifestError(f"{source}: lists a shard twice; the manifest is damaged, re-pack")
-        for s in shards:
+        for s in map(shards.__getitem__, shards.index):  # an older pack's offsets, if any
             if s.index and (
                 len(s.index) != (s.samples + INDEX_EVERY - 1) // INDEX_EVERY
                 or any(b <= a for a, b in zip(s.index, s.index[1:], strict=False))
