@@ -14,7 +14,7 @@ Contenders, interleaved round by round (each goes first in turn, each round's lo
   offsets as JSON ints (``index_every``/``index``): how packs were written before the offsets
   were read from each shard's ``.idx``; this checkout still reads it;
 - with ``--against DIR`` (another checkout, e.g. ``git worktree add /tmp/old 16caec4``): that
-  checkout opening ``json-offsets``, its own format.
+  checkout opening ``current`` (where it reads that pack) and ``json-offsets``, its own format.
 
 Reported per contender: the median CPU seconds and MB over rounds, and the median of per-round
 ratios contender / ``current`` (above 1: ``current`` opens cheaper).
@@ -84,6 +84,7 @@ def main() -> None:
     packed, legacy = data.many_shards(a.shards, a.samples, a.work)
     cases = {"current": (packed, harness.ROOT), "json-offsets": (legacy, harness.ROOT)}
     if a.against is not None:
+        cases["against: current"] = (packed, a.against.resolve())
         cases["against: json-offsets"] = (legacy, a.against.resolve())
     sizes = {name: os.path.getsize(where / "manifest.json") for name, (where, _) in cases.items()}
     for name, size in sizes.items():

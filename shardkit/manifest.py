@@ -255,8 +255,8 @@ def shard_entries(shards: Sequence[ShardEntry]) -> ShardEntries:
 
 
 _SHA = re.compile("[0-9a-f]{64}")
-_HEX_RUN = re.compile("[0-9a-f]*")
-_COLUMNS = operator.itemgetter("path", "samples", "bytes", "sha256")
+_HEX = b"0123456789abcdef"
+_COLUMNS = tuple(map(operator.itemgetter, ("path", "samples", "bytes", "sha256")))
 
 
 def _entries(items: list) -> ShardEntries:
@@ -276,7 +276,7 @@ def _plain_entries(items: list) -> ShardEntries | None:
     if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5}:
         return None
     try:
-        paths, counts, sizes, shas = map(list, zip(*map(_COLUMNS, items), strict=True))
+        paths, counts, sizes, shas = (list(map(column, items)) for column in _COLUMNS)
     except KeyError:
         return None
     index_shas = list(map(dict.get, items, repeat("index_sha256"), repeat("")))
@@ -303,7 +303,12 @@ def _plain_text(paths: list, shas: list, listed: list) -> bool:
         return False
     if set(map(len, shas)) | set(map(len, listed)) != {64}:
         return False
-    return bool(_HEX_RUN.fullmatch("".join(shas)) and _HEX_RUN.fullmatch("".join(listed)))
+    return _hex_digits(shas) and _hex_digits(listed)
+
+
+def _hex_digits(texts: list[str]) -> bool:
+    """Whether ``texts`` hold nothing but lowercase hex digits (one C pass, no regex)."""
+    return not "".join(texts).encode().translate(None, _HEX)
 
 
 def _sha(value: Any, what: str) -> str:
@@ -376,7 +381,7 @@ class Manifest:
         if len(text) > MAX_MANIFEST_BYTES:
             raise _too_large(source, f"{len(text)} bytes")
         try:
-            doc = json.loads(text)
+            doc = json.loads(_decoded(text, source))
         except (ValueError, RecursionError) as exc:
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise ManifestError(
@@ -433,6 +438,16 @@ class Manifest:
                     f"{s.samples} samples and {s.bytes} bytes; re-pack"
                 )
         return manifest
+
+
+def _decoded(text: str | bytes, source: str) -> str:
+    """The manifest's text, as ``json.loads`` would decode its bytes (UTF-8, -16 or -32)."""
+    if isinstance(text, str):
+        return text
+    try:
+        return text.decode(json.detect_encoding(text), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{source}: not valid JSON ({exc}); re-pack or restore it") from None
 
 
 def _fields(doc: dict) -> dict[str, int]:
@@ -497,6 +512,8 @@ def read_manifest(
     try:
         with open_regular(path) as f:  # a FIFO named manifest.json: refused, not waited on
             text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
+        if len(text) <= MAX_MANIFEST_BYTES:  # decoded here, so the bytes are gone before the
+            text = _decoded(text, path)  # parse: a third less peak memory at 40,000 shards
     except FileNotFoundError:
         if interrupted_commit(os.path.dirname(path)):
             raise ManifestError(interrupted_message(os.path.dirname(path))) from None
