@@ -267,13 +267,15 @@ def _entries(items: list) -> ShardEntries:
 def _plain_entries(items: list) -> ShardEntries | None:
     """``items`` checked column by column, in C loops, not a dozen calls a shard: the shape
     every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` or
-    not), which a 40,000-shard dataset opens in every process. None where any item is not of
-    that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
+    not; or both ``index_sha256`` and the offsets, ``index_every``/``index``, that the manifest
+    then ignores), which a 40,000-shard dataset opens in every process. None where any item is
+    not of that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
     problem (the same checks, so the same manifests pass). The columns become the table as they
     are: no object a shard."""
     if not items:
         return ShardEntries([], (), ())
-    if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5}:
+    lengths = list(map(len, items))
+    if set(map(type, items)) != {dict} or not set(lengths) <= {4, 5, 7}:
         return None
     try:
         paths, counts, sizes, shas = (list(map(column, items)) for column in _COLUMNS)
@@ -281,8 +283,12 @@ def _plain_entries(items: list) -> ShardEntries | None:
         return None
     index_shas = list(map(dict.get, items, repeat("index_sha256"), repeat("")))
     listed = [x for x in index_shas if x != ""]
-    if len(listed) != len(items) - list(map(len, items)).count(4):  # a fifth key, not it
+    if len(listed) != len(items) - lengths.count(4):  # a fifth key, not it
         return None
+    if 7 in lengths and sum(
+        1 for s in items if "index" in s and "index_every" in s
+    ) != lengths.count(7):  # an older pack's offsets beside its index_sha256: not used, as in
+        return None  # ShardEntry.from_dict; any other two keys: checked item by item
     if set(map(type, paths)) | set(map(type, shas)) | set(map(type, listed)) != {str}:
         return None
     if set(map(type, counts)) | set(map(type, sizes)) != {int}:

@@ -4,6 +4,7 @@ table answers as the tuple of ``ShardInfo`` it replaced."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -139,3 +140,16 @@ def test_a_read_manifest_writes_back_byte_for_byte_and_its_entries_can_be_replac
     assert again == m and again.shards == list(m.shards)
     assert again.total_bytes == read_manifest(many).total_bytes + 1
     assert np.array_equal(again.shards.samples, m.shards.samples)
+
+
+def test_offsets_listed_beside_index_sha256_are_read_as_columns_and_not_used(many, tmp_path, made):
+    """A manifest from between the two formats lists each shard's JSON offsets and its index's
+    sha256: the offsets are ignored (the index has them) and the entries stay columns."""
+    doc = json.loads(open(os.path.join(many, "manifest.json"), encoding="utf-8").read())
+    for s in doc["shards"]:
+        s.update(index_every=64, index=[0])
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    m = read_manifest(str(tmp_path))
+    assert made["ShardEntry"] == 0 and not m.shards.index
+    assert list(m.shards) == [ShardEntry.from_dict(s) for s in doc["shards"]]
+    assert list(m.shards) == list(read_manifest(many).shards)
