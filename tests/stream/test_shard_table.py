@@ -16,6 +16,7 @@ from shardkit import ShardDataset, ShardView, ShardWriter
 from shardkit.manifest import ShardEntries, ShardEntry, read_manifest, write_manifest
 from shardkit.records import ShardInfo, ShardTable
 from shardkit.stream.partition import sample_counts
+from shardkit.stream.resume import dataset_facts
 from shardkit.stream.sources import resolve_source
 from shardkit.urls import join_parts, join_url
 
@@ -153,3 +154,17 @@ def test_offsets_listed_beside_index_sha256_are_read_as_columns_and_not_used(man
     assert made["ShardEntry"] == 0 and not m.shards.index
     assert list(m.shards) == [ShardEntry.from_dict(s) for s in doc["shards"]]
     assert list(m.shards) == list(read_manifest(many).shards)
+
+
+@pytest.mark.parametrize(
+    "head, tail", [(None, ""), ("", ""), ("s3://b/p/", ""), ("h://x/", "?t=a/b")]
+)
+def test_the_resume_fingerprint_of_a_table_is_the_one_its_urls_give(many, head, tail):
+    """A checkpoint saved before the shard list became a table still loads: the fingerprint
+    over the shards' file names is the same, whichever way the table holds its URLs."""
+    table = resolve_source(many).shards
+    if head is not None:
+        table = ShardTable(table.names, table.samples, table.bytes, head=head, tail=tail)
+    kw = dict(seed=3, shuffle=True, buffer_size=10, equalize="pad")
+    by_urls = dataset_facts(list(table.urls), table.samples.tolist(), "tar", **kw)
+    assert dataset_facts(table, table.samples, "tar", **kw) == by_urls
