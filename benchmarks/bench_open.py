@@ -44,7 +44,7 @@ JSON offsets' alone.
 
 What was left was O(shards) objects: one ``ShardEntry`` and one ``ShardInfo`` per shard, one
 ``stat`` per local shard, the URLs split again for the resume fingerprint. The shard list is now
-a ``ShardTable`` of columns (docs/benchmarks.md, "Scale": 0.48 -> 0.23 s CPU, 54 -> 41 MB at
+a ``ShardTable`` of columns (docs/benchmarks.md, "Scale": 0.55 -> 0.24 s CPU, 53 -> 41 MB at
 40,000 x 10,000, and the same at 40,000 x 128); what is left is the JSON parse and the columns'
 checks, in C loops.
 """
