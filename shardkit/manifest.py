@@ -274,8 +274,10 @@ def _plain_entries(items: list) -> ShardEntries | None:
     are: no object a shard."""
     if not items:
         return ShardEntries([], (), ())
+    if set(map(type, items)) != {dict}:
+        return None
     lengths = list(map(len, items))
-    if set(map(type, items)) != {dict} or not set(lengths) <= {4, 5, 7}:
+    if not set(lengths) <= {4, 5, 7}:
         return None
     try:
         paths, counts, sizes, shas = (list(map(column, items)) for column in _COLUMNS)
