@@ -134,7 +134,7 @@ class MixedSource:
     (``members``: positions in its shards laid end to end, ascending) and its label table."""
 
     source: Source
-    shards: tuple[ShardInfo, ...]
+    shards: Sequence[ShardInfo]  # a ShardTable: shards[i] made when read
     format: str
     storage: Storage
     classes: tuple[str, ...] | None
