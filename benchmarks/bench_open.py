@@ -14,7 +14,7 @@ Contenders, interleaved round by round (each goes first in turn, each round's lo
   offsets as JSON ints (``index_every``/``index``): how packs were written before the offsets
   were read from each shard's ``.idx``; this checkout still reads it;
 - with ``--against DIR`` (another checkout, e.g. ``git worktree add /tmp/old 16caec4``): that
-  checkout opening ``json-offsets``, its own format.
+  checkout opening ``current`` (where it reads that pack) and ``json-offsets``, its own format.
 
 Reported per contender: the median CPU seconds and MB over rounds, and the median of per-round
 ratios contender / ``current`` (above 1: ``current`` opens cheaper).
@@ -42,8 +42,11 @@ memory both. Those two trees pay more than the table's "before" column: they als
 manifest check column by column that came with the offsets change, so their ratio is not the
 JSON offsets' alone.
 
-What is left is O(shards): the JSON parse, one ``ShardEntry`` and one ``ShardInfo`` per shard,
-one ``stat`` per local shard (about 0.1 s each at 40,000 on this machine).
+What was left was O(shards) objects: one ``ShardEntry`` and one ``ShardInfo`` per shard, one
+``stat`` per local shard, the URLs split again for the resume fingerprint. The shard list is now
+a ``ShardTable`` of columns (docs/benchmarks.md, "Scale": 0.55 -> 0.24 s CPU, 53 -> 41 MB at
+40,000 x 10,000, and the same at 40,000 x 128); what is left is the JSON parse and the columns'
+checks, in C loops.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main() -> None:
     packed, legacy = data.many_shards(a.shards, a.samples, a.work)
     cases = {"current": (packed, harness.ROOT), "json-offsets": (legacy, harness.ROOT)}
     if a.against is not None:
+        cases["against: current"] = (packed, a.against.resolve())
         cases["against: json-offsets"] = (legacy, a.against.resolve())
     sizes = {name: os.path.getsize(where / "manifest.json") for name, (where, _) in cases.items()}
     for name, size in sizes.items():

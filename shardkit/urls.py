@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import posixpath
 
-__all__ = ["is_remote", "is_url", "join_url", "url_name", "url_parent", "url_path"]
+__all__ = [
+    "is_remote",
+    "is_url",
+    "join_url",
+    "join_parts",
+    "url_name",
+    "url_parent",
+    "url_path",
+]
 
 
 def is_url(source: str) -> bool:
@@ -38,6 +46,15 @@ def join_url(base: str, name: str) -> str:
     path, q, query = base.partition("?")
     path = path.rstrip("/")
     return (posixpath.join(path, name) if path else name) + q + query
+
+
+def join_parts(base: str) -> tuple[str, str]:
+    """``(head, tail)`` with ``head + name + tail == join_url(base, name)`` for every plain
+    ``name`` (no ``/``): a shard list of many names under one prefix keeps the names and these
+    two strings, and makes a URL only when one is asked for."""
+    path, q, query = base.partition("?")
+    path = path.rstrip("/")
+    return (path + "/" if path else ""), q + query
 
 
 def url_parent(url: str) -> str:

@@ -2,7 +2,8 @@
 
 ``ShardDataset.__iter__`` (``dataset``) runs, in each DataLoader worker::
 
-    sources:   "out/*.tar", a manifest or URLs -> the shard list (ShardInfo: url, samples, bytes)
+    sources:   "out/*.tar", a manifest or URLs -> the shard list (a ShardTable of columns;
+               table[i] is shard i's ShardInfo: url, samples, bytes)
     indexes:   the shards' sample indexes (keys, byte ranges, split hashes), checked before use
     world:     this process's rank and worker
     shuffle:   shard_order(seed, epoch) -> the epoch's shard order, the same on every rank

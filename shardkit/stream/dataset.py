@@ -20,7 +20,6 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 from __future__ import annotations
 
 import copy as _copy
-import dataclasses
 import os
 import secrets
 import warnings
@@ -35,7 +34,7 @@ from ..errors import InputError, ShardkitError, StorageError, check_choice
 from ..formats import FORMATS
 from ..images.geometry import Decode, Geometry, TensorDecoder, sample_seed
 from ..paths import check_source
-from ..records import UNKNOWN, Record, ShardInfo, ShardSlice
+from ..records import UNKNOWN, Record, ShardInfo, ShardSlice, ShardTable
 from .fields import Boxes, decode_field_image, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
 from .indexes import all_keys, split_mask, val_mask, warn_unindexed
@@ -310,11 +309,10 @@ class ShardDataset(IterableDataset):
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self._manifest_identity = file_identity(self.manifest_path)
-        self.storage: Storage = _storage(list(resolved.urls), storage, copy=False)
+        self.storage: Storage = _storage(_kind(resolved.shards), storage, copy=False)
         # Counted once here, in the main process, so workers never open a shard just to plan.
-        self.shards: tuple[ShardInfo, ...] = _counted(
-            resolved.shards, resolved.format, self.storage
-        )
+        #: the shard list as columns (``ShardTable``): ``shards[i]`` is shard i's ``ShardInfo``
+        self.shards: ShardTable = _counted(resolved.shards, resolved.format, self.storage)
         self.counts: np.ndarray = sample_counts(self.shards)
         self.num_samples = int(self.counts.sum())
         self._finish_init(_describe(source))
@@ -329,9 +327,9 @@ class ShardDataset(IterableDataset):
             opts = src.storage_options if src.storage_options is not None else _options_of(storage)
             check_source(src.path, opts)
             r = resolve_source(src.path, storage_options=opts)
-            store = _storage(list(r.urls), storage, copy=True, options=src.storage_options)
+            store = _storage(_kind(r.shards), storage, copy=True, options=src.storage_options)
             shards = _counted(r.shards, r.format, store)
-            size = int(sum(s.samples for s in shards))
+            size = int(shards.samples.sum())
             by_keys = src.subset is not None and _is_keys(src.subset)
             if src.split is not None or src.subset is not None:
                 warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
@@ -372,7 +370,7 @@ class ShardDataset(IterableDataset):
         shares = apportion(total, weights)
         self.classes = _mixed_classes(resolved, self.labels)
         self.sources, self.shares = tuple(resolved), tuple(shares)
-        self.shards = tuple(s for m in resolved for s in m.shards)
+        self.shards = ShardTable.concat(m.shards for m in resolved)
         formats = {m.format for m in resolved}
         self.shard_format = formats.pop() if len(formats) == 1 else "mixed"
         self.storage = resolved[0].storage
@@ -395,8 +393,8 @@ class ShardDataset(IterableDataset):
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
         self._facts = dataset_facts(
-            self.urls,
-            self.counts.tolist(),
+            self.shards,
+            self.counts,
             self.shard_format,
             seed=self.seed,
             shuffle=self.shuffle,
@@ -480,7 +478,7 @@ class ShardDataset(IterableDataset):
     @property
     def urls(self) -> tuple[str, ...]:
         """The shard URLs (or paths), in the dataset's shard order."""
-        return tuple(s.url for s in self.shards)
+        return tuple(self.shards.urls)
 
     def __len__(self) -> int:
         return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
@@ -910,22 +908,30 @@ def _describe(source) -> str:
     return f"the list of {len(source)} shards"
 
 
-def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> tuple[ShardInfo, ...]:
-    """The shards with every count known: shards no manifest covers are counted by reading."""
-    if all(s.samples != UNKNOWN for s in shards):
-        return tuple(shards)
+def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> ShardTable:
+    """The shards as a table with every count known: shards no manifest covers are counted by
+    reading (only those are made into a ``ShardInfo``)."""
+    table = ShardTable.of(shards)
+    unknown = np.flatnonzero(table.samples == UNKNOWN).tolist()
+    if not unknown:
+        return table
     fmt = FORMATS[format]
-    out = list(shards)
+    counts = table.samples.copy()
     try:
-        for i, shard in enumerate(shards):
-            if shard.samples != UNKNOWN:
-                continue
+        for i in unknown:
+            shard = table[i]
             try:
-                out[i] = dataclasses.replace(shard, samples=fmt.count(storage, shard))
+                counts[i] = fmt.count(storage, shard)
             except ShardkitError:
                 raise
             except OSError as exc:
                 raise StorageError(f"{shard.url}: cannot count samples ({exc})") from exc
     finally:
         storage.close()
-    return tuple(out)
+    return table.with_samples(counts)
+
+
+def _kind(shards: ShardTable) -> list[str]:
+    """One shard URL for ``_storage`` to choose local or remote storage by: a shard list is all
+    URLs or all paths (``resolve_source`` refuses a mix), so one stands for every one."""
+    return [shards.url(0)] if len(shards) else []

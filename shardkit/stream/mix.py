@@ -41,7 +41,7 @@ from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
 from ..records import Record, ShardInfo, ShardSlice
-from .partition import EpochLayout, MixLayout, MixPlan
+from .partition import EpochLayout, MixLayout, MixPlan, sample_counts
 from .resume import arrange
 from .shuffle import rng_for
 from .stages import check_labels, manifest_unchanged, read_slices
@@ -134,7 +134,7 @@ class MixedSource:
     (``members``: positions in its shards laid end to end, ascending) and its label table."""
 
     source: Source
-    shards: tuple[ShardInfo, ...]
+    shards: Sequence[ShardInfo]  # a ShardTable: shards[i] made when read
     format: str
     storage: Storage
     classes: tuple[str, ...] | None
@@ -155,11 +155,11 @@ class MixedSource:
 
     @property
     def size(self) -> int:
-        return int(sum(s.samples for s in self.shards))
+        return int(sample_counts(self.shards).sum())
 
     def layout(self) -> EpochLayout:
         """The source's shards in stored order: what turns positions into slices."""
-        counts = np.fromiter((s.samples for s in self.shards), np.int64, len(self.shards))
+        counts = sample_counts(self.shards)
         return EpochLayout(counts, 0, 0, False, 0, "none")
 
 
@@ -286,7 +286,7 @@ def check_split(
     whose sha256 is the manifest's ``index_sha256`` is the packer's: its shards pass as read.)"""
     from .ranges import SKIPPED
 
-    starts = np.concatenate(([0], np.cumsum([sh.samples for sh in s.shards]))).tolist()
+    starts = np.concatenate(([0], np.cumsum(sample_counts(s.shards)))).tolist()
     bits = s.val_bits.tobytes()  # bit p (most significant first): sample p is val
     threshold = math.ceil(s.source.val_fraction * 2**64)
     it = iter(records)

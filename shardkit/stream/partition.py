@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import InputError, check_choice
-from ..records import ShardInfo, ShardSlice
+from ..records import ShardInfo, ShardSlice, ShardTable
 from .resume import (
     Arrangement,
     EpochState,
@@ -85,7 +85,12 @@ def rank_samples(total: int, rank: int, world_size: int, equalize: str) -> int:
 
 
 def sample_counts(shards: Sequence[ShardInfo]) -> np.ndarray:
-    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on."""
+    """Per-shard sample counts as an int64 array, the form ``plan_epoch`` does arithmetic on.
+
+    A ``ShardTable`` (what datasets hold) gives its column, copied (so the caller may edit it),
+    without making an object a shard."""
+    if isinstance(shards, ShardTable):
+        return shards.samples.copy()
     return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
 
 
@@ -382,7 +387,7 @@ def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np
     replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
     ascending within a shard so reading stays sequential."""
     m = len(s.members)
-    counts = np.fromiter((x.samples for x in s.shards), np.int64, len(s.shards))
+    counts = sample_counts(s.shards)
     shard_of = np.searchsorted(np.cumsum(counts), s.members, side="right")
     passes, rest = divmod(n, m)
     out = []

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import InputError
-from ..records import Record
+from ..records import Record, ShardTable
 from .shuffle import draw_block
 from .world import World
 
@@ -198,8 +198,8 @@ def _segment(d: dict) -> Segment:
 
 
 def dataset_facts(
-    urls: Sequence[str],
-    counts: Sequence[int],
+    urls: Sequence[str] | ShardTable,
+    counts: Sequence[int] | np.ndarray,
     shard_format: str,
     *,
     seed: int,
@@ -212,17 +212,27 @@ def dataset_facts(
     The fingerprint covers shard file names (not directories: a dataset moved or mounted
     elsewhere still resumes) and their sample counts, in order.
     """
-    names = [u.replace("\\", "/").rstrip("/").rpartition("/")[2] for u in urls]
-    blob = json.dumps([shard_format, names, [int(c) for c in counts]]).encode()
+    ints = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
+    blob = json.dumps([shard_format, _file_names(urls), ints]).encode()
     return {
         "shards": len(urls),
-        "samples": int(sum(int(c) for c in counts)),
+        "samples": sum(ints),
         "seed": int(seed),
         "shuffle": bool(shuffle),
         "buffer_size": int(buffer_size),
         "equalize": equalize,
         "fingerprint": hashlib.sha256(blob).hexdigest()[:32],
     }
+
+
+def _file_names(urls: Sequence[str] | ShardTable) -> list[str]:
+    """Each shard's file name: a table of plain names under one directory gives its names
+    column as it is (the manifest checked them: no separator in any), not a split a shard."""
+    if isinstance(urls, ShardTable):
+        if not urls.tail and urls.head[-1:] in ("/", "\\"):
+            return urls.names
+        urls = urls.urls
+    return [u.replace("\\", "/").rstrip("/").rpartition("/")[2] for u in urls]
 
 
 @dataclass(frozen=True)

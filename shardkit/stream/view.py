@@ -44,7 +44,7 @@ from ..formats.tar.tally import tally_tar
 from ..images.decode import decode_image
 from ..images.options import Decode
 from ..paths import check_source
-from ..records import Record, ShardInfo
+from ..records import Record, ShardInfo, ShardTable
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_columns, shard_index
@@ -105,17 +105,18 @@ class ShardView:
         resolved = resolve_source(source, storage_options=storage_options)
         self.format = resolved.format
         self.classes = list(resolved.classes) if resolved.classes else None
+        table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
         self.storage = storage_for(
-            list(resolved.urls), storage_options=storage_options, cache_dir=cache_dir
-        )
-        self.shards: tuple[ShardInfo, ...] = resolved.shards
+            [table.url(0)], storage_options=storage_options, cache_dir=cache_dir
+        )  # one shard says local or URL: a shard list is all one or the other
+        self.shards: ShardTable = table
         self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
         #: LMDB: per local shard, the file's identity when the view was made (a stat each)
         self._stamps: dict[str, tuple] = _lmdb_stamps(self.shards) if self.format == "lmdb" else {}
-        lazy = all(s.samples >= 0 and s.sha256 for s in self.shards)
+        lazy = bool((table.samples >= 0).all()) and all(table.sha256)
         try:
             if lazy:  # the manifest's counts: nothing opened until a sample is asked for
-                counts = [s.samples for s in self.shards]
+                counts = table.samples.tolist()
             else:
                 counts = []
                 for k, shard in enumerate(self.shards):
