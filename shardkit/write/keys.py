@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -124,35 +124,76 @@ def shard_table(folder: str, fmt: str, entry: ShardEntry):
     return _Keys(shard_keys(path, fmt))
 
 
+class _Wanted:
+    """Some keys' hashes, sorted, with a bit table in front: each stored hash of a shard is
+    tested against the table (one array lookup), and only the few that pass (the keys wanted,
+    and about 1 in 32 others) are searched for among the sorted hashes. Memory: 48 bytes a key
+    at most (its hash, its position, the table at 32 entries a key), none per stored sample."""
+
+    #: The bit table holds at least this many and at most ``MAX_TABLE`` entries.
+    MIN_TABLE, MAX_TABLE = 1 << 12, 1 << 24
+
+    def __init__(self, hashes: np.ndarray):
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        self.order = np.argsort(hashes, kind="stable")
+        self.sorted = hashes[self.order]
+        size = min(self.MAX_TABLE, max(self.MIN_TABLE, 32 * len(hashes)))
+        bits = int(size - 1).bit_length()
+        self.shift = np.uint64(64 - bits)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[self.sorted >> self.shift] = True
+
+    def __len__(self) -> int:
+        return len(self.sorted)
+
+    def hits(self, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The positions in ``stored`` whose hash is wanted, and for each the range
+        ``lo .. hi`` of ``order`` (the wanted keys with that hash)."""
+        at = np.flatnonzero(self.table[stored >> self.shift])
+        if not len(at):
+            return at, at, at
+        some = stored[at]
+        lo = np.searchsorted(self.sorted, some, side="left")
+        hi = np.searchsorted(self.sorted, some, side="right")
+        keep = hi > lo
+        return at[keep], lo[keep], hi[keep]
+
+
+def _matches(
+    folder: str, manifest: Manifest, wanted: _Wanted, key_of: Callable[[int], str]
+) -> Iterator[tuple[int, int, int]]:
+    """``(shard, position in it, position among the wanted keys)`` of each sample of the
+    dataset in ``folder`` whose key is one of ``wanted``: each shard's stored hashes tested
+    against ``wanted`` (one shard's column held at a time), a match confirmed on the real keys
+    (the shard's key, and ``key_of(q)`` for wanted key ``q``, asked in order of ``q``)."""
+    if not len(wanted):
+        return
+    for k, entry in enumerate(manifest.shards):
+        stored, table = _hashes(folder, manifest.shard_format, entry)
+        at, lo, hi = wanted.hits(stored)
+        if not len(at):
+            continue
+        if table is None:
+            table = shard_table(folder, manifest.shard_format, entry)
+        pairs = []  # (wanted position, position in the shard, the stored key its hash matched)
+        for p, a, b in zip(at.tolist(), lo.tolist(), hi.tolist(), strict=True):
+            key = table.key(p)
+            pairs.extend((q, p, key) for q in wanted.order[a:b].tolist())
+        for q, p, key in sorted(pairs):  # in order: ``key_of`` reads each shard of theirs once
+            if key_of(q) == key:
+                yield k, p, q
+
+
 def found_in(
     folder: str, manifest: Manifest, hashes: np.ndarray, key_of: Callable[[int], str]
 ) -> np.ndarray:
     """Which of some keys the dataset in ``folder`` already holds: a bool per key. The keys
     are given as ``hashes`` (``key_hashes`` of each) and ``key_of(i)`` (key ``i`` itself, asked
     only where a stored hash matches: to confirm it). Each shard's stored hashes are compared
-    against the sorted ``hashes``; a shard's keys are read only where one matches."""
-    hashes = np.asarray(hashes, dtype=np.uint64)
+    against the sorted ``hashes`` (``_Wanted``); a shard's keys are read only where one matches."""
     found = np.zeros(len(hashes), dtype=bool)
-    if not len(hashes):
-        return found
-    order = np.argsort(hashes, kind="stable")
-    wanted = hashes[order]
-    for entry in manifest.shards:
-        stored, table = _hashes(folder, manifest.shard_format, entry)
-        at = np.searchsorted(wanted, stored)
-        hit = np.flatnonzero(wanted[np.minimum(at, len(wanted) - 1)] == stored)
-        if not len(hit):
-            continue
-        if table is None:
-            table = shard_table(folder, manifest.shard_format, entry)
-        pairs = []  # (position among the keys given, the stored key its hash matched)
-        for p in hit.tolist():
-            hi = int(np.searchsorted(wanted, stored[p], side="right"))
-            key = table.key(p)
-            pairs.extend((q, key) for q in order[int(at[p]) : hi].tolist())
-        for q, key in sorted(pairs):  # in order: ``key_of`` reads each shard of theirs once
-            if not found[q] and key_of(q) == key:
-                found[q] = True
+    for _, _, q in _matches(folder, manifest, _Wanted(hashes), key_of):
+        found[q] = True
     return found
 
 
@@ -192,18 +233,34 @@ class DatasetKeys:
 def repeats_across(datasets: Sequence[tuple[str, Manifest]], start: int = 1):
     """The first dataset from ``start`` on holding a key of one before it, as ``(its position,
     how many of its keys an earlier one holds, the first of them in stored order)``; None when
-    no key repeats across them. Each dataset checked is held as its key hashes (8 bytes a
-    sample); those before it are read shard by shard (``found_in``)."""
+    no key repeats across them.
+
+    Each pair is compared by holding the smaller dataset's key hashes (8 bytes a sample, and
+    ``_Wanted``'s table) and reading the larger one's shard by shard (``_matches``): a merge of
+    a few new samples with a large dataset holds the few, in whichever order they are named."""
     for i in range(start, len(datasets)):
         folder, manifest = datasets[i]
         mine = DatasetKeys(folder, manifest)
-        hashes = mine.hashes()
-        seen = np.zeros(len(hashes), dtype=bool)
+        held: _Wanted | None = None  # this dataset's hashes, once one earlier is larger
+        found: list[int] = []  # positions of this dataset's keys an earlier one holds
         for earlier, m in datasets[:i]:
-            seen |= found_in(earlier, m, hashes, mine.key)
-        if seen.any():
-            return i, int(seen.sum()), mine.key(int(np.argmax(seen)))
+            if _count(m) >= _count(manifest):  # hold mine, read theirs
+                if held is None:
+                    held = _Wanted(mine.hashes())
+                found.extend(q for _, _, q in _matches(earlier, m, held, mine.key))
+            else:  # hold theirs, read mine
+                theirs = DatasetKeys(earlier, m)
+                matches = _matches(folder, manifest, _Wanted(theirs.hashes()), theirs.key)
+                found.extend(int(mine.starts[k]) + p for k, p, _ in matches)
+        if found:
+            first = min(found)
+            return i, len(set(found)), mine.key(first)
     return None
+
+
+def _count(manifest: Manifest) -> int:
+    """Samples of a dataset, as far as its manifest knows them (a shard of unknown count: 0)."""
+    return sum(max(0, s.samples) for s in manifest.shards)
 
 
 def identity(manifest: Manifest) -> str:

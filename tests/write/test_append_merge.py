@@ -586,3 +586,54 @@ def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(sr
     assert (again.samples, again.duplicates) == (0, 12)
     keys = [k for k, _ in samples(out)]
     assert len(keys) == len(set(keys)) == 12
+
+
+def test_a_merge_holds_the_few_new_keys_hashes_not_the_large_datasets(tmp_path, monkeypatch):
+    """Counted (tracemalloc, numpy's arrays included; the audit hook for files opened): the
+    key check of a merge of 60 new samples with 12,000 holds the 60 keys' hashes and one shard
+    of the large dataset at a time, in either order the two are named, not the 12,000 keys'
+    hashes (8 bytes a sample, and their sorted copy); it opens each of the large dataset's
+    indexes once and none of its shards. A shared key is still found in either order."""
+    import tracemalloc
+
+    import shardkit.write.merge as merge_module
+    from shardkit import ShardWriter
+
+    def written(out, keys):
+        with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+            for k in keys:
+                w.add(f"c0/k{k:05d}", "jpg", b"\xff\xd8 %d" % k, 0)
+        return out
+
+    big = written(tmp_path / "big", range(12000))
+    few = written(tmp_path / "few", range(20000, 20060))
+    shards = read_manifest(str(big)).shards
+    indexes = sorted(os.path.realpath(os.path.join(big, s.path)) + ".idx" for s in shards)
+    peaks = []
+    check = merge_module.repeats_across
+
+    def counted(datasets):
+        tracemalloc.start()
+        try:
+            return check(datasets)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(merge_module, "repeats_across", counted)
+    for order in ((big, few), (few, big)):
+        out = tmp_path / f"merged-{order[0].name}"
+        with _Opens(big) as opens:
+            merge(order, out)
+        assert opens.shards() == []
+        assert sorted(p for p in opens.paths if p.endswith(".idx")) == indexes
+        assert read_manifest(str(out)).num_samples == 12060
+    assert len(shards) >= 20 and len(peaks) == 2
+    assert max(peaks) < 8 * 12000, peaks
+    dup = written(tmp_path / "dup", (20001, 7000, 5))  # shares keys with both, stored order
+    cases = [((big, dup), 2, 7000), ((dup, big), 2, 5), ((few, dup), 1, 20001)]
+    cases.append(((big, few, dup), 3, 20001))  # dup against both: each key counted once
+    for order, count, first in cases:
+        with pytest.raises(InputError, match=rf": {count} of its keys .*'c0/k{first:05d}'"):
+            merge(order, tmp_path / "refused")
+    assert not os.path.exists(tmp_path / "refused" / "manifest.json")
