@@ -7,7 +7,10 @@ compared by the key hashes its index already stores (the hash column of a tar's 
 index record of an LMDB shard), one shard at a time; no byte of an old tar is read. Only a shard
 where a hash matches has its keys read, to confirm each match on the real key (a 64-bit hash may
 collide). A shard without an index (an older pack, a compressed tar) gives its keys from its
-headers instead, as before. Memory: the new keys' hashes and one shard's column.
+headers instead, as before. Memory: the new keys' hashes (a merge: the smaller dataset's of
+each pair) and one shard's index. CPU per old sample: its index bytes read and sha256-ed (the
+manifest's ``index_sha256`` vouches for the hash column only as part of the whole file: ~90
+bytes a sample, ~0.1 us) and one lookup in a bit table; per old shard, one open.
 
 A merge also compares whole datasets by ``identity``: the sha256 over its shards' digests, the
 same for a copy of the same shards.
