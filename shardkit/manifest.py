@@ -146,6 +146,11 @@ class ShardEntry:
     worker seeks there and hops over at most 63 samples. An older manifest that lists both
     keeps only ``index_sha256``: the offsets come from the index its sha256 checks, and are not
     held by every process.
+
+    ``columns_sha256`` (beside ``index_sha256`` only; optional) is the sha256 of the index's
+    fixed-width columns (``sample_index.columns_size`` bytes: its head, offsets and key hashes):
+    what a growth check reads of each old shard, vouched for without reading and hashing the
+    whole index (its key table and members, ~5x the bytes).
     """
 
     path: str
@@ -154,6 +159,7 @@ class ShardEntry:
     sha256: str
     index: tuple[int, ...] = ()
     index_sha256: str = ""
+    columns_sha256: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -164,6 +170,8 @@ class ShardEntry:
         }
         if self.index_sha256:  # its offsets are in the sample index this sha256 covers
             doc["index_sha256"] = self.index_sha256
+            if self.columns_sha256:
+                doc["columns_sha256"] = self.columns_sha256
         elif self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
@@ -180,7 +188,10 @@ class ShardEntry:
         sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
         if "index_sha256" in s:  # offsets listed beside it (older packs) are not used
             index_sha = _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
-            return cls(path, samples, size, sha, (), index_sha)
+            columns = ""
+            if "columns_sha256" in s:
+                columns = _sha(s["columns_sha256"], f"shard {path!r}: columns_sha256")
+            return cls(path, samples, size, sha, (), index_sha, columns)
         index: tuple[int, ...] = ()
         if "index" in s:
             if s.get("index_every") != INDEX_EVERY:
@@ -206,22 +217,29 @@ def _entries(items: list) -> list[ShardEntry]:
 
 def _plain_entries(items: list) -> list[ShardEntry] | None:
     """``items`` checked column by column, in C loops, not a dozen calls a shard: the shape
-    every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` or
-    not), which a 40,000-shard dataset opens in every process. None where any item is not of
-    that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
-    problem (the same checks, so the same manifests pass)."""
+    every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` with
+    or without ``columns_sha256``, or neither), which a 40,000-shard dataset opens in every
+    process. None where any item is not of that shape or fails a check:
+    ``ShardEntry.from_dict`` then checks each and names the problem (the same checks, so the
+    same manifests pass)."""
     if not items:
         return []
-    if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5}:
+    if set(map(type, items)) != {dict} or not set(map(len, items)) <= {4, 5, 6}:
         return None
     try:
         paths, counts, sizes, shas = map(list, zip(*map(_COLUMNS, items), strict=True))
     except KeyError:
         return None
     index_shas = list(map(dict.get, items, repeat("index_sha256"), repeat("")))
+    column_shas = list(map(dict.get, items, repeat("columns_sha256"), repeat("")))
     listed = [x for x in index_shas if x != ""]
-    if len(listed) != len(items) - list(map(len, items)).count(4):  # a fifth key, not it
+    more = [x for x in column_shas if x != ""]
+    lengths = list(map(len, items))
+    if len(listed) != len(items) - lengths.count(4) or len(more) != lengths.count(6):
+        return None  # a fifth or sixth key, not these
+    if any(c and not i for i, c in zip(index_shas, column_shas, strict=True)):
         return None
+    listed += more
     if set(map(type, paths)) | set(map(type, shas)) | set(map(type, listed)) != {str}:
         return None
     if set(map(type, counts)) | set(map(type, sizes)) != {int}:
@@ -230,7 +248,8 @@ def _plain_entries(items: list) -> list[ShardEntry] | None:
         return None
     if not _plain_text(paths, shas, listed):
         return None
-    return list(map(ShardEntry, paths, counts, sizes, shas, [()] * len(paths), index_shas))
+    empty = [()] * len(paths)
+    return list(map(ShardEntry, paths, counts, sizes, shas, empty, index_shas, column_shas))
 
 
 def _plain_text(paths: list, shas: list, listed: list) -> bool:
@@ -297,7 +316,12 @@ class Manifest:
             "skipped": [asdict(s) for s in self.skipped],
             "pack": self.pack,
         }
-        return json.dumps(_portable(doc), indent=1, ensure_ascii=False) + "\n"
+        text = json.dumps(doc, indent=1, ensure_ascii=False)
+        try:  # every string valid UTF-8 already (the usual case): portable as it stands
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(_portable(doc), indent=1, ensure_ascii=False)
+        return text + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:

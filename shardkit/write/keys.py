@@ -8,9 +8,10 @@ index record of an LMDB shard), one shard at a time; no byte of an old tar is re
 where a hash matches has its keys read, to confirm each match on the real key (a 64-bit hash may
 collide). A shard without an index (an older pack, a compressed tar) gives its keys from its
 headers instead, as before. Memory: the new keys' hashes (a merge: the smaller dataset's of
-each pair) and one shard's index. CPU per old sample: its index bytes read and sha256-ed (the
-manifest's ``index_sha256`` vouches for the hash column only as part of the whole file: ~90
-bytes a sample, ~0.1 us) and one lookup in a bit table; per old shard, one open.
+each pair) and one shard's index. CPU per old sample: 16 bytes of its index read and
+sha256-ed (the head, offsets and hashes, which the manifest's ``columns_sha256`` vouches for;
+an entry without it, from packs made before: the whole index, ~90 bytes a sample, which
+``index_sha256`` covers) and one lookup in a bit table; per old shard, one open.
 
 A merge also compares whole datasets by ``identity``: the sha256 over its shards' digests, the
 same for a copy of the same shards.
@@ -82,14 +83,19 @@ def shard_hashes(folder: str, fmt: str, entry: ShardEntry) -> np.ndarray:
 def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, object | None]:
     """``shard_hashes``, and the shard's key table where it was loaded for them (else None).
 
-    A tar index's stored hashes are used as they stand only once the whole file's sha256 is
-    the manifest's ``index_sha256`` (the packer's file, the split's rule): a hash column damaged
-    with its trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
+    A tar index's stored hashes are used as they stand only once the sha256 of its columns is
+    the manifest's ``columns_sha256`` (16 bytes a sample read), or the whole file's is its
+    ``index_sha256`` (the packer's file, the split's rule): a hash column damaged with its
+    trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
     Any other index (no ``index_sha256`` listed) has its keys hashed again; one that does not
     match the manifest serves not at all (a warning names it) and the shard's headers do."""
     path = os.path.join(folder, entry.path)
     if fmt == "tar" and entry.path.endswith(".tar") and entry.sha256 and entry.samples >= 0:
         idx = index_path(path)
+        if entry.columns_sha256:  # 16 bytes a sample read and hashed, not the whole index
+            hashes = _listed_columns(idx, entry)
+            if hashes is not None:
+                return hashes, None
         data = read_local(idx)  # ~90 bytes a sample: hashed whole, held one shard at a time
         if data is not None:
             if entry.index_sha256 and hashlib.sha256(data).hexdigest() == entry.index_sha256:
@@ -108,6 +114,27 @@ def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, objec
             return index.hashes.astype(np.uint64), index
     table = _Keys(shard_keys(path, fmt))
     return key_hashes(table.keys()), table
+
+
+def _listed_columns(idx: str, entry: ShardEntry) -> np.ndarray | None:
+    """The stored key hashes of a tar index whose columns (head, offsets, hashes: its first
+    ``columns_size`` bytes) have the sha256 the manifest lists as ``columns_sha256``; None
+    where they do not (or cannot be read): the caller reads the whole index, as for an entry
+    without it."""
+    try:
+        fd = os.open(idx, os.O_RDONLY)
+    except OSError:
+        return None
+    try:  # these bytes and no more (no buffered read ahead)
+        head = os.pread(fd, columns_size(entry.samples), 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if hashlib.sha256(head).hexdigest() != entry.columns_sha256:
+        return None
+    cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256, listed=True)
+    return None if cols is None else np.asarray(cols.hashes, dtype=np.uint64)
 
 
 def shard_table(folder: str, fmt: str, entry: ShardEntry):
