@@ -22,6 +22,9 @@ machine moves least:
   and ``merge`` (``shardkit merge OUT MORE NEW``): the CLI's CPU and peak memory, indexed side
   only (growth is this code's, not an older pack's).
 
+``--against DIR`` (another checkout) also runs ``append`` and ``merge`` with DIR's shardkit,
+interleaved with this one's.
+
 ``--many-shards S`` also makes the same N samples in about S shards and measures open, get,
 ``ls``, ``show`` and ``show-missing`` on it (the per-shard costs: 40,000 shards at LAION size).
 
@@ -29,6 +32,7 @@ machine moves least:
     python benchmarks/bench_scale.py --n 128000 1280000 --json bench-out/scale.json
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
     python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
+    python benchmarks/bench_scale.py --n 128000 1280000 --what append merge --against /tmp/base
 """
 
 from __future__ import annotations
@@ -146,8 +150,11 @@ def child(what: str, where: str, key: str = "") -> dict:
     return harness.in_child(harness.ROOT, CHILD, what, where, key)
 
 
-def growth(what: str, packed: Path, n: int, new: int, work: Path, fmt: str) -> dict:
-    """``append`` or ``merge`` of ``new`` samples onto the N-sample pack, in a CLI child."""
+def growth(
+    what: str, packed: Path, n: int, new: int, work: Path, fmt: str, checkout: Path = harness.ROOT
+) -> dict:
+    """``append`` or ``merge`` of ``new`` samples onto the N-sample pack, in a CLI child of
+    ``checkout`` (this one, or ``--against``'s)."""
     scratch = work / f"grow-{what}"
     if what == "append":
         more = data.scale_tree(new, n, work)
@@ -158,7 +165,7 @@ def growth(what: str, packed: Path, n: int, new: int, work: Path, fmt: str) -> d
         shutil.rmtree(scratch, ignore_errors=True)
         argv = ["merge", packed, more, scratch]
     try:
-        return harness.in_child(harness.ROOT, CLI, *argv)
+        return harness.in_child(checkout, CLI, *argv)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -186,6 +193,17 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
             for what in growth_whats
         }
     )
+    if args.against:  # growth only: the same CLI call of another checkout, interleaved
+        sides.update(
+            {
+                f"{what}/against": (
+                    lambda r, what=what: growth(
+                        what, packed, n, args.new, args.out, fmt, args.against.resolve()
+                    )
+                )
+                for what in growth_whats
+            }
+        )
     rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
     for k, runs in rounds.results.items():  # the median run by CPU; all in "runs"
         row[k] = sorted(runs, key=lambda x: x["cpu_s"])[len(runs) // 2]
@@ -196,7 +214,7 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
 
 
 def main() -> None:
-    ap = harness.parser(__doc__, rounds=1, against=False)
+    ap = harness.parser(__doc__, rounds=1)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
     ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
@@ -274,6 +292,8 @@ def _print(row: dict) -> None:
         if f"{what}/no_index" in row:
             cells.append(_cell(what, row[f"{what}/no_index"], row))
         print(f"{label:28s} " + " ".join(f"{c:>44s}" for c in cells))
+        if f"{what}/against" in row:
+            print(f"{'  against':28s} {_cell(what, row[f'{what}/against'], row):>44s}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,11 @@ class ShardEntry:
     worker seeks there and hops over at most 63 samples. An older manifest that lists both
     keeps only ``index_sha256``: the offsets come from the index its sha256 checks, and are not
     held by every process.
+
+    ``columns_sha256`` (beside ``index_sha256`` only; optional) is the sha256 of the index's
+    fixed-width columns (``sample_index.columns_size`` bytes: its head, offsets and key hashes):
+    what a growth check reads of each old shard, vouched for without reading and hashing the
+    whole index (its key table and members, ~5x the bytes).
     """
 
     path: str
@@ -157,6 +162,7 @@ class ShardEntry:
     sha256: str
     index: tuple[int, ...] = ()
     index_sha256: str = ""
+    columns_sha256: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -167,6 +173,8 @@ class ShardEntry:
         }
         if self.index_sha256:  # its offsets are in the sample index this sha256 covers
             doc["index_sha256"] = self.index_sha256
+            if self.columns_sha256:
+                doc["columns_sha256"] = self.columns_sha256
         elif self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
@@ -183,7 +191,10 @@ class ShardEntry:
         sha = _sha(s.get("sha256"), f"shard {path!r}: sha256")
         if "index_sha256" in s:  # offsets listed beside it (older packs) are not used
             index_sha = _sha(s["index_sha256"], f"shard {path!r}: index_sha256")
-            return cls(path, samples, size, sha, (), index_sha)
+            columns = ""
+            if "columns_sha256" in s:
+                columns = _sha(s["columns_sha256"], f"shard {path!r}: columns_sha256")
+            return cls(path, samples, size, sha, (), index_sha, columns)
         index: tuple[int, ...] = ()
         if "index" in s:
             if s.get("index_every") != INDEX_EVERY:
@@ -207,7 +218,16 @@ class ShardEntries(ShardTable):
     replaced (``entries[i] = entry``), which copies the columns it changes.
     """
 
-    __slots__ = ()
+    __slots__ = ("columns_sha256",)
+
+    def __init__(self, *args, columns_sha256: Sequence[str] | None = None, **kw):
+        super().__init__(*args, **kw)
+        n = len(self.names)
+        self.columns_sha256: list[str] = (
+            [""] * n if columns_sha256 is None else list(columns_sha256)
+        )
+        if len(self.columns_sha256) != n:
+            raise ValueError(f"{len(self.columns_sha256)} columns_sha256 for {n} shards")
 
     @classmethod
     def of(cls, shards: Iterable[ShardEntry]) -> ShardEntries:  # type: ignore[override]
@@ -222,7 +242,20 @@ class ShardEntries(ShardTable):
             [e.sha256 for e in rows],
             [e.index_sha256 for e in rows],
             {i: e.index for i, e in enumerate(rows) if e.index},
+            columns_sha256=[e.columns_sha256 for e in rows],
         )
+
+    def _same(self, cls, samples=None):
+        out = super()._same(cls, samples)
+        if isinstance(out, ShardEntries):  # the same entries: the column rides along
+            out.columns_sha256 = self.columns_sha256
+        return out
+
+    def take(self, rows: Iterable[int]) -> ShardEntries:
+        rows = [int(r) for r in rows]
+        out = super().take(rows)
+        out.columns_sha256 = [self.columns_sha256[r] for r in rows]  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
 
     def _row(self, i: int) -> ShardEntry:  # type: ignore[override]
         return ShardEntry(
@@ -232,6 +265,7 @@ class ShardEntries(ShardTable):
             self.sha256[i],
             self.index.get(i, ()),
             self.index_sha256[i],
+            self.columns_sha256[i],
         )
 
     def __setitem__(self, i: int, entry: ShardEntry) -> None:
@@ -244,6 +278,8 @@ class ShardEntries(ShardTable):
         self.sha256 = [*self.sha256[:i], entry.sha256, *self.sha256[i + 1 :]]
         isha = self.index_sha256
         self.index_sha256 = [*isha[:i], entry.index_sha256, *isha[i + 1 :]]
+        csha = self.columns_sha256
+        self.columns_sha256 = [*csha[:i], entry.columns_sha256, *csha[i + 1 :]]
         self.index = {k: v for k, v in self.index.items() if k != i}
         if entry.index:
             self.index[i] = tuple(entry.index)
@@ -266,31 +302,37 @@ def _entries(items: list) -> ShardEntries:
 
 def _plain_entries(items: list) -> ShardEntries | None:
     """``items`` checked column by column, in C loops, not a dozen calls a shard: the shape
-    every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` or
-    not; or both ``index_sha256`` and the offsets, ``index_every``/``index``, that the manifest
-    then ignores), which a 40,000-shard dataset opens in every process. None where any item is
-    not of that shape or fails a check: ``ShardEntry.from_dict`` then checks each and names the
-    problem (the same checks, so the same manifests pass). The columns become the table as they
-    are: no object a shard."""
+    every writer gives (``path``, ``samples``, ``bytes``, ``sha256``, and ``index_sha256`` with
+    or without ``columns_sha256``, or neither; or both ``index_sha256`` and the offsets,
+    ``index_every``/``index``, that the manifest then ignores), which a 40,000-shard dataset
+    opens in every process. None where any item is not of that shape or fails a check:
+    ``ShardEntry.from_dict`` then checks each and names the problem (the same checks, so the
+    same manifests pass). The columns become the table as they are: no object a shard."""
     if not items:
         return ShardEntries([], (), ())
     if set(map(type, items)) != {dict}:
         return None
     lengths = list(map(len, items))
-    if not set(lengths) <= {4, 5, 7}:
+    if not set(lengths) <= {4, 5, 6, 7, 8}:
         return None
     try:
         paths, counts, sizes, shas = (list(map(column, items)) for column in _COLUMNS)
     except KeyError:
         return None
     index_shas = list(map(dict.get, items, repeat("index_sha256"), repeat("")))
+    column_shas = list(map(dict.get, items, repeat("columns_sha256"), repeat("")))
     listed = [x for x in index_shas if x != ""]
-    if len(listed) != len(items) - lengths.count(4):  # a fifth key, not it
+    more = [x for x in column_shas if x != ""]
+    # Every item has at least the keys counted here, so equal sums mean no item has another.
+    extra = sum(lengths) - 4 * len(items) - len(listed) - len(more)
+    if extra:  # an older pack's offsets beside its index_sha256: not used, as in from_dict
+        offsets = [("index" in s and "index_every" in s) for s in items]
+        alone = any(o and not i for o, i in zip(offsets, index_shas, strict=True))
+        if extra != 2 * sum(offsets) or alone:
+            return None  # any other keys, or offsets alone: checked item by item
+    if more and any(c and not i for i, c in zip(index_shas, column_shas, strict=True)):
         return None
-    if 7 in lengths and sum(
-        1 for s in items if "index" in s and "index_every" in s
-    ) != lengths.count(7):  # an older pack's offsets beside its index_sha256: not used, as in
-        return None  # ShardEntry.from_dict; any other two keys: checked item by item
+    listed += more
     if set(map(type, paths)) | set(map(type, shas)) | set(map(type, listed)) != {str}:
         return None
     if set(map(type, counts)) | set(map(type, sizes)) != {int}:
@@ -299,7 +341,7 @@ def _plain_entries(items: list) -> ShardEntries | None:
         return None
     if not _plain_text(paths, shas, listed):
         return None
-    return ShardEntries(paths, counts, sizes, shas, index_shas)
+    return ShardEntries(paths, counts, sizes, shas, index_shas, columns_sha256=column_shas)
 
 
 def _plain_text(paths: list, shas: list, listed: list) -> bool:
@@ -377,7 +419,12 @@ class Manifest:
             "skipped": [asdict(s) for s in self.skipped],
             "pack": self.pack,
         }
-        return json.dumps(_portable(doc), indent=1, ensure_ascii=False) + "\n"
+        text = json.dumps(doc, indent=1, ensure_ascii=False)
+        try:  # every string valid UTF-8 already (the usual case): portable as it stands
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(_portable(doc), indent=1, ensure_ascii=False)
+        return text + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:

@@ -11,7 +11,6 @@ directory), written atomically, and an existing one is only replaced on request.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import InputError, OutputError
 from ..formats import format_for_path, is_shard_name
-from ..formats.sample_index import encode_tally, index_path, write_index_file
+from ..formats.sample_index import encode_tally, index_digests, index_path, write_index_file
 from ..formats.tar import is_gzip_name, tally_tar, warn_imageless
 from ..fsutil import HashingReader, open_regular, write_error
 from ..manifest import (
@@ -147,9 +146,9 @@ def index_shards(
         for name, n in tally.fields.items():
             fields[d][name] = fields[d].get(name, 0) + n
         index = () if is_gzip_name(p) else tuple(tally.index[::INDEX_EVERY])
-        index_sha = hashlib.sha256(sample_index).hexdigest() if sample_index else ""
+        digests = index_digests(sample_index, tally.samples) if sample_index else {}
         entries[d].append(
-            ShardEntry(os.path.basename(p), tally.samples, size, sha, index, index_sha)
+            ShardEntry(os.path.basename(p), tally.samples, size, sha, index, **digests)
         )
     classes = _classes(labels)
     results = []
@@ -303,7 +302,7 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
             write_index_file(p, data)
         except OSError as exc:
             raise write_error(d, exc, "sample indexes") from None
-        entries.append(replace(e, index_sha256=hashlib.sha256(data).hexdigest()))
+        entries.append(replace(e, **index_digests(data, e.samples)))
     path = os.path.join(d, MANIFEST_NAME)
     if entries != manifest.shards:
         manifest = replace(manifest, shards=entries)
@@ -357,8 +356,8 @@ def append_shards(d: str, manifest: Manifest, files: list[str], progress: bool) 
         keys.extend(tally.keys)
         owner.extend([p] * len(tally.keys))
         index = () if is_gzip_name(p) else tuple(tally.index[::INDEX_EVERY])
-        index_sha = hashlib.sha256(sample_index).hexdigest() if sample_index else ""
-        entries.append(ShardEntry(os.path.basename(p), tally.samples, size, sha, index, index_sha))
+        digests = index_digests(sample_index, tally.samples) if sample_index else {}
+        entries.append(ShardEntry(os.path.basename(p), tally.samples, size, sha, index, **digests))
     seen: dict[str, int] = {}
     for i, k in enumerate(keys):
         j = seen.setdefault(k, i)

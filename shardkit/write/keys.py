@@ -7,7 +7,11 @@ compared by the key hashes its index already stores (the hash column of a tar's 
 index record of an LMDB shard), one shard at a time; no byte of an old tar is read. Only a shard
 where a hash matches has its keys read, to confirm each match on the real key (a 64-bit hash may
 collide). A shard without an index (an older pack, a compressed tar) gives its keys from its
-headers instead, as before. Memory: the new keys' hashes and one shard's column.
+headers instead, as before. Memory: the new keys' hashes (a merge: the smaller dataset's of
+each pair) and one shard's index. CPU per old sample: 16 bytes of its index read and
+sha256-ed (the head, offsets and hashes, which the manifest's ``columns_sha256`` vouches for;
+an entry without it, from packs made before: the whole index, ~90 bytes a sample, which
+``index_sha256`` covers) and one lookup in a bit table; per old shard, one open.
 
 A merge also compares whole datasets by ``identity``: the sha256 over its shards' digests, the
 same for a copy of the same shards.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -79,14 +83,19 @@ def shard_hashes(folder: str, fmt: str, entry: ShardEntry) -> np.ndarray:
 def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, object | None]:
     """``shard_hashes``, and the shard's key table where it was loaded for them (else None).
 
-    A tar index's stored hashes are used as they stand only once the whole file's sha256 is
-    the manifest's ``index_sha256`` (the packer's file, the split's rule): a hash column damaged
-    with its trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
+    A tar index's stored hashes are used as they stand only once the sha256 of its columns is
+    the manifest's ``columns_sha256`` (16 bytes a sample read), or the whole file's is its
+    ``index_sha256`` (the packer's file, the split's rule): a hash column damaged with its
+    trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
     Any other index (no ``index_sha256`` listed) has its keys hashed again; one that does not
     match the manifest serves not at all (a warning names it) and the shard's headers do."""
     path = os.path.join(folder, entry.path)
     if fmt == "tar" and entry.path.endswith(".tar") and entry.sha256 and entry.samples >= 0:
         idx = index_path(path)
+        if entry.columns_sha256:  # 16 bytes a sample read and hashed, not the whole index
+            hashes = _listed_columns(idx, entry)
+            if hashes is not None:
+                return hashes, None
         data = read_local(idx)  # ~90 bytes a sample: hashed whole, held one shard at a time
         if data is not None:
             if entry.index_sha256 and hashlib.sha256(data).hexdigest() == entry.index_sha256:
@@ -107,6 +116,27 @@ def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, objec
     return key_hashes(table.keys()), table
 
 
+def _listed_columns(idx: str, entry: ShardEntry) -> np.ndarray | None:
+    """The stored key hashes of a tar index whose columns (head, offsets, hashes: its first
+    ``columns_size`` bytes) have the sha256 the manifest lists as ``columns_sha256``; None
+    where they do not (or cannot be read): the caller reads the whole index, as for an entry
+    without it."""
+    try:
+        fd = os.open(idx, os.O_RDONLY)
+    except OSError:
+        return None
+    try:  # these bytes and no more (no buffered read ahead)
+        head = os.pread(fd, columns_size(entry.samples), 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if hashlib.sha256(head).hexdigest() != entry.columns_sha256:
+        return None
+    cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256, listed=True)
+    return None if cols is None else np.asarray(cols.hashes, dtype=np.uint64)
+
+
 def shard_table(folder: str, fmt: str, entry: ShardEntry):
     """One local shard's keys with ``key(i)`` and ``keys()``: its index's key table (checked
     against the manifest, one read), else the keys read from the shard."""
@@ -124,35 +154,76 @@ def shard_table(folder: str, fmt: str, entry: ShardEntry):
     return _Keys(shard_keys(path, fmt))
 
 
+class _Wanted:
+    """Some keys' hashes, sorted, with a bit table in front: each stored hash of a shard is
+    tested against the table (one array lookup), and only the few that pass (the keys wanted,
+    and about 1 in 32 others) are searched for among the sorted hashes. Memory: 48 bytes a key
+    at most (its hash, its position, the table at 32 entries a key), none per stored sample."""
+
+    #: The bit table holds at least this many and at most ``MAX_TABLE`` entries.
+    MIN_TABLE, MAX_TABLE = 1 << 12, 1 << 24
+
+    def __init__(self, hashes: np.ndarray):
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        self.order = np.argsort(hashes, kind="stable")
+        self.sorted = hashes[self.order]
+        size = min(self.MAX_TABLE, max(self.MIN_TABLE, 32 * len(hashes)))
+        bits = int(size - 1).bit_length()
+        self.shift = np.uint64(64 - bits)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[self.sorted >> self.shift] = True
+
+    def __len__(self) -> int:
+        return len(self.sorted)
+
+    def hits(self, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The positions in ``stored`` whose hash is wanted, and for each the range
+        ``lo .. hi`` of ``order`` (the wanted keys with that hash)."""
+        at = np.flatnonzero(self.table[stored >> self.shift])
+        if not len(at):
+            return at, at, at
+        some = stored[at]
+        lo = np.searchsorted(self.sorted, some, side="left")
+        hi = np.searchsorted(self.sorted, some, side="right")
+        keep = hi > lo
+        return at[keep], lo[keep], hi[keep]
+
+
+def _matches(
+    folder: str, manifest: Manifest, wanted: _Wanted, key_of: Callable[[int], str]
+) -> Iterator[tuple[int, int, int]]:
+    """``(shard, position in it, position among the wanted keys)`` of each sample of the
+    dataset in ``folder`` whose key is one of ``wanted``: each shard's stored hashes tested
+    against ``wanted`` (one shard's column held at a time), a match confirmed on the real keys
+    (the shard's key, and ``key_of(q)`` for wanted key ``q``, asked in order of ``q``)."""
+    if not len(wanted):
+        return
+    for k, entry in enumerate(manifest.shards):
+        stored, table = _hashes(folder, manifest.shard_format, entry)
+        at, lo, hi = wanted.hits(stored)
+        if not len(at):
+            continue
+        if table is None:
+            table = shard_table(folder, manifest.shard_format, entry)
+        pairs = []  # (wanted position, position in the shard, the stored key its hash matched)
+        for p, a, b in zip(at.tolist(), lo.tolist(), hi.tolist(), strict=True):
+            key = table.key(p)
+            pairs.extend((q, p, key) for q in wanted.order[a:b].tolist())
+        for q, p, key in sorted(pairs):  # in order: ``key_of`` reads each shard of theirs once
+            if key_of(q) == key:
+                yield k, p, q
+
+
 def found_in(
     folder: str, manifest: Manifest, hashes: np.ndarray, key_of: Callable[[int], str]
 ) -> np.ndarray:
     """Which of some keys the dataset in ``folder`` already holds: a bool per key. The keys
     are given as ``hashes`` (``key_hashes`` of each) and ``key_of(i)`` (key ``i`` itself, asked
     only where a stored hash matches: to confirm it). Each shard's stored hashes are compared
-    against the sorted ``hashes``; a shard's keys are read only where one matches."""
-    hashes = np.asarray(hashes, dtype=np.uint64)
+    against the sorted ``hashes`` (``_Wanted``); a shard's keys are read only where one matches."""
     found = np.zeros(len(hashes), dtype=bool)
-    if not len(hashes):
-        return found
-    order = np.argsort(hashes, kind="stable")
-    wanted = hashes[order]
-    for entry in manifest.shards:
-        stored, table = _hashes(folder, manifest.shard_format, entry)
-        at = np.searchsorted(wanted, stored)
-        hit = np.flatnonzero(wanted[np.minimum(at, len(wanted) - 1)] == stored)
-        if not len(hit):
-            continue
-        if table is None:
-            table = shard_table(folder, manifest.shard_format, entry)
-        pairs = []  # (position among the keys given, the stored key its hash matched)
-        for p in hit.tolist():
-            hi = int(np.searchsorted(wanted, stored[p], side="right"))
-            key = table.key(p)
-            pairs.extend((q, key) for q in order[int(at[p]) : hi].tolist())
-        for q, key in sorted(pairs):  # in order: ``key_of`` reads each shard of theirs once
-            if not found[q] and key_of(q) == key:
-                found[q] = True
+    for _, _, q in _matches(folder, manifest, _Wanted(hashes), key_of):
+        found[q] = True
     return found
 
 
@@ -192,18 +263,34 @@ class DatasetKeys:
 def repeats_across(datasets: Sequence[tuple[str, Manifest]], start: int = 1):
     """The first dataset from ``start`` on holding a key of one before it, as ``(its position,
     how many of its keys an earlier one holds, the first of them in stored order)``; None when
-    no key repeats across them. Each dataset checked is held as its key hashes (8 bytes a
-    sample); those before it are read shard by shard (``found_in``)."""
+    no key repeats across them.
+
+    Each pair is compared by holding the smaller dataset's key hashes (8 bytes a sample, and
+    ``_Wanted``'s table) and reading the larger one's shard by shard (``_matches``): a merge of
+    a few new samples with a large dataset holds the few, in whichever order they are named."""
     for i in range(start, len(datasets)):
         folder, manifest = datasets[i]
         mine = DatasetKeys(folder, manifest)
-        hashes = mine.hashes()
-        seen = np.zeros(len(hashes), dtype=bool)
+        held: _Wanted | None = None  # this dataset's hashes, once one earlier is larger
+        found: list[int] = []  # positions of this dataset's keys an earlier one holds
         for earlier, m in datasets[:i]:
-            seen |= found_in(earlier, m, hashes, mine.key)
-        if seen.any():
-            return i, int(seen.sum()), mine.key(int(np.argmax(seen)))
+            if _count(m) >= _count(manifest):  # hold mine, read theirs
+                if held is None:
+                    held = _Wanted(mine.hashes())
+                found.extend(q for _, _, q in _matches(earlier, m, held, mine.key))
+            else:  # hold theirs, read mine
+                theirs = DatasetKeys(earlier, m)
+                matches = _matches(folder, manifest, _Wanted(theirs.hashes()), theirs.key)
+                found.extend(int(mine.starts[k]) + p for k, p, _ in matches)
+        if found:
+            first = min(found)
+            return i, len(set(found)), mine.key(first)
     return None
+
+
+def _count(manifest: Manifest) -> int:
+    """Samples of a dataset, as far as its manifest knows them (a shard of unknown count: 0)."""
+    return sum(max(0, s.samples) for s in manifest.shards)
 
 
 def identity(manifest: Manifest) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -228,7 +229,7 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     for path, m in todo:
         for s in m.shards:
             src = os.path.join(path, s.path)
-            if not os.path.isfile(src) or os.path.getsize(src) != s.bytes:
+            if _file_size(src) != s.bytes:
                 raise OutputError(
                     f"{src}: missing or not the {s.bytes} bytes its manifest says; "
                     f"`shardkit verify {path}` says more"
@@ -236,11 +237,16 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
             name = shard_name(number, "") + _suffix(s.path)
             number += 1
             linked += _place(src, os.path.join(staging, name))
-            index_sha256 = ""
+            index_sha256 = columns_sha256 = ""
             if os.path.isfile(index_path(src)):
                 _place(index_path(src), index_path(os.path.join(staging, name)))
-                index_sha256 = s.index_sha256  # the same bytes: checked wherever it is read
-            entries.append(ShardEntry(name, s.samples, s.bytes, s.sha256, s.index, index_sha256))
+                # the same bytes: checked wherever they are read
+                index_sha256, columns_sha256 = s.index_sha256, s.columns_sha256
+            entries.append(
+                ShardEntry(
+                    name, s.samples, s.bytes, s.sha256, s.index, index_sha256, columns_sha256
+                )
+            )
             if not index_sha256:  # an older pack's, or none
                 unchecked.add(name)
             added.append(name)
@@ -275,6 +281,15 @@ def _check_keys(in_place: str | None, base: Manifest, todo) -> None:
             f"(first: {first!r}); keys are unique within a dataset: leave it out, or pass "
             "allow_duplicates=True to keep both copies"
         )
+
+
+def _file_size(path: str) -> int | None:
+    """The size of the regular file at ``path`` (one ``stat``); None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _suffix(path: str) -> str:

@@ -30,6 +30,7 @@ from ..formats.sample_index import (
     SampleIndexError,
     build_index,
     decode_index,
+    index_digests,
     index_path,
     read_local,
 )
@@ -312,6 +313,13 @@ def index_problems(path: str, entry: ShardEntry, data: bytes | None, fix: str) -
     if entry.index_sha256 and hashlib.sha256(data).hexdigest() != entry.index_sha256:
         problems.append(
             f"sample index {entry.path}{INDEX_SUFFIX}: sha256 differs from the manifest"
+        )
+    elif entry.columns_sha256 and (
+        index_digests(data, entry.samples)["columns_sha256"] != entry.columns_sha256
+    ):
+        problems.append(
+            f"sample index {entry.path}{INDEX_SUFFIX}: the sha256 of its columns differs from "
+            "the manifest's columns_sha256"
         )
     if not _same_index(data, build_index(path, entry.bytes, entry.sha256), path):
         problems.append(

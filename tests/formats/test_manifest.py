@@ -97,3 +97,30 @@ def test_offset_index_round_trips_and_is_checked(tmp_path):
         (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
         with pytest.raises(ManifestError, match="offset index of shard"):
             read_manifest(str(tmp_path))
+
+
+def test_columns_sha256_round_trips_beside_index_sha256_and_is_checked(tmp_path):
+    """An entry's ``columns_sha256`` (the sha256 of its index's head, offsets and hashes) is
+    written and read back beside ``index_sha256``, by the column-wise reader (every entry of
+    the writers' shape) and the per-entry one (an entry of another shape among them) alike;
+    one that is not 64 hex digits is refused by name; without ``index_sha256`` it is not used."""
+    shards = [
+        ShardEntry("shard-000000.tar", 3, 4096, "ab" * 32, (), "cd" * 32, "ef" * 32),
+        ShardEntry("shard-000001.tar", 2, 2048, "ab" * 32, (), "cd" * 32),
+        ShardEntry("shard-000002.tar", 130, 900_000, "ab" * 32, (0, 300_000, 600_000)),
+    ]
+    for some in (shards[:2], shards):
+        m = Manifest(shard_format="tar", classes=["a"], shards=some)
+        write_manifest(m, str(tmp_path))
+        doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+        assert doc["shards"][0]["columns_sha256"] == "ef" * 32
+        assert "columns_sha256" not in doc["shards"][1]
+        assert read_manifest(str(tmp_path)) == m
+    doc["shards"][0]["columns_sha256"] = "EF" * 32
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="shard-000000.tar.: columns_sha256 .* not 64 hex"):
+        read_manifest(str(tmp_path))
+    doc["shards"][0]["columns_sha256"] = "ef" * 32
+    del doc["shards"][0]["index_sha256"]
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
+    assert read_manifest(str(tmp_path)).shards[0].columns_sha256 == ""

@@ -255,7 +255,7 @@ def test_a_view_opens_without_reading_and_gives_what_the_shards_give(tmp_path):
     bare = _without_indexes(out, tmp_path / "bare")
     before = _rchar()
     view = ShardView(str(out), decode="raw", with_keys=True)
-    assert _rchar() - before < 20_000  # the manifest alone
+    assert _rchar() - before < os.path.getsize(out / "manifest.json") + 6_000  # the manifest alone
     slow = ShardView(bare, decode="raw", with_keys=True)
     assert len(view) == len(slow) == 60 and view.keys() == slow.keys()
     assert [view[i] for i in range(60)] == [slow[i] for i in range(60)]

@@ -4,6 +4,7 @@ an interrupted append leaves the old dataset intact. Real files, real child proc
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -586,3 +587,96 @@ def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(sr
     assert (again.samples, again.duplicates) == (0, 12)
     keys = [k for k, _ in samples(out)]
     assert len(keys) == len(set(keys)) == 12
+
+
+def _written(out, keys):
+    """A dataset of tiny samples ``c0/kNNNNN`` in shards of ~400 (``ShardWriter``: fast)."""
+    from shardkit import ShardWriter
+
+    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+        for k in keys:
+            w.add(f"c0/k{k:05d}", "jpg", b"\xff\xd8 %d" % k, 0)
+    return out
+
+
+def test_a_merge_holds_the_few_new_keys_hashes_not_the_large_datasets(tmp_path, monkeypatch):
+    """Counted (tracemalloc, numpy's arrays included; the audit hook for files opened): the
+    key check of a merge of 60 new samples with 12,000 holds the 60 keys' hashes and one shard
+    of the large dataset at a time, in either order the two are named, not the 12,000 keys'
+    hashes (8 bytes a sample, and their sorted copy); it opens each of the large dataset's
+    indexes once and none of its shards. A shared key is still found in either order."""
+    import tracemalloc
+
+    import shardkit.write.merge as merge_module
+
+    written = _written
+    big = written(tmp_path / "big", range(12000))
+    few = written(tmp_path / "few", range(20000, 20060))
+    shards = read_manifest(str(big)).shards
+    indexes = sorted(os.path.realpath(os.path.join(big, s.path)) + ".idx" for s in shards)
+    peaks = []
+    check = merge_module.repeats_across
+
+    def counted(datasets):
+        tracemalloc.start()
+        try:
+            return check(datasets)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(merge_module, "repeats_across", counted)
+    for order in ((big, few), (few, big)):
+        out = tmp_path / f"merged-{order[0].name}"
+        with _Opens(big) as opens:
+            merge(order, out)
+        assert opens.shards() == []
+        assert sorted(p for p in opens.paths if p.endswith(".idx")) == indexes
+        assert read_manifest(str(out)).num_samples == 12060
+    assert len(shards) >= 20 and len(peaks) == 2
+    assert max(peaks) < 8 * 12000, peaks
+    dup = written(tmp_path / "dup", (20001, 7000, 5))  # shares keys with both, stored order
+    cases = [((big, dup), 2, 7000), ((dup, big), 2, 5), ((few, dup), 1, 20001)]
+    cases.append(((big, few, dup), 3, 20001))  # dup against both: each key counted once
+    for order, count, first in cases:
+        with pytest.raises(InputError, match=rf": {count} of its keys .*'c0/k{first:05d}'"):
+            merge(order, tmp_path / "refused")
+    assert not os.path.exists(tmp_path / "refused" / "manifest.json")
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_growth_reads_of_each_old_index_the_columns_its_manifest_vouches_for(tmp_path):
+    """Counted (``rchar``: every byte this process read): a merge of 60 new samples with 12,000
+    reads, of each of the large dataset's indexes, the columns whose sha256 the manifest lists
+    (``columns_sha256``: head, offsets and key hashes, 16 bytes a sample), not the whole file
+    (its key table and members too, ~5x). A manifest without ``columns_sha256`` (packs made
+    before it) has each index read and hashed whole, as before; shared keys are refused alike."""
+    from shardkit.formats.sample_index import columns_size
+
+    big = _written(tmp_path / "big", range(12000))
+    few = _written(tmp_path / "few", range(20000, 20060))
+    shards = read_manifest(str(big)).shards
+    assert all(len(s.columns_sha256) == 64 for s in shards)
+    columns = sum(columns_size(s.samples) for s in shards)
+    whole = sum(os.path.getsize(os.path.join(big, s.path) + ".idx") for s in shards)
+    assert whole > 4 * columns
+    before = _rchar()
+    merge([few, big], tmp_path / "merged")
+    # beside the columns: the manifests, the few's index, the package's metadata (created_by)
+    assert _rchar() - before < columns + 64_000
+    assert read_manifest(str(tmp_path / "merged")).shards[0].columns_sha256  # carried over
+    doc = json.loads((big / "manifest.json").read_text())
+    for entry in doc["shards"]:
+        del entry["columns_sha256"]
+    (big / "manifest.json").write_text(json.dumps(doc))
+    before = _rchar()
+    merge([few, big], tmp_path / "merged-older")
+    assert _rchar() - before > whole
+    dup = _written(tmp_path / "dup", (20001, 7000, 5))
+    with pytest.raises(InputError, match=r": 2 of its keys .*'c0/k00005'"):
+        merge([dup, big], tmp_path / "refused")

@@ -181,10 +181,13 @@ def test_verify_checks_each_sample_index_against_the_manifest_and_the_headers(tm
     with open(stale, "wb") as f:
         f.write(other)
     doc["shards"][2]["index_sha256"] = __import__("hashlib").sha256(other).hexdigest()
+    doc["shards"][3]["columns_sha256"] = "0" * 64  # the index as written, its columns' digest not
     (out / "manifest.json").write_text(json.dumps(doc))
     report = verify(str(out))
     bad = {b.path: " ".join(b.problems) for b in report.bad}
-    assert sorted(bad) == [s.path for s in shards[:3]]
+    assert sorted(bad) == [s.path for s in shards[:4]]
+    assert bad[shards[3].path].startswith(f"sample index {shards[3].path}.idx: the sha256 of its ")
+    assert "columns_sha256" in bad[shards[3].path] and "damaged" not in bad[shards[3].path]
     fix = f"rebuild it with `shardkit index {out}`"
     assert bad[shards[0].path] == f"sample index {shards[0].path}.idx missing; {fix}"
     assert "sha256 differs from the manifest" in bad[shards[1].path]
