@@ -380,20 +380,28 @@ class MixLayout(EpochLayout):
 def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
     """``n`` positions of source ``s``: whole passes over its members, then a draw without
     replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
-    ascending within a shard so reading stays sequential."""
-    m = len(s.members)
-    counts = np.fromiter((x.samples for x in s.shards), np.int64, len(s.shards))
-    shard_of = np.searchsorted(np.cumsum(counts), s.members, side="right")
+    ascending within a shard so reading stays sequential. A whole pass is written shard by
+    shard from ``s.members`` (``stream.members``): the members are never held as one array
+    beside the draw."""
+    members = s.members
+    m = len(members)
     passes, rest = divmod(n, m)
-    out = []
+    out = np.empty(n, dtype=np.int64)
+    at = 0
     for p in range(passes + (1 if rest else 0)):
-        rank = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
-        pick = np.arange(m)
+        rank = rng.permutation(len(s.shards)) if shuffle else np.arange(len(s.shards))
         if p == passes:  # the partial pass: a draw without replacement, kept in stored order
-            pick = np.sort(rng.choice(m, size=rest, replace=False))
-        pos = np.argsort(rank[shard_of[pick]], kind="stable")
-        out.append(s.members[pick[pos]])
-    return np.concatenate(out) if out else np.empty(0, np.int64)
+            chosen = members.take(np.sort(rng.choice(m, size=rest, replace=False)))
+            shard_of = np.searchsorted(members.starts[1:], chosen, side="right")
+            out[at : at + rest] = chosen[np.argsort(rank[shard_of], kind="stable")]
+            at += rest
+            continue
+        for i in np.argsort(rank, kind="stable").tolist():  # shards by rank: a pass's order
+            if members.per_shard[i]:
+                got = members.shard(i)
+                out[at : at + len(got)] = got
+                at += len(got)
+    return out
 
 
 @dataclass(frozen=True)
