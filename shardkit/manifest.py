@@ -429,7 +429,10 @@ def read_manifest(
         return Manifest.from_json(text, source=path)
     try:
         with open_regular(path) as f:  # a FIFO named manifest.json: refused, not waited on
-            text = f.read(MAX_MANIFEST_BYTES + 1)  # bounded: from_json refuses anything longer
+            # Bounded (from_json refuses anything longer), and by the file's size: a read of
+            # the cap allocates the cap (512 MiB) whatever the file holds.
+            size = os.fstat(f.fileno()).st_size
+            text = f.read(min(size, MAX_MANIFEST_BYTES) + 1)
     except FileNotFoundError:
         if interrupted_commit(os.path.dirname(path)):
             raise ManifestError(interrupted_message(os.path.dirname(path))) from None
