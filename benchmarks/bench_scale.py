@@ -11,8 +11,12 @@ machine moves least:
 
 - ``subset``: a ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own
   bytes, CPU per drawn sample;
-- ``split``: ``split="val"`` construction: CPU and peak memory above the imports, per sample of
-  the whole data set;
+- ``split``, ``split-train``: ``split="val"`` and ``split="train"`` construction
+  (``val_fraction=0.1``): CPU and peak resident memory above the imports, per sample of the
+  whole data set, then a second construction under ``tracemalloc``: the bytes it allocates at
+  its peak and holds after (numpy's arrays included; not the ~10 MB of pages the first one
+  touches whatever N; the manifest's size cap set to its file's size, as an older checkout
+  allocated the cap, 512 MiB, to read it); with ``--against DIR`` also on another checkout;
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
 - ``view``: ``ShardView`` open: CPU and peak memory;
 - ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
@@ -29,6 +33,7 @@ machine moves least:
     python benchmarks/bench_scale.py --n 128000 1280000 --json bench-out/scale.json
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
     python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
+    python benchmarks/bench_scale.py --n 1280000 --what split split-train --against /tmp/main-wt
 """
 
 from __future__ import annotations
@@ -70,9 +75,21 @@ if what == "subset":
     c1 = cpu()
     n = sum(len(s[0]) for s in ds)
     out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
-elif what == "split":
-    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+elif what in ("split", "split-train"):
+    side = "val" if what == "split" else "train"
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
     out["len"] = len(ds)
+    c1, t1 = cpu(), time.perf_counter()
+    out["peak_mb"] = status_mb("VmHWM")
+    del ds
+    import tracemalloc  # again, traced: the bytes it allocates (numpy's too), not the page floor
+    import shardkit.manifest  # the cap at the file's size: an older checkout read the cap whole
+    shardkit.manifest.MAX_MANIFEST_BYTES = os.path.getsize(os.path.join(where, "manifest.json"))
+    tracemalloc.start()
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
 elif what == "split-epoch":
     ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
     c1 = cpu()
@@ -116,7 +133,7 @@ elif what == "epoch":
 out["seconds"] = time.perf_counter() - t0
 out["cpu_s"] = cpu() - c0
 out["rchar"] = rchar() - r0
-out["peak_mb"] = status_mb("VmHWM")
+out.setdefault("peak_mb", status_mb("VmHWM"))
 print(json.dumps(out))
 """
 
@@ -131,9 +148,21 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.r
                   "peak_mb": r.ru_maxrss / 1024}))
 """
 
-WHATS = ("subset", "split", "split-epoch", "view", "get", "ls", "show", "show-missing", "epoch")
+WHATS = (
+    "subset",
+    "split",
+    "split-train",
+    "split-epoch",
+    "view",
+    "get",
+    "ls",
+    "show",
+    "show-missing",
+    "epoch",
+)
 GROWTH = ("append", "merge")
 MANY = ("view", "get", "ls", "show", "show-missing")
+AGAINST = ("split", "split-train")  # the figures ``--against`` measures on the other checkout
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -142,8 +171,8 @@ def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
     return str(packed), str(bare)
 
 
-def child(what: str, where: str, key: str = "") -> dict:
-    return harness.in_child(harness.ROOT, CHILD, what, where, key)
+def child(what: str, where: str, key: str = "", checkout: Path = harness.ROOT) -> dict:
+    return harness.in_child(checkout, CHILD, what, where, key)
 
 
 def growth(what: str, packed: Path, n: int, new: int, work: Path, fmt: str) -> dict:
@@ -180,6 +209,16 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
         for what in whats
         for side, where in (("index", packed), ("no_index", bare))
     }
+    if args.against is not None:
+        sides.update(
+            {
+                f"{what}/against": (
+                    lambda r, what=what: child(what, str(packed), key, args.against.resolve())
+                )
+                for what in whats
+                if what in AGAINST
+            }
+        )
     sides.update(
         {
             f"{what}/index": (lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt))
@@ -196,7 +235,7 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
 
 
 def main() -> None:
-    ap = harness.parser(__doc__, rounds=1, against=False)
+    ap = harness.parser(__doc__, rounds=1)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
     ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
@@ -226,6 +265,7 @@ def main() -> None:
 LABELS = {
     "subset": "subset=0.01 epoch",
     "split": 'split="val" construction',
+    "split-train": 'split="train" construction',
     "split-epoch": 'split="val" epoch',
     "view": "ShardView open",
     "get": "get(key), per lookup",
@@ -248,9 +288,10 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what in ("epoch", "split-epoch"):
         us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
         return f"{us:.1f} us CPU/sample +{more:.0f} MB"
-    if what == "split":
-        per = more * 2**20 / row["n"]
-        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B/sample)"
+    if what in AGAINST:
+        per, n = more * 2**20 / row["n"], row["n"]
+        traced = f"traced {r['traced_peak_b'] / n:.2f}/{r['held_b'] / n:.2f} B"
+        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}"
     if what == "get":
         return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
     if what in GROWTH:
@@ -266,13 +307,16 @@ def _print(row: dict) -> None:
         f"{row['load_before']['load_1m']} -> {row['load_after']['load_1m']}"
     )
     print("memory: peak resident above what a process holds after importing shardkit+torch")
-    print(f"{'figure':28s} {'with index':>44s} {'without':>44s}")
+    against = any(k.endswith("/against") for k in row)
+    head = f"{'figure':28s} {'with index':>44s} {'without':>44s}"
+    print(head + (f" {'--against, with index':>44s}" if against else ""))
     for what, label in LABELS.items():
         if f"{what}/index" not in row:
             continue
         cells = [_cell(what, row[f"{what}/index"], row)]
-        if f"{what}/no_index" in row:
-            cells.append(_cell(what, row[f"{what}/no_index"], row))
+        for side in ("no_index", "against"):
+            if f"{what}/{side}" in row:
+                cells.append(_cell(what, row[f"{what}/{side}"], row))
         print(f"{label:28s} " + " ".join(f"{c:>44s}" for c in cells))
 
 
