@@ -124,3 +124,23 @@ def test_a_split_holds_an_eighth_of_a_byte_a_sample_and_a_few_per_shard(packs, s
         assert src.val_bits is None or src.val_bits is src.members.val_bits
         share = 0.1 if split == "val" else 0.9
         assert abs(len(src.members) - share * N) < 0.05 * N  # the side it is, not the other
+
+
+@pytest.mark.parametrize("share", [0.37, 1.0, 3.6])  # a partial pass alone, one pass, passes
+def test_an_epoch_draw_answered_by_position_is_the_whole_draw(packs, share):
+    """``DrawnIds`` (a one-source epoch's ids, never held whole) gives at every position asked,
+    in any order and past a wrap, what the whole draw (``_draw``) holds there."""
+    from shardkit.stream.partition import DrawnIds, _draw
+
+    for split, subset in (("train", None), ("val", 0.5), (None, None)):
+        ds = ShardDataset(Source(packs["tar"], split=split, subset=subset), decode="raw")
+        (src,) = ds.sources
+        n = max(1, int(share * len(src.members)))
+        for shuffle in (True, False):
+            whole = _draw(src, n, rng_for(4, 2, _DRAW, 0), shuffle)
+            lazy = DrawnIds(src, n, rng_for(4, 2, _DRAW, 0), shuffle)
+            asked = np.random.default_rng(0).integers(0, n, 3 * n)
+            assert np.array_equal(lazy[asked], whole[asked])
+            assert np.array_equal(
+                lazy[np.arange(n // 3, n + n // 3) % n], np.roll(whole, -(n // 3))
+            )
