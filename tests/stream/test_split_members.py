@@ -144,3 +144,26 @@ def test_an_epoch_draw_answered_by_position_is_the_whole_draw(packs, share):
             assert np.array_equal(
                 lazy[np.arange(n // 3, n + n // 3) % n], np.roll(whole, -(n // 3))
             )
+
+
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_a_one_source_epoch_layout_holds_a_few_bytes_a_shard(packs, split):
+    """Counted (tracemalloc): the epoch stream of one split source, which every worker builds,
+    holds each pass's shard order and member counts (16 bytes a shard), not an id and a source
+    number for every drawn sample (16 bytes each: 14.4 a sample of the dataset for train)."""
+    import tracemalloc
+
+    from shardkit.stream.partition import MixLayout
+
+    ds = ShardDataset(Source(packs["tar"], split=split), decode="raw", seed=2)
+    kw = dict(seed=2, shuffle=True, buffer_size=0, equalize="pad")
+    MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first draw imports its modules
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        layout = MixLayout.build(ds.sources, ds.shares, epoch=1, **kw)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert layout.total == len(ds)
+    assert held <= 40 * len(ds.shards) + 1024, held
