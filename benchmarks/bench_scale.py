@@ -208,6 +208,7 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
         f"{what}/{side}": (lambda r, what=what, where=where: child(what, str(where), key))
         for what in whats
         for side, where in (("index", packed), ("no_index", bare))
+        if side == "index" or not args.index_only
     }
     if args.against is not None:
         sides.update(
@@ -239,6 +240,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
     ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
+    ap.add_argument(
+        "--index-only", action="store_true", help="Leave out the shards without indexes."
+    )
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
     ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
@@ -307,9 +311,10 @@ def _print(row: dict) -> None:
         f"{row['load_before']['load_1m']} -> {row['load_after']['load_1m']}"
     )
     print("memory: peak resident above what a process holds after importing shardkit+torch")
-    against = any(k.endswith("/against") for k in row)
-    head = f"{'figure':28s} {'with index':>44s} {'without':>44s}"
-    print(head + (f" {'--against, with index':>44s}" if against else ""))
+    heads = ["with index"]
+    heads += ["without"] if any(k.endswith("/no_index") for k in row) else []
+    heads += ["--against, with index"] if any(k.endswith("/against") for k in row) else []
+    print(f"{'figure':28s} " + " ".join(f"{h:>44s}" for h in heads))
     for what, label in LABELS.items():
         if f"{what}/index" not in row:
             continue
