@@ -17,6 +17,10 @@ machine moves least:
   its peak and holds after (numpy's arrays included; not the ~10 MB of pages the first one
   touches whatever N; the manifest's size cap set to its file's size, as an older checkout
   allocated the cap, 512 MiB, to read it); with ``--against DIR`` also on another checkout;
+- ``split-plan``, ``split-train-plan``: an epoch's draw of that split (``MixLayout``, built in
+  every worker) and one worker's plan of it (one rank, one worker: its part is the epoch),
+  under ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
+  sample of the whole data set (``--against DIR`` too);
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
 - ``view``: ``ShardView`` open: CPU and peak memory;
 - ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
@@ -90,6 +94,22 @@ elif what in ("split", "split-train"):
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
+elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one worker's plan
+    import tracemalloc
+    from shardkit.stream.partition import MixLayout, mix_worker_plan
+    from shardkit.stream.world import World
+    side = "val" if what == "split-plan" else "train"
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    kw = dict(seed=3, shuffle=True, buffer_size=ds.buffer_size, equalize="pad")
+    warm = MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first one's imports
+    mix_worker_plan(warm, ds.sources, World(), {})
+    del warm
+    tracemalloc.start()
+    layout = MixLayout.build(ds.sources, ds.shares, epoch=1, **kw)
+    out["layout_b"] = tracemalloc.get_traced_memory()[0]
+    plan = mix_worker_plan(layout, ds.sources, World(), {})
+    out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
 elif what == "split-epoch":
     ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
     c1 = cpu()
@@ -152,6 +172,8 @@ WHATS = (
     "subset",
     "split",
     "split-train",
+    "split-plan",
+    "split-train-plan",
     "split-epoch",
     "view",
     "get",
@@ -162,7 +184,8 @@ WHATS = (
 )
 GROWTH = ("append", "merge")
 MANY = ("view", "get", "ls", "show", "show-missing")
-AGAINST = ("split", "split-train")  # the figures ``--against`` measures on the other checkout
+# The figures ``--against`` measures on the other checkout too.
+AGAINST = ("split", "split-train", "split-plan", "split-train-plan")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -270,6 +293,8 @@ LABELS = {
     "subset": "subset=0.01 epoch",
     "split": 'split="val" construction',
     "split-train": 'split="train" construction',
+    "split-plan": 'split="val" epoch plan',
+    "split-train-plan": 'split="train" epoch plan',
     "split-epoch": 'split="val" epoch',
     "view": "ShardView open",
     "get": "get(key), per lookup",
@@ -292,6 +317,12 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what in ("epoch", "split-epoch"):
         us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
         return f"{us:.1f} us CPU/sample +{more:.0f} MB"
+    if what.endswith("-plan"):
+        n = row["n"]
+        return (
+            f"draw {r['layout_b'] / n:.2f} B, plan peak {r['traced_peak_b'] / n:.1f} B, "
+            f"held {r['held_b'] / n:.2f} B"
+        )
     if what in AGAINST:
         per, n = more * 2**20 / row["n"], row["n"]
         traced = f"traced {r['traced_peak_b'] / n:.2f}/{r['held_b'] / n:.2f} B"
