@@ -167,3 +167,19 @@ def test_a_one_source_epoch_layout_holds_a_few_bytes_a_shard(packs, split):
         tracemalloc.stop()
     assert layout.total == len(ds)
     assert held <= 40 * len(ds.shards) + 1024, held
+
+
+@pytest.mark.parametrize(("split", "subset", "n"), [("train", None, None), ("val", 0.5, 700)])
+def test_each_rank_reads_its_span_of_the_whole_arrays_epoch(packs, split, subset, n):
+    """Two ranks (``equalize="pad"``): each reads its contiguous span of the epoch the whole
+    arrays give, the last one wrapping to the start, as the stream was cut before."""
+    where = packs["tar"]
+    want = _expected(where, 11, 1, split, subset, n, True)
+    per = -(-len(want) // 2)
+    for rank in (0, 1):
+        ds = ShardDataset(
+            Source(where, split=split, subset=subset), epoch_size=n, decode="raw",
+            with_keys=True, seed=11, order=Order(buffer_size=0), rank=rank, world_size=2,
+        )  # fmt: skip
+        ds.set_epoch(1)
+        assert [s[2] for s in ds] == (want * 2)[rank * per : (rank + 1) * per]
