@@ -11,8 +11,16 @@ machine moves least:
 
 - ``subset``: a ``subset=0.01`` epoch: bytes read (``rchar``) against the drawn samples' own
   bytes, CPU per drawn sample;
-- ``split``: ``split="val"`` construction: CPU and peak memory above the imports, per sample of
-  the whole data set;
+- ``split``, ``split-train``: ``split="val"`` and ``split="train"`` construction
+  (``val_fraction=0.1``): CPU and peak resident memory above the imports, per sample of the
+  whole data set, then a second construction under ``tracemalloc``: the bytes it allocates at
+  its peak and holds after (numpy's arrays included; not the ~10 MB of pages the first one
+  touches whatever N; the manifest's size cap set to its file's size, as an older checkout
+  allocated the cap, 512 MiB, to read it); with ``--against DIR`` also on another checkout;
+- ``split-plan``, ``split-train-plan``: an epoch's draw of that split (``MixLayout``, built in
+  every worker) and one worker's plan of it (one rank, one worker: its part is the epoch),
+  under ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
+  sample of the whole data set (``--against DIR`` too);
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
 - ``view``: ``ShardView`` open: CPU and peak memory;
 - ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
@@ -33,6 +41,7 @@ interleaved with this one's.
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
     python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
     python benchmarks/bench_scale.py --n 128000 1280000 --what append merge --against /tmp/base
+    python benchmarks/bench_scale.py --n 1280000 --what split split-train --against /tmp/main-wt
 """
 
 from __future__ import annotations
@@ -74,9 +83,37 @@ if what == "subset":
     c1 = cpu()
     n = sum(len(s[0]) for s in ds)
     out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
-elif what == "split":
-    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+elif what in ("split", "split-train"):
+    side = "val" if what == "split" else "train"
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
     out["len"] = len(ds)
+    c1, t1 = cpu(), time.perf_counter()
+    out["peak_mb"] = status_mb("VmHWM")
+    del ds
+    import tracemalloc  # again, traced: the bytes it allocates (numpy's too), not the page floor
+    import shardkit.manifest  # the cap at the file's size: an older checkout read the cap whole
+    shardkit.manifest.MAX_MANIFEST_BYTES = os.path.getsize(os.path.join(where, "manifest.json"))
+    tracemalloc.start()
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
+elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one worker's plan
+    import tracemalloc
+    from shardkit.stream.partition import MixLayout, mix_worker_plan
+    from shardkit.stream.world import World
+    side = "val" if what == "split-plan" else "train"
+    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    kw = dict(seed=3, shuffle=True, buffer_size=ds.buffer_size, equalize="pad")
+    warm = MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first one's imports
+    mix_worker_plan(warm, ds.sources, World(), {})
+    del warm
+    tracemalloc.start()
+    layout = MixLayout.build(ds.sources, ds.shares, epoch=1, **kw)
+    out["layout_b"] = tracemalloc.get_traced_memory()[0]
+    plan = mix_worker_plan(layout, ds.sources, World(), {})
+    out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
 elif what == "split-epoch":
     ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
     c1 = cpu()
@@ -120,7 +157,7 @@ elif what == "epoch":
 out["seconds"] = time.perf_counter() - t0
 out["cpu_s"] = cpu() - c0
 out["rchar"] = rchar() - r0
-out["peak_mb"] = status_mb("VmHWM")
+out.setdefault("peak_mb", status_mb("VmHWM"))
 print(json.dumps(out))
 """
 
@@ -135,9 +172,24 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.r
                   "peak_mb": r.ru_maxrss / 1024}))
 """
 
-WHATS = ("subset", "split", "split-epoch", "view", "get", "ls", "show", "show-missing", "epoch")
+WHATS = (
+    "subset",
+    "split",
+    "split-train",
+    "split-plan",
+    "split-train-plan",
+    "split-epoch",
+    "view",
+    "get",
+    "ls",
+    "show",
+    "show-missing",
+    "epoch",
+)
 GROWTH = ("append", "merge")
 MANY = ("view", "get", "ls", "show", "show-missing")
+# The figures ``--against`` measures on the other checkout too.
+AGAINST = ("split", "split-train", "split-plan", "split-train-plan")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -146,8 +198,8 @@ def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
     return str(packed), str(bare)
 
 
-def child(what: str, where: str, key: str = "") -> dict:
-    return harness.in_child(harness.ROOT, CHILD, what, where, key)
+def child(what: str, where: str, key: str = "", checkout: Path = harness.ROOT) -> dict:
+    return harness.in_child(checkout, CHILD, what, where, key)
 
 
 def growth(
@@ -186,6 +238,7 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
         f"{what}/{side}": (lambda r, what=what, where=where: child(what, str(where), key))
         for what in whats
         for side, where in (("index", packed), ("no_index", bare))
+        if side == "index" or not args.index_only
     }
     sides.update(
         {
@@ -193,13 +246,19 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
             for what in growth_whats
         }
     )
-    if args.against:  # growth only: the same CLI call of another checkout, interleaved
+    if args.against is not None:  # the same children of another checkout, interleaved
+        there = args.against.resolve()
+        sides.update(
+            {
+                f"{what}/against": (lambda r, what=what: child(what, str(packed), key, there))
+                for what in whats
+                if what in AGAINST
+            }
+        )
         sides.update(
             {
                 f"{what}/against": (
-                    lambda r, what=what: growth(
-                        what, packed, n, args.new, args.out, fmt, args.against.resolve()
-                    )
+                    lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt, there)
                 )
                 for what in growth_whats
             }
@@ -218,6 +277,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
     ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
+    ap.add_argument(
+        "--index-only", action="store_true", help="Leave out the shards without indexes."
+    )
     ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
     ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
@@ -244,6 +306,9 @@ def main() -> None:
 LABELS = {
     "subset": "subset=0.01 epoch",
     "split": 'split="val" construction',
+    "split-train": 'split="train" construction',
+    "split-plan": 'split="val" epoch plan',
+    "split-train-plan": 'split="train" epoch plan',
     "split-epoch": 'split="val" epoch',
     "view": "ShardView open",
     "get": "get(key), per lookup",
@@ -266,9 +331,16 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what in ("epoch", "split-epoch"):
         us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
         return f"{us:.1f} us CPU/sample +{more:.0f} MB"
-    if what == "split":
-        per = more * 2**20 / row["n"]
-        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B/sample)"
+    if what.endswith("-plan"):
+        n = row["n"]
+        return (
+            f"draw {r['layout_b'] / n:.2f} B, plan peak {r['traced_peak_b'] / n:.1f} B, "
+            f"held {r['held_b'] / n:.2f} B"
+        )
+    if what in AGAINST:
+        per, n = more * 2**20 / row["n"], row["n"]
+        traced = f"traced {r['traced_peak_b'] / n:.2f}/{r['held_b'] / n:.2f} B"
+        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}"
     if what == "get":
         return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
     if what in GROWTH:
@@ -284,13 +356,17 @@ def _print(row: dict) -> None:
         f"{row['load_before']['load_1m']} -> {row['load_after']['load_1m']}"
     )
     print("memory: peak resident above what a process holds after importing shardkit+torch")
-    print(f"{'figure':28s} {'with index':>44s} {'without':>44s}")
+    heads = ["with index"]
+    heads += ["without"] if any(k.endswith("/no_index") for k in row) else []
+    heads += ["--against, with index"] if any(k.endswith("/against") for k in row) else []
+    print(f"{'figure':28s} " + " ".join(f"{h:>44s}" for h in heads))
     for what, label in LABELS.items():
         if f"{what}/index" not in row:
             continue
         cells = [_cell(what, row[f"{what}/index"], row)]
-        if f"{what}/no_index" in row:
-            cells.append(_cell(what, row[f"{what}/no_index"], row))
+        for side in ("no_index", "against"):
+            if f"{what}/{side}" in row:
+                cells.append(_cell(what, row[f"{what}/{side}"], row))
         print(f"{label:28s} " + " ".join(f"{c:>44s}" for c in cells))
         if f"{what}/against" in row:
             print(f"{'  against':28s} {_cell(what, row[f'{what}/against'], row):>44s}")

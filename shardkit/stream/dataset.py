@@ -37,7 +37,8 @@ from ..paths import check_source
 from ..records import UNKNOWN, Record, ShardInfo, ShardSlice, ShardTable
 from .fields import Boxes, decode_field_image, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_mask, val_mask, warn_unindexed
+from .indexes import all_keys, split_bits, val_mask, warn_unindexed
+from .members import AllMembers, Members, SideMembers
 from .mix import (
     LABEL_MODES,
     MixedSource,
@@ -335,19 +336,21 @@ class ShardDataset(IterableDataset):
                 warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
             keys = all_keys(shards, r.format, store, opts) if by_keys else None
             val_bits, refused, unbound = None, set(), set()
+            counts = sample_counts(shards)
             if src.split is None:
-                members = np.arange(size, dtype=np.int64)
+                members: Members = AllMembers(counts)
             else:  # the indexes' hashes: no key read where they exist
-                if keys is None:  # one shard's hashes at a time: a byte a sample held
-                    val = split_mask(
+                if keys is None:  # one shard's hashes at a time: the bits and a count a shard
+                    val_bits, per_shard = split_bits(
                         shards, r.format, store, src.val_fraction, opts, refused, unbound
                     )
                 else:
                     val = val_mask(key_hashes(keys), src.val_fraction)
-                members = np.flatnonzero(val if src.split == "val" else ~val)
-                members = members.astype(np.int64, copy=False)
-                val_bits = np.packbits(val)
-                del val
+                    val_bits = np.packbits(val)
+                    at = np.concatenate(([0], np.cumsum(counts)))
+                    per_shard = np.diff(np.searchsorted(np.flatnonzero(val), at))
+                    del val
+                members = SideMembers(counts, val_bits, per_shard, src.split == "val")
             members = subset_members(members, src.subset, self.seed, keys, src.name)
             if len(members) == 0:
                 raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")

@@ -41,8 +41,8 @@ __all__ = [
     "shard_columns",
     "shard_index",
     "shard_keys",
+    "split_bits",
     "split_hashes",
-    "split_mask",
     "split_positions",
     "val_mask",
     "warn_unindexed",
@@ -163,7 +163,7 @@ def split_hashes(
     return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
 
-def split_mask(
+def split_bits(
     shards: Sequence[ShardInfo],
     fmt: str,
     storage: Storage,
@@ -171,14 +171,26 @@ def split_mask(
     storage_options=None,
     refused: set[str] | None = None,
     unbound: set[str] | None = None,
-) -> np.ndarray:
-    """``val_mask(split_hashes(...))``, one shard's hashes held at a time: 1 byte a sample of
-    the dataset (2 while the shards' parts are joined) where the hashes took 8 (16)."""
-    parts = [
-        val_mask(h, val_fraction)
-        for h in _shard_hashes(shards, fmt, storage, storage_options, refused, unbound)
-    ]
-    return np.concatenate(parts) if parts else np.empty(0, bool)
+) -> tuple[np.ndarray, np.ndarray]:
+    """``np.packbits(val_mask(split_hashes(...)))`` and each shard's count of val samples, one
+    shard's hashes held at a time: what a split holds is 1/8 byte a sample of the dataset (the
+    bits) and 8 bytes a shard (``members.SideMembers``), never a byte or a position a sample."""
+    total = int(sum(s.samples for s in shards))  # counted: each shard's hashes are checked
+    packed = np.zeros(-(-total // 8), dtype=np.uint8)
+    per_shard = np.zeros(len(shards), dtype=np.int64)
+    carry = np.empty(0, dtype=bool)  # the last shard's bits that are not yet a whole byte
+    at = 0  # bytes of ``packed`` written
+    hashes = _shard_hashes(shards, fmt, storage, storage_options, refused, unbound)
+    for i, h in enumerate(hashes):
+        val = val_mask(h, val_fraction)
+        per_shard[i] = np.count_nonzero(val)
+        bits = np.concatenate((carry, val))
+        whole = len(bits) - len(bits) % 8
+        packed[at : at + whole // 8] = np.packbits(bits[:whole])
+        at, carry = at + whole // 8, bits[whole:]
+    if len(carry):
+        packed[at] = np.packbits(carry)[0]
+    return packed, per_shard
 
 
 def _shard_hashes(shards, fmt, storage, storage_options, refused, unbound):
@@ -192,6 +204,11 @@ def _shard_hashes(shards, fmt, storage, storage_options, refused, unbound):
                 unbound.add(shard.url)
             if not trusted and refused is not None:
                 refused.add(shard.url)
+            if shard.samples >= 0 and len(hashes) != shard.samples:
+                raise ShardFormatError(
+                    f"{shard.url}: its index holds {len(hashes)} samples, its manifest says "
+                    f"{shard.samples}; rebuild the index (`shardkit index`) or re-pack the shard"
+                )
             yield hashes
     finally:
         storage.close()

@@ -41,6 +41,7 @@ from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
 from ..records import Record, ShardInfo, ShardSlice
+from .members import ListedMembers, Members
 from .partition import EpochLayout, MixLayout, MixPlan, sample_counts
 from .resume import arrange
 from .shuffle import rng_for
@@ -131,14 +132,15 @@ class Source:
 @dataclass
 class MixedSource:
     """A resolved ``Source``: its shards (counted), format, storage, the samples it may draw
-    (``members``: positions in its shards laid end to end, ascending) and its label table."""
+    (``members``: positions in its shards laid end to end, ascending, held shard by shard:
+    ``stream.members``) and its label table."""
 
     source: Source
     shards: Sequence[ShardInfo]  # a ShardTable: shards[i] made when read
     format: str
     storage: Storage
     classes: tuple[str, ...] | None
-    members: np.ndarray
+    members: Members
     offset: int = 0  # first global sample id (sources' shards laid end to end)
     labels: np.ndarray | None = None  # stored label -> dataset label ("union"), None: kept
     #: (manifest path, its identity when the dataset was built): a re-pack under the reader's
@@ -205,16 +207,20 @@ def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.nd
 
 
 def subset_members(
-    members: np.ndarray, subset, seed: int, keys: Sequence[str] | None, where: str
-) -> np.ndarray:
+    members: Members, subset, seed: int, keys: Sequence[str] | None, where: str
+) -> Members:
     """``members`` narrowed to ``subset``: a fraction (``round(f * m)``, at least 1, seeded) or a
-    list of keys (every key must exist)."""
+    list of keys (every key must exist). The draw is of ranks into the members, which are
+    ascending, so the positions are the members at the sorted ranks: only the shards a drawn
+    member lies in are expanded."""
     if subset is None:
         return members
+    counts = np.diff(members.starts)
     if isinstance(subset, (int, float)):
         n = max(1, int(round(float(subset) * len(members))))
         rng = rng_for(seed, 0, _SUBSET)
-        return np.sort(rng.choice(members, size=n, replace=False)).astype(np.int64)
+        ranks = np.sort(rng.choice(len(members), size=n, replace=False))
+        return ListedMembers(counts, members.take(ranks))
     wanted = list(subset)
     at = {k: i for i, k in enumerate(keys or ())}
     missing = [k for k in wanted if k not in at]
@@ -224,7 +230,7 @@ def subset_members(
             f"{missing[0]!r}; list keys as `shardkit ls` or with_keys=True show them"
         )
     chosen = np.unique(np.asarray([at[k] for k in wanted], dtype=np.int64))
-    return chosen[np.isin(chosen, members)]
+    return ListedMembers(counts, chosen[members.isin(chosen)])
 
 
 # --- one worker's records ----------------------------------------------------------------------
@@ -377,6 +383,7 @@ def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str
         + [labels]
     ).encode()
     digest = hashlib.sha256(blob)
-    for s in sources:
-        digest.update(np.ascontiguousarray(s.members).tobytes())
+    for s in sources:  # the members' int64 positions, a shard's at a time
+        for chunk in s.members.chunks():
+            digest.update(np.ascontiguousarray(chunk, dtype=np.int64).tobytes())
     return {"mix": digest.hexdigest()[:32], "epoch_size": int(sum(shares))}

@@ -352,14 +352,22 @@ class MixLayout(EpochLayout):
         buffer_size: int,
         equalize: str,
     ) -> MixLayout:
+        total = int(sum(shares))
+        kind = np.uint8 if len(sources) < 256 else np.int64  # a source's number: 1 byte
+        if len(sources) == 1:  # one source's times ascend: the stream is its draw as drawn,
+            # answered for the positions a worker asks (``DrawnIds``), never held whole
+            ids = DrawnIds(sources[0], total, rng_for(seed, epoch, _DRAW, 0), shuffle)
+            return cls(
+                np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size,
+                equalize, source=np.broadcast_to(kind(0), (total,)), ids=ids, num_sources=1,
+            )  # fmt: skip
         ids, times, src = [], [], []
         for i, (s, n) in enumerate(zip(sources, shares, strict=True)):
             drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), shuffle)
             ids.append(drawn + s.offset)
             times.append((np.arange(n, dtype=np.float64) + 0.5) / max(n, 1))
-            src.append(np.full(n, i, dtype=np.int64))
+            src.append(np.full(n, i, dtype=kind))
         order = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
-        total = int(sum(shares))
         return cls(
             np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size, equalize,
             source=np.concatenate(src)[order], ids=np.concatenate(ids)[order],
@@ -385,20 +393,75 @@ class MixLayout(EpochLayout):
 def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
     """``n`` positions of source ``s``: whole passes over its members, then a draw without
     replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
-    ascending within a shard so reading stays sequential."""
-    m = len(s.members)
-    counts = sample_counts(s.shards)
-    shard_of = np.searchsorted(np.cumsum(counts), s.members, side="right")
+    ascending within a shard so reading stays sequential. A whole pass is written shard by
+    shard from ``s.members`` (``stream.members``): the members are never held as one array
+    beside the draw."""
+    members = s.members
+    m = len(members)
     passes, rest = divmod(n, m)
-    out = []
+    out = np.empty(n, dtype=np.int64)
+    at = 0
     for p in range(passes + (1 if rest else 0)):
-        rank = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
-        pick = np.arange(m)
+        rank = rng.permutation(len(s.shards)) if shuffle else np.arange(len(s.shards))
         if p == passes:  # the partial pass: a draw without replacement, kept in stored order
-            pick = np.sort(rng.choice(m, size=rest, replace=False))
-        pos = np.argsort(rank[shard_of[pick]], kind="stable")
-        out.append(s.members[pick[pos]])
-    return np.concatenate(out) if out else np.empty(0, np.int64)
+            chosen = members.take(np.sort(rng.choice(m, size=rest, replace=False)))
+            shard_of = np.searchsorted(members.starts[1:], chosen, side="right")
+            out[at : at + rest] = chosen[np.argsort(rank[shard_of], kind="stable")]
+            at += rest
+            continue
+        for i in np.argsort(rank, kind="stable").tolist():  # shards by rank: a pass's order
+            if members.per_shard[i]:
+                got = members.shard(i)
+                out[at : at + len(got)] = got
+                at += len(got)
+    return out
+
+
+class DrawnIds:
+    """``_draw(s, n, rng, shuffle) + s.offset`` answered for the positions asked (``ids[p]``),
+    the draw never held whole: each whole pass is its shard order and the running count of
+    members along it (16 bytes a shard), the partial pass its drawn members (8 bytes each, as
+    ``_draw``). A worker asks for its part: the shards that part covers are expanded, one at a
+    time. The random draws are ``_draw``'s, in its order, so the ids are the same."""
+
+    def __init__(self, s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool):
+        self.members, self.offset, self.n = s.members, s.offset, n
+        m = len(self.members)
+        passes, rest = divmod(n, m)
+        self.passes: list[tuple[np.ndarray, np.ndarray]] = []  # (shard order, member ends)
+        self.partial = np.empty(0, dtype=np.int64)
+        for p in range(passes + (1 if rest else 0)):
+            rank = rng.permutation(len(s.shards)) if shuffle else np.arange(len(s.shards))
+            if p == passes:  # a draw without replacement, kept in stored order: as _draw
+                chosen = self.members.take(np.sort(rng.choice(m, size=rest, replace=False)))
+                shard_of = np.searchsorted(self.members.starts[1:], chosen, side="right")
+                self.partial = chosen[np.argsort(rank[shard_of], kind="stable")]
+                continue
+            order = np.argsort(rank, kind="stable")
+            self.passes.append((order, np.cumsum(self.members.per_shard[order])))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, positions) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        m = len(self.members)
+        out = np.empty(p.shape, dtype=np.int64)
+        pass_of, within = np.divmod(p, m)
+        for q in np.unique(pass_of).tolist():
+            sel = np.flatnonzero(pass_of == q)
+            if q == len(self.passes):
+                out[sel] = self.partial[within[sel]]
+                continue
+            order, ends = self.passes[q]
+            k = within[sel]
+            j = np.searchsorted(ends, k, side="right")  # the j-th shard of this pass's order
+            for jj in np.unique(j).tolist():
+                at = np.flatnonzero(j == jj)
+                shard = int(order[jj])
+                first = int(ends[jj] - self.members.per_shard[shard])
+                out[sel[at]] = self.members.shard(shard)[k[at] - first]
+        return out + self.offset
 
 
 @dataclass(frozen=True)
@@ -441,8 +504,10 @@ def mix_worker_plan(
         state.on_world(world.world_size, world.num_workers, batch_size), rank=world.rank
     )
     seg, number = state.segments[-1], len(state.segments) - 1
-    stream = segment_streams(layout, state.segments)
-    total = len(stream)
+    # One segment (no checkpoint of another world): the stream is every position in order, and
+    # this worker's part is its span alone, not an array of the whole epoch's positions.
+    stream = segment_streams(layout, state.segments) if number else None
+    total = layout.total if stream is None else len(stream)
     worker = (seg.slot0 + world.worker) % world.num_workers
     lo, hi = layout.span(total, world.rank, seg, worker)
     done = seg.delivered[worker]
@@ -452,7 +517,9 @@ def mix_worker_plan(
             "worker; load each worker's state into its own worker (StatefulDataLoader does)"
         )
     done = min(done, hi - lo)
-    part = stream[np.arange(lo, hi, dtype=np.int64) % max(total, 1)] if total else stream[:0]
+    part = np.arange(lo, hi, dtype=np.int64) % max(total, 1) if total else np.empty(0, np.int64)
+    if stream is not None:
+        part = stream[part]
     src, ids = layout.source[part], layout.ids[part]
     plans = []
     for i, s in enumerate(sources):

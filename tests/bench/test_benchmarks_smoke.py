@@ -31,6 +31,7 @@ EXTRA = {
     "bench_crops.py": ["--against", str(ROOT)],
     "bench_open.py": ["--against", str(ROOT)],
     "bench_sample_transform.py": ["--against", str(ROOT)],
+    "bench_scale.py": ["--against", str(ROOT)],
     "bench_split.py": ["--against", str(ROOT)],
     "bench_stats_overhead.py": ["--against", str(ROOT)],
     "bench_table.py": ["--against", str(ROOT)],

@@ -92,6 +92,23 @@ def test_manifest_size_is_capped_before_parsing(tmp_path, monkeypatch):
         manifest_mod.read_manifest(str(tmp_path))
 
 
+def test_a_manifest_read_allocates_its_size_not_the_cap(tmp_path):
+    """Counted (tracemalloc): reading a small manifest allocates about its own bytes; a read
+    of the cap allocated the cap (512 MiB) on every open before being cut to the file."""
+    import tracemalloc
+
+    from shardkit import manifest as manifest_mod
+
+    (tmp_path / "manifest.json").write_text(json.dumps(_good_doc()))
+    tracemalloc.start()
+    try:
+        manifest_mod.read_manifest(str(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
 @pytest.mark.slow  # an HTTP server
 def test_manifest_size_is_capped_for_urls_too(tmp_path, monkeypatch, http_server):
     """The one manifest reader refuses an oversized manifest over HTTP while it arrives."""

@@ -166,22 +166,21 @@ def test_a_lookup_without_the_walk_still_refuses_a_damaged_overflow_page(tmp_pat
     assert where  # the other pack is untouched
 
 
-def test_split_construction_holds_a_byte_or_two_per_sample_not_the_hashes(tmp_path):
-    """Counted (tracemalloc, numpy's arrays included): building ``split="val"`` over 12,000
-    samples in 30 shards peaks at the val/train mask (1 byte a sample, 2 while the shards'
-    parts are joined), the members (8 bytes each, a tenth of the samples) and one shard's
-    index at a time, not every sample's hash and position (24 bytes a sample)."""
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, split):
+    """Counted (tracemalloc, numpy's arrays included): building ``split=`` over 6,000 and over
+    18,000 samples (400 a shard), from the shard list to the checkpoint digest, peaks at one
+    shard's index and hashes at a time (the same at both sizes) and the val bits, 1/8 byte a
+    sample, on either side: the 12,000 more samples add under half a byte each, not a byte or a
+    position (8 bytes) each. Before, the train side's positions took 7.2 bytes a sample of the
+    dataset, twice while the checkpoint digest copied them; the val side's mask 2."""
     import tracemalloc
 
     import shardkit.stream.dataset as dataset_module
 
     data = _jpeg()
-    out = tmp_path / "out"
-    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
-        for i in range(12000):
-            w.add(f"c0/k{i:05d}", "jpg", data, 0)
     seen = {}
-    counted, subset = dataset_module._counted, dataset_module.subset_members
+    counted, facts = dataset_module._counted, dataset_module.mix_facts
 
     def after_counting(*args, **kw):  # the split starts here: the shard list is read
         got = counted(*args, **kw)
@@ -189,17 +188,25 @@ def test_split_construction_holds_a_byte_or_two_per_sample_not_the_hashes(tmp_pa
         seen["base"] = tracemalloc.get_traced_memory()[0]
         return got
 
-    def members_chosen(*args, **kw):
-        got = subset(*args, **kw)
+    def digested(*args, **kw):
+        got = facts(*args, **kw)
         seen["peak"] = tracemalloc.get_traced_memory()[1] - seen["base"]
         return got
 
-    dataset_module._counted, dataset_module.subset_members = after_counting, members_chosen
-    tracemalloc.start()
-    try:
-        ds = ShardDataset(str(out), decode="raw", split="val", val_fraction=0.1, seed=7)
-    finally:
-        tracemalloc.stop()
-        dataset_module._counted, dataset_module.subset_members = counted, subset
-    assert 30 <= len(ds.shards) and 900 < len(ds) < 1500
-    assert seen["peak"] <= 8 * 12000
+    peaks = {}
+    for n in (6000, 18000):
+        out = tmp_path / f"n{n}"
+        with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+            for i in range(n):
+                w.add(f"c0/k{i:05d}", "jpg", data, 0)
+        dataset_module._counted, dataset_module.mix_facts = after_counting, digested
+        tracemalloc.start()
+        try:
+            ds = ShardDataset(str(out), decode="raw", split=split, val_fraction=0.1, seed=7)
+        finally:
+            tracemalloc.stop()
+            dataset_module._counted, dataset_module.mix_facts = counted, facts
+        assert n // 400 <= len(ds.shards) and 0.08 * n < min(len(ds), n - len(ds)) < 0.12 * n
+        peaks[n] = seen["peak"]
+    assert peaks[18000] - peaks[6000] <= 0.5 * 12000, peaks
+    assert peaks[18000] <= 4 * 18000, peaks  # the bound at any size, one shard's index included

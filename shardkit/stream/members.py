@@ -1,0 +1,162 @@
+"""The samples a ``Source`` may draw, held shard by shard: a split as its val bits, not positions.
+
+A source's *members* are positions in its shards laid end to end, ascending. An array of them
+costs 8 bytes a member in every process that builds the dataset: 7.2 bytes a sample of the whole
+dataset for the train side of a 10% split, ~2.9 GB per process at LAION-400M. Here they are held
+as what they are made of, and each shard's members are produced when an epoch's draw reaches the
+shard:
+
+- ``AllMembers``: every sample (no split, no subset): the shard counts alone.
+- ``SideMembers``: one side of a split: the val/train bits (``np.packbits`` of every sample's
+  side, 1/8 byte a sample of the dataset) and each shard's count of members.
+- ``ListedMembers``: a subset: its positions (8 bytes a drawn member).
+
+Each answers ``len``, ``shard(i)`` (shard i's members, int64 positions, ascending), ``take``
+(the members at given ranks), ``isin`` and ``chunks`` (the members shard by shard, for the
+checkpoint digest); ``array()`` is all of them at once, for small sets and tests. ``nbytes``
+is what one holds: what the construction memory law counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["Members", "AllMembers", "SideMembers", "ListedMembers"]
+
+
+class Members:
+    """Positions a source draws from, produced shard by shard (see the module docstring)."""
+
+    def __init__(self, counts: np.ndarray, per_shard: np.ndarray):
+        counts = np.asarray(counts, dtype=np.int64)
+        #: starts[i]: the first position of shard i; starts[-1]: the source's samples.
+        self.starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        #: members[i]: the members of shard i; ends: their running total.
+        self.per_shard = np.asarray(per_shard, dtype=np.int64)
+        self.ends = np.cumsum(self.per_shard)
+        self._len = int(self.ends[-1]) if len(self.ends) else 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def shard(self, i: int) -> np.ndarray:
+        """Shard ``i``'s members: int64 positions, ascending."""
+        raise NotImplementedError
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The members shard by shard, in stored order (``array()`` without holding it)."""
+        for i in range(len(self.per_shard)):
+            if self.per_shard[i]:
+                yield self.shard(i)
+
+    def array(self) -> np.ndarray:
+        """Every member at once (8 bytes each): for small sets and tests."""
+        parts = list(self.chunks())
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def take(self, ranks: np.ndarray) -> np.ndarray:
+        """The members at ``ranks`` (ascending ranks into the members): their positions,
+        ascending; each shard that holds one is expanded once."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        out = np.empty(len(ranks), dtype=np.int64)
+        shard_of = np.searchsorted(self.ends, ranks, side="right")
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        for a, b in zip(
+            np.concatenate(([0], cuts)).tolist(),
+            np.concatenate((cuts, [len(ranks)])).tolist(),
+            strict=True,
+        ):
+            if a == b:
+                continue
+            i = int(shard_of[a])
+            first = int(self.ends[i] - self.per_shard[i])
+            out[a:b] = self.shard(i)[ranks[a:b] - first]
+        return out
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        """Which of ``positions`` are members."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this holds (its arrays'): what the construction memory law counts."""
+        return self.starts.nbytes + self.per_shard.nbytes + self.ends.nbytes
+
+
+class AllMembers(Members):
+    """Every sample of the shards: nothing held beyond the counts."""
+
+    def __init__(self, counts: np.ndarray):
+        super().__init__(counts, counts)
+
+    def shard(self, i: int) -> np.ndarray:
+        return np.arange(self.starts[i], self.starts[i + 1], dtype=np.int64)
+
+    def take(self, ranks: np.ndarray) -> np.ndarray:
+        return np.array(ranks, dtype=np.int64)  # every sample: a rank is its position
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions)
+        return (p >= 0) & (p < self.starts[-1])
+
+
+class SideMembers(Members):
+    """One side of a split: ``val_bits`` (``np.packbits`` of every sample's "is val", most
+    significant bit first) and ``val`` (True: the val side, False: train)."""
+
+    def __init__(self, counts: np.ndarray, val_bits: np.ndarray, val_per_shard, val: bool):
+        counts = np.asarray(counts, dtype=np.int64)
+        val_per_shard = np.asarray(val_per_shard, dtype=np.int64)
+        super().__init__(counts, val_per_shard if val else counts - val_per_shard)
+        self.val_bits, self.val = val_bits, bool(val)
+
+    def sides(self, lo: int, hi: int) -> np.ndarray:
+        """The "is val" bit (uint8 0/1) of positions [lo, hi)."""
+        at = lo & 7
+        return np.unpackbits(self.val_bits[lo >> 3 : (hi + 7) >> 3])[at : at + hi - lo]
+
+    def shard(self, i: int) -> np.ndarray:
+        lo, hi = int(self.starts[i]), int(self.starts[i + 1])
+        bits = self.sides(lo, hi)
+        return np.flatnonzero(bits if self.val else bits == 0).astype(np.int64) + lo
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        inside = (p >= 0) & (p < self.starts[-1])
+        q = np.where(inside, p, 0)
+        bit = (self.val_bits[q >> 3] >> (7 - (q & 7))) & 1
+        return inside & (bit == (1 if self.val else 0))
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.val_bits.nbytes
+
+
+class ListedMembers(Members):
+    """Members listed one by one (a subset's): ``positions``, int64, ascending."""
+
+    def __init__(self, counts: np.ndarray, positions: np.ndarray):
+        counts = np.asarray(counts, dtype=np.int64)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(counts)))
+        bounds = np.searchsorted(self.positions, starts)
+        super().__init__(counts, np.diff(bounds))
+        self._bounds = bounds
+
+    def shard(self, i: int) -> np.ndarray:
+        return self.positions[self._bounds[i] : self._bounds[i + 1]]
+
+    def array(self) -> np.ndarray:
+        return self.positions
+
+    def take(self, ranks: np.ndarray) -> np.ndarray:
+        return self.positions[np.asarray(ranks, dtype=np.int64)]
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        return np.isin(positions, self.positions)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.positions.nbytes + self._bounds.nbytes
