@@ -152,4 +152,6 @@ def _describe(item) -> str:
     """A task as its repr; a planning chunk ``(root, files, ...)`` by its root and file count."""
     if isinstance(item, tuple) and len(item) >= 2 and isinstance(item[0], str):
         return f"stat of {len(item[1])} files under {item[0]!r}"
+    if isinstance(item, tuple) and item and not isinstance(item[0], str):
+        return f"the scan of {item[0]!r}"  # a table span (``scan.spans.TableSpan``)
     return repr(item)

@@ -351,14 +351,15 @@ def plan_pack(
     ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
     a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
     named are left out.
-    ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``)."""
+    ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
+    a table's scan (``scan.table.scan_tables``), in spans of its rows."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
         options["root"] = root = os.path.abspath(root)
     if allow_duplicates:  # other packs keep their fingerprints
         options["allow_duplicates"] = True
-    scan = scan_source(src, progress=progress, root=root)
+    scan = scan_source(src, progress=progress, root=root, engine=engine)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
