@@ -306,8 +306,8 @@ def _joined(chunks: list[TableChunk], base: str, name: str) -> SourceScan:
     tables = {k: _Joining(chunks, k) for k in ("files", "exts", "inline", "keys")}
     at = 0
     for i, c in enumerate(chunks):
-        local = np.array([names[x] for x in c.names] + [-1], dtype=np.int64)
-        scan.labels[at : at + c.rows] = rank[local[c.codes]]
+        local = rank[np.array([names[x] for x in c.names] + [-1], dtype=np.int64)]
+        np.take(local, c.codes, out=scan.labels[at : at + c.rows])  # no temporary per row
         if not one:
             scan.stats[at : at + c.rows] = c.stats
         for t in tables.values():
