@@ -249,3 +249,23 @@ def test_of_several_bad_rows_the_first_in_table_order_wins_whichever_span_meets_
         assert str(alone.value) == str(spanned.value)
         assert str(alone.value).replace(f"{src}{os.sep}", "").startswith(first), str(alone.value)
         del bad[min(bad)]
+
+
+@pytest.mark.parametrize("per", [1, 2, 3, 100])
+def test_of_several_bad_json_lines_the_first_wins_whichever_span_meets_it(tmp_path, per):
+    src = tmp_path / "src"
+    (src / "img").mkdir(parents=True)
+    _img(src / "img" / "p.jpg", 0)
+    ok = '{"image": "img/p.jpg"}'
+    bad = {3: "{not json", 5: '{"image": "img/p.jpg", "label": "a\\u0000"}', 7: b'"caf\xe9"'}
+    while bad:
+        lines = [bad.get(n, ok if n % 4 else "") for n in range(1, 10)]
+        (src / "t.jsonl").write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode()
+                                                for x in lines) + b"\n")  # fmt: skip
+        with pytest.raises(InputError) as alone:
+            scan_source(str(src / "t.jsonl"))
+        with pytest.raises(InputError) as spanned:
+            scan_source(str(src / "t.jsonl"), engine=ReversedSpans(per))
+        assert str(alone.value) == str(spanned.value)
+        assert str(alone.value).startswith(f"{src / 't.jsonl'}:{min(bad)}: "), str(alone.value)
+        del bad[min(bad)]

@@ -74,14 +74,21 @@ class _Lines:
     def __iter__(self) -> Iterator[str]:
         return self
 
-    def __next__(self) -> str:
+    def raw(self) -> bytes | None:
+        """The next line's bytes, not decoded (None: no more)."""
         if self.end is not None and self.pos >= self.end:
-            raise StopIteration
+            return None
         if not self.lines and not self._fill():
-            raise StopIteration
+            return None
         raw = self.lines.pop()
         self.pos += len(raw)
         self.n += 1
+        return raw
+
+    def __next__(self) -> str:
+        raw = self.raw()
+        if raw is None:
+            raise StopIteration
         if self.bom:
             self.bom = False
             if raw.startswith(codecs.BOM_UTF8):
@@ -223,6 +230,8 @@ def cut_table(path: str, rows: int) -> tuple[list[TableSpan], dict | None, bool]
     kind = _kind(path)
     if kind == "parquet":
         return _cut_parquet(path, rows)
+    if kind == "jsonl":
+        return _cut_jsonl(path, rows)
     head, start, line = None, 0, 0
     if kind != "jsonl":  # the header row, handed to every span
         lines = _Lines(path, 0, None, 0)
@@ -277,4 +286,31 @@ def _cut_parquet(path: str, rows: int):
         first = next(span_rows(whole_table(path)), (0, None))[1]
     except InputError:  # the whole table's scan meets it
         return [whole_table(path)], None, True
+    return spans, first, False
+
+
+def _cut_jsonl(path: str, rows: int):
+    """A JSON-lines table cut at every ``rows``-th line that is not blank, its lines neither
+    decoded nor parsed here (their spans' scans do both, and meet any bad one in order)."""
+    lines = _Lines(path, 0, None, 0)
+    try:
+        first = next(_jsonl_rows(lines), (0, None))[1]
+    except InputError:  # the whole table's scan meets it
+        return [whole_table(path)], None, True
+    finally:
+        lines.close()
+    spans: list[TableSpan] = []
+    lines = _Lines(path, 0, None, 0)
+    start, line, count = 0, 0, 0
+    try:
+        while (raw := lines.raw()) is not None:
+            if raw.strip():
+                count += 1
+                if count == rows:
+                    spans.append(TableSpan(path, start, lines.pos, line))
+                    start, line, count = lines.pos, lines.n, 0
+    finally:
+        lines.close()
+    if count or not spans:
+        spans.append(TableSpan(path, start, lines.pos, line))
     return spans, first, False
