@@ -51,7 +51,7 @@ plan = plan_pack(src, "/nonexistent-out", shard_size="64MB", format="tar", shuff
                  seed=0, validate="header", resize_short=None, on_error="skip", engine=runner)
 plan_cpu = cpu() - c
 c0 = cpu()
-scan = scan_source(src)
+scan = scan_source(src, engine=runner)  # a table's rows on the engine too, where it scans
 c1, w1 = cpu(), time.perf_counter()
 stats = source_stats(scan, runner)
 c2, w2 = cpu(), time.perf_counter()

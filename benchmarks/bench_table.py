@@ -15,6 +15,8 @@ run, interleaved, so old and new code are compared on the same data and load:
     python benchmarks/bench_table.py --rows 1280000 --against /tmp/main-wt
 
 The memory law is printed as bytes per row above a small table's peak (``--base-rows``).
+``--engine local`` plans (and packs) on a pool of 2 processes: the table is scanned there in
+spans, and the plan reports the driver's own CPU and its workers' peak beside the driver's.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ import harness
 _PLAN = """
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
+from shardkit.write.engines import LocalRunner
 from shardkit.write.plan import plan_pack
+engine = LocalRunner(2) if sys.argv[3] == "local" else None
 t0 = time.perf_counter()
 plan = plan_pack(sys.argv[1], sys.argv[2], shard_size="64MB", format="tar", shuffle=True,
-                 seed=0, validate="header", resize_short=None, on_error="skip")
+                 seed=0, validate="header", resize_short=None, on_error="skip", engine=engine)
 dt = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"seconds": dt, "peak_mb": peak, "shards": plan.num_shards,
+# VmHWM: this process's own peak (ru_maxrss keeps the launching parent's across the exec)
+with open("/proc/self/status") as f:
+    peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
+workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(json.dumps({"seconds": dt, "peak_mb": peak, "workers_mb": workers,
+                  "driver_cpu_s": time.process_time(), "shards": plan.num_shards,
                   "samples": len(plan.order), "fp": plan.fingerprint}))
 """
 
@@ -49,12 +57,13 @@ print(json.dumps({"seconds": dt,
 """
 
 
-def plan_once(checkout: Path, table: Path, out: Path) -> dict:
-    return harness.in_child(checkout, _PLAN, table, out)
+def plan_once(checkout: Path, table: Path, out: Path, engine: str = "") -> dict:
+    return harness.in_child(checkout, _PLAN, table, out, engine or "-")
 
 
-def pack_once(checkout: Path, table: Path, out: Path) -> dict:
+def pack_once(checkout: Path, table: Path, out: Path, engine: str = "") -> dict:
     args = (table, out, "-q", "--overwrite", "--shard-size", "64MB")
+    args += ("--engine", engine) if engine else ()
     return harness.in_child(checkout, _PACK, *args)
 
 
@@ -65,6 +74,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
     ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--no-pack", action="store_true", help="time the plan only")
+    ap.add_argument(
+        "--engine",
+        choices=["local"],
+        default=None,
+        help="plan (and pack) on --engine local, 2 processes: the driver's peak and its workers'",
+    )
     a = harness.parse(ap, smoke={"rows": 300, "base_rows": 100})
     a.rounds = a.repeats or a.rounds
     work = a.work or data.root() / "table"
@@ -78,9 +93,9 @@ def main() -> None:
             out = work / f"out-{name}"
 
             def one(r, checkout=checkout, table=table, out=out) -> dict:
-                res = {"plan": plan_once(checkout, table, out)}
+                res = {"plan": plan_once(checkout, table, out, a.engine)}
                 if not a.no_pack:
-                    res["pack"] = pack_once(checkout, table, out)
+                    res["pack"] = pack_once(checkout, table, out, a.engine)
                 return res
 
             sides[f"{name} {n}"] = one
@@ -96,13 +111,17 @@ def main() -> None:
 def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: int) -> None:
     load = harness.load_now()
     print(f"load average {load.text()}; {load.cpu_count} CPUs")
-    print(f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'pack s':>9}{'pack MB':>9}")
+    head = f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'CPU s':>8}{'wkr MB':>8}"
+    print(head + f"{'pack s':>9}{'pack MB':>9}")
     for key, res in results.items():
         line = f"{key:<22}"
         for what in ("plan", "pack"):  # the best of the repeats: seconds and peak each
             if res[what]:
                 line += f"{min(r['seconds'] for r in res[what]):>9.1f}"
                 line += f"{min(r['peak_mb'] for r in res[what]):>9.0f}"
+            if what == "plan" and res[what]:  # the driver's own CPU; its workers' peak
+                line += f"{min(r.get('driver_cpu_s', 0) for r in res[what]):>8.1f}"
+                line += f"{min(r.get('workers_mb', 0) for r in res[what]):>8.0f}"
         print(line)
     for name in contenders:
         small, big = results[f"{name} {base_rows}"], results[f"{name} {rows}"]

@@ -427,3 +427,27 @@ def run_ranks(fn: Callable[..., None], nprocs: int, *args, limit_s: float = 150.
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+class ReversedSpans:
+    """An engine's ``map_chunks`` run here, the last span first (as if it finished first), the
+    answers handed back in order; ``spans``: how many it ran."""
+
+    def __init__(self, plan_chunk: int):
+        self.plan_chunk, self.spans = plan_chunk, 0
+
+    def map_chunks(self, fn, chunks):
+        self.spans += len(chunks)
+        return [fn(*c) for c in chunks[::-1]][::-1]
+
+
+def assert_same_scan(a, b):
+    """Two ``SourceScan``s hold the same samples, stats, errors and labels."""
+    for name in ("files", "keys", "exts", "inline", "sidecars"):
+        assert list(getattr(a, name)) == list(getattr(b, name)), name
+    assert a.labels.tolist() == b.labels.tolist()
+    assert a.stats.tolist() == b.stats.tolist()
+    for name in ("classes", "errors", "ignored", "field_counts", "keyed", "failed_downloads"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert (a.again is None) == (b.again is None)
+    assert a.again is None or np.array_equal(a.again, b.again)

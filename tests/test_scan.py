@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import ReversedSpans, assert_same_scan
 from PIL import Image
 
 from shardkit import FolderDataset
+from shardkit.errors import InputError
 from shardkit.scan import scan_source
 from shardkit.write.packer import pack
 
@@ -147,3 +149,123 @@ def test_a_tables_scan_records_each_rows_image_stat_in_row_order(tmp_path):
     scan = scan_source(str(src / "t.csv"))
     assert list(scan.files) == ["a/c.jpeg", "b/again.jpg", "a/a/x.jpg", "a/b.jpg"]
     assert scan.stats.tolist() == file_stats(str(src), scan.files).tolist()
+
+
+# --- a table scanned in spans, as an engine's workers scan it: the scan of one process ---------
+
+
+def _rich_rows(src):
+    """Rows with every case a span boundary could split: labels first seen late (their numbers
+    are remapped), a row naming an image again, missing files, a non-image, a NUL path, long
+    and multi-line captions, non-ASCII."""
+    (src / "img").mkdir(parents=True)
+    names = [f"p{k}.jpg" for k in range(9)] + ["ü.png"]
+    for k, name in enumerate(names):
+        _img(src / "img" / name, 20 * k)
+    rows = []
+    for k in range(23):
+        rel = f"img/{names[k % len(names)]}"
+        if k == 4:
+            rel = "img/missing.jpg"
+        if k == 9:
+            rel = "img/notes.txt"
+        caption = 'line one\nline two, "quoted"' if k % 5 == 2 else f"caption {k} ü" * (k % 3)
+        rows.append({"image": rel, "caption": caption, "label": f"z{(23 - k) // 4}", "k": k})
+    rows.insert(13, {"image": "img/a\0b.jpg", "caption": "", "label": "z0", "k": 99})
+    return rows
+
+
+def _write_table(path, rows, kind):
+    import csv
+    import json
+
+    if kind == "jsonl":  # with blank lines between
+        path.write_text("".join(json.dumps(r) + ("\n\n" if i % 4 == 1 else "\n")
+                                for i, r in enumerate(rows)))  # fmt: skip
+    elif kind == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        cols = {c: [r[c] for r in rows] for c in rows[0]}
+        pq.write_table(pa.table(cols), str(path), row_group_size=3)
+    else:  # Excel's CSV: a byte-order mark, \r\n line ends, quoted cells across lines
+        with open(path, "w", newline="", encoding="utf-8-sig") as f:
+            w = csv.writer(f, delimiter="\t" if kind == "tsv" else ",", lineterminator="\r\n")
+            w.writerow(list(rows[0]))
+            for i, r in enumerate(rows):
+                w.writerow(list(r.values()))
+                if i == 6:
+                    f.write("\r\n")  # a blank line
+    return path
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
+@pytest.mark.parametrize("per", [1, 2, 5, 1000])
+def test_a_table_scanned_in_spans_on_an_engine_is_the_scan_of_one_process(tmp_path, kind, per):
+    src = tmp_path / "src"
+    table = _write_table(src / f"t.{kind}", _rich_rows(src), kind)
+    alone = scan_source(str(table))
+    engine = ReversedSpans(per)
+    spanned = scan_source(str(table), engine=engine)
+    rows = 24
+    groups = -(-rows // 3)  # a Parquet table is cut at its row groups (3 rows each)
+    want = -(-groups // -(-per // 3)) if kind == "parquet" else -(-rows // per)
+    assert engine.spans == want and len(alone.files) == 21
+    assert_same_scan(spanned, alone)
+    assert alone.classes == [f"z{k}" for k in range(6)] and alone.labels[0] == 5
+    assert [e.reason.split(": ")[-1] for e in alone.errors] == [
+        "no such image file", "not an image file name",
+        "a NUL character in the image path in column 'image'",
+    ]  # fmt: skip
+
+
+_BAD_ROWS = {  # line: (row, what the scan says of it), in table order
+    4: ("../outside.jpg,c", "t.csv:4: image path '../outside.jpg' leads outside"),
+    6: ("img/p1.jpg,c,extra", "t.csv:6: 3 cells under a header of 2"),
+    8: (b"img/p2.jpg,caf\xe9", "t.csv:8: not UTF-8 text (invalid continuation byte)"),
+}
+
+
+@pytest.mark.parametrize("per", [1, 2, 3, 4, 100])
+def test_of_several_bad_rows_the_first_in_table_order_wins_whichever_span_meets_it(tmp_path, per):
+    """The rows of a span are refused in order, the spans' errors are taken in table order:
+    the first bad row of the table wins on any engine and span size, and here (a byte that is
+    not UTF-8 is an error of its own line, not of the block of text read with it)."""
+    src = tmp_path / "src"
+    (src / "img").mkdir(parents=True)
+    for k in range(3):
+        _img(src / "img" / f"p{k}.jpg", k)
+    bad = dict(_BAD_ROWS)
+    while bad:
+        lines = [b"image,caption"]
+        for line in range(2, 10):
+            row = bad.get(line, (f"img/p{line % 3}.jpg,ok {line}",))[0]
+            lines.append(row if isinstance(row, bytes) else row.encode())
+        (src / "t.csv").write_bytes(b"\n".join(lines) + b"\n")
+        first = bad[min(bad)][1]
+        with pytest.raises(InputError) as alone:
+            scan_source(str(src / "t.csv"))
+        with pytest.raises(InputError) as spanned:
+            scan_source(str(src / "t.csv"), engine=ReversedSpans(per))
+        assert str(alone.value) == str(spanned.value)
+        assert str(alone.value).replace(f"{src}{os.sep}", "").startswith(first), str(alone.value)
+        del bad[min(bad)]
+
+
+@pytest.mark.parametrize("per", [1, 2, 3, 100])
+def test_of_several_bad_json_lines_the_first_wins_whichever_span_meets_it(tmp_path, per):
+    src = tmp_path / "src"
+    (src / "img").mkdir(parents=True)
+    _img(src / "img" / "p.jpg", 0)
+    ok = '{"image": "img/p.jpg"}'
+    bad = {3: "{not json", 5: '{"image": "img/p.jpg", "label": "a\\u0000"}', 7: b'"caf\xe9"'}
+    while bad:
+        lines = [bad.get(n, ok if n % 4 else "") for n in range(1, 10)]
+        (src / "t.jsonl").write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode()
+                                                for x in lines) + b"\n")  # fmt: skip
+        with pytest.raises(InputError) as alone:
+            scan_source(str(src / "t.jsonl"))
+        with pytest.raises(InputError) as spanned:
+            scan_source(str(src / "t.jsonl"), engine=ReversedSpans(per))
+        assert str(alone.value) == str(spanned.value)
+        assert str(alone.value).startswith(f"{src / 't.jsonl'}:{min(bad)}: "), str(alone.value)
+        del bad[min(bad)]

@@ -49,23 +49,26 @@ _FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _NAME = attrgetter("name")
 
 
-def scan_source(src: str, progress: bool = False, root: str | None = None) -> SourceScan:
+def scan_source(
+    src: str, progress: bool = False, root: str | None = None, engine=None
+) -> SourceScan:
     """List the images of a class-per-folder tree (or of a table: see ``scan_table``).
 
     Classes are the sorted names of SRC's sub-directories; images anywhere below a class folder
     belong to it. Hidden names (leading dot: ``.DS_Store``, ``._x.jpg``, ``.ipynb_checkpoints``)
     are ignored. Directory symlinks are followed once: a directory met again (a loop, or two links
     to one folder) is listed as ignored, so the walk always ends. ``progress``: per class folder
-    (listing 1.28M files takes a while on a network disk).
+    (listing 1.28M files takes a while on a network disk). ``engine``: a runner whose
+    ``map_chunks`` scans a table's rows in spans on its workers (``scan_tables``).
     """
     from ..progress import Progress
 
     check_source_dir(src)
     if is_table(src):
-        return scan_table(src, root)
+        return scan_table(src, root, engine=engine)
     tables = img2dataset_tables(src) if root is None else []
     if tables:  # img2dataset's output: its tables, their images in the tars (or folders) beside
-        return scan_tables(tables, src, src)
+        return scan_tables(tables, src, src, engine=engine)
     if root is not None:
         raise InputError(f"root={root!r} is for a table source; {src!r} is a folder")
     root = os.path.abspath(src)

@@ -4,8 +4,9 @@ A runner is a callable ``runner(tasks) -> receipts`` (``shardkit.write.task``); 
 runner=...)`` plans, hands it the tasks and commits. Tasks are idempotent, so a runner may
 retry or even repeat one freely. A runner may also offer ``map_chunks(fn, chunks)``
 (``[fn(*c) for c in chunks]``, run where it runs tasks, retried alike): the plan then hands it
-its per-file ``stat`` calls, ``plan_chunk`` files per call, so a source on a network
-filesystem is not stat-ed file by file from the driver alone. Cluster engines live in
+its per-file ``stat`` calls, ``plan_chunk`` files per call, and a table's scan, ``plan_chunk``
+rows per span (``scan.table.scan_span``), so a source on a network filesystem is not stat-ed
+file by file, nor a table's rows resolved one by one, from the driver alone. Cluster engines live in
 ``shardkit.integrations``; a process pool needs nothing beyond the standard library, and
 helps on one machine because ``resize_short`` is CPU-bound (reader threads share one
 interpreter's GIL for the resize).
@@ -152,4 +153,6 @@ def _describe(item) -> str:
     """A task as its repr; a planning chunk ``(root, files, ...)`` by its root and file count."""
     if isinstance(item, tuple) and len(item) >= 2 and isinstance(item[0], str):
         return f"stat of {len(item[1])} files under {item[0]!r}"
+    if isinstance(item, tuple) and item and not isinstance(item[0], str):
+        return f"the scan of {item[0]!r}"  # a table span (``scan.spans.TableSpan``)
     return repr(item)

@@ -351,14 +351,15 @@ def plan_pack(
     ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
     a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
     named are left out.
-    ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``)."""
+    ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
+    a table's scan (``scan.table.scan_tables``), in spans of its rows."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
         options["root"] = root = os.path.abspath(root)
     if allow_duplicates:  # other packs keep their fingerprints
         options["allow_duplicates"] = True
-    scan = scan_source(src, progress=progress, root=root)
+    scan = scan_source(src, progress=progress, root=root, engine=engine)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
@@ -450,12 +451,12 @@ def _roll(scan: SourceScan, stats: SourceStats, order: np.ndarray, fmt: str, lim
     count with their names and sizes (``stats.fields``). ``PLAN_BLOCK`` samples at a time: only
     one block's sizes are ever Python objects."""
     new = get_format(fmt).sizer
-    key_lens, ext_lens = np.diff(scan.keys.offsets), np.diff(scan.exts.offsets)
+    ko, eo = scan.keys.offsets, scan.exts.offsets  # lengths taken a block at a time
     starts, sizer, single, sizes = [0], new(), 0, stats.files[:, 0]
     for lo in range(0, len(order), PLAN_BLOCK):
         block = order[lo : lo + PLAN_BLOCK]
         extras = _field_sizes(scan, stats, block.tolist())
-        klen, elen = key_lens[block].tolist(), ext_lens[block].tolist()
+        klen, elen = (ko[block + 1] - ko[block]).tolist(), (eo[block + 1] - eo[block]).tolist()
         nbytes = np.maximum(sizes[block], 0).tolist()
         for j, (k, e, b, extra) in enumerate(zip(klen, elen, nbytes, extras, strict=True)):
             if sizer.samples and sizer.projected_size(k, e, b, extra) > limit:

@@ -330,12 +330,14 @@ def source_stats(scan: SourceScan, engine=None) -> SourceStats:
     """The plan's stats of ``scan``, ``STAT_BLOCK`` samples at a time; on ``engine`` (a runner
     with ``map_chunks``, ``plan_chunk`` samples a call) where it offers, else here. Either way
     the same arrays: only where the ``stat`` calls run differs. Here, without field files, a
-    folder's images keep the ``stat`` its walk took (``SourceScan.stats``)."""
+    folder's images keep the ``stat`` its walk took (``SourceScan.stats``), and a table's
+    rows theirs on any engine (its scan ran there)."""
     root = os.path.abspath(scan.root)
     sidecars = scan.sidecars if scan.sidecars.blob.size else None
     mapper = getattr(engine, "map_chunks", None)
-    if mapper is None and sidecars is None and scan.stats is not None:
-        # the folder walk's own stat of each image (the same call): no second stat per file
+    if sidecars is None and scan.stats is not None and (mapper is None or scan.from_table):
+        # the walk's own stat of each image (the same call): no second stat per file; a
+        # table's rows were stat-ed where they were scanned (on the engine, given one)
         return SourceStats(scan.stats, np.zeros(1, dtype=np.int64), np.empty((0, 2), np.int64))
     step = int(engine.plan_chunk) if mapper is not None else STAT_BLOCK
     n = len(scan.files)

@@ -12,12 +12,14 @@ import tarfile
 
 import pytest
 from click.testing import CliRunner
+from conftest import ReversedSpans, assert_same_scan
 from PIL import Image
 
 from shardkit import ShardDataset, pack
 from shardkit.cli import main
 from shardkit.errors import InputError, OutputError
 from shardkit.manifest import read_manifest
+from shardkit.scan import scan_source
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -279,3 +281,15 @@ def test_info_of_a_caption_table_says_unlabelled_not_zero_classes(tmp_path):
     r = CliRunner().invoke(main, ["info", str(tmp_path / "o")])
     assert r.exit_code == 0 and "classes:  none (unlabelled; captioned: field txt)" in r.output
     assert "classes:  0 ()" not in r.output
+
+
+def test_an_img2dataset_folder_scanned_in_spans_is_the_scan_of_one_process(tmp_path):
+    i2d = tmp_path / "i2d"
+    _img2dataset(i2d, shards=3, per_shard=10)
+    (i2d / "00003.tar").write_bytes((i2d / "00000.tar").read_bytes())  # keys met again
+    (i2d / "00003.parquet").write_bytes((i2d / "00000.parquet").read_bytes())
+    alone = scan_source(str(i2d))
+    engine = ReversedSpans(4)
+    spanned = scan_source(str(i2d), engine=engine)
+    assert engine.spans == 4 and spanned.keyed and spanned.failed_downloads == 4
+    assert_same_scan(spanned, alone)

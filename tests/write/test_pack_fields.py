@@ -313,7 +313,7 @@ def test_excel_csv_and_long_captions_pack(tmp_path):
 def test_table_rows_that_cannot_be_packed_are_one_line_naming_file_and_line(
     tmp_path, monkeypatch, name, text, message
 ):
-    monkeypatch.setattr(scan.table, "MAX_TABLE_CELL", 2 << 20, raising=False)  # a small test file
+    monkeypatch.setattr(scan.spans, "MAX_TABLE_CELL", 2 << 20)  # a small test file
     root = _table_set(tmp_path / "set")
     (root / name).write_text(text)
     r = CliRunner().invoke(main, ["pack", str(root / name), str(tmp_path / "o"), "--on-error",
@@ -338,7 +338,7 @@ def test_a_parquet_table_packs_to_the_bytes_of_the_same_csv(tmp_path, monkeypatc
     names = ("image", "caption", "label", "src")
     cols = {name: [r[k] for r in rows] for k, name in enumerate(names)}
     _parquet(root / "t.parquet", cols, row_group_size=1)
-    monkeypatch.setattr(scan.table, "PARQUET_BATCH", 1)  # a batch per row: the rows stream through
+    monkeypatch.setattr(scan.spans, "PARQUET_BATCH", 1)  # a batch per row: the rows stream through
     with pytest.warns(UserWarning, match="listed again"):
         from_csv = pack(str(root / "t.csv"), str(tmp_path / "a"), shuffle=False, progress=False)
     with pytest.warns(UserWarning, match="listed again"):

@@ -118,8 +118,13 @@ def faulty_stats(marker_dir: str, mode: str, root, files, sidecars):
 class CountingRunner(LocalRunner):
     """A process pool that records the length of each planning chunk it is handed."""
 
+    spans = 0  # a table's spans it scanned
+
     def map_chunks(self, fn, chunks):
-        self.chunks = [len(c[1]) for c in chunks]
+        if chunks and not isinstance(chunks[0][0], str):  # a table's spans
+            self.spans += len(chunks)
+        else:
+            self.chunks = [len(c[1]) for c in chunks]
         return super().map_chunks(fn, chunks)
 
 
@@ -889,11 +894,101 @@ def test_a_table_packs_to_the_bytes_and_fingerprint_it_always_had(tmp_path, allo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pack(table, out, validate="none", shard_size="4KB", allow_duplicates=allow, progress=False)
+    assert _pack_digest(out) == (shards, digest)
+
+
+def _pack_digest(out) -> tuple[int, str]:
     m = read_manifest(str(out))
     h = hashlib.sha256(m.pack["source_fingerprint"].encode())
     for e in m.shards:
         h.update(hashlib.sha256((out / e.path).read_bytes()).digest())
-    assert (len(m.shards), h.hexdigest()) == (shards, digest)
+    return len(m.shards), h.hexdigest()
+
+
+def _golden_plan_file(table, out, path, engine=None) -> bytes:
+    from shardkit.write.planfile import save_tasks
+
+    kw = {**_PLAN_KW, "shard_size": "4KB", "validate": "none"}
+    plan = quiet(plan_pack, str(table), str(out), **kw, engine=engine)
+    save_tasks(plan.tasks(3), str(path), "commit")
+    return open(path, "rb").read()
+
+
+@pytest.mark.slow  # worker processes
+def test_a_table_scanned_in_spans_on_the_pool_packs_the_bytes_it_always_had(tmp_path):
+    """The scan of the golden table in spans of 5 rows on a process pool: the same shards and
+    fingerprint as the scan of one process, and the same plan file, byte for byte."""
+    table = _golden_table(tmp_path)
+    runner = CountingRunner(2, plan_chunk=5)
+    out = tmp_path / "out"
+    quiet(pack, table, out, validate="none", shard_size="4KB", runner=runner, shards_per_task=7)
+    assert runner.spans == 11  # 52 rows
+    assert _pack_digest(out) == (
+        49,
+        "f08afa47ffb6b7d80780f569e545dd88f2365d3570327f0b8df46bd916aabc2a",
+    )
+    alone = _golden_plan_file(table, tmp_path / "o", tmp_path / "a.plan")
+    spanned = _golden_plan_file(
+        table, tmp_path / "o", tmp_path / "b.plan", LocalRunner(2, plan_chunk=5)
+    )
+    assert alone == spanned
+
+
+_RAY_TABLE = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    warnings.simplefilter("ignore")
+    import ray
+    from shardkit.integrations.ray import RayRunner
+    from shardkit.write.packer import pack
+    from shardkit.write.plan import plan_pack
+    from shardkit.write.planfile import save_tasks
+
+    table, base = sys.argv[1], sys.argv[2]
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    spans = []
+
+    class Counting(RayRunner):
+        def map_chunks(self, fn, chunks):
+            if chunks and not isinstance(chunks[0][0], str):
+                spans.append(len(chunks))
+            return super().map_chunks(fn, chunks)
+
+    pack(table, os.path.join(base, "out"), validate="none", shard_size="4KB", progress=False,
+         runner=Counting(plan_chunk=5), shards_per_task=7)
+    kw = dict(shard_size="4KB", format="tar", shuffle=True, seed=0, validate="none",
+              resize_short=None, on_error="skip")
+    plan = plan_pack(table, os.path.join(base, "o"), **kw, engine=Counting(plan_chunk=5))
+    save_tasks(plan.tasks(3), os.path.join(base, "b.plan"), "commit")
+    ray.shutdown()
+    print(json.dumps(spans))
+    """
+)
+
+
+@pytest.mark.slow  # a child interpreter running a local Ray cluster
+def test_a_table_scanned_in_spans_as_ray_tasks_packs_the_bytes_it_always_had(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra: pip install 'shardkit[ray]'")
+    table = _golden_table(tmp_path)
+    scratch = tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp")  # short: Ray's socket paths
+    try:
+        env = {**os.environ, "HOME": scratch, "TMPDIR": scratch, "RAY_TMPDIR": scratch}
+        r = subprocess.run(
+            [sys.executable, "-c", _RAY_TABLE, str(table), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [11, 11]  # 52 rows, 5 a span
+    golden = "f08afa47ffb6b7d80780f569e545dd88f2365d3570327f0b8df46bd916aabc2a"
+    assert _pack_digest(tmp_path / "out") == (49, golden)
+    alone = _golden_plan_file(table, tmp_path / "o", tmp_path / "a.plan")
+    assert alone == (tmp_path / "b.plan").read_bytes()
 
 
 def _linked_table(tmp, rows):
