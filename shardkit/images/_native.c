@@ -1,6 +1,6 @@
 /* Native helpers of the loading path: region-of-interest JPEG decoding through libjpeg-turbo's
  * scanline API (the DALI approach), whole batches of JPEGs in one call (decode_batch), the HWC ->
- * CHW transpose of a decoded image, and the tar parser's common case (tar_samples). Each exists
+ * CHW transpose of a decoded image, and the tar parser's common case (tar_samples, tar_at). Each exists
  * because per-image Python measured as a visible share of a worker's time (docs/loader.md).
  *
  * A random-resized crop keeps on average about half of an image. TurboJPEG's one-call API (what
@@ -411,6 +411,71 @@ static PyObject *tar_fields(const unsigned char *buf, const struct tar_member *m
     return out;
 }
 
+/* The Record of a sample parsed into its ``count`` members ``m`` (its key: ``key_len`` bytes at
+ * ``key``): 1 with ``*rec`` set (when ``build``; else only classified), 0 when it holds no image
+ * (not a sample), 2 when its label is not a plain decimal (the Python parser reads it, or names the
+ * bad label), -1 on an error. ``last_ext``: the previous sample's extension object, reused when
+ * equal (most samples of a shard share it). */
+static int tar_make(const unsigned char *buf, const struct tar_member *m, int count,
+                    const unsigned char *key, Py_ssize_t key_len, PyObject *images,
+                    PyObject *labels, PyObject *fields, PyObject *make, PyObject *shard,
+                    PyObject **last_ext, int build, PyObject **rec, Py_ssize_t *taken)
+{
+    int image = -1, label = -1;
+    for (int j = 0; j < count; j++) {
+        if (image < 0) {
+            int r = tar_in(images, m[j].ext, m[j].ext_len);
+            if (r < 0)
+                return -1;
+            if (r) {
+                image = j;
+                continue;
+            }
+        }
+        if (label < 0) {
+            int r = tar_in(labels, m[j].ext, m[j].ext_len);
+            if (r < 0)
+                return -1;
+            if (r)
+                label = j;
+        }
+    }
+    if (image < 0)
+        return 0;
+    if (!build)
+        return 1;
+    long long value = -1;
+    if (label >= 0 && !tar_label(buf + m[label].data, m[label].size, &value))
+        return 2;
+    PyObject *k = PyUnicode_DecodeUTF8((const char *)key, key_len, "surrogateescape");
+    PyObject *e = NULL, *last = *last_ext;
+    if (last && PyUnicode_GET_LENGTH(last) == m[image].ext_len &&
+        memcmp(PyUnicode_DATA(last), m[image].ext, (size_t)m[image].ext_len) == 0 &&
+        PyUnicode_KIND(last) == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(last)) {
+        e = last;
+        Py_INCREF(e);
+    } else {
+        e = PyUnicode_DecodeUTF8(m[image].ext, m[image].ext_len, "surrogateescape");
+        if (e) {
+            Py_XDECREF(last);
+            *last_ext = e;
+            Py_INCREF(e);
+        }
+    }
+    PyObject *d = PyBytes_FromStringAndSize((const char *)buf + m[image].data, m[image].size);
+    PyObject *l = PyLong_FromLongLong(value);
+    PyObject *x = PySet_GET_SIZE(fields) > 0 ? tar_fields(buf, m, count, fields)
+                                             : Py_NewRef(Py_None);
+    *rec = NULL;
+    if (k && e && d && l && x)
+        *rec = PyObject_CallFunctionObjArgs(make, k, e, d, l, shard, x, NULL);
+    Py_XDECREF(k), Py_XDECREF(e), Py_XDECREF(d), Py_XDECREF(l), Py_XDECREF(x);
+    if (!*rec)
+        return -1;
+    *taken += m[image].size;
+    return 1;
+}
+
 static PyObject *tar_samples(PyObject *self, PyObject *args)
 {
     Py_buffer view;
@@ -420,7 +485,6 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
                           &budget, &PyFrozenSet_Type, &images, &PyFrozenSet_Type, &labels,
                           &PyFrozenSet_Type, &fields, &make, &shard))
         return NULL;
-    int want_fields = PySet_GET_SIZE(fields) > 0;
     const unsigned char *buf = view.buf;
     if (pos < 0 || end > view.len || pos > end) {
         PyBuffer_Release(&view);
@@ -466,63 +530,22 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
             pos = group;
             break;
         }
-        int image = -1, label = -1;
-        for (int j = 0; j < count; j++) {
-            if (image < 0) {
-                int r = tar_in(images, m[j].ext, m[j].ext_len);
-                if (r < 0)
-                    goto fail;
-                if (r) {
-                    image = j;
-                    continue;
-                }
-            }
-            if (label < 0) {
-                int r = tar_in(labels, m[j].ext, m[j].ext_len);
-                if (r < 0)
-                    goto fail;
-                if (r)
-                    label = j;
-            }
-        }
-        if (image < 0) /* no image: not a sample (not counted) */
+        PyObject *rec = NULL;
+        int made = tar_make(buf, m, count, key, key_len, images, labels, fields, make, shard,
+                            &last_ext, done >= start, &rec, &taken);
+        if (made < 0)
+            goto fail;
+        if (made == 0) /* no image: not a sample (not counted) */
             continue;
-        if (done >= start) {
-            long long value = -1;
-            if (label >= 0 && !tar_label(buf + m[label].data, m[label].size, &value)) {
-                pos = group; /* the Python parser reads it, or names the bad label */
-                break;
-            }
-            PyObject *k = PyUnicode_DecodeUTF8((const char *)key, key_len, "surrogateescape");
-            PyObject *e = NULL;
-            if (last_ext && PyUnicode_GET_LENGTH(last_ext) == m[image].ext_len &&
-                memcmp(PyUnicode_DATA(last_ext), m[image].ext, (size_t)m[image].ext_len) == 0 &&
-                PyUnicode_KIND(last_ext) == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(last_ext)) {
-                e = last_ext;
-                Py_INCREF(e);
-            } else {
-                e = PyUnicode_DecodeUTF8(m[image].ext, m[image].ext_len, "surrogateescape");
-                if (e) {
-                    Py_XDECREF(last_ext);
-                    last_ext = e;
-                    Py_INCREF(last_ext);
-                }
-            }
-            PyObject *d = PyBytes_FromStringAndSize((const char *)buf + m[image].data,
-                                                    m[image].size);
-            PyObject *l = PyLong_FromLongLong(value);
-            PyObject *x = want_fields ? tar_fields(buf, m, count, fields) : Py_NewRef(Py_None);
-            PyObject *rec = NULL;
-            if (k && e && d && l && x)
-                rec = PyObject_CallFunctionObjArgs(make, k, e, d, l, shard, x, NULL);
-            Py_XDECREF(k), Py_XDECREF(e), Py_XDECREF(d), Py_XDECREF(l), Py_XDECREF(x);
-            if (!rec)
-                goto fail;
+        if (made == 2) {
+            pos = group; /* the Python parser reads it, or names the bad label */
+            break;
+        }
+        if (rec) {
             int r = PyList_Append(out, rec);
             Py_DECREF(rec);
             if (r < 0)
                 goto fail;
-            taken += m[image].size;
         }
         done++;
     }
@@ -536,6 +559,88 @@ fail:
     return NULL;
 }
 
+/* tar_at: the samples a sample index places in ``buf`` at ``[starts[i], ends[i])`` (two buffers of
+ * native 64-bit ints, e.g. numpy int64 arrays), each parsed as tar_samples parses a plain sample:
+ * the read of a subset or split, where the wanted samples lie apart (runs of one or two in a 10%
+ * split) and one call per run cost more Python than the parse. A sample is taken when its members
+ * are plain, share its key, end exactly at ``ends[i]``, and the header there (which ``buf`` must
+ * hold) is a plain one of another key or the end-of-archive block. Returns a list of one Record or
+ * None per sample: None where anything else is found (the Python parser takes that sample, with
+ * its rules and errors), so this never changes an outcome. */
+static PyObject *tar_at(PyObject *self, PyObject *args)
+{
+    Py_buffer view, sv, ev;
+    PyObject *images, *labels, *fields, *make, *shard;
+    if (!PyArg_ParseTuple(args, "y*y*y*O!O!O!OO", &view, &sv, &ev, &PyFrozenSet_Type, &images,
+                          &PyFrozenSet_Type, &labels, &PyFrozenSet_Type, &fields, &make, &shard))
+        return NULL;
+    PyObject *out = NULL, *last_ext = NULL;
+    Py_ssize_t taken = 0; /* not used: a run's records are few */
+    if (sv.len != ev.len || sv.len % (Py_ssize_t)sizeof(long long) != 0) {
+        PyErr_SetString(PyExc_ValueError, "tar_at: starts and ends differ in length");
+        goto done;
+    }
+    Py_ssize_t n = sv.len / (Py_ssize_t)sizeof(long long), len = view.len;
+    const long long *starts = sv.buf, *ends = ev.buf;
+    const unsigned char *buf = view.buf;
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        long long pos = starts[i], stop = ends[i];
+        PyObject *rec = NULL;
+        Py_ssize_t key_len, ext_len, size, klen;
+        const char *ext;
+        struct tar_member m[TAR_MAX_MEMBERS];
+        int count = 0, ok = 0;
+        if (pos >= 0 && pos < stop && stop <= len - TAR_BLOCK &&
+            tar_plain(buf + pos, &key_len, &ext, &ext_len, &size)) {
+            const unsigned char *key = buf + pos;
+            for (;;) { /* the members, up to the sample's end */
+                Py_ssize_t padded = (size + TAR_BLOCK - 1) / TAR_BLOCK * TAR_BLOCK;
+                if (count == TAR_MAX_MEMBERS || size > stop - pos - TAR_BLOCK ||
+                    padded > stop - pos - TAR_BLOCK)
+                    break;
+                int twice = 0;
+                for (int j = 0; j < count; j++)
+                    if (m[j].ext_len == ext_len && memcmp(m[j].ext, ext, (size_t)ext_len) == 0)
+                        twice = 1; /* a duplicate: the Python parser names it */
+                if (twice)
+                    break;
+                m[count].data = pos + TAR_BLOCK, m[count].size = size;
+                m[count].ext = ext, m[count].ext_len = ext_len;
+                count++;
+                pos += TAR_BLOCK + padded;
+                const unsigned char *h = buf + pos;
+                if (!tar_plain(h, &klen, &ext, &ext_len, &size)) {
+                    /* past the sample's end: the end of the archive closes it too */
+                    ok = pos == stop && h[0] == 0 && memcmp(h, h + 1, TAR_BLOCK - 1) == 0;
+                    break;
+                }
+                int same = klen == key_len && memcmp(h, key, (size_t)key_len) == 0;
+                if (pos == stop) {
+                    ok = !same; /* closed by another key's header */
+                    break;
+                }
+                if (!same)
+                    break; /* another key before the end the index says */
+            }
+            if (ok) {
+                int made = tar_make(buf, m, count, key, key_len, images, labels, fields, make,
+                                    shard, &last_ext, 1, &rec, &taken);
+                if (made < 0)
+                    Py_CLEAR(out);
+            }
+        }
+        if (out)
+            PyList_SET_ITEM(out, i, rec ? rec : Py_NewRef(Py_None));
+    }
+done:
+    Py_XDECREF(last_ext);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ev);
+    return out;
+}
+
 static PyMethodDef roi_methods[] = {
     {"hwc_to_chw", hwc_to_chw, METH_VARARGS, "hwc_to_chw(src, dst): interleaved RGB to planes"},
     {"decode_batch", decode_batch, METH_VARARGS,
@@ -543,6 +648,8 @@ static PyMethodDef roi_methods[] = {
     {"tar_samples", tar_samples, METH_VARARGS,
      "tar_samples(buf, pos, end, done, start, stop, budget, images, labels, fields, make, shard)"
      " -> (records, pos, done)"},
+    {"tar_at", tar_at, METH_VARARGS,
+     "tar_at(buf, starts, ends, images, labels, fields, make, shard) -> [record or None]"},
     {"decode", roi_decode, METH_VARARGS,
      "decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)"},
     {NULL, NULL, 0, NULL},
