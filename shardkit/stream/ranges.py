@@ -1,11 +1,13 @@
-"""Exact byte ranges for slices that take a few samples of a shard (subsets, splits, a
-mixture's repeats), read through the shard's sample index.
+"""Exact byte ranges for slices that take up to half of a shard (subsets, splits, a mixture's
+repeats), read through the shard's sample index.
 
 Streamed, such a slice reopens its shard and fills a 4 MiB read window (or, remote, fetches the
 whole shard) for one sample of a few kilobytes: an epoch of a 1% subset read the dataset 7.7
-times over. With the index, a slice is one ``pread`` of its samples' bytes (one open file per
-shard, kept while consecutive slices read it), or one ranged GET on object storage. Whole or
-large slices still stream, which is faster for them.
+times over. With the index, each run of adjacent wanted samples is one read (one open file per
+shard, kept while consecutive slices read it), or one ranged GET on object storage; a shard's
+runs go into one buffer and its wanted samples are parsed in C at their index's offsets, so no
+Python runs per run or per sample but the key's check. Slices wanting more of their shard
+still stream, which is faster for them (``RANGED_SHARE``).
 """
 
 from __future__ import annotations
@@ -176,11 +178,11 @@ class RangeReader:
     ):
         """The slice's records, the wanted ones only (``mask``: which are; None: all). A
         sample not wanted (a hole a plan reads through) is ``SKIPPED``, never parsed: the
-        plan's mask drops it. Tar: each run of wanted samples is one ``pread`` or GET, parsed
-        in C, each sample checked against the key hash its index stores. LMDB: each wanted
-        sample is one lookup in the shard's B-tree, the shard kept open across slices (its
-        upper pages too), so a read costs its leaf and value pages. ``skipped`` False: the
-        wanted records alone, no ``SKIPPED`` between them."""
+        plan's mask drops it. Tar: each run of wanted samples is one read (``preadv``) or GET,
+        parsed in C (``_tar_records``), each sample checked against the key hash its index
+        stores. LMDB: each wanted sample is one lookup in the shard's B-tree, the shard kept
+        open across slices (its upper pages too), so a read costs its leaf and value pages.
+        ``skipped`` False: the wanted records alone, no ``SKIPPED`` between them."""
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
         if self.lmdb:
             yield from self._lmdb_records(sl, shard, want, fields, skipped)

@@ -69,12 +69,13 @@ def read_slices(
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
     splits, mixtures): where a shard has a sample index (or is LMDB) and a slice wants at most
-    a quarter of its samples (``ranges.RANGED_SHARE``), only the wanted ones are read, as exact
-    byte ranges or lookups (``stream.ranges``), the others stand as ``SKIPPED``; ``drop``: only
-    the records ``keep`` wants are yielded (the others are not even parsed where read as
-    ranges), so the consumer does not pass nine unwanted records per wanted one of a 10%
-    split. Without ``keep`` (a plain epoch) every slice streams, as do the shards in
-    ``unindexed`` (their index was refused when the dataset was built).
+    half of its samples (tar; LMDB: a quarter; ``ranges.RANGED_SHARE``), only the wanted ones
+    are read, as exact byte ranges or lookups (``stream.ranges``), the others stand as
+    ``SKIPPED``; ``drop``: only the records ``keep`` wants are yielded (the others are not even
+    parsed where read as ranges), so the consumer does not pass nine unwanted records per
+    wanted one of a 10% split, and consecutive ranged slices of a shard are read as one.
+    Without ``keep`` (a plain epoch) every slice streams, as do the shards in ``unindexed``
+    (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
