@@ -12,6 +12,7 @@ import numpy as np
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import Record
+from ..sample_index import SPLIT_SALT
 from .parse import (
     _EXT_KIND,
     _IMAGE,
@@ -373,23 +374,32 @@ def read_at(
     ends: np.ndarray,
     shard: str,
     fields: Sequence[str] = (),
-) -> list[Record | None]:
+    hashes: np.ndarray | None = None,
+) -> tuple[list[Record | None], list[int]]:
     """The samples of ``blob`` at ``[starts[i], ends[i])`` (int64 arrays, as a sample index
     places them; the wanted samples of a slice, apart or in runs): what ``read_sample`` gives
-    for each. The plain ones are parsed in C in one call for them all (``_native.tar_at``),
-    which needs the header after each sample in ``blob`` (it closes the sample, as in a
-    streamed shard); the rest go through ``read_sample``. A caller checks each record against
-    its index (its key's hash)."""
+    for each, and which of them (their places in the list) are not yet checked against
+    ``hashes`` (the index's key hashes, big-endian ``>u8``), which the caller checks. The plain
+    ones are parsed in C in one call for them all (``_native.tar_at``), which needs the header
+    after each sample in ``blob`` (it closes the sample, as in a streamed shard) and checks
+    each key's hash there, taking no sample whose hash differs; the rest go through
+    ``read_sample``."""
     out: list[Record | None]
     if _tar_at is not None:
         want = frozenset(x.lower().encode() for x in fields)
-        out = _tar_at(blob, starts, ends, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard)
+        check = b"" if hashes is None else hashes
+        out = _tar_at(
+            blob, starts, ends, check, SPLIT_SALT, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard
+        )
     else:  # pragma: no cover - built without libjpeg's headers
         out = [None] * len(starts)
+    unchecked = list(range(len(out))) if hashes is None or _tar_at is None else []
     for i, rec in enumerate(out):
         if rec is None:
             out[i] = read_sample(bytes(blob[int(starts[i]) : int(ends[i])]), shard, fields)
-    return out
+            if hashes is not None and _tar_at is not None:
+                unchecked.append(i)
+    return out, unchecked
 
 
 def _slow_sample(blob: bytes, shard: str, fields: Sequence[str]) -> Record | None:
