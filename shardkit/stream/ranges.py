@@ -214,7 +214,7 @@ class RangeReader:
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
             for c in range(0, b - a, BATCH):
-                d = c + BATCH
+                d = min(c + BATCH, b - a)  # within this chunk
                 hashes = expect[a + c : a + d]
                 got, unchecked = read_at(
                     blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes

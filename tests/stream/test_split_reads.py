@@ -91,6 +91,19 @@ def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
     assert got == BEFORE[fmt, what]
 
 
+@pytest.mark.parametrize("what", ["val", "subset30"])
+def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch, what):
+    """A slice whose wanted bytes pass the reader's chunk (a large shard) is read a chunk at a
+    time and parsed a few samples at a call: the same samples as in one chunk."""
+    where = _make(tmp_path / "out", "tar")
+    monkeypatch.setattr(ranges, "CHUNK", 5000)  # two or three samples a chunk
+    monkeypatch.setattr(ranges, "BATCH", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = {"val": {"split": "val", "val_fraction": 0.1}, "subset30": {"subset": 0.3}}[what]
+        assert _digest(where, **kw) == BEFORE["tar", what]
+
+
 class _Preads:
     """Counts ``os.pread`` and ``os.preadv`` calls (how both readers read a local shard's
     bytes)."""
