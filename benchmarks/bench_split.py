@@ -6,9 +6,9 @@ shards, with their sample indexes) and runs, each in a fresh child process
 (``harness.in_child``), two epochs (``decode="raw"``, seed 3) of: the whole dataset,
 ``split="val"`` and ``split="train"`` (``val_fraction=0.1``) and ``subset=0.01``; the second
 epoch is reported (the first also loads the indexes). Figures are CPU seconds (user + system)
-per delivered sample, so load on the machine does not move them much, and ``os.pread`` calls
-per delivered sample (how both formats read local shards). ``--against DIR``: the same runs on
-another checkout's ``shardkit`` (e.g. a worktree of main).
+per delivered sample, so load on the machine does not move them much, and ``os.pread`` and
+``os.preadv`` calls per delivered sample (how both formats read local shards). ``--against
+DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree of main).
 
 Every (N, format, epoch, checkout) is one contender, interleaved round by round (each goes first
 in turn, each round's load recorded); reported per contender: the median over rounds of CPU per
@@ -33,11 +33,12 @@ warnings.simplefilter("ignore")
 where, what = sys.argv[1], sys.argv[2]
 from shardkit import ShardDataset
 calls = [0]
-real = os.pread
-def counting(fd, n, off):
-    calls[0] += 1
-    return real(fd, n, off)
-os.pread = counting
+def counted(real):
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+    return counting
+os.pread, os.preadv = counted(os.pread), counted(os.preadv)
 def cpu():
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime

@@ -1,6 +1,6 @@
 /* Native helpers of the loading path: region-of-interest JPEG decoding through libjpeg-turbo's
  * scanline API (the DALI approach), whole batches of JPEGs in one call (decode_batch), the HWC ->
- * CHW transpose of a decoded image, and the tar parser's common case (tar_samples). Each exists
+ * CHW transpose of a decoded image, and the tar parser's common case (tar_samples, tar_at). Each exists
  * because per-image Python measured as a visible share of a worker's time (docs/loader.md).
  *
  * A random-resized crop keeps on average about half of an image. TurboJPEG's one-call API (what
@@ -27,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <setjmp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <jpeglib.h>
@@ -411,6 +412,71 @@ static PyObject *tar_fields(const unsigned char *buf, const struct tar_member *m
     return out;
 }
 
+/* The Record of a sample parsed into its ``count`` members ``m`` (its key: ``key_len`` bytes at
+ * ``key``): 1 with ``*rec`` set (when ``build``; else only classified), 0 when it holds no image
+ * (not a sample), 2 when its label is not a plain decimal (the Python parser reads it, or names the
+ * bad label), -1 on an error. ``last_ext``: the previous sample's extension object, reused when
+ * equal (most samples of a shard share it). */
+static int tar_make(const unsigned char *buf, const struct tar_member *m, int count,
+                    const unsigned char *key, Py_ssize_t key_len, PyObject *images,
+                    PyObject *labels, PyObject *fields, PyObject *make, PyObject *shard,
+                    PyObject **last_ext, int build, PyObject **rec, Py_ssize_t *taken)
+{
+    int image = -1, label = -1;
+    for (int j = 0; j < count; j++) {
+        if (image < 0) {
+            int r = tar_in(images, m[j].ext, m[j].ext_len);
+            if (r < 0)
+                return -1;
+            if (r) {
+                image = j;
+                continue;
+            }
+        }
+        if (label < 0) {
+            int r = tar_in(labels, m[j].ext, m[j].ext_len);
+            if (r < 0)
+                return -1;
+            if (r)
+                label = j;
+        }
+    }
+    if (image < 0)
+        return 0;
+    if (!build)
+        return 1;
+    long long value = -1;
+    if (label >= 0 && !tar_label(buf + m[label].data, m[label].size, &value))
+        return 2;
+    PyObject *k = PyUnicode_DecodeUTF8((const char *)key, key_len, "surrogateescape");
+    PyObject *e = NULL, *last = *last_ext;
+    if (last && PyUnicode_GET_LENGTH(last) == m[image].ext_len &&
+        memcmp(PyUnicode_DATA(last), m[image].ext, (size_t)m[image].ext_len) == 0 &&
+        PyUnicode_KIND(last) == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(last)) {
+        e = last;
+        Py_INCREF(e);
+    } else {
+        e = PyUnicode_DecodeUTF8(m[image].ext, m[image].ext_len, "surrogateescape");
+        if (e) {
+            Py_XDECREF(last);
+            *last_ext = e;
+            Py_INCREF(e);
+        }
+    }
+    PyObject *d = PyBytes_FromStringAndSize((const char *)buf + m[image].data, m[image].size);
+    PyObject *l = PyLong_FromLongLong(value);
+    PyObject *x = PySet_GET_SIZE(fields) > 0 ? tar_fields(buf, m, count, fields)
+                                             : Py_NewRef(Py_None);
+    *rec = NULL;
+    if (k && e && d && l && x)
+        *rec = PyObject_CallFunctionObjArgs(make, k, e, d, l, shard, x, NULL);
+    Py_XDECREF(k), Py_XDECREF(e), Py_XDECREF(d), Py_XDECREF(l), Py_XDECREF(x);
+    if (!*rec)
+        return -1;
+    *taken += m[image].size;
+    return 1;
+}
+
 static PyObject *tar_samples(PyObject *self, PyObject *args)
 {
     Py_buffer view;
@@ -420,7 +486,6 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
                           &budget, &PyFrozenSet_Type, &images, &PyFrozenSet_Type, &labels,
                           &PyFrozenSet_Type, &fields, &make, &shard))
         return NULL;
-    int want_fields = PySet_GET_SIZE(fields) > 0;
     const unsigned char *buf = view.buf;
     if (pos < 0 || end > view.len || pos > end) {
         PyBuffer_Release(&view);
@@ -466,63 +531,22 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
             pos = group;
             break;
         }
-        int image = -1, label = -1;
-        for (int j = 0; j < count; j++) {
-            if (image < 0) {
-                int r = tar_in(images, m[j].ext, m[j].ext_len);
-                if (r < 0)
-                    goto fail;
-                if (r) {
-                    image = j;
-                    continue;
-                }
-            }
-            if (label < 0) {
-                int r = tar_in(labels, m[j].ext, m[j].ext_len);
-                if (r < 0)
-                    goto fail;
-                if (r)
-                    label = j;
-            }
-        }
-        if (image < 0) /* no image: not a sample (not counted) */
+        PyObject *rec = NULL;
+        int made = tar_make(buf, m, count, key, key_len, images, labels, fields, make, shard,
+                            &last_ext, done >= start, &rec, &taken);
+        if (made < 0)
+            goto fail;
+        if (made == 0) /* no image: not a sample (not counted) */
             continue;
-        if (done >= start) {
-            long long value = -1;
-            if (label >= 0 && !tar_label(buf + m[label].data, m[label].size, &value)) {
-                pos = group; /* the Python parser reads it, or names the bad label */
-                break;
-            }
-            PyObject *k = PyUnicode_DecodeUTF8((const char *)key, key_len, "surrogateescape");
-            PyObject *e = NULL;
-            if (last_ext && PyUnicode_GET_LENGTH(last_ext) == m[image].ext_len &&
-                memcmp(PyUnicode_DATA(last_ext), m[image].ext, (size_t)m[image].ext_len) == 0 &&
-                PyUnicode_KIND(last_ext) == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(last_ext)) {
-                e = last_ext;
-                Py_INCREF(e);
-            } else {
-                e = PyUnicode_DecodeUTF8(m[image].ext, m[image].ext_len, "surrogateescape");
-                if (e) {
-                    Py_XDECREF(last_ext);
-                    last_ext = e;
-                    Py_INCREF(last_ext);
-                }
-            }
-            PyObject *d = PyBytes_FromStringAndSize((const char *)buf + m[image].data,
-                                                    m[image].size);
-            PyObject *l = PyLong_FromLongLong(value);
-            PyObject *x = want_fields ? tar_fields(buf, m, count, fields) : Py_NewRef(Py_None);
-            PyObject *rec = NULL;
-            if (k && e && d && l && x)
-                rec = PyObject_CallFunctionObjArgs(make, k, e, d, l, shard, x, NULL);
-            Py_XDECREF(k), Py_XDECREF(e), Py_XDECREF(d), Py_XDECREF(l), Py_XDECREF(x);
-            if (!rec)
-                goto fail;
+        if (made == 2) {
+            pos = group; /* the Python parser reads it, or names the bad label */
+            break;
+        }
+        if (rec) {
             int r = PyList_Append(out, rec);
             Py_DECREF(rec);
             if (r < 0)
                 goto fail;
-            taken += m[image].size;
         }
         done++;
     }
@@ -536,6 +560,183 @@ fail:
     return NULL;
 }
 
+/* The split hash of a key as the sample index stores it: the first 8 bytes of BLAKE2b-64 (RFC 7693,
+ * digest length 8, no key) of ``salt`` followed by the key's bytes, in the digest's byte order.
+ * tar_at checks each sample it parses against its index with it; a wrong answer here could only
+ * send a sample to the Python reader and its own check (hashlib's), never pass another sample. */
+static const uint64_t b2_iv[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
+static const uint8_t b2_sigma[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
+
+#define B2_ROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+#define B2_G(a, b, c, d, x, y)                                                                      \
+    do {                                                                                           \
+        v[a] = v[a] + v[b] + (x), v[d] = B2_ROTR(v[d] ^ v[a], 32);                                 \
+        v[c] = v[c] + v[d], v[b] = B2_ROTR(v[b] ^ v[c], 24);                                       \
+        v[a] = v[a] + v[b] + (y), v[d] = B2_ROTR(v[d] ^ v[a], 16);                                 \
+        v[c] = v[c] + v[d], v[b] = B2_ROTR(v[b] ^ v[c], 63);                                       \
+    } while (0)
+
+static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, int last)
+{
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++) {
+        uint64_t w = 0;
+        for (int j = 7; j >= 0; j--)
+            w = (w << 8) | block[8 * i + j];
+        m[i] = w;
+    }
+    for (int i = 0; i < 8; i++)
+        v[i] = h[i], v[i + 8] = b2_iv[i];
+    v[12] ^= t;
+    if (last)
+        v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = b2_sigma[r];
+        B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        B2_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        B2_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        B2_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        B2_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        B2_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        B2_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        B2_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++)
+        h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* The 8 digest bytes of BLAKE2b-64(salt + key) into ``out``. */
+static void split_hash(const unsigned char *salt, Py_ssize_t salt_len, const unsigned char *key,
+                       Py_ssize_t key_len, unsigned char out[8])
+{
+    uint64_t h[8];
+    for (int i = 0; i < 8; i++)
+        h[i] = b2_iv[i];
+    h[0] ^= 0x01010000ULL ^ 8; /* fanout 1, depth 1, no key, digest length 8 */
+    Py_ssize_t total = salt_len + key_len, done = 0;
+    unsigned char block[128];
+    do {
+        Py_ssize_t n = 0;
+        for (; n < 128 && done + n < total; n++) {
+            Py_ssize_t at = done + n;
+            block[n] = at < salt_len ? salt[at] : key[at - salt_len];
+        }
+        memset(block + n, 0, (size_t)(128 - n));
+        done += n;
+        b2_compress(h, block, (uint64_t)done, done == total);
+    } while (done < total);
+    for (int j = 0; j < 8; j++)
+        out[j] = (unsigned char)(h[0] >> (8 * j));
+}
+
+/* tar_at: the samples a sample index places in ``buf`` at ``[starts[i], ends[i])`` (two buffers of
+ * native 64-bit ints, e.g. numpy int64 arrays), each parsed as tar_samples parses a plain sample:
+ * the read of a subset or split, where the wanted samples lie apart (runs of one or two in a 10%
+ * split) and one call per run cost more Python than the parse. A sample is taken when its members
+ * are plain, share its key, end exactly at ``ends[i]``, and the header there (which ``buf`` must
+ * hold) is a plain one of another key or the end-of-archive block, and (``hashes`` not empty: 8
+ * bytes a sample, the index's key hashes as stored, big-endian) its key's split_hash with ``salt``
+ * is the index's. Returns a list of one Record or None per sample: None where anything else is
+ * found (the Python parser takes that sample, with its rules, errors and key check), so this never
+ * changes an outcome. */
+static PyObject *tar_at(PyObject *self, PyObject *args)
+{
+    Py_buffer view, sv, ev, hv, salt;
+    PyObject *images, *labels, *fields, *make, *shard;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*O!O!O!OO", &view, &sv, &ev, &hv, &salt,
+                          &PyFrozenSet_Type, &images, &PyFrozenSet_Type, &labels,
+                          &PyFrozenSet_Type, &fields, &make, &shard))
+        return NULL;
+    PyObject *out = NULL, *last_ext = NULL;
+    Py_ssize_t taken = 0; /* not used: a run's records are few */
+    if (sv.len != ev.len || sv.len % (Py_ssize_t)sizeof(long long) != 0 ||
+        (hv.len && hv.len != sv.len)) {
+        PyErr_SetString(PyExc_ValueError, "tar_at: starts, ends and hashes differ in length");
+        goto done;
+    }
+    const unsigned char *hashes = hv.buf;
+    Py_ssize_t n = sv.len / (Py_ssize_t)sizeof(long long), len = view.len;
+    const long long *starts = sv.buf, *ends = ev.buf;
+    const unsigned char *buf = view.buf;
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        long long pos = starts[i], stop = ends[i];
+        PyObject *rec = NULL;
+        Py_ssize_t key_len, ext_len, size, klen;
+        const char *ext;
+        struct tar_member m[TAR_MAX_MEMBERS];
+        int count = 0, ok = 0;
+        if (pos >= 0 && pos < stop && stop <= len - TAR_BLOCK &&
+            tar_plain(buf + pos, &key_len, &ext, &ext_len, &size)) {
+            const unsigned char *key = buf + pos;
+            for (;;) { /* the members, up to the sample's end */
+                Py_ssize_t padded = (size + TAR_BLOCK - 1) / TAR_BLOCK * TAR_BLOCK;
+                if (count == TAR_MAX_MEMBERS || size > stop - pos - TAR_BLOCK ||
+                    padded > stop - pos - TAR_BLOCK)
+                    break;
+                int twice = 0;
+                for (int j = 0; j < count; j++)
+                    if (m[j].ext_len == ext_len && memcmp(m[j].ext, ext, (size_t)ext_len) == 0)
+                        twice = 1; /* a duplicate: the Python parser names it */
+                if (twice)
+                    break;
+                m[count].data = pos + TAR_BLOCK, m[count].size = size;
+                m[count].ext = ext, m[count].ext_len = ext_len;
+                count++;
+                pos += TAR_BLOCK + padded;
+                const unsigned char *h = buf + pos;
+                if (!tar_plain(h, &klen, &ext, &ext_len, &size)) {
+                    /* past the sample's end: the end of the archive closes it too */
+                    ok = pos == stop && h[0] == 0 && memcmp(h, h + 1, TAR_BLOCK - 1) == 0;
+                    break;
+                }
+                int same = klen == key_len && memcmp(h, key, (size_t)key_len) == 0;
+                if (pos == stop) {
+                    ok = !same; /* closed by another key's header */
+                    break;
+                }
+                if (!same)
+                    break; /* another key before the end the index says */
+            }
+            if (ok && hv.len) { /* the key's hash as its index stores it, or not taken here */
+                unsigned char digest[8];
+                split_hash(salt.buf, salt.len, key, key_len, digest);
+                ok = memcmp(digest, hashes + 8 * i, 8) == 0;
+            }
+            if (ok) {
+                int made = tar_make(buf, m, count, key, key_len, images, labels, fields, make,
+                                    shard, &last_ext, 1, &rec, &taken);
+                if (made < 0)
+                    Py_CLEAR(out);
+            }
+        }
+        if (out)
+            PyList_SET_ITEM(out, i, rec ? rec : Py_NewRef(Py_None));
+    }
+done:
+    Py_XDECREF(last_ext);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&salt);
+    return out;
+}
+
 static PyMethodDef roi_methods[] = {
     {"hwc_to_chw", hwc_to_chw, METH_VARARGS, "hwc_to_chw(src, dst): interleaved RGB to planes"},
     {"decode_batch", decode_batch, METH_VARARGS,
@@ -543,6 +744,9 @@ static PyMethodDef roi_methods[] = {
     {"tar_samples", tar_samples, METH_VARARGS,
      "tar_samples(buf, pos, end, done, start, stop, budget, images, labels, fields, make, shard)"
      " -> (records, pos, done)"},
+    {"tar_at", tar_at, METH_VARARGS,
+     "tar_at(buf, starts, ends, hashes, salt, images, labels, fields, make, shard)"
+     " -> [record or None]"},
     {"decode", roi_decode, METH_VARARGS,
      "decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)"},
     {NULL, NULL, 0, NULL},

@@ -1,11 +1,13 @@
-"""Exact byte ranges for slices that take a few samples of a shard (subsets, splits, a
-mixture's repeats), read through the shard's sample index.
+"""Exact byte ranges for slices that take up to half of a shard (subsets, splits, a mixture's
+repeats), read through the shard's sample index.
 
 Streamed, such a slice reopens its shard and fills a 4 MiB read window (or, remote, fetches the
 whole shard) for one sample of a few kilobytes: an epoch of a 1% subset read the dataset 7.7
-times over. With the index, a slice is one ``pread`` of its samples' bytes (one open file per
-shard, kept while consecutive slices read it), or one ranged GET on object storage. Whole or
-large slices still stream, which is faster for them.
+times over. With the index, each run of adjacent wanted samples is one read (one open file per
+shard, kept while consecutive slices read it), or one ranged GET on object storage; a shard's
+runs go into one buffer and its wanted samples are parsed in C at their index's offsets, so no
+Python runs per run or per sample but the key's check. Slices wanting more of their shard
+still stream, which is faster for them (``RANGED_SHARE``).
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SPLIT_SALT, IndexColumns
+from ..formats.sample_index import SPLIT_SALT, index_path
 from ..formats.tar.parse import BLOCK
-from ..formats.tar.reader import read_run
+from ..formats.tar.reader import read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import shard_columns
@@ -48,18 +52,86 @@ def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str) -
     return data
 
 
-#: Runs of wanted samples are read one by one, not gathered with the holes between them into
-#: fewer, larger reads: a ``pread`` from the page cache costs about what copying its bytes does,
-#: and a 10% split of 2.6 kB samples read in groups with holes up to 64 kB cost 11.6 us a
-#: sample against 10.2 run by run (``benchmarks/bench_split.py``). (On object storage, where a
-#: GET costs milliseconds, gathering would pay; it is not measured here, so each run is one GET.)
 #: A slice is read as ranges when it wants at most this share of its shard's samples, streamed
-#: above it: streamed, a sample costs 2.7 us, ranged 10 us (tiny samples, warm cache; the same
-#: benchmark), so ranges win below about a quarter.
-RANGED_SHARE = 0.25
+#: above it. Measured at 1.28M tiny samples (5.6 kB each, 887 a shard; warm cache; CPU per
+#: delivered sample, ``benchmarks/bench_split.py``'s child): a split of 20% costs 13.1 us
+#: streamed and 6.4 ranged, 30%: 8.9 and 6.1, 40%: 7.7 and 5.7, 50%: 6.3 and 5.6, 70%: 4.4 and
+#: 4.7; so ranges win up to about 60%.
+RANGED_SHARE = 0.5
+
+#: The same for an LMDB shard, whose wanted samples are each a lookup in its B-tree (measured
+#: when the lookups replaced the walk; not measured again here).
+LMDB_RANGED_SHARE = 0.25
+
+#: Wanted samples at most this many bytes apart are read in one span, the bytes between them
+#: read and passed over; 0: only adjacent samples (a run) share a read. Measured the same way
+#: (a 10% split, ranged reads alone): 4.9 us a sample with 0, 5.1 with 6 kB, 5.8 with 12 kB.
+#: A random read from the page cache costs about 2 us of system time, a further kilobyte about
+#: 0.15 us: a hole of two samples already costs more to read than a read of its own.
+GAP = 0
+
+#: The most bytes read at once for a slice (its spans in chunks): a slice of a large shard is
+#: never held whole.
+CHUNK = 4 << 20
+
+#: Records parsed in one call: a few, as the streaming parser's budget, so their images are
+#: made and freed in small runs (a whole shard's alive at once makes glibc trim and re-fault
+#: the heap: ``formats.tar.reader._BUDGET``).
+BATCH = 16
 
 #: What a sample the plan reads through but does not want stands as (dropped by its mask).
 SKIPPED = Record("", "", b"", -1)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A shard's index head as the range reader uses it: offsets as int64 (``offsets[k]`` to
+    ``offsets[k + 1]``: sample k's bytes) and key hashes as big-endian bytes (each key's
+    BLAKE2b digest as it comes)."""
+
+    offsets: np.ndarray
+    hashes: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.hashes.nbytes
+
+
+#: Index heads kept across epochs (local shards; the least recently used dropped past
+#: ``CACHED`` bytes): loaded once, not once an epoch (at a 10% split of tiny samples, loading
+#: every shard's head again cost about a tenth of the epoch). Keyed by the index file's identity
+#: (inode, mtime, size) and the shard's manifest facts, so a rewritten index is read again.
+_CACHE: OrderedDict[tuple, _Columns | None] = OrderedDict()
+CACHED = 64 << 20
+_cached = [0]
+
+
+def _columns(shard: ShardInfo, storage_options) -> _Columns | None:
+    """``shard``'s index head for ranged reads (``shard_columns``), from ``_CACHE`` when its
+    file is unchanged."""
+    key = None
+    if not is_url(shard.url):
+        try:
+            st = os.stat(index_path(shard.url.removeprefix("file://")))
+        except OSError:
+            st = None
+        if st is not None:
+            key = (shard.url, shard.sha256, shard.samples, shard.bytes, shard.index_sha256,
+                   st.st_ino, st.st_mtime_ns, st.st_size)  # fmt: skip
+            if key in _CACHE:
+                _CACHE.move_to_end(key)
+                return _CACHE[key]
+    index = shard_columns(shard, storage_options)
+    got = None
+    if index is not None:
+        got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"))
+    if key is not None:
+        _CACHE[key] = got
+        _cached[0] += got.nbytes if got is not None else 0
+        while _cached[0] > CACHED and _CACHE:
+            _, old = _CACHE.popitem(last=False)
+            _cached[0] -= old.nbytes if old is not None else 0
+    return got
 
 
 class RangeReader:
@@ -73,27 +145,27 @@ class RangeReader:
         #: through it.
         self.unindexed = unindexed
         self.storage_options = getattr(storage, "storage_options", None)
-        self._indexes: dict[str, IndexColumns | None] = {}
+        self._indexes: dict[str, _Columns | None] = {}
         self._fd: tuple[str, int] | None = None
+        self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
         self._shard: tuple[str, object] | None = None  # (url, LmdbSampleReader)
-        self._lists: tuple[str, list[int], list[int]] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
 
     def exact(self, sl: ShardSlice, shard: ShardInfo, wanted: int) -> bool:
         """Whether the slice is read as exact ranges: its shard has an index (tar: its offsets;
-        LMDB: its B-tree), and it wants (``wanted`` of its samples) at most ``RANGED_SHARE`` of
-        the shard: above it, streaming the shard is faster."""
+        LMDB: its B-tree), and it wants (``wanted`` of its samples) at most ``RANGED_SHARE``
+        (LMDB: ``LMDB_RANGED_SHARE``) of the shard: above it, streaming the shard is faster."""
         if not (self.tar or self.lmdb) or sl.stop <= sl.start:
             return False
-        if wanted > RANGED_SHARE * shard.samples:
+        if wanted > (LMDB_RANGED_SHARE if self.lmdb else RANGED_SHARE) * shard.samples:
             return False  # the index is not even read
         if shard.url in self.unindexed:
             return False
         if self.lmdb:
             return True  # each sample is one descent of the tree: nothing to load first
         if shard.url not in self._indexes:
-            self._indexes[shard.url] = shard_columns(shard, self.storage_options)
+            self._indexes[shard.url] = _columns(shard, self.storage_options)
         return self._indexes[shard.url] is not None
 
     def records(
@@ -106,50 +178,100 @@ class RangeReader:
     ):
         """The slice's records, the wanted ones only (``mask``: which are; None: all). A
         sample not wanted (a hole a plan reads through) is ``SKIPPED``, never parsed: the
-        plan's mask drops it. Tar: each run of wanted samples is one ``pread`` or GET, parsed
-        in C, each sample checked against the key hash its index stores. LMDB: each wanted
-        sample is one lookup in the shard's B-tree, the shard kept open across slices (its
-        upper pages too), so a read costs its leaf and value pages. ``skipped`` False: the
-        wanted records alone, no ``SKIPPED`` between them."""
+        plan's mask drops it. Tar: each run of wanted samples is one read (``preadv``) or GET,
+        parsed in C (``_tar_records``), each sample checked against the key hash its index
+        stores. LMDB: each wanted sample is one lookup in the shard's B-tree, the shard kept
+        open across slices (its upper pages too), so a read costs its leaf and value pages.
+        ``skipped`` False: the wanted records alone, no ``SKIPPED`` between them."""
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
         if self.lmdb:
             yield from self._lmdb_records(sl, shard, want, fields, skipped)
             return
-        index = self._indexes[shard.url]
-        at, hashes = self._columns(shard.url, index)  # as ints: a run costs no numpy
-        edges = np.flatnonzero(np.diff(np.concatenate(([False], want, [False])).astype(np.int8)))
-        runs = edges.reshape(-1, 2) + sl.start  # [first, stop) of each run of wanted samples
-        j = sl.start
-        for lo, hi in runs.tolist():
-            if skipped:
-                yield from itertools.repeat(SKIPPED, lo - j)
-            a = int(at[lo])
-            # one block past the run: the next header, which closes its last sample for the C
-            # parser (a shard ends with two zero blocks, so it is always there)
-            blob = self._read(shard, a, int(at[hi]) + BLOCK)
-            starts = [x - a for x in at[lo : hi + 1]]
-            got = read_run(blob, starts, len(blob), shard.url, fields)
-            for k, rec in enumerate(got, lo):
-                if rec is None or _hash(rec.key) != hashes[k]:
-                    raise ShardFormatError(
-                        f"{shard.url}: sample {k} is not where its sample index says (the "
-                        "shard changed after packing?); re-pack it, or delete its .idx file"
-                    )
-                yield rec
-            j = hi
-        if skipped:
-            yield from itertools.repeat(SKIPPED, sl.stop - j)
+        yield from self._tar_records(sl, shard, want, fields, skipped)
 
-    def _columns(self, url: str, index: IndexColumns) -> tuple[list[int], list[int]]:
-        """The shard's sample offsets and key hashes as lists of ints, kept while slices read
-        the shard."""
-        if self._lists is None or self._lists[0] != url:
-            self._lists = (url, index.offsets.tolist(), index.hashes.tolist())
-        return self._lists[1], self._lists[2]
+    def _tar_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
+        """The wanted samples of a tar slice: their byte ranges from the index, gathered into
+        spans (``spans``), read a chunk of spans at a time (one ``pread`` or GET a span) and
+        parsed in one C call a chunk; the keys then hashed and compared with the index's in one
+        comparison a chunk. No Python runs per sample but its key's hash."""
+        index = self._indexes[shard.url]
+        pos = np.flatnonzero(want) + sl.start  # the wanted samples, numbered in the shard
+        starts, ends = index.offsets[pos], index.offsets[pos + 1]
+        bounds = np.append(spans(starts, ends), len(pos))  # span i: samples bounds[i]:bounds[i+1]
+        # bytes each span reads: its samples and one block past the last (the next header, which
+        # closes it for the parser; a shard ends with two zero blocks, so it is always there)
+        lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1] + BLOCK
+        expect = index.hashes[pos]
+        done = sl.start  # where the SKIPPED before the next wanted sample start
+        j = 0  # spans read so far
+        while j < len(lo):
+            # a chunk of spans read together: at least one, at most CHUNK bytes
+            k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), CHUNK, "right")))
+            blob = self._read_spans(shard, lo[j:k].tolist(), hi[j:k].tolist())
+            # each sample's place in ``blob``: the chunk's spans laid end to end
+            size = hi[j:k] - lo[j:k]
+            shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
+            a, b = bounds[j], bounds[k]
+            rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
+            for c in range(0, b - a, BATCH):
+                d = min(c + BATCH, b - a)  # within this chunk
+                hashes = expect[a + c : a + d]
+                got, unchecked = read_at(
+                    blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes
+                )
+                if unchecked:  # those the C parser did not take (it checks the ones it takes)
+                    _check_keys(
+                        [got[i] for i in unchecked], hashes[unchecked],
+                        pos[a + c : a + d][unchecked], shard.url,
+                    )  # fmt: skip
+                if skipped:
+                    for at, rec in zip(pos[a + c : a + d].tolist(), got, strict=True):
+                        yield from itertools.repeat(SKIPPED, at - done)
+                        yield rec
+                        done = at + 1
+                else:
+                    yield from got
+            j = k
+        if skipped:
+            yield from itertools.repeat(SKIPPED, sl.stop - done)
+
+    def _read_spans(self, shard: ShardInfo, lo: list[int], hi: list[int]) -> bytearray:
+        """Bytes ``[lo[i], hi[i])`` of the shard laid end to end, in a buffer reused from chunk
+        to chunk (the records parsed from it are copies): one ``preadv`` a span on the
+        shard's kept descriptor (local: no bytes object made and joined per span), one ranged
+        GET a span (object storage)."""
+        total = sum(hi) - sum(lo)
+        if len(self._buf) < total:
+            self._buf = bytearray(total)
+        buf = memoryview(self._buf)
+        p = 0
+        if is_url(shard.url):
+            for a, b in zip(lo, hi, strict=True):
+                buf[p : p + b - a] = self._read(shard, a, b)
+                p += b - a
+            return self._buf
+        fd, preadv = self._file(shard), os.preadv
+        self.reads += len(lo)
+        try:
+            for a, b in zip(lo, hi, strict=True):
+                if preadv(fd, [buf[p : p + b - a]], a) != b - a:
+                    raise ShardFormatError(
+                        f"{shard.url}: shorter than its sample index says (truncated or "
+                        "replaced?); re-pack it"
+                    )
+                p += b - a
+        except OSError as exc:
+            raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
+        return self._buf
 
     def _lmdb_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
         reader = self._lmdb_reader(shard)
         names = tuple(fields or ())
+        if not skipped:  # the wanted alone (a shard's slices joined: the holes between are long)
+            self.reads += int(np.count_nonzero(want))
+            for k in (np.flatnonzero(want) + sl.start).tolist():
+                yield reader.get(k, names)
+            return
         for k, wanted in zip(range(sl.start, sl.stop), want.tolist(), strict=True):
             if wanted:
                 self.reads += 1
@@ -213,7 +335,38 @@ class RangeReader:
             reader.close()
 
 
+def spans(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins: a sample
+    joins the span before it when at most ``GAP`` bytes lie between them (read and passed
+    over), else it begins a span of its own."""
+    if not len(starts):
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(np.concatenate(([True], starts[1:] - ends[:-1] > GAP)))
+
+
+def _check_keys(got: list, expect: np.ndarray, pos: np.ndarray, url: str) -> None:
+    """Each record's key hashed as the index stores it (``expect``, big-endian) and all compared
+    at once: the check that a range holds its sample (the index's offsets are not covered by a
+    checksum here, and a shard may have been replaced since)."""
+    blake, salt = hashlib.blake2b, SPLIT_SALT
+    try:
+        digests = b"".join(
+            [blake(salt + r.key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+             for r in got]
+        )  # fmt: skip
+    except AttributeError:  # a None: no sample where the index says
+        digests = b""
+    if digests == expect.tobytes():
+        return
+    for i, rec in enumerate(got):
+        if rec is None or _hash(rec.key) != int(expect[i]):
+            raise ShardFormatError(
+                f"{url}: sample {int(pos[i])} is not where its sample index says (the shard "
+                "changed after packing?); re-pack it, or delete its .idx file"
+            )
+
+
 def _hash(key: str) -> int:
-    """A key's split hash, as the index stores it: the check that a range holds its sample."""
+    """A key's split hash, as the index stores it."""
     raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")

@@ -69,12 +69,13 @@ def read_slices(
 
     ``keep`` (one flag per record the slices hold, as ``positions_to_slices`` gives; subsets,
     splits, mixtures): where a shard has a sample index (or is LMDB) and a slice wants at most
-    a quarter of its samples (``ranges.RANGED_SHARE``), only the wanted ones are read, as exact
-    byte ranges or lookups (``stream.ranges``), the others stand as ``SKIPPED``; ``drop``: only
-    the records ``keep`` wants are yielded (the others are not even parsed where read as
-    ranges), so the consumer does not pass nine unwanted records per wanted one of a 10%
-    split. Without ``keep`` (a plain epoch) every slice streams, as do the shards in
-    ``unindexed`` (their index was refused when the dataset was built).
+    half of its samples (tar; LMDB: a quarter; ``ranges.RANGED_SHARE``), only the wanted ones
+    are read, as exact byte ranges or lookups (``stream.ranges``), the others stand as
+    ``SKIPPED``; ``drop``: only the records ``keep`` wants are yielded (the others are not even
+    parsed where read as ranges), so the consumer does not pass nine unwanted records per
+    wanted one of a 10% split, and consecutive ranged slices of a shard are read as one.
+    Without ``keep`` (a plain epoch) every slice streams, as do the shards in ``unindexed``
+    (their index was refused when the dataset was built).
 
     ``shards[s.shard]`` is the shard a slice reads; its manifest facts (size and sha256 for
     remote verification, the offset index for a mid-shard start) travel with it.
@@ -94,12 +95,7 @@ def read_slices(
     from .ranges import RangeReader
 
     exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
-    cuts = np.cumsum([0, *(len(sl) for sl in slices)])
-    masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
-        True if m is not None and exact.exact(sl, shards[sl.shard], int(m.sum())) else None
-        for sl, m in zip(slices, masks, strict=True)
-    ]
+    slices, masks, spans = _ranged(slices, shards, keep, exact, drop)
     upcoming = [shards[s.shard] for s in slices]
     streamed = [u for u, span in zip(upcoming, spans, strict=True) if span is None]
     k = 0  # slices streamed so far
@@ -142,6 +138,65 @@ def read_slices(
     finally:
         exact.close()
         storage.close()
+
+
+def _ranged(slices, shards, keep, exact, drop: bool) -> tuple[list, list, list]:
+    """(slices, their masks, which are read as exact ranges: True, or None: streamed, as a
+    plan's) for ``read_slices``; ``drop``: consecutive ranged slices of a shard joined."""
+    cuts = np.cumsum([0, *(len(sl) for sl in slices)])
+    masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    wanted = [0] * len(slices)
+    if keep is not None:  # each slice's wanted count, from one running sum
+        total = np.concatenate(([0], np.cumsum(keep, dtype=np.int64)))
+        wanted = (total[cuts[1:]] - total[cuts[:-1]]).tolist()
+    spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
+        True if m is not None and exact.exact(sl, shards[sl.shard], w) else None
+        for sl, m, w in zip(slices, masks, wanted, strict=True)
+    ]
+    if drop:
+        return _joined(slices, masks, spans)
+    return list(slices), masks, spans
+
+
+def _joined(slices: Sequence[ShardSlice], masks: list, spans: list) -> tuple[list, list, list]:
+    """Consecutive ranged slices of one shard, each past the last, read as one (their masks
+    laid on the samples between them): the wanted records are the same, in the same order, and
+    a shard's wanted samples cost one range reader's call, not one a slice. (A plan cuts a
+    shard's slices at holes of more than a few samples: at a 10% split, about five a shard,
+    each paying the reader's fixed cost for some twenty samples.) Only where ``read_slices``
+    drops the unwanted: the records between the slices are then never seen."""
+    out_slices: list[ShardSlice] = []
+    out_masks: list = []
+    out_spans: list = []
+    group: list[int] = []
+
+    def close() -> None:
+        first, last = slices[group[0]], slices[group[-1]]
+        if len(group) == 1:
+            out_slices.append(first), out_masks.append(masks[group[0]])
+        else:
+            mask = np.zeros(last.stop - first.start, bool)
+            for i in group:
+                mask[slices[i].start - first.start : slices[i].stop - first.start] = masks[i]
+            out_slices.append(ShardSlice(first.shard, first.start, last.stop))
+            out_masks.append(mask)
+        out_spans.append(spans[group[0]])
+        group.clear()
+
+    for i, sl in enumerate(slices):
+        if group:
+            prev = slices[group[-1]]
+            if (
+                spans[i] is None
+                or spans[group[-1]] is None
+                or sl.shard != prev.shard
+                or (sl.start < prev.stop)
+            ):
+                close()
+        group.append(i)
+    if group:
+        close()
+    return out_slices, out_masks, out_spans
 
 
 def _dropping(sl: ShardSlice, mask: np.ndarray | None, ranged: bool) -> tuple[int, list | None]:

@@ -83,6 +83,18 @@ def test_an_epoch_of_a_few_samples_reads_about_their_bytes(packed, kw):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
+def test_a_subset_of_up_to_half_of_each_shard_reads_about_its_samples_bytes(packed):
+    """Slices that want up to half their shard are read as ranges (measured faster than the
+    streamed shard with the unwanted dropped): a 30% subset reads about its drawn samples'
+    bytes, not each shard whole (about 3.3 times them)."""
+    out, _ = packed
+    sizes = _sizes(out)
+    keys, read = _epoch(out, subset=0.3)
+    drawn = sum(sizes[k] for k in keys)
+    assert len(keys) == 60 and read <= 1.5 * drawn
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
 def test_a_mixture_with_repeats_reads_each_drawn_sample_exactly(packed):
     out, bare = packed
     sizes = _sizes(out)

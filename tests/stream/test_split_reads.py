@@ -15,6 +15,7 @@ from PIL import Image
 
 from shardkit import ShardDataset, ShardWriter
 from shardkit.errors import ShardFormatError
+from shardkit.stream import ranges
 from shardkit.stream.mix import Source
 
 
@@ -90,18 +91,34 @@ def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
     assert got == BEFORE[fmt, what]
 
 
+@pytest.mark.parametrize("what", ["val", "subset30"])
+def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch, what):
+    """A slice whose wanted bytes pass the reader's chunk (a large shard) is read a chunk at a
+    time and parsed a few samples at a call: the same samples as in one chunk."""
+    where = _make(tmp_path / "out", "tar")
+    monkeypatch.setattr(ranges, "CHUNK", 5000)  # two or three samples a chunk
+    monkeypatch.setattr(ranges, "BATCH", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = {"val": {"split": "val", "val_fraction": 0.1}, "subset30": {"subset": 0.3}}[what]
+        assert _digest(where, **kw) == BEFORE["tar", what]
+
+
 class _Preads:
-    """Counts ``os.pread`` calls (how both readers read a local shard's bytes)."""
+    """Counts ``os.pread`` and ``os.preadv`` calls (how both readers read a local shard's
+    bytes)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = os.pread
+        for name in ("pread", "preadv"):
+            monkeypatch.setattr(os, name, self._counted(getattr(os, name)))
 
-        def counting(fd, n, offset):
+    def _counted(self, real):
+        def counting(*args):
             self.calls += 1
-            return real(fd, n, offset)
+            return real(*args)
 
-        monkeypatch.setattr(os, "pread", counting)
+        return counting
 
 
 @pytest.mark.parametrize("kw", [{"subset": 0.02}, {"split": "val", "val_fraction": 0.05}])
@@ -120,14 +137,33 @@ def test_a_sparse_lmdb_epoch_reads_a_few_pages_per_drawn_sample(tmp_path, monkey
     assert reads.calls <= 4 * drawn
 
 
-def test_a_sparse_tar_epoch_reads_each_wanted_run_once(tmp_path, monkeypatch):
+def _runs(ds) -> int:
+    """Runs of adjacent wanted samples (within a shard) of a one-source dataset."""
+    s = ds.sources[0]
+    members = s.members.array() if hasattr(s.members, "array") else np.asarray(s.members)
+    shard_of = np.searchsorted(np.cumsum([sh.samples for sh in s.shards]), members, "right")
+    breaks = (np.diff(members) != 1) | (np.diff(shard_of) != 0)
+    return int(breaks.sum()) + 1 if len(members) else 0
+
+
+@pytest.mark.parametrize("kw", [{"split": "val"}, {"subset": 0.05}], ids=["val", "subset"])
+def test_a_sparse_tar_epoch_reads_each_wanted_run_once(tmp_path, monkeypatch, kw):
+    """Counted: one read a run of adjacent wanted samples, the holes between runs never read;
+    the index heads are read in the first epoch only (kept across epochs)."""
     where = _make(tmp_path / "out", "tar")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, split="val")
+        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, **kw)
     reads = _Preads(monkeypatch)
     drawn = sum(1 for _ in ds)
-    assert 0 < drawn and reads.calls <= drawn
+    runs = _runs(ds)
+    assert 0 < runs < drawn and reads.calls == runs
+    heads = []
+    real = ranges.shard_columns
+    monkeypatch.setattr(ranges, "shard_columns", lambda *a: heads.append(a) or real(*a))
+    reads.calls = 0
+    ds.set_epoch(1)
+    assert sum(1 for _ in ds) == drawn and reads.calls == runs and heads == []
 
 
 def _overflow_pages(path: str, psize: int = 4096) -> list[int]:

@@ -7,9 +7,12 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
+import numpy as np
+
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import Record
+from ..sample_index import SPLIT_SALT
 from .parse import (
     _EXT_KIND,
     _IMAGE,
@@ -32,12 +35,13 @@ from .parse import (
     is_gzip_name,
 )
 
-__all__ = ["iter_tar_records", "read_run", "read_sample"]
+__all__ = ["iter_tar_records", "read_at", "read_sample"]
 
 try:  # the C parser of plain samples (shardkit/images/_native.c); optional, as its decoders
+    from ...images._native import tar_at as _tar_at
     from ...images._native import tar_samples as _tar_samples
 except ImportError:  # pragma: no cover - built without libjpeg's headers
-    _tar_samples = None
+    _tar_samples = _tar_at = None
 _IMAGE_EXTS = frozenset(e for e, kind in _EXT_KIND.items() if kind is _IMAGE)
 _LABEL_EXTS = frozenset(e for e, kind in _EXT_KIND.items() if kind is _LABEL)
 #: Image bytes the C parser takes per call: records made and dropped in small runs, as one at a
@@ -364,26 +368,38 @@ def read_sample(blob: bytes, shard: str, fields: Sequence[str] = ()) -> Record |
     )
 
 
-def read_run(
-    blob: bytes, starts: Sequence[int], end: int, shard: str, fields: Sequence[str] = ()
-) -> list[Record | None]:
-    """The samples of ``blob`` that start at ``starts[i]`` and end at ``starts[i + 1]`` (a run
-    of consecutive samples, as a sample index places them): what ``read_sample`` gives for each.
-    The plain ones are parsed in C in one call (``_native.tar_samples``, as a streamed shard's
-    are), which needs each sample closed by the next one's header: ``end`` (past
-    ``starts[-1]``) is how far the blob may be read for it. The rest go through
-    ``read_sample``; a caller checks each record against its index (its key's hash)."""
-    n = len(starts) - 1
-    out: list[Record | None] = []
-    if _tar_samples is not None and n > 0:
+def read_at(
+    blob: bytes | bytearray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    shard: str,
+    fields: Sequence[str] = (),
+    hashes: np.ndarray | None = None,
+) -> tuple[list[Record | None], list[int]]:
+    """The samples of ``blob`` at ``[starts[i], ends[i])`` (int64 arrays, as a sample index
+    places them; the wanted samples of a slice, apart or in runs): what ``read_sample`` gives
+    for each, and which of them (their places in the list) are not yet checked against
+    ``hashes`` (the index's key hashes, big-endian ``>u8``), which the caller checks. The plain
+    ones are parsed in C in one call for them all (``_native.tar_at``), which needs the header
+    after each sample in ``blob`` (it closes the sample, as in a streamed shard) and checks
+    each key's hash there, taking no sample whose hash differs; the rest go through
+    ``read_sample``."""
+    out: list[Record | None]
+    if _tar_at is not None:
         want = frozenset(x.lower().encode() for x in fields)
-        got, _, _ = _tar_samples(
-            blob, starts[0], end, 0, 0, n, 1 << 62, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard
+        check = b"" if hashes is None else hashes
+        out = _tar_at(
+            blob, starts, ends, check, SPLIT_SALT, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard
         )
-        out = list(got)
-    for i in range(len(out), n):
-        out.append(read_sample(blob[starts[i] : starts[i + 1]], shard, fields))
-    return out
+    else:  # pragma: no cover - built without libjpeg's headers
+        out = [None] * len(starts)
+    unchecked = list(range(len(out))) if hashes is None or _tar_at is None else []
+    for i, rec in enumerate(out):
+        if rec is None:
+            out[i] = read_sample(bytes(blob[int(starts[i]) : int(ends[i])]), shard, fields)
+            if hashes is not None and _tar_at is not None:
+                unchecked.append(i)
+    return out, unchecked
 
 
 def _slow_sample(blob: bytes, shard: str, fields: Sequence[str]) -> Record | None:
