@@ -27,12 +27,15 @@ from .indexes import shard_columns
 __all__ = ["SKIPPED", "RangeReader", "read_range"]
 
 
-def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str) -> bytes:
+def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str, ahead=None) -> bytes:
     """Bytes [start, stop) of a shard, as its sample index placed them: one ``pread`` on a
     local file (its descriptor from ``fd()``, kept by the caller), one ranged GET on object
-    storage. A short answer is a shard truncated or replaced since; ``fix`` says what to do."""
+    storage (``ahead``, a ``remote.ranged.RangesAhead``: that GET, started ahead). A short
+    answer is a shard truncated or replaced since; ``fix`` says what to do."""
     try:
-        if is_url(url):
+        if is_url(url) and ahead is not None:
+            data = ahead.take(url, start, stop)  # the same GET, begun while earlier ones ran
+        elif is_url(url):
             from ..remote.fs import filesystem, protocol_of, strip
 
             fs = filesystem(protocol_of(url), storage_options)
@@ -79,6 +82,34 @@ class RangeReader:
         self._lists: tuple[str, list[int], list[int]] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
+        #: Remote tar shards: the GETs of the planned slices, kept in flight ahead (``plan``).
+        self.ahead = None
+
+    def plan(self, items) -> None:
+        """The slices to be read as ranges, in order: ``(slice, shard, mask)``, the slices
+        ``exact`` accepted. Remote: their ranged GETs (the next runs of this shard, then the
+        next shards') are started ahead, up to the storage's ``ranged_gets`` in flight and
+        ``ranged_bytes`` held (``remote.ranged``); the reads, and so the records, stay the
+        same and in the same order. Local reads, and ``ranged_gets`` 1: one at a time."""
+        requests = int(getattr(self.storage, "ranged_gets", 1))
+        items = [(sl, shard, mask) for sl, shard, mask in items if is_url(shard.url)]
+        if not self.tar or requests <= 1 or not items:
+            return
+        from ..remote.ranged import RangesAhead
+
+        limit = int(getattr(self.storage, "ranged_bytes", 0))
+        self.ahead = RangesAhead(self.storage_options, requests, limit)
+        self.ahead.plan(self._planned(items))
+
+    def _planned(self, items):
+        """(url, start, stop) of each read ``records`` will make for ``items``, lazily."""
+        for sl, shard, mask in items:
+            at = self._indexes[shard.url].offsets
+            want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+            runs = wanted_runs(sl.start, want)
+            starts, stops = at[runs[:, 0]], at[runs[:, 1]] + BLOCK
+            for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+                yield shard.url, a, b
 
     def exact(self, sl: ShardSlice, shard: ShardInfo, wanted: int) -> bool:
         """Whether the slice is read as exact ranges: its shard has an index (tar: its offsets;
@@ -117,8 +148,7 @@ class RangeReader:
             return
         index = self._indexes[shard.url]
         at, hashes = self._columns(shard.url, index)  # as ints: a run costs no numpy
-        edges = np.flatnonzero(np.diff(np.concatenate(([False], want, [False])).astype(np.int8)))
-        runs = edges.reshape(-1, 2) + sl.start  # [first, stop) of each run of wanted samples
+        runs = wanted_runs(sl.start, want)  # [first, stop) of each run of wanted samples
         j = sl.start
         for lo, hi in runs.tolist():
             if skipped:
@@ -179,7 +209,13 @@ class RangeReader:
     def _read(self, shard: ShardInfo, a: int, b: int) -> bytes:
         self.reads += 1
         return read_range(
-            shard.url, a, b, lambda: self._file(shard), self.storage_options, "re-pack it"
+            shard.url,
+            a,
+            b,
+            lambda: self._file(shard),
+            self.storage_options,
+            "re-pack it",
+            self.ahead,
         )
 
     def _file(self, shard: ShardInfo) -> int:
@@ -205,12 +241,21 @@ class RangeReader:
         return fd
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()  # GETs in flight cancelled; the plan stays (remote reads only)
         if self._fd is not None:
             fd, self._fd = self._fd[1], None
             os.close(fd)
         if self._shard is not None:
             reader, self._shard = self._shard[1], None
             reader.close()
+
+
+def wanted_runs(start: int, want: np.ndarray) -> np.ndarray:
+    """[first, stop) of each run of True in ``want`` (a slice's mask from sample ``start``),
+    as shard sample numbers: one row per range read."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], want, [False])).astype(np.int8)))
+    return edges.reshape(-1, 2) + start
 
 
 def _hash(key: str) -> int:

@@ -101,6 +101,8 @@ def read_slices(
         for sl, m in zip(slices, masks, strict=True)
     ]
     upcoming = [shards[s.shard] for s in slices]
+    # remote: the GETs of the ranged slices start ahead of the reader, in its order
+    exact.plan([(sl, upcoming[n], masks[n]) for n, sl in enumerate(slices) if spans[n]])
     streamed = [u for u, span in zip(upcoming, spans, strict=True) if span is None]
     k = 0  # slices streamed so far
     try:
