@@ -152,9 +152,11 @@ class _InFlight:
         return False
 
     def settled(self, timeout: float = 10.0) -> bool:
-        """Wait until no watched GET is being answered or held; False if one still is."""
+        """Wait until a GET was held and none is being held or answered now; False if one
+        still is after ``timeout`` seconds. (A GET its client sent, then hung up on, may
+        still arrive after this: it is held and abandoned at once.)"""
         with self._cond:
-            return self._cond.wait_for(lambda: self.now == 0, timeout)
+            return self._cond.wait_for(lambda: self.held and self.now == 0, timeout)
 
 
 class S3Server:

@@ -22,7 +22,7 @@ from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import read_run
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
-from .indexes import shard_columns
+from .indexes import columns_range, shard_columns
 
 __all__ = ["SKIPPED", "RangeReader", "read_range"]
 
@@ -100,6 +100,38 @@ class RangeReader:
         limit = int(getattr(self.storage, "ranged_bytes", 0))
         self.ahead = RangesAhead(self.storage_options, requests, limit)
         self.ahead.plan(self._planned(items))
+
+    def preload(self, wanted) -> None:
+        """Load at once the indexes ``exact`` will load for ``wanted`` (``(slice, shard,
+        samples wanted)``) on object storage: their ranged GETs in flight together, up to the
+        storage's ``ranged_gets``, where one at a time they cost a first-byte latency each
+        before the first sample. What each holds, and what a missing or foreign one does, is
+        ``shard_columns``'s."""
+        requests = int(getattr(self.storage, "ranged_gets", 1))
+        if not self.tar or requests <= 1:
+            return
+        todo: dict[str, ShardInfo] = {}
+        for sl, shard, count in wanted:
+            url = shard.url
+            if sl.stop <= sl.start or count > RANGED_SHARE * shard.samples or not is_url(url):
+                continue
+            if url not in self._indexes and url not in self.unindexed and columns_range(shard):
+                todo[url] = shard
+        if len(todo) < 2:
+            return
+        from ..remote.ranged import RangesAhead
+
+        ahead = RangesAhead(
+            self.storage_options, requests, int(getattr(self.storage, "ranged_bytes", 0))
+        )
+        ahead.plan((where, 0, n) for where, n in map(columns_range, todo.values()))
+        try:
+            for url, shard in todo.items():
+                self._indexes[url] = shard_columns(
+                    shard, self.storage_options, lambda where, n: ahead.take(where, 0, n)
+                )
+        finally:
+            ahead.close()
 
     def _planned(self, items):
         """(url, start, stop) of each read ``records`` will make for ``items``, lazily."""

@@ -96,6 +96,14 @@ def read_slices(
     exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
     cuts = np.cumsum([0, *(len(sl) for sl in slices)])
     masks = [None if keep is None else keep[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    # remote: the indexes the slices below need, fetched together rather than one by one
+    exact.preload(
+        [
+            (sl, shards[sl.shard], int(m.sum()))
+            for sl, m in zip(slices, masks, strict=True)
+            if m is not None
+        ]
+    )
     spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
         True if m is not None and exact.exact(sl, shards[sl.shard], int(m.sum())) else None
         for sl, m in zip(slices, masks, strict=True)
