@@ -95,12 +95,13 @@ class _InFlight:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        self.now = 0  # a live gauge: never reset (a GET of an earlier test may still leave)
         self.reset()
 
     def reset(self, suffix: str = ".tar", wait: float = 10.0) -> None:
         with self._cond:
             self.suffix, self.wait = suffix, wait
-            self.now = self.most = self.seen = self.held = self.abandoned = 0
+            self.most = self.seen = self.held = self.abandoned = 0
             self._gate: int | None = None
             self._after: int | None = None
             self._cond.notify_all()

@@ -133,8 +133,21 @@ class RangesAhead:
         loops = {id(g.fs.loop): g.fs.loop for g in gets}
         for loop in loops.values():
             mine = [g for g in gets if g.fs.loop is loop]
+            if _running() is loop:  # closed on the loop itself (a generator collected there)
+                for g in mine:
+                    if g.task is not None:
+                        g.task.cancel()
+                continue
             with contextlib.suppress(Exception):  # a loop already stopped has nothing running
                 sync(loop, _cancel, mine, timeout=CLOSE_WAIT)
+
+
+def _running():
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _start(get: _Get) -> None:
