@@ -18,6 +18,14 @@ In this one run, repeats interleaved, medians reported:
     python benchmarks/bench_remote.py                         # HTTP server, 20 ms, 2 workers
     python benchmarks/bench_remote.py --server s3 --latency-ms 20 --repeats 3
     python benchmarks/bench_remote.py --json bench-out/bench_remote.json
+    python benchmarks/bench_remote.py --case sparse --rounds 3   # subset/split epochs
+
+``--case sparse``: the sparse epochs, a ``subset=0.01`` and a ``split="val"`` epoch (at
+``--val-fraction``, 0.01 by default, so both draw about 1%) of ``--sparse-n`` tiny samples
+(``data.scale_set``, with sample indexes), read as ranged GETs through the same latency proxy,
+one GET at a time (``RemoteStorage(ranged_gets=1)``) against ``--ranged-gets`` in flight,
+interleaved in one process (no DataLoader workers): samples/s, ranged GETs per sample (counted
+by the server) and CPU seconds. ``--smoke`` runs both cases, tiny.
 
 decode="raw" throughout: this measures getting bytes to the loader, not JPEG decoding (see
 bench_stream.py for that). Loopback has no bandwidth limit, so the raw rate here is bounded by
@@ -73,7 +81,7 @@ def _serve(kind, shards, src, images, latency, rate, conn) -> None:
         os.symlink(src, os.path.join(root, "folder"))
         server = HttpServer(Path(root))
         with server:
-            _serve_until_closed(server.port, latency, rate, conn, FaultProxy)
+            _serve_until_closed(server.port, latency, rate, conn, FaultProxy, server.log)
         return
     with S3Server() as server:
         c = server.client()
@@ -86,13 +94,19 @@ def _serve(kind, shards, src, images, latency, rate, conn) -> None:
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(put, images))
-        _serve_until_closed(server.port, latency, rate, conn, FaultProxy)
+        _serve_until_closed(server.port, latency, rate, conn, FaultProxy, server.log)
 
 
-def _serve_until_closed(port, latency, rate, conn, proxy_cls) -> None:
+def _serve_until_closed(port, latency, rate, conn, proxy_cls, log) -> None:
     with proxy_cls(("127.0.0.1", port), latency=latency, rate=rate) as proxy:
         conn.send(proxy.port)
-        conn.recv()  # the parent says when to stop
+        while conn.recv() == "gets":  # until the parent says "stop"
+            conn.send(len(ranged_gets(log)))
+
+
+def ranged_gets(log) -> list:
+    """The ranged GETs of shard bytes the server answered (not indexes, not whole shards)."""
+    return [g for g in log.gets(".tar") if g[2] and not g[1].endswith(".idx")]
 
 
 # --- measurements -----------------------------------------------------------------------------
@@ -179,11 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
     ap.add_argument("--folder-images", type=int, default=600, help="folder subset size")
+    ap.add_argument("--case", choices=["stream", "sparse", "both"], default="stream")
+    ap.add_argument("--sparse-n", type=int, default=32_000, help="samples of the sparse set")
+    ap.add_argument("--val-fraction", type=float, default=0.01, help="the split's val share")
+    ap.add_argument("--ranged-gets", type=int, default=16, help="GETs in flight, concurrent")
     root = data.root()
     smoke = {"src": str(root / "lfw-smoke"), "shards": str(root / "lfw-smoke-remote")}
-    smoke.update(latency_ms=1.0, folder_images=40, shard_size="1MB")
+    smoke.update(latency_ms=1.0, folder_images=40, shard_size="1MB", case="both", sparse_n=3000)
     args = harness.parse(ap, smoke=smoke, argv=argv)
     args.repeats = args.rounds = args.repeats or args.rounds
+    if args.case == "sparse":
+        summary, rounds = sparse(args)
+        harness.write_result(args.json, "bench_remote", args, summary, rounds)
+        return 0
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
 
@@ -328,8 +350,109 @@ def main(argv: list[str] | None = None) -> int:
         f"folder, 1 req/image   {summary['folder_samples_s']:17.0f} img/s  -> shards are "
         f"{summary['shards_vs_folder']:.1f}x faster"
     )
+    if args.case == "both":
+        summary["sparse"] = sparse(args)[0]
     harness.write_result(args.json, "bench_remote", args, summary, rounds)
     return 0
+
+
+# --- sparse epochs: subset and split as ranged GETs --------------------------------------------
+
+
+def sparse(args) -> tuple[dict, harness.Rounds]:
+    """subset=0.01 and split="val" epochs, one ranged GET at a time against ``ranged_gets``."""
+    from shardkit.stream.mix import Source
+    from shardkit.stream.shuffle import Order
+
+    shards, _ = data.scale_set(args.sparse_n, work=data.root() / "remote-sparse")
+    manifest = read_manifest(str(shards))
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(
+        target=_serve,
+        args=(
+            "http",
+            str(shards.resolve()),
+            str(shards.resolve()),
+            [],
+            args.latency_ms / 1000,
+            None,
+            child,
+        ),
+        daemon=True,
+    )
+    server.start()
+    url = f"http://127.0.0.1:{parent.recv()}/shards/{MANIFEST_NAME}"
+    cases = {
+        "subset": Source(url, subset=0.01),
+        "split": Source(url, split="val", val_fraction=args.val_fraction),
+    }
+    print(
+        f"sparse epochs over HTTP on loopback, +{args.latency_ms:g} ms per request: "
+        f"{manifest.num_samples} samples in {len(manifest.shards)} shards; subset=0.01, "
+        f"split='val' at val_fraction={args.val_fraction}; ranged_gets 1 vs "
+        f"{args.ranged_gets}, in one process",
+        flush=True,
+    )
+
+    def gets() -> int:
+        parent.send("gets")
+        return parent.recv()
+
+    def epoch(source, in_flight: int) -> dict:
+        ds = ShardDataset(
+            source,
+            decode="raw",
+            with_keys=True,
+            storage=RemoteStorage(ranged_gets=in_flight),
+            order=Order(shuffle=False),
+        )
+        g0, t0 = gets(), time.perf_counter()
+        keys = [s[2] for s in ds]
+        secs, n = time.perf_counter() - t0, len(keys)
+        return {"samples_s": n / secs, "gets_per_sample": (gets() - g0) / n, "n": n, "keys": keys}
+
+    sides = {}
+    for case, source in cases.items():
+        sides[f"{case}_1"] = lambda r, src=source: epoch(src, 1)
+        sides[f"{case}_{args.ranged_gets}"] = lambda r, src=source: epoch(src, args.ranged_gets)
+    rounds = harness.interleave(sides, args.rounds, order="shuffle")
+    parent.send("stop")
+    server.join(10)
+    summary: dict = {
+        "latency_ms": args.latency_ms,
+        "samples": manifest.num_samples,
+        "shards": len(manifest.shards),
+        "ranged_gets": args.ranged_gets,
+    }
+    for case in cases:
+        one, many = f"{case}_1", f"{case}_{args.ranged_gets}"
+        want = rounds.results[one][0]["keys"]
+        for name in (one, many):
+            for res in rounds.results[name]:
+                if res["keys"] != want:
+                    raise SystemExit(f"{name}: another epoch than one GET at a time read")
+                res["keys"] = len(res["keys"])
+        summary[case] = {
+            "n": rounds.results[one][0]["n"],
+            "samples_s_1": rounds.median(one, "samples_s"),
+            f"samples_s_{args.ranged_gets}": rounds.median(many, "samples_s"),
+            "speedup": rounds.ratio(many, one, "samples_s"),
+            "gets_per_sample_1": rounds.median(one, "gets_per_sample"),
+            f"gets_per_sample_{args.ranged_gets}": rounds.median(many, "gets_per_sample"),
+            "cpu_s_1": rounds.median(one, "cpu_s"),
+            f"cpu_s_{args.ranged_gets}": rounds.median(many, "cpu_s"),
+        }
+        c = summary[case]
+        print(
+            f"{case:6} {c['n']:5} samples: one GET at a time {c['samples_s_1']:7.0f} samples/s, "
+            f"{args.ranged_gets} in flight {c[f'samples_s_{args.ranged_gets}']:7.0f} samples/s "
+            f"= {c['speedup']:.1f}x; ranged GETs per sample {c['gets_per_sample_1']:.3f} vs "
+            f"{c[f'gets_per_sample_{args.ranged_gets}']:.3f}; CPU s {c['cpu_s_1']:.2f} vs "
+            f"{c[f'cpu_s_{args.ranged_gets}']:.2f}"
+        )
+    print(f"load: {rounds.load_text()}")
+    return summary, rounds
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
   runs), wrapped in a WSGI layer that logs every request and can answer the next GETs with
   ``503 SlowDown``, the throttling reply of real S3.
 - :class:`HttpServer`: a static file server with ``Range`` support, keep-alive and the same log.
+- The HTTP server's ``in_flight``: ranged GETs received and not yet answered (the most at once),
+  and on command a gate (the first GETs wait until N are in) or a hold (later GETs wait until
+  their client hangs up), so a test sees a client's concurrency and its early stop exactly.
 - :class:`FaultProxy`: a TCP proxy that forwards bytes both ways and, on command, resets or
   stalls connections after N response bytes, or adds first-byte latency per request. It counts
   connections and bytes, so a test can tell a resumed download from a restarted one.
@@ -18,6 +21,7 @@ around every test. The benchmarks import the classes directly.
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import socket
 import struct
@@ -77,6 +81,83 @@ class _Faults:
                 self.remaining -= 1
                 return self.status
             return None
+
+
+class _InFlight:
+    """Ranged GETs (of paths ending in ``suffix``) received and not yet answered: the requests
+    a client has in flight, for concurrency tests.
+
+    ``most``: the most in flight at any moment. ``gate(n)``: the first GETs wait until ``n``
+    are in flight together (or ``wait`` seconds pass), so a client that keeps ``n`` going is
+    seen with exactly ``n``, however the threads are scheduled. ``hold(after)``: every GET
+    after the first ``after`` is held unanswered until its client hangs up (counted in
+    ``abandoned``) or ``wait`` seconds pass: what an early stop leaves in flight."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.now = 0  # a live gauge: never reset (a GET of an earlier test may still leave)
+        self.reset()
+
+    def reset(self, suffix: str = ".tar", wait: float = 10.0) -> None:
+        with self._cond:
+            self.suffix, self.wait = suffix, wait
+            self.most = self.seen = self.held = self.abandoned = 0
+            self._gate: int | None = None
+            self._after: int | None = None
+            self._cond.notify_all()
+
+    def gate(self, n: int) -> None:
+        with self._cond:
+            self._gate = n
+
+    def hold(self, after: int) -> None:
+        with self._cond:
+            self._after = after
+
+    def watches(self, method: str, path: str, rng: str) -> bool:
+        return method == "GET" and path.endswith(self.suffix) and bool(rng)
+
+    def enter(self) -> bool:
+        """A watched GET arrives; True: hold it (``wait_for_hangup``)."""
+        with self._cond:
+            self.now += 1
+            self.seen += 1
+            self.most = max(self.most, self.now)
+            self._cond.notify_all()
+            if self._gate is not None:
+                self._cond.wait_for(lambda: self._gate is None or self.now >= self._gate, self.wait)
+                self._gate = None  # open from now on
+                self._cond.notify_all()
+            hold = self._after is not None and self.seen > self._after
+            self.held += hold
+            return hold
+
+    def leave(self) -> None:
+        with self._cond:
+            self.now -= 1
+            self._cond.notify_all()
+
+    def wait_for_hangup(self, sock: socket.socket) -> bool:
+        """Until the client closes ``sock`` (True, counted) or ``wait`` seconds pass."""
+        deadline = time.monotonic() + self.wait
+        try:
+            while time.monotonic() < deadline:
+                if select.select([sock], [], [], 0.02)[0] and not sock.recv(1, socket.MSG_PEEK):
+                    with self._cond:
+                        self.abandoned += 1
+                    return True
+        except OSError:
+            with self._cond:
+                self.abandoned += 1
+            return True
+        return False
+
+    def settled(self, timeout: float = 10.0) -> bool:
+        """Wait until a GET was held and none is being held or answered now; False if one
+        still is after ``timeout`` seconds. (A GET its client sent, then hung up on, may
+        still arrive after this: it is held and abandoned at once.)"""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.held and self.now == 0, timeout)
 
 
 class S3Server:
@@ -191,6 +272,18 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server
         path = self.path.split("?", 1)[0]
         srv.log.add(self.command, path, self.headers.get("Range", ""))
+        if not head and srv.in_flight.watches(self.command, path, self.headers.get("Range", "")):
+            try:
+                hung_up = srv.in_flight.enter() and srv.in_flight.wait_for_hangup(self.connection)
+            finally:
+                srv.in_flight.leave()  # before answering: a client waiting for it sends no more
+            if hung_up:
+                self.close_connection = True
+                return
+        self._answer(head, path)
+
+    def _answer(self, head: bool, path: str) -> None:
+        srv = self.server
         status = srv.faults.take("GET" if head else self.command, path) if not head else None
         if status is not None:
             self.send_response(status)
@@ -253,6 +346,7 @@ class _Httpd(ThreadingHTTPServer):
     root: Path
     log: RequestLog
     faults: _Faults
+    in_flight: _InFlight
     ignore_range = False
 
 
@@ -264,6 +358,7 @@ class HttpServer:
         self.root = root
         self._httpd.log = self.log = RequestLog()
         self._httpd.faults = self.faults = _Faults()
+        self._httpd.in_flight = self.in_flight = _InFlight()
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, daemon=True, name="test-http-server"
         )
@@ -532,7 +627,9 @@ def http(http_server):
     http_server.log.clear()
     http_server.faults.set(0)
     http_server.ignore_range = False
+    http_server.in_flight.reset()
     yield http_server
     http_server.faults.set(0)
     http_server.ignore_range = False
+    http_server.in_flight.reset()
     http_server.root = root

@@ -8,6 +8,8 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
 - ``fs``: fsspec filesystems built for streaming, one set per process.
 - ``cache``: ``ShardCache``, the shared on-disk cache behind ``cache_dir=``.
 - ``prefetch``: the next shards fetched in the background while one is read.
+- ``ranged``: ``RangesAhead``, a subset's or split's ranged GETs kept in flight ahead of the
+  reader (``RemoteStorage(ranged_gets=)``), handed over in its order.
 - ``fetch``: ``fetch``/``read_bytes``, whole-object reads with retries and resume.
 - ``inspect``: ``read_manifest_url``/``local_copy``, what ``verify``/``dataset_info`` use for URLs.
 - ``upload``: ``upload_file``/``Uploader``, what ``ShardWriter`` uses for a URL ``out``.

@@ -40,6 +40,12 @@ from .prefetch import Prefetcher
 
 __all__ = ["RemoteStorage"]
 
+#: Ranged GETs in flight per worker by default: at 20 ms first-byte latency and ~1 ms of
+#: reading per GET, 16 keep the reader busy (``benchmarks/bench_remote.py --sparse``).
+RANGED_GETS = 16
+#: The most the GETs ahead hold at once: 16 runs of a few samples are far below it.
+RANGED_BYTES = 64 << 20
+
 
 @dataclass
 class _Shard:
@@ -76,6 +82,10 @@ class RemoteStorage:
     shards fetched ahead per worker (0 turns it off). ``retries``/``backoff``: the retry budget
     (see ``RetryPolicy``). ``timeout``: seconds without progress before an attempt counts as
     stalled. ``verify=False`` skips the size and sha256 checks a ``ShardInfo`` asks for.
+    ``ranged_gets``: a subset's or split's ranged GETs (a few samples of a shard each, see
+    ``shardkit.stream.ranges``) kept in flight per worker, ahead of the reader, across runs and
+    shards (1: one at a time); ``ranged_bytes`` (bytes or a size string): the most those hold
+    at once. The samples and their order are the same either way (``shardkit.remote.ranged``).
     A source of local paths is read by ``LocalStorage`` even under ``storage=RemoteStorage(...)``
     (``urls_only``): one object configures a mixture of local and remote sources.
     """
@@ -96,6 +106,8 @@ class RemoteStorage:
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = True,
         chunk: int = CHUNK,
+        ranged_gets: int = RANGED_GETS,
+        ranged_bytes: int | str = RANGED_BYTES,
     ):
         if cache_limit is not None and cache_dir is None:
             raise InputError("cache_limit needs cache_dir: pass cache_dir= too, or drop the limit")
@@ -105,6 +117,9 @@ class RemoteStorage:
             raise InputError(f"prefetch={prefetch} must be >= 0 (0: no prefetch)")
         if int(retries) < 0:
             raise InputError(f"retries={retries} must be >= 0")
+        if int(ranged_gets) < 1:
+            raise InputError(f"ranged_gets={ranged_gets} must be >= 1 (1: one GET at a time)")
+        ranged_bytes = parse_size(ranged_bytes, "ranged_bytes", minimum=0)
         self.storage_options = dict(storage_options or {})
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.cache_limit = None if cache_limit is None else int(cache_limit)
@@ -113,6 +128,8 @@ class RemoteStorage:
         self.timeout = float(timeout)
         self.verify = bool(verify)
         self.chunk = int(chunk)
+        self.ranged_gets = int(ranged_gets)
+        self.ranged_bytes = int(ranged_bytes)
         self._rt: _Runtime | None = None
 
     def __repr__(self) -> str:

@@ -66,15 +66,27 @@ def _index_bytes(shard: ShardInfo, storage_options) -> bytes | None:
     return read_local(where.removeprefix("file://"))
 
 
-def shard_columns(shard: ShardInfo, storage_options: dict | None = None) -> IndexColumns | None:
-    """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
-    key table): one read, or one ranged GET; None where there is none or it is not this
-    shard's (a warning names it)."""
+def columns_range(shard: ShardInfo) -> tuple[str, int] | None:
+    """Where the head of ``shard``'s index is and its size (``shard_columns`` reads it); None
+    for a shard that cannot have one."""
     if not shard.sha256 or not shard.url.endswith(".tar") or shard.samples < 0:
         return None
-    where, n = index_path(shard.url), columns_size(shard.samples)
+    return index_path(shard.url), columns_size(shard.samples)
+
+
+def shard_columns(
+    shard: ShardInfo, storage_options: dict | None = None, read=None
+) -> IndexColumns | None:
+    """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
+    key table): one read, or one ranged GET (``read(where, n)``: that GET, made already);
+    None where there is none or it is not this shard's (a warning names it)."""
+    if (found := columns_range(shard)) is None:
+        return None
+    where, n = found
     try:
-        if is_url(shard.url):
+        if read is not None:
+            data = read(where, n)
+        elif is_url(shard.url):
             from ..remote.fs import filesystem, protocol_of, strip
 
             fs = filesystem(protocol_of(shard.url), storage_options)

@@ -26,17 +26,20 @@ from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
-from .indexes import shard_columns
+from .indexes import columns_range, shard_columns
 
 __all__ = ["SKIPPED", "RangeReader", "read_range"]
 
 
-def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str) -> bytes:
+def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str, ahead=None) -> bytes:
     """Bytes [start, stop) of a shard, as its sample index placed them: one ``pread`` on a
     local file (its descriptor from ``fd()``, kept by the caller), one ranged GET on object
-    storage. A short answer is a shard truncated or replaced since; ``fix`` says what to do."""
+    storage (``ahead``, a ``remote.ranged.RangesAhead``: that GET, started ahead). A short
+    answer is a shard truncated or replaced since; ``fix`` says what to do."""
     try:
-        if is_url(url):
+        if is_url(url) and ahead is not None:
+            data = ahead.take(url, start, stop)  # the same GET, begun while earlier ones ran
+        elif is_url(url):
             from ..remote.fs import filesystem, protocol_of, strip
 
             fs = filesystem(protocol_of(url), storage_options)
@@ -106,9 +109,9 @@ CACHED = 64 << 20
 _cached = [0]
 
 
-def _columns(shard: ShardInfo, storage_options) -> _Columns | None:
-    """``shard``'s index head for ranged reads (``shard_columns``), from ``_CACHE`` when its
-    file is unchanged."""
+def _columns(shard: ShardInfo, storage_options, read=None) -> _Columns | None:
+    """``shard``'s index head for ranged reads (``shard_columns``; ``read``: its GET, started
+    already), from ``_CACHE`` when its file is unchanged (local shards)."""
     key = None
     if not is_url(shard.url):
         try:
@@ -121,7 +124,7 @@ def _columns(shard: ShardInfo, storage_options) -> _Columns | None:
             if key in _CACHE:
                 _CACHE.move_to_end(key)
                 return _CACHE[key]
-    index = shard_columns(shard, storage_options)
+    index = shard_columns(shard, storage_options, read)
     got = None
     if index is not None:
         got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"))
@@ -151,6 +154,64 @@ class RangeReader:
         self._shard: tuple[str, object] | None = None  # (url, LmdbSampleReader)
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
+        #: Remote tar shards: the GETs of the planned slices, kept in flight ahead (``plan``).
+        self.ahead = None
+
+    def plan(self, items) -> None:
+        """The slices to be read as ranges, in order: ``(slice, shard, mask)``, the slices
+        ``exact`` accepted. Remote: their ranged GETs (the next runs of this shard, then the
+        next shards') are started ahead, up to the storage's ``ranged_gets`` in flight and
+        ``ranged_bytes`` held (``remote.ranged``); the reads, and so the records, stay the
+        same and in the same order. Local reads, and ``ranged_gets`` 1: one at a time."""
+        requests = int(getattr(self.storage, "ranged_gets", 1))
+        items = [(sl, shard, mask) for sl, shard, mask in items if is_url(shard.url)]
+        if not self.tar or requests <= 1 or not items:
+            return
+        from ..remote.ranged import RangesAhead
+
+        limit = int(getattr(self.storage, "ranged_bytes", 0))
+        self.ahead = RangesAhead(self.storage_options, requests, limit)
+        self.ahead.plan(self._planned(items))
+
+    def preload(self, wanted) -> None:
+        """Load at once the indexes ``exact`` will load for ``wanted`` (``(slice, shard,
+        samples wanted)``) on object storage: their ranged GETs in flight together, up to the
+        storage's ``ranged_gets``, where one at a time they cost a first-byte latency each
+        before the first sample. What each holds, and what a missing or foreign one does, is
+        ``shard_columns``'s."""
+        requests = int(getattr(self.storage, "ranged_gets", 1))
+        if not self.tar or requests <= 1:
+            return
+        todo: dict[str, ShardInfo] = {}
+        for sl, shard, count in wanted:
+            url = shard.url
+            if sl.stop <= sl.start or count > RANGED_SHARE * shard.samples or not is_url(url):
+                continue
+            if url not in self._indexes and url not in self.unindexed and columns_range(shard):
+                todo[url] = shard
+        if len(todo) < 2:
+            return
+        from ..remote.ranged import RangesAhead
+
+        ahead = RangesAhead(
+            self.storage_options, requests, int(getattr(self.storage, "ranged_bytes", 0))
+        )
+        ahead.plan((where, 0, n) for where, n in map(columns_range, todo.values()))
+        try:
+            for url, shard in todo.items():
+                self._indexes[url] = _columns(
+                    shard, self.storage_options, lambda where, n: ahead.take(where, 0, n)
+                )
+        finally:
+            ahead.close()
+
+    def _planned(self, items):
+        """(url, start, stop) of each read ``records`` will make for ``items``, lazily."""
+        for sl, shard, mask in items:
+            want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+            *_, lo, hi = _span_bounds(self._indexes[shard.url], sl, want)
+            for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
+                yield shard.url, a, b
 
     def exact(self, sl: ShardSlice, shard: ShardInfo, wanted: int) -> bool:
         """Whether the slice is read as exact ranges: its shard has an index (tar: its offsets;
@@ -195,18 +256,16 @@ class RangeReader:
         parsed in one C call a chunk; the keys then hashed and compared with the index's in one
         comparison a chunk. No Python runs per sample but its key's hash."""
         index = self._indexes[shard.url]
-        pos = np.flatnonzero(want) + sl.start  # the wanted samples, numbered in the shard
-        starts, ends = index.offsets[pos], index.offsets[pos + 1]
-        bounds = np.append(spans(starts, ends), len(pos))  # span i: samples bounds[i]:bounds[i+1]
-        # bytes each span reads: its samples and one block past the last (the next header, which
-        # closes it for the parser; a shard ends with two zero blocks, so it is always there)
-        lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1] + BLOCK
+        pos, starts, ends, bounds, lo, hi = _span_bounds(index, sl, want)
         expect = index.hashes[pos]
+        # Object storage: a span at a time, so a sample waits for its own GET alone, not for
+        # a chunk's (their GETs are in flight ahead together: ``plan``).
+        chunk = 0 if is_url(shard.url) else CHUNK
         done = sl.start  # where the SKIPPED before the next wanted sample start
         j = 0  # spans read so far
         while j < len(lo):
-            # a chunk of spans read together: at least one, at most CHUNK bytes
-            k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), CHUNK, "right")))
+            # a chunk of spans read together: at least one, at most ``chunk`` bytes
+            k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), chunk, "right")))
             blob = self._read_spans(shard, lo[j:k].tolist(), hi[j:k].tolist())
             # each sample's place in ``blob``: the chunk's spans laid end to end
             size = hi[j:k] - lo[j:k]
@@ -301,7 +360,13 @@ class RangeReader:
     def _read(self, shard: ShardInfo, a: int, b: int) -> bytes:
         self.reads += 1
         return read_range(
-            shard.url, a, b, lambda: self._file(shard), self.storage_options, "re-pack it"
+            shard.url,
+            a,
+            b,
+            lambda: self._file(shard),
+            self.storage_options,
+            "re-pack it",
+            self.ahead,
         )
 
     def _file(self, shard: ShardInfo) -> int:
@@ -327,12 +392,28 @@ class RangeReader:
         return fd
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()  # GETs in flight cancelled; the plan stays (remote reads only)
         if self._fd is not None:
             fd, self._fd = self._fd[1], None
             os.close(fd)
         if self._shard is not None:
             reader, self._shard = self._shard[1], None
             reader.close()
+
+
+def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray):
+    """The reads of a slice's wanted samples (``want``: its mask), as ``_tar_records`` makes
+    them and ``RangeReader.plan`` starts them ahead: ``pos`` (the wanted samples, numbered in
+    the shard), their ``starts`` and ``ends``, ``bounds`` (span i: samples ``bounds[i]`` to
+    ``bounds[i + 1]``), and each span's bytes ``[lo, hi)``: its samples and one block past the
+    last (the next header, which closes it for the parser; a shard ends with two zero blocks,
+    so it is always there)."""
+    pos = np.flatnonzero(want) + sl.start
+    starts, ends = index.offsets[pos], index.offsets[pos + 1]
+    bounds = np.append(spans(starts, ends), len(pos))
+    lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1] + BLOCK
+    return pos, starts, ends, bounds, lo, hi
 
 
 def spans(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

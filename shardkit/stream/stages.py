@@ -97,6 +97,8 @@ def read_slices(
     exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
     slices, masks, spans = _ranged(slices, shards, keep, exact, drop)
     upcoming = [shards[s.shard] for s in slices]
+    # remote: the GETs of the ranged slices start ahead of the reader, in its order
+    exact.plan([(sl, upcoming[n], masks[n]) for n, sl in enumerate(slices) if spans[n]])
     streamed = [u for u, span in zip(upcoming, spans, strict=True) if span is None]
     k = 0  # slices streamed so far
     try:
@@ -149,6 +151,14 @@ def _ranged(slices, shards, keep, exact, drop: bool) -> tuple[list, list, list]:
     if keep is not None:  # each slice's wanted count, from one running sum
         total = np.concatenate(([0], np.cumsum(keep, dtype=np.int64)))
         wanted = (total[cuts[1:]] - total[cuts[:-1]]).tolist()
+    # remote: the indexes the slices below need, fetched together rather than one by one
+    exact.preload(
+        [
+            (sl, shards[sl.shard], w)
+            for sl, m, w in zip(slices, masks, wanted, strict=True)
+            if m is not None
+        ]
+    )
     spans = [  # few wanted samples of a shard: exact ranges (None: streamed, as a plan's)
         True if m is not None and exact.exact(sl, shards[sl.shard], w) else None
         for sl, m, w in zip(slices, masks, wanted, strict=True)

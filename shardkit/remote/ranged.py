@@ -1,0 +1,179 @@
+"""Ranged GETs kept in flight ahead of the reader: the remote half of a sparse epoch.
+
+A subset or split epoch reads each run of wanted samples with one ranged GET
+(``shardkit.stream.ranges``). One at a time, every GET waits out the store's first-byte latency
+(about 20 ms same-region), so a 1% subset epoch of 1.28M samples spent ~12,700 x 21 ms waiting.
+:class:`RangesAhead` is told the GETs the reader will make, in its order (the next runs of the
+same shard, then the next shards' runs), keeps up to ``requests`` of them in flight, and hands
+each one's bytes over when the reader asks for it, in that same order: the same requests, the
+same samples in the same order, only their waits overlap.
+
+How: coroutines on the filesystem's own event loop (fsspec's IO thread, which ``remote.fs``
+builds per process, so a forked DataLoader worker makes its own after the fork), not threads of
+ours. ``close()`` cancels what is in flight (aiohttp closes those connections) and waits for the
+cancellations, so nothing of a read outlives it. A filesystem without an async API (``file://``,
+and other sync fsspec backends) is read one GET at a time in the caller, as before.
+
+Memory: at most ``requests`` GETs in flight or fetched and not yet taken, holding at most
+``max_bytes`` between them (one is always allowed, however large).
+
+Errors: a failed GET raises its exception in the caller when its turn comes, where the
+sequential read would have raised it, and is reported the same way (``read_range``). One
+attempt per GET, as before: the filesystems' own retry layers are off (``remote.fs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from fsspec.asyn import sync
+
+from .fs import filesystem, protocol_of, strip
+
+__all__ = ["RangesAhead"]
+
+#: Seconds ``close()`` waits for cancelled GETs to end (a cancellation takes a loop turn).
+CLOSE_WAIT = 10.0
+
+
+class _Get:
+    """One planned GET: where, which bytes, and (once started) its task and its result."""
+
+    __slots__ = ("url", "start", "stop", "fs", "task", "result")
+
+    def __init__(self, url: str, start: int, stop: int, fs) -> None:
+        self.url, self.start, self.stop, self.fs = url, start, stop, fs
+        self.task: asyncio.Task | None = None  # set on the loop
+        self.result: Future = Future()
+
+
+class RangesAhead:
+    """``take(url, start, stop)`` returns those bytes, fetched ahead where they were planned.
+
+    ``plan(ranges)``: the (url, start, stop) the caller will take, in order (an iterator, read
+    lazily as room frees up). Single consumer: ``plan``, ``take`` and ``close`` are called from
+    one thread. A ``take`` that is not the next planned range (a reader that changed its mind)
+    drops the plan and reads that range now: never wrong bytes, only no longer ahead.
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None, requests: int, max_bytes: int):
+        self.storage_options = storage_options
+        self.requests = max(1, int(requests))
+        self.max_bytes = max(0, int(max_bytes))
+        self._plan: Iterator[tuple[str, int, int]] = iter(())
+        self._next: tuple[str, int, int] | None = None
+        self._queue: deque[_Get] = deque()
+        self._bytes = 0  # of the GETs in the queue
+        self._ready: set[int] = set()  # id() of the filesystems whose session is made
+        #: GETs started ahead, and the most in flight or waiting at once (tests, benchmarks).
+        self.started = 0
+        self.most = 0
+
+    def plan(self, ranges: Iterable[tuple[str, int, int]]) -> None:
+        self.close()
+        self._plan, self._next = iter(ranges), None
+
+    def take(self, url: str, start: int, stop: int) -> bytes:
+        self._fill()
+        head = self._queue[0] if self._queue else None
+        if head is None or (head.url, head.start, head.stop) != (url, start, stop):
+            if head is not None:
+                self.close()  # off the plan: what is ahead is not what comes next
+                self._plan = iter(())
+            fs = filesystem(protocol_of(url), self.storage_options)
+            return fs.cat_file(strip(fs, url), start=start, end=stop)
+        self._queue.popleft()  # its room is refilled at the next take: it may still be in flight
+        self._bytes -= head.stop - head.start
+        return head.result.result()
+
+    def _fill(self) -> None:
+        while len(self._queue) < self.requests:
+            if self._next is None:
+                self._next = next(self._plan, None)
+                if self._next is None:
+                    return
+            url, start, stop = self._next
+            size = stop - start
+            if self._queue and self._bytes + size > self.max_bytes:
+                return
+            fs = filesystem(protocol_of(url), self.storage_options)
+            if not (getattr(fs, "async_impl", False) and hasattr(fs, "_cat_file")):
+                return  # a sync filesystem: the caller reads this range itself, when it comes
+            self._session(fs)
+            get = _Get(url, start, stop, fs)
+            fs.loop.call_soon_threadsafe(_start, get)
+            self._queue.append(get)
+            self._bytes += size
+            self._next = None
+            self.started += 1
+            self.most = max(self.most, len(self._queue))
+
+    def _session(self, fs) -> None:
+        """Make the filesystem's HTTP session once, before GETs race to make one each."""
+        if id(fs) in self._ready:
+            return
+        make = getattr(fs, "set_session", None)
+        if make is not None and inspect.iscoroutinefunction(make):
+            sync(fs.loop, make)
+        self._ready.add(id(fs))
+
+    def close(self) -> None:
+        """Cancel the GETs ahead and wait until they have ended (their connections closed).
+
+        Safe to call twice and after a failure; the plan stays (``take`` refills from it)."""
+        gets, self._queue, self._bytes = list(self._queue), deque(), 0
+        for get in gets:
+            get.result.cancel()
+        loops = {id(g.fs.loop): g.fs.loop for g in gets}
+        for loop in loops.values():
+            mine = [g for g in gets if g.fs.loop is loop]
+            if _running() is loop:  # closed on the loop itself (a generator collected there)
+                for g in mine:
+                    if g.task is not None:
+                        g.task.cancel()
+                continue
+            with contextlib.suppress(Exception):  # a loop already stopped has nothing running
+                sync(loop, _cancel, mine, timeout=CLOSE_WAIT)
+
+
+def _running():
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _start(get: _Get) -> None:
+    """On the loop: start the GET, unless it was cancelled before its turn came."""
+    if get.result.cancelled():
+        return
+    get.task = asyncio.ensure_future(
+        get.fs._cat_file(strip(get.fs, get.url), start=get.start, end=get.stop)
+    )
+    get.task.add_done_callback(lambda task: _settle(get, task))
+
+
+def _settle(get: _Get, task: asyncio.Task) -> None:
+    exc = asyncio.CancelledError() if task.cancelled() else task.exception()  # retrieved
+    if not get.result.set_running_or_notify_cancel():
+        return  # cancelled by close(): nobody takes it
+    if exc is not None:
+        get.result.set_exception(exc)
+    else:
+        get.result.set_result(task.result())
+
+
+async def _cancel(gets: list[_Get]) -> None:
+    """On the loop, after every ``_start`` queued before it (the loop runs them in order)."""
+    tasks = [g.task for g in gets if g.task is not None and not g.task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=CLOSE_WAIT)
