@@ -16,7 +16,8 @@ machine moves least:
   whole data set, then a second construction under ``tracemalloc``: the bytes it allocates at
   its peak and holds after (numpy's arrays included; not the ~10 MB of pages the first one
   touches whatever N; the manifest's size cap set to its file's size, as an older checkout
-  allocated the cap, 512 MiB, to read it); with ``--against DIR`` also on another checkout;
+  allocated the cap, 512 MiB, to read it), and the bytes the first one read (``rchar``: the
+  manifest and the indexes) per sample; with ``--against DIR`` also on another checkout;
 - ``split-plan``, ``split-train-plan``: an epoch's draw of that split (``MixLayout``, built in
   every worker) and one worker's plan of it (one rank, one worker: its part is the epoch),
   under ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
@@ -87,6 +88,7 @@ elif what in ("split", "split-train"):
     side = "val" if what == "split" else "train"
     ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
     out["len"] = len(ds)
+    out["construct_rchar"] = rchar() - r0  # the manifest and the indexes, as read to build it
     c1, t1 = cpu(), time.perf_counter()
     out["peak_mb"] = status_mb("VmHWM")
     del ds
@@ -340,7 +342,8 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what in AGAINST:
         per, n = more * 2**20 / row["n"], row["n"]
         traced = f"traced {r['traced_peak_b'] / n:.2f}/{r['held_b'] / n:.2f} B"
-        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}"
+        read = f", read {r['construct_rchar'] / n:.1f} B" if "construct_rchar" in r else ""
+        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}{read}"
     if what == "get":
         return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
     if what in GROWTH:

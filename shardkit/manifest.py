@@ -218,16 +218,7 @@ class ShardEntries(ShardTable):
     replaced (``entries[i] = entry``), which copies the columns it changes.
     """
 
-    __slots__ = ("columns_sha256",)
-
-    def __init__(self, *args, columns_sha256: Sequence[str] | None = None, **kw):
-        super().__init__(*args, **kw)
-        n = len(self.names)
-        self.columns_sha256: list[str] = (
-            [""] * n if columns_sha256 is None else list(columns_sha256)
-        )
-        if len(self.columns_sha256) != n:
-            raise ValueError(f"{len(self.columns_sha256)} columns_sha256 for {n} shards")
+    __slots__ = ()
 
     @classmethod
     def of(cls, shards: Iterable[ShardEntry]) -> ShardEntries:  # type: ignore[override]
@@ -244,18 +235,6 @@ class ShardEntries(ShardTable):
             {i: e.index for i, e in enumerate(rows) if e.index},
             columns_sha256=[e.columns_sha256 for e in rows],
         )
-
-    def _same(self, cls, samples=None):
-        out = super()._same(cls, samples)
-        if isinstance(out, ShardEntries):  # the same entries: the column rides along
-            out.columns_sha256 = self.columns_sha256
-        return out
-
-    def take(self, rows: Iterable[int]) -> ShardEntries:
-        rows = [int(r) for r in rows]
-        out = super().take(rows)
-        out.columns_sha256 = [self.columns_sha256[r] for r in rows]  # type: ignore[attr-defined]
-        return out  # type: ignore[return-value]
 
     def _row(self, i: int) -> ShardEntry:  # type: ignore[override]
         return ShardEntry(

@@ -53,6 +53,9 @@ class ShardInfo:
     index: tuple[int, ...] = ()
     #: The sha256 of the shard's sample index file, where the manifest gives it.
     index_sha256: str = ""
+    #: The sha256 of that index's fixed-width columns (head, offsets, key hashes), where the
+    #: manifest gives it: a split reads and checks those bytes alone, not the whole file.
+    columns_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,8 @@ class ShardTable(Sequence):
 
     Opening a dataset of 40,000 shards happens in every rank (and every spawned DataLoader
     worker), so the list is numpy columns (``samples``, ``bytes``) and the lists of strings the
-    manifest's parse already made (``names``, ``sha256``, ``index_sha256``); shard ``i``'s URL
+    manifest's parse already made (``names``, ``sha256``, ``index_sha256``,
+    ``columns_sha256``); shard ``i``'s URL
     is ``head + names[i] + tail`` (the manifest's directory, or a URL prefix with its query
     string kept last; both empty where ``names`` are whole URLs). ``table[i]`` builds the
     ``ShardInfo`` of one shard when a reader asks for it, so a worker makes objects only for the
@@ -102,7 +106,17 @@ class ShardTable(Sequence):
     table of the rows), ``len``, and ``==`` against any sequence of ``ShardInfo``.
     """
 
-    __slots__ = ("names", "head", "tail", "samples", "bytes", "sha256", "index_sha256", "index")
+    __slots__ = (
+        "names",
+        "head",
+        "tail",
+        "samples",
+        "bytes",
+        "sha256",
+        "index_sha256",
+        "index",
+        "columns_sha256",
+    )
 
     def __init__(
         self,
@@ -115,6 +129,7 @@ class ShardTable(Sequence):
         *,
         head: str = "",
         tail: str = "",
+        columns_sha256: Sequence[str] | None = None,
     ):
         n = len(names)
         self.names: list[str] = names if isinstance(names, list) else list(names)
@@ -126,6 +141,9 @@ class ShardTable(Sequence):
             [""] * n if index_sha256 is None else _strings(index_sha256, n)
         )
         self.index: dict[int, tuple[int, ...]] = {k: v for k, v in (index or {}).items() if v}
+        self.columns_sha256: list[str] = (
+            [""] * n if columns_sha256 is None else _strings(columns_sha256, n)
+        )
 
     @classmethod
     def of(cls, shards: Iterable[ShardInfo]) -> ShardTable:
@@ -142,6 +160,7 @@ class ShardTable(Sequence):
             [s.sha256 for s in rows],
             [s.index_sha256 for s in rows],
             {i: s.index for i, s in enumerate(rows) if s.index},
+            columns_sha256=[s.columns_sha256 for s in rows],
         )
 
     @classmethod
@@ -160,6 +179,7 @@ class ShardTable(Sequence):
             [x for t in parts for x in t.sha256],
             [x for t in parts for x in t.index_sha256],
             index,
+            columns_sha256=[x for t in parts for x in t.columns_sha256],
         )
 
     def url(self, i: int) -> str:
@@ -188,6 +208,7 @@ class ShardTable(Sequence):
             self.index,
             head=self.head,
             tail=self.tail,
+            columns_sha256=self.columns_sha256,
         )
 
     def take(self, rows: Iterable[int]) -> ShardTable:
@@ -203,6 +224,7 @@ class ShardTable(Sequence):
             {j: self.index[r] for j, r in enumerate(rows) if r in self.index},
             head=self.head,
             tail=self.tail,
+            columns_sha256=[self.columns_sha256[r] for r in rows],
         )
 
     def _row(self, i: int) -> ShardInfo:
@@ -213,6 +235,7 @@ class ShardTable(Sequence):
             self.sha256[i],
             self.index.get(i, ()),
             self.index_sha256[i],
+            self.columns_sha256[i],
         )
 
     def __len__(self) -> int:

@@ -82,21 +82,29 @@ def shard_columns(
     None where there is none or it is not this shard's (a warning names it)."""
     if (found := columns_range(shard)) is None:
         return None
-    where, n = found
+    data = _columns_bytes(shard, storage_options, read)
+    if data is None:  # no index, or unreadable: the shard is read instead
+        return None
+    return decode_columns(data, found[0], shard.samples, shard.bytes, shard.sha256)
+
+
+def _columns_bytes(shard: ShardInfo, storage_options, read=None) -> bytes | None:
+    """The first ``columns_size`` bytes of ``shard``'s index and no more (a local file: one
+    unbuffered read, no read ahead; remote: one ranged GET, or ``read(where, n)``: that GET,
+    made already); None where it cannot be read."""
+    where, n = index_path(shard.url), columns_size(shard.samples)
     try:
         if read is not None:
-            data = read(where, n)
-        elif is_url(shard.url):
+            return read(where, n)
+        if is_url(shard.url):
             from ..remote.fs import filesystem, protocol_of, strip
 
             fs = filesystem(protocol_of(shard.url), storage_options)
-            data = fs.cat_file(strip(fs, where), start=0, end=n)
-        else:
-            with open(where.removeprefix("file://"), "rb") as f:
-                data = f.read(n)
-    except OSError:  # no index (FileNotFoundError), or unreadable: the shard is read instead
+            return fs.cat_file(strip(fs, where), start=0, end=n)
+        with open(where.removeprefix("file://"), "rb", buffering=0) as f:
+            return f.read(n)
+    except OSError:  # no index (FileNotFoundError), or unreadable
         return None
-    return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256)
 
 
 def remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
@@ -161,7 +169,9 @@ def split_hashes(
     unbound: set[str] | None = None,
 ) -> np.ndarray:
     """The split hash of every sample, in stored order, never taken on trust: a tar index's
-    hashes are used once the whole file's sha256 is the manifest's ``index_sha256``; else (an
+    hashes are used once the sha256 of its columns (head, offsets, hashes: 16 bytes a sample,
+    read alone) is the manifest's ``columns_sha256``, or, where it lists none or they differ,
+    once the whole file's sha256 is the manifest's ``index_sha256``; else (an
     LMDB index record, whose own checksum anyone rewriting it can fix up; a tar index the
     manifest lists no sha256 of) they are hashed again from the index's keys and compared,
     and a mismatch is a warning naming the shard, the keys' hashes used. A shard without an
@@ -230,6 +240,10 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     """``shard``'s split hashes from its index, checked (``split_hashes``), and whether the
     index holds them as they are; (None, False) where it has no usable index (a warning has
     named a damaged or stale one)."""
+    if fmt == "tar" and shard.columns_sha256 and shard.sha256 and shard.url.endswith(".tar"):
+        cols = _listed_columns(shard, storage_options)  # 16 bytes a sample, not ~90
+        if cols is not None:
+            return cols.hashes.astype(np.uint64), True
     if fmt == "tar" and shard.index_sha256 and shard.sha256 and shard.url.endswith(".tar"):
         data = _index_bytes(shard, storage_options)  # the packer's file: its head is enough
         if data is not None and hashlib.sha256(data).hexdigest() == shard.index_sha256:
@@ -257,6 +271,21 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
             stacklevel=4,
         )
     return hashes, trusted
+
+
+def _listed_columns(shard: ShardInfo, storage_options) -> IndexColumns | None:
+    """The columns of ``shard``'s index (``columns_size`` bytes, read alone) where their sha256
+    is the manifest's ``columns_sha256``: the packer's offsets and key hashes, whatever the key
+    table after them holds (nothing the split reads). None where they cannot be read or differ
+    (damaged, stale, a hash flipped): the caller then checks the whole file, as for an entry
+    without ``columns_sha256``, and that names it."""
+    if shard.samples < 0:
+        return None
+    data = _columns_bytes(shard, storage_options)
+    if data is None or hashlib.sha256(data).hexdigest() != shard.columns_sha256:
+        return None
+    where = index_path(shard.url)
+    return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256, listed=True)
 
 
 def split_positions(hashes: np.ndarray, split: str, val_fraction: float) -> np.ndarray:

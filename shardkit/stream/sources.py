@@ -219,6 +219,7 @@ def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
         entries.index,
         head=head,
         tail=tail,
+        columns_sha256=entries.columns_sha256,
     )
     if not fs.remote:
         _check_listed(base, shards)
@@ -254,7 +255,7 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
     manifests: dict[str, tuple[str, Manifest, ShardEntries, dict[str, int]] | None] = {}
     n = len(urls)
     samples, sizes = [UNKNOWN] * n, [UNKNOWN] * n
-    shas, index_shas = [""] * n, [""] * n
+    shas, index_shas, column_shas = [""] * n, [""] * n, [""] * n
     index: dict[int, tuple[int, ...]] = {}
     covering: list[tuple[str, Manifest]] = []
     for i, u in enumerate(urls):
@@ -280,6 +281,7 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
         r = rows[rel]
         samples[i], sizes[i] = int(t.samples[r]), int(t.bytes[r])
         shas[i], index_shas[i] = t.sha256[r], t.index_sha256[r]
+        column_shas[i] = t.columns_sha256[r]
         if r in t.index:
             index[i] = t.index[r]
         covering.append((mpath, m))
@@ -297,7 +299,9 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
         if len(distinct) == 1:
             manifest_path, manifest = next(iter(distinct.items()))
     return ShardSource(
-        shards=ShardTable(urls, samples, sizes, shas, index_shas, index),
+        shards=ShardTable(
+            urls, samples, sizes, shas, index_shas, index, columns_sha256=column_shas
+        ),
         format=fmt,
         classes=classes,
         manifest=manifest,

@@ -77,6 +77,56 @@ def test_a_flipped_split_hash_in_a_tar_index_keeps_every_sample_on_its_side(tar_
     assert "shard-000000.tar.idx" in said  # the index is named
 
 
+def test_a_flipped_hash_under_a_listed_columns_sha256_is_caught(tar_pack):
+    """The split reads the columns alone where the manifest lists their sha256: a hash flipped
+    there (the file's trailing sha256 fixed up) no longer matches it, and the whole file is
+    checked as without it: the index is named and the shard's own keys decide."""
+    assert read_manifest(tar_pack).shards[0].columns_sha256
+    val, train = _truth(tar_pack)
+    assert _flip_val_hash(tar_pack, fix_trailer=True) in val
+    got_val, got_train, said = _both_sides(tar_pack)
+    assert sorted(got_val) == sorted(val) and sorted(got_train) == sorted(train)
+    assert "shard-000000.tar.idx" in said
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_damaged_key_table_after_the_columns_leaves_the_split_right(tar_pack, listed):
+    """A val and a train key swapped in the key table (after the columns; the hashes and the
+    file's trailing sha256 left as the writer's): with ``columns_sha256`` listed the split
+    reads the columns alone, whose sha256 vouches for the writer's hashes, and the key table
+    is nothing it uses, so the sides are the shard's; without it the whole file's sha256 is
+    not ``index_sha256``, the index is named and the shard's headers decide. Right either way."""
+    import json
+
+    val, train = _truth(tar_pack)
+    (entry,) = read_manifest(tar_pack).shards
+    path = index_path(os.path.join(tar_pack, entry.path))
+    data = bytearray(open(path, "rb").read())
+    ix = decode_index(bytes(data), path)
+    keys = ix.keys()
+    a = next(i for i, k in enumerate(keys) if k in val)
+    b = next(i for i, k in enumerate(keys) if k not in val and len(k) == len(keys[a]))
+    at = bytes(data).index(ix.table)
+    lo_a, lo_b = (int(ix.ends[i - 1]) if i else 0 for i in (a, b))
+    n = len(keys[a])
+    data[at + lo_a : at + lo_a + n], data[at + lo_b : at + lo_b + n] = (
+        keys[b].encode(),
+        keys[a].encode(),
+    )
+    data[-32:] = hashlib.sha256(bytes(data[:-32])).digest()
+    with open(path, "wb") as f:
+        f.write(data)
+    if not listed:
+        mpath = os.path.join(tar_pack, "manifest.json")
+        doc = json.load(open(mpath))
+        del doc["shards"][0]["columns_sha256"]
+        with open(mpath, "w") as f:
+            json.dump(doc, f)
+    got_val, got_train, said = _both_sides(tar_pack)
+    assert sorted(got_val) == sorted(val) and sorted(got_train) == sorted(train)
+    assert ("shard-000000.tar.idx" in said) is not listed  # the split read no key table
+
+
 def _both_sides(out) -> tuple[list[str], list[str], str]:
     """Both sides' keys and the warnings given while they were read (joined)."""
     with warnings.catch_warnings(record=True) as caught:

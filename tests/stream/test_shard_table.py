@@ -89,9 +89,18 @@ def test_the_table_answers_as_the_tuple_it_replaced(many):
     table = resolve_source(many).shards
     m = read_manifest(many)
     infos = tuple(
-        ShardInfo(os.path.join(many, e.path), e.samples, e.bytes, e.sha256, e.index, e.index_sha256)
+        ShardInfo(
+            os.path.join(many, e.path),
+            e.samples,
+            e.bytes,
+            e.sha256,
+            e.index,
+            e.index_sha256,
+            e.columns_sha256,
+        )
         for e in m.shards
     )
+    assert all(i.columns_sha256 for i in infos)  # the manifest's, carried to the readers
     assert isinstance(table, ShardTable) and table == infos and list(table) == list(infos)
     assert table[-1] == infos[-1] and table[3] == infos[3]
     assert table[2:5] == infos[2:5] and isinstance(table[2:5], ShardTable)

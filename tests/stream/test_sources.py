@@ -55,7 +55,7 @@ def test_subset_of_shards_takes_counts_from_the_manifest(packed):
     # every manifest fact of a shard travels with it, in one record
     e = m.shards[1]
     assert res.shards[0] == ShardInfo(
-        shards[1], e.samples, e.bytes, e.sha256, e.index, e.index_sha256
+        shards[1], e.samples, e.bytes, e.sha256, e.index, e.index_sha256, e.columns_sha256
     )
 
 

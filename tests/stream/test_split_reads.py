@@ -206,7 +206,7 @@ def test_a_lookup_without_the_walk_still_refuses_a_damaged_overflow_page(tmp_pat
 def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, split):
     """Counted (tracemalloc, numpy's arrays included): building ``split=`` over 6,000 and over
     18,000 samples (400 a shard), from the shard list to the checkpoint digest, peaks at one
-    shard's index and hashes at a time (the same at both sizes) and the val bits, 1/8 byte a
+    shard's index columns and hashes at a time (the same at both sizes) and the val bits, 1/8 byte a
     sample, on either side: the 12,000 more samples add under half a byte each, not a byte or a
     position (8 bytes) each. Before, the train side's positions took 7.2 bytes a sample of the
     dataset, twice while the checkpoint digest copied them; the val side's mask 2."""
@@ -229,7 +229,7 @@ def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, spli
         seen["peak"] = tracemalloc.get_traced_memory()[1] - seen["base"]
         return got
 
-    peaks = {}
+    peaks, shards = {}, {}
     for n in (6000, 18000):
         out = tmp_path / f"n{n}"
         with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
@@ -243,6 +243,61 @@ def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, spli
             tracemalloc.stop()
             dataset_module._counted, dataset_module.mix_facts = counted, facts
         assert n // 400 <= len(ds.shards) and 0.08 * n < min(len(ds), n - len(ds)) < 0.12 * n
-        peaks[n] = seen["peak"]
-    assert peaks[18000] - peaks[6000] <= 0.5 * 12000, peaks
+        peaks[n], shards[n] = seen["peak"], len(ds.shards)
+    # the shard list's own objects (each shard's URL, count, digests: ~480 B a shard, held at
+    # the peak now that one shard costs only its columns read) are O(shards); a byte a sample
+    # more (12,000 B) would still not fit beside them
+    more_shards = shards[18000] - shards[6000]
+    assert peaks[18000] - peaks[6000] <= 0.5 * 12000 + 640 * more_shards, (peaks, shards)
     assert peaks[18000] <= 4 * 18000, peaks  # the bound at any size, one shard's index included
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read calls so far (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts /proc/self/io")
+def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_path):
+    """Counted (``rchar``): where the manifest lists each index's ``columns_sha256``, building
+    a split reads the manifest and each index's fixed-width columns (16 bytes a sample), not
+    the key table and members after them (~5x that); an entry without it reads and hashes the
+    whole index, as before. The same samples either way."""
+    import json
+
+    from shardkit.formats.sample_index import columns_size
+    from shardkit.manifest import read_manifest
+
+    out = str(tmp_path / "out")
+    data = _jpeg()
+    with ShardWriter(out, shard_size="2MB", classes=["c0"]) as w:
+        for i in range(3000):
+            w.add(f"c0/a-longer-key-{i:08d}", "jpg", data, 0)
+    entries = read_manifest(out).shards
+    assert len(entries) > 2 and all(e.columns_sha256 for e in entries)
+    mpath = os.path.join(out, "manifest.json")
+    columns = sum(columns_size(e.samples) for e in entries)
+    whole = sum(os.path.getsize(os.path.join(out, e.path + ".idx")) for e in entries)
+    assert whole > 4 * columns
+
+    def construct() -> tuple[int, list[str]]:
+        src = Source(out, split="val", val_fraction=0.1)
+        before = _rchar()
+        ds = ShardDataset(src, decode="raw", with_keys=True, shuffle=False)
+        read = _rchar() - before
+        return read, [s[2] for s in ds]
+
+    construct()  # modules imported, caches warm: what follows is the split's own reading
+    read, keys = construct()
+    assert 0 < len(keys) < 3000
+    assert read <= os.path.getsize(mpath) + columns + 16384, (read, columns, whole)
+    with open(mpath) as f:
+        doc = json.load(f)
+    for s in doc["shards"]:
+        del s["columns_sha256"]
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
+    construct()
+    read_all, keys_all = construct()
+    assert read_all >= whole and keys_all == keys
