@@ -321,10 +321,11 @@ def worker_left(layout: EpochLayout, state: EpochState, world: World, batch_size
 @dataclass(frozen=True)
 class Arrangement:
     """How a resumed worker's records become the shuffle buffer's input: drop the records read
-    only to bridge small holes (``keep``), put the first ``len(slots)`` kept ones in their buffer
-    slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
+    only to bridge small holes (``keep``; None where the reader dropped them already, as a pieced
+    plan's reads do: ``partition.SourcePlan``), put the first ``len(slots)`` kept ones in their
+    buffer slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
 
-    keep: np.ndarray
+    keep: np.ndarray | None
     slots: list[int]
     fill: int
 
@@ -337,9 +338,11 @@ def arrange(
     it = iter(records)
     holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
     checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
-    kept = itertools.chain(
-        itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
-    )
+    kept = it
+    if checked:
+        kept = itertools.chain(
+            itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
+        )
     if how.fill:
         buf: list[Record | None] = [None] * how.fill
         for slot, rec in zip(how.slots, kept, strict=False):
