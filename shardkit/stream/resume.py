@@ -263,10 +263,10 @@ def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) ->
     fill = min(n, size)
     total_steps = n - size if n >= size else 0
     steps = min(delivered, total_steps)
-    blocks = -(-steps // 4096) if steps else 0
-    draws = np.concatenate([draw_block(rng, size) for _ in range(blocks)] or [np.empty(0, int)])
-    last = np.full(fill, -1, dtype=np.int64)
-    np.maximum.at(last, draws[:steps], np.arange(steps, dtype=np.int64))
+    last = np.full(fill, -1, dtype=np.int64)  # each slot's last replacement, block by block:
+    for at in range(0, steps, 4096):  # O(the buffer), not a draw kept for every step replayed
+        k = min(4096, steps - at)
+        np.maximum.at(last, draw_block(rng, size)[:k], np.arange(at, at + k, dtype=np.int64))
     slots = np.where(last >= 0, size + last, np.arange(fill, dtype=np.int64))
     flushed = delivered - steps
     if flushed:
