@@ -341,8 +341,9 @@ def worker_plan(
     state = state.on_world(world.world_size, world.num_workers, batch_size)
     state = replace(state, rank=world.rank)
     seg, number = state.segments[-1], len(state.segments) - 1
-    stream = segment_streams(layout, state.segments)
-    total = len(stream)
+    # One segment: the stream is every position in order (not an array of the whole epoch).
+    stream = segment_streams(layout, state.segments) if number else None
+    total = layout.total if stream is None else len(stream)
     worker = (seg.slot0 + world.worker) % world.num_workers
     lo, hi = layout.span(total, world.rank, seg, worker)
     n = hi - lo
@@ -360,7 +361,9 @@ def worker_plan(
     wanted = np.concatenate(
         (point.slots[held][by_position], np.arange(point.frontier, n, dtype=np.int64))
     )
-    positions = stream[(lo + wanted) % max(total, 1)] if total else wanted
+    positions = (lo + wanted) % max(total, 1) if total else wanted
+    if stream is not None and total:
+        positions = stream[positions]
     slices, keep = positions_to_slices(layout, positions)
     how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
     rng = _segment_rng(layout, world.rank, worker, number)

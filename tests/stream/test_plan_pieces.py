@@ -178,3 +178,30 @@ def test_a_worker_plans_its_part_in_bounded_memory(packs, monkeypatch):
         )  # fmt: skip
         peaks[n] = _records_peak(ds)
     assert peaks[20_000] <= peaks[1_000] + 200 * 256, peaks
+
+
+def test_a_resumed_worker_of_a_plain_epoch_plans_its_part_not_the_epoch():
+    """Counted: a worker resuming a plain epoch on the world it was saved on plans the rest of
+    its part (here a 64th of 1,000,000 samples), not an array of every position of the epoch
+    first (8 bytes a sample of the epoch: 8 MB); the same plan as from that array."""
+    from shardkit.stream.partition import EpochLayout, worker_plan
+
+    layout = EpochLayout(np.full(100, 10_000, dtype=np.int64), 5, 1, True, 1000, "pad")
+    seg = Segment(64, 2, None, (3000, 2500))
+    state = EpochState(1, 0, {}, (seg,))
+    world = World(37, 64, 1, 2)
+    worker_plan(layout, world, {}, state)  # imports and first-call caches
+    tracemalloc.start()
+    try:
+        plan = worker_plan(layout, world, {}, state)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * layout.total, peak
+    lo, hi = layout.span(layout.total, 37, seg, 1)
+    point = buffer_point(hi - lo, 1000, partition._segment_rng(layout, 37, 1, 0), 2500)
+    held = np.sort(point.slots[point.slots >= 0])
+    wanted = np.concatenate((held, np.arange(point.frontier, hi - lo)))
+    stream = np.arange(layout.total, dtype=np.int64)  # the array it was planned from before
+    slices, keep = positions_to_slices(layout, stream[(lo + wanted) % layout.total])
+    assert plan.slices == slices and np.array_equal(plan.arrangement.keep, keep)
