@@ -19,8 +19,9 @@ machine moves least:
   allocated the cap, 512 MiB, to read it), and the bytes the first one read (``rchar``: the
   manifest and the indexes) per sample; with ``--against DIR`` also on another checkout;
 - ``split-plan``, ``split-train-plan``: an epoch's draw of that split (``MixLayout``, built in
-  every worker) and one worker's plan of it (one rank, one worker: its part is the epoch),
-  under ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
+  every worker) and one worker's plan of it (one rank, one worker: its part is the epoch;
+  a plan made in pieces as it is read is made piece by piece, each let go), under
+  ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
   sample of the whole data set (``--against DIR`` too);
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
 - ``view``: ``ShardView`` open: CPU and peak memory;
@@ -107,13 +108,22 @@ elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one work
     side = "val" if what == "split-plan" else "train"
     ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
     kw = dict(seed=3, shuffle=True, buffer_size=ds.buffer_size, equalize="pad")
+    def made(plan):  # a plan made in pieces as it is read: every piece made, each let go
+        for p in plan.sources:
+            for piece in p.pieces() if callable(getattr(p, "pieces", None)) else ():
+                del piece
+        for chunk in plan.schedule() if callable(plan.schedule) else ():
+            del chunk
+        return plan
     warm = MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first one's imports
-    mix_worker_plan(warm, ds.sources, World(), {})
+    made(mix_worker_plan(warm, ds.sources, World(), {}))
     del warm
     tracemalloc.start()
     layout = MixLayout.build(ds.sources, ds.shares, epoch=1, **kw)
     out["layout_b"] = tracemalloc.get_traced_memory()[0]
-    plan = mix_worker_plan(layout, ds.sources, World(), {})
+    c1 = cpu()
+    plan = made(mix_worker_plan(layout, ds.sources, World(), {}))
+    out["plan_cpu_s"] = cpu() - c1
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 elif what == "split-epoch":
@@ -335,9 +345,10 @@ def _cell(what: str, r: dict, row: dict) -> str:
         return f"{us:.1f} us CPU/sample +{more:.0f} MB"
     if what.endswith("-plan"):
         n = row["n"]
+        cpu = f", {r['plan_cpu_s']:.2f} s CPU" if "plan_cpu_s" in r else ""
         return (
             f"draw {r['layout_b'] / n:.2f} B, plan peak {r['traced_peak_b'] / n:.1f} B, "
-            f"held {r['held_b'] / n:.2f} B"
+            f"held {r['held_b'] / n:.2f} B{cpu}"
         )
     if what in AGAINST:
         per, n = more * 2**20 / row["n"], row["n"]

@@ -42,7 +42,7 @@ from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
 from ..records import Record, ShardInfo, ShardSlice
 from .members import ListedMembers, Members
-from .partition import EpochLayout, MixLayout, MixPlan, sample_counts
+from .partition import EpochLayout, MixLayout, MixPlan, PlanPiece, sample_counts
 from .resume import arrange
 from .shuffle import rng_for
 from .stages import check_labels, manifest_unchanged, read_slices
@@ -254,13 +254,7 @@ def mix_records(
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
         have = s.source.fields
         mine = [f for f in fields if have is None or f.lower() in have]
-        recs: Iterable[Record] = read_slices(
-            p.slices, s.shards, FORMATS[s.format], s.storage,
-            fields=mine, unchanged=unchanged, keep=p.arrangement.keep,
-            unindexed=s.unindexed, drop=True,
-        )  # fmt: skip
-        if s.val_bits is not None and s.side_checked:
-            recs = check_split(recs, p.slices, s, p.arrangement.keep, dropped=True)
+        recs: Iterable[Record] = _read_pieces(p.pieces(), s, mine, unchanged)
         if len(mine) < len(fields):
             recs = _without(recs, [f.lower() for f in fields if f not in mine])
         if s.classes:
@@ -271,7 +265,23 @@ def mix_records(
         if shuffle and buffer_size > 1:
             recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
-    return interleave(streams, plan.schedule, [s.source.name for s in sources])
+    return interleave(streams, plan.schedule(), [s.source.name for s in sources])
+
+
+def _read_pieces(
+    pieces: Iterable[PlanPiece], s: MixedSource, fields: list[str], unchanged
+) -> Iterator[Record]:
+    """The wanted records of a source's plan, read piece by piece as the plan makes them (each
+    piece's slices and mask, then the next piece's: a worker never holds its whole part's)."""
+    for piece in pieces:
+        recs: Iterable[Record] = read_slices(
+            piece.slices, s.shards, FORMATS[s.format], s.storage,
+            fields=fields, unchanged=unchanged, keep=piece.keep,
+            unindexed=s.unindexed, drop=True,
+        )  # fmt: skip
+        if s.val_bits is not None and s.side_checked:
+            recs = check_split(recs, piece.slices, s, piece.keep, dropped=True)
+        yield from recs
 
 
 def check_split(
@@ -351,21 +361,23 @@ def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:
         yield rec
 
 
-def interleave(streams: list, schedule: np.ndarray, names: Sequence[str]) -> Iterator:
-    """Records of ``streams`` in the order ``schedule`` names their stream, each marked with its
-    stream's position (``Record.source``); every stream closes when this ends or is abandoned."""
+def interleave(streams: list, schedule: Iterable[np.ndarray], names: Sequence[str]) -> Iterator:
+    """Records of ``streams`` in the order ``schedule`` (arrays, a chunk at a time) names their
+    stream, each marked with its stream's position (``Record.source``); every stream closes
+    when this ends or is abandoned."""
     its = [iter(s) for s in streams]
     end = object()
     try:
-        for i in schedule.tolist():
-            item = next(its[i], end)
-            if item is end:
-                raise ShardFormatError(
-                    f"{names[i]}: the source ended before its planned samples: its shards are "
-                    "shorter than their manifest says; re-pack it or rebuild the manifest"
-                )
-            item.source = i  # where it came from (``with_keys=("key", "source")``)
-            yield item
+        for chunk in schedule:
+            for i in chunk.tolist():
+                item = next(its[i], end)
+                if item is end:
+                    raise ShardFormatError(
+                        f"{names[i]}: the source ended before its planned samples: its shards "
+                        "are shorter than their manifest says; re-pack it or rebuild the manifest"
+                    )
+                item.source = i  # where it came from (``with_keys=("key", "source")``)
+                yield item
     finally:
         for it in its:
             close = getattr(it, "close", None)

@@ -6,16 +6,19 @@ shards end to end in ``shard_order``; a mixture, subset, split or fixed epoch si
 ``equalize``) and each rank part into worker parts (``worker_span``, ``batch_size``); a worker's
 part becomes the shard slices it reads (``plan_epoch``, ``positions_to_slices``).
 
-``worker_plan`` and ``mix_worker_plan`` give one worker's whole plan, fresh or continuing a
-checkpoint: the slices, the buffer generator and where the buffer stands. The checkpoint itself
-(its state, the replay of the shuffle buffer on positions) is ``stream.resume``'s; reading and
-decoding the slices is ``stream.stages``'.
+``worker_plan`` and ``mix_worker_plan`` give one worker's plan, fresh or continuing a
+checkpoint: the slices, the buffer generator and where the buffer stands. A mixed, subset, split
+or sized epoch's slices are made in pieces (``PlanPiece``, ``PLAN_PIECE`` drawn samples at a
+time) as the reader reaches them, so a worker holds one piece's plan, never its whole part's.
+The checkpoint itself (its state, the replay of the shuffle buffer on positions) is
+``stream.resume``'s; reading and decoding the slices is ``stream.stages``'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +51,8 @@ __all__ = [
     "WorkerPlan",
     "worker_plan",
     "MixLayout",
+    "PLAN_PIECE",
+    "PlanPiece",
     "SourcePlan",
     "MixPlan",
     "mix_worker_plan",
@@ -57,6 +62,11 @@ __all__ = [
 #: sought over: each seek re-opens the shard, lands on an index entry (every 64 samples) and
 #: refills the tar reader's window, which costs about what reading ~30 LFW-sized samples does.
 _MERGE_GAP = 32
+
+#: Drawn samples a worker plans at once. A mixed, subset, split or sized epoch's part is turned
+#: into slices a piece at a time as the reader reaches it: ~100 bytes a sample of the piece at
+#: its peak (~13 MB), whatever the part's length (5.6M samples a worker at LAION-400M).
+PLAN_PIECE = 1 << 17
 
 # Domain tags (``stream.mix`` has the subset's): the draws and the per-source buffers never
 # share a random stream.
@@ -235,12 +245,9 @@ def positions_to_slices(
     over the records they yield of those wanted (small holes are read through, not sought)."""
     if not len(positions):
         return [], np.zeros(0, dtype=bool)
-    shard_at = np.searchsorted(layout.ends, positions, side="right")
+    shard_at, starts = _slice_starts(layout, positions)
     first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.order[shard_at]]
     offsets = positions - first
-    step = np.diff(positions)
-    cut = (np.diff(shard_at) != 0) | (step < 1) | (step > _MERGE_GAP)
-    starts = np.concatenate(([0], np.flatnonzero(cut) + 1))
     stops = np.concatenate((starts[1:], [len(positions)]))
     slices, masks = [], []
     for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
@@ -250,6 +257,43 @@ def positions_to_slices(
         mask[offsets[a:b] - lo] = True
         masks.append(mask)
     return slices, np.concatenate(masks)
+
+
+def _slice_starts(layout: EpochLayout, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's place in ``layout.order`` and the indices where a slice of
+    ``positions_to_slices`` starts: a new shard, a step back, or a hole over ``_MERGE_GAP``.
+    Each start depends on two neighbours alone, so positions cut at a start plan as a whole."""
+    shard_at = np.searchsorted(layout.ends, positions, side="right")
+    step = np.diff(positions)
+    cut = (np.diff(shard_at) != 0) | (step < 1) | (step > _MERGE_GAP)
+    return shard_at, np.concatenate(([0], np.flatnonzero(cut) + 1))
+
+
+@dataclass(frozen=True)
+class PlanPiece:
+    """Consecutive slices of a source's plan and the mask over their records of those wanted
+    (``positions_to_slices``'), cut where a slice starts: a plan's pieces laid end to end are
+    the slices and mask its positions give at once."""
+
+    slices: list[ShardSlice]
+    keep: np.ndarray
+
+
+def plan_pieces(layout: EpochLayout, chunks: Iterator[np.ndarray]) -> Iterator[PlanPiece]:
+    """``positions_to_slices`` of ``chunks`` (arrays of positions) laid end to end, a piece at
+    a time: each piece ends before the last slice start seen, the rest carried on, so the
+    slices are those of the whole (a carry is at most one slice: one shard's samples)."""
+    carry = np.empty(0, dtype=np.int64)
+    for chunk in chunks:
+        carry = np.concatenate((carry, chunk)) if len(carry) else chunk
+        if len(carry) < 2:
+            continue
+        cut = int(_slice_starts(layout, carry)[1][-1])
+        if cut:
+            yield PlanPiece(*positions_to_slices(layout, carry[:cut]))
+            carry = carry[cut:].copy()  # not a view holding the piece's array
+    if len(carry):
+        yield PlanPiece(*positions_to_slices(layout, carry))
 
 
 # --- one worker's plan -------------------------------------------------------------------------
@@ -297,8 +341,9 @@ def worker_plan(
     state = state.on_world(world.world_size, world.num_workers, batch_size)
     state = replace(state, rank=world.rank)
     seg, number = state.segments[-1], len(state.segments) - 1
-    stream = segment_streams(layout, state.segments)
-    total = len(stream)
+    # One segment: the stream is every position in order (not an array of the whole epoch).
+    stream = segment_streams(layout, state.segments) if number else None
+    total = layout.total if stream is None else len(stream)
     worker = (seg.slot0 + world.worker) % world.num_workers
     lo, hi = layout.span(total, world.rank, seg, worker)
     n = hi - lo
@@ -316,7 +361,9 @@ def worker_plan(
     wanted = np.concatenate(
         (point.slots[held][by_position], np.arange(point.frontier, n, dtype=np.int64))
     )
-    positions = stream[(lo + wanted) % max(total, 1)] if total else wanted
+    positions = (lo + wanted) % max(total, 1) if total else wanted
+    if stream is not None and total:
+        positions = stream[positions]
     slices, keep = positions_to_slices(layout, positions)
     how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
     rng = _segment_rng(layout, world.rank, worker, number)
@@ -466,22 +513,94 @@ class DrawnIds:
 
 @dataclass(frozen=True)
 class SourcePlan:
-    """What a worker reads from one source: slices, how they refill that source's buffer."""
+    """What a worker reads from one source: its slices piece by piece (``pieces()``, made as
+    they are read), how they refill that source's buffer (``arrangement``: its ``keep`` is
+    each piece's) and where that buffer stands."""
 
-    slices: list
+    pieces: Callable[[], Iterator[PlanPiece]]
     arrangement: Arrangement
     buffer: tuple[int, int]
     rng: np.random.Generator
+
+    @property
+    def slices(self) -> list[ShardSlice]:
+        """Every piece's slices at once (``ShardDataset.plan``, tests): O(the part's slices)."""
+        return [sl for piece in self.pieces() for sl in piece.slices]
+
+    def whole(self) -> tuple[list[ShardSlice], np.ndarray]:
+        """The slices and the mask of every piece at once: for tests."""
+        pieces = list(self.pieces())
+        keep = [p.keep for p in pieces]
+        return [sl for p in pieces for sl in p.slices], (
+            np.concatenate(keep) if keep else np.zeros(0, dtype=bool)
+        )
 
 
 @dataclass(frozen=True)
 class MixPlan:
     """One worker's epoch over a mixture: per-source plans and the source sequence still to
-    deliver (``schedule``), with the live count for ``state_dict``."""
+    deliver (``schedule()``: its chunks, made as they are dealt), with the live count for
+    ``state_dict``."""
 
     sources: list[SourcePlan]
-    schedule: np.ndarray
+    schedule: Callable[[], Iterator[np.ndarray]]
     progress: Progress
+
+
+def _part_chunks(lo: int, hi: int, total: int, stream: np.ndarray | None) -> Iterator[np.ndarray]:
+    """The epoch positions of a worker's part [lo, hi) of ``stream`` (None: every position),
+    wrapping past ``total``, ``PLAN_PIECE`` at a time."""
+    for a in range(lo, hi, PLAN_PIECE):
+        p = np.arange(a, min(hi, a + PLAN_PIECE), dtype=np.int64) % max(total, 1)
+        yield p if stream is None else stream[p]
+
+
+def _source_counts(
+    layout: MixLayout, part: Callable[[], Iterator], n: int, done: int
+) -> list[tuple[int, int]]:
+    """Per source: (its samples in the part of ``n``, those among the part's first ``done``)."""
+    if layout.num_sources == 1:
+        return [(n, done)]
+    out = np.zeros((layout.num_sources, 2), dtype=np.int64)
+    at = 0
+    for p in part():
+        src = layout.source[p]
+        out[:, 0] += np.bincount(src, minlength=layout.num_sources)
+        head = src[: max(0, done - at)]
+        out[:, 1] += np.bincount(head, minlength=layout.num_sources)
+        at += len(p)
+    return [(int(a), int(b)) for a, b in out]
+
+
+def _source_positions(
+    layout: MixLayout, part: Callable, i: int, offset: int, held: np.ndarray, frontier: int
+) -> Iterator[np.ndarray]:
+    """Source ``i``'s positions (its ids less ``offset``) at the wanted indices of its sequence
+    in the part: ``held`` (ascending, below ``frontier``: the buffer's residents) then every
+    index from ``frontier``, chunk by chunk; ids are asked only where one is wanted."""
+    k0 = 0
+    for p in part():
+        if layout.num_sources > 1:
+            p = p[layout.source[p] == i]
+        k1 = k0 + len(p)
+        h = held[np.searchsorted(held, k0) : np.searchsorted(held, k1)] - k0
+        ask = np.concatenate((h, np.arange(max(frontier, k0) - k0, len(p), dtype=np.int64)))
+        if len(ask):
+            yield np.asarray(layout.ids[p[ask]], dtype=np.int64) - offset
+        k0 = k1
+
+
+def _source_pieces(layout, s, part, i, held, frontier) -> Iterator[PlanPiece]:
+    return plan_pieces(s.layout(), _source_positions(layout, part, i, s.offset, held, frontier))
+
+
+def _schedule(layout: MixLayout, part: Callable, done: int) -> Iterator[np.ndarray]:
+    """The part's source sequence after its first ``done``, a chunk at a time."""
+    at = 0
+    for p in part():
+        if at + len(p) > done:
+            yield np.asarray(layout.source[p[max(0, done - at) :]])
+        at += len(p)
 
 
 def mix_worker_plan(
@@ -495,7 +614,9 @@ def mix_worker_plan(
     in_worker: bool = False,
 ) -> MixPlan:
     """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given
-    (the same arithmetic as ``worker_plan``, one buffer per source)."""
+    (the same arithmetic as ``worker_plan``, one buffer per source). Only the buffers' points
+    are worked out here; each source's slices and the schedule are made in pieces as they are
+    read (``SourcePlan.pieces``, ``MixPlan.schedule``): O(``PLAN_PIECE``) at a time."""
     if state is None:
         state = EpochState.start(
             layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
@@ -517,24 +638,19 @@ def mix_worker_plan(
             "worker; load each worker's state into its own worker (StatefulDataLoader does)"
         )
     done = min(done, hi - lo)
-    part = np.arange(lo, hi, dtype=np.int64) % max(total, 1) if total else np.empty(0, np.int64)
-    if stream is not None:
-        part = stream[part]
-    src, ids = layout.source[part], layout.ids[part]
+    hi = hi if total else lo
+    part = partial(_part_chunks, lo, hi, total, stream)  # each call: the part afresh
+    counts = _source_counts(layout, part, hi - lo, done)
     plans = []
-    for i, s in enumerate(sources):
-        mine = ids[src == i] - s.offset
-        c = int(np.count_nonzero(src[:done] == i))
-        size = layout.buffered
-        point = buffer_point(len(mine), size, layout.buffer_rng(world.rank, worker, number, i), c)
+    size = layout.buffered
+    for i, (s, (n, c)) in enumerate(zip(sources, counts, strict=True)):
+        point = buffer_point(n, size, layout.buffer_rng(world.rank, worker, number, i), c)
         held = np.flatnonzero(point.slots >= 0)
         by_position = np.argsort(point.slots[held], kind="stable")
-        wanted = np.concatenate(
-            (point.slots[held][by_position], np.arange(point.frontier, len(mine), dtype=np.int64))
-        )
-        slices, keep = positions_to_slices(s.layout(), mine[wanted])
-        how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
+        residents = point.slots[held][by_position]
+        pieces = partial(_source_pieces, layout, s, part, i, residents, point.frontier)
+        how = Arrangement(None, held[by_position].tolist(), len(point.slots) if size else 0)
         rng = layout.buffer_rng(world.rank, worker, number, i)
-        plans.append(SourcePlan(slices, how, (point.steps, point.flushed), rng))
+        plans.append(SourcePlan(pieces, how, (point.steps, point.flushed), rng))
     progress = progress_at(layout, state, total, worker, in_worker, done)
-    return MixPlan(plans, src[done:], progress)
+    return MixPlan(plans, partial(_schedule, layout, part, done), progress)

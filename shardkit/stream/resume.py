@@ -263,10 +263,10 @@ def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) ->
     fill = min(n, size)
     total_steps = n - size if n >= size else 0
     steps = min(delivered, total_steps)
-    blocks = -(-steps // 4096) if steps else 0
-    draws = np.concatenate([draw_block(rng, size) for _ in range(blocks)] or [np.empty(0, int)])
-    last = np.full(fill, -1, dtype=np.int64)
-    np.maximum.at(last, draws[:steps], np.arange(steps, dtype=np.int64))
+    last = np.full(fill, -1, dtype=np.int64)  # each slot's last replacement, block by block:
+    for at in range(0, steps, 4096):  # O(the buffer), not a draw kept for every step replayed
+        k = min(4096, steps - at)
+        np.maximum.at(last, draw_block(rng, size)[:k], np.arange(at, at + k, dtype=np.int64))
     slots = np.where(last >= 0, size + last, np.arange(fill, dtype=np.int64))
     flushed = delivered - steps
     if flushed:
@@ -321,10 +321,11 @@ def worker_left(layout: EpochLayout, state: EpochState, world: World, batch_size
 @dataclass(frozen=True)
 class Arrangement:
     """How a resumed worker's records become the shuffle buffer's input: drop the records read
-    only to bridge small holes (``keep``), put the first ``len(slots)`` kept ones in their buffer
-    slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
+    only to bridge small holes (``keep``; None where the reader dropped them already, as a pieced
+    plan's reads do: ``partition.SourcePlan``), put the first ``len(slots)`` kept ones in their
+    buffer slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
 
-    keep: np.ndarray
+    keep: np.ndarray | None
     slots: list[int]
     fill: int
 
@@ -337,9 +338,11 @@ def arrange(
     it = iter(records)
     holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
     checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
-    kept = itertools.chain(
-        itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
-    )
+    kept = it
+    if checked:
+        kept = itertools.chain(
+            itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
+        )
     if how.fill:
         buf: list[Record | None] = [None] * how.fill
         for slot, rec in zip(how.slots, kept, strict=False):
