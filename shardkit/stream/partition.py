@@ -503,8 +503,12 @@ class DrawnIds:
             order, ends = self.passes[q]
             k = within[sel]
             j = np.searchsorted(ends, k, side="right")  # the j-th shard of this pass's order
-            for jj in np.unique(j).tolist():
-                at = np.flatnonzero(j == jj)
+            # the positions grouped by shard in one sort, not one scan of them a shard (which
+            # cost shards x positions: 0.1 s a 10% epoch at 1,444 shards, 28x that at 40,000)
+            by = np.argsort(j, kind="stable")
+            cuts = np.flatnonzero(np.diff(j[by])) + 1
+            for at in np.split(by, cuts) if len(by) else ():
+                jj = int(j[at[0]])
                 shard = int(order[jj])
                 first = int(ends[jj] - self.members.per_shard[shard])
                 out[sel[at]] = self.members.shard(shard)[k[at] - first]
