@@ -5,8 +5,8 @@
   ``503 SlowDown``, the throttling reply of real S3.
 - :class:`HttpServer`: a static file server with ``Range`` support, keep-alive and the same log.
 - The HTTP server's ``in_flight``: ranged GETs received and not yet answered (the most at once),
-  and on command a gate (the first GETs wait until N are in) or a hold (later GETs wait until
-  their client hangs up), so a test sees a client's concurrency and its early stop exactly.
+  and on command a gate (the first GETs wait until N are in) or a hold (all but the named GETs
+  wait until their client hangs up), so a test sees a client's concurrency and early stop exactly.
 - :class:`FaultProxy`: a TCP proxy that forwards bytes both ways and, on command, resets or
   stalls connections after N response bytes, or adds first-byte latency per request. It counts
   connections and bytes, so a test can tell a resumed download from a restarted one.
@@ -27,6 +27,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -89,9 +90,12 @@ class _InFlight:
 
     ``most``: the most in flight at any moment. ``gate(n)``: the first GETs wait until ``n``
     are in flight together (or ``wait`` seconds pass), so a client that keeps ``n`` going is
-    seen with exactly ``n``, however the threads are scheduled. ``hold(after)``: every GET
-    after the first ``after`` is held unanswered until its client hangs up (counted in
-    ``abandoned``) or ``wait`` seconds pass: what an early stop leaves in flight."""
+    seen with exactly ``n``, however the threads are scheduled. ``hold(answer)``: every GET
+    but those of ``answer`` (``(path, Range header)`` pairs) is held unanswered until its client
+    hangs up (counted in ``abandoned``) or ``wait`` seconds pass: what an early stop leaves in
+    flight. The GETs to answer are named, not counted in arrival order: a client's concurrent
+    GETs reach the server in any order, and holding the one its reader waits for first would
+    stall the reader, not test its early stop."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -103,22 +107,23 @@ class _InFlight:
             self.suffix, self.wait = suffix, wait
             self.most = self.seen = self.held = self.abandoned = 0
             self._gate: int | None = None
-            self._after: int | None = None
+            self._answer: frozenset[tuple[str, str]] | None = None
             self._cond.notify_all()
 
     def gate(self, n: int) -> None:
         with self._cond:
             self._gate = n
 
-    def hold(self, after: int) -> None:
+    def hold(self, answer: Iterable[tuple[str, str]]) -> None:
         with self._cond:
-            self._after = after
+            self._answer = frozenset(answer)
 
     def watches(self, method: str, path: str, rng: str) -> bool:
         return method == "GET" and path.endswith(self.suffix) and bool(rng)
 
-    def enter(self) -> bool:
-        """A watched GET arrives; True: hold it (``wait_for_hangup``)."""
+    def enter(self, path: str, rng: str) -> bool:
+        """A watched GET of ``path`` (``rng``: its Range header) arrives; True: hold it
+        (``wait_for_hangup``)."""
         with self._cond:
             self.now += 1
             self.seen += 1
@@ -128,7 +133,7 @@ class _InFlight:
                 self._cond.wait_for(lambda: self._gate is None or self.now >= self._gate, self.wait)
                 self._gate = None  # open from now on
                 self._cond.notify_all()
-            hold = self._after is not None and self.seen > self._after
+            hold = self._answer is not None and (path, rng) not in self._answer
             self.held += hold
             return hold
 
@@ -271,10 +276,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         srv = self.server
         path = self.path.split("?", 1)[0]
-        srv.log.add(self.command, path, self.headers.get("Range", ""))
-        if not head and srv.in_flight.watches(self.command, path, self.headers.get("Range", "")):
+        rng = self.headers.get("Range", "")
+        srv.log.add(self.command, path, rng)
+        if not head and srv.in_flight.watches(self.command, path, rng):
             try:
-                hung_up = srv.in_flight.enter() and srv.in_flight.wait_for_hangup(self.connection)
+                hung_up = srv.in_flight.enter(path, rng) and srv.in_flight.wait_for_hangup(
+                    self.connection
+                )
             finally:
                 srv.in_flight.leave()  # before answering: a client waiting for it sends no more
             if hung_up:
