@@ -10,7 +10,7 @@ import json
 import operator
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import repeat
 from typing import Any
@@ -220,21 +220,9 @@ class ShardEntries(ShardTable):
 
     __slots__ = ()
 
-    @classmethod
-    def of(cls, shards: Iterable[ShardEntry]) -> ShardEntries:  # type: ignore[override]
-        """``shards`` (``ShardEntry`` items, or a table of them) as a table."""
-        if type(shards) is cls:
-            return shards  # type: ignore[return-value]
-        rows = list(shards)
-        return cls(
-            [e.path for e in rows],
-            [e.samples for e in rows],
-            [e.bytes for e in rows],
-            [e.sha256 for e in rows],
-            [e.index_sha256 for e in rows],
-            {i: e.index for i, e in enumerate(rows) if e.index},
-            columns_sha256=[e.columns_sha256 for e in rows],
-        )
+    @staticmethod
+    def _name(row: ShardEntry) -> str:  # type: ignore[override]
+        return row.path  # an entry's name is its path in the folder, not a URL
 
     def _row(self, i: int) -> ShardEntry:  # type: ignore[override]
         return ShardEntry(

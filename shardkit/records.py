@@ -148,13 +148,13 @@ class ShardTable(Sequence):
     @classmethod
     def of(cls, shards: Iterable[ShardInfo]) -> ShardTable:
         """``shards`` as a table (itself when it is one already)."""
-        if isinstance(shards, ShardTable) and type(shards) is ShardTable:
+        if type(shards) is cls:
             return shards
-        if isinstance(shards, ShardTable):  # a subclass (the manifest's entries): same columns
+        if isinstance(shards, ShardTable):  # another kind (the manifest's entries): same columns
             return shards._same(cls)
         rows = list(shards)
         return cls(
-            [s.url for s in rows],
+            [cls._name(s) for s in rows],
             [s.samples for s in rows],
             [s.bytes for s in rows],
             [s.sha256 for s in rows],
@@ -226,6 +226,11 @@ class ShardTable(Sequence):
             tail=self.tail,
             columns_sha256=[self.columns_sha256[r] for r in rows],
         )
+
+    @staticmethod
+    def _name(row: ShardInfo) -> str:
+        """What ``names`` holds of one row (``of``): a shard's URL."""
+        return row.url
 
     def _row(self, i: int) -> ShardInfo:
         return ShardInfo(
