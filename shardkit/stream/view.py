@@ -50,7 +50,7 @@ from .fields import field_spec
 from .indexes import shard_columns, shard_index
 from .ranges import read_range
 from .sources import resolve_source
-from .stages import decoded_fields, sample_error
+from .stages import decoded_fields, empty_as_said, sample_error
 from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
@@ -115,6 +115,7 @@ class ShardView:
         self._stamps: dict[str, tuple] = _lmdb_stamps(self.shards) if self.format == "lmdb" else {}
         lazy = bool((table.samples >= 0).all()) and all(table.sha256)
         try:
+            empty_as_said(table, self.format, self.storage)  # never skipped on its word alone
             if lazy:  # the manifest's counts: nothing opened until a sample is asked for
                 counts = table.samples.tolist()
             else:
