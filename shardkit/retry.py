@@ -13,7 +13,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["RetryPolicy", "IncompleteObject", "is_transient", "describe"]
+__all__ = ["RetryPolicy", "IncompleteObject", "is_transient", "describe", "status_of"]
 
 # HTTP statuses a later attempt may not see: timeouts, throttling, server-side failures.
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -107,6 +107,16 @@ def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
         code = (response.get("Error") or {}).get("Code")
         status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode", status)
     return (status if isinstance(status, int) else None), (str(code) if code else None)
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind ``exc`` or any exception it came from (None: no HTTP answer):
+    a 416 to a ranged GET says the object ends before the range, which no retry changes."""
+    for e in _chain(exc):
+        status, _ = _status_and_code(e)
+        if status is not None:
+            return status
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -3,7 +3,8 @@
 - :class:`S3Server`: moto's S3 backend behind werkzeug (what ``moto.server.ThreadedMotoServer``
   runs), wrapped in a WSGI layer that logs every request and can answer the next GETs with
   ``503 SlowDown``, the throttling reply of real S3.
-- :class:`HttpServer`: a static file server with ``Range`` support, keep-alive and the same log.
+- :class:`HttpServer`: a static file server with ``Range`` support, keep-alive and the same log;
+  its faults also break bodies: one that ends early, a connection closed mid-body, a stall.
 - The HTTP server's ``in_flight``: ranged GETs received and not yet answered (the most at once),
   and on command a gate (the first GETs wait until N are in) or a hold (all but the named GETs
   wait until their client hangs up), so a test sees a client's concurrency and early stop exactly.
@@ -63,25 +64,62 @@ class RequestLog:
             return [e for e in self.entries if e[0] == "GET" and contains in e[1]]
 
 
+#: The most seconds a stalled body holds its connection before the server gives up on it.
+STALL = 30.0
+
+
+def hung_up(sock: socket.socket, wait: float) -> bool:
+    """Until the client closes ``sock`` (True) or ``wait`` seconds pass (False)."""
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], 0.02)[0] and not sock.recv(1, socket.MSG_PEEK):
+                return True
+    except OSError:
+        return True
+    return False
+
+
 class _Faults:
-    """Answer the next ``n`` matching GETs with an error status, then behave."""
+    """Answer the next ``n`` matching GETs (``n=None``: every one) with an error status, then
+    behave. The HTTP server also breaks bodies (``body=``): "short", a body and Content-Length
+    of half the bytes asked (a body that ends early, which the client cannot tell from a
+    whole one); "cut", the full Content-Length, half the body, then the connection closed;
+    "stall", half the body, then nothing until the client hangs up. ``ranged``: only GETs with
+    a Range header match (an epoch's samples, an index's head); ``contains``: in the path,
+    ``suffix``: at its end (".tar": the shards, not their ".tar.idx")."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.remaining = 0
-        self.status = 503
-        self.contains = ""
+        self.set(0)
 
-    def set(self, n: int, status: int = 503, contains: str = "") -> None:
+    def set(
+        self,
+        n: int | None,
+        status: int = 503,
+        contains: str = "",
+        body: str | None = None,
+        ranged: bool = False,
+        suffix: str = "",
+    ) -> None:
         with self._lock:
             self.remaining, self.status, self.contains = n, status, contains
+            self.body, self.ranged, self.suffix = body, ranged, suffix
+            self.taken = 0  # faults served since set
 
-    def take(self, method: str, path: str) -> int | None:
+    def take(self, method: str, path: str, rng: str = "") -> int | str | None:
+        """The fault for this request: a status, a body fault's name, or None (behave)."""
         with self._lock:
-            if self.remaining > 0 and method == "GET" and self.contains in path:
+            if self.remaining is not None and self.remaining <= 0:
+                return None
+            if method != "GET" or self.contains not in path or not path.endswith(self.suffix):
+                return None
+            if self.ranged and not rng:
+                return None
+            if self.remaining is not None:
                 self.remaining -= 1
-                return self.status
-            return None
+            self.taken += 1
+            return self.body or self.status
 
 
 class _InFlight:
@@ -144,18 +182,11 @@ class _InFlight:
 
     def wait_for_hangup(self, sock: socket.socket) -> bool:
         """Until the client closes ``sock`` (True, counted) or ``wait`` seconds pass."""
-        deadline = time.monotonic() + self.wait
-        try:
-            while time.monotonic() < deadline:
-                if select.select([sock], [], [], 0.02)[0] and not sock.recv(1, socket.MSG_PEEK):
-                    with self._cond:
-                        self.abandoned += 1
-                    return True
-        except OSError:
-            with self._cond:
-                self.abandoned += 1
-            return True
-        return False
+        if not hung_up(sock, self.wait):
+            return False
+        with self._cond:
+            self.abandoned += 1
+        return True
 
     def settled(self, timeout: float = 10.0) -> bool:
         """Wait until a GET was held and none is being held or answered now; False if one
@@ -194,7 +225,7 @@ class S3Server:
         def logged(environ, start_response):
             method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
             log.add(method, path, environ.get("HTTP_RANGE", ""))
-            status = faults.take(method, path)
+            status = faults.take(method, path, environ.get("HTTP_RANGE", ""))
             if status is not None:
                 body = (
                     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
@@ -292,7 +323,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, head: bool, path: str) -> None:
         srv = self.server
-        status = srv.faults.take("GET" if head else self.command, path) if not head else None
+        rng = self.headers.get("Range", "")
+        fault = None if head else srv.faults.take(self.command, path, rng)
+        status = fault if isinstance(fault, int) else None
         if status is not None:
             self.send_response(status)
             self.send_header("Content-Length", "0")
@@ -307,7 +340,6 @@ class _Handler(BaseHTTPRequestHandler):
             return
         size = file.stat().st_size
         start, end = 0, size - 1
-        rng = self.headers.get("Range", "")
         partial = rng.startswith("bytes=") and not srv.ignore_range
         if partial:
             a, _, b = rng[6:].partition("-")
@@ -319,6 +351,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+        left = end - start + 1  # the bytes sent
+        if fault in ("short", "cut", "stall"):
+            end_sent = start + max(0, left // 2) - 1
+            left = end_sent - start + 1
+            if fault == "short":  # an honest header for a body that ends early
+                end = end_sent
         self.send_response(206 if partial else 200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "none" if srv.ignore_range else "bytes")
@@ -328,9 +366,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
+        self._body(file, start, left)
+        if fault == "cut":
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        elif fault == "stall":
+            self.wfile.flush()
+            hung_up(self.connection, STALL)
+            self.close_connection = True
+
+    def _body(self, file: Path, start: int, left: int) -> None:
         with open(file, "rb") as f:
             f.seek(start)
-            left = end - start + 1
             while left > 0:
                 data = f.read(min(left, 1 << 16))
                 if not data:

@@ -1,12 +1,20 @@
-"""Whole-object downloads that survive flaky links and never hand back wrong bytes.
+"""Downloads that survive flaky links and never hand back wrong bytes: whole objects, and the
+byte ranges a sparse epoch, a view or an index read takes.
 
 An object is copied with one request from byte 0; when the link fails mid-way the next attempt asks
 for ``bytes=<reached>-`` and appends, so a 1 GB shard dropped at 900 MB costs 100 MB, not 1 GB. Size
 and sha256 are checked against the manifest before anyone sees the data.
+
+A range (:func:`fetch_range`, and :func:`fetch_range_async` on the filesystem's event loop for
+the GETs kept in flight ahead) follows the same policy: 5xx, throttling, resets, stalls past the
+timeout and bodies that end early are retried with the same backoff, from the byte reached; the
+bytes handed back are exactly ``stop - start``, never fewer. A 416 (the object ends before the
+range) is not retried: :class:`ShortObjectError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import os
@@ -17,15 +25,18 @@ from typing import Any, BinaryIO
 
 from ..errors import StorageError
 from ..redact import redact, secret_values
-from ..retry import RetryPolicy, describe, is_transient
+from ..retry import IncompleteObject, RetryPolicy, describe, is_transient, status_of
 from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, strip
 
 __all__ = [
     "Expected",
     "FetchStats",
     "MissingObjectError",
+    "ShortObjectError",
     "TooLargeError",
     "fetch",
+    "fetch_range",
+    "fetch_range_async",
     "read_bytes",
     "storage_error",
 ]
@@ -35,8 +46,25 @@ __all__ = [
 CHUNK = 1 << 20
 
 
+#: What an error after the retries tells the user to do.
+RETRY_FIX = (
+    "check the store and the network, then run again (RemoteStorage(retries=..., timeout=...) "
+    "waits longer)"
+)
+
+
 class MissingObjectError(StorageError):
     """The object does not exist (HTTP 404, S3 NoSuchKey): not worth a retry."""
+
+
+class ShortObjectError(StorageError):
+    """The object ends before the range asked for (HTTP 416, or a local file's end): truncated
+    or replaced since whatever placed the range was written. ``received``: the bytes of the
+    range it does hold (an index head judged by its decoder keeps them)."""
+
+    def __init__(self, message: str, received: bytes = b""):
+        super().__init__(message)
+        self.received = received
 
 
 class TooLargeError(StorageError):
@@ -184,7 +212,7 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
                 raise storage_error(
                     url,
                     f"gave up after {attempts} attempts ({policy.retries} retries in a row "
-                    f"without progress, {sink.pos} bytes received)",
+                    f"without progress, {sink.pos} bytes received); {RETRY_FIX}",
                     exc,
                     storage_options,
                 ) from None
@@ -255,3 +283,147 @@ def check_bucket(url: str, storage_options: Mapping[str, Any] | None = None) -> 
             f"{protocol}://{bucket}/: no such bucket (from {url}); create it first, or check the "
             "URL and the endpoint (AWS_ENDPOINT_URL, storage_options)"
         )
+
+
+class _Range:
+    """One range's attempts under a ``RetryPolicy``, as ``fetch`` counts them: the bytes received
+    so far (a body that ends early keeps what it brought, the next attempt asks for the rest),
+    and what each outcome leads to: done, a wait before the next attempt, or the error."""
+
+    def __init__(self, url, start, stop, policy, options, local=False):
+        self.url, self.start, self.stop = url, start, stop
+        self.policy, self.options, self.local = policy or RetryPolicy(), options, local
+        self.parts: list[bytes] = []
+        self.pos = start
+        self.failures = self.attempts = 0
+
+    def where(self) -> str:
+        return f"bytes {self.start}-{self.stop}"
+
+    def data(self) -> bytes:
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+    def took(self, data: bytes) -> float | None:
+        """An attempt's body: None when the range is whole, else the wait before asking for
+        the rest (a body that ends early is a fault like a reset: never handed on)."""
+        self.attempts += 1
+        want = self.stop - self.pos
+        if len(data) > want:
+            raise storage_error(
+                self.url,
+                f"{self.where()}: the server sent {len(data)} bytes for a range of {want} (does "
+                "it ignore Range requests?); serve the shards from a store that honours them",
+                options=self.options,
+            )
+        if data:
+            self.parts.append(bytes(data))
+            self.pos += len(data)
+        if self.pos == self.stop:
+            return None
+        if self.local:  # a file's end is its end: no later attempt finds more
+            raise self.short()
+        cause = IncompleteObject(f"the body ended {self.stop - self.pos} bytes short")
+        return self._again(cause, progressed=bool(data))
+
+    def failed(self, exc: BaseException) -> float:
+        """An attempt's exception: the wait before the next attempt, or the error to raise."""
+        self.attempts += 1
+        if isinstance(exc, FileNotFoundError):
+            raise storage_error(
+                self.url,
+                "no such object; check the URL and that the upload finished",
+                exc,
+                self.options,
+                MissingObjectError,
+            ) from None
+        if isinstance(exc, PermissionError):
+            raise storage_error(
+                self.url,
+                "access denied; check the credentials and endpoint in storage_options or the "
+                "environment",
+                exc,
+                self.options,
+            ) from None
+        if status_of(exc) == 416:
+            raise self.short() from None
+        if not is_transient(exc):
+            raise storage_error(
+                self.url, f"{self.where()}: read failed; {RETRY_FIX}", exc, self.options
+            ) from None
+        return self._again(exc, progressed=False)
+
+    def short(self) -> ShortObjectError:
+        text = redact(
+            f"{self.url}: the object ends before byte {self.pos} ({self.where()} asked for): "
+            "truncated or replaced",
+            secret_values(self.options),
+        )
+        return ShortObjectError(text, self.data())
+
+    def _again(self, exc: BaseException, progressed: bool) -> float:
+        self.failures = 1 if progressed else self.failures + 1
+        if self.failures > self.policy.retries:
+            raise storage_error(
+                self.url,
+                f"{self.where()}: gave up after {self.attempts} attempts ({self.policy.retries} "
+                f"retries in a row without progress, {self.pos - self.start} of "
+                f"{self.stop - self.start} bytes received); {RETRY_FIX}",
+                exc,
+                self.options,
+            ) from None
+        return self.policy.delay(self.failures)
+
+
+def fetch_range(
+    url: str,
+    start: int,
+    stop: int,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    policy: RetryPolicy | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bytes:
+    """Bytes ``[start, stop)`` of the object at ``url``: one ranged GET, retried under ``policy``
+    as ``fetch`` retries (``timeout``: seconds without progress before an attempt counts as
+    stalled). Exactly ``stop - start`` bytes, or :class:`StorageError` (after the retries:
+    naming the URL, the range and the fix), :class:`MissingObjectError`,
+    :class:`ShortObjectError`."""
+    fs = filesystem(protocol_of(url), storage_options, timeout)
+    got = _Range(url, start, stop, policy, storage_options, local=protocol_of(url) == "file")
+    path = strip(fs, url)
+    while True:
+        try:
+            wait = got.took(fs.cat_file(path, start=got.pos, end=stop))
+        except StorageError:
+            raise
+        except Exception as exc:
+            wait = got.failed(exc)
+        if wait is None:
+            return got.data()
+        sleep(wait)
+
+
+async def fetch_range_async(
+    fs,
+    url: str,
+    start: int,
+    stop: int,
+    policy: RetryPolicy | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> bytes:
+    """``fetch_range`` as a coroutine on ``fs``'s event loop (an async filesystem, built with the
+    timeout wanted): the same attempts and errors, its waits ``asyncio.sleep``, so the other
+    GETs in flight go on meanwhile and a cancellation ends it at once."""
+    got = _Range(url, start, stop, policy, storage_options)
+    path = strip(fs, url)
+    while True:
+        try:
+            wait = got.took(await fs._cat_file(path, start=got.pos, end=stop))
+        except StorageError:
+            raise
+        except Exception as exc:
+            wait = got.failed(exc)
+        if wait is None:
+            return got.data()
+        await asyncio.sleep(wait)

@@ -17,9 +17,11 @@ and other sync fsspec backends) is read one GET at a time in the caller, as befo
 Memory: at most ``requests`` GETs in flight or fetched and not yet taken, holding at most
 ``max_bytes`` between them (one is always allowed, however large).
 
-Errors: a failed GET raises its exception in the caller when its turn comes, where the
-sequential read would have raised it, and is reported the same way (``read_range``). One
-attempt per GET, as before: the filesystems' own retry layers are off (``remote.fs``).
+Errors: each GET is retried under the storage's policy and timeout, as a whole shard is
+(``remote.fetch.fetch_range_async``: 5xx, resets, stalls and bodies that end early, from the
+byte reached, its waits on the loop); what still fails raises its ``StorageError`` in the caller
+when its turn comes, where the sequential read would have raised it. The filesystems' own retry
+layers stay off (``remote.fs``): the attempts are ours, counted and backed off.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import asyncio
 import contextlib
 import inspect
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
 
 from fsspec.asyn import sync
 
-from .fs import filesystem, protocol_of, strip
+from .fetch import fetch_range_async
+from .storage import RemoteStorage, remote_of
 
 __all__ = ["RangesAhead"]
 
@@ -45,10 +47,10 @@ CLOSE_WAIT = 10.0
 class _Get:
     """One planned GET: where, which bytes, and (once started) its task and its result."""
 
-    __slots__ = ("url", "start", "stop", "fs", "task", "result")
+    __slots__ = ("url", "start", "stop", "fs", "storage", "task", "result")
 
-    def __init__(self, url: str, start: int, stop: int, fs) -> None:
-        self.url, self.start, self.stop, self.fs = url, start, stop, fs
+    def __init__(self, url: str, start: int, stop: int, fs, storage: RemoteStorage) -> None:
+        self.url, self.start, self.stop, self.fs, self.storage = url, start, stop, fs, storage
         self.task: asyncio.Task | None = None  # set on the loop
         self.result: Future = Future()
 
@@ -60,10 +62,12 @@ class RangesAhead:
     lazily as room frees up). Single consumer: ``plan``, ``take`` and ``close`` are called from
     one thread. A ``take`` that is not the next planned range (a reader that changed its mind)
     drops the plan and reads that range now: never wrong bytes, only no longer ahead.
+    ``storage``: the ``RemoteStorage`` whose options, retry policy and timeout the GETs follow
+    (another storage, or None: its options and the default policy, ``remote_of``).
     """
 
-    def __init__(self, storage_options: Mapping[str, Any] | None, requests: int, max_bytes: int):
-        self.storage_options = storage_options
+    def __init__(self, storage, requests: int, max_bytes: int):
+        self.storage = remote_of(storage)
         self.requests = max(1, int(requests))
         self.max_bytes = max(0, int(max_bytes))
         self._plan: Iterator[tuple[str, int, int]] = iter(())
@@ -86,8 +90,7 @@ class RangesAhead:
             if head is not None:
                 self.close()  # off the plan: what is ahead is not what comes next
                 self._plan = iter(())
-            fs = filesystem(protocol_of(url), self.storage_options)
-            return fs.cat_file(strip(fs, url), start=start, end=stop)
+            return self.storage.read_range(url, start, stop)
         self._queue.popleft()  # its room is refilled at the next take: it may still be in flight
         self._bytes -= head.stop - head.start
         return head.result.result()
@@ -102,11 +105,11 @@ class RangesAhead:
             size = stop - start
             if self._queue and self._bytes + size > self.max_bytes:
                 return
-            fs = filesystem(protocol_of(url), self.storage_options)
+            fs = self.storage.filesystem(url)
             if not (getattr(fs, "async_impl", False) and hasattr(fs, "_cat_file")):
                 return  # a sync filesystem: the caller reads this range itself, when it comes
             self._session(fs)
-            get = _Get(url, start, stop, fs)
+            get = _Get(url, start, stop, fs, self.storage)
             fs.loop.call_soon_threadsafe(_start, get)
             self._queue.append(get)
             self._bytes += size
@@ -154,8 +157,9 @@ def _start(get: _Get) -> None:
     """On the loop: start the GET, unless it was cancelled before its turn came."""
     if get.result.cancelled():
         return
+    opts, policy = get.storage.storage_options, get.storage.policy
     get.task = asyncio.ensure_future(
-        get.fs._cat_file(strip(get.fs, get.url), start=get.start, end=get.stop)
+        fetch_range_async(get.fs, get.url, get.start, get.stop, policy, opts)
     )
     get.task.add_done_callback(lambda task: _settle(get, task))
 

@@ -34,11 +34,11 @@ from ..retry import RetryPolicy
 from ..sizes import parse_size
 from ..urls import url_name
 from .cache import ShardCache
-from .fetch import CHUNK, Expected, FetchStats, fetch
-from .fs import DEFAULT_TIMEOUT
+from .fetch import CHUNK, Expected, FetchStats, fetch, fetch_range, read_bytes
+from .fs import DEFAULT_TIMEOUT, filesystem, protocol_of
 from .prefetch import Prefetcher
 
-__all__ = ["RemoteStorage"]
+__all__ = ["RemoteStorage", "remote_of"]
 
 #: Ranged GETs in flight per worker by default: at 20 ms first-byte latency and ~1 ms of
 #: reading per GET, 16 keep the reader busy (``benchmarks/bench_remote.py --sparse``).
@@ -86,6 +86,8 @@ class RemoteStorage:
     ``shardkit.stream.ranges``) kept in flight per worker, ahead of the reader, across runs and
     shards (1: one at a time); ``ranged_bytes`` (bytes or a size string): the most those hold
     at once. The samples and their order are the same either way (``shardkit.remote.ranged``).
+    Those ranged GETs, and the reads of the shards' sample indexes, follow the same
+    ``retries``/``backoff``/``timeout`` as whole shards (``read_range``, ``read_object``).
     A source of local paths is read by ``LocalStorage`` even under ``storage=RemoteStorage(...)``
     (``urls_only``): one object configures a mixture of local and remote sources.
     """
@@ -253,6 +255,30 @@ class RemoteStorage:
         rt.infos[url] = shard
         return url
 
+    # --- ranges and small objects ---------------------------------------------------------------
+
+    def read_range(self, url: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``url`` (samples a sparse epoch or a view reads, an
+        index's head): one ranged GET under this storage's retry policy and timeout, exactly
+        ``stop - start`` bytes or a ``StorageError`` (``remote.fetch.fetch_range``)."""
+        return fetch_range(
+            url,
+            start,
+            stop,
+            storage_options=self.storage_options,
+            policy=self.policy,
+            timeout=self.timeout,
+        )
+
+    def read_object(self, url: str) -> bytes:
+        """The whole object at ``url`` (a sample index), read as a shard is: retried and
+        resumed under this storage's policy; ``MissingObjectError`` where there is none."""
+        return read_bytes(url, self.storage_options, policy=self.policy, timeout=self.timeout)
+
+    def filesystem(self, url: str):
+        """This process's filesystem for ``url``, its timeouts this storage's."""
+        return filesystem(protocol_of(url), self.storage_options, self.timeout)
+
     # --- fetching ------------------------------------------------------------------------------
 
     def expected_for(self, url: str) -> Expected:
@@ -319,6 +345,15 @@ class RemoteStorage:
                 os.unlink(path)
             raise
         return path
+
+
+def remote_of(storage) -> RemoteStorage:
+    """The ``RemoteStorage`` whose policy a URL's ranged and index reads follow: ``storage``
+    itself, else (another ``Storage``, or None) one with its ``storage_options`` and the
+    default retries and timeout."""
+    if isinstance(storage, RemoteStorage):
+        return storage
+    return RemoteStorage(getattr(storage, "storage_options", None), prefetch=0)
 
 
 def _close_shard(shard: _Shard) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import InputError, ShardkitError, StorageError, check_choice
+from ..errors import InputError, check_choice
 from ..formats import FORMATS
 from ..images.geometry import Decode, Geometry, TensorDecoder, sample_seed
 from ..paths import check_source
@@ -77,7 +77,9 @@ from .stages import (
     ON_ERROR_MODES,
     apply_transforms,
     check_labels,
+    count_samples,
     decode_records,
+    empty_as_said,
     extras_of,
     file_identity,
     manifest_unchanged,
@@ -913,8 +915,10 @@ def _describe(source) -> str:
 
 def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> ShardTable:
     """The shards as a table with every count known: shards no manifest covers are counted by
-    reading (only those are made into a ``ShardInfo``)."""
+    reading (only those are made into a ``ShardInfo``); a shard whose entry says 0 samples is
+    read too (``empty_as_said``)."""
     table = ShardTable.of(shards)
+    empty_as_said(table, format, storage)
     unknown = np.flatnonzero(table.samples == UNKNOWN).tolist()
     if not unknown:
         return table
@@ -922,13 +926,7 @@ def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> Shar
     counts = table.samples.copy()
     try:
         for i in unknown:
-            shard = table[i]
-            try:
-                counts[i] = fmt.count(storage, shard)
-            except ShardkitError:
-                raise
-            except OSError as exc:
-                raise StorageError(f"{shard.url}: cannot count samples ({exc})") from exc
+            counts[i] = count_samples(fmt, storage, table[i])
     finally:
         storage.close()
     return table.with_samples(counts)

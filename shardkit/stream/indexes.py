@@ -49,20 +49,21 @@ __all__ = [
 ]
 
 
-def shard_index(shard: ShardInfo, storage_options: dict | None = None) -> SampleIndex | None:
+def shard_index(shard: ShardInfo, storage: Storage | None = None) -> SampleIndex | None:
     """``shard``'s sample index, checked against its manifest entry; None where there is none
-    (or it is damaged or stale: a warning names it)."""
+    (or it is damaged or stale: a warning names it). ``storage``: whose retry policy and
+    timeout a remote index's GET follows (``remote_bytes``)."""
     if not shard.sha256 or not shard.url.endswith(".tar"):
         return None  # no manifest to check it against, a compressed tar, or LMDB
-    data = _index_bytes(shard, storage_options)
+    data = _index_bytes(shard, storage)
     where = index_path(shard.url)
     return load_index(data, where, shard.samples, shard.bytes, shard.sha256, shard.index_sha256)
 
 
-def _index_bytes(shard: ShardInfo, storage_options) -> bytes | None:
+def _index_bytes(shard: ShardInfo, storage) -> bytes | None:
     where = index_path(shard.url)
     if is_url(shard.url):
-        return remote_bytes(where, storage_options)
+        return remote_bytes(where, storage)
     return read_local(where.removeprefix("file://"))
 
 
@@ -75,48 +76,60 @@ def columns_range(shard: ShardInfo) -> tuple[str, int] | None:
 
 
 def shard_columns(
-    shard: ShardInfo, storage_options: dict | None = None, read=None
+    shard: ShardInfo, storage: Storage | None = None, read=None
 ) -> IndexColumns | None:
     """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
     key table): one read, or one ranged GET (``read(where, n)``: that GET, made already);
     None where there is none or it is not this shard's (a warning names it)."""
     if (found := columns_range(shard)) is None:
         return None
-    data = _columns_bytes(shard, storage_options, read)
+    data = _columns_bytes(shard, storage, read)
     if data is None:  # no index, or unreadable: the shard is read instead
         return None
     return decode_columns(data, found[0], shard.samples, shard.bytes, shard.sha256)
 
 
-def _columns_bytes(shard: ShardInfo, storage_options, read=None) -> bytes | None:
+def _columns_bytes(shard: ShardInfo, storage, read=None) -> bytes | None:
     """The first ``columns_size`` bytes of ``shard``'s index and no more (a local file: one
-    unbuffered read, no read ahead; remote: one ranged GET, or ``read(where, n)``: that GET,
-    made already); None where it cannot be read."""
+    unbuffered read, no read ahead; remote: one ranged GET under ``storage``'s retry policy
+    and timeout, or ``read(where, n)``: that GET, made already); None where there is no index
+    (or a local one cannot be read). A remote index shorter than that gives what it holds (its
+    decoder names it stale); a store that keeps failing is a ``StorageError`` after the
+    retries, as for the shard itself."""
     where, n = index_path(shard.url), columns_size(shard.samples)
+    if is_url(shard.url):
+        from ..remote.fetch import MissingObjectError, ShortObjectError
+        from ..remote.storage import remote_of
+
+        try:
+            if read is not None:
+                return read(where, n)
+            return remote_of(storage).read_range(where, 0, n)
+        except MissingObjectError:
+            return None
+        except ShortObjectError as exc:
+            return exc.received
     try:
         if read is not None:
             return read(where, n)
-        if is_url(shard.url):
-            from ..remote.fs import filesystem, protocol_of, strip
-
-            fs = filesystem(protocol_of(shard.url), storage_options)
-            return fs.cat_file(strip(fs, where), start=0, end=n)
         with open(where.removeprefix("file://"), "rb", buffering=0) as f:
             return f.read(n)
     except OSError:  # no index (FileNotFoundError), or unreadable
         return None
 
 
-def remote_bytes(url: str, storage_options: dict | None) -> bytes | None:
-    from ..remote.fs import filesystem, protocol_of, strip
+def remote_bytes(url: str, storage) -> bytes | None:
+    """The whole object at ``url`` (an index beside its shard), read as a shard is: retried and
+    resumed under ``storage``'s policy and timeout (``RemoteStorage.read_object``; another
+    storage or None: the default policy); None where there is none. A store that keeps
+    failing is a ``StorageError`` naming the URL, never a traceback nor a silent None."""
+    from ..remote.fetch import MissingObjectError
+    from ..remote.storage import remote_of
 
-    fs = filesystem(protocol_of(url), storage_options)
     try:
-        return fs.cat_file(strip(fs, url))
-    except FileNotFoundError:
+        return remote_of(storage).read_object(url)
+    except MissingObjectError:
         return None
-    except OSError:
-        return None  # unreadable: the shard's own headers still serve
 
 
 def lmdb_index(shard: ShardInfo, storage: Storage) -> LmdbIndex | None:
@@ -130,7 +143,7 @@ def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=Non
     if fmt == "lmdb":
         index = lmdb_index(shard, storage)
     else:
-        index = shard_index(shard, storage_options) if fmt == "tar" else None
+        index = shard_index(shard, storage) if fmt == "tar" else None
     if index is not None:
         return index.keys()
     return _keys_read(shard, fmt, storage)
@@ -241,11 +254,11 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     index holds them as they are; (None, False) where it has no usable index (a warning has
     named a damaged or stale one)."""
     if fmt == "tar" and shard.columns_sha256 and shard.sha256 and shard.url.endswith(".tar"):
-        cols = _listed_columns(shard, storage_options)  # 16 bytes a sample, not ~90
+        cols = _listed_columns(shard, storage)  # 16 bytes a sample, not ~90
         if cols is not None:
             return cols.hashes.astype(np.uint64), True
     if fmt == "tar" and shard.index_sha256 and shard.sha256 and shard.url.endswith(".tar"):
-        data = _index_bytes(shard, storage_options)  # the packer's file: its head is enough
+        data = _index_bytes(shard, storage)  # the packer's file: its head is enough
         if data is not None and hashlib.sha256(data).hexdigest() == shard.index_sha256:
             head, where = data[: columns_size(shard.samples)], index_path(shard.url)
             cols = decode_columns(head, where, shard.samples, shard.bytes, shard.sha256)
@@ -253,7 +266,7 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     if fmt == "lmdb":
         index = lmdb_index(shard, storage)
     else:
-        index = shard_index(shard, storage_options) if fmt == "tar" else None
+        index = shard_index(shard, storage) if fmt == "tar" else None
     if index is None:
         return None, False
     hashes = key_hashes(index.keys())
@@ -273,7 +286,7 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     return hashes, trusted
 
 
-def _listed_columns(shard: ShardInfo, storage_options) -> IndexColumns | None:
+def _listed_columns(shard: ShardInfo, storage) -> IndexColumns | None:
     """The columns of ``shard``'s index (``columns_size`` bytes, read alone) where their sha256
     is the manifest's ``columns_sha256``: the packer's offsets and key hashes, whatever the key
     table after them holds (nothing the split reads). None where they cannot be read or differ
@@ -281,7 +294,7 @@ def _listed_columns(shard: ShardInfo, storage_options) -> IndexColumns | None:
     without ``columns_sha256``, and that names it."""
     if shard.samples < 0:
         return None
-    data = _columns_bytes(shard, storage_options)
+    data = _columns_bytes(shard, storage)
     if data is None or hashlib.sha256(data).hexdigest() != shard.columns_sha256:
         return None
     where = index_path(shard.url)

@@ -31,21 +31,26 @@ from .indexes import columns_range, shard_columns
 __all__ = ["SKIPPED", "RangeReader", "read_range"]
 
 
-def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str, ahead=None) -> bytes:
+def read_range(url: str, start: int, stop: int, fd, storage, fix: str, ahead=None) -> bytes:
     """Bytes [start, stop) of a shard, as its sample index placed them: one ``pread`` on a
     local file (its descriptor from ``fd()``, kept by the caller), one ranged GET on object
-    storage (``ahead``, a ``remote.ranged.RangesAhead``: that GET, started ahead). A short
-    answer is a shard truncated or replaced since; ``fix`` says what to do."""
-    try:
-        if is_url(url) and ahead is not None:
-            data = ahead.take(url, start, stop)  # the same GET, begun while earlier ones ran
-        elif is_url(url):
-            from ..remote.fs import filesystem, protocol_of, strip
+    storage (``ahead``, a ``remote.ranged.RangesAhead``: that GET, started ahead), retried under
+    ``storage``'s policy and timeout as a whole shard is (``RemoteStorage.read_range``). A
+    shard that ends before the range is truncated or replaced since; ``fix`` says what to do."""
+    if is_url(url):
+        from ..remote.fetch import ShortObjectError
+        from ..remote.storage import remote_of
 
-            fs = filesystem(protocol_of(url), storage_options)
-            data = fs.cat_file(strip(fs, url), start=start, end=stop)  # one ranged GET
-        else:
-            data = os.pread(fd(), stop - start, start)
+        try:
+            if ahead is not None:
+                return ahead.take(url, start, stop)  # the same GET, begun while earlier ones ran
+            return remote_of(storage).read_range(url, start, stop)  # one ranged GET
+        except ShortObjectError:
+            raise ShardFormatError(
+                f"{url}: shorter than its sample index says (truncated or replaced?); {fix}"
+            ) from None
+    try:
+        data = os.pread(fd(), stop - start, start)
     except OSError as exc:
         raise StorageError(f"{url}: read of sample bytes failed: {exc}") from exc
     if len(data) != stop - start:
@@ -109,9 +114,10 @@ CACHED = 64 << 20
 _cached = [0]
 
 
-def _columns(shard: ShardInfo, storage_options, read=None) -> _Columns | None:
+def _columns(shard: ShardInfo, storage, read=None) -> _Columns | None:
     """``shard``'s index head for ranged reads (``shard_columns``; ``read``: its GET, started
-    already), from ``_CACHE`` when its file is unchanged (local shards)."""
+    already; ``storage``: whose policy a GET follows), from ``_CACHE`` when its file is
+    unchanged (local shards)."""
     key = None
     if not is_url(shard.url):
         try:
@@ -124,7 +130,7 @@ def _columns(shard: ShardInfo, storage_options, read=None) -> _Columns | None:
             if key in _CACHE:
                 _CACHE.move_to_end(key)
                 return _CACHE[key]
-    index = shard_columns(shard, storage_options, read)
+    index = shard_columns(shard, storage, read)
     got = None
     if index is not None:
         got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"))
@@ -147,7 +153,6 @@ class RangeReader:
         #: Shards whose index the dataset refused when it was built: streamed, never read
         #: through it.
         self.unindexed = unindexed
-        self.storage_options = getattr(storage, "storage_options", None)
         self._indexes: dict[str, _Columns | None] = {}
         self._fd: tuple[str, int] | None = None
         self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
@@ -170,7 +175,7 @@ class RangeReader:
         from ..remote.ranged import RangesAhead
 
         limit = int(getattr(self.storage, "ranged_bytes", 0))
-        self.ahead = RangesAhead(self.storage_options, requests, limit)
+        self.ahead = RangesAhead(self.storage, requests, limit)
         self.ahead.plan(self._planned(items))
 
     def preload(self, wanted) -> None:
@@ -193,14 +198,12 @@ class RangeReader:
             return
         from ..remote.ranged import RangesAhead
 
-        ahead = RangesAhead(
-            self.storage_options, requests, int(getattr(self.storage, "ranged_bytes", 0))
-        )
+        ahead = RangesAhead(self.storage, requests, int(getattr(self.storage, "ranged_bytes", 0)))
         ahead.plan((where, 0, n) for where, n in map(columns_range, todo.values()))
         try:
             for url, shard in todo.items():
                 self._indexes[url] = _columns(
-                    shard, self.storage_options, lambda where, n: ahead.take(where, 0, n)
+                    shard, self.storage, lambda where, n: ahead.take(where, 0, n)
                 )
         finally:
             ahead.close()
@@ -226,7 +229,7 @@ class RangeReader:
         if self.lmdb:
             return True  # each sample is one descent of the tree: nothing to load first
         if shard.url not in self._indexes:
-            self._indexes[shard.url] = _columns(shard, self.storage_options)
+            self._indexes[shard.url] = _columns(shard, self.storage)
         return self._indexes[shard.url] is not None
 
     def records(
@@ -364,7 +367,7 @@ class RangeReader:
             a,
             b,
             lambda: self._file(shard),
-            self.storage_options,
+            self.storage,
             "re-pack it",
             self.ahead,
         )

@@ -50,7 +50,7 @@ from .fields import field_spec
 from .indexes import shard_columns, shard_index
 from .ranges import read_range
 from .sources import resolve_source
-from .stages import decoded_fields, sample_error
+from .stages import decoded_fields, empty_as_said, sample_error
 from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
@@ -65,7 +65,9 @@ class ShardView:
     (a mode string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
     ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
     ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
-    cache; LMDB shards are fetched whole into ``cache_dir``).
+    cache; LMDB shards are fetched whole into ``cache_dir``); or ``storage``, a
+    ``shardkit.remote.RemoteStorage`` that carries them with its retries and timeout, which
+    every ranged GET and index read of the view follows (as ``ShardDataset``'s ``storage=``).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ShardView:
         storage_options: dict | None = None,
         cache_dir: str | None = None,
         max_pixels: int | None = None,
+        storage=None,
     ):
         if max_pixels is not None:  # the Decode's (one release): warns with the new spelling
             from .retired import translate
@@ -99,6 +102,13 @@ class ShardView:
             from ..images.geometry import TensorDecoder
 
             self._decoder = TensorDecoder.of(self.decode)
+        if storage is not None and (storage_options is not None or cache_dir is not None):
+            raise InputError(
+                "ShardView takes storage= or storage_options=/cache_dir=, not both: give "
+                "RemoteStorage(storage_options=..., cache_dir=...) its options"
+            )
+        if storage is not None:
+            storage_options = getattr(storage, "storage_options", None) or None
         self.storage_options = storage_options
         check_source(source, storage_options)
         self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
@@ -106,8 +116,10 @@ class ShardView:
         self.format = resolved.format
         self.classes = list(resolved.classes) if resolved.classes else None
         table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
-        self.storage = storage_for(
-            [table.url(0)], storage_options=storage_options, cache_dir=cache_dir
+        self.storage = (
+            storage_for([table.url(0)], storage_options=storage_options, cache_dir=cache_dir)
+            if storage is None or not is_url(table.url(0))
+            else storage
         )  # one shard says local or URL: a shard list is all one or the other
         self.shards: ShardTable = table
         self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
@@ -115,6 +127,7 @@ class ShardView:
         self._stamps: dict[str, tuple] = _lmdb_stamps(self.shards) if self.format == "lmdb" else {}
         lazy = bool((table.samples >= 0).all()) and all(table.sha256)
         try:
+            empty_as_said(table, self.format, self.storage)  # never skipped on its word alone
             if lazy:  # the manifest's counts: nothing opened until a sample is asked for
                 counts = table.samples.tolist()
             else:
@@ -136,7 +149,7 @@ class ShardView:
     def _index(self, shard: ShardInfo) -> _Table:
         if self.format == "lmdb":
             return self._lmdb_table(shard)
-        index = shard_index(shard, self.storage_options)
+        index = shard_index(shard, self.storage)
         if index is not None:  # one read of the index file beside the shard
             return _Table(index.samples, index, index.offsets.astype(np.int64), index.members)
         try:
@@ -235,7 +248,7 @@ class ShardView:
             return table._keys.hashes
         shard = self.shards[k]
         if table is None and self.format == "tar":
-            cols = shard_columns(shard, self.storage_options)
+            cols = shard_columns(shard, self.storage)
             if cols is not None:
                 return cols.hashes
         elif table is None and self.format == "lmdb":  # the record read, not kept
@@ -461,7 +474,7 @@ class ShardView:
             return self._open[shard]
 
         fix = "re-pack it or make the view again"
-        return read_range(info.url, start, stop, fd, self.storage_options, fix)
+        return read_range(info.url, start, stop, fd, self.storage, fix)
 
     def _fresh(self) -> None:
         """Files and environments are per process: a forked worker opens its own."""

@@ -252,10 +252,12 @@ def _dataset(out: str, storage_options, work_dir):
 def _index_reader(out: str, manifest_path: str, storage_options):
     """entry -> the bytes of its sample index (None: there is none), local or remote."""
     if is_remote(out):
+        from ..remote.storage import RemoteStorage
         from ..stream.indexes import remote_bytes
 
         base = url_parent(manifest_path)
-        return lambda e: remote_bytes(join_url(base, index_path(e.path)), storage_options)
+        storage = RemoteStorage(storage_options, prefetch=0)  # the retries a shard's fetch has
+        return lambda e: remote_bytes(join_url(base, index_path(e.path)), storage)
     base = os.path.dirname(manifest_path)
     return lambda e: read_local(index_path(os.path.join(base, e.path)))
 
@@ -393,11 +395,15 @@ def verify(
         progress_bar(len(entries), "verify", "shard", enabled=progress) as bar,
         ThreadPoolExecutor(max(1, min(threads, len(entries))), "shardkit-verify") as pool,
     ):
-        for entry, (problems, n) in zip(entries, pool.map(check, entries), strict=True):
-            bar.update(1)
-            decoded += n
-            if problems:
-                bad.append(ShardProblem(entry.path, problems))
+        try:
+            for entry, (problems, n) in zip(entries, pool.map(check, entries), strict=True):
+                bar.update(1)
+                decoded += n
+                if problems:
+                    bad.append(ShardProblem(entry.path, problems))
+        except BaseException:  # a store that failed past its retries: no shard more is tried
+            pool.shutdown(cancel_futures=True)
+            raise
     return VerifyReport(
         out=name,
         shards=len(entries),
