@@ -161,7 +161,13 @@ def run_cli(*args, **kw) -> subprocess.CompletedProcess:
 #: Substrings of thread names that session-scoped server fixtures may keep running.
 POLICE_ALLOWED_THREADS = ("serve_forever", "S3Server", "HttpServer", "FaultProxy", "moto")
 #: Per-interpreter helpers multiprocessing starts once and keeps until exit (spawn contexts).
-POLICE_ALLOWED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+#: And the store emulators the session's fixtures start on first use (remote_servers.py).
+POLICE_ALLOWED_CHILDREN = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "fake-gcs-server",
+    "azurite",
+)
 #: Seconds a leftover thread or child gets to finish before the test fails.
 POLICE_GRACE = 5.0
 
