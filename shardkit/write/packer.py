@@ -535,8 +535,8 @@ def _check_append(out: str, overwrite: bool) -> None:
     if is_remote(out):
         raise InputError(
             f"output {out}: append=True adds to a local (or shared) folder, not a URL; append "
-            "into a local copy of the dataset, then pack that copy to the URL with overwrite=True "
-            "(docs/remote.md, Growing a dataset in a bucket)"
+            "into a local copy of the dataset, then upload its new shards and its manifest.json "
+            "last (docs/remote.md, Growing a dataset in a bucket)"
         )
     if is_url(out):
         raise InputError(f"output {out}: append=True adds to a local (or shared) folder, not a URL")
