@@ -110,7 +110,9 @@ def _denied(exc: BaseException) -> bool:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        status = getattr(cur, "status_code", None) or getattr(cur, "code", None)
+        status = getattr(cur, "status_code", None) or getattr(cur, "status", None)
+        if status is None and type(cur).__name__ == "HttpError":  # gcsfs's, by its ``code``
+            status = getattr(cur, "code", None)
         if isinstance(cur, PermissionError) or status in (401, 403):
             return True
         if type(cur) is OSError and str(cur).startswith("Forbidden"):

@@ -171,6 +171,17 @@ def test_an_unreachable_endpoint_ends_in_one_line(store):
     assert "gave up after 3 attempts" in text and "\n" not in text
 
 
+def test_refused_credentials_are_one_line_naming_where_they_come_from(http, tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"x" * 100)
+    http.root = tmp_path
+    http.faults.set(1, 403)
+    with pytest.raises(StorageError) as info:
+        read_bytes(f"{http.url}/x.bin", policy=FAST)
+    text = str(info.value)
+    assert "access denied; check the credentials: the URL (a signed query string)" in text
+    assert len(http.log.gets("x.bin")) == 1  # not retried
+
+
 # --- drivers, credentials, log lines (no server) ----------------------------------------------
 
 
