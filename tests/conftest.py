@@ -5,7 +5,8 @@ from __future__ import annotations
 # --- shared fixtures ---
 # The loopback servers (moto S3, fake-gcs-server, Azurite, HTTP with Range, the fault proxy) and
 # their session fixtures live in remote_servers.py, loaded as a plugin so the remote test files
-# just ask for ``s3``/``http``, or ``store`` for each object store in turn. Image trees, packed datasets and the CLI runner are built here once.
+# just ask for ``s3``/``http``, or ``store`` for each object store in turn. Image trees, packed
+# datasets and the CLI runner are built here once.
 import contextlib
 import gc
 import os

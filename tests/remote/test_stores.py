@@ -3,7 +3,7 @@
 install (s3fs, gcsfs, adlfs). A store whose emulator cannot start fails its tests.
 
 Not slow: one pack to each store and one epoch from it, and the failure paths that end at once.
-Slow: the CLI, worker processes, resume, subsets and splits, and the fault proxy."""
+Slow: repacks, the CLI, worker processes, resume, subsets and splits, and the fault proxy."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def test_pack_to_the_store_streams_the_local_packs_bytes(store, data, tmp_path):
     assert storage.stats()["bytes"] == sum(tars)  # the sum, not the last shard's
 
 
+@pytest.mark.slow  # two packs a store (the CLI test below runs it too)
 def test_an_unchanged_pack_to_the_store_is_up_to_date(store, data, tmp_path):
     url = _pack(store, data, tmp_path)
     manifest = store.fs().cat_file(url.split("://", 1)[1] + "manifest.json")
