@@ -459,12 +459,20 @@ class Emulator:
                 return self
             except OSError:
                 time.sleep(0.05)
-        self.__exit__()
+        self._stop()
         self._log.seek(0)
-        tail = self._log.read()[-2000:].decode(errors="replace")
-        raise RuntimeError(f"{self.name} did not start ({' '.join(self.argv)}): {tail}")
+        tail = self._log.read()[-2000:].decode(errors="replace").strip()
+        self._log.close()
+        code = self.proc.returncode
+        raise RuntimeError(
+            f"{self.name} did not start ({' '.join(self.argv)}; exit status {code}): {tail}"
+        )
 
     def __exit__(self, *exc) -> None:
+        self._stop()
+        self._log.close()
+
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             try:  # Azurite waits for idle keep-alive connections; in memory, nothing is lost
@@ -472,7 +480,6 @@ class Emulator:
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self._log.close()
 
 
 def gcs_binary() -> str:
