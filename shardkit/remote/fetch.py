@@ -18,15 +18,16 @@ import asyncio
 import hashlib
 import io
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
 from ..redact import redact, secret_values
 from ..retry import IncompleteObject, RetryPolicy, describe, is_transient, status_of
-from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, strip
+from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, store_of, strip
 
 __all__ = [
     "Expected",
@@ -81,10 +82,18 @@ class Expected:
 
 @dataclass
 class FetchStats:
-    """Per-object facts for tests and benchmarks: attempts made and bytes received."""
+    """Counts for tests and benchmarks: attempts made and bytes received, summed over every
+    fetch that was handed this object (one object's, or a whole process's: ``RemoteStorage``
+    shares one between its prefetch threads, hence the lock)."""
 
     attempts: int = 0
     bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, attempts: int = 0, nbytes: int = 0) -> None:
+        with self._lock:
+            self.attempts += attempts
+            self.bytes += nbytes
 
 
 def storage_error(
@@ -120,6 +129,30 @@ class _Sink:
 
 def _too_large(url: str, max_size: int) -> TooLargeError:
     return TooLargeError(redact(f"{url}: object is larger than {max_size} bytes"))
+
+
+def _denied(exc: BaseException) -> bool:
+    """Refused for want of credentials: PermissionError (s3fs), HTTP 401/403 however the driver
+    words it (gcsfs: ``HttpError`` 401, ``OSError("Forbidden: ...")``; Azure: status_code)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        status = getattr(cur, "status_code", None) or getattr(cur, "status", None)
+        if status is None and type(cur).__name__ == "HttpError":  # gcsfs's, by its ``code``
+            status = getattr(cur, "code", None)
+        if isinstance(cur, PermissionError) or status in (401, 403):
+            return True
+        if type(cur) is OSError and str(cur).startswith("Forbidden"):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _denied_hint(url: str) -> str:
+    store = store_of(protocol_of(url))
+    where = store.credentials if store is not None else "storage_options or the environment"
+    return f"access denied; check the credentials: {where}"
 
 
 def _sha256_of(out: BinaryIO) -> str:
@@ -178,10 +211,17 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
             )
 
     failures = attempts = 0  # this URL's; ``stats`` may be shared by every fetch of a process
+    counted = 0  # of sink.pos, already added to stats.bytes
+
+    def count() -> None:
+        nonlocal counted
+        stats.add(nbytes=sink.pos - counted)
+        counted = sink.pos
+
     while True:
         before = sink.pos
         attempts += 1
-        stats.attempts += 1
+        stats.add(attempts=1)
         try:
             open_range(fs, url, sink.pos, check_total).pump(sink.write, chunk)
             break
@@ -195,16 +235,10 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
                 storage_options,
                 MissingObjectError,
             ) from None
-        except PermissionError as exc:
-            raise storage_error(
-                url,
-                "access denied; check the credentials and endpoint in storage_options or "
-                "the environment",
-                exc,
-                storage_options,
-            ) from None
         except Exception as exc:
-            stats.bytes = sink.pos
+            count()
+            if _denied(exc):
+                raise storage_error(url, _denied_hint(url), exc, storage_options) from None
             if not is_transient(exc):
                 raise storage_error(url, "read failed", exc, storage_options) from None
             failures = 1 if sink.pos > before else failures + 1
@@ -217,7 +251,7 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
                     storage_options,
                 ) from None
             sleep(policy.delay(failures))
-    stats.bytes = sink.pos
+    count()
     if expected.size is not None and sink.pos != expected.size:
         raise storage_error(
             url,
@@ -272,16 +306,19 @@ def check_bucket(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     protocol = protocol_of(url)
     if protocol not in _BUCKETED:
         return
+    store = store_of(protocol)
     fs = filesystem(protocol, storage_options)
     bucket = strip(fs, url).split("/", 1)[0]
+    term = store.bucket if store is not None else "bucket"
     try:
         found = fs.exists(bucket)
     except Exception as exc:
-        raise storage_error(url, "cannot reach the bucket", exc, storage_options) from None
+        raise storage_error(url, f"cannot reach the {term}", exc, storage_options) from None
     if not found:
+        where = f"the endpoint ({store.endpoint})" if store is not None else "the endpoint"
         raise StorageError(
-            f"{protocol}://{bucket}/: no such bucket (from {url}); create it first, or check the "
-            "URL and the endpoint (AWS_ENDPOINT_URL, storage_options)"
+            f"{protocol}://{bucket}/: no such {term} (from {url}); create it first, or check "
+            f"the URL and {where}"
         )
 
 
@@ -336,14 +373,8 @@ class _Range:
                 self.options,
                 MissingObjectError,
             ) from None
-        if isinstance(exc, PermissionError):
-            raise storage_error(
-                self.url,
-                "access denied; check the credentials and endpoint in storage_options or the "
-                "environment",
-                exc,
-                self.options,
-            ) from None
+        if _denied(exc):
+            raise storage_error(self.url, _denied_hint(self.url), exc, self.options) from None
         if status_of(exc) == 416:
             raise self.short() from None
         if not is_transient(exc):

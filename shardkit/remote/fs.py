@@ -7,24 +7,36 @@ policy. Here each process builds its own instances (``skip_instance_cache=True``
 the library retry layers are switched off unless the user configures them, timeouts are set so a
 stalled connection fails instead of hanging, and :func:`open_range` reads an object from any byte
 offset with one request, which is what resuming needs.
+
+Every store gets the same treatment, not only S3: gcsfs's request loop (six tries, up to 32 s
+apart) and the Azure SDK's retry policy are switched off and their connect and read timeouts set,
+so an unreachable endpoint ends in one line within seconds and a stalled one within about
+``timeout x (retries + 1)``. :data:`STORES` says, per store, which extra holds its driver and
+where its credentials, endpoint and buckets (Azure: containers) come from, for the messages.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 from fsspec.asyn import sync
 from fsspec.utils import tokenize
 
+from ..errors import MissingExtraError, StorageError
 from ..retry import IncompleteObject
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "STORES",
+    "Store",
+    "store_of",
     "is_remote_url",
     "protocol_of",
     "filesystem",
@@ -77,6 +89,76 @@ def is_remote_url(source: object) -> bool:
     return isinstance(source, str) and protocol_of(source) not in _LOCAL and "://" in source
 
 
+@dataclass(frozen=True)
+class Store:
+    """What a message tells a user about one kind of store: the extra that installs its driver,
+    what the first component of its URLs is called there, and where its credentials and endpoint
+    come from (environment variables and ``storage_options`` keys, as the driver reads them)."""
+
+    name: str
+    extra: str
+    driver: str
+    bucket: str
+    credentials: str
+    endpoint: str
+
+
+STORES: dict[str, Store] = {
+    "s3": Store(
+        "S3",
+        "s3",
+        "s3fs",
+        "bucket",
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials), or "
+        'storage_options "key" and "secret"',
+        'AWS_ENDPOINT_URL, or storage_options "endpoint_url"',
+    ),
+    "gs": Store(
+        "GCS",
+        "gcs",
+        "gcsfs",
+        "bucket",
+        "GOOGLE_APPLICATION_CREDENTIALS (or gcloud auth application-default login), or "
+        'storage_options "token" (a service-account JSON file; "anon" for public buckets '
+        "and emulators)",
+        'STORAGE_EMULATOR_HOST, or storage_options "endpoint_url"',
+    ),
+    "az": Store(
+        "Azure Blob",
+        "azure",
+        "adlfs",
+        "container",
+        "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+        "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or storage_options "
+        '"connection_string", or "account_name" with "account_key", "sas_token" or "credential"',
+        "the account and BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING, or storage_options "
+        '"account_name" and "account_host"',
+    ),
+    "http": Store("HTTP", "http", "aiohttp", "host", "the URL (a signed query string)", "the URL"),
+}
+_ALIASES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"}
+
+
+def store_of(protocol: str) -> Store | None:
+    """The :class:`Store` of ``protocol`` (``gcs`` is ``gs``, ``abfs`` is ``az`` ...), or None."""
+    return STORES.get(_ALIASES.get(protocol, protocol))
+
+
+class _GcsfsNoise(logging.Filter):
+    """Drops gcsfs's fallback warning when a bucket's layout cannot be looked up (an emulator, a
+    key without the storage-control permission): it logs it on every call, dozens of lines per
+    ``verify``, and the plain GCS path it falls back to is the one shardkit uses anyway. Every
+    other record of the logger passes."""
+
+    _NOISE = ("Could not determine bucket type", "Error: Bucket ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith(self._NOISE))
+
+
+_GCSFS_FILTER = _GcsfsNoise()
+
+
 def _merge(base: dict, override: Mapping) -> dict:
     out = dict(base)
     for k, v in override.items():
@@ -107,7 +189,94 @@ def _defaults(protocol: str, timeout: float) -> dict:
                 )
             }
         }
+    if protocol in ("gs", "gcs"):
+        import aiohttp
+
+        # gcsfs hands this to every aiohttp request it makes (its ``timeout=`` bounds whole calls).
+        return {
+            "requests_timeout": aiohttp.ClientTimeout(
+                total=None, sock_connect=timeout, sock_read=timeout
+            )
+        }
+    if protocol in ("az", "abfs", "abfss"):
+        # adlfs passes these to its uploads and downloads; _quiet_azure sets them on the client.
+        return {"connection_timeout": timeout, "read_timeout": timeout}
     return {}
+
+
+def _quiet_gcsfs(fs: Any) -> None:
+    """One attempt per gcsfs request: its ``_request`` is wrapped in a loop of six tries with
+    backoff of up to 32 s (a decorator bound at class creation, not an option), which hides
+    attempts from our policy and made an unreachable endpoint take minutes. The instance gets
+    the undecorated method; and the bucket-layout warning is filtered (:class:`_GcsfsNoise`)."""
+    request = getattr(type(fs)._request, "__wrapped__", None)
+    if request is not None:
+        fs._request = request.__get__(fs, type(fs))
+    logger = logging.getLogger("gcsfs")
+    if _GCSFS_FILTER not in logger.filters:
+        logger.addFilter(_GCSFS_FILTER)
+
+
+def _quiet_azure(fs: Any, timeout: float) -> None:
+    """The Azure SDK retries on its own (3 times, 15 s backoff growing threefold) with a 300 s
+    read timeout, for every call adlfs makes: its client is rebuilt with no retries and our
+    timeouts, from the same account URL and credential adlfs chose."""
+    client = getattr(fs, "service_client", None)
+    if client is None:  # pragma: no cover - an adlfs that connects lazily
+        return
+    kw = {"retry_total": 0, "connection_timeout": timeout, "read_timeout": timeout}
+    if getattr(fs, "connection_string", None):
+        fs.service_client = type(client).from_connection_string(fs.connection_string, **kw)
+    else:
+        fs.service_client = type(client)(client.url, credential=client.credential, **kw)
+
+
+def _zonal_opt_in() -> bool:
+    """gcsfs's default filesystem since 2025 first asks the storage-control API (gRPC) for each
+    bucket's layout, for zonal buckets; against an emulator or a custom endpoint that lookup
+    fails only after gRPC's own retries (minutes), and it is retried on every call. shardkit
+    reads GCS through gcsfs's JSON-API filesystem, which every other bucket uses anyway, unless
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` is set to ``true`` by the user."""
+    return os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "").lower() in ("true", "1")
+
+
+def _missing_driver(protocol: str, exc: ImportError) -> MissingExtraError:
+    store = store_of(protocol)
+    if store is not None:
+        return MissingExtraError(
+            f"{protocol}:// URLs need {store.driver}, which is not installed: "
+            f"pip install 'shardkit[{store.extra}]'"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return MissingExtraError(f"{protocol}:// URLs need a driver fsspec names: {first}")
+
+
+def _build(protocol: str, options: dict, timeout: float) -> fsspec.AbstractFileSystem:
+    """``fsspec.filesystem`` with its failures told in one line: a missing driver names the
+    extra to install, missing Azure credentials the variables and keys that give them."""
+    store = store_of(protocol)
+    try:
+        if protocol in ("gs", "gcs") and not _zonal_opt_in():
+            from gcsfs.core import GCSFileSystem
+
+            fs = GCSFileSystem(skip_instance_cache=True, **options)
+        else:
+            fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    except ImportError as exc:
+        raise _missing_driver(protocol, exc) from None
+    except ValueError as exc:
+        if store is not None and store.extra == "azure" and "connection_string" in str(exc):
+            raise StorageError(
+                f"{protocol}:// needs Azure credentials: set {store.credentials}"
+            ) from None
+        raise
+    if protocol in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
+    elif protocol in ("gs", "gcs"):
+        _quiet_gcsfs(fs)
+    elif protocol in ("az", "abfs", "abfss"):
+        _quiet_azure(fs, timeout)
+    return fs
 
 
 def filesystem(
@@ -117,7 +286,11 @@ def filesystem(
 ) -> fsspec.AbstractFileSystem:
     """This process's filesystem for ``protocol`` with ``storage_options`` over our defaults."""
     global _pid
-    options = _merge(_defaults(protocol, timeout), dict(storage_options or {}))
+    try:
+        defaults = _defaults(protocol, timeout)
+    except ImportError as exc:  # aiohttp, for http and gs
+        raise _missing_driver(protocol, exc) from None
+    options = _merge(defaults, dict(storage_options or {}))
     key = tokenize(protocol, options)
     with _lock:
         if os.getpid() != _pid:  # forked: the parent's instances hold its loop and sockets
@@ -126,9 +299,7 @@ def filesystem(
             _pid = os.getpid()
         fs = _instances.get(key)
         if fs is None:
-            fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-            if protocol in ("s3", "s3a"):
-                fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
+            fs = _build(protocol, options, timeout)
             _instances[key] = fs
         return fs
 

@@ -61,10 +61,14 @@ class _Fs:
         self.remote = remote
         self.storage_options = storage_options
         self.fs = None
-        if remote:
+        if remote and "::" in url:  # a chained URL (simplecache::s3://...): fsspec's own
             import fsspec
 
             self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        elif remote:  # the process's filesystem: timeouts set, the driver's retries off
+            from ..remote.fs import filesystem, protocol_of
+
+            self.fs = filesystem(protocol_of(url), storage_options)
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path) if self.remote else os.path.isdir(path)

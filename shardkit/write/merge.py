@@ -108,7 +108,13 @@ def merge(
     out = os.fspath(out)
     if len(paths) < 2:
         raise InputError("merge needs at least two datasets")
-    for p in [*paths, out]:
+    if is_url(out):
+        raise InputError(
+            f"output {out}: merge joins into a local (or shared) folder, not a URL; merge into "
+            "a local copy of the dataset, then upload its new shards and its manifest.json last "
+            "(docs/remote.md, Growing a dataset in a bucket)"
+        )
+    for p in paths:
         if is_url(p):
             raise InputError(f"{p}: merge joins local (or shared) folders, not URLs")
     _check_distinct(paths)

@@ -38,7 +38,7 @@ from ..fsutil import DirLock, interrupted_commit, recover
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import MANIFEST_NAME, SkippedFile, read_manifest
 from ..scan import SourceScan, check_source_dir, scan_source
-from ..urls import is_url
+from ..urls import is_remote, is_url
 from . import samples as _samples
 from .commit import check_cluster_lock, commit_pack
 from .keys import held_by
@@ -156,15 +156,26 @@ class PackReport:
 
 
 def _already_packed(
-    src: str, out: str, options: dict, progress: bool, append: bool = False, engine=None
+    src: str,
+    out: str,
+    options: dict,
+    progress: bool,
+    append: bool = False,
+    engine=None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
     source's now, and every shard it lists is there at its size), else None.
 
-    Costs a scan and one ``stat`` per file (on ``engine``, as ``plan_pack``'s), no reads.
-    Manifests without a fingerprint (older packs, Python sources, URLs) are never up to date:
-    the caller goes on as before.
+    Costs a scan and one ``stat`` per file (on ``engine``, as ``plan_pack``'s), no reads; for a
+    URL, the manifest's GET and one listing of the prefix instead of the stats. Manifests
+    without a fingerprint (older packs, Python sources) are never up to date: the caller goes
+    on as before.
     """
+    if is_remote(out):
+        if append:
+            return None
+        return _already_packed_url(src, out, options, progress, engine, storage_options)
     if is_url(out) or not (
         os.path.isfile(os.path.join(out, MANIFEST_NAME)) or interrupted_commit(out)
     ):
@@ -194,9 +205,47 @@ def _already_packed(
         scan = scan_source(src, progress=progress, root=options.get("root"), engine=engine)
         if fingerprint(scan, source_stats(scan, engine), options) not in recorded:
             return None
+    return _up_to_date(out, os.path.join(out, MANIFEST_NAME), manifest, scan, started)
+
+
+def _already_packed_url(
+    src: str, out: str, options: dict, progress: bool, engine, storage_options
+) -> PackReport | None:
+    """``_already_packed`` for a URL: the same fingerprint, each shard's size from one listing
+    of the prefix. Anything unreadable (no manifest, no bucket yet) is "not up to date": the
+    pack goes on and meets it there, with its own message."""
+    from ..remote.fs import filesystem, protocol_of, strip
+    from ..remote.upload import join_url
+
+    started = time.perf_counter()
+    try:
+        manifest = read_manifest(out, storage_options=dict(storage_options or {}))
+        recorded = manifest.pack.get(FINGERPRINT_FIELD)
+        if not isinstance(recorded, str):
+            return None
+        fs = filesystem(protocol_of(out), storage_options)
+        prefix = strip(fs, out).rstrip("/")
+        fs.invalidate_cache(prefix)
+        sizes = {
+            e["name"].rstrip("/")[len(prefix) + 1 :]: e.get("size")
+            for e in fs.ls(prefix, detail=True)
+        }
+    except (ShardkitError, OSError):
+        return None
+    except Exception:  # a driver's own error while listing: the pack reports it
+        return None
+    if any(sizes.get(s.path) != s.bytes for s in manifest.shards):
+        return None
+    scan = scan_source(src, progress=progress, root=options.get("root"), engine=engine)
+    if fingerprint(scan, source_stats(scan, engine), options) != recorded:
+        return None
+    return _up_to_date(out, join_url(out, MANIFEST_NAME), manifest, scan, started)
+
+
+def _up_to_date(out: str, manifest_path: str, manifest, scan, started: float) -> PackReport:
     return PackReport(
         out=out,
-        manifest_path=os.path.join(out, MANIFEST_NAME),
+        manifest_path=manifest_path,
         format=manifest.shard_format,
         shards=len(manifest.shards),
         samples=manifest.num_samples,
@@ -349,7 +398,9 @@ def pack(
             _check_append(out, o.overwrite)
         with _session(o.runner):  # a cluster started for the stats serves the tasks
             if not o.overwrite and o.plan_only is None:
-                current = _already_packed(src, out, options, o.progress, o.append, o.runner)
+                current = _already_packed(
+                    src, out, options, o.progress, o.append, o.runner, o.storage_options
+                )
                 if current is not None:
                     return current
             kw = dict(
@@ -480,6 +531,12 @@ def _check_append(out: str, overwrite: bool) -> None:
     if overwrite:
         raise InputError(
             "append=True adds to the dataset in out; overwrite=True replaces it: pick one"
+        )
+    if is_remote(out):
+        raise InputError(
+            f"output {out}: append=True adds to a local (or shared) folder, not a URL; append "
+            "into a local copy of the dataset, then upload its new shards and its manifest.json "
+            "last (docs/remote.md, Growing a dataset in a bucket)"
         )
     if is_url(out):
         raise InputError(f"output {out}: append=True adds to a local (or shared) folder, not a URL")

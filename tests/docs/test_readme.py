@@ -129,10 +129,10 @@ def _demo_layout():
 
 
 @pytest.fixture()
-def scratch(tmp_path, s3, monkeypatch) -> Path:
+def scratch(tmp_path, s3, gcs_server, azure_server, monkeypatch) -> Path:
     """A directory as ``make demo`` leaves it (small data), an env that bounds the bench,
-    points S3 at the loopback server and sets torchrun's variables, and ``shardkit``/``python``
-    on PATH."""
+    points S3, GCS and Azure at the loopback servers (each with the reader's own bucket,
+    ``datasets``) and sets torchrun's variables, and ``shardkit``/``python`` on PATH."""
     from remote_servers import FAKE_KEY, FAKE_SECRET, free_port
 
     from shardkit.synth import make_lfw
@@ -149,6 +149,8 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
         "AWS_ACCESS_KEY_ID": FAKE_KEY,
         "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
+        **gcs_server.env(gcs_server.endpoint),
+        **azure_server.env(azure_server.endpoint),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         # -W error::DeprecationWarning for shardkit's retired keywords, in every command
         "PYTHONWARNINGS": f"error:{RETIRED}:DeprecationWarning",
@@ -182,6 +184,12 @@ def scratch(tmp_path, s3, monkeypatch) -> Path:
             pack(layout.data, out, format=fmt, shard_size=size if i == 0 else "1MB", progress=False)
     with contextlib.suppress(Exception):  # the session's server may have it from another file
         s3.client().create_bucket(Bucket="datasets")  # the reader's own bucket
+    from shardkit.remote.fs import filesystem
+
+    for scheme, server in (("gs", gcs_server), ("az", azure_server)):
+        fs = filesystem(scheme, server.options(server.endpoint))
+        if not fs.exists("datasets"):
+            fs.mkdir("datasets")
     return tmp_path
 
 
