@@ -69,9 +69,10 @@ def repeats(table: StrTable) -> np.ndarray:
     return again
 
 
-def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
+def _table_keys(files: StrTable, exts: StrTable, make=StrTable) -> StrTable:
     """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
-    row held (only the rows whose stem or key another row shares are compared as strings)."""
+    row held (only the rows whose stem or key another row shares are compared as strings).
+    ``make``: what builds a ``StrTable`` from the keys (``scan.pieces.on_disk``: on disk)."""
     n = len(files)
     # Files sharing a stem: two spellings of one stem differ only in their extension, so a
     # stem is shared where rows of one stem hash spell their extensions differently.
@@ -112,15 +113,15 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
             hashed.append(_hash(key))
             yield key
 
-    keys = StrTable(record(natural()))
+    keys = make(record(natural()))
     key_hashes = np.frombuffer(hashed, dtype=np.int64)
     meet = _meeting(key_hashes)
     if not len(meet):
         return keys
-    return _suffixed(files, exts, long, keys, key_hashes, meet)
+    return _suffixed(files, exts, long, keys, key_hashes, meet, make)
 
 
-def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTable:
+def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet, make) -> StrTable:
     """``keys`` with a ~N suffix on each key met again, in row order (``meet``: the rows whose
     key hash another row shares); if a suffixed key could be another row's own key (names
     that end in ~N), the exact sequential rule of ``_assign_keys`` decides."""
@@ -140,29 +141,56 @@ def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTa
     made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
     pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
     if (known[pos] == made).any():
-        return StrTable(_assign_keys(list(files), list(exts)))
-    return StrTable(fixed.get(i, k) for i, k in enumerate(keys))
+        return make(_assign_keys(list(files), list(exts)))
+    return make(fixed.get(i, k) for i, k in enumerate(keys))
 
 
 def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:
     return zip(files, exts, strict=True)
 
 
-def _column_keys(raw: StrTable) -> tuple[StrTable, np.ndarray | None]:
+def _column_keys(raw: StrTable, make=StrTable) -> tuple[StrTable, np.ndarray | None]:
     """Keys from a key column, and which rows repeat an earlier row's key (None: none do).
 
     A repeated key (one table listing a row twice, or two img2dataset runs in one folder) gets
     ``~2``, ``~3``... in row order, the suffix a table's repeated image gets: the pack keeps
-    the first row unless ``allow_duplicates``, and then every key is still distinct."""
-    again = repeats(raw)
+    the first row unless ``allow_duplicates``, and then every key is still distinct.
+    ``make``: as ``_table_keys``'s. Only the rows whose key hash another row's meets are
+    held as str (their keys, and the ~N they get)."""
+    hashes = _hashes(raw, len(raw))
+    meet = _meeting(hashes)
+    again = np.zeros(len(raw), dtype=bool)
+    fixed: dict[int, str] = {}
+    used: set[str] = set()
+    seen: set[str] = set()  # the keys as the table spells them (``repeats``)
+    for i in meet.tolist():
+        key = base = raw[i]
+        again[i] = key in seen
+        seen.add(key)
+        n = 1
+        while key in used:
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        if n > 1:
+            fixed[i] = key
     if not again.any():
         return raw, None
-    keys, used = [], set()
+    known = np.sort(hashes)
+    made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
+    if (known[pos] == made).any():  # a ~N that may be another row's own key: row by row
+        return make(_sequential(raw)), again
+    return make(fixed.get(i, k) for i, k in enumerate(raw)), again
+
+
+def _sequential(raw: StrTable) -> Iterator[str]:
+    """Each key of ``raw``, a repeat of an earlier one given the first free ~N (the rule)."""
+    used: set[str] = set()
     for key in raw:
         base, n = key, 1
         while key in used:
             n += 1
             key = f"{base}~{n}"
         used.add(key)
-        keys.append(key)
-    return StrTable(keys), again
+        yield key

@@ -40,6 +40,8 @@ from ..fsutil import JOB_MARK, STAGING_PREFIX
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import Manifest, ShardEntry, SkippedFile
 from ..scan import SourceScan, check_source_dir, repeats, scan_source
+from ..scan.strings import forget
+from ..urls import is_url
 from .read import (
     FINGERPRINT_FIELD,
     PackWarning,
@@ -273,6 +275,7 @@ class PackPlan:
             inline = inline.take(pos) if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
+            forget(scan.files, scan.keys, scan.exts, scan.inline, scan.labels)
         return ShardTask(
             job=self.job,
             root=os.path.abspath(scan.root),
@@ -352,14 +355,20 @@ def plan_pack(
     a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
     named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
-    a table's scan (``scan.table.scan_tables``), in spans of its rows."""
+    a table's scan (``scan.table.scan_tables``), in spans of its rows, each span's arrays
+    written into OUT and joined there (``scan.pieces``): this process maps the table's
+    columns, it does not hold them."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
         options["root"] = root = os.path.abspath(root)
     if allow_duplicates:  # other packs keep their fingerprints
         options["allow_duplicates"] = True
-    scan = scan_source(src, progress=progress, root=root, engine=engine)
+    work = None
+    if getattr(engine, "map_chunks", None) is not None and not is_url(out):  # a table's pieces
+        os.makedirs(out, exist_ok=True)
+        work = out
+    scan = scan_source(src, progress=progress, root=root, engine=engine, work=work)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
@@ -473,6 +482,7 @@ def _roll(scan: SourceScan, stats: SourceStats, order: np.ndarray, fmt: str, lim
                 starts.append(lo + j)
                 sizer = new()
             sizer.add(k, e, b, extra)
+        forget(scan.keys, scan.exts, scan.inline, sizes)  # columns on disk: a block's pages
     starts.append(len(order))
     return np.array(starts, dtype=np.int64)
 
