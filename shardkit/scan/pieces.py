@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
@@ -30,7 +31,16 @@ import numpy as np
 
 from .strings import StrTable
 
-__all__ = ["Column", "StrColumn", "on_disk", "read_piece", "remove_pieces", "write_piece"]
+__all__ = [
+    "Column",
+    "StrColumn",
+    "on_disk",
+    "pick",
+    "read_piece",
+    "remove_pieces",
+    "take",
+    "write_piece",
+]
 
 #: The columns of a span's piece: a ``TableChunk``'s arrays (string tables as blob + offsets).
 PIECE_TABLES = ("files", "exts", "inline", "keys")
@@ -89,13 +99,16 @@ class Column:
         self.n += len(part)
 
     def array(self) -> np.ndarray:
-        """The column, mapped (the file is unlinked: the map holds it until dropped)."""
+        """The column, mapped (the file is unlinked: the map holds it until dropped), with
+        the file kept open as ``fd`` for reads that do not map it (``take``, ``pick``)."""
         self.f.close()
         shape = (self.n, self.width) if self.width else (self.n,)
         if self.n == 0:
             out = np.zeros(shape, dtype=self.dtype)
         else:
             out = np.memmap(self.path, dtype=self.dtype, mode="r", shape=shape)
+            out.fd = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(out, os.close, out.fd)
         os.unlink(self.path)
         return out
 
@@ -118,6 +131,34 @@ class StrColumn:
         out = StrTable()
         out.blob, out.offsets = self.blob.array(), self.offsets.array()
         return out
+
+
+def take(table: StrTable, rows: np.ndarray) -> StrTable:
+    """``table.take(rows)``; of a column on disk, each row read with ``pread`` (its two offsets,
+    then its bytes), not through the map: a fault maps a whole folio of the page cache in (on
+    ext4, up to megabytes), so scattered rows read through a map would hold the column."""
+    ofd, bfd = getattr(table.offsets, "fd", None), getattr(table.blob, "fd", None)
+    if ofd is None or bfd is None:
+        return table.take(rows)
+    rows = np.asarray(rows, dtype=np.int64).tolist()
+    raw = b"".join([os.pread(ofd, 16, 8 * r) for r in rows])
+    pairs = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)
+    blob = b"".join([os.pread(bfd, b - a, a) for a, b in pairs.tolist()])
+    out = StrTable()
+    out.offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(pairs[:, 1] - pairs[:, 0], out=out.offsets[1:])
+    out.blob = np.frombuffer(blob, dtype=np.uint8) if blob else np.zeros(0, dtype=np.uint8)
+    return out
+
+
+def pick(column: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``column[rows]`` of a one-dimensional column; on disk, read with ``pread`` (``take``)."""
+    fd = getattr(column, "fd", None)
+    if fd is None:
+        return column[rows]
+    size = column.dtype.itemsize
+    raw = b"".join([os.pread(fd, size, size * r) for r in np.asarray(rows).tolist()])
+    return np.frombuffer(raw, dtype=column.dtype).astype(column.dtype.newbyteorder("="))
 
 
 #: Strings encoded into a ``StrColumn`` at a time by ``on_disk``.

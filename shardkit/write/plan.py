@@ -41,6 +41,7 @@ from ..fsutil import JOB_MARK, STAGING_PREFIX
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import Manifest, ShardEntry, SkippedFile
 from ..scan import SourceScan, check_source_dir, repeats, scan_source
+from ..scan.pieces import pick, take
 from ..scan.strings import forget
 from ..urls import is_url
 from .read import (
@@ -255,7 +256,7 @@ class PackPlan:
 
     def _labels(self, rows) -> np.ndarray:
         """The scan's labels (of ``rows``), as the dataset's: -1 ("no label") stays -1."""
-        labels = self.scan.labels if rows is None else self.scan.labels[rows]
+        labels = self.scan.labels if rows is None else pick(self.scan.labels, rows)
         if self.label_map is None:
             return labels
         mapped = np.append(self.label_map, -1)  # index -1 reads the appended -1
@@ -271,12 +272,11 @@ class PackPlan:
             labels = self._labels(None)
         else:
             pos = self.order[a:b]  # a task's own rows, as tables: no str per sample
-            files, keys, exts = (t.take(pos) for t in (scan.files, scan.keys, scan.exts))
+            files, keys, exts = (take(t, pos) for t in (scan.files, scan.keys, scan.exts))
             sidecars = sidecars.take(pos) if len(sidecars) else ()
-            inline = inline.take(pos) if len(inline) else ()
+            inline = take(inline, pos) if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
-            forget(scan.files, scan.keys, scan.exts, scan.inline, scan.labels)
         return ShardTask(
             job=self.job,
             root=os.path.abspath(scan.root),
