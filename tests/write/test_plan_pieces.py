@@ -169,3 +169,29 @@ def test_an_interrupted_plan_in_pieces_leaves_nothing_and_its_rerun_is_the_same(
     quiet(pack, table, out, **kw, runner=Here(plan_chunk=4))
     assert not stale.exists()
     assert _digest(tmp_path / "a") == _digest(out)
+
+
+def test_a_table_planned_in_one_process_past_its_size_says_so_once(tmp_path, monkeypatch):
+    import shardkit.scan.table as table_scan
+
+    table = _paths_table(tmp_path, False)
+    monkeypatch.setattr(table_scan, "TABLE_PLAN_IN_MEMORY", 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loud = plan_pack(str(table), str(tmp_path / "o"), shard_size="2KB", shuffle=True, **_KW)
+    said = [w for w in caught if issubclass(w.category, table_scan.TablePlanWarning)]
+    assert len(said) == 1 and len(loud.order) == 38
+    text = str(said[0].message)
+    assert "38 rows planned in this process" in text and "--engine local" in text
+    assert "\n" not in text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_pack(
+            str(table),
+            str(tmp_path / "o"),
+            shard_size="2KB",
+            shuffle=True,
+            engine=Here(plan_chunk=4),
+            **_KW,
+        )
+    assert not [w for w in caught if issubclass(w.category, table_scan.TablePlanWarning)]
