@@ -40,8 +40,9 @@ from ..formats import get_format
 from ..fsutil import JOB_MARK, STAGING_PREFIX
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import Manifest, ShardEntry, SkippedFile
-from ..scan import SourceScan, check_source_dir, repeats, scan_source
+from ..scan import SourceScan, StrTable, check_source_dir, repeats, scan_source
 from ..scan.pieces import pick, take
+from ..scan.source import inline_fields
 from ..scan.strings import forget
 from ..urls import is_url
 from .read import (
@@ -521,23 +522,31 @@ def _inputs_on_disk(scan: SourceScan, stats: SourceStats, order: np.ndarray, wor
     back in ``order`` with ``pread``: the columns are read in order, a block's pages at a time
     (a map faults whole folios in: random reads through it held the columns), and what is
     held is a block's records. None: a row with more fields than a record holds."""
+    if scan.sidecars.blob.size:  # field files (a folder's): not a table's scan
+        return None
     width = 4 + 2 * RECORD_FIELDS
     f = tempfile.TemporaryFile(dir=work)  # unnamed: gone with this process, however it ends
     n = len(scan.keys)
     ko, eo, sizes = scan.keys.offsets, scan.exts.offsets, stats.files
+    inline = scan.inline if scan.inline.blob.size else None
     for lo in range(0, n, RECORD_BLOCK):
         hi = min(lo + RECORD_BLOCK, n)
         rec = np.zeros((hi - lo, width), dtype="<i8")
         rec[:, 0] = np.diff(ko[lo : hi + 1])
         rec[:, 1] = np.diff(eo[lo : hi + 1])
         rec[:, 2] = np.maximum(sizes[lo:hi, 0], 0)
-        for j, extra in enumerate(_field_sizes(scan, stats, list(range(lo, hi)))):
-            if len(extra) > RECORD_FIELDS:
-                f.close()
-                return None
-            rec[j, 3] = len(extra)
-            for x, (name, value) in enumerate(extra):
-                rec[j, 4 + 2 * x : 6 + 2 * x] = (name, value)
+        if inline is not None:  # as _field_sizes counts a row's fields, the block in order
+            part = inline.span(lo, hi)
+            here = StrTable()
+            here.blob, here.offsets = np.array(part.blob), np.array(part.offsets)
+            extras = []
+            for text in here:
+                pairs = [x for k, v in inline_fields(text).items() for x in (len(k), len(v))]
+                if len(pairs) > 2 * RECORD_FIELDS:
+                    f.close()
+                    return None
+                extras.append([len(pairs) // 2, *pairs] + [0] * (2 * RECORD_FIELDS - len(pairs)))
+            rec[:, 3:] = np.array(extras, dtype=np.int64).reshape(hi - lo, width - 3)
         f.write(memoryview(rec).cast("B"))
         forget(ko, eo, sizes, scan.inline)
     f.flush()

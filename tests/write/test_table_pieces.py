@@ -62,7 +62,8 @@ def _paths_table(tmp, repeated: bool):
         rows += ["img/a.jpg,again,c0", "img/b.jpg,b again,c1", '"img/sub/m3.jpg","q ""x""",c2']
         rows += [f"img/sub/m{k}.jpg,again {k},c1" for k in range(0, 30, 4)]
     table = tmp / "t.csv"
-    table.write_text("image,caption,label\n" + "".join(r + "\n" for r in rows), encoding="utf-8")
+    lines = "".join(f"{r},{'' if i % 4 else i}\n" for i, r in enumerate(rows))  # a json field
+    table.write_text("image,caption,label,extra\n" + lines, encoding="utf-8")
     return table
 
 
