@@ -47,15 +47,38 @@ def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
     return np.fromiter((_hash(s) for s in strings), dtype=np.int64, count=n)
 
 
+#: Buckets (by a hash's top four bits) ``_meeting`` sorts one at a time: its sort's arrays are
+#: a sixteenth of the rows', beside the hashes themselves.
+MEET_BUCKETS = 16
+
+
 def _meeting(hashes: np.ndarray) -> np.ndarray:
     """The rows whose hash some other row shares, in row order: the only rows that may hold
-    a string another row holds (the few others a collision brings are compared exactly)."""
+    a string another row holds (the few others a collision brings are compared exactly).
+    Equal hashes share their top bits, so each bucket of them is sorted alone."""
+    hashes = np.ascontiguousarray(hashes, dtype=np.int64)
+    if len(hashes) < MEET_BUCKETS << 12:
+        return _meeting_in(hashes, np.arange(len(hashes)))
+    top = hashes.view(np.uint8)[7 :: 8] if _LITTLE else hashes.view(np.uint8)[::8]
+    bucket = top >> 4  # one byte a row
+    found = []
+    for b in range(MEET_BUCKETS):
+        rows = np.flatnonzero(bucket == b)
+        found.append(_meeting_in(hashes[rows], rows))
+    return np.sort(np.concatenate(found))
+
+
+_LITTLE = np.little_endian
+
+
+def _meeting_in(hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``_meeting`` of ``hashes``, the hashes of ``rows``: those of ``rows`` that meet."""
     order = np.argsort(hashes, kind="stable")
     same = hashes[order[1:]] == hashes[order[:-1]]
     mark = np.zeros(len(hashes), dtype=bool)
     mark[1:] |= same
     mark[:-1] |= same
-    return np.sort(order[mark])
+    return np.sort(rows[order[mark]])
 
 
 def repeats(table: StrTable) -> np.ndarray:
