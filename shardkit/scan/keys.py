@@ -56,15 +56,21 @@ def _meeting(hashes: np.ndarray) -> np.ndarray:
     """The rows whose hash some other row shares, in row order: the only rows that may hold
     a string another row holds (the few others a collision brings are compared exactly).
     Equal hashes share their top bits, so each bucket of them is sorted alone."""
+    return _by_bucket(hashes, _meeting_in)
+
+
+def _by_bucket(hashes: np.ndarray, find) -> np.ndarray:
+    """``find(hashes of rows, rows)`` (rows found among them, sorted) over the buckets of the
+    hashes' top four bits, joined in row order: rows of equal hashes share a bucket."""
     hashes = np.ascontiguousarray(hashes, dtype=np.int64)
     if len(hashes) < MEET_BUCKETS << 12:
-        return _meeting_in(hashes, np.arange(len(hashes)))
-    top = hashes.view(np.uint8)[7 :: 8] if _LITTLE else hashes.view(np.uint8)[::8]
+        return find(hashes, np.arange(len(hashes)))
+    top = hashes.view(np.uint8)[7::8] if _LITTLE else hashes.view(np.uint8)[::8]
     bucket = top >> 4  # one byte a row
     found = []
     for b in range(MEET_BUCKETS):
         rows = np.flatnonzero(bucket == b)
-        found.append(_meeting_in(hashes[rows], rows))
+        found.append(find(hashes[rows], rows))
     return np.sort(np.concatenate(found))
 
 
@@ -92,11 +98,24 @@ def repeats(table: StrTable) -> np.ndarray:
     return again
 
 
+def _mixed(hashes: np.ndarray, spelling: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Those of ``rows`` whose stem hash (``hashes``) rows of other spellings share."""
+    if not len(rows):
+        return rows
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    starts = np.ones(len(rows), dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    runs = np.flatnonzero(starts)
+    by_run = spelling[order]
+    mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
+    return np.sort(rows[order[mixed[np.cumsum(starts) - 1]]])
+
+
 def _table_keys(files: StrTable, exts: StrTable, make=StrTable) -> StrTable:
     """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
     row held (only the rows whose stem or key another row shares are compared as strings).
     ``make``: what builds a ``StrTable`` from the keys (``scan.pieces.on_disk``: on disk)."""
-    n = len(files)
     # Files sharing a stem: two spellings of one stem differ only in their extension, so a
     # stem is shared where rows of one stem hash spell their extensions differently.
     spelled: dict[str, int] = {}
@@ -108,15 +127,9 @@ def _table_keys(files: StrTable, exts: StrTable, make=StrTable) -> StrTable:
     spelling = np.frombuffer(spelling, dtype=np.int32)
     shared = np.zeros(0, dtype=np.int64)
     if len(spelled) > 1:
-        order = np.argsort(stem_hashes, kind="stable")
-        ordered = stem_hashes[order]
-        starts = np.ones(n, dtype=bool)
-        starts[1:] = ordered[1:] != ordered[:-1]
-        runs = np.flatnonzero(starts)
-        by_run = spelling[order]
-        mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
-        shared = np.sort(order[mixed[np.cumsum(starts) - 1]])
-        del order, ordered, starts, by_run
+        sp = spelling
+        shared = _by_bucket(stem_hashes, lambda h, rows: _mixed(h, sp[rows], rows))
+        del sp
     del stem_hashes, spelling
     by_stem: dict[str, set[str]] = {}
     for i in shared.tolist():

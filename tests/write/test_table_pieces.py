@@ -225,3 +225,26 @@ def test_the_rows_whose_hashes_meet_are_found_a_bucket_at_a_time():
         tracemalloc.stop()
     assert np.array_equal(got, want)
     assert peak / n < 8, peak / n  # bytes a row beside the hashes; one sort of all: ~26
+
+
+def test_the_key_rule_by_buckets_is_the_rule_on_lists(monkeypatch):
+    """Past its size the key rule finds shared stems and meeting keys a bucket at a time: the
+    same keys as the rule on lists (stems of two spellings, names ending in ~2, repeats)."""
+    from shardkit.scan import StrTable
+    from shardkit.scan import keys as scan_keys
+
+    monkeypatch.setattr(scan_keys, "MEET_BUCKETS", 2)  # buckets from 8,192 rows
+    names = []
+    for k in range(3000):
+        names.append(f"d{k % 7}/x{k}.jpg")
+        if k % 5 == 0:
+            names.append(f"d{k % 7}/x{k}.png")  # a stem of two spellings
+        if k % 11 == 0:
+            names.append(f"d{k % 7}/x{k}~2.jpg")  # a name a repeat's ~2 would take
+        if k % 13 == 0:
+            names.append(f"d{k % 7}/x{k}.jpg")  # a row naming an image again
+    names += [f"e/{k}.JPG" for k in range(6000)]
+    assert len(names) > 8192
+    exts = [n.rsplit(".", 1)[1].lower() for n in names]
+    keys = scan_keys._table_keys(StrTable(names), StrTable(exts))
+    assert list(keys) == scan_keys._assign_keys(names, exts)
