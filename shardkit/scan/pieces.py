@@ -181,14 +181,14 @@ def on_disk(folder: str, name: str):
     return make
 
 
-def joined_columns(folder: str, pieces: Sequence[str], rank: np.ndarray):
+def joined_columns(folder: str, pieces: Sequence[str], ranks: Sequence[np.ndarray]):
     """``(files, exts, inline, keys, labels, stats)`` of the spans' pieces (their folders, in
-    table order) joined on disk under ``folder``; ``rank[i]``: the whole table's label of each
-    piece's label number (``ranks``: one array per piece, its codes' labels, -1 last)."""
+    table order) joined on disk under ``folder``; ``ranks``: per piece, the whole table's label
+    of each of its label numbers (-1 last, which a row without a label's code -1 reads)."""
     tables = {name: StrColumn(os.path.join(folder, name)) for name in PIECE_TABLES}
     labels = Column(os.path.join(folder, "labels"), "<i8")
     stats = Column(os.path.join(folder, "stats"), "<i8", 2)
-    for dest, local in zip(pieces, rank, strict=True):
+    for dest, local in zip(pieces, ranks, strict=True):
         for name, col in tables.items():
             col.add(read_piece(dest, name))
         labels.add(local[read_piece(dest, "codes")])
