@@ -4,7 +4,9 @@ construction (a class-per-folder tree, a table, or img2dataset's output folder).
 The modules, in the order a scan runs: ``folder.py`` (``scan_source``, the one entry, and the
 folder walk: which files are samples, their fields), ``table.py`` (tables as a source: CSV, TSV,
 JSONL, Parquet, and img2dataset's layout, scanned in spans on an engine), ``spans.py`` (a
-table cut into spans of rows that any process reads alone), ``members.py`` (images inside a
+table cut into spans of rows that any process reads alone), ``pieces.py`` (the spans' arrays
+written where they were scanned and joined on disk, an engine's driver mapping the columns),
+``members.py`` (images inside a
 tar, read in place), ``keys.py`` (a sample's key from its path; repeats found from hashes),
 ``source.py`` (the ``SourceScan`` record both users read) and ``strings.py`` (``StrTable``:
 per-sample strings as numpy arrays, fork-friendly).

@@ -50,7 +50,7 @@ _NAME = attrgetter("name")
 
 
 def scan_source(
-    src: str, progress: bool = False, root: str | None = None, engine=None
+    src: str, progress: bool = False, root: str | None = None, engine=None, work=None
 ) -> SourceScan:
     """List the images of a class-per-folder tree (or of a table: see ``scan_table``).
 
@@ -59,16 +59,17 @@ def scan_source(
     are ignored. Directory symlinks are followed once: a directory met again (a loop, or two links
     to one folder) is listed as ignored, so the walk always ends. ``progress``: per class folder
     (listing 1.28M files takes a while on a network disk). ``engine``: a runner whose
-    ``map_chunks`` scans a table's rows in spans on its workers (``scan_tables``).
+    ``map_chunks`` scans a table's rows in spans on its workers (``scan_tables``), into
+    pieces under the folder ``work`` (OUT) where given.
     """
     from ..progress import Progress
 
     check_source_dir(src)
     if is_table(src):
-        return scan_table(src, root, engine=engine)
+        return scan_table(src, root, engine=engine, work=work)
     tables = img2dataset_tables(src) if root is None else []
     if tables:  # img2dataset's output: its tables, their images in the tars (or folders) beside
-        return scan_tables(tables, src, src, engine=engine)
+        return scan_tables(tables, src, src, engine=engine, work=work)
     if root is not None:
         raise InputError(f"root={root!r} is for a table source; {src!r} is a folder")
     root = os.path.abspath(src)

@@ -47,15 +47,44 @@ def _hashes(strings: Iterable[str], n: int) -> np.ndarray:
     return np.fromiter((_hash(s) for s in strings), dtype=np.int64, count=n)
 
 
+#: Buckets (by a hash's top four bits) ``_meeting`` sorts one at a time: its sort's arrays are
+#: a sixteenth of the rows', beside the hashes themselves.
+MEET_BUCKETS = 16
+
+
 def _meeting(hashes: np.ndarray) -> np.ndarray:
     """The rows whose hash some other row shares, in row order: the only rows that may hold
-    a string another row holds (the few others a collision brings are compared exactly)."""
+    a string another row holds (the few others a collision brings are compared exactly).
+    Equal hashes share their top bits, so each bucket of them is sorted alone."""
+    return _by_bucket(hashes, _meeting_in)
+
+
+def _by_bucket(hashes: np.ndarray, find) -> np.ndarray:
+    """``find(hashes of rows, rows)`` (rows found among them, sorted) over the buckets of the
+    hashes' top four bits, joined in row order: rows of equal hashes share a bucket."""
+    hashes = np.ascontiguousarray(hashes, dtype=np.int64)
+    if len(hashes) < MEET_BUCKETS << 12:
+        return find(hashes, np.arange(len(hashes)))
+    top = hashes.view(np.uint8)[7::8] if _LITTLE else hashes.view(np.uint8)[::8]
+    bucket = top >> 4  # one byte a row
+    found = []
+    for b in range(MEET_BUCKETS):
+        rows = np.flatnonzero(bucket == b)
+        found.append(find(hashes[rows], rows))
+    return np.sort(np.concatenate(found))
+
+
+_LITTLE = np.little_endian
+
+
+def _meeting_in(hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``_meeting`` of ``hashes``, the hashes of ``rows``: those of ``rows`` that meet."""
     order = np.argsort(hashes, kind="stable")
     same = hashes[order[1:]] == hashes[order[:-1]]
     mark = np.zeros(len(hashes), dtype=bool)
     mark[1:] |= same
     mark[:-1] |= same
-    return np.sort(order[mark])
+    return np.sort(rows[order[mark]])
 
 
 def repeats(table: StrTable) -> np.ndarray:
@@ -69,10 +98,24 @@ def repeats(table: StrTable) -> np.ndarray:
     return again
 
 
-def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
+def _mixed(hashes: np.ndarray, spelling: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Those of ``rows`` whose stem hash (``hashes``) rows of other spellings share."""
+    if not len(rows):
+        return rows
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    starts = np.ones(len(rows), dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    runs = np.flatnonzero(starts)
+    by_run = spelling[order]
+    mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
+    return np.sort(rows[order[mixed[np.cumsum(starts) - 1]]])
+
+
+def _table_keys(files: StrTable, exts: StrTable, make=StrTable) -> StrTable:
     """``_assign_keys`` of a table's rows, from hashes: the same keys without a Python str per
-    row held (only the rows whose stem or key another row shares are compared as strings)."""
-    n = len(files)
+    row held (only the rows whose stem or key another row shares are compared as strings).
+    ``make``: what builds a ``StrTable`` from the keys (``scan.pieces.on_disk``: on disk)."""
     # Files sharing a stem: two spellings of one stem differ only in their extension, so a
     # stem is shared where rows of one stem hash spell their extensions differently.
     spelled: dict[str, int] = {}
@@ -84,15 +127,9 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
     spelling = np.frombuffer(spelling, dtype=np.int32)
     shared = np.zeros(0, dtype=np.int64)
     if len(spelled) > 1:
-        order = np.argsort(stem_hashes, kind="stable")
-        ordered = stem_hashes[order]
-        starts = np.ones(n, dtype=bool)
-        starts[1:] = ordered[1:] != ordered[:-1]
-        runs = np.flatnonzero(starts)
-        by_run = spelling[order]
-        mixed = np.minimum.reduceat(by_run, runs) != np.maximum.reduceat(by_run, runs)
-        shared = np.sort(order[mixed[np.cumsum(starts) - 1]])
-        del order, ordered, starts, by_run
+        sp = spelling
+        shared = _by_bucket(stem_hashes, lambda h, rows: _mixed(h, sp[rows], rows))
+        del sp
     del stem_hashes, spelling
     by_stem: dict[str, set[str]] = {}
     for i in shared.tolist():
@@ -112,15 +149,15 @@ def _table_keys(files: StrTable, exts: StrTable) -> StrTable:
             hashed.append(_hash(key))
             yield key
 
-    keys = StrTable(record(natural()))
+    keys = make(record(natural()))
     key_hashes = np.frombuffer(hashed, dtype=np.int64)
     meet = _meeting(key_hashes)
     if not len(meet):
         return keys
-    return _suffixed(files, exts, long, keys, key_hashes, meet)
+    return _suffixed(files, exts, long, keys, key_hashes, meet, make)
 
 
-def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTable:
+def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet, make) -> StrTable:
     """``keys`` with a ~N suffix on each key met again, in row order (``meet``: the rows whose
     key hash another row shares); if a suffixed key could be another row's own key (names
     that end in ~N), the exact sequential rule of ``_assign_keys`` decides."""
@@ -140,29 +177,56 @@ def _suffixed(files, exts, long: set, keys: StrTable, key_hashes, meet) -> StrTa
     made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
     pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
     if (known[pos] == made).any():
-        return StrTable(_assign_keys(list(files), list(exts)))
-    return StrTable(fixed.get(i, k) for i, k in enumerate(keys))
+        return make(_assign_keys(list(files), list(exts)))
+    return make(fixed.get(i, k) for i, k in enumerate(keys))
 
 
 def _pairs(files: StrTable, exts: StrTable) -> Iterator[tuple[str, str]]:
     return zip(files, exts, strict=True)
 
 
-def _column_keys(raw: StrTable) -> tuple[StrTable, np.ndarray | None]:
+def _column_keys(raw: StrTable, make=StrTable) -> tuple[StrTable, np.ndarray | None]:
     """Keys from a key column, and which rows repeat an earlier row's key (None: none do).
 
     A repeated key (one table listing a row twice, or two img2dataset runs in one folder) gets
     ``~2``, ``~3``... in row order, the suffix a table's repeated image gets: the pack keeps
-    the first row unless ``allow_duplicates``, and then every key is still distinct."""
-    again = repeats(raw)
+    the first row unless ``allow_duplicates``, and then every key is still distinct.
+    ``make``: as ``_table_keys``'s. Only the rows whose key hash another row's meets are
+    held as str (their keys, and the ~N they get)."""
+    hashes = _hashes(raw, len(raw))
+    meet = _meeting(hashes)
+    again = np.zeros(len(raw), dtype=bool)
+    fixed: dict[int, str] = {}
+    used: set[str] = set()
+    seen: set[str] = set()  # the keys as the table spells them (``repeats``)
+    for i in meet.tolist():
+        key = base = raw[i]
+        again[i] = key in seen
+        seen.add(key)
+        n = 1
+        while key in used:
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        if n > 1:
+            fixed[i] = key
     if not again.any():
         return raw, None
-    keys, used = [], set()
+    known = np.sort(hashes)
+    made = np.array([_hash(k) for k in fixed.values()], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, made), len(known) - 1)
+    if (known[pos] == made).any():  # a ~N that may be another row's own key: row by row
+        return make(_sequential(raw)), again
+    return make(fixed.get(i, k) for i, k in enumerate(raw)), again
+
+
+def _sequential(raw: StrTable) -> Iterator[str]:
+    """Each key of ``raw``, a repeat of an earlier one given the first free ~N (the rule)."""
+    used: set[str] = set()
     for key in raw:
         base, n = key, 1
         while key in used:
             n += 1
             key = f"{base}~{n}"
         used.add(key)
-        keys.append(key)
-    return StrTable(keys), again
+        yield key

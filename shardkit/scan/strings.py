@@ -5,12 +5,13 @@ page they touch through refcount writes.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 import numpy as np
 
-__all__ = ["StrTable"]
+__all__ = ["StrTable", "forget"]
 
 #: Rows ``StrTable.take`` gathers at a time (its int64 byte indexes are of one block, not all).
 TAKE_BLOCK = 1 << 12
@@ -88,6 +89,7 @@ class StrTable(Sequence[str]):
             cuts = offsets[a : a + step + 1]
             raw = self.blob[cuts[0] : cuts[-1]].tobytes()
             cuts = (cuts - cuts[0]).tolist()
+            forget(self)  # a table on disk: one block's pages held, not the column's
             for x, y in zip(cuts[:-1], cuts[1:], strict=True):
                 yield raw[x:y].decode("utf-8", "surrogateescape")
 
@@ -104,6 +106,21 @@ class StrTable(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"StrTable({len(self)} strings, {self.blob.nbytes} bytes)"
+
+
+def forget(*columns) -> None:
+    """Drop from this process's resident memory the pages it touched of ``columns`` (arrays or
+    ``StrTable``s) that are memory-mapped files (``scan.pieces``: a table's columns kept on
+    disk); the kernel's page cache keeps them, so a later read costs no disk. A pass over a
+    column on disk then holds a block's pages, not the column; arrays in memory are left."""
+    for c in columns:
+        for a in (c.blob, c.offsets) if isinstance(c, StrTable) else (c,):
+            m = getattr(a, "_mmap", None)  # np.memmap and its slices
+            if m is not None and hasattr(m, "madvise"):
+                try:
+                    m.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):  # closed, or a kernel without it: only memory
+                    pass
 
 
 class _Growing:

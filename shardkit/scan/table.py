@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,9 +15,11 @@ import numpy as np
 
 from ..errors import InputError
 from ..formats import encode_key
+from ..fsutil import staging_name
 from ..manifest import SkippedFile
 from .keys import _column_keys, _table_keys
 from .members import image_stat, member_of, member_path, tar_members
+from .pieces import joined_columns, on_disk, remove_pieces, write_piece
 from .source import LIST_NON_IMAGES, SourceScan, _image_ext
 from .spans import TableSpan, cut_table, span_rows, whole_table
 from .strings import StrTable, _Growing
@@ -69,6 +72,8 @@ class TableChunk:
     #: Whether the table's rows are keyed (img2dataset's); None: the span saw no first row.
     keyed: bool | None = None
     error: InputError | None = None
+    #: The folder its arrays were written to (``scan_span_to``; "": they are in this object).
+    piece: str = ""
 
 
 class _TableRows:
@@ -181,6 +186,25 @@ def scan_span(
     return rows.chunk(scan, None if cols is None else cols.keyed is not None)
 
 
+def scan_span_to(
+    span: TableSpan,
+    cols: _Columns | None,
+    base: str,
+    real_base: str,
+    name: str,
+    folder: str,
+    dest: str,
+) -> TableChunk:
+    """``scan_span``, its arrays written into the folder ``dest`` (``pieces.write_piece``, no
+    pickle): what comes back to the driver is the span's small lists and counts, never its
+    rows. Run twice, it writes the same files (a retried span is harmless)."""
+    chunk = scan_span(span, cols, base, real_base, name, folder)
+    if chunk.error is None:
+        write_piece(chunk, dest)
+        chunk.piece = dest
+    return chunk
+
+
 def _columns_of(path: str, row: dict, base: str, folder: str) -> _Columns:
     cols = _Columns.of(path, row, base)
     if folder and cols.keyed is None:
@@ -192,13 +216,26 @@ def _columns_of(path: str, row: dict, base: str, folder: str) -> _Columns:
     return cols
 
 
-def scan_table(path: str, root: str | None = None, engine=None) -> SourceScan:
+def scan_table(path: str, root: str | None = None, engine=None, work=None) -> SourceScan:
     """``scan_tables`` of one table (see there)."""
-    return scan_tables([path], root, engine=engine)
+    return scan_tables([path], root, engine=engine, work=work)
+
+
+#: Rows of a table that a pack without an engine plans in one process (its columns in memory,
+#: ~300 bytes a row); past it the pack says once that an engine plans it in pieces.
+TABLE_PLAN_IN_MEMORY = 2_000_000
+
+
+class TablePlanWarning(UserWarning):
+    """A table planned in one process past ``TABLE_PLAN_IN_MEMORY`` rows."""
 
 
 def scan_tables(
-    paths: Sequence[str], root: str | None = None, folder: str = "", engine=None
+    paths: Sequence[str],
+    root: str | None = None,
+    folder: str = "",
+    engine=None,
+    work: str | None = None,
 ) -> SourceScan:
     """List the samples of a table: one row each, in row order.
 
@@ -216,6 +253,13 @@ def scan_tables(
     fields and labels), each returning arrays (``TableChunk``); this process reads each table
     once to cut it (``spans.cut_table``) and joins the arrays. Either way the same scan: where
     several rows are refused, the first in table order wins, whichever span meets it.
+
+    ``work`` (a folder every worker sees, OUT): with an engine, each span's arrays are written
+    there by the worker that scanned it (``scan_span_to``) and joined on disk
+    (``scan.pieces``), the scan's columns memory-mapped files: this process holds no column of
+    every row, and its passes over them hold a block's pages at a time. The same arrays, so
+    the same keys, plan and fingerprint. Without an engine, a table is joined in memory (one
+    warning past ``TABLE_PLAN_IN_MEMORY`` rows).
 
     Several tables (``paths``, of an img2dataset output ``folder``: ``img2dataset_tables``)
     are read as one, in the order given, each row's key being img2dataset's own (``KEY_COLUMN``).
@@ -235,17 +279,49 @@ def scan_tables(
                 break
     else:
         per = int(getattr(engine, "plan_chunk", TABLE_CHUNK))
-        calls = [
-            (s, cols, base, real_base, name, folder) for s, cols in _cut(paths, per, base, folder)
-        ]
+        cut = _cut(paths, per, base, folder)
+        if work is not None:
+            return _scan_in_pieces(cut, base, real_base, name, folder, mapper, work)
+        calls = [(s, cols, base, real_base, name, folder) for s, cols in cut]
         chunks = mapper(scan_span, calls) if calls else []
+    scan = _joined(_checked(chunks), base, name)
+    if mapper is None and len(scan.files) > TABLE_PLAN_IN_MEMORY:
+        warnings.warn(
+            f"table {name!r}: {len(scan.files)} rows planned in this process, their columns "
+            f"in memory (past {TABLE_PLAN_IN_MEMORY}); an engine (--engine local) plans it "
+            "in pieces on disk",
+            TablePlanWarning,
+            stacklevel=2,
+        )
+    return _nonempty(scan, name)
+
+
+def _checked(chunks: list[TableChunk]) -> list[TableChunk]:
     for c in chunks:  # the first refused row in table order
         if c.error is not None:
             raise c.error
-    scan = _joined(chunks, base, name)
+    return chunks
+
+
+def _nonempty(scan: SourceScan, name: str) -> SourceScan:
     if not len(scan.files) and not scan.errors:
         raise InputError(f"table {name!r} has no rows")
     return scan
+
+
+def _scan_in_pieces(cut, base, real_base, name, folder, mapper, work: str) -> SourceScan:
+    """The spans scanned on the engine into a pieces folder under ``work``, joined on disk."""
+    pieces = os.path.join(os.path.abspath(work), staging_name())
+    calls = [
+        (s, cols, base, real_base, name, folder, os.path.join(pieces, f"{i:06d}"))
+        for i, (s, cols) in enumerate(cut)
+    ]
+    try:
+        os.makedirs(pieces)
+        chunks = _checked(mapper(scan_span_to, calls) if calls else [])
+        return _nonempty(_joined(chunks, base, name, pieces), name)
+    finally:
+        remove_pieces(pieces)  # the columns are mapped; their files are unlinked already
 
 
 def _cut(paths: Sequence[str], per: int, base: str, folder: str) -> list[tuple]:
@@ -271,9 +347,12 @@ def _cut(paths: Sequence[str], per: int, base: str, folder: str) -> list[tuple]:
     return out
 
 
-def _joined(chunks: list[TableChunk], base: str, name: str) -> SourceScan:
+def _joined(
+    chunks: list[TableChunk], base: str, name: str, pieces: str | None = None
+) -> SourceScan:
     """One ``SourceScan`` of the spans' chunks, in order: each chunk's arrays copied into the
-    whole table's and dropped as they go (a chunk's beside the whole, not every chunk twice)."""
+    whole table's and dropped as they go (a chunk's beside the whole, not every chunk twice).
+    ``pieces``: the chunks' arrays are in their ``piece`` folders, joined there on disk."""
     scan = SourceScan(root=base, classes=[], from_table=True)
     names, unlabelled = _lists(chunks, scan)
     if names and unlabelled is not None:
@@ -285,6 +364,8 @@ def _joined(chunks: list[TableChunk], base: str, name: str) -> SourceScan:
     rank[-1] = -1  # code -1 (no label) reads the last entry
     for label, cls in enumerate(scan.classes):
         rank[names[cls]] = label
+    if pieces is not None:
+        return _joined_on_disk(scan, chunks, names, rank, pieces)
     n = sum(c.rows for c in chunks)
     scan.labels = np.empty(n, dtype=np.int64)
     one = len(chunks) == 1  # a table scanned here: its arrays are the whole's
@@ -309,6 +390,23 @@ def _joined(chunks: list[TableChunk], base: str, name: str) -> SourceScan:
         scan.keys, scan.again = _column_keys(tables["keys"].table)
     else:
         scan.keys = _table_keys(scan.files, scan.exts)
+    return scan
+
+
+def _joined_on_disk(scan: SourceScan, chunks, names, rank, pieces: str) -> SourceScan:
+    """``_joined``'s columns built on disk from the chunks' pieces (``pieces.joined_columns``)
+    and the keys made there too: the same arrays, memory-mapped."""
+    ranks = [rank[np.array([names[x] for x in c.names] + [-1], dtype=np.int64)] for c in chunks]
+    files, exts, inline, keys, labels, stats = joined_columns(
+        pieces, [c.piece for c in chunks], ranks
+    )
+    scan.files, scan.exts, scan.inline, scan.labels, scan.stats = files, exts, inline, labels, stats
+    scan.field_counts = dict(sorted(scan.field_counts.items()))
+    make = on_disk(pieces, "keys")
+    if scan.keyed:
+        scan.keys, scan.again = _column_keys(keys, make)
+    else:
+        scan.keys = _table_keys(scan.files, scan.exts, make)
     return scan
 
 

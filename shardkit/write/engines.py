@@ -41,6 +41,9 @@ PLAN_CHUNK = 1 << 16
 
 T = TypeVar("T")
 
+#: Items (tasks, planning chunks) submitted to the pool at a time, per process.
+IN_FLIGHT = 2
+
 
 def die_with_parent(parent: int) -> None:
     """A pool worker's initializer: the kernel kills it when its driver dies (Linux's
@@ -73,7 +76,8 @@ class LocalRunner:
 
     A task that raises a ``RETRYABLE`` error is run again, up to ``retries`` times; a worker
     that dies (killed, out of memory, ``os._exit``) breaks the pool, which is started again and
-    every unfinished task resubmitted (each such task counts an attempt). Workers die with this
+    every unfinished task resubmitted (each task then in flight counts an attempt); at most
+    ``IN_FLIGHT`` tasks a process are in flight, each made as it is submitted. Workers die with this
     process (``die_with_parent``), and hold no lock on OUT. ``fn`` is what runs a task
     (``run_task``; tests wrap it to inject faults). ``map_chunks`` runs the plan's per-file
     ``stat`` calls on the same pool, ``plan_chunk`` files a call.
@@ -119,13 +123,26 @@ class LocalRunner:
         return [results[i] for i in range(len(items))]
 
     def _drain(self, pool, fn, items, extra, todo, attempts, results) -> None:
-        """Run ``todo`` on ``pool`` until each is done; returns early when the pool breaks."""
+        """Run ``todo`` on ``pool`` until each is done; returns early when the pool breaks.
+        At most ``IN_FLIGHT`` items a process are submitted at a time: an item (a task and its
+        rows) is made as it is submitted, so the driver holds the tasks in flight, not every
+        task's rows (the pool keeps each submitted item until its result is back)."""
 
         def submit(i: int) -> Future:
             args = items[i] if extra is None else (items[i], *extra)
             return pool.submit(fn, *args)
 
-        running: dict[Future, int] = {submit(i): i for i in todo}
+        waiting = iter(todo)
+        running: dict[Future, int] = {}
+
+        def fill() -> None:
+            while len(running) < IN_FLIGHT * self.processes:
+                i = next(waiting, None)
+                if i is None:
+                    return
+                running[submit(i)] = i
+
+        fill()
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in done:
@@ -139,6 +156,7 @@ class LocalRunner:
                 except RETRYABLE as exc:
                     self._count(i, items, attempts, exc)
                     running[submit(i)] = i
+            fill()
 
     def _count(self, i: int, items, attempts: list[int], exc: BaseException) -> None:
         attempts[i] += 1

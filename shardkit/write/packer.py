@@ -202,7 +202,9 @@ def _already_packed(
             stat_pair(os.path.join(out, s.path))[0] != s.bytes for s in manifest.shards
         ):
             return None
-        scan = scan_source(src, progress=progress, root=options.get("root"), engine=engine)
+        scan = scan_source(
+            src, progress=progress, root=options.get("root"), engine=engine, work=out
+        )
         if fingerprint(scan, source_stats(scan, engine), options) not in recorded:
             return None
     return _up_to_date(out, os.path.join(out, MANIFEST_NAME), manifest, scan, started)

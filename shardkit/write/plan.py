@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,11 @@ from ..formats import get_format
 from ..fsutil import JOB_MARK, STAGING_PREFIX
 from ..images.decode import RESIZE_QUALITY
 from ..manifest import Manifest, ShardEntry, SkippedFile
-from ..scan import SourceScan, check_source_dir, repeats, scan_source
+from ..scan import SourceScan, StrTable, check_source_dir, repeats, scan_source
+from ..scan.pieces import pick, take
+from ..scan.source import inline_fields
+from ..scan.strings import forget
+from ..urls import is_url
 from .read import (
     FINGERPRINT_FIELD,
     PackWarning,
@@ -252,7 +257,7 @@ class PackPlan:
 
     def _labels(self, rows) -> np.ndarray:
         """The scan's labels (of ``rows``), as the dataset's: -1 ("no label") stays -1."""
-        labels = self.scan.labels if rows is None else self.scan.labels[rows]
+        labels = self.scan.labels if rows is None else pick(self.scan.labels, rows)
         if self.label_map is None:
             return labels
         mapped = np.append(self.label_map, -1)  # index -1 reads the appended -1
@@ -268,9 +273,9 @@ class PackPlan:
             labels = self._labels(None)
         else:
             pos = self.order[a:b]  # a task's own rows, as tables: no str per sample
-            files, keys, exts = (t.take(pos) for t in (scan.files, scan.keys, scan.exts))
+            files, keys, exts = (take(t, pos) for t in (scan.files, scan.keys, scan.exts))
             sidecars = sidecars.take(pos) if len(sidecars) else ()
-            inline = inline.take(pos) if len(inline) else ()
+            inline = take(inline, pos) if len(inline) else ()
             labels = self._labels(self.order[a:b])
             order = np.arange(b - a)
         return ShardTask(
@@ -352,14 +357,20 @@ def plan_pack(
     a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
     named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
-    a table's scan (``scan.table.scan_tables``), in spans of its rows."""
+    a table's scan (``scan.table.scan_tables``), in spans of its rows, each span's arrays
+    written into OUT and joined there (``scan.pieces``): this process maps the table's
+    columns, it does not hold them."""
     check_source_dir(src)
     options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
     if root is not None:  # a table's; folder packs keep their fingerprints
         options["root"] = root = os.path.abspath(root)
     if allow_duplicates:  # other packs keep their fingerprints
         options["allow_duplicates"] = True
-    scan = scan_source(src, progress=progress, root=root, engine=engine)
+    work = None
+    if getattr(engine, "map_chunks", None) is not None and not is_url(out):  # a table's pieces
+        os.makedirs(out, exist_ok=True)
+        work = out
+    scan = scan_source(src, progress=progress, root=root, engine=engine, work=work)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
@@ -392,7 +403,7 @@ def plan_pack(
         repeated, already, dropped = _duplicates(src, scan, existing)
     if dropped is not None:
         order = order[~dropped[order]]
-    starts = _roll(scan, stats, order, options["format"], options["shard_size"])
+    starts = _roll(scan, stats, order, options["format"], options["shard_size"], work)
     fp = fingerprint(scan, stats, options)
     scan.stats = stats = None  # rolled and fingerprinted: 16 bytes a row not held for the tasks
     info = {
@@ -443,22 +454,36 @@ def _duplicates(src: str, scan: SourceScan, existing):
 
 #: Samples the planner handles at a time (their sizes as Python ints, their fields' sizes).
 PLAN_BLOCK = 1 << 16
+#: Fields a row's roll record holds (a table row has at most two: ``txt`` and ``json``).
+RECORD_FIELDS = 2
+#: Rows a scan on disk is rolled at a time (``_inputs_on_disk``): its Python objects are the
+#: plan's working set, whatever the table's length.
+RECORD_BLOCK = 1 << 12
 
 
-def _roll(scan: SourceScan, stats: SourceStats, order: np.ndarray, fmt: str, limit: int):
+def _roll(
+    scan: SourceScan,
+    stats: SourceStats,
+    order: np.ndarray,
+    fmt: str,
+    limit: int,
+    work: str | None = None,
+):
     """Shard starts in ``order``: a shard closes when the next sample would pass ``limit``
     (a sample bigger than ``limit`` gets a shard of its own), as ``ShardWriter`` rolls; fields
     count with their names and sizes (``stats.fields``). ``PLAN_BLOCK`` samples at a time: only
-    one block's sizes are ever Python objects."""
+    one block's sizes are ever Python objects. A scan whose columns are on disk
+    (``scan.pieces``) is rolled from one record a row, in a file under ``work``, read where it
+    lies (``_inputs_on_disk``), not through its maps."""
     new = get_format(fmt).sizer
-    ko, eo = scan.keys.offsets, scan.exts.offsets  # lengths taken a block at a time
-    starts, sizer, single, sizes = [0], new(), 0, stats.files[:, 0]
-    for lo in range(0, len(order), PLAN_BLOCK):
-        block = order[lo : lo + PLAN_BLOCK]
-        extras = _field_sizes(scan, stats, block.tolist())
-        klen, elen = (ko[block + 1] - ko[block]).tolist(), (eo[block + 1] - eo[block]).tolist()
-        nbytes = np.maximum(sizes[block], 0).tolist()
-        for j, (k, e, b, extra) in enumerate(zip(klen, elen, nbytes, extras, strict=True)):
+    starts, sizer, single = [0], new(), 0
+    blocks = None
+    if isinstance(scan.keys.offsets, np.memmap):
+        blocks = _inputs_on_disk(scan, stats, order, work)
+    if blocks is None:
+        blocks = _inputs_here(scan, stats, order)
+    for lo, inputs in blocks:
+        for j, (k, e, b, extra) in enumerate(inputs):
             if sizer.samples and sizer.projected_size(k, e, b, extra) > limit:
                 single = single + 1 if sizer.samples == 1 else 0
                 if single == 2:
@@ -475,6 +500,75 @@ def _roll(scan: SourceScan, stats: SourceStats, order: np.ndarray, fmt: str, lim
             sizer.add(k, e, b, extra)
     starts.append(len(order))
     return np.array(starts, dtype=np.int64)
+
+
+def _inputs_here(scan: SourceScan, stats: SourceStats, order: np.ndarray):
+    """``(position, [(key bytes, extension bytes, image bytes, fields' sizes) of each sample
+    of the block]`` of each ``PLAN_BLOCK`` of ``order``, from the scan's arrays in memory."""
+    ko, eo = scan.keys.offsets, scan.exts.offsets  # lengths taken a block at a time
+    sizes = stats.files[:, 0]
+    for lo in range(0, len(order), PLAN_BLOCK):
+        block = order[lo : lo + PLAN_BLOCK]
+        extras = _field_sizes(scan, stats, block.tolist())
+        klen, elen = (ko[block + 1] - ko[block]).tolist(), (eo[block + 1] - eo[block]).tolist()
+        nbytes = np.maximum(sizes[block], 0).tolist()
+        yield lo, zip(klen, elen, nbytes, extras, strict=True)
+
+
+def _inputs_on_disk(scan: SourceScan, stats: SourceStats, order: np.ndarray, work):
+    """``_inputs_here`` of a scan on disk: one pass in row order writes each row's inputs as a
+    record of int64s (key, extension and image bytes, then ``RECORD_FIELDS`` fields' name and
+    value bytes) into an unnamed file beside the columns, and each sample's record is read
+    back in ``order`` with ``pread``: the columns are read in order, a block's pages at a time
+    (a map faults whole folios in: random reads through it held the columns), and what is
+    held is a block's records. None: a row with more fields than a record holds."""
+    if scan.sidecars.blob.size:  # field files (a folder's): not a table's scan
+        return None
+    width = 4 + 2 * RECORD_FIELDS
+    f = tempfile.TemporaryFile(dir=work)  # unnamed: gone with this process, however it ends
+    n = len(scan.keys)
+    ko, eo, sizes = scan.keys.offsets, scan.exts.offsets, stats.files
+    inline = scan.inline if scan.inline.blob.size else None
+    for lo in range(0, n, RECORD_BLOCK):
+        hi = min(lo + RECORD_BLOCK, n)
+        rec = np.zeros((hi - lo, width), dtype="<i8")
+        rec[:, 0] = np.diff(ko[lo : hi + 1])
+        rec[:, 1] = np.diff(eo[lo : hi + 1])
+        rec[:, 2] = np.maximum(sizes[lo:hi, 0], 0)
+        if inline is not None:  # as _field_sizes counts a row's fields, the block in order
+            part = inline.span(lo, hi)
+            here = StrTable()
+            here.blob, here.offsets = np.array(part.blob), np.array(part.offsets)
+            extras = []
+            for text in here:
+                pairs = [x for k, v in inline_fields(text).items() for x in (len(k), len(v))]
+                if len(pairs) > 2 * RECORD_FIELDS:
+                    f.close()
+                    return None
+                extras.append([len(pairs) // 2, *pairs] + [0] * (2 * RECORD_FIELDS - len(pairs)))
+            rec[:, 3:] = np.array(extras, dtype=np.int64).reshape(hi - lo, width - 3)
+        f.write(memoryview(rec).cast("B"))
+        forget(ko, eo, sizes, scan.inline)
+    f.flush()
+    return _records(f, order, width)
+
+
+def _records(f, order: np.ndarray, width: int):
+    fd, size = f.fileno(), 8 * width
+    try:
+        for lo in range(0, len(order), RECORD_BLOCK):
+            rows = order[lo : lo + RECORD_BLOCK].tolist()
+            raw = b"".join([os.pread(fd, size, r * size) for r in rows])
+            block = np.frombuffer(raw, dtype="<i8").reshape(-1, width).tolist()
+            yield (
+                lo,
+                (
+                    (k, e, b, tuple((r[2 * x], r[2 * x + 1]) for x in range(nf)))
+                    for k, e, b, nf, *r in block
+                ),
+            )
+    finally:
+        f.close()
 
 
 def _field_sizes(scan: SourceScan, stats: SourceStats, rows: list[int]) -> list:

@@ -23,6 +23,7 @@ from ..formats import get_format
 from ..images.checks import check_image_bytes, decode_error
 from ..images.decode import resize_short_side
 from ..scan import SourceScan, field_files, member_of, member_stat, read_member
+from ..scan.strings import forget
 from ..sizes import parse_size
 
 __all__ = [
@@ -261,12 +262,23 @@ def fingerprint(scan: SourceScan, stats: SourceStats, options: dict) -> str:
     if len(scan.inline):  # a table (one entry per row): its captions, columns and labels
         parts += [scan.inline.offsets, scan.inline.blob, scan.labels]
     for part in parts:  # hashed in place: no copy of a table's text
-        h.update(_le_bytes(part))
+        _hash_blocks(h, part)
     if scan.sidecars.blob.size:  # without fields: as before
         h.update(_le_bytes(scan.sidecars.offsets))
         h.update(_le_bytes(scan.sidecars.blob))
         h.update(_le_bytes(stats.fields))  # each sample's field rows, in sample order
     return "sha256:" + h.hexdigest()
+
+
+#: Rows of a column hashed at a time (a column on disk: one block's pages held at a time).
+HASH_BLOCK = 1 << 20
+
+
+def _hash_blocks(h, a: np.ndarray) -> None:
+    """``h.update`` with ``_le_bytes(a)``, ``HASH_BLOCK`` rows at a time (the same digest)."""
+    for lo in range(0, max(len(a), 1), HASH_BLOCK):
+        h.update(_le_bytes(a[lo : lo + HASH_BLOCK]))
+        forget(a)
 
 
 def _le_bytes(a: np.ndarray) -> memoryview:
