@@ -15,20 +15,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SPLIT_SALT, index_path
+from ..formats.sample_index import SPLIT_SALT, index_path, sample_digest
 from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import columns_range, shard_columns
 
-__all__ = ["SKIPPED", "RangeReader", "read_range"]
+__all__ = ["SKIPPED", "RangeReader", "check_sample", "read_range", "warn_undigested"]
 
 
 def read_range(url: str, start: int, stop: int, fd, storage_options, fix: str, ahead=None) -> bytes:
@@ -90,14 +91,16 @@ SKIPPED = Record("", "", b"", -1)
 class _Columns:
     """A shard's index head as the range reader uses it: offsets as int64 (``offsets[k]`` to
     ``offsets[k + 1]``: sample k's bytes) and key hashes as big-endian bytes (each key's
-    BLAKE2b digest as it comes)."""
+    BLAKE2b digest as it comes), and each sample's digest (None: an index from before them)."""
 
     offsets: np.ndarray
     hashes: np.ndarray
+    digests: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.offsets.nbytes + self.hashes.nbytes
+        extra = 0 if self.digests is None else self.digests.nbytes
+        return self.offsets.nbytes + self.hashes.nbytes + extra
 
 
 #: Index heads kept across epochs (local shards; the least recently used dropped past
@@ -127,7 +130,8 @@ def _columns(shard: ShardInfo, storage_options, read=None) -> _Columns | None:
     index = shard_columns(shard, storage_options, read)
     got = None
     if index is not None:
-        got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"))
+        digests = None if index.digests is None else index.digests.astype(np.uint64)
+        got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"), digests)
     if key is not None:
         _CACHE[key] = got
         _cached[0] += got.nbytes if got is not None else 0
@@ -151,7 +155,8 @@ class RangeReader:
         self._indexes: dict[str, _Columns | None] = {}
         self._fd: tuple[str, int] | None = None
         self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
-        self._shard: tuple[str, object] | None = None  # (url, LmdbSampleReader)
+        #: (url, LmdbSampleReader, its samples' digests or None)
+        self._shard: tuple[str, object, np.ndarray | None] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
         #: Remote tar shards: the GETs of the planned slices, kept in flight ahead (``plan``).
@@ -227,7 +232,10 @@ class RangeReader:
             return True  # each sample is one descent of the tree: nothing to load first
         if shard.url not in self._indexes:
             self._indexes[shard.url] = _columns(shard, self.storage_options)
-        return self._indexes[shard.url] is not None
+        index = self._indexes[shard.url]
+        if index is not None and index.digests is None:
+            warn_undigested(shard.url, "tar")
+        return index is not None
 
     def records(
         self,
@@ -272,6 +280,10 @@ class RangeReader:
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
+            if index.digests is not None:  # every byte handed out is the packer's
+                span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
+                digests = index.digests[pos[a:b]]
+                self._check_chunk(shard, blob, rel_starts, rel_ends, digests, pos[a:b], span)
             for c in range(0, b - a, BATCH):
                 d = min(c + BATCH, b - a)  # within this chunk
                 hashes = expect[a + c : a + d]
@@ -323,18 +335,40 @@ class RangeReader:
             raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
         return self._buf
 
+    def _check_chunk(self, shard, blob, rel_starts, rel_ends, expect, pos, span) -> None:
+        """Each sample of a chunk (at ``[rel_starts[i], rel_ends[i])`` of ``blob``: sample
+        ``pos[i]`` of the shard) against its index's digest (``expect``): one
+        ``sample_digest`` call a sample on a slice of the buffer, no copy, then one comparison
+        for the chunk. Remote (a chunk is one span, ``span``: its bytes in the shard), a span
+        that differs is fetched again once (a byte altered in transit), then it is an error;
+        local, it is an error at once: never a sample with other bytes than packed."""
+        bad = _digest_mismatches(blob, rel_starts, rel_ends, expect)
+        if not len(bad):
+            return
+        if span is not None:
+            a, b = span
+            blob[: b - a] = read_range(shard.url, a, b, None, self.storage_options, "re-pack it")
+            self.reads += 1
+            bad = _digest_mismatches(blob, rel_starts, rel_ends, expect)
+            if not len(bad):
+                return
+        raise altered(shard, int(pos[bad[0]]), self.storage_options)
+
     def _lmdb_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
-        reader = self._lmdb_reader(shard)
+        """The wanted samples of an LMDB slice: one lookup each, checked against the digest its
+        shard's index record holds (``LmdbSampleReader.get``) before it is handed out."""
+        reader, digests = self._lmdb_reader(shard)
         names = tuple(fields or ())
+        get = reader.get
         if not skipped:  # the wanted alone (a shard's slices joined: the holes between are long)
             self.reads += int(np.count_nonzero(want))
             for k in (np.flatnonzero(want) + sl.start).tolist():
-                yield reader.get(k, names)
+                yield get(k, names, None if digests is None else int(digests[k]))
             return
         for k, wanted in zip(range(sl.start, sl.stop), want.tolist(), strict=True):
             if wanted:
                 self.reads += 1
-                yield reader.get(k, names)
+                yield get(k, names, None if digests is None else int(digests[k]))
             elif skipped:
                 yield SKIPPED
 
@@ -344,18 +378,25 @@ class RangeReader:
         from ..formats.lmdb import LmdbSampleReader
 
         if self._shard is not None and self._shard[0] == shard.url:
-            return self._shard[1]
+            return self._shard[1], self._shard[2]
         self.close()
         reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=None)
-        if shard.samples >= 0 and reader.samples != shard.samples:
+        try:
+            if shard.samples >= 0 and reader.samples != shard.samples:
+                raise ShardFormatError(
+                    f"{shard.url}: holds {reader.samples} samples, its manifest says "
+                    f"{shard.samples}; the manifest belongs to another version of the shard: "
+                    "re-pack it or rebuild the manifest"
+                )
+            index = reader.index(shard.samples)  # one lookup: the samples' digests
+        except BaseException:
             reader.close()
-            raise ShardFormatError(
-                f"{shard.url}: holds {reader.samples} samples, its manifest says "
-                f"{shard.samples}; the manifest belongs to another version of the shard: "
-                "re-pack it or rebuild the manifest"
-            )
-        self._shard = (shard.url, reader)
-        return reader
+            raise
+        digests = None if index is None else index.digests
+        if digests is None:
+            warn_undigested(shard.url, "lmdb")
+        self._shard = (shard.url, reader, digests)
+        return reader, digests
 
     def _read(self, shard: ShardInfo, a: int, b: int) -> bytes:
         self.reads += 1
@@ -451,3 +492,77 @@ def _hash(key: str) -> int:
     """A key's split hash, as the index stores it."""
     raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+def _digest_mismatches(blob, starts: np.ndarray, ends: np.ndarray, expect: np.ndarray):
+    """Where the samples at ``blob[starts[i]:ends[i]]`` differ from their digests ``expect``."""
+    view = memoryview(blob)
+    got = np.fromiter(
+        map(sample_digest, map(view.__getitem__, map(slice, starts.tolist(), ends.tolist()))),
+        np.uint64,
+        len(starts),
+    )
+    return np.flatnonzero(got != expect)
+
+
+def check_sample(shard: ShardInfo, j: int, data, digest: int | None, storage_options, again=None):
+    """``data`` (sample ``j`` of ``shard``, its bytes as its index places them) if its digest is
+    ``digest`` (None: an index from before digests, unchecked); else, remote, ``again()`` (the
+    same range fetched once more) if that matches; else ``altered``'s error."""
+    if digest is None or sample_digest(data) == digest:
+        return data
+    if again is not None:
+        data = again()
+        if sample_digest(data) == digest:
+            return data
+    raise altered(shard, j, storage_options)
+
+
+def altered(shard: ShardInfo, j: int, storage_options) -> Exception:
+    """The one-line error for sample ``j`` of ``shard`` whose bytes are not its digest's: local,
+    the shard was altered since packing (``ShardFormatError``); remote, the bytes came back
+    other than packed twice (``StorageError``). Names the key, from the shard's index (this
+    path only: a read that checks keeps no key table)."""
+    from .indexes import shard_index
+
+    try:
+        index = shard_index(shard, storage_options)
+        key = repr(index.key(j)) if index is not None else "unknown"
+    except Exception:  # the message must come out whatever else is wrong
+        key = "unknown"
+    if is_url(shard.url):
+        return StorageError(
+            f"{shard.url}: sample {j} (key {key}) came back with other bytes than its sample "
+            "index's digest, twice (altered in the store or in transit); check the shard with "
+            "`shardkit verify` on the dataset, and upload it again"
+        )
+    return ShardFormatError(
+        f"{shard.url}: sample {j} (key {key}) is not the bytes packed (its digest differs from "
+        "its sample index's: the shard was altered since); restore or re-pack it "
+        "(`shardkit verify` names every damaged shard)"
+    )
+
+
+#: Datasets (their folder or URL) warned about in this process (``warn_undigested``).
+_UNDIGESTED: set[str] = set()
+
+
+def warn_undigested(url: str, fmt: str) -> None:
+    """Warn once per dataset (per process) that a read of part of a shard of it is unchecked:
+    its index predates sample digests. Names the fix: ``shardkit index --rehash`` (tar, no
+    shard rewritten), or packing again (LMDB: the digests live inside the shard)."""
+    where = url.rsplit("/", 1)[0] if "/" in url else "."
+    if where in _UNDIGESTED:
+        return
+    _UNDIGESTED.add(where)
+    if fmt == "tar":
+        fix = f"`shardkit index --rehash {where}` writes them without rewriting a shard"
+    else:
+        fix = "pack it again (`shardkit pack`) to add them (they live inside each LMDB shard)"
+    warnings.warn(
+        f"{where}: its shards have no per-sample digests (sample indexes from an older "
+        "shardkit, or none), so reads of part of a shard (splits, subsets, ShardView, ls/show) "
+        f"hand out their bytes unchecked; {fix}",
+        RuntimeWarning,
+        stacklevel=4,
+    )

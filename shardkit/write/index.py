@@ -252,7 +252,7 @@ def _read_tar(p: str):
     sha = hashing.sha.hexdigest()
     data = None
     if not is_gzip_name(p) and tally.samples:
-        data = encode_tally(tally, hashing.bytes, sha)
+        data = encode_tally(tally, hashing.bytes, sha, p)
     return tally, hashing.bytes, sha, data
 
 
@@ -297,7 +297,7 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
                 f"{p}: is not the shard its manifest lists (size, sha256 or sample count differ); "
                 f"`shardkit verify {d}` says more; re-pack it"
             )
-        data = encode_tally(tally, e.bytes, e.sha256)
+        data = encode_tally(tally, e.bytes, e.sha256, p)
         try:
             write_index_file(p, data)
         except OSError as exc:
