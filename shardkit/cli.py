@@ -727,18 +727,28 @@ def verify_cmd(out, decode, quiet) -> None:
     help="Add the shards an existing manifest.json does not list (reading only those; their "
     "keys are checked against the dataset's).",
 )
+@click.option(
+    "--rehash",
+    is_flag=True,
+    help="Give a dataset made before per-sample digests its digests: each tar shard's older "
+    "index is rebuilt (the shard read once, checked against the manifest) and the manifest's "
+    "index checksums updated; no shard is rewritten.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def index_cmd(shards, overwrite, append, quiet) -> None:
+def index_cmd(shards, overwrite, append, rehash, quiet) -> None:
     """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
     them: exact counts, checksums for `verify`, the offset index and classes from .cls members.
-    With --append, tars dropped into an indexed folder are added to its manifest."""
+    With --append, tars dropped into an indexed folder are added to its manifest; with
+    --rehash, a dataset's sample indexes get the per-sample digests that partial reads check."""
     import warnings
 
     from .write.index import index_shards
 
     with warnings.catch_warnings():  # the summary line reports records passed over
         warnings.simplefilter("ignore", RuntimeWarning)
-        results = index_shards(shards, overwrite=overwrite, append=append, progress=not quiet)
+        results = index_shards(
+            shards, overwrite=overwrite, append=append, rehash=rehash, progress=not quiet
+        )
     for result in results:
         click.echo(result.summary())
 
