@@ -244,7 +244,8 @@ def test_a_damaged_record_is_named_and_read_around(tmp_path):
     put_record(first, bytes(bad))
     n2 = read_manifest(str(out)).shards[1].samples
     fewer = [k.encode() for k in LmdbSampleReader(second).keys()[:-1]]
-    put_record(second, encode_lmdb_index(fewer, [0] * len(fewer)))  # checks out, but lists one sample less
+    # checks out, but lists one sample less
+    put_record(second, encode_lmdb_index(fewer, [0] * len(fewer)))
     for path, why in ((first, "checksum"), (second, f"lists {n2 - 1} samples, the shard holds")):
         with pytest.warns(RuntimeWarning, match=rf"{os.path.basename(path)}: damaged sample index"):
             assert read_lmdb_index(path)[0] is None

@@ -53,7 +53,7 @@ class FlippingProxy:
                 if rng:
                     req.add_header("Range", rng)
                 try:
-                    with urllib.request.urlopen(req) as got:  # noqa: S310 - loopback only
+                    with urllib.request.urlopen(req) as got:  # loopback only
                         status, headers, body = got.status, got.headers, got.read()
                 except urllib.error.HTTPError as err:
                     status, headers, body = err.code, err.headers, err.read()

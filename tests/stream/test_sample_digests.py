@@ -266,7 +266,7 @@ def test_an_lmdb_pack_without_digests_warns_once_naming_the_fix(tmp_path):
     with env.begin(write=True) as txn:  # the record as version 1 wrote it: no digests
         data = bytes(txn.get(INDEX_KEY))
         n = e.samples
-        body = bytearray(data[:32 + 8 * n] + data[32 + 16 * n : -32])
+        body = bytearray(data[: 32 + 8 * n] + data[32 + 16 * n : -32])
         body[8:12] = (1).to_bytes(4, "little")
         txn.put(INDEX_KEY, bytes(body) + hashlib.sha256(bytes(body)).digest())
     env.close()

@@ -59,6 +59,8 @@ def lmdb_digest(value: bytes, fields=()) -> int:
         h.update(_SIZE.pack(len(data)))
         h.update(data)
     return h.intdigest()
+
+
 _TRAILER = 32  # sha256 of everything before it
 
 

@@ -212,7 +212,8 @@ class LmdbShardWriter:
 
     def close(self) -> ShardStats:
         meta = json.dumps({"format": "shardkit-lmdb", "version": 1, "samples": self.samples})
-        self._commit([(META_KEY, meta.encode()), (INDEX_KEY, encode_lmdb_index(self._keys, self._digests))])
+        index = encode_lmdb_index(self._keys, self._digests)
+        self._commit([(META_KEY, meta.encode()), (INDEX_KEY, index)])
         self._keys, self._digests = [], []
         env, self._env = self._env, None
         assert env is not None
