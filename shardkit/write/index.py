@@ -48,9 +48,23 @@ class IndexResult:
     kept: bool = False
     #: ``append=True``: the shards added to the manifest (0: it listed every shard given).
     added: int | None = None
+    #: ``rehash=True``: the shards whose sample index was written anew (0: none needed it).
+    rehashed: int | None = None
 
     def summary(self) -> str:
         m = self.manifest
+        if self.rehashed is not None:
+            if not self.rehashed:
+                return (
+                    f"every sample index beside {self.manifest_path} holds per-sample digests "
+                    "already: nothing to rewrite"
+                )
+            n = self.rehashed
+            return (
+                f"rewrote {n} sample index{'es' if n != 1 else ''} beside {self.manifest_path} "
+                f"with per-sample digests ({len(m.shards)} shards, {m.num_samples} samples); "
+                "the manifest lists their checksums"
+            )
         n = self.imageless
         extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
         if self.added is not None:
@@ -299,7 +313,10 @@ def rehash_indexes(d: str, progress: bool = False) -> IndexResult:
             f"{d}: holds {manifest.shard_format} shards, whose sample digests live inside each "
             "shard: pack the dataset again (`shardkit pack`) to add them"
         )
-    return _index_packed(d, manifest, progress, current=_is_current)
+    kept = [e.path for e in manifest.shards if _is_current(os.path.join(d, e.path), e)]
+    result = _index_packed(d, manifest, progress, current=_is_current)
+    tars = [e for e in manifest.shards if e.path.endswith(".tar")]
+    return replace(result, rehashed=len(tars) - len(kept))
 
 
 def _is_current(p: str, e: ShardEntry) -> bool:

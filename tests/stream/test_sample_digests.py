@@ -288,4 +288,4 @@ def test_digests_cost_one_call_a_sample_and_no_copy(tar_pack):
     ends = ix.offsets[1:].astype(np.int64)
     assert len(ranges._digest_mismatches(blob, starts, ends, ix.digests)) == 0
     blob[int(starts[2]) + 700] ^= 1
-    assert ranges._digest_mismatches(blob, starts, ends, ix.digests).tolist() == [2]
+    assert ranges._digest_mismatches(blob, starts, ends, ix.digests) == [2]
