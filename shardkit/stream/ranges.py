@@ -283,13 +283,13 @@ class RangeReader:
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
-            if digests is not None:  # every byte handed out is the packer's
+            if digests is not None:  # every byte handed out is the packer's: checked a batch
                 span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
-                self._check_chunk(
-                    shard, blob, rel_starts, rel_ends, digests[a:b], pos[a:b], span
-                )  # fmt: skip
+                check = (rel_starts.tolist(), rel_ends.tolist(), digests[a:b].tolist())
             for c in range(0, b - a, BATCH):
                 d = min(c + BATCH, b - a)  # within this chunk
+                if digests is not None:  # at a time, its bytes still in cache for the parse
+                    self._check_batch(shard, blob, check, c, d, pos[a:b], span)
                 hashes = expect[a + c : a + d]
                 got, unchecked = read_at(
                     blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes
@@ -339,27 +339,32 @@ class RangeReader:
             raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
         return self._buf
 
-    def _check_chunk(self, shard, blob, rel_starts, rel_ends, expect, pos, span) -> None:
-        """Each sample of a chunk (at ``[rel_starts[i], rel_ends[i])`` of ``blob``: sample
-        ``pos[i]`` of the shard) against its index's digest (``expect``), before any of them
-        is parsed: one ``sample_digest`` call a sample on a slice of the buffer, no copy, and
-        one comparison of two lists for the chunk (no numpy call a batch: at 16 samples a
-        batch, those cost more than the hashing). Remote (a chunk is one span, ``span``: its
-        bytes in the shard), a span that differs is fetched again once (a byte altered in
-        transit), then it is an error; local, it is an error at once: never a sample with
-        other bytes than packed."""
-        bad = _digest_mismatches(blob, rel_starts, rel_ends, expect)
-        if not len(bad):
+    def _check_batch(self, shard, blob, check, c: int, d: int, pos, span) -> None:
+        """Samples ``c .. d`` of a chunk against their index's digests, before they are
+        parsed: ``check`` holds, as lists, each sample's place in ``blob`` (starts, ends) and
+        its digest; ``pos``: the chunk's samples numbered in the shard. One ``sample_digest``
+        call a sample on a slice of the buffer (no copy) and one list comparison a batch, no
+        numpy call (at 16 samples a batch those cost more than the hashing), a batch at a time
+        so the parse finds the bytes in cache (a whole 4 MiB chunk hashed first is read from
+        memory twice). Remote (a chunk is one span, ``span``: its bytes in the shard), a span
+        that differs is fetched again once (a byte altered in transit), then it is an error;
+        local, it is an error at once: never a sample with other bytes than packed (the batches
+        of the span handed out before were checked, and are copies)."""
+        starts, ends, want = check[0][c:d], check[1][c:d], check[2][c:d]
+        bad = _digest_mismatches(blob, starts, ends, want)
+        if not bad:
             return
         if span is not None and (shard.url, span) not in self._fetched_again:
             self._fetched_again.add((shard.url, span))  # once a range, however it then differs
-            a, b = span
-            blob[: b - a] = read_range(shard.url, a, b, None, self.storage_options, "re-pack it")
+            lo, hi = span
+            blob[: hi - lo] = read_range(
+                shard.url, lo, hi, None, self.storage_options, "re-pack it"
+            )
             self.reads += 1
-            bad = _digest_mismatches(blob, rel_starts, rel_ends, expect)
-            if not len(bad):
+            bad = _digest_mismatches(blob, starts, ends, want)
+            if not bad:
                 return
-        raise altered(shard, int(pos[bad[0]]), self.storage_options)
+        raise altered(shard, int(pos[c + bad[0]]), self.storage_options)
 
     def _lmdb_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
         """The wanted samples of an LMDB slice: one lookup each, checked against the digest its
@@ -501,12 +506,11 @@ def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
-def _digest_mismatches(blob, starts: np.ndarray, ends: np.ndarray, expect: np.ndarray):
-    """Where the samples at ``blob[starts[i]:ends[i]]`` differ from their digests ``expect``
+def _digest_mismatches(blob, starts: list[int], ends: list[int], want: list[int]) -> list[int]:
+    """Where the samples at ``blob[starts[i]:ends[i]]`` differ from their digests ``want``
     (positions into them; empty: none)."""
     view, digest = memoryview(blob), sample_digest
-    got = [digest(view[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-    want = expect.tolist()
+    got = [digest(view[a:b]) for a, b in zip(starts, ends, strict=True)]
     if got == want:
         return []
     return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
