@@ -90,7 +90,8 @@ def v2_copy(where: Path) -> Path:
         (out / (name + ".idx")).write_bytes(old)
         s["index_sha256"] = hashlib.sha256(old).hexdigest()
         s["columns_sha256"] = hashlib.sha256(old[: columns_size(n, 2)]).hexdigest()
-    (out / "manifest.json").write_text(json.dumps(doc))
+    with open(out / "manifest.json", "w") as f:  # data for the other checkout, not a result
+        json.dump(doc, f)
     return out
 
 

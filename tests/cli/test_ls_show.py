@@ -250,14 +250,16 @@ def test_ls_lists_members_and_sizes_from_the_index_and_headers(tmp_path):
     shutil.copytree(out, old)
     as_previous_release(old)
     assert _cli("ls", old, "--json").output == want and _cli("ls", old).output == text
-    for n in os.listdir(out):  # every member's data but the labels' zeroed: ls reads headers
-        if n.endswith(".tar"):
+    for n in os.listdir(out):  # every member's data but the labels' zeroed: ls checks each
+        if n.endswith(".tar"):  # sample it lists against its digest, and names the damage
             shard = str(out / n)
             members = decode_index(open(index_path(shard), "rb").read(), shard).members
             with open(shard, "r+b") as f:
                 for ext, at, size in (m for j in range(len(members.labels)) for m in members.of(j)):
                     if ext != "cls":
                         os.pwrite(f.fileno(), bytes(size), at)
-    assert _cli("ls", out, "--json").output == want and _cli("ls", out).output == text
+    for args in (("--json",), ()):
+        got = _cli("ls", out, *args).output
+        assert "shard-000000.tar: sample 0 (key 'a/k0') is not the bytes packed" in got
     docs = [json.loads(line) for line in want.splitlines()]
     assert docs[5]["members"] == [["jpg", 502], ["cls", 1], ["json", 64]]
