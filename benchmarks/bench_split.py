@@ -71,7 +71,7 @@ def v2_copy(where: Path) -> Path:
     """The set ``where`` as a pack made before sample digests: the same shards (hard links),
     each index as version 2 wrote it (no digest column; FORMAT.md), the manifest's index
     checksums those of the version-2 files."""
-    from shardkit.formats.sample_index import _HEAD, columns_size
+    from shardkit.formats.sample_index import columns_size
 
     out = where.with_name(where.name + "-v2")
     if (out / "manifest.json").exists():
@@ -83,7 +83,7 @@ def v2_copy(where: Path) -> Path:
         if not os.path.exists(out / name):
             os.link(where / name, out / name)
         data_ = (where / (name + ".idx")).read_bytes()
-        at = _HEAD.size + 16 * n + 8  # the digest column: after the offsets and key hashes
+        at = columns_size(n, 2)  # the digest column: after the offsets and key hashes
         body = bytearray(data_[:at] + data_[at + 8 * n : -32])
         body[8:12] = (2).to_bytes(4, "little")
         old = bytes(body) + hashlib.sha256(bytes(body)).digest()
