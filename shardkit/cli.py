@@ -10,6 +10,7 @@ readers, synth's renderers); ``--workers`` is DataLoader worker processes (bench
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -1000,10 +1001,11 @@ def ls_cmd(out, offset, limit, head, prefix, as_json) -> None:
     from .stream.show import list_lines
     from .stream.view import ShardView
 
-    view = ShardView(out, decode="raw")
-    limit = head if limit is None else limit
-    for line in list_lines(view, limit, offset=offset, prefix=prefix, as_json=as_json):
-        click.echo(line)
+    with _warning_lines():
+        view = ShardView(out, decode="raw")
+        limit = head if limit is None else limit
+        for line in list_lines(view, limit, offset=offset, prefix=prefix, as_json=as_json):
+            click.echo(line)
 
 
 @main.command("show")
@@ -1035,14 +1037,29 @@ def show_cmd(out, key, position, literal, folder) -> None:
     from .stream.show import escape, resolve_sample, show_lines, write_members
     from .stream.view import ShardView
 
-    view = ShardView(out, decode="raw")
-    i = resolve_sample(view, key, position, literal)
-    if folder is None:
-        for line in show_lines(view, i):
-            click.echo(line)
-        return
-    for path in write_members(view, i, folder):
-        click.echo(f"wrote {escape(path)}")
+    with _warning_lines():
+        view = ShardView(out, decode="raw")
+        i = resolve_sample(view, key, position, literal)
+        if folder is None:
+            for line in show_lines(view, i):
+                click.echo(line)
+            return
+        for path in write_members(view, i, folder):
+            click.echo(f"wrote {escape(path)}")
+
+
+@contextlib.contextmanager
+def _warning_lines():
+    """Warnings as one ``warning:`` line each on stderr, as they happen (no source line): what
+    ``ls`` and ``show`` say of a dataset read unchecked or an index read around."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 #: Every SHARDKIT_<COMMAND>_<OPTION> variable -> the command and flag it stands for.

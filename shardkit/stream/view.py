@@ -138,11 +138,8 @@ class ShardView:
             return self._lmdb_table(shard)
         index = shard_index(shard, self.storage_options)
         if index is not None:  # one read of the index file beside the shard
-            if index.digests is None:
-                warn_undigested(shard.url, "tar")
             offsets = index.offsets.astype(np.int64)
             return _Table(index.samples, index, offsets, index.members, index.digests)
-        warn_undigested(shard.url, "tar")
         try:
             with self.storage.open(shard) as stream:
                 tally = tally_tar(stream, shard=shard.url, every=1, keys=True)
@@ -164,8 +161,6 @@ class ShardView:
             index = reader.index(shard.samples)
             keys = reader.keys() if index is None else index
             digests = None if index is None else index.digests
-            if digests is None:
-                warn_undigested(shard.url, "lmdb")
             return _Table(reader.samples, keys, np.empty(0, np.int64), digests=digests)
         finally:
             reader.close()
@@ -310,6 +305,8 @@ class ShardView:
     def _record(self, shard: int, info: ShardInfo, j: int, fields) -> Record:
         table = self._table(shard)  # LMDB: first, for the identity the reader is held to
         if self.format == "lmdb":
+            if table.digests is None:  # said once per dataset, when a sample is first read
+                warn_undigested(info.url, "lmdb")
             rec = self._reader(shard, info).get(j, fields, table.digest(j))
         else:
             rec = read_sample(self._sample(shard, info, j, table), info.url, fields)
@@ -464,6 +461,8 @@ class ShardView:
         index has one (``ranges.check_sample``: a remote range that differs is fetched once
         more, then it is an error; never other bytes than packed)."""
         start, stop = int(table.offsets[j]), int(table.offsets[j + 1])
+        if table.digests is None:  # said once per dataset, when a sample is first read
+            warn_undigested(info.url, "tar")
         data = self._read(shard, info, start, stop)
         again = (lambda: self._read(shard, info, start, stop)) if is_url(info.url) else None
         return check_sample(info, j, data, table.digest(j), self.storage_options, again)
@@ -473,6 +472,7 @@ class ShardView:
         slices of the whole sample, read once and checked (a member alone cannot be checked:
         the digest covers the sample); else a read of those bytes alone, as before digests."""
         if table.digests is None:
+            warn_undigested(info.url, "tar")
             return lambda a, b: self._read(shard, info, a, b)
         base = int(table.offsets[j])
         whole = memoryview(self._sample(shard, info, j, table))

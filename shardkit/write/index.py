@@ -301,12 +301,12 @@ def rehash_indexes(d: str, progress: bool = False) -> IndexResult:
     index's ``index_sha256`` and ``columns_sha256``. Interrupted anywhere, readers meet either
     the old manifest (an index it does not list is read around, with a warning) or the new
     one; running it again finishes the job and gives the same bytes. LMDB shards hold their
-    digests inside: they are packed again instead (``shardkit pack``)."""
+    digests inside: they are packed again instead (``shardkit pack``). A folder of tars
+    without a manifest is indexed as ``shardkit index D`` indexes it."""
     path = os.path.join(d, MANIFEST_NAME)
-    if not os.path.lexists(path):
-        raise InputError(
-            f"{d}: no {MANIFEST_NAME}: `shardkit index {d}` (without --rehash) indexes its tars"
-        )
+    if not os.path.lexists(path):  # foreign tars: indexed as without --rehash, digests and all
+        (result,) = index_shards([d], progress=progress)
+        return replace(result, rehashed=len(result.manifest.shards))
     manifest = read_manifest(path)
     if manifest.shard_format != "tar":
         raise InputError(
