@@ -18,10 +18,18 @@ sample and reads per sample, the median of per-round ratios to the same checkout
     python benchmarks/bench_split.py --n 128000 640000 --out /tmp/scale
     python benchmarks/bench_split.py --n 640000 --format lmdb --what subset val
     python benchmarks/bench_split.py --n 128000 --against /tmp/main-checkout
+    python benchmarks/bench_split.py --n 1280000 --what full val --against /tmp/old --that-v2
+
+``--that-v2``: the other checkout reads a copy of each set whose sample indexes are version 2
+(no per-sample digests; hard links to the same shards): a checkout from before the digests
+refuses a version-3 index and would stream every shard instead.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 
 import data
@@ -59,6 +67,34 @@ print(json.dumps({"n": n, "us": 1e6 * (c1 - c0) / n, "reads": calls[0] / n}))
 WHATS = ("full", "val", "train", "subset")
 
 
+def v2_copy(where: Path) -> Path:
+    """The set ``where`` as a pack made before sample digests: the same shards (hard links),
+    each index as version 2 wrote it (no digest column; FORMAT.md), the manifest's index
+    checksums those of the version-2 files."""
+    from shardkit.formats.sample_index import columns_size
+
+    out = where.with_name(where.name + "-v2")
+    if (out / "manifest.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    doc = json.loads((where / "manifest.json").read_text())
+    for s in doc["shards"]:
+        n, name = s["samples"], s["path"]
+        if not os.path.exists(out / name):
+            os.link(where / name, out / name)
+        data_ = (where / (name + ".idx")).read_bytes()
+        at = columns_size(n, 2)  # the digest column: after the offsets and key hashes
+        body = bytearray(data_[:at] + data_[at + 8 * n : -32])
+        body[8:12] = (2).to_bytes(4, "little")
+        old = bytes(body) + hashlib.sha256(bytes(body)).digest()
+        (out / (name + ".idx")).write_bytes(old)
+        s["index_sha256"] = hashlib.sha256(old).hexdigest()
+        s["columns_sha256"] = hashlib.sha256(old[: columns_size(n, 2)]).hexdigest()
+    with open(out / "manifest.json", "w") as f:  # data for the other checkout, not a result
+        json.dump(doc, f)
+    return out
+
+
 def main() -> None:
     ap = harness.parser(__doc__, rounds=3)
     ap.add_argument("--n", type=int, nargs="+", default=[128_000])
@@ -67,6 +103,11 @@ def main() -> None:
     )
     ap.add_argument("--format", nargs="+", default=["tar"], choices=["tar", "lmdb"])
     ap.add_argument("--what", nargs="+", default=list(WHATS), choices=list(WHATS))
+    ap.add_argument(
+        "--that-v2",
+        action="store_true",
+        help="--against reads a copy of each tar set with version-2 indexes (hard links)",
+    )
     a = harness.parse(ap, smoke={"n": [2000], "format": ["tar", "lmdb"]})
     work = a.out or data.root() / "scale"
     whats = ["full"] + [w for w in a.what if w != "full"]  # every ratio divides by a full epoch
@@ -74,13 +115,15 @@ def main() -> None:
     if a.against is not None:
         checkouts["that"] = a.against.resolve()
     sets = {(n, fmt): data.scale_set(n, work, fmt)[0] for n in a.n for fmt in a.format}
+    older = {k: v2_copy(w) if a.that_v2 and k[1] == "tar" else w for k, w in sets.items()}
     contenders = {
         f"{n}/{fmt}/{what}/{side}": (
             lambda r, c=checkout, w=where, what=what: harness.in_child(c, _CHILD, w, what)
         )
-        for (n, fmt), where in sets.items()
+        for (n, fmt) in sets
         for what in whats
         for side, checkout in checkouts.items()
+        for where in [older[n, fmt] if side == "that" else sets[n, fmt]]
     }
     rounds = harness.interleave(contenders, a.rounds)
     rows = []

@@ -10,6 +10,7 @@ readers, synth's renderers); ``--workers`` is DataLoader worker processes (bench
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -727,18 +728,28 @@ def verify_cmd(out, decode, quiet) -> None:
     help="Add the shards an existing manifest.json does not list (reading only those; their "
     "keys are checked against the dataset's).",
 )
+@click.option(
+    "--rehash",
+    is_flag=True,
+    help="Give a dataset made before per-sample digests its digests: each tar shard's older "
+    "index is rebuilt (the shard read once, checked against the manifest) and the manifest's "
+    "index checksums updated; no shard is rewritten.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def index_cmd(shards, overwrite, append, quiet) -> None:
+def index_cmd(shards, overwrite, append, rehash, quiet) -> None:
     """Write manifest.json beside existing tar SHARDS (files or directories) without rewriting
     them: exact counts, checksums for `verify`, the offset index and classes from .cls members.
-    With --append, tars dropped into an indexed folder are added to its manifest."""
+    With --append, tars dropped into an indexed folder are added to its manifest; with
+    --rehash, a dataset's sample indexes get the per-sample digests that partial reads check."""
     import warnings
 
     from .write.index import index_shards
 
     with warnings.catch_warnings():  # the summary line reports records passed over
         warnings.simplefilter("ignore", RuntimeWarning)
-        results = index_shards(shards, overwrite=overwrite, append=append, progress=not quiet)
+        results = index_shards(
+            shards, overwrite=overwrite, append=append, rehash=rehash, progress=not quiet
+        )
     for result in results:
         click.echo(result.summary())
 
@@ -990,10 +1001,11 @@ def ls_cmd(out, offset, limit, head, prefix, as_json) -> None:
     from .stream.show import list_lines
     from .stream.view import ShardView
 
-    view = ShardView(out, decode="raw")
-    limit = head if limit is None else limit
-    for line in list_lines(view, limit, offset=offset, prefix=prefix, as_json=as_json):
-        click.echo(line)
+    with _warning_lines():
+        view = ShardView(out, decode="raw")
+        limit = head if limit is None else limit
+        for line in list_lines(view, limit, offset=offset, prefix=prefix, as_json=as_json):
+            click.echo(line)
 
 
 @main.command("show")
@@ -1025,14 +1037,29 @@ def show_cmd(out, key, position, literal, folder) -> None:
     from .stream.show import escape, resolve_sample, show_lines, write_members
     from .stream.view import ShardView
 
-    view = ShardView(out, decode="raw")
-    i = resolve_sample(view, key, position, literal)
-    if folder is None:
-        for line in show_lines(view, i):
-            click.echo(line)
-        return
-    for path in write_members(view, i, folder):
-        click.echo(f"wrote {escape(path)}")
+    with _warning_lines():
+        view = ShardView(out, decode="raw")
+        i = resolve_sample(view, key, position, literal)
+        if folder is None:
+            for line in show_lines(view, i):
+                click.echo(line)
+            return
+        for path in write_members(view, i, folder):
+            click.echo(f"wrote {escape(path)}")
+
+
+@contextlib.contextmanager
+def _warning_lines():
+    """Warnings as one ``warning:`` line each on stderr, as they happen (no source line): what
+    ``ls`` and ``show`` say of a dataset read unchecked or an index read around."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 #: Every SHARDKIT_<COMMAND>_<OPTION> variable -> the command and flag it stands for.

@@ -151,7 +151,8 @@ class ShardEntry:
     held by every process.
 
     ``columns_sha256`` (beside ``index_sha256`` only; optional) is the sha256 of the index's
-    fixed-width columns (``sample_index.columns_size`` bytes: its head, offsets and key hashes):
+    fixed-width columns (``sample_index.columns_of``: its head, offsets, key hashes and, from
+    index version 3, sample digests):
     what a growth check reads of each old shard, vouched for without reading and hashing the
     whole index (its key table and members, ~5x the bytes).
     """

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import xxhash
 
 from ..errors import ShardFormatError
 
@@ -38,15 +39,20 @@ __all__ = [
     "key_hash",
     "key_hashes",
     "load_index",
+    "sample_digest",
+    "sample_digests",
     "sample_offset",
 ]
 
 #: The index of shard ``X`` is the file ``X + INDEX_SUFFIX`` beside it.
 INDEX_SUFFIX = ".idx"
 MAGIC = b"SKINDEX\0"
-VERSION = 2
-#: Versions read: 1 (no members section: code that needs members reads the shard's headers).
-READS = (1, 2)
+VERSION = 3
+#: Versions read: 1 (no members section: code that needs members reads the shard's headers),
+#: 2 (no sample digests: partial reads of its shard are unchecked, and say so once).
+READS = (1, 2, 3)
+#: The first version with a digest column (``sample_digest`` of each sample's bytes).
+DIGESTS = 3
 #: magic, version, reserved, samples, shard bytes, shard sha256, key-table bytes.
 _HEAD = struct.Struct("<8sII QQ 32s Q")
 #: The members section's head: members in all, distinct extensions, bytes of their names.
@@ -79,6 +85,34 @@ def key_hash(key: str) -> int:
     """One key's split hash (``key_hashes`` of one key, as an int)."""
     raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+#: A sample's digest: XXH3-64, seed 0, of its stored bytes (FORMAT.md, "Sample index"). Chosen
+#: by speed (docs/benchmarks.md): 18 GB/s on a 5 kB sample where BLAKE2b-64 does 0.8; it is a
+#: check against damage and wrong bytes, not against someone who also rewrites the index (the
+#: manifest's sha256 of the index covers that).
+sample_digest = xxhash.xxh3_64_intdigest
+
+
+def sample_digests(data, offsets) -> np.ndarray:
+    """``sample_digest`` of each ``data[offsets[i]:offsets[i + 1]]`` (``data``: a shard's bytes,
+    or an mmap of them): the digest column of its index."""
+    view, bounds = memoryview(data), np.asarray(offsets, dtype=np.int64).tolist()
+    pairs = zip(bounds, bounds[1:], strict=False)
+    return np.fromiter((sample_digest(view[a:b]) for a, b in pairs), np.uint64, len(bounds) - 1)
+
+
+def file_digests(path: str, offsets) -> np.ndarray:
+    """``sample_digests`` of the shard file at ``path`` (mapped, not read into memory)."""
+    import mmap
+
+    if len(offsets) < 2:
+        return np.empty(0, np.uint64)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            return sample_digests(m, offsets)
+        finally:
+            del m  # no view left over it when it closes
 
 
 def index_path(shard_path: str) -> str:
@@ -116,14 +150,16 @@ def encode_index(
     keys: Sequence[bytes],
     offsets: Sequence[int],
     members,
+    digests: Sequence[int] | np.ndarray,
 ) -> bytes:
     """The index file's bytes. ``keys``: each sample's key as stored (UTF-8 bytes);
     ``offsets``: the byte offset of each sample's first header, then that of the
     end-of-archive blocks (``len(keys) + 1`` entries); ``members``: each sample's label and
-    members (a ``formats.tar.tally.MemberLog``)."""
+    members (a ``formats.tar.tally.MemberLog``); ``digests``: each sample's ``sample_digest``
+    (of its bytes ``offsets[i] .. offsets[i + 1]``)."""
     n = len(keys)
-    if len(offsets) != n + 1 or len(members.labels) != n:
-        raise ValueError(f"{n} keys need {n + 1} offsets and {n} samples' members")
+    if len(offsets) != n + 1 or len(members.labels) != n or len(digests) != n:
+        raise ValueError(f"{n} keys need {n + 1} offsets and {n} samples' members and digests")
     table = b"".join(keys)
     ends = np.cumsum(np.fromiter((len(k) for k in keys), np.uint64, n), dtype=np.uint64)
     body = b"".join(
@@ -131,6 +167,7 @@ def encode_index(
             _HEAD.pack(MAGIC, VERSION, 0, n, shard_bytes, bytes.fromhex(sha256_hex), len(table)),
             np.asarray(offsets, dtype="<u8").tobytes(),
             key_hashes(keys).astype("<u8").tobytes(),
+            np.asarray(digests, dtype=np.uint64).astype("<u8").tobytes(),
             ends.astype("<u8").tobytes(),
             table,
             bytes(-len(table) % 8),  # the members' columns start 8-aligned
@@ -222,6 +259,8 @@ class SampleIndex(KeyTable):
     table: bytes
     #: Each sample's label and members; None in a version-1 index (read the headers).
     members: Members | None = None
+    #: Each sample's ``sample_digest``; None before version 3 (its reads are unchecked).
+    digests: np.ndarray | None = None
 
 
 def decode_index(data: bytes, where: str, trailer: bool = True) -> SampleIndex:
@@ -236,21 +275,24 @@ def decode_index(data: bytes, where: str, trailer: bool = True) -> SampleIndex:
     if version not in READS:
         raise _damaged(where, f"version {version}, this shardkit reads {READS[-1]} and before")
     pos = _HEAD.size
-    keys_at = pos + 8 * (n + 1) + 16 * n
+    keys_at = columns_size(n, version) + 8 * n  # the key ends after the columns
     if len(data) < keys_at + klen + _TRAILER or (
         version == 1 and len(data) != keys_at + klen + _TRAILER
     ):
         raise _damaged(where, "its length does not match its sample count")
     offsets = np.frombuffer(data, "<u8", n + 1, pos)
     hashes = np.frombuffer(data, "<u8", n, pos + 8 * (n + 1))
-    ends = np.frombuffer(data, "<u8", n, pos + 8 * (n + 1) + 8 * n)
+    digests = None
+    if version >= DIGESTS:
+        digests = np.frombuffer(data, "<u8", n, pos + 8 * (n + 1) + 8 * n)
+    ends = np.frombuffer(data, "<u8", n, keys_at - 8 * n)
     table = data[keys_at : keys_at + klen]
     if n and (int(ends[-1]) != klen or np.any(np.diff(offsets.astype(np.int64)) <= 0)):
         raise _damaged(where, "its offsets or keys are out of order")
     members = None
     if version >= 2:
         members = _decode_members(data, keys_at + klen + (-klen % 8), n, offsets, where)
-    return SampleIndex(n, size, sha.hex(), offsets, hashes, ends, table, members)
+    return SampleIndex(n, size, sha.hex(), offsets, hashes, ends, table, members, digests)
 
 
 def _decode_members(data: bytes, at: int, n: int, sample_at: np.ndarray, where: str) -> Members:
@@ -294,16 +336,21 @@ def _damaged(where: str, why: str) -> SampleIndexError:
 
 
 def build_index(path: str, shard_bytes: int, sha256_hex: str) -> bytes:
-    """A tar shard's index from its headers (data hopped over): the writer's bytes exactly."""
+    """A tar shard's index from its headers, then its samples' digests (one pass over its
+    bytes, mapped): the writer's bytes exactly."""
     from .tar.tally import tally_tar
 
-    return encode_tally(tally_tar(path, every=1, keys=True, members=True), shard_bytes, sha256_hex)
+    tally = tally_tar(path, every=1, keys=True, members=True)
+    return encode_tally(tally, shard_bytes, sha256_hex, path)
 
 
-def encode_tally(tally, shard_bytes: int, sha256_hex: str) -> bytes:
-    """The index of a shard from its ``tally_tar(..., every=1, keys=True, members=True)``."""
+def encode_tally(tally, shard_bytes: int, sha256_hex: str, path: str) -> bytes:
+    """The index of the shard at ``path`` from its ``tally_tar(..., every=1, keys=True,
+    members=True)``; the samples' digests are read from ``path``."""
     keys = [k.encode("utf-8", "surrogateescape") for k in tally.keys]
-    return encode_index(shard_bytes, sha256_hex, keys, [*tally.index, tally.end], tally.members)
+    offsets = [*tally.index, tally.end]
+    digests = file_digests(path, offsets)
+    return encode_index(shard_bytes, sha256_hex, keys, offsets, tally.members, digests)
 
 
 def load_index(
@@ -393,16 +440,16 @@ def ensure_indexes(directory: str, entries: list) -> list:
 
 def index_digests(data: bytes, samples: int) -> dict[str, str]:
     """A manifest entry's digests of its shard's index file ``data``: ``index_sha256`` (the
-    whole file) and ``columns_sha256`` (its first ``columns_size`` bytes: the head, offsets
-    and key hashes, which a growth check reads without the rest)."""
+    whole file) and ``columns_sha256`` (its columns, ``columns_of``: the head, offsets, key
+    hashes and sample digests, which epochs and a growth check read without the rest)."""
     return {
         "index_sha256": hashlib.sha256(data).hexdigest(),
-        "columns_sha256": hashlib.sha256(memoryview(data)[: columns_size(samples)]).hexdigest(),
+        "columns_sha256": hashlib.sha256(columns_of(data, samples)).hexdigest(),
     }
 
 
 def _matches(index: SampleIndex, e) -> bool:
-    return index.members is not None and (index.samples, index.shard_bytes, index.sha256) == (
+    return index.digests is not None and (index.samples, index.shard_bytes, index.sha256) == (
         e.samples,
         e.bytes,
         e.sha256,
@@ -411,16 +458,29 @@ def _matches(index: SampleIndex, e) -> bool:
 
 @dataclass(frozen=True)
 class IndexColumns:
-    """The fixed-width head of an index: byte ranges and split hashes, without the key table
-    (an epoch that reads a few samples of each shard needs no more: 16 bytes a sample)."""
+    """The fixed-width head of an index: byte ranges, split hashes and sample digests, without
+    the key table (an epoch that reads a few samples of each shard needs no more: 24 bytes a
+    sample)."""
 
     offsets: np.ndarray
     hashes: np.ndarray
+    #: Each sample's ``sample_digest``; None before version 3.
+    digests: np.ndarray | None = None
 
 
-def columns_size(samples: int) -> int:
-    """Bytes of an index's header, offsets and hashes: what ``decode_columns`` reads."""
-    return _HEAD.size + 8 * (samples + 1) + 8 * samples
+def columns_size(samples: int, version: int = VERSION) -> int:
+    """Bytes of an index's header, offsets, hashes and (version 3) digests: what
+    ``decode_columns`` reads. Readers read the current version's size whatever the file's
+    version (an older file is longer than that: its key ends follow) and take
+    ``columns_of`` of it."""
+    return _HEAD.size + 8 * (samples + 1) + (16 if version >= DIGESTS else 8) * samples
+
+
+def columns_of(data: bytes, samples: int) -> memoryview:
+    """The columns of an index whose bytes start ``data`` (at least ``columns_size(samples)``
+    of them): as many as its version has, which ``columns_sha256`` covers."""
+    version = _HEAD.unpack_from(data)[1] if len(data) >= _HEAD.size else VERSION
+    return memoryview(data)[: columns_size(samples, version)]
 
 
 def decode_columns(
@@ -432,11 +492,13 @@ def decode_columns(
     the caller found these bytes' sha256 to be the manifest's ``columns_sha256``, so the
     offsets are the writer's, and their order is not checked again (a pass over every one)."""
     try:
-        if len(data) != columns_size(samples) or data[:8] != MAGIC:
+        if len(data) < _HEAD.size or data[:8] != MAGIC:
             raise _damaged(where, "not a shardkit sample index")
         _, version, _, n, nbytes, sha, _ = _HEAD.unpack_from(data)
         if version not in READS:  # the head is the same in every version read
             raise _damaged(where, f"version {version}, this shardkit reads {READS[-1]} and before")
+        if len(data) < columns_size(samples, version):
+            raise _damaged(where, "not a shardkit sample index")
         if (n, nbytes, sha.hex()) != (samples, size, sha256):
             raise SampleIndexError(
                 f"{where}: stale sample index (it describes another version of its shard); "
@@ -450,10 +512,13 @@ def decode_columns(
         ):
             raise _damaged(where, "its offsets are out of order")
         hashes = np.frombuffer(data, "<u8", n, _HEAD.size + 8 * (n + 1))
+        digests = None
+        if version >= DIGESTS:
+            digests = np.frombuffer(data, "<u8", n, _HEAD.size + 8 * (n + 1) + 8 * n)
     except SampleIndexError as exc:
         warnings.warn(f"{exc}; reading the shard's headers instead", RuntimeWarning, stacklevel=3)
         return None
-    return IndexColumns(offsets, hashes)
+    return IndexColumns(offsets, hashes, digests)
 
 
 def sample_offset(

@@ -23,6 +23,7 @@ from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
+    columns_of,
     columns_size,
     decode_columns,
     index_path,
@@ -295,7 +296,9 @@ def _listed_columns(shard: ShardInfo, storage) -> IndexColumns | None:
     if shard.samples < 0:
         return None
     data = _columns_bytes(shard, storage)
-    if data is None or hashlib.sha256(data).hexdigest() != shard.columns_sha256:
+    if data is None or len(data) < columns_size(shard.samples):
+        return None
+    if hashlib.sha256(columns_of(data, shard.samples)).hexdigest() != shard.columns_sha256:
         return None
     where = index_path(shard.url)
     return decode_columns(data, where, shard.samples, shard.bytes, shard.sha256, listed=True)

@@ -15,20 +15,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SPLIT_SALT, index_path
+from ..formats.sample_index import SPLIT_SALT, index_path, sample_digest
 from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import columns_range, shard_columns
 
-__all__ = ["SKIPPED", "RangeReader", "read_range"]
+__all__ = ["SKIPPED", "RangeReader", "check_sample", "read_range", "warn_undigested"]
 
 
 def read_range(url: str, start: int, stop: int, fd, storage, fix: str, ahead=None) -> bytes:
@@ -95,14 +96,16 @@ SKIPPED = Record("", "", b"", -1)
 class _Columns:
     """A shard's index head as the range reader uses it: offsets as int64 (``offsets[k]`` to
     ``offsets[k + 1]``: sample k's bytes) and key hashes as big-endian bytes (each key's
-    BLAKE2b digest as it comes)."""
+    BLAKE2b digest as it comes), and each sample's digest (None: an index from before them)."""
 
     offsets: np.ndarray
     hashes: np.ndarray
+    digests: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.offsets.nbytes + self.hashes.nbytes
+        extra = 0 if self.digests is None else self.digests.nbytes
+        return self.offsets.nbytes + self.hashes.nbytes + extra
 
 
 #: Index heads kept across epochs (local shards; the least recently used dropped past
@@ -133,7 +136,8 @@ def _columns(shard: ShardInfo, storage, read=None) -> _Columns | None:
     index = shard_columns(shard, storage, read)
     got = None
     if index is not None:
-        got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"))
+        digests = None if index.digests is None else index.digests.astype(np.uint64)
+        got = _Columns(index.offsets.astype(np.int64), index.hashes.astype(">u8"), digests)
     if key is not None:
         _CACHE[key] = got
         _cached[0] += got.nbytes if got is not None else 0
@@ -156,9 +160,12 @@ class RangeReader:
         self._indexes: dict[str, _Columns | None] = {}
         self._fd: tuple[str, int] | None = None
         self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
-        self._shard: tuple[str, object] | None = None  # (url, LmdbSampleReader)
+        #: (url, LmdbSampleReader, its samples' digests or None)
+        self._shard: tuple[str, object, np.ndarray | None] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
         self.reads = 0
+        #: Remote spans fetched a second time for a sample whose digest differed.
+        self._fetched_again: set[tuple[str, tuple[int, int]]] = set()
         #: Remote tar shards: the GETs of the planned slices, kept in flight ahead (``plan``).
         self.ahead = None
 
@@ -230,7 +237,10 @@ class RangeReader:
             return True  # each sample is one descent of the tree: nothing to load first
         if shard.url not in self._indexes:
             self._indexes[shard.url] = _columns(shard, self.storage)
-        return self._indexes[shard.url] is not None
+        index = self._indexes[shard.url]
+        if index is not None and index.digests is None:
+            warn_undigested(shard.url, "tar")
+        return index is not None
 
     def records(
         self,
@@ -261,6 +271,7 @@ class RangeReader:
         index = self._indexes[shard.url]
         pos, starts, ends, bounds, lo, hi = _span_bounds(index, sl, want)
         expect = index.hashes[pos]
+        digests = None if index.digests is None else index.digests[pos]
         # Object storage: a span at a time, so a sample waits for its own GET alone, not for
         # a chunk's (their GETs are in flight ahead together: ``plan``).
         chunk = 0 if is_url(shard.url) else CHUNK
@@ -275,8 +286,13 @@ class RangeReader:
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
+            if digests is not None:  # every byte handed out is the packer's: checked a batch
+                span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
+                check = (rel_starts.tolist(), rel_ends.tolist(), digests[a:b].tolist())
             for c in range(0, b - a, BATCH):
                 d = min(c + BATCH, b - a)  # within this chunk
+                if digests is not None:  # at a time, its bytes still in cache for the parse
+                    self._check_batch(shard, blob, check, c, d, pos[a:b], span)
                 hashes = expect[a + c : a + d]
                 got, unchecked = read_at(
                     blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes
@@ -326,18 +342,48 @@ class RangeReader:
             raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
         return self._buf
 
+    def _check_batch(self, shard, blob, check, c: int, d: int, pos, span) -> None:
+        """Samples ``c .. d`` of a chunk against their index's digests, before they are
+        parsed: ``check`` holds, as lists, each sample's place in ``blob`` (starts, ends) and
+        its digest; ``pos``: the chunk's samples numbered in the shard. One ``sample_digest``
+        call a sample on a slice of the buffer (no copy) and one list comparison a batch, no
+        numpy call (at 16 samples a batch those cost more than the hashing), a batch at a time
+        so the parse finds the bytes in cache (a whole 4 MiB chunk hashed first is read from
+        memory twice). Remote (a chunk is one span, ``span``: its bytes in the shard), a span
+        that differs is fetched again once (a byte altered in transit), then it is an error;
+        local, it is an error at once: never a sample with other bytes than packed (the batches
+        of the span handed out before were checked, and are copies)."""
+        starts, ends, want = check[0][c:d], check[1][c:d], check[2][c:d]
+        bad = _digest_mismatches(blob, starts, ends, want)
+        if not bad:
+            return
+        if span is not None and (shard.url, span) not in self._fetched_again:
+            self._fetched_again.add((shard.url, span))  # once a range, however it then differs
+            lo, hi = span
+            blob[: hi - lo] = read_range(
+                shard.url, lo, hi, None, self.storage, "re-pack it"
+            )
+            self.reads += 1
+            bad = _digest_mismatches(blob, starts, ends, want)
+            if not bad:
+                return
+        raise altered(shard, int(pos[c + bad[0]]), self.storage)
+
     def _lmdb_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
-        reader = self._lmdb_reader(shard)
+        """The wanted samples of an LMDB slice: one lookup each, checked against the digest its
+        shard's index record holds (``LmdbSampleReader.get``) before it is handed out."""
+        reader, digests = self._lmdb_reader(shard)
         names = tuple(fields or ())
+        get = reader.get
         if not skipped:  # the wanted alone (a shard's slices joined: the holes between are long)
             self.reads += int(np.count_nonzero(want))
             for k in (np.flatnonzero(want) + sl.start).tolist():
-                yield reader.get(k, names)
+                yield get(k, names, None if digests is None else int(digests[k]))
             return
         for k, wanted in zip(range(sl.start, sl.stop), want.tolist(), strict=True):
             if wanted:
                 self.reads += 1
-                yield reader.get(k, names)
+                yield get(k, names, None if digests is None else int(digests[k]))
             elif skipped:
                 yield SKIPPED
 
@@ -347,18 +393,25 @@ class RangeReader:
         from ..formats.lmdb import LmdbSampleReader
 
         if self._shard is not None and self._shard[0] == shard.url:
-            return self._shard[1]
+            return self._shard[1], self._shard[2]
         self.close()
         reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=None)
-        if shard.samples >= 0 and reader.samples != shard.samples:
+        try:
+            if shard.samples >= 0 and reader.samples != shard.samples:
+                raise ShardFormatError(
+                    f"{shard.url}: holds {reader.samples} samples, its manifest says "
+                    f"{shard.samples}; the manifest belongs to another version of the shard: "
+                    "re-pack it or rebuild the manifest"
+                )
+            index = reader.index(shard.samples)  # one lookup: the samples' digests
+        except BaseException:
             reader.close()
-            raise ShardFormatError(
-                f"{shard.url}: holds {reader.samples} samples, its manifest says "
-                f"{shard.samples}; the manifest belongs to another version of the shard: "
-                "re-pack it or rebuild the manifest"
-            )
-        self._shard = (shard.url, reader)
-        return reader
+            raise
+        digests = None if index is None else index.digests
+        if digests is None:
+            warn_undigested(shard.url, "lmdb")
+        self._shard = (shard.url, reader, digests)
+        return reader, digests
 
     def _read(self, shard: ShardInfo, a: int, b: int) -> bytes:
         self.reads += 1
@@ -454,3 +507,76 @@ def _hash(key: str) -> int:
     """A key's split hash, as the index stores it."""
     raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+def _digest_mismatches(blob, starts: list[int], ends: list[int], want: list[int]) -> list[int]:
+    """Where the samples at ``blob[starts[i]:ends[i]]`` differ from their digests ``want``
+    (positions into them; empty: none)."""
+    view, digest = memoryview(blob), sample_digest
+    got = [digest(view[a:b]) for a, b in zip(starts, ends, strict=True)]
+    if got == want:
+        return []
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+
+
+def check_sample(shard: ShardInfo, j: int, data, digest: int | None, storage, again=None):
+    """``data`` (sample ``j`` of ``shard``, its bytes as its index places them) if its digest is
+    ``digest`` (None: an index from before digests, unchecked); else, remote, ``again()`` (the
+    same range fetched once more) if that matches; else ``altered``'s error."""
+    if digest is None or sample_digest(data) == digest:
+        return data
+    if again is not None:
+        data = again()
+        if sample_digest(data) == digest:
+            return data
+    raise altered(shard, j, storage)
+
+
+def altered(shard: ShardInfo, j: int, storage) -> Exception:
+    """The one-line error for sample ``j`` of ``shard`` whose bytes are not its digest's: local,
+    the shard was altered since packing (``ShardFormatError``); remote, the bytes came back
+    other than packed twice (``StorageError``). Names the key, from the shard's index (this
+    path only: a read that checks keeps no key table)."""
+    from .indexes import shard_index
+
+    try:
+        index = shard_index(shard, storage)
+        key = repr(index.key(j)) if index is not None else "unknown"
+    except Exception:  # the message must come out whatever else is wrong
+        key = "unknown"
+    if is_url(shard.url):
+        return StorageError(
+            f"{shard.url}: sample {j} (key {key}) came back with other bytes than its sample "
+            "index's digest, twice (altered in the store or in transit); check the shard with "
+            "`shardkit verify` on the dataset, and upload it again"
+        )
+    return ShardFormatError(
+        f"{shard.url}: sample {j} (key {key}) is not the bytes packed (its digest differs from "
+        "its sample index's: the shard was altered since); restore or re-pack it "
+        "(`shardkit verify` names every damaged shard)"
+    )
+
+
+#: Datasets (their folder or URL) warned about in this process (``warn_undigested``).
+_UNDIGESTED: set[str] = set()
+
+
+def warn_undigested(url: str, fmt: str) -> None:
+    """Warn once per dataset (per process) that a read of part of a shard of it is unchecked:
+    its index predates sample digests. Names the fix: ``shardkit index --rehash`` (tar, no
+    shard rewritten), or packing again (LMDB: the digests live inside the shard)."""
+    where = url.rsplit("/", 1)[0] if "/" in url else "."
+    if where in _UNDIGESTED:
+        return
+    _UNDIGESTED.add(where)
+    if fmt == "tar":
+        fix = f"`shardkit index --rehash {where}` writes them without rewriting a shard"
+    else:
+        fix = "pack it again (`shardkit pack`) to add them (they live inside each LMDB shard)"
+    warnings.warn(
+        f"{where}: its shards have no per-sample digests (sample indexes from an older "
+        "shardkit, or none), so reads of part of a shard (splits, subsets, ShardView, ls/show) "
+        f"hand out their bytes unchecked; {fix}",
+        RuntimeWarning,
+        stacklevel=4,
+    )

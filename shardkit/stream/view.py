@@ -48,7 +48,7 @@ from ..records import Record, ShardInfo, ShardTable
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_columns, shard_index
-from .ranges import read_range
+from .ranges import check_sample, read_range, warn_undigested
 from .sources import resolve_source
 from .stages import decoded_fields, empty_as_said, sample_error
 from .storage import storage_for
@@ -151,7 +151,8 @@ class ShardView:
             return self._lmdb_table(shard)
         index = shard_index(shard, self.storage)
         if index is not None:  # one read of the index file beside the shard
-            return _Table(index.samples, index, index.offsets.astype(np.int64), index.members)
+            offsets = index.offsets.astype(np.int64)
+            return _Table(index.samples, index, offsets, index.members, index.digests)
         try:
             with self.storage.open(shard) as stream:
                 tally = tally_tar(stream, shard=shard.url, every=1, keys=True)
@@ -172,7 +173,8 @@ class ShardView:
             self._held_to(reader, shard.url)
             index = reader.index(shard.samples)
             keys = reader.keys() if index is None else index
-            return _Table(reader.samples, keys, np.empty(0, np.int64))
+            digests = None if index is None else index.digests
+            return _Table(reader.samples, keys, np.empty(0, np.int64), digests=digests)
         finally:
             reader.close()
 
@@ -316,11 +318,11 @@ class ShardView:
     def _record(self, shard: int, info: ShardInfo, j: int, fields) -> Record:
         table = self._table(shard)  # LMDB: first, for the identity the reader is held to
         if self.format == "lmdb":
-            rec = self._reader(shard, info).get(j, fields)
+            if table.digests is None:  # said once per dataset, when a sample is first read
+                warn_undigested(info.url, "lmdb")
+            rec = self._reader(shard, info).get(j, fields, table.digest(j))
         else:
-            off = table.offsets
-            blob = self._read(shard, info, int(off[j]), int(off[j + 1]))
-            rec = read_sample(blob, info.url, fields)
+            rec = read_sample(self._sample(shard, info, j, table), info.url, fields)
         if rec is None or rec.key != table.key(j):
             raise ShardFormatError(
                 f"{info.url}: sample {j} is not where the index says (the shard changed since "
@@ -355,12 +357,13 @@ class ShardView:
         table, info = self._table(shard), self.shards[shard]
         if table.members is None:
             return None
+        read = self._part_reader(shard, info, j, table)
         key = table.key(j).encode("utf-8", "surrogateescape")
         out = []
         for ext, at, size in table.members.of(j):
             if ext not in wanted:
                 continue
-            blob = self._read(shard, info, at - BLOCK, at + size)
+            blob = read(at - BLOCK, at + size)
             name = blob[:100].rstrip(b"\0")
             want = key + b"." + ext.encode("utf-8", "surrogateescape")
             if name[: len(key)] != key[:100] or name.lower() != want[:100].lower():
@@ -377,7 +380,7 @@ class ShardView:
 
         shard, j = self._locate(i)
         table, info = self._table(shard), self.shards[shard]
-        blob = self._read(shard, info, int(table.offsets[j]), int(table.offsets[j + 1]))
+        blob = self._sample(shard, info, j, table)
         key = table.key(j).encode("utf-8", "surrogateescape")
         out = []
         buf = _Buffer(io.BytesIO(blob + _END), info.url, len(blob) + len(_END))
@@ -416,11 +419,12 @@ class ShardView:
         """The summary from the index, each member's header read and compared with it; None
         where a header is not what the index says (a long name read whole; else a warning)."""
         info = self.shards[shard]
+        read = self._part_reader(shard, info, j, table)
         key = table.key(j).encode("utf-8", "surrogateescape")
         sizes, label_data = [], None
         for ext, at, size in table.members.of(j):
             labelled = label_data is None and ext.lower() in LABEL_EXTS
-            blob = self._read(shard, info, at - BLOCK, at + size if labelled else at)
+            blob = read(at - BLOCK, at + size if labelled else at)
             name = blob[:100].rstrip(b"\0")
             want = key + b"." + ext.encode("utf-8", "surrogateescape")
             if name[: len(key)] != key[:100] or name.lower() != want[:100].lower():
@@ -464,6 +468,28 @@ class ShardView:
                 f"{url}: the LMDB shard was replaced or rewritten since the view was "
                 "made; make the view again"
             )
+
+    def _sample(self, shard: int, info: ShardInfo, j: int, table: _Table) -> bytes:
+        """Sample ``j``'s bytes as its index places them, checked against its digest where the
+        index has one (``ranges.check_sample``: a remote range that differs is fetched once
+        more, then it is an error; never other bytes than packed)."""
+        start, stop = int(table.offsets[j]), int(table.offsets[j + 1])
+        if table.digests is None:  # said once per dataset, when a sample is first read
+            warn_undigested(info.url, "tar")
+        data = self._read(shard, info, start, stop)
+        again = (lambda: self._read(shard, info, start, stop)) if is_url(info.url) else None
+        return check_sample(info, j, data, table.digest(j), self.storage, again)
+
+    def _part_reader(self, shard: int, info: ShardInfo, j: int, table: _Table):
+        """``read(start, stop)`` of bytes within sample ``j``: where its index holds digests,
+        slices of the whole sample, read once and checked (a member alone cannot be checked:
+        the digest covers the sample); else a read of those bytes alone, as before digests."""
+        if table.digests is None:
+            warn_undigested(info.url, "tar")
+            return lambda a, b: self._read(shard, info, a, b)
+        base = int(table.offsets[j])
+        whole = memoryview(self._sample(shard, info, j, table))
+        return lambda a, b: bytes(whole[a - base : b - base])
 
     def _read(self, shard: int, info: ShardInfo, start: int, stop: int) -> bytes:
         self._fresh()
@@ -580,12 +606,25 @@ class _Table:
     gave (a key list; a dict built on the first lookup). ``members``: each sample's members,
     where the index lists them (tar index version 2)."""
 
-    __slots__ = ("samples", "_keys", "offsets", "_by_key", "members")
+    __slots__ = ("samples", "_keys", "offsets", "_by_key", "members", "digests")
 
-    def __init__(self, samples: int, keys, offsets: np.ndarray, members: Members | None = None):
+    def __init__(
+        self,
+        samples: int,
+        keys,
+        offsets: np.ndarray,
+        members: Members | None = None,
+        digests: np.ndarray | None = None,
+    ):
         self.samples, self._keys, self.offsets = samples, keys, offsets
         self.members = members
+        #: Each sample's digest (tar index version 3, LMDB index record version 2); None where
+        #: the index predates them or there is none (reads unchecked: a warning said so).
+        self.digests = digests
         self._by_key: dict[str, int] | None = None
+
+    def digest(self, j: int) -> int | None:
+        return None if self.digests is None else int(self.digests[j])
 
     def key(self, j: int) -> str:
         keys = self._keys

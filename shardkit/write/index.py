@@ -48,9 +48,23 @@ class IndexResult:
     kept: bool = False
     #: ``append=True``: the shards added to the manifest (0: it listed every shard given).
     added: int | None = None
+    #: ``rehash=True``: the shards whose sample index was written anew (0: none needed it).
+    rehashed: int | None = None
 
     def summary(self) -> str:
         m = self.manifest
+        if self.rehashed is not None:
+            if not self.rehashed:
+                return (
+                    f"every sample index beside {self.manifest_path} holds per-sample digests "
+                    "already: nothing to rewrite"
+                )
+            n = self.rehashed
+            return (
+                f"rewrote {n} sample index{'es' if n != 1 else ''} beside {self.manifest_path} "
+                f"with per-sample digests ({len(m.shards)} shards, {m.num_samples} samples); "
+                "the manifest lists their checksums"
+            )
         n = self.imageless
         extra = f", {n} record{'s' if n != 1 else ''} without an image passed over" if n else ""
         if self.added is not None:
@@ -101,6 +115,7 @@ def index_shards(
     *,
     overwrite: bool = False,
     append: bool = False,
+    rehash: bool = False,
     progress: bool = False,
 ) -> list[IndexResult]:
     """Write ``manifest.json`` beside the given tar shards (one per directory), reading each once.
@@ -111,14 +126,20 @@ def index_shards(
     shards get counts and checksums but no offset index (they cannot seek). Raises OutputError
     if a manifest already exists there, unless ``overwrite=True`` (``--overwrite``: every shard
     read again) or ``append=True`` (``--append``: only the shards it does not list are read and
-    added after the others, O(the new shards); ``append_shards``).
+    added after the others, O(the new shards); ``append_shards``). ``rehash=True``
+    (``--rehash``): a dataset made before sample digests gets them: each tar shard whose index
+    is missing or of an older version is read once, checked against its manifest entry, and its
+    index written anew; then the manifest's ``index_sha256``/``columns_sha256`` (``rehash``).
     """
     from ..progress import track
 
+    if sum((overwrite, append, rehash)) > 1:
+        raise InputError("pass one of append=True, overwrite=True and rehash=True")
+    if rehash:  # whole datasets: each directory given, or each shard's
+        dirs = [p if os.path.isdir(p) else os.path.dirname(p) or "." for p in map(os.fspath, paths)]
+        return [rehash_indexes(os.path.abspath(d), progress) for d in dict.fromkeys(dirs)]
     files = _expand([os.fspath(p) for p in paths])
     by_dir = _by_dir(files)
-    if overwrite and append:
-        raise InputError("pass append=True or overwrite=True, not both")
     grown: list[IndexResult] = []
     if append:  # directories with a manifest grow; any other is indexed as without append
         grown = [
@@ -252,7 +273,7 @@ def _read_tar(p: str):
     sha = hashing.sha.hexdigest()
     data = None
     if not is_gzip_name(p) and tally.samples:
-        data = encode_tally(tally, hashing.bytes, sha)
+        data = encode_tally(tally, hashing.bytes, sha, p)
     return tally, hashing.bytes, sha, data
 
 
@@ -271,17 +292,62 @@ def _listed(target: str, files: list[str]) -> Manifest:
     return manifest
 
 
-def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
+def rehash_indexes(d: str, progress: bool = False) -> IndexResult:
+    """``shardkit index --rehash D``: give the dataset in ``d`` (a pack's, or one ``shardkit
+    index`` made) sample digests without rewriting a shard. Each tar shard whose index is not
+    the current version with the manifest's ``index_sha256`` (missing, older, or another) is
+    read once and checked against its manifest entry (size, sha256, count), and its index
+    written anew (a temporary name, then a rename); then the manifest, atomically, with each
+    index's ``index_sha256`` and ``columns_sha256``. Interrupted anywhere, readers meet either
+    the old manifest (an index it does not list is read around, with a warning) or the new
+    one; running it again finishes the job and gives the same bytes. LMDB shards hold their
+    digests inside: they are packed again instead (``shardkit pack``). A folder of tars
+    without a manifest is indexed as ``shardkit index D`` indexes it."""
+    path = os.path.join(d, MANIFEST_NAME)
+    if not os.path.lexists(path):  # foreign tars: indexed as without --rehash, digests and all
+        (result,) = index_shards([d], progress=progress)
+        return replace(result, rehashed=len(result.manifest.shards))
+    manifest = read_manifest(path)
+    if manifest.shard_format != "tar":
+        raise InputError(
+            f"{d}: holds {manifest.shard_format} shards, whose sample digests live inside each "
+            "shard: pack the dataset again (`shardkit pack`) to add them"
+        )
+    kept = [e.path for e in manifest.shards if _is_current(os.path.join(d, e.path), e)]
+    result = _index_packed(d, manifest, progress, current=_is_current)
+    tars = [e for e in manifest.shards if e.path.endswith(".tar")]
+    return replace(result, rehashed=len(tars) - len(kept))
+
+
+def _is_current(p: str, e: ShardEntry) -> bool:
+    """Whether the index beside shard ``p`` is the current version and the one ``e`` lists."""
+    import hashlib
+
+    from ..formats.sample_index import VERSION, read_local
+
+    data = read_local(index_path(p))
+    return (
+        data is not None
+        and bool(e.index_sha256)
+        and len(data) > 12
+        and int.from_bytes(data[8:12], "little") == VERSION
+        and hashlib.sha256(data).hexdigest() == e.index_sha256
+        and e.columns_sha256 == index_digests(data, e.samples)["columns_sha256"]
+    )
+
+
+def _index_packed(d: str, manifest: Manifest, progress: bool, current=None) -> IndexResult:
     """Write the sample index of each plain tar shard ``manifest`` lists (older packs have
     none), reading each shard once and checking it against the manifest's size and sha256;
     then, where the manifest lacks their sha256 (an older pack), replace it atomically by the
-    same manifest with them added (interrupted, the old one stays, and a rerun finishes)."""
+    same manifest with them added (interrupted, the old one stays, and a rerun finishes).
+    ``current(path, entry)``: where true, the shard's index is kept as it is (not read)."""
     from ..progress import track
 
     entries = []
     for e in track(manifest.shards, "index", "shard", enabled=progress):
         p = os.path.join(d, e.path)
-        if not e.path.endswith(".tar"):
+        if not e.path.endswith(".tar") or (current is not None and current(p, e)):
             entries.append(e)
             continue
         with open_regular(p, buffering=0) as raw:
@@ -297,7 +363,7 @@ def _index_packed(d: str, manifest: Manifest, progress: bool) -> IndexResult:
                 f"{p}: is not the shard its manifest lists (size, sha256 or sample count differ); "
                 f"`shardkit verify {d}` says more; re-pack it"
             )
-        data = encode_tally(tally, e.bytes, e.sha256)
+        data = encode_tally(tally, e.bytes, e.sha256, p)
         try:
             write_index_file(p, data)
         except OSError as exc:

@@ -29,6 +29,7 @@ import numpy as np
 from ..formats import get_format
 from ..formats.lmdb import lmdb_keys, read_lmdb_index
 from ..formats.sample_index import (
+    columns_of,
     columns_size,
     decode_columns,
     index_path,
@@ -131,7 +132,9 @@ def _listed_columns(idx: str, entry: ShardEntry) -> np.ndarray | None:
         return None
     finally:
         os.close(fd)
-    if hashlib.sha256(head).hexdigest() != entry.columns_sha256:
+    if len(head) < columns_size(entry.samples):
+        return None
+    if hashlib.sha256(columns_of(head, entry.samples)).hexdigest() != entry.columns_sha256:
         return None
     cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256, listed=True)
     return None if cols is None else np.asarray(cols.hashes, dtype=np.uint64)

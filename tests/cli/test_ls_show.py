@@ -46,13 +46,15 @@ def _cli(*args):
 def test_ls_lists_keys_labels_members_escaped(hostile):
     res = _cli("ls", hostile)
     assert res.exit_code == 0, res.output
-    lines = res.output.splitlines()
+    lines = res.stdout.splitlines()
     assert len(lines) == 4  # "..hidden.jpg" has an empty key: not a sample
+    (said,) = res.stderr.splitlines()  # foreign tars, no digests: read unchecked, said once
+    assert said.startswith("warning: ") and "no per-sample digests" in said
     assert "\x1b" not in res.output and "\u202e" not in res.output
     assert lines[0] == "0  ../../escape  label 1  jpg 4 B, cls 1 B"
     assert lines[2] == "2  dir/  label -1  .%2f..%2fx.jpg 5 B"  # the key ends at the first dot
     assert lines[3].startswith("3  red\\x1b[31mkey  label -1  jpg 5 B, txt ")
-    assert _cli("ls", hostile, "--head", "2").output.count("\n") == 2
+    assert _cli("ls", hostile, "--head", "2").stdout.count("\n") == 2
 
 
 def test_show_prints_fields_with_control_characters_escaped(hostile):
@@ -229,10 +231,14 @@ def test_ls_and_show_give_the_same_with_and_without_the_index(tmp_path):
         if not n.endswith(".idx"):
             os.link(out / n, bare / n)
     assert any(n.endswith(".idx") for n in os.listdir(out))
+    said = ""
     for args in (("ls",), ("ls", "--json", "--offset", "5"), ("show", "#7"), ("show", "a/k4")):
         a, b = _cli(args[0], out, *args[1:]), _cli(args[0], bare, *args[1:])
         assert a.exit_code == b.exit_code == 0
-        assert a.output.replace(str(out), "OUT") == b.output.replace(str(bare), "OUT")
+        assert a.stdout.replace(str(out), "OUT") == b.stdout.replace(str(bare), "OUT")
+        assert not a.stderr
+        said += b.stderr
+    assert said.count("no per-sample digests") == 1  # unchecked: said, once in this process
 
 
 def test_ls_lists_members_and_sizes_from_the_index_and_headers(tmp_path):
@@ -249,15 +255,17 @@ def test_ls_lists_members_and_sizes_from_the_index_and_headers(tmp_path):
     old = tmp_path / "old"  # the previous release's indexes (no members): the shards are read
     shutil.copytree(out, old)
     as_previous_release(old)
-    assert _cli("ls", old, "--json").output == want and _cli("ls", old).output == text
-    for n in os.listdir(out):  # every member's data but the labels' zeroed: ls reads headers
-        if n.endswith(".tar"):
+    assert _cli("ls", old, "--json").stdout == want and _cli("ls", old).stdout == text
+    for n in os.listdir(out):  # every member's data but the labels' zeroed: ls checks each
+        if n.endswith(".tar"):  # sample it lists against its digest, and names the damage
             shard = str(out / n)
             members = decode_index(open(index_path(shard), "rb").read(), shard).members
             with open(shard, "r+b") as f:
                 for ext, at, size in (m for j in range(len(members.labels)) for m in members.of(j)):
                     if ext != "cls":
                         os.pwrite(f.fileno(), bytes(size), at)
-    assert _cli("ls", out, "--json").output == want and _cli("ls", out).output == text
+    for args in (("--json",), ()):
+        got = _cli("ls", out, *args).output
+        assert "shard-000000.tar: sample 0 (key 'a/k0') is not the bytes packed" in got
     docs = [json.loads(line) for line in want.splitlines()]
     assert docs[5]["members"] == [["jpg", 502], ["cls", 1], ["json", 64]]

@@ -113,12 +113,13 @@ def src(tmp_path):
 
 def test_the_record_round_trips_and_hashes_as_the_tar_index():
     keys = [b"a/k1", "ü/ß".encode(), b"x" * 300, b"b"]
-    ix = decode_lmdb_index(encode_lmdb_index(keys), "s.lmdb", 4)
+    ix = decode_lmdb_index(encode_lmdb_index(keys, [1, 2, 3, 2**64 - 1]), "s.lmdb", 4)
     assert ix.keys() == [k.decode() for k in keys] and ix.key(1) == "ü/ß"
+    assert ix.digests.tolist() == [1, 2, 3, 2**64 - 1]
     assert ix.hashes.tolist() == key_hashes(keys).tolist()
     assert [ix.position(k.decode()) for k in keys] == [0, 1, 2, 3]
     assert ix.position("a/k") is None and ix.position("") is None
-    empty = decode_lmdb_index(encode_lmdb_index([]), "s.lmdb", 0)
+    empty = decode_lmdb_index(encode_lmdb_index([], []), "s.lmdb", 0)
     assert empty.keys() == [] and len(empty.hashes) == 0
 
 
@@ -160,6 +161,7 @@ def test_splits_subsets_views_ls_and_show_are_the_same_without_the_record(tmp_pa
     assert len(shards(out)) > 2 and all(record(p) is None for p in shards(bare))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a shard without a record is no warning
+        warnings.filterwarnings("ignore", "(?s).*no per-sample digests")  # but unchecked: said
         for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train"}):
             assert _split(out, **kw) == _split(bare, **kw)
         assert _split(out, subset=keys[::3]) == _split(bare, subset=keys[::3]) == keys[::3]
@@ -242,7 +244,8 @@ def test_a_damaged_record_is_named_and_read_around(tmp_path):
     put_record(first, bytes(bad))
     n2 = read_manifest(str(out)).shards[1].samples
     fewer = [k.encode() for k in LmdbSampleReader(second).keys()[:-1]]
-    put_record(second, encode_lmdb_index(fewer))  # checks out, but lists one sample less
+    # checks out, but lists one sample less
+    put_record(second, encode_lmdb_index(fewer, [0] * len(fewer)))
     for path, why in ((first, "checksum"), (second, f"lists {n2 - 1} samples, the shard holds")):
         with pytest.warns(RuntimeWarning, match=rf"{os.path.basename(path)}: damaged sample index"):
             assert read_lmdb_index(path)[0] is None
@@ -267,7 +270,8 @@ def test_verify_names_a_record_whose_keys_are_not_the_samples(tmp_path):
     assert verify(str(out)).ok
     keys = [k.encode() for k in LmdbSampleReader(path).keys()]
     keys[3], keys[4] = keys[4], keys[3]
-    put_record(path, encode_lmdb_index(keys))  # checks out, but lists other keys
+    digests = LmdbSampleReader(path).index().digests
+    put_record(path, encode_lmdb_index(keys, digests))  # checks out, but lists other keys
     recommit(out)
     report = verify(str(out))
     (bad,) = report.bad

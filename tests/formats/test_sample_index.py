@@ -314,22 +314,27 @@ def test_the_members_section_lists_each_members_data_range(tmp_path):
     assert ix.members.names == ("jpg", "cls", "txt", "json")  # ids into a table of distinct ones
 
 
-def test_the_epochs_head_does_not_grow_and_a_version_1_index_is_still_read(src, tmp_path):
+def test_the_epochs_head_grows_by_the_digests_and_a_version_1_index_is_still_read(src, tmp_path):
     from shardkit.formats.sample_index import columns_size, decode_columns
 
     out = tmp_path / "out"
     quiet(pack, src, str(out), shard_size="6kB", progress=False)
     e = read_manifest(str(out)).shards[0]
     shard = os.path.join(out, e.path)
-    v2 = open(index_path(shard), "rb").read()
-    assert columns_size(e.samples) == 72 + 16 * e.samples + 8  # as in version 1
-    head = decode_columns(v2[: columns_size(e.samples)], shard, e.samples, e.bytes, e.sha256)
-    assert head is not None and head.offsets.tolist() == decode_index(v2, shard).offsets.tolist()
+    v3 = open(index_path(shard), "rb").read()
+    n = e.samples
+    assert columns_size(n) == 72 + 24 * n + 8 == columns_size(n, 1) + 8 * n  # 8 bytes a sample
+    head = decode_columns(v3[: columns_size(n)], shard, n, e.bytes, e.sha256)
+    assert head is not None and head.offsets.tolist() == decode_index(v3, shard).offsets.tolist()
+    assert head.digests is not None and head.digests.tolist() == (
+        decode_index(v3, shard).digests.tolist()
+    )
     as_previous_release(out)
     v1 = open(index_path(shard), "rb").read()
-    assert v1[8] == 1 and len(v1) < len(v2) and v1[: columns_size(e.samples)][12:] == v2[
-        : columns_size(e.samples)
+    assert v1[8] == 1 and len(v1) < len(v3) and v1[: columns_size(n, 1)][12:] == v3[
+        : columns_size(n, 1)
     ][12:]  # fmt: skip
+    v2 = v3  # the same bytes up to the key hashes: the rest of this test is version 1's
     old = decode_index(v1, shard)
     assert old.members is None and old.keys() == decode_index(v2, shard).keys()
     with warnings.catch_warnings():

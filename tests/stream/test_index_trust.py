@@ -152,7 +152,7 @@ def test_a_tar_key_table_that_is_not_the_shards_is_an_error_naming_it(tar_pack, 
     b = next(i for i, k in enumerate(keys) if k not in val and len(k) == len(keys[a]))
     keys[a], keys[b] = keys[b], keys[a]
     with open(index_path(shard), "wb") as f:
-        f.write(encode_tally(tally, entry.bytes, entry.sha256))
+        f.write(encode_tally(tally, entry.bytes, entry.sha256, shard))
     without_index_sha256(tar_pack)
     with pytest.raises(ShardFormatError) as err:
         _split(tar_pack, split)
@@ -176,8 +176,8 @@ def _rewrite_record(path: str, change) -> None:
     with env.begin() as txn:
         old = bytes(txn.get(INDEX_KEY))
     env.close()
-    keys = [k.encode() for k in decode_lmdb_index(old, path, _count(old)).keys()]
-    new = change(keys)
+    index = decode_lmdb_index(old, path, _count(old))
+    new = change([k.encode() for k in index.keys()], index.digests)
     assert len(new) == len(old) and new != old
     data = open(path, "rb").read()
     assert data.count(old) == 1
@@ -193,8 +193,8 @@ def test_an_lmdb_index_record_with_a_flipped_hash_and_a_valid_checksum(lmdb_pack
     out, shard = lmdb_pack
     val, train = _truth(out)
 
-    def flip(keys):
-        record = bytearray(encode_lmdb_index(keys))
+    def flip(keys, digests):
+        record = bytearray(encode_lmdb_index(keys, digests))
         i = next(i for i, h in enumerate(key_hashes(keys).tolist()) if h < VAL * 2**64)
         record[32 + 8 * i + 7] ^= 0x80  # the head is 32 bytes, then the hashes
         record[-32:] = hashlib.sha256(bytes(record[:-32])).digest()
@@ -213,12 +213,12 @@ def test_an_lmdb_key_table_that_is_not_the_shards_is_an_error_naming_it(lmdb_pac
     out, shard = lmdb_pack
     val, _ = _truth(out)
 
-    def swap(keys):
+    def swap(keys, digests):
         a = next(i for i, k in enumerate(keys) if k.decode() in val)
         b = next(i for i, k in enumerate(keys) if k.decode() not in val and len(k) == len(keys[a]))
         keys = list(keys)
         keys[a], keys[b] = keys[b], keys[a]
-        return encode_lmdb_index(keys)
+        return encode_lmdb_index(keys, digests)
 
     _rewrite_record(shard, swap)
     with pytest.raises(ShardFormatError) as err:

@@ -220,7 +220,9 @@ def _rchar() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts reads through /proc")
-def test_members_by_name_read_only_their_byte_ranges(captioned, tmp_path):
+def test_members_by_name_read_their_sample_once_checked(captioned, tmp_path):
+    """With sample digests, a member is handed out only once its sample's bytes are checked:
+    the sample's range is read whole (one read), never a member alone."""
     import os
 
     from conftest import as_previous_release
@@ -231,7 +233,7 @@ def test_members_by_name_read_only_their_byte_ranges(captioned, tmp_path):
     got = [view.members(i, ("txt",)) for i in range(30)]
     read = _rchar() - before
     assert got == [[("txt", b"caption %d" % i)] for i in range(30)]
-    assert read <= 30 * (512 + 12) + 1024 < 20_000  # a header and a caption each (+ /proc)
+    assert 30 * 20_000 < read <= 30 * (22_000 + 512 + 1024) + 1024  # each sample once (+ /proc)
     assert view.members(3, ["TXT", "cls"]) == [("cls", b"1"), ("txt", b"caption 3")]
     assert view.members(3, ()) == [] and len(view.members(3)) == 3
     old = tmp_path / "old"  # packed by the previous release: version-1 indexes
@@ -242,13 +244,14 @@ def test_members_by_name_read_only_their_byte_ranges(captioned, tmp_path):
     as_previous_release(old)
     view_v1 = ShardView(str(old))
     before = _rchar()
-    assert [view_v1.members(i, ("txt",)) for i in range(30)] == got  # the whole samples read
+    with pytest.warns(RuntimeWarning, match="no per-sample digests"):
+        assert [view_v1.members(i, ("txt",)) for i in range(30)] == got  # unchecked: said once
     assert _rchar() - before > 30 * 20_000
     assert [view_v1.summary(i) for i in range(30)] == [view.summary(i) for i in range(30)]
 
 
 @pytest.mark.slow
-def test_members_by_name_over_s3_are_one_small_ranged_get_each(captioned, s3):
+def test_members_by_name_over_s3_are_one_ranged_get_of_their_sample_each(captioned, s3):
     pytest.importorskip("s3fs")
     from remote_servers import S3Server
 
@@ -260,7 +263,8 @@ def test_members_by_name_over_s3_are_one_small_ranged_get_each(captioned, s3):
     assert view.members(7, ("txt",)) == [("txt", b"caption 7")]
     (get,) = [e for e in s3.log.entries if e[0] == "GET"]  # the index was read before
     lo, hi = (int(x) for x in get[2].removeprefix("bytes=").split("-"))
-    assert get[1].endswith("shard-000000.tar") and hi - lo + 1 == 512 + len(b"caption 7")
+    offsets = view._table(0).offsets  # the sample's range: what its digest covers
+    assert get[1].endswith("shard-000000.tar") and (lo, hi + 1) == (offsets[7], offsets[8])
 
 
 def test_members_by_name_of_a_shard_changed_under_the_view_are_refused(tmp_path):
@@ -272,7 +276,7 @@ def test_members_by_name_of_a_shard_changed_under_the_view_are_refused(tmp_path)
     assert len(view.shards) > 1 and view.members(0, ("txt",)) == [("txt", b"caption 0")]
     view.close()
     (out / "shard-000001.tar").replace(out / "shard-000000.tar")  # other samples, same layout
-    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 0 is not where"):
+    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 0 \(key 'k0'\) is not"):
         view.members(0, ("txt",))
 
 

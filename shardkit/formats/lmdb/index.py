@@ -5,8 +5,10 @@ samples that is one page per sample (the start of each value), O(dataset) reads.
 holds the keys (a key table and its ends) and their split hashes (``sample_index.key_hashes``,
 the values of the tar index: a split is the same in either format) as fixed-width little-endian
 columns, so one lookup per shard gives them and numpy views them without a per-sample object.
-It ends with the sha256 of everything before it; being inside the shard, the manifest's sha256
-of the shard covers it too. FORMAT.md, "LMDB shards", specifies the bytes.
+Version 2 adds each sample's digest (``lmdb_digest``: its value and fields), which a read of
+part of the shard checks before it hands the sample out. It ends with the sha256 of everything
+before it; being inside the shard, the manifest's sha256 of the shard covers it too.
+FORMAT.md, "LMDB shards", specifies the bytes.
 """
 
 from __future__ import annotations
@@ -17,18 +19,48 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ...errors import ShardFormatError
 from ..sample_index import KeyTable, key_hashes
 
-__all__ = ["INDEX_KEY", "LmdbIndex", "LmdbIndexError", "decode_lmdb_index", "encode_lmdb_index"]
+__all__ = [
+    "INDEX_KEY",
+    "LmdbIndex",
+    "LmdbIndexError",
+    "decode_lmdb_index",
+    "encode_lmdb_index",
+    "lmdb_digest",
+]
 
 #: Sorts after the sample keys (digits) and after ``__shardkit__``: never met by a sample cursor.
 INDEX_KEY = b"__shardkit_index__"
 MAGIC = b"SKLMDBIX"
-VERSION = 1
+VERSION = 2
+#: Versions read: 1 (no digests: partial reads are unchecked, and say so once).
+READS = (1, 2)
 #: magic, version, reserved, samples, key-table bytes.
 _HEAD = struct.Struct("<8sII QQ")
+_NAME = struct.Struct("<I")
+_SIZE = struct.Struct("<Q")
+
+
+def lmdb_digest(value: bytes, fields=()) -> int:
+    """A sample's digest: XXH3-64 (seed 0) of its stored value (``encode_value``'s bytes), then
+    for each of its fields in name order (the order of their LMDB keys): the name's UTF-8 length
+    (uint32 LE), the name, the value's length (uint64 LE), the value. ``fields``: ``(name,
+    bytes)`` pairs. A sample without fields: XXH3-64 of its value alone."""
+    if not fields:
+        return xxhash.xxh3_64_intdigest(value)
+    h = xxhash.xxh3_64(value)
+    for name, data in sorted((n.encode("utf-8", "surrogateescape"), d) for n, d in fields):
+        h.update(_NAME.pack(len(name)))
+        h.update(name)
+        h.update(_SIZE.pack(len(data)))
+        h.update(data)
+    return h.intdigest()
+
+
 _TRAILER = 32  # sha256 of everything before it
 
 
@@ -36,20 +68,24 @@ class LmdbIndexError(ShardFormatError):
     """An index record that is damaged or does not describe the samples of its shard."""
 
 
-def index_record_size(samples: int, key_bytes: int) -> int:
+def index_record_size(samples: int, key_bytes: int, version: int = VERSION) -> int:
     """Bytes of the record for ``samples`` keys of ``key_bytes`` bytes in all (for the sizer)."""
-    return _HEAD.size + 16 * samples + key_bytes + _TRAILER
+    return _HEAD.size + (24 if version >= 2 else 16) * samples + key_bytes + _TRAILER
 
 
-def encode_lmdb_index(keys: Sequence[bytes]) -> bytes:
-    """The record's bytes; ``keys``: each sample's key as its value stores it (UTF-8)."""
+def encode_lmdb_index(keys: Sequence[bytes], digests) -> bytes:
+    """The record's bytes; ``keys``: each sample's key as its value stores it (UTF-8);
+    ``digests``: each sample's ``lmdb_digest``."""
     n = len(keys)
+    if len(digests) != n:
+        raise ValueError(f"{n} keys need {n} digests")
     table = b"".join(keys)
     ends = np.cumsum(np.fromiter((len(k) for k in keys), np.uint64, n), dtype=np.uint64)
     body = b"".join(
         (
             _HEAD.pack(MAGIC, VERSION, 0, n, len(table)),
             key_hashes(keys).astype("<u8").tobytes(),
+            np.asarray(digests, dtype=np.uint64).astype("<u8").tobytes(),
             ends.astype("<u8").tobytes(),
             table,
         )
@@ -67,6 +103,8 @@ class LmdbIndex(KeyTable):
     #: End of each key in ``table`` (key ``i`` is ``table[ends[i-1]:ends[i]]``).
     ends: np.ndarray
     table: bytes
+    #: Each sample's ``lmdb_digest``; None in a version-1 record (its reads are unchecked).
+    digests: np.ndarray | None = None
 
 
 def decode_lmdb_index(data: bytes, shard: str, samples: int) -> LmdbIndex:
@@ -77,19 +115,23 @@ def decode_lmdb_index(data: bytes, shard: str, samples: int) -> LmdbIndex:
     if hashlib.sha256(data[:-_TRAILER]).digest() != data[-_TRAILER:]:
         raise _damaged(shard, "its checksum does not match its contents")
     _, version, _, n, klen = _HEAD.unpack_from(data)
-    if version != VERSION:
-        raise _damaged(shard, f"version {version}, this shardkit reads {VERSION}")
-    if len(data) != index_record_size(n, klen):
+    if version not in READS:
+        raise _damaged(shard, f"version {version}, this shardkit reads {VERSION} and before")
+    if len(data) != index_record_size(n, klen, version):
         raise _damaged(shard, "its length does not match its sample count")
     if n != samples:
         raise _damaged(shard, f"it lists {n} samples, the shard holds {samples}")
     pos = _HEAD.size
     hashes = np.frombuffer(data, "<u8", n, pos)
+    digests = None
+    if version >= 2:
+        digests = np.frombuffer(data, "<u8", n, pos + 8 * n)
+        pos += 8 * n
     ends = np.frombuffer(data, "<u8", n, pos + 8 * n)
     table = data[pos + 16 * n : len(data) - _TRAILER]
     if n and (int(ends[-1]) != klen or np.any(np.diff(ends.astype(np.int64)) < 0)):
         raise _damaged(shard, "its keys are out of order")
-    return LmdbIndex(n, hashes, ends, table)
+    return LmdbIndex(n, hashes, ends, table, digests)
 
 
 def _damaged(shard: str, why: str) -> LmdbIndexError:

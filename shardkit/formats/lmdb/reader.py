@@ -34,7 +34,7 @@ from .btree import (
     pick_meta,
     read_page,
 )
-from .index import INDEX_KEY, LmdbIndex, LmdbIndexError, decode_lmdb_index
+from .index import INDEX_KEY, LmdbIndex, LmdbIndexError, decode_lmdb_index, lmdb_digest
 from .writer import META_KEY, PAGE, VALUE_HEADER, decode_value, sample_key
 
 __all__ = [
@@ -380,15 +380,28 @@ class LmdbSampleReader:
             self.close()
             raise
 
-    def get(self, index: int, fields: Sequence[str] | None = ()) -> Record:
+    def get(
+        self, index: int, fields: Sequence[str] | None = (), digest: int | None = None
+    ) -> Record:
         """Sample ``index``, with the ``fields`` it has in ``Record.fields`` (if any asked;
-        ``None``: every field it has)."""
+        ``None``: every field it has). ``digest``: the index record's digest of the sample
+        (``lmdb_digest``), checked before the sample is handed out (its fields are read whole
+        for it: the digest covers them), a ``ShardFormatError`` naming it where it differs."""
         if self._walk:
             self._reader.walk()
         try:
             value = self._reader.get(sample_key(index))
             extra = None
-            if value is not None and (fields is None or fields):
+            if value is not None and digest is not None:
+                every = self._reader.fields(index, None)
+                if lmdb_digest(value, every.items()) != digest:
+                    self._reader.check(index, after_reads=True)
+                    raise self._altered(index, value)
+                if fields is None:
+                    extra = every
+                elif fields:
+                    extra = {n: every[n] for n, _ in _names(fields) if n in every}
+            elif value is not None and (fields is None or fields):
                 extra = self._reader.fields(index, None if fields is None else _names(fields))
         except (Damaged, OSError, struct.error) as exc:
             raise self._reader.error(exc, index) from None
@@ -398,6 +411,17 @@ class LmdbSampleReader:
         rec = decode_value(value, self.shard, index)
         rec.fields = extra
         return rec
+
+    def _altered(self, index: int, value: bytes) -> ShardFormatError:
+        try:
+            key = repr(decode_value(value, self.shard, index).key)
+        except ShardFormatError:
+            key = "unreadable"
+        return ShardFormatError(
+            f"{self.shard}: sample {index} (key {key}) is not the bytes packed (its digest "
+            "differs from its index record's: the shard was altered since); restore or re-pack "
+            "it (`shardkit verify` names every damaged shard)"
+        )
 
     def index(self, samples: int = -1, strict: bool = False) -> LmdbIndex | None:
         """The shard's index record (every key and split hash: one lookup), checked against

@@ -21,7 +21,7 @@ import lmdb
 
 from ...errors import ShardFormatError
 from ...records import Record, ShardStats
-from .index import INDEX_KEY, encode_lmdb_index
+from .index import INDEX_KEY, encode_lmdb_index, lmdb_digest
 from .index import index_record_size as _index_size
 
 __all__ = [
@@ -143,6 +143,7 @@ class LmdbShardWriter:
         self.path = path
         self.samples = 0
         self._keys: list[bytes] = []  # one shard's keys: what the index record holds
+        self._digests: list[int] = []  # and each sample's digest (value and fields)
         self._key_bytes = 0
         self._estimate = _FIXED_PAGES * PAGE
         self._pending: list[tuple[bytes, bytes]] = []
@@ -179,6 +180,7 @@ class LmdbShardWriter:
         value = encode_value(key, ext, data, label)
         kb = key.encode()
         self._keys.append(kb)
+        self._digests.append(lmdb_digest(value, extra))
         self._key_bytes += len(kb)
         self._pending.append((sample_key(self.samples), value))
         self._pending_bytes += len(value)
@@ -210,8 +212,9 @@ class LmdbShardWriter:
 
     def close(self) -> ShardStats:
         meta = json.dumps({"format": "shardkit-lmdb", "version": 1, "samples": self.samples})
-        self._commit([(META_KEY, meta.encode()), (INDEX_KEY, encode_lmdb_index(self._keys))])
-        self._keys = []
+        index = encode_lmdb_index(self._keys, self._digests)
+        self._commit([(META_KEY, meta.encode()), (INDEX_KEY, index)])
+        self._keys, self._digests = [], []
         env, self._env = self._env, None
         assert env is not None
         try:

@@ -10,7 +10,7 @@ from typing import BinaryIO
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import ShardStats
-from ..sample_index import encode_index, write_index_file
+from ..sample_index import encode_index, sample_digest, write_index_file
 from .parse import _END_OF_ARCHIVE, _GNU_MAGIC, _MAX_OCTAL_SIZE, BLOCK
 from .tally import MemberLog
 
@@ -122,6 +122,7 @@ class TarShardWriter:
         self._index: list[int] = []  # byte offset of every INDEX_EVERY-th sample
         self._keys: list[bytes] = []  # the sample index beside the shard (sample_index)
         self._offsets: list[int] = []
+        self._digests: list[int] = []  # each sample's bytes' digest, as written
         self._members = MemberLog()
         self._hash = hashlib.sha256()
         self._file: BinaryIO | None = open(path, "wb", buffering=buffer_size)
@@ -160,7 +161,9 @@ class TarShardWriter:
             at += head + len(value) + len(member[-1])
             parts += member
         log.end_sample(label if label >= 0 else -1)
-        self._write(b"".join(parts))
+        chunk = b"".join(parts)
+        self._digests.append(sample_digest(chunk))
+        self._write(chunk)
         self.samples += 1
 
     def _write(self, chunk: bytes) -> None:
@@ -182,7 +185,9 @@ class TarShardWriter:
         sha = self._hash.hexdigest()
         index_sha = ""
         if self.samples:
-            data = encode_index(self._bytes, sha, self._keys, self._offsets, self._members)
+            data = encode_index(
+                self._bytes, sha, self._keys, self._offsets, self._members, self._digests
+            )
             write_index_file(self.path, data)
             index_sha = hashlib.sha256(data).hexdigest()
         return ShardStats(self.path, self.samples, self._bytes, sha, tuple(self._index), index_sha)
