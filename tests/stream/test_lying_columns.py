@@ -1,0 +1,146 @@
+"""A hash column that lies with the manifest's word behind it: an ``.idx`` whose split hashes
+were edited and whose checksums (the file's trailer, the manifest's ``index_sha256`` and
+``columns_sha256``) were all computed again from the edited bytes, as a tool that recomputes a
+manifest's checksums from the files on disk would. Nothing vouches for the column but the keys
+themselves: a split never moves a sample between train and val without a one-line error, a
+merge or an append never hands the column on, and ``get(key)`` and a key subset answer from the
+keys."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+
+import pytest
+from conftest import quiet, random_tree
+
+from shardkit import ShardDataset, Source
+from shardkit.errors import ShardFormatError
+from shardkit.formats.sample_index import _HEAD, decode_index, index_digests, index_path, key_hashes
+from shardkit.manifest import read_manifest
+from shardkit.write.packer import pack
+
+VAL = 0.2
+
+
+def _truth(out) -> tuple[set[str], set[str]]:
+    """(val keys, train keys) by each key's own hash, from a plain epoch (no index used)."""
+    keys = [s[2] for s in ShardDataset(out, decode="raw", with_keys=True, shuffle=False)]
+    val = {k for k, h in zip(keys, key_hashes(keys).tolist(), strict=True) if h < VAL * 2**64}
+    return val, set(keys) - val
+
+
+def _split(out, split: str, **kw) -> list[str]:
+    ds = ShardDataset(out, split=split, val_fraction=VAL, decode="raw", with_keys=True, **kw)
+    return [s[2] for s in ds]
+
+
+@pytest.fixture
+def tar_pack(tmp_path):
+    out = str(tmp_path / "tar")
+    quiet(pack, random_tree(tmp_path / "src", 80), out, progress=False)
+    assert len(read_manifest(out).shards) == 1
+    return out
+
+
+def _lie(out, *, to_train: bool = True, damaged: bool = False) -> tuple[str, int]:
+    """One sample's split hash in the only shard's .idx moved across the split (a val sample's
+    set to the largest: train under any fraction; ``to_train`` False: a train sample's to 5,
+    val under any), then (unless ``damaged``) the file's trailer and the manifest's
+    ``index_sha256`` and ``columns_sha256`` computed again to agree. The key and its place."""
+    (entry,) = read_manifest(out).shards
+    path = index_path(os.path.join(out, entry.path))
+    data = bytearray(open(path, "rb").read())
+    ix = decode_index(bytes(data), path)
+    hashes = ix.hashes.tolist()
+    if to_train:
+        i = next(i for i, h in enumerate(hashes) if h < VAL * 2**64)
+    else:
+        i = next(i for i, h in enumerate(hashes) if h >= VAL * 2**64 and h < 2**63)
+    at = _HEAD.size + 8 * (ix.samples + 1) + 8 * i
+    data[at : at + 8] = ((1 << 64) - 1 if to_train else 5).to_bytes(8, "little")
+    if not damaged:
+        data[-32:] = hashlib.sha256(bytes(data[:-32])).digest()
+    with open(path, "wb") as f:
+        f.write(data)
+    if not damaged:
+        mpath = os.path.join(out, "manifest.json")
+        doc = json.load(open(mpath))
+        doc["shards"][0].update(index_digests(bytes(data), ix.samples))
+        with open(mpath, "w") as f:
+            json.dump(doc, f)
+    return ix.key(i), i
+
+
+# --- a split never exchanges samples ----------------------------------------------------------
+
+
+def _sides_or_error(out, **kw):
+    """Both sides' keys, or the error each side ended in (its message)."""
+    got = {}
+    for split in ("val", "train"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got[split] = _split(out, split, **kw)
+        except ShardFormatError as exc:
+            got[split] = str(exc)
+    return got
+
+
+@pytest.mark.parametrize("to_train", [True, False], ids=["val-as-train", "train-as-val"])
+def test_a_lying_column_with_recomputed_checksums_moves_no_sample(tar_pack, to_train):
+    """val is read as exact ranges, train streams under a mask built from the column: every
+    key train reads is hashed and compared with its side, so the moved sample is an error
+    naming the shard and its key, never a val sample in train (or a train one in val). (A val
+    epoch reads no train sample, so one moved out of val is not seen there: it ends short of it,
+    the train epoch names it.)"""
+    val, train = _truth(tar_pack)
+    assert 2 * len(val) < len(train)  # val: ranges; train: streamed
+    key, _ = _lie(tar_pack, to_train=to_train)
+    assert (key in val) is to_train
+    got = _sides_or_error(tar_pack)
+    for split, truth in (("val", val), ("train", train)):
+        if isinstance(got[split], list):
+            assert set(got[split]) <= truth, split  # never a sample of the other side
+            assert set(got[split]) == truth - {key}
+        else:
+            message = got[split]
+            assert "shard-000000.tar" in message and repr(key) in message, message
+            assert "\n" not in message
+    assert isinstance(got["train"], str)  # the streamed side saw the moved sample either way
+    assert isinstance(got["val"], str) is not to_train  # a train sample read as val: named
+
+
+def test_a_lying_column_is_caught_when_both_sides_stream(tar_pack):
+    """A val fraction above half of the shard: both sides stream, both check each key."""
+    key, _ = _lie(tar_pack)
+    for split in ("val", "train"):
+        with pytest.raises(ShardFormatError, match=repr(key)):
+            quiet(
+                lambda s=split: [
+                    r[2]
+                    for r in ShardDataset(
+                        tar_pack, split=s, val_fraction=0.9, decode="raw", with_keys=True
+                    )
+                ]
+            )
+
+
+def test_a_lying_column_is_caught_through_a_mixture_and_workers(tar_pack):
+    """The check is the reader's, so a Source in a mixture and DataLoader workers keep it."""
+    from torch.utils.data import DataLoader
+
+    key, _ = _lie(tar_pack)
+    ds = ShardDataset(
+        [Source(tar_pack, split="train", val_fraction=VAL), Source(tar_pack, subset=0.5)],
+        decode="raw",
+        with_keys=True,
+    )
+    with pytest.raises(ShardFormatError, match=repr(key)):
+        quiet(lambda: list(ds))
+    loader = DataLoader(ds, batch_size=None, num_workers=1)
+    with pytest.raises(Exception, match=repr(key)):
+        quiet(lambda: list(loader))
