@@ -201,7 +201,10 @@ class ShardView:
         sample), matched then confirmed on the real key from the one shard's index that holds
         it. The first lookup reads the hash columns shard by shard until it is found (``show``:
         one shard's column held); a second builds one sorted table of every hash (12 bytes a
-        sample), and each lookup after is a binary search: O(log n), whatever the size."""
+        sample), and each lookup after is a binary search: O(log n), whatever the size. A key
+        no hash matches is looked for in every shard's keys before it is called missing
+        (``_by_keys``): a hash column may be wrong (damaged, or edited with its checksums
+        computed again), and the keys, not their stored hashes, say what the dataset holds."""
         want = key_hashes([key])[0]
         if self._by_hash is None and self._lookups:
             self._by_hash = self._hash_table()
@@ -222,9 +225,42 @@ class ShardView:
                             return self._starts[k] + j
             finally:
                 self.storage.close()
+        found = self._by_keys(key)
+        if found is not None:
+            return found
         raise InputError(
             f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
         )
+
+    def _by_keys(self, key: str) -> int | None:
+        """The position of ``key`` found in the shards' keys themselves (each shard's key table,
+        checked against its manifest, or its headers where the index is refused), where no
+        stored hash led to it; a warning names the shard whose hash column hid it. None where
+        no shard holds it. A key that is missing costs one search of every shard's keys (their
+        indexes read, ~90 bytes a sample, one at a time and not held), where its hash alone
+        would take the columns' word for it."""
+        try:
+            for k in range(len(self.shards)):
+                table = self._tables[k] or self._index(self.shards[k])  # not held: a search
+                j = table.position(key)
+                if j is not None:
+                    self._tables[k] = table
+                    url = self.shards[k].url
+                    what, fix = (
+                        (f"{url}: its index record", "re-pack the shard")
+                        if self.format == "lmdb"
+                        else (f"{url}.idx", "delete it and run `shardkit index` on the dataset")
+                    )
+                    warnings.warn(
+                        f"{what}: the split hash of key {key!r} (sample {j}) is not its key's "
+                        f"hash (the index is damaged); found by its key (rebuild it: {fix})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    return self._starts[k] + j
+        finally:
+            self.storage.close()
+        return None
 
     def _hashes(self, k: int) -> np.ndarray:
         """Shard ``k``'s key hashes in stored order: from its index already loaded, else the

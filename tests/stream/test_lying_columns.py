@@ -16,8 +16,8 @@ import warnings
 import pytest
 from conftest import quiet, random_tree
 
-from shardkit import ShardDataset, Source
-from shardkit.errors import ShardFormatError
+from shardkit import ShardDataset, ShardView, Source
+from shardkit.errors import InputError, ShardFormatError
 from shardkit.formats.sample_index import _HEAD, decode_index, index_digests, index_path, key_hashes
 from shardkit.manifest import read_manifest
 from shardkit.write.packer import pack
@@ -144,3 +144,86 @@ def test_a_lying_column_is_caught_through_a_mixture_and_workers(tar_pack):
     loader = DataLoader(ds, batch_size=None, num_workers=1)
     with pytest.raises(Exception, match=repr(key)):
         quiet(lambda: list(loader))
+
+
+# --- get(key) and a key subset answer from the keys -------------------------------------------
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["checksums-recomputed", "flagged"])
+def test_get_finds_a_key_whose_stored_hash_is_wrong(tar_pack, damaged):
+    key, i = _lie(tar_pack, damaged=damaged)
+    truth = ShardView(tar_pack, decode="raw", with_keys=True)
+    want = quiet(lambda: truth[i])
+    assert want[2] == key
+    for lookups in (1, 3):  # the first lookup scans columns; later ones search one table
+        view = ShardView(tar_pack, decode="raw", with_keys=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(lookups - 1):
+                assert view.get("c0/im000")[2] == "c0/im000"
+            assert view.get(key) == want
+            assert view.index(key) == i
+        said = "\n".join(str(w.message) for w in caught)
+        assert "shard-000000.tar.idx" in said
+        with pytest.raises(InputError, match="no sample with key 'nope'"):
+            quiet(view.get, "nope")
+        view.close()
+    truth.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["checksums-recomputed", "flagged"])
+def test_a_key_subset_reads_a_key_whose_stored_hash_is_wrong(tar_pack, damaged):
+    key, _ = _lie(tar_pack, damaged=damaged)
+    wanted = [key, "c1/im001", "c2/im005"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = ShardDataset([Source(tar_pack, subset=wanted)], decode="raw", with_keys=True)
+        got = sorted(s[2] for s in ds)
+    assert got == sorted(wanted)
+    assert "shard-000000.tar.idx" in "\n".join(str(w.message) for w in caught)
+
+
+@pytest.fixture
+def lmdb_pack(tmp_path):
+    out = str(tmp_path / "lmdb")
+    quiet(pack, random_tree(tmp_path / "src", 80), out, format="lmdb", progress=False)
+    (entry,) = read_manifest(out).shards
+    return out, os.path.join(out, entry.path)
+
+
+def _lie_lmdb(shard: str) -> str:
+    """One val sample's hash in the LMDB shard's index record set to the largest (train
+    under any fraction), the record's checksum computed again; its key."""
+    from test_index_trust import _rewrite_record
+
+    from shardkit.formats.lmdb.index import encode_lmdb_index
+
+    moved = []
+
+    def lie(keys):
+        record = bytearray(encode_lmdb_index(keys))
+        i = next(i for i, h in enumerate(key_hashes(keys).tolist()) if h < VAL * 2**64)
+        record[32 + 8 * i : 32 + 8 * i + 8] = b"\xff" * 8  # the head is 32 bytes, then hashes
+        record[-32:] = hashlib.sha256(bytes(record[:-32])).digest()
+        moved.append(keys[i].decode())
+        return bytes(record)
+
+    _rewrite_record(shard, lie)
+    return moved[0]
+
+
+def test_lmdb_a_lying_hash_moves_no_sample_and_get_and_subsets_find_it(lmdb_pack):
+    out, shard = lmdb_pack
+    val, train = _truth(out)
+    key = _lie_lmdb(shard)
+    assert key in val
+    got = _sides_or_error(out)
+    assert sorted(got["val"]) == sorted(val) and sorted(got["train"]) == sorted(train)
+    view = ShardView(out, decode="raw", with_keys=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert view.get(key)[2] == key
+    assert "shard-000000.lmdb: its index record" in "\n".join(str(w.message) for w in caught)
+    view.close()
+    ds = ShardDataset([Source(out, subset=[key, "c1/im001"])], decode="raw", with_keys=True)
+    assert sorted(s[2] for s in quiet(list, ds)) == sorted([key, "c1/im001"])
