@@ -41,6 +41,7 @@ __all__ = [
     "key_hashes",
     "load_index",
     "sample_offset",
+    "table_hashes",
 ]
 
 #: The index of shard ``X`` is the file ``X + INDEX_SUFFIX`` beside it.
@@ -75,6 +76,18 @@ def key_hashes(keys: Sequence[str | bytes], salt: bytes = SPLIT_SALT) -> np.ndar
     if not digests:
         return np.empty(0, np.uint64)
     return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64)
+
+
+def table_hashes(table: KeyTable) -> np.ndarray:
+    """``key_hashes`` of every key of a key table (a tar index's or an LMDB index record's),
+    in C where the extension is built (~0.13 us a key, hashlib's ~0.5): what a stored hash
+    column is checked against."""
+    try:
+        from ..images._native import split_hashes
+    except ImportError:  # pragma: no cover - built without libjpeg's headers
+        return key_hashes(table.keys())
+    ends = np.ascontiguousarray(table.ends, dtype=np.int64)
+    return np.frombuffer(split_hashes(table.table, ends, SPLIT_SALT), ">u8").astype(np.uint64)
 
 
 def key_hash(key: str) -> int:

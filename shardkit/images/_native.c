@@ -528,6 +528,7 @@ static void b2_compress(uint64_t h[8], const unsigned char *block, uint64_t t, i
     v[12] ^= t;
     if (last)
         v[14] = ~v[14];
+#pragma GCC unroll 12 /* the rounds unrolled, their message indices constants: 180 -> 130 ns */
     for (int r = 0; r < 12; r++) {
         const uint8_t *s = b2_sigma[r];
         B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
@@ -690,6 +691,43 @@ fail:
     return NULL;
 }
 
+/* split_hashes: the split hash of each key of a key table (``table``: the keys' bytes laid end to
+ * end, ``ends``: where each ends, native 64-bit ints, ascending), with ``salt``: 8 bytes a key, as
+ * the index stores them (big-endian). What checks a stored hash column against its keys when a
+ * dataset grows (hashlib's cost, ~0.5 us a key in Python, is 4x this). */
+static PyObject *split_hashes(PyObject *self, PyObject *args)
+{
+    Py_buffer tv, ev, salt;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &tv, &ev, &salt))
+        return NULL;
+    Py_ssize_t n = ev.len / (Py_ssize_t)sizeof(long long);
+    const long long *ends = ev.buf;
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long lo = i ? ends[i - 1] : 0;
+        if (lo < 0 || ends[i] < lo || ends[i] > tv.len) {
+            PyErr_SetString(PyExc_ValueError, "split_hashes: ends out of order or past the table");
+            goto done;
+        }
+    }
+    out = PyBytes_FromStringAndSize(NULL, 8 * n);
+    if (out) {
+        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+        const unsigned char *t = tv.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long lo = i ? ends[i - 1] : 0;
+            split_hash(salt.buf, salt.len, t + lo, (Py_ssize_t)(ends[i] - lo), o + 8 * i);
+        }
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyBuffer_Release(&tv);
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&salt);
+    return out;
+}
+
 /* tar_at: the samples a sample index places in ``buf`` at ``[starts[i], ends[i])`` (two buffers of
  * native 64-bit ints, e.g. numpy int64 arrays), each parsed as tar_samples parses a plain sample:
  * the read of a subset or split, where the wanted samples lie apart (runs of one or two in a 10%
@@ -794,6 +832,8 @@ static PyMethodDef roi_methods[] = {
     {"tar_at", tar_at, METH_VARARGS,
      "tar_at(buf, starts, ends, hashes, salt, images, labels, fields, make, shard)"
      " -> [record or None]"},
+    {"split_hashes", split_hashes, METH_VARARGS,
+     "split_hashes(table, ends, salt) -> 8 bytes a key: each key's split hash, big-endian"},
     {"decode", roi_decode, METH_VARARGS,
      "decode(data, scale_denom, top, left, height, width, fast=False) -> (bytearray, x0, out_width)"},
     {NULL, NULL, 0, NULL},

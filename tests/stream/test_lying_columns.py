@@ -20,6 +20,7 @@ from shardkit import ShardDataset, ShardView, Source
 from shardkit.errors import InputError, ShardFormatError
 from shardkit.formats.sample_index import _HEAD, decode_index, index_digests, index_path, key_hashes
 from shardkit.manifest import read_manifest
+from shardkit.write.merge import merge
 from shardkit.write.packer import pack
 
 VAL = 0.2
@@ -227,3 +228,52 @@ def test_lmdb_a_lying_hash_moves_no_sample_and_get_and_subsets_find_it(lmdb_pack
     view.close()
     ds = ShardDataset([Source(out, subset=[key, "c1/im001"])], decode="raw", with_keys=True)
     assert sorted(s[2] for s in quiet(list, ds)) == sorted([key, "c1/im001"])
+
+
+# --- merge and --append never hand the column on ----------------------------------------------
+
+
+def _grow(how: str, out: str, tmp_path, allow: bool, fmt: str = "tar"):
+    other = tmp_path / f"other-{how}-{allow}"
+    src = random_tree(tmp_path / f"more-{how}-{allow}", 6, seed=7, prefix="new")
+    if how == "append":
+        return quiet(
+            pack, src, out, append=True, allow_duplicates=allow, format=fmt, progress=False
+        )
+    quiet(pack, src, str(other), format=fmt, progress=False)
+    return quiet(
+        merge, [out, str(other)], str(tmp_path / f"merged-{allow}"), allow_duplicates=allow
+    )
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["keys-checked", "allow-duplicates"])
+@pytest.mark.parametrize("how", ["merge", "append"])
+def test_merge_and_append_refuse_a_lying_column(tar_pack, tmp_path, how, allow):
+    """The column and all its checksums agree with each other, not with the keys: growing the
+    dataset would list them again; it is an error naming the index, and nothing is written."""
+    before = open(os.path.join(tar_pack, "manifest.json")).read()
+    _lie(tar_pack)
+    listed = open(os.path.join(tar_pack, "manifest.json")).read()
+    assert listed != before
+    with pytest.raises(InputError) as err:
+        _grow(how, tar_pack, tmp_path, allow)
+    message = str(err.value)
+    assert "shard-000000.tar.idx" in message and "shardkit index" in message, message
+    assert "\n" not in message
+    assert open(os.path.join(tar_pack, "manifest.json")).read() == listed
+    assert not os.path.exists(tmp_path / f"merged-{allow}" / "manifest.json")
+
+
+@pytest.mark.parametrize("how", ["merge", "append"])
+def test_merge_and_append_of_a_sound_dataset_still_work(tar_pack, tmp_path, how):
+    _grow(how, tar_pack, tmp_path, False)
+    where = tar_pack if how == "append" else str(tmp_path / "merged-False")
+    assert len(ShardDataset(where, decode="raw")) == 86
+
+
+@pytest.mark.parametrize("how", ["merge", "append"])
+def test_lmdb_merge_and_append_refuse_a_lying_index_record(lmdb_pack, tmp_path, how):
+    out, shard = lmdb_pack
+    _lie_lmdb(shard)
+    with pytest.raises(InputError, match="shard-000000.lmdb: its index record's 1 stored"):
+        _grow(how, out, tmp_path, False, fmt="lmdb")
