@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ..records import Record, ShardInfo, ShardStats
+from .sample_index import ShardSides
 
 __all__ = ["FormatWriter", "ShardFormat"]
 
@@ -86,10 +87,13 @@ class ShardFormat:
         start: int = 0,
         stop: int | None = None,
         fields: Sequence[str] = (),
+        sides: ShardSides | None = None,
     ) -> Iterator[Record]:
         """Samples ``[start, stop)`` of ``shard``, reached through ``storage`` as this format
         needs (a stream or a local file), seeking with ``shard.index`` where it helps;
-        ``fields``: extra members to carry in ``Record.fields`` (tar only)."""
+        ``fields``: extra members to carry in ``Record.fields`` (tar only); ``sides`` (a
+        split's read): each sample checked by its own key against the side the split put it
+        on, one on the other side a ``ShardFormatError`` naming it."""
         raise NotImplementedError
 
     def count(self, storage: Any, shard: ShardInfo) -> int:

@@ -336,15 +336,17 @@ class ShardDataset(IterableDataset):
             by_keys = src.subset is not None and _is_keys(src.subset)
             if src.split is not None or src.subset is not None:
                 warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
-            keys = all_keys(shards, r.format, store, opts) if by_keys else None
-            val_bits, refused, unbound = None, set(), set()
+            val_bits, refused = None, set()
+            # a key subset's keys: from the indexes that check out (a refused one, damaged or
+            # stale, is named, and its shard's headers give the keys and its samples)
+            keys = all_keys(shards, r.format, store, opts, refused) if by_keys else None
             counts = sample_counts(shards)
             if src.split is None:
                 members: Members = AllMembers(counts)
             else:  # the indexes' hashes: no key read where they exist
                 if keys is None:  # one shard's hashes at a time: the bits and a count a shard
                     val_bits, per_shard = split_bits(
-                        shards, r.format, store, src.val_fraction, opts, refused, unbound
+                        shards, r.format, store, src.val_fraction, opts, refused
                     )
                 else:
                     val = val_mask(key_hashes(keys), src.val_fraction)
@@ -360,7 +362,6 @@ class ShardDataset(IterableDataset):
             mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
             mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
             mixed_source.val_bits, mixed_source.unindexed = val_bits, frozenset(refused)
-            mixed_source.side_checked = frozenset(unbound)
             resolved.append(mixed_source)
             offset += size
         weights = [s.source.weight for s in resolved]

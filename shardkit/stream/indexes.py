@@ -139,14 +139,20 @@ def lmdb_index(shard: ShardInfo, storage: Storage) -> LmdbIndex | None:
     return read_lmdb_index(storage.local_path(shard), shard.url, shard.samples)[0]
 
 
-def shard_keys(shard: ShardInfo, fmt: str, storage: Storage, storage_options=None) -> list[str]:
-    """Every key of one shard in stored order: from its index, else from the shard."""
+def shard_keys(
+    shard: ShardInfo, fmt: str, storage: Storage, storage_options=None, refused=None
+) -> list[str]:
+    """Every key of one shard in stored order: from its index, else from the shard (and
+    ``refused`` gains the url of a tar shard whose index is there but was refused: damaged or
+    stale, a warning has named it; its samples must not be read through it either)."""
     if fmt == "lmdb":
         index = lmdb_index(shard, storage)
     else:
         index = shard_index(shard, storage) if fmt == "tar" else None
     if index is not None:
         return index.keys()
+    if refused is not None and columns_range(shard) is not None:
+        refused.add(shard.url)  # no index, or one refused: streamed, its headers read
     return _keys_read(shard, fmt, storage)
 
 
@@ -180,7 +186,6 @@ def split_hashes(
     storage: Storage,
     storage_options=None,
     refused: set[str] | None = None,
-    unbound: set[str] | None = None,
 ) -> np.ndarray:
     """The split hash of every sample, in stored order, never taken on trust: a tar index's
     hashes are used once the sha256 of its columns (head, offsets, hashes: 16 bytes a sample,
@@ -191,11 +196,10 @@ def split_hashes(
     and a mismatch is a warning naming the shard, the keys' hashes used. A shard without an
     index has its keys read and hashed. ``refused`` gains the url of each shard whose index
     was not used as it stands (damaged, stale, or its hashes not its keys'): an epoch must not
-    read through it either. ``unbound`` gains the url of each shard whose hashes came from an
-    index's key table that no checksum in the manifest ties to the shard (LMDB's record, a tar
-    index without ``index_sha256``): an epoch checks each sample it reads of those
-    (``mix.check_split``)."""
-    parts = list(_shard_hashes(shards, fmt, storage, storage_options, refused, unbound))
+    read through it either. Hashes that pass here are still not the keys: a manifest's
+    checksums can be computed again from an edited index, so an epoch checks each sample it
+    reads by its own key (``formats.sample_index.ShardSides``)."""
+    parts = list(_shard_hashes(shards, fmt, storage, storage_options, refused))
     return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
 
@@ -206,7 +210,6 @@ def split_bits(
     val_fraction: float,
     storage_options=None,
     refused: set[str] | None = None,
-    unbound: set[str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``np.packbits(val_mask(split_hashes(...)))`` and each shard's count of val samples, one
     shard's hashes held at a time: what a split holds is 1/8 byte a sample of the dataset (the
@@ -216,7 +219,7 @@ def split_bits(
     per_shard = np.zeros(len(shards), dtype=np.int64)
     carry = np.empty(0, dtype=bool)  # the last shard's bits that are not yet a whole byte
     at = 0  # bytes of ``packed`` written
-    hashes = _shard_hashes(shards, fmt, storage, storage_options, refused, unbound)
+    hashes = _shard_hashes(shards, fmt, storage, storage_options, refused)
     for i, h in enumerate(hashes):
         val = val_mask(h, val_fraction)
         per_shard[i] = np.count_nonzero(val)
@@ -229,15 +232,13 @@ def split_bits(
     return packed, per_shard
 
 
-def _shard_hashes(shards, fmt, storage, storage_options, refused, unbound):
+def _shard_hashes(shards, fmt, storage, storage_options, refused):
     """Each shard's split hashes in turn, checked as ``split_hashes`` says."""
     try:
         for shard in shards:
             hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
             if hashes is None:
                 hashes = key_hashes(_keys_read(shard, fmt, storage))
-            elif unbound is not None and not (fmt == "tar" and shard.index_sha256 and trusted):
-                unbound.add(shard.url)
             if not trusted and refused is not None:
                 refused.add(shard.url)
             if shard.samples >= 0 and len(hashes) != shard.samples:
@@ -317,13 +318,14 @@ def val_mask(hashes: np.ndarray, val_fraction: float) -> np.ndarray:
 
 
 def all_keys(
-    shards: Sequence[ShardInfo], fmt: str, storage: Storage, storage_options=None
+    shards: Sequence[ShardInfo], fmt: str, storage: Storage, storage_options=None, refused=None
 ) -> list[str]:
-    """Every sample's key, in stored order (indexes where the shards have them)."""
+    """Every sample's key, in stored order (indexes where the shards have them; ``refused``:
+    as ``shard_keys``)."""
     keys: list[str] = []
     try:
         for shard in shards:
-            keys.extend(shard_keys(shard, fmt, storage, storage_options))
+            keys.extend(shard_keys(shard, fmt, storage, storage_options, refused))
     finally:
         storage.close()
     return keys

@@ -28,19 +28,18 @@ alone.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
-from ..formats.sample_index import SPLIT_SALT, key_hash, key_hashes
-from ..records import Record, ShardInfo, ShardSlice
+from ..formats.sample_index import SPLIT_SALT, ShardSides, key_hashes
+from ..records import Record, ShardInfo
 from .members import ListedMembers, Members
 from .partition import EpochLayout, MixLayout, MixPlan, PlanPiece, sample_counts
 from .resume import arrange
@@ -147,17 +146,26 @@ class MixedSource:
     #: feet is refused (``stages.manifest_unchanged``); (None, None) without a local manifest.
     manifest: tuple[str | None, tuple | None] = (None, None)
     #: With ``split=``: which samples the index's split hashes put in "val" (``np.packbits``),
-    #: so each sample read is checked against its own key's hash (``check_split``).
+    #: so each sample read is checked against its own key's hash (``sides``).
     val_bits: np.ndarray | None = None
-    #: Shards whose index the split refused (damaged, stale, hashes not its keys'): streamed.
+    #: Shards whose index the split (or a key subset) refused (damaged, stale, hashes not its
+    #: keys'): streamed.
     unindexed: frozenset[str] = frozenset()
-    #: Shards whose split came from a key table no manifest checksum ties to the shard: each
-    #: sample read is checked by its own key (``check_split``).
-    side_checked: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:
         return int(sample_counts(self.shards).sum())
+
+    def sides(self) -> Callable[[int], ShardSides] | None:
+        """With ``split=``: shard i's ``ShardSides``, what its reader checks each sample's own
+        key against (``read_slices``). Every sample read is checked, whatever vouched for the
+        index the bits came from: a manifest's ``columns_sha256`` or ``index_sha256`` may have
+        been computed again from an edited file, and only the keys are the shard's."""
+        if self.val_bits is None:
+            return None
+        bits, threshold = self.val_bits, math.ceil(self.source.val_fraction * 2**64)
+        starts = np.concatenate(([0], np.cumsum(sample_counts(self.shards)))).tolist()
+        return lambda i: ShardSides(bits, starts[i], threshold)
 
     def layout(self) -> EpochLayout:
         """The source's shards in stored order: what turns positions into slices."""
@@ -272,76 +280,15 @@ def _read_pieces(
     pieces: Iterable[PlanPiece], s: MixedSource, fields: list[str], unchanged
 ) -> Iterator[Record]:
     """The wanted records of a source's plan, read piece by piece as the plan makes them (each
-    piece's slices and mask, then the next piece's: a worker never holds its whole part's)."""
+    piece's slices and mask, then the next piece's: a worker never holds its whole part's).
+    A split's: every sample read checked by its own key against its side (``s.sides``)."""
+    sides = s.sides()
     for piece in pieces:
-        recs: Iterable[Record] = read_slices(
+        yield from read_slices(
             piece.slices, s.shards, FORMATS[s.format], s.storage,
             fields=fields, unchanged=unchanged, keep=piece.keep,
-            unindexed=s.unindexed, drop=True,
+            unindexed=s.unindexed, drop=True, sides=sides,
         )  # fmt: skip
-        if s.val_bits is not None and s.side_checked:
-            recs = check_split(recs, piece.slices, s, piece.keep, dropped=True)
-        yield from recs
-
-
-def check_split(
-    records: Iterable[Record],
-    slices: Sequence[ShardSlice],
-    s: MixedSource,
-    keep: np.ndarray | None = None,
-    dropped: bool = False,
-) -> Iterator[Record]:
-    """``records`` (``read_slices`` of ``slices``), each sample read of the shards in
-    ``s.side_checked`` checked against the side the split put it on: its key's own hash is
-    taken (one BLAKE2b of a few bytes) and compared with ``s.val_bits``, for each record the
-    plan keeps (``keep``; those read through to bridge a hole are dropped; ``dropped``: the
-    records are the kept ones alone, ``read_slices(drop=True)``). The split of those
-    shards came from a key table nothing ties to the shard; one that is not the shard's (keys
-    swapped, their hashes and the record's checksum made to match) would otherwise hand out a
-    sample of the other side: here that is an error naming the shard and the key. (A tar index
-    whose sha256 is the manifest's ``index_sha256`` is the packer's: its shards pass as read.)"""
-    from .ranges import SKIPPED
-
-    starts = np.concatenate(([0], np.cumsum(sample_counts(s.shards)))).tolist()
-    bits = s.val_bits.tobytes()  # bit p (most significant first): sample p is val
-    threshold = math.ceil(s.source.val_fraction * 2**64)
-    it = iter(records)
-    at = 0  # records so far: the position in ``keep``
-    try:
-        for sl in slices:
-            n = sl.stop - sl.start
-            wanted = [True] * n if keep is None else keep[at : at + n].tolist()
-            at += n
-            if s.shards[sl.shard].url not in s.side_checked:
-                yield from itertools.islice(it, sum(wanted) if dropped else n)
-                continue
-            base = starts[sl.shard]
-            for k, kept in zip(range(sl.start, sl.stop), wanted, strict=True):
-                if dropped and not kept:
-                    continue
-                rec = next(it, None)
-                if rec is None:
-                    return  # read_slices has raised for a short shard
-                if kept and rec is not SKIPPED:
-                    p = base + k
-                    val = bits[p >> 3] >> (7 - (p & 7)) & 1
-                    if (key_hash(rec.key) < threshold) != val:
-                        raise _wrong_side(s.shards[sl.shard].url, k, rec.key, val)
-                yield rec
-        yield from it  # nothing: read_slices ends (and closes its storage) here
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-
-def _wrong_side(url: str, k: int, key: str, val: int) -> ShardFormatError:
-    side, other = ("val", "train") if val else ("train", "val")
-    return ShardFormatError(
-        f"{url}: sample {k} (key {key!r}) is a {other} sample by its key, but its index's "
-        f"split hash put it in {side}: the index is damaged or not this shard's; rebuild it "
-        "(delete the .idx and run `shardkit index` on the dataset, or re-pack the shard)"
-    )
 
 
 def _without(records: Iterable[Record], absent: list[str]) -> Iterator[Record]:

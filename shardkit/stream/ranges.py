@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SPLIT_SALT, index_path, sample_digest
+from ..formats.sample_index import SPLIT_SALT, ShardSides, index_path, sample_digest
 from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
-from .indexes import columns_range, shard_columns
+from .indexes import columns_range, shard_columns, shard_index
 
 __all__ = ["SKIPPED", "RangeReader", "check_sample", "read_range", "warn_undigested"]
 
@@ -158,6 +158,9 @@ class RangeReader:
         #: through it.
         self.unindexed = unindexed
         self._indexes: dict[str, _Columns | None] = {}
+        #: Whole indexes, loaded where a stored hash is not its key's (``_key_of``).
+        self._tables: dict[str, object] = {}
+        self._warned: set[str] = set()
         self._fd: tuple[str, int] | None = None
         self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
         #: (url, LmdbSampleReader, its samples' digests or None)
@@ -249,6 +252,7 @@ class RangeReader:
         mask: np.ndarray | None,
         fields=(),
         skipped: bool = True,
+        sides: ShardSides | None = None,
     ):
         """The slice's records, the wanted ones only (``mask``: which are; None: all). A
         sample not wanted (a hole a plan reads through) is ``SKIPPED``, never parsed: the
@@ -256,22 +260,31 @@ class RangeReader:
         parsed in C (``_tar_records``), each sample checked against the key hash its index
         stores. LMDB: each wanted sample is one lookup in the shard's B-tree, the shard kept
         open across slices (its upper pages too), so a read costs its leaf and value pages.
-        ``skipped`` False: the wanted records alone, no ``SKIPPED`` between them."""
+        ``skipped`` False: the wanted records alone, no ``SKIPPED`` between them. ``sides`` (a
+        split's): each sample on the side the split put it, by its own key (tar: the index's
+        key hash, which C compares with the key's, is on the split's side; LMDB: each value's
+        key hashed), else a ``ShardFormatError`` naming it."""
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
         if self.lmdb:
-            yield from self._lmdb_records(sl, shard, want, fields, skipped)
+            yield from self._lmdb_records(sl, shard, want, fields, skipped, sides)
             return
-        yield from self._tar_records(sl, shard, want, fields, skipped)
+        yield from self._tar_records(sl, shard, want, fields, skipped, sides)
 
-    def _tar_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
+    def _tar_records(
+        self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
+    ):
         """The wanted samples of a tar slice: their byte ranges from the index, gathered into
         spans (``spans``), read a chunk of spans at a time (one ``pread`` or GET a span) and
         parsed in one C call a chunk; the keys then hashed and compared with the index's in one
-        comparison a chunk. No Python runs per sample but its key's hash."""
+        comparison a chunk. No Python runs per sample but its key's hash. A split's: the
+        index's hashes of the wanted samples compared with the split's sides in one comparison
+        (they agree unless the index changed since the split was made); where one does not,
+        that sample's own key decides."""
         index = self._indexes[shard.url]
         pos, starts, ends, bounds, lo, hi = _span_bounds(index, sl, want)
         expect = index.hashes[pos]
         digests = None if index.digests is None else index.digests[pos]
+        odd = _off_side(expect, pos, sides)
         # Object storage: a span at a time, so a sample waits for its own GET alone, not for
         # a chunk's (their GETs are in flight ahead together: ``plan``).
         chunk = 0 if is_url(shard.url) else CHUNK
@@ -298,10 +311,12 @@ class RangeReader:
                     blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes
                 )
                 if unchecked:  # those the C parser did not take (it checks the ones it takes)
-                    _check_keys(
+                    self._check_keys(
                         [got[i] for i in unchecked], hashes[unchecked],
-                        pos[a + c : a + d][unchecked], shard.url,
+                        pos[a + c : a + d][unchecked], shard, sides,
                     )  # fmt: skip
+                if odd:
+                    _keys_on_side(got, range(a + c, a + d), odd, pos, sides, shard.url)
                 if skipped:
                     for at, rec in zip(pos[a + c : a + d].tolist(), got, strict=True):
                         yield from itertools.repeat(SKIPPED, at - done)
@@ -360,30 +375,35 @@ class RangeReader:
         if span is not None and (shard.url, span) not in self._fetched_again:
             self._fetched_again.add((shard.url, span))  # once a range, however it then differs
             lo, hi = span
-            blob[: hi - lo] = read_range(
-                shard.url, lo, hi, None, self.storage, "re-pack it"
-            )
+            blob[: hi - lo] = read_range(shard.url, lo, hi, None, self.storage, "re-pack it")
             self.reads += 1
             bad = _digest_mismatches(blob, starts, ends, want)
             if not bad:
                 return
         raise altered(shard, int(pos[c + bad[0]]), self.storage)
 
-    def _lmdb_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped):
+    def _lmdb_records(
+        self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
+    ):
         """The wanted samples of an LMDB slice: one lookup each, checked against the digest its
-        shard's index record holds (``LmdbSampleReader.get``) before it is handed out."""
+        shard's index record holds (``LmdbSampleReader.get``) before it is handed out, and its
+        key against the split's side (``sides``)."""
         reader, digests = self._lmdb_reader(shard)
         names = tuple(fields or ())
         get = reader.get
         if not skipped:  # the wanted alone (a shard's slices joined: the holes between are long)
             self.reads += int(np.count_nonzero(want))
             for k in (np.flatnonzero(want) + sl.start).tolist():
-                yield get(k, names, None if digests is None else int(digests[k]))
+                yield _on_side(
+                    get(k, names, None if digests is None else int(digests[k])), k, sides, shard.url
+                )
             return
         for k, wanted in zip(range(sl.start, sl.stop), want.tolist(), strict=True):
             if wanted:
                 self.reads += 1
-                yield get(k, names, None if digests is None else int(digests[k]))
+                yield _on_side(
+                    get(k, names, None if digests is None else int(digests[k])), k, sides, shard.url
+                )
             elif skipped:
                 yield SKIPPED
 
@@ -424,6 +444,50 @@ class RangeReader:
             "re-pack it",
             self.ahead,
         )
+
+    def _check_keys(
+        self, got: list, expect: np.ndarray, pos: np.ndarray, shard: ShardInfo, sides
+    ) -> None:
+        """The check that each range holds its sample (the index's offsets are not covered by
+        a checksum here, and a shard may have been replaced since): its key's hash is the one
+        the index stores. Where it is not, the key decides: a sample on the other side of a
+        split is an error naming it; one whose key is the index's key for its place (the key
+        table, checked against the manifest) is that sample, its stored hash the damaged part:
+        a warning names the index, once, and the sample is handed out; anything else is an
+        error naming the shard."""
+        if _digests_match(got, expect):
+            return
+        url = shard.url
+        for i, rec in enumerate(got):
+            n = int(pos[i])
+            if rec is not None and _hash(rec.key) == int(expect[i]):
+                continue
+            if rec is not None and sides is not None and not sides.on_side(n, rec.key):
+                raise sides.error(url, n, rec.key)
+            if rec is not None and self._key_of(shard, n) == rec.key:
+                if url not in self._warned:
+                    self._warned.add(url)
+                    warnings.warn(
+                        f"{url}.idx: the split hash of sample {n} (key {rec.key!r}) is not its "
+                        "key's hash (the index is damaged); the sample is read by its key "
+                        "(rebuild the index: delete it and run `shardkit index` on the dataset)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                continue
+            raise ShardFormatError(
+                f"{url}: sample {n} is not where its sample index says (the shard changed "
+                "after packing?); re-pack it, or delete its .idx file"
+            )
+
+    def _key_of(self, shard: ShardInfo, n: int) -> str | None:
+        """Sample ``n``'s key as the shard's whole index gives it (its key table, the file
+        checked against the manifest's ``index_sha256`` or its own trailer); None where it has
+        none that checks out (a warning names it)."""
+        if shard.url not in self._tables:
+            self._tables[shard.url] = shard_index(shard, self.storage)
+        index = self._tables[shard.url]
+        return None if index is None else index.key(n)
 
     def _file(self, shard: ShardInfo) -> int:
         """One open file per shard, kept while consecutive slices read it."""
@@ -472,6 +536,25 @@ def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray):
     return pos, starts, ends, bounds, lo, hi
 
 
+def _off_side(expect: np.ndarray, pos: np.ndarray, sides) -> frozenset:
+    """The places (in ``pos``) of wanted samples whose stored hash is not on the side ``sides``
+    put them (empty without a split): they agree unless the index changed since the split was
+    made, and where one does not, that sample's own key decides (``_keys_on_side``)."""
+    if sides is None or not len(pos):
+        return frozenset()
+    p = pos + sides.base
+    bit = (sides.bits[p >> 3] >> (7 - (p & 7))) & 1
+    return frozenset(np.flatnonzero((expect < np.uint64(sides.threshold)) != bit).tolist())
+
+
+def _keys_on_side(got, places, odd: frozenset, pos, sides, url: str) -> None:
+    """Each record of ``got`` (at ``places`` in ``pos``) that ``_off_side`` named, checked by
+    its own key: one on the other side is ``sides.error``."""
+    for rec, i in zip(got, places, strict=True):
+        if i in odd and not sides.on_side(int(pos[i]), rec.key):
+            raise sides.error(url, int(pos[i]), rec.key)
+
+
 def spans(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins: a sample
     joins the span before it when at most ``GAP`` bytes lie between them (read and passed
@@ -481,10 +564,15 @@ def spans(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], starts[1:] - ends[:-1] > GAP)))
 
 
-def _check_keys(got: list, expect: np.ndarray, pos: np.ndarray, url: str) -> None:
-    """Each record's key hashed as the index stores it (``expect``, big-endian) and all compared
-    at once: the check that a range holds its sample (the index's offsets are not covered by a
-    checksum here, and a shard may have been replaced since)."""
+def _on_side(rec: Record, n: int, sides: ShardSides | None, url: str) -> Record:
+    if sides is not None and not sides.on_side(n, rec.key):
+        raise sides.error(url, n, rec.key)
+    return rec
+
+
+def _digests_match(got: list, expect: np.ndarray) -> bool:
+    """Each record's key hashed as the index stores it (``expect``, big-endian), all compared
+    at once."""
     blake, salt = hashlib.blake2b, SPLIT_SALT
     try:
         digests = b"".join(
@@ -492,15 +580,8 @@ def _check_keys(got: list, expect: np.ndarray, pos: np.ndarray, url: str) -> Non
              for r in got]
         )  # fmt: skip
     except AttributeError:  # a None: no sample where the index says
-        digests = b""
-    if digests == expect.tobytes():
-        return
-    for i, rec in enumerate(got):
-        if rec is None or _hash(rec.key) != int(expect[i]):
-            raise ShardFormatError(
-                f"{url}: sample {int(pos[i])} is not where its sample index says (the shard "
-                "changed after packing?); re-pack it, or delete its .idx file"
-            )
+        return False
+    return digests == expect.tobytes()
 
 
 def _hash(key: str) -> int:

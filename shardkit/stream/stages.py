@@ -24,6 +24,7 @@ from ..errors import (
     check_choice,
 )
 from ..formats import FORMATS
+from ..formats.sample_index import ShardSides
 from ..images.crops import CropError
 from ..images.decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
 from ..records import Record, ShardInfo, ShardSlice
@@ -65,6 +66,7 @@ def read_slices(
     keep: np.ndarray | None = None,
     unindexed: frozenset[str] = frozenset(),
     drop: bool = False,
+    sides: Callable[[int], ShardSides] | None = None,
 ) -> Iterator[Record]:
     """Records of each slice in turn, read by the format ``fmt`` through ``storage``.
 
@@ -89,6 +91,14 @@ def read_slices(
     ``unchanged()`` runs before each shard is opened and raises if the dataset was re-packed
     since it was planned (``manifest_unchanged``).
 
+    ``sides`` (a split's: ``sides(i)``, shard i's ``ShardSides``): every sample read, streamed
+    or as a range, is checked by its own key against the side the split put it on (a tar
+    streamed in C as it is parsed; a range by the key hash its index stores, which is the
+    split's; LMDB by each value's key); one on the other side is a ``ShardFormatError`` naming
+    the shard and the key, never a sample handed to the other side. The split's bits may come
+    from a hash column whose checksums agree with the manifest: nothing but the keys vouches
+    for it.
+
     ``storage.close()`` runs when the read ends, fails or is abandoned (``break``, an exception
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
     threads and fetched shards never outlive the iteration.
@@ -111,14 +121,16 @@ def read_slices(
             got = 0
             want, flags = _dropping(sl, masks[n] if drop else None, spans[n] is not None)
             stop = None if sl.stop == shard.samples else sl.stop
+            side = None if sides is None else sides(sl.shard)
             records = None
             if unchanged is not None:
                 unchanged()
             try:
                 if spans[n] is not None:
-                    records = exact.records(sl, shard, masks[n], fields, skipped=not drop)
-                else:
-                    records = fmt.records(storage, shard, sl.start, stop, fields)
+                    records = exact.records(sl, shard, masks[n], fields, not drop, side)
+                else:  # a split's read checks each key (``sides``); a plain one has none
+                    kw = {} if side is None else {"sides": side}
+                    records = fmt.records(storage, shard, sl.start, stop, fields, **kw)
                 for rec in records:
                     if got == want:
                         _more_than_counted(shard.url, sl.stop)

@@ -8,10 +8,12 @@ index record of an LMDB shard), one shard at a time; no byte of an old tar is re
 where a hash matches has its keys read, to confirm each match on the real key (a 64-bit hash may
 collide). A shard without an index (an older pack, a compressed tar) gives its keys from its
 headers instead, as before. Memory: the new keys' hashes (a merge: the smaller dataset's of
-each pair) and one shard's index. CPU per old sample: 16 bytes of its index read and
-sha256-ed (the head, offsets and hashes, which the manifest's ``columns_sha256`` vouches for;
-an entry without it, from packs made before: the whole index, ~90 bytes a sample, which
-``index_sha256`` covers) and one lookup in a bit table; per old shard, one open.
+each pair) and one shard's index. CPU per old sample: its index read whole and sha256-ed
+(~90 bytes a sample, which the manifest's ``index_sha256`` covers), its key hashed (in C,
+~0.13 us) to check the stored hash, and one lookup in a bit table; per old shard, one open.
+The stored hashes are checked by the keys, not only by the manifest's checksums: an edited
+column with its checksums computed again would hide a key the dataset holds, and be handed on
+to the grown dataset (``_hashes`` refuses it).
 
 A merge also compares whole datasets by ``identity``: the sha256 over its shards' digests, the
 same for a copy of the same shards.
@@ -26,21 +28,22 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import InputError
 from ..formats import get_format
 from ..formats.lmdb import lmdb_keys, read_lmdb_index
-from ..formats.sample_index import (
-    columns_of,
-    columns_size,
-    decode_columns,
-    index_path,
-    key_hashes,
-    load_index,
-    read_local,
-)
+from ..formats.sample_index import index_path, key_hashes, load_index, read_local, table_hashes
 from ..formats.tar import tally_tar
 from ..manifest import Manifest, ShardEntry
 
-__all__ = ["dataset_keys", "found_in", "held_by", "identity", "repeats_across", "shard_hashes"]
+__all__ = [
+    "check_columns",
+    "dataset_keys",
+    "found_in",
+    "held_by",
+    "identity",
+    "repeats_across",
+    "shard_hashes",
+]
 
 
 def shard_keys(path: str, fmt: str) -> Iterable[str]:
@@ -84,60 +87,50 @@ def shard_hashes(folder: str, fmt: str, entry: ShardEntry) -> np.ndarray:
 def _hashes(folder: str, fmt: str, entry: ShardEntry) -> tuple[np.ndarray, object | None]:
     """``shard_hashes``, and the shard's key table where it was loaded for them (else None).
 
-    A tar index's stored hashes are used as they stand only once the sha256 of its columns is
-    the manifest's ``columns_sha256`` (16 bytes a sample read), or the whole file's is its
-    ``index_sha256`` (the packer's file, the split's rule): a hash column damaged with its
-    trailer fixed up would otherwise hide a key the dataset holds and let it in twice.
-    Any other index (no ``index_sha256`` listed) has its keys hashed again; one that does not
-    match the manifest serves not at all (a warning names it) and the shard's headers do."""
+    An index's stored hashes are used only once they are its keys' own (``table_hashes``, in
+    C): a manifest's ``index_sha256`` and ``columns_sha256`` vouch for the file, not for the
+    column, since anyone editing it can compute them again. A column that is not its keys'
+    would hide a key the dataset holds (let in twice) and be handed on to the grown dataset:
+    it is an ``InputError`` naming the index (``_unvouched``), and nothing is written. A tar
+    index that does not match the manifest serves not at all (a warning names it) and the
+    shard's headers do."""
     path = os.path.join(folder, entry.path)
+    index = None
     if fmt == "tar" and entry.path.endswith(".tar") and entry.sha256 and entry.samples >= 0:
         idx = index_path(path)
-        if entry.columns_sha256:  # 16 bytes a sample read and hashed, not the whole index
-            hashes = _listed_columns(idx, entry)
-            if hashes is not None:
-                return hashes, None
-        data = read_local(idx)  # ~90 bytes a sample: hashed whole, held one shard at a time
-        if data is not None:
-            if entry.index_sha256 and hashlib.sha256(data).hexdigest() == entry.index_sha256:
-                head = data[: columns_size(entry.samples)]
-                cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256)
-                if cols is not None:  # else a warning named it: its headers serve
-                    return cols.hashes.astype(np.uint64), None
-            else:
-                args = (entry.samples, entry.bytes, entry.sha256, entry.index_sha256)
-                index = load_index(data, idx, *args)
-                if index is not None:
-                    return key_hashes(index.keys()), index
+        args = (entry.samples, entry.bytes, entry.sha256, entry.index_sha256)
+        index = load_index(read_local(idx), idx, *args)  # ~90 bytes a sample, one shard held
+        what = f"{idx}: its"
     elif fmt == "lmdb":
         index = read_lmdb_index(path, path, entry.samples)[0]
-        if index is not None:
-            return index.hashes.astype(np.uint64), index
+        what = f"{path}: its index record's"
+    if index is not None:
+        hashes = table_hashes(index)
+        if not np.array_equal(hashes, index.hashes):
+            raise _unvouched(what, int(np.count_nonzero(hashes != index.hashes)), fmt, folder)
+        return hashes, index
     table = _Keys(shard_keys(path, fmt))
     return key_hashes(table.keys()), table
 
 
-def _listed_columns(idx: str, entry: ShardEntry) -> np.ndarray | None:
-    """The stored key hashes of a tar index whose columns (head, offsets, hashes: its first
-    ``columns_size`` bytes) have the sha256 the manifest lists as ``columns_sha256``; None
-    where they do not (or cannot be read): the caller reads the whole index, as for an entry
-    without it."""
-    try:
-        fd = os.open(idx, os.O_RDONLY)
-    except OSError:
-        return None
-    try:  # these bytes and no more (no buffered read ahead)
-        head = os.pread(fd, columns_size(entry.samples), 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(head) < columns_size(entry.samples):
-        return None
-    if hashlib.sha256(columns_of(head, entry.samples)).hexdigest() != entry.columns_sha256:
-        return None
-    cols = decode_columns(head, idx, entry.samples, entry.bytes, entry.sha256, listed=True)
-    return None if cols is None else np.asarray(cols.hashes, dtype=np.uint64)
+def _unvouched(what: str, bad: int, fmt: str, folder: str) -> InputError:
+    fix = (
+        f"delete the shard's .idx and run `shardkit index {folder}`"
+        if fmt == "tar"
+        else "re-pack the shard"
+    )
+    return InputError(
+        f"{what} {bad} stored split hash(es) are not their keys' hashes (the index is damaged "
+        f"or was edited, its checksums computed again); growing the dataset would hand the "
+        f"wrong column on: rebuild it first ({fix})"
+    )
+
+
+def check_columns(folder: str, manifest: Manifest) -> None:
+    """Every shard's stored hash column checked against its keys (``_hashes``), where a
+    growth makes no key check of its own that would (``allow_duplicates``)."""
+    for entry in manifest.shards:
+        _hashes(folder, manifest.shard_format, entry)
 
 
 def shard_table(folder: str, fmt: str, entry: ShardEntry):
@@ -202,19 +195,26 @@ def _matches(
     if not len(wanted):
         return
     for k, entry in enumerate(manifest.shards):
-        stored, table = _hashes(folder, manifest.shard_format, entry)
-        at, lo, hi = wanted.hits(stored)
-        if not len(at):
-            continue
-        if table is None:
-            table = shard_table(folder, manifest.shard_format, entry)
-        pairs = []  # (wanted position, position in the shard, the stored key its hash matched)
-        for p, a, b in zip(at.tolist(), lo.tolist(), hi.tolist(), strict=True):
-            key = table.key(p)
-            pairs.extend((q, p, key) for q in wanted.order[a:b].tolist())
-        for q, p, key in sorted(pairs):  # in order: ``key_of`` reads each shard of theirs once
+        pairs = _pairs(folder, manifest.shard_format, entry, wanted)  # its index dropped after
+        for q, p, key in pairs:  # in order: ``key_of`` reads each shard of theirs once
             if key_of(q) == key:
                 yield k, p, q
+
+
+def _pairs(folder: str, fmt: str, entry: ShardEntry, wanted: _Wanted) -> list[tuple]:
+    """``(wanted position, position in the shard, the stored key its hash matched)`` of one
+    shard, sorted; nothing of the shard's index is held once it returns."""
+    stored, table = _hashes(folder, fmt, entry)
+    at, lo, hi = wanted.hits(stored)
+    if not len(at):
+        return []
+    if table is None:
+        table = shard_table(folder, fmt, entry)
+    pairs = []
+    for p, a, b in zip(at.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        key = table.key(p)
+        pairs.extend((q, p, key) for q in wanted.order[a:b].tolist())
+    return sorted(pairs)
 
 
 def found_in(

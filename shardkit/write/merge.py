@@ -25,7 +25,7 @@ from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .keys import identity, repeats_across
+from .keys import check_columns, identity, repeats_across
 from .writer import _within, next_shard_number, open_local_output, shard_name
 
 __all__ = ["MERGED_FIELD", "MergeReport", "merge"]
@@ -228,8 +228,11 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     else:
         todo = manifests
         pack = {}
-    if not allow_duplicates:
+    if not allow_duplicates:  # every shard's hash column checked by its keys on the way
         _check_keys(out if in_place else None, base, todo)
+    else:  # no key check: the columns of the shards merged in are checked alone
+        for path, m in todo:
+            check_columns(path, m)
     merged = list(pack.get(MERGED_FIELD, []))
     number = next_shard_number(out, [e.path for e in entries])
     for path, m in todo:

@@ -314,3 +314,53 @@ def test_ranges_that_are_not_a_samples_are_handed_to_the_python_reader(shift, tm
         native = _at(data, tmp_path, True, pick, shift=shift)
         assert native[:-1] == _at(data, tmp_path, False, pick, shift=shift)[:-1]
         assert len(native) == 1 or native[-1] == list(range(len(pick)))
+
+
+# --- a split's side check, in C and in Python ----------------------------------------------
+
+
+def _keyed_tar(keys: list[str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for k in keys:
+            for ext, data in (("jpg", b"\xff\xd8" + k.encode()), ("cls", b"1")):
+                info = tarfile.TarInfo(f"{k}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("flip", [None, 0, 5, 11])
+def test_the_side_check_in_c_is_hashlibs(flip, monkeypatch):
+    """Keys of every length a plain ustar name holds (1 to 95 bytes: the salt and key in one
+    BLAKE2b block or at its edge): with each sample's own side in the bits every sample is read,
+    in C and in Python alike; one bit flipped, both stop at that sample with the same error
+    naming its key."""
+    import numpy as np
+
+    from shardkit.formats.sample_index import ShardSides, key_hashes
+
+    keys = [(f"k{n}-" + "x" * 95)[:n] for n in (1, 2, 8, 50, 94, 95)]
+    keys += [f"s{i:03d}" for i in range(6)]
+    threshold = 1 << 63
+    val = key_hashes(keys) < np.uint64(threshold)
+    if flip is not None:
+        val[flip] = not val[flip]
+    bits = np.packbits(np.concatenate((np.zeros(3, bool), val)))  # the shard starts at 3
+    sides = ShardSides(bits, 3, threshold)
+    data = _keyed_tar(keys)
+    checked = []  # the samples Python checked (C checks the ones it parses)
+    real = ShardSides.on_side
+    monkeypatch.setattr(ShardSides, "on_side", lambda s, n, k: checked.append(n) or real(s, n, k))
+    _outcome(data, True, chunk=4 << 20, sides=sides)
+    # C took every sample on its side but the last (closed by the end of the archive, not by
+    # another sample's header: the Python parser's)
+    assert checked == ([11] if flip in (None, 11) else [flip])
+    for chunk in (1536, 4 << 20):
+        got = [_outcome(data, native, chunk=chunk, sides=sides) for native in (True, False)]
+        assert got[0] == got[1]
+        if flip is None:
+            assert [r[0] for r in got[0]] == keys
+        else:
+            assert [r[0] for r in got[0][:-1]] == keys[:flip]
+            assert got[0][-1][0] == "ShardFormatError" and repr(keys[flip]) in got[0][-1][1]

@@ -533,9 +533,9 @@ def test_growth_reads_no_old_tar_and_still_refuses_a_key_twice(srcs, tmp_path, f
     if fmt == "tar":
         assert opens.shards() == []
     assert len(samples(tmp_path / "merged")) == 24 + 3
-    with _Opens(out, pb, tmp_path / "merged2") as opens:  # no key check: nothing read again
-        merge([out, pb], tmp_path / "merged2", allow_duplicates=True)
-    assert [p for p in opens.paths if p.endswith((".tar", ".idx"))] == []
+    with _Opens(out, pb, tmp_path / "merged2") as opens:  # no key check: no shard read, but
+        merge([out, pb], tmp_path / "merged2", allow_duplicates=True)  # each index's column
+    assert [p for p in opens.paths if p.endswith(".tar")] == []  # checked by its keys
     assert verify(str(tmp_path / "merged2")).ok
     shared = tmp_path / "shared"  # shares A's class x: refused in any order, by count and key
     shutil.copytree(os.path.join(a, "x"), shared / "x")
@@ -650,25 +650,23 @@ def _rchar() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
-def test_growth_reads_of_each_old_index_the_columns_its_manifest_vouches_for(tmp_path):
+def test_growth_reads_each_old_index_whole_and_no_shard(tmp_path):
     """Counted (``rchar``: every byte this process read): a merge of 60 new samples with 12,000
-    reads, of each of the large dataset's indexes, the columns whose sha256 the manifest lists
-    (``columns_sha256``: head, offsets and key hashes, 16 bytes a sample), not the whole file
-    (its key table and members too, ~5x). A manifest without ``columns_sha256`` (packs made
-    before it) has each index read and hashed whole, as before; shared keys are refused alike."""
-    from shardkit.formats.sample_index import columns_size
-
+    reads each of the large dataset's indexes whole, its stored hashes checked by its keys (a
+    column and its ``columns_sha256`` computed again from an edited file agree with each other,
+    not with the keys), and none of its shards; with or without ``columns_sha256`` listed.
+    Shared keys are refused alike."""
     big = _written(tmp_path / "big", range(12000))
     few = _written(tmp_path / "few", range(20000, 20060))
     shards = read_manifest(str(big)).shards
     assert all(len(s.columns_sha256) == 64 for s in shards)
-    columns = sum(columns_size(s.samples) for s in shards)
     whole = sum(os.path.getsize(os.path.join(big, s.path) + ".idx") for s in shards)
-    assert whole > 3 * columns
+    tars = sum(s.bytes for s in shards)
+    assert tars > 4 * whole
     before = _rchar()
     merge([few, big], tmp_path / "merged")
-    # beside the columns: the manifests, the few's index, the package's metadata (created_by)
-    assert _rchar() - before < columns + 64_000
+    # beside the indexes: the manifests, the few's index, the package's metadata (created_by)
+    assert whole < _rchar() - before < whole + 64_000
     assert read_manifest(str(tmp_path / "merged")).shards[0].columns_sha256  # carried over
     doc = json.loads((big / "manifest.json").read_text())
     for entry in doc["shards"]:
@@ -676,7 +674,7 @@ def test_growth_reads_of_each_old_index_the_columns_its_manifest_vouches_for(tmp
     (big / "manifest.json").write_text(json.dumps(doc))
     before = _rchar()
     merge([few, big], tmp_path / "merged-older")
-    assert _rchar() - before > whole
+    assert whole < _rchar() - before < whole + 64_000
     dup = _written(tmp_path / "dup", (20001, 7000, 5))
     with pytest.raises(InputError, match=r": 2 of its keys .*'c0/k00005'"):
         merge([dup, big], tmp_path / "refused")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ...records import Record, ShardInfo
 from ..base import ShardFormat
+from ..sample_index import ShardSides, on_sides
 from .index import INDEX_KEY, LmdbIndex, LmdbIndexError, decode_lmdb_index, encode_lmdb_index
 from .reader import (
     LmdbSampleReader,
@@ -93,11 +94,13 @@ class LmdbFormat(ShardFormat):
         start: int = 0,
         stop: int | None = None,
         fields: Sequence[str] = (),
+        sides: ShardSides | None = None,
     ) -> Iterator[Record]:
         path = storage.local_path(shard)  # now, not on the first sample: a missing file is named
-        return self.iter_records(
+        records = self.iter_records(
             path, shard=shard.url, start=start, stop=stop, index=shard.index, fields=fields
         )
+        return records if sides is None else on_sides(records, start, sides, shard.url)
 
     def count(self, storage: Any, shard: ShardInfo) -> int:
         return count_lmdb_samples(storage.local_path(shard), shard=shard.url)

@@ -9,7 +9,7 @@ from ...manifest import INDEX_EVERY
 from ...records import Record, ShardInfo
 from ...urls import is_url
 from ..base import ShardFormat
-from ..sample_index import sample_offset
+from ..sample_index import ShardSides, sample_offset
 from .reader import iter_tar_records
 from .tally import count_tar_samples
 from .writer import TarShardWriter, TarSizer
@@ -47,6 +47,7 @@ class TarFormat(ShardFormat):
         start: int = 0,
         stop: int | None = None,
         fields: Sequence[str] = (),
+        sides: ShardSides | None = None,
     ) -> Iterator[Record]:
         at = _seek_point(shard, start)
         with storage.open(shard) as stream:  # a generator: opened on the first sample asked
@@ -58,6 +59,7 @@ class TarFormat(ShardFormat):
                 index=shard.index,
                 fields=fields,
                 at=at,
+                sides=sides,
             )
 
     def count(self, storage: Any, shard: ShardInfo) -> int:

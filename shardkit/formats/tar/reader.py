@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import Record
-from ..sample_index import SPLIT_SALT
+from ..sample_index import SPLIT_SALT, ShardSides
 from .parse import (
     _EXT_KIND,
     _IMAGE,
@@ -57,9 +57,11 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     first: int = 0,
     offset: int = 0,
     fields: frozenset[bytes] = frozenset(),
+    sides: ShardSides | None = None,
 ) -> Iterator[Record]:
     """The one streaming parse loop over the window ``b``: yields Records for samples
-    ``[start, stop)``.
+    ``[start, stop)``; ``sides`` (a split's): each checked by its own key against the side the
+    split put it on, in C where C parses it, a sample on the other side an error naming it.
 
     Members group into samples by key (``split_member_name``); a group is a sample when it holds
     an image member, and only samples are numbered (``__meta__.json``-like records are passed
@@ -88,6 +90,7 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     # stops, this loop goes on, and hands back at the next sample boundary (``native`` again)
     native = _tar_samples is not None
     last = -1 if stop is None else stop
+    check = () if sides is None else (sides.bits, sides.base, SPLIT_SALT, sides.threshold)
     while True:
         if end - pos < BLOCK:
             b.pos, b.end = pos, end
@@ -101,7 +104,7 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
         if native and key is None:
             got, at, done = _tar_samples(
                 buf, pos, end, done, start, last, _BUDGET, _IMAGE_EXTS, _LABEL_EXTS, fields,
-                Record, shard,
+                Record, shard, *check,
             )  # fmt: skip
             yield from got
             if stop is not None and done >= stop:
@@ -169,6 +172,8 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
                 if k != key:  # first member of the next group: the current one is complete
                     if has_image:
                         if wanted:
+                            if sides is not None:
+                                _on_side(sides, shard, done, key)  # type: ignore[arg-type]
                             yield Record(
                                 key.decode("utf-8", "surrogateescape"),  # type: ignore[union-attr]
                                 image_ext.decode("utf-8", "surrogateescape"),
@@ -236,6 +241,8 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
         if extra is not None and ext in fields:
             extra[ext.decode("utf-8", "surrogateescape")] = data
     if has_image and wanted:
+        if sides is not None:
+            _on_side(sides, shard, done, key)  # type: ignore[arg-type]
         yield Record(
             key.decode("utf-8", "surrogateescape"),  # type: ignore[union-attr]
             image_ext.decode("utf-8", "surrogateescape"),
@@ -244,6 +251,12 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
             shard,
             extra,
         )
+
+
+def _on_side(sides: ShardSides, shard: str, n: int, key: bytes) -> None:
+    """Sample ``n`` (parsed here, not in C) on the side the split put it, by its own key."""
+    if not sides.on_side(n, key):
+        raise sides.error(shard, n, key.decode("utf-8", "surrogateescape"))
 
 
 def iter_tar_records(
@@ -256,6 +269,7 @@ def iter_tar_records(
     fields: Sequence[str] = (),
     chunk: int = 4 << 20,
     at: int | None = None,
+    sides: ShardSides | None = None,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)`` of a tar shard as Records, grouping members by key.
 
@@ -267,7 +281,9 @@ def iter_tar_records(
     too many. A shard named ``.tar.gz``/``.tgz`` is decompressed as it streams and never seeks.
     ``fields``: the (lowercased) extensions of extra members to carry, raw, in
     ``Record.fields``. A shard that ends without its end-of-archive blocks, or mid-member,
-    raises ShardFormatError: a truncated copy never passes as a short epoch.
+    raises ShardFormatError: a truncated copy never passes as a short epoch. ``sides`` (a
+    split's reader): every sample read is checked by its own key against the side the split
+    put it on, and one on the other side is a ``ShardFormatError`` naming it and its key.
     """
     f, name, owned = _open(source)
     shard = shard or name
@@ -287,7 +303,7 @@ def iter_tar_records(
     b = None
     try:
         b = _Buffer(_sequential(f, shard), shard, chunk)
-        yield from _scan(b, shard, start, stop, first, offset, want)
+        yield from _scan(b, shard, start, stop, first, offset, want, sides)
     finally:
         if b is not None:
             b.release()
