@@ -81,7 +81,7 @@ class Source:
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
     "val", by a hash of each key alone (``split_members``): the same for every seed, after a
     re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val"
-    (default 0.1; given without ``split=`` it is refused, as it would change nothing).
+    (default 0.1; another value without ``split=`` is refused, as it would change nothing).
     ``storage_options``: fsspec options for URLs. ``fields``: the dataset's ``fields=`` this
     source carries (None: all of them, a sample lacking one is an error); one it leaves out is
     None in its samples, through ``ShardLoader`` too: a captioned set mixes with a classification
@@ -92,7 +92,7 @@ class Source:
     weight: float | None = None
     subset: float | Sequence[str] | None = None
     split: str | None = None
-    val_fraction: float | None = None  # None: 0.1 (it sizes a split)
+    val_fraction: float = 0.1
     storage_options: dict | None = None
     fields: Sequence[str] | None = None
 
@@ -115,14 +115,13 @@ class Source:
         if self.split is not None and self.split not in SPLITS:
             raise InputError(f'{self.name}: split={self.split!r}: use "train" or "val"')
         f = self.val_fraction
-        if f is not None and self.split is None:
+        if not is_number(f) or not 0 < f < 1:
+            raise InputError(f"{self.name}: val_fraction={f!r} must be a number in (0, 1)")
+        if f != 0.1 and self.split is None:
             raise InputError(
                 f'{self.name}: val_fraction={f!r} sizes a split: give split="train" or '
                 '"val" too, or leave val_fraction out'
             )
-        f = 0.1 if f is None else f
-        if not is_number(f) or not 0 < f < 1:
-            raise InputError(f"{self.name}: val_fraction={f!r} must be a number in (0, 1)")
         object.__setattr__(self, "val_fraction", float(f))
         s = self.subset
         if isinstance(s, (str, bytes, bool, np.bool_)):

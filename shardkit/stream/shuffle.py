@@ -55,29 +55,28 @@ class Order:
 
     ``shuffle``: permute the shards per epoch and pass samples through a buffer of
     ``buffer_size`` per worker (0 or 1: no buffer; default 1000). Without a shuffle nothing is
-    buffered, so ``buffer_size`` is refused there rather than kept unused in the checkpoint.
+    buffered, so another ``buffer_size`` than the default is refused there rather than kept
+    unused in the checkpoint (the default is what ``Order(shuffle=False)`` records).
     ``equalize``: "pad" (every rank yields ceil(N / world_size), like DistributedSampler), "drop"
     (floor) or "none" (parts differ by at most one; every sample once). ``Order.sequential()``:
     every sample once, in packed order (evaluation).
     """
 
     shuffle: bool = True
-    buffer_size: int | None = None  # None: DEFAULT_BUFFER_SIZE (with a shuffle)
+    buffer_size: int = DEFAULT_BUFFER_SIZE
     equalize: str = "pad"
 
     def __post_init__(self) -> None:
         if not isinstance(self.shuffle, (bool, np.bool_)):
             raise InputError(f"shuffle={self.shuffle!r} must be True or False")
         object.__setattr__(self, "shuffle", bool(self.shuffle))
-        b = self.buffer_size
-        if b is not None and not self.shuffle:
+        hint = " (0 or 1: no buffer)"
+        b = check_int("buffer_size", self.buffer_size, 0, MAX_BUFFER_SIZE, hint=hint)
+        if b != DEFAULT_BUFFER_SIZE and not self.shuffle:
             raise InputError(
                 f"Order(shuffle=False, buffer_size={b!r}): without a shuffle nothing is buffered; "
                 "leave buffer_size out (or give shuffle=True)"
             )
-        b = DEFAULT_BUFFER_SIZE if b is None else b
-        hint = " (0 or 1: no buffer)"
-        b = check_int("buffer_size", b, 0, MAX_BUFFER_SIZE, hint=hint)
         object.__setattr__(self, "buffer_size", b)
         check_choice("equalize", self.equalize, EQUALIZE_MODES)
 

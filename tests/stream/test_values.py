@@ -86,6 +86,16 @@ def test_an_option_that_would_do_nothing_is_refused(make, words):
     _refused(make, *words)
 
 
+def test_the_default_given_again_is_no_conflict():
+    """Only a value that would be kept unused is refused: the default given again is what
+    leaving it out records, so ``dataclasses.replace`` on these values still works."""
+    from dataclasses import replace
+
+    assert replace(Order(), shuffle=False) == Order(shuffle=False)
+    assert Order(shuffle=False).buffer_size == Order().buffer_size  # the checkpoint's facts
+    assert replace(Source("x/"), weight=2.0).weight == 2.0
+
+
 def test_a_mixtures_fsspec_options_in_two_places_are_refused(shards):
     sources = [Source(shards, storage_options={"anon": True}), Source(shards)]
     storage = RemoteStorage(storage_options={"anon": False})
