@@ -55,7 +55,7 @@ _EPOCH_RAW = """
 import gc, json, sys, time, warnings
 warnings.simplefilter("ignore")
 from shardkit import ShardDataset
-ds = ShardDataset(sys.argv[1], decode="raw", shuffle=True, seed=1)
+ds = ShardDataset(sys.argv[1], decode="raw", seed=1)
 gc.collect()  # the imports' garbage collected here, not in the timed job
 t0 = time.perf_counter()
 n = sum(1 for _ in ds)
@@ -65,8 +65,8 @@ print(json.dumps({"rate": n / (time.perf_counter() - t0), "samples": n}))
 _EPOCH_RRC = """
 import gc, json, sys, time, warnings
 warnings.simplefilter("ignore")
-from shardkit import ShardDataset, ShardLoader
-ds = ShardDataset(sys.argv[1], decode="tensor", size=224, crop="random", flip=True)
+from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader
+ds = ShardDataset(sys.argv[1], decode=Decode(crop=RandomResizedCrop(224), flip=True))
 loader = ShardLoader(ds, 64, num_workers=2)
 it = iter(loader)
 n0 = len(next(it)[0])  # workers up: time the steady epoch
@@ -78,7 +78,7 @@ print(json.dumps({"rate": n / (time.perf_counter() - t0), "samples": n + n0}))
 """
 
 _EPOCH_TINY = _EPOCH_RRC.replace(
-    'decode="tensor", size=224, crop="random", flip=True', 'decode="tensor"'
+    "decode=Decode(crop=RandomResizedCrop(224), flip=True)", 'decode="tensor"'
 ).replace("ShardLoader(ds, 64,", "ShardLoader(ds, 256,")
 
 JOBS = ("pack-folder", "pack-table", "writer", "epoch-raw", "epoch-rrc", "epoch-tiny")

@@ -5,8 +5,8 @@ ImageNet-shaped photos (``shardkit synth``: mostly 500x375) with a caption and i
 JSON metadata each, written once as img2dataset writes them (``000000000.jpg/.txt/.json`` per
 sample, no class) and indexed with ``shardkit index``: both sides read the very same tar files.
 
-- shardkit: ``ShardDataset(decode="tensor", crop=RandomResizedCrop(224, scale=(0.9, 1.0),
-  interpolation="bicubic"), flip=True, fields=("txt",))`` through ``ShardLoader``.
+- shardkit: ``ShardDataset(decode=Decode(crop=RandomResizedCrop(224, scale=(0.9, 1.0),
+  interpolation="bicubic"), flip=True), fields=("txt",))`` through ``ShardLoader``.
 - WebDataset (open_clip's pipeline, torchvision's transforms written out: torchvision cannot
   install here): ``WebDataset(urls, shardshuffle=True).shuffle(1000).decode("pil")
   .to_tuple("jpg", "txt")``, then RandomResizedCrop's box by ``get_params`` and PIL's bicubic
@@ -37,10 +37,10 @@ import harness
 
 
 def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
-    from shardkit import RandomResizedCrop, ShardDataset, ShardLoader
+    from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader
 
     crop = RandomResizedCrop(224, scale=(0.9, 1.0), interpolation="bicubic")
-    ds = ShardDataset(source, decode="tensor", crop=crop, flip=True, fields=("txt",))
+    ds = ShardDataset(source, decode=Decode("tensor", crop=crop, flip=True), fields=("txt",))
     loader = ShardLoader(ds, batch, num_workers=workers)
     try:
         loader.set_epoch(epoch)

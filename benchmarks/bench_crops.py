@@ -49,7 +49,7 @@ def contenders() -> dict[str, dict]:
     from shardkit import CenterCrop, RandomCrop, RandomResizedCrop
 
     return {
-        'crop="random" (today)': dict(size=224, crop="random"),
+        'crop="random" (today)': dict(crop=RandomResizedCrop(224)),
         "RRC(0.08-1, bilinear)": dict(crop=RandomResizedCrop(224)),
         "RRC(0.9-1, bilinear)": dict(crop=RandomResizedCrop(224, (0.9, 1.0))),
         "RRC(0.9-1, bicubic)": dict(
@@ -62,9 +62,9 @@ def contenders() -> dict[str, dict]:
 
 
 def epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[float, int]:
-    from shardkit import ShardDataset, ShardLoader
+    from shardkit import Decode, ShardDataset, ShardLoader
 
-    ds = ShardDataset(source, decode="tensor", flip=True, **kw)
+    ds = ShardDataset(source, decode=Decode(crop=kw["crop"], flip=True))
     loader = ShardLoader(ds, batch, num_workers=workers)
     n = 0
     try:
@@ -84,7 +84,9 @@ def epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[
 _AGAINST = """
 import json, sys
 import bench_crops
-rate, n = bench_crops.epoch(sys.argv[1], dict(size=224, crop="random"), *map(int, sys.argv[2:]))
+from shardkit import RandomResizedCrop
+crop = dict(crop=RandomResizedCrop(224))
+rate, n = bench_crops.epoch(sys.argv[1], crop, *map(int, sys.argv[2:]))
 print(json.dumps({"rate": rate, "n": n}))
 """
 
@@ -100,18 +102,18 @@ def _breakdown(source: str, cons: dict, count: int, rounds: int) -> dict:
     the decoded share of its rows."""
     import torch
 
-    from shardkit import ShardDataset
+    from shardkit import Decode, Order, ShardDataset
     from shardkit.images.decode import decode_jpeg_region, jpeg_scale
     from shardkit.images.geometry import resized, scaled_box
 
     torch.set_num_threads(1)
-    raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
+    raw = ShardDataset(source, decode="raw", order=Order(shuffle=False), with_keys=True)
     photos = [(b, k) for (b, _, k), _ in zip(raw, range(count), strict=False)]
     out = {}
     for name, kw in cons.items():
         if not kw:
             continue  # another checkout's contender
-        ds = ShardDataset(source, decode="tensor", flip=True, **kw)
+        ds = ShardDataset(source, decode=Decode(crop=kw["crop"], flip=True))
         dec, size, how = ds.tensor_decoder(0), ds.geometry.size, ds.geometry.interpolation
         passes = []
         for _ in range(rounds):
@@ -147,13 +149,14 @@ def _difference(source: str, kw: dict, count: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from shardkit import ShardDataset
+    from shardkit import Decode, Order, ShardDataset
     from shardkit.images.decode import decode_rgb
 
-    ds = ShardDataset(source, decode="tensor", flip=True, shuffle=False, with_keys=True, **kw)
+    decode = Decode(crop=kw["crop"], flip=True)
+    ds = ShardDataset(source, decode=decode, order=Order(shuffle=False), with_keys=True)
     dec = ds.tensor_decoder(0)
     how = ds.geometry.interpolation
-    raw = ShardDataset(source, decode="raw", shuffle=False, with_keys=True)
+    raw = ShardDataset(source, decode="raw", order=Order(shuffle=False), with_keys=True)
     diffs = []
     for (img, _, key), (blob, _, _) in zip(ds, raw, strict=False):
         box = dec.crop_box(blob, key)

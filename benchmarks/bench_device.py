@@ -69,18 +69,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_train import MEAN_STD, replicated, usable_cpus  # noqa: E402
 
-from shardkit import ShardDataset, ShardLoader  # noqa: E402
+from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
 from shardkit.images.geometry import CropBox  # noqa: E402
 
-GEO = {"decode": "tensor", "size": 224, "crop": "random", "flip": True}
+GEO = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
 
 
 def _records(shards: Path, n: int) -> tuple[list[np.ndarray], list[CropBox], list[tuple]]:
     """``n`` samples' bytes, their RRC boxes, and (bytes, key) for the CPU path."""
     ds = ShardDataset(str(shards), **GEO, with_keys=True)
     dec = ds.tensor_decoder(0)
-    raw = ShardDataset(str(shards), decode="raw", shuffle=False, with_keys=True)
+    raw = ShardDataset(str(shards), decode="raw", order=Order(shuffle=False), with_keys=True)
     bufs, boxes, datas = [], [], []
     for data, _, key in raw:
         bufs.append(np.frombuffer(data, np.uint8))
@@ -287,7 +287,7 @@ def pipeline(args) -> dict:
 
 def _urls(args, samples: int | None = None) -> list[str]:
     per_copy = len(list(args.shards.glob("*.tar")))
-    count = sum(1 for _ in ShardDataset(str(args.shards), decode="raw", shuffle=False))
+    count = sum(1 for _ in ShardDataset(str(args.shards), decode="raw", order=Order(shuffle=False)))
     copies = max(1, -(-(samples or args.samples) // count))
     dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
     return replicated(args.shards, copies, dest)[: per_copy * copies]
@@ -460,7 +460,7 @@ def stub(args) -> dict:
         device_feed.DeviceFeed._stage_encoded, real_resize = staged, device_feed.resize_batch
         device_feed.resize_batch = resize
         try:
-            ds = ShardDataset(urls, **{**GEO, "size": size})
+            ds = ShardDataset(urls, decode=Decode(crop=RandomResizedCrop(size), flip=True))
             ld = ShardLoader(
                 ds,
                 args.batch,

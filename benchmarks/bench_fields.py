@@ -24,9 +24,9 @@ def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int, shard_loa
     """(images/s, the training process's CPU us per image) of one epoch."""
     from torch.utils.data import DataLoader
 
-    from shardkit import ShardDataset, ShardLoader
+    from shardkit import CenterCrop, Decode, ShardDataset, ShardLoader
 
-    ds = ShardDataset(src, decode="tensor", size=64, fields=fields)
+    ds = ShardDataset(src, decode=Decode("tensor", crop=CenterCrop(64, 64)), fields=fields)
     if shard_loader:
         loader = ShardLoader(ds, batch, num_workers=max(1, workers))
         next(iter(loader))  # workers started, as a trainer keeps them

@@ -72,7 +72,14 @@ ROOT = harness.ROOT
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit import FolderDataset, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import (  # noqa: E402
+    CenterCrop,
+    Decode,
+    FolderDataset,
+    RandomResizedCrop,
+    ShardDataset,
+    ShardLoader,
+)
 from shardkit.loader.fill import Filler, FillSpec  # noqa: E402
 from shardkit.loader.messages import Start  # noqa: E402
 from shardkit.loader.ring import MappedSlots, Ring  # noqa: E402
@@ -330,9 +337,9 @@ def _with_other(contenders: dict, name: str, make_ds, channels_last: bool) -> No
 
 
 def contenders_a(src: Path, shards: Path) -> dict:
-    def shard_loader(channels_last, **kw):
+    def shard_loader(channels_last, decode="tensor"):
         def build():
-            ds = ShardDataset(str(shards), decode="tensor", **kw)
+            ds = ShardDataset(str(shards), decode=decode)
             return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
         return _once(build)
@@ -350,7 +357,9 @@ def contenders_a(src: Path, shards: Path) -> dict:
         "ShardLoader": shard_loader(False),
         "ShardLoader channels_last": shard_loader(True),
         # FFCV's accuracy (libjpeg-turbo's fast integer IDCT), opt-in
-        "ShardLoader channels_last dct=fast": shard_loader(True, dct="fast"),
+        "ShardLoader channels_last dct=fast": shard_loader(
+            True, decode=Decode("tensor", dct="fast")
+        ),
         "DataLoader(ShardDataset)": _once(dl_shard),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
@@ -362,7 +371,7 @@ def contenders_a(src: Path, shards: Path) -> dict:
 
 
 def contenders_b(shards: Path) -> dict:
-    geo = dict(decode="tensor", size=224, crop="random", flip=True)
+    geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
 
     def shard_loader(channels_last, **kw):
         def build():
@@ -378,7 +387,9 @@ def contenders_b(shards: Path) -> dict:
     out = {
         "ShardLoader RRC224+flip": shard_loader(False),
         "ShardLoader RRC224+flip channels_last": shard_loader(True),
-        "ShardLoader center224 channels_last": shard_loader(True, crop="center", flip=False),
+        "ShardLoader center224 channels_last": shard_loader(
+            True, decode=Decode(crop=CenterCrop(224, 224))
+        ),
         "DataLoader(ShardDataset RRC224+flip)": _once(dl_shard),
     }
     make = lambda: ShardDataset(str(shards), **geo)  # noqa: E731
@@ -712,7 +723,7 @@ def main() -> None:
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
-        geo = dict(decode="tensor", size=224, crop="random", flip=True)
+        geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loops = worker_loops(ShardDataset(str(inet_shards), **geo))
         out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
         for loop in loops.values():

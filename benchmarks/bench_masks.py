@@ -4,11 +4,12 @@ the mask's own decode.
 
 The LFW-shaped set with a ``.seg.png`` beside every image (its greyscale quantized to 4 classes:
 an 8-bit PNG of the image's size), packed once. One interleaved run (every contender once per
-repeat), medians over repeats: ``DataLoader(ShardDataset(decode="tensor", size=64,
-crop="random", flip=True))`` without fields and with ``fields=("seg.png",)`` (the mask cut,
-nearest-resized and flipped with its image); the mask's cost per sample (1/rate with minus
-1/rate without, one worker) is set against the mask's own decode (PNG -> uint8 tensor, timed in
-this process over the same masks), and the geometry's share (``crop_mask``) is printed too. The
+repeat), medians over repeats: ``DataLoader(ShardDataset(decode=Decode(
+crop=RandomResizedCrop(64), flip=True)))`` without fields and with ``fields=("seg.png",)`` (the
+mask cut, nearest-resized and flipped with its image); the mask's cost per sample (1/rate with
+minus 1/rate without, one worker) is set against the mask's own decode (PNG -> uint8 tensor,
+timed in this process over the same masks), and the geometry's share (``crop_mask``) is printed
+too. The
 load average is printed beside it.
 
     python benchmarks/bench_masks.py --data /tmp/lfw-masks --scale 0.15 --repeats 5
@@ -29,9 +30,11 @@ SIZE = 64
 def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int) -> float:
     from torch.utils.data import DataLoader
 
-    from shardkit import ShardDataset
+    from shardkit import Decode, RandomResizedCrop, ShardDataset
 
-    ds = ShardDataset(src, decode="tensor", size=SIZE, crop="random", flip=True, fields=fields)
+    ds = ShardDataset(
+        src, decode=Decode("tensor", crop=RandomResizedCrop(SIZE), flip=True), fields=fields
+    )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers)
     start, n = time.perf_counter(), 0
     for batch_ in loader:
@@ -41,11 +44,13 @@ def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int) -> float:
 
 def _mask_costs(src: str) -> tuple[float, float]:
     """Seconds per mask: its PNG decode, and the crop/resize/flip after it (this process)."""
-    from shardkit import ShardDataset
+    from shardkit import Order, ShardDataset
     from shardkit.images.geometry import Geometry, TensorDecoder, crop_mask
     from shardkit.stream.fields import decode_field_image
 
-    raw = ShardDataset(src, decode="raw", fields=("seg.png",), shuffle=False, with_keys=True)
+    raw = ShardDataset(
+        src, decode="raw", fields=("seg.png",), order=Order(shuffle=False), with_keys=True
+    )
     samples = [(img, key, seg) for img, _, key, seg in raw]
     decoder = TensorDecoder(Geometry(SIZE, "random", True))
     boxes = [decoder.crop_box(img, key) for img, key, _ in samples]

@@ -56,6 +56,7 @@ from shardkit.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from shardkit.remote import RemoteStorage, fetch  # noqa: E402
 from shardkit.retry import RetryPolicy  # noqa: E402
 from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.stream.shuffle import Order  # noqa: E402
 
 BUCKET = "bench"
 BATCH = 64
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         ds = ShardDataset(
             shard_url if args.server == "s3" else f"{shard_url}{MANIFEST_NAME}",
             decode="raw",
-            storage_options=opts,
-            shuffle=False,
+            order=Order(shuffle=False),
+            storage=RemoteStorage(storage_options=opts),
         )
         ds.storage = RemoteStorage(opts, prefetch=prefetch)
         return DataLoader(

@@ -2,15 +2,15 @@
 """What a ``sample_transform`` batch costs in CPU per image: this checkout against another.
 
 Small noisy JPEGs (``data.noisy``: ``--count`` of 160x120, made once) packed into tar shards;
-one epoch of ``ShardLoader(ShardDataset(size=112, crop="random", sample_transform=...),
---batch, num_workers=--workers)`` per checkout and round, each in a fresh child process
-(``harness.in_child``), so its CPU is the child's own and its reaped workers' (``os.times``:
-user + system, from the loader's construction to its close), per image delivered. The
-transform passes the image and label on: what is measured is how the batch reaches the caller
-(this checkout: stacked columns through the ring's slots; an older one: pickled through the
-pipe). Rounds interleave the checkouts (which goes first flips every round), with each round's
-load average; the ratio is the median of per-round ratios this / against (below 1: this one is
-cheaper), for the whole CPU and for the training process's own.
+one epoch of ``ShardLoader(ShardDataset(decode=Decode(crop=RandomResizedCrop(112)),
+sample_transform=...), --batch, num_workers=--workers)`` per checkout and round, each in a fresh
+child process (``harness.in_child``), so its CPU is the child's own and its reaped workers'
+(``os.times``: user + system, from the loader's construction to its close), per image delivered.
+The transform passes the image and label on: what is measured is how the batch reaches the
+caller (this checkout: stacked columns through the ring's slots; an older one: pickled through
+the pipe). Rounds interleave the checkouts (which goes first flips every round), with each
+round's load average; the ratio is the median of per-round ratios this / against (below 1: this
+one is cheaper), for the whole CPU and for the training process's own.
 
     git worktree add /tmp/base 16caec4 && cp shardkit/images/_native*.so /tmp/base/shardkit/images/
     python benchmarks/bench_sample_transform.py --against /tmp/base --rounds 5
@@ -26,12 +26,13 @@ import harness
 _EPOCH = """
 import json, os, sys, warnings
 warnings.simplefilter("ignore")
-from shardkit import ShardDataset, ShardLoader
+from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader
 
 def passed_on(s):
     return {"image": s["image"], "label": s["label"]}
 
-ds = ShardDataset(sys.argv[1], decode="tensor", size=112, crop="random", sample_transform=passed_on)
+crop = Decode(crop=RandomResizedCrop(112))
+ds = ShardDataset(sys.argv[1], decode=crop, sample_transform=passed_on)
 loader = ShardLoader(ds, int(sys.argv[3]), num_workers=int(sys.argv[2]))
 t0 = os.times()
 n = sum(len(b["label"]) for b in loader)

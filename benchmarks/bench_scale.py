@@ -60,7 +60,7 @@ CHILD = r"""
 import json, os, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 import numpy as np
-from shardkit import ShardDataset, ShardView
+from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.stream.show import list_lines, show_lines
 what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
 def rchar():
@@ -80,14 +80,14 @@ except OSError:
 r0, c0, t0 = rchar(), cpu(), time.perf_counter()
 out = {"base_mb": status_mb("VmRSS")}  # after imports
 if what == "subset":
-    ds = ShardDataset(where, decode="raw", subset=0.01, with_keys=True)
+    ds = ShardDataset(Source(where, subset=0.01), decode="raw", with_keys=True)
     out["construct_s"] = time.perf_counter() - t0
     c1 = cpu()
     n = sum(len(s[0]) for s in ds)
     out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
 elif what in ("split", "split-train"):
     side = "val" if what == "split" else "train"
-    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
     out["len"] = len(ds)
     out["construct_rchar"] = rchar() - r0  # the manifest and the indexes, as read to build it
     c1, t1 = cpu(), time.perf_counter()
@@ -97,7 +97,7 @@ elif what in ("split", "split-train"):
     import shardkit.manifest  # the cap at the file's size: an older checkout read the cap whole
     shardkit.manifest.MAX_MANIFEST_BYTES = os.path.getsize(os.path.join(where, "manifest.json"))
     tracemalloc.start()
-    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
@@ -106,7 +106,7 @@ elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one work
     from shardkit.stream.partition import MixLayout, mix_worker_plan
     from shardkit.stream.world import World
     side = "val" if what == "split-plan" else "train"
-    ds = ShardDataset(where, decode="raw", split=side, val_fraction=0.1)
+    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
     kw = dict(seed=3, shuffle=True, buffer_size=ds.buffer_size, equalize="pad")
     def made(plan):  # a plan made in pieces as it is read: every piece made, each let go
         for p in plan.sources:
@@ -127,7 +127,7 @@ elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one work
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 elif what == "split-epoch":
-    ds = ShardDataset(where, decode="raw", split="val", val_fraction=0.1)
+    ds = ShardDataset(Source(where, split="val", val_fraction=0.1), decode="raw")
     c1 = cpu()
     out["samples"] = sum(1 for _ in ds)
     out["epoch_cpu_s"] = cpu() - c1

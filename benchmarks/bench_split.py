@@ -39,7 +39,7 @@ _CHILD = r"""
 import json, os, resource, sys, warnings
 warnings.simplefilter("ignore")
 where, what = sys.argv[1], sys.argv[2]
-from shardkit import ShardDataset
+from shardkit import ShardDataset, Source
 calls = [0]
 def counted(real):
     def counting(*args):
@@ -52,7 +52,7 @@ def cpu():
     return u.ru_utime + u.ru_stime
 kw = {"full": {}, "val": {"split": "val", "val_fraction": 0.1},
       "train": {"split": "train", "val_fraction": 0.1}, "subset": {"subset": 0.01}}[what]
-ds = ShardDataset(where, decode="raw", seed=3, **kw)
+ds = ShardDataset(Source(where, **kw) if kw else where, decode="raw", seed=3)
 for epoch in (1, 2):
     ds.set_epoch(epoch)
     calls[0] = 0

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from shardkit.formats import get_format  # noqa: E402
 from shardkit.manifest import read_manifest  # noqa: E402
 from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.stream.shuffle import Order  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
 
@@ -91,7 +92,7 @@ def bench_raw(urls: list[str], repeats: int) -> dict:
 
     sides = {
         "shardkit (default: shard shuffle + 1000-sample buffer)": lambda e: ours(seed=e),
-        "shardkit (shuffle=False)": lambda e: ours(shuffle=False),
+        "shardkit (shuffle=False)": lambda e: ours(order=Order(shuffle=False)),
         "webdataset WebDataset(shards)": lambda e: theirs(),
         "webdataset .shuffle(1000)": lambda e: theirs_shuffled(),
     }
@@ -261,7 +262,7 @@ def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, bl
 
 
 def ds_first_shape(ds: ShardDataset) -> torch.Size:
-    probe = ShardDataset(list(ds.urls)[:1], decode="tensor", shuffle=False)
+    probe = ShardDataset(list(ds.urls)[:1], decode="tensor", order=Order(shuffle=False))
     return next(iter(probe))[0].shape
 
 
@@ -339,7 +340,9 @@ def bench_memory(urls, workers: int, batch: int, epochs: int, buffer_sizes, mean
     out["peak_uss_spread"] = spread(peak)
     peaks = {}
     for size in buffer_sizes:
-        ds = ShardDataset(urls, decode="raw", buffer_size=size, shuffle=size > 0)
+        ds = ShardDataset(
+            urls, decode="raw", order=Order(buffer_size=size) if size > 0 else Order(shuffle=False)
+        )
         loader = DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True)
         counter = _Epochs(ds)
         peaks[size] = max(max(_epoch_memory(loader, counter)[0]) for _ in range(2))
@@ -361,13 +364,13 @@ def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
             shard_of[r.key] = i
             label_of[r.key] = r.label
     # The order samples come off the shards in epoch 1 (shard permutation, no buffer).
-    ref = ShardDataset(urls, decode="raw", with_keys=True, buffer_size=0, seed=0)
+    ref = ShardDataset(urls, decode="raw", with_keys=True, order=Order(buffer_size=0), seed=0)
     ref.set_epoch(1)
     read_pos = {k: i for i, (_, _, k) in enumerate(ref)}
     out = {}
     for size in buffer_sizes:
         ds = ShardDataset(
-            urls, decode="raw", with_keys=True, buffer_size=size, shuffle=True, seed=0
+            urls, decode="raw", with_keys=True, order=Order(shuffle=True, buffer_size=size), seed=0
         )
         ds.set_epoch(1)
         keys = [k for _, _, k in ds]

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit import ShardDataset, ShardLoader  # noqa: E402
+from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -53,7 +53,7 @@ WORKLOADS = {
     "a": ("LFW full decode", {"decode": "tensor"}),
     "b": (
         "ImageNet RRC-224+flip",
-        {"decode": "tensor", "size": 224, "crop": "random", "flip": True},
+        {"decode": Decode(crop=RandomResizedCrop(224), flip=True)},
     ),
 }
 
@@ -307,10 +307,10 @@ def train(args) -> dict:
             print("--train needs torchvision for its models: skipped")
             return {"skipped": "no torchvision"}
     shards = ensure(args.imagenet, "imagenet", 1.0)
-    per_copy = sum(1 for _ in ShardDataset(str(shards), decode="raw", shuffle=False))
+    per_copy = sum(1 for _ in ShardDataset(str(shards), decode="raw", order=Order(shuffle=False)))
     copies = max(1, -(-args.samples // per_copy))
     urls = replicated(shards, copies, args.imagenet.with_name(args.imagenet.name + "-replicated"))
-    geo = {"decode": "tensor", "size": 224, "crop": "random", "flip": True}
+    geo = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
     n = args.train_workers or max(1, usable_cpus() - 1)
     torch.backends.cudnn.benchmark = True
     out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_copy * copies}

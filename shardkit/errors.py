@@ -6,6 +6,8 @@ is the one wording for an option given a value outside its choices.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 from .redact import redact
@@ -20,6 +22,7 @@ __all__ = [
     "TransformError",
     "StorageError",
     "MissingExtraError",
+    "UnknownKeywordError",
 ]
 
 
@@ -86,6 +89,48 @@ class StorageError(ShardkitError):
 
 class MissingExtraError(ShardkitError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class UnknownKeywordError(InputError, TypeError):
+    """A keyword the callable does not take: a ``TypeError``, as Python's own functions raise
+    for one, and an ``InputError`` so the CLI prints it as one line."""
+
+
+def check_int(
+    name: str, value, least: int = 0, most: int | None = None, *, none: bool = False, hint=""
+) -> int | None:
+    """``value`` as an int in [``least``, ``most``], or ``InputError`` naming ``name``.
+
+    One check for every whole-number option: a bool, a float (even a whole one: ``2.9`` is not
+    silently 2) and anything else not an integer are refused; numpy integers pass. ``none``:
+    None is allowed (and returned). ``hint``: what the option means, e.g. " (0: no prefetch)".
+    """
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{name}={value!r} must be a whole number >= {least}{hint}")
+    if value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise InputError(f"{name}={value!r} must be a whole number {bound}{hint}")
+    return int(value)
+
+
+def check_number(
+    name: str, value, least: float = 0.0, *, above: bool = False, none: bool = False, hint=""
+) -> float | None:
+    """``value`` as a finite float >= ``least`` (> with ``above``), or ``InputError``: NaN,
+    infinity and bools are refused, as every comparison with NaN is False and would let it by."""
+    if value is None and none:
+        return None
+    op = ">" if above else ">="
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or (value <= least if above else value < least)
+    ):
+        raise InputError(f"{name}={value!r} must be a finite number {op} {least:g}{hint}")
+    return float(value)
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:

@@ -1,6 +1,6 @@
 """Byte sizes as people write them (``256MB``, ``64MiB``, ``1.5G``), for every size parameter.
 
-One parser, so ``pack(shard_size=)``, ``ShardDataset(cache_limit=)`` and the CLI flags accept the
+One parser, so ``pack(shard_size=)``, ``RemoteStorage(cache_limit=)`` and the CLI flags accept the
 same spellings; ``name`` is the Python parameter the caller exposes, so the error names it.
 """
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..errors import InputError
+from ..errors import InputError, check_int
 from .workloads import MODES
 
 if TYPE_CHECKING:
@@ -216,8 +216,7 @@ class BenchConfig:
             ("batches", 1 if cfg.batches is None else cfg.batches),
             ("repeats", cfg.repeats),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+            check_int(name, value, 1)
         _check_run_length(cfg)
         if not isinstance(cfg.size, int) or cfg.size < 0:
             raise InputError(f"size= must be a whole number >= 0 (0: as stored), got {cfg.size!r}")
@@ -241,11 +240,6 @@ class BenchConfig:
                     f"{','.join(map(str, cfg.workers))}"
                 )
         return cfg
-
-    @property
-    def timed_samples_needed(self) -> int:
-        """Samples one run must be able to time (after its warm-up)."""
-        return self.batches * self.batch_size if self.batches else self.min_samples
 
     def run_bound_s(self, workers: int) -> float | None:
         """Bound of one run's wall time at ``workers``, for the estimate; None when uncapped."""

@@ -15,10 +15,10 @@ decode. The classes are named as torchvision names the transforms whose boxes th
 - ``RandomCrop(224, resize_short=...)``: the same at a uniformly drawn position.
 
 Any object with ``size``, ``box`` (and optionally ``interpolation``) passed as
-``ShardDataset(crop=...)`` is used the same way, in the workers. ``uniforms`` yields floats in
-[0, 1) that are a pure function of (seed, epoch, rank, sample key)
+``ShardDataset(decode=Decode(crop=...))`` is used the same way, in the workers. ``uniforms``
+yields floats in [0, 1) that are a pure function of (seed, epoch, rank, sample key)
 (``geometry.sample_uniforms``): draw from it only, and a run repeats whatever the number of
-workers. The flip (``flip=True``) draws after the box.
+workers. The flip (``Decode(flip=True)``) draws after the box.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class CenterCrop(_ShortSideCrop):
     (an int, or (min, max) drawn per sample; None: the image's own scale). The box is the
     window torchvision's ``Resize`` then ``CenterCrop`` keeps, rounded to whole full-size pixels
     (half a pixel at most per edge), resized in one step; ``resize_short=size`` is exactly the
-    central square (``crop="center"``)."""
+    central square."""
 
     def box(self, height: int, width: int, uniforms: Iterator[float]):
         rh, rw = self._target(height, width, uniforms)
@@ -235,7 +235,7 @@ def check_crop(crop) -> None:
     """A user's crop object has what the decoder calls: raised at construction, not in a worker."""
     if not callable(getattr(crop, "box", None)) or not hasattr(crop, "size"):
         raise InputError(
-            f"crop={crop!r} is neither 'center', 'random' nor a crop object: give "
+            f"crop={crop!r} is not a crop object: give "
             "shardkit.RandomResizedCrop/CenterCrop/RandomCrop, or an object with size and "
             "box(height, width, uniforms) -> (top, left, h, w)"
         )

@@ -88,23 +88,34 @@ class Decode:
     ``ShardLoader``, ``ShardView``, ``FolderDataset``, ``shardkit bench``), checked once here.
 
     ``mode``: "tensor" (uint8 CHW RGB), "pil" (RGB PIL image, for PIL transforms) or "raw" (the
-    stored bytes). ``crop`` (mode "tensor"): a crop object (``shardkit.RandomResizedCrop(224)``,
-    ``CenterCrop(224, resize_short=256)``, ``RandomCrop``, or any object with ``size`` and
-    ``box(height, width, uniforms)``): fixed-size output, only the crop decoded. ``flip``: mirror
-    half the crops. ``max_pixels``: an image whose header declares more pixels is undecodable
-    (None: no limit). ``dct="fast"``: libjpeg-turbo's fast integer IDCT for JPEGs (see
-    docs/loader.md). A plain string ``"tensor"`` stands for ``Decode("tensor")``.
+    stored bytes). Left out, it is "pil", the readers' own default (``decode="pil"``), unless
+    ``crop=`` or ``dct="fast"`` is given: only "tensor" does those, so they choose it (a "pil" or
+    "raw" ``Decode`` with either is refused, never accepted and ignored). ``crop``: a crop
+    object (``shardkit.RandomResizedCrop(224)``, ``CenterCrop(224, resize_short=256)``,
+    ``RandomCrop``, or any object with ``size`` and ``box(height, width, uniforms)``):
+    fixed-size output, only the crop decoded. ``flip``: mirror half the crops. ``max_pixels``:
+    an image whose header declares more pixels is undecodable (None: no limit). ``dct="fast"``:
+    libjpeg-turbo's fast integer IDCT for JPEGs (see docs/loader.md). A plain string
+    ``"tensor"`` stands for ``Decode("tensor")``.
     """
 
-    mode: str = "tensor"
+    mode: str | None = None
     crop: object | None = None
     flip: bool = False
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     dct: str = "accurate"
 
     def __post_init__(self) -> None:
-        check_choice("mode", self.mode, DECODE_MODES)
         check_choice("dct", self.dct, DCT_MODES)
+        if self.mode is None:
+            tensor_only = self.crop is not None or self.dct == "fast"
+            object.__setattr__(self, "mode", "tensor" if tensor_only else "pil")
+        check_choice("mode", self.mode, DECODE_MODES)
+        if self.dct == "fast" and self.mode != "tensor":
+            raise InputError(
+                f'Decode({self.mode!r}, dct="fast"): the fast IDCT is the tensor decoder\'s; '
+                f'give Decode("tensor", dct="fast"), or leave dct= out for mode {self.mode!r}'
+            )
         m = self.max_pixels
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise InputError(f"max_pixels={m!r} must be an int >= 1, or None (no limit)")

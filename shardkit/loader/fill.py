@@ -299,13 +299,13 @@ class Filler:
         return batch
 
     def _box(self, rec, decoder):
-        """The sample's crop box, asked once (None without ``size=``): its image, masks and
+        """The sample's crop box, asked once (None without ``Decode(crop=)``): its image, masks and
         boxes are all cut at it."""
         return decoder.crop_box(rec.data, rec.key) if self.ds.geometry is not None else None
 
     def _sample_fields(self, rec, names, decoders, masks: list[int], box) -> tuple:
         """The sample's fields, decoded, with its masks (and boxes: two more columns) moved like
-        its image (cut at ``box``, the image's); without ``size=``, masks must have their
+        its image (cut at ``box``, the image's); without ``Decode(crop=)``, masks must have their
         image's size."""
         if not names:
             return ()
@@ -459,8 +459,8 @@ def _stacked(masks: list, name: str, keys: list[str]) -> np.ndarray:
         if m.shape != first:
             raise InputError(
                 f"fields=: {name!r} of sample {key!r} is {tuple(m.shape)} but its batch holds "
-                f"{tuple(first)}: give the dataset size= (masks are then cut to it), and store "
-                "every mask with the same channels"
+                f"{tuple(first)}: give the dataset decode=Decode(crop=...) (masks are then cut "
+                "with it), and store every mask with the same channels"
             )
     return torch.stack(masks).numpy()
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError, ShardkitError, check_choice
+from ..errors import InputError, ShardkitError, check_choice, check_int
 from ..images.device import DeviceDecoder
 from ..stream.dataset import ShardDataset
 from ..stream.fields import decode_field_image
@@ -91,15 +91,16 @@ class ShardLoader:
 
     Images are uint8 (N, 3, H, W) unless ``normalize=(mean, std)`` (0-1 scale, as torchvision)
     gives float32 ``(x / 255 - mean) / std``; all images of a batch must have one size (give the
-    dataset ``size=``). The dataset's ``transform`` runs in the workers on each decoded uint8
-    (3, H, W) tensor and must return one of the same shape. ``num_workers``: worker processes,
-    each reading the part a DataLoader worker with its id would (0: decode in the caller;
-    default: usable CPUs less one). They start on the first iteration and stay until ``close()``
-    or the loader is collected; a worker done with its part of an epoch fills the first batches
-    of the next (``set_epoch``'s next epoch, checked at ``iter()``: dropped if another starts).
-    ``prefetch_factor``: batches each worker may have ready. The loader's settings are fixed once
-    it is built (another dataset or batch size: another ShardLoader), and the workers keep the
-    dataset as it was at their start (a changed ``transform`` reaches them after ``close()``).
+    dataset ``decode=Decode(crop=...)``). The dataset's ``transform`` runs in the workers on
+    each decoded uint8 (3, H, W) tensor and must return one of the same shape. ``num_workers``:
+    worker processes, each reading the part a DataLoader worker with its id would (0: decode in
+    the caller; default: usable CPUs less one). They start on the first iteration and stay until
+    ``close()`` or the loader is collected; a worker done with its part of an epoch fills the
+    first batches of the next (``set_epoch``'s next epoch, checked at ``iter()``: dropped if
+    another starts). ``prefetch_factor``: batches each worker may have ready. The loader's
+    settings are fixed once it is built (another dataset or batch size: another ShardLoader),
+    and the workers keep the dataset as it was at their start (a changed ``transform`` reaches
+    them after ``close()``).
     ``device``: where batches go (None: stay on the CPU). ``channels_last``: that memory format
     (free on the CPU: it is how JPEG decodes). ``with_keys`` (default: the dataset's) adds the
     list of sample keys; ``("key", "source")`` also each sample's source in a mixture (an int64
@@ -151,10 +152,16 @@ class ShardLoader:
     ):
         _check_dataset(dataset)
         seam = dataset.seam()  # the dataset's options, read whole through its one door
-        _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
+        if dataset.batch_size is not None and dataset.batch_size != batch_size:
+            raise InputError(
+                f"ShardDataset(batch_size={dataset.batch_size}) counts a DataLoader's batches; "
+                f"ShardLoader batches by its own batch_size={batch_size}: give one (drop the "
+                "dataset's, or make them equal)"
+            )
         num_workers = default_workers() if num_workers is None else num_workers
-        _check_int("num_workers", num_workers, 0)
-        _check_int("prefetch_factor", prefetch_factor, 1)
+        num_workers = check_int("num_workers", num_workers, 0)
+        prefetch_factor = check_int("prefetch_factor", prefetch_factor, 1)
         for name, flag in (("drop_last", drop_last), ("channels_last", channels_last)):
             if not isinstance(flag, bool):
                 raise InputError(f"{name} must be True or False, got {flag!r}")
@@ -206,9 +213,10 @@ class ShardLoader:
         self.normalize = None
         if normalize is not None:
             mean, std = (torch.as_tensor(v, dtype=torch.float32) for v in normalize)
-            if mean.shape != (3,) or std.shape != (3,) or bool((std == 0).any()):
+            finite = bool(torch.isfinite(mean).all() and torch.isfinite(std).all())
+            if mean.shape != (3,) or std.shape != (3,) or not finite or bool((std == 0).any()):
                 raise InputError(
-                    "normalize must be ((m, m, m), (s, s, s)) in the 0-1 scale with s != 0, "
+                    "normalize must be ((m, m, m), (s, s, s)): finite, in the 0-1 scale, s != 0, "
                     f"got {normalize!r}"
                 )
             self.normalize = (mean, std)
@@ -455,19 +463,13 @@ class ShardLoader:
                 pass
 
 
-def _check_int(name: str, value, least: int) -> None:
-    """A whole number >= ``least`` (not a bool, not a float that happens to be whole)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise InputError(f"{name} must be a whole number >= {least}, got {value!r}")
-
-
 def _check_dataset(dataset) -> None:
     if not isinstance(dataset, ShardDataset):
         raise InputError(f"dataset must be a ShardDataset, got {type(dataset).__name__}")
     if dataset.decode.mode != "tensor":
         raise InputError(
             f'ShardLoader batches decoded tensors: build the dataset with decode="tensor" or '
-            f"a shardkit.Decode() (got decode={dataset.decode.mode!r})"
+            f"a shardkit.Decode(crop=...) (got decode={dataset.decode.mode!r})"
         )
 
 

@@ -343,12 +343,12 @@ def knob(stats: dict, loader) -> str:
         if loader.decode_on == "device":
             return 'decode_on="auto" (the workers are idle while the device decodes)'
         if trainer > 0.5 * stats["wait_s"]:
-            return "device= with normalize= (the batches are converted on the training CPU)"
+            return _trainer_knob(stats, loader, torch.cuda.is_available())
         return f"a larger prefetch_factor (now {loader.prefetch_factor})"
     if shares["read"] >= 0.4:
         return (
-            "more workers, or a bigger prefetch= on remote shards (the workers spend "
-            f"{shares['read']:.0%} of their time reading)"
+            "more workers, or a bigger RemoteStorage(prefetch=) on remote shards (the workers "
+            f"spend {shares['read']:.0%} of their time reading)"
         )
     if shares["transform"] >= 0.4:
         return f"a cheaper transform, or one on the batch on the GPU ({shares['transform']:.0%})"
@@ -358,8 +358,31 @@ def knob(stats: dict, loader) -> str:
     if loader.decode_on == "workers" and torch.cuda.is_available():
         return 'decode_on="auto" (a GPU is here to decode on)'
     if getattr(loader.dataset, "dct", "fast") != "fast":
-        return 'dct="fast" on the dataset (a cheaper JPEG decode)'
+        return 'decode=Decode(..., dct="fast") on the dataset (a cheaper JPEG decode)'
     return "pre-resizing at pack time (`shardkit pack --resize-short N`): fewer pixels to decode"
+
+
+def _trainer_knob(stats: dict, loader, gpu: bool) -> str:
+    """What takes the training process's own conversion (normalise, copy) off its CPU, on this
+    machine: the GPU where there is one; without one, the normalisation folded into the model's
+    first layer (a layer that is linear in its input absorbs ``(x / 255 - mean) / std`` into its
+    weights and bias, so the training CPU no longer makes a float copy of every batch)."""
+    on_gpu = loader.device is not None and loader.device.type == "cuda"
+    spent = f"{stats['trainer_copy_s'] + stats['trainer_normalize_s']:.2f} s"
+    if gpu and not on_gpu:
+        what = "normalize= " if loader.normalize is not None else ""
+        return (
+            f'device="cuda" (the training CPU spent {spent} converting the batches; {what}on '
+            "the GPU costs it nothing)"
+        )
+    if not gpu and loader.normalize is not None:
+        return (
+            f"normalize=None with (x / 255 - mean) / std folded into the model's first layer "
+            f"(no GPU here: the training CPU spent {spent} normalising the batches; scale the "
+            "first layer's weights by 1 / (255 * std) per input channel and take the mean's "
+            "share from its bias)"
+        )
+    return f"a larger prefetch_factor (now {loader.prefetch_factor})"
 
 
 def _cpus() -> int:

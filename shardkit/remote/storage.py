@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..errors import InputError
+from ..errors import InputError, check_int, check_number
 from ..records import ShardInfo
 from ..retry import RetryPolicy
 from ..sizes import parse_size
@@ -115,23 +115,29 @@ class RemoteStorage:
             raise InputError("cache_limit needs cache_dir: pass cache_dir= too, or drop the limit")
         if cache_limit is not None:
             cache_limit = parse_size(cache_limit, "cache_limit", minimum=0)
-        if int(prefetch) < 0:
-            raise InputError(f"prefetch={prefetch} must be >= 0 (0: no prefetch)")
-        if int(retries) < 0:
-            raise InputError(f"retries={retries} must be >= 0")
-        if int(ranged_gets) < 1:
-            raise InputError(f"ranged_gets={ranged_gets} must be >= 1 (1: one GET at a time)")
-        ranged_bytes = parse_size(ranged_bytes, "ranged_bytes", minimum=0)
+        # Every number checked here, once: a NaN timeout or a zero chunk would otherwise make
+        # every fetch "give up after N attempts" against a working server, blaming the network.
+        self.depth = check_int("prefetch", prefetch, 0, hint=" (0: no prefetch)")
+        retries = check_int("retries", retries, 0)
+        backoff = check_number("backoff", backoff, 0.0, hint=" (seconds)")
+        max_backoff = check_number("max_backoff", max_backoff, 0.0, hint=" (seconds)")
+        self.timeout = check_number("timeout", timeout, 0.0, above=True, hint=" (seconds)")
+        self.chunk = check_int("chunk", chunk, 1, hint=" (bytes a read asks for)")
+        self.ranged_gets = check_int("ranged_gets", ranged_gets, 1, hint=" (1: one at a time)")
+        self.ranged_bytes = parse_size(ranged_bytes, "ranged_bytes", minimum=0)
+        if not isinstance(verify, bool):
+            raise InputError(f"verify={verify!r} must be True or False")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise InputError(
+                f"storage_options={storage_options!r}: give a dict of fsspec options (or None)"
+            )
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise InputError(f"cache_dir={cache_dir!r}: give a directory path (or None)")
         self.storage_options = dict(storage_options or {})
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.cache_limit = None if cache_limit is None else int(cache_limit)
-        self.depth = int(prefetch)
-        self.policy = RetryPolicy(int(retries), float(backoff), float(max_backoff))
-        self.timeout = float(timeout)
-        self.verify = bool(verify)
-        self.chunk = int(chunk)
-        self.ranged_gets = int(ranged_gets)
-        self.ranged_bytes = int(ranged_bytes)
+        self.policy = RetryPolicy(retries, backoff, max_backoff)
+        self.verify = verify
         self._rt: _Runtime | None = None
 
     def __repr__(self) -> str:
@@ -280,10 +286,6 @@ class RemoteStorage:
         return filesystem(protocol_of(url), self.storage_options, self.timeout)
 
     # --- fetching ------------------------------------------------------------------------------
-
-    def expected_for(self, url: str) -> Expected:
-        """What the last ``ShardInfo`` asked for at ``url`` says it holds (size and sha256)."""
-        return self._expected(self._runtime(), url)
 
     def _expected(self, rt: _Runtime, url: str) -> Expected:
         info = rt.infos.get(url)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import InputError, check_choice
+from ..errors import InputError, check_choice, check_int
 from ..formats import FORMATS
 from ..images.geometry import Decode, Geometry, TensorDecoder, sample_seed
 from ..paths import check_source
@@ -236,7 +236,7 @@ class ShardDataset(IterableDataset):
     The keywords these groups replaced (``size``, ``crop``, ``flip``, ``max_pixels``, ``dct``,
     ``shuffle``, ``buffer_size``, ``equalize``, ``subset``, ``split``, ``val_fraction``,
     ``storage_options``, ``cache_dir``, ``cache_limit``, ``prefetch``) still work for one
-    release, with a ``DeprecationWarning`` that prints the new spelling (shardkit.stream.retired).
+    release, with a ``FutureWarning`` that prints the new spelling (shardkit.stream.retired).
     """
 
     def __init__(
@@ -272,12 +272,10 @@ class ShardDataset(IterableDataset):
         #: how an epoch is ordered and cut (``shardkit.Order``)
         self.order: Order = order if order is not None else Order()
         check_choice("on_error", on_error, ON_ERROR_MODES)
-        if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-            raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
-        self.batch_size = None if batch_size is None else int(batch_size)
+        self.batch_size = check_int("batch_size", batch_size, 1, none=True, hint=" or None")
         self.transform = transform
         self.target_transform = target_transform
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed, 0)
         #: what follows the label: ("key",) for with_keys=True, ("key", "source") ...
         self.extras = extras_of(with_keys)
         self.with_keys = "key" in self.extras
@@ -295,7 +293,9 @@ class ShardDataset(IterableDataset):
                 "alone, not with transform=/target_transform= (do both in it)"
             )
         self.sample_transform = sample_transform
-        self.rank, self.world_size = distributed_rank(rank, world_size)
+        self.rank, self.world_size = distributed_rank(
+            check_int("rank", rank, 0, none=True), check_int("world_size", world_size, 1, none=True)
+        )
         self.sources: tuple[MixedSource, ...] = ()
         self.shares: tuple[int, ...] = ()
         self._layouts: dict[int, MixLayout] = {}
@@ -327,6 +327,12 @@ class ShardDataset(IterableDataset):
         offset = 0
         for src in mixed:
             _check_source_fields(src, self.fields, self.field_decoders, self.boxes)
+            if src.storage_options is not None and _options_of(storage):
+                raise InputError(
+                    f"{src.name}: Source(storage_options=) and storage=RemoteStorage("
+                    "storage_options=) both give fsspec options: give them in one place (the "
+                    "Source's for this source alone, the storage's for every source)"
+                )
             opts = src.storage_options if src.storage_options is not None else _options_of(storage)
             check_source(src.path, opts)
             r = resolve_source(src.path, storage_options=opts)
@@ -792,12 +798,8 @@ def _is_keys(subset) -> bool:
 def _chosen(source, epoch_size, labels):
     """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
     check_choice("labels", labels, LABEL_MODES)
-    whole = isinstance(epoch_size, (int, np.integer)) and not isinstance(epoch_size, bool)
-    if epoch_size is not None and (not whole or epoch_size < 1):
-        raise InputError(
-            f"epoch_size={epoch_size!r} must be a whole number >= 1 (an int, samples per epoch) "
-            "or None (the sources' sizes)"
-        )
+    hint = " (an int, samples per epoch) or None (the sources' sizes)"
+    check_int("epoch_size", epoch_size, 1, none=True, hint=hint)
     mixed = _as_sources(source)
     if mixed is None and epoch_size is not None:
         mixed = [Source(source)]
@@ -815,6 +817,11 @@ def _as_sources(source) -> list[Source] | None:
         return [source]
     if isinstance(source, (str, os.PathLike)):
         return None
+    if not isinstance(source, Sequence):
+        raise InputError(
+            f"source={source!r}: give a directory, manifest, glob, URL, a list of shard paths "
+            "or of Source()s"
+        )
     if len(source) > 0 and all(isinstance(s, Source) for s in source):
         return list(source)
     if any(isinstance(s, Source) for s in source):

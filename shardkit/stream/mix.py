@@ -1,7 +1,8 @@
 """Choosing what an epoch reads: weighted mixtures of sources, subsets, splits and epoch size.
 
 A plain ``ShardDataset`` reads every sample of its shards once per epoch. With ``Source`` objects
-(or ``subset=``/``split=``/``epoch_size=``) the epoch becomes a *mixed stream* of exactly
+(``Source(path, subset=...)``, ``Source(path, split="val")``, several weighted ones) or
+``epoch_size=`` the epoch becomes a *mixed stream* of exactly
 ``epoch_size`` positions, a pure function of (seed, epoch), the same on every rank:
 
 1. Shares: source i gets ``n_i`` positions, the largest-remainder apportionment of the epoch size
@@ -31,7 +32,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +79,8 @@ class Source:
     shares follow source sizes). ``subset``: a fraction in (0, 1] of its samples, drawn once
     from ``seed`` (the same samples every epoch), or a list of keys. ``split``: "train" or
     "val", by a hash of each key alone (``split_members``): the same for every seed, after a
-    re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val".
+    re-pack and after the dataset grows; about ``val_fraction`` of the samples are "val"
+    (default 0.1; another value without ``split=`` is refused, as it would change nothing).
     ``storage_options``: fsspec options for URLs. ``fields``: the dataset's ``fields=`` this
     source carries (None: all of them, a sample lacking one is an error); one it leaves out is
     None in its samples, through ``ShardLoader`` too: a captioned set mixes with a classification
@@ -94,6 +96,7 @@ class Source:
     fields: Sequence[str] | None = None
 
     def __post_init__(self):
+        self._check_where()
         f = self.fields
         if f is not None:
             if isinstance(f, str) or not all(isinstance(n, str) for n in f):
@@ -113,6 +116,11 @@ class Source:
         f = self.val_fraction
         if not is_number(f) or not 0 < f < 1:
             raise InputError(f"{self.name}: val_fraction={f!r} must be a number in (0, 1)")
+        if f != 0.1 and self.split is None:
+            raise InputError(
+                f'{self.name}: val_fraction={f!r} sizes a split: give split="train" or '
+                '"val" too, or leave val_fraction out'
+            )
         object.__setattr__(self, "val_fraction", float(f))
         s = self.subset
         if isinstance(s, (str, bytes, bool, np.bool_)):
@@ -121,6 +129,26 @@ class Source:
             if not 0 < s <= 1:
                 raise InputError(f"{self.name}: subset={s!r}: a fraction must be in (0, 1]")
             object.__setattr__(self, "subset", float(s))
+
+    def _check_where(self) -> None:
+        """The path and its fsspec options have the types they are read as."""
+        p = self.path
+        if isinstance(p, Sequence) and any(isinstance(x, Source) for x in p):
+            raise InputError(
+                "Source() takes paths, not Source()s: give a list of Source()s to ShardDataset, "
+                "with subset= and split= on each Source"
+            )
+        if not isinstance(p, (str, os.PathLike)) and not (
+            isinstance(p, Sequence) and all(isinstance(x, (str, os.PathLike)) for x in p)
+        ):
+            raise InputError(
+                f"Source({p!r}): give a directory, manifest, glob, URL or a list of shard paths"
+            )
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise InputError(
+                f"{self.name}: storage_options={self.storage_options!r}: give a dict of fsspec "
+                "options (or None)"
+            )
 
     @property
     def name(self) -> str:

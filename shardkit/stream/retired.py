@@ -3,9 +3,11 @@
 The flat keywords became objects (``Decode`` for what an image becomes, ``Order`` for how an epoch
 is ordered, ``Source`` for what is read, one storage object for where it lives). An old call still
 works and gives the same samples and the same ``state_dict()``: its keywords are turned into those
-objects here, with one ``DeprecationWarning`` per call that prints the new spelling. An old and a
-new spelling of one group in the same call is an ``InputError`` naming both (which would win is
-not obvious). Delete this module, and the ``**retired`` of ``ShardDataset``, after one release.
+objects here, with one ``FutureWarning`` per call that prints the new spelling (a
+``DeprecationWarning`` is hidden when the call sits in an imported module: in training code). An
+old and a new spelling of one group in the same call is an ``InputError`` naming both (which
+would win is not obvious). Delete this module, and the ``**retired`` of ``ShardDataset``, after
+one release.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ..errors import InputError
+from ..errors import InputError, UnknownKeywordError
 from ..images.geometry import Decode, Geometry
 from ..sizes import parse_size
 from .mix import Source
@@ -58,11 +60,12 @@ def translate(
     stacklevel: int = 3,
 ):
     """``(source, decode, order, storage)`` with the retired keywords folded in: one
-    ``DeprecationWarning`` per call, printing the new spelling. ``groups``: those ``owner``
-    had keywords of."""
+    ``FutureWarning`` per call, printing the new spelling. ``groups``: those ``owner``
+    had keywords of. What an old call gave and nothing read (``buffer_size`` without a shuffle,
+    ``val_fraction`` without a split) is dropped: the new objects refuse it."""
     unknown = sorted(k for k in retired if GROUPS.get(k) not in groups)
     if unknown:
-        raise InputError(
+        raise UnknownKeywordError(
             f"{owner} got an unknown keyword {unknown[0]}=; see help(shardkit.{owner})"
         )
     if not retired:
@@ -78,7 +81,7 @@ def translate(
     if given["order"]:
         if order is not None:
             _both(given["order"], "order=Order(...)")
-        order = Order(**{k: retired[k] for k in given["order"]})
+        order = _order(retired, given["order"])
         spelled.append(f"order={order!r}")
     if given["storage"]:
         if storage is not None:
@@ -93,12 +96,13 @@ def translate(
     if given["source"]:
         source = _source(source, retired, given["source"])
         if isinstance(source, Source):
-            spelled.insert(0, f"Source(path, {_args(retired, given['source'])})")
+            kept = [k for k in given["source"] if k != "val_fraction" or source.split]
+            spelled.insert(0, f"Source(path, {_args(retired, kept)})")
     old = ", ".join(f"{k}={retired[k]!r}" for k in retired)
     warnings.warn(
         f"{PREFIX}s {owner}({old}): write {owner}({', '.join(spelled)}) (the old keywords go "
         "in the next release)",
-        DeprecationWarning,
+        FutureWarning,
         stacklevel=stacklevel,
     )
     return source, decode, order, storage
@@ -109,6 +113,13 @@ def _both(old: list[str], new: str) -> None:
         f"{'=, '.join(old)}= and {new} both set one option group: give only {new} "
         f"({'/'.join(old)} are its retired spelling)"
     )
+
+
+def _order(retired: dict, keys: list[str]) -> Order:
+    kw = {k: retired[k] for k in keys}
+    if not kw.get("shuffle", True):
+        kw.pop("buffer_size", None)  # nothing is buffered without a shuffle
+    return Order(**kw)
 
 
 def _decode(mode, retired: dict) -> Decode:
@@ -136,6 +147,8 @@ def _source(source, retired: dict, keys: list[str]):
         raise InputError("with Source()s, give subset= and split= to each Source")
     if retired.get("subset") is None and retired.get("split") is None:
         return source  # val_fraction alone changed nothing
+    if retired.get("split") is None:
+        keys = [k for k in keys if k != "val_fraction"]  # it sizes a split: none here
     return Source(source, **{k: retired[k] for k in keys})
 
 

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..errors import InputError, check_choice
+from ..errors import InputError, check_choice, check_int
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
@@ -40,6 +40,10 @@ T = TypeVar("T")
 #: worker while moving samples ~1000 positions, i.e. across ~15 batches of 64.
 DEFAULT_BUFFER_SIZE = 1000
 
+#: The most samples a buffer may hold: each is held in memory, per worker; past this a value is
+#: a slip (``2**63`` failed only at iteration, in numpy), not a buffer any machine holds.
+MAX_BUFFER_SIZE = 2**31 - 1
+
 #: How ranks are made equal for DDP (see ``shardkit.stream.dataset``): pad, drop, or none.
 EQUALIZE_MODES = ("pad", "drop", "none")
 
@@ -50,10 +54,12 @@ class Order:
     facts (a state saved under one ``Order`` is refused under another).
 
     ``shuffle``: permute the shards per epoch and pass samples through a buffer of
-    ``buffer_size`` per worker (0 or 1: no buffer). ``equalize``: "pad" (every rank yields
-    ceil(N / world_size), like DistributedSampler), "drop" (floor) or "none" (parts differ by at
-    most one; every sample once). ``Order.sequential()``: every sample once, in packed order
-    (evaluation).
+    ``buffer_size`` per worker (0 or 1: no buffer; default 1000). Without a shuffle nothing is
+    buffered, so another ``buffer_size`` than the default is refused there rather than kept
+    unused in the checkpoint (the default is what ``Order(shuffle=False)`` records).
+    ``equalize``: "pad" (every rank yields ceil(N / world_size), like DistributedSampler), "drop"
+    (floor) or "none" (parts differ by at most one; every sample once). ``Order.sequential()``:
+    every sample once, in packed order (evaluation).
     """
 
     shuffle: bool = True
@@ -64,10 +70,14 @@ class Order:
         if not isinstance(self.shuffle, (bool, np.bool_)):
             raise InputError(f"shuffle={self.shuffle!r} must be True or False")
         object.__setattr__(self, "shuffle", bool(self.shuffle))
-        b = self.buffer_size
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0:
-            raise InputError(f"buffer_size={b!r} must be an int >= 0 (0 or 1: no buffer)")
-        object.__setattr__(self, "buffer_size", int(b))
+        hint = " (0 or 1: no buffer)"
+        b = check_int("buffer_size", self.buffer_size, 0, MAX_BUFFER_SIZE, hint=hint)
+        if b != DEFAULT_BUFFER_SIZE and not self.shuffle:
+            raise InputError(
+                f"Order(shuffle=False, buffer_size={b!r}): without a shuffle nothing is buffered; "
+                "leave buffer_size out (or give shuffle=True)"
+            )
+        object.__setattr__(self, "buffer_size", b)
         check_choice("equalize", self.equalize, EQUALIZE_MODES)
 
     def __repr__(self) -> str:  # what differs from the defaults: a spelling to copy

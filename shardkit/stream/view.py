@@ -55,6 +55,10 @@ from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
 
+#: ``max_pixels=`` left out (its retired spelling: None there meant "no limit", so None cannot
+#: stand for "not given").
+_UNSET = object()
+
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
 
@@ -81,10 +85,10 @@ class ShardView:
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
         storage_options: dict | None = None,
         cache_dir: str | None = None,
-        max_pixels: int | None = None,
+        max_pixels: int | None = _UNSET,  # type: ignore[assignment]
         storage=None,
     ):
-        if max_pixels is not None:  # the Decode's (one release): warns with the new spelling
+        if max_pixels is not _UNSET:  # the Decode's (one release): warns with the new spelling
             from .retired import translate
 
             _, decode, _, _ = translate(

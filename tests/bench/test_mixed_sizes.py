@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from shardkit import FolderDataset
+from shardkit import CenterCrop, Decode, FolderDataset
 from shardkit.bench import BenchConfig, run_bench
 from shardkit.cli import main
 from shardkit.synth import make_imagenet
@@ -60,7 +60,7 @@ def _config(src, tmp, **kw) -> BenchConfig:
 def test_folder_and_pack_agree_on_what_a_sample_is(messy, tmp_path):
     """The zero-byte file is no sample on either side; the PNG and the CMYK JPEG are."""
     report = pack(str(messy), str(tmp_path / "out"), progress=False)
-    folder = FolderDataset(str(messy), decode="tensor", size=32)
+    folder = FolderDataset(str(messy), decode=Decode("tensor", crop=CenterCrop(32, 32)))
     assert report.samples == len(folder) == 3 * 20 + 2
     assert [s.path for s in report.skipped] == ["class2/empty.jpg"]
     relpaths = {folder.relpath(i) for i in range(len(folder))}

@@ -12,6 +12,7 @@ from remote_servers import free_env
 
 from shardkit import FolderDataset, ShardDataset, pack
 from shardkit.errors import InputError, OutputError, StorageError
+from shardkit.remote.storage import RemoteStorage
 from shardkit.write.writer import ShardSizeWarning
 
 
@@ -72,7 +73,7 @@ def test_missing_bucket_found_before_any_work(tmp_path, s3):
         assert "shardkit-pack-" not in proc.stderr and "/tmp" not in proc.stderr
     assert not [e for e in s3.log.entries if e[0] == "PUT"]  # nothing was uploaded
     with pytest.raises(StorageError, match="no such bucket"):
-        ShardDataset(url, storage_options=s3.options(s3.endpoint))
+        ShardDataset(url, storage=RemoteStorage(storage_options=s3.options(s3.endpoint)))
 
 
 # --- progress ------------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_batch_size_zero_has_one_wording(tmp_path):
 
     _tree(tmp_path / "src")
     CliRunner().invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
-    wording = "batch_size must be a whole number >= 1"
+    wording = "batch_size=0 must be a whole number >= 1"
     with pytest.raises(InputError, match=wording):
         ShardDataset(str(tmp_path / "out"), batch_size=0)
     with pytest.raises(InputError, match=wording):

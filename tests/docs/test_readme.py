@@ -152,8 +152,8 @@ def scratch(tmp_path, s3, gcs_server, azure_server, monkeypatch) -> Path:
         **gcs_server.env(gcs_server.endpoint),
         **azure_server.env(azure_server.endpoint),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        # -W error::DeprecationWarning for shardkit's retired keywords, in every command
-        "PYTHONWARNINGS": f"error:{RETIRED}:DeprecationWarning",
+        # -W error::FutureWarning for shardkit's retired keywords, in every command
+        "PYTHONWARNINGS": f"error:{RETIRED}:FutureWarning",
         # what torchrun sets, for a world of one
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -221,7 +221,7 @@ def run_python(block: Block, namespace: dict, name: str = "README.md") -> None:
     with contextlib.redirect_stdout(out), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # the docs show the current spelling: a retired keyword is an error, not a warning
-        warnings.filterwarnings("error", message=RETIRED, category=DeprecationWarning)
+        warnings.filterwarnings("error", message=RETIRED, category=FutureWarning)
         exec(code, namespace)
     if block.expected is not None:
         assert_output_like(

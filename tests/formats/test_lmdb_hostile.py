@@ -16,6 +16,7 @@ import warnings
 import pytest
 from conftest import lmdb_shard
 
+from shardkit import Order
 from shardkit.errors import ShardFormatError, ShardkitError
 from shardkit.formats import get_format
 from shardkit.manifest import Manifest, ShardEntry, write_manifest
@@ -181,7 +182,7 @@ def test_lmdb_manifest_count_smaller_than_shard_is_an_error(tmp_path):
     good = (out / "shard-000000.lmdb").read_bytes()
     entry = ShardEntry("shard-000000.lmdb", 30, len(good), hashlib.sha256(good).hexdigest())
     write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
-    ds = ShardDataset(str(out), decode="raw", shuffle=False)
+    ds = ShardDataset(str(out), decode="raw", order=Order(shuffle=False))
     assert len(ds) == 30
     with pytest.raises(
         ShardFormatError, match=r"shard-000000\.lmdb: the shard holds more samples than the 30"
@@ -210,7 +211,7 @@ def test_label_outside_the_classes_is_a_sample_error(tmp_path):
     data = (out / "shard-000000.lmdb").read_bytes()
     entry = ShardEntry("shard-000000.lmdb", 2, len(data), hashlib.sha256(data).hexdigest())
     write_manifest(Manifest("lmdb", ["c0", "c1", "c2"], [entry]), str(out))
-    ds = ShardDataset(str(out), decode="raw", shuffle=False)
+    ds = ShardDataset(str(out), decode="raw", order=Order(shuffle=False))
     with pytest.raises(SampleError, match=r"shard-000000\.lmdb: sample 'c1/b' has label 7") as info:
         list(ds)
     assert info.value.key == "c1/b" and info.value.shard.endswith("shard-000000.lmdb")

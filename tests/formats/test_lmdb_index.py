@@ -218,12 +218,12 @@ def test_the_record_makes_splits_views_and_show_cost_reads_per_shard_not_per_sam
     assert 3 <= n_shards <= 12
     reads = _Reads(monkeypatch)
     for where in (out, bare):  # a first pass: the bare pack's walk is cached per process too
-        ShardDataset(str(where), decode="raw", split="val")
+        ShardDataset(Source(str(where), split="val"), decode="raw")
     reads.take()
-    assert len(ShardDataset(str(out), decode="raw", split="val")) > 0
+    assert len(ShardDataset(Source(str(out), split="val"), decode="raw")) > 0
     calls, nbytes = reads.take()
     assert calls <= 8 * n_shards and nbytes <= 16 * 4096 * n_shards
-    ShardDataset(bare, decode="raw", split="val")
+    ShardDataset(Source(bare, split="val"), decode="raw")
     slow_calls, _ = reads.take()
     assert slow_calls >= 240  # the start of every value
     view = ShardView(str(out), decode="raw")

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardkit import Order
 from shardkit.errors import ShardkitError
 from shardkit.manifest import Manifest
 
@@ -125,7 +126,7 @@ def fuzz(root: str, examples: int) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                n = sum(1 for _ in ShardDataset(root, shuffle=False, decode="raw"))
+                n = sum(1 for _ in ShardDataset(root, order=Order(shuffle=False), decode="raw"))
         except ShardkitError:
             return
         assert n == manifest.num_samples  # streamed: exactly what it promised

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import as_previous_release, quiet, random_tree, without_index_sha256
 
+from shardkit import Order, Source
 from shardkit.formats.sample_index import (
     SampleIndexError,
     build_index,
@@ -230,18 +231,18 @@ def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
 
     def made(where, **kw):
         before = _rchar()
-        ds = ShardDataset(where, decode="raw", with_keys=True, shuffle=False, **kw)
+        ds = ShardDataset(where, decode="raw", with_keys=True, order=Order(shuffle=False), **kw)
         return ds, _rchar() - before
 
     for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train"}, {"subset": 0.2}):
-        ds, read = made(str(out), **kw)
-        slow, read_bare = made(bare, **kw)
+        ds, read = made(Source(str(out), **kw))
+        slow, read_bare = made(Source(bare, **kw))
         assert len(ds) == len(slow) and [s[2] for s in ds] == [s[2] for s in slow]
         assert read < index_bytes + 64_000 < shard_bytes // 2  # the indexes and the manifest
         if "split" in kw:
             assert read_bare > read  # without them: every shard's headers
-    keys = [s[2] for s in made(str(out), subset=0.3)[0]]
-    by_keys, _ = made(str(out), subset=keys[::2])
+    keys = [s[2] for s in made(Source(str(out), subset=0.3))[0]]
+    by_keys, _ = made(Source(str(out), subset=keys[::2]))
     assert [s[2] for s in by_keys] == keys[::2]
 
 
@@ -377,12 +378,12 @@ def test_a_subset_or_split_of_shards_without_indexes_warns_once_naming_shardkit_
     for kw in ({"split": "val"}, {"subset": 0.2}, {"subset": keys}):
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            ShardDataset(bare, decode="raw", **kw)
+            ShardDataset(Source(bare, **kw), decode="raw")
         said = [str(w.message) for w in got if "no sample index" in str(w.message)]
         assert len(said) == 1, said  # once, at construction
         assert f"{n} of its {n} tar shards have no sample index" in said[0]
         assert f"`shardkit index {bare}`" in said[0]
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*no sample index")
-            ShardDataset(str(out), decode="raw", **kw)  # indexed: nothing to say
+            ShardDataset(Source(str(out), **kw), decode="raw")  # indexed: nothing to say
             ShardDataset(bare, decode="raw")  # a plain epoch reads every shard anyway

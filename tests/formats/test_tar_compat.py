@@ -18,7 +18,7 @@ import pytest
 from conftest import gnu_tar
 from PIL import Image
 
-from shardkit import ShardDataset
+from shardkit import Order, ShardDataset
 from shardkit.errors import ShardFormatError
 from shardkit.formats import format_for_path
 from shardkit.formats.tar import IMAGE_EXTS, count_tar_samples, iter_tar_records
@@ -168,7 +168,7 @@ def test_gzip_shards_stream_like_the_plain_tar(tmp_path, suffix):
     with open(gz, "rb") as f:
         assert _ours(f, shard="s3://b/p" + suffix) == _ours(plain)
     with pytest.warns(RuntimeWarning, match="without an image"):
-        ds = ShardDataset(str(gz), decode="raw", shuffle=False)
+        ds = ShardDataset(str(gz), decode="raw", order=Order(shuffle=False))
     assert len(ds) == N_SAMPLES
     assert [s[0] for s in ds] == [o[2] for o in _ours(plain)]
 
@@ -262,12 +262,14 @@ def test_a_complete_gnu_tar_with_record_padding_reads(tmp_path):
 def test_shard_dataset_on_foreign_tars(tmp_path):
     path = _tarfile(tmp_path / "f.tar", tarfile.PAX_FORMAT)
     with pytest.warns(RuntimeWarning, match=r"f\.tar: 2 records without an image member"):
-        ds = ShardDataset(path, decode="raw", shuffle=False)
+        ds = ShardDataset(path, decode="raw", order=Order(shuffle=False))
     assert len(ds) == N_SAMPLES  # the metadata and caption-only records are not samples
     plain = list(ds)
     assert all(len(s) == 2 for s in plain)  # default shape unchanged
     with pytest.warns(RuntimeWarning):
-        ds = ShardDataset(path, decode="raw", shuffle=False, fields=("json",), with_keys=True)
+        ds = ShardDataset(
+            path, decode="raw", order=Order(shuffle=False), fields=("json",), with_keys=True
+        )
     got = list(ds)
     assert [len(s) for s in got] == [4] * N_SAMPLES
     assert got[0][2:] == ("a/s0", b'{"caption": "zero"}')
@@ -281,7 +283,9 @@ def test_on_error_skip_on_a_foreign_tar(tmp_path):
     ]
     path = _tarfile(tmp_path / "f.tar", tarfile.GNU_FORMAT, members)
     with pytest.warns(RuntimeWarning):
-        ds = ShardDataset(path, decode="tensor", shuffle=False, on_error="skip", with_keys=True)
+        ds = ShardDataset(
+            path, decode="tensor", order=Order(shuffle=False), on_error="skip", with_keys=True
+        )
     assert len(ds) == N_SAMPLES  # 7 good + 1 undecodable; the 2 image-less records not counted
     with pytest.warns(RuntimeWarning, match="z/bad"):
         got = list(ds)

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from shardkit import Order
 from shardkit.errors import ShardFormatError
 from shardkit.formats import encode_key, get_format
 from shardkit.records import ShardInfo
@@ -140,7 +141,7 @@ def test_manifest_count_smaller_than_the_shard_is_an_error(tmp_path):
     st = w.close()
     entry = ShardEntry("shard-000000.tar", 7, st.bytes, st.sha256, st.index)
     write_manifest(Manifest("tar", ["c"], [entry]), str(tmp_path))
-    ds = ShardDataset(str(tmp_path), decode="raw", shuffle=False)
+    ds = ShardDataset(str(tmp_path), decode="raw", order=Order(shuffle=False))
     assert len(ds) == 7
     with pytest.raises(ShardFormatError, match=r"shard-000000\.tar.*more samples than"):
         list(ds)

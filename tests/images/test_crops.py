@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from shardkit import CenterCrop, RandomCrop, RandomResizedCrop, ShardDataset, ShardLoader, pack
+from shardkit import (
+    CenterCrop,
+    Decode,
+    RandomCrop,
+    RandomResizedCrop,
+    ShardDataset,
+    ShardLoader,
+    pack,
+)
 from shardkit.errors import InputError
 from shardkit.images.crops import CropError
 from shardkit.images.decode import decode_rgb
@@ -183,7 +191,7 @@ def boxed(tmp_path_factory):
 
 def test_a_dataset_takes_a_crop_object_and_masks_follow_its_box(boxed):
     crop = RandomCrop(40, resize_short=(60, 90), interpolation="bicubic")
-    ds = ShardDataset(boxed, decode="tensor", crop=crop, fields=["seg.png"], with_keys=True)
+    ds = ShardDataset(boxed, decode=Decode("tensor", crop=crop), fields=["seg.png"], with_keys=True)
     dec = ds.tensor_decoder(0)
     raw = {k: d for d, _, k in ShardDataset(boxed, decode="raw", with_keys=True)}
     for img, _, key, mask in ds:
@@ -194,8 +202,8 @@ def test_a_dataset_takes_a_crop_object_and_masks_follow_its_box(boxed):
         full = np.zeros((90, 120), np.uint8)
         full[10:30, 20:60] = 1
         assert np.array_equal(mask[0].numpy(), full[rows][:, cols]), key
-    with pytest.raises(InputError, match='crop=.* needs decode="tensor"'):
-        ShardDataset(boxed, crop=crop)
+    with pytest.raises(InputError, match=r'Decode\(crop=...\) needs mode="tensor"'):
+        ShardDataset(boxed, decode=Decode("pil", crop=crop))
 
 
 class _Raising(_TopLeftQuarter):
@@ -216,7 +224,7 @@ def test_a_crop_policys_error_is_raised_whatever_on_error_never_a_skipped_sample
 ):
     """A crop object's bug is user code's, as a transform's: under ``on_error="skip"`` it
     emptied the epoch sample by sample, under "raise" it said to re-pack a sound image."""
-    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    ds = ShardDataset(boxed, decode=Decode("tensor", crop=crop), on_error="skip")
     name = type(crop).__name__
     with pytest.raises(CropError, match=rf"shard-\d+\.tar: sample 'c0/im\d': {name}\.box\(90, 120"):
         if workers is None:
@@ -286,13 +294,13 @@ def test_extreme_finite_ratios_give_a_box_inside_the_image(boxed, ratio):
         top, left, h, w = crop.box(90, 120, sample_uniforms(0, 0, 0, str(i)))
         assert h >= 1 and w >= 1 and top + h <= 90 and left + w <= 120
     assert dec(_jpeg(120, 90), "k").shape == (3, 16, 16)
-    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    ds = ShardDataset(boxed, decode=Decode("tensor", crop=crop), on_error="skip")
     assert len(list(ds)) == 6 and ds.skipped == 0
 
 
 def test_an_output_over_the_datasets_max_pixels_is_refused(boxed):
     with pytest.raises(InputError, match=r"^size 2000 makes .* over max_pixels=1000000"):
-        ShardDataset(boxed, decode="tensor", crop=RandomResizedCrop(2000), max_pixels=10**6)
+        ShardDataset(boxed, decode=Decode("tensor", crop=RandomResizedCrop(2000), max_pixels=10**6))
 
 
 def test_a_builtin_crops_own_failure_is_a_crop_error_not_an_undecodable_sample(boxed):
@@ -300,7 +308,7 @@ def test_a_builtin_crops_own_failure_is_a_crop_error_not_an_undecodable_sample(b
     the crop's error, raised whatever on_error, never "cannot be decoded ... re-pack"."""
     crop = RandomResizedCrop(16)
     object.__setattr__(crop, "ratio", (0.0, 1.0))  # math.log(0): a bug in the rule's arguments
-    ds = ShardDataset(boxed, decode="tensor", crop=crop, on_error="skip")
+    ds = ShardDataset(boxed, decode=Decode("tensor", crop=crop), on_error="skip")
     with pytest.raises(CropError, match=r"sample 'c0/im\d': RandomResizedCrop\.box\(90, 120"):
         list(ds)
     assert ds.skipped == 0

@@ -12,6 +12,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import shardkit.images.decode as image_mod
+from shardkit import CenterCrop, Decode, RandomResizedCrop
 from shardkit.errors import InputError
 from shardkit.images.decode import (
     MAX_PATH_DIFFERENCE,
@@ -328,7 +329,8 @@ def varied(tmp_path_factory):
 @pytest.mark.parametrize("crop", ["center", "random"])
 def test_geometry_through_a_plain_dataloader_repeats_and_changes_with_the_epoch(varied, crop):
     def epoch_images(epoch):
-        ds = ShardDataset(varied, decode="tensor", size=32, crop=crop, flip=True, with_keys=True)
+        shape = CenterCrop(32, 32) if crop == "center" else RandomResizedCrop(32)
+        ds = ShardDataset(varied, decode=Decode(crop=shape, flip=True), with_keys=True)
         ds.set_epoch(epoch)
         loader = DataLoader(ds, batch_size=4, num_workers=2)
         out = {}
@@ -346,7 +348,7 @@ def test_geometry_through_a_plain_dataloader_repeats_and_changes_with_the_epoch(
 
 def test_size_needs_tensor_decode(varied):
     with pytest.raises(InputError, match='size=32 needs decode="tensor"'):
-        ShardDataset(varied, size=32)
+        ShardDataset(varied, size=32)  # the retired keyword: refused before it could warn
 
 
 def test_the_fast_idct_is_opt_in_and_within_its_documented_difference(tmp_path):
@@ -362,12 +364,18 @@ def test_the_fast_idct_is_opt_in_and_within_its_documented_difference(tmp_path):
         img = np.stack([x * 2, y * 2, (x + y)], -1) + rng.normal(0, 20, (90, 120, 3))
         Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(d / f"{i}.jpg", quality=90)
     pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
-    for size in (None, 48):
-        kw = dict(decode="tensor", with_keys=True, size=size, crop="random", flip=True)
-        kw = {k: v for k, v in kw.items() if size is not None or k in ("decode", "with_keys")}
-        accurate = {k: x for x, _, k in ShardDataset(str(tmp_path / "tar"), **kw)}
-        fast = {k: x for x, _, k in ShardDataset(str(tmp_path / "tar"), dct="fast", **kw)}
+    for crop in (None, RandomResizedCrop(48)):
+        flip = crop is not None
+
+        def images(dct, crop=crop, flip=flip):
+            decode = Decode("tensor", crop=crop, flip=flip, dct=dct)
+            return {
+                k: x
+                for x, _, k in ShardDataset(str(tmp_path / "tar"), decode=decode, with_keys=True)
+            }
+
+        accurate, fast = images("accurate"), images("fast")
         diffs = [int((accurate[k].int() - fast[k].int()).abs().max()) for k in accurate]
         assert 0 < max(diffs) <= FAST_DCT_DIFFERENCE  # another IDCT ran, within its bound
     with pytest.raises(InputError, match="dct="):
-        ShardDataset(str(tmp_path / "tar"), decode="tensor", dct="fastest")
+        ShardDataset(str(tmp_path / "tar"), decode=Decode("tensor", dct="fastest"))

@@ -18,8 +18,9 @@ import torch
 from conftest import gloo_rank, run_ranks
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import CenterCrop, Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError, ShardFormatError, TransformError
+from shardkit.remote.storage import RemoteStorage
 from shardkit.stream import worker_span
 from shardkit.stream.world import World
 
@@ -98,7 +99,9 @@ def test_a_batch_the_caller_let_go_of_is_refilled_in_place(shards, workers, monk
         return replace(self, worker, slot)
 
     monkeypatch.setattr(ring_mod.Ring, "replace", counted)
-    loader = ShardLoader(_ds(shards, size=16), 2, num_workers=workers)  # 12 batches an epoch
+    loader = ShardLoader(
+        _ds(shards, decode=Decode(crop=CenterCrop(16, 16))), 2, num_workers=workers
+    )  # 12 batches an epoch
     for epoch in range(2):
         loader.set_epoch(epoch)
         batches = sum(1 for _ in loader)
@@ -124,7 +127,7 @@ def test_len_is_exactly_the_batches_yielded(shards, workers, batch_size, drop_la
 def test_three_ranks_with_two_workers_take_equal_steps_and_cover_the_epoch(shards, equalize):
     results = []
     for rank in range(3):
-        ds = _ds(shards, rank=rank, world_size=3, equalize=equalize)
+        ds = _ds(shards, rank=rank, world_size=3, order=Order(equalize=equalize))
         loader = ShardLoader(ds, 3, num_workers=2)
         sizes, keys, _ = _run(loader)
         assert len(sizes) == len(loader) and sum(sizes) == len(ds)
@@ -227,7 +230,7 @@ def test_crop_objects_and_hooks_run_in_the_workers_as_in_the_dataset(shards, wor
         _Corner(),
     ]
     for crop in crops:
-        ds = _ds(shards, crop=crop, flip=True, seed=9)
+        ds = _ds(shards, decode=Decode(crop=crop, flip=True), seed=9)
         reference = {k: img for img, _, k in ds}
         _, keys, images = _run(ShardLoader(ds, 5, num_workers=workers))
         assert sorted(keys) == ALL_KEYS
@@ -274,18 +277,20 @@ def test_a_batch_of_mixed_images_is_what_the_dataset_gives(mixed, workers, chann
     """Whole images decode a batch's plain JPEGs in one native call; each other sample still
     goes its own way, in order: the same pixels, skips and errors as ShardDataset, whichever
     comes first (the sample's error before the stream's, in stream order)."""
-    ds = _ds(mixed, on_error="skip", shuffle=False)
+    ds = _ds(mixed, on_error="skip", order=Order(shuffle=False))
     want_keys, want = [], {}
     with pytest.raises(ShardFormatError, match="im13"), pytest.warns(RuntimeWarning):
         for img, _, key in ds:
             want_keys.append(key)
             want[key] = img
     assert "im09" not in want and len(want_keys) == 12
-    loader = ShardLoader(_ds(mixed, on_error="skip", shuffle=False), 16, num_workers=workers)
+    loader = ShardLoader(
+        _ds(mixed, on_error="skip", order=Order(shuffle=False)), 16, num_workers=workers
+    )
     with pytest.raises(ShardFormatError, match="im13"):
         next(iter(loader))  # the one batch holds im13's read error
     loader = ShardLoader(
-        _ds(mixed, on_error="skip", shuffle=False), 4, num_workers=workers,
+        _ds(mixed, on_error="skip", order=Order(shuffle=False)), 4, num_workers=workers,
         channels_last=channels_last,
     )  # fmt: skip
     got_keys, got = [], {}
@@ -299,7 +304,7 @@ def test_a_batch_of_mixed_images_is_what_the_dataset_gives(mixed, workers, chann
     for key in got_keys:
         assert torch.equal(got[key], want[key]), key
     # on_error="raise": the damaged image (im09) is named, not the label read after it
-    loader = ShardLoader(_ds(mixed, shuffle=False), 16, num_workers=workers)
+    loader = ShardLoader(_ds(mixed, order=Order(shuffle=False)), 16, num_workers=workers)
     with pytest.raises(SampleError, match="im09"):
         list(loader)
 
@@ -328,7 +333,7 @@ def test_normalised_batch_equals_the_formula_on_the_uint8_batch(shards, channels
 
 
 def test_geometry_batches_have_the_fixed_size(shards):
-    ds = _ds(shards, size=8, crop="random", flip=True)
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(8), flip=True))
     sizes, keys, images = _run(ShardLoader(ds, 6, num_workers=2))
     assert sorted(keys) == ALL_KEYS and all(v.shape == (3, 8, 8) for v in images.values())
     reference = {k: img for img, _, k in ds}  # same (seed, epoch, rank, key): same crop
@@ -362,7 +367,7 @@ def test_batches_differ_in_size_without_size_raises_naming_the_key(tmp_path):
         d.mkdir(parents=True, exist_ok=True)
         Image.fromarray(np.zeros((wh[1], wh[0], 3), np.uint8)).save(d / f"im{i}.jpg")
     pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False)
-    loader = ShardLoader(_ds(str(tmp_path / "tar"), shuffle=False), 3, num_workers=1)
+    loader = ShardLoader(_ds(str(tmp_path / "tar"), order=Order(shuffle=False)), 3, num_workers=1)
     message = r"sample 'c/im\d' is \d+x14 but its batch holds \d+x14 images; pass decode=Decode"
     with pytest.raises(InputError, match=message):
         list(loader)
@@ -499,7 +504,7 @@ def test_a_transform_returning_another_shape_names_the_sample(shards, workers):
     ds = _ds(shards, transform=lambda img: img.float())
     with pytest.raises(InputError, match=r"shard-\d+\.tar: sample 'c\d/im\d+': the dataset's tran"):
         list(ShardLoader(ds, 4, num_workers=workers))
-    ds = _ds(shards, size=8, transform=lambda img: img[:, :4])
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(8, 8)), transform=lambda img: img[:, :4])
     with pytest.raises(InputError, match=r"shape \(3, 4, 8\).*shape \(3, 8, 8\)"):
         list(ShardLoader(ds, 4, num_workers=workers))
     assert _workers() == []
@@ -569,7 +574,7 @@ def test_cuda_batches_match_the_cpu_path(shards, channels_last):
 
 def _rank(rank: int, port: int, data_dir: str, out_dir: str) -> None:
     with gloo_rank(rank, port, 3) as dist:
-        ds = ShardDataset(data_dir, decode="tensor", with_keys=True, equalize="drop")
+        ds = ShardDataset(data_dir, decode="tensor", with_keys=True, order=Order(equalize="drop"))
         loader = ShardLoader(ds, 2, num_workers=2)
         steps, keys = 0, []
         for x, _, k in loader:
@@ -603,7 +608,7 @@ def test_remote_shards_stream_through_the_workers(shards, s3):
     s3.upload_dir(bucket, "tar", shards)
     ds = ShardDataset(
         f"s3://{bucket}/tar/",
-        storage_options=S3Server.options(s3.endpoint),
+        storage=RemoteStorage(storage_options=S3Server.options(s3.endpoint)),
         decode="tensor",
         with_keys=True,
     )

@@ -15,7 +15,7 @@ import simplejpeg
 import torch
 from conftest import gradient_photo
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import CenterCrop, Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError
 from shardkit.images import device as device_decode
 from shardkit.images.decode import decode_rgb
@@ -80,7 +80,7 @@ def _full_scale_reference(path, size, seed, key_data, ds):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_device_decode_gives_the_cpu_paths_samples_order_and_boxes(shards, workers, monkeypatch):
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")  # libjpeg's, as the reference
-    geo = dict(size=48, crop="random", flip=True, seed=7)
+    geo = dict(decode=Decode(crop=RandomResizedCrop(48), flip=True), seed=7)
     ds = _ds(shards, **geo)
     cpu_keys, cpu = _epoch(ShardLoader(ds, 5, num_workers=workers))
     loader = ShardLoader(ds, 5, num_workers=workers, decode_on="device")
@@ -104,7 +104,7 @@ def test_a_bicubic_crop_object_gives_torchs_bicubic_of_the_cpu_paths_boxes(shard
 
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")
     crop = RandomResizedCrop(48, scale=(0.9, 1.0), interpolation="bicubic")
-    ds = _ds(shards, crop=crop, flip=True, seed=4)
+    ds = _ds(shards, decode=Decode(crop=crop, flip=True), seed=4)
     cpu_keys, cpu = _epoch(ShardLoader(ds, 5, num_workers=0))
     loader = ShardLoader(ds, 5, num_workers=0, decode_on="device")
     keys, dev = _epoch(loader)
@@ -140,7 +140,7 @@ def test_full_size_images_without_size_equal_the_cpu_path(tmp_path, monkeypatch)
 
 def test_normalised_device_batches_match_the_formula(shards):
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
-    ds = _ds(shards, size=32, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(32, 32)))
     _, plain = _epoch(ShardLoader(ds, 6, num_workers=0, decode_on="device"))
     loader = ShardLoader(ds, 6, num_workers=0, decode_on="device", normalize=(mean, std))
     for x, _, keys in loader:
@@ -170,7 +170,7 @@ def test_images_the_device_decoder_declines_are_decoded_on_the_cpu_in_the_same_b
         return out
 
     monkeypatch.setattr(device_decode.DeviceDecoder, "decode", decline_png)
-    ds = _ds(shards, size=48, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(48, 48)))
     cpu_keys, cpu = _epoch(ShardLoader(ds, 8, num_workers=0))
     keys, dev = _epoch(ShardLoader(ds, 8, num_workers=0, decode_on="device"))
     assert declined and keys == cpu_keys
@@ -196,11 +196,11 @@ def broken(tmp_path_factory):
 @pytest.mark.parametrize("size", [None, 24])
 def test_an_undecodable_sample_names_shard_and_key_or_is_counted(broken, size):
     if size is None:  # the header is read in the worker only to crop: the device decides
-        ds = _ds(broken, shuffle=False)
+        ds = _ds(broken, order=Order(shuffle=False))
         with pytest.raises(SampleError, match=r"shard-\d+\.tar: sample 'c/im3'") as err:
             list(ShardLoader(ds, 3, num_workers=0, decode_on="device"))
         assert "()" not in str(err.value)  # no empty extension
-    skipping = _ds(broken, size=size or 24, on_error="skip")
+    skipping = _ds(broken, decode=Decode(crop=CenterCrop(size or 24, size or 24)), on_error="skip")
     loader = ShardLoader(skipping, 3, num_workers=2, decode_on="device")
     keys, _ = _epoch(loader)
     assert sorted(keys) == [f"c/im{i}" for i in (0, 1, 2, 4, 5)] and skipping.skipped == 1
@@ -247,7 +247,9 @@ def test_a_workers_error_ends_the_decode_thread_before_the_ring_is_freed(tmp_pat
         return decode(self, *a, **kw)
 
     monkeypatch.setattr(device_decode.DeviceDecoder, "decode", slow)
-    ds = _ds(str(tmp_path / "tar"), crop=FailsOnSquares(), shuffle=False)
+    ds = _ds(
+        str(tmp_path / "tar"), decode=Decode(crop=FailsOnSquares()), order=Order(shuffle=False)
+    )
     loader = ShardLoader(ds, 1, num_workers=1, decode_on="device")
     with pytest.raises(CropError, match="c/im4"):
         list(loader)
@@ -260,7 +262,7 @@ def test_a_workers_error_ends_the_decode_thread_before_the_ring_is_freed(tmp_pat
 def test_a_worker_with_no_batch_of_its_own_ends_its_part_cleanly(shards, decode_on):
     """More workers than batches (a small validation set, a rank with few samples): a worker's
     part is empty, its first fill takes no sample and maps no slot; the epoch is the others'."""
-    ds = _ds(shards, size=32, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(32, 32)))
     cpu = ShardLoader(ds, 8, num_workers=4)  # 3 batches, 4 workers
     want, _ = _epoch(cpu)
     cpu.close()
@@ -281,7 +283,7 @@ def test_a_batch_whose_every_sample_is_skipped_on_the_device_side_is_not_handed_
     never yields. Now the batches are the workers' path's."""
     counts = {}
     for decode_on in ("workers", "device"):
-        ds = _ds(broken, on_error="skip", shuffle=False)
+        ds = _ds(broken, on_error="skip", order=Order(shuffle=False))
         loader = ShardLoader(ds, 1, num_workers=workers, decode_on=decode_on)
         counts[decode_on] = [len(x) for x, _, _ in loader]
         assert ds.skipped == 1
@@ -290,7 +292,7 @@ def test_a_batch_whose_every_sample_is_skipped_on_the_device_side_is_not_handed_
 
 
 def test_no_growth_across_epochs_or_after_break(shards):
-    ds = _ds(shards, size=32, crop="random")
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(32)))
     loader = ShardLoader(ds, 4, num_workers=2, decode_on="device")
     sizes = []
     for epoch in range(4):
@@ -319,7 +321,7 @@ def test_device_decode_arguments_are_checked(shards):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cuda_device_decode_gives_the_cpu_backends_pixels_on_the_gpu(shards, workers):
-    ds = _ds(shards, size=48, crop="random", flip=True)
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(48), flip=True))
     keys, ref = _epoch(ShardLoader(ds, 5, num_workers=workers, decode_on="device"))
     loader = ShardLoader(ds, 5, num_workers=workers, decode_on="device", device="cuda")
     assert "nvImageCodec on cuda" in repr(loader)
@@ -385,7 +387,7 @@ def _slowed_workers(monkeypatch, seconds: float) -> None:
 
 
 def _auto_epochs(shards, epochs: int = 3):
-    ds = _ds(shards, size=32, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(32, 32)))
     reference = {k: x for k, x in zip(*_epoch(ShardLoader(ds, 2, num_workers=0)), strict=False)}
     loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
     for epoch in range(epochs):
@@ -415,7 +417,7 @@ def test_auto_leaves_the_device_alone_when_the_workers_outrun_the_caller(shards,
     device then decodes only the share that keeps its rate measured, taking nothing from the
     model."""
     _slowed_workers(monkeypatch, 0.01)
-    ds = _ds(shards, size=32, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(32, 32)))
     loader = ShardLoader(ds, 2, num_workers=2, decode_on="auto")
     for epoch in range(3):
         loader.set_epoch(epoch)
@@ -427,7 +429,7 @@ def test_auto_leaves_the_device_alone_when_the_workers_outrun_the_caller(shards,
 
 
 def test_auto_batches_are_the_cpu_paths_whichever_side_decoded_them(shards):
-    ds = _ds(shards, size=32, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(32, 32)))
     keys, cpu = _epoch(ShardLoader(ds, 3, num_workers=2))
     loader = ShardLoader(ds, 3, num_workers=2, decode_on="auto")
     got, images = _epoch(loader)
@@ -526,7 +528,7 @@ def _declining(monkeypatch, regions=(), wholes=()):
 
 
 def test_a_declined_region_is_decoded_whole_on_the_device_and_cropped(shards, monkeypatch):
-    ds = _ds(shards, size=48, crop="random", flip=True, seed=5)
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(48), flip=True), seed=5)
     _, before = _epoch(ShardLoader(ds, 6, num_workers=0, decode_on="device"))
     seen = _declining(monkeypatch, regions=("all",))
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "fancy")
@@ -542,7 +544,7 @@ def test_a_declined_region_is_decoded_whole_on_the_device_and_cropped(shards, mo
 
 def test_what_the_device_declines_whole_is_counted_and_warned_about_once(shards, monkeypatch):
     _declining(monkeypatch, regions=(), wholes=("png",))
-    ds = _ds(shards, size=48, crop="center")
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(48, 48)))
     loader = ShardLoader(ds, 6, num_workers=0, decode_on="device")
     with pytest.warns(RuntimeWarning, match=r"1 of 24 images .* training process's CPU"):
         _epoch(loader)
@@ -559,7 +561,7 @@ def test_what_the_device_declines_whole_is_counted_and_warned_about_once(shards,
 
 
 def test_fast_upsampling_stays_within_the_bound_of_the_cpu_path(shards):
-    ds = _ds(shards, size=48, crop="random", flip=True)
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(48), flip=True))
     keys, cpu = _epoch(ShardLoader(ds, 6, num_workers=0))
     loader = ShardLoader(ds, 6, num_workers=0, decode_on="device")
     assert "fast upsampling" in repr(loader)
@@ -572,7 +574,7 @@ def test_fast_upsampling_stays_within_the_bound_of_the_cpu_path(shards):
 def test_upsampling_choice_is_checked(shards, monkeypatch):
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", "smooth")
     with pytest.raises(InputError, match="SHARDKIT_DEVICE_UPSAMPLING='smooth'"):
-        ShardLoader(_ds(shards, size=32), 4, decode_on="device")
+        ShardLoader(_ds(shards, decode=Decode(crop=CenterCrop(32, 32))), 4, decode_on="device")
 
 
 def test_a_torch_of_another_cuda_than_the_nvimagecodec_wheel_names_the_extra():
@@ -616,7 +618,7 @@ def test_cuda_both_upsamplings_stay_within_the_bound_of_the_cpu_path(
     shards, upsampling, monkeypatch
 ):
     monkeypatch.setenv("SHARDKIT_DEVICE_UPSAMPLING", upsampling)
-    ds = _ds(shards, size=48, crop="random", flip=True)
+    ds = _ds(shards, decode=Decode(crop=RandomResizedCrop(48), flip=True))
     keys, cpu = _epoch(ShardLoader(ds, 6, num_workers=0))
     loader = ShardLoader(ds, 6, num_workers=0, decode_on="device", device="cuda")
     dkeys, dev = _epoch(loader)

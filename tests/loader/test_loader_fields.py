@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import CenterCrop, Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError
 from shardkit.images.device import device_decode_available
 
@@ -78,7 +78,7 @@ def test_batches_are_dicts_of_images_and_decoded_fields(shards, workers):
 
 
 def test_a_missing_field_names_shard_and_key(shards):
-    ds = _ds(shards, on_error="raise", shuffle=False)
+    ds = _ds(shards, on_error="raise", order=Order(shuffle=False))
     with pytest.raises(SampleError, match=rf"shard-\d+\.tar: sample '{NO_CAPTION}' has no 'txt'"):
         list(ShardLoader(ds, 4, num_workers=2))
 
@@ -111,7 +111,7 @@ def test_resume_with_fields_replays_nothing(shards, workers):
 
 @pytest.mark.skipif(not device_decode_available(), reason="needs nvImageCodec (shardkit[gpu])")
 def test_fields_travel_with_device_decoded_batches(shards):
-    ds = _ds(shards, size=8)
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(8, 8)))
     loader = ShardLoader(ds, 4, num_workers=2, decode_on="device")
     keys = []
     for batch in loader:
@@ -145,7 +145,12 @@ def masked(tmp_path_factory):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_masks_are_cut_resized_and_flipped_with_their_image(masked, workers):
-    kw = dict(size=16, crop="random", flip=True, fields=("seg.png",), seed=3, on_error="skip")
+    kw = dict(
+        decode=Decode(crop=RandomResizedCrop(16), flip=True),
+        fields=("seg.png",),
+        seed=3,
+        on_error="skip",
+    )
     reference = {k: (x, m) for x, _, k, m in _ds(masked, **kw)}  # the dataset's own geometry
     assert len(reference) == 9  # the wrong-size mask was skipped
     ds = _ds(masked, **kw)
@@ -163,7 +168,13 @@ def test_masks_are_cut_resized_and_flipped_with_their_image(masked, workers):
 
 
 def test_a_mask_of_another_size_than_its_image_names_the_sample(masked):
-    ds = _ds(masked, size=16, fields=("seg.png",), on_error="raise", shuffle=False)
+    ds = _ds(
+        masked,
+        decode=Decode(crop=CenterCrop(16, 16)),
+        order=Order(shuffle=False),
+        fields=("seg.png",),
+        on_error="raise",
+    )
     with pytest.raises(SampleError, match=r"sample 'c0/m6'.*'seg.png'"):
         list(ShardLoader(ds, 4, num_workers=0))
 
@@ -180,7 +191,7 @@ def _jitter(sample: dict) -> dict:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_sample_transform_runs_in_the_workers_and_its_outputs_are_batched(shards, workers):
-    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    kw = dict(decode=Decode(crop=RandomResizedCrop(8)), seed=2, sample_transform=_jitter)
     reference = {s["key"]: s for s in _ds(shards, **kw)}  # the dataset's own samples
     loader = ShardLoader(_ds(shards, **kw), 4, num_workers=workers)
     keys = []
@@ -207,7 +218,7 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def test_normalize_and_channels_last_apply_to_sample_transform_batches(shards, workers):
     """They were ignored: uint8 batches came back, no warning. The image column ("image")
     is normalised and laid out as for plain batches; its other columns are as they were."""
-    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    kw = dict(decode=Decode(crop=RandomResizedCrop(8)), seed=2, sample_transform=_jitter)
     plain = {k: b for b in ShardLoader(_ds(shards, **kw), 4) for k, b in _by_key(b)}
     loader = ShardLoader(
         _ds(shards, **kw), 4, num_workers=workers, normalize=(MEAN, STD), channels_last=True
@@ -233,10 +244,16 @@ def _by_key(batch: dict):
 
 
 def test_normalize_on_a_sample_transform_batch_without_an_image_column_is_refused(shards):
-    kw = dict(size=8, sample_transform=lambda s: {"x": s["image"].float(), "key": s["key"]})
+    kw = dict(
+        decode=Decode(crop=CenterCrop(8, 8)),
+        sample_transform=lambda s: {"x": s["image"].float(), "key": s["key"]},
+    )
     with pytest.raises(InputError, match=r"^ShardLoader\(normalize=\) .* under \"image\""):
         list(ShardLoader(_ds(shards, **kw), 4, num_workers=0, normalize=(MEAN, STD)))
-    kw = dict(size=8, sample_transform=lambda s: (s["image"].float(), s["label"]))
+    kw = dict(
+        decode=Decode(crop=CenterCrop(8, 8)),
+        sample_transform=lambda s: (s["image"].float(), s["label"]),
+    )
     with pytest.raises(InputError, match=r"channels_last=\) .* first column, but it is a "):
         list(ShardLoader(_ds(shards, **kw), 4, num_workers=0, channels_last=True))
 
@@ -245,7 +262,7 @@ def test_normalize_on_a_sample_transform_batch_without_an_image_column_is_refuse
 def test_sample_transform_tensors_of_one_shape_travel_in_the_ring(shards, workers):
     """Stacked columns were pickled through the pipe; they are written into the batch's slot
     and lent as the plain path's images are: kept batches keep their values."""
-    kw = dict(size=8, crop="random", seed=2, sample_transform=_jitter)
+    kw = dict(decode=Decode(crop=RandomResizedCrop(8)), seed=2, sample_transform=_jitter)
     reference = {s["key"]: s for s in _ds(shards, **kw)}
     loader = ShardLoader(_ds(shards, **kw), 4, num_workers=workers)
     it = iter(loader)
@@ -273,7 +290,9 @@ def test_workers_sending_large_batches_nobody_reads_stop_when_asked(shards):
     outputs (or masks) larger than the pipe's buffer blocks its worker in the send. ``close()``
     reads and drops what they send until they have stopped: they exit by themselves (0), where
     each was killed (SIGKILL) after a 5 s wait."""
-    loader = ShardLoader(_ds(shards, size=8, sample_transform=_large), 4, num_workers=2)
+    loader = ShardLoader(
+        _ds(shards, decode=Decode(crop=CenterCrop(8, 8)), sample_transform=_large), 4, num_workers=2
+    )
     for _ in loader:
         break
     procs = list(loader._res.workers.procs)
@@ -295,7 +314,7 @@ def test_numbers_and_arrays_of_a_sample_transform_batch_as_dataloader_collates_t
 ):
     """A pass-through transform keeps the batch a plain loader gives: labels (and the source,
     the seed, any number) an int64 or float tensor, arrays of one shape stacked."""
-    kw = dict(size=8, crop="random", seed=2, fields=("txt",))
+    kw = dict(decode=Decode(crop=RandomResizedCrop(8)), seed=2, fields=("txt",))
     plain = {
         k: lab
         for b in ShardLoader(_ds(shards, **kw), 4)
@@ -325,13 +344,20 @@ def _image_mask_boxes(sample: dict) -> tuple:
 
 
 def test_tuples_stack_tensors_of_one_shape_and_list_the_rest(masked):
-    kw = dict(size=16, fields=("seg.png",), on_error="skip", sample_transform=_image_mask_boxes)
-    reference = {i: (x, m) for i, (x, m, _) in enumerate(_ds(masked, **kw, shuffle=False))}
+    kw = dict(
+        decode=Decode(crop=CenterCrop(16, 16)),
+        fields=("seg.png",),
+        on_error="skip",
+        sample_transform=_image_mask_boxes,
+    )
+    reference = {
+        i: (x, m) for i, (x, m, _) in enumerate(_ds(masked, **kw, order=Order(shuffle=False)))
+    }
     kw["sample_transform"] = lambda s: (
         *_image_mask_boxes(s),
         torch.zeros(1 + int(s["key"][-1]) % 2, 2),
     )
-    batches = list(ShardLoader(_ds(masked, shuffle=False, **kw), 9, num_workers=0))
+    batches = list(ShardLoader(_ds(masked, order=Order(shuffle=False), **kw), 9, num_workers=0))
     assert len(batches) == 1
     images, masks, boxes, ragged = batches[0]
     assert images.shape == (9, 3, 16, 16) and masks.shape == (9, 1, 16, 16)
@@ -343,14 +369,26 @@ def test_tuples_stack_tensors_of_one_shape_and_list_the_rest(masked):
 def test_sample_transforms_are_refused_where_no_decoded_sample_exists(masked):
     from shardkit.errors import InputError, TransformError
 
-    ds = _ds(masked, size=16, fields=("seg.png",), sample_transform=lambda s: s)
+    ds = _ds(
+        masked,
+        decode=Decode(crop=CenterCrop(16, 16)),
+        fields=("seg.png",),
+        sample_transform=lambda s: s,
+    )
     for mode in ("device", "auto"):
         with pytest.raises(InputError, match=f'needs decode_on="workers".*{mode!r}'):
             ShardLoader(ds, 4, decode_on=mode)
-    odd = _ds(masked, size=16, fields=(), sample_transform=lambda s: {s["key"]: 1})
+    odd = _ds(
+        masked,
+        decode=Decode(crop=CenterCrop(16, 16)),
+        fields=(),
+        sample_transform=lambda s: {s["key"]: 1},
+    )
     with pytest.raises(InputError, match="same keys"):
         list(ShardLoader(odd, 4, num_workers=0))
-    failing = _ds(masked, size=16, fields=(), sample_transform=lambda s: 1 / 0)
+    failing = _ds(
+        masked, decode=Decode(crop=CenterCrop(16, 16)), fields=(), sample_transform=lambda s: 1 / 0
+    )
     with pytest.raises(TransformError):
         list(ShardLoader(failing, 4, num_workers=0))
 
@@ -374,7 +412,7 @@ def boxed(tmp_path_factory):
 def test_boxes_travel_with_their_batch_as_the_dataset_moves_them(boxed, workers):
     from shardkit import Boxes
 
-    kw = dict(size=16, crop="random", flip=True, fields=("json",), seed=5)
+    kw = dict(decode=Decode(crop=RandomResizedCrop(16), flip=True), fields=("json",), seed=5)
     kw["boxes"] = Boxes("json", key="boxes", format="xywh")
     reference = {s[2]: (s[4], s[5]) for s in _ds(boxed, **kw)}  # image, label, key, json, ...
     loader = ShardLoader(_ds(boxed, **kw), 4, num_workers=workers)
@@ -394,7 +432,7 @@ def test_boxes_travel_with_their_batch_as_the_dataset_moves_them(boxed, workers)
 def test_elastic_resume_with_fields_delivers_the_rest_exactly_once(shards, workers):
     """Two ranks take two batches each; the rest goes to one rank: every readable sample once,
     each with its own caption and metadata."""
-    kw = dict(equalize="none", buffer_size=8)
+    kw = dict(order=Order(buffer_size=8, equalize="none"))
     before = []
     for rank in range(2):
         loader = ShardLoader(_ds(shards, rank=rank, world_size=2, **kw), 2, num_workers=workers)
@@ -459,7 +497,14 @@ def test_a_resumed_mixture_reports_the_sources_of_the_uninterrupted_epoch(shards
 
     def loader():
         sources = [Source(shards, weight=2), Source(masked, weight=1)]
-        ds = _ds(sources, fields=(), size=8, buffer_size=6, seed=4, with_keys=("key", "source"))
+        ds = _ds(
+            sources,
+            fields=(),
+            decode=Decode(crop=CenterCrop(8, 8)),
+            order=Order(buffer_size=6),
+            seed=4,
+            with_keys=("key", "source"),
+        )
         ds.set_epoch(1)
         return ShardLoader(ds, 3, num_workers=workers)
 

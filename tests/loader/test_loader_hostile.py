@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import CenterCrop, Decode, Order, ShardDataset, ShardLoader, pack
 from shardkit.errors import InputError, SampleError, ShardkitError, TransformError
 
 pytestmark = pytest.mark.filterwarnings(
@@ -168,7 +168,7 @@ def test_a_part_ending_on_skipped_samples_warns_counts_and_ends_its_epoch(
     """Worker parts (unshuffled, cut at whole batches) that end on skipped samples only, or on a
     short batch ``drop_last`` drops: every skipped sample is warned about and counted, and a
     checkpoint after the last batch continues with the next epoch."""
-    ds = _ds(with_bad, on_error="skip", shuffle=False)
+    ds = _ds(with_bad, on_error="skip", order=Order(shuffle=False))
     loader = ShardLoader(ds, bs, num_workers=workers, drop_last=drop_last)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -177,7 +177,7 @@ def test_a_part_ending_on_skipped_samples_warns_counts_and_ends_its_epoch(
     loader.close()
     assert images == (20 if drop_last else N - len(BAD))  # 2 batches of 10, or every good one
     assert sum("skipped:" in str(w.message) for w in caught) == len(BAD) == ds.skipped
-    resumed = _ds(with_bad, on_error="skip", shuffle=False)
+    resumed = _ds(with_bad, on_error="skip", order=Order(shuffle=False))
     resumed.load_state_dict(state)
     assert resumed.epoch == 1
 
@@ -246,11 +246,11 @@ def test_a_setting_changed_under_running_workers_is_refused(shards, name, value)
     """The workers fill slots laid out from the loader's settings when they started: a loader
     given another dataset handed out the old one's samples, another batch size lost samples,
     channels_last garbled every image. Such a change is an InputError; the loader goes on."""
-    reference = _reference(shards, shuffle=False)
-    loader = ShardLoader(_ds(shards, shuffle=False), 4, num_workers=2)
+    reference = _reference(shards, order=Order(shuffle=False))
+    loader = ShardLoader(_ds(shards, order=Order(shuffle=False)), 4, num_workers=2)
     list(loader)
     if name == "dataset":
-        value = _ds(shards, shuffle=False, rank=1, world_size=2)
+        value = _ds(shards, order=Order(shuffle=False), rank=1, world_size=2)
     with pytest.raises(InputError, match=rf"ShardLoader\.{name} cannot change"):
         setattr(loader, name, value)
     seen = 0
@@ -317,7 +317,7 @@ def _unpicklable(img):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_transform_error_names_shard_and_key_and_keeps_its_type(shards, workers):
-    ds = _ds(shards, transform=_failing, on_error="skip", shuffle=False)
+    ds = _ds(shards, transform=_failing, on_error="skip", order=Order(shuffle=False))
     with pytest.raises(TransformError, match=r"shard-\d+\.tar: sample 'c\d/im\d+'") as info:
         list(ShardLoader(ds, 4, num_workers=workers))
     err = info.value
@@ -360,22 +360,34 @@ def bomb(tmp_path_factory):
 
 @pytest.mark.parametrize("size", [None, 8])
 def test_a_decompression_bomb_is_refused_from_its_header(bomb, size):
-    ds = _ds(bomb, shuffle=False, size=size)
+    decode = Decode("tensor", crop=None if size is None else CenterCrop(size, size))
+    ds = _ds(bomb, decode=decode, order=Order(shuffle=False))
     with pytest.raises(SampleError, match=r"'c/a0'.*60000x60000.*max_pixels="):
         list(ShardLoader(ds, 2, num_workers=0))
     with pytest.raises(SampleError, match=r"60000x60000.*max_pixels="):
         list(ds)  # the same decoder without the loader
-    skipping = _ds(bomb, shuffle=False, size=size, on_error="skip")
+    skipping = _ds(
+        bomb,
+        decode=decode,
+        order=Order(shuffle=False),
+        on_error="skip",
+    )
     keys = [k for _, _, ks in ShardLoader(skipping, 2, num_workers=0) for k in ks]
     assert "c/a0" not in keys and len(keys) == 5 and skipping.skipped == 1
 
 
 def test_the_pixel_limit_is_adjustable(shards):
     with pytest.raises(SampleError, match=r"16x12 = 192 pixels.*max_pixels=100"):
-        list(ShardLoader(_ds(shards, max_pixels=100), 4, num_workers=0))
-    assert sum(len(x) for x, _, _ in ShardLoader(_ds(shards, max_pixels=192), 4)) == N
+        list(ShardLoader(_ds(shards, decode=Decode("tensor", max_pixels=100)), 4, num_workers=0))
+    assert (
+        sum(
+            len(x)
+            for x, _, _ in ShardLoader(_ds(shards, decode=Decode("tensor", max_pixels=192)), 4)
+        )
+        == N
+    )
     with pytest.raises(InputError, match="max_pixels"):
-        _ds(shards, max_pixels=0)
+        _ds(shards, decode=Decode("tensor", max_pixels=0))
 
 
 # --- shards changed under a running dataset ----------------------------------------------------
@@ -387,7 +399,7 @@ def test_a_shard_replaced_by_another_pack_mid_epoch_is_an_error_naming_it(tmp_pa
     for i in range(12):
         Image.fromarray(_image(i)).save(src / f"im{i:02d}.jpg")
     pack(str(tmp_path / "src"), str(tmp_path / "tar"), shard_size=4000, progress=False)
-    ds = _ds(str(tmp_path / "tar"), shuffle=False)  # read shard by shard
+    ds = _ds(str(tmp_path / "tar"), order=Order(shuffle=False))  # read shard by shard
     loader = ShardLoader(ds, 2, num_workers=0)
     it = iter(loader)
     next(it)
@@ -411,7 +423,7 @@ def test_a_shard_of_another_size_than_its_manifest_says_is_an_error_naming_it(tm
     last.write_bytes(last.read_bytes() + bytes(10240))  # a shard swapped in, manifest kept
     longer = rf"{last.name}: \d+ bytes, longer than its manifest says"
     with pytest.raises(ShardkitError, match=longer):
-        list(ShardLoader(_ds(str(tmp_path / "tar"), shuffle=False), 2, num_workers=0))
+        list(ShardLoader(_ds(str(tmp_path / "tar"), order=Order(shuffle=False)), 2, num_workers=0))
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +444,9 @@ def test_an_lmdb_shard_truncated_under_a_worker_is_an_error_naming_it(lmdb_one_s
 
     out = shutil.copytree(lmdb_one_shard, tmp_path / "ds")
     shard = out / "shard-000000.lmdb"
-    loader = ShardLoader(_ds(str(out), shuffle=False), 2, num_workers=1, prefetch_factor=1)
+    loader = ShardLoader(
+        _ds(str(out), order=Order(shuffle=False)), 2, num_workers=1, prefetch_factor=1
+    )
     it = iter(loader)
     next(it)  # the worker holds the shard open, a few batches ahead
     os.truncate(shard, shard.stat().st_size // 3)
@@ -452,12 +466,12 @@ def test_lmdb_shards_open_in_the_training_process_read_in_forked_workers(lmdb_on
 
     view = ShardView(lmdb_one_shard, decode="raw", with_keys=True)
     first = view[0][2]  # a reader open here
-    ds = _ds(lmdb_one_shard, shuffle=False)
+    ds = _ds(lmdb_one_shard, order=Order(shuffle=False))
     next(iter(ds))  # and a stream, left open
     loader = ShardLoader(ds, 4, num_workers=2, start_method="fork")
     assert sorted(k for *_, keys in loader for k in keys) == sorted(view.keys())
     loader.close()
-    plain = ShardDataset(lmdb_one_shard, decode="raw", with_keys=True, shuffle=False)
+    plain = ShardDataset(lmdb_one_shard, decode="raw", with_keys=True, order=Order(shuffle=False))
     dl = DataLoader(plain, batch_size=None, num_workers=2, multiprocessing_context="fork")
     keys = [k for _, _, k in dl]
     assert sorted(keys) == sorted(view.keys()) and len(keys) == 60

@@ -21,7 +21,7 @@ import pytest
 from conftest import DecodeCount
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import TransformError
 from shardkit.images.device import device_decode_available
 from shardkit.loader.epoch import next_epoch
@@ -70,7 +70,9 @@ Count = DecodeCount
 
 def _loader(path, *, overlap=True, batch_size=B, workers=2, loader_kw=None, **kw):
     kw.setdefault("seed", 3)
-    ds = ShardDataset(path, decode="tensor", with_keys=True, size=8, crop="random", flip=True, **kw)
+    ds = ShardDataset(
+        path, decode=Decode("tensor", crop=RandomResizedCrop(8), flip=True), with_keys=True, **kw
+    )
     loader = ShardLoader(ds, batch_size, num_workers=workers, **(loader_kw or {}))
     loader._overlap_epochs = overlap
     return loader

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import gradient_photo
 
-from shardkit import ShardDataset, ShardLoader, pack
+from shardkit import CenterCrop, Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader, pack
 from shardkit.errors import SampleError
 from shardkit.images.decode import decode_rgb
 from shardkit.images.device import MAX_MEAN_DIFFERENCE, StandInDecoder, place
@@ -38,7 +38,8 @@ def shards(tmp_path_factory):
 
 
 def _ds(path, **kw):
-    return ShardDataset(path, decode="tensor", with_keys=True, **kw)
+    kw.setdefault("decode", "tensor")
+    return ShardDataset(path, with_keys=True, **kw)
 
 
 class _Counting(StandInDecoder):
@@ -92,7 +93,7 @@ def test_stand_in_batches_are_the_cpu_paths_in_order_over_epochs(shards, decode_
     and flip (a level at most; under "auto" the workers' share is the CPU path's own) and,
     over the epoch, near the CPU path's own pixels."""
     monkeypatch.setattr(epoch_mod, "DECODE_THREADS", 2)
-    geo = dict(size=32, crop="random", flip=True, seed=5)
+    geo = dict(decode=Decode(crop=RandomResizedCrop(32), flip=True), seed=5)
     ds = _ds(shards, **geo)
     raw = {k: d for d, _, k in ShardDataset(shards, decode="raw", with_keys=True)}
     factory, built = _lanes([0.01, 0.001])
@@ -141,7 +142,7 @@ def test_what_the_stand_in_cannot_decode_reaches_the_cpu_fallback(tmp_path):
     data[2:40] = b"\xff" * 38
     (d / "im2.jpg").write_bytes(bytes(data))
     pack(str(tmp_path / "src"), str(tmp_path / "tar"), progress=False, on_error="skip")
-    ds = ShardDataset(str(tmp_path / "tar"), decode="tensor", shuffle=False)
+    ds = ShardDataset(str(tmp_path / "tar"), decode="tensor", order=Order(shuffle=False))
     stand_in = StandInDecoder()
     loader = ShardLoader(
         ds, 2, num_workers=0, decode_on="device", _decoder_factory=lambda *a, **k: stand_in
@@ -155,7 +156,7 @@ def test_what_the_stand_in_cannot_decode_reaches_the_cpu_fallback(tmp_path):
 def test_the_stub_decodes_nothing_and_keeps_the_batches(shards):
     """``stub=True`` (bench_device --stub): every sample through one decode call per batch,
     the batches' keys and shapes the CPU path's (the pixels are not decoded)."""
-    ds = _ds(shards, size=16, crop="center", shuffle=False)
+    ds = _ds(shards, decode=Decode(crop=CenterCrop(16, 16)), order=Order(shuffle=False))
     want = [(list(k), x.shape) for x, _, k in ShardLoader(ds, 4, num_workers=0)]
     stub = StandInDecoder(stub=True)
     loader = ShardLoader(

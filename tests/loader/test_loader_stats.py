@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from conftest import gloo_rank, run_ranks
 from PIL import Image
 
@@ -21,6 +22,8 @@ from shardkit.loader.stats import (
     READ_SAMPLE,
     StatsOptions,
     WorkerClock,
+    _trainer_knob,
+    knob,
     replay,
     verdict_of,
 )
@@ -39,6 +42,34 @@ def shards(tmp_path_factory):
         Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
     pack(str(base / "src"), str(base / "tar"), progress=False)
     return str(base / "tar")
+
+
+def _trainer_bound(normalize_s: float) -> dict:
+    """An epoch's report where the workers sat idle and the training process's own conversion
+    (normalise, copy) was most of the wait: what the hint is chosen from."""
+    shares = {f"worker_{p}_share": 0.0 for p in ("read", "decode", "resize", "transform", "copy")}
+    return {**shares, "worker_idle_share": 0.9, "wait_s": 1.0, "trainer_copy_s": 0.02,
+            "trainer_normalize_s": normalize_s}  # fmt: skip
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "gpu"])
+def test_the_hint_for_the_training_processs_own_normalize_can_be_followed_here(shards, gpu):
+    """A CPU-only machine cannot take ``device=``: there the hint folds the normalisation into
+    the model's first layer; with a GPU it names ``device="cuda"``."""
+    mean_std = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    ds = ShardDataset(shards, decode="tensor")
+    loader = ShardLoader(ds, 4, num_workers=0, normalize=mean_std)
+    hint = _trainer_knob(_trainer_bound(0.9), loader, gpu=gpu)
+    if gpu:
+        assert hint.startswith('device="cuda"') and "normalize=" in hint
+    else:
+        assert "device=" not in hint and "first layer" in hint and "normalize=None" in hint
+        assert "0.92 s" in hint  # what it cost the training CPU
+    assert knob(_trainer_bound(0.9), loader) == _trainer_knob(
+        _trainer_bound(0.9), loader, gpu=torch.cuda.is_available()
+    )
+    plain = ShardLoader(ds, 4, num_workers=0)  # nothing to fold without normalize=
+    assert "prefetch_factor" in _trainer_knob(_trainer_bound(0.9), plain, gpu=False)
 
 
 class _Slow:

@@ -13,7 +13,7 @@ import torch
 from conftest import DecodeCount
 from PIL import Image
 
-from shardkit import ShardDataset, ShardLoader
+from shardkit import Order, ShardDataset, ShardLoader
 from shardkit.errors import InputError
 
 N = 301  # the samples of conftest.resume_shards
@@ -25,7 +25,9 @@ def data(resume_shards):
     return resume_shards  # conftest: 301 samples in three tar shards
 
 
-def _loader(src, num_workers, **kw):
+def _loader(src, num_workers, *, buffer_size=None, equalize="pad", **kw):
+    """A loader over ``src``; ``buffer_size`` and ``equalize`` are its ``Order``'s."""
+    kw.setdefault("order", Order(buffer_size=buffer_size, equalize=equalize))
     kw.setdefault("seed", 7)
     ds = ShardDataset(src, decode="tensor", with_keys=True, **kw)
     return ShardLoader(ds, batch_size=B, num_workers=num_workers)

@@ -19,10 +19,11 @@ import pytest
 from remote_servers import FAKE_KEY, FAKE_SECRET, FaultProxy, S3Server, free_env
 from torch.utils.data import DataLoader
 
-from shardkit import pack
+from shardkit import Order, pack
 from shardkit.errors import OutputError, StorageError
 from shardkit.manifest import read_manifest
 from shardkit.remote import ShardCache
+from shardkit.remote.storage import RemoteStorage
 from shardkit.stream.dataset import ShardDataset
 
 pytest.importorskip("s3fs")
@@ -62,8 +63,10 @@ def _keys(ds, num_workers=2, **kw) -> list[str]:
     return [k for batch in loader for k in batch[2]]
 
 
-def _ds(source, opts, **kw) -> ShardDataset:
-    return ShardDataset(source, storage_options=opts, decode="raw", with_keys=True, **kw)
+def _ds(source, opts, *, cache_dir=None, cache_limit=None, prefetch=2, **kw) -> ShardDataset:
+    """``opts``, ``cache_dir``, ``cache_limit``, ``prefetch``: the ``RemoteStorage``'s."""
+    storage = RemoteStorage(opts, cache_dir, cache_limit, prefetch)
+    return ShardDataset(source, storage=storage, decode="raw", with_keys=True, **kw)
 
 
 # --- what works ---------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ def test_ranks_get_equal_lengths_and_cover_the_epoch(s3, bucket):
     opts = S3Server.options(s3.endpoint)
     per_rank = []
     for rank in range(3):
-        ds = _ds(f"s3://{bucket}/tar/", opts, rank=rank, world_size=3, equalize="pad")
+        ds = _ds(f"s3://{bucket}/tar/", opts, rank=rank, world_size=3, order=Order())
         keys = _keys(ds, num_workers=2)
         assert len(keys) == len(ds) == -(-N // 3)
         per_rank.append(keys)
@@ -200,9 +203,8 @@ def test_concurrent_ranks_share_one_cache_dir_and_fetch_each_shard_once(s3, buck
                 opts,
                 rank=rank,
                 world_size=2,
-                equalize="none",
+                order=Order(shuffle=False, equalize="none"),
                 cache_dir=str(tmp_path),
-                shuffle=False,
             )
             results[rank] = _keys(ds, num_workers=2)
         except BaseException as exc:
@@ -411,4 +413,4 @@ def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
         "ds/shard-000000.tar",
         "ds/shard-000000.tar.idx",
     ]
-    assert len(ShardDataset(url, storage_options=opts)) == 1
+    assert len(ShardDataset(url, storage=RemoteStorage(storage_options=opts))) == 1

@@ -11,7 +11,9 @@ import warnings
 import pytest
 from conftest import lmdb_shard
 
+from shardkit import Order
 from shardkit.manifest import Manifest, ShardEntry, write_manifest
+from shardkit.remote.storage import RemoteStorage
 
 # --- credentials in URLs never shown ---------------------------------------------------
 
@@ -156,9 +158,11 @@ def test_streaming_through_a_cache_dir_with_foreign_files(tmp_path):
         got = ShardDataset(
             f"{http.url}/ds/manifest.json",
             decode="raw",
-            shuffle=False,
-            cache_dir=str(cache_dir),
-            cache_limit=sum(e.bytes for e in entries),  # room for the shards, not the user's
+            order=Order(shuffle=False),
+            storage=RemoteStorage(
+                cache_dir=str(cache_dir),
+                cache_limit=sum(e.bytes for e in entries),  # room for the shards, not the user's
+            ),
         )
         assert len(list(got)) == 30
     for name, data in files.items():

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, get_worker_info
 
+from shardkit import CenterCrop, Decode, Order, RandomResizedCrop, Source
 from shardkit.errors import InputError, SampleError, ShardFormatError, StorageError
 from shardkit.formats import get_format
 from shardkit.stream.dataset import FolderDataset, ShardDataset
@@ -60,7 +61,7 @@ def test_shape_of_the_data(data):
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
 @pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
 def test_every_sample_once_per_epoch_for_any_worker_count(data, fmt, num_workers):
-    ds = ShardDataset(data[fmt], with_keys=True, decode="raw", buffer_size=5)
+    ds = ShardDataset(data[fmt], with_keys=True, decode="raw", order=Order(buffer_size=5))
     keys = _keys(ds, num_workers)
     assert sorted(keys) == ALL_KEYS
     assert len(ds) == N
@@ -75,7 +76,7 @@ def test_simulated_ranks_split_the_epoch(data, world_size, equalize):
             data["tar"],
             with_keys=True,
             decode="raw",
-            equalize=equalize,
+            order=Order(equalize=equalize),
             rank=rank,
             world_size=world_size,
             seed=7,
@@ -102,7 +103,12 @@ def test_ranks_with_workers_cover_everything_once(data):
     keys = []
     for rank in range(2):
         ds = ShardDataset(
-            data["lmdb"], with_keys=True, decode="raw", equalize="none", rank=rank, world_size=2
+            data["lmdb"],
+            with_keys=True,
+            decode="raw",
+            order=Order(equalize="none"),
+            rank=rank,
+            world_size=2,
         )
         keys += _keys(ds, num_workers=2)
     assert sorted(keys) == ALL_KEYS
@@ -123,7 +129,7 @@ def test_one_shard_three_workers_all_yield(data):
 
 @pytest.mark.slow  # spawned worker interpreters
 def test_spawned_persistent_workers_follow_set_epoch(data):
-    ds = ShardDataset(data["tar"], with_keys=True, decode="tensor", buffer_size=4)
+    ds = ShardDataset(data["tar"], with_keys=True, decode="tensor", order=Order(buffer_size=4))
     loader = DataLoader(
         ds, batch_size=4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
     )
@@ -148,7 +154,9 @@ def test_dataset_pickles_without_open_handles(data):
 
 def test_orders_change_with_epoch_and_repeat_with_seed(data):
     def order(seed, epoch, workers=0):
-        ds = ShardDataset(data["tar"], with_keys=True, decode="raw", seed=seed, buffer_size=4)
+        ds = ShardDataset(
+            data["tar"], with_keys=True, decode="raw", seed=seed, order=Order(buffer_size=4)
+        )
         ds.set_epoch(epoch)
         return _keys(ds, workers)
 
@@ -167,7 +175,7 @@ def test_shard_to_worker_assignment_changes_between_epochs(data):
 
 
 def test_set_epoch_reaches_persistent_workers(data):
-    ds = ShardDataset(data["tar"], with_keys=True, decode="raw", buffer_size=4)
+    ds = ShardDataset(data["tar"], with_keys=True, decode="raw", order=Order(buffer_size=4))
     loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
     orders = []
     for epoch in (0, 1, 0):
@@ -193,7 +201,7 @@ def test_repeating_an_epoch_warns_once(data):
 def test_peeking_at_a_sample_before_iterating_warns_of_no_repeat(data):
     from shardkit.loader import ShardLoader
 
-    ds = ShardDataset(data["tar"], decode="tensor", size=16)
+    ds = ShardDataset(data["tar"], decode=Decode("tensor", crop=CenterCrop(16, 16)))
     next(iter(ds))  # a look at one sample
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -206,7 +214,7 @@ def test_peeking_at_a_sample_before_iterating_warns_of_no_repeat(data):
 
 
 def test_without_shuffle_the_order_is_the_packed_order(data):
-    ds = ShardDataset(data["tar"], with_keys=True, decode="raw", shuffle=False)
+    ds = ShardDataset(data["tar"], with_keys=True, decode="raw", order=Order(shuffle=False))
     fmt = get_format("tar")
     packed = [r.key for url in ds.urls for r in fmt.iter_records(url)]
     assert [k for _, _, k in ds] == packed
@@ -257,11 +265,11 @@ def test_bad_arguments(data):
     with pytest.raises(InputError, match="decode"):
         ShardDataset(data["tar"], decode="numpy")
     with pytest.raises(InputError, match="equalize"):
-        ShardDataset(data["tar"], equalize="even")
+        ShardDataset(data["tar"], order=Order(equalize="even"))
     with pytest.raises(InputError, match="on_error"):
         ShardDataset(data["tar"], on_error="ignore")
     with pytest.raises(InputError, match="cannot give each of 30 ranks"):
-        ShardDataset(data["tar"], equalize="drop", rank=0, world_size=30)
+        ShardDataset(data["tar"], order=Order(equalize="drop"), rank=0, world_size=30)
 
 
 # --- foreign tars -------------------------------------------------------------------------------
@@ -297,7 +305,7 @@ def test_pax_tars_from_tarfile_stream(tmp_path):
                 info = tarfile.TarInfo(f"dir/ünïcode_{i}.{ext}")
                 info.size = len(payload)
                 tf.addfile(info, io.BytesIO(payload))
-    ds = ShardDataset(str(path), with_keys=True, decode="raw", shuffle=False)
+    ds = ShardDataset(str(path), with_keys=True, decode="raw", order=Order(shuffle=False))
     assert [(y, k) for _, y, k in ds] == [(i, f"dir/ünïcode_{i}") for i in range(4)]
 
 
@@ -342,8 +350,8 @@ def test_corrupt_sample_skipped_and_counted_across_workers(corrupt):
     [
         ({"decode": "pil"}, (64, 48)),
         ({"decode": "tensor"}, (3, 48, 64)),
-        ({"decode": "tensor", "size": 16}, (3, 16, 16)),
-        ({"decode": "tensor", "size": 16, "crop": "random"}, (3, 16, 16)),
+        ({"decode": Decode(crop=CenterCrop(16, 16))}, (3, 16, 16)),
+        ({"decode": Decode(crop=RandomResizedCrop(16))}, (3, 16, 16)),
     ],
 )
 def test_damaged_entropy_data_decodes_on_every_path_and_truncation_raises(tmp_path, kw, shape):
@@ -360,10 +368,10 @@ def test_damaged_entropy_data_decodes_on_every_path_and_truncation_raises(tmp_pa
     w.add("damaged", "jpg", bytes(damaged), 0)
     w.add("cut", "jpg", good[: len(good) // 2], 0)
     w.close()
-    ((image, _),) = list(ShardDataset(src, subset=["damaged"], **kw))
+    ((image, _),) = list(ShardDataset(Source(src, subset=["damaged"]), **kw))
     assert (image.size if kw["decode"] == "pil" else tuple(image.shape)) == shape
     with pytest.raises(SampleError, match=r"shard-000000\.tar.*'cut'"):
-        list(ShardDataset(src, subset=["cut"], **kw))
+        list(ShardDataset(Source(src, subset=["cut"]), **kw))
 
 
 def _copy(src, dst):
@@ -377,7 +385,7 @@ def test_truncated_tar_is_detected(data, tmp_path):
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         f.truncate(size - 1500)  # mid-member, end-of-archive gone
-    ds = ShardDataset(d, decode="raw", shuffle=False)
+    ds = ShardDataset(d, decode="raw", order=Order(shuffle=False))
     with pytest.raises(ShardFormatError, match="shard-000001.tar"):
         list(ds)
     with pytest.raises(ShardFormatError, match="shard-000001.tar"):
@@ -396,7 +404,7 @@ def test_shard_shorter_than_its_manifest_is_not_a_short_epoch(data, tmp_path):
         w.add(r.key, r.ext, r.data, r.label)
     w.close()
     with pytest.raises(ShardFormatError, match="shard-000001.tar.*shorter than its manifest"):
-        list(ShardDataset(d, decode="raw", shuffle=False))
+        list(ShardDataset(d, decode="raw", order=Order(shuffle=False)))
 
 
 def test_missing_shard(data, tmp_path):
@@ -434,7 +442,7 @@ class _CountingStorage(LocalStorage):
 
 def test_shards_are_opened_through_the_given_storage(data):
     storage = _CountingStorage()
-    ds = ShardDataset(data["tar"], decode="raw", storage=storage, shuffle=False)
+    ds = ShardDataset(data["tar"], decode="raw", storage=storage, order=Order(shuffle=False))
     assert storage.opened == []  # manifest counts: nothing opened to plan
     list(ds)
     assert storage.opened == list(ds.urls)
@@ -507,6 +515,7 @@ def test_url_sources_stream_through_remote_storage(data, fmt):
     assert sorted(_keys(ds, num_workers=2)) == ALL_KEYS
 
 
+@pytest.mark.filterwarnings("ignore:retired keyword:FutureWarning")  # the old keywords
 def test_remote_options_are_checked_and_sizes_accepted(data):
     with pytest.raises(InputError, match="prefetch=-1"):
         ShardDataset(data["tar"], prefetch=-1)

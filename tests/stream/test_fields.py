@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit import ShardDataset, ShardWriter
+from shardkit import Decode, Order, ShardDataset, ShardWriter, Source
 from shardkit.errors import InputError, SampleError
 from shardkit.manifest import read_manifest
 
@@ -49,9 +49,13 @@ def captioned(request, tmp_path):
 
 def test_fields_decode_by_extension_on_tar_and_lmdb(captioned):
     ds = ShardDataset(
-        captioned, decode="tensor", shuffle=False, with_keys=True, on_error="skip",
+        captioned,
+        decode="tensor",
+        order=Order(shuffle=False),
+        with_keys=True,
+        on_error="skip",
         fields=("txt", "json", "seg.png", "npy"),
-    )  # fmt: skip
+    )
     with pytest.warns(RuntimeWarning, match=r"sample 'k3' has no 'txt' field"):
         got = list(ds)
     assert [s[2] for s in got] == ["k0", "k1", "k2", "k4", "k5"]
@@ -64,20 +68,22 @@ def test_fields_decode_by_extension_on_tar_and_lmdb(captioned):
 
 
 def test_a_missing_field_is_an_error_naming_shard_and_key(captioned):
-    ds = ShardDataset(captioned, decode="tensor", shuffle=False, fields=("txt",))
+    ds = ShardDataset(captioned, decode="tensor", order=Order(shuffle=False), fields=("txt",))
     with pytest.raises(SampleError, match=r"shard-000000\.(tar|lmdb): sample 'k3' has no 'txt'"):
         list(ds)
 
 
 def test_per_field_choices_and_the_raw_view(captioned):
     ds = ShardDataset(
-        captioned, decode="tensor", shuffle=False,
+        captioned,
+        decode="tensor",
+        order=Order(shuffle=False),
         fields={"json": "raw", "npy": lambda b: len(b), "seg.png": "auto"},
-    )  # fmt: skip
+    )
     _, _, meta, size, seg = next(iter(ds))
     assert json.loads(meta) == {"boxes": [[0, 0, 0, 0]], "i": 0} and isinstance(meta, bytes)
     assert size > 0 and seg.shape == (1, 6, 8)
-    raw = list(ShardDataset(captioned, decode="raw", shuffle=False, fields=("txt",)))
+    raw = list(ShardDataset(captioned, decode="raw", order=Order(shuffle=False), fields=("txt",)))
     assert raw[0][2] == b"caption 0" and raw[3][2] is None  # stored bytes, None where none
     with pytest.raises(InputError, match="callable"):
         ShardDataset(captioned, fields={"json": "decoded"})
@@ -93,7 +99,11 @@ def test_a_field_that_does_not_decode_names_the_field(tmp_path):
 
 def test_dataloader_batches_fields_with_default_collate(captioned):
     ds = ShardDataset(
-        captioned, decode="tensor", shuffle=False, on_error="skip", fields=("txt", "seg.png")
+        captioned,
+        decode="tensor",
+        order=Order(shuffle=False),
+        on_error="skip",
+        fields=("txt", "seg.png"),
     )
     with pytest.warns(RuntimeWarning):
         batches = list(DataLoader(ds, batch_size=2))
@@ -125,9 +135,12 @@ def test_tars_with_fields_read_the_same_through_webdataset(tmp_path):
         assert s["txt"] == (src / f"{s['__key__']}.txt").read_bytes()
         assert s["seg.png"] == (src / f"{s['__key__']}.seg.png").read_bytes()
     ours = ShardDataset(
-        str(tmp_path / "out"), decode="raw", shuffle=False, with_keys=True,
+        str(tmp_path / "out"),
+        decode="raw",
+        order=Order(shuffle=False),
+        with_keys=True,
         fields=("txt", "json", "seg.png"),
-    )  # fmt: skip
+    )
     assert [(k, t, j, m) for _, _, k, t, j, m in ours] == [
         (s["__key__"], s["txt"], s["json"], s["seg.png"]) for s in theirs
     ]
@@ -138,8 +151,11 @@ def test_a_view_gives_the_same_fields_as_the_stream(captioned):
 
     names = ("json", "seg.png")
     view = ShardView(captioned, decode="tensor", with_keys=True, fields=names)
-    stream = list(ShardDataset(captioned, decode="tensor", shuffle=False, with_keys=True,
-                               fields=names))  # fmt: skip
+    stream = list(
+        ShardDataset(
+            captioned, decode="tensor", order=Order(shuffle=False), with_keys=True, fields=names
+        )
+    )
     for i in (0, 4):
         got, want = view[i], stream[i]
         assert got[2] == want[2] and got[3] == want[3] and torch.equal(got[4], want[4])
@@ -151,8 +167,14 @@ def test_a_view_gives_the_same_fields_as_the_stream(captioned):
 
 def test_resume_with_fields_continues_where_it_stopped(captioned):
     def make():
-        return ShardDataset(captioned, decode="raw", seed=3, buffer_size=4, with_keys=True,
-                            fields=("json", "txt"))  # fmt: skip
+        return ShardDataset(
+            captioned,
+            decode="raw",
+            seed=3,
+            order=Order(buffer_size=4),
+            with_keys=True,
+            fields=("json", "txt"),
+        )
 
     full = [(s[2], s[3]) for s in make()]
     ds = make()
@@ -166,7 +188,7 @@ def test_resume_with_fields_continues_where_it_stopped(captioned):
 
 
 def test_fields_through_a_subset_which_reads_like_a_mixture(captioned):
-    ds = ShardDataset(captioned, subset=0.5, decode="raw", with_keys=True, fields=("json",))
+    ds = ShardDataset(Source(captioned, subset=0.5), decode="raw", with_keys=True, fields=("json",))
     got = list(ds)
     assert len(got) == 3 and all(json.loads(s[3])["i"] == int(s[2][1:]) for s in got)
 
@@ -181,8 +203,13 @@ def test_a_webdataset_written_tar_reads_with_its_fields_after_shardkit_index(tmp
             sink.write({"__key__": f"s{i}", "jpg": _png("RGB", (i, 0, 0)), "cls": str(i % 2),
                         "txt": f"caption {i}", "json": json.dumps({"i": i})})  # fmt: skip
     index_shards([str(tmp_path / "w")])
-    ds = ShardDataset(str(tmp_path / "w"), decode="tensor", shuffle=False, with_keys=True,
-                      fields=("txt", "json"))  # fmt: skip
+    ds = ShardDataset(
+        str(tmp_path / "w"),
+        decode="tensor",
+        order=Order(shuffle=False),
+        with_keys=True,
+        fields=("txt", "json"),
+    )
     assert [(s[1], s[2], s[3], s[4]) for s in ds] == [
         (i % 2, f"s{i}", f"caption {i}", {"i": i}) for i in range(4)
     ]
@@ -237,10 +264,12 @@ def test_an_image_field_is_held_to_the_pixel_limit_from_its_header(tmp_path, fmt
         w.write("big", _png("RGB", (1, 2, 3), (40, 40)), 0, **{"seg.png": _png("L", 1, (40, 40))})
     bomb = r"sample 'bomb': field 'seg.png' .*11000x10000 = 110000000 pixels, over the limit"
     with pytest.raises(SampleError, match=bomb + r" max_pixels=100000000"):  # the default
-        list(ShardDataset(str(out), fields=("seg.png",), shuffle=False))
+        list(ShardDataset(str(out), fields=("seg.png",), order=Order(shuffle=False)))
     with pytest.raises(SampleError, match=bomb):
         ShardView(str(out), fields=("seg.png",))[0]
-    small = ShardDataset(str(out), fields=("seg.png",), max_pixels=1000, on_error="skip")
+    small = ShardDataset(
+        str(out), fields=("seg.png",), decode=Decode(max_pixels=1000), on_error="skip"
+    )
     with pytest.warns(RuntimeWarning) as caught:
         assert list(small) == []  # the dataset's own limit holds for its masks too
     assert sum("'big': field 'seg.png'" in str(w.message) for w in caught) == 1
@@ -248,5 +277,5 @@ def test_an_image_field_is_held_to_the_pixel_limit_from_its_header(tmp_path, fmt
         str(w.message) for w in caught if "over the limit max_pixels=1000 " in str(w.message)
     ]
     assert len(limited) == 2  # the mask of 'big' and the one of 'bomb'
-    view = ShardView(str(out), fields=("seg.png",), max_pixels=None)
+    view = ShardView(str(out), fields=("seg.png",), decode=Decode(max_pixels=None))
     assert view.get("big")[2].shape == (1, 40, 40)

@@ -15,7 +15,7 @@ import lmdb
 import pytest
 from conftest import quiet, random_tree, without_index_sha256
 
-from shardkit import ShardDataset, ShardView
+from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.errors import ShardFormatError
 from shardkit.formats.lmdb.index import INDEX_KEY, decode_lmdb_index, encode_lmdb_index
 from shardkit.formats.sample_index import _HEAD, decode_index, index_path, key_hashes
@@ -28,13 +28,15 @@ VAL = 0.2
 
 def _truth(out) -> tuple[set[str], set[str]]:
     """(val keys, train keys) by each key's own hash, from a plain epoch (no index used)."""
-    keys = [s[2] for s in ShardDataset(out, decode="raw", with_keys=True, shuffle=False)]
+    keys = [
+        s[2] for s in ShardDataset(out, decode="raw", with_keys=True, order=Order(shuffle=False))
+    ]
     val = {k for k, h in zip(keys, key_hashes(keys).tolist(), strict=True) if h < VAL * 2**64}
     return val, set(keys) - val
 
 
 def _split(out, split: str) -> list[str]:
-    ds = ShardDataset(out, split=split, val_fraction=VAL, decode="raw", with_keys=True)
+    ds = ShardDataset(Source(out, split=split, val_fraction=VAL), decode="raw", with_keys=True)
     return [s[2] for s in ds]
 
 

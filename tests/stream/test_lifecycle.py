@@ -19,6 +19,8 @@ from conftest import _children, leftovers
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from shardkit import Order
+from shardkit.remote.storage import RemoteStorage
 from shardkit.stream.dataset import ShardDataset
 from shardkit.write.packer import pack
 
@@ -89,17 +91,17 @@ def _fds_left(before: dict[int, str], grace: float = 5.0) -> dict[int, str]:
 
 def _dataset(kind: str, fmt: str, packed, request, cache_dir=None) -> ShardDataset:
     if kind == "local":
-        return ShardDataset(str(packed[fmt]), decode="raw", buffer_size=4)
+        return ShardDataset(str(packed[fmt]), decode="raw", order=Order(buffer_size=4))
     server, bucket = request.getfixturevalue("s3_bucket")
     from remote_servers import S3Server
 
     return ShardDataset(
         f"s3://{bucket}/{fmt}",
         decode="raw",
-        buffer_size=4,
-        storage_options=S3Server.options(server.endpoint),
-        prefetch=2,
-        cache_dir=cache_dir,
+        order=Order(buffer_size=4),
+        storage=RemoteStorage(
+            storage_options=S3Server.options(server.endpoint), cache_dir=cache_dir, prefetch=2
+        ),
     )
 
 

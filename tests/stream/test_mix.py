@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from shardkit import InputError
+from shardkit import InputError, Order
 from shardkit.errors import ShardFormatError
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.mix import apportion, split_members
@@ -39,11 +39,13 @@ def mixdata(tmp_path_factory):
     return big, small
 
 
-def _mix(mixdata, **kw) -> ShardDataset:
+def _mix(mixdata, *, equalize="pad", **kw) -> ShardDataset:
+    """Two sources mixed 0.7/0.3 over EPOCH samples, a buffer of 100; ``equalize``: the
+    ``Order``'s."""
     big, small = mixdata
     kw.setdefault("decode", "raw")
     kw.setdefault("with_keys", True)
-    kw.setdefault("buffer_size", 100)
+    kw.setdefault("order", Order(buffer_size=100, equalize=equalize))
     kw.setdefault("epoch_size", EPOCH)
     kw.setdefault("seed", 3)
     return ShardDataset([Source(big, weight=0.7), Source(small, weight=0.3)], **kw)
@@ -113,7 +115,7 @@ def test_weights_default_to_sizes_and_epoch_size_to_the_sum(mixdata):
 
 def test_epoch_size_on_a_plain_source(mixdata):
     big, _ = mixdata
-    ds = ShardDataset(big, decode="raw", with_keys=True, epoch_size=500, buffer_size=0)
+    ds = ShardDataset(big, decode="raw", with_keys=True, epoch_size=500, order=Order(buffer_size=0))
     keys = [s[2] for s in ds]
     assert len(ds) == len(keys) == 500 == len(set(keys))
 
@@ -208,9 +210,12 @@ def test_a_state_from_another_mixture_is_refused(mixdata):
     state = ds.state_dict(batches=3, num_workers=0, batch_size=B)
     big, small = mixdata
     other = ShardDataset(
-        [Source(big, weight=0.6), Source(small, weight=0.4)], decode="raw", epoch_size=EPOCH,
-        buffer_size=100, seed=3,
-    )  # fmt: skip
+        [Source(big, weight=0.6), Source(small, weight=0.4)],
+        decode="raw",
+        epoch_size=EPOCH,
+        order=Order(buffer_size=100),
+        seed=3,
+    )
     with pytest.raises(InputError, match="settings the state was saved with|mix"):
         other.load_state_dict(state)
 
@@ -219,9 +224,11 @@ def test_two_parts_of_one_lmdb_read_side_by_side(mixdata):
     """LMDB opens a file once per process: both parts share one environment, read interleaved."""
     _, small = mixdata
     ds = ShardDataset(
-        [Source(small, split="train"), Source(small, split="val")], decode="raw", with_keys=True,
-        buffer_size=0, shuffle=False,
-    )  # fmt: skip
+        [Source(small, split="train"), Source(small, split="val")],
+        decode="raw",
+        with_keys=True,
+        order=Order(shuffle=False),
+    )
     keys = [s[2] for s in ds]
     assert sorted(keys) == sorted(f"b/{i:05d}" for i in range(300))
     from shardkit import ShardView
@@ -235,7 +242,7 @@ def test_two_parts_of_one_lmdb_read_side_by_side(mixdata):
 
 def test_labels_keep_or_union(mixdata):
     big, small = mixdata  # ["x", "y"] and ["x", "y", "z"]: they agree label by label
-    kept = ShardDataset([Source(big), Source(small)], decode="raw", buffer_size=0)
+    kept = ShardDataset([Source(big), Source(small)], decode="raw", order=Order(buffer_size=0))
     assert kept.classes == ["x", "y", "z"]
     union = ShardDataset([Source(small), Source(big)], decode="raw", labels="union", with_keys=True)
     assert union.classes == ["x", "y", "z"]
@@ -252,7 +259,7 @@ def test_subset_fraction_is_seeded(mixdata):
     big, _ = mixdata
 
     def keys(seed):
-        ds = ShardDataset(big, decode="raw", with_keys=True, subset=0.01, seed=seed)
+        ds = ShardDataset(Source(big, subset=0.01), decode="raw", with_keys=True, seed=seed)
         return {s[2] for s in ds}
 
     assert len(keys(1)) == 80
@@ -263,10 +270,10 @@ def test_subset_fraction_is_seeded(mixdata):
 def test_subset_by_keys_and_an_unknown_key(mixdata):
     big, _ = mixdata
     want = ["a/00003", "a/07999", "a/00100"]
-    ds = ShardDataset(big, decode="raw", with_keys=True, subset=want)
+    ds = ShardDataset(Source(big, subset=want), decode="raw", with_keys=True)
     assert sorted(s[2] for s in ds) == sorted(want)
     with pytest.raises(InputError, match="a/nope"):
-        ShardDataset(big, decode="raw", subset=["a/00001", "a/nope"])
+        ShardDataset(Source(big, subset=["a/00001", "a/nope"]), decode="raw")
 
 
 def test_split_is_disjoint_covering_and_stable_after_a_repack(tmp_path):
@@ -275,7 +282,7 @@ def test_split_is_disjoint_covering_and_stable_after_a_repack(tmp_path):
 
     def part(src, split, seed=0):
         ds = ShardDataset(
-            src, decode="raw", with_keys=True, split=split, val_fraction=0.2, seed=seed
+            Source(src, split=split, val_fraction=0.2), decode="raw", with_keys=True, seed=seed
         )
         assert len(ds) == len(keys := [s[2] for s in ds])  # len() is exact
         return keys
@@ -319,7 +326,9 @@ def test_val_keys_stay_val_when_the_dataset_grows(tmp_path):
     def sides():
         got = {}
         for split in ("train", "val"):
-            ds = ShardDataset(str(out), split=split, val_fraction=0.3, decode="raw", with_keys=True)
+            ds = ShardDataset(
+                Source(str(out), split=split, val_fraction=0.3), decode="raw", with_keys=True
+            )
             got.update((s[2], split) for s in ds)
         return got
 
@@ -340,11 +349,11 @@ def test_bad_mixture_arguments_are_clear_errors(mixdata):
     with pytest.raises(InputError, match="split"):
         Source(big, split="test")
     with pytest.raises(InputError, match="fraction"):
-        ShardDataset(big, subset=1.5)
+        ShardDataset(Source(big, subset=1.5))
     with pytest.raises(InputError, match="fraction or a list"):
-        ShardDataset(big, subset=True)
+        ShardDataset(Source(big, subset=True))
     with pytest.raises(InputError, match="each Source"):
-        ShardDataset([Source(big), Source(small)], subset=0.5)
+        ShardDataset(Source([Source(big), Source(small)], subset=0.5))
     with pytest.raises(InputError, match="epoch_size"):
         ShardDataset(big, epoch_size=0)
     with pytest.raises(InputError, match="wrap every path"):
@@ -383,19 +392,25 @@ def test_numpy_numbers_are_numbers(mixdata):
     )  # fmt: skip
     assert ds.shares == (70, 30) and len(ds) == 100
     assert json.loads(json.dumps(ds.state_dict()))  # the checkpoint facts are plain JSON
-    sub = ShardDataset(small, subset=np.float32(0.5), decode="raw", with_keys=True)
+    sub = ShardDataset(Source(small, subset=np.float32(0.5)), decode="raw", with_keys=True)
     assert len(sub) == 150 and len({s[2] for s in sub}) == 150
-    assert len(ShardDataset(small, split="val", val_fraction=np.float64(0.5), decode="raw")) > 0
+    assert (
+        len(ShardDataset(Source(small, split="val", val_fraction=np.float64(0.5)), decode="raw"))
+        > 0
+    )
     with pytest.raises(InputError, match="subset"):
-        ShardDataset(small, subset=np.bool_(True))
+        ShardDataset(Source(small, subset=np.bool_(True)))
 
 
 def test_stratified_windows_hold_for_three_sources(tmp_path):
     srcs = [_write(tmp_path / f"s{i}", f"{i}/", 50 * (i + 1), "tar", "40KB") for i in range(3)]
     ds = ShardDataset(
         [Source(s, weight=w) for s, w in zip(srcs, (0.5, 0.3, 0.2), strict=True)],
-        decode="raw", with_keys=True, epoch_size=3000, buffer_size=20,
-    )  # fmt: skip
+        decode="raw",
+        with_keys=True,
+        epoch_size=3000,
+        order=Order(buffer_size=20),
+    )
     src = np.array([int(s[2][0]) for s in ds])
     assert np.bincount(src).tolist() == [1500, 900, 600]
     for start in range(len(src) - B + 1):  # every window of 64, not only aligned ones
@@ -449,7 +464,7 @@ def test_with_source_names_each_samples_source_per_sample_and_per_batch(mixdata)
     batches = list(DataLoader(ds, batch_size=B, num_workers=2))  # default collate: a tensor
     for _, _, keys, sources in batches:
         assert sources.tolist() == [0 if k.startswith("a/") else 1 for k in keys]
-    plain = ShardDataset(big, decode="raw", with_keys="source", shuffle=False)
+    plain = ShardDataset(big, decode="raw", with_keys="source", order=Order(shuffle=False))
     assert {s for _, _, s in plain} == {0} and plain.source_names[0].endswith("big")
     with pytest.raises(InputError, match="with_keys='path'"):
         ShardDataset(big, with_keys="path")

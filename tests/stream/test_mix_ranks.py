@@ -10,7 +10,7 @@ import pytest
 from conftest import gloo_rank, run_ranks
 from torch.utils.data import DataLoader
 
-from shardkit import ShardDataset, ShardLoader, Source
+from shardkit import CenterCrop, Decode, Order, ShardDataset, ShardLoader, Source
 from shardkit.write.packer import pack
 
 pytestmark = pytest.mark.slow  # worker processes and spawned ranks
@@ -31,9 +31,10 @@ def two(resume_shards, tmp_path_factory):
     return resume_shards, out
 
 
-def _ds(two, **kw):
+def _ds(two, *, equalize="pad", **kw):
+    """Two sources mixed 0.7/0.3, a buffer of 30; ``equalize``: the ``Order``'s."""
     kw.setdefault("seed", 5)
-    kw.setdefault("buffer_size", 30)
+    kw.setdefault("order", Order(buffer_size=30, equalize=equalize))
     kw.setdefault("with_keys", True)
     kw.setdefault("epoch_size", EPOCH)
     kw.setdefault("labels", "union")  # class lists c0.. and class0..: mapped by name
@@ -51,20 +52,32 @@ def _src(key: str) -> str:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_shard_loader_mixture_len_shares_and_resume(two, num_workers):
-    loader = ShardLoader(_ds(two, decode="tensor", size=8), batch_size=B, num_workers=num_workers)
+    loader = ShardLoader(
+        _ds(two, decode=Decode("tensor", crop=CenterCrop(8, 8))),
+        batch_size=B,
+        num_workers=num_workers,
+    )
     loader.set_epoch(1)
     full = _keys(loader)
     assert len(full) == len(loader) == EPOCH // B
     assert Counter(_src(k) for b in full for k in b) == {"a": 448, "b": 192}
     for b in full:
         assert abs(sum(_src(k) == "a" for k in b) - 0.7 * B) <= 2
-    loader = ShardLoader(_ds(two, decode="tensor", size=8), batch_size=B, num_workers=num_workers)
+    loader = ShardLoader(
+        _ds(two, decode=Decode("tensor", crop=CenterCrop(8, 8))),
+        batch_size=B,
+        num_workers=num_workers,
+    )
     loader.set_epoch(1)
     it = iter(loader)
     before = [list(next(it)[2]) for _ in range(13)]
     state = json.loads(json.dumps(loader.state_dict()))
     loader.close()
-    again = ShardLoader(_ds(two, decode="tensor", size=8), batch_size=B, num_workers=num_workers)
+    again = ShardLoader(
+        _ds(two, decode=Decode("tensor", crop=CenterCrop(8, 8))),
+        batch_size=B,
+        num_workers=num_workers,
+    )
     again.load_state_dict(state)
     assert before + _keys(again) == full
 
@@ -72,7 +85,13 @@ def test_shard_loader_mixture_len_shares_and_resume(two, num_workers):
 def test_shard_loader_mixture_elastic_resume(two):
     before, k = [], 5
     for rank in range(2):
-        ds = _ds(two, decode="tensor", size=8, rank=rank, world_size=2, equalize="none")
+        ds = _ds(
+            two,
+            decode=Decode("tensor", crop=CenterCrop(8, 8)),
+            rank=rank,
+            world_size=2,
+            equalize="none",
+        )
         loader = ShardLoader(ds, batch_size=B, num_workers=2)
         loader.set_epoch(3)
         it = iter(loader)
@@ -84,7 +103,13 @@ def test_shard_loader_mixture_elastic_resume(two):
     whole.set_epoch(3)
     after = []
     for rank in range(3):
-        ds = _ds(two, decode="tensor", size=8, rank=rank, world_size=3, equalize="none")
+        ds = _ds(
+            two,
+            decode=Decode("tensor", crop=CenterCrop(8, 8)),
+            rank=rank,
+            world_size=3,
+            equalize="none",
+        )
         loader = ShardLoader(ds, batch_size=B, num_workers=1)
         loader.load_state_dict(state)
         after += [key for b in _keys(loader) for key in b]
@@ -95,7 +120,11 @@ def test_shard_loader_mixture_elastic_resume(two):
 def test_shard_loader_shorter_ranks_state_at_the_epochs_end_ends_it_everywhere(two, num_workers):
     """equalize="none", 641 positions on 2 ranks (320 and 321): rank 0's ShardLoader state after
     its last batch loads as the next epoch on rank 1 and on a world of one; nothing repeats."""
-    kw = dict(decode="tensor", size=8, equalize="none", epoch_size=EPOCH + 1)
+    kw = dict(
+        decode=Decode("tensor", crop=CenterCrop(8, 8)),
+        equalize="none",
+        epoch_size=EPOCH + 1,
+    )
     for rank in range(2):
         loader = ShardLoader(_ds(two, rank=rank, world_size=2, **kw), batch_size=B,
                              num_workers=num_workers)  # fmt: skip
@@ -162,7 +191,7 @@ def test_two_gloo_ranks_mixture_checkpoint_and_resume(two, tmp_path):
 
 
 def test_mixture_with_dataloader_workers_and_with_keys_off(two):
-    ds = _ds(two, decode="tensor", size=8, with_keys=False, batch_size=B)
+    ds = _ds(two, decode=Decode("tensor", crop=CenterCrop(8, 8)), with_keys=False, batch_size=B)
     batches = list(DataLoader(ds, batch_size=B, num_workers=2))
     assert len(batches) == EPOCH // B and all(len(b) == 2 for b in batches)
 
@@ -185,9 +214,14 @@ def test_mixture_of_a_local_lmdb_and_s3_tar_resumes_exactly(two, s3):
         opts = S3Server.options(s3.endpoint)
         return ShardDataset(
             [Source(a, weight=0.7, storage_options=opts), Source(b, weight=0.3)],
-            epoch_size=EPOCH, seed=5, buffer_size=30, with_keys=True, decode="raw", batch_size=B,
+            epoch_size=EPOCH,
+            seed=5,
+            order=Order(buffer_size=30),
+            with_keys=True,
+            decode="raw",
+            batch_size=B,
             labels="union",
-        )  # fmt: skip
+        )
 
     full = _keys(StatefulDataLoader(ds(), batch_size=B, num_workers=2))
     local = _ds(two, decode="raw", batch_size=B)

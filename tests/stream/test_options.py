@@ -75,7 +75,7 @@ def _read(ds, n: int | None = None) -> tuple[list, dict]:
 
 
 def _old(path, **kw):
-    with pytest.warns(DeprecationWarning, match=PREFIX) as record:
+    with pytest.warns(FutureWarning, match=PREFIX) as record:
         ds = ShardDataset(path, with_keys=True, seed=3, **kw)
     return ds, str(record[0].message)
 
@@ -144,7 +144,7 @@ def test_retired_keyword_gives_the_new_calls_samples_and_state(keyword, sets, tm
     old, message = _old(path, **old_kw)
     source = new_kw.pop("source", None)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
         new = ShardDataset(source(path) if source else path, with_keys=True, seed=3, **new_kw)
     assert old.decode == new.decode and old.order == new.order
     # the warning names the keyword and prints the new spelling
@@ -361,7 +361,7 @@ def test_folder_view_and_stream_take_the_same_decode(sets):
     for i in (0, 5):
         image, _, rel = folder[i]
         assert torch.equal(image, stream[rel.rsplit(".", 1)[0]])
-    with pytest.warns(DeprecationWarning, match=r"FolderDataset\(size=8\)"):
+    with pytest.warns(FutureWarning, match=r"FolderDataset\(size=8\)"):
         old = FolderDataset(sets["clip"] + "-src", decode="tensor", size=8)
     assert old.decode == Decode(crop=CenterCrop(8, 8))
     with pytest.raises(InputError, match="unknown keyword shuffle="):

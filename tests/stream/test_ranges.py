@@ -13,6 +13,7 @@ from PIL import Image
 
 from shardkit.formats.sample_index import decode_index, index_path
 from shardkit.manifest import read_manifest
+from shardkit.remote.storage import RemoteStorage
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.write.packer import pack
@@ -60,7 +61,8 @@ def _sizes(out) -> dict[str, int]:
 
 
 def _epoch(where, **kw):
-    ds = ShardDataset(str(where), decode="raw", with_keys=True, **kw)
+    where = where if isinstance(where, Source) else str(where)
+    ds = ShardDataset(where, decode="raw", with_keys=True, **kw)
     before = _rchar()
     keys = [s[2] for s in ds]
     return keys, _rchar() - before
@@ -73,9 +75,9 @@ def _epoch(where, **kw):
 def test_an_epoch_of_a_few_samples_reads_about_their_bytes(packed, kw):
     out, bare = packed
     sizes = _sizes(out)
-    _epoch(out, **kw)  # the modules a first epoch imports are read once, not counted below
-    keys, read = _epoch(out, **kw)
-    slow_keys, slow_read = _epoch(bare, **kw)
+    _epoch(Source(out, **kw))  # the modules a first epoch imports are read once, not counted
+    keys, read = _epoch(Source(out, **kw))
+    slow_keys, slow_read = _epoch(Source(bare, **kw))
     assert keys == slow_keys and 0 < len(keys) < 30
     drawn = sum(sizes[k] for k in keys)
     assert read <= 2 * drawn  # without the indexes: windows of whole shards
@@ -89,7 +91,7 @@ def test_a_subset_of_up_to_half_of_each_shard_reads_about_its_samples_bytes(pack
     bytes, not each shard whole (about 3.3 times them)."""
     out, _ = packed
     sizes = _sizes(out)
-    keys, read = _epoch(out, subset=0.3)
+    keys, read = _epoch(Source(out, subset=0.3))
     drawn = sum(sizes[k] for k in keys)
     assert len(keys) == 60 and read <= 1.5 * drawn
 
@@ -123,10 +125,13 @@ def test_a_subset_on_s3_is_one_ranged_get_per_run(s3, packed):
     name = f"ranges-{uuid.uuid4().hex[:10]}"
     s3.upload_dir(name, "tar", out)
     opts = S3Server.options(s3.endpoint)
-    local = ShardDataset(str(out), decode="raw", with_keys=True, subset=0.05)
+    local = ShardDataset(Source(str(out), subset=0.05), decode="raw", with_keys=True)
     want = [s[2] for s in local]
     ds = ShardDataset(
-        f"s3://{name}/tar/", storage_options=opts, decode="raw", with_keys=True, subset=0.05
+        Source(f"s3://{name}/tar/", subset=0.05),
+        storage=RemoteStorage(storage_options=opts),
+        decode="raw",
+        with_keys=True,
     )
     s3.log.clear()
     assert [s[2] for s in ds] == want
@@ -150,13 +155,15 @@ def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(
     copy.mkdir()
     for n in os.listdir(out):
         os.link(out / n, copy / n)
-    want = [s[2] for s in ShardDataset(str(out), decode="raw", with_keys=True, subset=0.1)]
+    want = [s[2] for s in ShardDataset(Source(str(out), subset=0.1), decode="raw", with_keys=True)]
     a, b = (os.path.join(copy, e.path) for e in read_manifest(str(copy)).shards[:2])
     os.unlink(index_path(a))
     with open(index_path(b), "rb") as f:
         open(index_path(a), "wb").write(f.read())  # shard 0 gets shard 1's index: stale
     with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar\.idx: stale sample index"):
-        got = [s[2] for s in ShardDataset(str(copy), decode="raw", with_keys=True, subset=0.1)]
+        got = [
+            s[2] for s in ShardDataset(Source(str(copy), subset=0.1), decode="raw", with_keys=True)
+        ]
     assert got == want
     os.unlink(index_path(a))
     os.link(index_path(os.path.join(out, os.path.basename(a))), index_path(a))  # good again

@@ -23,9 +23,10 @@ from shardkit.errors import InputError
 from shardkit.formats import get_format
 from shardkit.formats.sample_index import decode_index, index_path
 from shardkit.manifest import read_manifest
+from shardkit.remote.storage import RemoteStorage
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.resume import buffer_point, merge_worker_states, round_robin
-from shardkit.stream.shuffle import rng_for, shuffle_buffer
+from shardkit.stream.shuffle import Order, rng_for, shuffle_buffer
 from shardkit.stream.storage import LocalStorage
 
 pytestmark = [
@@ -42,7 +43,10 @@ def data(resume_shards):
     return resume_shards  # conftest: 301 samples in three tar shards
 
 
-def _ds(src, **kw):
+def _ds(src, *, shuffle=True, buffer_size=None, equalize="pad", **kw):
+    """The dataset these tests resume: ``shuffle``, ``buffer_size`` and ``equalize`` are its
+    ``Order``'s (the tests' shorthand)."""
+    kw.setdefault("order", Order(shuffle, buffer_size, equalize))
     kw.setdefault("with_keys", True)
     kw.setdefault("decode", "raw")
     kw.setdefault("seed", 7)
@@ -642,7 +646,8 @@ def test_resume_over_s3_equals_the_uninterrupted_epoch(data, s3, buffer_size):
     bucket = f"resume-{uuid.uuid4().hex[:10]}"
     s3.upload_dir(bucket, "tar", Path(data))
     source = f"s3://{bucket}/tar/"
-    kw = dict(buffer_size=buffer_size, batch_size=B, storage_options=S3Server.options(s3.endpoint))
+    storage = RemoteStorage(storage_options=S3Server.options(s3.endpoint))
+    kw = dict(buffer_size=buffer_size, batch_size=B, storage=storage)
     full = _batches(StatefulDataLoader(_ds(source, **kw), batch_size=B, num_workers=2))
     k = len(full) * 3 // 4
     loader = StatefulDataLoader(_ds(source, **kw), batch_size=B, num_workers=2)

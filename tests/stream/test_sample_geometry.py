@@ -10,7 +10,17 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit import Boxes, ShardDataset, ShardLoader, ShardWriter
+from shardkit import (
+    Boxes,
+    CenterCrop,
+    Decode,
+    Order,
+    RandomResizedCrop,
+    ShardDataset,
+    ShardLoader,
+    ShardWriter,
+    Source,
+)
 from shardkit.errors import InputError, SampleError
 from shardkit.images.geometry import CropBox, Geometry, TensorDecoder, crop_boxes
 
@@ -56,9 +66,12 @@ def _expected_source(box: CropBox, size: int) -> tuple[np.ndarray, np.ndarray]:
 def test_mask_pixels_keep_their_image_position(positions):
     size = 32
     ds = ShardDataset(
-        positions, decode="tensor", size=size, crop="random", flip=True, seed=3,
-        fields=("seg.png",), with_keys=True,
-    )  # fmt: skip
+        positions,
+        decode=Decode("tensor", crop=RandomResizedCrop(size), flip=True),
+        seed=3,
+        fields=("seg.png",),
+        with_keys=True,
+    )
     decoder = TensorDecoder(Geometry(size, "random", True), seed=3)
     flips = 0
     for image, _, key, mask in ds:
@@ -79,7 +92,11 @@ def test_mask_of_another_size_names_shard_and_key(tmp_path):
     with ShardWriter(out, format="tar") as w:
         w.write("ok", _position_image(), 0, **{"seg.png": _position_mask()})
         w.write("odd", _position_image(), 0, **{"seg.png": _position_mask(W - 1, H)})
-    kw = dict(decode="tensor", size=16, fields=("seg.png",), shuffle=False)
+    kw = dict(
+        decode=Decode("tensor", crop=CenterCrop(16, 16)),
+        order=Order(shuffle=False),
+        fields=("seg.png",),
+    )
     with pytest.raises(SampleError, match=r"\.tar: sample 'odd': field 'seg.png' it is 89x70 "):
         list(ShardDataset(str(out), **kw))
     ds = ShardDataset(str(out), on_error="skip", with_keys=True, **kw)
@@ -109,9 +126,13 @@ def _reference_boxes(stored, box: CropBox, size: int):
 def test_boxes_follow_crop_resize_and_flip(positions):
     size = 24
     ds = ShardDataset(
-        positions, decode="tensor", size=size, crop="random", flip=True, seed=5,
-        fields=("json",), with_keys=True, boxes=Boxes("json", "annotations", "xywh"),
-    )  # fmt: skip
+        positions,
+        decode=Decode("tensor", crop=RandomResizedCrop(size), flip=True),
+        seed=5,
+        fields=("json",),
+        with_keys=True,
+        boxes=Boxes("json", "annotations", "xywh"),
+    )
     decoder = TensorDecoder(Geometry(size, "random", True), seed=5)
     dropped = 0
     for _, _, key, meta, boxes, index in ds:
@@ -131,13 +152,25 @@ def test_boxes_from_an_npy_field_and_refusals(tmp_path):
     np.save(buf, np.array([[10, 10, 50, 40]], dtype=np.int32))
     with ShardWriter(out, format="lmdb") as w:
         w.write("a", _position_image(), 0, npy=buf.getvalue())
-    ds = ShardDataset(str(out), decode="tensor", size=35, fields=("npy",), boxes=Boxes("npy"))
+    ds = ShardDataset(
+        str(out),
+        decode=Decode("tensor", crop=CenterCrop(35, 35)),
+        fields=("npy",),
+        boxes=Boxes("npy"),
+    )
     ((_, _, _, boxes, index),) = list(ds)
     # center crop of 90x70: the 70x70 square from x=10, scaled by 35/70
     np.testing.assert_allclose(boxes.numpy(), [[0, 5, 20, 20]])
     assert index.tolist() == [0]
     with pytest.raises(InputError, match="add it to fields="):
-        list(ShardDataset(str(out), decode="tensor", size=8, boxes=Boxes("json"), fields=("npy",)))
+        list(
+            ShardDataset(
+                str(out),
+                decode=Decode("tensor", crop=CenterCrop(8, 8)),
+                boxes=Boxes("json"),
+                fields=("npy",),
+            )
+        )
     with pytest.raises(InputError, match=r"boxes= moves boxes.*Decode\(crop="):
         ShardDataset(str(out), decode="tensor", fields=("npy",), boxes=Boxes("npy"))
     with pytest.raises(InputError, match="format"):
@@ -171,7 +204,12 @@ def test_boxes_that_are_not_rows_of_4_finite_numbers_are_refused(tmp_path):
     wrong_in = {"npy": {"five", "flat", "inf"}, "json": {"json5", "nan"}}
     for boxes in (Boxes("npy"), Boxes("json", key="b")):
         field, wrong = boxes.field, wrong_in[boxes.field]
-        kw = dict(decode="tensor", size=16, fields=("npy", "json"), boxes=boxes, with_keys=True)
+        kw = dict(
+            decode=Decode("tensor", crop=CenterCrop(16, 16)),
+            fields=("npy", "json"),
+            boxes=boxes,
+            with_keys=True,
+        )
         ds = ShardDataset(str(out), on_error="skip", **kw)
         with pytest.warns(RuntimeWarning):
             got = {s[2]: s for s in ds}
@@ -179,7 +217,7 @@ def test_boxes_that_are_not_rows_of_4_finite_numbers_are_refused(tmp_path):
         for key in wrong:
             match = rf"shard-000000\.tar: sample '{key}': field '{field}'.* {why[key]}"
             with pytest.raises(SampleError, match=match):
-                list(ShardDataset(str(out), subset=[key], **kw))
+                list(ShardDataset(Source(str(out), subset=[key]), **kw))
     assert got["ok"][5].shape == (0, 4)  # an empty list: no boxes
     whole = CropBox(H, W, 0, 0, H, W, False)
     with pytest.raises(ValueError, match=r"shape \(4, 5\), not \(N, 4\)"):
@@ -205,9 +243,11 @@ def test_sample_transform_sees_the_sample_and_repeats_across_workers(positions):
 
     def ds():
         return ShardDataset(
-            positions, decode="tensor", size=16, crop="random", flip=True,
-            fields=("seg.png",), sample_transform=augment,
-        )  # fmt: skip
+            positions,
+            decode=Decode("tensor", crop=RandomResizedCrop(16), flip=True),
+            fields=("seg.png",),
+            sample_transform=augment,
+        )
 
     one, two = _seen(ds(), 0), _seen(ds(), 2)
     assert sorted(one) == sorted(two) == sorted(f"k{i}" for i in range(12))
@@ -259,9 +299,11 @@ def test_a_crop_asked_once_cuts_image_masks_and_boxes_at_one_box(positions, work
     """A crop hook is asked once per sample and its box used for the image, masks and boxes
     alike: one whose answer changes between calls still gives aligned samples."""
     ds = ShardDataset(
-        positions, decode="tensor", crop=_Curriculum(), fields=("seg.png", "json"),
+        positions,
+        decode=Decode("tensor", crop=_Curriculum()),
+        fields=("seg.png", "json"),
         boxes=Boxes("json", "annotations", "xywh"),
-    )  # fmt: skip
+    )
     if workers is None:
         samples = ((img, mask, boxes) for img, _, mask, _, boxes, _ in ds)
     else:

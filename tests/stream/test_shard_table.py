@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardkit.manifest as manifest_module
-from shardkit import ShardDataset, ShardView, ShardWriter
+from shardkit import Order, ShardDataset, ShardView, ShardWriter
 from shardkit.manifest import ShardEntries, ShardEntry, read_manifest, write_manifest
 from shardkit.records import ShardInfo, ShardTable
 from shardkit.stream.partition import sample_counts
@@ -59,7 +59,7 @@ def test_opening_a_dataset_makes_no_object_a_shard(many, made):
 
 
 def test_a_reader_makes_objects_only_for_the_shards_it_reads(many, made):
-    ds = ShardDataset(many, decode="raw", rank=0, world_size=8, shuffle=False)
+    ds = ShardDataset(many, decode="raw", rank=0, world_size=8, order=Order(shuffle=False))
     got = list(ds)
     assert len(got) == len(ds) == SHARDS * 5 // 8
     read = {s.shard for s in ds.plan()}
@@ -77,7 +77,7 @@ def test_the_manifest_is_read_once_per_process_and_not_by_a_copy(many, monkeypat
         return real(text, source)
 
     monkeypatch.setattr(manifest_module.Manifest, "from_json", staticmethod(counted))
-    ds = ShardDataset(many, decode="raw", shuffle=False, with_keys=True)
+    ds = ShardDataset(many, decode="raw", order=Order(shuffle=False), with_keys=True)
     first = [key for _, _, key in ds]
     assert len(reads) == 1
     again = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker is handed

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shardkit import ShardDataset, ShardWriter
+from shardkit import Order, ShardDataset, ShardWriter
 from shardkit.errors import ShardFormatError
 from shardkit.stream import ranges
 from shardkit.stream.mix import Source
@@ -87,7 +87,7 @@ def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
                 "subset": {"subset": 0.02},
                 "subset30": {"subset": 0.3},
             }[what]
-            got = _digest(where, **kw)
+            got = _digest(Source(where, **kw))
     assert got == BEFORE[fmt, what]
 
 
@@ -101,7 +101,7 @@ def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kw = {"val": {"split": "val", "val_fraction": 0.1}, "subset30": {"subset": 0.3}}[what]
-        assert _digest(where, **kw) == BEFORE["tar", what]
+        assert _digest(Source(where, **kw)) == BEFORE["tar", what]
 
 
 class _Preads:
@@ -130,7 +130,7 @@ def test_a_sparse_lmdb_epoch_reads_a_few_pages_per_drawn_sample(tmp_path, monkey
     where = _make(tmp_path / "out", "lmdb", "400kB")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, **kw)
+        ds = ShardDataset(Source(where, **kw), decode="raw", with_keys=True, seed=7)
     reads = _Preads(monkeypatch)
     drawn = sum(1 for _ in ds)
     assert 0 < drawn <= 80
@@ -153,7 +153,7 @@ def test_a_sparse_tar_epoch_reads_each_wanted_run_once(tmp_path, monkeypatch, kw
     where = _make(tmp_path / "out", "tar")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = ShardDataset(where, decode="raw", with_keys=True, seed=7, **kw)
+        ds = ShardDataset(Source(where, **kw), decode="raw", with_keys=True, seed=7)
     reads = _Preads(monkeypatch)
     drawn = sum(1 for _ in ds)
     runs = _runs(ds)
@@ -195,7 +195,7 @@ def test_a_lookup_without_the_walk_still_refuses_a_damaged_overflow_page(tmp_pat
             f.write((p + 1).to_bytes(8, "little"))  # each names the next page
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = ShardDataset(str(tmp_path / "big"), decode="raw", subset=0.05, seed=7)
+        ds = ShardDataset(Source(str(tmp_path / "big"), subset=0.05), decode="raw", seed=7)
     with pytest.raises(ShardFormatError) as err:
         list(ds)
     assert shard in str(err.value) and "overflow page" in str(err.value)
@@ -238,7 +238,7 @@ def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, spli
         dataset_module._counted, dataset_module.mix_facts = after_counting, digested
         tracemalloc.start()
         try:
-            ds = ShardDataset(str(out), decode="raw", split=split, val_fraction=0.1, seed=7)
+            ds = ShardDataset(Source(str(out), split=split, val_fraction=0.1), decode="raw", seed=7)
         finally:
             tracemalloc.stop()
             dataset_module._counted, dataset_module.mix_facts = counted, facts
@@ -284,7 +284,7 @@ def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_pa
     def construct() -> tuple[int, list[str]]:
         src = Source(out, split="val", val_fraction=0.1)
         before = _rchar()
-        ds = ShardDataset(src, decode="raw", with_keys=True, shuffle=False)
+        ds = ShardDataset(src, decode="raw", with_keys=True, order=Order(shuffle=False))
         read = _rchar() - before
         return read, [s[2] for s in ds]
 

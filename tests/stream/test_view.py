@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from shardkit import InputError, ShardDataset, ShardView
+from shardkit import InputError, Order, ShardDataset, ShardView
 from shardkit.errors import ShardFormatError
 from shardkit.write.packer import pack
 from shardkit.write.writer import ShardWriter
@@ -32,7 +32,7 @@ def packs(tmp_path_factory):
 
 
 def _sequential(src, **kw):
-    return list(ShardDataset(src, decode="raw", with_keys=True, shuffle=False, **kw))
+    return list(ShardDataset(src, decode="raw", with_keys=True, order=Order(shuffle=False), **kw))
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
@@ -62,7 +62,7 @@ def test_decoded_like_the_dataset(packs):
     tar, _ = packs
     view = ShardView(tar, decode="tensor")
     image, label = view[5]
-    first = list(ShardDataset(tar, decode="tensor", shuffle=False))[5]
+    first = list(ShardDataset(tar, decode="tensor", order=Order(shuffle=False)))[5]
     assert torch.equal(image, first[0]) and label == first[1]
 
 

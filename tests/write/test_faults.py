@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shardkit import FolderDataset, ShardDataset, ShardWriter, pack
+from shardkit import FolderDataset, Order, ShardDataset, ShardWriter, pack
 from shardkit.errors import InputError, ManifestError, OutputError, ShardkitError
 from shardkit.formats import decode_key, encode_key, get_format
 from shardkit.manifest import read_manifest
@@ -93,7 +93,10 @@ def test_names_that_are_not_utf8_are_packed_under_escaped_keys(byte_tree, tmp_pa
     }
     with open(os.path.join(out, "manifest.json"), "rb") as f:
         json.loads(f.read().decode("utf-8"))  # strict UTF-8 JSON, readable by any tool
-    got = {key: label for _, label, key in ShardDataset(out, shuffle=False, with_keys=True)}
+    got = {
+        key: label
+        for _, label, key in ShardDataset(out, order=Order(shuffle=False), with_keys=True)
+    }
     want = {
         encode_key(os.fsdecode(cls + b"/" + os.path.splitext(name)[0])): int(cls == b"plain")
         for cls, name in _BYTE_NAMES
@@ -194,7 +197,7 @@ def _left_as_before(out, before: dict[str, bytes]) -> None:
     assert _snapshot(out) == before  # no staging, no journal, no half shard: all as before
     if before:
         assert verify(str(out)).ok
-        assert len(list(ShardDataset(str(out), shuffle=False))) == 6
+        assert len(list(ShardDataset(str(out), order=Order(shuffle=False)))) == 6
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
@@ -339,7 +342,7 @@ def test_a_fifo_named_like_a_shard_is_refused_by_every_reader(packed, fmt):
     shard = os.path.join(out, f"shard-000001.{fmt}")
     _fifo_in_place_of(shard)
     with pytest.raises(ShardkitError, match=r"shard-000001.*not a regular file \(a FIFO\)"):
-        list(ShardDataset(out, shuffle=False))
+        list(ShardDataset(out, order=Order(shuffle=False)))
     report = verify(out)
     assert [b.path for b in report.bad] == [f"shard-000001.{fmt}"]
     assert "not a regular file (a FIFO)" in str(report.bad[0].problems)
@@ -349,7 +352,7 @@ def test_a_fifo_named_like_a_shard_is_refused_by_every_reader(packed, fmt):
     assert done.returncode != 0 and "shard-000001" in done.stdout + done.stderr
     with pytest.raises(ShardkitError, match="not a regular file"):  # a dir without manifest
         os.unlink(os.path.join(out, "manifest.json"))
-        list(ShardDataset(out, shuffle=False))
+        list(ShardDataset(out, order=Order(shuffle=False)))
 
 
 @pytest.mark.slow  # the CLI in a child process

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from conftest import ReversedSpans, assert_same_scan
 from PIL import Image
 
-from shardkit import ShardDataset, pack
+from shardkit import Order, ShardDataset, Source, pack
 from shardkit.cli import main
 from shardkit.errors import InputError, OutputError
 from shardkit.manifest import read_manifest
@@ -68,8 +68,10 @@ def _img2dataset(out_dir, shards=2, per_shard=40, failed_every=7):
     return keys
 
 
-def _keys(src, **kw):
-    ds = ShardDataset(str(src), decode="raw", with_keys=True, shuffle=False, **kw)
+def _keys(src, **source):
+    """The sorted keys ``src`` gives, through ``Source(src, **source)`` if given."""
+    src = Source(str(src), **source) if source else str(src)
+    ds = ShardDataset(src, decode="raw", with_keys=True, order=Order(shuffle=False))
     return sorted(k for _, _, k in ds)
 
 

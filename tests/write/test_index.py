@@ -121,7 +121,7 @@ def test_index_offsets_seek_to_the_right_sample(foreign):
     from shardkit.stream.stages import read_slices
     from shardkit.stream.world import World
 
-    ds = ShardDataset(str(foreign), decode="raw", shuffle=False, with_keys=True)
+    ds = ShardDataset(str(foreign), decode="raw", order=Order(shuffle=False), with_keys=True)
     parts = [
         [
             r.key
@@ -245,7 +245,7 @@ def test_samples_without_a_label_index_as_minus_one_beside_labelled_ones(tmp_pat
         warnings.simplefilter("error")  # -1 is "no label", not a label outside the classes
         (r,) = index_shards([tmp_path / "d"])
     assert r.manifest.classes == ["0", "1"] and verify(str(tmp_path / "d")).ok
-    ds = ShardDataset(str(tmp_path / "d"), decode="raw", with_keys=True, shuffle=False)
+    ds = ShardDataset(str(tmp_path / "d"), decode="raw", with_keys=True, order=Order(shuffle=False))
     assert [(k, label) for _, label, k in ds] == [("a", 1), ("b", -1), ("c", -1)]
 
 

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import shardkit
-from shardkit import ShardDataset, ShardWriter, pack
+from shardkit import Order, ShardDataset, ShardWriter, pack
 from shardkit.errors import InputError, OutputError
 from shardkit.formats import get_format
 from shardkit.fsutil import HOST, STAGING_PREFIX
@@ -88,7 +88,9 @@ def test_writer_extra_fields_are_tar_members_webdataset_reads(tmp_path):
         (b"bye", b"2", b"1"),
     ]
     assert [r.key for r in records(out)] == ["a/x", "a/y"]  # our reader: extra fields ride along
-    ds = ShardDataset(str(out), decode="raw", with_keys=True, fields=("json", "txt"), shuffle=False)
+    ds = ShardDataset(
+        str(out), decode="raw", with_keys=True, fields=("json", "txt"), order=Order(shuffle=False)
+    )
     assert [(k, json.loads(j), t) for _, _, k, j, t in ds] == [
         ("a/x", {"k": [1, 2]}, b"hello"),
         ("a/y", {"k": []}, b"bye"),
