@@ -70,7 +70,8 @@ def _keys(ds, num_workers=2) -> list[str]:
 
 
 def _ds(url, store: StoreCase, **kw) -> ShardDataset:
-    return ShardDataset(url, storage_options=store.options(), decode="raw", with_keys=True, **kw)
+    storage = RemoteStorage(store.options(), cache_dir=kw.pop("cache_dir", None))
+    return ShardDataset(url, storage=storage, decode="raw", with_keys=True, **kw)
 
 
 # --- every store: pack, stream, the counters --------------------------------------------------

@@ -16,7 +16,7 @@ import warnings
 import pytest
 from conftest import quiet, random_tree
 
-from shardkit import ShardDataset, ShardView, Source
+from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.errors import InputError, ShardFormatError
 from shardkit.formats.sample_index import _HEAD, decode_index, index_digests, index_path, key_hashes
 from shardkit.manifest import read_manifest
@@ -28,13 +28,16 @@ VAL = 0.2
 
 def _truth(out) -> tuple[set[str], set[str]]:
     """(val keys, train keys) by each key's own hash, from a plain epoch (no index used)."""
-    keys = [s[2] for s in ShardDataset(out, decode="raw", with_keys=True, shuffle=False)]
+    ds = ShardDataset(out, decode="raw", with_keys=True, order=Order(shuffle=False))
+    keys = [s[2] for s in ds]
     val = {k for k, h in zip(keys, key_hashes(keys).tolist(), strict=True) if h < VAL * 2**64}
     return val, set(keys) - val
 
 
 def _split(out, split: str, **kw) -> list[str]:
-    ds = ShardDataset(out, split=split, val_fraction=VAL, decode="raw", with_keys=True, **kw)
+    ds = ShardDataset(
+        Source(out, split=split, val_fraction=VAL), decode="raw", with_keys=True, **kw
+    )
     return [s[2] for s in ds]
 
 
@@ -124,7 +127,7 @@ def test_a_lying_column_is_caught_when_both_sides_stream(tar_pack):
                 lambda s=split: [
                     r[2]
                     for r in ShardDataset(
-                        tar_pack, split=s, val_fraction=0.9, decode="raw", with_keys=True
+                        Source(tar_pack, split=s, val_fraction=0.9), decode="raw", with_keys=True
                     )
                 ]
             )

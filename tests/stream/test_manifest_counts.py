@@ -10,7 +10,7 @@ import os
 import pytest
 from conftest import quiet, random_tree
 
-from shardkit import ShardDataset
+from shardkit import Order, ShardDataset, Source
 from shardkit.errors import ShardFormatError
 from shardkit.formats import get_format
 from shardkit.manifest import Manifest, read_manifest, write_manifest
@@ -52,7 +52,7 @@ def test_a_shard_whose_entry_says_zero_is_an_error_not_a_short_epoch(tmp_path, f
     out = _packed(tmp_path, fmt)
     name = _say_zero(out, which)
     with pytest.raises(ShardFormatError) as err:
-        list(ShardDataset(out, decode="raw", **EPOCHS[epoch]))
+        list(ShardDataset(Source(out, **EPOCHS[epoch]), decode="raw"))
     message = str(err.value)
     assert name in message and "\n" not in message
     assert "holds more samples than the 0 its manifest" in message  # a count too high's words
@@ -69,9 +69,9 @@ def test_a_shard_that_is_empty_indeed_is_read_as_empty(tmp_path, fmt):
     write_manifest(
         Manifest(fmt, manifest.classes, [*manifest.shards, entry], pack=manifest.pack), out
     )
-    whole = list(ShardDataset(out, decode="raw", shuffle=False))
+    whole = list(ShardDataset(out, decode="raw", order=Order(shuffle=False)))
     assert len(whole) == 14
-    assert len(list(quiet(ShardDataset, out, decode="raw", subset=0.5))) == 7
+    assert len(list(quiet(ShardDataset, Source(out, subset=0.5), decode="raw"))) == 7
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])

@@ -43,7 +43,7 @@ def data(resume_shards):
     return resume_shards  # conftest: 301 samples in three tar shards
 
 
-def _ds(src, *, shuffle=True, buffer_size=None, equalize="pad", **kw):
+def _ds(src, *, shuffle=True, buffer_size=1000, equalize="pad", **kw):
     """The dataset these tests resume: ``shuffle``, ``buffer_size`` and ``equalize`` are its
     ``Order``'s (the tests' shorthand)."""
     kw.setdefault("order", Order(shuffle, buffer_size, equalize))

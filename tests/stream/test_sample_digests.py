@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import quiet, random_tree
 
-from shardkit import ShardDataset, ShardView
+from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.cli import main
 from shardkit.errors import ShardFormatError
 from shardkit.formats.lmdb.index import INDEX_KEY, decode_lmdb_index, lmdb_digest
@@ -41,12 +41,16 @@ VAL = 0.2
 
 
 def _split(out, split="val", **kw) -> list[tuple[str, bytes]]:
-    ds = ShardDataset(out, split=split, val_fraction=VAL, decode="raw", with_keys=True, **kw)
+    ds = ShardDataset(
+        Source(out, split=split, val_fraction=VAL), decode="raw", with_keys=True, **kw
+    )
     return [(s[2], s[0]) for s in ds]
 
 
 def _subset(out, keys) -> list[tuple[str, bytes]]:
-    ds = ShardDataset(out, subset=list(keys), decode="raw", with_keys=True, shuffle=False)
+    ds = ShardDataset(
+        Source(out, subset=list(keys)), decode="raw", with_keys=True, order=Order(shuffle=False)
+    )
     return [(s[2], s[0]) for s in ds]
 
 
