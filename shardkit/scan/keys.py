@@ -60,13 +60,15 @@ def _meeting(hashes: np.ndarray) -> np.ndarray:
 
 
 def _by_bucket(hashes: np.ndarray, find) -> np.ndarray:
-    """``find(hashes of rows, rows)`` (rows found among them, sorted) over the buckets of the
-    hashes' top four bits, joined in row order: rows of equal hashes share a bucket."""
+    """``find(hashes of rows, rows)`` (rows found among them, sorted) over ``MEET_BUCKETS``
+    buckets of the hashes' top bits, joined in row order: rows of equal hashes share a bucket
+    (every row falls in one, whatever the count: a count of 2 once dropped the rows of the
+    fourteen buckets past it)."""
     hashes = np.ascontiguousarray(hashes, dtype=np.int64)
     if len(hashes) < MEET_BUCKETS << 12:
         return find(hashes, np.arange(len(hashes)))
     top = hashes.view(np.uint8)[7::8] if _LITTLE else hashes.view(np.uint8)[::8]
-    bucket = top >> 4  # one byte a row
+    bucket = (top.astype(np.uint16) * MEET_BUCKETS) >> 8  # the top bits: MEET_BUCKETS of them
     found = []
     for b in range(MEET_BUCKETS):
         rows = np.flatnonzero(bucket == b)
