@@ -25,7 +25,7 @@ def data(resume_shards):
     return resume_shards  # conftest: 301 samples in three tar shards
 
 
-def _loader(src, num_workers, *, buffer_size=None, equalize="pad", **kw):
+def _loader(src, num_workers, *, buffer_size=1000, equalize="pad", **kw):
     """A loader over ``src``; ``buffer_size`` and ``equalize`` are its ``Order``'s."""
     kw.setdefault("order", Order(buffer_size=buffer_size, equalize=equalize))
     kw.setdefault("seed", 7)
