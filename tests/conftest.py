@@ -49,6 +49,19 @@ def random_tree(root, n: int, seed: int = 0, prefix: str = "") -> str:
     return str(root)
 
 
+def ranged_pack(root: Path, n: int, shard_size: str, seed: int = 0) -> Path:
+    """``root/tar``: ``n`` 24x24 noise JPEGs (3 classes, seeded) packed in shards of
+    ``shard_size`` with their sample indexes, so a small subset or split reads byte ranges;
+    ``root``."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        os.makedirs(root / "src" / f"c{i % 3}", exist_ok=True)
+        arr = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(root / "src" / f"c{i % 3}" / f"im{i:03d}.jpg")
+    quiet(pack, str(root / "src"), str(root / "tar"), shard_size=shard_size, progress=False)
+    return root
+
+
 def quiet(fn, *args, **kw):
     """``fn(*args, **kw)`` with its warnings silenced."""
     with warnings.catch_warnings():

@@ -8,14 +8,11 @@ line, never a traceback. Over split and subset epochs (one GET at a time and GET
 
 from __future__ import annotations
 
-import os
 import uuid
 import warnings
 
-import numpy as np
 import pytest
-from conftest import run_cli
-from PIL import Image
+from conftest import ranged_pack, run_cli
 from remote_servers import S3Server
 
 from shardkit import ShardView
@@ -25,7 +22,6 @@ from shardkit.remote import RemoteStorage
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.stream.shuffle import Order
-from shardkit.write.packer import pack
 
 pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -39,15 +35,7 @@ FAULTS = {"500": {"status": 500}, "short": {"body": "short"}, "cut": {"body": "c
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """60 samples in shards of ~10 (with sample indexes), so a 20% split reads ranges."""
-    root = tmp_path_factory.mktemp("faults")
-    rng = np.random.default_rng(1)
-    for i in range(60):
-        os.makedirs(root / "src" / f"c{i % 3}", exist_ok=True)
-        arr = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(root / "src" / f"c{i % 3}" / f"im{i:03d}.jpg")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pack(str(root / "src"), str(root / "tar"), shard_size="20kB", progress=False)
+    root = ranged_pack(tmp_path_factory.mktemp("faults"), 60, "20kB", seed=1)
     assert len(read_manifest(str(root / "tar")).shards) >= 4
     return root
 

@@ -7,15 +7,12 @@ first answer for each range)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import urllib.request
-import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 import pytest
-from PIL import Image
+from conftest import ranged_pack
 
 from shardkit.errors import StorageError
 from shardkit.manifest import read_manifest
@@ -24,7 +21,6 @@ from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.stream.shuffle import Order
 from shardkit.stream.view import ShardView
-from shardkit.write.packer import pack
 
 pytest.importorskip("aiohttp")
 pytestmark = [pytest.mark.slow]  # real servers on loopback
@@ -101,15 +97,7 @@ class FlippingProxy:
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """120 samples in shards of ~40, with sample indexes: a 20% split reads ranges."""
-    root = tmp_path_factory.mktemp("digests")
-    rng = np.random.default_rng(0)
-    for i in range(120):
-        os.makedirs(root / "src" / f"c{i % 3}", exist_ok=True)
-        arr = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(root / "src" / f"c{i % 3}" / f"im{i:03d}.jpg")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pack(str(root / "src"), str(root / "tar"), shard_size="60kB", progress=False)
+    root = ranged_pack(tmp_path_factory.mktemp("digests"), 120, "60kB")
     assert len(read_manifest(str(root / "tar")).shards) >= 3
     return root
 

@@ -9,11 +9,9 @@ import gc
 import os
 import threading
 import uuid
-import warnings
 
-import numpy as np
 import pytest
-from PIL import Image
+from conftest import ranged_pack
 from remote_servers import S3Server
 from torch.utils.data import DataLoader
 
@@ -25,7 +23,6 @@ from shardkit.remote.ranged import RangesAhead
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.stream.shuffle import Order
-from shardkit.write.packer import pack
 
 pytest.importorskip("s3fs")
 pytest.importorskip("aiohttp")
@@ -38,15 +35,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """240 samples in shards of ~40 (with sample indexes), so a 10% subset reads ranges."""
-    root = tmp_path_factory.mktemp("ranged")
-    rng = np.random.default_rng(0)
-    for i in range(240):
-        os.makedirs(root / "src" / f"c{i % 3}", exist_ok=True)
-        arr = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(root / "src" / f"c{i % 3}" / f"im{i:03d}.jpg")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pack(str(root / "src"), str(root / "tar"), shard_size="60kB", progress=False)
+    root = ranged_pack(tmp_path_factory.mktemp("ranged"), 240, "60kB")
     assert len(read_manifest(str(root / "tar")).shards) >= 5
     return root
 
