@@ -32,10 +32,18 @@
 #include <string.h>
 #include <jpeglib.h>
 /* XXH3-64 (seed 0), the sample index's digest of a sample's bytes (FORMAT.md): the xxHash library
- * itself (its single header, vendored from the xxhash sdist, BSD-2-Clause), compiled in here so
- * tar_at checks each sample in the pass that parses it, with no Python call a sample. */
+ * itself (its header, vendored from the xxhash sdist, BSD-2-Clause), compiled in here so tar_at
+ * checks each sample in the pass that parses it, with no Python call a sample. On x86-64 through
+ * xxHash's own runtime dispatch (xxh_x86dispatch.c, as the xxhash wheel is built): AVX2 where the
+ * CPU has it hashes a 5.6 kB sample in ~1.6k instructions against SSE2's ~4.7k (valgrind). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "xxh_x86dispatch.c"
+#define sample_xxh3 XXH3_64bits_dispatch
+#else
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#define sample_xxh3 XXH3_64bits
+#endif
 
 struct roi_error {
     struct jpeg_error_mgr pub;
@@ -773,7 +781,7 @@ static PyObject *tar_at(PyObject *self, PyObject *args)
             uint64_t want;
             memcpy(&want, (const unsigned char *)dv.buf + 8 * i, 8);
             if (pos < 0 || pos > stop || stop > len ||
-                XXH3_64bits(buf + pos, (size_t)(stop - pos)) != want) {
+                sample_xxh3(buf + pos, (size_t)(stop - pos)) != want) {
                 Py_DECREF(out);
                 out = PyLong_FromSsize_t(i);
                 goto done;
@@ -849,7 +857,7 @@ static PyObject *xxh3_64(PyObject *self, PyObject *args)
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "y*", &data))
         return NULL;
-    uint64_t h = XXH3_64bits(data.buf, (size_t)data.len);
+    uint64_t h = sample_xxh3(data.buf, (size_t)data.len);
     PyBuffer_Release(&data);
     return PyLong_FromUnsignedLongLong(h);
 }
