@@ -11,6 +11,9 @@
 - ``geometry``: ``TensorDecoder``, crop, DCT-scaled decode and resize in one pass (torch;
   imported on its own).
 - ``device``: a whole batch decoded in the training process with nvImageCodec, on the GPU.
+- ``xxh_x86dispatch`` (with ``xxhash.h``): the xxHash library, vendored unchanged, compiled into
+  ``_native.c`` for the sample digest its tar parser checks (XXH3-64, dispatched to AVX2 at run
+  time on x86-64).
 
 A GPU decoder plugs in beside ``decode``: ``geometry.TensorDecoder`` is the one caller that turns
 bytes into a batch slot.

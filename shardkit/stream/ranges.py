@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ShardFormatError, StorageError
 from ..formats.sample_index import SPLIT_SALT, ShardSides, index_path, sample_digest
 from ..formats.tar.parse import BLOCK
-from ..formats.tar.reader import read_at
+from ..formats.tar.reader import SampleAltered, read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import columns_range, shard_columns, shard_index
@@ -299,17 +299,16 @@ class RangeReader:
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
-            if digests is not None:  # every byte handed out is the packer's: checked a batch
-                span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
-                check = (rel_starts.tolist(), rel_ends.tolist(), digests[a:b].tolist())
+            # every byte handed out is the packer's: checked by the parse (``_read_batch``)
+            span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
             for c in range(0, b - a, BATCH):
                 d = min(c + BATCH, b - a)  # within this chunk
-                if digests is not None:  # at a time, its bytes still in cache for the parse
-                    self._check_batch(shard, blob, check, c, d, pos[a:b], span)
                 hashes = expect[a + c : a + d]
-                got, unchecked = read_at(
-                    blob, rel_starts[c:d], rel_ends[c:d], shard.url, fields, hashes
-                )
+                sums = None if digests is None else digests[a + c : a + d]
+                got, unchecked = self._read_batch(
+                    shard, blob, (rel_starts[c:d], rel_ends[c:d]), fields, hashes, sums,
+                    pos[a + c : a + d], span,
+                )  # fmt: skip
                 if unchecked:  # those the C parser did not take (it checks the ones it takes)
                     self._check_keys(
                         [got[i] for i in unchecked], hashes[unchecked],
@@ -357,30 +356,26 @@ class RangeReader:
             raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
         return self._buf
 
-    def _check_batch(self, shard, blob, check, c: int, d: int, pos, span) -> None:
-        """Samples ``c .. d`` of a chunk against their index's digests, before they are
-        parsed: ``check`` holds, as lists, each sample's place in ``blob`` (starts, ends) and
-        its digest; ``pos``: the chunk's samples numbered in the shard. One ``sample_digest``
-        call a sample on a slice of the buffer (no copy) and one list comparison a batch, no
-        numpy call (at 16 samples a batch those cost more than the hashing), a batch at a time
-        so the parse finds the bytes in cache (a whole 4 MiB chunk hashed first is read from
-        memory twice). Remote (a chunk is one span, ``span``: its bytes in the shard), a span
-        that differs is fetched again once (a byte altered in transit), then it is an error;
-        local, it is an error at once: never a sample with other bytes than packed (the batches
-        of the span handed out before were checked, and are copies)."""
-        starts, ends, want = check[0][c:d], check[1][c:d], check[2][c:d]
-        bad = _digest_mismatches(blob, starts, ends, want)
-        if not bad:
-            return
-        if span is not None and (shard.url, span) not in self._fetched_again:
+    def _read_batch(self, shard, blob, at, fields, hashes, sums, pos, span):
+        """``read_at`` of the samples at ``at`` (their starts and ends in ``blob``), each checked
+        against its index digest (``sums``; None: an index from before digests) as it is parsed,
+        in C (one call a batch, the bytes hashed while in cache for the parse, no Python a
+        sample). ``pos``: the samples numbered in the shard. Remote (a chunk is one span,
+        ``span``: its bytes in the shard), a span that differs is fetched again once (a byte
+        altered in transit), then it is an error; local, it is an error at once: never a sample
+        with other bytes than packed (the batches of the span handed out before were checked,
+        and are copies)."""
+        while True:
+            try:
+                return read_at(blob, at[0], at[1], shard.url, fields, hashes, sums)
+            except SampleAltered as exc:
+                bad = exc.args[0]
+            if span is None or (shard.url, span) in self._fetched_again:
+                raise altered(shard, int(pos[bad]), self.storage)
             self._fetched_again.add((shard.url, span))  # once a range, however it then differs
             lo, hi = span
             blob[: hi - lo] = read_range(shard.url, lo, hi, None, self.storage, "re-pack it")
             self.reads += 1
-            bad = _digest_mismatches(blob, starts, ends, want)
-            if not bad:
-                return
-        raise altered(shard, int(pos[c + bad[0]]), self.storage)
 
     def _lmdb_records(
         self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
@@ -588,16 +583,6 @@ def _hash(key: str) -> int:
     """A key's split hash, as the index stores it."""
     raw = SPLIT_SALT + key.encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
-
-
-def _digest_mismatches(blob, starts: list[int], ends: list[int], want: list[int]) -> list[int]:
-    """Where the samples at ``blob[starts[i]:ends[i]]`` differ from their digests ``want``
-    (positions into them; empty: none)."""
-    view, digest = memoryview(blob), sample_digest
-    got = [digest(view[a:b]) for a, b in zip(starts, ends, strict=True)]
-    if got == want:
-        return []
-    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
 
 
 def check_sample(shard: ShardInfo, j: int, data, digest: int | None, storage, again=None):

@@ -364,3 +364,58 @@ def test_the_side_check_in_c_is_hashlibs(flip, monkeypatch):
         else:
             assert [r[0] for r in got[0][:-1]] == keys[:flip]
             assert got[0][-1][0] == "ShardFormatError" and repr(keys[flip]) in got[0][-1][1]
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 16, 17, 128, 129, 240, 241, 1000, 100000])
+def test_the_c_parsers_xxh3_is_xxhashs(size):
+    """The digest tar_at checks is the xxhash wheel's ``xxh3_64_intdigest`` (FORMAT.md's sample
+    digest) at each of XXH3's code paths (0, 1-3, 4-8, 9-16, 17-128, 129-240, longer bytes), on
+    random bytes and on a misaligned slice."""
+    import os
+
+    import xxhash
+
+    from shardkit.images import _native
+
+    for _ in range(20):
+        data = os.urandom(size + 1)
+        for b in (data[:size], memoryview(data)[1:]):
+            assert _native.xxh3_64(b) == xxhash.xxh3_64_intdigest(b)
+
+
+def test_a_flipped_byte_is_caught_by_the_c_parsers_digest_check(tmp_path):
+    """A byte flipped in any sample (its headers or its data) makes tar_at answer that sample's
+    number instead of records; every sample's own bytes pass."""
+    import numpy as np
+
+    from shardkit.formats.sample_index import SPLIT_SALT, sample_digest
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(6):
+            for ext, data in (("jpg", bytes([i]) * (300 + 97 * i)), ("cls", b"%d" % i)):
+                info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    blob = bytearray(buf.getvalue())
+    cuts = [0]
+    for i in range(6):  # each sample: its two members
+        for size in (300 + 97 * i, len(b"%d" % i)):
+            cuts.append(cuts[-1] + 512 + (size + 511) // 512 * 512)
+    starts, ends = np.array(cuts[0:-1:2], np.int64), np.array(cuts[2::2], np.int64)
+    digests = np.array(
+        [sample_digest(blob[a:b]) for a, b in zip(starts, ends, strict=True)], np.uint64
+    )
+
+    def call(data):
+        return tar_reader._tar_at(
+            data, starts, ends, b"", SPLIT_SALT, tar_reader._IMAGE_EXTS, tar_reader._LABEL_EXTS,
+            frozenset(), tar_reader.Record, "t.tar", digests,
+        )  # fmt: skip
+
+    assert [r.key for r in call(blob)] == [f"s{i:03d}" for i in range(6)]
+    for i in range(6):
+        for at in (int(starts[i]) + 3, int(starts[i]) + 600, int(ends[i]) - 1):
+            bad = bytearray(blob)
+            bad[at] ^= 0x01
+            assert call(bad) == i

@@ -31,6 +31,7 @@ from shardkit.formats.sample_index import (
     key_hashes,
     sample_digest,
 )
+from shardkit.formats.tar import reader as tar_reader
 from shardkit.manifest import read_manifest
 from shardkit.stream import ranges
 from shardkit.write.index import index_shards
@@ -281,14 +282,48 @@ def test_an_lmdb_pack_without_digests_warns_once_naming_the_fix(tmp_path):
     assert len(said) == 1 and "pack it again" in said[0]
 
 
-def test_digests_cost_one_call_a_sample_and_no_copy(tar_pack):
-    """The check hashes slices of the read buffer: the digests of a chunk are its samples'."""
+@pytest.mark.parametrize("native", [True, False])
+def test_read_at_checks_each_samples_bytes_against_its_digest_in_c_or_python(tar_pack, native):
+    """The check hashes the read buffer's bytes of each sample (in C as it is parsed; in Python
+    where the C parser is not built): the first sample that differs is named, none handed out."""
+    if native and tar_reader._tar_at is None:
+        pytest.skip("shardkit.images._native is not built")
     e = read_manifest(tar_pack).shards[0]
     path = os.path.join(tar_pack, e.path)
     ix = decode_index(open(index_path(path), "rb").read(), path)
     blob = bytearray(open(path, "rb").read())
-    starts, ends = ix.offsets[:-1].tolist(), ix.offsets[1:].tolist()
-    digests = ix.digests.tolist()
-    assert ranges._digest_mismatches(blob, starts, ends, digests) == []
-    blob[starts[2] + 700] ^= 1
-    assert ranges._digest_mismatches(blob, starts, ends, digests) == [2]
+    starts, ends = ix.offsets[:-1].copy(), ix.offsets[1:].copy()
+    saved = tar_reader._tar_at
+    if not native:
+        tar_reader._tar_at = None
+    try:
+        got, _ = tar_reader.read_at(blob, starts, ends, path, (), ix.hashes, ix.digests)
+        assert [r.key for r in got] == list(ix.keys())
+        blob[int(starts[2]) + 700] ^= 1
+        with pytest.raises(tar_reader.SampleAltered) as err:
+            tar_reader.read_at(blob, starts, ends, path, (), ix.hashes, ix.digests)
+        assert err.value.args == (2,)
+        # a range the buffer does not hold is not its digest's either
+        short = blob[: int(ends[0]) - 1]
+        with pytest.raises(tar_reader.SampleAltered) as err:
+            tar_reader.read_at(short, starts[:1], ends[:1], path, (), None, ix.digests[:1])
+        assert err.value.args == (0,)
+    finally:
+        tar_reader._tar_at = saved
+
+
+def test_a_split_epoch_calls_no_python_digest_a_sample(tar_pack, monkeypatch):
+    """With the C parser built, a split's digests are checked inside it (one call a batch): the
+    Python digest, one call a sample before, is not called at all."""
+    if tar_reader._tar_at is None:
+        pytest.skip("shardkit.images._native is not built")
+    calls = []
+
+    def counted(data):
+        calls.append(len(data))
+        return sample_digest(data)
+
+    monkeypatch.setattr(ranges, "sample_digest", counted)
+    monkeypatch.setattr(tar_reader, "sample_digest", counted, raising=False)
+    assert len(_split(tar_pack)) > 0
+    assert calls == []

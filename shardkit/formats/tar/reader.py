@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import Record
-from ..sample_index import SPLIT_SALT, ShardSides
+from ..sample_index import SPLIT_SALT, ShardSides, sample_digest
 from .parse import (
     _EXT_KIND,
     _IMAGE,
@@ -35,7 +35,7 @@ from .parse import (
     is_gzip_name,
 )
 
-__all__ = ["iter_tar_records", "read_at", "read_sample"]
+__all__ = ["SampleAltered", "iter_tar_records", "read_at", "read_sample"]
 
 try:  # the C parser of plain samples (shardkit/images/_native.c); optional, as its decoders
     from ...images._native import tar_at as _tar_at
@@ -47,6 +47,12 @@ _LABEL_EXTS = frozenset(e for e, kind in _EXT_KIND.items() if kind is _LABEL)
 #: Image bytes the C parser takes per call: records made and dropped in small runs, as one at a
 #: time, keep glibc from trimming and re-faulting the heap each window (``_native.c``).
 _BUDGET = 64 << 10
+
+
+class SampleAltered(Exception):
+    """``read_at``'s answer when a sample's bytes are not its digest's: ``args[0]`` is its place
+    in the call's list. The caller names the sample (it alone knows the shard's index and
+    whether the bytes are worth fetching again) with its own one-line error."""
 
 
 def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
@@ -391,6 +397,7 @@ def read_at(
     shard: str,
     fields: Sequence[str] = (),
     hashes: np.ndarray | None = None,
+    digests: np.ndarray | None = None,
 ) -> tuple[list[Record | None], list[int]]:
     """The samples of ``blob`` at ``[starts[i], ends[i])`` (int64 arrays, as a sample index
     places them; the wanted samples of a slice, apart or in runs): what ``read_sample`` gives
@@ -399,15 +406,28 @@ def read_at(
     ones are parsed in C in one call for them all (``_native.tar_at``), which needs the header
     after each sample in ``blob`` (it closes the sample, as in a streamed shard) and checks
     each key's hash there, taking no sample whose hash differs; the rest go through
-    ``read_sample``."""
+    ``read_sample``. With ``digests`` (the index's sample digests of the same samples), every
+    sample's bytes are checked against its digest before any record is handed out, raising
+    ``SampleAltered`` for the first that differs: in C, each sample hashed as it is parsed (no
+    Python a sample); in Python where the C parser is not built."""
     out: list[Record | None]
     if _tar_at is not None:
         want = frozenset(x.lower().encode() for x in fields)
         check = b"" if hashes is None else hashes
+        sums = b"" if digests is None else np.ascontiguousarray(digests, np.uint64)
         out = _tar_at(
-            blob, starts, ends, check, SPLIT_SALT, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard
-        )
+            blob, starts, ends, check, SPLIT_SALT, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard,
+            sums,
+        )  # fmt: skip
+        if isinstance(out, int):
+            raise SampleAltered(out)
     else:  # pragma: no cover - built without libjpeg's headers
+        if digests is not None:
+            view = memoryview(blob)
+            pairs = zip(starts.tolist(), ends.tolist(), digests.tolist(), strict=True)
+            for i, (a, b, d) in enumerate(pairs):
+                if sample_digest(view[a:b]) != d:
+                    raise SampleAltered(i)
         out = [None] * len(starts)
     unchecked = list(range(len(out))) if hashes is None or _tar_at is None else []
     for i, rec in enumerate(out):
