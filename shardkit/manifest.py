@@ -150,11 +150,14 @@ class ShardEntry:
     keeps only ``index_sha256``: the offsets come from the index its sha256 checks, and are not
     held by every process.
 
-    ``columns_sha256`` (beside ``index_sha256`` only; optional) is the sha256 of the index's
+    ``columns_sha256`` (optional) is the sha256 of the index's
     fixed-width columns (``sample_index.columns_of``: its head, offsets, key hashes and, from
     index version 3, sample digests):
     what a growth check reads of each old shard, vouched for without reading and hashing the
-    whole index (its key table and members, ~5x the bytes).
+    whole index (its key table and members, ~5x the bytes). A tar shard's is used beside
+    ``index_sha256`` only; an LMDB shard's (no ``index_sha256``: its index record is inside
+    it) covers the record's head, split hashes and digests (``lmdb_columns_sha256``), so a
+    split uses its stored hashes without hashing every key.
     """
 
     path: str
@@ -174,9 +177,9 @@ class ShardEntry:
         }
         if self.index_sha256:  # its offsets are in the sample index this sha256 covers
             doc["index_sha256"] = self.index_sha256
-            if self.columns_sha256:
-                doc["columns_sha256"] = self.columns_sha256
-        elif self.index:
+        if self.columns_sha256:  # beside it, or an LMDB shard's index record's
+            doc["columns_sha256"] = self.columns_sha256
+        if not self.index_sha256 and self.index:
             doc["index_every"] = INDEX_EVERY
             doc["index"] = list(self.index)
         return doc
@@ -196,6 +199,9 @@ class ShardEntry:
             if "columns_sha256" in s:
                 columns = _sha(s["columns_sha256"], f"shard {path!r}: columns_sha256")
             return cls(path, samples, size, sha, (), index_sha, columns)
+        columns = ""
+        if "columns_sha256" in s:  # an LMDB shard's: its index record is inside it
+            columns = _sha(s["columns_sha256"], f"shard {path!r}: columns_sha256")
         index: tuple[int, ...] = ()
         if "index" in s:
             if s.get("index_every") != INDEX_EVERY:
@@ -206,7 +212,7 @@ class ShardEntry:
             if not isinstance(raw, list):
                 raise _Bad(f"shard {path!r}: index is not a list")
             index = tuple(_count(x, f"shard {path!r} index entry") for x in raw)
-        return cls(path, samples, size, sha, index, "")
+        return cls(path, samples, size, sha, index, "", columns)
 
 
 class ShardEntries(ShardTable):
@@ -298,8 +304,6 @@ def _plain_entries(items: list) -> ShardEntries | None:
         alone = any(o and not i for o, i in zip(offsets, index_shas, strict=True))
         if extra != 2 * sum(offsets) or alone:
             return None  # any other keys, or offsets alone: checked item by item
-    if more and any(c and not i for i, c in zip(index_shas, column_shas, strict=True)):
-        return None
     listed += more
     if set(map(type, paths)) | set(map(type, shas)) | set(map(type, listed)) != {str}:
         return None

@@ -87,6 +87,9 @@ class ShardStats:
     index: tuple[int, ...] = ()
     #: The sha256 of the sample index written beside the shard ("": none written).
     index_sha256: str = ""
+    #: The sha256 of the index's columns: an LMDB shard's index record's front
+    #: (``lmdb_columns_sha256``; a tar index's come from ``ensure_indexes``). "": none.
+    columns_sha256: str = ""
 
 
 class ShardTable(Sequence):

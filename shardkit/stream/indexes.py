@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.lmdb import LmdbSampleReader, read_lmdb_index
-from ..formats.lmdb.index import LmdbIndex
+from ..formats.lmdb import LmdbSampleReader, lmdb_index_front, read_lmdb_index
+from ..formats.lmdb.index import LmdbIndex, vouched_lmdb_hashes
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
@@ -190,15 +190,17 @@ def split_hashes(
     """The split hash of every sample, in stored order, never taken on trust: a tar index's
     hashes are used once the sha256 of its columns (head, offsets, hashes: 16 bytes a sample,
     read alone) is the manifest's ``columns_sha256``, or, where it lists none or they differ,
-    once the whole file's sha256 is the manifest's ``index_sha256``; else (an
-    LMDB index record, whose own checksum anyone rewriting it can fix up; a tar index the
-    manifest lists no sha256 of) they are hashed again from the index's keys and compared,
-    and a mismatch is a warning naming the shard, the keys' hashes used. A shard without an
-    index has its keys read and hashed. ``refused`` gains the url of each shard whose index
-    was not used as it stands (damaged, stale, or its hashes not its keys'): an epoch must not
-    read through it either. Hashes that pass here are still not the keys: a manifest's
-    checksums can be computed again from an edited index, so an epoch checks each sample it
-    reads by its own key (``formats.sample_index.ShardSides``)."""
+    once the whole file's sha256 is the manifest's ``index_sha256``; an LMDB index record's
+    hashes once the sha256 of its front (head, hashes, digests: 16 bytes a sample, read
+    alone) is the manifest's ``columns_sha256``; else (an LMDB record the manifest lists no
+    ``columns_sha256`` of, or another: its own checksum anyone rewriting it can fix up; a
+    tar index the manifest lists no sha256 of) they are hashed again from the index's keys
+    and compared, and a mismatch is a warning naming the shard, the keys' hashes used. A shard
+    without an index has its keys read and hashed. ``refused`` gains the url of each shard
+    whose index was not used as it stands (damaged, stale, or its hashes not its keys'): an
+    epoch must not read through it either. Hashes that pass here are still not the keys: a
+    manifest's checksums can be computed again from an edited index, so an epoch checks each
+    sample it reads by its own key (``formats.sample_index.ShardSides``)."""
     parts = list(_shard_hashes(shards, fmt, storage, storage_options, refused))
     return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
@@ -255,7 +257,21 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     """``shard``'s split hashes from its index, checked (``split_hashes``), and whether the
     index holds them as they are; (None, False) where it has no usable index (a warning has
     named a damaged or stale one)."""
-    if fmt == "tar" and shard.columns_sha256 and shard.sha256 and shard.url.endswith(".tar"):
+    if fmt == "lmdb" and shard.columns_sha256 and shard.samples >= 0:
+        hashes = vouched_lmdb_hashes(
+            lmdb_index_front(storage.local_path(shard), shard.url, shard.samples),
+            shard.samples,
+            shard.columns_sha256,
+        )  # 16 bytes a sample read, none hashed in Python; else the keys are hashed below
+        if hashes is not None:
+            return hashes, True
+    if (
+        fmt == "tar"
+        and shard.columns_sha256
+        and shard.index_sha256
+        and shard.sha256
+        and shard.url.endswith(".tar")
+    ):
         cols = _listed_columns(shard, storage)  # 16 bytes a sample, not ~90
         if cols is not None:
             return cols.hashes.astype(np.uint64), True

@@ -246,7 +246,9 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
             name = shard_name(number, "") + _suffix(s.path)
             number += 1
             linked += _place(src, os.path.join(staging, name))
-            index_sha256 = columns_sha256 = ""
+            index_sha256 = ""
+            # an LMDB shard's index record is inside it: the same bytes, the same columns
+            columns_sha256 = s.columns_sha256 if not s.index_sha256 else ""
             if os.path.isfile(index_path(src)):
                 _place(index_path(src), index_path(os.path.join(staging, name)))
                 # the same bytes: checked wherever they are read

@@ -89,6 +89,9 @@ class ShardReceipt:
     fields: tuple[tuple[str, int], ...] = ()
     #: The sha256 of the shard's sample index ("": none; the commit checks or builds it).
     index_sha256: str = ""
+    #: An LMDB shard's ``columns_sha256`` (its index record's front; "": none, a receipt
+    #: written before it: the split then hashes that shard's keys).
+    columns_sha256: str = ""
 
     def to_json(self) -> bytes:
         doc = {
@@ -104,6 +107,8 @@ class ShardReceipt:
             doc["fields"] = [list(f) for f in self.fields]
         if self.index_sha256:
             doc["index_sha256"] = self.index_sha256
+        if self.columns_sha256:
+            doc["columns_sha256"] = self.columns_sha256
         return json.dumps(doc).encode()
 
     @classmethod
@@ -119,12 +124,19 @@ class ShardReceipt:
             tuple((str(p), str(r)) for p, r in d["skipped"]),
             tuple((str(n), int(c)) for n, c in d.get("fields", ())),
             str(d.get("index_sha256", "")),
+            str(d.get("columns_sha256", "")),
         )
 
     def entry(self):
         """This shard's manifest entry."""
         return ShardEntry(
-            self.path, self.samples, self.bytes, self.sha256, self.index, self.index_sha256
+            self.path,
+            self.samples,
+            self.bytes,
+            self.sha256,
+            self.index,
+            self.index_sha256,
+            self.columns_sha256,
         )
 
 

@@ -224,6 +224,7 @@ def _finish(task: ShardTask, cur: _Open, on_shard) -> ShardReceipt:
             tuple(cur.skipped),
             tuple(sorted(cur.fields.items())),
             stats.index_sha256,
+            stats.columns_sha256,
         )
         atomic_write_bytes(_receipt_path(task.job, cur.shard), receipt.to_json())
     except OSError as exc:

@@ -151,13 +151,16 @@ def verify_shard(
 
 def _index_record(path: str, entry: ShardEntry) -> tuple[LmdbIndex | None, list[str]]:
     """An LMDB shard's index record, its split hashes recomputed from its keys; a problem
-    where it is damaged (none where there is none: packed before it existed)."""
+    where it is damaged (none where there is none: packed before it existed), or where the
+    sha256 of its columns is not the manifest's ``columns_sha256``."""
+    from ..formats.lmdb.index import lmdb_columns_sha256
     from ..formats.sample_index import key_hashes
 
     try:
         reader = LmdbSampleReader(path, entry.path, walk=False)
         try:
             index = reader.index(strict=True)
+            front = reader.index_front(entry.samples) if index and entry.columns_sha256 else b""
         finally:
             reader.close()
     except LmdbIndexError as exc:
@@ -166,6 +169,11 @@ def _index_record(path: str, entry: ShardEntry) -> tuple[LmdbIndex | None, list[
         return None, []  # the shard itself is unreadable: reading its samples says how
     if index is not None and not np.array_equal(index.hashes, key_hashes(index.keys())):
         return None, ["index record: its split hashes are not its keys'; re-pack the shard"]
+    if front and lmdb_columns_sha256(front) != entry.columns_sha256:
+        return index, [
+            "index record: the sha256 of its columns differs from the manifest's "
+            "columns_sha256; re-pack the shard"
+        ]
     return index, []
 
 
@@ -312,8 +320,12 @@ def index_problems(path: str, entry: ShardEntry, data: bytes | None, fix: str) -
         problems.append(
             f"sample index {entry.path}{INDEX_SUFFIX}: sha256 differs from the manifest"
         )
-    elif entry.columns_sha256 and (
-        index_digests(data, entry.samples)["columns_sha256"] != entry.columns_sha256
+    elif (
+        entry.index_sha256
+        and entry.columns_sha256
+        and (  # a tar's is used beside it only
+            index_digests(data, entry.samples)["columns_sha256"] != entry.columns_sha256
+        )
     ):
         problems.append(
             f"sample index {entry.path}{INDEX_SUFFIX}: the sha256 of its columns differs from "

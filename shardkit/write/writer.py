@@ -323,6 +323,7 @@ class ShardWriter:
                 stats.sha256,
                 stats.index,
                 stats.index_sha256,
+                stats.columns_sha256,
             )
         )
         if self._on_shard is not None:

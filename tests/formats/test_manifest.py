@@ -103,7 +103,9 @@ def test_columns_sha256_round_trips_beside_index_sha256_and_is_checked(tmp_path)
     """An entry's ``columns_sha256`` (the sha256 of its index's head, offsets and hashes) is
     written and read back beside ``index_sha256``, by the column-wise reader (every entry of
     the writers' shape) and the per-entry one (an entry of another shape among them) alike;
-    one that is not 64 hex digits is refused by name; without ``index_sha256`` it is not used."""
+    one that is not 64 hex digits is refused by name; without ``index_sha256`` (an LMDB
+    shard's, whose index record is inside it) it is kept, by either reader (a tar split uses
+    it beside ``index_sha256`` only: ``stream.indexes``)."""
     shards = [
         ShardEntry("shard-000000.tar", 3, 4096, "ab" * 32, (), "cd" * 32, "ef" * 32),
         ShardEntry("shard-000001.tar", 2, 2048, "ab" * 32, (), "cd" * 32),
@@ -123,4 +125,15 @@ def test_columns_sha256_round_trips_beside_index_sha256_and_is_checked(tmp_path)
     doc["shards"][0]["columns_sha256"] = "ef" * 32
     del doc["shards"][0]["index_sha256"]
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(doc))
-    assert read_manifest(str(tmp_path)).shards[0].columns_sha256 == ""
+    assert read_manifest(str(tmp_path)).shards[0].columns_sha256 == "ef" * 32
+    lmdb = [
+        ShardEntry("shard-000000.lmdb", 3, 40960, "ab" * 32, columns_sha256="ef" * 32),
+        ShardEntry("shard-000001.lmdb", 2, 40960, "ab" * 32),
+    ]
+    for some in (lmdb, [*lmdb, shards[2]]):  # column-wise, then entry by entry
+        m = Manifest(shard_format="lmdb", classes=["a"], shards=some)
+        write_manifest(m, str(tmp_path))
+        doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+        assert doc["shards"][0]["columns_sha256"] == "ef" * 32
+        assert "index_sha256" not in doc["shards"][0]
+        assert read_manifest(str(tmp_path)) == m

@@ -233,6 +233,43 @@ def test_lmdb_a_lying_hash_moves_no_sample_and_get_and_subsets_find_it(lmdb_pack
     assert sorted(s[2] for s in quiet(list, ds)) == sorted([key, "c1/im001"])
 
 
+def _vouch_lmdb(out: str, shard: str) -> None:
+    """The manifest's ``columns_sha256`` (and the shard's sha256) computed again from the
+    rewritten shard, as a tool that recomputes a manifest from the files on disk would."""
+    import lmdb
+
+    from shardkit.formats.lmdb import INDEX_KEY
+    from shardkit.formats.lmdb.index import lmdb_columns_sha256
+
+    env = lmdb.open(shard, subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        record = bytes(txn.get(INDEX_KEY))
+    env.close()
+    mpath = os.path.join(out, "manifest.json")
+    doc = json.load(open(mpath))
+    doc["shards"][0]["columns_sha256"] = lmdb_columns_sha256(record)
+    doc["shards"][0]["sha256"] = hashlib.sha256(open(shard, "rb").read()).hexdigest()
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
+
+
+def test_lmdb_a_lying_hash_under_a_recomputed_columns_sha256_moves_no_sample(lmdb_pack):
+    """The split now uses the record's hashes as they stand once the manifest vouches for
+    them: the moved val sample is left out of val (val reads exact samples: it ends short of
+    it) and train, streamed, checks every key it reads against its side: an error naming the
+    shard and the key, never a val sample in train."""
+    out, shard = lmdb_pack
+    val, train = _truth(out)
+    assert 2 * len(val) < len(train)  # val: lookups; train: streamed
+    key = _lie_lmdb(shard)
+    _vouch_lmdb(out, shard)
+    got = _sides_or_error(out)
+    assert sorted(got["val"]) == sorted(val - {key})
+    message = got["train"]
+    assert isinstance(message, str), "a val sample read as train"
+    assert "shard-000000.lmdb" in message and repr(key) in message and "\n" not in message
+
+
 # --- merge and --append never hand the column on ----------------------------------------------
 
 

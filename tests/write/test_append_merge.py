@@ -678,3 +678,55 @@ def test_growth_reads_each_old_index_whole_and_no_shard(tmp_path):
     dup = _written(tmp_path / "dup", (20001, 7000, 5))
     with pytest.raises(InputError, match=r": 2 of its keys .*'c0/k00005'"):
         merge([dup, big], tmp_path / "refused")
+
+
+def _record_columns(out) -> dict[str, str]:
+    """Each LMDB shard's ``lmdb_columns_sha256``, computed from its index record."""
+    import lmdb
+
+    from shardkit.formats.lmdb import INDEX_KEY
+    from shardkit.formats.lmdb.index import lmdb_columns_sha256
+
+    got = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".lmdb"):
+            env = lmdb.open(os.path.join(out, name), subdir=False, readonly=True, lock=False)
+            with env.begin() as txn:
+                got[name] = lmdb_columns_sha256(bytes(txn.get(INDEX_KEY)))
+            env.close()
+    return got
+
+
+def test_every_lmdb_writer_lists_each_index_records_columns_sha256(tmp_path):
+    """pack (in process and through an engine), --append, ShardWriter and merge: each LMDB
+    shard's manifest entry lists the sha256 of its index record's columns (what lets a split
+    use the stored hashes without hashing every key), and ``verify`` checks it."""
+    from shardkit import ShardWriter
+    from shardkit.write.engines import LocalRunner
+
+    src = tree(tmp_path / "src", {"a": 5, "b": 4}, 0)
+    more = tree(tmp_path / "more", {"a": 3, "c": 3}, 1)
+    one, two = tmp_path / "one", tmp_path / "two"
+    packed(src, one, format="lmdb")
+    packed(src, two, format="lmdb", runner=LocalRunner(2), shards_per_task=1)
+    packed(more, one, format="lmdb", append=True)
+    writer = tmp_path / "writer"
+    with ShardWriter(str(writer), shard_size="6kB", format="lmdb", classes=["a", "b", "c"]) as w:
+        for i in range(20):
+            w.add(f"w{i}", "jpg", b"\xff\xd8" + bytes([i]) * 2000, 0)
+    merged = tmp_path / "merged"
+    quiet(merge, [str(one), str(writer)], str(merged))
+    for out in (one, two, writer, merged):
+        entries = read_manifest(str(out)).shards
+        assert len(entries) > 1
+        listed = {e.path: e.columns_sha256 for e in entries}
+        assert listed == _record_columns(out), out
+        assert not any(e.index_sha256 for e in entries)
+        assert "columns_sha256" in open(os.path.join(out, "manifest.json")).read()
+    assert verify(str(merged)).ok
+    doc = json.load(open(os.path.join(merged, "manifest.json")))
+    doc["shards"][0]["columns_sha256"] = "0" * 64
+    with open(os.path.join(merged, "manifest.json"), "w") as f:
+        json.dump(doc, f)
+    report = verify(str(merged))
+    assert not report.ok and "columns_sha256" in " ".join(map(str, report.bad))

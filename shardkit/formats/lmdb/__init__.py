@@ -23,6 +23,7 @@ from .reader import (
     count_lmdb_samples,
     file_stamp,
     iter_lmdb_records,
+    lmdb_index_front,
     lmdb_keys,
     read_lmdb_index,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "field_key",
     "file_stamp",
     "iter_lmdb_records",
+    "lmdb_index_front",
     "lmdb_keys",
     "read_lmdb_index",
     "sample_key",

@@ -30,7 +30,10 @@ __all__ = [
     "LmdbIndexError",
     "decode_lmdb_index",
     "encode_lmdb_index",
+    "lmdb_columns_sha256",
+    "lmdb_columns_size",
     "lmdb_digest",
+    "vouched_lmdb_hashes",
 ]
 
 #: Sorts after the sample keys (digits) and after ``__shardkit__``: never met by a sample cursor.
@@ -71,6 +74,36 @@ class LmdbIndexError(ShardFormatError):
 def index_record_size(samples: int, key_bytes: int, version: int = VERSION) -> int:
     """Bytes of the record for ``samples`` keys of ``key_bytes`` bytes in all (for the sizer)."""
     return _HEAD.size + (24 if version >= 2 else 16) * samples + key_bytes + _TRAILER
+
+
+def lmdb_columns_size(samples: int, version: int = VERSION) -> int:
+    """Bytes of a record's columns: its head, split hashes and (version 2) digests, the front
+    the manifest's ``columns_sha256`` covers and a split reads alone (``get(limit=)``)."""
+    return _HEAD.size + (16 if version >= 2 else 8) * samples
+
+
+def lmdb_columns_sha256(record: bytes) -> str:
+    """The manifest's ``columns_sha256`` of an index record whose bytes start ``record``: the
+    sha256 of its ``lmdb_columns_size`` front, as many columns as its version has."""
+    _, version, _, n, _ = _HEAD.unpack_from(record)
+    return hashlib.sha256(memoryview(record)[: lmdb_columns_size(n, version)]).hexdigest()
+
+
+def vouched_lmdb_hashes(front: bytes, samples: int, columns_sha256: str) -> np.ndarray | None:
+    """The split hashes of a record's front (``lmdb_columns_size(samples)`` bytes or more, the
+    record's start) where its columns' sha256 is ``columns_sha256`` (the manifest's) and its
+    head is this shard's (magic, a version read, ``samples``); None otherwise, and the caller
+    hashes the keys as for a pack without it. The record's own checksum is not read: it
+    covers the key table too, which a split never reads."""
+    if len(front) < _HEAD.size or front[:8] != MAGIC:
+        return None
+    _, version, _, n, _ = _HEAD.unpack_from(front)
+    size = lmdb_columns_size(samples, version)
+    if version not in READS or n != samples or len(front) < size:
+        return None
+    if hashlib.sha256(memoryview(front)[:size]).hexdigest() != columns_sha256:
+        return None
+    return np.frombuffer(front, "<u8", n, _HEAD.size).astype(np.uint64)
 
 
 def encode_lmdb_index(keys: Sequence[bytes], digests) -> bytes:

@@ -34,7 +34,14 @@ from .btree import (
     pick_meta,
     read_page,
 )
-from .index import INDEX_KEY, LmdbIndex, LmdbIndexError, decode_lmdb_index, lmdb_digest
+from .index import (
+    INDEX_KEY,
+    LmdbIndex,
+    LmdbIndexError,
+    decode_lmdb_index,
+    lmdb_columns_size,
+    lmdb_digest,
+)
 from .writer import META_KEY, PAGE, VALUE_HEADER, decode_value, sample_key
 
 __all__ = [
@@ -449,6 +456,24 @@ class LmdbSampleReader:
             warnings.warn(f"{exc}; reading each sample's key instead", RuntimeWarning, 2)
             return None
 
+    def index_front(self, samples: int) -> bytes:
+        """The first ``lmdb_columns_size(samples)`` bytes of the index record (its head, split
+        hashes and digests, not its key table: what a split reads), unchecked: the caller
+        checks them against the manifest's ``columns_sha256`` (``vouched_lmdb_hashes``). b""
+        where the shard has no record; a shard whose count is not ``samples`` (the
+        manifest's) is a ``ShardFormatError``, as in ``index()``."""
+        try:
+            data = self._reader.get(INDEX_KEY, lmdb_columns_size(samples))
+        except (Damaged, OSError, struct.error) as exc:
+            raise self._reader.error(exc) from None
+        self._reader.check(after_reads=True)
+        if samples != self.samples:
+            raise ShardFormatError(
+                f"{self.shard}: holds {self.samples} samples, its manifest says {samples}; "
+                "the manifest belongs to another version of the shard: re-pack it"
+            )
+        return data or b""
+
     def keys(self) -> list[str]:
         """Every sample's key, in order (reads the start of each value; ``index()`` is one
         read)."""
@@ -480,6 +505,16 @@ def read_lmdb_index(
     reader = LmdbSampleReader(path, shard, walk=False)
     try:
         return reader.index(samples), reader.stamp
+    finally:
+        reader.close()
+
+
+def lmdb_index_front(path: str | os.PathLike, shard: str, samples: int) -> bytes:
+    """``LmdbSampleReader.index_front(samples)`` of the shard at ``path`` (the tree not
+    walked: a few pages read, each checked as it is read)."""
+    reader = LmdbSampleReader(path, shard, walk=False)
+    try:
+        return reader.index_front(samples)
     finally:
         reader.close()
 

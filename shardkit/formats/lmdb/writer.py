@@ -21,7 +21,7 @@ import lmdb
 
 from ...errors import ShardFormatError
 from ...records import Record, ShardStats
-from .index import INDEX_KEY, encode_lmdb_index, lmdb_digest
+from .index import INDEX_KEY, encode_lmdb_index, lmdb_columns_sha256, lmdb_digest
 from .index import index_record_size as _index_size
 
 __all__ = [
@@ -213,6 +213,7 @@ class LmdbShardWriter:
     def close(self) -> ShardStats:
         meta = json.dumps({"format": "shardkit-lmdb", "version": 1, "samples": self.samples})
         index = encode_lmdb_index(self._keys, self._digests)
+        columns = lmdb_columns_sha256(index)  # the manifest vouches for the split hashes
         self._commit([(META_KEY, meta.encode()), (INDEX_KEY, index)])
         self._keys, self._digests = [], []
         env, self._env = self._env, None
@@ -228,7 +229,7 @@ class LmdbShardWriter:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
                 size += len(chunk)
-        return ShardStats(self.path, self.samples, size, digest.hexdigest())
+        return ShardStats(self.path, self.samples, size, digest.hexdigest(), columns_sha256=columns)
 
     def abort(self) -> None:
         if self._env is not None:
