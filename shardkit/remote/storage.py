@@ -45,10 +45,10 @@ __all__ = ["RemoteStorage", "remote_of"]
 RANGED_GETS = 16
 #: The most the GETs ahead hold at once: 16 runs of a few samples are far below it.
 RANGED_BYTES = 64 << 20
-#: Wanted samples with at most this many bytes between them share one ranged GET, the hole
-#: read and passed over, if the hole is also at most the next wanted sample's bytes (so a GET
-#: reads at most twice its wanted bytes): at ~20 ms first-byte latency a GET costs more than
-#: reading a megabyte more on the connection already open.
+#: Drawn samples with at most this many bytes between them share one ranged GET, the hole
+#: read and passed over, while the GET reads at most twice its drawn bytes
+#: (``stream.ranges.spans``): at ~20 ms first-byte latency a GET costs more than reading a
+#: megabyte more on the connection already open.
 RANGED_GAP = 1 << 20
 
 
@@ -91,10 +91,11 @@ class RemoteStorage:
     ``shardkit.stream.ranges``) kept in flight per worker, ahead of the reader, across runs and
     shards (1: one at a time); ``ranged_bytes`` (bytes or a size string): the most those hold
     at once. The samples and their order are the same either way (``shardkit.remote.ranged``).
-    ``ranged_gap`` (bytes or a size string; 0: only adjacent samples): wanted samples of a
-    shard at most this far apart, the hole no larger than the sample after it, share one GET
-    (the hole read and passed over), so a subset epoch makes one GET a run of nearby samples
-    and reads at most twice the bytes it draws; a GET asks for at most 8 MiB plus a sample.
+    ``ranged_gap`` (bytes or a size string; 0: only adjacent samples): drawn samples of a
+    shard at most this far apart share one GET (the hole read and passed over) while the GET
+    reads at most twice its drawn bytes, so a subset epoch makes one GET a run of nearby
+    samples and reads at most twice the bytes it draws; a GET asks for at most 8 MiB plus a
+    sample.
     Those ranged GETs, and the reads of the shards' sample indexes, follow the same
     ``retries``/``backoff``/``timeout`` as whole shards (``read_range``, ``read_object``).
     A source of local paths is read by ``LocalStorage`` even under ``storage=RemoteStorage(...)``

@@ -576,25 +576,44 @@ def _keys_on_side(got, places, odd: frozenset, pos, sides, url: str) -> None:
 
 
 def spans(starts: np.ndarray, ends: np.ndarray, gap: int = GAP, cap: int = 0) -> np.ndarray:
-    """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins: a sample
-    joins the span before it when the hole between them (read and passed over) is at most
-    ``gap`` bytes and at most the sample's own bytes, else it begins a span of its own. Each
-    hole read is paid for by the wanted sample after it, so a span reads at most twice its
-    wanted bytes (plus the closing block, less than a tar sample's header and data). ``cap``
-    (0: none): a span is cut where its samples' ends cross a multiple of ``cap`` bytes from
-    its start, so no read holds more than ``cap`` plus one sample."""
+    """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins. Adjacent
+    samples share a span; with ``gap`` > 0 (object storage) a run of them also joins the span
+    before it when the hole between them (read and passed over) is at most ``gap`` bytes and
+    the joined span, its closing block counted, reads at most twice its samples' bytes: so an
+    epoch reads at most twice the bytes it draws. ``cap`` (0: none): no span joined past
+    ``cap`` bytes, and a run of adjacent samples cut where its samples' ends cross a multiple
+    of ``cap`` from its start: a read holds at most ``cap`` plus one sample."""
     if not len(starts):
         return np.zeros(0, np.int64)
-    hole = starts[1:] - ends[:-1]
-    if gap > 0:
-        begin = np.concatenate(([True], hole > np.minimum(gap, ends[1:] - starts[1:])))
-    else:
-        begin = np.concatenate(([True], hole > gap))
+    begin = np.concatenate(([True], starts[1:] - ends[:-1] > min(gap, GAP)))
     if cap > 0 and ends[-1] - starts[0] > cap:
-        first = starts[begin][np.cumsum(begin) - 1]  # each sample's span's first byte
+        first = starts[begin][np.cumsum(begin) - 1]  # each sample's run's first byte
         piece = (ends - 1 - first) // cap
         begin[1:] |= piece[1:] != piece[:-1]
+    if gap > GAP:
+        _join(starts, ends, begin, gap, cap)
     return np.flatnonzero(begin)
+
+
+def _join(starts: np.ndarray, ends: np.ndarray, begin: np.ndarray, gap: int, cap: int) -> None:
+    """``spans``' runs joined (``begin`` cleared where one joins the span before it), one
+    step a run: a hole of at most ``gap``, the span at most twice its samples' bytes (and
+    ``BLOCK``), at most ``cap`` bytes. Remote spans only: a GET costs far more than this."""
+    first = np.flatnonzero(begin)
+    if len(first) < 2:
+        return
+    last = np.append(first[1:], len(starts)) - 1
+    lo, hi = starts[first].tolist(), ends[last].tolist()
+    drawn = np.add.reduceat(ends - starts, first).tolist()
+    cap = cap if cap > 0 else 1 << 62
+    at, top, got = lo[0], hi[0], drawn[0]  # the span being joined: its bytes and drawn bytes
+    for r in range(1, len(first)):
+        a, b, w = lo[r], hi[r], drawn[r]
+        if a - top <= gap and b - at + BLOCK <= 2 * (got + w) and b - at <= cap:
+            begin[first[r]] = False
+            top, got = b, got + w
+        else:
+            at, top, got = a, b, w
 
 
 def _on_side(rec: Record, n: int, sides: ShardSides | None, url: str) -> Record:

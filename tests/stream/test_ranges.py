@@ -145,19 +145,19 @@ def test_a_subset_on_s3_is_one_ranged_get_per_run(s3, packed):
 
 
 def test_spans_join_nearby_samples_within_twice_their_bytes_and_the_cap():
-    """A hole joins two samples into one read when it is at most ``gap`` and at most the
-    sample after it (so a read is at most twice its samples' bytes); ``cap`` cuts a long run;
+    """A run of samples joins the span before it when the hole is at most ``gap`` and the span
+    (its closing block counted) stays at most twice its samples' bytes; ``cap`` bounds a span;
     gap 0 (local reads): adjacent samples only, as before."""
     from shardkit.stream.ranges import spans
 
-    starts = np.array([0, 100, 250, 400, 1000, 1100])
-    ends = np.array([100, 200, 350, 500, 1100, 1200])  # holes: 0, 50, 50, 500, 0
+    starts = np.array([0, 1000, 2500, 4000, 10_000, 11_000])
+    ends = np.array([1000, 2000, 3500, 5000, 11_000, 12_000])  # holes: 0, 500, 500, 5000, 0
     assert spans(starts, ends).tolist() == [0, 2, 3, 4]  # adjacent only
-    assert spans(starts, ends, gap=60).tolist() == [0, 4]  # the 500-byte hole > 60
-    assert spans(starts, ends, gap=10_000).tolist() == [0, 4]  # 500 > the next sample's 100
-    assert spans(starts, ends, gap=40).tolist() == [0, 2, 3, 4]
-    assert spans(starts, ends, gap=60, cap=300).tolist() == [0, 2, 4]  # 250-350 ends past 300
-    assert spans(starts[:0], ends[:0], gap=60).tolist() == []
+    assert spans(starts, ends, gap=600).tolist() == [0, 4]  # the 5000-byte hole > 600
+    assert spans(starts, ends, gap=10_000).tolist() == [0, 4]  # 12,512 read > 2 x 6,000 drawn
+    assert spans(starts, ends, gap=400).tolist() == [0, 2, 3, 4]
+    assert spans(starts, ends, gap=600, cap=3000).tolist() == [0, 2, 4]  # 0-3500 > 3000
+    assert spans(starts[:0], ends[:0], gap=600).tolist() == []
 
 
 def _positions(out) -> dict[str, tuple[str, int, int, int]]:
@@ -173,7 +173,8 @@ def _positions(out) -> dict[str, tuple[str, int, int, int]]:
 
 def _runs(where, keys, gap: int) -> int:
     """The runs of nearby drawn samples: within a shard, a hole of at most ``gap`` bytes and
-    at most the next drawn sample's bytes keeps the run going."""
+    at most the next drawn sample's bytes keeps the run going (reading it keeps the run's read
+    within twice its drawn bytes)."""
     runs, last = 0, None
     for path, _, start, end in sorted(where[k] for k in keys):
         if last is None or last[0] != path or start - last[1] > min(gap, end - start):
