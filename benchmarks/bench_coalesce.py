@@ -8,18 +8,20 @@ Counted, not timed: the ranged GETs of sample bytes the server answered a drawn 
 the bytes those GETs asked for over the drawn samples' own bytes (the index heads excluded:
 the same either way). Each epoch's samples are checked to be the local epoch's.
 
-    .venv/bin/python benchmarks/bench_coalesce.py [--samples 3000]
+    .venv/bin/python benchmarks/bench_coalesce.py [--samples 3000] [--json out.json]
+
+Counts, not times: one round, no ``--against`` (``ranged_gap=0`` is the rule before).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
+import harness
 import numpy as np
 from PIL import Image
 
@@ -66,9 +68,10 @@ def sizes(out: Path) -> dict[str, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--samples", type=int, default=3000)
-    args = ap.parse_args()
+    ap = harness.parser(__doc__, rounds=1, against=False)
+    ap.add_argument("--samples", type=int, default=3000, help="samples packed")
+    args = harness.parse(ap, smoke={"samples": 300})
+    result: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-coalesce-") as tmp:
         out = build(Path(tmp), args.samples)
         size = sizes(out)
@@ -90,6 +93,7 @@ def main() -> int:
                 ]
                 drawn = sum(size[k] for k in local)
                 row = [f"{name:16} {len(local):5} drawn"]
+                result[name] = {"drawn": len(local)}
                 for label, gap in (("gap 0 (before)", 0), ("ranged_gap 1 MiB", 1 << 20)):
                     http.log.clear()
                     ds = ShardDataset(
@@ -108,11 +112,16 @@ def main() -> int:
                     read = sum(
                         int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for r in gets
                     )
+                    result[name][f"gap_{gap}"] = {
+                        "gets_per_sample": len(gets) / max(1, len(keys)),
+                        "read_per_drawn": read / max(1, drawn),
+                    }
                     row.append(
-                        f"{label}: {len(gets) / len(keys):.3f} GETs/sample, "
-                        f"read/drawn {read / drawn:.2f}"
+                        f"{label}: {len(gets) / max(1, len(keys)):.3f} GETs/sample, "
+                        f"read/drawn {read / max(1, drawn):.2f}"
                     )
                 print(" | ".join(row), flush=True)
+    harness.write_result(args.json, "bench_coalesce", args, result)
     return 0
 
 
