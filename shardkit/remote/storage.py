@@ -45,6 +45,11 @@ __all__ = ["RemoteStorage", "remote_of"]
 RANGED_GETS = 16
 #: The most the GETs ahead hold at once: 16 runs of a few samples are far below it.
 RANGED_BYTES = 64 << 20
+#: Drawn samples with at most this many bytes between them share one ranged GET, the hole
+#: read and passed over, while the GET reads at most twice its drawn bytes
+#: (``stream.ranges.spans``): at ~20 ms first-byte latency a GET costs more than reading a
+#: megabyte more on the connection already open.
+RANGED_GAP = 1 << 20
 
 
 @dataclass
@@ -86,6 +91,11 @@ class RemoteStorage:
     ``shardkit.stream.ranges``) kept in flight per worker, ahead of the reader, across runs and
     shards (1: one at a time); ``ranged_bytes`` (bytes or a size string): the most those hold
     at once. The samples and their order are the same either way (``shardkit.remote.ranged``).
+    ``ranged_gap`` (bytes or a size string; 0: only adjacent samples): drawn samples of a
+    shard at most this far apart share one GET (the hole read and passed over) while the GET
+    reads at most twice its drawn bytes, so a subset epoch makes one GET a run of nearby
+    samples and reads at most twice the bytes it draws; a GET asks for at most 8 MiB plus a
+    sample.
     Those ranged GETs, and the reads of the shards' sample indexes, follow the same
     ``retries``/``backoff``/``timeout`` as whole shards (``read_range``, ``read_object``).
     A source of local paths is read by ``LocalStorage`` even under ``storage=RemoteStorage(...)``
@@ -110,6 +120,7 @@ class RemoteStorage:
         chunk: int = CHUNK,
         ranged_gets: int = RANGED_GETS,
         ranged_bytes: int | str = RANGED_BYTES,
+        ranged_gap: int | str = RANGED_GAP,
     ):
         if cache_limit is not None and cache_dir is None:
             raise InputError("cache_limit needs cache_dir: pass cache_dir= too, or drop the limit")
@@ -125,6 +136,7 @@ class RemoteStorage:
         self.chunk = check_int("chunk", chunk, 1, hint=" (bytes a read asks for)")
         self.ranged_gets = check_int("ranged_gets", ranged_gets, 1, hint=" (1: one at a time)")
         self.ranged_bytes = parse_size(ranged_bytes, "ranged_bytes", minimum=0)
+        self.ranged_gap = parse_size(ranged_gap, "ranged_gap", minimum=0)
         if not isinstance(verify, bool):
             raise InputError(f"verify={verify!r} must be True or False")
         if storage_options is not None and not isinstance(storage_options, Mapping):

@@ -79,6 +79,10 @@ LMDB_RANGED_SHARE = 0.25
 #: 0.15 us: a hole of two samples already costs more to read than a read of its own.
 GAP = 0
 
+#: The most bytes one ranged GET of coalesced samples asks for (plus one sample): a GET stays
+#: bounded in memory and in what a retry reads again (``spans``' ``cap``).
+SPAN = 8 << 20
+
 #: The most bytes read at once for a slice (its spans in chunks): a slice of a large shard is
 #: never held whole.
 CHUNK = 4 << 20
@@ -222,9 +226,24 @@ class RangeReader:
         """(url, start, stop) of each read ``records`` will make for ``items``, lazily."""
         for sl, shard, mask in items:
             want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
-            *_, lo, hi = _span_bounds(self._indexes[shard.url], sl, want)
+            *_, lo, hi = _span_bounds(self._indexes[shard.url], sl, want, *self._coalesce(shard))
             for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
                 yield shard.url, a, b
+
+    def _coalesce(self, shard: ShardInfo) -> tuple[int, int]:
+        """How far apart wanted samples may lie and still share one read (``spans``): local,
+        ``GAP`` (a hole costs more than a read from the page cache); object storage, the
+        storage's ``ranged_gap`` (a GET's first-byte latency costs more than the hole's bytes)
+        and at most ``SPAN`` bytes a GET. The one rule both the reader and the GETs planned
+        ahead (``_planned``) follow."""
+        if not is_url(shard.url):
+            return GAP, 0
+        gap = getattr(self.storage, "ranged_gap", None)
+        if gap is None:
+            from ..remote.storage import remote_of
+
+            gap = remote_of(self.storage).ranged_gap
+        return int(gap), SPAN
 
     def exact(self, sl: ShardSlice, shard: ShardInfo, wanted: int) -> bool:
         """Whether the slice is read as exact ranges: its shard has an index (tar: its offsets;
@@ -281,7 +300,7 @@ class RangeReader:
         (they agree unless the index changed since the split was made); where one does not,
         that sample's own key decides."""
         index = self._indexes[shard.url]
-        pos, starts, ends, bounds, lo, hi = _span_bounds(index, sl, want)
+        pos, starts, ends, bounds, lo, hi = _span_bounds(index, sl, want, *self._coalesce(shard))
         expect = index.hashes[pos]
         digests = None if index.digests is None else index.digests[pos]
         odd = _off_side(expect, pos, sides)
@@ -517,16 +536,17 @@ class RangeReader:
             reader.close()
 
 
-def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray):
+def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray, gap: int = GAP, cap: int = 0):
     """The reads of a slice's wanted samples (``want``: its mask), as ``_tar_records`` makes
     them and ``RangeReader.plan`` starts them ahead: ``pos`` (the wanted samples, numbered in
     the shard), their ``starts`` and ``ends``, ``bounds`` (span i: samples ``bounds[i]`` to
     ``bounds[i + 1]``), and each span's bytes ``[lo, hi)``: its samples and one block past the
     last (the next header, which closes it for the parser; a shard ends with two zero blocks,
-    so it is always there)."""
+    so it is always there). ``gap``, ``cap``: how far apart samples may lie and still share a
+    read (``spans``; ``RangeReader._coalesce``)."""
     pos = np.flatnonzero(want) + sl.start
     starts, ends = index.offsets[pos], index.offsets[pos + 1]
-    bounds = np.append(spans(starts, ends), len(pos))
+    bounds = np.append(spans(starts, ends, gap, cap), len(pos))
     lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1] + BLOCK
     return pos, starts, ends, bounds, lo, hi
 
@@ -550,13 +570,45 @@ def _keys_on_side(got, places, odd: frozenset, pos, sides, url: str) -> None:
             raise sides.error(url, int(pos[i]), rec.key)
 
 
-def spans(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins: a sample
-    joins the span before it when at most ``GAP`` bytes lie between them (read and passed
-    over), else it begins a span of its own."""
+def spans(starts: np.ndarray, ends: np.ndarray, gap: int = GAP, cap: int = 0) -> np.ndarray:
+    """Where each span of the samples at ``[starts[i], ends[i])`` (ascending) begins. Adjacent
+    samples share a span; with ``gap`` > 0 (object storage) a run of them also joins the span
+    before it when the hole between them (read and passed over) is at most ``gap`` bytes and
+    the joined span, its closing block counted, reads at most twice its samples' bytes: so an
+    epoch reads at most twice the bytes it draws. ``cap`` (0: none): no span joined past
+    ``cap`` bytes, and a run of adjacent samples cut where its samples' ends cross a multiple
+    of ``cap`` from its start: a read holds at most ``cap`` plus one sample."""
     if not len(starts):
         return np.zeros(0, np.int64)
-    return np.flatnonzero(np.concatenate(([True], starts[1:] - ends[:-1] > GAP)))
+    begin = np.concatenate(([True], starts[1:] - ends[:-1] > min(gap, GAP)))
+    if cap > 0 and ends[-1] - starts[0] > cap:
+        first = starts[begin][np.cumsum(begin) - 1]  # each sample's run's first byte
+        piece = (ends - 1 - first) // cap
+        begin[1:] |= piece[1:] != piece[:-1]
+    if gap > GAP:
+        _join(starts, ends, begin, gap, cap)
+    return np.flatnonzero(begin)
+
+
+def _join(starts: np.ndarray, ends: np.ndarray, begin: np.ndarray, gap: int, cap: int) -> None:
+    """``spans``' runs joined (``begin`` cleared where one joins the span before it), one
+    step a run: a hole of at most ``gap``, the span at most twice its samples' bytes (and
+    ``BLOCK``), at most ``cap`` bytes. Remote spans only: a GET costs far more than this."""
+    first = np.flatnonzero(begin)
+    if len(first) < 2:
+        return
+    last = np.append(first[1:], len(starts)) - 1
+    lo, hi = starts[first].tolist(), ends[last].tolist()
+    drawn = np.add.reduceat(ends - starts, first).tolist()
+    cap = cap if cap > 0 else 1 << 62
+    at, top, got = lo[0], hi[0], drawn[0]  # the span being joined: its bytes and drawn bytes
+    for r in range(1, len(first)):
+        a, b, w = lo[r], hi[r], drawn[r]
+        if a - top <= gap and b - at + BLOCK <= 2 * (got + w) and b - at <= cap:
+            begin[first[r]] = False
+            top, got = b, got + w
+        else:
+            at, top, got = a, b, w
 
 
 def _on_side(rec: Record, n: int, sides: ShardSides | None, url: str) -> Record:

@@ -144,6 +144,86 @@ def test_a_subset_on_s3_is_one_ranged_get_per_run(s3, packed):
     assert sum(spans) <= 2 * sum(sizes[k] for k in want)
 
 
+def test_spans_join_nearby_samples_within_twice_their_bytes_and_the_cap():
+    """A run of samples joins the span before it when the hole is at most ``gap`` and the span
+    (its closing block counted) stays at most twice its samples' bytes; ``cap`` bounds a span;
+    gap 0 (local reads): adjacent samples only, as before."""
+    from shardkit.stream.ranges import spans
+
+    starts = np.array([0, 1000, 2500, 4000, 10_000, 11_000])
+    ends = np.array([1000, 2000, 3500, 5000, 11_000, 12_000])  # holes: 0, 500, 500, 5000, 0
+    assert spans(starts, ends).tolist() == [0, 2, 3, 4]  # adjacent only
+    assert spans(starts, ends, gap=600).tolist() == [0, 4]  # the 5000-byte hole > 600
+    assert spans(starts, ends, gap=10_000).tolist() == [0, 4]  # 12,512 read > 2 x 6,000 drawn
+    assert spans(starts, ends, gap=400).tolist() == [0, 2, 3, 4]
+    assert spans(starts, ends, gap=600, cap=3000).tolist() == [0, 2, 4]  # 0-3500 > 3000
+    assert spans(starts[:0], ends[:0], gap=600).tolist() == []
+
+
+def _positions(out) -> dict[str, tuple[str, int, int, int]]:
+    """Each sample's shard, place in it and bytes ``[start, end)``, by key."""
+    where = {}
+    for e in read_manifest(str(out)).shards:
+        shard = os.path.join(out, e.path)
+        ix = decode_index(open(index_path(shard), "rb").read(), shard)
+        for j, key in enumerate(ix.keys()):
+            where[key] = (e.path, j, int(ix.offsets[j]), int(ix.offsets[j + 1]))
+    return where
+
+
+def _runs(where, keys, gap: int) -> int:
+    """The runs of nearby drawn samples: within a shard, a hole of at most ``gap`` bytes and
+    at most the next drawn sample's bytes keeps the run going (reading it keeps the run's read
+    within twice its drawn bytes)."""
+    runs, last = 0, None
+    for path, _, start, end in sorted(where[k] for k in keys):
+        if last is None or last[0] != path or start - last[1] > min(gap, end - start):
+            runs += 1
+        last = (path, end)
+    return runs
+
+
+@pytest.mark.slow  # the HTTP server
+@pytest.mark.parametrize(
+    "kw", [{"subset": 0.3}, {"split": "val", "val_fraction": 0.3}], ids=["subset", "split"]
+)
+@pytest.mark.parametrize("gets", [1, 4])
+def test_a_dense_epoch_over_http_is_one_get_per_run_of_nearby_samples(http, packed, kw, gets):
+    """Nearby drawn samples share one ranged GET (the holes read and passed over): one GET a
+    run of nearby samples, never more, the bytes read at most twice the drawn ones, the samples
+    those of the local epoch; ``ranged_gap=0`` is one GET a run of adjacent samples, more."""
+    out, _ = packed
+    http.root = out.parent
+    local = [
+        (s[2], s[0]) for s in ShardDataset(Source(str(out), **kw), decode="raw", with_keys=True)
+    ]
+    keys = [k for k, _ in local]
+    where = _positions(out)
+
+    def remote(**opts):
+        http.log.clear()
+        ds = ShardDataset(
+            Source(f"{http.url}/out/manifest.json", **kw),
+            storage=RemoteStorage(prefetch=0, ranged_gets=gets, **opts),
+            decode="raw",
+            with_keys=True,
+        )
+        got = [(s[2], s[0]) for s in ds]
+        ranged = [g[2] for g in http.log.gets(".tar") if g[2] and not g[1].endswith(".idx")]
+        return got, ranged
+
+    got, ranged = remote()
+    assert got == local
+    nearby = _runs(where, keys, 1 << 20)
+    assert 0 < len(ranged) <= nearby  # (a shard that wants over half its samples streams)
+    read = sum(int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for r in ranged)
+    drawn = sum(where[k][3] - where[k][2] for k in keys)
+    assert read <= 2 * drawn
+    got, adjacent = remote(ranged_gap=0)
+    assert got == local
+    assert nearby < len(adjacent) <= _runs(where, keys, 0)
+
+
 def test_a_stale_or_damaged_index_never_gives_another_sample_in_an_epoch(
     packed, tmp_path, monkeypatch
 ):

@@ -123,6 +123,8 @@ def test_the_datasets_batch_size_differing_from_the_loaders_is_refused(shards):
         ({"retries": INF}, "retries=inf"),
         ({"retries": 1.5}, "retries=1.5"),
         ({"ranged_gets": INF}, "ranged_gets=inf"),
+        ({"ranged_gap": -1}, "ranged_gap=-1"),
+        ({"ranged_gap": "near"}, "ranged_gap='near'"),
         ({"chunk": 0}, "chunk=0"),
         ({"chunk": 1.5}, "chunk=1.5"),
         ({"timeout": NAN}, "timeout=nan"),

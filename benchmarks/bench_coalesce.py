@@ -1,0 +1,129 @@
+"""Remote sparse epochs with nearby samples coalesced into one ranged GET, against one GET a
+run of adjacent samples (``RemoteStorage(ranged_gap=0)``, the rule before coalescing).
+
+Packs a few thousand small samples (24x24 JPEGs, ~1.9 kB with their tar headers, ~100 a
+shard), serves them over the loopback HTTP server of the tests (``tests/remote_servers.py``),
+and reads subset=0.01, 0.1, 0.3 and split="val" (val_fraction 0.1) epochs with each gap.
+Counted, not timed: the ranged GETs of sample bytes the server answered a drawn sample, and
+the bytes those GETs asked for over the drawn samples' own bytes (the index heads excluded:
+the same either way). Each epoch's samples are checked to be the local epoch's.
+
+    .venv/bin/python benchmarks/bench_coalesce.py [--samples 3000] [--json out.json]
+
+Counts, not times: one round, no ``--against`` (``ranged_gap=0`` is the rule before).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import harness
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from remote_servers import HttpServer
+
+from shardkit.formats.sample_index import decode_index, index_path
+from shardkit.manifest import read_manifest
+from shardkit.remote import RemoteStorage
+from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.mix import Source
+from shardkit.stream.shuffle import Order
+from shardkit.write.packer import pack
+
+CASES = {
+    "subset=0.01": {"subset": 0.01},
+    "subset=0.1": {"subset": 0.1},
+    "subset=0.3": {"subset": 0.3},
+    "split=val (0.1)": {"split": "val", "val_fraction": 0.1},
+}
+
+
+def build(root: Path, n: int) -> Path:
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        os.makedirs(root / "src" / f"c{i % 3}", exist_ok=True)
+        arr = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(root / "src" / f"c{i % 3}" / f"im{i:05d}.jpg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pack(str(root / "src"), str(root / "tar"), shard_size="200kB", progress=False)
+    return root / "tar"
+
+
+def sizes(out: Path) -> dict[str, int]:
+    got = {}
+    for e in read_manifest(str(out)).shards:
+        shard = str(out / e.path)
+        ix = decode_index(open(index_path(shard), "rb").read(), shard)
+        for j, key in enumerate(ix.keys()):
+            got[key] = int(ix.offsets[j + 1] - ix.offsets[j])
+    return got
+
+
+def main() -> int:
+    ap = harness.parser(__doc__, rounds=1, against=False)
+    ap.add_argument("--samples", type=int, default=3000, help="samples packed")
+    args = harness.parse(ap, smoke={"samples": 300})
+    result: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-coalesce-") as tmp:
+        out = build(Path(tmp), args.samples)
+        size = sizes(out)
+        shards = len(read_manifest(str(out)).shards)
+        print(
+            f"{args.samples} samples in {shards} shards, ~{np.mean(list(size.values())):.0f} B each"
+        )
+        with HttpServer(Path(tmp)) as http:
+            url = f"{http.url}/tar/manifest.json"
+            for name, kw in CASES.items():
+                local = [
+                    s[2]
+                    for s in ShardDataset(
+                        Source(str(out), **kw),
+                        decode="raw",
+                        with_keys=True,
+                        order=Order(shuffle=False),
+                    )
+                ]
+                drawn = sum(size[k] for k in local)
+                row = [f"{name:16} {len(local):5} drawn"]
+                result[name] = {"drawn": len(local)}
+                for label, gap in (("gap 0 (before)", 0), ("ranged_gap 1 MiB", 1 << 20)):
+                    http.log.clear()
+                    ds = ShardDataset(
+                        Source(url, **kw),
+                        decode="raw",
+                        with_keys=True,
+                        order=Order(shuffle=False),
+                        storage=RemoteStorage(prefetch=0, ranged_gap=gap),
+                    )
+                    keys = [s[2] for s in ds]
+                    if keys != local:
+                        raise SystemExit(f"{name}, {label}: not the local epoch's samples")
+                    gets = [
+                        g[2] for g in http.log.gets(".tar") if g[2] and not g[1].endswith(".idx")
+                    ]
+                    read = sum(
+                        int(r.split("-")[1]) - int(r.split("=")[1].split("-")[0]) + 1 for r in gets
+                    )
+                    result[name][f"gap_{gap}"] = {
+                        "gets_per_sample": len(gets) / max(1, len(keys)),
+                        "read_per_drawn": read / max(1, drawn),
+                    }
+                    row.append(
+                        f"{label}: {len(gets) / max(1, len(keys)):.3f} GETs/sample, "
+                        f"read/drawn {read / max(1, drawn):.2f}"
+                    )
+                print(" | ".join(row), flush=True)
+    harness.write_result(args.json, "bench_coalesce", args, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
