@@ -127,3 +127,29 @@ def test_a_single_sources_storage_options_still_resolve_it(data):
             storage=RemoteStorage(storage_options={"anon": True}),
         )
     assert select(Source(data, storage_options={"anon": True})).storage_options == {"anon": True}
+
+
+@pytest.mark.parametrize("loaded", ["plain", "one"])
+def test_a_mixtures_checkpoint_is_refused_by_the_plain_epoch_and_resumes_as_the_mixture(
+    data, loaded
+):
+    """A one-source mixture's state (``epoch_size=``; a lone ``Source`` saved one before it
+    was read as its path) is another order: the plain epoch refuses it, naming the
+    ``epoch_size=`` that continues it, and the mixture it names continues it exactly."""
+    from shardkit import InputError
+
+    def mixture():
+        ds = _ds(Source(data), seed=3, epoch_size=97)
+        ds.set_epoch(1)
+        return ds
+
+    whole = [s[2] for s in mixture()]
+    first = mixture()
+    it = iter(first)
+    head = [next(it)[2] for _ in range(10)]
+    state = first.state_dict()
+    with pytest.raises(InputError, match="epoch_size=97 to continue"):
+        _ds({"plain": data, "one": Source(data)}[loaded], seed=3).load_state_dict(state)
+    again = _ds(Source(data), seed=3, epoch_size=97)
+    again.load_state_dict(state)
+    assert head + [s[2] for s in again] == whole
