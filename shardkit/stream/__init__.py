@@ -16,10 +16,13 @@
     fields:    extra members (txt, json, seg.png ...) decoded by their extension
     storage:   where read_slices gets the shard bytes (local files; remote.RemoteStorage for URLs)
 
-``mix`` makes an epoch of several weighted ``Source``s, subsets, splits or a fixed epoch size:
-one stream of positions (``partition.MixLayout``) the same stages read, one reader and shuffle
-buffer per source; ``members`` holds the samples each source may draw shard by shard (a split as
-its val bits). ``retired`` turns the keywords the option objects replaced into them.
+``selection`` turns what the user names (a path, a ``Source`` or a list of them) into one
+``Selection``: a path and its one ``Source`` that narrows nothing are read alike, by the plain
+epoch's plan; anything else is mixed. ``mix`` makes an epoch of several weighted ``Source``s,
+subsets, splits or a fixed epoch size: one stream of positions (``partition.MixLayout``) the
+same stages read, one reader and shuffle buffer per source; ``members`` holds the samples each
+source may draw shard by shard (a split as its val bits). ``retired`` turns the keywords the
+option objects replaced into them.
 ``view`` (``ShardView``) is random access by index or key, for evaluation and debugging, and
 ``show`` what ``shardkit ls``/``show`` print over it.
 

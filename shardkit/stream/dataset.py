@@ -19,7 +19,6 @@ empty even with a single shard. ``equalize`` makes ranks equal for DDP:
 
 from __future__ import annotations
 
-import copy as _copy
 import os
 import secrets
 import warnings
@@ -33,22 +32,16 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import InputError, check_choice, check_int
 from ..formats import FORMATS
 from ..images.geometry import Decode, Geometry, TensorDecoder, sample_seed
-from ..paths import check_source
-from ..records import UNKNOWN, Record, ShardInfo, ShardSlice, ShardTable
-from .fields import Boxes, decode_field_image, field_spec, sample_geometry
+from ..records import Record, ShardSlice, ShardTable
+from .fields import Boxes, field_spec, sample_geometry
 from .folder import FolderDataset  # the per-file baseline, re-exported
-from .indexes import all_keys, split_bits, val_mask, warn_unindexed
-from .members import AllMembers, Members, SideMembers
 from .mix import (
-    LABEL_MODES,
     MixedSource,
     Source,
     apportion,
     check_weights,
-    key_hashes,
     mix_facts,
     mix_records,
-    subset_members,
 )
 from .partition import (
     EpochLayout,
@@ -70,22 +63,20 @@ from .resume import (
     worker_left,
 )
 from .retired import translate
+from .selection import Selection, mixed_classes, resolve_mixed, resolve_plain, select
 from .shuffle import Order, shard_order, shuffle_buffer
-from .sources import resolve_source
 from .stages import (
     EXTRAS,
     ON_ERROR_MODES,
     apply_transforms,
     check_labels,
-    count_samples,
     decode_records,
-    empty_as_said,
     extras_of,
     file_identity,
     manifest_unchanged,
     read_slices,
 )
-from .storage import LocalStorage, Storage, is_url, storage_for
+from .storage import Storage
 from .world import World, current_world, distributed_rank
 
 __all__ = ["DatasetSeam", "Decode", "FolderDataset", "Order", "ShardDataset", "Source"]
@@ -299,77 +290,37 @@ class ShardDataset(IterableDataset):
         self.sources: tuple[MixedSource, ...] = ()
         self.shares: tuple[int, ...] = ()
         self._layouts: dict[int, MixLayout] = {}
-        mixed = _chosen(source, epoch_size, labels)
         self.labels = labels
-        if mixed is not None:
-            self._init_mix(mixed, epoch_size, storage)
+        #: what is read (``stream.selection``): a path and its one ``Source`` read alike
+        self.selection: Selection = select(
+            source, epoch_size=epoch_size, labels=labels, fields=self.fields
+        )
+        if not self.selection.plain:
+            self._init_mix(self.selection, storage)
             return
-
-        options = _options_of(storage)
-        check_source(source, options)  # "no such file", "no such bucket": named first
-        resolved = resolve_source(source, storage_options=options)
+        resolved, storage, shards = resolve_plain(self.selection, storage)
+        self.storage: Storage = storage
+        #: the shard list as columns (``ShardTable``): ``shards[i]`` is shard i's ``ShardInfo``
+        self.shards: ShardTable = shards
         self.shard_format: str = resolved.format
         self.classes: list[str] | None = list(resolved.classes) if resolved.classes else None
         self.manifest_path = resolved.manifest_path
         self._manifest_identity = file_identity(self.manifest_path)
-        self.storage: Storage = _storage(_kind(resolved.shards), storage, copy=False)
-        # Counted once here, in the main process, so workers never open a shard just to plan.
-        #: the shard list as columns (``ShardTable``): ``shards[i]`` is shard i's ``ShardInfo``
-        self.shards: ShardTable = _counted(resolved.shards, resolved.format, self.storage)
         self.counts: np.ndarray = sample_counts(self.shards)
         self.num_samples = int(self.counts.sum())
-        self._finish_init(_describe(source))
+        self._finish_init(self.selection.name)
 
-    def _init_mix(self, mixed, epoch_size, storage) -> None:
-        """Resolve each ``Source``: shards, storage (its own copy of ``storage``), the samples it
-        may draw, its share."""
+    def _init_mix(self, selection: Selection, storage) -> None:
+        """Resolve each ``Source`` (``stream.selection.resolve_mixed``) and its share."""
         resolved: list[MixedSource] = []
         offset = 0
-        for src in mixed:
-            _check_source_fields(src, self.fields, self.field_decoders, self.boxes)
-            if src.storage_options is not None and _options_of(storage):
-                raise InputError(
-                    f"{src.name}: Source(storage_options=) and storage=RemoteStorage("
-                    "storage_options=) both give fsspec options: give them in one place (the "
-                    "Source's for this source alone, the storage's for every source)"
-                )
-            opts = src.storage_options if src.storage_options is not None else _options_of(storage)
-            check_source(src.path, opts)
-            r = resolve_source(src.path, storage_options=opts)
-            store = _storage(_kind(r.shards), storage, copy=True, options=src.storage_options)
-            shards = _counted(r.shards, r.format, store)
-            size = int(shards.samples.sum())
-            by_keys = src.subset is not None and _is_keys(src.subset)
-            if src.split is not None or src.subset is not None:
-                warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
-            val_bits, refused = None, set()
-            # a key subset's keys: from the indexes that check out (a refused one, damaged or
-            # stale, is named, and its shard's headers give the keys and its samples)
-            keys = all_keys(shards, r.format, store, opts, refused) if by_keys else None
-            counts = sample_counts(shards)
-            if src.split is None:
-                members: Members = AllMembers(counts)
-            else:  # the indexes' hashes: no key read where they exist
-                if keys is None:  # one shard's hashes at a time: the bits and a count a shard
-                    val_bits, per_shard = split_bits(
-                        shards, r.format, store, src.val_fraction, opts, refused
-                    )
-                else:
-                    val = val_mask(key_hashes(keys), src.val_fraction)
-                    val_bits = np.packbits(val)
-                    at = np.concatenate(([0], np.cumsum(counts)))
-                    per_shard = np.diff(np.searchsorted(np.flatnonzero(val), at))
-                    del val
-                members = SideMembers(counts, val_bits, per_shard, src.split == "val")
-            members = subset_members(members, src.subset, self.seed, keys, src.name)
-            if len(members) == 0:
-                raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
-            classes = tuple(r.classes) if r.classes else None
-            mixed_source = MixedSource(src, shards, r.format, store, classes, members, offset)
-            mixed_source.manifest = (r.manifest_path, file_identity(r.manifest_path))
-            mixed_source.val_bits, mixed_source.unindexed = val_bits, frozenset(refused)
-            resolved.append(mixed_source)
-            offset += size
+        for src in selection.sources:
+            mixed = resolve_mixed(
+                src, storage, seed=self.seed, offset=offset, fields=self.fields,
+                field_decoders=self.field_decoders, boxes=self.boxes,
+            )  # fmt: skip
+            resolved.append(mixed)
+            offset += int(mixed.shards.samples.sum())
         weights = [s.source.weight for s in resolved]
         if any(w is None for w in weights) and any(w is not None for w in weights):
             raise InputError(
@@ -378,9 +329,10 @@ class ShardDataset(IterableDataset):
         if weights[0] is None:
             weights = [len(s.members) for s in resolved]
         check_weights(weights, [s.source.name for s in resolved])
+        epoch_size = selection.epoch_size
         total = int(epoch_size) if epoch_size is not None else sum(len(s.members) for s in resolved)
         shares = apportion(total, weights)
-        self.classes = _mixed_classes(resolved, self.labels)
+        self.classes = mixed_classes(resolved, self.labels)
         self.sources, self.shares = tuple(resolved), tuple(shares)
         self.shards = ShardTable.concat(m.shards for m in resolved)
         formats = {m.format for m in resolved}
@@ -789,158 +741,3 @@ class ShardDataset(IterableDataset):
             f"decode={self.decode!r}, order={self.order!r}"
             + (f", batch_size={self.batch_size})" if self.batch_size else ")")
         )
-
-
-def _is_keys(subset) -> bool:
-    return not isinstance(subset, (int, float))
-
-
-def _chosen(source, epoch_size, labels):
-    """The ``Source`` list to mix, or None for one plain source read whole (checks the knobs)."""
-    check_choice("labels", labels, LABEL_MODES)
-    hint = " (an int, samples per epoch) or None (the sources' sizes)"
-    check_int("epoch_size", epoch_size, 1, none=True, hint=hint)
-    mixed = _as_sources(source)
-    if mixed is None and epoch_size is not None:
-        mixed = [Source(source)]
-    if mixed is None and labels != "keep":
-        raise InputError(
-            'labels="union" maps the class lists of several Source()s; a single source keeps '
-            "its labels"
-        )
-    return mixed
-
-
-def _as_sources(source) -> list[Source] | None:
-    """The ``Source`` list a dataset mixes, or None for one plain source (a path, glob, list)."""
-    if isinstance(source, Source):
-        return [source]
-    if isinstance(source, (str, os.PathLike)):
-        return None
-    if not isinstance(source, Sequence):
-        raise InputError(
-            f"source={source!r}: give a directory, manifest, glob, URL, a list of shard paths "
-            "or of Source()s"
-        )
-    if len(source) > 0 and all(isinstance(s, Source) for s in source):
-        return list(source)
-    if any(isinstance(s, Source) for s in source):
-        raise InputError("a source list mixes Source()s and paths: wrap every path in Source()")
-    return None
-
-
-def _check_source_fields(src: Source, fields, decoders, boxes) -> None:
-    """A ``Source(fields=...)`` may leave out text-like fields (None in its samples), not a
-    mask nor the boxes' field: those are cut with the image, and None has no pixels."""
-    if src.fields is None:
-        return
-    for name, decode in zip(fields, decoders or (None,) * len(fields), strict=True):
-        if name.lower() in src.fields:
-            continue
-        if decode is decode_field_image or (boxes is not None and boxes.field == name):
-            raise InputError(
-                f"{src.name}: Source(fields={list(src.fields)}) leaves out {name!r}, which is "
-                "cut with the image (a mask or the boxes' field): every source must carry it"
-            )
-
-
-def _options_of(storage) -> dict | None:
-    """The fsspec options a storage object carries (``RemoteStorage``), to resolve URLs with."""
-    options = getattr(storage, "storage_options", None)
-    return dict(options) if options else None
-
-
-def _storage(urls: list[str], storage, *, copy: bool, options: dict | None = None) -> Storage:
-    """The storage to read ``urls`` with: the default for them without ``storage``; a storage
-    that only configures URLs (``RemoteStorage``) leaves local paths to ``LocalStorage``;
-    ``copy``: a copy of its own (a mixture's sources each hold one: it is configuration only),
-    with a ``Source``'s own fsspec ``options`` where it gives them."""
-    if storage is None:
-        return storage_for(urls, storage_options=options)
-    urls_only = getattr(storage, "urls_only", False)
-    if urls_only and not any(is_url(os.fspath(u)) for u in urls):
-        return LocalStorage()
-    if not isinstance(storage, Storage):
-        raise InputError(
-            f"storage={storage!r} is not a storage: give shardkit.remote.RemoteStorage(...), "
-            "LocalStorage() or an object with open/local_path/prefetch/close"
-        )
-    if not copy:
-        return storage
-    own = _copy.copy(storage)
-    if urls_only and options is not None:
-        own.storage_options = dict(options)
-    return own
-
-
-def _mixed_classes(sources: Sequence[MixedSource], labels: str) -> list[str] | None:
-    """The dataset's class list. "keep": stored labels as they are, so the sources' class lists
-    must agree label by label (a longer list may add classes at the end, as ``merge`` allows;
-    the longest is the dataset's; a source without a list, e.g. foreign tars or captions, is
-    not compared, and then there is none); two that disagree are refused, naming both.
-    "union": names merged in source order; labels mapped to it."""
-    if labels == "keep":
-        return _kept_classes(sources)
-    missing = [s.source.name for s in sources if not s.classes]
-    if missing:
-        raise InputError(
-            f'labels="union" maps class names, but {missing[0]} has no class list (no manifest); '
-            'pack it with shardkit or use labels="keep"'
-        )
-    union: dict[str, int] = {}
-    for s in sources:
-        for name in s.classes:
-            union.setdefault(name, len(union))
-        s.labels = np.asarray([union[n] for n in s.classes], dtype=np.int64)
-    return list(union)
-
-
-def _kept_classes(sources: Sequence[MixedSource]) -> list[str] | None:
-    named = [s for s in sources if s.classes]
-    longest = max(named, key=lambda s: len(s.classes), default=None)
-    for s in named:
-        if tuple(longest.classes[: len(s.classes)]) != tuple(s.classes):
-            raise InputError(
-                f"{s.source.name} and {longest.source.name} store labels under other class "
-                f"lists ({_shown(s.classes)} and {_shown(longest.classes)}), so a stored label "
-                'would mean two classes: pass labels="union" (maps them by name)'
-            )
-    if longest is None or len(named) < len(sources):
-        return None
-    return list(longest.classes)
-
-
-def _shown(classes: Sequence[str], most: int = 6) -> str:
-    names = ", ".join(map(repr, classes[:most]))
-    return f"[{names}{', ...' if len(classes) > most else ''}]"
-
-
-def _describe(source) -> str:
-    if isinstance(source, (str, os.PathLike)):
-        return os.fspath(source)
-    return f"the list of {len(source)} shards"
-
-
-def _counted(shards: Sequence[ShardInfo], format: str, storage: Storage) -> ShardTable:
-    """The shards as a table with every count known: shards no manifest covers are counted by
-    reading (only those are made into a ``ShardInfo``); a shard whose entry says 0 samples is
-    read too (``empty_as_said``)."""
-    table = ShardTable.of(shards)
-    empty_as_said(table, format, storage)
-    unknown = np.flatnonzero(table.samples == UNKNOWN).tolist()
-    if not unknown:
-        return table
-    fmt = FORMATS[format]
-    counts = table.samples.copy()
-    try:
-        for i in unknown:
-            counts[i] = count_samples(fmt, storage, table[i])
-    finally:
-        storage.close()
-    return table.with_samples(counts)
-
-
-def _kind(shards: ShardTable) -> list[str]:
-    """One shard URL for ``_storage`` to choose local or remote storage by: a shard list is all
-    URLs or all paths (``resolve_source`` refuses a mix), so one stands for every one."""
-    return [shards.url(0)] if len(shards) else []

@@ -135,6 +135,13 @@ class EpochState:
         saved = state.get("dataset")
         if not isinstance(saved, dict):
             raise InputError("state has no 'dataset' facts; pass what ds.state_dict() returned")
+        if "mix" in saved and "mix" not in facts:  # a mixture's plan, not the plain epoch's
+            raise InputError(
+                "state was saved for a mixture's epoch (a Source with subset=, split= or "
+                "epoch_size=, or, before one Source alone read as its path, a lone Source) and "
+                "this dataset reads the plain epoch: resuming would silently give another order; "
+                f"build it with epoch_size={saved.get('epoch_size')!r} to continue that state"
+            )
         for key, value in facts.items():
             if key == "fingerprint":
                 continue

@@ -134,7 +134,9 @@ def test_an_epoch_draw_answered_by_position_is_the_whole_draw(packs, share):
     from shardkit.stream.partition import DrawnIds, _draw
 
     for split, subset in (("train", None), ("val", 0.5), (None, None)):
-        ds = ShardDataset(Source(packs["tar"], split=split, subset=subset), decode="raw")
+        # the whole source is a mixture's draw only with an epoch size (alone it is the path)
+        sized = {} if split or subset else {"epoch_size": ShardDataset(packs["tar"]).num_samples}
+        ds = ShardDataset(Source(packs["tar"], split=split, subset=subset), decode="raw", **sized)
         (src,) = ds.sources
         n = max(1, int(share * len(src.members)))
         for shuffle in (True, False):

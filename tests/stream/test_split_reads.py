@@ -213,10 +213,11 @@ def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, spli
     import tracemalloc
 
     import shardkit.stream.dataset as dataset_module
+    import shardkit.stream.selection as selection_module
 
     data = _jpeg()
     seen = {}
-    counted, facts = dataset_module._counted, dataset_module.mix_facts
+    counted, facts = selection_module._counted, dataset_module.mix_facts
 
     def after_counting(*args, **kw):  # the split starts here: the shard list is read
         got = counted(*args, **kw)
@@ -235,13 +236,13 @@ def test_split_construction_holds_a_fraction_of_a_byte_per_sample(tmp_path, spli
         with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
             for i in range(n):
                 w.add(f"c0/k{i:05d}", "jpg", data, 0)
-        dataset_module._counted, dataset_module.mix_facts = after_counting, digested
+        selection_module._counted, dataset_module.mix_facts = after_counting, digested
         tracemalloc.start()
         try:
             ds = ShardDataset(Source(str(out), split=split, val_fraction=0.1), decode="raw", seed=7)
         finally:
             tracemalloc.stop()
-            dataset_module._counted, dataset_module.mix_facts = counted, facts
+            selection_module._counted, dataset_module.mix_facts = counted, facts
         assert n // 400 <= len(ds.shards) and 0.08 * n < min(len(ds), n - len(ds)) < 0.12 * n
         peaks[n], shards[n] = seen["peak"], len(ds.shards)
     # the shard list's own objects (each shard's URL, count, digests: ~480 B a shard, held at
