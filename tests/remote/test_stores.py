@@ -43,11 +43,16 @@ def data(packed_tree):
 
 
 def _pack(store: StoreCase, data, tmp_path, **kw) -> str:
-    bucket = store.new_bucket()
-    url = store.url(bucket, "lfw/")
+    url = store.url(store.new_bucket(), "lfw/")
+    _pack_to(url, store, data, tmp_path, **kw)
+    return url
+
+
+def _pack_to(url: str, store: StoreCase, data, tmp_path, **kw):
+    """``pack`` of the test's source to ``url`` in shards of 12 kB; its report."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pack(
+        return pack(
             data["src"],
             url,
             shard_size=12000,
@@ -56,7 +61,6 @@ def _pack(store: StoreCase, data, tmp_path, **kw) -> str:
             work_dir=str(tmp_path),
             **kw,
         )
-    return url
 
 
 def _samples(source, storage=None, **kw) -> dict[str, bytes]:
@@ -95,14 +99,7 @@ def test_pack_to_the_store_streams_the_local_packs_bytes(store, data, tmp_path):
 def test_an_unchanged_pack_to_the_store_is_up_to_date(store, data, tmp_path):
     url = _pack(store, data, tmp_path)
     manifest = store.fs().cat_file(url.split("://", 1)[1] + "manifest.json")
-    report = pack(
-        data["src"],
-        url,
-        shard_size=12000,
-        progress=False,
-        storage_options=store.options(),
-        work_dir=str(tmp_path),
-    )
+    report = _pack_to(url, store, data, tmp_path)
     assert report.up_to_date and report.samples == N
     assert report.manifest_path == url + "manifest.json"
     assert store.fs().cat_file(url.split("://", 1)[1] + "manifest.json") == manifest

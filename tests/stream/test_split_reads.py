@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import warnings
 
@@ -17,6 +18,16 @@ from shardkit import Order, ShardDataset, ShardWriter
 from shardkit.errors import ShardFormatError
 from shardkit.stream import ranges
 from shardkit.stream.mix import Source
+
+
+def _without_columns_sha256(mpath: str) -> None:
+    """The manifest at ``mpath`` as an older pack wrote it: no entry lists ``columns_sha256``."""
+    with open(mpath) as f:
+        doc = json.load(f)
+    for entry in doc["shards"]:
+        del entry["columns_sha256"]
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
 
 
 def _jpeg() -> bytes:
@@ -265,7 +276,6 @@ def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_pa
     a split reads the manifest and each index's fixed-width columns (16 bytes a sample), not
     the key table and members after them (~5x that); an entry without it reads and hashes the
     whole index, as before. The same samples either way."""
-    import json
 
     from shardkit.formats.sample_index import columns_size
     from shardkit.manifest import read_manifest
@@ -293,12 +303,7 @@ def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_pa
     read, keys = construct()
     assert 0 < len(keys) < 3000
     assert read <= os.path.getsize(mpath) + columns + 16384, (read, columns, whole)
-    with open(mpath) as f:
-        doc = json.load(f)
-    for s in doc["shards"]:
-        del s["columns_sha256"]
-    with open(mpath, "w") as f:
-        json.dump(doc, f)
+    _without_columns_sha256(mpath)
     construct()
     read_all, keys_all = construct()
     assert read_all >= whole and keys_all == keys
@@ -311,7 +316,6 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
     split reads those 16 bytes a sample of each record and hashes no key; an entry without it
     (a pack made before) reads the whole record and hashes every key, as before. The same
     samples either way. Before, every key was hashed again in Python (1.75 s CPU at 1.28M)."""
-    import json
 
     import shardkit.stream.indexes as indexes_module
     from shardkit.formats.lmdb.index import lmdb_columns_size
@@ -350,12 +354,7 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
     # the manifest, each shard's meta page and branch pages, and the records' fronts
     pages = 4096 * 6 * len(entries)
     assert read <= os.path.getsize(mpath) + columns + pages, (read, columns)
-    with open(mpath) as f:
-        doc = json.load(f)
-    for s in doc["shards"]:
-        del s["columns_sha256"]
-    with open(mpath, "w") as f:
-        json.dump(doc, f)
+    _without_columns_sha256(mpath)
     construct()
     read_all, hashed_all, keys_all = construct()
     assert hashed_all == 3000 and keys_all == keys
