@@ -149,9 +149,30 @@ def _denied(exc: BaseException) -> bool:
     return False
 
 
-def _denied_hint(url: str) -> str:
+#: the drivers' "found no credentials at all" errors (botocore, google-auth, azure-identity): said
+#: as such, with the store's variables, not as a failed read the user would retry
+_NO_CREDENTIALS = frozenset(
+    {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
+     "CredentialUnavailableError"}
+)  # fmt: skip
+
+
+def _uncredentialed(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ in _NO_CREDENTIALS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _denied_hint(url: str, exc: BaseException | None = None) -> str:
     store = store_of(protocol_of(url))
     where = store.credentials if store is not None else "storage_options or the environment"
+    if exc is not None and _uncredentialed(exc):
+        return f"no credentials found; set {where}"
     return f"access denied; check the credentials: {where}"
 
 
@@ -237,8 +258,8 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
             ) from None
         except Exception as exc:
             count()
-            if _denied(exc):
-                raise storage_error(url, _denied_hint(url), exc, storage_options) from None
+            if _denied(exc) or _uncredentialed(exc):
+                raise storage_error(url, _denied_hint(url, exc), exc, storage_options) from None
             if not is_transient(exc):
                 raise storage_error(url, "read failed", exc, storage_options) from None
             failures = 1 if sink.pos > before else failures + 1
@@ -373,8 +394,8 @@ class _Range:
                 self.options,
                 MissingObjectError,
             ) from None
-        if _denied(exc):
-            raise storage_error(self.url, _denied_hint(self.url), exc, self.options) from None
+        if _denied(exc) or _uncredentialed(exc):
+            raise storage_error(self.url, _denied_hint(self.url, exc), exc, self.options) from None
         if status_of(exc) == 416:
             raise self.short() from None
         if not is_transient(exc):

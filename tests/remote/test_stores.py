@@ -212,6 +212,25 @@ def test_missing_azure_credentials_name_the_variable_and_keys(monkeypatch):
     assert "\n" not in text
 
 
+def test_missing_s3_credentials_name_the_variables_not_a_failed_read(monkeypatch, tmp_path):
+    """botocore finds no credentials before it sends anything: said as such, with AWS's
+    variables and storage_options keys, not as "read failed" (which reads as a network fault)."""
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(k, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {  # a fresh driver instance: the user agent differs from every cached one
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"user_agent_extra": uuid.uuid4().hex},
+    }
+    with pytest.raises(StorageError) as info:
+        read_bytes("s3://b/x/manifest.json", options, policy=FAST)
+    text = str(info.value)
+    assert "no credentials found; set AWS_ACCESS_KEY_ID" in text and '"key"' in text
+    assert "read failed" not in text and "\n" not in text
+
+
 def test_gcsfs_bucket_type_warnings_are_dropped_and_its_other_warnings_kept(caplog):
     filesystem("gs", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
     logger = logging.getLogger("gcsfs")
