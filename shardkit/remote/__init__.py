@@ -7,6 +7,7 @@ Optional: needs fsspec plus the backend of the URL's protocol (``pip install sha
 - ``storage``: ``RemoteStorage``, the ``Storage`` that ``ShardDataset`` uses for URL sources
   (configuration only).
 - ``fs``: fsspec filesystems built for streaming, one set per process.
+- ``deadline``: a no-progress deadline for reads on protocols whose driver takes no timeout.
 - ``cache``: ``ShardCache``, the shared on-disk cache behind ``cache_dir=``.
 - ``prefetch``: the next shards fetched in the background while one is read.
 - ``ranged``: ``RangesAhead``, a subset's or split's ranged GETs kept in flight ahead of the

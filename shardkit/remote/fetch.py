@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 from ..errors import StorageError
 from ..redact import redact, secret_values
 from ..retry import IncompleteObject, RetryPolicy, describe, is_transient, status_of
+from .deadline import bounded, needs_deadline
 from .fs import DEFAULT_TIMEOUT, filesystem, open_range, protocol_of, store_of, strip
 
 __all__ = [
@@ -244,7 +245,7 @@ def fetch(  # noqa: C901 (one retry loop with its error cases inline)
         attempts += 1
         stats.add(attempts=1)
         try:
-            open_range(fs, url, sink.pos, check_total).pump(sink.write, chunk)
+            open_range(fs, url, sink.pos, check_total, timeout).pump(sink.write, chunk)
             break
         except StorageError:
             raise
@@ -441,12 +442,19 @@ def fetch_range(
     stalled). Exactly ``stop - start`` bytes, or :class:`StorageError` (after the retries:
     naming the URL, the range and the fix), :class:`MissingObjectError`,
     :class:`ShortObjectError`."""
-    fs = filesystem(protocol_of(url), storage_options, timeout)
-    got = _Range(url, start, stop, policy, storage_options, local=protocol_of(url) == "file")
+    protocol = protocol_of(url)
+    fs = filesystem(protocol, storage_options, timeout)
+    got = _Range(url, start, stop, policy, storage_options, local=protocol == "file")
     path = strip(fs, url)
+
+    def cat(_write=None) -> bytes:
+        return fs.cat_file(path, start=got.pos, end=stop)
+
+    watched = needs_deadline(protocol)  # a driver that takes no timeout of ours: remote.deadline
     while True:
         try:
-            wait = got.took(fs.cat_file(path, start=got.pos, end=stop))
+            data = bounded(cat, timeout, f"{url} {got.where()}") if watched else cat()
+            wait = got.took(data)
         except StorageError:
             raise
         except Exception as exc:
@@ -463,6 +471,7 @@ async def fetch_range_async(
     stop: int,
     policy: RetryPolicy | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> bytes:
     """``fetch_range`` as a coroutine on ``fs``'s event loop (an async filesystem, built with the
     timeout wanted): the same attempts and errors, its waits ``asyncio.sleep``, so the other
@@ -471,7 +480,10 @@ async def fetch_range_async(
     path = strip(fs, url)
     while True:
         try:
-            wait = got.took(await fs._cat_file(path, start=got.pos, end=stop))
+            read = fs._cat_file(path, start=got.pos, end=stop)
+            if timeout is not None and needs_deadline(protocol_of(url)):  # no driver timeout
+                read = asyncio.wait_for(read, timeout)
+            wait = got.took(await read)
         except StorageError:
             raise
         except Exception as exc:

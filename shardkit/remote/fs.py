@@ -31,6 +31,7 @@ from fsspec.utils import tokenize
 
 from ..errors import MissingExtraError, StorageError
 from ..retry import IncompleteObject
+from .deadline import bounded, needs_deadline
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -407,9 +408,20 @@ class _HttpReader(RangeReader):
 
 
 class _FileReader(RangeReader):
-    """Any other fsspec filesystem (gcs, azure, memory ...): its file object, seeked to start."""
+    """Any other fsspec filesystem (gcs, azure, memory ...): its file object, seeked to start.
+    On a protocol whose driver takes no timeout from us (``hf://``, ``sftp://`` ...), the read
+    runs under ``remote.deadline``: no byte for ``timeout`` seconds is a stall, as on S3."""
+
+    timeout: float | None = None
 
     def pump(self, write, chunk: int) -> None:
+        protocol = protocol_of(self.path) if "://" in self.path else _protocol_name(self.fs)
+        if self.timeout is None or not needs_deadline(protocol):
+            return self._pump(write, chunk)
+        what = f"{protocol}://{self.path}" if "://" not in self.path else self.path
+        bounded(lambda w: self._pump(w, chunk), self.timeout, what, write)
+
+    def _pump(self, write, chunk: int) -> None:
         with self.fs.open(self.path, "rb", block_size=max(chunk, 8 << 20)) as f:
             self._set_total(getattr(f, "size", None))
             if self.start:
@@ -425,16 +437,25 @@ class _FileReader(RangeReader):
                 raise IncompleteObject(f"stream ended after {pos} bytes")
 
 
+def _protocol_name(fs: fsspec.AbstractFileSystem) -> str:
+    protocol = fs.protocol
+    return protocol if isinstance(protocol, str) else protocol[0]
+
+
 def open_range(
     fs: fsspec.AbstractFileSystem,
     url: str,
     start: int = 0,
     on_total: Callable[[int | None], None] | None = None,
+    timeout: float | None = None,
 ) -> RangeReader:
-    """A reader of ``url`` from byte ``start`` with one request where the protocol allows."""
+    """A reader of ``url`` from byte ``start`` with one request where the protocol allows;
+    ``timeout``: seconds without progress, for drivers that take none of their own."""
     protocol = protocol_of(url)
     if protocol in ("s3", "s3a") and hasattr(fs, "_call_s3"):
         return _S3Reader(fs, strip(fs, url), start, on_total)
     if protocol in ("http", "https") and hasattr(fs, "set_session"):
         return _HttpReader(fs, url, start, on_total)
-    return _FileReader(fs, strip(fs, url), start, on_total)
+    reader = _FileReader(fs, strip(fs, url), start, on_total)
+    reader.timeout = timeout
+    return reader

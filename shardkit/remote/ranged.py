@@ -159,7 +159,7 @@ def _start(get: _Get) -> None:
         return
     opts, policy = get.storage.storage_options, get.storage.policy
     get.task = asyncio.ensure_future(
-        fetch_range_async(get.fs, get.url, get.start, get.stop, policy, opts)
+        fetch_range_async(get.fs, get.url, get.start, get.stop, policy, opts, get.storage.timeout)
     )
     get.task.add_done_callback(lambda task: _settle(get, task))
 

@@ -17,6 +17,8 @@ import uuid
 import warnings
 from pathlib import Path
 
+import fsspec
+import fsspec.implementations.memory
 import pytest
 from remote_servers import FaultProxy, StoreCase
 from torch.utils.data import DataLoader
@@ -24,6 +26,7 @@ from torch.utils.data import DataLoader
 from shardkit import Order, Source, pack
 from shardkit.errors import InputError, MissingExtraError, StorageError
 from shardkit.remote import RemoteStorage, read_bytes
+from shardkit.remote.fetch import fetch_range
 from shardkit.remote.fs import filesystem
 from shardkit.retry import RetryPolicy
 from shardkit.stream.dataset import ShardDataset
@@ -361,3 +364,65 @@ def test_a_stalled_store_ends_after_timeout_times_attempts(store, data, tmp_path
             read_bytes(url + "manifest.json", store.options(proxy.url), policy=FAST, timeout=0.5)
         assert 3 <= proxy.connections <= 3 * 4  # a request or two an attempt (see above)
     assert "gave up after 3 attempts" in str(info.value)
+
+
+# --- a protocol whose driver takes no timeout (hf://, sftp:// ...) ---------------------------
+
+
+class _StalledFS(fsspec.implementations.memory.MemoryFileSystem):
+    """An fsspec filesystem whose reads hang until released, as a driver with no timeout of
+    ours does against a server that accepts and never answers."""
+
+    protocol = "stalledtest"
+    release = threading.Event()
+    store: dict = {}  # its own objects, apart from memory://'s
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix(cls.protocol + "://"))
+
+    def cat_file(self, path, start=None, end=None, **kw):
+        self.release.wait()
+        return super().cat_file(path, start=start, end=end, **kw)
+
+    def _open(self, path, mode="rb", **kw):
+        f = super()._open(path, mode, **kw)
+        if "r" in mode:
+            read = f.read
+
+            def stalled_read(*a):
+                self.release.wait()
+                return read(*a)
+
+            f.read = stalled_read
+        return f
+
+
+@pytest.fixture
+def stalled():
+    fsspec.register_implementation(_StalledFS.protocol, _StalledFS, clobber=True)
+    _StalledFS.release.clear()
+    fs = _StalledFS()
+    fs.pipe_file("/x.bin", b"y" * 1000)
+    yield fs
+    _StalledFS.release.set()  # the abandoned reads' threads end
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole", "range"])
+def test_a_protocol_without_driver_timeouts_still_ends_after_timeout_times_attempts(
+    stalled, ranged
+):
+    """Whole-object and ranged reads on a protocol shardkit cannot time out through its driver
+    run under a no-progress deadline: two retries of a 0.2 s timeout end in one line."""
+    url = f"{_StalledFS.protocol}://x.bin"
+    with pytest.raises(StorageError) as info:
+        if ranged:
+            fetch_range(url, 10, 20, policy=FAST, timeout=0.2)
+        else:
+            read_bytes(url, policy=FAST, timeout=0.2)
+    text = str(info.value)
+    assert "gave up after 3 attempts" in text and "no progress for 0.2 s" in text
+    assert "\n" not in text
+    _StalledFS.release.set()  # a working read still reads every byte
+    assert read_bytes(url, policy=FAST, timeout=5) == b"y" * 1000
+    assert fetch_range(url, 10, 20, policy=FAST, timeout=5) == b"y" * 10
