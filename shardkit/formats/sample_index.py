@@ -31,6 +31,7 @@ __all__ = [
     "SPLIT_SALT",
     "SampleIndex",
     "SampleIndexError",
+    "ShardDigests",
     "ShardSides",
     "on_sides",
     "build_index",
@@ -162,6 +163,28 @@ class ShardSides:
             f"split hash put it in {side}: the index is damaged or not this shard's; rebuild it "
             "(delete the .idx and run `shardkit index` on the dataset, or re-pack the shard)"
         )
+
+
+@dataclass(frozen=True)
+class ShardDigests:
+    """What a partial read that streams a tar shard checks each sample it hands out against:
+    the shard's index digests (``sample_digest`` of each sample's bytes, uint64) and its N + 1
+    sample offsets (int64), from the index the manifest's checksums vouch for."""
+
+    digests: np.ndarray
+    offsets: np.ndarray
+
+    def ok(self, f, n: int) -> bool:
+        """Whether sample ``n``'s bytes in the open shard file ``f``, read by its index's range,
+        hash to its digest (the check of a sample the C parser left to Python)."""
+        if not 0 <= n < len(self.digests) or n + 1 >= len(self.offsets):
+            return False
+        lo, hi = int(self.offsets[n]), int(self.offsets[n + 1])
+        try:
+            data = os.pread(f.fileno(), hi - lo, lo)
+        except (AttributeError, OSError, ValueError):
+            return False
+        return len(data) == hi - lo and sample_digest(data) == int(self.digests[n])
 
 
 def on_sides(records, start: int, sides: ShardSides, url: str):

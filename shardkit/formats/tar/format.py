@@ -9,7 +9,7 @@ from ...manifest import INDEX_EVERY
 from ...records import Record, ShardInfo
 from ...urls import is_url
 from ..base import ShardFormat
-from ..sample_index import ShardSides, sample_offset
+from ..sample_index import ShardDigests, ShardSides, sample_offset
 from .reader import iter_tar_records
 from .tally import count_tar_samples
 from .writer import TarShardWriter, TarSizer
@@ -48,6 +48,7 @@ class TarFormat(ShardFormat):
         stop: int | None = None,
         fields: Sequence[str] = (),
         sides: ShardSides | None = None,
+        digests: ShardDigests | None = None,
     ) -> Iterator[Record]:
         at = _seek_point(shard, start)
         with storage.open(shard) as stream:  # a generator: opened on the first sample asked
@@ -60,6 +61,7 @@ class TarFormat(ShardFormat):
                 fields=fields,
                 at=at,
                 sides=sides,
+                digests=digests,
             )
 
     def count(self, storage: Any, shard: ShardInfo) -> int:
