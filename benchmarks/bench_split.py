@@ -5,10 +5,12 @@ Makes N samples (``data.scale_set``, bench_scale's set: one tiny JPEG's bytes un
 shards, with their sample indexes) and runs, each in a fresh child process
 (``harness.in_child``), two epochs (``decode="raw"``, seed 3) of: the whole dataset,
 ``split="val"`` and ``split="train"`` (``val_fraction=0.1``) and ``subset=0.01``; the second
-epoch is reported (the first also loads the indexes). Figures are CPU seconds (user + system)
-per delivered sample, so load on the machine does not move them much, and ``os.pread`` and
-``os.preadv`` calls per delivered sample (how both formats read local shards). ``--against
-DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree of main).
+epoch is reported, the first beside it (the first also loads the indexes and, for a split,
+checks each streamed key: a process checks a slice of an unchanged file once). Figures are CPU
+seconds (user + system) per delivered sample, so load on the machine does not move them much,
+and ``os.pread`` and ``os.preadv`` calls per delivered sample (how both formats read local
+shards). ``--against DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree
+of main).
 
 Every (N, format, epoch, checkout) is one contender, interleaved round by round (each goes first
 in turn, each round's load recorded); reported per contender: the median over rounds of CPU per
@@ -53,15 +55,17 @@ def cpu():
 kw = {"full": {}, "val": {"split": "val", "val_fraction": 0.1},
       "train": {"split": "train", "val_fraction": 0.1}, "subset": {"subset": 0.01}}[what]
 ds = ShardDataset(Source(where, **kw) if kw else where, decode="raw", seed=3)
+us = []
 for epoch in (1, 2):
     ds.set_epoch(epoch)
     calls[0] = 0
     c0 = cpu()
     n = sum(1 for _ in ds)
     c1 = cpu()
+    us.append(1e6 * (c1 - c0) / max(n, 1))
 if n == 0:
     sys.exit(f"{where}: {what} delivered no sample: more samples (--n)")
-print(json.dumps({"n": n, "us": 1e6 * (c1 - c0) / n, "reads": calls[0] / n}))
+print(json.dumps({"n": n, "us": us[1], "us_first": us[0], "reads": calls[0] / n}))
 """
 
 WHATS = ("full", "val", "train", "subset")
@@ -138,6 +142,7 @@ def main() -> None:
                     "checkout": side,
                     "samples": rounds.median(name, "n"),
                     "us_per_sample": rounds.median(name, "us"),
+                    "us_first_epoch": rounds.median(name, "us_first"),
                     "reads_per_sample": rounds.median(name, "reads"),
                     "x_full": rounds.ratio(name, full, "us"),
                     "x_full_ratios": [round(x, 3) for x in rounds.ratios(name, full, "us")],
@@ -145,14 +150,18 @@ def main() -> None:
                 if side == "this" and "that" in checkouts:
                     other = f"{n}/{fmt}/{what}/that"
                     row["x_that"] = rounds.ratio(name, other, "us")
+                    row["x_that_ratios"] = [round(x, 3) for x in rounds.ratios(name, other, "us")]
+                    row["x_that_first"] = rounds.ratio(name, other, "us_first")
                 rows.append(row)
     print(f"load average per round: {rounds.load_text()}")
     for r in rows:
-        against = f", {r['x_that']:4.2f}x that" if "x_that" in r else ""
+        against = f", {r['x_that']:5.3f}x that {r['x_that_ratios']}" if "x_that" in r else ""
+        first = f", first {r['x_that_first']:5.3f}x that" if "x_that" in r else ""
         print(
             f"N={r['n']:>9,} {r['format']:4s} {r['what']:6s} {r['checkout']}: "
             f"{r['samples']:>9,.0f} samples, {r['us_per_sample']:6.2f} us CPU/sample "
-            f"({r['x_full']:4.2f}x full{against}), {r['reads_per_sample']:6.2f} preads/sample"
+            f"({r['x_full']:4.2f}x full{against}), {r['reads_per_sample']:6.2f} preads/sample; "
+            f"first epoch {r['us_first_epoch']:6.2f} us{first}"
         )
     result = {"checkouts": {k: str(v) for k, v in checkouts.items()}, "rows": rows}
     out = a.json or harness.ROOT / "bench-out" / "bench_split.json"

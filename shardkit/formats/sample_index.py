@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
+import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,8 +34,12 @@ __all__ = [
     "SPLIT_SALT",
     "SampleIndex",
     "SampleIndexError",
+    "ShardDigests",
     "ShardSides",
     "on_sides",
+    "remember_checked",
+    "sides_checked",
+    "was_checked",
     "build_index",
     "decode_index",
     "encode_index",
@@ -162,6 +169,79 @@ class ShardSides:
             f"split hash put it in {side}: the index is damaged or not this shard's; rebuild it "
             "(delete the .idx and run `shardkit index` on the dataset, or re-pack the shard)"
         )
+
+
+@dataclass(frozen=True)
+class ShardDigests:
+    """What a partial read that streams a tar shard checks each sample it hands out against:
+    the shard's index digests (``sample_digest`` of each sample's bytes, uint64) and its N + 1
+    sample offsets (int64), from the index the manifest's checksums vouch for."""
+
+    digests: np.ndarray
+    offsets: np.ndarray
+
+    def ok(self, f, n: int) -> bool:
+        """Whether sample ``n``'s bytes in the open shard file ``f``, read by its index's range,
+        hash to its digest (the check of a sample the C parser left to Python)."""
+        if not 0 <= n < len(self.digests) or n + 1 >= len(self.offsets):
+            return False
+        lo, hi = int(self.offsets[n]), int(self.offsets[n + 1])
+        try:
+            data = os.pread(f.fileno(), hi - lo, lo)
+        except (AttributeError, OSError, ValueError):
+            return False
+        return len(data) == hi - lo and sample_digest(data) == int(self.digests[n])
+
+
+#: Streamed slices whose every sample a split's reader has checked by its key in this process
+#: (``sides_checked``): (file identity, slice, the split's bits over it, threshold), the least
+#: recently used dropped past ``CHECKED`` entries. The answer of each key check is a function of
+#: the shard's bytes and the split's bits alone, so reading the same unchanged file under the same
+#: bits again gives the same answers: a later epoch skips the check (BLAKE2b of each key, about a
+#: tenth of a streamed tar sample's CPU) instead of repeating it. The first read of a slice in a
+#: process always checks (a DataLoader worker without ``persistent_workers`` is a new process
+#: each epoch, so it checks every epoch).
+_CHECKED: OrderedDict[tuple, None] = OrderedDict()
+CHECKED = 1 << 16
+#: A file changed this recently (its ctime, which no user call sets back) is not remembered: a
+#: write within the clock's granularity of the read could leave the same stat (git's "racy" rule).
+RACY_NS = 2_000_000_000
+
+
+def sides_checked(f, start: int, stop: int, sides: ShardSides, at=None) -> tuple | None:
+    """The identity of the slice ``[start, stop)`` of the local file ``f`` (open; ``at``: the
+    byte its read starts at, None: from the shard's start) read under ``sides``: device, inode,
+    size, mtime and ctime (any write, rename or ``utime`` changes one of them), the bits the
+    split gives its samples and the threshold. None where it cannot be told (no file
+    descriptor, changed within ``RACY_NS``). Pass it to ``was_checked`` before the read and to
+    ``remember_checked`` once every sample of the slice was read and checked."""
+    try:
+        st = os.fstat(f.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+    if time.time_ns() - st.st_ctime_ns < RACY_NS or not stat.S_ISREG(st.st_mode):
+        return None
+    a, b = sides.base + start, sides.base + stop
+    bits = np.asarray(sides.bits[a >> 3 : (b + 7) >> 3]).tobytes()
+    who = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (who, start, at, a & 7, b - a, bits, sides.threshold)
+
+
+def was_checked(seen: tuple | None) -> bool:
+    """Whether ``sides_checked``'s slice was read and every key checked before, in this process."""
+    if seen is None or seen not in _CHECKED:
+        return False
+    _CHECKED.move_to_end(seen)
+    return True
+
+
+def remember_checked(seen: tuple | None) -> None:
+    """Records that every sample of ``sides_checked``'s slice was checked by its key."""
+    if seen is None:
+        return
+    _CHECKED[seen] = None
+    while len(_CHECKED) > CHECKED:
+        _CHECKED.popitem(last=False)
 
 
 def on_sides(records, start: int, sides: ShardSides, url: str):

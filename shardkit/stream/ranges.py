@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
-from ..formats.sample_index import SPLIT_SALT, ShardSides, index_path, sample_digest
+from ..formats.sample_index import (
+    SPLIT_SALT,
+    ShardDigests,
+    ShardSides,
+    index_path,
+    sample_digest,
+)
 from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import SampleAltered, read_at
 from ..records import Record, ShardInfo, ShardSlice
@@ -263,6 +269,26 @@ class RangeReader:
         if index is not None and index.digests is None:
             warn_undigested(shard.url, "tar")
         return index is not None
+
+    def digests(self, shard: ShardInfo) -> ShardDigests | None:
+        """What a slice of a partial read that streams a local tar shard (it wants more than
+        ``RANGED_SHARE`` of it) checks each sample it hands out against, as ranges are checked:
+        its index's digests and offsets (``_columns``: loaded once a process, the manifest's
+        checksums checked). None: a remote shard (fetched whole and checked against the
+        manifest's sha256 before its first sample), LMDB, a shard without an index the manifest
+        vouches for, or one whose index predates digests (said once, ``warn_undigested``)."""
+        url = shard.url
+        if not self.tar or is_url(url) or url in self.unindexed or not shard.index_sha256:
+            return None
+        if url not in self._indexes:
+            self._indexes[url] = _columns(shard, self.storage)
+        index = self._indexes[url]
+        if index is None:
+            return None
+        if index.digests is None:
+            warn_undigested(url, "tar")
+            return None
+        return ShardDigests(index.digests, index.offsets)
 
     def records(
         self,

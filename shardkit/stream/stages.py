@@ -97,13 +97,15 @@ def read_slices(
     split's; LMDB by each value's key); one on the other side is a ``ShardFormatError`` naming
     the shard and the key, never a sample handed to the other side. The split's bits may come
     from a hash column whose checksums agree with the manifest: nothing but the keys vouches
-    for it.
+    for it. A slice of a partial read (``keep``) that streams a local tar shard checks each
+    sample's digest too, as ranges do; a sample with other bytes is ``altered``'s error.
 
     ``storage.close()`` runs when the read ends, fails or is abandoned (``break``, an exception
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
     threads and fetched shards never outlive the iteration.
     """
-    from .ranges import RangeReader
+    from ..formats.tar.reader import SampleAltered
+    from .ranges import RangeReader, altered
 
     exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
     slices, masks, spans = _ranged(slices, shards, keep, exact, drop)
@@ -126,17 +128,19 @@ def read_slices(
             if unchanged is not None:
                 unchanged()
             try:
-                if spans[n] is not None:
-                    records = exact.records(sl, shard, masks[n], fields, not drop, side)
-                else:  # a split's read checks each key (``sides``); a plain one has none
-                    kw = {} if side is None else {"sides": side}
-                    records = fmt.records(storage, shard, sl.start, stop, fields, **kw)
+                records = (
+                    exact.records(sl, shard, masks[n], fields, not drop, side)
+                    if spans[n] is not None
+                    else _streamed(fmt, storage, shard, sl, stop, fields, side, exact, keep)
+                )
                 for rec in records:
                     if got == want:
                         _more_than_counted(shard.url, sl.stop)
                     if flags is None or flags[got]:
                         yield rec
                     got += 1
+            except SampleAltered as exc:
+                raise altered(shard, int(exc.args[0]), storage) from None
             except ShardkitError:
                 raise
             except OSError as exc:
@@ -153,6 +157,17 @@ def read_slices(
     finally:
         exact.close()
         storage.close()
+
+
+def _streamed(fmt, storage, shard, sl, stop, fields, side, exact, keep) -> Iterator[Record]:
+    """A streamed slice's records: a split's checks each key (``side``); a partial read's (a
+    split, subset or mixture: ``keep``) each sample's digest, as ranges are (a local tar shard
+    with a digest index: ``RangeReader.digests``); a plain epoch's neither (whole shards)."""
+    kw: dict = {} if side is None else {"sides": side}
+    sums = None if keep is None else exact.digests(shard)
+    if sums is not None:
+        kw["digests"] = sums
+    return fmt.records(storage, shard, sl.start, stop, fields, **kw)
 
 
 def _ranged(slices, shards, keep, exact, drop: bool) -> tuple[list, list, list]:

@@ -150,6 +150,68 @@ def test_a_lying_column_is_caught_through_a_mixture_and_workers(tar_pack):
         quiet(lambda: list(loader))
 
 
+def _checks_in_c(monkeypatch) -> list[bool]:
+    """Whether each call of the C parser made by a streamed read was given a split's sides to
+    check each key against (``reader._tar_samples``: 12 arguments, then the sides' 4, the
+    split's bits first: empty where only the digests that follow are checked)."""
+    from shardkit.formats.tar import reader
+
+    real, calls = reader._tar_samples, []
+
+    def counting(*args):
+        calls.append(len(args) > 12 and len(args[12]) > 0)
+        return real(*args)
+
+    monkeypatch.setattr(reader, "_tar_samples", counting)
+    return calls
+
+
+def test_a_streamed_split_checks_each_key_once_a_process_while_its_shard_is_unchanged(
+    tar_pack, monkeypatch
+):
+    """The train side streams and checks every key in C (a BLAKE2b of each); the answers are a
+    function of the shard's bytes and the split's bits, so the next epoch of the same process
+    over the same file skips them. Any change to the file (here its times: ``utime`` moves the
+    ctime too) is read and checked again."""
+    from shardkit.formats import sample_index
+
+    monkeypatch.setattr(sample_index, "RACY_NS", 0)  # the pack is seconds old
+    monkeypatch.setattr(sample_index, "_CHECKED", type(sample_index._CHECKED)())
+    calls = _checks_in_c(monkeypatch)
+    ds = ShardDataset(
+        Source(tar_pack, split="train", val_fraction=VAL), decode="raw", with_keys=True
+    )
+    (entry,) = read_manifest(tar_pack).shards
+    shard = os.path.join(tar_pack, entry.path)
+    epochs = []
+    for epoch in range(4):
+        if epoch == 2:
+            os.utime(shard, ns=(1, 1))
+        ds.set_epoch(epoch)
+        calls.clear()
+        keys = sorted(s[2] for s in ds)
+        epochs.append(keys)
+        assert calls, epoch
+        assert all(calls) if epoch in (0, 2) else not any(calls), (epoch, calls)
+    assert all(keys == epochs[0] for keys in epochs)
+    assert set(epochs[0]) == _truth(tar_pack)[1]
+
+
+def test_a_column_that_lies_after_an_honest_epoch_is_still_caught(tar_pack, monkeypatch):
+    """A split built after the column was edited gives its samples other bits: the slice read
+    under them is not one checked before, so every key is checked again, and the moved sample
+    is named."""
+    from shardkit.formats import sample_index
+
+    monkeypatch.setattr(sample_index, "RACY_NS", 0)
+    monkeypatch.setattr(sample_index, "_CHECKED", type(sample_index._CHECKED)())
+    assert _split(tar_pack, "train")  # honest: remembered
+    assert sample_index._CHECKED
+    key, _ = _lie(tar_pack)
+    with pytest.raises(ShardFormatError, match=repr(key)):
+        quiet(_split, tar_pack, "train")
+
+
 # --- get(key) and a key subset answer from the keys -------------------------------------------
 
 

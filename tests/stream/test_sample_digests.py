@@ -191,6 +191,31 @@ def test_a_flipped_byte_in_a_tar_sample_is_refused_by_every_partial_read(tar_pac
         assert f"sample {j} (key '{key}') is not the bytes packed" in got.output
 
 
+@pytest.mark.parametrize("parser", ["c", "python"])
+def test_a_flipped_byte_is_refused_by_a_split_and_a_subset_that_stream_their_shard(
+    tar_pack, monkeypatch, parser
+):
+    """A train side (80% of each shard) and a key subset of most of a shard stream it (faster
+    than ranges) and check each sample they hand out all the same: in C as it parses it, and
+    where Python parses (here: no C parser), by the sample's index range read again."""
+    if parser == "python":
+        monkeypatch.setattr(tar_reader, "_tar_samples", None)
+    (e, *_) = read_manifest(tar_pack).shards
+    path = os.path.join(tar_pack, e.path)
+    ix = decode_index(open(index_path(path), "rb").read(), path)
+    keys = ix.keys()
+    train = [j for j in range(ix.samples) if int(key_hashes([keys[j]])[0]) >= VAL * 2**64]
+    j = train[len(train) // 2]
+    key = keys[j]
+    assert key in [k for k, _ in _split(tar_pack, "train")]
+    _flip(path, int(ix.offsets[j]) + 512 + 40)  # inside the image's data: headers intact
+    expect = rf"{e.path}: sample {j} \(key '{key}'\) is not the bytes packed.*re-pack it"
+    for read in (lambda: _split(tar_pack, "train"), lambda: _subset(tar_pack, keys[1:])):
+        with pytest.raises(ShardFormatError, match=expect) as err:
+            read()
+        _one_line(err)
+
+
 def test_a_flipped_byte_in_an_lmdb_sample_is_refused_by_every_partial_read(tmp_path):
     out = str(tmp_path / "lmdb")
     quiet(pack, random_tree(tmp_path / "src", 80), out, format="lmdb", progress=False)

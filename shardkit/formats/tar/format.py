@@ -9,7 +9,14 @@ from ...manifest import INDEX_EVERY
 from ...records import Record, ShardInfo
 from ...urls import is_url
 from ..base import ShardFormat
-from ..sample_index import ShardSides, sample_offset
+from ..sample_index import (
+    ShardDigests,
+    ShardSides,
+    remember_checked,
+    sample_offset,
+    sides_checked,
+    was_checked,
+)
 from .reader import iter_tar_records
 from .tally import count_tar_samples
 from .writer import TarShardWriter, TarSizer
@@ -48,9 +55,17 @@ class TarFormat(ShardFormat):
         stop: int | None = None,
         fields: Sequence[str] = (),
         sides: ShardSides | None = None,
+        digests: ShardDigests | None = None,
     ) -> Iterator[Record]:
         at = _seek_point(shard, start)
         with storage.open(shard) as stream:  # a generator: opened on the first sample asked
+            seen = None
+            if sides is not None and not is_url(shard.url):
+                # a split's slice of a local file checked once a process (``sides_checked``)
+                last = shard.samples if stop is None else stop
+                seen = sides_checked(stream, start, last, sides, at)
+                if was_checked(seen):
+                    sides = seen = None
             yield from iter_tar_records(
                 stream,
                 shard=shard.url,
@@ -60,7 +75,9 @@ class TarFormat(ShardFormat):
                 fields=fields,
                 at=at,
                 sides=sides,
+                digests=digests,
             )
+            remember_checked(seen)  # every sample of the slice read, each key on its side
 
     def count(self, storage: Any, shard: ShardInfo) -> int:
         with storage.open(shard) as stream:

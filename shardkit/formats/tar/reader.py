@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import ShardFormatError
 from ...manifest import INDEX_EVERY
 from ...records import Record
-from ..sample_index import SPLIT_SALT, ShardSides, sample_digest
+from ..sample_index import SPLIT_SALT, ShardDigests, ShardSides, sample_digest
 from .parse import (
     _EXT_KIND,
     _IMAGE,
@@ -51,8 +51,9 @@ _BUDGET = 64 << 10
 
 class SampleAltered(Exception):
     """``read_at``'s answer when a sample's bytes are not its digest's: ``args[0]`` is its place
-    in the call's list. The caller names the sample (it alone knows the shard's index and
-    whether the bytes are worth fetching again) with its own one-line error."""
+    in the call's list (``iter_tar_records``'s: its number in the shard). The caller names the
+    sample (it alone knows the shard's index and whether the bytes are worth fetching again)
+    with its own one-line error."""
 
 
 def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
@@ -64,10 +65,15 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     offset: int = 0,
     fields: frozenset[bytes] = frozenset(),
     sides: ShardSides | None = None,
+    digests: ShardDigests | None = None,
+    f=None,
 ) -> Iterator[Record]:
     """The one streaming parse loop over the window ``b``: yields Records for samples
     ``[start, stop)``; ``sides`` (a split's): each checked by its own key against the side the
     split put it on, in C where C parses it, a sample on the other side an error naming it.
+    ``digests`` (a partial read's): each sample handed out checked against its index digest, in
+    C as it parses it, else by its index's range read again from the file ``f``; one that
+    differs raises ``SampleAltered(n)``, ``n`` its number in the shard.
 
     Members group into samples by key (``split_member_name``); a group is a sample when it holds
     an image member, and only samples are numbered (``__meta__.json``-like records are passed
@@ -96,7 +102,9 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     # stops, this loop goes on, and hands back at the next sample boundary (``native`` again)
     native = _tar_samples is not None
     last = -1 if stop is None else stop
-    check = () if sides is None else (sides.bits, sides.base, SPLIT_SALT, sides.threshold)
+    check: tuple = () if sides is None else (sides.bits, sides.base, SPLIT_SALT, sides.threshold)
+    if digests is not None:
+        check = (check or (b"", 0, b"", 0)) + (digests.digests, digests.offsets)
     while True:
         if end - pos < BLOCK:
             b.pos, b.end = pos, end
@@ -110,7 +118,7 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
         if native and key is None:
             got, at, done = _tar_samples(
                 buf, pos, end, done, start, last, _BUDGET, _IMAGE_EXTS, _LABEL_EXTS, fields,
-                Record, shard, *check,
+                Record, shard, *check, *((b.base,) if digests is not None else ()),
             )  # fmt: skip
             yield from got
             if stop is not None and done >= stop:
@@ -180,6 +188,8 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
                         if wanted:
                             if sides is not None:
                                 _on_side(sides, shard, done, key)  # type: ignore[arg-type]
+                            if digests is not None and not digests.ok(f, done):
+                                raise SampleAltered(done)
                             yield Record(
                                 key.decode("utf-8", "surrogateescape"),  # type: ignore[union-attr]
                                 image_ext.decode("utf-8", "surrogateescape"),
@@ -249,6 +259,8 @@ def _scan(  # noqa: C901 (the tar header state machine, inlined: the hot loop)
     if has_image and wanted:
         if sides is not None:
             _on_side(sides, shard, done, key)  # type: ignore[arg-type]
+        if digests is not None and not digests.ok(f, done):
+            raise SampleAltered(done)
         yield Record(
             key.decode("utf-8", "surrogateescape"),  # type: ignore[union-attr]
             image_ext.decode("utf-8", "surrogateescape"),
@@ -276,6 +288,7 @@ def iter_tar_records(
     chunk: int = 4 << 20,
     at: int | None = None,
     sides: ShardSides | None = None,
+    digests: ShardDigests | None = None,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)`` of a tar shard as Records, grouping members by key.
 
@@ -290,6 +303,8 @@ def iter_tar_records(
     raises ShardFormatError: a truncated copy never passes as a short epoch. ``sides`` (a
     split's reader): every sample read is checked by its own key against the side the split
     put it on, and one on the other side is a ``ShardFormatError`` naming it and its key.
+    ``digests`` (a partial read of a local shard with a sample index): every sample yielded is
+    first checked against its index digest; one that differs raises ``SampleAltered(n)``.
     """
     f, name, owned = _open(source)
     shard = shard or name
@@ -309,7 +324,7 @@ def iter_tar_records(
     b = None
     try:
         b = _Buffer(_sequential(f, shard), shard, chunk)
-        yield from _scan(b, shard, start, stop, first, offset, want, sides)
+        yield from _scan(b, shard, start, stop, first, offset, want, sides, digests, f)
     finally:
         if b is not None:
             b.release()
