@@ -103,11 +103,17 @@ elif what in ("split", "split-train"):
     c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
 elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one worker's plan
     import tracemalloc
-    from shardkit.stream.partition import MixLayout, mix_worker_plan
     from shardkit.stream.world import World
+    try:  # one planner for every epoch
+        from shardkit.stream.planner import worker_plan
+        def plan_of(layout):
+            return worker_plan(layout, World(), {})
+    except ImportError:  # a checkout from before it (--against)
+        from shardkit.stream.partition import mix_worker_plan
+        def plan_of(layout):
+            return mix_worker_plan(layout, ds.sources, World(), {})
     side = "val" if what == "split-plan" else "train"
-    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
-    kw = dict(seed=3, shuffle=True, buffer_size=ds.buffer_size, equalize="pad")
+    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw", seed=3)
     def made(plan):  # a plan made in pieces as it is read: every piece made, each let go
         for p in plan.sources:
             for piece in p.pieces() if callable(getattr(p, "pieces", None)) else ():
@@ -115,14 +121,12 @@ elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one work
         for chunk in plan.schedule() if callable(plan.schedule) else ():
             del chunk
         return plan
-    warm = MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first one's imports
-    made(mix_worker_plan(warm, ds.sources, World(), {}))
-    del warm
+    made(plan_of(ds._layout(0)))  # the first one's imports
     tracemalloc.start()
-    layout = MixLayout.build(ds.sources, ds.shares, epoch=1, **kw)
+    layout = ds._layout(1)  # the dataset holds one epoch's: the warm one is let go
     out["layout_b"] = tracemalloc.get_traced_memory()[0]
     c1 = cpu()
-    plan = made(mix_worker_plan(layout, ds.sources, World(), {}))
+    plan = made(plan_of(layout))
     out["plan_cpu_s"] = cpu() - c1
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()

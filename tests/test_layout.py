@@ -33,13 +33,16 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """shardkit modules imported anywhere in ``tree`` (functions too), except TYPE_CHECKING."""
+def _imports(
+    tree: ast.AST, module: str, is_package: bool, known: set[str], typing: bool = False
+) -> set[str]:
+    """shardkit modules imported anywhere in ``tree`` (functions too), except TYPE_CHECKING
+    (``typing``: those too)."""
     found: set[str] = set()
     here = module if is_package else module.rpartition(".")[0]
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
             return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in known)
@@ -58,11 +61,11 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     known = set(files)
     return {
-        name: _imports(ast.parse(p.read_text()), name, p.name == "__init__.py", known)
+        name: _imports(ast.parse(p.read_text()), name, p.name == "__init__.py", known, typing)
         for name, p in files.items()
     }
 
@@ -168,6 +171,18 @@ def test_no_import_cycle_in_shardkit():
     assert "shardkit.bench.runner" not in graph["shardkit.bench.report"]
     assert "shardkit.bench.runner" not in graph["shardkit.bench.plot"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_stream_modules_import_one_way_even_for_type_hints():
+    """Within ``shardkit.stream`` not even a TYPE_CHECKING import points back: the planner
+    reads the state format and the sources' shape, and neither reads the planner."""
+    graph = import_graph(typing=True)
+    stream = {
+        m: {t for t in ts if t.startswith("shardkit.stream.")}
+        for m, ts in graph.items()
+        if m.startswith("shardkit.stream.")
+    }
+    assert find_cycle(stream) is None, " -> ".join(find_cycle(stream) or [])
 
 
 _BLOCK = """

@@ -7,10 +7,11 @@
     indexes:   the shards' sample indexes (keys, byte ranges, split hashes), checked before use
     world:     this process's rank and worker
     shuffle:   shard_order(seed, epoch) -> the epoch's shard order, the same on every rank
-    partition: the epoch's stream cut into rank and worker parts -> this worker's slices
-               (plan_epoch; worker_plan: fresh or continued after a checkpoint)
-    resume:    the checkpoint state and the shuffle buffer replayed on positions
-    stages:    read_slices -> check_labels -> (resumed: resume.arrange) -> shuffle.shuffle_buffer
+    partition: the epoch's stream (EpochLayout; MixLayout drawn) cut into rank and worker parts
+    planner:   worker_plan, the one planner of every epoch: this worker's part, fresh or
+               continued after a checkpoint, as the slices it reads
+    resume:    the checkpoint state: its format, the facts it must agree on, the live count
+    stages:    read_slices -> check_labels -> (resumed: planner.arrange) -> shuffle_buffer
                -> resume.count_delivered -> decode_records -> apply_transforms
     ranges:    the exact byte ranges read_slices takes for the few samples a slice wants
     fields:    extra members (txt, json, seg.png ...) decoded by their extension

@@ -1,11 +1,12 @@
 """``ShardDataset`` streams packed shards into PyTorch (``FolderDataset``, the per-file baseline,
 is in ``shardkit.stream.folder`` and re-exported here).
 
-Splitting (``shardkit.stream.partition.plan_epoch``): every epoch the shard list is permuted from
-(seed, epoch) identically on every rank, laid end to end as one stream of N samples, and cut into
-``world_size`` contiguous rank parts, each into ``num_workers`` contiguous worker parts. Cuts fall
-between samples, not shards, so one shard can feed several workers: no worker idles and no rank is
-empty even with a single shard. ``equalize`` makes ranks equal for DDP:
+Splitting (``shardkit.stream.partition``, planned by ``shardkit.stream.planner``): every epoch
+the shard list is permuted from (seed, epoch) identically on every rank, laid end to end as one
+stream of N samples, and cut into ``world_size`` contiguous rank parts, each into
+``num_workers`` contiguous worker parts. Cuts fall between samples, not shards, so one shard can
+feed several workers: no worker idles and no rank is empty even with a single shard.
+``equalize`` makes ranks equal for DDP:
 
 - ``"pad"`` (default, like DistributedSampler): every rank yields ceil(N / world_size); the few
   extra samples are re-read from the start of the epoch's stream.
@@ -43,28 +44,20 @@ from .mix import (
     mix_facts,
     mix_records,
 )
-from .partition import (
-    EpochLayout,
-    MixLayout,
-    mix_worker_plan,
-    plan_epoch,
-    rank_samples,
-    sample_counts,
-    worker_plan,
-)
-from .resume import (
-    EpochState,
+from .partition import EpochLayout, MixLayout, rank_samples, sample_counts
+from .planner import (
+    MixPlan,
     arrange,
-    count_delivered,
-    dataset_facts,
     rank_state,
     samples_left,
     worker_counts_state,
     worker_left,
+    worker_plan,
 )
+from .resume import EpochState, count_delivered, dataset_facts
 from .retired import translate
 from .selection import Selection, mixed_classes, resolve_mixed, resolve_plain, select
-from .shuffle import Order, shard_order, shuffle_buffer
+from .shuffle import Order, shuffle_buffer
 from .stages import (
     EXTRAS,
     ON_ERROR_MODES,
@@ -349,21 +342,15 @@ class ShardDataset(IterableDataset):
         self._where = where
         if self.num_samples == 0:
             raise InputError(f"{where}: the shards hold no samples")
-        if self.equalize != "pad" and self.num_samples < self.world_size:
+        if self.order.equalize != "pad" and self.num_samples < self.world_size:
             raise InputError(
                 f"{where}: {self.num_samples} samples cannot give each of {self.world_size} "
-                f'ranks one with Order(equalize="{self.equalize}"); use equalize="pad"'
+                f'ranks one with Order(equalize="{self.order.equalize}"); use equalize="pad"'
             )
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
         self._facts = dataset_facts(
-            self.shards,
-            self.counts,
-            self.shard_format,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            buffer_size=self.buffer_size,
-            equalize=self.equalize,
+            self.shards, self.counts, self.shard_format, seed=self.seed, order=self.order
         )
         self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
         self._resume_token = 0
@@ -445,7 +432,7 @@ class ShardDataset(IterableDataset):
         return tuple(self.shards.urls)
 
     def __len__(self) -> int:
-        return rank_samples(self.num_samples, self.rank, self.world_size, self.equalize)
+        return rank_samples(self.num_samples, self.rank, self.world_size, self.order.equalize)
 
     def plan(
         self, world: World | None = None, epoch: int | None = None, batch_size: int | None = None
@@ -457,34 +444,23 @@ class ShardDataset(IterableDataset):
         subset's slices are the runs read, which may hold samples it passes over."""
         world = world or current_world(self.rank, self.world_size)
         epoch = self.epoch if epoch is None else epoch
-        if self.sources:
-            mixplan = mix_worker_plan(
-                self._layout(epoch), self.sources, world, self._facts,
-                batch_size=batch_size or self.batch_size,
-            )  # fmt: skip
-            out, first = [], 0
-            for s, p in zip(self.sources, mixplan.sources, strict=True):
-                out += [ShardSlice(first + sl.shard, sl.start, sl.stop) for sl in p.slices]
-                first += len(s.shards)
-            return out
-        order = shard_order(len(self.shards), self.seed, epoch, self.shuffle)
-        return plan_epoch(
-            self.counts,
-            order,
-            rank=world.rank,
-            world_size=world.world_size,
-            worker=world.worker,
-            num_workers=world.num_workers,
-            equalize=self.equalize,
-            batch_size=batch_size or self.batch_size,
+        plan = worker_plan(
+            self._layout(epoch), world, self._facts, batch_size=batch_size or self.batch_size
         )
+        if not isinstance(plan, MixPlan):
+            return plan.slices
+        out, first = [], 0
+        for s, p in zip(self.sources, plan.sources, strict=True):
+            out += [ShardSlice(first + sl.shard, sl.start, sl.stop) for sl in p.slices]
+            first += len(s.shards)
+        return out
 
     def _start_epoch(self, world: World, *, mark: bool = True) -> int:
         """The epoch an iteration reads, warning once when it repeats one already read.
         ``mark=False`` (a plain iteration): the epoch counts as read only once the iteration
         ends, so peeking at a sample (``next(iter(ds))``) before a loader warns of nothing."""
         epoch = int(self._state[_EPOCH])
-        if world.worker == 0 and self.shuffle:
+        if world.worker == 0 and self.order.shuffle:
             if int(self._state[_LAST_STARTED]) == epoch and not int(self._state[_WARNED]):
                 self._state[_WARNED] = 1
                 warnings.warn(
@@ -517,13 +493,12 @@ class ShardDataset(IterableDataset):
             geometry = sample_geometry(decoder, self.fields, self.field_decoders, self.boxes)
         samples = decode_records(
             records,
-            self.decode.mode,
+            self.decode,
             on_error=self.on_error,
             with_keys=EXTRAS if self.sample_transform is not None else self.extras,
             skipped=self._skip_counter(world.worker),
             fields=self.fields,
             decoder=decoder,
-            max_pixels=self.max_pixels,
             field_decoders=self.field_decoders,
             geometry=geometry,
         )
@@ -570,22 +545,14 @@ class ShardDataset(IterableDataset):
         if in_worker:
             self._state[_IN_WORKERS] = 1
         epoch = epoch if resume is None else resume.epoch
-        if self.sources:
-            mixplan = mix_worker_plan(
-                self._layout(epoch), self.sources, world, self._facts, resume,
-                batch_size=batch_size or self.batch_size, in_worker=in_worker,
-            )  # fmt: skip
-            self._progress = mixplan.progress
-            records = mix_records(
-                mixplan, self.sources, fields=self.fields, buffer_size=self.buffer_size,
-                shuffle=self.shuffle,
-            )  # fmt: skip
-            return count_delivered(records, mixplan.progress)
         plan = worker_plan(
             self._layout(epoch), world, self._facts, resume,
             batch_size=batch_size or self.batch_size, in_worker=in_worker,
         )  # fmt: skip
         self._progress = plan.progress
+        if isinstance(plan, MixPlan):
+            records = mix_records(plan, self.sources, fields=self.fields, order=self.order)
+            return count_delivered(records, plan.progress)
         unchanged = None
         if self._manifest_identity is not None:
             unchanged = manifest_unchanged(self.manifest_path, self._manifest_identity)
@@ -597,8 +564,8 @@ class ShardDataset(IterableDataset):
             records = check_labels(records, len(self.classes))
         if plan.arrangement is not None:  # resumed: buffer residents first, then the unread rest
             records = arrange(records, plan.arrangement)
-        if self.shuffle and self.buffer_size > 1:
-            records = shuffle_buffer(records, self.buffer_size, plan.rng, resume=plan.buffer)
+        if self.order.shuffle and self.order.buffer_size > 1:
+            records = shuffle_buffer(records, self.order.buffer_size, plan.rng, resume=plan.buffer)
         return count_delivered(records, plan.progress)
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -713,14 +680,11 @@ class ShardDataset(IterableDataset):
             layout = self._layouts.get(epoch)
             if layout is None:
                 layout = MixLayout.build(
-                    self.sources, self.shares, seed=self.seed, epoch=epoch,
-                    shuffle=self.shuffle, buffer_size=self.buffer_size, equalize=self.equalize,
-                )  # fmt: skip
+                    self.sources, self.shares, seed=self.seed, epoch=epoch, order=self.order
+                )
                 self._layouts = {epoch: layout}  # one epoch at a time: bounded memory
             return layout
-        return EpochLayout(
-            self.counts, self.seed, epoch, self.shuffle, self.buffer_size, self.equalize
-        )
+        return EpochLayout(self.counts, self.seed, epoch, self.order)
 
     def _skip_counter(self, worker: int) -> Callable[[], None]:
         state, slot = self._state, _SKIPPED + worker % _SKIP_SLOTS

@@ -16,11 +16,11 @@ A plain ``ShardDataset`` reads every sample of its shards once per epoch. With `
    share within about one sample, so every batch follows the weights, not only the epoch.
 
 Ranks and workers cut the mixed stream into contiguous parts exactly as a plain stream
-(``partition.plan_epoch``; the stream is ``partition.MixLayout``, a worker's plan of it
-``partition.mix_worker_plan``), so ``len``, ``equalize`` and ``batch_size`` mean what they always
-do. A worker reads each source's positions of its part sequentially (a reader per source),
-passes each source through its own shuffle buffer and interleaves them by the stream's source
-sequence; the buffers never mix sources, so the per-batch proportions survive shuffling.
+(``partition.plan_epoch``; the stream is ``partition.MixLayout``, planned by
+``planner.worker_plan`` as every epoch is), so ``len``, ``equalize`` and ``batch_size`` mean what
+they always do. A worker reads each source's positions of its part sequentially (a reader per
+source), passes each source through its own shuffle buffer and interleaves them by the stream's
+source sequence; the buffers never mix sources, so the per-batch proportions survive shuffling.
 Checkpoints reuse the plain states (``stream.resume``): a worker's delivered count splits into
 per-source counts by the source sequence, and each source's buffer is recomputed from positions
 alone.
@@ -42,9 +42,9 @@ from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, ShardSides, key_hashes
 from ..records import Record, ShardInfo
 from .members import ListedMembers, Members
-from .partition import EpochLayout, MixLayout, MixPlan, PlanPiece, sample_counts
-from .resume import arrange
-from .shuffle import rng_for
+from .partition import EpochLayout, MixLayout, PlanPiece, sample_counts
+from .planner import MixPlan, arrange
+from .shuffle import Order, rng_for, shuffle_buffer
 from .stages import check_labels, manifest_unchanged, read_slices
 from .storage import Storage
 
@@ -197,8 +197,7 @@ class MixedSource:
 
     def layout(self) -> EpochLayout:
         """The source's shards in stored order: what turns positions into slices."""
-        counts = sample_counts(self.shards)
-        return EpochLayout(counts, 0, 0, False, 0, "none")
+        return EpochLayout(sample_counts(self.shards), 0, 0, Order.sequential())
 
 
 def is_number(value) -> bool:
@@ -277,13 +276,10 @@ def mix_records(
     sources: Sequence[MixedSource],
     *,
     fields: Sequence[str],
-    buffer_size: int,
-    shuffle: bool,
+    order: Order,
 ) -> Iterator[Record]:
-    """The records of ``plan``: each source read, label-mapped and shuffled on its own, then
-    interleaved by the schedule."""
-    from .shuffle import shuffle_buffer
-
+    """The records of ``plan``: each source read, label-mapped and shuffled on its own (through
+    a buffer of ``order``'s size), then interleaved by the schedule."""
     streams = []
     for s, p in zip(sources, plan.sources, strict=True):
         path, identity = s.manifest
@@ -298,8 +294,8 @@ def mix_records(
         if s.labels is not None:
             recs = _relabel(recs, s.labels)
         recs = arrange(recs, p.arrangement, dropped=True)
-        if shuffle and buffer_size > 1:
-            recs = shuffle_buffer(recs, buffer_size, p.rng, resume=p.buffer)
+        if order.shuffle and order.buffer_size > 1:
+            recs = shuffle_buffer(recs, order.buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
     return interleave(streams, plan.schedule(), [s.source.name for s in sources])
 

@@ -1,44 +1,27 @@
-"""The plan of every epoch: which samples each rank and worker reads, in which order.
+"""The geometry of every epoch: its stream of positions and how ranks and workers cut it.
 
 An epoch is one stream of positions, a pure function of (seed, epoch): a plain epoch lays the
-shards end to end in ``shard_order``; a mixture, subset, split or fixed epoch size draws one
-(``MixLayout``, ``stream.mix``). The stream is cut into contiguous rank parts (``rank_span``,
-``equalize``) and each rank part into worker parts (``worker_span``, ``batch_size``); a worker's
-part becomes the shard slices it reads (``plan_epoch``, ``positions_to_slices``).
-
-``worker_plan`` and ``mix_worker_plan`` give one worker's plan, fresh or continuing a
-checkpoint: the slices, the buffer generator and where the buffer stands. A mixed, subset, split
-or sized epoch's slices are made in pieces (``PlanPiece``, ``PLAN_PIECE`` drawn samples at a
-time) as the reader reaches them, so a worker holds one piece's plan, never its whole part's.
-The checkpoint itself (its state, the replay of the shuffle buffer on positions) is
-``stream.resume``'s; reading and decoding the slices is ``stream.stages``'.
+shards end to end in ``shard_order`` (``EpochLayout``); a mixture, subset, split or fixed epoch
+size draws one (``MixLayout``: ``DrawnIds`` for one source). The stream is cut into contiguous
+rank parts (``rank_span``, ``equalize``) and each rank part into worker parts (``worker_span``,
+``batch_size``); positions become the shard slices a worker reads (``plan_epoch``,
+``positions_to_slices``, ``plan_pieces``). Which part a worker plays, fresh or continuing a
+checkpoint, is ``stream.planner``'s; the state a checkpoint saves is ``stream.resume``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from ..errors import InputError, check_choice
+from ..errors import check_choice
 from ..records import ShardInfo, ShardSlice, ShardTable
-from .resume import (
-    Arrangement,
-    EpochState,
-    Progress,
-    Segment,
-    buffer_point,
-    progress_at,
-    segment_streams,
-)
-from .shuffle import EQUALIZE_MODES, buffer_rng, rng_for, shard_order
-from .world import World
-
-if TYPE_CHECKING:
-    from .mix import MixedSource
+from .members import Members
+from .resume import Segment
+from .shuffle import EQUALIZE_MODES, Order, buffer_point, buffer_rng, rng_for, shard_order
 
 __all__ = [
     "rank_span",
@@ -48,14 +31,11 @@ __all__ = [
     "plan_epoch",
     "EpochLayout",
     "positions_to_slices",
-    "WorkerPlan",
-    "worker_plan",
     "MixLayout",
+    "DrawnIds",
     "PLAN_PIECE",
     "PlanPiece",
-    "SourcePlan",
-    "MixPlan",
-    "mix_worker_plan",
+    "plan_pieces",
 ]
 
 #: Holes of at most this many samples between wanted samples are read through rather than
@@ -189,16 +169,15 @@ class EpochLayout:
     counts: np.ndarray
     seed: int
     epoch: int
-    shuffle: bool
-    buffer_size: int
-    equalize: str
-    order: np.ndarray = field(init=False)
+    order: Order
+    #: the shards in the order this epoch lays them end to end (``shuffle.shard_order``)
+    permutation: np.ndarray = field(init=False)
     ends: np.ndarray = field(init=False)
 
     def __post_init__(self):
-        order = shard_order(len(self.counts), self.seed, self.epoch, self.shuffle)
-        object.__setattr__(self, "order", order)
-        object.__setattr__(self, "ends", np.cumsum(np.asarray(self.counts)[order]))
+        perm = shard_order(len(self.counts), self.seed, self.epoch, self.order.shuffle)
+        object.__setattr__(self, "permutation", perm)
+        object.__setattr__(self, "ends", np.cumsum(np.asarray(self.counts)[perm]))
 
     @property
     def total(self) -> int:
@@ -207,11 +186,12 @@ class EpochLayout:
     @property
     def buffered(self) -> int:
         """The buffer size in effect (0: no buffer)."""
-        return self.buffer_size if self.shuffle and self.buffer_size > 1 else 0
+        size = self.order.buffer_size
+        return size if self.order.shuffle and size > 1 else 0
 
     def span(self, total: int, rank: int, seg: Segment, worker: int) -> tuple[int, int]:
         """[lo, hi) of a worker's part of a stream of ``total`` (past ``total``: wraps)."""
-        start, stop = rank_span(total, rank, seg.world_size, self.equalize)
+        start, stop = rank_span(total, rank, seg.world_size, self.order.equalize)
         lo, hi = worker_span(stop - start, worker, seg.num_workers, seg.batch_size)
         return start + lo, start + hi
 
@@ -225,17 +205,17 @@ class EpochLayout:
 
     def planned(self, total: int, world_size: int) -> int:
         """How much of a stream of ``total`` a world plans to deliver (``drop`` cuts the tail)."""
-        return world_size * (total // world_size) if self.equalize == "drop" else total
+        return world_size * (total // world_size) if self.order.equalize == "drop" else total
 
     def consumed(self, stream, idx, rank: int, worker: int, segment: int, delivered: int):
         """Entries of ``idx`` (a worker's part of ``stream``) it delivered after ``delivered``
         outputs of its buffer (a mixture replays one buffer per source: stream.mix)."""
-        rng = _segment_rng(self, rank, worker, segment)
+        rng = self.segment_rng(rank, worker, segment)
         return idx[buffer_point(len(idx), self.buffered, rng, delivered).consumed()]
 
-
-def _segment_rng(layout: EpochLayout, rank: int, worker: int, segment: int):
-    return buffer_rng(layout.seed, layout.epoch, rank, worker, segment)
+    def segment_rng(self, rank: int, worker: int, segment: int) -> np.random.Generator:
+        """The buffer generator of plan worker ``worker`` of ``rank`` on segment ``segment``."""
+        return buffer_rng(self.seed, self.epoch, rank, worker, segment)
 
 
 def positions_to_slices(
@@ -246,13 +226,13 @@ def positions_to_slices(
     if not len(positions):
         return [], np.zeros(0, dtype=bool)
     shard_at, starts = _slice_starts(layout, positions)
-    first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.order[shard_at]]
+    first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.permutation[shard_at]]
     offsets = positions - first
     stops = np.concatenate((starts[1:], [len(positions)]))
     slices, masks = [], []
     for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
         lo, hi = int(offsets[a]), int(offsets[b - 1]) + 1
-        slices.append(ShardSlice(int(layout.order[shard_at[a]]), lo, hi))
+        slices.append(ShardSlice(int(layout.permutation[shard_at[a]]), lo, hi))
         mask = np.zeros(hi - lo, dtype=bool)
         mask[offsets[a:b] - lo] = True
         masks.append(mask)
@@ -260,7 +240,7 @@ def positions_to_slices(
 
 
 def _slice_starts(layout: EpochLayout, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each position's place in ``layout.order`` and the indices where a slice of
+    """Each position's place in ``layout.permutation`` and the indices where a slice of
     ``positions_to_slices`` starts: a new shard, a step back, or a hole over ``_MERGE_GAP``.
     Each start depends on two neighbours alone, so positions cut at a start plan as a whole."""
     shard_at = np.searchsorted(layout.ends, positions, side="right")
@@ -296,82 +276,16 @@ def plan_pieces(layout: EpochLayout, chunks: Iterator[np.ndarray]) -> Iterator[P
         yield PlanPiece(*positions_to_slices(layout, carry))
 
 
-# --- one worker's plan -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """What one worker reads and how: the pipeline in ShardDataset.__iter__ follows it."""
-
-    slices: list[ShardSlice]
-    rng: np.random.Generator
-    buffer: tuple[int, int]
-    arrangement: Arrangement | None
-    progress: Progress
-
-
-def worker_plan(
-    layout: EpochLayout,
-    world: World,
-    facts: dict,
-    state: EpochState | None = None,
-    *,
-    batch_size: int | None = None,
-    in_worker: bool = False,
-) -> WorkerPlan:
-    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given;
-    ``batch_size``: cut worker parts at its multiples (``stream.worker_span``)."""
-    if state is None:
-        slices = plan_epoch(
-            layout.counts,
-            layout.order,
-            rank=world.rank,
-            world_size=world.world_size,
-            worker=world.worker,
-            num_workers=world.num_workers,
-            equalize=layout.equalize,
-            batch_size=batch_size,
-        )
-        start = EpochState.start(
-            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
-        )
-        rng = buffer_rng(layout.seed, layout.epoch, world.rank, world.worker)
-        progress = progress_at(layout, start, layout.total, world.worker, in_worker, 0)
-        return WorkerPlan(slices, rng, (0, 0), None, progress)
-    state = state.on_world(world.world_size, world.num_workers, batch_size)
-    state = replace(state, rank=world.rank)
-    seg, number = state.segments[-1], len(state.segments) - 1
-    # One segment: the stream is every position in order (not an array of the whole epoch).
-    stream = segment_streams(layout, state.segments) if number else None
-    total = layout.total if stream is None else len(stream)
-    worker = (seg.slot0 + world.worker) % world.num_workers
-    lo, hi = layout.span(total, world.rank, seg, worker)
-    n = hi - lo
-    done = seg.delivered[worker]
-    if done is None:
-        raise InputError(
-            f"state holds no count for DataLoader worker {worker}: it was saved by another "
-            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
-        )
-    done = min(done, n)
-    size = layout.buffered
-    point = buffer_point(n, size, _segment_rng(layout, world.rank, worker, number), done)
-    held = np.flatnonzero(point.slots >= 0)
-    by_position = np.argsort(point.slots[held], kind="stable")
-    wanted = np.concatenate(
-        (point.slots[held][by_position], np.arange(point.frontier, n, dtype=np.int64))
-    )
-    positions = (lo + wanted) % max(total, 1) if total else wanted
-    if stream is not None and total:
-        positions = stream[positions]
-    slices, keep = positions_to_slices(layout, positions)
-    how = Arrangement(keep, held[by_position].tolist(), len(point.slots) if size else 0)
-    rng = _segment_rng(layout, world.rank, worker, number)
-    progress = progress_at(layout, state, total, worker, in_worker, done)
-    return WorkerPlan(slices, rng, (point.steps, point.flushed), how, progress)
-
-
 # --- a mixed epoch -----------------------------------------------------------------------------
+
+
+class Drawn(Protocol):
+    """What a mixed epoch draws from (``mix.MixedSource``): its shards, the members it may
+    draw (``stream.members``) and its first global sample id."""
+
+    shards: Sequence[ShardInfo]
+    members: Members
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -379,46 +293,47 @@ class MixLayout(EpochLayout):
     """One epoch's mixed stream: ``source[p]`` and ``ids[p]`` (global sample id) of position p.
 
     An ``EpochLayout`` of one pseudo-shard of ``epoch_size`` positions, so rank and worker spans,
-    ``equalize`` and the resume arithmetic of ``stream.resume`` apply unchanged; ``consumed``
+    ``equalize`` and the checkpoint arithmetic of ``stream.planner`` apply unchanged; ``consumed``
     replays one buffer per source instead of one per worker.
     """
 
     source: np.ndarray = field(default=None)
     ids: np.ndarray = field(default=None)
     num_sources: int = 1
+    #: what the stream draws from, in source order: each source's positions become its slices
+    sources: tuple[Drawn, ...] = ()
 
     @classmethod
     def build(
         cls,
-        sources: Sequence[MixedSource],
+        sources: Sequence[Drawn],
         shares: Sequence[int],
         *,
         seed: int,
         epoch: int,
-        shuffle: bool,
-        buffer_size: int,
-        equalize: str,
+        order: Order,
     ) -> MixLayout:
         total = int(sum(shares))
         kind = np.uint8 if len(sources) < 256 else np.int64  # a source's number: 1 byte
         if len(sources) == 1:  # one source's times ascend: the stream is its draw as drawn,
             # answered for the positions a worker asks (``DrawnIds``), never held whole
-            ids = DrawnIds(sources[0], total, rng_for(seed, epoch, _DRAW, 0), shuffle)
+            ids = DrawnIds(sources[0], total, rng_for(seed, epoch, _DRAW, 0), order.shuffle)
             return cls(
-                np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size,
-                equalize, source=np.broadcast_to(kind(0), (total,)), ids=ids, num_sources=1,
+                np.asarray([total], dtype=np.int64), seed, epoch, order,
+                source=np.broadcast_to(kind(0), (total,)), ids=ids, num_sources=1,
+                sources=tuple(sources),
             )  # fmt: skip
         ids, times, src = [], [], []
         for i, (s, n) in enumerate(zip(sources, shares, strict=True)):
-            drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), shuffle)
+            drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), order.shuffle)
             ids.append(drawn + s.offset)
             times.append((np.arange(n, dtype=np.float64) + 0.5) / max(n, 1))
             src.append(np.full(n, i, dtype=kind))
-        order = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
+        by_time = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
         return cls(
-            np.asarray([total], dtype=np.int64), seed, epoch, shuffle, buffer_size, equalize,
-            source=np.concatenate(src)[order], ids=np.concatenate(ids)[order],
-            num_sources=len(sources),
+            np.asarray([total], dtype=np.int64), seed, epoch, order,
+            source=np.concatenate(src)[by_time], ids=np.concatenate(ids)[by_time],
+            num_sources=len(sources), sources=tuple(sources),
         )  # fmt: skip
 
     def buffer_rng(self, rank: int, worker: int, segment: int, source: int):
@@ -437,7 +352,7 @@ class MixLayout(EpochLayout):
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
 
-def _draw(s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
+def _draw(s: Drawn, n: int, rng: np.random.Generator, shuffle: bool) -> np.ndarray:
     """``n`` positions of source ``s``: whole passes over its members, then a draw without
     replacement; each pass in a fresh shard order (stored order without ``shuffle``), positions
     ascending within a shard so reading stays sequential. A whole pass is written shard by
@@ -471,7 +386,7 @@ class DrawnIds:
     ``_draw``). A worker asks for its part: the shards that part covers are expanded, one at a
     time. The random draws are ``_draw``'s, in its order, so the ids are the same."""
 
-    def __init__(self, s: MixedSource, n: int, rng: np.random.Generator, shuffle: bool):
+    def __init__(self, s: Drawn, n: int, rng: np.random.Generator, shuffle: bool):
         self.members, self.offset, self.n = s.members, s.offset, n
         m = len(self.members)
         passes, rest = divmod(n, m)
@@ -513,148 +428,3 @@ class DrawnIds:
                 first = int(ends[jj] - self.members.per_shard[shard])
                 out[sel[at]] = self.members.shard(shard)[k[at] - first]
         return out + self.offset
-
-
-@dataclass(frozen=True)
-class SourcePlan:
-    """What a worker reads from one source: its slices piece by piece (``pieces()``, made as
-    they are read), how they refill that source's buffer (``arrangement``: its ``keep`` is
-    each piece's) and where that buffer stands."""
-
-    pieces: Callable[[], Iterator[PlanPiece]]
-    arrangement: Arrangement
-    buffer: tuple[int, int]
-    rng: np.random.Generator
-
-    @property
-    def slices(self) -> list[ShardSlice]:
-        """Every piece's slices at once (``ShardDataset.plan``, tests): O(the part's slices)."""
-        return [sl for piece in self.pieces() for sl in piece.slices]
-
-    def whole(self) -> tuple[list[ShardSlice], np.ndarray]:
-        """The slices and the mask of every piece at once: for tests."""
-        pieces = list(self.pieces())
-        keep = [p.keep for p in pieces]
-        return [sl for p in pieces for sl in p.slices], (
-            np.concatenate(keep) if keep else np.zeros(0, dtype=bool)
-        )
-
-
-@dataclass(frozen=True)
-class MixPlan:
-    """One worker's epoch over a mixture: per-source plans and the source sequence still to
-    deliver (``schedule()``: its chunks, made as they are dealt), with the live count for
-    ``state_dict``."""
-
-    sources: list[SourcePlan]
-    schedule: Callable[[], Iterator[np.ndarray]]
-    progress: Progress
-
-
-def _part_chunks(lo: int, hi: int, total: int, stream: np.ndarray | None) -> Iterator[np.ndarray]:
-    """The epoch positions of a worker's part [lo, hi) of ``stream`` (None: every position),
-    wrapping past ``total``, ``PLAN_PIECE`` at a time."""
-    for a in range(lo, hi, PLAN_PIECE):
-        p = np.arange(a, min(hi, a + PLAN_PIECE), dtype=np.int64) % max(total, 1)
-        yield p if stream is None else stream[p]
-
-
-def _source_counts(
-    layout: MixLayout, part: Callable[[], Iterator], n: int, done: int
-) -> list[tuple[int, int]]:
-    """Per source: (its samples in the part of ``n``, those among the part's first ``done``)."""
-    if layout.num_sources == 1:
-        return [(n, done)]
-    out = np.zeros((layout.num_sources, 2), dtype=np.int64)
-    at = 0
-    for p in part():
-        src = layout.source[p]
-        out[:, 0] += np.bincount(src, minlength=layout.num_sources)
-        head = src[: max(0, done - at)]
-        out[:, 1] += np.bincount(head, minlength=layout.num_sources)
-        at += len(p)
-    return [(int(a), int(b)) for a, b in out]
-
-
-def _source_positions(
-    layout: MixLayout, part: Callable, i: int, offset: int, held: np.ndarray, frontier: int
-) -> Iterator[np.ndarray]:
-    """Source ``i``'s positions (its ids less ``offset``) at the wanted indices of its sequence
-    in the part: ``held`` (ascending, below ``frontier``: the buffer's residents) then every
-    index from ``frontier``, chunk by chunk; ids are asked only where one is wanted."""
-    k0 = 0
-    for p in part():
-        if layout.num_sources > 1:
-            p = p[layout.source[p] == i]
-        k1 = k0 + len(p)
-        h = held[np.searchsorted(held, k0) : np.searchsorted(held, k1)] - k0
-        ask = np.concatenate((h, np.arange(max(frontier, k0) - k0, len(p), dtype=np.int64)))
-        if len(ask):
-            yield np.asarray(layout.ids[p[ask]], dtype=np.int64) - offset
-        k0 = k1
-
-
-def _source_pieces(layout, s, part, i, held, frontier) -> Iterator[PlanPiece]:
-    return plan_pieces(s.layout(), _source_positions(layout, part, i, s.offset, held, frontier))
-
-
-def _schedule(layout: MixLayout, part: Callable, done: int) -> Iterator[np.ndarray]:
-    """The part's source sequence after its first ``done``, a chunk at a time."""
-    at = 0
-    for p in part():
-        if at + len(p) > done:
-            yield np.asarray(layout.source[p[max(0, done - at) :]])
-        at += len(p)
-
-
-def mix_worker_plan(
-    layout: MixLayout,
-    sources: Sequence[MixedSource],
-    world: World,
-    facts: dict,
-    state: EpochState | None = None,
-    *,
-    batch_size: int | None = None,
-    in_worker: bool = False,
-) -> MixPlan:
-    """The plan of worker ``world.worker`` for ``layout.epoch``, continuing ``state`` if given
-    (the same arithmetic as ``worker_plan``, one buffer per source). Only the buffers' points
-    are worked out here; each source's slices and the schedule are made in pieces as they are
-    read (``SourcePlan.pieces``, ``MixPlan.schedule``): O(``PLAN_PIECE``) at a time."""
-    if state is None:
-        state = EpochState.start(
-            layout.epoch, world.rank, facts, world.world_size, world.num_workers, batch_size
-        )
-    state = replace(
-        state.on_world(world.world_size, world.num_workers, batch_size), rank=world.rank
-    )
-    seg, number = state.segments[-1], len(state.segments) - 1
-    # One segment (no checkpoint of another world): the stream is every position in order, and
-    # this worker's part is its span alone, not an array of the whole epoch's positions.
-    stream = segment_streams(layout, state.segments) if number else None
-    total = layout.total if stream is None else len(stream)
-    worker = (seg.slot0 + world.worker) % world.num_workers
-    lo, hi = layout.span(total, world.rank, seg, worker)
-    done = seg.delivered[worker]
-    if done is None:
-        raise InputError(
-            f"state holds no count for DataLoader worker {worker}: it was saved by another "
-            "worker; load each worker's state into its own worker (StatefulDataLoader does)"
-        )
-    done = min(done, hi - lo)
-    hi = hi if total else lo
-    part = partial(_part_chunks, lo, hi, total, stream)  # each call: the part afresh
-    counts = _source_counts(layout, part, hi - lo, done)
-    plans = []
-    size = layout.buffered
-    for i, (s, (n, c)) in enumerate(zip(sources, counts, strict=True)):
-        point = buffer_point(n, size, layout.buffer_rng(world.rank, worker, number, i), c)
-        held = np.flatnonzero(point.slots >= 0)
-        by_position = np.argsort(point.slots[held], kind="stable")
-        residents = point.slots[held][by_position]
-        pieces = partial(_source_pieces, layout, s, part, i, residents, point.frontier)
-        how = Arrangement(None, held[by_position].tolist(), len(point.slots) if size else 0)
-        rng = layout.buffer_rng(world.rank, worker, number, i)
-        plans.append(SourcePlan(pieces, how, (point.steps, point.flushed), rng))
-    progress = progress_at(layout, state, total, worker, in_worker, done)
-    return MixPlan(plans, partial(_schedule, layout, part, done), progress)

@@ -1,40 +1,35 @@
-"""Mid-epoch checkpoints: where an epoch stands, recomputed from sample positions alone.
+"""The state format of mid-epoch checkpoints: what a state holds and what it must agree on.
 
-An epoch's plan is a pure function of (seed, epoch, world) (``stream.partition``) and the shuffle
+An epoch's plan is a pure function of (seed, epoch, world) (``stream.planner``) and the shuffle
 buffer's choices depend only on its generator and on positions, never on bytes
 (``shuffle.shuffle_buffer``). So "worker w has delivered c samples" is enough to know, without
-reading a byte, which samples it delivered, which sit in its buffer and where its reading stops.
-A resumed worker reads the buffer's residents and then the unread rest, seeking through the
-shards' offset index; the consumed prefix is neither read nor decoded.
+reading a byte, which samples it delivered, which sit in its buffer and where its reading stops:
+``stream.planner`` works that out, and plans a resumed worker that reads the buffer's residents
+and then the unread rest, seeking through the shards' offset index.
 
-The plan of a resumed worker is ``partition.worker_plan``'s; this module keeps the state and the
-replay of the shuffle buffer it needs. A state is plain data (ints, strings, lists, None): ``json``
-and ``torch.save`` both round-trip it. It holds the epoch, a fingerprint of the dataset, and one
-*segment* per world the epoch was played on: world size, DataLoader workers, samples delivered by
-each worker. DDP ranks step together, so one rank's segment describes every rank. Loading it on
-another world (elastic) freezes the segment: the samples the old world planned but did not
-deliver become the stream of a new segment, split over the new world with the usual rules
-(``equalize``, ``batch_size``).
+This module keeps the state alone. A state is plain data (ints, strings, lists, None): ``json``
+and ``torch.save`` both round-trip it. It holds the epoch, the facts of the dataset it was saved
+for (``dataset_facts``: its order and a fingerprint of its shards), and one *segment* per world
+the epoch was played on: world size, DataLoader workers, samples delivered by each worker. DDP
+ranks step together, so one rank's segment describes every rank. Loading it on another world
+(elastic) freezes the segment: the samples the old world planned but did not deliver become the
+stream of a new segment, split over the new world with the usual rules (``equalize``,
+``batch_size``). A worker's live count (``Progress``) is written as a state; a DataLoader's deal
+of batches (``round_robin``) and its workers' states (``merge_worker_states``) are counted here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError
-from ..records import Record, ShardTable
-from .shuffle import draw_block
-from .world import World
-
-if TYPE_CHECKING:  # the plan imports the state, not the other way round
-    from .partition import EpochLayout
+from ..records import ShardTable
+from .shuffle import Order
 
 __all__ = [
     "STATE_FORMAT",
@@ -42,15 +37,9 @@ __all__ = [
     "EpochState",
     "Progress",
     "dataset_facts",
-    "progress_at",
-    "rank_state",
-    "worker_counts_state",
     "round_robin",
-    "arrange",
     "count_delivered",
     "merge_worker_states",
-    "samples_left",
-    "worker_left",
 ]
 
 STATE_FORMAT = "shardkit.resume/1"
@@ -210,11 +199,10 @@ def dataset_facts(
     shard_format: str,
     *,
     seed: int,
-    shuffle: bool,
-    buffer_size: int,
-    equalize: str,
+    order: Order,
 ) -> dict:
-    """What a state must agree on with the dataset it is loaded into.
+    """What a state must agree on with the dataset it is loaded into: the ``Order`` with the
+    seed, and the shards.
 
     The fingerprint covers shard file names (not directories: a dataset moved or mounted
     elsewhere still resumes) and their sample counts, in order.
@@ -225,9 +213,9 @@ def dataset_facts(
         "shards": len(urls),
         "samples": sum(ints),
         "seed": int(seed),
-        "shuffle": bool(shuffle),
-        "buffer_size": int(buffer_size),
-        "equalize": equalize,
+        "shuffle": bool(order.shuffle),
+        "buffer_size": int(order.buffer_size),
+        "equalize": order.equalize,
         "fingerprint": hashlib.sha256(blob).hexdigest()[:32],
     }
 
@@ -242,120 +230,7 @@ def _file_names(urls: Sequence[str] | ShardTable) -> list[str]:
     return [u.replace("\\", "/").rstrip("/").rpartition("/")[2] for u in urls]
 
 
-@dataclass(frozen=True)
-class BufferPoint:
-    """A shuffle buffer after delivering some items, worked out on stream indices.
-
-    ``slots[j]``: stream index resident in slot j (-1: already emitted by the final flush).
-    ``frontier``: first stream index not read yet. ``steps``/``flushed``: see shuffle_buffer.
-    """
-
-    slots: np.ndarray
-    frontier: int
-    steps: int
-    flushed: int
-
-    def consumed(self) -> np.ndarray:
-        """Stream indices delivered so far."""
-        done = np.ones(self.frontier, dtype=bool)
-        done[self.slots[self.slots >= 0]] = False
-        return np.flatnonzero(done)
-
-
-def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) -> BufferPoint:
-    """Replay ``shuffle_buffer`` over a stream of ``n`` items, on indices, for ``delivered``
-    outputs. Mirrors it draw for draw; tests check the two agree."""
-    if size <= 1:
-        return BufferPoint(np.empty(0, np.int64), delivered, 0, 0)
-    fill = min(n, size)
-    total_steps = n - size if n >= size else 0
-    steps = min(delivered, total_steps)
-    last = np.full(fill, -1, dtype=np.int64)  # each slot's last replacement, block by block:
-    for at in range(0, steps, 4096):  # O(the buffer), not a draw kept for every step replayed
-        k = min(4096, steps - at)
-        np.maximum.at(last, draw_block(rng, size)[:k], np.arange(at, at + k, dtype=np.int64))
-    slots = np.where(last >= 0, size + last, np.arange(fill, dtype=np.int64))
-    flushed = delivered - steps
-    if flushed:
-        slots[rng.permutation(fill)[:flushed]] = -1
-    return BufferPoint(slots, fill + steps, steps, flushed)
-
-
-def segment_streams(layout: EpochLayout, segments: Sequence[Segment]) -> np.ndarray:
-    """The epoch positions the last segment splits: everything for the first, then for each
-    frozen segment what its world planned and did not deliver, in epoch stream order."""
-    stream = np.arange(layout.total, dtype=np.int64)
-    for number, seg in enumerate(segments[:-1]):
-        total = len(stream)
-        planned = np.zeros(total, dtype=bool)
-        planned[: layout.planned(total, seg.world_size)] = True
-        consumed = np.zeros(total, dtype=bool)
-        for rank in range(seg.world_size):
-            for w in range(seg.num_workers):
-                lo, hi = layout.span(total, rank, seg, w)
-                idx = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
-                c = min(seg.delivered[w], hi - lo)
-                consumed[layout.consumed(stream, idx, rank, w, number, c)] = True
-        stream = stream[planned & ~consumed]
-    return stream
-
-
-def samples_left(layout: EpochLayout, state: EpochState) -> int | None:
-    """Samples of the epoch no rank has delivered yet (None: unknown, a one-worker state)."""
-    last = state.segments[-1]
-    if any(c is None for c in last.delivered):
-        return None
-    return len(segment_streams(layout, state.segments + (last,)))
-
-
-def worker_left(layout: EpochLayout, state: EpochState, world: World, batch_size) -> int | None:
-    """Samples DataLoader worker ``world.worker`` still has to deliver if it continues
-    ``state`` (None: unknown, e.g. the world changed and the rest will be re-split)."""
-    seg = state.segments[-1]
-    if seg.world() != (world.world_size, world.num_workers, batch_size):
-        return None
-    worker = (seg.slot0 + world.worker) % world.num_workers
-    if seg.delivered[worker] is None:
-        return None
-    total = len(segment_streams(layout, state.segments))
-    lo, hi = layout.span(total, world.rank, seg, worker)
-    return max(0, hi - lo - seg.delivered[worker])
-
-
-# --- one worker's iteration -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arrangement:
-    """How a resumed worker's records become the shuffle buffer's input: drop the records read
-    only to bridge small holes (``keep``; None where the reader dropped them already, as a pieced
-    plan's reads do: ``partition.SourcePlan``), put the first ``len(slots)`` kept ones in their
-    buffer slots (``fill`` slots, None where the flush already emitted), pass the rest through."""
-
-    keep: np.ndarray | None
-    slots: list[int]
-    fill: int
-
-
-def arrange(
-    records: Iterable[Record], how: Arrangement, dropped: bool = False
-) -> Iterator[Record | None]:
-    """``records`` as ``how`` arranges them; ``dropped``: they are the kept ones already
-    (``read_slices(drop=True)``)."""
-    it = iter(records)
-    holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
-    checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything
-    kept = it
-    if checked:
-        kept = itertools.chain(
-            itertools.compress(itertools.islice(it, checked), how.keep[:checked].tolist()), it
-        )
-    if how.fill:
-        buf: list[Record | None] = [None] * how.fill
-        for slot, rec in zip(how.slots, kept, strict=False):
-            buf[slot] = rec
-        yield from buf
-    yield from kept
+# --- one worker's live count ------------------------------------------------------------------
 
 
 @dataclass
@@ -367,7 +242,7 @@ class Progress:
     in_worker: bool  # a DataLoader worker: it knows only its own count
     delivered: int = 0
     part: int | None = None  # this worker's part on this rank (None: not known)
-    finished: int = 0  # the count saved once the part is done (``EpochLayout.finished``)
+    finished: int = 0  # the count saved once the part is done (``partition.EpochLayout.finished``)
 
     @property
     def epoch(self) -> int:
@@ -382,17 +257,6 @@ class Progress:
         return replace(self.state, segments=self.state.segments[:-1] + (last,))
 
 
-def progress_at(
-    layout: EpochLayout, state: EpochState, total: int, worker: int, in_worker: bool, done: int
-) -> Progress:
-    """The progress of plan worker ``worker`` of ``state.rank`` on the last segment of
-    ``state`` (whose stream holds ``total`` positions), ``done`` samples delivered."""
-    seg = state.segments[-1]
-    lo, hi = layout.span(total, state.rank, seg, worker)
-    finished = layout.finished(total, seg, worker)
-    return Progress(state, worker, in_worker, done, part=hi - lo, finished=finished)
-
-
 def count_delivered(records: Iterable, progress: Progress) -> Iterator:
     """Count what leaves the shuffle buffer (before decoding, so skipped samples count too)."""
     for rec in records:
@@ -400,7 +264,7 @@ def count_delivered(records: Iterable, progress: Progress) -> Iterator:
         yield rec
 
 
-# --- a whole rank's position from a batch count ------------------------------------------------
+# --- a DataLoader's deal and its workers' states -------------------------------------------------
 
 
 def round_robin(batches: Sequence[int], k: int) -> tuple[list[int], int]:
@@ -429,79 +293,6 @@ def round_robin(batches: Sequence[int], k: int) -> tuple[list[int], int]:
             for j, i in enumerate(active):
                 taken[i] += rounds + (j < extra)
             return taken, active[extra]
-
-
-def rank_state(
-    layout: EpochLayout,
-    facts: dict,
-    base: EpochState | None,
-    *,
-    rank: int,
-    world_size: int,
-    num_workers: int,
-    batch_size: int,
-    batches: int,
-    cut: int | None = None,
-) -> EpochState:
-    """The state after a DataLoader with ``num_workers`` workers delivered ``batches`` batches of
-    ``batch_size`` from ``base`` (the loaded state, or the epoch's start); ``cut``: the batch
-    size worker parts are cut at (the dataset's ``batch_size``; None: not cut). Every batch is
-    taken as whole: samples skipped as undecodable are not seen from here."""
-    state, seg, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
-    total = len(segment_streams(layout, state.segments))
-    left = []
-    for w in plays:
-        lo, hi = layout.span(total, rank, seg, w)
-        left.append(max(0, hi - lo - seg.delivered[w]))
-    taken, nxt = round_robin([-(-n // batch_size) for n in left], batches)
-    consumed = [min(t * batch_size, n) for t, n in zip(taken, left, strict=True)]
-    return _advanced(layout, total, state, plays, consumed, nxt)
-
-
-def worker_counts_state(
-    layout: EpochLayout,
-    facts: dict,
-    base: EpochState | None,
-    *,
-    rank: int,
-    world_size: int,
-    num_workers: int,
-    cut: int | None,
-    consumed: Sequence[int],
-    next_worker: int,
-) -> EpochState:
-    """The state after DataLoader-numbered worker ``i`` took ``consumed[i]`` records from its
-    stream (delivered or skipped as undecodable: a loader that is told of every skip, as
-    ShardLoader is, counts exactly) and worker ``next_worker``'s batch is the next one due."""
-    state, _, plays = _rank_start(layout, facts, base, rank, world_size, num_workers, cut)
-    one = len(state.segments) == 1  # the whole epoch: no stream to build for its length
-    total = layout.total if one else len(segment_streams(layout, state.segments))
-    return _advanced(layout, total, state, plays, consumed, next_worker)
-
-
-def _rank_start(layout, facts, base, rank, world_size, num_workers, cut):
-    """(state on this world, its last segment, the plan worker each DataLoader worker plays)."""
-    if base is None:
-        base = EpochState.start(layout.epoch, rank, facts, world_size, num_workers, cut)
-    state = replace(base.on_world(world_size, num_workers, cut), rank=rank)
-    seg = state.segments[-1]
-    if any(c is None for c in seg.delivered):
-        raise InputError("state holds one DataLoader worker's count; it cannot be advanced here")
-    return state, seg, [(seg.slot0 + slot) % num_workers for slot in range(num_workers)]
-
-
-def _advanced(layout, total, state, plays, consumed, nxt) -> EpochState:
-    """``state`` after each plan worker ``plays[i]`` took ``consumed[i]`` more; a worker whose
-    part is done gets the count that says so on every rank (``EpochLayout.finished``)."""
-    seg = state.segments[-1]
-    delivered = list(seg.delivered)
-    for slot, w in enumerate(plays):
-        delivered[w] += consumed[slot]
-        lo, hi = layout.span(total, state.rank, seg, w)
-        if delivered[w] >= hi - lo:
-            delivered[w] = max(delivered[w], layout.finished(total, seg, w))
-    last = replace(seg, delivered=tuple(delivered), slot0=plays[nxt])
-    return replace(state, segments=state.segments[:-1] + (last,))
 
 
 def merge_worker_states(states: Iterable[dict] | dict) -> dict:

@@ -24,9 +24,11 @@ import numpy as np
 from ..errors import InputError, check_choice, check_int
 
 __all__ = [
+    "BufferPoint",
     "DEFAULT_BUFFER_SIZE",
     "EQUALIZE_MODES",
     "Order",
+    "buffer_point",
     "buffer_rng",
     "draw_block",
     "rng_for",
@@ -120,7 +122,7 @@ def buffer_rng(
     """The buffer's generator: distinct per (rank, worker) so workers do not mirror each other.
 
     ``segment`` > 0 numbers the worlds an epoch was re-split over after an elastic resume
-    (shardkit.stream.resume); segment 0 is the ordinary epoch.
+    (shardkit.stream.planner); segment 0 is the ordinary epoch.
     """
     if segment:
         return rng_for(seed, epoch, _BUFFER, rank, worker, segment)
@@ -129,7 +131,7 @@ def buffer_rng(
 
 def draw_block(rng: np.random.Generator, size: int) -> np.ndarray:
     """The next ``_DRAW_BLOCK`` slot choices; shuffle_buffer and its index-only replay
-    (shardkit.stream.resume) both draw through here, so they consume the generator identically."""
+    (``buffer_point``) both draw through here, so they consume the generator identically."""
     return rng.integers(0, size, _DRAW_BLOCK)
 
 
@@ -141,7 +143,7 @@ def shuffle_buffer(
     ``size`` <= 1 passes items through unchanged. The first item comes out after ``size`` have
     been read; at the end the remaining buffer is emitted in a random order. Every item is emitted
     exactly once. The choices depend only on ``rng`` and on positions, never on the items, which
-    is what lets shardkit.stream.resume recompute a mid-epoch buffer from indices alone.
+    is what lets ``buffer_point`` recompute a mid-epoch buffer from indices alone.
 
     ``resume=(steps, flushed)`` continues a buffer that had made ``steps`` replacements and
     emitted ``flushed`` items of its final flush: ``items`` then starts with the buffer's
@@ -174,3 +176,45 @@ def _skip_draws(rng: np.random.Generator, size: int, steps: int) -> Iterator[int
     for _ in range(full):
         draw_block(rng, size)
     return iter(draw_block(rng, size)[part:].tolist()) if part else iter(())
+
+
+# --- the buffer replayed on indices (checkpoints) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferPoint:
+    """A shuffle buffer after delivering some items, worked out on stream indices.
+
+    ``slots[j]``: stream index resident in slot j (-1: already emitted by the final flush).
+    ``frontier``: first stream index not read yet. ``steps``/``flushed``: see shuffle_buffer.
+    """
+
+    slots: np.ndarray
+    frontier: int
+    steps: int
+    flushed: int
+
+    def consumed(self) -> np.ndarray:
+        """Stream indices delivered so far."""
+        done = np.ones(self.frontier, dtype=bool)
+        done[self.slots[self.slots >= 0]] = False
+        return np.flatnonzero(done)
+
+
+def buffer_point(n: int, size: int, rng: np.random.Generator, delivered: int) -> BufferPoint:
+    """Replay ``shuffle_buffer`` over a stream of ``n`` items, on indices, for ``delivered``
+    outputs. Mirrors it draw for draw; tests check the two agree."""
+    if size <= 1:
+        return BufferPoint(np.empty(0, np.int64), delivered, 0, 0)
+    fill = min(n, size)
+    total_steps = n - size if n >= size else 0
+    steps = min(delivered, total_steps)
+    last = np.full(fill, -1, dtype=np.int64)  # each slot's last replacement, block by block:
+    for at in range(0, steps, 4096):  # O(the buffer), not a draw kept for every step replayed
+        k = min(4096, steps - at)
+        np.maximum.at(last, draw_block(rng, size)[:k], np.arange(at, at + k, dtype=np.int64))
+    slots = np.where(last >= 0, size + last, np.arange(fill, dtype=np.int64))
+    flushed = delivered - steps
+    if flushed:
+        slots[rng.permutation(fill)[:flushed]] = -1
+    return BufferPoint(slots, fill + steps, steps, flushed)

@@ -1,7 +1,7 @@
 """The streaming pipeline's stages, each testable alone on a list.
 
 The order ``ShardDataset`` runs them in is drawn in ``shardkit.stream``'s docstring; what each
-worker reads (its slices) is planned in ``stream.partition``. The stages are generators
+worker reads (its slices) is planned in ``stream.planner``. The stages are generators
 ``stage(iterable, ...) -> Iterator``. Hot loops stay lean: no per-sample dicts, logging or
 re-planning.
 """
@@ -27,6 +27,7 @@ from ..formats import FORMATS
 from ..formats.sample_index import ShardSides
 from ..images.crops import CropError
 from ..images.decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
+from ..images.options import Decode
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .fields import decode_field_image
@@ -365,14 +366,13 @@ def transform_error(rec: Record, exc: BaseException) -> TransformError:
 
 def decode_records(
     records: Iterable[Record],
-    mode: str = "pil",
+    decode: Decode | str = "pil",
     *,
     on_error: str = "raise",
     with_keys: bool | Sequence[str] = False,
     skipped: Callable[[], None] | None = None,
     fields: Sequence[str] = (),
     decoder: Callable[[bytes, str], object] | None = None,
-    max_pixels: int | None = DEFAULT_MAX_PIXELS,
     field_decoders: Sequence[Callable[[bytes], object] | None] | None = None,
     geometry: Callable[[Record, tuple], tuple] | None = None,
 ) -> Iterator[tuple]:
@@ -382,9 +382,11 @@ def decode_records(
     ``on_error="raise"`` raises ``SampleError`` naming shard and key; ``"skip"`` warns, calls
     ``skipped()`` (the dataset counts) and goes on. ``fields``: each sample gains the raw bytes
     of these extra members, in this order, after the key (None where a sample has none).
-    ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the fixed-size tensor decoder
-    of ``shardkit.images.geometry``, whose randomness depends on the key). ``max_pixels``:
-    images declaring more are undecodable samples (refused from the header).
+    ``decode``: a ``shardkit.Decode`` (or its mode alone: ``Decode.of``), whose mode says what
+    an image becomes and whose ``max_pixels`` makes images declaring more undecodable samples
+    (refused from the header). ``decoder(data, key)`` replaces ``decode_image(data, mode)`` (the
+    fixed-size tensor decoder of ``shardkit.images.geometry``, whose randomness depends on the
+    key).
     ``field_decoders`` (one per field, None: the stored bytes; see shardkit.stream.fields):
     fields are decoded and required: a sample without one, or whose field does not decode, is
     an error naming shard, key and field (a skip under ``on_error="skip"``).
@@ -392,12 +394,13 @@ def decode_records(
     boxes: ``shardkit.stream.fields.sample_geometry``); ``decoder`` is then a ``TensorDecoder``
     whose ``crop_box`` is asked once per sample, the box given to both.
     """
-    check_choice("decode", mode, DECODE_MODES)
+    decode = Decode.of(decode)
+    mode = decode.mode
     check_choice("on_error", on_error, ON_ERROR_MODES)
     extras = extras_of(with_keys)
     kw = dict(
         on_error=on_error, skipped=skipped, fields=[f.lower() for f in fields], decoder=decoder,
-        max_pixels=max_pixels, field_decoders=field_decoders, geometry=geometry,
+        max_pixels=decode.max_pixels, field_decoders=field_decoders, geometry=geometry,
     )  # fmt: skip
     if extras in ((), ("key",)):
         return _decoded(records, mode, extras == ("key",), False, **kw)

@@ -315,6 +315,11 @@ class PackOptions:
     def __post_init__(self) -> None:
         _check_options(self.validate, self.on_error, self.workers, self.resize_short, self.seed)
 
+    @property
+    def on_error_mode(self) -> str:
+        """``on_error`` under its current name (``"fail"`` reads as ``"raise"``)."""
+        return "raise" if self.on_error == "fail" else self.on_error
+
     @classmethod
     def of(cls, options: PackOptions | None, keywords: Mapping[str, Any]) -> PackOptions:
         """``options`` (default: the defaults) with ``keywords`` set; an unknown one is named."""
@@ -382,7 +387,7 @@ def pack(
     """
     started = time.perf_counter()
     o = PackOptions.of(options, keywords)
-    on_error = "raise" if o.on_error == "fail" else o.on_error
+    on_error = o.on_error_mode
     from_folder = isinstance(src, (str, os.PathLike))
     if from_folder:
         src = os.fspath(src)
@@ -405,21 +410,9 @@ def pack(
                 )
                 if current is not None:
                     return current
-            kw = dict(
-                shard_size=o.shard_size,
-                format=o.format,
-                shuffle=o.shuffle,
-                seed=o.seed,
-                validate=o.validate,
-                resize_short=o.resize_short,
-                on_error=on_error,
-                progress=o.progress,
-                root=root,
-                allow_duplicates=bool(o.allow_duplicates),
-            )
             if not is_url(out) or out.startswith("file://"):
                 out = out.removeprefix("file://")
-                return _pack_planned(src, out, kw, o, started)
+                return _pack_planned(src, out, o, started)
         if o.runner is not None:
             raise InputError(
                 f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
@@ -448,11 +441,9 @@ def pack(
     )
     if from_folder:
         with writer:
-            return _pack_to_url(src, writer, kw, o.workers, o.on_shard, started)
+            return _pack_to_url(src, writer, o, started)
     with writer:
-        run = _samples_run(
-            src, writer, o.shuffle, o.seed, o.workers, o.validate, o.resize_short, on_error
-        )
+        run = _samples_run(src, writer, o)
         errors = _write(run, writer, on_error, o.workers, o.progress)
         skipped = run.errors + errors
         if not writer.samples:
@@ -549,7 +540,17 @@ def _check_append(out: str, overwrite: bool) -> None:
         )
 
 
-def _pack_planned(src, out, kw, o: PackOptions, started: float) -> PackReport:
+def _plan(src: str, out: str, o: PackOptions, **how) -> PackPlan:
+    """``plan_pack`` of a folder or table with the options ``o`` (``how``: ``existing``,
+    ``engine``)."""
+    return plan_pack(
+        src, out, shard_size=o.shard_size, format=o.format, shuffle=o.shuffle, seed=o.seed,
+        validate=o.validate, resize_short=o.resize_short, on_error=o.on_error_mode,
+        progress=o.progress, root=o.root, allow_duplicates=bool(o.allow_duplicates), **how,
+    )  # fmt: skip
+
+
+def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
     """Plan, run (here on reader threads, or as tasks on ``o.runner``), commit."""
     from ..progress import Progress
 
@@ -563,24 +564,24 @@ def _pack_planned(src, out, kw, o: PackOptions, started: float) -> PackReport:
     try:
         if append:
             base = read_manifest(out)
-            if base.shard_format != get_format(kw["format"]).name:
+            if base.shard_format != get_format(o.format).name:
                 raise InputError(
                     f"{out} holds {base.shard_format} shards; append with format="
                     f'"{base.shard_format}"'
                 )
-            existing = _held(out, base, kw["allow_duplicates"])
-            plan = plan_pack(src, out, **kw, existing=existing, engine=runner).appending(base)
+            existing = _held(out, base, bool(o.allow_duplicates))
+            plan = _plan(src, out, o, existing=existing, engine=runner).appending(base)
             replaced = []  # nothing already packed is touched
             if not len(plan.order):
                 _warn_duplicates(plan, src, out)
                 return _nothing_to_append(plan, out, started)
         else:
-            plan = plan_pack(src, out, **kw, engine=runner)
+            plan = _plan(src, out, o, engine=runner)
         if plan_only is not None:
             save_tasks(plan.tasks(shards_per_task), plan_only, "the same pack without plan_only")
             return _planned_report(plan, out, started)
         if runner is None:
-            bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
+            bar = Progress(len(plan.order), "pack", "img", enabled=o.progress)
             try:
                 receipts = run_task(plan.whole(), workers, on_shard=on_shard, progress=bar.update)
             finally:
@@ -693,12 +694,13 @@ class _Run:
     empty_classes: Sequence[str] = ()
 
 
-def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> PackReport:
+def _pack_to_url(src, writer: ShardWriter, o: PackOptions, started: float) -> PackReport:
     """A folder into a URL: the same plan and tasks as a local pack, run here into the writer's
     local staging; each shard uploads under its final key as it completes, the manifest last."""
     from ..progress import Progress
 
-    plan = plan_pack(src, writer.staging, **kw)  # the job folder: inside the local staging
+    workers, on_shard = o.workers, o.on_shard
+    plan = _plan(src, writer.staging, o)  # the job folder: inside the local staging
     writer.classes = list(plan.scan.classes)
 
     def done(path: str) -> None:
@@ -706,7 +708,7 @@ def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> Pa
         if on_shard is not None:
             on_shard(path)
 
-    bar = Progress(len(plan.order), "pack", "img", enabled=kw["progress"])
+    bar = Progress(len(plan.order), "pack", "img", enabled=o.progress)
     try:
         receipts = run_task(plan.whole(), workers, on_shard=done, progress=bar.update)
     finally:
@@ -736,13 +738,15 @@ def _pack_to_url(src, writer: ShardWriter, kw, workers, on_shard, started) -> Pa
     return _written_report(done_report, writer, skipped, scan, started)
 
 
-def _samples_run(source, writer, shuffle, seed, workers, validate, resize_short, on_error) -> _Run:
+def _samples_run(source, writer, o: PackOptions) -> _Run:
+    """A Python source's samples, read in ``o``'s order and checked by its ``validate``."""
+    validate, resize_short = o.validate, o.resize_short
     if writer.classes is None:
         names = getattr(source, "classes", None)
         if isinstance(names, (list, tuple)) and all(isinstance(c, str) for c in names):
             writer.classes = list(names)
     name = f"<{type(source).__name__}>"
-    tasks, n, shuffled = _samples.tasks(source, shuffle, seed, READ_BATCH)
+    tasks, n, shuffled = _samples.tasks(source, o.shuffle, o.seed, READ_BATCH)
     return _Run(
         name=name,
         total=n,

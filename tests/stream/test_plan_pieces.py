@@ -10,11 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import shardkit.stream.partition as partition
+import shardkit.stream.planner as planner
 from shardkit.stream.dataset import ShardDataset, Source
-from shardkit.stream.partition import mix_worker_plan, positions_to_slices
-from shardkit.stream.resume import EpochState, Segment, buffer_point, segment_streams
-from shardkit.stream.shuffle import Order
+from shardkit.stream.partition import positions_to_slices
+from shardkit.stream.planner import segment_streams, worker_plan
+from shardkit.stream.resume import EpochState, Segment
+from shardkit.stream.shuffle import Order, buffer_point
 from shardkit.stream.world import World
 from shardkit.write.writer import ShardWriter
 
@@ -95,7 +96,7 @@ def test_a_pieced_plan_is_the_whole_plan(packs, monkeypatch, kind, piece):
     fresh, resumed on the same world (buffer residents held) and resumed on another world
     (the stream of what the old one left): the pieces laid end to end are the slices, masks,
     buffer points and schedule the whole part planned at once gives."""
-    monkeypatch.setattr(partition, "PLAN_PIECE", piece)
+    monkeypatch.setattr(planner, "PLAN_PIECE", piece)
     sources_of = DATASETS[kind]
     size = 2500 if kind == "train-passes" else None
     for equalize, buffer in (("pad", 40), ("none", 0)):
@@ -115,9 +116,7 @@ def test_a_pieced_plan_is_the_whole_plan(packs, monkeypatch, kind, piece):
                 for rank in range(ws):
                     for w in range(nw):
                         world = World(rank, ws, w, nw)
-                        plan = mix_worker_plan(
-                            layout, ds.sources, world, facts, state, batch_size=bs
-                        )
+                        plan = worker_plan(layout, world, facts, state, batch_size=bs)
                         want = _whole(layout, ds.sources, world, state, bs)
                         assert _pieced(plan) == want, (kind, equalize, ws, nw, rank, w, state)
 
@@ -128,7 +127,7 @@ def test_pieced_epochs_deliver_and_resume_as_whole_ones(packs, monkeypatch):
     as with pieces longer than the part."""
 
     def read(piece):
-        monkeypatch.setattr(partition, "PLAN_PIECE", piece)
+        monkeypatch.setattr(planner, "PLAN_PIECE", piece)
         ds = ShardDataset(
             DATASETS["mixture"](packs), epoch_size=900, decode="raw",
             with_keys=("key", "source"), seed=7, order=Order(buffer_size=50),
@@ -169,7 +168,7 @@ def test_a_worker_plans_its_part_in_bounded_memory(packs, monkeypatch):
     drawn samples peaks within a piece's bytes of reading one of 1,000 (pieces of 256): the
     plan is made piece by piece, not for the whole part (before: ~80 bytes a drawn sample of
     the part: 1.09 MB against 1.74 MB)."""
-    monkeypatch.setattr(partition, "PLAN_PIECE", 256, raising=False)  # an older tree: no pieces
+    monkeypatch.setattr(planner, "PLAN_PIECE", 256, raising=False)  # an older tree: no pieces
     peaks = {}
     for n in (1_000, 20_000):
         ds = ShardDataset(
@@ -184,9 +183,9 @@ def test_a_resumed_worker_of_a_plain_epoch_plans_its_part_not_the_epoch():
     """Counted: a worker resuming a plain epoch on the world it was saved on plans the rest of
     its part (here a 64th of 1,000,000 samples), not an array of every position of the epoch
     first (8 bytes a sample of the epoch: 8 MB); the same plan as from that array."""
-    from shardkit.stream.partition import EpochLayout, worker_plan
+    from shardkit.stream.partition import EpochLayout
 
-    layout = EpochLayout(np.full(100, 10_000, dtype=np.int64), 5, 1, True, 1000, "pad")
+    layout = EpochLayout(np.full(100, 10_000, dtype=np.int64), 5, 1, Order())
     seg = Segment(64, 2, None, (3000, 2500))
     state = EpochState(1, 0, {}, (seg,))
     world = World(37, 64, 1, 2)
@@ -199,7 +198,7 @@ def test_a_resumed_worker_of_a_plain_epoch_plans_its_part_not_the_epoch():
         tracemalloc.stop()
     assert peak < 2 * layout.total, peak
     lo, hi = layout.span(layout.total, 37, seg, 1)
-    point = buffer_point(hi - lo, 1000, partition._segment_rng(layout, 37, 1, 0), 2500)
+    point = buffer_point(hi - lo, 1000, layout.segment_rng(37, 1, 0), 2500)
     held = np.sort(point.slots[point.slots >= 0])
     wanted = np.concatenate((held, np.arange(point.frontier, hi - lo)))
     stream = np.arange(layout.total, dtype=np.int64)  # the array it was planned from before

@@ -25,8 +25,8 @@ from shardkit.formats.sample_index import decode_index, index_path
 from shardkit.manifest import read_manifest
 from shardkit.remote.storage import RemoteStorage
 from shardkit.stream.dataset import ShardDataset, Source
-from shardkit.stream.resume import buffer_point, merge_worker_states, round_robin
-from shardkit.stream.shuffle import Order, rng_for, shuffle_buffer
+from shardkit.stream.resume import merge_worker_states, round_robin
+from shardkit.stream.shuffle import Order, buffer_point, rng_for, shuffle_buffer
 from shardkit.stream.storage import LocalStorage
 
 pytestmark = [

@@ -174,6 +174,6 @@ def test_the_resume_fingerprint_of_a_table_is_the_one_its_urls_give(many, head, 
     table = resolve_source(many).shards
     if head is not None:
         table = ShardTable(table.names, table.samples, table.bytes, head=head, tail=tail)
-    kw = dict(seed=3, shuffle=True, buffer_size=10, equalize="pad")
+    kw = dict(seed=3, order=Order(buffer_size=10))
     by_urls = dataset_facts(list(table.urls), table.samples.tolist(), "tar", **kw)
     assert dataset_facts(table, table.samples, "tar", **kw) == by_urls

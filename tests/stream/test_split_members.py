@@ -159,7 +159,7 @@ def test_a_one_source_epoch_layout_holds_a_few_bytes_a_shard(packs, split):
     from shardkit.stream.partition import MixLayout
 
     ds = ShardDataset(Source(packs["tar"], split=split), decode="raw", seed=2)
-    kw = dict(seed=2, shuffle=True, buffer_size=0, equalize="pad")
+    kw = dict(seed=2, order=Order(buffer_size=0))
     MixLayout.build(ds.sources, ds.shares, epoch=0, **kw)  # the first draw imports its modules
     tracemalloc.start()
     try:

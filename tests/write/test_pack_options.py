@@ -38,6 +38,11 @@ def test_pack_options_check_themselves_and_name_unknown_keywords(tmp_path):
 
 
 def test_the_planned_pack_takes_the_options_whole():
-    """The folder pack hands ``PackOptions`` on whole, not its fields one by one."""
-    params = inspect.signature(packer._pack_planned).parameters
-    assert list(params) == ["src", "out", "kw", "o", "started"]
+    """The pack hands ``PackOptions`` on whole to what writes it (a folder's plan and run,
+    a folder into a URL, a Python source's run), not its fields one by one or a dict of them."""
+    for fn, params in (
+        (packer._pack_planned, ["src", "out", "o", "started"]),
+        (packer._pack_to_url, ["src", "writer", "o", "started"]),
+        (packer._samples_run, ["source", "writer", "o"]),
+    ):
+        assert list(inspect.signature(fn).parameters) == params, fn.__name__
