@@ -23,7 +23,7 @@ from shardkit.errors import InputError, ManifestError, OutputError
 from shardkit.formats import get_format
 from shardkit.formats.sample_index import key_hashes
 from shardkit.fsutil import JOURNAL_NAME
-from shardkit.manifest import read_manifest
+from shardkit.manifest import ShardEntry, read_manifest
 from shardkit.stream.dataset import ShardDataset
 from shardkit.write.index import index_shards
 from shardkit.write.keyfile import HEAD, KEYS_NAME, KeyFileWarning, dataset_columns, held_in
@@ -906,3 +906,33 @@ def test_a_merge_of_datasets_without_key_files_refuses_shared_keys_and_writes_on
     merge([big, dup], tmp_path / "kept", allow_duplicates=True)
     hashes, _ = key_file(tmp_path / "kept")
     assert len(hashes) == 3003
+
+
+def test_key_files_merged_in_pieces_are_the_whole_sort(tmp_path, monkeypatch):
+    """Three key columns (equal hashes within and across them, one empty) merged a few samples
+    a piece: the file is the one sort of them all by hash, then shard (FORMAT.md)."""
+    from shardkit.write import keyfile
+
+    monkeypatch.setattr(keyfile, "CHUNK", 7)
+    rng = np.random.default_rng(3)
+    parts, offset = [], 0
+    for n, shards in ((100, 5), (0, 1), (61, 4)):
+        hashes = rng.integers(0, 40, n).astype(np.uint64) << np.uint64(58)
+        where = rng.integers(0, shards, n).astype(np.uint32)
+        order = np.lexsort((where, hashes))
+        parts.append(keyfile.KeyColumns(hashes[order], where[order], offset))
+        offset += shards
+    entries = [ShardEntry(f"s{i}", 0, 0, "0" * 64) for i in range(offset)]
+    listed = keyfile.write_key_file(str(tmp_path), parts, entries)
+    data = (tmp_path / keyfile.KEYS_NAME).read_bytes()
+    n = 161
+    assert listed == {
+        "path": "manifest.keys",
+        "sha256": _key_file_sha256(data, n),
+        "bytes": len(data),
+    }
+    hashes = np.concatenate([p.hashes for p in parts])
+    where = np.concatenate([p.shards + np.uint32(p.offset) for p in parts])
+    order = np.lexsort((where, hashes))
+    assert np.array_equal(np.frombuffer(data, "<u8", n, HEAD), hashes[order])
+    assert np.array_equal(np.frombuffer(data, "<u4", n, HEAD + 8 * n), where[order])
