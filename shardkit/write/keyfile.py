@@ -252,26 +252,28 @@ def shared_keys(
 
 
 def _two_way(a: KeyColumns, b: KeyColumns) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The samples of ``a`` and ``b`` in key-file order (hash, then shard), in pieces of about
-    ``CHUNK`` of the larger: cut where its hash changes, the smaller's below the cut added
-    (hashes are uniform, so a piece of one is about as many of the other, pro rata)."""
-    if len(a) < len(b):
-        a, b = b, a
-    na, a0, b0 = len(a), 0, 0
-    while a0 < na:
-        a1 = min(a0 + CHUNK, na)
-        if a1 < na:  # never between two equal hashes of a: b's equal ones go with them
-            v = a.hashes[a1]
-            cut = int(np.searchsorted(a.hashes, v, side="left"))
-            a1 = cut if cut > a0 else int(np.searchsorted(a.hashes, v, side="right"))
-        b1 = int(np.searchsorted(b.hashes, a.hashes[a1], side="left")) if a1 < na else len(b)
-        (ha, sa), (hb, sb) = a.at(a0, a1), b.at(b0, b1)
+    """The samples of ``a`` and ``b`` (each in key-file order, ``a``'s shards before ``b``'s)
+    in key-file order (hash, then shard), in pieces of about ``CHUNK`` of the larger: cut
+    where its hash changes, the smaller's below the cut added (hashes are uniform, so a piece
+    of one is about as many of the other, pro rata). Each piece is ``a``'s part then ``b``'s,
+    sorted stably by hash: two sorted runs merged, equal hashes left in shard order."""
+    x, y = (a, b) if len(a) >= len(b) else (b, a)
+    nx, x0, y0 = len(x), 0, 0
+    while x0 < nx:
+        x1 = min(x0 + CHUNK, nx)
+        if x1 < nx:  # never between two equal hashes of x: y's equal ones go with them
+            v = x.hashes[x1]
+            cut = int(np.searchsorted(x.hashes, v, side="left"))
+            x1 = cut if cut > x0 else int(np.searchsorted(x.hashes, v, side="right"))
+        y1 = int(np.searchsorted(y.hashes, x.hashes[x1], side="left")) if x1 < nx else len(y)
+        pieces = (x.at(x0, x1), y.at(y0, y1))
+        (ha, sa), (hb, sb) = pieces if x is a else pieces[::-1]
         h, s = np.concatenate([ha, hb]), np.concatenate([sa, sb])
-        order = np.lexsort((s, h))
+        order = np.argsort(h, kind="stable")
         yield h[order], s[order]
-        a0, b0 = a1, b1
-    for i in range(b0, len(b), CHUNK):
-        yield b.at(i, i + CHUNK)
+        x0, y0 = x1, y1
+    for i in range(y0, len(y), CHUNK):
+        yield y.at(i, i + CHUNK)
 
 
 def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -> str:
