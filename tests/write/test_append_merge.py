@@ -936,3 +936,15 @@ def test_key_files_merged_in_pieces_are_the_whole_sort(tmp_path, monkeypatch):
     order = np.lexsort((where, hashes))
     assert np.array_equal(np.frombuffer(data, "<u8", n, HEAD), hashes[order])
     assert np.array_equal(np.frombuffer(data, "<u4", n, HEAD + 8 * n), where[order])
+
+
+def test_an_engine_pack_and_append_write_the_key_file(srcs, tmp_path):
+    from shardkit.write.engines import LocalRunner
+
+    a, b, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out, runner=LocalRunner(processes=2))
+    key_file(out)
+    packed(b, out, append=True, runner=LocalRunner(processes=2))
+    key_file(out)
+    assert read_manifest(str(out)).num_samples == 24
