@@ -29,8 +29,10 @@ machine moves least:
 - ``ls`` first line, ``show KEY``, ``show-missing`` (a key that is not there): CPU and memory;
 - ``epoch``: a full epoch (``decode="raw"``): samples/s and CPU per sample;
 - ``append`` (``shardkit pack MORE OUT --append`` of ``--new`` samples onto a hard-linked copy)
-  and ``merge`` (``shardkit merge OUT MORE NEW``): the CLI's CPU and peak memory, indexed side
-  only (growth is this code's, not an older pack's).
+  and ``merge`` (``shardkit merge OUT MORE NEW``): the CLI's CPU, peak memory and bytes read
+  (``rchar``, the imports included), run in one child process, indexed side only (growth is
+  this code's, not an older pack's); ``--shard-size 128kB`` makes shards of ~32 samples (a
+  1.28M set in 40,000 shards: growth's per-shard cost).
 
 ``--against DIR`` (another checkout) also runs ``append`` and ``merge`` with DIR's shardkit,
 interleaved with this one's.
@@ -43,6 +45,8 @@ interleaved with this one's.
     python benchmarks/bench_scale.py --n 200000 --format lmdb --what split view ls show
     python benchmarks/bench_scale.py --n 128000 --many-shards 4000 --what view get show-missing
     python benchmarks/bench_scale.py --n 128000 1280000 --what append merge --against /tmp/base
+    python benchmarks/bench_scale.py --n 128000 1280000 --what append merge --shard-size 128kB \
+        --index-only --out /tmp/scale-keys --against /tmp/base
     python benchmarks/bench_scale.py --n 1280000 --what split split-train --against /tmp/main-wt
 """
 
@@ -179,13 +183,24 @@ print(json.dumps(out))
 
 # The CLI in a child: its own CPU seconds and peak memory (RUSAGE_CHILDREN of this wrapper).
 CLI = r"""
-import json, resource, subprocess, sys, time
-t0 = time.perf_counter()
-subprocess.run([sys.executable, "-m", "shardkit.cli", *sys.argv[1:]], check=True,
-               stdout=subprocess.DEVNULL)
-r = resource.getrusage(resource.RUSAGE_CHILDREN)
+import contextlib, io, json, resource, sys, time
+def rchar():
+    with open("/proc/self/io") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
+t0, r0 = time.perf_counter(), rchar()
+from shardkit.cli import main
+sys.argv = ["shardkit", *sys.argv[1:]]
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code:
+            raise
+r = resource.getrusage(resource.RUSAGE_SELF)
+with open("/proc/self/status") as f:  # VmHWM: this process's (ru_maxrss keeps the parent's)
+    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.ru_stime,
-                  "peak_mb": r.ru_maxrss / 1024}))
+                  "peak_mb": peak, "rchar": rchar() - r0}))
 """
 
 WHATS = (
@@ -219,7 +234,14 @@ def child(what: str, where: str, key: str = "", checkout: Path = harness.ROOT) -
 
 
 def growth(
-    what: str, packed: Path, n: int, new: int, work: Path, fmt: str, checkout: Path = harness.ROOT
+    what: str,
+    packed: Path,
+    n: int,
+    new: int,
+    work: Path,
+    fmt: str,
+    checkout: Path = harness.ROOT,
+    shard_size: str = "5MB",
 ) -> dict:
     """``append`` or ``merge`` of ``new`` samples onto the N-sample pack, in a CLI child of
     ``checkout`` (this one, or ``--against``'s)."""
@@ -229,7 +251,7 @@ def growth(
         dest = data.linked_copy(packed, scratch)
         argv = ["pack", more, dest, "--append", "-q", "--format", fmt]
     else:
-        more, _ = data.scale_set(new, work, fmt, start=n)
+        more, _ = data.scale_set(new, work, fmt, shard_size, start=n)
         shutil.rmtree(scratch, ignore_errors=True)
         argv = ["merge", packed, more, scratch]
     try:
@@ -258,7 +280,11 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
     }
     sides.update(
         {
-            f"{what}/index": (lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt))
+            f"{what}/index": (
+                lambda r, what=what: growth(
+                    what, packed, n, args.new, args.out, fmt, shard_size=shard_size
+                )
+            )
             for what in growth_whats
         }
     )
@@ -274,7 +300,9 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
         sides.update(
             {
                 f"{what}/against": (
-                    lambda r, what=what: growth(what, packed, n, args.new, args.out, fmt, there)
+                    lambda r, what=what: growth(
+                        what, packed, n, args.new, args.out, fmt, there, shard_size
+                    )
                 )
                 for what in growth_whats
             }
@@ -300,6 +328,9 @@ def main() -> None:
     ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
     ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
     ap.add_argument("--many-shards", type=int, default=0, help="also a set of about S shards")
+    ap.add_argument(
+        "--shard-size", default="5MB", help="the main set's shard size (e.g. 128kB: ~32 samples)"
+    )
     args = harness.parse(ap, smoke={"n": [500], "new": 50, "many_shards": 20})
     args.out = args.out or data.root() / "scale"
     skip = {"epoch"} if args.skip_epoch else set()
@@ -308,7 +339,7 @@ def main() -> None:
     many = [w for w in MANY if args.what is None or w in args.what]
     results = []
     for n in args.n:
-        row = measure(args, n, args.format, "5MB", whats, grows)
+        row = measure(args, n, args.format, args.shard_size, whats, grows)
         results.append(row)
         _print(row)
         if args.many_shards and many:
@@ -362,7 +393,8 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what == "get":
         return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
     if what in GROWTH:
-        return f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB"
+        read = f", {r['rchar'] / 1e6:.1f} MB read" if "rchar" in r else ""
+        return f"{r['cpu_s']:.2f} s CPU, peak {r['peak_mb']:.0f} MB{read}"
     return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB, {r['rchar'] / 1e6:.1f} MB read"
 
 

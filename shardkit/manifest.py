@@ -365,6 +365,9 @@ class Manifest:
     fields: dict[str, int] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
     created_by: str = field(default_factory=_version)
+    #: The dataset's key file (``write.keyfile``): ``{"path", "sha256", "bytes"}``, what vouches
+    #: for it; ``{}``: none (older packs, ``shardkit index``), and the manifest has no ``keys``.
+    keys: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -390,6 +393,7 @@ class Manifest:
             "shards": [s.to_dict() for s in self.shards],
             "skipped": [asdict(s) for s in self.skipped],
             "pack": self.pack,
+            **({"keys": dict(self.keys)} if self.keys else {}),
         }
         text = json.dumps(doc, indent=1, ensure_ascii=False)
         try:  # every string valid UTF-8 already (the usual case): portable as it stands
@@ -441,6 +445,7 @@ class Manifest:
                 fields=fields,
                 version=version,
                 created_by=_text(doc.get("created_by", ""), "created_by"),
+                keys=_keys(doc),
             )
             if "num_samples" in doc:
                 _count(doc["num_samples"], "num_samples")
@@ -483,6 +488,20 @@ def _fields(doc: dict) -> dict[str, int]:
     if not isinstance(fields, dict):
         raise _Bad(f"'fields' is {_short(fields)}, expected an object")
     return {_text(k, "field name"): _count(v, f"field {k!r} count") for k, v in fields.items()}
+
+
+def _keys(doc: dict) -> dict[str, Any]:
+    """The optional ``keys`` object: the key file's name, sha256 and size."""
+    if "keys" not in doc:
+        return {}
+    keys = doc["keys"]
+    if not isinstance(keys, dict):
+        raise _Bad(f"'keys' is {_short(keys)}, expected an object")
+    return {
+        "path": _name(keys.get("path"), "key file"),
+        "sha256": _sha(keys.get("sha256"), "key file sha256"),
+        "bytes": _count(keys.get("bytes"), "key file bytes"),
+    }
 
 
 def _too_large(source: str, size: str) -> ManifestError:

@@ -13,6 +13,8 @@
 - ``samples``: your own (image, label) samples into ``ShardWriter`` records.
 - ``writer``: ``ShardWriter``, size-capped shards and the manifest, committed all or nothing.
 - ``keys``: the keys a dataset holds, which ``--append`` and ``merge`` must not add again.
+- ``keyfile``: the dataset's key file (``manifest.keys``), what growth reads instead of every
+  shard's index.
 - ``merge``: ``shardkit merge``, datasets joined without rewriting their shards.
 - ``index``: a manifest for shards written by another tool.
 - ``verify``: ``verify()``/``dataset_info()``, a dataset checked against its manifest.

@@ -17,6 +17,7 @@ from ..errors import InputError, OutputError
 from ..formats.sample_index import ensure_indexes
 from ..fsutil import JOURNAL_NAME, interrupted_commit, publish, write_error
 from ..manifest import MANIFEST_NAME, Manifest, SkippedFile, write_manifest
+from .keyfile import KEYS_NAME, KeyColumns, dataset_columns, new_columns, write_key_file
 from .plan import APPENDED_FIELD, JOB_PREFIX, PackPlan, ShardReceipt
 from .read import stat_pair
 
@@ -73,12 +74,19 @@ def _ranges(ids: list[int]) -> str:
 
 
 def commit_pack(
-    plan: PackPlan, receipts: Iterable[ShardReceipt], *, replaced: Sequence[str] = ()
+    plan: PackPlan,
+    receipts: Iterable[ShardReceipt],
+    *,
+    replaced: Sequence[str] = (),
+    old_keys: KeyColumns | None = None,
 ) -> CommitResult:
-    """Publish the job's shards and the manifest ``pack`` writes, all or nothing, manifest last.
+    """Publish the job's shards, the key file and the manifest ``pack`` writes, all or nothing,
+    manifest last.
 
     The caller holds OUT's lock (``writer.open_local_output``); ``replaced`` are the old
-    dataset's shards, deleted by the commit. Other plans' job folders are removed afterwards.
+    dataset's shards, deleted by the commit. An append's key file is the old dataset's
+    (``old_keys``, which its duplicate check read; else read here) with the new shards' keys
+    merged in. Other plans' job folders are removed afterwards.
     """
     ordered = check_receipts(plan, receipts)
     scan = plan.scan
@@ -133,11 +141,13 @@ def commit_pack(
         )
     out = plan.out
     try:
+        manifest.keys = _key_file(plan, manifest, entries, old_keys)
         write_manifest(manifest, plan.job)
     except OSError as exc:
         raise write_error(out, exc, MANIFEST_NAME) from None
+    names = [e.path for e in entries] + [KEYS_NAME]
     try:
-        path = publish(out, plan.job, [e.path for e in entries], MANIFEST_NAME, remove=replaced)
+        path = publish(out, plan.job, names, MANIFEST_NAME, remove=[*replaced, KEYS_NAME])
     except OSError as exc:
         if interrupted_commit(out) is not None:
             raise OutputError(
@@ -147,6 +157,17 @@ def commit_pack(
         raise write_error(out, exc, f"the commit journal {JOURNAL_NAME}") from None
     remove_other_jobs(out)
     return CommitResult(path, manifest, task_skipped)
+
+
+def _key_file(plan: PackPlan, manifest: Manifest, entries: list, old_keys) -> dict:
+    """The grown (or new) dataset's key file, written into the job folder: the old dataset's
+    columns (``old_keys``, else its key file or indexes) and the new shards' (their indexes,
+    just written: O(new))."""
+    first = len(plan.base.shards) if plan.base is not None else 0
+    parts = [new_columns(plan.job, manifest.shard_format, entries, first)]
+    if plan.base is not None:
+        parts.insert(0, old_keys if old_keys is not None else dataset_columns(plan.out, plan.base))
+    return write_key_file(plan.job, parts, manifest.shards)
 
 
 def check_cluster_lock(out: str, mounts: str = "/proc/self/mounts") -> None:

@@ -391,15 +391,16 @@ def _manifests(by_dir: dict[str, list[str]]) -> dict[str, Manifest]:
 def append_shards(d: str, manifest: Manifest, files: list[str], progress: bool) -> IndexResult:
     """Add the tar shards among ``files`` that ``manifest`` (in ``d``) does not list, after the
     ones it does: each new shard is read once (counts, sha256, its sample index), its keys are
-    checked against the dataset's by the key hashes its indexes store (``keys.found_in``: no old
-    shard's bytes read) and against each other, then its index files and the grown manifest are
-    written (manifest last, atomically). Labels must fit the manifest's classes; a dataset that
-    ``index`` made (classes ``"0" .. "K-1"``) grows its list to the new labels."""
+    checked against the dataset's by its key file, or the key hashes its indexes store
+    (``keyfile.dataset_columns``: no old shard's bytes read) and against each other, then its
+    index files and the grown manifest are written (manifest last, atomically; it lists no key
+    file: the next ``pack --append`` or ``merge`` reads the indexes and writes one). Labels
+    must fit the manifest's classes; a dataset that ``index`` made (classes ``"0" .. "K-1"``)
+    grows its list to the new labels."""
     import numpy as np
 
-    from ..formats.sample_index import key_hashes
     from ..progress import track
-    from .keys import found_in
+    from .keyfile import dataset_columns, held_in
 
     listed = {e.path for e in manifest.shards}
     if manifest.shard_format != "tar":
@@ -432,7 +433,7 @@ def append_shards(d: str, manifest: Manifest, files: list[str], progress: bool) 
                 f"{owner[i]}: key {k!r} is in {owner[j]} too; keys are unique within a "
                 "dataset: leave one of them out"
             )
-    there = found_in(d, manifest, key_hashes(keys), keys.__getitem__)
+    there = held_in(d, manifest, dataset_columns(d, manifest))(keys)
     if there.any():
         i = int(np.argmax(there))
         raise InputError(
@@ -450,6 +451,7 @@ def append_shards(d: str, manifest: Manifest, files: list[str], progress: bool) 
         shards=[*manifest.shards, *entries],
         pack=pack,
         fields=dict(sorted(fields.items())),
+        keys={},
     )
     path = _publish(d, grown, indexes)
     return IndexResult(path, grown, imageless, added=len(entries))

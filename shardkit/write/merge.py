@@ -18,14 +18,17 @@ import os
 import shutil
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from ..errors import InputError, OutputError
 from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .keys import check_columns, identity, repeats_across
+from .keyfile import KEYS_NAME, KeyColumns, dataset_columns, shared_keys, write_key_file
+from .keys import identity
 from .writer import _within, next_shard_number, open_local_output, shard_name
 
 __all__ = ["MERGED_FIELD", "MergeReport", "merge"]
@@ -228,11 +231,11 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     else:
         todo = manifests
         pack = {}
-    if not allow_duplicates:  # every shard's hash column checked by its keys on the way
-        _check_keys(out if in_place else None, base, todo)
-    else:  # no key check: the columns of the shards merged in are checked alone
-        for path, m in todo:
-            check_columns(path, m)
+    datasets = [(out, base), *todo] if in_place else list(todo)
+    # each one's key file, else its shards' indexes (each hash column checked by its keys)
+    columns = [dataset_columns(p, m) for p, m in datasets]
+    if not allow_duplicates:
+        _check_keys(datasets, columns)
     merged = list(pack.get(MERGED_FIELD, []))
     number = next_shard_number(out, [e.path for e in entries])
     for path, m in todo:
@@ -275,23 +278,30 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     checked = iter(ensure_indexes(staging, [e for e in entries if e.path in unchecked]))
     entries = [next(checked) if e.path in unchecked else e for e in entries]
     manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
+    offsets = np.cumsum([0, *(len(m.shards) for _, m in datasets)]).tolist()
+    parts = [replace(c, offset=o) for c, o in zip(columns, offsets, strict=False)]
+    manifest.keys = write_key_file(staging, parts, entries)
     write_manifest(manifest, staging)
-    path = publish(out, staging, added, MANIFEST_NAME)
+    path = publish(out, staging, [*added, KEYS_NAME], MANIFEST_NAME, remove=[KEYS_NAME])
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)
 
 
-def _check_keys(in_place: str | None, base: Manifest, todo) -> None:
+def _check_keys(datasets: list[tuple[str, Manifest]], columns: list[KeyColumns]) -> None:
     """Refuse datasets sharing a key (with the first one merged into, or with each other): by
-    the key hashes their indexes store (``keys.repeats_across``), no shard's bytes read."""
-    datasets = [(in_place, base), *todo] if in_place is not None else list(todo)
-    found = repeats_across(datasets)
-    if found is not None:
-        i, repeats, first = found
-        raise InputError(
-            f"{datasets[i][0]}: {repeats} of its keys are in another dataset of this merge too "
-            f"(first: {first!r}); keys are unique within a dataset: leave it out, or pass "
-            "allow_duplicates=True to keep both copies"
-        )
+    their key files (``keyfile.shared_keys``; each hash both hold confirmed on the real keys of
+    the one shard on each side holding it), no shard's bytes read."""
+    for i in range(1, len(datasets)):
+        found: dict[int, str] = {}  # position in dataset i -> its key another one holds
+        for j in range(i):
+            mine, theirs = (*datasets[i], columns[i]), (*datasets[j], columns[j])
+            for p, key in shared_keys(mine, theirs):
+                found.setdefault(p, key)
+        if found:
+            raise InputError(
+                f"{datasets[i][0]}: {len(found)} of its keys are in another dataset of this "
+                f"merge too (first: {found[min(found)]!r}); keys are unique within a dataset: "
+                "leave it out, or pass allow_duplicates=True to keep both copies"
+            )
 
 
 def _file_size(path: str) -> int | None:

@@ -41,7 +41,7 @@ from ..scan import SourceScan, check_source_dir, scan_source
 from ..urls import is_remote, is_url
 from . import samples as _samples
 from .commit import check_cluster_lock, commit_pack
-from .keys import check_columns, held_by
+from .keyfile import dataset_columns, held_in
 from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack
 from .planfile import save_tasks
 from .read import (
@@ -561,6 +561,7 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
         check_cluster_lock(out)
     lock, replaced = open_local_output(out, overwrite or append, src)
     plan: PackPlan | None = None
+    old_keys = None  # an append's: the old dataset's key columns
     try:
         if append:
             base = read_manifest(out)
@@ -569,7 +570,8 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
                     f"{out} holds {base.shard_format} shards; append with format="
                     f'"{base.shard_format}"'
                 )
-            existing = _held(out, base, bool(o.allow_duplicates))
+            old_keys = dataset_columns(out, base)  # its key file, else every shard's index
+            existing = None if o.allow_duplicates else held_in(out, base, old_keys)
             plan = _plan(src, out, o, existing=existing, engine=runner).appending(base)
             replaced = []  # nothing already packed is touched
             if not len(plan.order):
@@ -593,7 +595,7 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
                 for r in sorted(receipts, key=lambda r: r.shard):
                     if r.samples:
                         on_shard(os.path.join(plan.job, r.path))
-        result = commit_pack(plan, receipts, replaced=replaced)
+        result = commit_pack(plan, receipts, replaced=replaced, old_keys=old_keys)
     except BaseException:
         if plan is not None and runner is None and not interrupted_commit(out):
             shutil.rmtree(plan.job, ignore_errors=True)  # in-process: an error leaves nothing
@@ -624,16 +626,6 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
         appended_to=plan.base.num_samples if plan.base is not None else None,
         duplicates=plan.already_there + len(plan.repeated),
     )
-
-
-def _held(out: str, base, allow_duplicates: bool):
-    """What an append asks of the dataset it grows: which keys it holds (``held_by``, which
-    checks each shard's hash column by its keys as it reads it); with ``allow_duplicates``
-    nothing, the columns checked alone: a column that is not its keys' is never handed on."""
-    if not allow_duplicates:
-        return held_by(out, base)
-    check_columns(out, base)
-    return None
 
 
 def _nothing_to_append(plan: PackPlan, out: str, started: float) -> PackReport:

@@ -366,7 +366,7 @@ def plan_pack(
 
     ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
     ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
-    a bool per key given, ``keys.found_in``) and table rows naming an image an earlier row
+    a bool per key given, ``keyfile.held_in``) and table rows naming an image an earlier row
     named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
     a table's scan (``scan.table.scan_tables``), in spans of its rows, each span's arrays

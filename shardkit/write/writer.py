@@ -49,6 +49,7 @@ from ..images.checks import IMAGE_EXTENSIONS, image_ext
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from ..sizes import parse_size
 from ..urls import is_remote, join_url
+from .keyfile import KEYS_NAME, new_columns, write_key_file
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -342,8 +343,10 @@ class ShardWriter:
                 self._finish_shard()
             if not self._entries:
                 raise OutputError(f"no samples were written to {self.out!r}; nothing to commit")
+            keys: dict = {}  # a local dataset's key file, for the growth that may follow
             if not self._remote:  # checked (or built) here: the manifest lists their sha256
                 self._entries = ensure_indexes(self._staging, self._entries)
+                keys = self._key_file()
             classes = self.classes
             if classes is None:
                 classes = [str(i) for i in range(self._max_label + 1)]
@@ -354,6 +357,7 @@ class ShardWriter:
                 skipped=sorted(self.skipped, key=lambda s: s.path),
                 pack=dict(self.pack_info),
                 fields=dict(self._field_counts),
+                keys=keys,
             )
             what = MANIFEST_NAME
             local_manifest = write_manifest(manifest, self._staging)
@@ -370,9 +374,9 @@ class ShardWriter:
                 path = publish(
                     self.out,
                     self._staging,
-                    [e.path for e in self._entries],
+                    [*(e.path for e in self._entries), KEYS_NAME],
                     MANIFEST_NAME,
-                    remove=self._replaced,
+                    remove=[*self._replaced, KEYS_NAME],
                 )
             except BaseException as exc:
                 error = self._publish_failed(exc)
@@ -390,6 +394,12 @@ class ShardWriter:
             len(manifest.classes),
         )
         return self.report
+
+    def _key_file(self) -> dict:
+        """The key file of the shards written (their indexes: checked, or built, just now),
+        in the staging folder; what the manifest lists of it."""
+        new = new_columns(self._staging, self.format.name, self._entries, 0)
+        return write_key_file(self._staging, [new], self._entries)
 
     def _publish_failed(self, exc: BaseException) -> BaseException:
         """Clean up after a failed local publish; the error to raise (``exc`` unless an OSError)."""

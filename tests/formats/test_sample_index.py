@@ -145,7 +145,8 @@ def test_shardkit_index_adds_the_index_sha256_to_an_older_packs_manifest(
         with pytest.raises(Exception, match="manifest.json"):
             index_shards([str(out)])
     assert (out / "manifest.json").read_bytes() == older
-    assert sorted(os.listdir(out)) == sorted([*indexes(out), "manifest.json", *_tars(out)])
+    listed = [*indexes(out), "manifest.json", "manifest.keys", *_tars(out)]
+    assert sorted(os.listdir(out)) == sorted(listed)
     (result,) = index_shards([str(out)])  # run again: finished
     assert result.kept and read_manifest(str(out)).shards == want.shards
     got = read_manifest(str(out))

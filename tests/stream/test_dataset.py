@@ -50,6 +50,7 @@ def test_shape_of_the_data(data):
     assert len(os.listdir(data["tar"])) >= 5  # several shards plus manifest
     assert sorted(os.listdir(data["one"])) == [
         "manifest.json",
+        "manifest.keys",  # its key file (growth reads it)
         "shard-000000.tar",
         "shard-000000.tar.idx",  # its sample index
     ]

@@ -13,6 +13,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import pytest
 from conftest import quiet, random_tree
 
@@ -348,11 +349,40 @@ def _grow(how: str, out: str, tmp_path, allow: bool, fmt: str = "tar"):
     )
 
 
+def _without_key_file(out: str) -> None:
+    """``out`` as a dataset made before the key file: growth reads every shard's column."""
+    mpath = os.path.join(out, "manifest.json")
+    doc = json.load(open(mpath))
+    del doc["keys"]
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
+    os.unlink(os.path.join(out, "manifest.keys"))
+
+
+@pytest.mark.parametrize("how", ["merge", "append"])
+def test_growth_by_the_key_file_hands_on_the_keys_hashes_never_a_lying_column(
+    tar_pack, tmp_path, how
+):
+    """With a key file, growth reads no old column (that is its point): the lie stays in its
+    one index, where a reader checks every key it streams, and the grown key file lists the
+    key's own hash, from the key file the manifest vouched for before the lie."""
+    key, _ = _lie(tar_pack)
+    _grow(how, tar_pack, tmp_path, False)
+    where = tar_pack if how == "append" else str(tmp_path / "merged-False")
+    m = read_manifest(where)
+    data = open(os.path.join(where, "manifest.keys"), "rb").read()
+    hashes = set(np.frombuffer(data, "<u8", m.num_samples, 56).tolist())
+    assert int(key_hashes([key])[0]) in hashes
+    assert (1 << 64) - 1 not in hashes
+
+
 @pytest.mark.parametrize("allow", [False, True], ids=["keys-checked", "allow-duplicates"])
 @pytest.mark.parametrize("how", ["merge", "append"])
 def test_merge_and_append_refuse_a_lying_column(tar_pack, tmp_path, how, allow):
-    """The column and all its checksums agree with each other, not with the keys: growing the
-    dataset would list them again; it is an error naming the index, and nothing is written."""
+    """The column and all its checksums agree with each other, not with the keys: growing a
+    dataset without a key file (which reads every column) would list them again; it is an
+    error naming the index, and nothing is written."""
+    _without_key_file(tar_pack)
     before = open(os.path.join(tar_pack, "manifest.json")).read()
     _lie(tar_pack)
     listed = open(os.path.join(tar_pack, "manifest.json")).read()
@@ -376,6 +406,7 @@ def test_merge_and_append_of_a_sound_dataset_still_work(tar_pack, tmp_path, how)
 @pytest.mark.parametrize("how", ["merge", "append"])
 def test_lmdb_merge_and_append_refuse_a_lying_index_record(lmdb_pack, tmp_path, how):
     out, shard = lmdb_pack
+    _without_key_file(out)
     _lie_lmdb(shard)
     with pytest.raises(InputError, match="shard-000000.lmdb: its index record's 1 stored"):
         _grow(how, out, tmp_path, False, fmt="lmdb")

@@ -21,10 +21,12 @@ from PIL import Image
 from shardkit.cli import main
 from shardkit.errors import InputError, ManifestError, OutputError
 from shardkit.formats import get_format
+from shardkit.formats.sample_index import key_hashes
 from shardkit.fsutil import JOURNAL_NAME
-from shardkit.manifest import read_manifest
+from shardkit.manifest import ShardEntry, read_manifest
 from shardkit.stream.dataset import ShardDataset
 from shardkit.write.index import index_shards
+from shardkit.write.keyfile import HEAD, KEYS_NAME, KeyFileWarning, dataset_columns, held_in
 from shardkit.write.merge import MERGED_FIELD, merge
 from shardkit.write.packer import pack
 from shardkit.write.plan import APPENDED_FIELD
@@ -601,10 +603,10 @@ def _written(out, keys):
 
 def test_a_merge_holds_the_few_new_keys_hashes_not_the_large_datasets(tmp_path, monkeypatch):
     """Counted (tracemalloc, numpy's arrays included; the audit hook for files opened): the
-    key check of a merge of 60 new samples with 12,000 holds the 60 keys' hashes and one shard
-    of the large dataset at a time, in either order the two are named, not the 12,000 keys'
-    hashes (8 bytes a sample, and their sorted copy); it opens each of the large dataset's
-    indexes once and none of its shards. A shared key is still found in either order."""
+    key check of a merge of 60 new samples with 12,000 holds the 60 keys' hashes, in either
+    order the two are named, not the 12,000 keys' hashes (the large dataset's key file is
+    memory-mapped); where no hash is shared it opens none of the large dataset's indexes and
+    none of its shards. A shared key is still found in either order."""
     import tracemalloc
 
     import shardkit.write.merge as merge_module
@@ -613,25 +615,24 @@ def test_a_merge_holds_the_few_new_keys_hashes_not_the_large_datasets(tmp_path, 
     big = written(tmp_path / "big", range(12000))
     few = written(tmp_path / "few", range(20000, 20060))
     shards = read_manifest(str(big)).shards
-    indexes = sorted(os.path.realpath(os.path.join(big, s.path)) + ".idx" for s in shards)
     peaks = []
-    check = merge_module.repeats_across
+    check = merge_module._check_keys
 
-    def counted(datasets):
+    def counted(datasets, columns):
         tracemalloc.start()
         try:
-            return check(datasets)
+            return check(datasets, columns)
         finally:
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
 
-    monkeypatch.setattr(merge_module, "repeats_across", counted)
+    monkeypatch.setattr(merge_module, "_check_keys", counted)
     for order in ((big, few), (few, big)):
         out = tmp_path / f"merged-{order[0].name}"
         with _Opens(big) as opens:
             merge(order, out)
         assert opens.shards() == []
-        assert sorted(p for p in opens.paths if p.endswith(".idx")) == indexes
+        assert [p for p in opens.paths if p.endswith(".idx")] == []
         assert read_manifest(str(out)).num_samples == 12060
     assert len(shards) >= 20 and len(peaks) == 2
     assert max(peaks) < 8 * 12000, peaks
@@ -650,25 +651,33 @@ def _rchar() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
-def test_growth_reads_each_old_index_whole_and_no_shard(tmp_path):
+def test_growth_reads_the_key_file_and_no_index_and_without_it_each_index_whole(tmp_path):
     """Counted (``rchar``: every byte this process read): a merge of 60 new samples with 12,000
-    reads each of the large dataset's indexes whole, its stored hashes checked by its keys (a
-    column and its ``columns_sha256`` computed again from an edited file agree with each other,
-    not with the keys), and none of its shards; with or without ``columns_sha256`` listed.
-    Shared keys are refused alike."""
+    reads the large dataset's key file (12 bytes a sample) and none of its indexes or shards.
+    A dataset without a key file (made before it) is read as before: each index whole, its
+    stored hashes checked by its keys (a column and its ``columns_sha256`` computed again from
+    an edited file agree with each other, not with the keys), and none of its shards; with or
+    without ``columns_sha256`` listed. Shared keys are refused alike."""
     big = _written(tmp_path / "big", range(12000))
     few = _written(tmp_path / "few", range(20000, 20060))
     shards = read_manifest(str(big)).shards
     assert all(len(s.columns_sha256) == 64 for s in shards)
     whole = sum(os.path.getsize(os.path.join(big, s.path) + ".idx") for s in shards)
+    keyfile = os.path.getsize(big / "manifest.keys")
+    assert keyfile == 56 + 12 * 12000 and whole > 4 * keyfile
     tars = sum(s.bytes for s in shards)
     assert tars > 4 * whole
     before = _rchar()
     merge([few, big], tmp_path / "merged")
-    # beside the indexes: the manifests, the few's index, the package's metadata (created_by)
-    assert whole < _rchar() - before < whole + 64_000
+    # beside it: the manifests, the few's key file, the package's metadata (created_by)
+    assert keyfile < _rchar() - before < keyfile + 64_000
     assert read_manifest(str(tmp_path / "merged")).shards[0].columns_sha256  # carried over
     doc = json.loads((big / "manifest.json").read_text())
+    del doc["keys"]  # a dataset made before the key file
+    (big / "manifest.json").write_text(json.dumps(doc))
+    before = _rchar()
+    merge([few, big], tmp_path / "merged-nokeys")
+    assert whole < _rchar() - before < whole + 64_000
     for entry in doc["shards"]:
         del entry["columns_sha256"]
     (big / "manifest.json").write_text(json.dumps(doc))
@@ -730,3 +739,212 @@ def test_every_lmdb_writer_lists_each_index_records_columns_sha256(tmp_path):
         json.dump(doc, f)
     report = verify(str(merged))
     assert not report.ok and "columns_sha256" in " ".join(map(str, report.bad))
+
+
+# --- the key file ------------------------------------------------------------------------
+
+
+def _key_file_sha256(data: bytes, n: int) -> str:
+    """The manifest's ``keys.sha256`` as FORMAT.md gives it: the sha256 of the sha256 of the
+    head and hashes, then of the shard column's."""
+    split = HEAD + 8 * n
+    both = hashlib.sha256(data[:split]).digest() + hashlib.sha256(data[split:]).digest()
+    return hashlib.sha256(both).hexdigest()
+
+
+def key_file(out) -> tuple[np.ndarray, np.ndarray]:
+    """The key file of ``out``, parsed as FORMAT.md says, after checking it is the one its
+    manifest vouches for and describes exactly the dataset's keys (by reading every shard)."""
+    m = read_manifest(str(out))
+    path = os.path.join(out, KEYS_NAME)
+    data = open(path, "rb").read()
+    n, count = m.num_samples, len(m.shards)
+    assert len(data) == HEAD + 12 * n
+    assert m.keys == {"path": KEYS_NAME, "sha256": _key_file_sha256(data, n), "bytes": len(data)}
+    assert data[:8] == b"SHKKEYS1"
+    assert int.from_bytes(data[8:16], "little") == n
+    assert int.from_bytes(data[16:24], "little") == count
+    doc = [[s.samples, s.sha256] for s in m.shards]
+    assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
+    hashes = np.frombuffer(data, "<u8", n, HEAD)
+    shards = np.frombuffer(data, "<u4", n, HEAD + 8 * n)
+    keys = samples(out)
+    where = np.repeat(np.arange(count, dtype=np.uint32), [s.samples for s in m.shards])
+    want = key_hashes([k for k, _ in keys])
+    order = np.lexsort((where, want))
+    assert np.array_equal(hashes, want[order])
+    assert np.array_equal(shards, where[order])
+    return hashes, shards
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_pack_append_and_merge_write_the_key_file_the_manifest_vouches_for(srcs, tmp_path, fmt):
+    a, b, _ = srcs
+    pa, pb, merged = tmp_path / "pa", tmp_path / "pb", tmp_path / "merged"
+    packed(a, pa, format=fmt)
+    key_file(pa)
+    packed(b, pa, append=True, format=fmt)  # classes x, y, z
+    key_file(pa)
+    q = tree(tmp_path / "q", {"x": 3, "y": 4}, 5)
+    packed(q, pb, format=fmt)
+    merge([pa, pb], merged)
+    key_file(merged)
+    packed(tree(tmp_path / "d", {"x": 4}, 9), merged, append=True, format=fmt)
+    key_file(merged)
+    # the keys of the second dataset merged in (its shards numbered past the first's) are found
+    with pytest.warns(UserWarning, match=r"left out 7 whose key"):
+        again = pack(q, str(merged), shard_size="6kB", progress=False, append=True, format=fmt)
+    assert (again.samples, again.duplicates) == (0, 7)
+    before = read_manifest(str(merged)).num_samples
+    pc = tmp_path / "pc"
+    packed(tree(tmp_path / "f", {"x": 3}, 11), pc, format=fmt)
+    merge([merged, pc], merged)  # in place
+    key_file(merged)
+    assert read_manifest(str(merged)).num_samples == before + 3
+    with pytest.raises(InputError, match=r": 7 of its keys are in another dataset"):
+        merge([merged, pb], tmp_path / "refused")
+
+
+def test_an_append_reads_the_key_file_not_the_old_indexes(srcs, tmp_path):
+    a, _, c = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    old = read_manifest(str(out)).shards
+    assert len(old) > 2
+    with _Opens(out) as opens:
+        report = packed(c, out, append=True)
+    assert report.samples == 12
+    read = {os.path.basename(p) for p in opens.paths}
+    assert KEYS_NAME in read
+    assert not {s.path for s in old} & read
+    assert not {s.path + ".idx" for s in old} & read
+    key_file(out)
+
+
+def test_a_hash_the_key_file_holds_is_confirmed_on_the_key_never_taken_for_it(srcs, tmp_path):
+    """A collision, made: the key file (its sha256 in the manifest made again, so it serves)
+    lists a new key's hash for an old shard holding another key. The append reads that shard's
+    keys, finds the key is not there, and packs it; the keys that are there are still left out."""
+    a, _, c = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    m = read_manifest(str(out))
+    n = m.num_samples
+    path = out / KEYS_NAME
+    data = bytearray(path.read_bytes())
+    hashes = np.frombuffer(data, "<u8", n, HEAD).copy()
+    shards = np.frombuffer(data, "<u4", n, HEAD + 8 * n).copy()
+    new_keys = sorted(os.path.relpath(os.path.join(d, f), c) for d, _, fs in os.walk(c) for f in fs)
+    new_keys = [os.path.splitext(k)[0] for k in new_keys]
+    hashes[:3] = key_hashes(new_keys[:3])  # three old samples now "collide" with new keys
+    order = np.lexsort((shards, hashes))
+    data[HEAD : HEAD + 8 * n] = hashes[order].astype("<u8").tobytes()
+    data[HEAD + 8 * n :] = shards[order].astype("<u4").tobytes()
+    path.write_bytes(bytes(data))
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["keys"]["sha256"] = _key_file_sha256(bytes(data), n)
+    (out / "manifest.json").write_text(json.dumps(doc))
+    report = packed(c, out, append=True)
+    assert (report.samples, report.duplicates) == (12, 0)
+    grown = read_manifest(str(out))
+    held = held_in(str(out), grown, dataset_columns(str(out), grown))
+    assert held(new_keys).all() and not held(["x/none", "y/none"]).any()
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == 24 == len(set(keys))
+
+
+@pytest.mark.parametrize("damage", ["unlisted", "missing", "edited", "stale"])
+def test_a_dataset_without_a_key_file_that_serves_is_grown_as_before_and_gets_one(
+    srcs, tmp_path, damage
+):
+    a, b, c = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    doc = json.loads((out / "manifest.json").read_text())
+    if damage == "unlisted":  # made before the key file
+        del doc["keys"]
+        os.unlink(out / KEYS_NAME)
+    elif damage == "missing":  # a copy without it
+        os.unlink(out / KEYS_NAME)
+    elif damage == "edited":
+        with open(out / KEYS_NAME, "r+b") as f:
+            f.seek(HEAD)
+            f.write(b"\0" * 8)
+    else:  # another dataset's key file with its sha256: its head names other shards
+        other = tmp_path / "other"
+        packed(b, other)
+        shutil.copyfile(other / KEYS_NAME, out / KEYS_NAME)
+        doc["keys"] = json.loads((other / "manifest.json").read_text())["keys"]
+    (out / "manifest.json").write_text(json.dumps(doc))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+    assert (again.samples, again.duplicates) == (0, 12)  # nothing to append: nothing written
+    named = [w for w in seen if issubclass(w.category, KeyFileWarning)]
+    assert bool(named) == (damage != "unlisted")
+    if named:
+        assert str(out / KEYS_NAME) in str(named[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = packed(c, out, append=True)
+    assert report.samples == 12
+    key_file(out)  # the append wrote it anew
+    keys = [k for k, _ in samples(out)]
+    assert len(keys) == 24 == len(set(keys))
+
+
+def test_a_merge_of_datasets_without_key_files_refuses_shared_keys_and_writes_one(tmp_path):
+    big = _written(tmp_path / "big", range(3000))
+    dup = _written(tmp_path / "dup", (20001, 7000, 5))
+    for d in (big, dup):
+        doc = json.loads((d / "manifest.json").read_text())
+        del doc["keys"]
+        (d / "manifest.json").write_text(json.dumps(doc))
+        os.unlink(d / KEYS_NAME)
+    with pytest.raises(InputError, match=r"big: 1 of its keys .*'c0/k00005'"):
+        merge([dup, big], tmp_path / "refused")
+    merge([big, dup], tmp_path / "kept", allow_duplicates=True)
+    hashes, _ = key_file(tmp_path / "kept")
+    assert len(hashes) == 3003
+
+
+def test_key_files_merged_in_pieces_are_the_whole_sort(tmp_path, monkeypatch):
+    """Three key columns (equal hashes within and across them, one empty) merged a few samples
+    a piece: the file is the one sort of them all by hash, then shard (FORMAT.md)."""
+    from shardkit.write import keyfile
+
+    monkeypatch.setattr(keyfile, "CHUNK", 7)
+    rng = np.random.default_rng(3)
+    parts, offset = [], 0
+    for n, shards in ((100, 5), (0, 1), (61, 4)):
+        hashes = rng.integers(0, 40, n).astype(np.uint64) << np.uint64(58)
+        where = rng.integers(0, shards, n).astype(np.uint32)
+        order = np.lexsort((where, hashes))
+        parts.append(keyfile.KeyColumns(hashes[order], where[order], offset))
+        offset += shards
+    entries = [ShardEntry(f"s{i}", 0, 0, "0" * 64) for i in range(offset)]
+    listed = keyfile.write_key_file(str(tmp_path), parts, entries)
+    data = (tmp_path / keyfile.KEYS_NAME).read_bytes()
+    n = 161
+    assert listed == {
+        "path": "manifest.keys",
+        "sha256": _key_file_sha256(data, n),
+        "bytes": len(data),
+    }
+    hashes = np.concatenate([p.hashes for p in parts])
+    where = np.concatenate([p.shards + np.uint32(p.offset) for p in parts])
+    order = np.lexsort((where, hashes))
+    assert np.array_equal(np.frombuffer(data, "<u8", n, HEAD), hashes[order])
+    assert np.array_equal(np.frombuffer(data, "<u4", n, HEAD + 8 * n), where[order])
+
+
+def test_an_engine_pack_and_append_write_the_key_file(srcs, tmp_path):
+    from shardkit.write.engines import LocalRunner
+
+    a, b, _ = srcs
+    out = tmp_path / "out"
+    packed(a, out, runner=LocalRunner(processes=2))
+    key_file(out)
+    packed(b, out, append=True, runner=LocalRunner(processes=2))
+    key_file(out)
+    assert read_manifest(str(out)).num_samples == 24

@@ -173,6 +173,7 @@ def test_overwrite_deletes_only_what_shardkit_wrote(trees, tmp_path):
     assert outside.read_bytes() == b"not ours" and (out / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(out)) == [
         "manifest.json",
+        "manifest.keys",
         "notes.txt",
         "shard-000000.tar",
         "shard-000000.tar.idx",

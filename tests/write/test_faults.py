@@ -218,15 +218,15 @@ def test_disk_full_while_writing_shards_is_one_error(small_disk, big_tree, small
 @pytest.mark.parametrize("step", ["manifest", "journal"])
 @pytest.mark.parametrize("old", [False, True], ids=["fresh", "overwrite"])
 def test_disk_full_at_the_manifest_or_the_journal(small_disk, small_tree, step, old):
-    """The disk fills up after the last shard: the manifest (in staging) or, with one page
-    left for the manifest, the commit journal cannot be written."""
+    """The disk fills up after the last shard: the manifest (in staging) or, with a page
+    left for the key file and one for the manifest, the commit journal cannot be written."""
     out = small_disk / "out"
     if old:
         _quiet_pack(str(small_tree), str(out))
     before = _snapshot(out) if old else {}
 
     def fill(path):
-        _fill(small_disk, leave=_PAGE if step == "journal" else 0)
+        _fill(small_disk, leave=2 * _PAGE if step == "journal" else 0)
 
     with pytest.raises(OutputError) as err:
         _quiet_pack(str(small_tree), str(out), overwrite=old, on_shard=fill)

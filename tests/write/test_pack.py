@@ -565,13 +565,15 @@ def test_overwrite_replaces_old_shards_and_keeps_other_files(tree, tmp_path):
     quiet_pack(src, out, overwrite=True)
     assert sorted(os.listdir(out)) == [
         "manifest.json",
+        "manifest.keys",  # its key file, replaced with the shards
         "notes.txt",
         "shard-000000.tar",
         "shard-000000.tar.idx",  # its sample index
     ]
     assert read_manifest(str(out)).num_samples == len(files)
     quiet_pack(src, out, overwrite=True, format="lmdb")
-    assert sorted(os.listdir(out)) == ["manifest.json", "notes.txt", "shard-000000.lmdb"]
+    listed = ["manifest.json", "manifest.keys", "notes.txt", "shard-000000.lmdb"]
+    assert sorted(os.listdir(out)) == listed
 
 
 def test_out_inside_src_is_refused(tree):

@@ -58,7 +58,8 @@ def test_writer_rolls_shards_and_round_trips_through_shard_dataset(tmp_path, fmt
     assert all(s.bytes <= limit for s in m.shards)
     assert w.report.samples == 30 and w.report.manifest_path == str(out / "manifest.json")
     indexes = [s.path + ".idx" for s in m.shards if s.path.endswith(".tar")]
-    assert final_names(out) == sorted([s.path for s in m.shards] + indexes + ["manifest.json"])
+    listed = [s.path for s in m.shards] + indexes + ["manifest.json", "manifest.keys"]
+    assert final_names(out) == sorted(listed)
     ds = ShardDataset(str(out), decode="raw", with_keys=True)
     got = {key: (bytes(img), label) for img, label, key in ds}
     assert got == {k: (d, i % 3) for i, (k, d) in enumerate(images.items())}
@@ -148,7 +149,12 @@ def test_writer_exception_leaves_no_final_name(tmp_path):
     assert os.listdir(out) == []
     with ShardWriter(out) as w:  # the output is free again (lock released)
         w.write("k", jpeg(0), 0)
-    assert final_names(out) == ["manifest.json", "shard-000000.tar", "shard-000000.tar.idx"]
+    assert final_names(out) == [
+        "manifest.json",
+        "manifest.keys",
+        "shard-000000.tar",
+        "shard-000000.tar.idx",
+    ]
 
 
 _KILLED_WRITER = textwrap.dedent(
@@ -200,7 +206,12 @@ def test_sigkilled_writer_leaves_no_final_name_and_the_next_one_cleans_up(tmp_pa
         read_manifest(str(out))
     with ShardWriter(out) as w:  # owner dead and we hold the lock: its staging is removed
         w.write("k", jpeg(0), 0)
-    assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.tar", "shard-000000.tar.idx"]
+    assert sorted(os.listdir(out)) == [
+        "manifest.json",
+        "manifest.keys",
+        "shard-000000.tar",
+        "shard-000000.tar.idx",
+    ]
 
 
 # --- pack from Python samples ------------------------------------------------------------------
