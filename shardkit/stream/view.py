@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, ShardFormatError, StorageError
+from ..errors import InputError, ShardFormatError, StorageError, UnknownKeywordError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex, key_hashes, table_hashes
@@ -48,16 +48,17 @@ from ..records import Record, ShardInfo, ShardTable
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_columns, shard_index
+from .members import Members as Selected
+from .mix import Source
 from .ranges import check_sample, read_range, warn_undigested
+from .selection import _kind, _options, _storage, resolve_mixed
 from .sources import resolve_source
 from .stages import decoded_fields, empty_as_said, sample_error
-from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
 
-#: ``max_pixels=`` left out (its retired spelling: None there meant "no limit", so None cannot
-#: stand for "not given").
-_UNSET = object()
+#: The retired keywords a view took (``retired.translate`` folds them into their objects).
+_RETIRED = frozenset({"max_pixels", "storage_options", "cache_dir"})
 
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
@@ -65,13 +66,21 @@ _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole 
 class ShardView:
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
-    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``
-    (a mode string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
+    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL), or one
+    ``Source``: its ``split=``/``val_fraction=`` and ``subset=`` make the view one over exactly
+    the samples that selection draws, in packed order (``view[i]`` is the i-th of them; a
+    fraction subset is drawn as ``ShardDataset``'s default ``seed=0`` draws it), and its
+    ``storage_options`` are used for its URLs. A ``weight`` (a share among several sources) or
+    ``fields`` leaving out one of the view's ``fields=`` cannot take effect on one view and are
+    refused; several sources are several views (``view_a + view_b``). ``decode`` (a mode
+    string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
     ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
-    ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
-    cache; LMDB shards are fetched whole into ``cache_dir``); or ``storage``, a
-    ``shardkit.remote.RemoteStorage`` that carries them with its retries and timeout, which
-    every ranged GET and index read of the view follows (as ``ShardDataset``'s ``storage=``).
+    ``storage``: where the shards live, as ``ShardDataset``'s ``storage=``: a
+    ``shardkit.remote.RemoteStorage`` for URLs (fsspec options, ``cache_dir`` for fetched LMDB
+    shards, retries and timeout every ranged GET and index read follows), or a local storage.
+    Retired keywords (one release, with a ``FutureWarning`` naming the new spelling):
+    ``storage_options=``/``cache_dir=`` (``storage=RemoteStorage(...)``), ``max_pixels=``
+    (``decode=Decode(max_pixels=...)``).
     """
 
     def __init__(
@@ -83,17 +92,20 @@ class ShardView:
         target_transform: Callable | None = None,
         with_keys: bool = False,
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
-        storage_options: dict | None = None,
-        cache_dir: str | None = None,
-        max_pixels: int | None = _UNSET,  # type: ignore[assignment]
         storage=None,
+        **retired,
     ):
-        if max_pixels is not _UNSET:  # the Decode's (one release): warns with the new spelling
+        if retired:  # the old spellings (one release): warn with the new one
             from .retired import translate
 
-            _, decode, _, _ = translate(
-                {"max_pixels": max_pixels}, source=source, decode=decode, order=None,
-                storage=None, owner="ShardView",
+            unknown = sorted(set(retired) - _RETIRED)
+            if unknown:
+                raise UnknownKeywordError(
+                    f"ShardView got an unknown keyword {unknown[0]}=; see help(shardkit.ShardView)"
+                )
+            _, decode, _, storage = translate(
+                retired, source=source, decode=decode, order=None, storage=storage,
+                owner="ShardView", groups=("decode", "storage"),
             )  # fmt: skip
         #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
         self.decode: Decode = Decode.of(decode)
@@ -106,25 +118,30 @@ class ShardView:
             from ..images.geometry import TensorDecoder
 
             self._decoder = TensorDecoder.of(self.decode)
-        if storage is not None and (storage_options is not None or cache_dir is not None):
-            raise InputError(
-                "ShardView takes storage= or storage_options=/cache_dir=, not both: give "
-                "RemoteStorage(storage_options=..., cache_dir=...) its options"
-            )
-        if storage is not None:
-            storage_options = getattr(storage, "storage_options", None) or None
-        self.storage_options = storage_options
-        check_source(source, storage_options)
-        self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
-        resolved = resolve_source(source, storage_options=storage_options)
-        self.format = resolved.format
-        self.classes = list(resolved.classes) if resolved.classes else None
-        table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
-        self.storage = (
-            storage_for([table.url(0)], storage_options=storage_options, cache_dir=cache_dir)
-            if storage is None or not is_url(table.url(0))
-            else storage
-        )  # one shard says local or URL: a shard list is all one or the other
+        src = _one_source(source, self.fields)
+        path = source if src is None else src.path
+        own = None if src is None else src.storage_options
+        self.where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the shards"
+        options = _options(own, storage, self.where)
+        self.storage_options = options
+        check_source(path, options)
+        #: the samples a narrowing ``Source`` selects (positions, ascending); None: every one
+        self._members: Selected | None = None
+        if src is not None and (src.split is not None or src.subset is not None):
+            mixed = resolve_mixed(
+                src, storage, seed=0, offset=0, fields=self.fields,
+                field_decoders=self.field_decoders, boxes=None,
+            )  # fmt: skip
+            self.format, classes, table = mixed.format, mixed.classes, mixed.shards
+            self.storage = mixed.storage
+            self._members = mixed.members
+        else:
+            resolved = resolve_source(path, storage_options=options)
+            self.format, classes = resolved.format, resolved.classes
+            table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
+            # one shard says local or URL: a shard list is all one or the other
+            self.storage = _storage(_kind(table), storage, copy=own is not None, options=own)
+        self.classes = list(classes) if classes else None
         self.shards: ShardTable = table
         self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
         #: LMDB: per local shard, the file's identity when the view was made (a stat each)
@@ -207,11 +224,30 @@ class ShardView:
     # --- access -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return self._starts[-1] if self._members is None else len(self._members)
 
     def keys(self) -> list[str]:
-        """Every sample's key, in packed order."""
-        return [k for i in range(len(self.shards)) for k in self._table(i).keys()]
+        """Every sample's key, in packed order (a narrowing ``Source``'s: those it selects)."""
+        if self._members is None:
+            return [k for i in range(len(self.shards)) for k in self._table(i).keys()]
+        out = []
+        for k in np.flatnonzero(self._members.per_shard).tolist():
+            table = self._table(k)
+            out += [table.key(j) for j in (self._members.shard(k) - self._starts[k]).tolist()]
+        return out
+
+    def _rank(self, position: int) -> int | None:
+        """The view's index of the sample at ``position`` in packed order; None where a
+        narrowing ``Source`` does not select it."""
+        sel = self._members
+        if sel is None:
+            return position
+        k = bisect.bisect_right(self._starts, position) - 1
+        mine = sel.shard(k)
+        at = int(np.searchsorted(mine, position))
+        if at == len(mine) or int(mine[at]) != position:
+            return None
+        return int(sel.ends[k] - sel.per_shard[k]) + at
 
     def key(self, i) -> str:
         """Sample ``i``'s key (from the index, no sample read)."""
@@ -237,22 +273,24 @@ class ShardView:
             lo = int(np.searchsorted(hashes, want))
             hi = int(np.searchsorted(hashes, want, side="right"))
             for i in sorted(positions[lo:hi].tolist()):
-                k, j = self._locate(i)
-                if self._table(k).key(j) == key:
-                    return i
+                k, j = self._at(i)
+                if self._table(k).key(j) == key and self._rank(i) is not None:
+                    return self._rank(i)
         else:
             try:
                 for k in range(len(self.shards)):
                     for j in np.flatnonzero(self._hashes(k) == want).tolist():
-                        if self._table(k).key(j) == key:
-                            return self._starts[k] + j
+                        i = self._starts[k] + j
+                        if self._table(k).key(j) == key and self._rank(i) is not None:
+                            return self._rank(i)
             finally:
                 self.storage.close()
         found = self._by_keys(key)
         if found is not None:
             return found
+        some = "" if self._members is None else " (or not in the selection its Source makes)"
         raise InputError(
-            f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
+            f"no sample with key {key!r} in {self.where}{some}; `shardkit ls` lists the keys"
         )
 
     def _by_keys(self, key: str) -> int | None:
@@ -279,9 +317,9 @@ class ShardView:
                     self._lying(k, int(np.count_nonzero(ours != stored)))
                 if found is None:
                     for j in np.flatnonzero(ours == want).tolist():
-                        if table.key(j) == key:
+                        if table.key(j) == key and self._rank(self._starts[k] + j) is not None:
                             self._tables[k] = table
-                            found = self._starts[k] + j
+                            found = self._rank(self._starts[k] + j)
                             break
         finally:
             self.storage.close()
@@ -510,8 +548,14 @@ class ShardView:
         if not -n <= i < n:
             raise IndexError(f"sample {i} is out of range: {self.where} holds {n} (0..{n - 1})")
         i = int(i) % n
-        shard = bisect.bisect_right(self._starts, i) - 1
-        return shard, i - self._starts[shard]
+        if self._members is not None:  # the i-th sample the Source selects
+            i = int(self._members.take(np.asarray([i]))[0])
+        return self._at(i)
+
+    def _at(self, position: int) -> tuple[int, int]:
+        """(shard, sample in it) of ``position`` in packed order."""
+        shard = bisect.bisect_right(self._starts, position) - 1
+        return shard, position - self._starts[shard]
 
     def _reader(self, shard: int, info: ShardInfo):
         self._fresh()
@@ -602,6 +646,31 @@ class ShardView:
 
 
 _INDEXES = (SampleIndex, LmdbIndex)
+
+
+def _one_source(source, fields: Sequence[str]) -> Source | None:
+    """The ``Source`` a view is given (None: a path, glob or shard list), refusing what cannot
+    take effect on one view: several sources, a weight, fields left out."""
+    if isinstance(source, Source):
+        if source.weight is not None:
+            raise InputError(
+                f"ShardView(Source({source.name!r}, weight={source.weight})): a weight shares an "
+                "epoch among several sources, a view reads one: leave weight out"
+            )
+        left = [f for f in fields if source.fields is not None and f.lower() not in source.fields]
+        if left:
+            raise InputError(
+                f"ShardView(Source({source.name!r}, fields={list(source.fields)})) leaves out "
+                f"the view's field {left[0]!r}: give the view only fields the source carries"
+            )
+        return source
+    many = not isinstance(source, (str, os.PathLike)) and isinstance(source, Sequence)
+    if many and any(isinstance(s, Source) for s in source):
+        raise InputError(
+            "ShardView reads one source: make a view of each Source and join them "
+            "(view_a + view_b is torch's ConcatDataset)"
+        )
+    return None
 
 
 def _lmdb_stamps(shards: Sequence[ShardInfo]) -> dict[str, tuple]:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from shardkit import InputError, Order, ShardDataset, ShardView
+from shardkit import InputError, Order, ShardDataset, ShardView, Source
 from shardkit.errors import ShardFormatError
+from shardkit.remote import RemoteStorage
 from shardkit.write.packer import pack
 from shardkit.write.writer import ShardWriter
 
@@ -117,7 +118,7 @@ def test_view_over_s3_equals_sequential_reading_with_one_ranged_get_per_tar_samp
     s3.upload_dir(bucket, fmt, Path(src))
     url, opts = f"s3://{bucket}/{fmt}/", S3Server.options(s3.endpoint)
     seq = _sequential(src)
-    view = ShardView(url, decode="raw", with_keys=True, storage_options=opts)
+    view = ShardView(url, decode="raw", with_keys=True, storage=RemoteStorage(opts))
     s3.log.clear()
     got = [view[i] for i in range(len(view))]
     assert [(d, lab) for d, lab, _ in got] == [(d, lab) for d, lab, _ in seq]
@@ -257,7 +258,7 @@ def test_members_by_name_over_s3_are_one_ranged_get_of_their_sample_each(caption
 
     bucket = f"members-{uuid.uuid4().hex[:10]}"
     s3.upload_dir(bucket, "d", Path(captioned))
-    view = ShardView(f"s3://{bucket}/d/", storage_options=S3Server.options(s3.endpoint))
+    view = ShardView(f"s3://{bucket}/d/", storage=RemoteStorage(S3Server.options(s3.endpoint)))
     view.members(0, ("txt",))
     s3.log.clear()
     assert view.members(7, ("txt",)) == [("txt", b"caption 7")]
@@ -324,3 +325,71 @@ def test_a_lookup_confirms_the_hash_by_the_key_and_finds_the_first_of_twins(tmp_
         view = ShardView(str(tmp_path / "d"), decode="raw") if fresh else view
         with pytest.raises(InputError, match="no sample with key 'k9'"):
             view.index("k9")
+
+
+# --- a view takes the groups ShardDataset takes: Source, Decode, storage ------------------------
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_a_view_of_a_split_holds_the_samples_the_dataset_streams(packs, fmt, split):
+    src = packs[0] if fmt == "tar" else packs[1]
+    source = Source(src, split=split, val_fraction=0.3)
+    streamed = _sequential(source)
+    view = ShardView(source, decode="raw", with_keys=True)
+    every = ShardView(src, decode="raw", with_keys=True).keys()
+    assert 0 < len(view) == len(streamed) < 90
+    assert sorted(view[i] for i in range(len(view))) == sorted(streamed)
+    assert view.keys() == [k for k in every if k in set(view.keys())]  # packed order
+    for i in (0, len(view) // 2, -1):
+        key = view.key(i)
+        assert view[i][2] == key and view.index(key) == i % len(view) and view.get(key) == view[i]
+    other = next(k for k in every if k not in set(view.keys()))
+    with pytest.raises(InputError, match=f"no sample with key '{other}'.*not in the selection"):
+        view.get(other)
+
+
+def test_a_view_of_a_subset_holds_the_dataset_s_subset(packs):
+    tar = packs[0]
+    every = ShardView(tar, decode="raw").keys()
+    view = ShardView(Source(tar, subset=[every[40], every[3]]), decode="raw", with_keys=True)
+    assert view.keys() == [every[3], every[40]] and view[1][2] == every[40]
+    drawn = ShardView(Source(tar, subset=0.2), decode="raw", with_keys=True)  # seed 0's draw
+    streamed = _sequential(Source(tar, subset=0.2))
+    assert len(drawn) == 18 and set(drawn.keys()) == {s[2] for s in streamed}
+    assert ShardView(Source(tar), decode="raw").keys() == every
+
+
+def test_what_a_view_cannot_honour_is_refused_by_name(packs):
+    tar = packs[0]
+    with pytest.raises(InputError, match=r"weight=0\.5\).*a view reads one: leave weight out"):
+        ShardView(Source(tar, weight=0.5))
+    with pytest.raises(InputError, match="reads one source.*view_a \\+ view_b"):
+        ShardView([Source(tar), Source(packs[1])])
+    with pytest.raises(InputError, match="leaves out the view's field 'txt'"):
+        ShardView(Source(tar, fields=()), fields=("txt",))
+    opts = {"anon": True}
+    with pytest.raises(InputError, match="give them in one place"):
+        ShardView(Source(tar, storage_options=opts), storage=RemoteStorage(opts))
+    with pytest.raises(TypeError, match="unknown keyword shuffle="):
+        ShardView(tar, shuffle=False)
+
+
+def test_the_loose_storage_keywords_are_retired_spellings_of_remote_storage(packs, tmp_path):
+    tar = packs[0]
+    new = ShardView(tar, decode="raw", storage=RemoteStorage(cache_dir=str(tmp_path)))
+    with pytest.warns(FutureWarning, match=r"write ShardView\(storage=RemoteStorage\(cache_dir="):
+        old = ShardView(tar, decode="raw", cache_dir=str(tmp_path))
+    assert [old[i] for i in range(90)] == [new[i] for i in range(90)]
+    with pytest.warns(FutureWarning, match=r"storage=RemoteStorage\(storage_options=\{\}\)"):
+        ShardView(tar, storage_options={})
+    with pytest.raises(InputError, match="give only storage="):
+        ShardView(tar, storage=RemoteStorage(), cache_dir=str(tmp_path))
+
+
+def test_the_retired_spelling_s_warning_masks_the_credentials(packs):
+    opts = {"key": "AKIAFAKEFAKE12345678", "secret": "fAkEsEcReT/0123456789abcdef"}
+    with pytest.warns(FutureWarning) as caught:
+        ShardView(packs[0], storage_options=opts)
+    text = str(caught[0].message)
+    assert "storage=RemoteStorage(storage_options=" in text and opts["secret"] not in text
