@@ -298,7 +298,7 @@ def test_a_lookup_by_key_loads_one_index_and_a_missing_key_none(packs, fmt, monk
     # a missing key: no hash matches, and before it is called missing every shard's column is
     # checked by its keys once (a hash column may lie), one index at a time, none held; the
     # lookups after answer from the hashes alone
-    assert len(loads) == len(view.shards) and view._tables == [None] * len(view.shards)
+    assert len(loads) == len(view.shards) and len(view._tables) == 0
     loads.clear()
     last = keys[-1]
     assert view.get(last)[2] == last and len(loads) == 1  # one index: the shard holding it
@@ -393,3 +393,92 @@ def test_the_retired_spelling_s_warning_masks_the_credentials(packs):
         ShardView(packs[0], storage_options=opts)
     text = str(caught[0].message)
     assert "storage=RemoteStorage(storage_options=" in text and opts["secret"] not in text
+
+
+# --- random access in bounded memory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_view_holds_indexes_within_its_budget_and_closes_what_it_lets_go(packs, fmt):
+    from shardkit import ViewCache
+
+    src = packs[0] if fmt == "tar" else packs[1]
+    seq = _sequential(src)
+    view = ShardView(src, decode="raw", with_keys=True, cache=ViewCache(indexes=0))
+    assert len(view.shards) > 2 and ViewCache(indexes="2kB").indexes == 2000
+    rng = __import__("random").Random(0)
+    for i in rng.sample(range(90), 90):
+        assert view[i] == seq[i]
+        assert view.get(seq[i][2]) == seq[i]
+        assert len(view._tables) == 1 and len(view._open) <= 1  # over budget: the last alone
+    whole = ShardView(src, decode="raw", cache=ViewCache())
+    for i in range(90):
+        whole[i]
+    assert len(whole._tables) == len(whole.shards) == len(whole._open)  # within 64 MiB: all
+    with pytest.raises(InputError, match="indexes"):
+        ViewCache(indexes=-1)
+    with pytest.raises(InputError, match="give a shardkit.ViewCache"):
+        ShardView(src, cache=64)
+
+
+def test_the_key_table_is_on_disk_shared_and_read_by_the_first_lookup_of_a_new_view(
+    packs, tmp_path, monkeypatch
+):
+    import shardkit.stream.view as view_mod
+    from shardkit import ViewCache
+
+    tar, cache = packs[0], ViewCache(key_dir=str(tmp_path / "keys"))
+    keys = ShardView(tar).keys()
+    first = ShardView(tar, decode="raw", cache=cache)
+    assert first.index(keys[50]) == 50  # builds the table: every shard's hash column read
+    (table,) = (tmp_path / "keys").iterdir()
+    assert table.stat().st_size == 32 + 16 * 90 + 8  # head, hashes, positions, one fence
+    columns = []
+    real = view_mod.ShardView._stored_hashes
+    monkeypatch.setattr(
+        view_mod.ShardView, "_stored_hashes", lambda v, k: columns.append(k) or real(v, k)
+    )
+    view = ShardView(tar, decode="raw", cache=cache)
+    for i in (7, 89, 0, 50):
+        assert view.index(keys[i]) == i
+    assert columns == [] and len(view._tables) == 3  # no column read; the 3 shards asked
+    assert view._keyfile.fences.nbytes == 8  # of the table, only its fences are held
+
+
+def test_the_key_table_follows_the_dataset_as_it_grows(tmp_path):
+    from conftest import image_tree
+
+    from shardkit import ViewCache
+
+    cache = ViewCache(key_dir=str(tmp_path / "keys"))
+    out = str(tmp_path / "out")
+    pack(str(image_tree(tmp_path / "a", 12)), out, progress=False)
+    before = ShardView(out, cache=cache)
+    assert before.index(before.key(3)) == 3
+    more = image_tree(tmp_path / "b", 6)
+    for f in more.rglob("*.jpg"):
+        f.rename(f.with_name("more-" + f.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pack(str(more), out, progress=False, append=True)
+    after = ShardView(out, cache=cache)
+    assert len(after) == 18 and all(after.index(after.key(i)) == i for i in range(18))
+    assert len(list((tmp_path / "keys").iterdir())) == 2  # one a manifest version
+
+
+def test_a_wrong_key_table_costs_a_search_never_a_wrong_sample(packs, tmp_path):
+    from shardkit import ViewCache
+
+    tar, lmdb = packs
+    cache = ViewCache(key_dir=str(tmp_path / "keys"))
+    a, b = ShardView(tar, decode="raw", cache=cache), ShardView(lmdb, decode="raw", cache=cache)
+    a.index(a.key(0)), b.index(b.key(0))
+    ta, tb = sorted((tmp_path / "keys").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    keys = a.keys()
+    (tmp_path / "lmdb-table").write_bytes(tb.read_bytes())
+    ta.write_bytes(tb.read_bytes()[: 90 * 8])  # cut short: built again
+    assert ShardView(tar, decode="raw", cache=cache).index(keys[33]) == 33
+    ta.write_bytes((tmp_path / "lmdb-table").read_bytes())  # another dataset's, whole
+    view = ShardView(tar, decode="raw", with_keys=True, cache=cache)
+    assert [view.index(k) for k in keys] == list(range(90))
+    assert view.get(keys[5])[2] == keys[5]
