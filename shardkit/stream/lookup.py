@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from ..records import ShardTable
 from ..sizes import parse_size
 
 __all__ = ["IndexCache", "KeyFile", "ViewCache", "key_dir", "table_digest"]
+
+#: The variable naming the directory shardkit keeps caches in (key tables in ``keys/``).
+CACHE_ENV = "SHARDKIT_CACHE"
 
 _MAGIC = b"SKKEYS01"
 _HEAD = 32  # magic, samples, block, fences: 8 bytes each
@@ -66,35 +70,43 @@ def key_dir(cache: ViewCache) -> str:
     """The directory ``cache``'s key tables are kept in."""
     if cache.key_dir is not None:
         return os.fspath(cache.key_dir)
-    if os.environ.get("SHARDKIT_CACHE"):
-        return os.path.join(os.environ["SHARDKIT_CACHE"], "keys")
+    if os.environ.get(CACHE_ENV):
+        return os.path.join(os.environ[CACHE_ENV], "keys")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "shardkit", "keys")
 
 
-def table_digest(fmt: str, shards: ShardTable, counts: list[int]) -> str | None:
-    """A name for the dataset version ``shards`` are: each shard's count and checksums (the
-    manifest's ``sha256``, ``index_sha256``, ``columns_sha256``: what the hashes and positions
-    are made of, wherever the files now lie), in order; None where a shard has neither a
-    shard nor an index checksum (no manifest vouches for it: its key table is not shared).
-    O(shards), ~0.3 us a shard."""
-    if not all(shards.sha256) and not all(shards.index_sha256):
-        if not all(s or i for s, i in zip(shards.sha256, shards.index_sha256, strict=True)):
+def table_digest(fmt: str, shards: ShardTable, counts) -> str | None:
+    """A name for the dataset version ``shards`` are: each shard's count and the checksum that
+    vouches for its keys' hashes and places (the manifest's ``index_sha256``, whose index names
+    the shard's ``sha256``; else the shard's ``sha256``: an LMDB shard holds its index), in
+    order, wherever the files now lie; None where a shard has neither (no manifest vouches for
+    it: its key table is not shared). O(shards): ~0.1 us a shard."""
+    column = shards.index_sha256
+    if not all(column):
+        column = shards.sha256 if all(shards.sha256) else [
+            i or s for s, i in zip(shards.sha256, shards.index_sha256, strict=True)
+        ]  # fmt: skip
+        if not all(column):
             return None
     h = hashlib.sha256(f"{fmt}\n".encode())
     h.update(np.asarray(counts, np.int64).tobytes())
-    for column in (shards.sha256, shards.index_sha256, shards.columns_sha256):
-        text = "".join(column)  # hex digits (a 64-digit digest each, or none): as bytes
-        try:
-            h.update(bytes.fromhex(text) + b"\0")
-        except ValueError:  # not hex: hashed as written
-            h.update("\n".join(column).encode("utf-8", "surrogateescape") + b"\1")
+    text = "".join(column)  # 64 hex digits each: hashed as their bytes
+    try:
+        h.update(bytes.fromhex(text))
+    except ValueError:  # not hex: hashed as written
+        h.update("\n".join(column).encode("utf-8", "surrogateescape"))
     return h.hexdigest()[:32]
 
 
 class KeyFile:
     """A dataset's key hashes sorted, with their positions, on disk (see the module docstring).
-    ``candidates(h)``: the positions whose stored hash is ``h``, ascending."""
+    ``candidates(h)``: the positions whose stored hash is ``h``, ascending.
+
+    The file (a private cache, little-endian): ``SKKEYS01``; the samples, the block (512) and
+    the number of fences, uint64 each; the fences (every block-th hash, from the first); the
+    hashes, ascending, uint64; each one's position in packed order, uint64 (equal hashes in
+    position order)."""
 
     def __init__(self, path: str, fd: int | None = None):
         self.path, self._fd, self._pid = path, fd, os.getpid()
@@ -202,7 +214,9 @@ class IndexCache:
     just put is always held, however large."""
 
     def __init__(self, limit: int, release: Callable[[int], None] | None = None):
-        self.limit, self.release = int(limit), release
+        self.limit = int(limit)
+        #: weakly: a view holds its cache, and a cycle would keep a dropped view's files open
+        self._release = None if release is None else weakref.WeakMethod(release)
         self._held: OrderedDict[int, tuple[object, int]] = OrderedDict()
         self.nbytes = 0
 
@@ -222,8 +236,9 @@ class IndexCache:
         while self.nbytes > self.limit and len(self._held) > 1:
             gone, (_, was) = self._held.popitem(last=False)
             self.nbytes -= was
-            if self.release is not None:
-                self.release(gone)
+            release = None if self._release is None else self._release()
+            if release is not None:
+                release(gone)
 
     def __len__(self) -> int:
         return len(self._held)
