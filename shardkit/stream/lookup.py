@@ -167,6 +167,8 @@ class KeyFile:
             return None  # none yet, or not one: built again
 
     def _file(self) -> int:
+        if self.private:  # unlinked: its descriptor, inherited by a forked worker, is all
+            return self._fd  # there is (``pread`` moves no shared offset)
         if self._fd is None or self._pid != os.getpid():
             self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
         return self._fd

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from pathlib import Path
@@ -482,3 +483,27 @@ def test_a_wrong_key_table_costs_a_search_never_a_wrong_sample(packs, tmp_path):
     view = ShardView(tar, decode="raw", with_keys=True, cache=cache)
     assert [view.index(k) for k in keys] == list(range(90))
     assert view.get(keys[5])[2] == keys[5]
+
+
+def test_a_dataset_no_manifest_vouches_for_gets_a_private_key_table_forked_workers_read(tmp_path):
+    with ShardWriter(str(tmp_path / "d"), shard_size="1MB") as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"x%d" % i, 0)
+    (tmp_path / "d" / "manifest.json").unlink()  # a glob of tars: nothing vouches for them
+    view = ShardView(str(tmp_path / "d" / "*.tar"), decode="raw", with_keys=True)
+    assert view.index("k4") == 4 and view._keyfile.private
+    assert not os.path.exists(view._keyfile.path)  # unlinked: this view's alone
+
+    loader = DataLoader(_Gets(view), batch_size=None, num_workers=2)
+    assert sorted(int(i) for i in loader) == list(range(6))  # forked: the inherited file
+
+
+class _Gets(torch.utils.data.Dataset):
+    def __init__(self, view):
+        self.view = view
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.view.index(f"k{i}")
