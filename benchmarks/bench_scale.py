@@ -26,6 +26,13 @@ machine moves least:
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
 - ``view``: ``ShardView`` open: CPU and peak memory;
 - ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
+- ``random``: a long-lived view's memory and its first lookups: the CPU of a first
+  ``get(key)`` in a new view and of its second (a key table built in memory there is counted
+  there; one on disk is built by an earlier view: that view's first lookup is given too), then
+  the resident memory after 1,000 random ``get(key)`` and 1,000 random ``view[i]``, and
+  after 4,000 more, against before them; and the first lookup of the child's first view, which
+  builds the key table where one is kept on disk (in a directory of its own); ``--against``
+  too;
 - ``ls`` first line, ``show KEY``, ``show-missing`` (a key that is not there): CPU and memory;
 - ``epoch``: a full epoch (``decode="raw"``): samples/s and CPU per sample;
 - ``append`` (``shardkit pack MORE OUT --append`` of ``--new`` samples onto a hard-linked copy)
@@ -157,6 +164,41 @@ elif what == "get":
         except Exception:
             pass
     out["miss_cpu_s"] = cpu() - c1
+elif what == "random":  # a long-lived view: its first lookups, its memory after many
+    import tempfile  # a key table on disk (where kept) is built by this child's first view
+    os.environ["SHARDKIT_CACHE"] = tempfile.mkdtemp(prefix="bench-keys-")
+    view = ShardView(where, decode="raw")
+    n = len(view)
+    labels = np.random.default_rng(0).integers(0, 1000, n)  # data.scale_set's keys
+    def name(i):
+        return f"n{int(labels[i]):08d}/n{int(labels[i]):08d}_{i}"
+    picks = np.random.default_rng(1).integers(0, n, 6003).tolist()
+    c1 = time.process_time()
+    view.index(name(picks[0]))  # where a key table is built on disk, it is built here
+    out["earlier_view_first_s"] = time.process_time() - c1
+    view.close()
+    del view
+    view = ShardView(where, decode="raw")
+    c1 = time.process_time()
+    assert view.get(name(picks[1])) is not None
+    out["first_get_s"] = time.process_time() - c1
+    c1 = time.process_time()
+    view.get(name(picks[2]))
+    out["second_get_s"] = time.process_time() - c1
+    out["rss_before_mb"] = status_mb("VmRSS")
+    c1 = time.process_time()
+    for i in picks[3:1003]:
+        view.get(name(i))
+    for i in picks[1003:2003]:
+        view[i]
+    out["loop_cpu_s"] = time.process_time() - c1
+    out["rss_after_mb"] = status_mb("VmRSS")
+    for i in picks[2003:]:  # as many again, twice: flat, or still growing
+        view.get(name(i)) if i % 2 else view[i]
+    out["rss_later_mb"] = status_mb("VmRSS")
+    view.close()
+    import shutil
+    shutil.rmtree(os.environ["SHARDKIT_CACHE"], ignore_errors=True)
 elif what == "ls":
     view = ShardView(where, decode="raw")
     out["line"] = next(iter(list_lines(view, 1)))
@@ -212,6 +254,7 @@ WHATS = (
     "split-epoch",
     "view",
     "get",
+    "random",
     "ls",
     "show",
     "show-missing",
@@ -220,7 +263,7 @@ WHATS = (
 GROWTH = ("append", "merge")
 MANY = ("view", "get", "ls", "show", "show-missing")
 # The figures ``--against`` measures on the other checkout too.
-AGAINST = ("split", "split-train", "split-plan", "split-train-plan")
+AGAINST = ("split", "split-train", "split-plan", "split-train-plan", "random")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -310,6 +353,8 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
     rounds = harness.interleave(sides, args.rounds, order="reverse", quiet=True)
     for k, runs in rounds.results.items():  # the median run by CPU; all in "runs"
         row[k] = sorted(runs, key=lambda x: x["cpu_s"])[len(runs) // 2]
+        if k.startswith("random/"):  # the one round that found no key table on disk built it
+            row[k] = {**row[k], "build_s": max(x["earlier_view_first_s"] for x in runs)}
     row["runs"] = rounds.results
     row["loads"] = [x.as_dict() for x in rounds.loads]
     row["load_after"] = harness.load_now().as_dict()
@@ -359,6 +404,7 @@ LABELS = {
     "split-epoch": 'split="val" epoch',
     "view": "ShardView open",
     "get": "get(key), per lookup",
+    "random": "long-lived view",
     "ls": "ls first line",
     "show": "show KEY",
     "show-missing": "show a missing key",
@@ -384,6 +430,13 @@ def _cell(what: str, r: dict, row: dict) -> str:
         return (
             f"draw {r['layout_b'] / n:.2f} B, plan peak {r['traced_peak_b'] / n:.1f} B, "
             f"held {r['held_b'] / n:.2f} B{cpu}"
+        )
+    if what == "random":
+        grew = r["rss_after_mb"] - r["rss_before_mb"]
+        later = r["rss_later_mb"] - r["rss_before_mb"]
+        return (
+            f"get 1st {r['first_get_s'] * 1e3:.2f} ms, 2nd {r['second_get_s'] * 1e3:.2f} ms; "
+            f"+{grew:.0f} MB after 2k, +{later:.0f} after 6k; table build {r['build_s']:.2f} s"
         )
     if what in AGAINST:
         per, n = more * 2**20 / row["n"], row["n"]

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .loader import ShardLoader
     from .stream.dataset import FolderDataset, ShardDataset, Source
     from .stream.fields import Boxes
+    from .stream.lookup import ViewCache
     from .stream.shuffle import Order
     from .stream.view import ShardView
     from .write.packer import PackOptions, PackReport, pack
@@ -67,6 +68,7 @@ __all__ = [
     "ShardkitError",
     "Source",
     "StorageError",
+    "ViewCache",
     "pack",
     "read_manifest",
 ]
@@ -82,6 +84,7 @@ _LAZY = {
     "RandomCrop": "images.crops",
     "RandomResizedCrop": "images.crops",
     "ShardView": "stream.view",
+    "ViewCache": "stream.lookup",
     "ShardLoader": "loader",
     "pack": "write.packer",
     "PackOptions": "write.packer",

@@ -24,8 +24,9 @@ subsets, splits or a fixed epoch size: one stream of positions (``partition.MixL
 same stages read, one reader and shuffle buffer per source; ``members`` holds the samples each
 source may draw shard by shard (a split as its val bits). ``retired`` turns the keywords the
 option objects replaced into them.
-``view`` (``ShardView``) is random access by index or key, for evaluation and debugging, and
-``show`` what ``shardkit ls``/``show`` print over it.
+``view`` (``ShardView``) is random access by index or key, for evaluation and debugging, within
+what ``lookup`` bounds (its indexes held, its key table on disk), and ``show`` what
+``shardkit ls``/``show`` print over it.
 
 ``folder`` is the per-file baseline (``FolderDataset``) the benchmarks compare against. The
 stages are plain generators, each testable alone on a list; they are exported here.

@@ -16,6 +16,8 @@ from ..images.decode import decode_image
 from ..images.geometry import TensorDecoder
 from ..images.options import Decode
 from ..scan import StrTable, scan_source
+from .indexes import val_mask
+from .mix import Source, key_hashes
 from .storage import LocalStorage, Storage
 
 __all__ = ["FolderDataset"]
@@ -60,6 +62,13 @@ class FolderDataset(Dataset):
                 retired, source=root, decode=decode, order=None, storage=None,
                 owner="FolderDataset", groups=("decode",),
             )  # fmt: skip
+        root, split = _folder_of(root)
+        if getattr(storage, "urls_only", False):
+            raise InputError(
+                f"FolderDataset({os.fspath(root)!r}, storage={type(storage).__name__}(...)): a "
+                "remote storage configures URLs, a folder is local: leave storage out or give "
+                "LocalStorage(...)"
+            )
         #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
         self.decode: Decode = Decode.of(decode)
         self.geometry = self.decode.geometry
@@ -81,6 +90,10 @@ class FolderDataset(Dataset):
             )
         self.classes: list[str] = list(scan.classes)
         keep = np.fromiter((e in exts for e in scan.exts), dtype=bool, count=len(scan.exts))
+        if split is not None:  # pack's keys: the relative path without its extension
+            keys = [f.rsplit(".", 1)[0] for f in scan.files]
+            val = val_mask(key_hashes(keys), split.val_fraction)
+            keep &= val if split.split == "val" else ~val
         left_out = set(skip)
         if left_out:
             keep &= np.fromiter((f not in left_out for f in scan.files), bool, len(scan.files))
@@ -143,3 +156,31 @@ class FolderDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"FolderDataset({self.root!r}, {len(self)} images, {len(self.classes)} classes)"
+
+
+#: What a ``Source`` selects by, and what to do instead on a folder.
+_NOT_HERE = {
+    "subset": "give skip= the files to leave out",
+    "weight": "mix folders as packed datasets: ShardDataset([Source(...), ...])",
+    "fields": "a folder's samples are its images: leave fields out",
+    "storage_options": "a folder is local: leave storage_options out",
+}
+
+
+def _folder_of(root) -> tuple[str | os.PathLike, Source | None]:
+    """The folder a ``root`` names, and the ``Source`` whose split selects its files (None:
+    every file); what else a ``Source`` would select by is refused, naming the option and what
+    to do instead."""
+    if not isinstance(root, Source):
+        return root, None
+    for name, fix in _NOT_HERE.items():
+        if getattr(root, name) is not None:
+            raise InputError(
+                f"FolderDataset(Source({root.name!r}, {name}=...)): a folder's files are read "
+                f"whole, {name}= cannot take effect: {fix}"
+            )
+    if not isinstance(root.path, (str, os.PathLike)):
+        raise InputError(
+            f"FolderDataset(Source({root.name!r})): give one class-per-folder directory"
+        )
+    return root.path, root if root.split is not None else None

@@ -17,6 +17,7 @@ import warnings
 
 from ..errors import InputError, UnknownKeywordError
 from ..images.geometry import Decode, Geometry
+from ..redact import redact, secret_values
 from ..sizes import parse_size
 from .mix import Source
 from .shuffle import Order
@@ -99,9 +100,13 @@ def translate(
             kept = [k for k in given["source"] if k != "val_fraction" or source.split]
             spelled.insert(0, f"Source(path, {_args(retired, kept)})")
     old = ", ".join(f"{k}={retired[k]!r}" for k in retired)
+    secrets = secret_values(retired.get("storage_options"))  # printed as the user gave them
     warnings.warn(
-        f"{PREFIX}s {owner}({old}): write {owner}({', '.join(spelled)}) (the old keywords go "
-        "in the next release)",
+        redact(
+            f"{PREFIX}s {owner}({old}): write {owner}({', '.join(spelled)}) (the old keywords "
+            "go in the next release)",
+            secrets,
+        ),
         FutureWarning,
         stacklevel=stacklevel,
     )

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, ShardFormatError, StorageError
+from ..errors import InputError, ShardFormatError, StorageError, UnknownKeywordError
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex, key_hashes, table_hashes
@@ -48,16 +48,18 @@ from ..records import Record, ShardInfo, ShardTable
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_columns, shard_index
+from .lookup import IndexCache, KeyFile, ViewCache, key_dir, table_digest
+from .members import Members as Selected
+from .mix import Source
 from .ranges import check_sample, read_range, warn_undigested
+from .selection import _kind, _options, _storage, resolve_mixed
 from .sources import resolve_source
 from .stages import decoded_fields, empty_as_said, sample_error
-from .storage import storage_for
 
 __all__ = ["SampleSummary", "ShardView"]
 
-#: ``max_pixels=`` left out (its retired spelling: None there meant "no limit", so None cannot
-#: stand for "not given").
-_UNSET = object()
+#: The retired keywords a view took (``retired.translate`` folds them into their objects).
+_RETIRED = frozenset({"max_pixels", "storage_options", "cache_dir"})
 
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
@@ -65,13 +67,21 @@ _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole 
 class ShardView:
     """Random access to a packed dataset: ``len(view)``, ``view[i]``, ``view.get(key)``.
 
-    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL). ``decode``
-    (a mode string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
+    ``source``: what ``ShardDataset`` takes (directory, manifest, glob, list, URL), or one
+    ``Source``: its ``split=``/``val_fraction=`` and ``subset=`` make the view one over exactly
+    the samples that selection draws, in packed order (``view[i]`` is the i-th of them; a
+    fraction subset is drawn as ``ShardDataset``'s default ``seed=0`` draws it), and its
+    ``storage_options`` are used for its URLs. A ``weight`` (a share among several sources) or
+    ``fields`` leaving out one of the view's ``fields=`` cannot take effect on one view and are
+    refused; several sources are several views (``view_a + view_b``). ``decode`` (a mode
+    string or a ``shardkit.Decode``; a crop is drawn as epoch 0 of seed 0 draws it),
     ``transform``, ``target_transform``, ``with_keys``, ``fields``: as ``ShardDataset``.
-    ``storage_options``/``cache_dir``: for URL sources (tar samples are ranged GETs and need no
-    cache; LMDB shards are fetched whole into ``cache_dir``); or ``storage``, a
-    ``shardkit.remote.RemoteStorage`` that carries them with its retries and timeout, which
-    every ranged GET and index read of the view follows (as ``ShardDataset``'s ``storage=``).
+    ``storage``: where the shards live, as ``ShardDataset``'s ``storage=``: a
+    ``shardkit.remote.RemoteStorage`` for URLs (fsspec options, ``cache_dir`` for fetched LMDB
+    shards, retries and timeout every ranged GET and index read follows), or a local storage.
+    Retired keywords (one release, with a ``FutureWarning`` naming the new spelling):
+    ``storage_options=``/``cache_dir=`` (``storage=RemoteStorage(...)``), ``max_pixels=``
+    (``decode=Decode(max_pixels=...)``).
     """
 
     def __init__(
@@ -83,17 +93,21 @@ class ShardView:
         target_transform: Callable | None = None,
         with_keys: bool = False,
         fields: Sequence[str] | Mapping[str, str | Callable] = (),
-        storage_options: dict | None = None,
-        cache_dir: str | None = None,
-        max_pixels: int | None = _UNSET,  # type: ignore[assignment]
         storage=None,
+        cache: ViewCache | None = None,
+        **retired,
     ):
-        if max_pixels is not _UNSET:  # the Decode's (one release): warns with the new spelling
+        if retired:  # the old spellings (one release): warn with the new one
             from .retired import translate
 
-            _, decode, _, _ = translate(
-                {"max_pixels": max_pixels}, source=source, decode=decode, order=None,
-                storage=None, owner="ShardView",
+            unknown = sorted(set(retired) - _RETIRED)
+            if unknown:
+                raise UnknownKeywordError(
+                    f"ShardView got an unknown keyword {unknown[0]}=; see help(shardkit.ShardView)"
+                )
+            _, decode, _, storage = translate(
+                retired, source=source, decode=decode, order=None, storage=storage,
+                owner="ShardView", groups=("decode", "storage"),
             )  # fmt: skip
         #: what a stored image becomes: the same ``Decode`` ShardDataset and ShardLoader take
         self.decode: Decode = Decode.of(decode)
@@ -106,27 +120,37 @@ class ShardView:
             from ..images.geometry import TensorDecoder
 
             self._decoder = TensorDecoder.of(self.decode)
-        if storage is not None and (storage_options is not None or cache_dir is not None):
-            raise InputError(
-                "ShardView takes storage= or storage_options=/cache_dir=, not both: give "
-                "RemoteStorage(storage_options=..., cache_dir=...) its options"
-            )
-        if storage is not None:
-            storage_options = getattr(storage, "storage_options", None) or None
-        self.storage_options = storage_options
-        check_source(source, storage_options)
-        self.where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the shards"
-        resolved = resolve_source(source, storage_options=storage_options)
-        self.format = resolved.format
-        self.classes = list(resolved.classes) if resolved.classes else None
-        table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
-        self.storage = (
-            storage_for([table.url(0)], storage_options=storage_options, cache_dir=cache_dir)
-            if storage is None or not is_url(table.url(0))
-            else storage
-        )  # one shard says local or URL: a shard list is all one or the other
+        if cache is not None and not isinstance(cache, ViewCache):
+            raise InputError(f"cache={cache!r}: give a shardkit.ViewCache(indexes=, key_dir=)")
+        #: what the view holds for lookups: index bytes, where key tables are kept
+        self.cache: ViewCache = cache or ViewCache()
+        src = _one_source(source, self.fields)
+        path = source if src is None else src.path
+        own = None if src is None else src.storage_options
+        self.where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the shards"
+        options = _options(own, storage, self.where)
+        self.storage_options = options
+        check_source(path, options)
+        #: the samples a narrowing ``Source`` selects (positions, ascending); None: every one
+        self._members: Selected | None = None
+        if src is not None and (src.split is not None or src.subset is not None):
+            mixed = resolve_mixed(
+                src, storage, seed=0, offset=0, fields=self.fields,
+                field_decoders=self.field_decoders, boxes=None,
+            )  # fmt: skip
+            self.format, classes, table = mixed.format, mixed.classes, mixed.shards
+            self.storage = mixed.storage
+            self._members = mixed.members
+        else:
+            resolved = resolve_source(path, storage_options=options)
+            self.format, classes = resolved.format, resolved.classes
+            table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
+            # one shard says local or URL: a shard list is all one or the other
+            self.storage = _storage(_kind(table), storage, copy=own is not None, options=own)
+        self.classes = list(classes) if classes else None
         self.shards: ShardTable = table
-        self._tables: list[_Table | None] = [None] * len(self.shards)  # per shard, on demand
+        #: the shard indexes held (on demand, within ``cache.indexes`` bytes)
+        self._tables = IndexCache(self.cache.indexes, self._release)
         #: LMDB: per local shard, the file's identity when the view was made (a stat each)
         self._stamps: dict[str, tuple] = _lmdb_stamps(self.shards) if self.format == "lmdb" else {}
         lazy = bool((table.samples >= 0).all()) and all(table.sha256)
@@ -137,16 +161,16 @@ class ShardView:
             else:
                 counts = []
                 for k, shard in enumerate(self.shards):
-                    self._tables[k] = self._index(shard)
-                    counts.append(self._tables[k].samples)
+                    table = self._index(shard)
+                    self._tables.put(k, table, table.nbytes())
+                    counts.append(table.samples)
         finally:
             self.storage.close()
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
-        #: ``index(key)``: every key hash sorted and its position, built on the second lookup
-        self._by_hash: tuple[np.ndarray, np.ndarray] | None = None
-        self._lookups = 0
+        #: ``index(key)``: every key hash sorted with its position, on disk (``lookup.KeyFile``)
+        self._keyfile: KeyFile | None = None
         #: per shard: its hash column checked against its keys (``_by_keys``); and the keys'
         #: hashes of those whose column is not theirs
         self._vouched = np.zeros(len(self.shards), dtype=bool)
@@ -187,10 +211,19 @@ class ShardView:
             reader.close()
 
     def _table(self, k: int) -> _Table:
-        table = self._tables[k]
+        table = self._tables.get(k)
         if table is None:
-            table = self._tables[k] = self._index(self.shards[k])
+            table = self._index(self.shards[k])
+            self._tables.put(k, table, table.nbytes())
         return table
+
+    def _release(self, k: int) -> None:
+        """Shard ``k``'s index was let go: close what this process opened for it."""
+        handle = self._open.pop(k, None) if self._pid == os.getpid() else None
+        if isinstance(handle, int):
+            os.close(handle)
+        elif handle is not None:
+            handle.close()
 
     def _size(self, shard: ShardInfo) -> int:
         if not is_url(shard.url):
@@ -207,11 +240,30 @@ class ShardView:
     # --- access -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return self._starts[-1] if self._members is None else len(self._members)
 
     def keys(self) -> list[str]:
-        """Every sample's key, in packed order."""
-        return [k for i in range(len(self.shards)) for k in self._table(i).keys()]
+        """Every sample's key, in packed order (a narrowing ``Source``'s: those it selects)."""
+        if self._members is None:
+            return [k for i in range(len(self.shards)) for k in self._table(i).keys()]
+        out = []
+        for k in np.flatnonzero(self._members.per_shard).tolist():
+            table = self._table(k)
+            out += [table.key(j) for j in (self._members.shard(k) - self._starts[k]).tolist()]
+        return out
+
+    def _rank(self, position: int) -> int | None:
+        """The view's index of the sample at ``position`` in packed order; None where a
+        narrowing ``Source`` does not select it."""
+        sel = self._members
+        if sel is None:
+            return position
+        k = bisect.bisect_right(self._starts, position) - 1
+        mine = sel.shard(k)
+        at = int(np.searchsorted(mine, position))
+        if at == len(mine) or int(mine[at]) != position:
+            return None
+        return int(sel.ends[k] - sel.per_shard[k]) + at
 
     def key(self, i) -> str:
         """Sample ``i``'s key (from the index, no sample read)."""
@@ -221,39 +273,47 @@ class ShardView:
     def index(self, key: str) -> int:
         """The position of ``key`` (the first, should two shards hold the same key), by its
         key hash: the hashes the shards' indexes store (``split_hashes``' values, 8 bytes a
-        sample), matched then confirmed on the real key from the one shard's index that holds
-        it. The first lookup reads the hash columns shard by shard until it is found (``show``:
-        one shard's column held); a second builds one sorted table of every hash (12 bytes a
-        sample), and each lookup after is a binary search: O(log n), whatever the size. A key
-        no hash matches is looked for in every shard's keys before it is called missing
-        (``_by_keys``): a hash column may be wrong (damaged, or edited with its checksums
-        computed again), and the keys, not their stored hashes, say what the dataset holds."""
+        sample), sorted with their positions in a key table on disk (``lookup.KeyFile``: one
+        a dataset version, shared by every view; built at the first lookup that finds none),
+        matched, then confirmed on the real key from the one shard's index that holds it. A
+        lookup reads one 4 KB block of the table and holds nothing: O(log n) and flat in
+        memory, whatever the size or the number of lookups. A key no hash matches is looked
+        for in every shard's keys before it is called missing (``_by_keys``): a hash column
+        may be wrong (damaged, or edited with its checksums computed again), and the keys, not
+        their stored hashes, say what the dataset holds."""
         want = key_hashes([key])[0]
-        if self._by_hash is None and self._lookups:
-            self._by_hash = self._hash_table()
-        self._lookups += 1
-        if self._by_hash is not None:
-            hashes, positions = self._by_hash
-            lo = int(np.searchsorted(hashes, want))
-            hi = int(np.searchsorted(hashes, want, side="right"))
-            for i in sorted(positions[lo:hi].tolist()):
-                k, j = self._locate(i)
-                if self._table(k).key(j) == key:
-                    return i
-        else:
-            try:
-                for k in range(len(self.shards)):
-                    for j in np.flatnonzero(self._hashes(k) == want).tolist():
-                        if self._table(k).key(j) == key:
-                            return self._starts[k] + j
-            finally:
-                self.storage.close()
+        found = [p for p in self._key_file().candidates(want).tolist()]
+        found = [p for p in found if self._at(p)[0] not in self._fixed]  # their columns lie
+        for k, ours in self._fixed.items():  # the keys' own hashes stand in for those
+            found += (np.flatnonzero(ours == want) + self._starts[k]).tolist()
+        for i in sorted(found):
+            k, j = self._at(i)
+            if self._table(k).key(j) == key and self._rank(i) is not None:
+                return self._rank(i)
         found = self._by_keys(key)
         if found is not None:
             return found
+        some = "" if self._members is None else " (or not in the selection its Source makes)"
         raise InputError(
-            f"no sample with key {key!r} in {self.where}; `shardkit ls` lists the keys"
+            f"no sample with key {key!r} in {self.where}{some}; `shardkit ls` lists the keys"
         )
+
+    def _key_file(self) -> KeyFile:
+        """The dataset's key table: found on disk by the shard table's digest, else built."""
+        if self._keyfile is None:
+            where = key_dir(self.cache)
+            digest = table_digest(self.format, self.shards, self._starts_counts())
+            self._keyfile = KeyFile.find(where, digest)
+            if self._keyfile is None:
+                try:
+                    parts = (self._stored_hashes(k) for k in range(len(self.shards)))
+                    self._keyfile = KeyFile.build(where, digest, parts, self._starts[-1])
+                finally:
+                    self.storage.close()
+        return self._keyfile
+
+    def _starts_counts(self) -> np.ndarray:
+        return np.diff(np.asarray(self._starts, np.int64))
 
     def _by_keys(self, key: str) -> int | None:
         """The position of ``key`` found by the keys themselves where no stored hash led to
@@ -268,20 +328,19 @@ class ShardView:
         found = None
         try:
             for k in np.flatnonzero(~self._vouched).tolist():
-                table = self._tables[k] or self._index(self.shards[k])  # not held: a pass
+                table = self._tables.get(k) or self._index(self.shards[k])  # not held: a pass
                 keys = table._keys
                 ours = table_hashes(keys) if isinstance(keys, _INDEXES) else key_hashes(keys)
                 stored = np.asarray(self._hashes(k), np.uint64)
                 self._vouched[k] = True
                 if not np.array_equal(ours, stored):
-                    self._fixed[k] = ours
-                    self._by_hash = None  # built again, with the keys' hashes
+                    self._fixed[k] = ours  # lookups use these for shard k from now on
                     self._lying(k, int(np.count_nonzero(ours != stored)))
                 if found is None:
                     for j in np.flatnonzero(ours == want).tolist():
-                        if table.key(j) == key:
-                            self._tables[k] = table
-                            found = self._starts[k] + j
+                        if table.key(j) == key and self._rank(self._starts[k] + j) is not None:
+                            self._tables.put(k, table, table.nbytes())
+                            found = self._rank(self._starts[k] + j)
                             break
         finally:
             self.storage.close()
@@ -307,15 +366,21 @@ class ShardView:
         from its keys (a shard without an index)."""
         if k in self._fixed:  # its column was found not to be its keys' (``_by_keys``)
             return self._fixed[k]
-        table = self._tables[k]
+        return self._stored_hashes(k)
+
+    def _stored_hashes(self, k: int) -> np.ndarray:
+        """Shard ``k``'s key hashes as its index stores them (see ``_hashes``)."""
+        table = self._tables.get(k)
         if table is not None and isinstance(table._keys, _INDEXES):
             return table._keys.hashes
         shard = self.shards[k]
-        if table is None and self.format == "tar":
+        # the column, whatever is held: what the key table was built from (``_by_keys``
+        # compares the keys with it), also where a held table's keys came from the headers
+        if self.format == "tar":
             cols = shard_columns(shard, self.storage)
             if cols is not None:
                 return cols.hashes
-        elif table is None and self.format == "lmdb":  # the record read, not kept
+        elif self.format == "lmdb":  # the record read, not kept
             reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=False)
             try:
                 self._held_to(reader, shard.url)
@@ -325,18 +390,6 @@ class ShardView:
             if index is not None:
                 return index.hashes
         return key_hashes(self._table(k).keys())
-
-    def _hash_table(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every key hash sorted, with each one's position (ties in position order)."""
-        try:
-            parts = [np.asarray(self._hashes(k), np.uint64) for k in range(len(self.shards))]
-        finally:
-            self.storage.close()
-        hashes = np.concatenate(parts) if parts else np.empty(0, np.uint64)
-        del parts
-        order = np.argsort(hashes, kind="stable")
-        hashes = hashes[order]
-        return hashes, order.astype(np.uint32 if len(order) < 1 << 32 else np.int64)
 
     def get(self, key: str) -> tuple:
         """The sample whose key is ``key``, decoded as ``view[i]``."""
@@ -510,8 +563,14 @@ class ShardView:
         if not -n <= i < n:
             raise IndexError(f"sample {i} is out of range: {self.where} holds {n} (0..{n - 1})")
         i = int(i) % n
-        shard = bisect.bisect_right(self._starts, i) - 1
-        return shard, i - self._starts[shard]
+        if self._members is not None:  # the i-th sample the Source selects
+            i = int(self._members.take(np.asarray([i]))[0])
+        return self._at(i)
+
+    def _at(self, position: int) -> tuple[int, int]:
+        """(shard, sample in it) of ``position`` in packed order."""
+        shard = bisect.bisect_right(self._starts, position) - 1
+        return shard, position - self._starts[shard]
 
     def _reader(self, shard: int, info: ShardInfo):
         self._fresh()
@@ -572,6 +631,10 @@ class ShardView:
     def close(self) -> None:
         """Close the shards this process opened (a view dropped without it closes them when
         it is collected: ``__del__``)."""
+        keyfile = getattr(self, "_keyfile", None)
+        if keyfile is not None:  # a shared one opens again when read; a private one is gone
+            keyfile.close()
+            self._keyfile = None if keyfile.private else keyfile
         handles, self._open = getattr(self, "_open", {}), {}
         for handle in handles.values():
             if isinstance(handle, int):
@@ -588,8 +651,14 @@ class ShardView:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_open"] = {}
-        state["_by_hash"], state["_lookups"] = None, 0  # rebuilt where lookups are made
+        state["_tables"] = None  # indexes are read again where they are used
+        if self._keyfile is not None and self._keyfile.private:
+            state["_keyfile"] = None  # a private table is built again where lookups are made
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._tables = IndexCache(self.cache.indexes, self._release)
 
     def __add__(self, other):
         """``view + other``: torch's ``ConcatDataset`` of both, as a torch ``Dataset`` gives."""
@@ -602,6 +671,31 @@ class ShardView:
 
 
 _INDEXES = (SampleIndex, LmdbIndex)
+
+
+def _one_source(source, fields: Sequence[str]) -> Source | None:
+    """The ``Source`` a view is given (None: a path, glob or shard list), refusing what cannot
+    take effect on one view: several sources, a weight, fields left out."""
+    if isinstance(source, Source):
+        if source.weight is not None:
+            raise InputError(
+                f"ShardView(Source({source.name!r}, weight={source.weight})): a weight shares an "
+                "epoch among several sources, a view reads one: leave weight out"
+            )
+        left = [f for f in fields if source.fields is not None and f.lower() not in source.fields]
+        if left:
+            raise InputError(
+                f"ShardView(Source({source.name!r}, fields={list(source.fields)})) leaves out "
+                f"the view's field {left[0]!r}: give the view only fields the source carries"
+            )
+        return source
+    many = not isinstance(source, (str, os.PathLike)) and isinstance(source, Sequence)
+    if many and any(isinstance(s, Source) for s in source):
+        raise InputError(
+            "ShardView reads one source: make a view of each Source and join them "
+            "(view_a + view_b is torch's ConcatDataset)"
+        )
+    return None
 
 
 def _lmdb_stamps(shards: Sequence[ShardInfo]) -> dict[str, tuple]:
@@ -687,6 +781,21 @@ class _Table:
 
     def digest(self, j: int) -> int | None:
         return None if self.digests is None else int(self.digests[j])
+
+    def nbytes(self) -> int:
+        """About the bytes this holds: its arrays and key table (an index's numpy views over
+        the file's bytes: about the file's size), or its key list's strings."""
+        size = self.offsets.nbytes + (0 if self.digests is None else self.digests.nbytes)
+        keys = self._keys
+        if isinstance(keys, _INDEXES):
+            size += len(keys.table) + keys.ends.nbytes + keys.hashes.nbytes
+        else:
+            size += sum(len(k) + 56 for k in keys)
+        m = self.members
+        if m is not None:
+            size += m.labels.nbytes + m.starts.nbytes + m.offsets.nbytes + m.sizes.nbytes
+            size += m.ids.nbytes
+        return size
 
     def key(self, j: int) -> str:
         keys = self._keys

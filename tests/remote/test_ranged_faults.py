@@ -229,5 +229,5 @@ def test_cli_verify_and_ls_print_one_line_when_the_store_keeps_failing(http, pac
 def test_a_view_takes_storage_or_its_loose_options_not_both(tmp_path):
     from shardkit.errors import InputError
 
-    with pytest.raises(InputError, match="storage= or storage_options="):
+    with pytest.raises(InputError, match="storage_options= and storage= both set one option group"):
         ShardView("http://127.0.0.1:9/tar/", storage=RemoteStorage(), storage_options={})

@@ -368,6 +368,28 @@ def test_folder_view_and_stream_take_the_same_decode(sets):
         FolderDataset(sets["clip"] + "-src", shuffle=False)
 
 
+def test_a_folder_takes_a_source_and_its_split_selects_the_packed_split(sets):
+    from shardkit import FolderDataset
+    from shardkit.remote import RemoteStorage
+
+    root = sets["clip"] + "-src"
+    plain = FolderDataset(Source(root), decode="raw", with_keys=True)
+    assert [plain.relpath(i) for i in range(len(plain))] == [
+        FolderDataset(root).relpath(i) for i in range(len(plain))
+    ]
+    for split in ("val", "train"):
+        folder = FolderDataset(Source(root, split=split, val_fraction=0.3), with_keys=True)
+        packed = ShardDataset(Source(sets["clip"], split=split, val_fraction=0.3), with_keys=True)
+        keys = sorted(folder.relpath(i).rsplit(".", 1)[0] for i in range(len(folder)))
+        assert 0 < len(keys) < N_CLIP and keys == sorted(k for *_, k in packed)
+    refused = {"subset": 0.5, "weight": 2.0, "fields": (), "storage_options": {}}
+    for option, value in refused.items():
+        with pytest.raises(InputError, match=f"{option}=...\\)\\): .* cannot take effect: "):
+            FolderDataset(Source(root, **{option: value}))
+    with pytest.raises(InputError, match="a folder is local: leave storage out"):
+        FolderDataset(root, storage=RemoteStorage())
+
+
 def test_the_loader_reads_the_dataset_through_its_seam_only(sets):
     """ShardLoader (its consumer and its in-process workers) reads the dataset's options and
     epoch calls through ``seam()``: no private attribute and none of the loose ones."""

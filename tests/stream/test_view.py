@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from shardkit import InputError, Order, ShardDataset, ShardView
+from shardkit import InputError, Order, ShardDataset, ShardView, Source
 from shardkit.errors import ShardFormatError
+from shardkit.remote import RemoteStorage
 from shardkit.write.packer import pack
 from shardkit.write.writer import ShardWriter
 
@@ -117,7 +119,7 @@ def test_view_over_s3_equals_sequential_reading_with_one_ranged_get_per_tar_samp
     s3.upload_dir(bucket, fmt, Path(src))
     url, opts = f"s3://{bucket}/{fmt}/", S3Server.options(s3.endpoint)
     seq = _sequential(src)
-    view = ShardView(url, decode="raw", with_keys=True, storage_options=opts)
+    view = ShardView(url, decode="raw", with_keys=True, storage=RemoteStorage(opts))
     s3.log.clear()
     got = [view[i] for i in range(len(view))]
     assert [(d, lab) for d, lab, _ in got] == [(d, lab) for d, lab, _ in seq]
@@ -257,7 +259,7 @@ def test_members_by_name_over_s3_are_one_ranged_get_of_their_sample_each(caption
 
     bucket = f"members-{uuid.uuid4().hex[:10]}"
     s3.upload_dir(bucket, "d", Path(captioned))
-    view = ShardView(f"s3://{bucket}/d/", storage_options=S3Server.options(s3.endpoint))
+    view = ShardView(f"s3://{bucket}/d/", storage=RemoteStorage(S3Server.options(s3.endpoint)))
     view.members(0, ("txt",))
     s3.log.clear()
     assert view.members(7, ("txt",)) == [("txt", b"caption 7")]
@@ -297,7 +299,7 @@ def test_a_lookup_by_key_loads_one_index_and_a_missing_key_none(packs, fmt, monk
     # a missing key: no hash matches, and before it is called missing every shard's column is
     # checked by its keys once (a hash column may lie), one index at a time, none held; the
     # lookups after answer from the hashes alone
-    assert len(loads) == len(view.shards) and view._tables == [None] * len(view.shards)
+    assert len(loads) == len(view.shards) and len(view._tables) == 0
     loads.clear()
     last = keys[-1]
     assert view.get(last)[2] == last and len(loads) == 1  # one index: the shard holding it
@@ -324,3 +326,184 @@ def test_a_lookup_confirms_the_hash_by_the_key_and_finds_the_first_of_twins(tmp_
         view = ShardView(str(tmp_path / "d"), decode="raw") if fresh else view
         with pytest.raises(InputError, match="no sample with key 'k9'"):
             view.index("k9")
+
+
+# --- a view takes the groups ShardDataset takes: Source, Decode, storage ------------------------
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_a_view_of_a_split_holds_the_samples_the_dataset_streams(packs, fmt, split):
+    src = packs[0] if fmt == "tar" else packs[1]
+    source = Source(src, split=split, val_fraction=0.3)
+    streamed = _sequential(source)
+    view = ShardView(source, decode="raw", with_keys=True)
+    every = ShardView(src, decode="raw", with_keys=True).keys()
+    assert 0 < len(view) == len(streamed) < 90
+    assert sorted(view[i] for i in range(len(view))) == sorted(streamed)
+    assert view.keys() == [k for k in every if k in set(view.keys())]  # packed order
+    for i in (0, len(view) // 2, -1):
+        key = view.key(i)
+        assert view[i][2] == key and view.index(key) == i % len(view) and view.get(key) == view[i]
+    other = next(k for k in every if k not in set(view.keys()))
+    with pytest.raises(InputError, match=f"no sample with key '{other}'.*not in the selection"):
+        view.get(other)
+
+
+def test_a_view_of_a_subset_holds_the_dataset_s_subset(packs):
+    tar = packs[0]
+    every = ShardView(tar, decode="raw").keys()
+    view = ShardView(Source(tar, subset=[every[40], every[3]]), decode="raw", with_keys=True)
+    assert view.keys() == [every[3], every[40]] and view[1][2] == every[40]
+    drawn = ShardView(Source(tar, subset=0.2), decode="raw", with_keys=True)  # seed 0's draw
+    streamed = _sequential(Source(tar, subset=0.2))
+    assert len(drawn) == 18 and set(drawn.keys()) == {s[2] for s in streamed}
+    assert ShardView(Source(tar), decode="raw").keys() == every
+
+
+def test_what_a_view_cannot_honour_is_refused_by_name(packs):
+    tar = packs[0]
+    with pytest.raises(InputError, match=r"weight=0\.5\).*a view reads one: leave weight out"):
+        ShardView(Source(tar, weight=0.5))
+    with pytest.raises(InputError, match="reads one source.*view_a \\+ view_b"):
+        ShardView([Source(tar), Source(packs[1])])
+    with pytest.raises(InputError, match="leaves out the view's field 'txt'"):
+        ShardView(Source(tar, fields=()), fields=("txt",))
+    opts = {"anon": True}
+    with pytest.raises(InputError, match="give them in one place"):
+        ShardView(Source(tar, storage_options=opts), storage=RemoteStorage(opts))
+    with pytest.raises(TypeError, match="unknown keyword shuffle="):
+        ShardView(tar, shuffle=False)
+
+
+def test_the_loose_storage_keywords_are_retired_spellings_of_remote_storage(packs, tmp_path):
+    tar = packs[0]
+    new = ShardView(tar, decode="raw", storage=RemoteStorage(cache_dir=str(tmp_path)))
+    with pytest.warns(FutureWarning, match=r"write ShardView\(storage=RemoteStorage\(cache_dir="):
+        old = ShardView(tar, decode="raw", cache_dir=str(tmp_path))
+    assert [old[i] for i in range(90)] == [new[i] for i in range(90)]
+    with pytest.warns(FutureWarning, match=r"storage=RemoteStorage\(storage_options=\{\}\)"):
+        ShardView(tar, storage_options={})
+    with pytest.raises(InputError, match="give only storage="):
+        ShardView(tar, storage=RemoteStorage(), cache_dir=str(tmp_path))
+
+
+def test_the_retired_spelling_s_warning_masks_the_credentials(packs):
+    opts = {"key": "AKIAFAKEFAKE12345678", "secret": "fAkEsEcReT/0123456789abcdef"}
+    with pytest.warns(FutureWarning) as caught:
+        ShardView(packs[0], storage_options=opts)
+    text = str(caught[0].message)
+    assert "storage=RemoteStorage(storage_options=" in text and opts["secret"] not in text
+
+
+# --- random access in bounded memory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_view_holds_indexes_within_its_budget_and_closes_what_it_lets_go(packs, fmt):
+    from shardkit import ViewCache
+
+    src = packs[0] if fmt == "tar" else packs[1]
+    seq = _sequential(src)
+    view = ShardView(src, decode="raw", with_keys=True, cache=ViewCache(indexes=0))
+    assert len(view.shards) > 2 and ViewCache(indexes="2kB").indexes == 2000
+    rng = __import__("random").Random(0)
+    for i in rng.sample(range(90), 90):
+        assert view[i] == seq[i]
+        assert view.get(seq[i][2]) == seq[i]
+        assert len(view._tables) == 1 and len(view._open) <= 1  # over budget: the last alone
+    whole = ShardView(src, decode="raw", cache=ViewCache())
+    for i in range(90):
+        whole[i]
+    assert len(whole._tables) == len(whole.shards) == len(whole._open)  # within 64 MiB: all
+    with pytest.raises(InputError, match="indexes"):
+        ViewCache(indexes=-1)
+    with pytest.raises(InputError, match="give a shardkit.ViewCache"):
+        ShardView(src, cache=64)
+
+
+def test_the_key_table_is_on_disk_shared_and_read_by_the_first_lookup_of_a_new_view(
+    packs, tmp_path, monkeypatch
+):
+    import shardkit.stream.view as view_mod
+    from shardkit import ViewCache
+
+    tar, cache = packs[0], ViewCache(key_dir=str(tmp_path / "keys"))
+    keys = ShardView(tar).keys()
+    first = ShardView(tar, decode="raw", cache=cache)
+    assert first.index(keys[50]) == 50  # builds the table: every shard's hash column read
+    (table,) = (tmp_path / "keys").iterdir()
+    assert table.stat().st_size == 32 + 16 * 90 + 8  # head, hashes, positions, one fence
+    columns = []
+    real = view_mod.ShardView._stored_hashes
+    monkeypatch.setattr(
+        view_mod.ShardView, "_stored_hashes", lambda v, k: columns.append(k) or real(v, k)
+    )
+    view = ShardView(tar, decode="raw", cache=cache)
+    for i in (7, 89, 0, 50):
+        assert view.index(keys[i]) == i
+    assert columns == [] and len(view._tables) == 3  # no column read; the 3 shards asked
+    assert view._keyfile.fences.nbytes == 8  # of the table, only its fences are held
+
+
+def test_the_key_table_follows_the_dataset_as_it_grows(tmp_path):
+    from conftest import image_tree
+
+    from shardkit import ViewCache
+
+    cache = ViewCache(key_dir=str(tmp_path / "keys"))
+    out = str(tmp_path / "out")
+    pack(str(image_tree(tmp_path / "a", 12)), out, progress=False)
+    before = ShardView(out, cache=cache)
+    assert before.index(before.key(3)) == 3
+    more = image_tree(tmp_path / "b", 6)
+    for f in more.rglob("*.jpg"):
+        f.rename(f.with_name("more-" + f.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pack(str(more), out, progress=False, append=True)
+    after = ShardView(out, cache=cache)
+    assert len(after) == 18 and all(after.index(after.key(i)) == i for i in range(18))
+    assert len(list((tmp_path / "keys").iterdir())) == 2  # one a manifest version
+
+
+def test_a_wrong_key_table_costs_a_search_never_a_wrong_sample(packs, tmp_path):
+    from shardkit import ViewCache
+
+    tar, lmdb = packs
+    cache = ViewCache(key_dir=str(tmp_path / "keys"))
+    a, b = ShardView(tar, decode="raw", cache=cache), ShardView(lmdb, decode="raw", cache=cache)
+    a.index(a.key(0)), b.index(b.key(0))
+    ta, tb = sorted((tmp_path / "keys").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    keys = a.keys()
+    (tmp_path / "lmdb-table").write_bytes(tb.read_bytes())
+    ta.write_bytes(tb.read_bytes()[: 90 * 8])  # cut short: built again
+    assert ShardView(tar, decode="raw", cache=cache).index(keys[33]) == 33
+    ta.write_bytes((tmp_path / "lmdb-table").read_bytes())  # another dataset's, whole
+    view = ShardView(tar, decode="raw", with_keys=True, cache=cache)
+    assert [view.index(k) for k in keys] == list(range(90))
+    assert view.get(keys[5])[2] == keys[5]
+
+
+def test_a_dataset_no_manifest_vouches_for_gets_a_private_key_table_forked_workers_read(tmp_path):
+    with ShardWriter(str(tmp_path / "d"), shard_size="1MB") as w:
+        for i in range(6):
+            w.add(f"k{i}", "jpg", b"x%d" % i, 0)
+    (tmp_path / "d" / "manifest.json").unlink()  # a glob of tars: nothing vouches for them
+    view = ShardView(str(tmp_path / "d" / "*.tar"), decode="raw", with_keys=True)
+    assert view.index("k4") == 4 and view._keyfile.private
+    assert not os.path.exists(view._keyfile.path)  # unlinked: this view's alone
+
+    loader = DataLoader(_Gets(view), batch_size=None, num_workers=2)
+    assert sorted(int(i) for i in loader) == list(range(6))  # forked: the inherited file
+
+
+class _Gets(torch.utils.data.Dataset):
+    def __init__(self, view):
+        self.view = view
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.view.index(f"k{i}")
