@@ -106,15 +106,25 @@ def _rate(it, count) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
-    ap.add_argument("--classes", type=int, default=4)
-    ap.add_argument("--per-class", type=int, default=150)
-    ap.add_argument("--per-shard", type=int, default=100)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "per_shard": 4, "batch": 4})
+@harness.case(
+    data="img2dataset-style CLIP shards of an ImageNet-shaped tree",
+    measures="a CLIP recipe through ShardLoader against WebDataset on the same tars",
+    small={"classes": 2, "per_class": 8, "per_shard": 4, "batch": 4},
+)
+class Clip(harness.Bench):
+    rounds: int = 3
+    imagenet: Path | None = harness.arg(None, "the photos (default: data root)")
+    classes: int = 4
+    per_class: int = 150
+    per_shard: int = 100
+    workers: int = 2
+    batch: int = 64
+
+    def run(self) -> None:
+        main(self)
+
+
+def main(args: Clip) -> None:
     tree = data.imagenet(args.imagenet, args.classes, args.per_class)
     source = str(data.clip_shards(tree, tree.parent / "clip-shards", args.per_shard))
     count = sum(1 for _ in tree.rglob("*.JPEG"))
@@ -146,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -170,16 +170,27 @@ def _difference(source: str, kw: dict, count: int) -> float:
     return statistics.mean(diffs)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
-    ap.add_argument("--classes", type=int, default=4)
-    ap.add_argument("--per-class", type=int, default=150)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--check", type=int, default=64)
-    ap.add_argument("--breakdown", action="store_true", help="where each variant's time goes")
-    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "batch": 4, "check": 2})
+@harness.case(
+    data="an ImageNet-shaped tree (--classes x --per-class photos), packed",
+    measures="every crop variant against crop='random'; their pixel difference from a reference",
+    small={"classes": 2, "per_class": 8, "batch": 4, "check": 2},
+)
+class Crops(harness.Bench):
+    rounds: int = 3
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    imagenet: Path | None = harness.arg(None, "the photos (default: data root)")
+    classes: int = 4
+    per_class: int = 150
+    workers: int = 2
+    batch: int = 64
+    check: int = 64
+    breakdown: bool = harness.arg(False, "where each variant's time goes")
+
+    def run(self) -> None:
+        main(self)
+
+
+def main(args: Crops) -> None:
     tree = data.imagenet(args.imagenet, args.classes, args.per_class)
     source = str(data.packed(tree))
     cons = contenders()
@@ -228,4 +239,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -62,7 +62,9 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -662,36 +664,45 @@ def report(part: str, m: dict, text: str, repeats: int) -> None:
         )
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=1.0)
-    ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
-    ap.add_argument(
-        "--imagenet-per-class",
-        type=int,
-        default=250,
-        help="images per class (20 classes) when the ImageNet tree is made",
+@harness.case(
+    data="the --lfw tree and an ImageNet-shaped one (20 classes), packed",
+    measures="ShardLoader against DataLoader, FolderDataset, WebDataset (FFCV with --ffcv) "
+    "against the simplejpeg ceiling; per-worker efficiency; memory over epochs",
+    small={
+        "lfw": data.root() / "lfw-smoke",
+        "lfw_scale": 0.01,
+        "imagenet": data.root() / "inet-smoke",
+        "imagenet_per_class": 4,
+        "epochs": 2,
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"]},
+)
+class Loader(harness.Bench):
+    rounds: int = 3
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 1.0
+    imagenet: Path = ROOT / "data" / "imagenet"
+    imagenet_per_class: int = harness.arg(
+        250, "images per class (20 classes) when the ImageNet tree is made"
     )
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--epochs", type=int, default=10, help="epochs of the memory check")
-    ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
-    ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
-    ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
-    ap.add_argument(
-        "--ffcv-bytes",
-        action="store_true",
-        help="(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all",
+    epochs: int = harness.arg(10, "epochs of the memory check")
+    only: tuple[Literal["a", "b", "memory"], ...] = harness.arg((), "run only these parts")
+    ffcv: bool = harness.arg(False, "add FFCV's Loader (needs ffcv)")
+    thread_loader: Path | None = harness.arg(None, "a module file with another ShardLoader")
+    ffcv_bytes: bool = harness.arg(
+        False, "(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all"
     )
-    ap.add_argument(
-        "--contenders",
-        help="comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
+    contenders: str | None = harness.arg(
+        None,
+        "comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
         "processes between the ones compared",
     )
-    root = data.root()
-    smoke = {"lfw": root / "lfw-smoke", "lfw_scale": 0.01, "imagenet": root / "inet-smoke"}
-    args = harness.parse(ap, smoke={**smoke, "imagenet_per_class": 4, "epochs": 2})
-    args.repeats = args.rounds = args.repeats or args.rounds
+
+    def run(self) -> None:
+        main(self)
+
+
+def main(args: Loader) -> None:
     if args.thread_loader:
         load_other_loader(args.thread_loader)
     only = set(args.only or ["a", "b", "memory"])
@@ -702,7 +713,7 @@ def main() -> None:
     if "a" in only or "memory" in only:
         if args.ffcv_bytes:
             ensure(args.lfw, "lfw", args.lfw_scale)
-            args.lfw = ffcv_encoded(args.lfw, 85)
+            args = replace(args, lfw=ffcv_encoded(args.lfw, 85))
         lfw_shards = ensure(args.lfw, "lfw", args.lfw_scale)
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
@@ -712,7 +723,7 @@ def main() -> None:
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         loops = worker_loops(ShardDataset(str(lfw_shards), decode="tensor"))
-        out["a"] = measure("a", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        out["a"] = measure("a", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()
     if "b" in only:
@@ -725,7 +736,7 @@ def main() -> None:
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loops = worker_loops(ShardDataset(str(inet_shards), **geo))
-        out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        out["b"] = measure("b", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()
     if "memory" in only:
@@ -742,9 +753,9 @@ def main() -> None:
         print("  DataLoader workers RSS MB:", [[round(x) for x in w] for w in m["workers_rss_mb"]])
     for part in ("a", "b"):
         if part in out:
-            report(part, out[part], out[part + "_bytes"], args.repeats)
+            report(part, out[part], out[part + "_bytes"], args.rounds)
     harness.write_result(args.json, "bench_loader", args, out)
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -13,14 +13,20 @@ comparison is the median of per-round ratios. What lives here, once:
 - ``in_child(checkout, code, *args)``: a contender in a fresh child process with ``checkout``
   first on ``sys.path`` (``--against`` another checkout, or a cold process of this one);
 - ``ceiling(blobs, ...)``: THE decode ceiling, one definition with its variants named;
-- ``parser()``/``parse()``: the common flags (``--rounds --json --against --smoke``) and the
-  smoke mode (tiny data, one round) that ``tests/bench/test_benchmarks_smoke.py`` runs;
+- ``epoch(batches)``: THE epoch timing loop (images, first-batch wait, wall and CPU seconds);
+- the registry: a case is a frozen dataclass of typed parameters (``Bench``'s ``rounds``,
+  ``json``, ``smoke`` and its own), registered by ``@case(data=, measures=, small=)``; its flags
+  are made from its fields (``--batch-size`` from ``batch_size``), ``--small`` (``--smoke``)
+  puts in the ``small`` values and one round. ``main()`` is ``python -m benchmarks list|run``;
+  ``script(__file__)`` keeps ``python benchmarks/bench_x.py ...`` working;
 - ``write_result()``: one JSON schema for every benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -30,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +77,13 @@ __all__ = [
     "Rounds",
     "ceiling",
     "ceiling_at_once",
+    "Bench",
+    "arg",
+    "case",
+    "cases",
+    "epoch",
+    "main",
+    "script",
     "cores",
     "cpu_seconds",
     "in_child",
@@ -212,6 +227,42 @@ def interleave(
     return out
 
 
+# --- the epoch timing loop ---------------------------------------------------------------------
+
+
+def batch_len(batch) -> int:
+    """Samples in one batch: a dict's ``image``, a tuple's first part, or the batch itself."""
+    if isinstance(batch, dict):
+        return len(batch["image"])
+    if isinstance(batch, (tuple, list)):
+        return len(batch[0])
+    return len(batch)
+
+
+def epoch(batches, limit: int | None = None) -> dict:
+    """THE epoch timing loop: iterate ``batches`` (up to ``limit`` samples) and return
+    ``images``, ``first_s`` (the wait for the first batch), ``wall_s``, ``cpu_s`` (this process
+    and its ended children), ``main_cpu_s`` (this process alone: what a trainer's own loop
+    pays) and ``rate`` (images per wall second)."""
+    c0, m0, t0 = cpu_seconds(), time.process_time(), time.perf_counter()
+    n, first = 0, None
+    for b in batches:
+        if first is None:
+            first = time.perf_counter() - t0
+        n += batch_len(b)
+        if limit is not None and n >= limit:
+            break
+    wall = time.perf_counter() - t0
+    return {
+        "images": n,
+        "first_s": first or 0.0,
+        "wall_s": wall,
+        "cpu_s": cpu_seconds() - c0,
+        "main_cpu_s": time.process_time() - m0,
+        "rate": n / wall if wall else 0.0,
+    }
+
+
 # --- child processes ---------------------------------------------------------------------------
 
 
@@ -343,6 +394,173 @@ def ceiling(
     one = len(blobs) / (time.perf_counter() - t)
     both = ceiling_at_once(blobs, n, decoder=decoder, fastdct=fastdct) if at_once else None
     return Ceiling(decoder, one, cpu_us, n, one * n, both)
+
+
+# --- the registry of cases ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bench:
+    """The parameters every case shares; a case subclasses it with its own typed fields (a new
+    default for ``rounds`` where it wants more) and a ``run()`` that measures and writes."""
+
+    rounds: int = 3
+    json: Path | None = None
+    smoke: bool = False
+
+    #: Set by ``@case``: the case's name, what data it makes, what it measures, its small values
+    #: (``--small``) and extra spellings of its flags.
+    NAME: typing.ClassVar[str] = ""
+    DATA: typing.ClassVar[str] = ""
+    MEASURES: typing.ClassVar[str] = ""
+    SMALL: typing.ClassVar[dict] = {}
+    ALIASES: typing.ClassVar[dict] = {}
+
+    def run(self) -> None:  # pragma: no cover - every case has its own
+        raise NotImplementedError
+
+
+#: name -> the case's class, in the order they were registered.
+CASES: dict[str, type[Bench]] = {}
+
+
+def arg(default, help: str = "", positional: bool = False):
+    """A case parameter with its help text (``positional``: given without a flag)."""
+    meta = {"help": help, "positional": positional}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("a case parameter's default must be immutable: give a tuple")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def case(*, data: str, measures: str, small: dict | None = None, aliases: dict | None = None):
+    """Register a case: the class becomes a frozen dataclass named after its file
+    (``bench_fields.py`` -> ``fields``)."""
+
+    def register(cls):
+        cls = dataclass(frozen=True)(cls)
+        cls.NAME = Path(sys.modules[cls.__module__].__file__).stem.removeprefix("bench_")
+        cls.DATA, cls.MEASURES = data, measures
+        cls.SMALL, cls.ALIASES = dict(small or {}), dict(aliases or {})
+        unknown = set(cls.SMALL) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"{cls.NAME}: small values for no parameter: {sorted(unknown)}")
+        CASES[cls.NAME] = cls
+        return cls
+
+    return register
+
+
+def cases() -> dict[str, type[Bench]]:
+    """Every case in benchmarks/, each file imported once (the imports are the registrations)."""
+    for path in sorted(HERE.glob("bench_*.py")):
+        if path.stem.removeprefix("bench_") not in CASES and path.stem not in sys.modules:
+            importlib.import_module(path.stem)
+    return dict(sorted(CASES.items()))
+
+
+def _flag_type(hint) -> tuple:
+    """(argparse type, nargs, choices) of a field's annotation: X, X | None, tuple[X, ...],
+    Literal["a", "b"]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if origin is tuple:
+        kind, _, choices = _flag_type(args[0])
+        return kind, "*", choices
+    if origin is typing.Literal:
+        return type(args[0]), None, args
+    return hint, None, None
+
+
+def case_parser(cls: type[Bench]) -> argparse.ArgumentParser:
+    """The flags of a case, made from its fields."""
+    doc = sys.modules[cls.__module__].__doc__ or ""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks run {cls.NAME}",
+        description=doc.strip().split("\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "smoke":
+            ap.add_argument("--small", "--smoke", dest="smoke", action="store_true",
+                            help="tiny data, one round: does the case still run?")  # fmt: skip
+            continue
+        kind, nargs, choices = _flag_type(hints[f.name])
+        helptext = f.metadata.get("help") or None
+        if f.metadata.get("positional"):
+            ap.add_argument(f.name, nargs="?", type=kind, default=f.default, help=helptext,
+                            choices=choices)  # fmt: skip
+            continue
+        names = ["--" + x.replace("_", "-") for x in [f.name, *cls.ALIASES.get(f.name, ())]]
+        kw: dict = {"dest": f.name, "default": f.default, "help": helptext}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif nargs:  # many: --n 1 2, --n 1 --n 2 or --n 1,2
+            kw.update(nargs="+", action="extend", default=None)
+            if choices:
+                kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+        else:
+            kw["type"], kw["choices"] = kind, choices
+        ap.add_argument(*names, **kw)
+    return ap
+
+
+def make_case(cls: type[Bench], argv: Sequence[str] = ()) -> Bench:
+    """The case's parameters from ``argv``; under ``--small`` its small values and one round."""
+    ap = case_parser(cls)
+    given = vars(ap.parse_args(list(argv)))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, nargs, choices = _flag_type(hints[f.name])
+        if nargs and isinstance(given[f.name], list):
+            try:
+                items = [kind(x) for v in given[f.name] for x in v.split(",") if x]
+            except ValueError as exc:
+                ap.error(f"--{f.name.replace('_', '-')}: {exc}")
+            if choices and not set(items) <= set(choices):
+                ap.error(f"--{f.name.replace('_', '-')}: choose from {', '.join(choices)}")
+            given[f.name] = tuple(items)
+        elif nargs:
+            given[f.name] = f.default
+    if given["smoke"]:
+        given.update(rounds=1, **cls.SMALL)
+    return cls(**given)
+
+
+def run_case(name: str, argv: Sequence[str] = ()) -> None:
+    known = cases()
+    if name in known:
+        return make_case(known[name], argv).run()
+    module = sys.modules.get(f"bench_{name}")
+    if module is None or not hasattr(module, "main"):
+        raise SystemExit(f"no case {name!r}: `python -m benchmarks list` names them")
+    # a script not yet a registered case: its own main() and flags
+    sys.argv = [module.__file__, *("--smoke" if a == "--small" else a for a in argv)]
+    module.main()
+
+
+def script(file: str) -> None:
+    """``python benchmarks/bench_x.py ARGS`` = ``python -m benchmarks run x ARGS``."""
+    run_case(Path(file).stem.removeprefix("bench_"), sys.argv[1:])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m benchmarks list`` | ``run CASE [--small] [--against DIR] [case flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["list"]:
+        known = cases()
+        for path in sorted(HERE.glob("bench_*.py")):
+            cls = known.get(path.stem.removeprefix("bench_"))
+            if cls is None:
+                print(f"{path.stem.removeprefix('bench_'):18} (its own flags: --help)")
+            else:
+                print(f"{cls.NAME:18} {cls.MEASURES}\n{'':18} data: {cls.DATA}")
+        return
+    if argv[:1] == ["run"] and len(argv) > 1:
+        return run_case(argv[1], argv[2:])
+    raise SystemExit("usage: python -m benchmarks list | run CASE [--small] [case flags]")
 
 
 # --- flags, smoke mode, results ----------------------------------------------------------------
