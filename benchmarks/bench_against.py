@@ -123,9 +123,6 @@ class Against(harness.Bench):
     per_class: int = harness.arg(250, "folder photos per class (x4)")
     jobs: str = ",".join(JOBS)
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: Against) -> None:
     if a.against is None and not a.smoke:

@@ -29,7 +29,6 @@ import math
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 
 import data
@@ -44,7 +43,7 @@ def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
     loader = ShardLoader(ds, batch, num_workers=workers)
     try:
         loader.set_epoch(epoch)
-        return _rate(iter(loader), lambda b: len(b["image"]))
+        return _rate(loader)
     finally:
         loader.close()
 
@@ -95,15 +94,12 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
         .map_tuple(_ClipTransform(), lambda t: t)
     )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    return _rate(iter(loader), lambda b: len(b[0]))
+    return _rate(loader)
 
 
-def _rate(it, count) -> float:
-    next(it)  # workers started, shards open: time the steady epoch after the first batch
-    n, t0 = 0, time.perf_counter()
-    for b in it:
-        n += count(b)
-    return n / (time.perf_counter() - t0)
+def _rate(loader) -> float:
+    """Images/s after the first batch (workers started, shards open): the steady epoch."""
+    return harness.epoch(loader)["steady_rate"]
 
 
 @harness.case(
@@ -119,9 +115,6 @@ class Clip(harness.Bench):
     per_shard: int = 100
     workers: int = 2
     batch: int = 64
-
-    def run(self) -> None:
-        main(self)
 
 
 def main(args: Clip) -> None:

@@ -76,9 +76,6 @@ class Coalesce(harness.Bench):
     rounds: int = 1
     samples: int = harness.arg(3000, "samples packed")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Coalesce) -> None:
     result: dict = {}

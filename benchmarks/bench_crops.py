@@ -66,19 +66,12 @@ def epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[
 
     ds = ShardDataset(source, decode=Decode(crop=kw["crop"], flip=True))
     loader = ShardLoader(ds, batch, num_workers=workers)
-    n = 0
     try:
         loader.set_epoch(epoch)
-        it = iter(loader)
-        first = next(it)  # workers started, shards open: time the steady epoch after it
-        n0 = len(first[0])
-        t0 = time.perf_counter()
-        for x, _ in it:
-            n += len(x)
-        dt = time.perf_counter() - t0
+        e = harness.epoch(loader)  # the steady rate: after workers started, shards opened
     finally:
         loader.close()
-    return n / dt, n + n0
+    return e["steady_rate"], e["images"]
 
 
 _AGAINST = """
@@ -185,9 +178,6 @@ class Crops(harness.Bench):
     batch: int = 64
     check: int = 64
     breakdown: bool = harness.arg(False, "where each variant's time goes")
-
-    def run(self) -> None:
-        main(self)
 
 
 def main(args: Crops) -> None:

@@ -669,9 +669,6 @@ class Device(harness.Bench):
     train_steps: int = 100
     decode_on: tuple[str, ...] = ("workers", "device", "auto")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Device) -> None:
     args = replace(args, imagenet=args.imagenet or makers.root() / "imagenet")

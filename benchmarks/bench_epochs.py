@@ -105,9 +105,6 @@ class Epochs(harness.Bench):
     long: int = harness.arg(48, "batches per long epoch")
     long_epochs: int = harness.arg(2, "timed long epochs per round")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Epochs) -> None:
     lfw = data.lfw(args.lfw, args.lfw_scale)

@@ -103,9 +103,6 @@ class Feed(harness.Bench):
     workers: int = 2
     batches: int = 60
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Feed) -> None:
     shards = data.packed(data.lfw(args.lfw, args.lfw_scale), shard_size="16MB")

@@ -50,38 +50,39 @@ class Fields(harness.Bench):
     workers: int = 1
     batch_size: int = 64
 
-    def run(self) -> None:
-        import warnings
 
-        warnings.simplefilter("ignore")  # each contender re-reads epoch 0 on purpose
-        src = str(data.lfw_with_captions(self.data, self.scale))
+def main(args: Fields) -> None:
+    import warnings
 
-        def side(loader: bool, fields: tuple):
-            def run(r: int) -> dict:
-                rate, main_us = _rate(src, fields, self.workers, self.batch_size, loader)
-                return {"rate": rate, "main_us": main_us}
+    warnings.simplefilter("ignore")  # each contender re-reads epoch 0 on purpose
+    src = str(data.lfw_with_captions(args.data, args.scale))
 
-            return run
+    def side(loader: bool, fields: tuple):
+        def run(r: int) -> dict:
+            rate, main_us = _rate(src, fields, args.workers, args.batch_size, loader)
+            return {"rate": rate, "main_us": main_us}
 
-        sides = {
-            f"{name} {what}": side(loader, fields)
-            for name, loader in (("DataLoader", False), ("ShardLoader", True))
-            for what, fields in (("plain", ()), ("fields", ("txt", "json")))
-        }
-        rounds = harness.interleave(sides, self.rounds, order="fixed")
-        result = {}
-        for name in ("DataLoader", "ShardLoader"):
-            plain, fields = f"{name} plain", f"{name} fields"
-            ratio = rounds.ratio(fields, plain)
-            result[name] = {"ratio": ratio, "plain": rounds.median(plain),
-                            "fields": rounds.median(fields)}  # fmt: skip
-            print(f"{name}: images/s, median of {self.rounds}: image only "
-                  f"{rounds.median(plain):.0f}, with txt+json "
-                  f"{rounds.median(fields):.0f}; ratio {ratio:.3f}; training "
-                  f"process CPU {rounds.median(plain, 'main_us'):.0f} -> "
-                  f"{rounds.median(fields, 'main_us'):.0f} us/image")  # fmt: skip
-        print(f"load average per round {rounds.load_text()}")
-        harness.write_result(self.json, "bench_fields", self, result, rounds)
+        return run
+
+    sides = {
+        f"{name} {what}": side(loader, fields)
+        for name, loader in (("DataLoader", False), ("ShardLoader", True))
+        for what, fields in (("plain", ()), ("fields", ("txt", "json")))
+    }
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
+    result = {}
+    for name in ("DataLoader", "ShardLoader"):
+        plain, fields = f"{name} plain", f"{name} fields"
+        ratio = rounds.ratio(fields, plain)
+        result[name] = {"ratio": ratio, "plain": rounds.median(plain),
+                        "fields": rounds.median(fields)}  # fmt: skip
+        print(f"{name}: images/s, median of {args.rounds}: image only "
+              f"{rounds.median(plain):.0f}, with txt+json "
+              f"{rounds.median(fields):.0f}; ratio {ratio:.3f}; training "
+              f"process CPU {rounds.median(plain, 'main_us'):.0f} -> "
+              f"{rounds.median(fields, 'main_us'):.0f} us/image")  # fmt: skip
+    print(f"load average per round {rounds.load_text()}")
+    harness.write_result(args.json, "bench_fields", args, result, rounds)
 
 
 if __name__ == "__main__":

@@ -112,28 +112,6 @@ def rss_mb(pid: int | None = None) -> float:
     return float("nan")
 
 
-# --- the ceiling -------------------------------------------------------------------------------
-
-
-def ceiling_one(datas: list[bytes], fastdct: bool = False) -> tuple[float, float]:
-    """The harness's ceiling: images/s of one process decoding from memory with simplejpeg,
-    times min(2, cores); and its CPU microseconds per image (what contention from other
-    processes changes least). ``fastdct``: libjpeg-turbo's faster, less accurate integer IDCT,
-    which FFCV decodes with (shardkit and the plain ceiling use the accurate one, as Pillow
-    does)."""
-    c = harness.ceiling(datas, fastdct=fastdct)
-    return c.scaled, c.cpu_us
-
-
-def ceiling_n(datas: list[bytes], n: int) -> float:
-    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time."""
-    return harness.ceiling_at_once(datas, n)
-
-
-def ceiling_two(datas: list[bytes]) -> float:
-    return ceiling_n(datas, 2)
-
-
 # --- contenders --------------------------------------------------------------------------------
 
 
@@ -142,36 +120,18 @@ live_cpu_s = harness.live_cpu_seconds  # ShardLoader's persistent workers: not y
 
 
 def timed_epoch(batches) -> dict:
-    """Iterate one epoch: first-batch time, images/s after the first batch and overall, and
-    CPU microseconds per image over the whole epoch, workers included; for ShardLoader also the
-    training process's own CPU per image (what its workers leave it to do)."""
-    gc.collect()
-    c0, main0 = _cpu_s(), time.process_time()
-    pids = list(getattr(batches, "worker_pids", []))  # started on the first iteration
-    w0 = live_cpu_s(pids)
-    t0 = time.perf_counter()
-    it = iter(batches)
-    first = next(it)
-    t1 = time.perf_counter()
-    n_first = len(first[0])
-    n, b = 0, None
-    for b in it:
-        n += len(b[0])
-    t2 = time.perf_counter()
-    main_cpu = (time.process_time() - main0) / (n + n_first) * 1e6
-    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
-        pids = list(batches.worker_pids)
-    workers = live_cpu_s(pids) - w0
-    del it, first, b
-    gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
-    cpu = (_cpu_s() - c0 + workers) / (n + n_first) * 1e6
+    """One epoch (``harness.epoch``): first-batch time, images/s after the first batch and
+    overall, CPU microseconds per image over the whole epoch, workers included; for ShardLoader
+    also the training process's own CPU per image (what its workers leave it to do)."""
+    e = harness.epoch(batches)
+    n = e["images"]
     return {
-        "cpu_us_per_image": cpu,
-        "main_cpu_us_per_image": main_cpu,
-        "first_batch_s": t1 - t0,
-        "images_per_s": n / (t2 - t1) if n else float("nan"),
-        "epoch_images_per_s": (n + n_first) / (t2 - t0),
-        "images": n + n_first,
+        "cpu_us_per_image": e["cpu_s"] / n * 1e6,
+        "main_cpu_us_per_image": e["main_cpu_s"] / n * 1e6,
+        "first_batch_s": e["first_s"],
+        "images_per_s": e["steady_rate"],
+        "epoch_images_per_s": e["rate"],
+        "images": n,
     }
 
 
@@ -503,10 +463,9 @@ def measure(
     ceil: dict[str, float] = {}
 
     def ceiling(r: int) -> dict:  # first in every round: the contenders divide by it
-        rate, cpu = ceiling_one(datas)
-        ceil.update(
-            one=rate, cpu=cpu, fast=ceiling_one(datas, fastdct=True)[0], two=ceiling_two(datas)
-        )
+        c = harness.ceiling(datas)  # the accurate IDCT, as Pillow and shardkit decode
+        fast = harness.ceiling(datas, fastdct=True).scaled  # FFCV's faster, less accurate one
+        ceil.update(one=c.scaled, cpu=c.cpu_us, fast=fast, two=harness.ceiling_at_once(datas, 2))
         return dict(ceil)
 
     def contender(cname, make):
@@ -697,9 +656,6 @@ class Loader(harness.Bench):
         "comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
         "processes between the ones compared",
     )
-
-    def run(self) -> None:
-        main(self)
 
 
 def main(args: Loader) -> None:

@@ -72,36 +72,36 @@ class Masks(harness.Bench):
     workers: int = 1
     batch_size: int = 64
 
-    def run(self) -> None:
-        args = self
-        src = str(data.lfw_with_masks(args.data, args.scale))
 
-        def costs(r: int) -> dict:
-            decode, geom = _mask_costs(src)
-            return {"decode": decode, "geom": geom}
+def main(args: Masks) -> None:
+    src = str(data.lfw_with_masks(args.data, args.scale))
 
-        sides = {
-            "plain": lambda r: _rate(src, (), args.workers, args.batch_size),
-            "masked": lambda r: _rate(src, ("seg.png",), args.workers, args.batch_size),
-            "mask costs": costs,
-        }
-        rounds = harness.interleave(sides, args.rounds, order="fixed")
-        plain, masked = rounds.values("plain"), rounds.values("masked")
-        decodes, geoms = rounds.values("mask costs", "decode"), rounds.values("mask costs", "geom")
-        extra = statistics.median(
-            (1 / m - 1 / p) / d for m, p, d in zip(masked, plain, decodes, strict=True)
-        )
-        p, m = statistics.median(plain), statistics.median(masked)
-        d, g = statistics.median(decodes), statistics.median(geoms)
-        per_mask = 1e6 * (1 / m - 1 / p)
-        load = f"load average per round {rounds.load_text()}"
-        print(f"images/s, median of {args.rounds}, {args.workers} worker(s): image only {p:.0f}, "
-              f"with seg.png {m:.0f} (ratio {m / p:.3f}); mask per sample {per_mask:.0f} us "
-              f"against its own decode {1e6 * d:.0f} us (ratio {extra:.2f}; crop/resize/flip "
-              f"{1e6 * g:.0f} us) ({load})")  # fmt: skip
-        result = {"images_per_s": p, "masked_images_per_s": m, "mask_us": per_mask}
-        result.update(mask_decode_us=1e6 * d, mask_geometry_us=1e6 * g, extra_to_decode=extra)
-        harness.write_result(args.json, "bench_masks", args, result, rounds)
+    def costs(r: int) -> dict:
+        decode, geom = _mask_costs(src)
+        return {"decode": decode, "geom": geom}
+
+    sides = {
+        "plain": lambda r: _rate(src, (), args.workers, args.batch_size),
+        "masked": lambda r: _rate(src, ("seg.png",), args.workers, args.batch_size),
+        "mask costs": costs,
+    }
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
+    plain, masked = rounds.values("plain"), rounds.values("masked")
+    decodes, geoms = rounds.values("mask costs", "decode"), rounds.values("mask costs", "geom")
+    extra = statistics.median(
+        (1 / m - 1 / p) / d for m, p, d in zip(masked, plain, decodes, strict=True)
+    )
+    p, m = statistics.median(plain), statistics.median(masked)
+    d, g = statistics.median(decodes), statistics.median(geoms)
+    per_mask = 1e6 * (1 / m - 1 / p)
+    load = f"load average per round {rounds.load_text()}"
+    print(f"images/s, median of {args.rounds}, {args.workers} worker(s): image only {p:.0f}, "
+          f"with seg.png {m:.0f} (ratio {m / p:.3f}); mask per sample {per_mask:.0f} us "
+          f"against its own decode {1e6 * d:.0f} us (ratio {extra:.2f}; crop/resize/flip "
+          f"{1e6 * g:.0f} us) ({load})")  # fmt: skip
+    result = {"images_per_s": p, "masked_images_per_s": m, "mask_us": per_mask}
+    result.update(mask_decode_us=1e6 * d, mask_geometry_us=1e6 * g, extra_to_decode=extra)
+    harness.write_result(args.json, "bench_masks", args, result, rounds)
 
 
 if __name__ == "__main__":

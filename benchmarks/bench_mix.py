@@ -174,9 +174,6 @@ class Mix(harness.Bench):
     batch_size: int = 64
     only: tuple[Literal["a", "b"], ...] = harness.arg((), "parts to run (default: both)")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Mix) -> None:
     load_before = harness.loadavg()

@@ -87,9 +87,6 @@ class Open(harness.Bench):
     samples: int = harness.arg(10000, "samples per shard")
     work: Path | None = harness.arg(None, "data (default: <data root>/open)")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: Open) -> None:
     packed, legacy = data.many_shards(a.shards, a.samples, a.work)

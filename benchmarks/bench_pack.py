@@ -140,9 +140,6 @@ class Pack(harness.Bench):
     ray: bool = harness.arg(False, "--engines: Ray against the process pool")
     tiny: int = harness.arg(0, "make N tiny JPEGs at --src first")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Pack) -> None:
     if args.smoke and not args.tiny:

@@ -77,9 +77,6 @@ class PlanStats(harness.Bench):
     work: Path | None = harness.arg(None, "data (default: the data root)")
     engines: str = "none,local,ray"
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: PlanStats) -> None:
     work = a.work or data.root() / "table"

@@ -210,9 +210,6 @@ class Remote(harness.Bench):
     val_fraction: float = harness.arg(0.01, "the split's val share")
     ranged_gets: int = harness.arg(16, "GETs in flight, concurrent")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Remote) -> None:
     if args.case == "sparse":

@@ -26,12 +26,7 @@ from shardkit import ShardDataset
 
 def first_batch(ds: ShardDataset, args) -> float:
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
-    t0 = time.perf_counter()
-    it = iter(loader)
-    next(it)
-    dt = time.perf_counter() - t0
-    del it
-    return dt
+    return harness.epoch(loader, limit=1)["first_s"]
 
 
 def make(args) -> ShardDataset:
@@ -52,9 +47,6 @@ class Resume(harness.Bench):
     workers: int = 2
     epoch: int = 3
     no_naive: bool = harness.arg(False, "skip the fast-forward reference")
-
-    def run(self) -> None:
-        main(self)
 
 
 def main(args: Resume) -> None:

@@ -41,9 +41,6 @@ class RunLength(harness.Bench):
     data: str = "data/lfw"
     lengths: str = "0.25,0.5,1,1.5,2,3"
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: RunLength) -> None:
     if args.smoke:

@@ -63,9 +63,6 @@ class SampleTransform(harness.Bench):
     workers: int = 2
     batch: int = 64
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: SampleTransform) -> None:
     if args.against is None and not args.smoke:

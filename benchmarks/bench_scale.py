@@ -303,9 +303,6 @@ class Scale(harness.Bench):
     new: int = harness.arg(10_000, "samples that append/merge add")
     many_shards: int = harness.arg(0, "also a set of about S shards")
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Scale) -> None:
     args = replace(args, out=args.out or data.root() / "scale")

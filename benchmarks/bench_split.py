@@ -113,9 +113,6 @@ class Split(harness.Bench):
         False, "--against reads a copy of each tar set with version-2 indexes (hard links)"
     )
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: Split) -> None:
     work = a.out or data.root() / "scale"

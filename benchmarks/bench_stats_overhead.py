@@ -65,9 +65,6 @@ class StatsOverhead(harness.Bench):
     rrc_batch: int = 64
     jobs: str = ",".join(JOBS)
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: StatsOverhead) -> None:
     if a.against is None and not a.smoke:

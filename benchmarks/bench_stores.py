@@ -92,9 +92,6 @@ class Stores(harness.Bench):
     scale: float = harness.arg(0.25, "of LFW's 13,233 images")
     shard_size: str = "4MB"
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Stores) -> None:
     src = data.lfw(scale=args.scale)

@@ -422,9 +422,6 @@ class Stream(harness.Bench):
         (), "run only these parts"
     )
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(args: Stream) -> None:
     if args.smoke:

@@ -94,9 +94,6 @@ class Table(harness.Bench):
         "workers'; or on a local Ray cluster of 2 CPUs (--engine ray: the driver's peak)",
     )
 
-    def run(self) -> None:
-        main(self)
-
 
 def main(a: Table) -> None:
     work = a.work or data.root() / "table"

@@ -44,7 +44,7 @@ import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
+from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
@@ -134,7 +134,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     loaders: dict = {}
 
     def ceiling(n: int):
-        return lambda r: ceiling_n(datas, n)
+        return lambda r: harness.ceiling_at_once(datas, n)
 
     def contender(name: str, n: int):
         def run(r: int) -> dict:
@@ -492,9 +492,6 @@ class Train(harness.Bench):
         "commit's; see bench_loader.load_other_loader)",
     )
     plot: Path = ROOT / "bench-out" / "bench_train.png"
-
-    def run(self) -> None:
-        main(self)
 
 
 def main(args: Train) -> None:

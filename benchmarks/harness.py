@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import json
 import multiprocessing as mp
@@ -92,8 +93,6 @@ __all__ = [
     "live_cpu_seconds",
     "load_now",
     "loadavg",
-    "parse",
-    "parser",
     "say",
     "smoke_drop",
     "write_result",
@@ -241,25 +240,38 @@ def batch_len(batch) -> int:
 
 def epoch(batches, limit: int | None = None) -> dict:
     """THE epoch timing loop: iterate ``batches`` (up to ``limit`` samples) and return
-    ``images``, ``first_s`` (the wait for the first batch), ``wall_s``, ``cpu_s`` (this process
-    and its ended children), ``main_cpu_s`` (this process alone: what a trainer's own loop
-    pays) and ``rate`` (images per wall second)."""
-    c0, m0, t0 = cpu_seconds(), time.process_time(), time.perf_counter()
-    n, first = 0, None
+    ``images``; ``first_s`` (the wait for the first batch: workers starting, shards opening);
+    ``rate`` (images per wall second, the whole epoch) and ``steady_rate`` (after the first
+    batch); ``wall_s``; ``cpu_s`` (this process, its ended children and the live workers of a
+    loader with ``worker_pids``: persistent workers are not reaped yet); ``main_cpu_s`` (this
+    process alone: what a trainer's own loop pays)."""
+    gc.collect()  # the garbage of what ran before is not this epoch's
+    c0, m0 = cpu_seconds(), time.process_time()
+    pids = list(getattr(batches, "worker_pids", []))  # a loader's workers, once started
+    w0 = live_cpu_seconds(pids)
+    t0 = t1 = time.perf_counter()
+    n = first = 0
     for b in batches:
-        if first is None:
-            first = time.perf_counter() - t0
+        if not first:
+            t1, first = time.perf_counter(), batch_len(b)
         n += batch_len(b)
         if limit is not None and n >= limit:
             break
-    wall = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    main = time.process_time() - m0
+    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
+        pids = list(batches.worker_pids)
+    workers = live_cpu_seconds(pids) - w0
+    b = None
+    gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
     return {
         "images": n,
-        "first_s": first or 0.0,
-        "wall_s": wall,
-        "cpu_s": cpu_seconds() - c0,
-        "main_cpu_s": time.process_time() - m0,
-        "rate": n / wall if wall else 0.0,
+        "first_s": t1 - t0,
+        "wall_s": t2 - t0,
+        "cpu_s": cpu_seconds() - c0 + workers,
+        "main_cpu_s": main,
+        "rate": n / (t2 - t0) if n else float("nan"),
+        "steady_rate": (n - first) / (t2 - t1) if n > first else float("nan"),
     }
 
 
@@ -402,7 +414,7 @@ def ceiling(
 @dataclass(frozen=True)
 class Bench:
     """The parameters every case shares; a case subclasses it with its own typed fields (a new
-    default for ``rounds`` where it wants more) and a ``run()`` that measures and writes."""
+    default for ``rounds`` where it wants more); ``run()`` measures and writes."""
 
     rounds: int = 3
     json: Path | None = None
@@ -416,8 +428,10 @@ class Bench:
     SMALL: typing.ClassVar[dict] = {}
     ALIASES: typing.ClassVar[dict] = {}
 
-    def run(self) -> None:  # pragma: no cover - every case has its own
-        raise NotImplementedError
+    def run(self) -> None:
+        """Make the data, set up the contenders, measure, write: the case's module's
+        ``main(case)``, unless the case says otherwise."""
+        sys.modules[type(self).__module__].main(self)
 
 
 #: name -> the case's class, in the order they were registered.
@@ -530,15 +544,12 @@ def make_case(cls: type[Bench], argv: Sequence[str] = ()) -> Bench:
 
 
 def run_case(name: str, argv: Sequence[str] = ()) -> None:
-    known = cases()
-    if name in known:
-        return make_case(known[name], argv).run()
-    module = sys.modules.get(f"bench_{name}")
-    if module is None or not hasattr(module, "main"):
-        raise SystemExit(f"no case {name!r}: `python -m benchmarks list` names them")
-    # a script not yet a registered case: its own main() and flags
-    sys.argv = [module.__file__, *("--smoke" if a == "--small" else a for a in argv)]
-    module.main()
+    """Import ``bench_NAME`` alone (its import registers it) and run it with ``argv``."""
+    if name not in CASES:
+        if not (HERE / f"bench_{name}.py").exists():
+            raise SystemExit(f"no case {name!r}: `python -m benchmarks list` names them")
+        importlib.import_module(f"bench_{name}")
+    make_case(CASES[name], argv).run()
 
 
 def script(file: str) -> None:
@@ -550,47 +561,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m benchmarks list`` | ``run CASE [--small] [--against DIR] [case flags]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
-        known = cases()
-        for path in sorted(HERE.glob("bench_*.py")):
-            cls = known.get(path.stem.removeprefix("bench_"))
-            if cls is None:
-                print(f"{path.stem.removeprefix('bench_'):18} (its own flags: --help)")
-            else:
-                print(f"{cls.NAME:18} {cls.MEASURES}\n{'':18} data: {cls.DATA}")
+        for cls in cases().values():
+            print(f"{cls.NAME:18} {cls.MEASURES}\n{'':18} data: {cls.DATA}")
         return
     if argv[:1] == ["run"] and len(argv) > 1:
         return run_case(argv[1], argv[2:])
     raise SystemExit("usage: python -m benchmarks list | run CASE [--small] [case flags]")
 
 
-# --- flags, smoke mode, results ----------------------------------------------------------------
-
-
-def parser(doc: str | None, rounds: int = 3, against: bool = True) -> argparse.ArgumentParser:
-    """An ArgumentParser with the flags every benchmark shares."""
-    ap = argparse.ArgumentParser(
-        description=(doc or "").split("\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds")
-    ap.add_argument("--json", type=Path, default=None, help="write the result here")
-    if against:
-        ap.add_argument("--against", type=Path, default=None, help="another checkout, side by side")
-    ap.add_argument(
-        "--smoke", action="store_true", help="tiny data, one round: does the case still run?"
-    )
-    return ap
-
-
-def parse(ap: argparse.ArgumentParser, smoke: dict | None = None, argv=None) -> argparse.Namespace:
-    """Parse; under ``--smoke`` the given attributes are replaced by their tiny values, and
-    ``rounds`` (and ``repeats``, where a case has them) become 1."""
-    args = ap.parse_args(argv)
-    if args.smoke:
-        for k, v in {"rounds": 1, **(smoke or {})}.items():
-            setattr(args, k, v)
-        if hasattr(args, "repeats"):
-            args.repeats = 1
-    return args
+# --- small mode, results ----------------------------------------------------------------
 
 
 def available(module: str) -> bool:
@@ -600,7 +579,7 @@ def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def smoke_drop(contenders: dict, args: argparse.Namespace, *packages: str) -> dict:
+def smoke_drop(contenders: dict, args: Bench, *packages: str) -> dict:
     """Under ``--smoke``, the contenders without the ones named after a package that is not
     installed; otherwise all of them (a real run fails loudly on a missing package)."""
     gone = [p for p in packages if args.smoke and not available(p)]
@@ -610,7 +589,7 @@ def smoke_drop(contenders: dict, args: argparse.Namespace, *packages: str) -> di
 def write_result(
     path: Path | None,
     name: str,
-    args: argparse.Namespace,
+    args: Bench,
     result: dict,
     rounds: Rounds | None = None,
 ) -> dict:
