@@ -110,13 +110,21 @@ def job(name: str, checkout: Path, made: dict[str, Path], out: Path, rows: int) 
     return harness.in_child(checkout, _EPOCH_RRC, made["folder-pack"])
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
-    ap.add_argument("--rows", type=int, default=100_000, help="table rows and writer samples")
-    ap.add_argument("--per-class", type=int, default=250, help="folder photos per class (x4)")
-    ap.add_argument("--jobs", default=",".join(JOBS))
-    a = harness.parse(ap, smoke={"rows": 300, "per_class": 4})
+@harness.case(
+    data="an N-row table of 8x8 JPEGs and LFW-shaped folder photos",
+    measures="pack, table pack, ShardWriter, raw and RRC epochs against another checkout",
+    small={"rows": 300, "per_class": 4},
+)
+class Against(harness.Bench):
+    rounds: int = 3
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    work: Path | None = harness.arg(None, "data (default: the data root)")
+    rows: int = harness.arg(100_000, "table rows and writer samples")
+    per_class: int = harness.arg(250, "folder photos per class (x4)")
+    jobs: str = ",".join(JOBS)
+
+
+def main(a: Against) -> None:
     if a.against is None and not a.smoke:
         raise SystemExit("--against DIR is required (another checkout)")
     against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
@@ -155,4 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -29,7 +29,6 @@ import math
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 
 import data
@@ -44,7 +43,7 @@ def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
     loader = ShardLoader(ds, batch, num_workers=workers)
     try:
         loader.set_epoch(epoch)
-        return _rate(iter(loader), lambda b: len(b["image"]))
+        return _rate(loader)
     finally:
         loader.close()
 
@@ -95,26 +94,30 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
         .map_tuple(_ClipTransform(), lambda t: t)
     )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    return _rate(iter(loader), lambda b: len(b[0]))
+    return _rate(loader)
 
 
-def _rate(it, count) -> float:
-    next(it)  # workers started, shards open: time the steady epoch after the first batch
-    n, t0 = 0, time.perf_counter()
-    for b in it:
-        n += count(b)
-    return n / (time.perf_counter() - t0)
+def _rate(loader) -> float:
+    """Images/s after the first batch (workers started, shards open): the steady epoch."""
+    return harness.epoch(loader)["steady_rate"]
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
-    ap.add_argument("--classes", type=int, default=4)
-    ap.add_argument("--per-class", type=int, default=150)
-    ap.add_argument("--per-shard", type=int, default=100)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "per_shard": 4, "batch": 4})
+@harness.case(
+    data="img2dataset-style CLIP shards of an ImageNet-shaped tree",
+    measures="a CLIP recipe through ShardLoader against WebDataset on the same tars",
+    small={"classes": 2, "per_class": 8, "per_shard": 4, "batch": 4},
+)
+class Clip(harness.Bench):
+    rounds: int = 3
+    imagenet: Path | None = harness.arg(None, "the photos (default: data root)")
+    classes: int = 4
+    per_class: int = 150
+    per_shard: int = 100
+    workers: int = 2
+    batch: int = 64
+
+
+def main(args: Clip) -> None:
     tree = data.imagenet(args.imagenet, args.classes, args.per_class)
     source = str(data.clip_shards(tree, tree.parent / "clip-shards", args.per_shard))
     count = sum(1 for _ in tree.rglob("*.JPEG"))
@@ -146,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

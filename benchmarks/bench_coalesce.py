@@ -67,10 +67,17 @@ def sizes(out: Path) -> dict[str, int]:
     return got
 
 
-def main() -> int:
-    ap = harness.parser(__doc__, rounds=1, against=False)
-    ap.add_argument("--samples", type=int, default=3000, help="samples packed")
-    args = harness.parse(ap, smoke={"samples": 300})
+@harness.case(
+    data="N samples of ~2.6 kB packed, served by the loopback HTTP Range server",
+    measures="ranged GETs and bytes of a sparse epoch with and without coalescing",
+    small={"samples": 300},
+)
+class Coalesce(harness.Bench):
+    rounds: int = 1
+    samples: int = harness.arg(3000, "samples packed")
+
+
+def main(args: Coalesce) -> None:
     result: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-coalesce-") as tmp:
         out = build(Path(tmp), args.samples)
@@ -126,4 +133,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.script(__file__)

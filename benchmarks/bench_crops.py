@@ -66,19 +66,12 @@ def epoch(source: str, kw: dict, workers: int, batch: int, epoch: int) -> tuple[
 
     ds = ShardDataset(source, decode=Decode(crop=kw["crop"], flip=True))
     loader = ShardLoader(ds, batch, num_workers=workers)
-    n = 0
     try:
         loader.set_epoch(epoch)
-        it = iter(loader)
-        first = next(it)  # workers started, shards open: time the steady epoch after it
-        n0 = len(first[0])
-        t0 = time.perf_counter()
-        for x, _ in it:
-            n += len(x)
-        dt = time.perf_counter() - t0
+        e = harness.epoch(loader)  # the steady rate: after workers started, shards opened
     finally:
         loader.close()
-    return n / dt, n + n0
+    return e["steady_rate"], e["images"]
 
 
 _AGAINST = """
@@ -170,16 +163,24 @@ def _difference(source: str, kw: dict, count: int) -> float:
     return statistics.mean(diffs)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--imagenet", type=Path, default=None, help="the photos (default: data root)")
-    ap.add_argument("--classes", type=int, default=4)
-    ap.add_argument("--per-class", type=int, default=150)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--check", type=int, default=64)
-    ap.add_argument("--breakdown", action="store_true", help="where each variant's time goes")
-    args = harness.parse(ap, smoke={"classes": 2, "per_class": 8, "batch": 4, "check": 2})
+@harness.case(
+    data="an ImageNet-shaped tree (--classes x --per-class photos), packed",
+    measures="every crop variant against crop='random'; their pixel difference from a reference",
+    small={"classes": 2, "per_class": 8, "batch": 4, "check": 2},
+)
+class Crops(harness.Bench):
+    rounds: int = 3
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    imagenet: Path | None = harness.arg(None, "the photos (default: data root)")
+    classes: int = 4
+    per_class: int = 150
+    workers: int = 2
+    batch: int = 64
+    check: int = 64
+    breakdown: bool = harness.arg(False, "where each variant's time goes")
+
+
+def main(args: Crops) -> None:
     tree = data.imagenet(args.imagenet, args.classes, args.per_class)
     source = str(data.packed(tree))
     cons = contenders()
@@ -228,4 +229,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

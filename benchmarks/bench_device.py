@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import data as makers
@@ -169,7 +170,7 @@ def probe(args) -> dict:
 
                 try:
                     decoded = sum(1 for i in call() if i is not None)
-                    wall, cpu = _timed(call, args.reps)
+                    wall, cpu = _timed(call, args.rounds)
                     out[f"{name} {what}"] = {
                         "decoded": decoded,
                         "of": len(bufs),
@@ -244,7 +245,7 @@ def pipeline(args) -> dict:
                 return crops, images
 
             crops, images = call()
-            wall, cpu = _timed(call, args.reps)
+            wall, cpu = _timed(call, args.rounds)
             key = str(dtype).split(".")[-1]
             row[key] = {
                 "images_per_s": len(bufs) / wall,
@@ -260,9 +261,9 @@ def pipeline(args) -> dict:
             def resize(dtype=dtype, kept=kept, flips=flips, decoder=decoder):
                 _resized(decoder, kept, flips, dtype)
 
-            rw, rc = _timed(resize, args.reps)
+            rw, rc = _timed(resize, args.rounds)
             row[key]["pad_and_resize_ms_per_batch"] = rw * 1e3
-            row[key]["pad_and_resize_gpu_ms_per_batch"] = _gpu_ms(resize, args.reps)
+            row[key]["pad_and_resize_gpu_ms_per_batch"] = _gpu_ms(resize, args.rounds)
             row[key]["groups"] = len(dev.groups(kept))
             row[key]["resize_thread_cpu_us_per_image"] = rc / len(kept) * 1e6
             if dtype == torch.float16:
@@ -630,32 +631,47 @@ def summary(r: dict) -> None:
             print(f"{name} ERROR: {r[name]['error'][-400:]}")
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--no-torchvision", action="store_true")
-    ap.add_argument("--stub", action="store_true", help="the stub section alone (no GPU needed)")
-    ap.add_argument("--imagenet", type=Path, default=None, help="default: the data root")
-    ap.add_argument("--per-class", type=int, default=100, help="synthetic ImageNet, 20 classes")
-    ap.add_argument("--samples", type=int, default=100_000, help="samples per long epoch")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=60, help="loader: timed batches")
-    ap.add_argument("--short-epochs", type=int, default=8)
-    ap.add_argument("--epoch-samples", type=int, default=20_000, help="epochs: the long one")
-    ap.add_argument("--workers", type=int)
-    ap.add_argument("--models", default="resnet18,resnet50")
-    ap.add_argument("--train-steps", type=int, default=100)
-    ap.add_argument(
-        "--decode-on", type=lambda s: s.split(","), default=["workers", "device", "auto"]
-    )
-    smoke = {"per_class": 4, "samples": 400, "batch": 16, "warmup": 1, "steps": 3}
-    smoke.update(short_epochs=2, epoch_samples=200, train_steps=3, models="resnet18")
-    args = harness.parse(ap, smoke={**smoke, "sections": "cpu,probe,pipeline,loader"})
-    args.reps = args.rounds = args.reps or args.rounds
-    args.json = args.json or ROOT / "bench-out" / "bench_device.json"
-    args.imagenet = args.imagenet or makers.root() / "imagenet"
+@harness.case(
+    data="an ImageNet-shaped tree (20 classes x --per-class), packed",
+    measures="everything a lent GPU machine measures (device decode, pipeline, loader, "
+    "training), one JSON",
+    small={
+        "per_class": 4,
+        "samples": 400,
+        "batch": 16,
+        "warmup": 1,
+        "steps": 3,
+        "short_epochs": 2,
+        "epoch_samples": 200,
+        "train_steps": 3,
+        "models": "resnet18",
+        "sections": "cpu,probe,pipeline,loader",
+    },  # fmt: skip
+    aliases={"rounds": ["reps"]},
+)
+class Device(harness.Bench):
+    rounds: int = 5
+    json: Path | None = ROOT / "bench-out" / "bench_device.json"
+    sections: str = ",".join(SECTIONS)
+    no_torchvision: bool = False
+    stub: bool = harness.arg(False, "the stub section alone (no GPU needed)")
+    imagenet: Path | None = harness.arg(None, "default: the data root")
+    shards: Path | None = harness.arg(None, "packed shards (default: made from --imagenet)")
+    per_class: int = harness.arg(100, "synthetic ImageNet, 20 classes")
+    samples: int = harness.arg(100_000, "samples per long epoch")
+    batch: int = 256
+    warmup: int = 10
+    steps: int = harness.arg(60, "loader: timed batches")
+    short_epochs: int = 8
+    epoch_samples: int = harness.arg(20_000, "epochs: the long one")
+    workers: int | None = None
+    models: str = "resnet18,resnet50"
+    train_steps: int = 100
+    decode_on: tuple[str, ...] = ("workers", "device", "auto")
+
+
+def main(args: Device) -> None:
+    args = replace(args, imagenet=args.imagenet or makers.root() / "imagenet")
     result: dict = {
         "torchvision_first": TORCHVISION,
         "cpus": usable_cpus(),
@@ -673,7 +689,7 @@ def main() -> None:
     if any(s != "tests" for s in wanted):
         t = time.perf_counter()
         tree = makers.imagenet(args.imagenet, classes=20, per_class=args.per_class)
-        args.shards = makers.packed(tree, shard_size="16MB")
+        args = replace(args, shards=args.shards or makers.packed(tree, shard_size="16MB"))
         result["data_s"] = time.perf_counter() - t
     for name in SECTIONS:
         if name not in wanted:
@@ -694,4 +710,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -82,19 +82,31 @@ def run_side(shards: Path, batch: int, workers: int, epochs: int, overlap: bool)
     }
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=1.0)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--short", type=int, default=6, help="batches per short epoch")
-    ap.add_argument("--long", type=int, default=48, help="batches per long epoch")
-    ap.add_argument("--long-epochs", type=int, default=2, help="timed long epochs per round")
-    smoke = {"lfw": data.root() / "lfw-smoke", "lfw_scale": 0.01, "batch": 8, "long": 4}
-    args = harness.parse(ap, smoke={**smoke, "short": 2, "long_epochs": 1})
-    args.json = args.json or ROOT / "bench-out" / "bench_epochs.json"
+@harness.case(
+    data="the first short x batch and long x batch images of the --lfw tree, packed",
+    measures="short epochs against long ones, with and without the workers' epoch overlap",
+    small={
+        "lfw": data.root() / "lfw-smoke",
+        "lfw_scale": 0.01,
+        "batch": 8,
+        "long": 4,
+        "short": 2,
+        "long_epochs": 1,
+    },  # fmt: skip
+)
+class Epochs(harness.Bench):
+    rounds: int = 5
+    json: Path | None = ROOT / "bench-out" / "bench_epochs.json"
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 1.0
+    batch: int = 256
+    workers: int = 2
+    short: int = harness.arg(6, "batches per short epoch")
+    long: int = harness.arg(48, "batches per long epoch")
+    long_epochs: int = harness.arg(2, "timed long epochs per round")
 
+
+def main(args: Epochs) -> None:
     lfw = data.lfw(args.lfw, args.lfw_scale)
     lengths = {"short": args.short, "long": args.long}
     shards = {
@@ -139,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

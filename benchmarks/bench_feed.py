@@ -89,16 +89,22 @@ def _run(shards: Path, args, step, batches: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=1.0)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batches", type=int, default=60)
-    smoke = {"lfw": data.root() / "lfw-smoke", "lfw_scale": 0.01, "batch": 8, "batches": 6}
-    args = harness.parse(ap, smoke=smoke)
-    args.json = args.json or ROOT / "bench-out" / "bench_feed.json"
+@harness.case(
+    data="the --lfw tree (made at --lfw-scale when missing), packed",
+    measures="the feed under a training step: alone, a GPU-like wait, a CPU step sharing cores",
+    small={"lfw": data.root() / "lfw-smoke", "lfw_scale": 0.01, "batch": 8, "batches": 6},
+)
+class Feed(harness.Bench):
+    rounds: int = 3
+    json: Path | None = ROOT / "bench-out" / "bench_feed.json"
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 1.0
+    batch: int = 64
+    workers: int = 2
+    batches: int = 60
+
+
+def main(args: Feed) -> None:
     shards = data.packed(data.lfw(args.lfw, args.lfw_scale), shard_size="16MB")
     threads = os.cpu_count() or 1
     state: dict = {"step_ms": None}
@@ -156,4 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

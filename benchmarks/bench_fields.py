@@ -13,7 +13,6 @@ per batch, fields decoded in its workers), with the training process's own CPU p
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import data
@@ -32,28 +31,30 @@ def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int, shard_loa
         next(iter(loader))  # workers started, as a trainer keeps them
     else:
         loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    start, cpu, n = time.perf_counter(), time.process_time(), 0
-    for batch_ in loader:
-        n += len(batch_["image"] if isinstance(batch_, dict) else batch_[0])
-    rate = n / (time.perf_counter() - start)
-    main_us = (time.process_time() - cpu) / n * 1e6
+    e = harness.epoch(loader)
     if shard_loader:
         loader.close()
-    return rate, main_us
+    return e["rate"], e["main_cpu_s"] / e["images"] * 1e6
 
 
-def main() -> None:
+@harness.case(
+    data="the LFW-shaped set with a .txt caption and a .json beside every image, packed",
+    measures="images/s and training-process CPU without and with fields=('txt', 'json')",
+    small={"scale": 0.01, "batch_size": 8},
+    aliases={"rounds": ["repeats"]},
+)
+class Fields(harness.Bench):
+    rounds: int = 5
+    data: Path | None = harness.arg(None, "default: the data root")
+    scale: float = 0.15
+    workers: int = 1
+    batch_size: int = 64
+
+
+def main(args: Fields) -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # each contender re-reads epoch 0 on purpose
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--data", type=Path, default=None, help="default: the data root")
-    ap.add_argument("--scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=64)
-    args = harness.parse(ap, smoke={"scale": 0.01, "batch_size": 8})
-    args.repeats = args.rounds = args.repeats or args.rounds
     src = str(data.lfw_with_captions(args.data, args.scale))
 
     def side(loader: bool, fields: tuple):
@@ -75,7 +76,7 @@ def main() -> None:
         ratio = rounds.ratio(fields, plain)
         result[name] = {"ratio": ratio, "plain": rounds.median(plain),
                         "fields": rounds.median(fields)}  # fmt: skip
-        print(f"{name}: images/s, median of {args.repeats}: image only "
+        print(f"{name}: images/s, median of {args.rounds}: image only "
               f"{rounds.median(plain):.0f}, with txt+json "
               f"{rounds.median(fields):.0f}; ratio {ratio:.3f}; training "
               f"process CPU {rounds.median(plain, 'main_us'):.0f} -> "
@@ -85,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -62,7 +62,9 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -110,28 +112,6 @@ def rss_mb(pid: int | None = None) -> float:
     return float("nan")
 
 
-# --- the ceiling -------------------------------------------------------------------------------
-
-
-def ceiling_one(datas: list[bytes], fastdct: bool = False) -> tuple[float, float]:
-    """The harness's ceiling: images/s of one process decoding from memory with simplejpeg,
-    times min(2, cores); and its CPU microseconds per image (what contention from other
-    processes changes least). ``fastdct``: libjpeg-turbo's faster, less accurate integer IDCT,
-    which FFCV decodes with (shardkit and the plain ceiling use the accurate one, as Pillow
-    does)."""
-    c = harness.ceiling(datas, fastdct=fastdct)
-    return c.scaled, c.cpu_us
-
-
-def ceiling_n(datas: list[bytes], n: int) -> float:
-    """Images/s of ``n`` processes decoding shares of ``datas`` at the same time."""
-    return harness.ceiling_at_once(datas, n)
-
-
-def ceiling_two(datas: list[bytes]) -> float:
-    return ceiling_n(datas, 2)
-
-
 # --- contenders --------------------------------------------------------------------------------
 
 
@@ -140,36 +120,18 @@ live_cpu_s = harness.live_cpu_seconds  # ShardLoader's persistent workers: not y
 
 
 def timed_epoch(batches) -> dict:
-    """Iterate one epoch: first-batch time, images/s after the first batch and overall, and
-    CPU microseconds per image over the whole epoch, workers included; for ShardLoader also the
-    training process's own CPU per image (what its workers leave it to do)."""
-    gc.collect()
-    c0, main0 = _cpu_s(), time.process_time()
-    pids = list(getattr(batches, "worker_pids", []))  # started on the first iteration
-    w0 = live_cpu_s(pids)
-    t0 = time.perf_counter()
-    it = iter(batches)
-    first = next(it)
-    t1 = time.perf_counter()
-    n_first = len(first[0])
-    n, b = 0, None
-    for b in it:
-        n += len(b[0])
-    t2 = time.perf_counter()
-    main_cpu = (time.process_time() - main0) / (n + n_first) * 1e6
-    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
-        pids = list(batches.worker_pids)
-    workers = live_cpu_s(pids) - w0
-    del it, first, b
-    gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
-    cpu = (_cpu_s() - c0 + workers) / (n + n_first) * 1e6
+    """One epoch (``harness.epoch``): first-batch time, images/s after the first batch and
+    overall, CPU microseconds per image over the whole epoch, workers included; for ShardLoader
+    also the training process's own CPU per image (what its workers leave it to do)."""
+    e = harness.epoch(batches)
+    n = e["images"]
     return {
-        "cpu_us_per_image": cpu,
-        "main_cpu_us_per_image": main_cpu,
-        "first_batch_s": t1 - t0,
-        "images_per_s": n / (t2 - t1) if n else float("nan"),
-        "epoch_images_per_s": (n + n_first) / (t2 - t0),
-        "images": n + n_first,
+        "cpu_us_per_image": e["cpu_s"] / n * 1e6,
+        "main_cpu_us_per_image": e["main_cpu_s"] / n * 1e6,
+        "first_batch_s": e["first_s"],
+        "images_per_s": e["steady_rate"],
+        "epoch_images_per_s": e["rate"],
+        "images": n,
     }
 
 
@@ -501,10 +463,9 @@ def measure(
     ceil: dict[str, float] = {}
 
     def ceiling(r: int) -> dict:  # first in every round: the contenders divide by it
-        rate, cpu = ceiling_one(datas)
-        ceil.update(
-            one=rate, cpu=cpu, fast=ceiling_one(datas, fastdct=True)[0], two=ceiling_two(datas)
-        )
+        c = harness.ceiling(datas)  # the accurate IDCT, as Pillow and shardkit decode
+        fast = harness.ceiling(datas, fastdct=True).scaled  # FFCV's faster, less accurate one
+        ceil.update(one=c.scaled, cpu=c.cpu_us, fast=fast, two=harness.ceiling_at_once(datas, 2))
         return dict(ceil)
 
     def contender(cname, make):
@@ -662,36 +623,42 @@ def report(part: str, m: dict, text: str, repeats: int) -> None:
         )
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=1.0)
-    ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
-    ap.add_argument(
-        "--imagenet-per-class",
-        type=int,
-        default=250,
-        help="images per class (20 classes) when the ImageNet tree is made",
+@harness.case(
+    data="the --lfw tree and an ImageNet-shaped one (20 classes), packed",
+    measures="ShardLoader against DataLoader, FolderDataset, WebDataset (FFCV with --ffcv) "
+    "against the simplejpeg ceiling; per-worker efficiency; memory over epochs",
+    small={
+        "lfw": data.root() / "lfw-smoke",
+        "lfw_scale": 0.01,
+        "imagenet": data.root() / "inet-smoke",
+        "imagenet_per_class": 4,
+        "epochs": 2,
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"]},
+)
+class Loader(harness.Bench):
+    rounds: int = 3
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 1.0
+    imagenet: Path = ROOT / "data" / "imagenet"
+    imagenet_per_class: int = harness.arg(
+        250, "images per class (20 classes) when the ImageNet tree is made"
     )
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--epochs", type=int, default=10, help="epochs of the memory check")
-    ap.add_argument("--only", action="append", choices=["a", "b", "memory"])
-    ap.add_argument("--ffcv", action="store_true", help="add FFCV's Loader (needs ffcv)")
-    ap.add_argument("--thread-loader", type=Path, help="a module file with another ShardLoader")
-    ap.add_argument(
-        "--ffcv-bytes",
-        action="store_true",
-        help="(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all",
+    epochs: int = harness.arg(10, "epochs of the memory check")
+    only: tuple[Literal["a", "b", "memory"], ...] = harness.arg((), "run only these parts")
+    ffcv: bool = harness.arg(False, "add FFCV's Loader (needs ffcv)")
+    thread_loader: Path | None = harness.arg(None, "a module file with another ShardLoader")
+    ffcv_bytes: bool = harness.arg(
+        False, "(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all"
     )
-    ap.add_argument(
-        "--contenders",
-        help="comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
+    contenders: str | None = harness.arg(
+        None,
+        "comma-separated parts of contender names to run (e.g. 'ShardLoader,FFCV'): fewer "
         "processes between the ones compared",
     )
-    root = data.root()
-    smoke = {"lfw": root / "lfw-smoke", "lfw_scale": 0.01, "imagenet": root / "inet-smoke"}
-    args = harness.parse(ap, smoke={**smoke, "imagenet_per_class": 4, "epochs": 2})
-    args.repeats = args.rounds = args.repeats or args.rounds
+
+
+def main(args: Loader) -> None:
     if args.thread_loader:
         load_other_loader(args.thread_loader)
     only = set(args.only or ["a", "b", "memory"])
@@ -702,7 +669,7 @@ def main() -> None:
     if "a" in only or "memory" in only:
         if args.ffcv_bytes:
             ensure(args.lfw, "lfw", args.lfw_scale)
-            args.lfw = ffcv_encoded(args.lfw, 85)
+            args = replace(args, lfw=ffcv_encoded(args.lfw, 85))
         lfw_shards = ensure(args.lfw, "lfw", args.lfw_scale)
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
@@ -712,7 +679,7 @@ def main() -> None:
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         loops = worker_loops(ShardDataset(str(lfw_shards), decode="tensor"))
-        out["a"] = measure("a", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        out["a"] = measure("a", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()
     if "b" in only:
@@ -725,7 +692,7 @@ def main() -> None:
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
         geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
         loops = worker_loops(ShardDataset(str(inet_shards), **geo))
-        out["b"] = measure("b", datas, contenders, args.repeats, loops, ffcv and ffcv[1])
+        out["b"] = measure("b", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()
     if "memory" in only:
@@ -742,9 +709,9 @@ def main() -> None:
         print("  DataLoader workers RSS MB:", [[round(x) for x in w] for w in m["workers_rss_mb"]])
     for part in ("a", "b"):
         if part in out:
-            report(part, out[part], out[part + "_bytes"], args.repeats)
+            report(part, out[part], out[part + "_bytes"], args.rounds)
     harness.write_result(args.json, "bench_loader", args, out)
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

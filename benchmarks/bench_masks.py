@@ -35,11 +35,7 @@ def _rate(src: str, fields: tuple[str, ...], workers: int, batch: int) -> float:
     ds = ShardDataset(
         src, decode=Decode("tensor", crop=RandomResizedCrop(SIZE), flip=True), fields=fields
     )
-    loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    start, n = time.perf_counter(), 0
-    for batch_ in loader:
-        n += len(batch_[0])
-    return n / (time.perf_counter() - start)
+    return harness.epoch(DataLoader(ds, batch_size=batch, num_workers=workers))["rate"]
 
 
 def _mask_costs(src: str) -> tuple[float, float]:
@@ -63,15 +59,21 @@ def _mask_costs(src: str) -> tuple[float, float]:
     return decode, (time.perf_counter() - start) / len(samples)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--data", type=Path, default=None, help="default: the data root")
-    ap.add_argument("--scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=64)
-    args = harness.parse(ap, smoke={"scale": 0.01, "batch_size": 8})
-    args.repeats = args.rounds = args.repeats or args.rounds
+@harness.case(
+    data="the LFW-shaped set with a seg.png mask beside every image, packed",
+    measures="images/s without and with a mask field; a mask's decode and geometry cost",
+    small={"scale": 0.01, "batch_size": 8},
+    aliases={"rounds": ["repeats"]},
+)
+class Masks(harness.Bench):
+    rounds: int = 5
+    data: Path | None = harness.arg(None, "default: the data root")
+    scale: float = 0.15
+    workers: int = 1
+    batch_size: int = 64
+
+
+def main(args: Masks) -> None:
     src = str(data.lfw_with_masks(args.data, args.scale))
 
     def costs(r: int) -> dict:
@@ -93,7 +95,7 @@ def main() -> None:
     d, g = statistics.median(decodes), statistics.median(geoms)
     per_mask = 1e6 * (1 / m - 1 / p)
     load = f"load average per round {rounds.load_text()}"
-    print(f"images/s, median of {args.repeats}, {args.workers} worker(s): image only {p:.0f}, "
+    print(f"images/s, median of {args.rounds}, {args.workers} worker(s): image only {p:.0f}, "
           f"with seg.png {m:.0f} (ratio {m / p:.3f}); mask per sample {per_mask:.0f} us "
           f"against its own decode {1e6 * d:.0f} us (ratio {extra:.2f}; crop/resize/flip "
           f"{1e6 * g:.0f} us) ({load})")  # fmt: skip
@@ -103,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

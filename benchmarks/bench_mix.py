@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import data as makers
 import harness
@@ -160,26 +160,31 @@ def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> d
     return out
 
 
-def main(argv=None) -> int:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=0.15)
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--only", action="append", choices=["a", "b"])
-    smoke = {"lfw": makers.root() / "lfw-smoke", "lfw_scale": 0.01, "batch_size": 8}
-    args = harness.parse(ap, smoke=smoke, argv=argv)
-    args.repeats = args.rounds = args.repeats or args.rounds
+@harness.case(
+    data="the --lfw tree at --lfw-scale, split in two sources and packed",
+    measures="a mixture against one source; ShardView random access against files",
+    small={"lfw": makers.root() / "lfw-smoke", "lfw_scale": 0.01, "batch_size": 8},
+    aliases={"rounds": ["repeats"]},
+)
+class Mix(harness.Bench):
+    rounds: int = 5
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 0.15
+    workers: int = 2
+    batch_size: int = 64
+    only: tuple[Literal["a", "b"], ...] = harness.arg((), "parts to run (default: both)")
+
+
+def main(args: Mix) -> None:
     load_before = harness.loadavg()
     data = _data(args.lfw, args.lfw_scale)
     result: dict = {"cpus": os.cpu_count(), "workers": args.workers, "batch": args.batch_size}
     only = set(args.only or ["a", "b"])
     if "a" in only:
-        result["mixture"] = bench_mixture(data, args.repeats, args.workers, args.batch_size)
+        result["mixture"] = bench_mixture(data, args.rounds, args.workers, args.batch_size)
     if "b" in only:
         result["random_access"] = bench_random_access(
-            data, args.repeats, args.workers, args.batch_size
+            data, args.rounds, args.workers, args.batch_size
         )
     result["loadavg"] = {"before": load_before, "after": harness.loadavg()}
     _print(result)
@@ -221,4 +226,4 @@ def _print(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.script(__file__)

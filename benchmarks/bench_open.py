@@ -74,16 +74,21 @@ print(json.dumps({"cpu_s": cpu() - c0, "mb": hwm() - base, "len": n}))
 """
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--shards", type=int, default=40000)
-    ap.add_argument("--samples", type=int, default=10000, help="samples per shard")
-    ap.add_argument(
-        "--work", "--out", type=Path, default=None, help="data (default: <data root>/open)"
-    )
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    a = harness.parse(ap, smoke={"shards": 20, "samples": 200})
-    a.repeats = a.rounds = a.repeats or a.rounds
+@harness.case(
+    data="--shards shards of --samples each, packed and under a manifest with JSON offsets",
+    measures="opening a many-shard dataset in a fresh process: CPU seconds and peak memory",
+    small={"shards": 20, "samples": 200},
+    aliases={"work": ["out"], "rounds": ["repeats"]},
+)
+class Open(harness.Bench):
+    rounds: int = 3
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    shards: int = 40000
+    samples: int = harness.arg(10000, "samples per shard")
+    work: Path | None = harness.arg(None, "data (default: <data root>/open)")
+
+
+def main(a: Open) -> None:
     packed, legacy = data.many_shards(a.shards, a.samples, a.work)
     cases = {"current": (packed, harness.ROOT), "json-offsets": (legacy, harness.ROOT)}
     if a.against is not None:
@@ -131,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -110,44 +110,42 @@ def _tree_size(src: Path) -> tuple[int, int]:
     return files, size
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument(
-        "--src",
-        default=str(ROOT / "data" / "lfw"),
-        help="class-per-folder tree (default data/lfw, made with synth if missing)",
+@harness.case(
+    data="a class-per-folder tree (--src; default LFW-shaped), or --tiny N tiny JPEGs",
+    measures="shardkit pack against tar -cf, cold cache; --engines: process pool and Ray",
+    small={"src": str(data.root() / "lfw-smoke"), "work": str(data.root() / "pack-work")},
+    aliases={"rounds": ["repeats"]},
+)
+class Pack(harness.Bench):
+    rounds: int = 5
+    json: Path | None = ROOT / "bench-out" / "bench_pack.json"
+    src: str = harness.arg(
+        str(ROOT / "data" / "lfw"),
+        "class-per-folder tree (default data/lfw, made with synth if missing)",
     )
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument(
-        "--work",
-        default=str(ROOT / "bench-out" / "pack-work"),
-        help="scratch directory for outputs (emptied before every command)",
+    work: str = harness.arg(
+        str(ROOT / "bench-out" / "pack-work"),
+        "scratch directory for outputs (emptied before every command)",
     )
-    ap.add_argument("--shard-size", default="256MB")
-    ap.add_argument(
-        "--private-copy",
-        action="store_true",
-        help="time a copy of SRC made next to --work, so other processes reading SRC "
+    shard_size: str = "256MB"
+    private_copy: bool = harness.arg(
+        False,
+        "time a copy of SRC made next to --work, so other processes reading SRC "
         "on a shared machine cannot warm its page cache between eviction and timing",
     )
-    ap.add_argument(
-        "--engines",
-        action="store_true",
-        help="compare --engine local --processes 2 with the in-process pack instead of tar",
+    engines: bool = harness.arg(
+        False, "compare --engine local --processes 2 with the in-process pack instead of tar"
     )
-    ap.add_argument("--processes", type=int, default=2, help="--engines: worker processes")
-    ap.add_argument("--ray", action="store_true", help="--engines: Ray against the process pool")
-    ap.add_argument("--tiny", type=int, default=0, help="make N tiny JPEGs at --src first")
-    root = data.root()
-    smoke = {"src": str(root / "lfw-smoke"), "work": str(root / "pack-work")}
-    args = harness.parse(ap, smoke=smoke, argv=argv)
-    args.repeats = args.rounds = args.repeats or args.rounds
-    args.json = args.json or ROOT / "bench-out" / "bench_pack.json"
+    processes: int = harness.arg(2, "--engines: worker processes")
+    ray: bool = harness.arg(False, "--engines: Ray against the process pool")
+    tiny: int = harness.arg(0, "make N tiny JPEGs at --src first")
+
+
+def main(args: Pack) -> None:
     if args.smoke and not args.tiny:
         data.lfw(Path(args.src), 0.01)
     if args.engines:
         return _engines(args)
-
     src = Path(args.src).resolve()
     if not src.is_dir():
         if src != (ROOT / "data" / "lfw").resolve():
@@ -166,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cmds = _commands(src, work, args.shard_size)
     names = list(cmds)
     print(
-        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats, "
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats, "
         f"cold page cache before every command",
         flush=True,
     )
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         resident = resident_fraction(src)
         return {"seconds": _time(cmds[name]), "resident": resident}
 
-    got, rounds = _interleave(names, once, args.repeats)
+    got, rounds = _interleave(names, once, args.rounds)
     runs = [{n: r[n]["seconds"] for n in names} for r in got]
     resident = [{n: r[n]["resident"] for n in names} for r in got]
     residency = [x for res in resident for x in res.values()]
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "source": str(src),
         "files": files,
         "bytes": size,
-        "repeats": args.repeats,
+        "repeats": args.rounds,
         "max_resident_fraction_before_run": max(residency),
         "median_seconds": {n: statistics.median(r[n] for r in runs) for n in names},
         "ratio_median": {n: statistics.median(ratios(n)) for n in names if n != "tar"},
@@ -209,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
     }
     harness.write_result(args.json, "bench_pack", args, summary, rounds)
-
     med = summary["median_seconds"]
     print()
     print(f"{'command':<10} {'median s':>9} {'MB/s':>7} {'ratio to tar (median [min-max])':>34}")
@@ -301,7 +298,7 @@ def _engines(args) -> int:
     names = list(cmds)
     load0 = harness.loadavg()
     print(
-        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.repeats} repeats; "
+        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats; "
         f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
         flush=True,
     )
@@ -312,7 +309,7 @@ def _engines(args) -> int:
         cpu: dict = {}
         return {"seconds": _cpu_time(cmds[name], cpu, name), "cpu": cpu[name]}
 
-    got, rounds = _interleave(names, once, args.repeats)
+    got, rounds = _interleave(names, once, args.rounds)
     runs = [{n: r[n]["seconds"] for n in names} for r in got]
     cpus = [{n: r[n]["cpu"] for n in names} for r in got]
     for rep, times in enumerate(runs):
@@ -334,7 +331,7 @@ def _engines(args) -> int:
         "source": str(src),
         "files": files,
         "bytes": size,
-        "repeats": args.repeats,
+        "repeats": args.rounds,
         "shard_size": shard_size,
         "processes": args.processes,
         "cpus": os.cpu_count(),
@@ -368,7 +365,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
-        f"{args.repeats} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
+        f"{args.rounds} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
         f"{load0[2]:.2f}",
         flush=True,
     )
@@ -377,7 +374,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
         _clean(work)
         return {"seconds": _time(cmds[name])}
 
-    got, rounds = _interleave(names, once, args.repeats)
+    got, rounds = _interleave(names, once, args.rounds)
     runs = [{n: r[n]["seconds"] for n in names} for r in got]
     for rep, times in enumerate(runs):
         print(
@@ -413,4 +410,4 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.script(__file__)

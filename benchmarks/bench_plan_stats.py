@@ -65,14 +65,20 @@ print(json.dumps({"files": len(scan.files), "scan_cpu": c1 - c0, "stats_cpu": c2
 """
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--engines", default="none,local,ray")
-    a = harness.parse(ap, smoke={"rows": 300, "engines": "none,local"})
-    a.rounds = a.repeats or a.rounds
+@harness.case(
+    data="an N-row table of hard-linked JPEGs",
+    measures="the driver's CPU for planning a pack, its stat calls on the driver or an engine",
+    small={"rows": 300, "engines": "none,local"},
+    aliases={"rounds": ["repeats"]},
+)
+class PlanStats(harness.Bench):
+    rounds: int = 3
+    rows: int = 200_000
+    work: Path | None = harness.arg(None, "data (default: the data root)")
+    engines: str = "none,local,ray"
+
+
+def main(a: PlanStats) -> None:
     work = a.work or data.root() / "table"
     table = data.table(work, a.rows)
     sources = {"table": table, "folder": work / "img"}
@@ -126,4 +132,4 @@ def report(results: dict, engines: list[str], sources: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

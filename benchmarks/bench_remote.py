@@ -43,6 +43,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -171,59 +172,62 @@ def collate_raw(batch):
     return [b[0] for b in batch], [b[1] for b in batch]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--src", default=str(ROOT / "data/lfw"))
-    ap.add_argument("--shards", default=str(ROOT / "bench-out/remote/lfw-tar"))
-    ap.add_argument(
-        "--shard-size",
-        default="4MB",
-        help="pack size (default 4MB: ~50 LFW shards, several per worker; a remote worker "
+@harness.case(
+    data="LFW-shaped shards of --shard-size served on loopback (HTTP Range or moto S3)",
+    measures="remote epochs against the raw transfer and a folder; sparse epochs (--case sparse)",
+    small={
+        "src": str(data.root() / "lfw-smoke"),
+        "shards": str(data.root() / "lfw-smoke-remote"),
+        "latency_ms": 1.0,
+        "folder_images": 40,
+        "shard_size": "1MB",
+        "case": "both",
+        "sparse_n": 3000,
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"]},
+)
+class Remote(harness.Bench):
+    rounds: int = 3
+    src: str = str(ROOT / "data/lfw")
+    shards: str = str(ROOT / "bench-out/remote/lfw-tar")
+    shard_size: str = harness.arg(
+        "4MB",
+        "pack size (default 4MB: ~50 LFW shards, several per worker; a remote worker "
         "fetches whole shards, so fewer shards than workers would fetch some twice)",
     )
-    ap.add_argument("--server", choices=["http", "s3"], default="http")
-    ap.add_argument("--latency-ms", type=float, default=20.0)
-    ap.add_argument(
-        "--mb-per-conn",
-        type=float,
-        default=0.0,
-        help="cap each connection's throughput (MB/s), as object stores do per request; "
+    server: Literal["http", "s3"] = "http"
+    latency_ms: float = 20.0
+    mb_per_conn: float = harness.arg(
+        0.0,
+        "cap each connection's throughput (MB/s), as object stores do per request; "
         "0: unlimited (loopback, CPU-bound)",
     )
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--folder-images", type=int, default=600, help="folder subset size")
-    ap.add_argument("--case", choices=["stream", "sparse", "both"], default="stream")
-    ap.add_argument("--sparse-n", type=int, default=32_000, help="samples of the sparse set")
-    ap.add_argument("--val-fraction", type=float, default=0.01, help="the split's val share")
-    ap.add_argument("--ranged-gets", type=int, default=16, help="GETs in flight, concurrent")
-    root = data.root()
-    smoke = {"src": str(root / "lfw-smoke"), "shards": str(root / "lfw-smoke-remote")}
-    smoke.update(latency_ms=1.0, folder_images=40, shard_size="1MB", case="both", sparse_n=3000)
-    args = harness.parse(ap, smoke=smoke, argv=argv)
-    args.repeats = args.rounds = args.repeats or args.rounds
+    workers: int = 2
+    prefetch: int = 2
+    folder_images: int = harness.arg(600, "folder subset size")
+    case: Literal["stream", "sparse", "both"] = "stream"
+    sparse_n: int = harness.arg(32_000, "samples of the sparse set")
+    val_fraction: float = harness.arg(0.01, "the split's val share")
+    ranged_gets: int = harness.arg(16, "GETs in flight, concurrent")
+
+
+def main(args: Remote) -> None:
     if args.case == "sparse":
         summary, rounds = sparse(args)
         harness.write_result(args.json, "bench_remote", args, summary, rounds)
         return 0
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
-
     src, shards = Path(args.src), Path(args.shards)
     ensure_data(src, shards, args.shard_size)
     manifest = read_manifest(str(shards))
     nbytes = manifest.total_bytes
-    # DataLoader hands out batches round-robin, and a worker may run only prefetch_factor
-    # batches ahead: with the default 2 (128 samples) a worker whose next shard is still in
-    # flight stalls the others. One shard's worth of batches lets each worker run a shard ahead.
     batches_per_shard = max(2, -(-manifest.num_samples // len(manifest.shards) // BATCH))
     in_flight = max(1, args.prefetch)  # downloads a streaming worker keeps going once warm
     folder = FolderDataset(str(src), decode="raw")
     rng = random.Random(0)
     subset = sorted(rng.sample(range(len(folder)), min(args.folder_images, len(folder))))
     rels = [folder.relpath(i) for i in subset]
-
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
     server = ctx.Process(
@@ -286,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         collate_fn=collate_raw,
     )
     pool = ctx.Pool(args.workers)
-    # Warm-up: start the persistent workers and the pool, fill server-side caches.
     for ld in loaders.values():
         stream(ld, nbytes)
     stream(folder_loader, 0)
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "stream_p0": lambda r: stream(loaders["stream_p0"], nbytes),
         "folder": lambda r: stream(folder_loader, 0),
     }
-    rounds = harness.interleave(sides, args.repeats, order="shuffle")
+    rounds = harness.interleave(sides, args.rounds, order="shuffle")
     results = rounds.results
     pool.close()
     parent.send("stop")
@@ -457,4 +460,4 @@ def sparse(args) -> tuple[dict, harness.Rounds]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.script(__file__)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import data
 import harness
@@ -25,35 +26,35 @@ from shardkit import ShardDataset
 
 def first_batch(ds: ShardDataset, args) -> float:
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
-    t0 = time.perf_counter()
-    it = iter(loader)
-    next(it)
-    dt = time.perf_counter() - t0
-    del it
-    return dt
+    return harness.epoch(loader, limit=1)["first_s"]
 
 
 def make(args) -> ShardDataset:
     return ShardDataset(args.shards, decode="tensor", seed=0, batch_size=args.batch_size)
 
 
-def main() -> None:
-    p = harness.parser(__doc__, rounds=7, against=False)
-    p.add_argument("shards", nargs="?", help="shard directory (e.g. packed LFW)")
-    p.add_argument("--at", type=float, default=0.9, help="resume point, fraction of the epoch")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    p.add_argument("--epoch", type=int, default=3)
-    p.add_argument("--no-naive", action="store_true", help="skip the fast-forward reference")
-    args = harness.parse(p, smoke={"batch_size": 8})
-    args.repeats = args.rounds = args.repeats or args.rounds
+@harness.case(
+    data="a shard directory (default under --small: a packed tiny LFW-shaped set)",
+    measures="the first batch after resuming mid-epoch against a fresh epoch's",
+    small={"batch_size": 8},
+    aliases={"rounds": ["repeats"]},
+)
+class Resume(harness.Bench):
+    rounds: int = 7
+    shards: str | None = harness.arg(None, "shard directory (e.g. packed LFW)", positional=True)
+    at: float = harness.arg(0.9, "resume point, fraction of the epoch")
+    batch_size: int = 64
+    workers: int = 2
+    epoch: int = 3
+    no_naive: bool = harness.arg(False, "skip the fast-forward reference")
+
+
+def main(args: Resume) -> None:
     if args.smoke and args.shards is None:
         lfw = data.lfw(data.root() / "lfw-smoke", 0.01)
-        args.shards = str(data.packed(lfw, shard_size="16MB"))
+        args = replace(args, shards=str(data.packed(lfw, shard_size="16MB")))
     if args.shards is None:
-        p.error("the shard directory is required (e.g. packed LFW)")
-
+        raise SystemExit("the shard directory is required (e.g. packed LFW)")
     for name in sorted(os.listdir(args.shards)):  # page cache: measure the loader, not the disk
         with open(os.path.join(args.shards, name), "rb") as f:
             while f.read(1 << 24):
@@ -76,7 +77,7 @@ def main() -> None:
         return first_batch(ds, args)
 
     sides = {"fresh": fresh_epoch, "resumed": resumed_epoch}
-    rounds = harness.interleave(sides, args.repeats, order="fixed", quiet=True)
+    rounds = harness.interleave(sides, args.rounds, order="fixed", quiet=True)
     fresh, resumed = rounds.values("fresh"), rounds.values("resumed")
     naive = None
     if not args.no_naive:
@@ -90,12 +91,11 @@ def main() -> None:
         naive = time.perf_counter() - t0
         del it
     load_after = harness.loadavg()
-
     f_med, r_med = statistics.median(fresh), statistics.median(resumed)
     print(f"{probe!r}")
     print(
         f"resume after {k} of {batches} batches ({args.at:.0%}), batch {args.batch_size}, "
-        f"{args.workers} workers, {args.repeats} interleaved repeats"
+        f"{args.workers} workers, {args.rounds} interleaved repeats"
     )
     print(f"first batch, fresh epoch:   median {f_med * 1000:7.1f} ms  {_ms(fresh)}")
     print(f"first batch, resumed epoch: median {r_med * 1000:7.1f} ms  {_ms(resumed)}")
@@ -116,4 +116,4 @@ def _load(avg) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -30,14 +30,19 @@ from shardkit.bench.sources import packed_skips, plan_sources
 CONFIGS = [("tar", 2), ("folder", 2), ("tar", 8), ("tar", 0)]
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--data", default="data/lfw")
-    ap.add_argument("--lengths", default="0.25,0.5,1,1.5,2,3")
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    smoke = {"data": str(data.root() / "lfw-smoke"), "lengths": "0.1"}
-    args = harness.parse(ap, smoke=smoke)
-    args.repeats = args.rounds = args.repeats or args.rounds
+@harness.case(
+    data="the LFW-shaped tree (--data), packed to tar; cold page cache every run",
+    measures="samples/s and its spread (CV) against how long a shardkit bench run is timed",
+    small={"data": str(data.root() / "lfw-smoke"), "lengths": "0.1"},
+    aliases={"rounds": ["repeats"]},
+)
+class RunLength(harness.Bench):
+    rounds: int = 5
+    data: str = "data/lfw"
+    lengths: str = "0.25,0.5,1,1.5,2,3"
+
+
+def main(args: RunLength) -> None:
     if args.smoke:
         data.lfw(Path(args.data), 0.01)
     lengths = [float(x) for x in args.lengths.split(",")]
@@ -66,7 +71,7 @@ def main() -> None:
     sides = {
         f"{fmt}:{w}:{length:g}": side(length, fmt, w) for length in lengths for fmt, w in CONFIGS
     }
-    rounds = harness.interleave(sides, args.repeats, order="fixed")
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
     print(f"load per round {rounds.load_text()}, {time.time() - t0:.0f} s")
     print("format:workers:L   mean samples/s   CV   timed samples   wall s")
     for key in sides:
@@ -79,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -62,7 +62,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -361,23 +363,27 @@ def measure(args, n: int, fmt: str, shard_size: str, whats, growth_whats) -> dic
     return row
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=1)
-    ap.add_argument("--n", type=int, nargs="+", default=[128_000])
-    ap.add_argument("--out", type=Path, default=None, help="data (default: the data root)")
-    ap.add_argument("--skip-epoch", action="store_true", help="Leave out the full epoch.")
-    ap.add_argument(
-        "--index-only", action="store_true", help="Leave out the shards without indexes."
-    )
-    ap.add_argument("--format", choices=["tar", "lmdb"], default="tar")
-    ap.add_argument("--what", nargs="+", default=None, help="Only these figures (split, view...).")
-    ap.add_argument("--new", type=int, default=10_000, help="samples that append/merge add")
-    ap.add_argument("--many-shards", type=int, default=0, help="also a set of about S shards")
-    ap.add_argument(
-        "--shard-size", default="5MB", help="the main set's shard size (e.g. 128kB: ~32 samples)"
-    )
-    args = harness.parse(ap, smoke={"n": [500], "new": 50, "many_shards": 20})
-    args.out = args.out or data.root() / "scale"
+@harness.case(
+    data="N-sample sets with and without indexes (and about S shards), under <data root>/scale",
+    measures="at N samples: CPU seconds, bytes of epochs, open, get, ls, show, growth",
+    small={"n": (500,), "new": 50, "many_shards": 20},
+)
+class Scale(harness.Bench):
+    rounds: int = 1
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    n: tuple[int, ...] = (128_000,)
+    out: Path | None = harness.arg(None, "data (default: the data root)")
+    skip_epoch: bool = harness.arg(False, "Leave out the full epoch.")
+    index_only: bool = harness.arg(False, "Leave out the shards without indexes.")
+    format: Literal["tar", "lmdb"] = "tar"
+    what: tuple[str, ...] | None = harness.arg(None, "Only these figures (split, view...).")
+    new: int = harness.arg(10_000, "samples that append/merge add")
+    many_shards: int = harness.arg(0, "also a set of about S shards")
+    shard_size: str = harness.arg("5MB", "the main set's shard size (e.g. 128kB: ~32 samples)")
+
+
+def main(args: Scale) -> None:
+    args = replace(args, out=args.out or data.root() / "scale")
     skip = {"epoch"} if args.skip_epoch else set()
     whats = [w for w in WHATS if w not in skip and (args.what is None or w in args.what)]
     grows = [w for w in GROWTH if args.what is None or w in args.what]
@@ -476,4 +482,4 @@ def _print(row: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -99,20 +100,25 @@ def v2_copy(where: Path) -> Path:
     return out
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3)
-    ap.add_argument("--n", type=int, nargs="+", default=[128_000])
-    ap.add_argument(
-        "--out", "--work", type=Path, default=None, help="data (default: <data root>/scale)"
+@harness.case(
+    data="N-sample sets (tar, LMDB) with their indexes, under <data root>/scale",
+    measures="split and subset epochs against a full one: CPU seconds, pread calls per sample",
+    small={"n": (2000,), "format": ("tar", "lmdb")},
+    aliases={"out": ["work"]},
+)
+class Split(harness.Bench):
+    rounds: int = 3
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    n: tuple[int, ...] = (128_000,)
+    out: Path | None = harness.arg(None, "data (default: <data root>/scale)")
+    format: tuple[Literal["tar", "lmdb"], ...] = ("tar",)
+    what: tuple[Literal["full", "val", "train", "subset"], ...] = WHATS
+    that_v2: bool = harness.arg(
+        False, "--against reads a copy of each tar set with version-2 indexes (hard links)"
     )
-    ap.add_argument("--format", nargs="+", default=["tar"], choices=["tar", "lmdb"])
-    ap.add_argument("--what", nargs="+", default=list(WHATS), choices=list(WHATS))
-    ap.add_argument(
-        "--that-v2",
-        action="store_true",
-        help="--against reads a copy of each tar set with version-2 indexes (hard links)",
-    )
-    a = harness.parse(ap, smoke={"n": [2000], "format": ["tar", "lmdb"]})
+
+
+def main(a: Split) -> None:
     work = a.out or data.root() / "scale"
     whats = ["full"] + [w for w in a.what if w != "full"]  # every ratio divides by a full epoch
     checkouts = {"this": harness.ROOT}
@@ -169,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

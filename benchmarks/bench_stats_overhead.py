@@ -50,15 +50,23 @@ print(json.dumps({"rate": n / max(cpu, 1e-9), "images": n}))
 JOBS = ("tiny", "rrc")
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=9)
-    ap.add_argument("--work", type=Path, default=None, help="data (default: bench_against's)")
-    ap.add_argument("--rows", type=int, default=8000, help="the table's rows (tiny)")
-    ap.add_argument("--per-class", type=int, default=100, help="photos per class, x4 (rrc)")
-    ap.add_argument("--tiny-batch", type=int, default=256)
-    ap.add_argument("--rrc-batch", type=int, default=64)
-    ap.add_argument("--jobs", default=",".join(JOBS))
-    a = harness.parse(ap, smoke={"rows": 300, "per_class": 4, "tiny_batch": 16, "rrc_batch": 4})
+@harness.case(
+    data="bench_against's 8x8 JPEG table and LFW-shaped folder photos, packed",
+    measures="what loader.stats()'s counters cost: CPU per image of whole and RRC epochs",
+    small={"rows": 300, "per_class": 4, "tiny_batch": 16, "rrc_batch": 4},
+)
+class StatsOverhead(harness.Bench):
+    rounds: int = 9
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    work: Path | None = harness.arg(None, "data (default: bench_against's)")
+    rows: int = harness.arg(8000, "the table's rows (tiny)")
+    per_class: int = harness.arg(100, "photos per class, x4 (rrc)")
+    tiny_batch: int = 256
+    rrc_batch: int = 64
+    jobs: str = ",".join(JOBS)
+
+
+def main(a: StatsOverhead) -> None:
     if a.against is None and not a.smoke:
         raise SystemExit("--against DIR is required (another checkout)")
     against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
@@ -100,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -82,12 +82,18 @@ def epoch(source: str, storage=None) -> dict:
     return {"rate": n / wall, "cpu_us": 1e6 * cpu / n, "samples": n, "cpu_s": cpu, "wall_s": wall}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--scale", type=float, default=0.25, help="of LFW's 13,233 images")
-    ap.add_argument("--shard-size", default="4MB")
-    args = harness.parse(ap, {"scale": 0.02, "shard_size": "1MB"}, argv)
+@harness.case(
+    data="the LFW-shaped set at --scale, packed; served by moto S3, fake-gcs-server, Azurite",
+    measures="a raw epoch from each emulated store against the local shards: rate, CPU/sample",
+    small={"scale": 0.02, "shard_size": "1MB"},
+)
+class Stores(harness.Bench):
+    rounds: int = 3
+    scale: float = harness.arg(0.25, "of LFW's 13,233 images")
+    shard_size: str = "4MB"
 
+
+def main(args: Stores) -> None:
     src = data.lfw(scale=args.scale)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -129,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    harness.script(__file__)

@@ -30,6 +30,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -396,29 +397,35 @@ def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
 # --- main -------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=5, against=False)
-    ap.add_argument("--src", default=str(ROOT / "data" / "lfw"), help="class-per-folder tree")
-    ap.add_argument("--shards", default="/tmp/bench-shards", help="where to pack the tar shards")
-    ap.add_argument("--shard-size", default="16MB", help="13 shards for LFW at the default")
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=5, help="epochs for the memory check")
-    ap.add_argument("--decode-samples", type=int, default=3000, help="images in the ceiling")
-    ap.add_argument(
-        "--only",
-        choices=["raw", "end_to_end", "memory", "shuffle"],
-        action="append",
-        help="run only these parts (repeatable)",
+@harness.case(
+    data="a class-per-folder tree (--src, default LFW-shaped), packed to tar at --shards",
+    measures="raw reads against WebDataset, end to end against the PIL decode ceiling, "
+    "worker memory, shuffle quality",
+    small={
+        "src": str(data.root() / "lfw-smoke"),
+        "shards": str(data.root() / "lfw-smoke-stream"),
+        "epochs": 2,
+        "decode_samples": 50,
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"]},
+)
+class Stream(harness.Bench):
+    rounds: int = 5
+    src: str = harness.arg(str(ROOT / "data" / "lfw"), "class-per-folder tree")
+    shards: str = harness.arg("/tmp/bench-shards", "where to pack the tar shards")
+    shard_size: str = harness.arg("16MB", "13 shards for LFW at the default")
+    workers: int = 2
+    batch: int = 64
+    epochs: int = harness.arg(5, "epochs for the memory check")
+    decode_samples: int = harness.arg(3000, "images in the ceiling")
+    only: tuple[Literal["raw", "end_to_end", "memory", "shuffle"], ...] = harness.arg(
+        (), "run only these parts"
     )
-    root = data.root()
-    smoke = {"src": str(root / "lfw-smoke"), "shards": str(root / "lfw-smoke-stream")}
-    args = harness.parse(ap, smoke={**smoke, "epochs": 2, "decode_samples": 50})
-    args.repeats = args.rounds = args.repeats or args.rounds
+
+
+def main(args: Stream) -> None:
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
-
     src, shards = Path(args.src), Path(args.shards)
     ensure_data(src, shards, args.shard_size)
     manifest = read_manifest(str(shards))
@@ -435,7 +442,6 @@ def main() -> None:
                 break
         if len(blobs) >= args.decode_samples:
             break
-
     results: dict = {
         "dataset": {
             "src": str(src),
@@ -451,11 +457,11 @@ def main() -> None:
         parts.discard("raw")
     if "raw" in parts:
         print("raw iteration ...", flush=True)
-        results["raw"] = bench_raw(urls, args.repeats)
+        results["raw"] = bench_raw(urls, args.rounds)
     if "end_to_end" in parts:
         print("end to end ...", flush=True)
         results["end_to_end"] = bench_end_to_end(
-            urls, src, args.workers, args.batch, args.repeats, blobs
+            urls, src, args.workers, args.batch, args.rounds, blobs
         )
     if "memory" in parts:
         print("worker memory ...", flush=True)
@@ -559,4 +565,4 @@ def report_shuffle(shuf: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -24,6 +24,7 @@ so the workers' column reads what the driver waited for, not them).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -74,22 +75,27 @@ def pack_once(checkout: Path, table: Path, out: Path, engine: str = "") -> dict:
     return harness.in_child(checkout, _PACK, *args)
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=1)
-    ap.add_argument("--rows", type=int, default=1_280_000)
-    ap.add_argument("--base-rows", type=int, default=10_000)
-    ap.add_argument("--work", type=Path, default=None, help="data (default: the data root)")
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--no-pack", action="store_true", help="time the plan only")
-    ap.add_argument(
-        "--engine",
-        choices=["local", "ray"],
-        default=None,
-        help="plan (and pack) on --engine local, 2 processes: the driver's peak and its "
+@harness.case(
+    data="an N-row table of hard-linked JPEGs (and a --base-rows one)",
+    measures="planning's and packing's peak memory and time, bytes per row, at N rows",
+    small={"rows": 300, "base_rows": 100},
+    aliases={"rounds": ["repeats"]},
+)
+class Table(harness.Bench):
+    rounds: int = 1
+    against: Path | None = harness.arg(None, "another checkout, side by side")
+    rows: int = 1_280_000
+    base_rows: int = 10_000
+    work: Path | None = harness.arg(None, "data (default: the data root)")
+    no_pack: bool = harness.arg(False, "time the plan only")
+    engine: Literal["local", "ray"] | None = harness.arg(
+        None,
+        "plan (and pack) on --engine local, 2 processes: the driver's peak and its "
         "workers'; or on a local Ray cluster of 2 CPUs (--engine ray: the driver's peak)",
     )
-    a = harness.parse(ap, smoke={"rows": 300, "base_rows": 100})
-    a.rounds = a.repeats or a.rounds
+
+
+def main(a: Table) -> None:
     work = a.work or data.root() / "table"
     tables = {n: data.table(work, n) for n in (a.base_rows, a.rows)}
     contenders = {"this": harness.ROOT}
@@ -146,4 +152,4 @@ def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: 
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(__file__)

@@ -31,7 +31,9 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import data
 import harness
@@ -42,7 +44,7 @@ import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ceiling_n, ensure, image_bytes, timed_epoch  # noqa: E402
+from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
@@ -132,7 +134,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     loaders: dict = {}
 
     def ceiling(n: int):
-        return lambda r: ceiling_n(datas, n)
+        return lambda r: harness.ceiling_at_once(datas, n)
 
     def contender(name: str, n: int):
         def run(r: int) -> dict:
@@ -154,7 +156,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     for n in counts:  # per worker count: its ceiling first, then the loaders
         sides[f"ceiling {n}"] = ceiling(n)
         sides.update({f"{name} {n}": contender(name, n) for name in names})
-    rounds = harness.interleave(sides, args.repeats, order="fixed")
+    rounds = harness.interleave(sides, args.rounds, order="fixed")
     rows = {}
     for n in counts:
         rows[n] = {"ceiling": rounds.values(f"ceiling {n}")}
@@ -178,7 +180,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
 
 
 def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
-    for r in range(args.repeats):
+    for r in range(args.rounds):
         for n in counts:
             c = rows[n]["ceiling"][r]
             s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
@@ -187,7 +189,7 @@ def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
                 o = rows[n]["other ShardLoader"][r]
                 other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
             print(
-                f"  [{part} {r + 1}/{args.repeats}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
+                f"  [{part} {r + 1}/{args.rounds}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
                 f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
                 f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
                 f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
@@ -448,46 +450,55 @@ def _steps(model, opt, batches, device, batch: int, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, rounds=3, against=False)
-    ap.add_argument("--scaling", action="store_true")
-    ap.add_argument("--train", help="comma-separated torchvision models (or tiny)")
-    ap.add_argument("--lfw", type=Path, default=ROOT / "data" / "lfw")
-    ap.add_argument("--lfw-scale", type=float, default=1.0)
-    ap.add_argument("--imagenet", type=Path, default=ROOT / "data" / "imagenet")
-    ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--only", action="append", choices=["a", "b"])
-    ap.add_argument("--repeats", type=int, default=None, help="the same as --rounds")
-    ap.add_argument("--batch", type=int, default=64, help="batch size of --scaling")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--samples", type=int, default=40_000, help="--train: samples per epoch")
-    ap.add_argument("--steps", type=int, default=200, help="--train: timed steps per feeder")
-    ap.add_argument("--train-workers", type=int, help="--train: workers (usable CPUs - 1)")
-    ap.add_argument(
-        "--decode-on",
-        type=lambda s: s.split(","),
-        default=["workers"],
-        help="--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
+@harness.case(
+    data="the --lfw tree and an ImageNet-shaped one, packed",
+    measures="loaders across core counts against the ceiling of as many processes (--scaling); "
+    "feeding a real model on a GPU (--train)",
+    small={
+        "lfw": data.root() / "lfw-smoke",
+        "lfw_scale": 0.01,
+        "imagenet": data.root() / "inet-smoke",
+        "scaling": True,
+        "workers": (1,),
+        "only": ("a",),
+        "batch": 8,
+        "device": "cpu",
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"]},
+)
+class Train(harness.Bench):
+    rounds: int = 3
+    json: Path | None = ROOT / "bench-out" / "bench_train.json"
+    scaling: bool = False
+    train: str | None = harness.arg(None, "comma-separated torchvision models (or tiny)")
+    lfw: Path = ROOT / "data" / "lfw"
+    lfw_scale: float = 1.0
+    imagenet: Path = ROOT / "data" / "imagenet"
+    workers: tuple[int, ...] = ()
+    only: tuple[Literal["a", "b"], ...] = ()
+    batch: int = harness.arg(64, "batch size of --scaling")
+    device: str = "cuda"
+    samples: int = harness.arg(40_000, "--train: samples per epoch")
+    steps: int = harness.arg(200, "--train: timed steps per feeder")
+    train_workers: int | None = harness.arg(None, "--train: workers (usable CPUs - 1)")
+    decode_on: tuple[str, ...] = harness.arg(
+        ("workers",),
+        "--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
         "(device and auto need shardkit[gpu])",
     )
-    ap.add_argument(
-        "--other-loader",
-        type=Path,
-        help="--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
+    other_loader: Path | None = harness.arg(
+        None,
+        "--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
         "commit's; see bench_loader.load_other_loader)",
     )
-    ap.add_argument("--plot", type=Path, default=ROOT / "bench-out" / "bench_train.png")
-    root = data.root()
-    smoke = {"lfw": root / "lfw-smoke", "lfw_scale": 0.01, "imagenet": root / "inet-smoke"}
-    smoke.update(scaling=True, workers=[1], only=["a"], batch=8, device="cpu")
-    args = harness.parse(ap, smoke=smoke)
-    args.repeats = args.rounds = args.repeats or args.rounds
-    args.json = args.json or ROOT / "bench-out" / "bench_train.json"
+    plot: Path = ROOT / "bench-out" / "bench_train.png"
+
+
+def main(args: Train) -> None:
     if args.smoke:
-        args.plot = args.json.with_suffix(".png")
-        args.train = "tiny" if args.train else None
+        args = replace(args, plot=args.json.with_suffix(".png"), train=args.train and "tiny")
     if not args.scaling and not args.train:
-        ap.error("give --scaling and/or --train MODELS")
+        raise SystemExit("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     if args.other_loader:
         bench_loader.load_other_loader(args.other_loader)
@@ -496,7 +507,6 @@ def main() -> None:
         result["scaling"] = scaling(args)
         plot(result["scaling"], args.plot)
     if args.train:
-        args.batch_train = 256
         result["train"] = train(argparse.Namespace(**{**vars(args), "batch": 256}))
     harness.write_result(args.json, "bench_train", args, result)
     print(f"json: {args.json}")
@@ -504,4 +514,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    main()
+    harness.script(__file__)

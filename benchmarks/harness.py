@@ -13,14 +13,21 @@ comparison is the median of per-round ratios. What lives here, once:
 - ``in_child(checkout, code, *args)``: a contender in a fresh child process with ``checkout``
   first on ``sys.path`` (``--against`` another checkout, or a cold process of this one);
 - ``ceiling(blobs, ...)``: THE decode ceiling, one definition with its variants named;
-- ``parser()``/``parse()``: the common flags (``--rounds --json --against --smoke``) and the
-  smoke mode (tiny data, one round) that ``tests/bench/test_benchmarks_smoke.py`` runs;
+- ``epoch(batches)``: THE epoch timing loop (images, first-batch wait, wall and CPU seconds);
+- the registry: a case is a frozen dataclass of typed parameters (``Bench``'s ``rounds``,
+  ``json``, ``smoke`` and its own), registered by ``@case(data=, measures=, small=)``; its flags
+  are made from its fields (``--batch-size`` from ``batch_size``), ``--small`` (``--smoke``)
+  puts in the ``small`` values and one round. ``main()`` is ``python -m benchmarks list|run``;
+  ``script(__file__)`` keeps ``python benchmarks/bench_x.py ...`` working;
 - ``write_result()``: one JSON schema for every benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -30,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +78,13 @@ __all__ = [
     "Rounds",
     "ceiling",
     "ceiling_at_once",
+    "Bench",
+    "arg",
+    "case",
+    "cases",
+    "epoch",
+    "main",
+    "script",
     "cores",
     "cpu_seconds",
     "in_child",
@@ -77,8 +93,6 @@ __all__ = [
     "live_cpu_seconds",
     "load_now",
     "loadavg",
-    "parse",
-    "parser",
     "say",
     "smoke_drop",
     "write_result",
@@ -210,6 +224,55 @@ def interleave(
         if not quiet:
             say(f"round {r + 1}/{rounds}: load {out.loads[-1].text()}")
     return out
+
+
+# --- the epoch timing loop ---------------------------------------------------------------------
+
+
+def batch_len(batch) -> int:
+    """Samples in one batch: a dict's ``image``, a tuple's first part, or the batch itself."""
+    if isinstance(batch, dict):
+        return len(batch["image"])
+    if isinstance(batch, (tuple, list)):
+        return len(batch[0])
+    return len(batch)
+
+
+def epoch(batches, limit: int | None = None) -> dict:
+    """THE epoch timing loop: iterate ``batches`` (up to ``limit`` samples) and return
+    ``images``; ``first_s`` (the wait for the first batch: workers starting, shards opening);
+    ``rate`` (images per wall second, the whole epoch) and ``steady_rate`` (after the first
+    batch); ``wall_s``; ``cpu_s`` (this process, its ended children and the live workers of a
+    loader with ``worker_pids``: persistent workers are not reaped yet); ``main_cpu_s`` (this
+    process alone: what a trainer's own loop pays)."""
+    gc.collect()  # the garbage of what ran before is not this epoch's
+    c0, m0 = cpu_seconds(), time.process_time()
+    pids = list(getattr(batches, "worker_pids", []))  # a loader's workers, once started
+    w0 = live_cpu_seconds(pids)
+    t0 = t1 = time.perf_counter()
+    n = first = 0
+    for b in batches:
+        if not first:
+            t1, first = time.perf_counter(), batch_len(b)
+        n += batch_len(b)
+        if limit is not None and n >= limit:
+            break
+    t2 = time.perf_counter()
+    main = time.process_time() - m0
+    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
+        pids = list(batches.worker_pids)
+    workers = live_cpu_seconds(pids) - w0
+    b = None
+    gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
+    return {
+        "images": n,
+        "first_s": t1 - t0,
+        "wall_s": t2 - t0,
+        "cpu_s": cpu_seconds() - c0 + workers,
+        "main_cpu_s": main,
+        "rate": n / (t2 - t0) if n else float("nan"),
+        "steady_rate": (n - first) / (t2 - t1) if n > first else float("nan"),
+    }
 
 
 # --- child processes ---------------------------------------------------------------------------
@@ -345,34 +408,168 @@ def ceiling(
     return Ceiling(decoder, one, cpu_us, n, one * n, both)
 
 
-# --- flags, smoke mode, results ----------------------------------------------------------------
+# --- the registry of cases ---------------------------------------------------------------------
 
 
-def parser(doc: str | None, rounds: int = 3, against: bool = True) -> argparse.ArgumentParser:
-    """An ArgumentParser with the flags every benchmark shares."""
+@dataclass(frozen=True)
+class Bench:
+    """The parameters every case shares; a case subclasses it with its own typed fields (a new
+    default for ``rounds`` where it wants more); ``run()`` measures and writes."""
+
+    rounds: int = 3
+    json: Path | None = None
+    smoke: bool = False
+
+    #: Set by ``@case``: the case's name, what data it makes, what it measures, its small values
+    #: (``--small``) and extra spellings of its flags.
+    NAME: typing.ClassVar[str] = ""
+    DATA: typing.ClassVar[str] = ""
+    MEASURES: typing.ClassVar[str] = ""
+    SMALL: typing.ClassVar[dict] = {}
+    ALIASES: typing.ClassVar[dict] = {}
+
+    def run(self) -> None:
+        """Make the data, set up the contenders, measure, write: the case's module's
+        ``main(case)``, unless the case says otherwise."""
+        sys.modules[type(self).__module__].main(self)
+
+
+#: name -> the case's class, in the order they were registered.
+CASES: dict[str, type[Bench]] = {}
+
+
+def arg(default, help: str = "", positional: bool = False):
+    """A case parameter with its help text (``positional``: given without a flag)."""
+    meta = {"help": help, "positional": positional}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("a case parameter's default must be immutable: give a tuple")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def case(*, data: str, measures: str, small: dict | None = None, aliases: dict | None = None):
+    """Register a case: the class becomes a frozen dataclass named after its file
+    (``bench_fields.py`` -> ``fields``)."""
+
+    def register(cls):
+        cls = dataclass(frozen=True)(cls)
+        cls.NAME = Path(sys.modules[cls.__module__].__file__).stem.removeprefix("bench_")
+        cls.DATA, cls.MEASURES = data, measures
+        cls.SMALL, cls.ALIASES = dict(small or {}), dict(aliases or {})
+        unknown = set(cls.SMALL) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"{cls.NAME}: small values for no parameter: {sorted(unknown)}")
+        CASES[cls.NAME] = cls
+        return cls
+
+    return register
+
+
+def cases() -> dict[str, type[Bench]]:
+    """Every case in benchmarks/, each file imported once (the imports are the registrations)."""
+    for path in sorted(HERE.glob("bench_*.py")):
+        if path.stem.removeprefix("bench_") not in CASES and path.stem not in sys.modules:
+            importlib.import_module(path.stem)
+    return dict(sorted(CASES.items()))
+
+
+def _flag_type(hint) -> tuple:
+    """(argparse type, nargs, choices) of a field's annotation: X, X | None, tuple[X, ...],
+    Literal["a", "b"]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if origin is tuple:
+        kind, _, choices = _flag_type(args[0])
+        return kind, "*", choices
+    if origin is typing.Literal:
+        return type(args[0]), None, args
+    return hint, None, None
+
+
+def case_parser(cls: type[Bench]) -> argparse.ArgumentParser:
+    """The flags of a case, made from its fields."""
+    doc = sys.modules[cls.__module__].__doc__ or ""
     ap = argparse.ArgumentParser(
-        description=(doc or "").split("\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        prog=f"python -m benchmarks run {cls.NAME}",
+        description=doc.strip().split("\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
     )
-    ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds")
-    ap.add_argument("--json", type=Path, default=None, help="write the result here")
-    if against:
-        ap.add_argument("--against", type=Path, default=None, help="another checkout, side by side")
-    ap.add_argument(
-        "--smoke", action="store_true", help="tiny data, one round: does the case still run?"
-    )
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "smoke":
+            ap.add_argument("--small", "--smoke", dest="smoke", action="store_true",
+                            help="tiny data, one round: does the case still run?")  # fmt: skip
+            continue
+        kind, nargs, choices = _flag_type(hints[f.name])
+        helptext = f.metadata.get("help") or None
+        if f.metadata.get("positional"):
+            ap.add_argument(f.name, nargs="?", type=kind, default=f.default, help=helptext,
+                            choices=choices)  # fmt: skip
+            continue
+        names = ["--" + x.replace("_", "-") for x in [f.name, *cls.ALIASES.get(f.name, ())]]
+        kw: dict = {"dest": f.name, "default": f.default, "help": helptext}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif nargs:  # many: --n 1 2, --n 1 --n 2 or --n 1,2
+            kw.update(nargs="+", action="extend", default=None)
+            if choices:
+                kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+        else:
+            kw["type"], kw["choices"] = kind, choices
+        ap.add_argument(*names, **kw)
     return ap
 
 
-def parse(ap: argparse.ArgumentParser, smoke: dict | None = None, argv=None) -> argparse.Namespace:
-    """Parse; under ``--smoke`` the given attributes are replaced by their tiny values, and
-    ``rounds`` (and ``repeats``, where a case has them) become 1."""
-    args = ap.parse_args(argv)
-    if args.smoke:
-        for k, v in {"rounds": 1, **(smoke or {})}.items():
-            setattr(args, k, v)
-        if hasattr(args, "repeats"):
-            args.repeats = 1
-    return args
+def make_case(cls: type[Bench], argv: Sequence[str] = ()) -> Bench:
+    """The case's parameters from ``argv``; under ``--small`` its small values and one round."""
+    ap = case_parser(cls)
+    given = vars(ap.parse_args(list(argv)))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, nargs, choices = _flag_type(hints[f.name])
+        if nargs and isinstance(given[f.name], list):
+            try:
+                items = [kind(x) for v in given[f.name] for x in v.split(",") if x]
+            except ValueError as exc:
+                ap.error(f"--{f.name.replace('_', '-')}: {exc}")
+            if choices and not set(items) <= set(choices):
+                ap.error(f"--{f.name.replace('_', '-')}: choose from {', '.join(choices)}")
+            given[f.name] = tuple(items)
+        elif nargs:
+            given[f.name] = f.default
+    if given["smoke"]:
+        given.update(rounds=1, **cls.SMALL)
+    return cls(**given)
+
+
+def run_case(name: str, argv: Sequence[str] = ()) -> None:
+    """Import ``bench_NAME`` alone (its import registers it) and run it with ``argv``."""
+    if name not in CASES:
+        if not (HERE / f"bench_{name}.py").exists():
+            raise SystemExit(f"no case {name!r}: `python -m benchmarks list` names them")
+        importlib.import_module(f"bench_{name}")
+    make_case(CASES[name], argv).run()
+
+
+def script(file: str) -> None:
+    """``python benchmarks/bench_x.py ARGS`` = ``python -m benchmarks run x ARGS``."""
+    run_case(Path(file).stem.removeprefix("bench_"), sys.argv[1:])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m benchmarks list`` | ``run CASE [--small] [--against DIR] [case flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["list"]:
+        for cls in cases().values():
+            print(f"{cls.NAME:18} {cls.MEASURES}\n{'':18} data: {cls.DATA}")
+        return
+    if argv[:1] == ["run"] and len(argv) > 1:
+        return run_case(argv[1], argv[2:])
+    raise SystemExit("usage: python -m benchmarks list | run CASE [--small] [case flags]")
+
+
+# --- small mode, results ----------------------------------------------------------------
 
 
 def available(module: str) -> bool:
@@ -382,7 +579,7 @@ def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def smoke_drop(contenders: dict, args: argparse.Namespace, *packages: str) -> dict:
+def smoke_drop(contenders: dict, args: Bench, *packages: str) -> dict:
     """Under ``--smoke``, the contenders without the ones named after a package that is not
     installed; otherwise all of them (a real run fails loudly on a missing package)."""
     gone = [p for p in packages if args.smoke and not available(p)]
@@ -392,7 +589,7 @@ def smoke_drop(contenders: dict, args: argparse.Namespace, *packages: str) -> di
 def write_result(
     path: Path | None,
     name: str,
-    args: argparse.Namespace,
+    args: Bench,
     result: dict,
     rounds: Rounds | None = None,
 ) -> dict:

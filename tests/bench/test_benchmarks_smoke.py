@@ -1,14 +1,16 @@
-"""Every script in benchmarks/ still runs, and the harness they share computes what it says.
+"""Every case in benchmarks/ still runs, and the harness they share computes what it says.
 
-The scripts are not part of the package, so nothing else imports them: a refactor of shardkit
+The cases are not part of the package, so nothing else imports them: a refactor of shardkit
 would break them silently (two did break that way: a mixture of two class lists and the bench
-runner's preparation). The slow test runs each one with ``--smoke`` (tiny data, one round) in a
-child process and checks the JSON it writes; the cases that need a GPU are skipped without
-one, and a contender whose package is missing (webdataset, ffcv) is left out by the script.
+runner's preparation). The slow test runs each one through ``python -m benchmarks run CASE
+--small`` (tiny data, one round) in a child process and checks the JSON it writes; the cases
+that need a GPU are skipped without one, and a contender whose package is missing (webdataset,
+ffcv) is left out by the case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,18 +29,17 @@ import harness  # noqa: E402
 RETIRED_IS_AN_ERROR = "error:retired keyword:FutureWarning"
 
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py"))
+#: One case per file: ``bench_fields.py`` registers ``fields``.
+CASES = [s.removeprefix("bench_").removesuffix(".py") for s in SCRIPTS]
 
-#: Extra flags per script: the --against path is exercised against this very checkout.
+#: Extra flags per case: the --against path is exercised against this very checkout.
 EXTRA = {
-    "bench_against.py": ["--against", str(ROOT)],
-    "bench_crops.py": ["--against", str(ROOT)],
-    "bench_open.py": ["--against", str(ROOT)],
-    "bench_sample_transform.py": ["--against", str(ROOT)],
-    "bench_scale.py": ["--against", str(ROOT)],
-    "bench_split.py": ["--against", str(ROOT)],
-    "bench_stats_overhead.py": ["--against", str(ROOT)],
-    "bench_table.py": ["--against", str(ROOT)],
-}
+    name: ["--against", str(ROOT)]
+    for name in (
+        "against", "crops", "open", "sample_transform", "scale", "split", "stats_overhead",
+        "table",
+    )
+}  # fmt: skip
 
 
 def _gpu() -> bool:
@@ -49,7 +50,7 @@ def _gpu() -> bool:
     return torch.cuda.is_available()
 
 
-NEEDS_GPU = {"bench_device.py"}
+NEEDS_GPU = {"device"}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,9 @@ def data_root(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a busy 2-core machine: bench_scale starts ~30 child processes
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
-    if script in NEEDS_GPU and not _gpu():
+@pytest.mark.parametrize("name", CASES)
+def test_every_case_runs_small(name, data_root, tmp_path):
+    if name in NEEDS_GPU and not _gpu():
         pytest.skip("needs a CUDA device")
     out = tmp_path / "result.json"
     env = {
@@ -70,19 +71,19 @@ def test_every_benchmark_runs_in_smoke_mode(script, data_root, tmp_path):
         "SHARDKIT_BENCH_DATA": str(data_root),
         "PYTHONWARNINGS": RETIRED_IS_AN_ERROR,
     }
-    argv = [sys.executable, str(BENCHMARKS / script), "--smoke", "--json", str(out)]
+    argv = [sys.executable, "-m", "benchmarks", "run", name, "--small", "--json", str(out)]
     r = subprocess.run(
-        [*argv, *EXTRA.get(script, [])],
+        [*argv, *EXTRA.get(name, [])],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=840,
     )
-    assert r.returncode == 0, f"{script} --smoke failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"{name} --small failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert doc["schema"] == harness.SCHEMA
-    assert doc["benchmark"] == script.removesuffix(".py")
+    assert doc["benchmark"] == f"bench_{name}"
     assert doc["args"]["smoke"] is True
     assert doc["machine"]["cores"] >= 1
     if doc["rounds"] is not None:
@@ -115,6 +116,92 @@ def test_bench_device_stub_measures_the_decode_threads_python_without_a_gpu(data
         assert row["batches"] >= 3, (size, row)  # every timed batch went through the stubs
         assert 0 < row["in_decode_stub_us_per_image"] < row["decode_thread_cpu_us_per_image"]
         assert row["device_path_python_us_per_image"] > 0
+
+
+def test_list_names_every_case_and_a_script_runs_as_its_case(tmp_path):
+    """``python -m benchmarks list`` names one case per file; ``python benchmarks/bench_x.py``
+    is the same case with the same flags (the docs' commands)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "list"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x.split()[0] for x in r.stdout.splitlines() if x[:1] not in " "] == CASES
+    assert "no case 'nope'" in subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "nope"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300).stderr  # fmt: skip
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "bench_fields.py"), "--help"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "--batch-size" in r.stdout and "--small" in r.stdout and "--repeats" in r.stdout
+
+
+_PARSE = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import harness
+bad = []
+for name, argv in json.loads(sys.argv[1]):
+    try:
+        __import__("bench_" + name)  # its import registers the case
+        harness.make_case(harness.CASES[name], argv)
+    except SystemExit as exc:
+        bad.append([name, argv, str(exc)])
+print(json.dumps(bad))
+"""
+
+
+@pytest.mark.slow
+def test_the_docs_bench_commands_are_the_cases_flags():
+    """Every ``python benchmarks/bench_x.py FLAGS`` the docs quote parses as its case's flags
+    (the scripts are the registered cases: a renamed or dropped flag breaks the docs)."""
+    import re
+    import shlex
+
+    commands = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"python benchmarks/bench_(\w+)\.py([^`]*)`", doc.read_text()):
+            rest = " ".join(m.group(2).split())
+            if not any(c in rest for c in "[]|#\\") and "ARGS" not in rest:
+                commands.append([m.group(1), shlex.split(rest)])
+    assert len(commands) > 30
+    r = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(commands)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == []
+
+
+def test_a_case_is_a_frozen_dataclass_whose_fields_are_its_flags():
+    @harness.case(data="none", measures="nothing", small={"n": 2}, aliases={"n": ["count"]})
+    class Probe(harness.Bench):
+        n: int = harness.arg(10, "how many")
+        sizes: tuple[int, ...] = (1, 2)
+        where: Path | None = None
+        cold: bool = False
+        warm: bool = True
+
+    try:
+        p = harness.make_case(Probe, ["--count", "4", "--sizes", "3", "4", "--no-warm"])
+        assert (p.n, p.sizes, p.where, p.cold, p.warm, p.rounds) == (
+            4,
+            (3, 4),
+            None,
+            False,
+            False,
+            3,
+        )
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.n = 5  # frozen: a case's parameters are one value
+        small = harness.make_case(Probe, ["--small", "--where", "/x"])
+        assert (small.n, small.rounds, small.smoke, small.where) == (2, 1, True, Path("/x"))
+        with pytest.raises(SystemExit):
+            harness.make_case(Probe, ["--n", "1.5"])  # typed: no float where an int is meant
+    finally:
+        harness.CASES.pop(Probe.NAME)
+
+
+def test_epoch_is_the_one_timing_loop():
+    batches = [{"image": [0] * 4}, ([0] * 3, None), b"ab"]
+    e = harness.epoch(iter(batches))
+    assert e["images"] == 4 + 3 + 2 and e["wall_s"] >= e["first_s"] >= 0
+    assert harness.epoch(iter(batches), limit=5)["images"] == 7
 
 
 def test_every_script_is_on_the_harness():
@@ -182,9 +269,7 @@ def test_first_contenders_open_every_round_and_shuffle_is_seeded():
 
 def test_smoke_drop_leaves_out_only_missing_packages_and_only_in_smoke_mode(tmp_path):
     cons = {"ShardLoader": 1, "webdataset + DataLoader": 2, "FFCV Loader": 3}
-    ap = harness.parser("x")
-    smoke = harness.parse(ap, argv=["--smoke"])
-    real = harness.parse(ap, argv=[])
+    smoke, real = harness.make_case(harness.Bench, ["--small"]), harness.Bench()
     assert harness.smoke_drop(cons, smoke, "surely_not_installed_pkg") == cons
     gone = harness.smoke_drop(cons, smoke, "ffcv") if not harness.available("ffcv") else None
     if gone is not None:
@@ -194,8 +279,7 @@ def test_smoke_drop_leaves_out_only_missing_packages_and_only_in_smoke_mode(tmp_
 
 
 def test_write_result_is_one_schema(tmp_path):
-    ap = harness.parser("x")
-    args = harness.parse(ap, argv=["--rounds", "2"])
+    args = harness.make_case(harness.Bench, ["--rounds", "2"])
     rounds = harness.interleave({"a": lambda r: 1.0}, 2, quiet=True)
     doc = harness.write_result(tmp_path / "r.json", "bench_x", args, {"k": 1}, rounds)
     back = json.loads((tmp_path / "r.json").read_text())
