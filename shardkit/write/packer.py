@@ -649,7 +649,7 @@ def _samples_run(source, writer, o: PackOptions) -> _Run:
         if isinstance(names, (list, tuple)) and all(isinstance(c, str) for c in names):
             writer.classes = list(names)
     name = f"<{type(source).__name__}>"
-    tasks, n, shuffled = _samples.tasks(source, o.shuffle, o.seed, READ_BATCH)
+    tasks, n, shuffled = _samples.tasks(source, o, READ_BATCH)
     return _Run(
         name=name,
         total=n,

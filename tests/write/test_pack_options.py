@@ -49,6 +49,7 @@ def test_the_planned_pack_takes_the_options_whole():
         (packer._already_packed, ["src", "out", "o"]),
         (packer._already_packed_url, ["src", "out", "o"]),
         (packer._write, ["run", "writer", "o"]),
+        (packer._samples.tasks, ["source", "o", "size"]),
         (plan_pack, ["src", "out", "o", "existing", "engine"]),
     ):
         assert list(inspect.signature(fn).parameters) == params, fn.__name__
