@@ -46,9 +46,15 @@ elif engine == "ray":
     runner.map_chunks(len, [("warm-up",)] * 2)  # workers started before the clock
 start = time.perf_counter() - t0
 from shardkit.write.plan import plan_pack
+kw = dict(shard_size="64MB", format="tar", shuffle=True, seed=0, validate="header",
+          resize_short=None, on_error="skip")
+try:  # the planner takes the pack's options whole
+    from shardkit.write.options import PackOptions
+    how = (PackOptions(**kw, progress=False),), {}
+except ImportError:  # an older checkout (--against): its planner took them loose
+    how = (), kw
 c = cpu()
-plan = plan_pack(src, "/nonexistent-out", shard_size="64MB", format="tar", shuffle=True,
-                 seed=0, validate="header", resize_short=None, on_error="skip", engine=runner)
+plan = plan_pack(src, "/nonexistent-out", *how[0], **how[1], engine=runner)
 plan_cpu = cpu() - c
 c0 = cpu()
 scan = scan_source(src, engine=runner)  # a table's rows on the engine too, where it scans

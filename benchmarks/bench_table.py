@@ -38,9 +38,15 @@ engine = LocalRunner(2) if sys.argv[3] == "local" else None
 if sys.argv[3] == "ray":
     from shardkit.integrations.ray import RayRunner
     engine = RayRunner(num_cpus=2)
+kw = dict(shard_size="64MB", format="tar", shuffle=True, seed=0, validate="header",
+          resize_short=None, on_error="skip")
+try:  # the planner takes the pack's options whole
+    from shardkit.write.options import PackOptions
+    how = (PackOptions(**kw, progress=False),), {}
+except ImportError:  # an older checkout (--against): its planner took them loose
+    how = (), kw
 t0 = time.perf_counter()
-plan = plan_pack(sys.argv[1], sys.argv[2], shard_size="64MB", format="tar", shuffle=True,
-                 seed=0, validate="header", resize_short=None, on_error="skip", engine=engine)
+plan = plan_pack(sys.argv[1], sys.argv[2], *how[0], **how[1], engine=engine)
 dt = time.perf_counter() - t0
 if hasattr(engine, "close"):
     engine.close()

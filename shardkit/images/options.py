@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InputError, check_choice
 from .crops import CenterCrop, RandomResizedCrop, check_crop
-from .decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS
+from .decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
 
 __all__ = ["CROP_MODES", "CropBox", "Decode", "Geometry"]
 
@@ -157,6 +157,12 @@ class Decode:
             raise InputError(f'decode={value!r}: give "tensor", "pil", "raw" or a shardkit.Decode')
         check_choice("decode", value, DECODE_MODES)
         return cls(value)
+
+    def image(self, data: bytes):
+        """``data`` decoded whole as this value says (``mode``, ``max_pixels``, ``dct``): what
+        a reader without a crop makes of a stored image. A crop is drawn per sample by the
+        ``TensorDecoder`` of ``shardkit.images.geometry``, not here."""
+        return decode_image(data, self.mode, self.max_pixels, self.dct == "fast")
 
     @property
     def geometry(self) -> Geometry | None:

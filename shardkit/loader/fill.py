@@ -309,7 +309,7 @@ class Filler:
         image's size."""
         if not names:
             return ()
-        extra = decoded_fields(rec, names, decoders, self.ds.decode.max_pixels)
+        extra = decoded_fields(rec, names, decoders, self.ds.decode)
         if self._moved is not None:
             return self._moved(rec, extra, box)
         height, width = image_size(rec.data) if masks else (0, 0)
@@ -349,9 +349,7 @@ class Filler:
         taken, boxes, notes = [], [], []
         for rec in records:
             try:
-                extra = (
-                    decoded_fields(rec, names, decoders, self.ds.decode.max_pixels) if names else ()
-                )
+                extra = decoded_fields(rec, names, decoders, self.ds.decode) if names else ()
                 box = decoder.crop_box(rec.data, rec.key) if ds.geometry is not None else None
             except Exception as exc:
                 self._bad(rec, exc, notes)

@@ -12,7 +12,6 @@ from torch.utils.data import Dataset
 
 from ..errors import InputError, SampleError
 from ..images.checks import IMAGE_EXTENSIONS
-from ..images.decode import decode_image
 from ..images.geometry import TensorDecoder
 from ..images.options import Decode
 from ..scan import StrTable, scan_source
@@ -136,9 +135,7 @@ class FolderDataset(Dataset):
             data = f.read()
         try:
             if self.geometry is None:
-                img = decode_image(
-                    data, self.decode.mode, self.decode.max_pixels, self.decode.dct == "fast"
-                )
+                img = self.decode.image(data)
             else:
                 img = TensorDecoder.of(self.decode, self.seed, self.epoch)(data, rel)
         except Exception as exc:

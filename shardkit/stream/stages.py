@@ -26,7 +26,7 @@ from ..errors import (
 from ..formats import FORMATS
 from ..formats.sample_index import ShardSides
 from ..images.crops import CropError
-from ..images.decode import DCT_MODES, DECODE_MODES, DEFAULT_MAX_PIXELS, decode_image
+from ..images.decode import DCT_MODES, DECODE_MODES
 from ..images.options import Decode
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
@@ -395,16 +395,15 @@ def decode_records(
     whose ``crop_box`` is asked once per sample, the box given to both.
     """
     decode = Decode.of(decode)
-    mode = decode.mode
     check_choice("on_error", on_error, ON_ERROR_MODES)
     extras = extras_of(with_keys)
     kw = dict(
         on_error=on_error, skipped=skipped, fields=[f.lower() for f in fields], decoder=decoder,
-        max_pixels=decode.max_pixels, field_decoders=field_decoders, geometry=geometry,
+        field_decoders=field_decoders, geometry=geometry,
     )  # fmt: skip
     if extras in ((), ("key",)):
-        return _decoded(records, mode, extras == ("key",), False, **kw)
-    return _with_extras(_decoded(records, mode, False, True, **kw), extras)
+        return _decoded(records, decode, extras == ("key",), False, **kw)
+    return _with_extras(_decoded(records, decode, False, True, **kw), extras)
 
 
 def _with_extras(samples: Iterator[tuple], extras: tuple[str, ...]) -> Iterator[tuple]:
@@ -414,13 +413,13 @@ def _with_extras(samples: Iterator[tuple], extras: tuple[str, ...]) -> Iterator[
 
 
 def _decoded(
-    records, mode, with_keys, keep_record, *, on_error, skipped, fields, decoder, max_pixels,
+    records, decode: Decode, with_keys, keep_record, *, on_error, skipped, fields, decoder,
     field_decoders, geometry,
 ) -> Iterator[tuple]:  # fmt: skip
     """``decode_records``' samples, the key (``with_keys``) or the record (``keep_record``)
     after the label."""
     names = fields
-    if mode == "raw" and not names and not keep_record:  # nothing can fail: no try block
+    if decode.mode == "raw" and not names and not keep_record:  # nothing can fail: no try block
         if with_keys:
             for rec in records:
                 yield rec.data, rec.label, rec.key
@@ -431,9 +430,9 @@ def _decoded(
     for rec in records:
         try:
             if field_decoders is not None:
-                extra = decoded_fields(rec, names, field_decoders, max_pixels)
+                extra = decoded_fields(rec, names, field_decoders, decode)
             if geometry is None:
-                img = _image(rec, mode, decoder, max_pixels)
+                img = _image(rec, decode, decoder)
             else:  # one box for the image and its masks and boxes: the crop is asked once
                 box = decoder.crop_box(rec.data, rec.key)
                 img = decoder(rec.data, rec.key, box=box)
@@ -452,11 +451,11 @@ def _decoded(
             yield _head(img, rec, with_keys, keep_record) + extra
 
 
-def _image(rec: Record, mode: str, decoder, max_pixels: int | None):
-    if mode == "raw":
+def _image(rec: Record, decode: Decode, decoder):
+    if decode.mode == "raw":
         return rec.data
     if decoder is None:
-        return decode_image(rec.data, mode, max_pixels)
+        return decode.image(rec.data)
     return decoder(rec.data, rec.key)
 
 
@@ -464,13 +463,14 @@ def decoded_fields(
     rec: Record,
     names: Sequence[str],
     decoders: Sequence,
-    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    image: Decode,
 ) -> tuple:
     """The sample's fields, each decoded; a missing or undecodable one is a ``SampleError``.
-    An image field (a mask) is held to ``max_pixels`` as the sample's image is."""
+    An image field (a mask) is held to the ``max_pixels`` of ``image``, the ``Decode`` of the
+    sample's image, as the image is."""
     have = rec.fields or {}
     out = []
-    for name, decode in zip(names, decoders, strict=True):
+    for name, decode_field in zip(names, decoders, strict=True):
         data = have.get(name)
         if data is None and name in have:  # its Source carries no such field: None
             out.append(None)
@@ -482,14 +482,14 @@ def decoded_fields(
                 shard=rec.shard,
                 key=rec.key,
             )
-        if decode is None:
+        if decode_field is None:
             out.append(data)
             continue
         try:
-            if decode is decode_field_image:
-                out.append(decode(data, max_pixels))
+            if decode_field is decode_field_image:
+                out.append(decode_field(data, image.max_pixels))
             else:
-                out.append(decode(data))
+                out.append(decode_field(data))
         except Exception as exc:
             raise SampleError(
                 f"{rec.shard}: sample {rec.key!r}: field {name!r} cannot be decoded "

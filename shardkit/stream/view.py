@@ -41,7 +41,6 @@ from ..formats.sample_index import Members, SampleIndex, key_hashes, table_hashe
 from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
-from ..images.decode import decode_image
 from ..images.options import Decode
 from ..paths import check_source
 from ..records import Record, ShardInfo, ShardTable
@@ -398,7 +397,7 @@ class ShardView:
     def __getitem__(self, i) -> tuple:
         rec = self.record(i)
         if self.field_decoders is not None:
-            extra = decoded_fields(rec, self.fields, self.field_decoders, self.max_pixels)
+            extra = decoded_fields(rec, self.fields, self.field_decoders, self.decode)
         if self.decode.mode == "raw":
             img = rec.data
         else:
@@ -406,9 +405,7 @@ class ShardView:
                 if self._decoder is not None:  # a crop: drawn from (seed 0, epoch 0, key)
                     img = self._decoder(rec.data, rec.key)
                 else:
-                    img = decode_image(
-                        rec.data, self.decode.mode, self.max_pixels, self.decode.dct == "fast"
-                    )
+                    img = self.decode.image(rec.data)
             except Exception as exc:
                 raise sample_error(rec, exc) from exc
         label = rec.label

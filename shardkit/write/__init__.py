@@ -1,7 +1,7 @@
 """Writing: an image folder (or your own samples) into shards and a manifest, and checking them.
 
-- ``packer``: ``pack()`` and its ``PackOptions``, the folder -> shards command (scan, check,
-  optional resize, write).
+- ``packer``: ``pack()``, the folder -> shards command (scan, check, optional resize, write).
+- ``options``: ``PackOptions``, how ``pack`` packs, handed whole to the planner and writers.
 - ``plan``: a folder pack's plan (every shard's samples and name, before any image is read), its
   types (``ShardTask``, ``ShardReceipt``, ``PackPlan``).
 - ``planfile``: the plan files of ``--plan-only`` that ``pack-task`` runs (arrays, checksummed).

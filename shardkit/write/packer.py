@@ -27,12 +27,10 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from ..errors import InputError, ShardkitError, check_choice
+from ..errors import InputError, ShardkitError
 from ..formats import get_format
 from ..fsutil import DirLock, interrupted_commit, recover
 from ..images.decode import RESIZE_QUALITY
@@ -42,7 +40,8 @@ from ..urls import is_remote, is_url
 from . import samples as _samples
 from .commit import check_cluster_lock, commit_pack
 from .keyfile import dataset_columns, held_in
-from .plan import APPENDED_FIELD, PackPlan, ShardReceipt, ShardTask, plan_pack
+from .options import PackOptions, Runner
+from .plan import APPENDED_FIELD, PackPlan, plan_pack
 from .planfile import save_tasks
 from .read import (
     FINGERPRINT_FIELD,
@@ -71,14 +70,6 @@ __all__ = [
     "pack",
     "scan_source",
 ]
-
-_VALIDATE = ("header", "decode", "none")
-#: ``"fail"`` is the former name of ``"raise"``, kept as an alias.
-_ON_ERROR = ("skip", "raise", "fail")
-
-
-#: Runs a plan's tasks somewhere (a process pool, a cluster) and returns their receipts.
-Runner = Callable[[list[ShardTask]], Iterable[ShardReceipt]]
 
 
 @dataclass
@@ -155,27 +146,21 @@ class PackReport:
 # --- up to date: OUT already holds this pack ----------------------------------------------------
 
 
-def _already_packed(
-    src: str,
-    out: str,
-    options: dict,
-    progress: bool,
-    append: bool = False,
-    engine=None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> PackReport | None:
+def _already_packed(src: str, out: str, o: PackOptions) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
-    source's now, and every shard it lists is there at its size), else None.
+    source's now, with the options ``o``, and every shard it lists is there at its size), else
+    None.
 
     Costs a scan and one ``stat`` per file (on ``engine``, as ``plan_pack``'s), no reads; for a
     URL, the manifest's GET and one listing of the prefix instead of the stats. Manifests
     without a fingerprint (older packs, Python sources) are never up to date: the caller goes
     on as before.
     """
+    options, progress, engine = pack_options(o), o.progress, o.runner
     if is_remote(out):
-        if append:
+        if o.append:
             return None
-        return _already_packed_url(src, out, options, progress, engine, storage_options)
+        return _already_packed_url(src, out, o)
     if is_url(out) or not (
         os.path.isfile(os.path.join(out, MANIFEST_NAME)) or interrupted_commit(out)
     ):
@@ -188,7 +173,7 @@ def _already_packed(
         except ShardkitError:
             return None
         recorded = manifest.pack.get(FINGERPRINT_FIELD)
-        if append:  # up to date when this folder, as it is now, was appended with these options
+        if o.append:  # up to date when this folder, as it is now, was appended with these options
             added = manifest.pack.get(APPENDED_FIELD)
             recorded = (
                 [a.get(FINGERPRINT_FIELD) for a in added if isinstance(a, dict)]
@@ -210,15 +195,14 @@ def _already_packed(
     return _up_to_date(out, os.path.join(out, MANIFEST_NAME), manifest, scan, started)
 
 
-def _already_packed_url(
-    src: str, out: str, options: dict, progress: bool, engine, storage_options
-) -> PackReport | None:
+def _already_packed_url(src: str, out: str, o: PackOptions) -> PackReport | None:
     """``_already_packed`` for a URL: the same fingerprint, each shard's size from one listing
     of the prefix. Anything unreadable (no manifest, no bucket yet) is "not up to date": the
     pack goes on and meets it there, with its own message."""
     from ..remote.fs import filesystem, protocol_of, strip
     from ..remote.upload import join_url
 
+    options, engine, storage_options = pack_options(o), o.runner, o.storage_options
     started = time.perf_counter()
     try:
         manifest = read_manifest(out, storage_options=dict(storage_options or {}))
@@ -238,7 +222,7 @@ def _already_packed_url(
         return None
     if any(sizes.get(s.path) != s.bytes for s in manifest.shards):
         return None
-    scan = scan_source(src, progress=progress, root=options.get("root"), engine=engine)
+    scan = scan_source(src, progress=o.progress, root=options.get("root"), engine=engine)
     if fingerprint(scan, source_stats(scan, engine), options) != recorded:
         return None
     return _up_to_date(out, join_url(out, MANIFEST_NAME), manifest, scan, started)
@@ -270,65 +254,6 @@ def _session(runner):
     """``runner``, closed when the pack is done with it (``RayRunner.close`` stops a cluster
     started for the plan's stats), if it can be."""
     return contextlib.closing(runner) if hasattr(runner, "close") else contextlib.nullcontext()
-
-
-def _check_options(validate, on_error, workers, resize_short, seed) -> str:
-    check_choice("validate", validate, _VALIDATE)
-    check_choice("on_error", on_error, _ON_ERROR)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InputError(f"invalid workers={workers!r}; use 1 or more reader threads")
-    if resize_short is not None and (not isinstance(resize_short, int) or resize_short < 1):
-        raise InputError(f"invalid resize_short={resize_short!r}; use a positive number of pixels")
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise InputError(f"invalid seed {seed!r}; use an integer >= 0")
-    return "raise" if on_error == "fail" else on_error
-
-
-@dataclass(frozen=True)
-class PackOptions:
-    """How ``pack`` packs: every option but the source and the output, as one value that can be
-    kept, compared and handed on whole (``pack(src, out, options)``; keywords of ``pack`` set
-    the same fields). The fields are ``pack``'s documented keywords, with their defaults."""
-
-    shard_size: str | int = DEFAULT_SHARD_SIZE
-    format: str = "tar"
-    shuffle: bool = True
-    seed: int = 0
-    workers: int = 1
-    on_error: str = "skip"
-    overwrite: bool = False
-    resize_short: int | None = None
-    validate: str = "header"
-    progress: bool = True
-    on_shard: Callable[[str], None] | None = None
-    classes: Sequence[str] | None = None
-    storage_options: Mapping[str, Any] | None = None
-    work_dir: str | None = None
-    upload_concurrency: int = 4
-    runner: Runner | None = None
-    shards_per_task: int = 1
-    append: bool = False
-    plan_only: str | None = None
-    root: str | os.PathLike | None = None
-    allow_duplicates: bool = False
-
-    def __post_init__(self) -> None:
-        _check_options(self.validate, self.on_error, self.workers, self.resize_short, self.seed)
-
-    @property
-    def on_error_mode(self) -> str:
-        """``on_error`` under its current name (``"fail"`` reads as ``"raise"``)."""
-        return "raise" if self.on_error == "fail" else self.on_error
-
-    @classmethod
-    def of(cls, options: PackOptions | None, keywords: Mapping[str, Any]) -> PackOptions:
-        """``options`` (default: the defaults) with ``keywords`` set; an unknown one is named."""
-        if options is not None and not isinstance(options, PackOptions):
-            raise InputError(f"options={options!r}: give a shardkit.write.PackOptions")
-        unknown = sorted(set(keywords) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise InputError(f"pack() got an unknown keyword {unknown[0]}=; see help(pack)")
-        return replace(options or cls(), **keywords)
 
 
 def pack(
@@ -392,22 +317,12 @@ def pack(
     if from_folder:
         src = os.fspath(src)
         check_source_dir(src)
-        options = pack_options(
-            o.format, o.shard_size, o.shuffle, o.seed, o.validate, o.resize_short, on_error
-        )
-        root = o.root
-        if root is not None:  # a table's root; folder packs keep their fingerprints
-            root = options["root"] = os.path.abspath(root)
-        if o.allow_duplicates:
-            options["allow_duplicates"] = True
         out = os.fspath(out)
         if o.append:
             _check_append(out, o.overwrite)
         with _session(o.runner):  # a cluster started for the stats serves the tasks
             if not o.overwrite and o.plan_only is None:
-                current = _already_packed(
-                    src, out, options, o.progress, o.append, o.runner, o.storage_options
-                )
+                current = _already_packed(src, out, o)
                 if current is not None:
                     return current
             if not is_url(out) or out.startswith("file://"):
@@ -444,7 +359,7 @@ def pack(
             return _pack_to_url(src, writer, o, started)
     with writer:
         run = _samples_run(src, writer, o)
-        errors = _write(run, writer, on_error, o.workers, o.progress)
+        errors = _write(run, writer, o)
         skipped = run.errors + errors
         if not writer.samples:
             first = skipped[0] if skipped else SkippedFile("-", "the source is empty")
@@ -543,11 +458,7 @@ def _check_append(out: str, overwrite: bool) -> None:
 def _plan(src: str, out: str, o: PackOptions, **how) -> PackPlan:
     """``plan_pack`` of a folder or table with the options ``o`` (``how``: ``existing``,
     ``engine``)."""
-    return plan_pack(
-        src, out, shard_size=o.shard_size, format=o.format, shuffle=o.shuffle, seed=o.seed,
-        validate=o.validate, resize_short=o.resize_short, on_error=o.on_error_mode,
-        progress=o.progress, root=o.root, allow_duplicates=bool(o.allow_duplicates), **how,
-    )  # fmt: skip
+    return plan_pack(src, out, o, **how)
 
 
 def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
@@ -738,7 +649,7 @@ def _samples_run(source, writer, o: PackOptions) -> _Run:
         if isinstance(names, (list, tuple)) and all(isinstance(c, str) for c in names):
             writer.classes = list(names)
     name = f"<{type(source).__name__}>"
-    tasks, n, shuffled = _samples.tasks(source, o.shuffle, o.seed, READ_BATCH)
+    tasks, n, shuffled = _samples.tasks(source, o, READ_BATCH)
     return _Run(
         name=name,
         total=n,
@@ -752,9 +663,12 @@ def _samples_run(source, writer, o: PackOptions) -> _Run:
     )
 
 
-def _write(run: _Run, writer: ShardWriter, on_error: str, workers: int, progress: bool):
-    """The main-thread loop: consume reads in pack order into the writer (which rolls shards)."""
+def _write(run: _Run, writer: ShardWriter, o: PackOptions):
+    """The main-thread loop: consume reads in pack order into the writer (which rolls shards),
+    on ``o.workers`` reader threads; a bad sample is skipped or raised by ``o.on_error``."""
     from ..progress import Progress
+
+    on_error, workers, progress = o.on_error_mode, o.workers, o.progress
 
     errors: list[SkippedFile] = []
     bar = Progress(run.total if run.total >= 0 else None, "pack", "img", enabled=progress)

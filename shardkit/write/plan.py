@@ -45,6 +45,7 @@ from ..scan.pieces import pick, take
 from ..scan.source import inline_fields
 from ..scan.strings import forget
 from ..urls import is_url
+from .options import PackOptions
 from .read import (
     FINGERPRINT_FIELD,
     PackWarning,
@@ -348,41 +349,32 @@ class PlanTasks(Sequence[ShardTask]):
 def plan_pack(
     src: str,
     out: str,
+    o: PackOptions,
     *,
-    shard_size,
-    format: str,
-    shuffle: bool,
-    seed: int,
-    validate: str,
-    resize_short: int | None,
-    on_error: str,
-    progress: bool = False,
-    root: str | None = None,
     existing: Callable[[Sequence[str]], np.ndarray] | None = None,
-    allow_duplicates: bool = False,
     engine=None,
 ) -> PackPlan:
     """Scan ``src``, shuffle, ``stat`` each file, and roll shards by the format's size rule.
 
-    ``root``: a table source's root (``shardkit.scan.scan_table``). Unless
-    ``allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
+    ``o``: the pack's options, whole (what decides the bytes: ``write.read.pack_options``;
+    ``progress`` too). ``o.root``: a table source's root (``shardkit.scan.scan_table``). Unless
+    ``o.allow_duplicates``, samples whose key the dataset an append adds to holds (``existing``:
     a bool per key given, ``keyfile.held_in``) and table rows naming an image an earlier row
     named are left out.
     ``engine``: a runner whose ``map_chunks`` runs the ``stat`` calls (``source_stats``) and
     a table's scan (``scan.table.scan_tables``), in spans of its rows, each span's arrays
     written into OUT and joined there (``scan.pieces``): this process maps the table's
     columns, it does not hold them."""
+    if not isinstance(o, PackOptions):
+        raise InputError(f"plan_pack: options={o!r}; give a shardkit.write.PackOptions")
     check_source_dir(src)
-    options = pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error)
-    if root is not None:  # a table's; folder packs keep their fingerprints
-        options["root"] = root = os.path.abspath(root)
-    if allow_duplicates:  # other packs keep their fingerprints
-        options["allow_duplicates"] = True
+    options = pack_options(o)
+    root, on_error, shuffle = options.get("root"), options["on_error"], options["shuffle"]
     work = None
     if getattr(engine, "map_chunks", None) is not None and not is_url(out):  # a table's pieces
         os.makedirs(out, exist_ok=True)
         work = out
-    scan = scan_source(src, progress=progress, root=root, engine=engine, work=work)
+    scan = scan_source(src, progress=o.progress, root=root, engine=engine, work=work)
     if scan.errors and on_error == "raise":
         bad = scan.errors[0]
         where = bad.path if scan.from_table else os.path.join(src, bad.path)  # rows: the table
@@ -409,9 +401,9 @@ def plan_pack(
             f"(first: {first.path}: {first.reason}); see validate= and on_error="
         )
     stats = source_stats(scan, engine)
-    order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+    order = np.random.default_rng(options["seed"]).permutation(n) if shuffle else np.arange(n)
     repeated, already, dropped = [], 0, None
-    if not allow_duplicates:
+    if not o.allow_duplicates:
         repeated, already, dropped = _duplicates(src, scan, existing)
     if dropped is not None:
         order = order[~dropped[order]]
@@ -421,11 +413,11 @@ def plan_pack(
     info = {
         "source": src,
         "shard_size": options["shard_size"],
-        "shuffle": bool(shuffle),
-        "seed": int(seed),
-        "validate": validate,
-        "resize_short": resize_short,
-        "resize_quality": RESIZE_QUALITY if resize_short else None,
+        "shuffle": shuffle,
+        "seed": options["seed"],
+        "validate": options["validate"],
+        "resize_short": options["resize_short"],
+        "resize_quality": RESIZE_QUALITY if options["resize_short"] else None,
         "format": options["format"],
         "on_error": on_error,
         "shardkit_version": pack_version(),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from ..images.decode import resize_short_side
 from ..scan import SourceScan, field_files, member_of, member_stat, read_member
 from ..scan.strings import forget
 from ..sizes import parse_size
+
+if TYPE_CHECKING:
+    from .options import PackOptions
 
 __all__ = [
     "FINGERPRINT_FIELD",
@@ -228,17 +232,23 @@ def file_stats(root: str, files) -> np.ndarray:
     return out
 
 
-def pack_options(format, shard_size, shuffle, seed, validate, resize_short, on_error) -> dict:
-    """The options that decide a pack's bytes (not ``workers``: threads give the same bytes)."""
-    return {
-        "format": get_format(format).name,
-        "shard_size": parse_size(shard_size),
-        "shuffle": bool(shuffle),
-        "seed": int(seed),
-        "validate": validate,
-        "resize_short": resize_short,
-        "on_error": on_error,
+def pack_options(o: PackOptions) -> dict:
+    """The options of ``o`` that decide a pack's bytes, as the fingerprint and the plan read
+    them (not ``workers``: threads give the same bytes)."""
+    options = {
+        "format": get_format(o.format).name,
+        "shard_size": parse_size(o.shard_size),
+        "shuffle": bool(o.shuffle),
+        "seed": int(o.seed),
+        "validate": o.validate,
+        "resize_short": o.resize_short,
+        "on_error": o.on_error_mode,
     }
+    if o.root is not None:  # a table's root; folder packs keep their fingerprints
+        options["root"] = os.path.abspath(o.root)
+    if o.allow_duplicates:  # other packs keep their fingerprints
+        options["allow_duplicates"] = True
+    return options
 
 
 def fingerprint(scan: SourceScan, stats: SourceStats, options: dict) -> str:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import io
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..images.checks import image_ext
 from ..images.decode import RESIZE_QUALITY
+
+if TYPE_CHECKING:
+    from .options import PackOptions
 
 __all__ = [
     "SAMPLE_JPEG_QUALITY",
@@ -131,17 +134,19 @@ def load_sample(sample: Any) -> tuple[bytes, str, int]:
 
 
 def tasks(
-    source: Any, shuffle: bool, seed: int, size: int
+    source: Any, o: PackOptions, size: int
 ) -> tuple[Iterable[list[tuple[int, Any]]], int, bool]:
     """Reader-thread tasks ``[(i, sample or None), ...]`` in pack order, the count (-1: unknown
     until the end) and whether the order is shuffled.
 
-    With random access the tasks carry positions (a thread fetches ``source[i]``) in a seeded
-    permutation; an iterator is read on the calling thread, in its own order.
+    With random access the tasks carry positions (a thread fetches ``source[i]``) in the
+    permutation of ``o.seed`` (with ``o.shuffle``); an iterator is read on the calling thread,
+    in its own order.
     """
     if is_indexable(source):
-        n = len(source)
-        order = (np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)).tolist()
+        n, shuffle = len(source), o.shuffle
+        rng = np.random.default_rng(o.seed)
+        order = (rng.permutation(n) if shuffle else np.arange(n)).tolist()
         return ([(i, None) for i in order[k : k + size]] for k in range(0, n, size)), n, shuffle
     return _batches(source, size), -1, False
 

@@ -368,6 +368,34 @@ def test_folder_view_and_stream_take_the_same_decode(sets):
         FolderDataset(sets["clip"] + "-src", shuffle=False)
 
 
+def test_the_decode_travels_whole_into_every_decoder(sets):
+    """Below the constructors a ``Decode`` stays one value: the folder, the view, the records'
+    decoder and the fields' decoding read its mode, ``max_pixels`` and ``dct`` from it, so a
+    fast IDCT without a crop reaches each of them (``decode_records`` once dropped it)."""
+    import inspect
+
+    from shardkit import FolderDataset, ShardView
+    from shardkit.images.decode import decode_image
+    from shardkit.records import Record
+    from shardkit.stream.stages import decode_records, decoded_fields
+
+    params = list(inspect.signature(decoded_fields).parameters)
+    assert params == ["rec", "names", "decoders", "image"]  # the image's Decode, not its limit
+    fast = Decode("tensor", dct="fast")
+    folder = FolderDataset(sets["clip"] + "-src", decode=fast, with_keys=True)
+    image, _, rel = folder[3]
+    with open(f"{folder.root}/{rel}", "rb") as f:
+        data = f.read()
+    want = decode_image(data, "tensor", fast_dct=True)
+    assert not torch.equal(want, decode_image(data, "tensor"))  # these JPEGs tell them apart
+    assert torch.equal(fast.image(data), want) and torch.equal(image, want)
+    [(got, _)] = decode_records([Record(rel, "jpg", data, 0, "s.tar")], fast)
+    assert torch.equal(got, want)
+    view = ShardView(sets["clip"], decode=fast, with_keys=True)
+    key = rel.rsplit(".", 1)[0]
+    assert torch.equal(view.get(key)[0], want)
+
+
 def test_a_folder_takes_a_source_and_its_split_selects_the_packed_split(sets):
     from shardkit import FolderDataset
     from shardkit.remote import RemoteStorage

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from shardkit import FolderDataset, ShardDataset, pack, scan
+from shardkit import FolderDataset, PackOptions, ShardDataset, pack, scan
 from shardkit.cli import main
 from shardkit.errors import InputError, OutputError
 from shardkit.manifest import read_manifest
@@ -238,10 +238,8 @@ def test_planned_tasks_carry_the_fields_and_write_the_same_shards(tmp_path, fmt,
     if fmt == "tar":
         assert len(m.shards) > 2
     out = str(tmp_path / "out")
-    plan = plan_pack(
-        str(src), out, shard_size=size, format=fmt, shuffle=True, seed=0, validate="header",
-        resize_short=None, on_error="skip",
-    )  # fmt: skip
+    options = PackOptions(shard_size=size, format=fmt, shuffle=True, seed=0, progress=False)
+    plan = plan_pack(str(src), out, options)
     os.makedirs(out)
     save_tasks(plan.tasks(2), str(tmp_path / "plan"), "commit")  # through the plan file
     tasks = [load_task(str(tmp_path / "plan"), i)[0] for i in range(len(plan.tasks(2)))]
@@ -440,13 +438,7 @@ def test_a_folder_with_fields_plans_to_the_fingerprint_it_always_had(tmp_path):
     plan = plan_pack(
         str(_golden_fields(tmp_path / "src")),
         str(tmp_path / "out"),
-        shard_size="16kB",
-        format="tar",
-        shuffle=True,
-        seed=1,
-        validate="none",
-        resize_short=None,
-        on_error="skip",
+        PackOptions(shard_size="16kB", seed=1, validate="none", progress=False),
     )
     assert len(plan.scan.sidecars.blob) and len(plan.starts) > 3
     digest = "2e31c232af5c3794d7da0b9b9cc40590457e0d1f9a062ab6064fc7f202f69b91"

@@ -10,6 +10,8 @@ from conftest import image_tree
 from shardkit import InputError, PackOptions, pack
 from shardkit.manifest import read_manifest
 from shardkit.write import packer
+from shardkit.write.plan import plan_pack
+from shardkit.write.read import pack_options
 
 
 def _shards(out) -> list[tuple[str, int, str]]:
@@ -44,5 +46,31 @@ def test_the_planned_pack_takes_the_options_whole():
         (packer._pack_planned, ["src", "out", "o", "started"]),
         (packer._pack_to_url, ["src", "writer", "o", "started"]),
         (packer._samples_run, ["source", "writer", "o"]),
+        (packer._already_packed, ["src", "out", "o"]),
+        (packer._already_packed_url, ["src", "out", "o"]),
+        (packer._write, ["run", "writer", "o"]),
+        (packer._samples.tasks, ["source", "o", "size"]),
+        (plan_pack, ["src", "out", "o", "existing", "engine"]),
     ):
         assert list(inspect.signature(fn).parameters) == params, fn.__name__
+
+
+def test_the_planner_plans_from_the_options_whole_what_pack_packs(tmp_path):
+    """``plan_pack`` takes the ``PackOptions`` ``pack`` was given: its plan has the fingerprint
+    and options the packed manifest records; its fields as loose keywords are refused."""
+    src = str(image_tree(tmp_path / "src", 12))
+    options = PackOptions(shard_size=12000, seed=4, resize_short=16, progress=False)
+    plan = plan_pack(src, str(tmp_path / "o"), options)
+    assert plan.options == pack_options(options)
+    pack(src, str(tmp_path / "a"), options)
+    packed = read_manifest(str(tmp_path / "a")).pack
+    assert plan.fingerprint == packed["source_fingerprint"]
+    assert {k: packed[k] for k in ("seed", "resize_short", "shard_size")} == {
+        "seed": 4,
+        "resize_short": 16,
+        "shard_size": 12000,
+    }
+    with pytest.raises(TypeError):
+        plan_pack(src, str(tmp_path / "o"), shard_size=12000, format="tar", shuffle=True)
+    with pytest.raises(InputError, match="PackOptions"):
+        plan_pack(src, str(tmp_path / "o"), {"format": "tar"})

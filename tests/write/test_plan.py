@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import time
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from shardkit.fsutil import HOST, STAGING_PREFIX, DirLock, remove_stale_staging
 from shardkit.manifest import read_manifest
 from shardkit.write.commit import check_cluster_lock, commit_pack
 from shardkit.write.engines import LocalRunner, TaskFailed
-from shardkit.write.packer import pack
+from shardkit.write.packer import PackOptions, pack
 from shardkit.write.plan import JOB_PREFIX, plan_pack
 from shardkit.write.read import source_stats, span_stats
 from shardkit.write.task import run_task
@@ -55,7 +56,8 @@ def make_tree(root, classes=("a", "b", "c"), per_class=14, seed=0, bad=True):
 
 
 def quiet(fn, *args, **kw):
-    kw.setdefault("progress", False)
+    if fn is not plan_pack:  # the planner's progress is its options' (``_PLAN``: off)
+        kw.setdefault("progress", False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args, **kw)
@@ -128,7 +130,8 @@ class CountingRunner(LocalRunner):
         return super().map_chunks(fn, chunks)
 
 
-_PLAN_KW = dict(
+#: The planner takes the pack's options whole, as ``pack`` hands them on.
+_PLAN = PackOptions(
     shard_size="12kB",
     format="tar",
     shuffle=True,
@@ -136,6 +139,7 @@ _PLAN_KW = dict(
     validate="header",
     resize_short=None,
     on_error="skip",
+    progress=False,
 )
 
 
@@ -147,13 +151,7 @@ def test_the_plan_fixes_every_shard_before_any_read(src, refs):
         plan_pack,
         src,
         "unused",
-        shard_size="12kB",
-        format="tar",
-        shuffle=True,
-        seed=0,
-        validate="header",
-        resize_short=None,
-        on_error="skip",
+        _PLAN,
     )
     manifest = read_manifest(refs["tar"])
     # the broken file keeps its slot (found when read), the empty one is left out by the scan:
@@ -211,9 +209,9 @@ def test_an_engine_stats_the_plan_in_chunks_and_plans_the_same(src, tmp_path, fi
     """The engine's chunks, concatenated in order, are the driver's arrays: the same order,
     shard boundaries and fingerprint (which names the job, and so every shard's bytes)."""
     source = _fields_tree(tmp_path / "f") if fields else src
-    alone = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW)
+    alone = quiet(plan_pack, source, str(tmp_path / "o"), _PLAN)
     runner = CountingRunner(2, plan_chunk=13)
-    engine = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW, engine=runner)
+    engine = quiet(plan_pack, source, str(tmp_path / "o"), _PLAN, engine=runner)
     n = len(alone.scan.files)
     assert runner.chunks == [13] * (n // 13) + [n % 13] and len(runner.chunks) >= 3
     assert engine.fingerprint == alone.fingerprint and engine.job == alone.job
@@ -241,9 +239,9 @@ class InProcess:
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 def test_chunked_stats_of_any_size_are_the_drivers_and_a_lost_chunk_is_refused(tmp_path, chunk):
     source = _fields_tree(tmp_path / "f")
-    alone = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW)
+    alone = quiet(plan_pack, source, str(tmp_path / "o"), _PLAN)
     runner = InProcess(chunk)
-    mine = quiet(plan_pack, source, str(tmp_path / "o"), **_PLAN_KW, engine=runner)
+    mine = quiet(plan_pack, source, str(tmp_path / "o"), _PLAN, engine=runner)
     assert runner.calls == -(-len(alone.scan.files) // chunk)
     assert (mine.fingerprint, mine.starts.tolist()) == (alone.fingerprint, alone.starts.tolist())
     with pytest.raises(ValueError, match="the plan's stats cover"):
@@ -267,7 +265,7 @@ def test_a_pack_whose_plan_ran_on_the_pool_writes_the_same_bytes(src, refs, tmp_
 def test_a_planning_chunk_that_fails_once_is_retried_and_the_stats_are_the_same(
     src, tmp_path, mode
 ):
-    scan = quiet(plan_pack, src, str(tmp_path / "o"), **_PLAN_KW).scan
+    scan = quiet(plan_pack, src, str(tmp_path / "o"), _PLAN).scan
     root, n = os.path.abspath(scan.root), len(scan.files)
     chunks = [(root, scan.files.span(a, min(a + 15, n)), ()) for a in range(0, n, 15)]
     assert scan.files[15] == "b/b_000.jpg"  # the second chunk is the one that fails
@@ -349,13 +347,7 @@ def test_a_duplicated_task_rewrites_identical_bytes_and_the_commit_counts_each_s
         plan_pack,
         src,
         out,
-        shard_size="12kB",
-        format="tar",
-        shuffle=True,
-        seed=0,
-        validate="header",
-        resize_short=None,
-        on_error="skip",
+        _PLAN,
     )
     tasks = plan.tasks(2)
     receipts = [r for t in tasks for r in run_task(t)]
@@ -471,7 +463,7 @@ _RAY_CASES = textwrap.dedent(
     from shardkit.integrations.ray import RayRunner
     from shardkit.scan import scan_source
     from shardkit.write.engines import PLAN_CHUNK
-    from shardkit.write.packer import pack
+    from shardkit.write.packer import PackOptions, pack
     from shardkit.write.task import run_task
     from shardkit.write.read import source_stats, span_stats
 
@@ -639,7 +631,7 @@ _DASK_RECIPE = textwrap.dedent(
     import os, sys, warnings
     warnings.simplefilter("ignore")
     from dask.distributed import Client, LocalCluster
-    from shardkit.write.packer import pack
+    from shardkit.write.packer import PackOptions, pack
     from shardkit.write.task import run_task
 
     src, out, marker = sys.argv[1:4]
@@ -809,7 +801,7 @@ def test_a_plan_file_round_trips_every_task(tmp_path, source):
     where = _golden_table(tmp_path) if source == "table" else _fields_tree(tmp_path / "f")
     out = tmp_path / "out"
     out.mkdir()
-    plan = quiet(plan_pack, str(where), str(out), **{**_PLAN_KW, "shard_size": "4KB"})
+    plan = quiet(plan_pack, str(where), str(out), replace(_PLAN, shard_size="4KB"))
     tasks = plan.tasks(3)
     assert len(tasks) > 2
     path = str(tmp_path / "plan")
@@ -826,7 +818,7 @@ def test_a_plan_file_round_trips_every_task(tmp_path, source):
 def test_a_first_version_json_plan_file_still_runs_and_packs_the_same(src, refs, tmp_path):
     out, plan = str(tmp_path / "out"), str(tmp_path / "plan.json")
     os.makedirs(out)
-    made = quiet(plan_pack, src, out, **{**_PLAN_KW, "shard_size": "12kB"})
+    made = quiet(plan_pack, src, out, _PLAN)
     _json_plan(plan, made.tasks(4))
     for i in range(len(made.tasks(4))):
         r = CliRunner().invoke(main, ["pack-task", plan, "--task", str(i)])
@@ -912,8 +904,8 @@ def _pack_digest(out) -> tuple[int, str]:
 def _golden_plan_file(table, out, path, engine=None) -> bytes:
     from shardkit.write.planfile import save_tasks
 
-    kw = {**_PLAN_KW, "shard_size": "4KB", "validate": "none"}
-    plan = quiet(plan_pack, str(table), str(out), **kw, engine=engine)
+    options = replace(_PLAN, shard_size="4KB", validate="none")
+    plan = quiet(plan_pack, str(table), str(out), options, engine=engine)
     save_tasks(plan.tasks(3), str(path), "commit")
     return open(path, "rb").read()
 
@@ -944,7 +936,7 @@ _RAY_TABLE = textwrap.dedent(
     warnings.simplefilter("ignore")
     import ray
     from shardkit.integrations.ray import RayRunner
-    from shardkit.write.packer import pack
+    from shardkit.write.packer import PackOptions, pack
     from shardkit.write.plan import plan_pack
     from shardkit.write.planfile import save_tasks
 
@@ -961,9 +953,9 @@ _RAY_TABLE = textwrap.dedent(
 
     pack(table, os.path.join(base, "out"), validate="none", shard_size="4KB", progress=False,
          runner=Counting(plan_chunk=5), shards_per_task=7)
-    kw = dict(shard_size="4KB", format="tar", shuffle=True, seed=0, validate="none",
-              resize_short=None, on_error="skip")
-    plan = plan_pack(table, os.path.join(base, "o"), **kw, engine=Counting(plan_chunk=5))
+    kw = PackOptions(shard_size="4KB", format="tar", shuffle=True, seed=0, validate="none",
+                     resize_short=None, on_error="skip", progress=False)
+    plan = plan_pack(table, os.path.join(base, "o"), kw, engine=Counting(plan_chunk=5))
     save_tasks(plan.tasks(3), os.path.join(base, "b.plan"), "commit")
     ray.shutdown()
     print(json.dumps(spans))
@@ -1018,13 +1010,7 @@ def _plan_peak(table, out) -> int:
         plan = plan_pack(
             str(table),
             str(out),
-            shard_size="1MB",
-            format="tar",
-            shuffle=True,
-            seed=0,
-            validate="header",
-            resize_short=None,
-            on_error="skip",
+            replace(_PLAN, shard_size="1MB"),
         )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -1051,13 +1037,7 @@ def test_tasks_carry_their_samples_as_tables_not_lists(tmp_path):
     plan = plan_pack(
         str(table),
         str(tmp_path / "out"),
-        shard_size="4KB",
-        format="tar",
-        shuffle=True,
-        seed=3,
-        validate="none",
-        resize_short=None,
-        on_error="skip",
+        replace(_PLAN, shard_size="4KB", seed=3, validate="none"),
     )
     tasks = plan.tasks(4)
     scan = plan.scan
@@ -1076,7 +1056,7 @@ def _plan_file_peak(table, out, path) -> int:
 
     from shardkit.write.planfile import save_tasks
 
-    plan = quiet(plan_pack, str(table), str(out), **{**_PLAN_KW, "shard_size": "1MB"})
+    plan = quiet(plan_pack, str(table), str(out), replace(_PLAN, shard_size="1MB"))
     tracemalloc.start()
     try:
         save_tasks(plan.tasks(1), str(path), "commit")

@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from shardkit import pack
+from shardkit import PackOptions, pack
 from shardkit.fsutil import HOST, STAGING_PREFIX
 from shardkit.manifest import read_manifest
 from shardkit.write.plan import plan_pack
@@ -81,7 +82,10 @@ def _keyed_table(tmp, repeated: bool):
     return table
 
 
-_KW = dict(format="tar", seed=3, validate="none", resize_short=None, on_error="skip")
+#: The planner takes the pack's options whole (``PackOptions``), as ``pack`` hands them on.
+_OPTIONS = PackOptions(
+    shard_size="2KB", format="tar", seed=3, validate="none", resize_short=None, progress=False
+)
 
 
 def _plan(table, out, engine, shuffle, allow):
@@ -89,11 +93,8 @@ def _plan(table, out, engine, shuffle, allow):
         plan_pack,
         str(table),
         str(out),
-        shard_size="2KB",
-        shuffle=shuffle,
-        allow_duplicates=allow,
+        replace(_OPTIONS, shuffle=shuffle, allow_duplicates=allow),
         engine=engine,
-        **_KW,
     )
 
 
@@ -179,7 +180,7 @@ def test_a_table_planned_in_one_process_past_its_size_says_so_once(tmp_path, mon
     monkeypatch.setattr(table_scan, "TABLE_PLAN_IN_MEMORY", 10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loud = plan_pack(str(table), str(tmp_path / "o"), shard_size="2KB", shuffle=True, **_KW)
+        loud = plan_pack(str(table), str(tmp_path / "o"), _OPTIONS)
     said = [w for w in caught if issubclass(w.category, table_scan.TablePlanWarning)]
     assert len(said) == 1 and len(loud.order) == 38
     text = str(said[0].message)
@@ -190,10 +191,8 @@ def test_a_table_planned_in_one_process_past_its_size_says_so_once(tmp_path, mon
         plan_pack(
             str(table),
             str(tmp_path / "o"),
-            shard_size="2KB",
-            shuffle=True,
+            _OPTIONS,
             engine=Here(plan_chunk=4),
-            **_KW,
         )
     assert not [w for w in caught if issubclass(w.category, table_scan.TablePlanWarning)]
 
