@@ -100,10 +100,6 @@ def ensure(src: Path, kind: str, scale: float, per_class: int = 250) -> Path:
     return data.packed(tree, shard_size="16MB")
 
 
-def image_bytes(src: Path) -> list[bytes]:
-    return data.jpeg_bytes(src)  # also puts the folder contender's files in the page cache
-
-
 def rss_mb(pid: int | None = None) -> float:
     with open(f"/proc/{pid or 'self'}/status") as f:
         for line in f:
@@ -673,7 +669,7 @@ def main(args: Loader) -> None:
         lfw_shards = ensure(args.lfw, "lfw", args.lfw_scale)
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
-        datas = image_bytes(args.lfw)
+        datas = data.jpeg_bytes(args.lfw)  # the folder contender's files cached too
         contenders = contenders_a(args.lfw, lfw_shards)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
@@ -685,7 +681,7 @@ def main(args: Loader) -> None:
     if "b" in only:
         inet_shards = ensure(args.imagenet, "imagenet", 1.0, args.imagenet_per_class)
         print(f"(b) ImageNet-shaped random-resized-crop 224 + flip, {args.imagenet}", flush=True)
-        datas = image_bytes(args.imagenet)
+        datas = data.jpeg_bytes(args.imagenet)
         contenders = contenders_b(inet_shards)
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)

@@ -63,13 +63,6 @@ BUCKET = "bench"
 BATCH = 64
 
 
-# --- data -------------------------------------------------------------------------------------
-
-
-def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
-    data.packed(data.lfw(src), shards, shard_size=shard_size, workers=2)
-
-
 # --- the server process -----------------------------------------------------------------------
 
 
@@ -137,15 +130,9 @@ def raw_transfer(pool, urls, opts, workers, in_flight) -> tuple[float, int]:
 
 
 def stream(loader, nbytes: int) -> dict:
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    for batch in loader:
-        if first is None:
-            first = time.perf_counter() - t0
-        n += len(batch[1])
-    secs = time.perf_counter() - t0
-    return {"mb_s": nbytes / secs / 1e6, "samples_s": n / secs, "first_batch_s": first, "n": n}
+    e = harness.epoch(loader)
+    return {"mb_s": nbytes / e["wall_s"] / 1e6, "samples_s": e["rate"],
+            "first_batch_s": e["first_s"], "n": e["images"]}  # fmt: skip
 
 
 class RemoteFolder:
@@ -219,7 +206,7 @@ def main(args: Remote) -> None:
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
     src, shards = Path(args.src), Path(args.shards)
-    ensure_data(src, shards, args.shard_size)
+    data.packed(data.lfw(src), shards, shard_size=args.shard_size, workers=2)
     manifest = read_manifest(str(shards))
     nbytes = manifest.total_bytes
     batches_per_shard = max(2, -(-manifest.num_samples // len(manifest.shards) // BATCH))

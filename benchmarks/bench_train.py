@@ -44,7 +44,7 @@ import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
+from bench_loader import ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
@@ -58,10 +58,6 @@ WORKLOADS = {
         {"decode": Decode(crop=RandomResizedCrop(224), flip=True)},
     ),
 }
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def worker_counts(limit: int) -> list[int]:
@@ -111,8 +107,8 @@ def _batches(n: int, batch: int, shape: tuple) -> list[torch.Tensor]:
 
 
 def scaling(args) -> dict:
-    out: dict = {"cpus": usable_cpus(), "batch_size": args.batch, "workloads": {}}
-    counts = args.workers or worker_counts(usable_cpus())
+    out: dict = {"cpus": harness.cores(), "batch_size": args.batch, "workloads": {}}
+    counts = args.workers or worker_counts(harness.cores())
     for part in args.only or ["a", "b"]:
         out["workloads"][part] = _scaling_part(args, part, counts)
     return out
@@ -122,7 +118,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     title, kw = WORKLOADS[part]
     src = args.lfw if part == "a" else args.imagenet
     shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
-    datas = image_bytes(src)
+    datas = data.jpeg_bytes(src)
     plain, hot, own = bare_cpu_us(datas, kw, args.batch)
     print(
         f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
@@ -313,7 +309,7 @@ def train(args) -> dict:
     copies = max(1, -(-args.samples // per_copy))
     urls = replicated(shards, copies, args.imagenet.with_name(args.imagenet.name + "-replicated"))
     geo = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
-    n = args.train_workers or max(1, usable_cpus() - 1)
+    n = args.train_workers or max(1, harness.cores() - 1)
     torch.backends.cudnn.benchmark = True
     out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_copy * copies}
     for name in models:
@@ -502,7 +498,7 @@ def main(args: Train) -> None:
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     if args.other_loader:
         bench_loader.load_other_loader(args.other_loader)
-    result: dict = {"load_start": harness.loadavg(), "cpus": usable_cpus()}
+    result: dict = {"load_start": harness.loadavg(), "cpus": harness.cores()}
     if args.scaling:
         result["scaling"] = scaling(args)
         plot(result["scaling"], args.plot)
