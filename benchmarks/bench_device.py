@@ -68,7 +68,7 @@ TORCHVISION = _early_torchvision(sys.argv)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_train import MEAN_STD, replicated  # noqa: E402
+from bench_train import MEAN_STD  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
@@ -287,11 +287,8 @@ def pipeline(args) -> dict:
 
 
 def _urls(args, samples: int | None = None) -> list[str]:
-    per_copy = len(list(args.shards.glob("*.tar")))
-    count = sum(1 for _ in ShardDataset(str(args.shards), decode="raw", order=Order(shuffle=False)))
-    copies = max(1, -(-(samples or args.samples) // count))
     dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
-    return replicated(args.shards, copies, dest)[: per_copy * copies]
+    return makers.replicated(args.shards, samples or args.samples, dest)[0]
 
 
 def _loader(urls, decode_on: str, workers: int, batch: int, device="cuda"):

@@ -444,6 +444,11 @@ def worker_loops(ds) -> dict[str, WorkerLoop]:
     }
 
 
+#: A contender's figures given as medians over the repeats.
+MEDIANS = ("images_per_s", "ratio_to_ceiling", "ratio_to_two_processes", "first_batch_s",
+           "cpu_us_per_image", "cpu_efficiency")  # fmt: skip
+
+
 def measure(
     name: str,
     datas: list[bytes],
@@ -503,36 +508,24 @@ def measure(
     for runs in [*rows.values(), *eff.values()]:
         for x in runs:  # the harness's own figures: not the contender's
             x.pop("cpu_s", None), x.pop("wall_s", None)
-    ceil1, ceil2 = rounds.values("(ceiling)", "one"), rounds.values("(ceiling)", "two")
-    fast, cpu1 = rounds.values("(ceiling)", "fast"), rounds.values("(ceiling)", "cpu")
-    loads = [x.load_1m for x in rounds.loads]
+    got = {k: rounds.values("(ceiling)", k) for k in ("one", "two", "fast", "cpu")}
     summary = {
-        "ceiling_one_x2": ceil1,
-        "ceiling_two_processes": ceil2,
-        "ceiling_fastdct_one_x2": fast,
-        "ceiling_cpu_us_per_image": cpu1,
-        "load_1min": loads,
+        "ceiling_one_x2": got["one"],
+        "ceiling_two_processes": got["two"],
+        "ceiling_fastdct_one_x2": got["fast"],
+        "ceiling_cpu_us_per_image": got["cpu"],
+        "load_1min": [x.load_1m for x in rounds.loads],
         "contenders": {},
     }
     for cname, runs in rows.items():
-        summary["contenders"][cname] = {
-            "runs": runs,
-            "median_images_per_s": statistics.median(x["images_per_s"] for x in runs),
-            "median_ratio_to_ceiling": statistics.median(x["ratio_to_ceiling"] for x in runs),
-            "median_ratio_to_two_processes": statistics.median(
-                x["ratio_to_two_processes"] for x in runs
-            ),
-            "median_first_batch_s": statistics.median(x["first_batch_s"] for x in runs),
-            "median_cpu_us_per_image": statistics.median(x["cpu_us_per_image"] for x in runs),
-            "median_cpu_efficiency": statistics.median(x["cpu_efficiency"] for x in runs),
-            "median_main_cpu_share": statistics.median(
-                x["main_cpu_us_per_image"] / c for x, c in zip(runs, cpu1, strict=True)
-            ),
-        }
+        c = summary["contenders"][cname] = {"runs": runs}
+        for k in MEDIANS:
+            c[f"median_{k}"] = statistics.median(x[k] for x in runs)
+        c["median_main_cpu_share"] = rounds.ratio(
+            cname, "(ceiling)", "main_cpu_us_per_image", "cpu"
+        )
         if ffcv in rows and cname != ffcv:
-            summary["contenders"][cname]["median_ratio_to_ffcv"] = statistics.median(
-                x["images_per_s"] / f["images_per_s"] for x, f in zip(runs, rows[ffcv], strict=True)
-            )
+            c["median_ratio_to_ffcv"] = rounds.ratio(cname, ffcv, "images_per_s")
     if loops:
         summary["worker_efficiency"] = {
             layout: {

@@ -27,8 +27,6 @@ Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``-
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import time
 from dataclasses import replace
@@ -47,7 +45,7 @@ import torch  # noqa: E402
 from bench_loader import ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -275,23 +273,6 @@ def _model(name: str, device: torch.device):
     )
 
 
-def replicated(shards: Path, copies: int, dest: Path) -> list[str]:
-    """The tar shards hard-linked ``copies`` times under new names (an epoch of more samples
-    from the same bytes; no manifest: the dataset counts them)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    out = []
-    for c in range(copies):
-        for f in sorted(shards.glob("*.tar")):
-            target = dest / f"copy{c}-{f.name}"
-            if not target.exists():
-                try:
-                    os.link(f, target)
-                except OSError:
-                    shutil.copyfile(f, target)
-            out.append(str(target))
-    return out
-
-
 def train(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -305,13 +286,12 @@ def train(args) -> dict:
             print("--train needs torchvision for its models: skipped")
             return {"skipped": "no torchvision"}
     shards = ensure(args.imagenet, "imagenet", 1.0)
-    per_copy = sum(1 for _ in ShardDataset(str(shards), decode="raw", order=Order(shuffle=False)))
-    copies = max(1, -(-args.samples // per_copy))
-    urls = replicated(shards, copies, args.imagenet.with_name(args.imagenet.name + "-replicated"))
+    dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
+    urls, per_epoch = data.replicated(shards, args.samples, dest)
     geo = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
     n = args.train_workers or max(1, harness.cores() - 1)
     torch.backends.cudnn.benchmark = True
-    out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_copy * copies}
+    out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_epoch}
     for name in models:
         model = _model(name, device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
