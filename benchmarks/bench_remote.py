@@ -37,7 +37,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -297,18 +296,8 @@ def main(args: Remote) -> None:
     parent.send("stop")
     server.join(10)
 
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[name])
-
+    med = rounds.median
     raw = med("raw", "mb_s")
-    ratios = [s["mb_s"] / r["mb_s"] for s, r in zip(results["stream"], results["raw"], strict=True)]
-    ratios0 = [
-        s["mb_s"] / r["mb_s"] for s, r in zip(results["stream_p0"], results["raw"], strict=True)
-    ]
-    speedups = [
-        s["samples_s"] / f["samples_s"]
-        for s, f in zip(results["stream"], results["folder"], strict=True)
-    ]
     summary = {
         "server": args.server,
         "latency_ms": args.latency_ms,
@@ -325,9 +314,9 @@ def main(args: Remote) -> None:
         "stream_first_batch_s": med("stream", "first_batch_s"),
         "stream_p0_mb_s": med("stream_p0", "mb_s"),
         "folder_samples_s": med("folder", "samples_s"),
-        "stream_vs_raw": statistics.median(ratios),
-        "stream_p0_vs_raw": statistics.median(ratios0),
-        "shards_vs_folder": statistics.median(speedups),
+        "stream_vs_raw": rounds.ratio("stream", "raw", "mb_s"),
+        "stream_p0_vs_raw": rounds.ratio("stream_p0", "raw", "mb_s"),
+        "shards_vs_folder": rounds.ratio("stream", "folder", "samples_s"),
         "raw": results,
     }
     print(

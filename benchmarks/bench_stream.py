@@ -27,7 +27,6 @@ image of the workers and the main process, which contention does not change much
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Literal
@@ -101,21 +100,13 @@ def bench_raw(urls: list[str], repeats: int) -> dict:
         return run
 
     rounds = harness.interleave({name: side(name) for name in sides}, repeats, quiet=True)
-    rates = {name: rounds.values(name) for name in sides}
-    keys = list(sides)
-    wds_plain, wds_shuf = rates[keys[2]], rates[keys[3]]
+    default, no_shuffle, plain, shuffled = sides
     return {
-        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "samples_per_s": {k: rounds.median(k) for k in sides},
         "samples": counts,
-        "ratio_default_vs_webdataset": statistics.median(
-            a / b for a, b in zip(rates[keys[0]], wds_plain, strict=True)
-        ),
-        "ratio_noshuffle_vs_webdataset": statistics.median(
-            a / b for a, b in zip(rates[keys[1]], wds_plain, strict=True)
-        ),
-        "ratio_default_vs_webdataset_shuffled": statistics.median(
-            a / b for a, b in zip(rates[keys[0]], wds_shuf, strict=True)
-        ),
+        "ratio_default_vs_webdataset": rounds.ratio(default, plain),
+        "ratio_noshuffle_vs_webdataset": rounds.ratio(no_shuffle, plain),
+        "ratio_default_vs_webdataset_shuffled": rounds.ratio(default, shuffled),
         "repeats": repeats,
     }
 
