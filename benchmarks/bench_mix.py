@@ -197,11 +197,8 @@ def _print(result: dict) -> None:
                 f"{cache}: view / folder: {r['ratio']:.3f} images/s, "
                 f"{r['cpu_ratio']:.3f} CPU per image"
             )
-    la = result["loadavg"]
-    print(
-        "\nload average before: " + " ".join(f"{x:.2f}" for x in la["before"])
-        + ", after: " + " ".join(f"{x:.2f}" for x in la["after"])
-    )  # fmt: skip
+    la = {k: harness.load_text(v) for k, v in result["loadavg"].items()}
+    print(f"\nload average before: {la['before']}, after: {la['after']}")
 
 
 if __name__ == "__main__":

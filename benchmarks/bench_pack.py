@@ -290,7 +290,7 @@ def _engines(args) -> int:
     load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats; "
-        f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        f"load average before: {harness.load_text(load0)}",
         flush=True,
     )
 
@@ -339,7 +339,7 @@ def _engines(args) -> int:
             f"  {k:<14} / local{'-r256' if 'r256' in k else '':<6} "
             f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
         )
-    print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}")
+    print(f"load average after: {harness.load_text(load1)}; raw: {args.json}")
     return 0
 
 
@@ -349,8 +349,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
-        f"{args.rounds} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
-        f"{load0[2]:.2f}",
+        f"{args.rounds} repeats; load average before: {harness.load_text(load0)}",
         flush=True,
     )
 
@@ -382,7 +381,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     print(
         f"ray overhead against --engine local (start-up included): median "
         f"{statistics.median(over):+.2f} s, x{statistics.median(ratio):.2f}; load average "
-        f"after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}"
+        f"after: {harness.load_text(load1)}; raw: {args.json}"
     )
     return 0
 

@@ -206,21 +206,18 @@ def _epoch(ds, loader, epoch: int):
     return loader
 
 
+#: A loader's figures in ``--scaling``'s summary: medians over the rounds.
+SUMMED = ("images_per_s", "main_cpu_share", "worker_efficiency")
+
+
 def _summary(row: dict) -> dict:
     ceil = statistics.median(row["ceiling"])
     out = {"ceiling_images_per_s": ceil, "ceiling_runs": row["ceiling"]}
     for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader, other ShardLoader
         runs = row[name]
-        rate = statistics.median(x["images_per_s"] for x in runs)
         ratios = [x["images_per_s"] / c for x, c in zip(runs, row["ceiling"], strict=True)]
-        out[name] = {
-            "images_per_s": rate,
-            "ratio_to_ceiling": statistics.median(ratios),
-            "main_cpu_share": statistics.median(x["main_cpu_share"] for x in runs),
-            "runs": runs,
-        }
-        if all("worker_efficiency" in x for x in runs):
-            out[name]["worker_efficiency"] = statistics.median(x["worker_efficiency"] for x in runs)
+        med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if k in SUMMED}
+        out[name] = {**med, "ratio_to_ceiling": statistics.median(ratios), "runs": runs}
     return out
 
 

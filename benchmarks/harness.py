@@ -93,6 +93,7 @@ __all__ = [
     "live_cpu_seconds",
     "load_now",
     "loadavg",
+    "load_text",
     "say",
     "smoke_drop",
     "write_result",
@@ -111,6 +112,11 @@ def loadavg() -> tuple[float, float, float]:
     """The 1, 5 and 15 minute load averages now, as ``os.getloadavg`` gives them."""
     x = load_now()
     return (x.load_1m, x.load_5m, x.load_15m)
+
+
+def load_text(avg: Sequence[float]) -> str:
+    """``loadavg()``'s three figures as a reader sees them: "1.02 0.98 0.75"."""
+    return " ".join(f"{x:.2f}" for x in avg)
 
 
 # --- CPU seconds -------------------------------------------------------------------------------
