@@ -87,6 +87,8 @@ __all__ = [
     "script",
     "cores",
     "cpu_seconds",
+    "checkouts",
+    "side_by_side",
     "in_child",
     "interleave",
     "available",
@@ -333,6 +335,24 @@ def in_child(checkout: Path | str, code: str, *args: str, cwd: Path | str | None
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     doc.setdefault("child_cpu_s", cpu)
     return doc
+
+
+def checkouts(case: Bench) -> dict[str, Path]:
+    """``{"this": this checkout, "against": --against}`` for a case that compares two checkouts:
+    ``--against`` is required, except under ``--small`` (this checkout against itself)."""
+    if case.against is None and not case.smoke:
+        raise SystemExit("--against DIR is required (another checkout)")
+    return {"this": ROOT, "against": Path(case.against or ROOT).resolve()}
+
+
+def side_by_side(rounds: Rounds, this: str, other: str, key: str = "rate") -> dict:
+    """Two contenders' medians of ``key``, the median of per-round ratios and those ratios."""
+    return {
+        "this": rounds.median(this, key),
+        "against": rounds.median(other, key),
+        "ratio": rounds.ratio(this, other, key),
+        "ratios": [round(x, 3) for x in rounds.ratios(this, other, key)],
+    }
 
 
 # --- the decode ceiling ------------------------------------------------------------------------
