@@ -38,7 +38,6 @@ import harness
 
 ROOT = harness.ROOT
 
-import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
@@ -124,7 +123,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
         "into batch buffers",
         flush=True,
     )
-    names = ["ShardLoader", "DataLoader"] + (["other ShardLoader"] if args.other_loader else [])
+    names = ["ShardLoader", "DataLoader"]
     loaders: dict = {}
 
     def ceiling(n: int):
@@ -178,14 +177,10 @@ def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
         for n in counts:
             c = rows[n]["ceiling"][r]
             s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
-            other = ""
-            if args.other_loader:
-                o = rows[n]["other ShardLoader"][r]
-                other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
             print(
                 f"  [{part} {r + 1}/{args.rounds}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
                 f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
+                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
                 f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
                 f"{s['main_cpu_share']:.3f} of a decode  load {s['load_1min']:.1f}",
                 flush=True,
@@ -193,10 +188,9 @@ def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
-    if name in ("ShardLoader", "other ShardLoader"):
+    if name == "ShardLoader":
         ds = ShardDataset(str(shards), **kw)
-        loader = ShardLoader if name == "ShardLoader" else bench_loader.OTHER_LOADER
-        return ds, loader(ds, batch, num_workers=n)
+        return ds, ShardLoader(ds, batch, num_workers=n)
     ds = ShardDataset(str(shards), batch_size=batch, **kw)
     return ds, DataLoader(ds, batch_size=batch, num_workers=n, persistent_workers=True)
 
@@ -213,7 +207,7 @@ SUMMED = ("images_per_s", "main_cpu_share", "worker_efficiency")
 def _summary(row: dict) -> dict:
     ceil = statistics.median(row["ceiling"])
     out = {"ceiling_images_per_s": ceil, "ceiling_runs": row["ceiling"]}
-    for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader, other ShardLoader
+    for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader
         runs = row[name]
         ratios = [x["images_per_s"] / c for x, c in zip(runs, row["ceiling"], strict=True)]
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if k in SUMMED}
@@ -459,11 +453,6 @@ class Train(harness.Bench):
         "--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
         "(device and auto need shardkit[gpu])",
     )
-    other_loader: Path | None = harness.arg(
-        None,
-        "--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
-        "commit's; see bench_loader.load_other_loader)",
-    )
     plot: Path = ROOT / "bench-out" / "bench_train.png"
 
 
@@ -473,8 +462,6 @@ def main(args: Train) -> None:
     if not args.scaling and not args.train:
         raise SystemExit("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
-    if args.other_loader:
-        bench_loader.load_other_loader(args.other_loader)
     result: dict = {"load_start": harness.loadavg(), "cpus": harness.cores()}
     if args.scaling:
         result["scaling"] = scaling(args)
