@@ -91,6 +91,15 @@ def _serve(kind, shards, src, images, latency, rate, conn) -> None:
         _serve_until_closed(server.port, latency, rate, conn, FaultProxy, server.log)
 
 
+def start_server(*args):
+    """``_serve(*args)`` in a forked process: (the process, its pipe, the proxy's port)."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(*args, child), daemon=True)
+    server.start()
+    return server, parent, parent.recv()
+
+
 def _serve_until_closed(port, latency, rate, conn, proxy_cls, log) -> None:
     with proxy_cls(("127.0.0.1", port), latency=latency, rate=rate) as proxy:
         conn.send(proxy.port)
@@ -214,23 +223,9 @@ def main(args: Remote) -> None:
     rng = random.Random(0)
     subset = sorted(rng.sample(range(len(folder)), min(args.folder_images, len(folder))))
     rels = [folder.relpath(i) for i in subset]
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(
-        target=_serve,
-        args=(
-            args.server,
-            str(shards.resolve()),
-            str(src.resolve()),
-            rels,
-            args.latency_ms / 1000,
-            args.mb_per_conn * 1e6 or None,
-            child,
-        ),
-        daemon=True,
-    )
-    server.start()
-    port = parent.recv()
+    rate = args.mb_per_conn * 1e6 or None
+    where = (str(shards.resolve()), str(src.resolve()))
+    server, parent, port = start_server(args.server, *where, rels, args.latency_ms / 1000, rate)
     endpoint = f"http://127.0.0.1:{port}"
     if args.server == "http":
         base, opts = endpoint, None
@@ -275,7 +270,7 @@ def main(args: Remote) -> None:
         persistent_workers=True,
         collate_fn=collate_raw,
     )
-    pool = ctx.Pool(args.workers)
+    pool = mp.get_context("fork").Pool(args.workers)
     for ld in loaders.values():
         stream(ld, nbytes)
     stream(folder_loader, 0)
@@ -346,23 +341,9 @@ def sparse(args) -> tuple[dict, harness.Rounds]:
 
     shards, _ = data.scale_set(args.sparse_n, work=data.root() / "remote-sparse")
     manifest = read_manifest(str(shards))
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(
-        target=_serve,
-        args=(
-            "http",
-            str(shards.resolve()),
-            str(shards.resolve()),
-            [],
-            args.latency_ms / 1000,
-            None,
-            child,
-        ),
-        daemon=True,
-    )
-    server.start()
-    url = f"http://127.0.0.1:{parent.recv()}/shards/{MANIFEST_NAME}"
+    where = str(shards.resolve())
+    server, parent, port = start_server("http", where, where, [], args.latency_ms / 1000, None)
+    url = f"http://127.0.0.1:{port}/shards/{MANIFEST_NAME}"
     cases = {
         "subset": Source(url, subset=0.01),
         "split": Source(url, split="val", val_fraction=args.val_fraction),
