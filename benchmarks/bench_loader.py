@@ -101,11 +101,7 @@ def ensure(src: Path, kind: str, scale: float, per_class: int = 250) -> Path:
 
 
 def rss_mb(pid: int | None = None) -> float:
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return harness.proc_kb(pid or "self") / 1024
 
 
 # --- contenders --------------------------------------------------------------------------------

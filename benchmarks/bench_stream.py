@@ -224,14 +224,6 @@ def ds_first_shape(ds: ShardDataset) -> torch.Size:
     return next(iter(probe))[0].shape
 
 
-def _proc_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _worker_pids(loader: DataLoader) -> list[int]:
     """Pids of a persistent-worker loader's processes (they live as long as the loader)."""
     return [w.pid for w in loader._iterator._workers]
@@ -268,7 +260,7 @@ def _epoch_memory(loader: DataLoader, epochs: _Epochs, every: int = 2) -> tuple[
     return (
         [max(peak.get(p, 0), u) for p, u in zip(pids, end, strict=True)],
         end,
-        [_proc_kb(p, "VmRSS") for p in pids],
+        [harness.proc_kb(p) for p in pids],
     )
 
 

@@ -144,6 +144,15 @@ def live_cpu_seconds(pids: Sequence[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def proc_kb(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM) in kB; 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(x.split()[1]) for x in f if x.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
 # --- interleaved rounds ------------------------------------------------------------------------
 
 
