@@ -68,13 +68,14 @@ TORCHVISION = _early_torchvision(sys.argv)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_loader import RRC  # noqa: E402
 from bench_train import MEAN_STD  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
 from shardkit.images.geometry import CropBox  # noqa: E402
 
-GEO = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
+GEO = {"decode": RRC}
 
 
 def _records(shards: Path, n: int) -> tuple[list[np.ndarray], list[CropBox], list[tuple]]:

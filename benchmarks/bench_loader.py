@@ -279,75 +279,63 @@ def load_other_loader(path: Path) -> None:
     OTHER_LOADER = module.ShardLoader
 
 
-def _with_other(contenders: dict, name: str, make_ds, channels_last: bool) -> None:
-    if OTHER_LOADER is None:
-        return
-
+def _shard_loader(shards: Path, decode, channels_last: bool, loader=ShardLoader):
     def build():
-        ds = make_ds()
-        return ds, OTHER_LOADER(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
+        ds = ShardDataset(str(shards), decode=decode)
+        return ds, loader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
-    contenders[name] = _once(build)
+    return _once(build)
+
+
+def _dl_shard(shards: Path, decode):
+    def build():
+        ds = ShardDataset(str(shards), decode=decode)
+        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+
+    return _once(build)
+
+
+def _with_other(contenders: dict, name: str, shards: Path, decode, channels_last: bool) -> None:
+    if OTHER_LOADER is not None:
+        contenders[name] = _shard_loader(shards, decode, channels_last, OTHER_LOADER)
 
 
 def contenders_a(src: Path, shards: Path) -> dict:
-    def shard_loader(channels_last, decode="tensor"):
-        def build():
-            ds = ShardDataset(str(shards), decode=decode)
-            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
-
-        return _once(build)
-
-    def dl_shard():
-        ds = ShardDataset(str(shards), decode="tensor")
-        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
     def dl_folder(epoch):
         g = torch.Generator().manual_seed(epoch)
         ds = FolderDataset(str(src), decode="tensor")
         return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, generator=g)
 
     out = {
-        "ShardLoader": shard_loader(False),
-        "ShardLoader channels_last": shard_loader(True),
+        "ShardLoader": _shard_loader(shards, "tensor", False),
+        "ShardLoader channels_last": _shard_loader(shards, "tensor", True),
         # FFCV's accuracy (libjpeg-turbo's fast integer IDCT), opt-in
-        "ShardLoader channels_last dct=fast": shard_loader(
-            True, decode=Decode("tensor", dct="fast")
+        "ShardLoader channels_last dct=fast": _shard_loader(
+            shards, Decode("tensor", dct="fast"), True
         ),
-        "DataLoader(ShardDataset)": _once(dl_shard),
+        "DataLoader(ShardDataset)": _dl_shard(shards, "tensor"),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
     }
-    make = lambda: ShardDataset(str(shards), decode="tensor")  # noqa: E731
-    _with_other(out, "thread ShardLoader", make, False)
-    _with_other(out, "thread ShardLoader channels_last", make, True)
+    _with_other(out, "thread ShardLoader", shards, "tensor", False)
+    _with_other(out, "thread ShardLoader channels_last", shards, "tensor", True)
     return out
 
 
+#: (b)'s decode: random-resized crops of 224 and flips.
+RRC = Decode(crop=RandomResizedCrop(224), flip=True)
+
+
 def contenders_b(shards: Path) -> dict:
-    geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
-
-    def shard_loader(channels_last, **kw):
-        def build():
-            ds = ShardDataset(str(shards), **{**geo, **kw})
-            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
-
-        return _once(build)
-
-    def dl_shard():
-        ds = ShardDataset(str(shards), **geo)
-        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
     out = {
-        "ShardLoader RRC224+flip": shard_loader(False),
-        "ShardLoader RRC224+flip channels_last": shard_loader(True),
-        "ShardLoader center224 channels_last": shard_loader(
-            True, decode=Decode(crop=CenterCrop(224, 224))
+        "ShardLoader RRC224+flip": _shard_loader(shards, RRC, False),
+        "ShardLoader RRC224+flip channels_last": _shard_loader(shards, RRC, True),
+        "ShardLoader center224 channels_last": _shard_loader(
+            shards, Decode(crop=CenterCrop(224, 224)), True
         ),
-        "DataLoader(ShardDataset RRC224+flip)": _once(dl_shard),
+        "DataLoader(ShardDataset RRC224+flip)": _dl_shard(shards, RRC),
     }
-    make = lambda: ShardDataset(str(shards), **geo)  # noqa: E731
-    _with_other(out, "thread ShardLoader RRC224+flip", make, False)
+    _with_other(out, "thread ShardLoader RRC224+flip", shards, RRC, False)
     return out
 
 
@@ -675,8 +663,7 @@ def main(args: Loader) -> None:
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
-        geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
-        loops = worker_loops(ShardDataset(str(inet_shards), **geo))
+        loops = worker_loops(ShardDataset(str(inet_shards), decode=RRC))
         out["b"] = measure("b", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()

@@ -41,19 +41,16 @@ ROOT = harness.ROOT
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ensure, timed_epoch  # noqa: E402
+from bench_loader import RRC, ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit import Decode, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 WORKLOADS = {
     "a": ("LFW full decode", {"decode": "tensor"}),
-    "b": (
-        "ImageNet RRC-224+flip",
-        {"decode": Decode(crop=RandomResizedCrop(224), flip=True)},
-    ),
+    "b": ("ImageNet RRC-224+flip", {"decode": RRC}),
 }
 
 
@@ -279,7 +276,7 @@ def train(args) -> dict:
     shards = ensure(args.imagenet, "imagenet", 1.0)
     dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
     urls, per_epoch = data.replicated(shards, args.samples, dest)
-    geo = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
+    geo = {"decode": RRC}
     n = args.train_workers or max(1, harness.cores() - 1)
     torch.backends.cudnn.benchmark = True
     out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_epoch}
