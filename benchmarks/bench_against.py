@@ -125,12 +125,9 @@ class Against(harness.Bench):
 
 
 def main(a: Against) -> None:
-    if a.against is None and not a.smoke:
-        raise SystemExit("--against DIR is required (another checkout)")
-    against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
+    checkouts = harness.checkouts(a)
     work = a.work or data.root() / "against"
     made = make_data(work, a.rows, a.per_class)
-    checkouts = {"this": harness.ROOT, "against": against}
     jobs = a.jobs.split(",")
     sides = {  # every job on both checkouts each round; the order flips every round
         f"{j}/{c}": (lambda r, c=c, j=j: job(j, checkouts[c], made, work / f"out-{c}", a.rows))
@@ -140,16 +137,12 @@ def main(a: Against) -> None:
     rounds = harness.interleave(sides, a.rounds, order="reverse")
     summary = {}
     for j in jobs:
-        this, other = f"{j}/this", f"{j}/against"
-        key = "seconds" if "seconds" in rounds.results[this][0] else "rate"
+        key = "seconds" if "seconds" in rounds.results[f"{j}/this"][0] else "rate"
         summary[j] = {
             "measure": key,
-            "this": rounds.median(this, key),
-            "against": rounds.median(other, key),
-            "ratio": rounds.ratio(this, other, key),
-            "ratios": [round(x, 3) for x in rounds.ratios(this, other, key)],
+            **harness.side_by_side(rounds, f"{j}/this", f"{j}/against", key),
         }
-    result = {"against": str(against), "rows": a.rows, "jobs": summary}
+    result = {"against": str(checkouts["against"]), "rows": a.rows, "jobs": summary}
     harness.write_result(a.json or harness.ROOT / "bench-out" / "bench_against.json",
                          "bench_against", a, result, rounds)  # fmt: skip
     print(f"load average per round: {rounds.load_text()}")

@@ -68,13 +68,14 @@ TORCHVISION = _early_torchvision(sys.argv)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_train import MEAN_STD, replicated, usable_cpus  # noqa: E402
+from bench_loader import RRC  # noqa: E402
+from bench_train import MEAN_STD  # noqa: E402
 
 from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
 from shardkit.images.geometry import CropBox  # noqa: E402
 
-GEO = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
+GEO = {"decode": RRC}
 
 
 def _records(shards: Path, n: int) -> tuple[list[np.ndarray], list[CropBox], list[tuple]]:
@@ -287,11 +288,8 @@ def pipeline(args) -> dict:
 
 
 def _urls(args, samples: int | None = None) -> list[str]:
-    per_copy = len(list(args.shards.glob("*.tar")))
-    count = sum(1 for _ in ShardDataset(str(args.shards), decode="raw", order=Order(shuffle=False)))
-    copies = max(1, -(-(samples or args.samples) // count))
     dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
-    return replicated(args.shards, copies, dest)[: per_copy * copies]
+    return makers.replicated(args.shards, samples or args.samples, dest)[0]
 
 
 def _loader(urls, decode_on: str, workers: int, batch: int, device="cuda"):
@@ -317,19 +315,14 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     counts0 = ld.feed_counts.as_dict()
-    t, c, p = time.perf_counter(), time.thread_time(), time.process_time()
-    for _ in range(steps):
-        next(it)
-    cpu, proc = time.thread_time() - c, time.process_time() - p
+    t = time.perf_counter()
+    row = _drain_more(it, steps, batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    wall = time.perf_counter() - t
-    images = steps * batch
     del it
     return {
-        "images_per_s": images / wall,
-        "trainer_thread_cpu_us_per_image": cpu / images * 1e6,
-        "process_cpu_us_per_image": proc / images * 1e6,
+        "images_per_s": steps * batch / (time.perf_counter() - t),
+        **row,
         "feed_counts": ld.feed_counts.as_dict(),
         "feed_counts_at_start": counts0,
         "share_to_workers": ld.balance.sent if ld.decode_on == "auto" else None,
@@ -339,7 +332,7 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
 
 def cpu_facts() -> dict:
     """Model, logical CPUs usable, and physical cores (distinct (package, core) pairs)."""
-    facts: dict = {"usable": usable_cpus(), "model": None, "physical_cores": None}
+    facts: dict = {"usable": harness.cores(), "model": None, "physical_cores": None}
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
@@ -371,7 +364,7 @@ def cpu(args) -> dict:
         for data, key in datas:
             dec(data, key, out)
         rates.append(len(datas) / (time.perf_counter() - t))
-    torch.set_num_threads(usable_cpus())
+    torch.set_num_threads(harness.cores())
     return {**cpu_facts(), "one_process_rrc_images_per_s": statistics.median(rates)}
 
 
@@ -379,7 +372,7 @@ def loader(args) -> dict:
     from shardkit.loader import epoch as epoch_mod
 
     urls = _urls(args)
-    n = args.workers or max(1, usable_cpus() - 1)
+    n = args.workers or max(1, harness.cores() - 1)
     out: dict = {"num_workers": n}  # not "workers": that is decode_on="workers"'s row
     for mode in [*args.decode_on, "device-nothread"]:
         epoch_mod.DECODE_THREADS = 1 if mode != "device-nothread" else 0
@@ -400,7 +393,7 @@ def loader(args) -> dict:
 
 def cpu_backend(args) -> dict:
     """decode_on="device" on nvImageCodec's CPU backend (no GPU): the training thread's CPU."""
-    n = args.workers or max(1, usable_cpus() - 1)
+    n = args.workers or max(1, harness.cores() - 1)
     ds, ld = _loader(_urls(args), "device", n, args.batch, device=None)
     try:
         row = _drain(ld, 2, 6, args.batch)
@@ -450,7 +443,7 @@ def stub(args) -> dict:
     def factory(device=None, upsampling=None):
         return Timed(device, stub=True)
 
-    n = args.workers or max(1, usable_cpus() - 1)
+    n = args.workers or max(1, harness.cores() - 1)
     urls = _urls(args)
     out: dict = {"num_workers": n}
     # 16: the Python alone (the batch's tensors tiny); 224: with the host's copies into the
@@ -504,7 +497,7 @@ def _drain_more(it, steps: int, batch: int) -> dict:
     c, p = time.thread_time(), time.process_time()
     for _ in range(steps):
         next(it)
-    images = steps * batch
+    images = steps * batch  # the calling thread's CPU: not the final synchronize, which spins
     return {
         "trainer_thread_cpu_us_per_image": (time.thread_time() - c) / images * 1e6,
         "process_cpu_us_per_image": (time.process_time() - p) / images * 1e6,
@@ -513,7 +506,7 @@ def _drain_more(it, steps: int, batch: int) -> dict:
 
 def epochs(args) -> dict:
     """Short epochs back to back against one long one, the same loader settings."""
-    n = args.workers or max(1, usable_cpus() - 1)
+    n = args.workers or max(1, harness.cores() - 1)
     short_urls = [str(p) for p in sorted(args.shards.glob("*.tar"))]
     long_urls = _urls(args, args.epoch_samples)
     out: dict = {"workers": n}
@@ -674,7 +667,7 @@ def main(args: Device) -> None:
     args = replace(args, imagenet=args.imagenet or makers.root() / "imagenet")
     result: dict = {
         "torchvision_first": TORCHVISION,
-        "cpus": usable_cpus(),
+        "cpus": harness.cores(),
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
         "load_start": harness.loadavg(),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob
 import os
 import statistics
-import time
 from pathlib import Path
 
 import data
@@ -61,19 +60,13 @@ def run_side(shards: Path, batch: int, workers: int, epochs: int, overlap: bool)
     loader.set_epoch(0)
     for _ in loader:  # starts the workers
         pass
-    waits, n = [], 0
-    t0 = time.perf_counter()
+    runs = []
     for epoch in range(1, epochs + 1):
         loader.set_epoch(epoch)
-        t = time.perf_counter()
-        it = iter(loader)
-        x, _ = next(it)
-        waits.append(time.perf_counter() - t)
-        n += len(x)
-        for x, _ in it:
-            n += len(x)
-    seconds = time.perf_counter() - t0
+        runs.append(harness.epoch(loader))
     loader.close()
+    n, seconds = sum(e["images"] for e in runs), sum(e["wall_s"] for e in runs)
+    waits = [e["first_s"] for e in runs]
     return {
         "images_per_s": n / seconds,
         "first_batch_wait_ms": 1000 * statistics.mean(waits),

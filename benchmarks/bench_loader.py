@@ -100,16 +100,8 @@ def ensure(src: Path, kind: str, scale: float, per_class: int = 250) -> Path:
     return data.packed(tree, shard_size="16MB")
 
 
-def image_bytes(src: Path) -> list[bytes]:
-    return data.jpeg_bytes(src)  # also puts the folder contender's files in the page cache
-
-
 def rss_mb(pid: int | None = None) -> float:
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return harness.proc_kb(pid or "self") / 1024
 
 
 # --- contenders --------------------------------------------------------------------------------
@@ -287,75 +279,63 @@ def load_other_loader(path: Path) -> None:
     OTHER_LOADER = module.ShardLoader
 
 
-def _with_other(contenders: dict, name: str, make_ds, channels_last: bool) -> None:
-    if OTHER_LOADER is None:
-        return
-
+def _shard_loader(shards: Path, decode, channels_last: bool, loader=ShardLoader):
     def build():
-        ds = make_ds()
-        return ds, OTHER_LOADER(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
+        ds = ShardDataset(str(shards), decode=decode)
+        return ds, loader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
 
-    contenders[name] = _once(build)
+    return _once(build)
+
+
+def _dl_shard(shards: Path, decode):
+    def build():
+        ds = ShardDataset(str(shards), decode=decode)
+        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+
+    return _once(build)
+
+
+def _with_other(contenders: dict, name: str, shards: Path, decode, channels_last: bool) -> None:
+    if OTHER_LOADER is not None:
+        contenders[name] = _shard_loader(shards, decode, channels_last, OTHER_LOADER)
 
 
 def contenders_a(src: Path, shards: Path) -> dict:
-    def shard_loader(channels_last, decode="tensor"):
-        def build():
-            ds = ShardDataset(str(shards), decode=decode)
-            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
-
-        return _once(build)
-
-    def dl_shard():
-        ds = ShardDataset(str(shards), decode="tensor")
-        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
     def dl_folder(epoch):
         g = torch.Generator().manual_seed(epoch)
         ds = FolderDataset(str(src), decode="tensor")
         return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, generator=g)
 
     out = {
-        "ShardLoader": shard_loader(False),
-        "ShardLoader channels_last": shard_loader(True),
+        "ShardLoader": _shard_loader(shards, "tensor", False),
+        "ShardLoader channels_last": _shard_loader(shards, "tensor", True),
         # FFCV's accuracy (libjpeg-turbo's fast integer IDCT), opt-in
-        "ShardLoader channels_last dct=fast": shard_loader(
-            True, decode=Decode("tensor", dct="fast")
+        "ShardLoader channels_last dct=fast": _shard_loader(
+            shards, Decode("tensor", dct="fast"), True
         ),
-        "DataLoader(ShardDataset)": _once(dl_shard),
+        "DataLoader(ShardDataset)": _dl_shard(shards, "tensor"),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
     }
-    make = lambda: ShardDataset(str(shards), decode="tensor")  # noqa: E731
-    _with_other(out, "thread ShardLoader", make, False)
-    _with_other(out, "thread ShardLoader channels_last", make, True)
+    _with_other(out, "thread ShardLoader", shards, "tensor", False)
+    _with_other(out, "thread ShardLoader channels_last", shards, "tensor", True)
     return out
 
 
+#: (b)'s decode: random-resized crops of 224 and flips.
+RRC = Decode(crop=RandomResizedCrop(224), flip=True)
+
+
 def contenders_b(shards: Path) -> dict:
-    geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
-
-    def shard_loader(channels_last, **kw):
-        def build():
-            ds = ShardDataset(str(shards), **{**geo, **kw})
-            return ds, ShardLoader(ds, BATCH, num_workers=WORKERS, channels_last=channels_last)
-
-        return _once(build)
-
-    def dl_shard():
-        ds = ShardDataset(str(shards), **geo)
-        return ds, DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
     out = {
-        "ShardLoader RRC224+flip": shard_loader(False),
-        "ShardLoader RRC224+flip channels_last": shard_loader(True),
-        "ShardLoader center224 channels_last": shard_loader(
-            True, decode=Decode(crop=CenterCrop(224, 224))
+        "ShardLoader RRC224+flip": _shard_loader(shards, RRC, False),
+        "ShardLoader RRC224+flip channels_last": _shard_loader(shards, RRC, True),
+        "ShardLoader center224 channels_last": _shard_loader(
+            shards, Decode(crop=CenterCrop(224, 224)), True
         ),
-        "DataLoader(ShardDataset RRC224+flip)": _once(dl_shard),
+        "DataLoader(ShardDataset RRC224+flip)": _dl_shard(shards, RRC),
     }
-    make = lambda: ShardDataset(str(shards), **geo)  # noqa: E731
-    _with_other(out, "thread ShardLoader RRC224+flip", make, False)
+    _with_other(out, "thread ShardLoader RRC224+flip", shards, RRC, False)
     return out
 
 
@@ -448,6 +428,11 @@ def worker_loops(ds) -> dict[str, WorkerLoop]:
     }
 
 
+#: A contender's figures given as medians over the repeats.
+MEDIANS = ("images_per_s", "ratio_to_ceiling", "ratio_to_two_processes", "first_batch_s",
+           "cpu_us_per_image", "cpu_efficiency")  # fmt: skip
+
+
 def measure(
     name: str,
     datas: list[bytes],
@@ -507,36 +492,24 @@ def measure(
     for runs in [*rows.values(), *eff.values()]:
         for x in runs:  # the harness's own figures: not the contender's
             x.pop("cpu_s", None), x.pop("wall_s", None)
-    ceil1, ceil2 = rounds.values("(ceiling)", "one"), rounds.values("(ceiling)", "two")
-    fast, cpu1 = rounds.values("(ceiling)", "fast"), rounds.values("(ceiling)", "cpu")
-    loads = [x.load_1m for x in rounds.loads]
+    got = {k: rounds.values("(ceiling)", k) for k in ("one", "two", "fast", "cpu")}
     summary = {
-        "ceiling_one_x2": ceil1,
-        "ceiling_two_processes": ceil2,
-        "ceiling_fastdct_one_x2": fast,
-        "ceiling_cpu_us_per_image": cpu1,
-        "load_1min": loads,
+        "ceiling_one_x2": got["one"],
+        "ceiling_two_processes": got["two"],
+        "ceiling_fastdct_one_x2": got["fast"],
+        "ceiling_cpu_us_per_image": got["cpu"],
+        "load_1min": [x.load_1m for x in rounds.loads],
         "contenders": {},
     }
     for cname, runs in rows.items():
-        summary["contenders"][cname] = {
-            "runs": runs,
-            "median_images_per_s": statistics.median(x["images_per_s"] for x in runs),
-            "median_ratio_to_ceiling": statistics.median(x["ratio_to_ceiling"] for x in runs),
-            "median_ratio_to_two_processes": statistics.median(
-                x["ratio_to_two_processes"] for x in runs
-            ),
-            "median_first_batch_s": statistics.median(x["first_batch_s"] for x in runs),
-            "median_cpu_us_per_image": statistics.median(x["cpu_us_per_image"] for x in runs),
-            "median_cpu_efficiency": statistics.median(x["cpu_efficiency"] for x in runs),
-            "median_main_cpu_share": statistics.median(
-                x["main_cpu_us_per_image"] / c for x, c in zip(runs, cpu1, strict=True)
-            ),
-        }
+        c = summary["contenders"][cname] = {"runs": runs}
+        for k in MEDIANS:
+            c[f"median_{k}"] = statistics.median(x[k] for x in runs)
+        c["median_main_cpu_share"] = rounds.ratio(
+            cname, "(ceiling)", "main_cpu_us_per_image", "cpu"
+        )
         if ffcv in rows and cname != ffcv:
-            summary["contenders"][cname]["median_ratio_to_ffcv"] = statistics.median(
-                x["images_per_s"] / f["images_per_s"] for x, f in zip(runs, rows[ffcv], strict=True)
-            )
+            c["median_ratio_to_ffcv"] = rounds.ratio(cname, ffcv, "images_per_s")
     if loops:
         summary["worker_efficiency"] = {
             layout: {
@@ -673,7 +646,7 @@ def main(args: Loader) -> None:
         lfw_shards = ensure(args.lfw, "lfw", args.lfw_scale)
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
-        datas = image_bytes(args.lfw)
+        datas = data.jpeg_bytes(args.lfw)  # the folder contender's files cached too
         contenders = contenders_a(args.lfw, lfw_shards)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
@@ -685,13 +658,12 @@ def main(args: Loader) -> None:
     if "b" in only:
         inet_shards = ensure(args.imagenet, "imagenet", 1.0, args.imagenet_per_class)
         print(f"(b) ImageNet-shaped random-resized-crop 224 + flip, {args.imagenet}", flush=True)
-        datas = image_bytes(args.imagenet)
+        datas = data.jpeg_bytes(args.imagenet)
         contenders = contenders_b(inet_shards)
         ffcv = (93, "FFCV Loader RRC224+flip") if args.ffcv else None
         out["b_bytes"] = add_ffcv(contenders, args.imagenet, inet_shards, ffcv, crop=True)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
-        geo = dict(decode=Decode(crop=RandomResizedCrop(224), flip=True))
-        loops = worker_loops(ShardDataset(str(inet_shards), **geo))
+        loops = worker_loops(ShardDataset(str(inet_shards), decode=RRC))
         out["b"] = measure("b", datas, contenders, args.rounds, loops, ffcv and ffcv[1])
         for loop in loops.values():
             loop.close()

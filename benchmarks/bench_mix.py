@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -52,19 +51,14 @@ def _data(lfw: Path, scale: float) -> dict[str, str]:
     return out
 
 
-_cpu = harness.cpu_seconds  # this process and its reaped children (the loader's workers)
-
-
-def _epoch_rate(make, epoch: int) -> tuple[float, float, int]:
+def _epoch_rate(make, epoch: int | None = None) -> tuple[float, float, int]:
     """images/s and CPU microseconds per image (workers included) of one epoch."""
     loader = make()
-    loader.set_epoch(epoch)
-    n, c0, t0 = 0, _cpu(), time.perf_counter()
-    for batch in loader:
-        n += len(batch[1])
-    rate = n / (time.perf_counter() - t0)
-    loader.close()  # reaps the workers: their CPU time is counted now
-    return rate, (_cpu() - c0) * 1e6 / n, n
+    if epoch is not None:
+        loader.set_epoch(epoch)
+    e = harness.epoch(loader)
+    getattr(loader, "close", lambda: None)()  # a ShardLoader's workers end here
+    return e["rate"], e["cpu_s"] * 1e6 / e["images"], e["images"]
 
 
 def bench_mixture(data: dict, repeats: int, workers: int, batch: int) -> dict:
@@ -95,16 +89,16 @@ def bench_mixture(data: dict, repeats: int, workers: int, batch: int) -> dict:
         "2-source mixture": side("2-source mixture", mixed),
     }
     rounds = harness.interleave(sides, repeats, order="fixed")
-    rates = {name: rounds.values(name) for name in sides}
-    cpu = {name: rounds.values(name, "cpu_us") for name in sides}
-    ratios = [m / o for m, o in zip(rates["2-source mixture"], rates["one source"], strict=True)]
-    cpu_ratios = [m / o for m, o in zip(cpu["2-source mixture"], cpu["one source"], strict=True)]
+    return {**_figures(rounds, "2-source mixture", "one source"), "samples": counts}
+
+
+def _figures(rounds: harness.Rounds, a: str, b: str) -> dict:
+    """Both sides' images/s and CPU per image per round, and the medians of a's over b's."""
     return {
-        "rates": rates,
-        "cpu_us": cpu,
-        "samples": counts,
-        "ratio": statistics.median(ratios),
-        "cpu_ratio": statistics.median(cpu_ratios),
+        "rates": {name: rounds.values(name) for name in (b, a)},
+        "cpu_us": {name: rounds.values(name, "cpu_us") for name in (b, a)},
+        "ratio": rounds.ratio(a, b),
+        "cpu_ratio": rounds.ratio(a, b, "cpu_us"),
     }
 
 
@@ -123,13 +117,7 @@ def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> d
     def run(ds, seed: int) -> tuple[float, float]:
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
         loader = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers)
-        n, c0, t0 = 0, _cpu(), time.perf_counter()
-        it = iter(loader)
-        for _, labels in it:
-            n += len(labels)
-        rate = n / (time.perf_counter() - t0)
-        del it  # shuts the workers down: their CPU time is counted now
-        return rate, (_cpu() - c0) * 1e6 / n
+        return _epoch_rate(lambda: loader)[:2]  # the workers end with the epoch's iterator
 
     out = {}
     for cache in ("warm", "cold"):
@@ -147,16 +135,7 @@ def bench_random_access(data: dict, repeats: int, workers: int, batch: int) -> d
 
         sides = {"folder": side("folder", folder), "view": side("view", view)}
         rounds = harness.interleave(sides, repeats, order="fixed")
-        rates = {name: rounds.values(name) for name in sides}
-        cpu = {name: rounds.values(name, "cpu_us") for name in sides}
-        ratios = [v / f for v, f in zip(rates["view"], rates["folder"], strict=True)]
-        cpu_ratios = [v / f for v, f in zip(cpu["view"], cpu["folder"], strict=True)]
-        out[cache] = {
-            "rates": rates,
-            "cpu_us": cpu,
-            "ratio": statistics.median(ratios),
-            "cpu_ratio": statistics.median(cpu_ratios),
-        }
+        out[cache] = _figures(rounds, "view", "folder")
     return out
 
 
@@ -218,11 +197,8 @@ def _print(result: dict) -> None:
                 f"{cache}: view / folder: {r['ratio']:.3f} images/s, "
                 f"{r['cpu_ratio']:.3f} CPU per image"
             )
-    la = result["loadavg"]
-    print(
-        "\nload average before: " + " ".join(f"{x:.2f}" for x in la["before"])
-        + ", after: " + " ".join(f"{x:.2f}" for x in la["after"])
-    )  # fmt: skip
+    la = {k: harness.load_text(v) for k, v in result["loadavg"].items()}
+    print(f"\nload average before: {la['before']}, after: {la['after']}")
 
 
 if __name__ == "__main__":

@@ -61,16 +61,10 @@ _CHILD = r"""
 import json, resource, sys, warnings
 warnings.simplefilter("ignore")
 from shardkit import ShardDataset
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
-def cpu():
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-base, c0 = hwm(), cpu()
+base, c0 = status_mb("VmHWM"), cpu()
 ds = ShardDataset(sys.argv[1], decode="raw")
 n = len(ds)
-print(json.dumps({"cpu_s": cpu() - c0, "mb": hwm() - base, "len": n}))
+print(json.dumps({"cpu_s": cpu() - c0, "mb": status_mb("VmHWM") - base, "len": n}))
 """
 
 

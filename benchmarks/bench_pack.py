@@ -45,13 +45,19 @@ from shardkit.bench.pagecache import evict, resident_fraction
 ROOT = harness.ROOT
 
 
-def _interleave(names: list[str], once, repeats: int) -> tuple[list[dict], harness.Rounds]:
+def _interleave(names: list[str], once, repeats: int, work: Path, note) -> tuple:
     """Every command once per repeat, the order rotating; ``once(name)`` returns a dict of
-    figures. Returns per repeat ``{name: figures}`` (the shape the summaries read) and the
-    rounds."""
+    figures with ``seconds``. Prints each repeat's seconds and ``note(seconds by name)``, empties
+    ``work``; returns per repeat ``{name: figures}``, per repeat ``{name: seconds}`` (the shape
+    the summaries read) and the rounds."""
     rounds = harness.interleave({n: (lambda r, n=n: once(n)) for n in names}, repeats)
-    runs = [{n: rounds.results[n][r] for n in names} for r in range(repeats)]
-    return runs, rounds
+    got = [{n: rounds.results[n][r] for n in names} for r in range(repeats)]
+    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    for rep, times in enumerate(runs):
+        text = "  ".join(f"{n} {times[n]:.2f}s" for n in names)
+        print(f"repeat {rep + 1}: {text}  | {note(times)}", flush=True)
+    _clean(work)
+    return got, runs, rounds
 
 
 def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
@@ -79,25 +85,15 @@ def _clean(work: Path) -> None:
     os.sync()
 
 
-def _time(cmd: list[str]) -> float:
-    t0 = time.perf_counter()
+def _time(cmd: list[str]) -> dict:
+    """Wall ``seconds`` of the command and the ``cpu`` seconds (user + system) it and its
+    children used: on a shared machine, less disturbed by others than wall time."""
+    c0, t0 = harness.cpu_seconds(), time.perf_counter()
     r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, harness.cpu_seconds() - c0
     if r.returncode != 0:
         raise SystemExit(f"benchmark command failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr}")
-    return dt
-
-
-def _cpu_time(cmd: list[str], cpu: dict, name: str) -> float:
-    """``_time``, also recording the CPU seconds (user + system) the command and its children
-    used in ``cpu[name]``: on a shared machine, less disturbed by others than wall time."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    dt = _time(cmd)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu[name] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return dt
+    return {"seconds": dt, "cpu": cpu}
 
 
 def _tree_size(src: Path) -> tuple[int, int]:
@@ -173,21 +169,16 @@ def main(args: Pack) -> None:
         _clean(work)
         evict(src)
         resident = resident_fraction(src)
-        return {"seconds": _time(cmds[name]), "resident": resident}
+        return {**_time(cmds[name]), "resident": resident}
 
-    got, rounds = _interleave(names, once, args.rounds)
-    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    def note(t: dict) -> str:
+        return (
+            f"pack-w1/tar {t['pack-w1'] / t['tar']:.2f}  pack-w2/tar {t['pack-w2'] / t['tar']:.2f}"
+        )
+
+    got, runs, rounds = _interleave(names, once, args.rounds, work, note)
     resident = [{n: r[n]["resident"] for n in names} for r in got]
     residency = [x for res in resident for x in res.values()]
-    for rep, times in enumerate(runs):
-        print(
-            f"repeat {rep + 1}: "
-            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
-            + f"  | pack-w1/tar {times['pack-w1'] / times['tar']:.2f}"
-            + f"  pack-w2/tar {times['pack-w2'] / times['tar']:.2f}",
-            flush=True,
-        )
-    _clean(work)
 
     def ratios(name: str) -> list[float]:
         return [r[name] / r["tar"] for r in runs]
@@ -299,28 +290,21 @@ def _engines(args) -> int:
     load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats; "
-        f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        f"load average before: {harness.load_text(load0)}",
         flush=True,
     )
 
     def once(name: str) -> dict:
         _clean(work)
         evict(src)
-        cpu: dict = {}
-        return {"seconds": _cpu_time(cmds[name], cpu, name), "cpu": cpu[name]}
+        return _time(cmds[name])
 
-    got, rounds = _interleave(names, once, args.rounds)
-    runs = [{n: r[n]["seconds"] for n in names} for r in got]
+    def note(t: dict) -> str:
+        r256 = t["pack-t1-r256"] / t["local-r256"]
+        return f"pack-t1/local {t['pack-t1'] / t['local']:.2f}, r256 {r256:.2f}"
+
+    got, runs, rounds = _interleave(names, once, args.rounds, work, note)
     cpus = [{n: r[n]["cpu"] for n in names} for r in got]
-    for rep, times in enumerate(runs):
-        print(
-            f"repeat {rep + 1}: "
-            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
-            + f"  | pack-t1/local {times['pack-t1'] / times['local']:.2f}"
-            + f", r256 {times['pack-t1-r256'] / times['local-r256']:.2f}",
-            flush=True,
-        )
-    _clean(work)
     load1 = harness.loadavg()
     speedups = {
         f"{base}{r}": [run[f"{base}{r}"] / run[f"local{r}"] for run in runs]
@@ -355,7 +339,7 @@ def _engines(args) -> int:
             f"  {k:<14} / local{'-r256' if 'r256' in k else '':<6} "
             f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
         )
-    print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}")
+    print(f"load average after: {harness.load_text(load1)}; raw: {args.json}")
     return 0
 
 
@@ -365,25 +349,18 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     load0 = harness.loadavg()
     print(
         f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
-        f"{args.rounds} repeats; load average before: {load0[0]:.2f} {load0[1]:.2f} "
-        f"{load0[2]:.2f}",
+        f"{args.rounds} repeats; load average before: {harness.load_text(load0)}",
         flush=True,
     )
 
     def once(name: str) -> dict:
         _clean(work)
-        return {"seconds": _time(cmds[name])}
+        return _time(cmds[name])
 
-    got, rounds = _interleave(names, once, args.rounds)
-    runs = [{n: r[n]["seconds"] for n in names} for r in got]
-    for rep, times in enumerate(runs):
-        print(
-            f"repeat {rep + 1}: "
-            + "  ".join(f"{n} {times[n]:.2f}s" for n in names)
-            + f"  | ray - local {times['ray'] - times['local']:+.2f}s",
-            flush=True,
-        )
-    _clean(work)
+    def note(t: dict) -> str:
+        return f"ray - local {t['ray'] - t['local']:+.2f}s"
+
+    _, runs, rounds = _interleave(names, once, args.rounds, work, note)
     load1 = harness.loadavg()
     over = [r["ray"] - r["local"] for r in runs]
     ratio = [r["ray"] / r["local"] for r in runs]
@@ -404,7 +381,7 @@ def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
     print(
         f"ray overhead against --engine local (start-up included): median "
         f"{statistics.median(over):+.2f} s, x{statistics.median(ratio):.2f}; load average "
-        f"after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; raw: {args.json}"
+        f"after: {harness.load_text(load1)}; raw: {args.json}"
     )
     return 0
 

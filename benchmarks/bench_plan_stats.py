@@ -28,10 +28,6 @@ warnings.simplefilter("ignore")
 from shardkit.scan import scan_source
 from shardkit.write.read import source_stats
 
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
 src, engine = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 runner = None

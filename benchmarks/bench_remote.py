@@ -37,7 +37,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -61,13 +60,6 @@ from shardkit.stream.shuffle import Order  # noqa: E402
 
 BUCKET = "bench"
 BATCH = 64
-
-
-# --- data -------------------------------------------------------------------------------------
-
-
-def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
-    data.packed(data.lfw(src), shards, shard_size=shard_size, workers=2)
 
 
 # --- the server process -----------------------------------------------------------------------
@@ -97,6 +89,15 @@ def _serve(kind, shards, src, images, latency, rate, conn) -> None:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(put, images))
         _serve_until_closed(server.port, latency, rate, conn, FaultProxy, server.log)
+
+
+def start_server(*args):
+    """``_serve(*args)`` in a forked process: (the process, its pipe, the proxy's port)."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(*args, child), daemon=True)
+    server.start()
+    return server, parent, parent.recv()
 
 
 def _serve_until_closed(port, latency, rate, conn, proxy_cls, log) -> None:
@@ -137,15 +138,9 @@ def raw_transfer(pool, urls, opts, workers, in_flight) -> tuple[float, int]:
 
 
 def stream(loader, nbytes: int) -> dict:
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    for batch in loader:
-        if first is None:
-            first = time.perf_counter() - t0
-        n += len(batch[1])
-    secs = time.perf_counter() - t0
-    return {"mb_s": nbytes / secs / 1e6, "samples_s": n / secs, "first_batch_s": first, "n": n}
+    e = harness.epoch(loader)
+    return {"mb_s": nbytes / e["wall_s"] / 1e6, "samples_s": e["rate"],
+            "first_batch_s": e["first_s"], "n": e["images"]}  # fmt: skip
 
 
 class RemoteFolder:
@@ -219,7 +214,7 @@ def main(args: Remote) -> None:
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
     src, shards = Path(args.src), Path(args.shards)
-    ensure_data(src, shards, args.shard_size)
+    data.packed(data.lfw(src), shards, shard_size=args.shard_size, workers=2)
     manifest = read_manifest(str(shards))
     nbytes = manifest.total_bytes
     batches_per_shard = max(2, -(-manifest.num_samples // len(manifest.shards) // BATCH))
@@ -228,23 +223,9 @@ def main(args: Remote) -> None:
     rng = random.Random(0)
     subset = sorted(rng.sample(range(len(folder)), min(args.folder_images, len(folder))))
     rels = [folder.relpath(i) for i in subset]
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(
-        target=_serve,
-        args=(
-            args.server,
-            str(shards.resolve()),
-            str(src.resolve()),
-            rels,
-            args.latency_ms / 1000,
-            args.mb_per_conn * 1e6 or None,
-            child,
-        ),
-        daemon=True,
-    )
-    server.start()
-    port = parent.recv()
+    rate = args.mb_per_conn * 1e6 or None
+    where = (str(shards.resolve()), str(src.resolve()))
+    server, parent, port = start_server(args.server, *where, rels, args.latency_ms / 1000, rate)
     endpoint = f"http://127.0.0.1:{port}"
     if args.server == "http":
         base, opts = endpoint, None
@@ -289,7 +270,7 @@ def main(args: Remote) -> None:
         persistent_workers=True,
         collate_fn=collate_raw,
     )
-    pool = ctx.Pool(args.workers)
+    pool = mp.get_context("fork").Pool(args.workers)
     for ld in loaders.values():
         stream(ld, nbytes)
     stream(folder_loader, 0)
@@ -310,18 +291,8 @@ def main(args: Remote) -> None:
     parent.send("stop")
     server.join(10)
 
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[name])
-
+    med = rounds.median
     raw = med("raw", "mb_s")
-    ratios = [s["mb_s"] / r["mb_s"] for s, r in zip(results["stream"], results["raw"], strict=True)]
-    ratios0 = [
-        s["mb_s"] / r["mb_s"] for s, r in zip(results["stream_p0"], results["raw"], strict=True)
-    ]
-    speedups = [
-        s["samples_s"] / f["samples_s"]
-        for s, f in zip(results["stream"], results["folder"], strict=True)
-    ]
     summary = {
         "server": args.server,
         "latency_ms": args.latency_ms,
@@ -338,9 +309,9 @@ def main(args: Remote) -> None:
         "stream_first_batch_s": med("stream", "first_batch_s"),
         "stream_p0_mb_s": med("stream_p0", "mb_s"),
         "folder_samples_s": med("folder", "samples_s"),
-        "stream_vs_raw": statistics.median(ratios),
-        "stream_p0_vs_raw": statistics.median(ratios0),
-        "shards_vs_folder": statistics.median(speedups),
+        "stream_vs_raw": rounds.ratio("stream", "raw", "mb_s"),
+        "stream_p0_vs_raw": rounds.ratio("stream_p0", "raw", "mb_s"),
+        "shards_vs_folder": rounds.ratio("stream", "folder", "samples_s"),
         "raw": results,
     }
     print(
@@ -370,23 +341,9 @@ def sparse(args) -> tuple[dict, harness.Rounds]:
 
     shards, _ = data.scale_set(args.sparse_n, work=data.root() / "remote-sparse")
     manifest = read_manifest(str(shards))
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(
-        target=_serve,
-        args=(
-            "http",
-            str(shards.resolve()),
-            str(shards.resolve()),
-            [],
-            args.latency_ms / 1000,
-            None,
-            child,
-        ),
-        daemon=True,
-    )
-    server.start()
-    url = f"http://127.0.0.1:{parent.recv()}/shards/{MANIFEST_NAME}"
+    where = str(shards.resolve())
+    server, parent, port = start_server("http", where, where, [], args.latency_ms / 1000, None)
+    url = f"http://127.0.0.1:{port}/shards/{MANIFEST_NAME}"
     cases = {
         "subset": Source(url, subset=0.01),
         "split": Source(url, split="val", val_fraction=args.val_fraction),

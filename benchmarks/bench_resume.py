@@ -102,17 +102,14 @@ def main(args: Resume) -> None:
     print(f"resumed / fresh = {r_med / f_med:.2f}x")
     if naive is not None:
         print(f"fast-forward by iterating (one run): {naive * 1000:,.0f} ms = {naive / r_med:.0f}x")
-    print(f"load average before {_load(load_before)}, after {_load(load_after)}")
+    text = f"{harness.load_text(load_before)}, after {harness.load_text(load_after)}"
+    print(f"load average before {text}")
     result = {"fresh_s": f_med, "resumed_s": r_med, "ratio": r_med / f_med, "naive_s": naive}
     harness.write_result(args.json, "bench_resume", args, result, rounds)
 
 
 def _ms(values) -> str:
     return "[" + ", ".join(f"{v * 1000:.0f}" for v in values) + "] ms"
-
-
-def _load(avg) -> str:
-    return "/".join(f"{x:.2f}" for x in avg)
 
 
 if __name__ == "__main__":

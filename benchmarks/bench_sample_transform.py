@@ -65,11 +65,8 @@ class SampleTransform(harness.Bench):
 
 
 def main(args: SampleTransform) -> None:
-    if args.against is None and not args.smoke:
-        raise SystemExit("--against DIR is required (another checkout)")
-    against = (args.against or harness.ROOT).resolve()  # smoke: this checkout against itself
+    checkouts = harness.checkouts(args)
     source = str(data.packed(data.noisy(args.data, args.count)))
-    checkouts = {"this": harness.ROOT, "against": against}
     sides = {
         name: (lambda r, c=c: epoch(c, source, args.workers, args.batch))
         for name, c in checkouts.items()
@@ -82,7 +79,7 @@ def main(args: SampleTransform) -> None:
             f", against {other['cpu_us']:.0f} (trainer {other['own_us']:.0f}), load {load.text()}"
         )
     result = {
-        "against": str(against),
+        "against": str(checkouts["against"]),
         "images": rounds.results["this"][0]["n"],
         "cpu_us": {k: rounds.median(k, "cpu_us") for k in checkouts},
         "own_us": {k: rounds.median(k, "own_us") for k in checkouts},

@@ -76,15 +76,6 @@ import numpy as np
 from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.stream.show import list_lines, show_lines
 what, where, key = sys.argv[1], sys.argv[2], sys.argv[3]
-def rchar():
-    with open("/proc/self/io") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-def status_mb(field):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) / 1024
 try:  # the peak from here on, not the imports' transient one (Linux: clear_refs 5 resets VmHWM)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -228,9 +219,6 @@ print(json.dumps(out))
 # The CLI in a child: its own CPU seconds and peak memory (RUSAGE_CHILDREN of this wrapper).
 CLI = r"""
 import contextlib, io, json, resource, sys, time
-def rchar():
-    with open("/proc/self/io") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
 t0, r0 = time.perf_counter(), rchar()
 from shardkit.cli import main
 sys.argv = ["shardkit", *sys.argv[1:]]
@@ -240,11 +228,9 @@ with contextlib.redirect_stdout(io.StringIO()):
     except SystemExit as exc:
         if exc.code:
             raise
-r = resource.getrusage(resource.RUSAGE_SELF)
-with open("/proc/self/status") as f:  # VmHWM: this process's (ru_maxrss keeps the parent's)
-    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
-print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": r.ru_utime + r.ru_stime,
-                  "peak_mb": peak, "rchar": rchar() - r0}))
+# VmHWM: this process's (ru_maxrss keeps the parent's)
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu(),
+                  "peak_mb": status_mb("VmHWM"), "rchar": rchar() - r0}))
 """
 
 WHATS = (

@@ -50,9 +50,6 @@ def counted(real):
         return real(*args)
     return counting
 os.pread, os.preadv = counted(os.pread), counted(os.preadv)
-def cpu():
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
 kw = {"full": {}, "val": {"split": "val", "val_fraction": 0.1},
       "train": {"split": "train", "val_fraction": 0.1}, "subset": {"subset": 0.01}}[what]
 ds = ShardDataset(Source(where, **kw) if kw else where, decode="raw", seed=3)

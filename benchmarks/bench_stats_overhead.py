@@ -67,9 +67,7 @@ class StatsOverhead(harness.Bench):
 
 
 def main(a: StatsOverhead) -> None:
-    if a.against is None and not a.smoke:
-        raise SystemExit("--against DIR is required (another checkout)")
-    against = (a.against or harness.ROOT).resolve()  # smoke: this checkout against itself
+    checkouts = harness.checkouts(a)
     os.environ["OMP_NUM_THREADS"] = "1"  # the children's torch: one thread, as the fill loop
     work = a.work or data.root() / "against"  # bench_against.py's data, shared with it
     table = data.packed(
@@ -81,28 +79,24 @@ def main(a: StatsOverhead) -> None:
         "rrc": (inet, "rrc", a.rrc_batch, 2),
     }
     names = a.jobs.split(",")
-    checkouts = {"this": harness.ROOT, "against": against}
     sides = {
         f"{j}/{c}": (lambda r, j=j, c=c: harness.in_child(checkouts[c], _CHILD, *jobs[j]))
         for j in names
         for c in checkouts
     }
     rounds = harness.interleave(sides, a.rounds, order="reverse")
-    summary = {}
-    for j in names:
-        this, other = f"{j}/this", f"{j}/against"
-        summary[j] = {
+    summary = {
+        j: {
             "measure": "images per CPU-second",
-            "this": rounds.median(this),
-            "against": rounds.median(other),
-            "ratio": rounds.ratio(this, other),
-            "ratios": [round(x, 3) for x in rounds.ratios(this, other)],
+            **harness.side_by_side(rounds, f"{j}/this", f"{j}/against"),
         }
+        for j in names
+    }
     print(f"load average per round: {rounds.load_text()}")
     print(f"{'job':5s} {'this':>10s} {'against':>10s} {'ratio':>7s}  per round (>1: this cheaper)")
     for j, s in summary.items():
         print(f"{j:5s} {s['this']:10.0f} {s['against']:10.0f} {s['ratio']:7.3f}  {s['ratios']}")
-    result = {"against": str(against), "rows": a.rows, "jobs": summary}
+    result = {"against": str(checkouts["against"]), "rows": a.rows, "jobs": summary}
     out = a.json or harness.ROOT / "bench-out" / "bench_stats_overhead.json"
     harness.write_result(out, "bench_stats_overhead", a, result, rounds)
 

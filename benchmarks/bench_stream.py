@@ -27,7 +27,6 @@ image of the workers and the main process, which contention does not change much
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Literal
@@ -49,11 +48,6 @@ from shardkit.stream.shuffle import Order  # noqa: E402
 # --- data -------------------------------------------------------------------------------------
 
 
-def ensure_data(src: Path, shards: Path, shard_size: str) -> None:
-    """The LFW tree (synthesised if missing) packed to tar shards (reused when up to date)."""
-    data.packed(data.lfw(src), shards, shard_size=shard_size, workers=2)
-
-
 def warm(paths: list[str]) -> int:
     """Read files once so every measurement sees them in the page cache."""
     total = 0
@@ -62,10 +56,6 @@ def warm(paths: list[str]) -> int:
             while chunk := f.read(4 << 20):
                 total += len(chunk)
     return total
-
-
-def folder_files(src: Path) -> list[str]:
-    return [str(p) for p in sorted(src.glob("*/*")) if p.is_file()]
 
 
 # --- measurements -----------------------------------------------------------------------------
@@ -110,21 +100,13 @@ def bench_raw(urls: list[str], repeats: int) -> dict:
         return run
 
     rounds = harness.interleave({name: side(name) for name in sides}, repeats, quiet=True)
-    rates = {name: rounds.values(name) for name in sides}
-    keys = list(sides)
-    wds_plain, wds_shuf = rates[keys[2]], rates[keys[3]]
+    default, no_shuffle, plain, shuffled = sides
     return {
-        "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "samples_per_s": {k: rounds.median(k) for k in sides},
         "samples": counts,
-        "ratio_default_vs_webdataset": statistics.median(
-            a / b for a, b in zip(rates[keys[0]], wds_plain, strict=True)
-        ),
-        "ratio_noshuffle_vs_webdataset": statistics.median(
-            a / b for a, b in zip(rates[keys[1]], wds_plain, strict=True)
-        ),
-        "ratio_default_vs_webdataset_shuffled": statistics.median(
-            a / b for a, b in zip(rates[keys[0]], wds_shuf, strict=True)
-        ),
+        "ratio_default_vs_webdataset": rounds.ratio(default, plain),
+        "ratio_noshuffle_vs_webdataset": rounds.ratio(no_shuffle, plain),
+        "ratio_default_vs_webdataset_shuffled": rounds.ratio(default, shuffled),
         "repeats": repeats,
     }
 
@@ -141,24 +123,13 @@ class _Epochs:
         self.next += 1
 
 
-def _cpu_s(pid: int) -> float:
-    return harness.live_cpu_seconds([pid])
-
-
 def loader_pass(loader: DataLoader, epochs: _Epochs) -> tuple[float, float, float]:
     """One timed epoch of a persistent-worker loader: (images/s, worker CPU s, main CPU s)."""
     epochs()
-    pids = _worker_pids(loader) if loader._iterator is not None else []
-    cpu0 = sum(_cpu_s(p) for p in pids)
-    main0 = time.process_time()
-    t0 = time.perf_counter()
-    n = 0
-    for batch in loader:
-        n += len(batch[1])
-    wall = time.perf_counter() - t0
-    main = time.process_time() - main0
-    pids = pids or _worker_pids(loader)
-    return n / wall, sum(_cpu_s(p) for p in pids) - cpu0, main
+    e = harness.epoch(
+        loader, pids=lambda: _worker_pids(loader) if loader._iterator is not None else []
+    )
+    return e["rate"], e["workers_cpu_s"], e["main_cpu_s"]
 
 
 class ConstantImages(torch.utils.data.IterableDataset):
@@ -223,38 +194,24 @@ def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, bl
 
     sides = {"(ceiling)": ceiling, **{name: side(name) for name in loaders}}
     rounds = harness.interleave(sides, repeats, first=["(ceiling)"], quiet=True)
-    runs = {k: rounds.values("(ceiling)", k) for k in ("ceiling", "ceiling_cpu", "parallel")}
-    for name in loaders:
-        res = rounds.results[name]
-        runs[name] = [(x["rate"], x["workers_cpu"], x["main_cpu"]) for x in res]
     loaders.clear()  # the persistent workers go with the loaders
-    med = statistics.median
+    med, ratio, ceil = rounds.median, rounds.ratio, "(ceiling)"
 
-    def ratio(a, b):  # median of per-repeat ratios: both sides measured in the same repeat
-        return med(x / y for x, y in zip(a, b, strict=True))
-
-    def rates(name):
-        return [r[0] for r in runs[name]]
-
+    cpu = {"ceiling_decode": med(ceil, "ceiling_cpu") * 1e6}
+    for name in ("shards", "folder", "transport"):
+        cpu[f"{name}_workers"] = med(name, "workers_cpu") * 1e6
+        cpu[f"{name}_main"] = med(name, "main_cpu") * 1e6
     return {
-        "decode_ceiling_per_s": med(runs["ceiling"]),
-        "parallel_decode_per_s": med(runs["parallel"]),
-        "shard_loader_per_s": med(rates("shards")),
-        "folder_loader_per_s": med(rates("folder")),
-        "transport_only_per_s": med(rates("transport")),
-        "ratio_shards_vs_ceiling": ratio(rates("shards"), runs["ceiling"]),
-        "ratio_folder_vs_ceiling": ratio(rates("folder"), runs["ceiling"]),
-        "ratio_shards_vs_parallel": ratio(rates("shards"), runs["parallel"]),
-        "ratio_shards_vs_folder": ratio(rates("shards"), rates("folder")),
-        "cpu_us_per_image": {
-            "ceiling_decode": med(runs["ceiling_cpu"]) * 1e6,
-            "shards_workers": med(r[1] for r in runs["shards"]) * 1e6,
-            "shards_main": med(r[2] for r in runs["shards"]) * 1e6,
-            "folder_workers": med(r[1] for r in runs["folder"]) * 1e6,
-            "folder_main": med(r[2] for r in runs["folder"]) * 1e6,
-            "transport_workers": med(r[1] for r in runs["transport"]) * 1e6,
-            "transport_main": med(r[2] for r in runs["transport"]) * 1e6,
-        },
+        "decode_ceiling_per_s": med(ceil, "ceiling"),
+        "parallel_decode_per_s": med(ceil, "parallel"),
+        "shard_loader_per_s": med("shards"),
+        "folder_loader_per_s": med("folder"),
+        "transport_only_per_s": med("transport"),
+        "ratio_shards_vs_ceiling": ratio("shards", ceil, b_key="ceiling"),
+        "ratio_folder_vs_ceiling": ratio("folder", ceil, b_key="ceiling"),
+        "ratio_shards_vs_parallel": ratio("shards", ceil, b_key="parallel"),
+        "ratio_shards_vs_folder": ratio("shards", "folder"),
+        "cpu_us_per_image": cpu,
         "image_shape": list(shape),
         "workers": workers,
         "batch_size": batch,
@@ -265,14 +222,6 @@ def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, bl
 def ds_first_shape(ds: ShardDataset) -> torch.Size:
     probe = ShardDataset(list(ds.urls)[:1], decode="tensor", order=Order(shuffle=False))
     return next(iter(probe))[0].shape
-
-
-def _proc_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _worker_pids(loader: DataLoader) -> list[int]:
@@ -311,7 +260,7 @@ def _epoch_memory(loader: DataLoader, epochs: _Epochs, every: int = 2) -> tuple[
     return (
         [max(peak.get(p, 0), u) for p, u in zip(pids, end, strict=True)],
         end,
-        [_proc_kb(p, "VmRSS") for p in pids],
+        [harness.proc_kb(p) for p in pids],
     )
 
 
@@ -427,11 +376,11 @@ def main(args: Stream) -> None:
     if args.smoke:
         data.lfw(Path(args.src), 0.01)
     src, shards = Path(args.src), Path(args.shards)
-    ensure_data(src, shards, args.shard_size)
+    data.packed(data.lfw(src), shards, shard_size=args.shard_size, workers=2)
     manifest = read_manifest(str(shards))
     urls = [str(shards / e.path) for e in manifest.shards]
     shard_bytes = warm(urls)
-    warm(folder_files(src))
+    data.jpeg_bytes(src)  # the folder contender's files in the page cache too
     mean_bytes = shard_bytes / manifest.num_samples
     fmt = get_format("tar")
     blobs = []

@@ -27,8 +27,6 @@ Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``-
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import time
 from dataclasses import replace
@@ -40,28 +38,20 @@ import harness
 
 ROOT = harness.ROOT
 
-import bench_loader  # noqa: E402
 import numpy as np  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import ensure, image_bytes, timed_epoch  # noqa: E402
+from bench_loader import RRC, ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import ShardDataset, ShardLoader  # noqa: E402
 from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 WORKLOADS = {
     "a": ("LFW full decode", {"decode": "tensor"}),
-    "b": (
-        "ImageNet RRC-224+flip",
-        {"decode": Decode(crop=RandomResizedCrop(224), flip=True)},
-    ),
+    "b": ("ImageNet RRC-224+flip", {"decode": RRC}),
 }
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def worker_counts(limit: int) -> list[int]:
@@ -111,8 +101,8 @@ def _batches(n: int, batch: int, shape: tuple) -> list[torch.Tensor]:
 
 
 def scaling(args) -> dict:
-    out: dict = {"cpus": usable_cpus(), "batch_size": args.batch, "workloads": {}}
-    counts = args.workers or worker_counts(usable_cpus())
+    out: dict = {"cpus": harness.cores(), "batch_size": args.batch, "workloads": {}}
+    counts = args.workers or worker_counts(harness.cores())
     for part in args.only or ["a", "b"]:
         out["workloads"][part] = _scaling_part(args, part, counts)
     return out
@@ -122,7 +112,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     title, kw = WORKLOADS[part]
     src = args.lfw if part == "a" else args.imagenet
     shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
-    datas = image_bytes(src)
+    datas = data.jpeg_bytes(src)
     plain, hot, own = bare_cpu_us(datas, kw, args.batch)
     print(
         f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
@@ -130,7 +120,7 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
         "into batch buffers",
         flush=True,
     )
-    names = ["ShardLoader", "DataLoader"] + (["other ShardLoader"] if args.other_loader else [])
+    names = ["ShardLoader", "DataLoader"]
     loaders: dict = {}
 
     def ceiling(n: int):
@@ -184,14 +174,10 @@ def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
         for n in counts:
             c = rows[n]["ceiling"][r]
             s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
-            other = ""
-            if args.other_loader:
-                o = rows[n]["other ShardLoader"][r]
-                other = f"  other {o['images_per_s']:7.0f} ({o['images_per_s'] / c:.2f})"
             print(
                 f"  [{part} {r + 1}/{args.rounds}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
                 f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f}){other}  worker eff "
+                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
                 f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
                 f"{s['main_cpu_share']:.3f} of a decode  load {s['load_1min']:.1f}",
                 flush=True,
@@ -199,10 +185,9 @@ def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
-    if name in ("ShardLoader", "other ShardLoader"):
+    if name == "ShardLoader":
         ds = ShardDataset(str(shards), **kw)
-        loader = ShardLoader if name == "ShardLoader" else bench_loader.OTHER_LOADER
-        return ds, loader(ds, batch, num_workers=n)
+        return ds, ShardLoader(ds, batch, num_workers=n)
     ds = ShardDataset(str(shards), batch_size=batch, **kw)
     return ds, DataLoader(ds, batch_size=batch, num_workers=n, persistent_workers=True)
 
@@ -212,21 +197,18 @@ def _epoch(ds, loader, epoch: int):
     return loader
 
 
+#: A loader's figures in ``--scaling``'s summary: medians over the rounds.
+SUMMED = ("images_per_s", "main_cpu_share", "worker_efficiency")
+
+
 def _summary(row: dict) -> dict:
     ceil = statistics.median(row["ceiling"])
     out = {"ceiling_images_per_s": ceil, "ceiling_runs": row["ceiling"]}
-    for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader, other ShardLoader
+    for name in [k for k in row if k != "ceiling"]:  # ShardLoader, DataLoader
         runs = row[name]
-        rate = statistics.median(x["images_per_s"] for x in runs)
         ratios = [x["images_per_s"] / c for x, c in zip(runs, row["ceiling"], strict=True)]
-        out[name] = {
-            "images_per_s": rate,
-            "ratio_to_ceiling": statistics.median(ratios),
-            "main_cpu_share": statistics.median(x["main_cpu_share"] for x in runs),
-            "runs": runs,
-        }
-        if all("worker_efficiency" in x for x in runs):
-            out[name]["worker_efficiency"] = statistics.median(x["worker_efficiency"] for x in runs)
+        med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if k in SUMMED}
+        out[name] = {**med, "ratio_to_ceiling": statistics.median(ratios), "runs": runs}
     return out
 
 
@@ -279,23 +261,6 @@ def _model(name: str, device: torch.device):
     )
 
 
-def replicated(shards: Path, copies: int, dest: Path) -> list[str]:
-    """The tar shards hard-linked ``copies`` times under new names (an epoch of more samples
-    from the same bytes; no manifest: the dataset counts them)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    out = []
-    for c in range(copies):
-        for f in sorted(shards.glob("*.tar")):
-            target = dest / f"copy{c}-{f.name}"
-            if not target.exists():
-                try:
-                    os.link(f, target)
-                except OSError:
-                    shutil.copyfile(f, target)
-            out.append(str(target))
-    return out
-
-
 def train(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -309,13 +274,12 @@ def train(args) -> dict:
             print("--train needs torchvision for its models: skipped")
             return {"skipped": "no torchvision"}
     shards = ensure(args.imagenet, "imagenet", 1.0)
-    per_copy = sum(1 for _ in ShardDataset(str(shards), decode="raw", order=Order(shuffle=False)))
-    copies = max(1, -(-args.samples // per_copy))
-    urls = replicated(shards, copies, args.imagenet.with_name(args.imagenet.name + "-replicated"))
-    geo = {"decode": Decode(crop=RandomResizedCrop(224), flip=True)}
-    n = args.train_workers or max(1, usable_cpus() - 1)
+    dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
+    urls, per_epoch = data.replicated(shards, args.samples, dest)
+    geo = {"decode": RRC}
+    n = args.train_workers or max(1, harness.cores() - 1)
     torch.backends.cudnn.benchmark = True
-    out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_copy * copies}
+    out: dict = {"device": str(device), "workers": n, "samples_per_epoch": per_epoch}
     for name in models:
         model = _model(name, device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -486,11 +450,6 @@ class Train(harness.Bench):
         "--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
         "(device and auto need shardkit[gpu])",
     )
-    other_loader: Path | None = harness.arg(
-        None,
-        "--scaling: a ShardLoader module or package to run beside ours (e.g. the previous "
-        "commit's; see bench_loader.load_other_loader)",
-    )
     plot: Path = ROOT / "bench-out" / "bench_train.png"
 
 
@@ -500,9 +459,7 @@ def main(args: Train) -> None:
     if not args.scaling and not args.train:
         raise SystemExit("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
-    if args.other_loader:
-        bench_loader.load_other_loader(args.other_loader)
-    result: dict = {"load_start": harness.loadavg(), "cpus": usable_cpus()}
+    result: dict = {"load_start": harness.loadavg(), "cpus": harness.cores()}
     if args.scaling:
         result["scaling"] = scaling(args)
         plot(result["scaling"], args.plot)

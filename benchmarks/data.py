@@ -378,3 +378,25 @@ def _without_records(packed_dir: Path, bare: Path) -> None:
                 txn.delete(INDEX_KEY)
             env.close()
     os.replace(tmp, bare)
+
+
+def replicated(shards: Path, samples: int, dest: Path) -> tuple[list[str], int]:
+    """The tar shards hard-linked under new names at ``dest`` as many times as an epoch of at
+    least ``samples`` needs (more samples from the same bytes; no manifest: the dataset counts
+    them): their paths and the samples they hold."""
+    from shardkit import Order, ShardDataset
+
+    count = sum(1 for _ in ShardDataset(str(shards), decode="raw", order=Order(shuffle=False)))
+    copies = max(1, -(-samples // count))
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for c in range(copies):
+        for f in sorted(Path(shards).glob("*.tar")):
+            target = dest / f"copy{c}-{f.name}"
+            if not target.exists():
+                try:
+                    os.link(f, target)
+                except OSError:
+                    shutil.copyfile(f, target)
+            out.append(str(target))
+    return out, count * copies

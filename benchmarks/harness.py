@@ -87,12 +87,15 @@ __all__ = [
     "script",
     "cores",
     "cpu_seconds",
+    "checkouts",
+    "side_by_side",
     "in_child",
     "interleave",
     "available",
     "live_cpu_seconds",
     "load_now",
     "loadavg",
+    "load_text",
     "say",
     "smoke_drop",
     "write_result",
@@ -111,6 +114,11 @@ def loadavg() -> tuple[float, float, float]:
     """The 1, 5 and 15 minute load averages now, as ``os.getloadavg`` gives them."""
     x = load_now()
     return (x.load_1m, x.load_5m, x.load_15m)
+
+
+def load_text(avg: Sequence[float]) -> str:
+    """``loadavg()``'s three figures as a reader sees them: "1.02 0.98 0.75"."""
+    return " ".join(f"{x:.2f}" for x in avg)
 
 
 # --- CPU seconds -------------------------------------------------------------------------------
@@ -136,6 +144,15 @@ def live_cpu_seconds(pids: Sequence[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def proc_kb(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM) in kB; 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(x.split()[1]) for x in f if x.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
 # --- interleaved rounds ------------------------------------------------------------------------
 
 
@@ -159,13 +176,14 @@ class Rounds:
     def median(self, name: str, key: str = "rate") -> float:
         return statistics.median(self.values(name, key))
 
-    def ratios(self, a: str, b: str, key: str = "rate") -> list[float]:
-        pairs = zip(self.values(a, key), self.values(b, key), strict=True)
+    def ratios(self, a: str, b: str, key: str = "rate", b_key: str | None = None) -> list[float]:
+        pairs = zip(self.values(a, key), self.values(b, b_key or key), strict=True)
         return [x / y if y else float("inf") for x, y in pairs]
 
-    def ratio(self, a: str, b: str, key: str = "rate") -> float:
-        """The median of per-round ratios ``a / b``: each round's pair shares its load."""
-        return statistics.median(self.ratios(a, b, key))
+    def ratio(self, a: str, b: str, key: str = "rate", b_key: str | None = None) -> float:
+        """The median of per-round ratios ``a / b`` (of ``b``'s ``b_key`` where it is another
+        figure, e.g. a ceiling's): each round's pair shares its load."""
+        return statistics.median(self.ratios(a, b, key, b_key))
 
     def welch(self, a: str, b: str, key: str = "rate") -> Comparison:
         """Welch's t-test of the two contenders' values (``shardkit.bench.stats.welch``)."""
@@ -238,16 +256,19 @@ def batch_len(batch) -> int:
     return len(batch)
 
 
-def epoch(batches, limit: int | None = None) -> dict:
+def epoch(batches, limit: int | None = None, pids: Callable[[], list] | None = None) -> dict:
     """THE epoch timing loop: iterate ``batches`` (up to ``limit`` samples) and return
     ``images``; ``first_s`` (the wait for the first batch: workers starting, shards opening);
     ``rate`` (images per wall second, the whole epoch) and ``steady_rate`` (after the first
     batch); ``wall_s``; ``cpu_s`` (this process, its ended children and the live workers of a
-    loader with ``worker_pids``: persistent workers are not reaped yet); ``main_cpu_s`` (this
-    process alone: what a trainer's own loop pays)."""
+    loader with ``worker_pids``: persistent workers are not reaped yet); ``workers_cpu_s``
+    (those live workers alone); ``main_cpu_s`` (this process alone: what a trainer's own loop
+    pays). ``pids``: how to find the live workers of a loader without ``worker_pids`` (a
+    DataLoader with persistent workers), asked before the epoch and, if none yet, after it."""
     gc.collect()  # the garbage of what ran before is not this epoch's
     c0, m0 = cpu_seconds(), time.process_time()
-    pids = list(getattr(batches, "worker_pids", []))  # a loader's workers, once started
+    find = pids or (lambda: list(getattr(batches, "worker_pids", [])))
+    pids = find()  # a loader's workers, once started
     w0 = live_cpu_seconds(pids)
     t0 = t1 = time.perf_counter()
     n = first = 0
@@ -259,8 +280,7 @@ def epoch(batches, limit: int | None = None) -> dict:
             break
     t2 = time.perf_counter()
     main = time.process_time() - m0
-    if not pids and hasattr(batches, "worker_pids"):  # workers started by this epoch
-        pids = list(batches.worker_pids)
+    pids = pids or find()  # workers started by this epoch
     workers = live_cpu_seconds(pids) - w0
     b = None
     gc.collect()  # DataLoader workers exit and are reaped: their CPU time is counted
@@ -269,6 +289,7 @@ def epoch(batches, limit: int | None = None) -> dict:
         "first_s": t1 - t0,
         "wall_s": t2 - t0,
         "cpu_s": cpu_seconds() - c0 + workers,
+        "workers_cpu_s": workers,
         "main_cpu_s": main,
         "rate": n / (t2 - t0) if n else float("nan"),
         "steady_rate": (n - first) / (t2 - t1) if n > first else float("nan"),
@@ -278,14 +299,30 @@ def epoch(batches, limit: int | None = None) -> dict:
 # --- child processes ---------------------------------------------------------------------------
 
 
+#: What every child's code may use: its own CPU seconds, bytes read and /proc/self/status fields.
+CHILD_PRELUDE = r"""
+import json, os, resource, sys, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+def rchar():
+    with open("/proc/self/io") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("rchar"))
+def status_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) / 1024
+"""
+
+
 def in_child(checkout: Path | str, code: str, *args: str, cwd: Path | str | None = None) -> dict:
-    """Run ``python -c code *args`` with ``checkout`` (and benchmarks/) first on sys.path; the
-    child prints one JSON object as its last line, returned with ``child_wall_s`` and
-    ``child_cpu_s`` (the child's own CPU and its children's) added. The child's shardkit is
-    checked to come from ``checkout``."""
+    """Run ``python -c code *args`` with ``checkout`` (and benchmarks/) first on sys.path, after
+    ``CHILD_PRELUDE``; the child prints one JSON object as its last line, returned with
+    ``child_wall_s`` and ``child_cpu_s`` (the child's own CPU and its children's) added. The
+    child's shardkit is checked to come from ``checkout``."""
     checkout = Path(checkout).resolve()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(HERE)])}
     check = "import shardkit as _k, sys as _s; _s.stderr.write('SHARDKIT=' + _k.__file__ + '\\n')\n"
+    check += CHILD_PRELUDE
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(
@@ -307,6 +344,24 @@ def in_child(checkout: Path | str, code: str, *args: str, cwd: Path | str | None
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     doc.setdefault("child_cpu_s", cpu)
     return doc
+
+
+def checkouts(case: Bench) -> dict[str, Path]:
+    """``{"this": this checkout, "against": --against}`` for a case that compares two checkouts:
+    ``--against`` is required, except under ``--small`` (this checkout against itself)."""
+    if case.against is None and not case.smoke:
+        raise SystemExit("--against DIR is required (another checkout)")
+    return {"this": ROOT, "against": Path(case.against or ROOT).resolve()}
+
+
+def side_by_side(rounds: Rounds, this: str, other: str, key: str = "rate") -> dict:
+    """Two contenders' medians of ``key``, the median of per-round ratios and those ratios."""
+    return {
+        "this": rounds.median(this, key),
+        "against": rounds.median(other, key),
+        "ratio": rounds.ratio(this, other, key),
+        "ratios": [round(x, 3) for x in rounds.ratios(this, other, key)],
+    }
 
 
 # --- the decode ceiling ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,48 @@ def test_epoch_is_the_one_timing_loop():
     e = harness.epoch(iter(batches))
     assert e["images"] == 4 + 3 + 2 and e["wall_s"] >= e["first_s"] >= 0
     assert harness.epoch(iter(batches), limit=5)["images"] == 7
+
+
+def test_epoch_counts_the_live_workers_its_pids_option_finds():
+    """A DataLoader's persistent workers have no ``worker_pids``: ``pids=`` finds them, asked
+    again after the epoch where none had started; their CPU is ``workers_cpu_s``."""
+    asked = []
+
+    def pids():  # none before the epoch (workers not started), this process after it
+        asked.append(len(asked))
+        return [os.getpid()] if len(asked) > 1 else []
+
+    def busy():
+        for _ in range(3):
+            c = time.process_time()
+            while time.process_time() - c < 0.05:  # CPU, not wall time: 50 ms per batch
+                pass
+            yield b"ab"  # two samples
+
+    e = harness.epoch(busy(), pids=pids)
+    assert asked == [0, 1] and e["images"] == 6
+    assert e["workers_cpu_s"] >= 0.15  # started by this epoch: all their CPU is its own
+
+    e = harness.epoch(busy(), pids=lambda: [os.getpid()])  # live all along: the epoch's part
+    assert 0.1 <= e["workers_cpu_s"] <= e["cpu_s"]  # /proc counts whole clock ticks
+
+
+def test_ratio_of_another_figure_and_the_against_checkouts(tmp_path):
+    r = harness.Rounds(["a", "ceil"], {"a": [{"rate": 2.0}, {"rate": 3.0}],
+                                       "ceil": [{"one": 4.0}, {"one": 3.0}]})  # fmt: skip
+    assert r.ratio("a", "ceil", b_key="one") == 0.75  # median of 0.5 and 1.0
+    assert r.ratios("a", "ceil", "rate", "one") == [0.5, 1.0]
+
+    @dataclasses.dataclass(frozen=True)
+    class Case:
+        against: Path | None = None
+        smoke: bool = False
+
+    with pytest.raises(SystemExit, match="--against DIR is required"):
+        harness.checkouts(Case())
+    assert harness.checkouts(Case(smoke=True)) == {"this": ROOT, "against": ROOT.resolve()}
+    assert harness.checkouts(Case(tmp_path))["against"] == tmp_path.resolve()
+    assert harness.proc_kb() > 0 and harness.proc_kb(2**22 + 1) == 0  # no such process
 
 
 def test_every_script_is_on_the_harness():
