@@ -482,6 +482,9 @@ def test_the_key_file_follows_the_dataset_as_it_grows_by_append_and_merge(tmp_pa
     after = ShardView(out)
     assert len(after) == 18 and all(after.index(after.key(i)) == i for i in range(18))
     assert after._keyfile is None and after._dataset_keys
+    val = ShardView(Source(out, split="val", val_fraction=0.5))  # its manifest read when asked
+    assert len(val) < 18 and all(val.index(val.key(i)) == i for i in range(len(val)))
+    assert val._keyfile is None and val._dataset_keys
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         merge([out, other], str(tmp_path / "merged"))
