@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import key_file_sha256, mapped, problem
+from ..formats.key_file import mapped, problem
 from ..sizes import parse_size
 
 __all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
@@ -58,13 +58,15 @@ class ViewCache:
 
 class DatasetKeys:
     """The key file a local manifest lists, ``manifest.keys`` (see the module docstring).
-    ``open`` finds it served (its size and its head, which names the view's shards: one read
-    of 56 bytes, the shards' identity hashed); ``shards(h)``: the positions of the shards
-    holding a key whose hash is ``h``, ascending; ``vouched()``: its sha256 is the manifest's
-    (12 bytes a sample read, once: what a missing answer is trusted on)."""
+    ``open`` finds it served (its size and its head's counts: one stat, one read of 56
+    bytes); ``shards(h)``: the positions of the shards holding a key whose hash is ``h``,
+    ascending; ``vouched()``: its head names the view's shards and its sha256 is the
+    manifest's (the shard list hashed, 12 bytes a sample read, once: checked when an answer is
+    missing, the one answer a file can get wrong unseen)."""
 
-    def __init__(self, path: str, listed: dict, n: int):
+    def __init__(self, path: str, listed: dict, n: int, shards=None):
         self.path, self.listed, self.n = path, dict(listed), int(n)
+        self._shards = shards  # the view's table (held by the view anyway)
         self._cols: tuple[np.ndarray, np.ndarray] | None = None
         self._vouched: bool | None = None
 
@@ -72,7 +74,7 @@ class DatasetKeys:
     def open(cls, path: str, listed: dict, n: int, shards) -> tuple[DatasetKeys | None, str]:
         """The file at ``path`` and "", or None and why it does not serve."""
         why = problem(path, listed, n, shards, whole=False)
-        return (None, why) if why else (cls(path, listed, n), "")
+        return (None, why) if why else (cls(path, listed, n, shards), "")
 
     def _columns(self) -> tuple[np.ndarray, np.ndarray]:
         if self._cols is None:
@@ -89,7 +91,7 @@ class DatasetKeys:
     def vouched(self) -> bool:
         if self._vouched is None:
             try:
-                self._vouched = key_file_sha256(self.path, self.n) == self.listed["sha256"]
+                self._vouched = not problem(self.path, self.listed, self.n, self._shards)
             except OSError:
                 self._vouched = False
         return self._vouched

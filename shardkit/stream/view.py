@@ -307,7 +307,7 @@ class ShardView:
             if found is not None:
                 return found
             if not keys.vouched():  # a file the manifest does not vouch for: not again
-                self._refuse_keys(keys.path, "its sha256 is not the manifest's")
+                self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
         # a key the key file misses (or no key file): the shards' own hash columns decide
         found = [p for p in self._key_file().candidates(want).tolist()]
         found = [p for p in found if self._at(p)[0] not in self._fixed]  # their columns lie
