@@ -293,7 +293,8 @@ class ShardView:
         holding the hash, and the key is found in that shard's index (the bounded index
         cache) and confirmed on the real key: nothing built, nothing written, flat in memory,
         the first lookup as cheap as any. Without one (packed before it existed, a URL, no
-        manifest), with a warning saying how to get one, or for a key it misses (a file the
+        manifest; a local manifest without one gets a warning saying how to get one), or for
+        a key it misses (a file the
         manifest vouches for may still have been forged with it), the hashes the shards'
         indexes store are sorted with their positions into a private temporary file, once a
         view (``lookup.KeyFile``). A key no hash matches is looked for in every shard's
@@ -376,7 +377,7 @@ class ShardView:
         """Every key hash sorted with its position, built into a private temporary file:
         what a dataset without a key file costs, once a view."""
         if self._keyfile is None:
-            if self._key_listing is None or not self._key_listing[1]:
+            if self._key_listing is not None and not self._key_listing[1]:  # an older pack
                 warnings.warn(
                     f"{self.where}: no key file (manifest.keys) beside its manifest; get(key) "
                     f"sorts every key hash into a private temporary file, once a view (16 bytes "
