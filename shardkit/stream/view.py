@@ -289,18 +289,17 @@ class ShardView:
     def index(self, key: str) -> int:
         """The position of ``key`` (the first, should two shards hold the same key), by its
         key hash. Where the manifest lists a key file (``manifest.keys``, written by pack,
-        append and merge), a binary search of its memory-mapped hashes names the shard(s)
-        holding the hash, and the key is found in that shard's index (the bounded index
-        cache) and confirmed on the real key: nothing built, nothing written, flat in memory,
-        the first lookup as cheap as any. Without one (packed before it existed, a URL, no
-        manifest; a local manifest without one gets a warning saying how to get one), or for
-        a key it misses (a file the
-        manifest vouches for may still have been forged with it), the hashes the shards'
-        indexes store are sorted with their positions into a private temporary file, once a
-        view (``lookup.KeyFile``). A key no hash matches is looked for in every shard's
-        keys before it is called missing (``_by_keys``): a hash column may be wrong (damaged,
-        or edited with its checksums computed again), and the keys, not their stored hashes,
-        say what the dataset holds."""
+        append and merge), a binary search of its hashes (``os.pread``, nothing mapped) names
+        the shard(s) holding the hash, and the key is found in that shard's index (the bounded
+        index cache) and confirmed on the real key: nothing built, nothing written, flat in
+        memory, the first lookup as cheap as any. Without one (packed before it existed, a
+        URL, no manifest; a local manifest without one gets a warning saying how to get one),
+        or for a key it misses (a file the manifest vouches for may still have been forged
+        with it), the hashes the shards' indexes store are sorted with their positions into a
+        private temporary file, once a view (``lookup.KeyFile``). A key no hash matches is
+        looked for in every shard's keys before it is called missing (``_by_keys``): a hash
+        column may be wrong (damaged, or edited with its checksums computed again), and the
+        keys, not their stored hashes, say what the dataset holds."""
         want = key_hashes([key])[0]
         keys = self._key_file_of_dataset()
         if keys is not None:
