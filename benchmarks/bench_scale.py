@@ -158,7 +158,7 @@ elif what == "get":
             pass
     out["miss_cpu_s"] = cpu() - c1
 elif what == "random":  # a long-lived view: its first lookups, its memory after many
-    import tempfile  # a key table on disk (where kept) is built by this child's first view
+    import tempfile  # where an older shardkit kept its key tables: this child's own
     os.environ["SHARDKIT_CACHE"] = tempfile.mkdtemp(prefix="bench-keys-")
     view = ShardView(where, decode="raw")
     n = len(view)

@@ -148,7 +148,6 @@ def main() -> None:
 LIBRARY_ENV = {
     "SHARDKIT_LFW_SCALE": "the default --scale of synth lfw and of the bench's default set",
     "SHARDKIT_PROGRESS_INTERVAL": "seconds between plain progress lines off a terminal",
-    "SHARDKIT_CACHE": "where ShardView keeps its key tables (keys/ in it; else ~/.cache/shardkit)",
 }
 
 

@@ -100,19 +100,6 @@ def lmdb_shard(path, n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes, 
     return samples
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _key_tables_in_the_run_s_directory(tmp_path_factory):
-    """The key tables ``ShardView.get`` writes (``stream.lookup``) go to this run's temporary
-    directory (children inherit it), not the user's ~/.cache."""
-    old = os.environ.get("SHARDKIT_CACHE")
-    os.environ["SHARDKIT_CACHE"] = str(tmp_path_factory.mktemp("shardkit-cache"))
-    yield
-    if old is None:
-        os.environ.pop("SHARDKIT_CACHE", None)
-    else:
-        os.environ["SHARDKIT_CACHE"] = old
-
-
 @pytest.fixture(scope="session")
 def resume_shards(tmp_path_factory) -> str:
     """301 tiny JPEGs (prime to 2, 3 and 4: rank and worker parts are all uneven) in three tar

@@ -10,6 +10,8 @@ so neither of them branches on the format anywhere else. FORMAT.md specifies the
   sample index record inside each shard).
 - ``sample_index``: the sample index beside each tar shard (``.tar.idx``): offsets, key hashes,
   keys, labels and members, so nothing has to walk a shard's headers.
+- ``key_file``: the dataset's key file (``manifest.keys``): every key hash sorted with its
+  shard, its head and sha256, memory-mapped for growth and for a view's ``get(key)``.
 - ``base``: ``ShardFormat`` and ``FormatWriter``, what every format provides.
 """
 

@@ -7,23 +7,25 @@ at LAION-400M. Here:
 
 - ``ViewCache``: the knobs, a small frozen value ``ShardView(cache=...)`` takes: ``indexes``,
   the bytes of shard indexes held (least recently used let go first, and the shard's open file
-  with it); ``key_dir``, where key tables are kept.
+  with it).
 - ``IndexCache``: the shard indexes held, within ``indexes`` bytes.
-- ``KeyFile``: every key hash of a dataset sorted, with each one's position, in one file on
-  disk named by a digest of the shard table (each shard's URL, count and checksums: an append
-  or a merge changes the manifest, and so the name). Only the fences (every 512th hash, 1/64
-  byte a sample) are held; a lookup reads one 4 KB block of hashes and the positions of its
-  matches (``os.pread``: nothing mapped, nothing kept), so the first lookup of a view costs
-  what every other does. The file is built once per dataset version, at the first lookup that
-  finds none (every shard's hash column read, 16 bytes a sample held while it is sorted), and
-  shared by every view and process after. A key table answers candidates only: the view
-  confirms each on the real key, so a stale or damaged file can cost a search, never a wrong
-  sample.
+- ``DatasetKeys``: the dataset's own key file, ``manifest.keys`` (FORMAT.md, "Key file"),
+  which pack, append and merge write beside the manifest that vouches for it: every key hash
+  sorted with its shard. A lookup is a binary search of the file's hashes by ``os.pread``
+  (a few 8-byte reads, then one 4 KB run: not mapped, so no page of it stays in the view's
+  resident memory however many lookups touch it), so the first lookup of a view costs what
+  every other does and nothing is built. It names candidate shards only: the view finds the key in
+  that shard's index and confirms it on the real key, so a stale or forged file can cost a
+  search, never a wrong sample; an answer it is missing is trusted only once the file's sha256
+  is the manifest's.
+- ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
+  without a manifest), every key hash sorted with its position, built at the first lookup into
+  a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
+  anywhere else: shardkit reads and writes only the paths it is given.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import weakref
@@ -33,14 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError
-from ..records import ShardTable
+from ..formats.key_file import HEAD, problem
 from ..sizes import parse_size
 
-__all__ = ["IndexCache", "KeyFile", "ViewCache", "key_dir", "table_digest"]
-
-#: The variable naming the directory shardkit keeps caches in (key tables in ``keys/``).
-CACHE_ENV = "SHARDKIT_CACHE"
+__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
 
 _MAGIC = b"SKKEYS01"
 _HEAD = 32  # magic, samples, block, fences: 8 bytes each
@@ -51,62 +49,99 @@ _BLOCK = 512  # hashes a fence covers: one 4 KB read a lookup
 class ViewCache:
     """What a view holds to answer lookups. ``indexes``: bytes of shard indexes held (an int
     or a size string such as "64MB"; least recently used let go first; 0 holds none beyond the
-    one being read): the default, 64 MiB, is about 590,000 samples' indexes. ``key_dir``: where
-    the key tables ``get(key)`` searches are written (one a dataset version, 16 bytes a
-    sample); None: ``$SHARDKIT_CACHE/keys``, else ``$XDG_CACHE_HOME/shardkit/keys``, else
-    ``~/.cache/shardkit/keys``. A directory that cannot be written is fallen back from to a
-    private temporary file, built again by each view."""
+    one being read): the default, 64 MiB, is about 590,000 samples' indexes."""
 
     indexes: int | str = 64 << 20
-    key_dir: str | os.PathLike | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "indexes", parse_size(self.indexes, "indexes", minimum=0))
-        if self.key_dir is not None and not isinstance(self.key_dir, (str, os.PathLike)):
-            raise InputError(f"ViewCache(key_dir={self.key_dir!r}): give a directory path")
 
 
-def key_dir(cache: ViewCache) -> str:
-    """The directory ``cache``'s key tables are kept in."""
-    if cache.key_dir is not None:
-        return os.fspath(cache.key_dir)
-    if os.environ.get(CACHE_ENV):
-        return os.path.join(os.environ[CACHE_ENV], "keys")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shardkit", "keys")
+class DatasetKeys:
+    """The key file a local manifest lists, ``manifest.keys`` (see the module docstring).
+    ``open`` finds it served (its size and its head's counts: one stat, one read of 56
+    bytes); ``shards(h)``: the positions of the shards holding a key whose hash is ``h``,
+    ascending; ``vouched()``: its head names the view's shards and its sha256 is the
+    manifest's (the shard list hashed, 12 bytes a sample read, once: checked when an answer is
+    missing, the one answer a file can get wrong unseen)."""
 
+    def __init__(self, path: str, listed: dict, n: int, shards=None):
+        self.path, self.listed, self.n = path, dict(listed), int(n)
+        self._shards = shards  # the view's table (held by the view anyway)
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        self._vouched: bool | None = None
 
-def table_digest(fmt: str, shards: ShardTable, counts) -> str | None:
-    """A name for the dataset version ``shards`` are: each shard's count and the checksum that
-    vouches for its keys' hashes and places (the manifest's ``index_sha256``, whose index names
-    the shard's ``sha256``; else the shard's ``sha256``: an LMDB shard holds its index), in
-    order, wherever the files now lie; None where a shard has neither (no manifest vouches for
-    it: its key table is not shared). O(shards): ~0.1 us a shard."""
-    column = shards.index_sha256
-    if not all(column):
-        column = shards.sha256 if all(shards.sha256) else [
-            i or s for s, i in zip(shards.sha256, shards.index_sha256, strict=True)
-        ]  # fmt: skip
-        if not all(column):
-            return None
-    h = hashlib.sha256(f"{fmt}\n".encode())
-    h.update(np.asarray(counts, np.int64).tobytes())
-    text = "".join(column)  # 64 hex digits each: hashed as their bytes
-    try:
-        h.update(bytes.fromhex(text))
-    except ValueError:  # not hex: hashed as written
-        h.update("\n".join(column).encode("utf-8", "surrogateescape"))
-    return h.hexdigest()[:32]
+    @classmethod
+    def open(cls, path: str, listed: dict, n: int, shards) -> tuple[DatasetKeys | None, str]:
+        """The file at ``path`` and "", or None and why it does not serve."""
+        why = problem(path, listed, n, shards, whole=False)
+        return (None, why) if why else (cls(path, listed, n, shards), "")
+
+    def _file(self) -> int:
+        if self._fd is None or self._pid != os.getpid():  # per process: pread moves no offset
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
+        raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
+        if len(raw) != 8 * (j - i):
+            raise OSError(f"{self.path}: cut short")
+        return np.frombuffer(raw, "<u8")
+
+    def shards(self, want: int) -> list[int]:
+        """A binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
+        to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
+        reads at 1.28M samples, ~20 at 4x10^8): nothing mapped or held, so the view's memory
+        is the same after any number of lookups."""
+        want = np.uint64(want)
+        fd, lo, hi = self._file(), 0, self.n  # the first hash >= want is in lo .. hi
+        while hi - lo > _BLOCK:
+            mid = (lo + hi) // 2
+            if self._hashes(fd, mid, mid + 1)[0] < want:
+                lo = mid + 1
+            else:
+                hi = mid
+        end = min(hi + _BLOCK, self.n)
+        block = self._hashes(fd, lo, end)
+        a = lo + int(np.searchsorted(block, want, side="left"))
+        b = lo + int(np.searchsorted(block, want, side="right"))
+        while b == end < self.n:  # equal hashes past the run (a collision): read on
+            end = min(end + _BLOCK, self.n)
+            b += int(np.count_nonzero(self._hashes(fd, b, end) == want))
+        if a == b:
+            return []
+        raw = os.pread(fd, 4 * (b - a), HEAD + 8 * self.n + 4 * a)
+        return sorted(set(np.frombuffer(raw, "<u4").tolist()))
+
+    def vouched(self) -> bool:
+        if self._vouched is None:
+            try:
+                self._vouched = not problem(self.path, self.listed, self.n, self._shards)
+            except OSError:
+                self._vouched = False
+        return self._vouched
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_fd"] = None  # opened again where it is read
+        return state
 
 
 class KeyFile:
-    """A dataset's key hashes sorted, with their positions, on disk (see the module docstring).
-    ``candidates(h)``: the positions whose stored hash is ``h``, ascending.
+    """A dataset's key hashes sorted, with their positions, in a private file (see the module
+    docstring). ``candidates(h)``: the positions whose stored hash is ``h``, ascending.
 
-    The file (a private cache, little-endian): ``SKKEYS01``; the samples, the block (512) and
-    the number of fences, uint64 each; the fences (every block-th hash, from the first); the
-    hashes, ascending, uint64; each one's position in packed order, uint64 (equal hashes in
-    position order)."""
+    The file (this view's alone, unlinked, little-endian): ``SKKEYS01``; the samples, the
+    block (512) and the number of fences, uint64 each; the fences (every block-th hash, from
+    the first); the hashes, ascending, uint64; each one's position in packed order, uint64
+    (equal hashes in position order). Only the fences are held (1/64 byte a sample); a lookup
+    reads one 4 KB block of hashes and the positions of its matches (``os.pread``)."""
 
     def __init__(self, path: str, fd: int | None = None):
         self.path, self._fd, self._pid = path, fd, os.getpid()
@@ -123,10 +158,10 @@ class KeyFile:
         self._positions_at = self._hashes_at + 8 * self.samples
 
     @classmethod
-    def build(cls, directory: str, digest: str | None, parts: Iterable[np.ndarray], n: int):
-        """Write the key table of ``parts`` (each shard's hashes, in shard order: ``n`` in all)
-        as ``directory/<digest>.keys`` (atomically: concurrent builders each write their own
-        and one wins), or, without a digest or a writable ``directory``, a private file."""
+    def build(cls, parts: Iterable[np.ndarray], n: int) -> KeyFile:
+        """The key table of ``parts`` (each shard's hashes, in shard order: ``n`` in all), in
+        a temporary file unlinked at once: nobody else may trust it, and it is gone when the
+        view is (16 bytes a sample held while it is sorted)."""
         hashes = np.empty(n, np.uint64)
         at = 0
         for part in parts:
@@ -139,32 +174,10 @@ class KeyFile:
         head = _MAGIC + np.asarray([n, _BLOCK, -(-n // _BLOCK)], "<u8").tobytes()
         body = (head, hashes[::_BLOCK].astype("<u8"), hashes.astype("<u8"), order.astype("<u8"))
         del hashes, order
-        if digest is not None:
-            try:
-                os.makedirs(directory, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=directory, prefix=".keys-")
-                try:
-                    _write(fd, body)
-                finally:
-                    os.close(fd)
-                path = os.path.join(directory, f"{digest}.keys")
-                os.replace(tmp, path)
-                return cls(path)
-            except OSError:
-                pass  # read-only or full: a private file below
         fd, tmp = tempfile.mkstemp(prefix="shardkit-keys-")
-        os.unlink(tmp)  # gone when the view is: nobody else may trust it
+        os.unlink(tmp)
         _write(fd, body)
         return cls(tmp, fd)
-
-    @classmethod
-    def find(cls, directory: str, digest: str | None) -> KeyFile | None:
-        if digest is None:
-            return None
-        try:
-            return cls(os.path.join(directory, f"{digest}.keys"))
-        except OSError:
-            return None  # none yet, or not one: built again
 
     def _file(self) -> int:
         if self.private:  # unlinked: its descriptor, inherited by a forked worker, is all

@@ -42,12 +42,13 @@ from ..formats.tar.parse import BLOCK, LABEL_EXTS
 from ..formats.tar.reader import read_sample
 from ..formats.tar.tally import tally_tar
 from ..images.options import Decode
+from ..manifest import read_manifest
 from ..paths import check_source
 from ..records import Record, ShardInfo, ShardTable
 from ..urls import is_url
 from .fields import field_spec
 from .indexes import shard_columns, shard_index
-from .lookup import IndexCache, KeyFile, ViewCache, key_dir, table_digest
+from .lookup import DatasetKeys, IndexCache, KeyFile, ViewCache
 from .members import Members as Selected
 from .mix import Source
 from .ranges import check_sample, read_range, warn_undigested
@@ -60,6 +61,11 @@ __all__ = ["SampleSummary", "ShardView"]
 #: The retired keywords a view took (``retired.translate`` folds them into their objects).
 _RETIRED = frozenset({"max_pixels", "storage_options", "cache_dir"})
 
+#: How a dataset gets its key file: no command writes one for a dataset as it is.
+KEY_FILE_FIX = (
+    "re-pack it, or grow it with `shardkit pack MORE OUT --append` or `shardkit merge`, "
+    "which write one"
+)
 _END = b"\0" * 1024  # two zero blocks: a sample's byte range parsed as a whole archive
 
 
@@ -120,8 +126,8 @@ class ShardView:
 
             self._decoder = TensorDecoder.of(self.decode)
         if cache is not None and not isinstance(cache, ViewCache):
-            raise InputError(f"cache={cache!r}: give a shardkit.ViewCache(indexes=, key_dir=)")
-        #: what the view holds for lookups: index bytes, where key tables are kept
+            raise InputError(f"cache={cache!r}: give a shardkit.ViewCache(indexes=)")
+        #: what the view holds for lookups: the bytes of shard indexes
         self.cache: ViewCache = cache or ViewCache()
         src = _one_source(source, self.fields)
         path = source if src is None else src.path
@@ -140,10 +146,13 @@ class ShardView:
             self.format, classes, table = mixed.format, mixed.classes, mixed.shards
             self.storage = mixed.storage
             self._members = mixed.members
+            manifest_at, listed = mixed.manifest[0], None  # its key file: read when asked
         else:
             resolved = resolve_source(path, storage_options=options)
             self.format, classes = resolved.format, resolved.classes
             table = resolved.shards  # columns: a ShardInfo made only for a shard asked about
+            manifest_at = resolved.manifest_path
+            listed = resolved.manifest.keys if resolved.manifest is not None else {}
             # one shard says local or URL: a shard list is all one or the other
             self.storage = _storage(_kind(table), storage, copy=own is not None, options=own)
         self.classes = list(classes) if classes else None
@@ -168,7 +177,14 @@ class ShardView:
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
-        #: ``index(key)``: every key hash sorted with its position, on disk (``lookup.KeyFile``)
+        #: ``index(key)``: where the manifest lists a key file (local): its path and listing;
+        #: the listing None until read (a narrowing Source's manifest is read when asked)
+        self._key_listing: tuple[str, dict | None] | None = (
+            None if manifest_at is None or is_url(manifest_at) else (manifest_at, listed)
+        )
+        #: the dataset's key file (``lookup.DatasetKeys``); False: it has none that serves
+        self._dataset_keys: DatasetKeys | bool | None = None
+        #: where it has none: every key hash sorted, in a private file (``lookup.KeyFile``)
         self._keyfile: KeyFile | None = None
         #: per shard: its hash column checked against its keys (``_by_keys``); and the keys'
         #: hashes of those whose column is not theirs
@@ -271,16 +287,27 @@ class ShardView:
 
     def index(self, key: str) -> int:
         """The position of ``key`` (the first, should two shards hold the same key), by its
-        key hash: the hashes the shards' indexes store (``split_hashes``' values, 8 bytes a
-        sample), sorted with their positions in a key table on disk (``lookup.KeyFile``: one
-        a dataset version, shared by every view; built at the first lookup that finds none),
-        matched, then confirmed on the real key from the one shard's index that holds it. A
-        lookup reads one 4 KB block of the table and holds nothing: O(log n) and flat in
-        memory, whatever the size or the number of lookups. A key no hash matches is looked
-        for in every shard's keys before it is called missing (``_by_keys``): a hash column
-        may be wrong (damaged, or edited with its checksums computed again), and the keys, not
-        their stored hashes, say what the dataset holds."""
+        key hash. Where the manifest lists a key file (``manifest.keys``, written by pack,
+        append and merge), a binary search of its hashes (``os.pread``, nothing mapped) names
+        the shard(s) holding the hash, and the key is found in that shard's index (the bounded
+        index cache) and confirmed on the real key: nothing built, nothing written, flat in
+        memory, the first lookup as cheap as any. Without one (packed before it existed, a
+        URL, no manifest; a local manifest without one gets a warning saying how to get one),
+        or for a key it misses (a file the manifest vouches for may still have been forged
+        with it), the hashes the shards' indexes store are sorted with their positions into a
+        private temporary file, once a view (``lookup.KeyFile``). A key no hash matches is
+        looked for in every shard's keys before it is called missing (``_by_keys``): a hash
+        column may be wrong (damaged, or edited with its checksums computed again), and the
+        keys, not their stored hashes, say what the dataset holds."""
         want = key_hashes([key])[0]
+        keys = self._key_file_of_dataset()
+        if keys is not None:
+            found = self._in_shards(key, keys.shards(want))
+            if found is not None:
+                return found
+            if not keys.vouched():  # a file the manifest does not vouch for: not again
+                self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
+        # a key the key file misses (or no key file): the shards' own hash columns decide
         found = [p for p in self._key_file().candidates(want).tolist()]
         found = [p for p in found if self._at(p)[0] not in self._fixed]  # their columns lie
         for k, ours in self._fixed.items():  # the keys' own hashes stand in for those
@@ -297,18 +324,70 @@ class ShardView:
             f"no sample with key {key!r} in {self.where}{some}; `shardkit ls` lists the keys"
         )
 
+    def _in_shards(self, key: str, shards: list[int]) -> int | None:
+        """The view's index of ``key`` in the first of ``shards`` that holds it (and, with a
+        narrowing Source, selects it), found by each one's index; None where none does."""
+        for k in shards:
+            if not 0 <= k < len(self.shards):
+                continue  # a file naming shards the manifest has not: never trusted
+            table = self._table(k)
+            j = table.position(key)
+            if j is None:
+                continue
+            at = self._rank(self._starts[k] + j)  # a later copy, selected: found by a miss
+            if at is not None:
+                return at
+        return None
+
+    def _key_file_of_dataset(self) -> DatasetKeys | None:
+        """The key file the manifest lists, once its size and head name this view's shards;
+        None (and the private table from then on) where there is none that serves."""
+        if self._dataset_keys is None:
+            self._dataset_keys = False
+            if self._key_listing is not None:
+                manifest_at, listed = self._key_listing
+                if listed is None:
+                    listed = read_manifest(manifest_at).keys
+                    self._key_listing = (manifest_at, listed)
+                if listed:
+                    path = os.path.join(os.path.dirname(manifest_at), listed["path"])
+                    n = self._starts[-1]
+                    keys, why = DatasetKeys.open(path, listed, n, self.shards)
+                    if keys is None:
+                        self._refuse_keys(path, why)
+                    else:
+                        self._dataset_keys = keys
+        return self._dataset_keys or None
+
+    def _refuse_keys(self, path: str, why: str) -> None:
+        """The key file at ``path`` does not serve: lookups use the private table instead."""
+        if isinstance(self._dataset_keys, DatasetKeys):
+            self._dataset_keys.close()
+        self._dataset_keys = False
+        warnings.warn(
+            f"{path}: {why}; get(key) sorts every key hash into a private temporary file "
+            f"instead (write the key file again: {KEY_FILE_FIX})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
     def _key_file(self) -> KeyFile:
-        """The dataset's key table: found on disk by the shard table's digest, else built."""
+        """Every key hash sorted with its position, built into a private temporary file:
+        what a dataset without a key file costs, once a view."""
         if self._keyfile is None:
-            where = key_dir(self.cache)
-            digest = table_digest(self.format, self.shards, self._starts_counts())
-            self._keyfile = KeyFile.find(where, digest)
-            if self._keyfile is None:
-                try:
-                    parts = (self._stored_hashes(k) for k in range(len(self.shards)))
-                    self._keyfile = KeyFile.build(where, digest, parts, self._starts[-1])
-                finally:
-                    self.storage.close()
+            if self._key_listing is not None and not self._key_listing[1]:  # an older pack
+                warnings.warn(
+                    f"{self.where}: no key file (manifest.keys) beside its manifest; get(key) "
+                    f"sorts every key hash into a private temporary file, once a view (16 bytes "
+                    f"a sample; write the key file: {KEY_FILE_FIX})",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            try:
+                parts = (self._stored_hashes(k) for k in range(len(self.shards)))
+                self._keyfile = KeyFile.build(parts, self._starts[-1])
+            finally:
+                self.storage.close()
         return self._keyfile
 
     def _starts_counts(self) -> np.ndarray:
@@ -629,9 +708,12 @@ class ShardView:
         """Close the shards this process opened (a view dropped without it closes them when
         it is collected: ``__del__``)."""
         keyfile = getattr(self, "_keyfile", None)
-        if keyfile is not None:  # a shared one opens again when read; a private one is gone
+        if keyfile is not None:  # private: gone with its descriptor
             keyfile.close()
-            self._keyfile = None if keyfile.private else keyfile
+            self._keyfile = None
+        dataset_keys = getattr(self, "_dataset_keys", None)
+        if isinstance(dataset_keys, DatasetKeys):  # mapped again when read
+            dataset_keys.close()
         handles, self._open = getattr(self, "_open", {}), {}
         for handle in handles.values():
             if isinstance(handle, int):
@@ -649,8 +731,7 @@ class ShardView:
         state = dict(self.__dict__)
         state["_open"] = {}
         state["_tables"] = None  # indexes are read again where they are used
-        if self._keyfile is not None and self._keyfile.private:
-            state["_keyfile"] = None  # a private table is built again where lookups are made
+        state["_keyfile"] = None  # a private table is built again where lookups are made
         return state
 
     def __setstate__(self, state: dict) -> None:

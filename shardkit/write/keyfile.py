@@ -23,7 +23,6 @@ sorted old file and the new keys: ``_two_way``).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +30,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..formats.key_file import (
+    HEAD,
+    KEYS_NAME,
+    MAGIC,
+    mapped,
+    problem,
+    shards_digest,
+)
+from ..formats.key_file import file_digest as _digest
 from ..formats.sample_index import key_hashes
 from ..manifest import Manifest, ShardEntry
 from .keys import shard_hashes, shard_table
@@ -47,11 +55,6 @@ __all__ = [
     "write_key_file",
 ]
 
-#: The key file's name beside the manifest.
-KEYS_NAME = "manifest.keys"
-MAGIC = b"SHKKEYS1"
-#: Bytes before the hashes: magic, count, shards, the shards' identity (FORMAT.md).
-HEAD = 56
 #: Samples a piece while a key file is merged and written, or read to check it.
 CHUNK = 1 << 18
 
@@ -81,36 +84,6 @@ class KeyColumns:
         return np.asarray(self.hashes[i:j]), shards
 
 
-def shards_digest(shards: Sequence[ShardEntry]) -> bytes:
-    """The 32 bytes naming the shards a key file describes: ``keys.identity``'s sha256."""
-    if hasattr(shards, "sha256"):  # a parsed manifest's columns: no object a shard
-        doc = [list(x) for x in zip(shards.samples.tolist(), shards.sha256, strict=True)]
-    else:
-        doc = [[s.samples, s.sha256] for s in shards]
-    return hashlib.sha256(json.dumps(doc).encode()).digest()
-
-
-def key_file_sha256(path: str, n: int) -> str:
-    """What the manifest lists as a key file's ``sha256`` (FORMAT.md): the sha256 of two
-    sha256s, of its head and hashes and of its shard column, so a writer computes it as it
-    writes the two in order (no read back); read here in 64 KiB pieces into one buffer."""
-    parts, buf = [hashlib.sha256(), hashlib.sha256()], bytearray(1 << 16)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        for part, size in ((parts[0], HEAD + 8 * n), (parts[1], None)):
-            while size is None or size > 0:  # the head and the hashes, then the shards
-                got = f.readinto(view[: len(buf) if size is None else min(len(buf), size)])
-                if not got:
-                    break
-                part.update(view[:got])
-                size = None if size is None else size - got
-    return _digest(*parts)
-
-
-def _digest(hashes, shards) -> str:
-    return hashlib.sha256(hashes.digest() + shards.digest()).hexdigest()
-
-
 def read_key_file(folder: str, manifest: Manifest) -> KeyColumns | None:
     """The key file the manifest lists, memory-mapped once its sha256, size and head are the
     manifest's; None where it lists none, or (with a ``KeyFileWarning``) where it does not serve."""
@@ -118,25 +91,7 @@ def read_key_file(folder: str, manifest: Manifest) -> KeyColumns | None:
     if not listed:
         return None
     path = os.path.join(folder, listed["path"])
-    n, count = manifest.num_samples, len(manifest.shards)
-    why = ""
-    try:
-        if os.path.getsize(path) != HEAD + 12 * n or listed["bytes"] != HEAD + 12 * n:
-            why = f"not the {HEAD + 12 * n} bytes of {n} samples"
-        elif key_file_sha256(path, n) != listed["sha256"]:
-            why = "its sha256 is not the manifest's"
-        else:
-            with open(path, "rb") as f:
-                head = f.read(HEAD)
-            if (
-                head[:8] != MAGIC
-                or int.from_bytes(head[8:16], "little") != n
-                or int.from_bytes(head[16:24], "little") != count
-                or head[24:56] != shards_digest(manifest.shards)
-            ):
-                why = "its head does not name this manifest's shards"
-    except OSError as exc:
-        why = f"unreadable ({exc.strerror or exc})"
+    why = problem(path, listed, manifest.num_samples, manifest.shards)
     if why:
         warnings.warn(
             f"{path}: {why}; growth reads every shard's index instead, and writes the key file "
@@ -145,11 +100,7 @@ def read_key_file(folder: str, manifest: Manifest) -> KeyColumns | None:
             stacklevel=4,
         )
         return None
-    if not n:
-        return KeyColumns(np.empty(0, np.uint64), np.empty(0, np.uint32))
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    hashes = mm[HEAD : HEAD + 8 * n].view("<u8")
-    return KeyColumns(hashes, mm[HEAD + 8 * n :].view("<u4"))
+    return KeyColumns(*mapped(path, manifest.num_samples))
 
 
 def built(folder: str, manifest: Manifest) -> KeyColumns:

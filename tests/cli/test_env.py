@@ -163,7 +163,6 @@ def test_a_bad_value_names_the_variable_only_when_it_came_from_it():
 
 def test_the_library_variables_listed_are_the_ones_the_library_reads():
     from shardkit.progress import INTERVAL_ENV
-    from shardkit.stream.lookup import CACHE_ENV
     from shardkit.synth.build import SCALE_ENV
 
-    assert set(LIBRARY_ENV) == {INTERVAL_ENV, SCALE_ENV, CACHE_ENV}
+    assert set(LIBRARY_ENV) == {INTERVAL_ENV, SCALE_ENV}

@@ -231,8 +231,12 @@ def test_the_record_makes_splits_views_and_show_cost_reads_per_shard_not_per_sam
     assert reads.take() == (0, 0)  # open: the manifest and a stat per shard
     assert view.index(keys[-1]) == 239
     assert reads.take()[0] <= 8 * n_shards  # every shard's record, nothing else
-    # the same manifest names the same key table: a table of its own, built from the values
-    ShardView(bare, decode="raw", cache=ViewCache(key_dir=str(tmp_path / "k"))).index(keys[-1])
+    # the key file names the one shard: its keys from the start of each of its values
+    ShardView(bare, decode="raw", cache=ViewCache()).index(keys[-1])
+    assert 0 < reads.take()[0] < 240
+    os.unlink(os.path.join(bare, "manifest.keys"))  # none: a table built from every value
+    with pytest.warns(RuntimeWarning, match="manifest.keys: unreadable"):
+        ShardView(bare, decode="raw", cache=ViewCache()).index(keys[-1])
     assert reads.take()[0] >= 240
 
 

@@ -222,6 +222,8 @@ def test_get_finds_a_key_whose_stored_hash_is_wrong(tar_pack, damaged):
     truth = ShardView(tar_pack, decode="raw", with_keys=True)
     want = quiet(lambda: truth[i])
     assert want[2] == key
+    assert quiet(ShardView(tar_pack, decode="raw", with_keys=True).get, key) == want  # key file
+    os.unlink(os.path.join(tar_pack, "manifest.keys"))  # none: the stored columns decide
     for lookups in (1, 3):  # the first lookup scans columns; later ones search one table
         view = ShardView(tar_pack, decode="raw", with_keys=True)
         with warnings.catch_warnings(record=True) as caught:
@@ -286,6 +288,8 @@ def test_lmdb_a_lying_hash_moves_no_sample_and_get_and_subsets_find_it(lmdb_pack
     assert key in val
     got = _sides_or_error(out)
     assert sorted(got["val"]) == sorted(val) and sorted(got["train"]) == sorted(train)
+    assert quiet(ShardView(out, decode="raw", with_keys=True).get, key)[2] == key  # key file
+    os.unlink(os.path.join(out, "manifest.keys"))  # none: the stored columns decide
     view = ShardView(out, decode="raw", with_keys=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

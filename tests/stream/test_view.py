@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -422,67 +423,116 @@ def test_a_view_holds_indexes_within_its_budget_and_closes_what_it_lets_go(packs
         ShardView(src, cache=64)
 
 
-def test_the_key_table_is_on_disk_shared_and_read_by_the_first_lookup_of_a_new_view(
+def _copy(src, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_lookups_read_the_dataset_s_key_file_and_write_nothing_outside_the_paths_given(
     packs, tmp_path, monkeypatch
 ):
     import shardkit.stream.view as view_mod
-    from shardkit import ViewCache
 
-    tar, cache = packs[0], ViewCache(key_dir=str(tmp_path / "keys"))
-    keys = ShardView(tar).keys()
-    first = ShardView(tar, decode="raw", cache=cache)
-    assert first.index(keys[50]) == 50  # builds the table: every shard's hash column read
-    (table,) = (tmp_path / "keys").iterdir()
-    assert table.stat().st_size == 32 + 16 * 90 + 8  # head, hashes, positions, one fence
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    for name in ("XDG_CACHE_HOME", "SHARDKIT_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
     columns = []
     real = view_mod.ShardView._stored_hashes
     monkeypatch.setattr(
         view_mod.ShardView, "_stored_hashes", lambda v, k: columns.append(k) or real(v, k)
     )
-    view = ShardView(tar, decode="raw", cache=cache)
-    for i in (7, 89, 0, 50):
-        assert view.index(keys[i]) == i
-    assert columns == [] and len(view._tables) == 3  # no column read; the 3 shards asked
-    assert view._keyfile.fences.nbytes == 8  # of the table, only its fences are held
+    for src in packs:
+        before = sorted(os.listdir(src))
+        assert "manifest.keys" in before
+        keys = [ShardView(src).key(i) for i in range(90)]
+        view = ShardView(src, decode="raw", with_keys=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback, no warning
+            for i in (7, 89, 0, 50):
+                assert view.index(keys[i]) == i
+            assert view.get(keys[33])[2] == keys[33]
+        assert not home.exists() and os.listdir(tmp) == []  # no cache: nothing written
+        assert columns == [] and view._keyfile is None  # no hash column read, nothing built
+        assert len(view._tables) <= 5  # the shards asked about, no other
+        assert sorted(os.listdir(src)) == before
 
 
-def test_the_key_table_follows_the_dataset_as_it_grows(tmp_path):
+def test_the_key_file_follows_the_dataset_as_it_grows_by_append_and_merge(tmp_path):
     from conftest import image_tree
 
-    from shardkit import ViewCache
+    from shardkit.write.merge import merge
 
-    cache = ViewCache(key_dir=str(tmp_path / "keys"))
-    out = str(tmp_path / "out")
+    out, other = str(tmp_path / "out"), str(tmp_path / "other")
     pack(str(image_tree(tmp_path / "a", 12)), out, progress=False)
-    before = ShardView(out, cache=cache)
+    before = ShardView(out)
     assert before.index(before.key(3)) == 3
-    more = image_tree(tmp_path / "b", 6)
-    for f in more.rglob("*.jpg"):
-        f.rename(f.with_name("more-" + f.name))
+    for name, where in (("b", out), ("c", other)):
+        more = image_tree(tmp_path / name, 6)
+        for f in more.rglob("*.jpg"):
+            f.rename(f.with_name(f"{name}-" + f.name))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pack(str(more), where, progress=False, append=where == out)
+    after = ShardView(out)
+    assert len(after) == 18 and all(after.index(after.key(i)) == i for i in range(18))
+    assert after._keyfile is None and after._dataset_keys
+    val = ShardView(Source(out, split="val", val_fraction=0.5))  # its manifest read when asked
+    assert len(val) < 18 and all(val.index(val.key(i)) == i for i in range(len(val)))
+    assert val._keyfile is None and val._dataset_keys
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pack(str(more), out, progress=False, append=True)
-    after = ShardView(out, cache=cache)
-    assert len(after) == 18 and all(after.index(after.key(i)) == i for i in range(18))
-    assert len(list((tmp_path / "keys").iterdir())) == 2  # one a manifest version
+        merge([out, other], str(tmp_path / "merged"))
+    merged = ShardView(str(tmp_path / "merged"))
+    assert len(merged) == 24 and all(merged.index(merged.key(i)) == i for i in range(24))
+    assert merged._keyfile is None and merged._dataset_keys
 
 
-def test_a_wrong_key_table_costs_a_search_never_a_wrong_sample(packs, tmp_path):
-    from shardkit import ViewCache
+def test_a_forged_or_stale_key_file_costs_a_search_never_a_wrong_sample(packs, tmp_path):
+    import json
 
-    tar, lmdb = packs
-    cache = ViewCache(key_dir=str(tmp_path / "keys"))
-    a, b = ShardView(tar, decode="raw", cache=cache), ShardView(lmdb, decode="raw", cache=cache)
-    a.index(a.key(0)), b.index(b.key(0))
-    ta, tb = sorted((tmp_path / "keys").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    keys = a.keys()
-    (tmp_path / "lmdb-table").write_bytes(tb.read_bytes())
-    ta.write_bytes(tb.read_bytes()[: 90 * 8])  # cut short: built again
-    assert ShardView(tar, decode="raw", cache=cache).index(keys[33]) == 33
-    ta.write_bytes((tmp_path / "lmdb-table").read_bytes())  # another dataset's, whole
-    view = ShardView(tar, decode="raw", with_keys=True, cache=cache)
-    assert [view.index(k) for k in keys] == list(range(90))
+    import numpy as np
+
+    from shardkit.formats.key_file import HEAD, key_file_sha256
+
+    tar = _copy(packs[0], tmp_path / "tar")
+    keys = ShardView(tar).keys()
+    path = os.path.join(tar, "manifest.keys")
+    data = bytearray(open(path, "rb").read())
+    n = len(keys)
+    shards = np.frombuffer(bytes(data[HEAD + 8 * n :]), "<u4")
+    data[HEAD + 8 * n :] = (shards.max() - shards).astype("<u4").tobytes()  # wrong shards
+    open(path, "wb").write(bytes(data))
+    view = ShardView(tar, decode="raw", with_keys=True)
+    with pytest.warns(RuntimeWarning, match="manifest.keys: its sha256 or its shards are not"):
+        assert view.index(keys[40]) == 40  # a miss, then the file checked, then a table
+    assert [view.index(k) for k in keys] == list(range(n))
     assert view.get(keys[5])[2] == keys[5]
+
+    manifest = os.path.join(tar, "manifest.json")  # forged together with the manifest
+    doc = json.load(open(manifest))
+    doc["keys"]["sha256"] = key_file_sha256(path, n)
+    open(manifest, "w").write(json.dumps(doc))
+    view = ShardView(tar, decode="raw", with_keys=True)
+    assert [view.index(k) for k in keys] == list(range(n))  # a miss: the shards' columns
+    assert view.get(keys[77])[2] == keys[77]
+
+    open(path, "wb").write(bytes(data[: HEAD + 8 * n]))  # cut short: never mapped
+    with pytest.warns(RuntimeWarning, match="manifest.keys: not the"):
+        view = ShardView(tar, decode="raw", with_keys=True)
+        assert view.index(keys[12]) == 12
+    os.unlink(path)  # gone: a private table, with a warning saying how to get one back
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert ShardView(tar, decode="raw").index(keys[3]) == 3
+    del doc["keys"]  # a pack made before key files: the warning says how to get one
+    open(manifest, "w").write(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match="no key file .* re-pack it, or grow it"):
+        assert ShardView(tar, decode="raw").index(keys[4]) == 4
 
 
 def test_a_dataset_no_manifest_vouches_for_gets_a_private_key_table_forked_workers_read(tmp_path):
