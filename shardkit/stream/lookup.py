@@ -57,7 +57,32 @@ class ViewCache:
         object.__setattr__(self, "indexes", parse_size(self.indexes, "indexes", minimum=0))
 
 
-class DatasetKeys:
+class _ByPread:
+    """A file read by ``os.pread`` through one descriptor per process (``pread`` moves no
+    shared offset; a forked worker opens its own, and only the opener closes it); pickled
+    without the descriptor, opened again where it is read."""
+
+    path: str
+    _fd: int | None
+    _pid: int
+
+    def _file(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_fd"] = None
+        return state
+
+
+class DatasetKeys(_ByPread):
     """The key file a local manifest lists, ``manifest.keys`` (see the module docstring).
     ``open`` finds it served (its size and its head's counts: one stat, one read of 56
     bytes); ``shards(h)``: the positions of the shards holding a key whose hash is ``h``,
@@ -77,11 +102,6 @@ class DatasetKeys:
         """The file at ``path`` and "", or None and why it does not serve."""
         why = problem(path, listed, n, shards, whole=False)
         return (None, why) if why else (cls(path, listed, n, shards), "")
-
-    def _file(self) -> int:
-        if self._fd is None or self._pid != os.getpid():  # per process: pread moves no offset
-            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-        return self._fd
 
     def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
         raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
@@ -122,18 +142,8 @@ class DatasetKeys:
                 self._vouched = False
         return self._vouched
 
-    def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd = None
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_fd"] = None  # opened again where it is read
-        return state
-
-
-class KeyFile:
+class KeyFile(_ByPread):
     """A dataset's key hashes sorted, with their positions, in a private file (see the module
     docstring). ``candidates(h)``: the positions whose stored hash is ``h``, ascending.
 
@@ -182,9 +192,7 @@ class KeyFile:
     def _file(self) -> int:
         if self.private:  # unlinked: its descriptor, inherited by a forked worker, is all
             return self._fd  # there is (``pread`` moves no shared offset)
-        if self._fd is None or self._pid != os.getpid():
-            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-        return self._fd
+        return super()._file()
 
     def candidates(self, want: int) -> np.ndarray:
         """Positions whose hash is ``want``, ascending: one read of the blocks that can hold it
@@ -203,16 +211,6 @@ class KeyFile:
             return np.empty(0, np.int64)
         raw = os.pread(fd, 8 * (b - a), self._positions_at + 8 * (lo + a))
         return np.sort(np.frombuffer(raw, "<u8").astype(np.int64))
-
-    def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd = None
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_fd"] = None  # opened again where it is read (a private file: not at all)
-        return state
 
 
 def _write(fd: int, body: Iterable) -> None:
