@@ -625,6 +625,7 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
 {
     Py_buffer view, bits = {0}, salt = {0}, dv = {0}, ov = {0};
     PyObject *out = NULL, *last_ext = NULL; /* last_ext: the previous sample's extension, reused */
+    PyObject *result = NULL;
     Py_ssize_t pos, end, done, start, stop, budget, taken = 0, base = 0;
     unsigned long long threshold = 0;
     long long origin = 0;
@@ -708,18 +709,9 @@ static PyObject *tar_samples(PyObject *self, PyObject *args)
         }
         done++;
     }
-    Py_XDECREF(last_ext);
-    PyBuffer_Release(&view);
-    if (bits.buf)
-        PyBuffer_Release(&bits);
-    if (salt.buf)
-        PyBuffer_Release(&salt);
-    if (dv.buf)
-        PyBuffer_Release(&dv);
-    if (ov.buf)
-        PyBuffer_Release(&ov);
-    return Py_BuildValue("(Nnn)", out, pos, done);
-fail:
+    result = Py_BuildValue("(Nnn)", out, pos, done); /* "N": out is the tuple's (or freed) */
+    out = NULL;
+fail: /* and the end of a success: one release of everything held */
     Py_XDECREF(last_ext);
     Py_XDECREF(out);
     PyBuffer_Release(&view);
@@ -731,7 +723,7 @@ fail:
         PyBuffer_Release(&dv);
     if (ov.buf)
         PyBuffer_Release(&ov);
-    return NULL;
+    return result;
 }
 
 /* split_hashes: the split hash of each key of a key table (``table``: the keys' bytes laid end to
