@@ -62,6 +62,24 @@ def ranged_pack(root: Path, n: int, shard_size: str, seed: int = 0) -> Path:
     return root
 
 
+def one_shard_tar(root: Path) -> str:
+    """``root/tar``: 80 random images packed into one tar shard (with its sample index)."""
+    out = str(Path(root) / "tar")
+    quiet(pack, random_tree(Path(root) / "src", 80), out, progress=False)
+    assert len(read_manifest(out).shards) == 1
+    return out
+
+
+def split_keys(out: str, split: str, val_fraction: float, **kw) -> list[str]:
+    """The keys a ``split`` epoch of ``out`` streams, in order (``kw``: ShardDataset's)."""
+    from shardkit import ShardDataset, Source
+
+    ds = ShardDataset(
+        Source(out, split=split, val_fraction=val_fraction), decode="raw", with_keys=True, **kw
+    )
+    return [s[2] for s in ds]
+
+
 def quiet(fn, *args, **kw):
     """``fn(*args, **kw)`` with its warnings silenced."""
     with warnings.catch_warnings():

@@ -13,9 +13,9 @@ import warnings
 
 import lmdb
 import pytest
-from conftest import quiet, random_tree, without_index_sha256
+from conftest import one_shard_tar, quiet, random_tree, split_keys, without_index_sha256
 
-from shardkit import Order, ShardDataset, ShardView, Source
+from shardkit import Order, ShardDataset, ShardView
 from shardkit.errors import ShardFormatError
 from shardkit.formats.lmdb.index import INDEX_KEY, decode_lmdb_index, encode_lmdb_index
 from shardkit.formats.sample_index import _HEAD, decode_index, index_path, key_hashes
@@ -35,17 +35,13 @@ def _truth(out) -> tuple[set[str], set[str]]:
     return val, set(keys) - val
 
 
-def _split(out, split: str) -> list[str]:
-    ds = ShardDataset(Source(out, split=split, val_fraction=VAL), decode="raw", with_keys=True)
-    return [s[2] for s in ds]
+def _split(out, split: str, **kw) -> list[str]:
+    return split_keys(out, split, VAL, **kw)
 
 
 @pytest.fixture
 def tar_pack(tmp_path):
-    out = str(tmp_path / "tar")
-    quiet(pack, random_tree(tmp_path / "src", 80), out, progress=False)
-    assert len(read_manifest(out).shards) == 1
-    return out
+    return one_shard_tar(tmp_path)
 
 
 def _flip_val_hash(out, *, fix_trailer: bool) -> str:

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import quiet, random_tree
+from conftest import one_shard_tar, quiet, random_tree, split_keys
 
 from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.errors import InputError, ShardFormatError
@@ -36,18 +36,12 @@ def _truth(out) -> tuple[set[str], set[str]]:
 
 
 def _split(out, split: str, **kw) -> list[str]:
-    ds = ShardDataset(
-        Source(out, split=split, val_fraction=VAL), decode="raw", with_keys=True, **kw
-    )
-    return [s[2] for s in ds]
+    return split_keys(out, split, VAL, **kw)
 
 
 @pytest.fixture
 def tar_pack(tmp_path):
-    out = str(tmp_path / "tar")
-    quiet(pack, random_tree(tmp_path / "src", 80), out, progress=False)
-    assert len(read_manifest(out).shards) == 1
-    return out
+    return one_shard_tar(tmp_path)
 
 
 def _lie(out, *, to_train: bool = True, damaged: bool = False) -> tuple[str, int]:
