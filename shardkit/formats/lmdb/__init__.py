@@ -87,13 +87,7 @@ class LmdbFormat(ShardFormat):
         digests: Any = None,
     ) -> Iterator[Record]:
         return iter_lmdb_records(
-            source,
-            shard=shard,
-            start=start,
-            stop=stop,
-            index=index,
-            fields=fields,
-            digests=digests,
+            source, shard=shard, start=start, stop=stop, fields=fields, digests=digests
         )
 
     def records(
@@ -109,14 +103,8 @@ class LmdbFormat(ShardFormat):
         """``digests``: the shard's index record's (``LmdbIndex.digests``), each sample
         checked against its own before it is handed out (a read of part of the dataset)."""
         path = storage.local_path(shard)  # now, not on the first sample: a missing file is named
-        records = self.iter_records(
-            path,
-            shard=shard.url,
-            start=start,
-            stop=stop,
-            index=shard.index,
-            fields=fields,
-            digests=digests,
+        records = iter_lmdb_records(
+            path, shard=shard.url, start=start, stop=stop, fields=fields, digests=digests
         )
         return records if sides is None else on_sides(records, start, sides, shard.url)
 
