@@ -333,8 +333,10 @@ class _FieldCursor:
 
     def take(self, index: int) -> dict[str, bytes]:
         """Sample ``index``'s fields by name (every one it has); the samples before it passed."""
-        prefix = b"+%010d." % index
         out: dict[str, bytes] = {}
+        if self._next is None:  # past the last field (or a shard without any)
+            return out
+        prefix = b"+%010d." % index
         while self._next is not None:
             key, value = self._next
             if not key.startswith(b"+"):  # the samples: no fields after them
