@@ -709,10 +709,11 @@ def verify_cmd(out, decode, quiet) -> None:
 
     note_interrupted(out)
     report = verify(out, decode=decode, progress=not quiet)
-    for bad in report.bad:
+    for bad in [*report.bad, *([report.key_file] if report.key_file else [])]:
         click.echo(redact(f"BAD {bad}"))
     if not report.ok:
-        raise ShardFormatError(report.summary() + "; re-copy them or re-pack")
+        fix = "; re-copy them or re-pack" if report.bad else ""
+        raise ShardFormatError(report.summary() + fix)
     click.echo(redact(report.summary()))
 
 

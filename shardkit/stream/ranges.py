@@ -270,15 +270,22 @@ class RangeReader:
             warn_undigested(shard.url, "tar")
         return index is not None
 
-    def digests(self, shard: ShardInfo) -> ShardDigests | None:
-        """What a slice of a partial read that streams a local tar shard (it wants more than
-        ``RANGED_SHARE`` of it) checks each sample it hands out against, as ranges are checked:
-        its index's digests and offsets (``_columns``: loaded once a process, the manifest's
-        checksums checked). None: a remote shard (fetched whole and checked against the
-        manifest's sha256 before its first sample), LMDB, a shard without an index the manifest
-        vouches for, or one whose index predates digests (said once, ``warn_undigested``)."""
+    def digests(self, shard: ShardInfo) -> ShardDigests | np.ndarray | None:
+        """What a slice of a partial read that streams a local shard (it wants more than
+        ``RANGED_SHARE`` of it, LMDB ``LMDB_RANGED_SHARE``) checks each sample it hands out
+        against, as ranges are checked: a tar's index's digests and offsets (``_columns``:
+        loaded once a process, the manifest's checksums checked); an LMDB shard's index record's
+        digests (the record its lookups read, ``_lmdb_reader``: one lookup, its own checksum
+        checked). None: a remote shard (fetched whole and checked against the manifest's sha256
+        before its first sample), a shard whose index the dataset refused or a tar without an
+        index the manifest vouches for, or one whose index predates digests (said once,
+        ``warn_undigested``)."""
         url = shard.url
-        if not self.tar or is_url(url) or url in self.unindexed or not shard.index_sha256:
+        if is_url(url) or url in self.unindexed:
+            return None
+        if self.lmdb:
+            return self._lmdb_reader(shard)[1]
+        if not self.tar or not shard.index_sha256:
             return None
         if url not in self._indexes:
             self._indexes[url] = _columns(shard, self.storage)

@@ -6,7 +6,9 @@ index beside a tar shard (present where the manifest lists its sha256, that sha2
 what the shard's headers give; an older manifest's sparse offsets, where it lists them, against
 those headers), and with ``decode`` every image through PIL. ``verify_shard``
 takes one local file and one entry; for a URL dataset each shard is fetched to a temporary file
-first, the loop is the same.
+first, the loop is the same. Then a local dataset's key file, ``manifest.keys``, where its
+manifest lists one (``key_file_problem``): ``get(key)`` and growth trust it once its size,
+sha256 and head are the manifest's, so it is checked against what the shards' keys give too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
+from ..formats.key_file import mapped, problem
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.lmdb.index import LmdbIndex, LmdbIndexError
 from ..formats.sample_index import (
@@ -32,6 +35,7 @@ from ..formats.sample_index import (
     decode_index,
     index_digests,
     index_path,
+    key_hashes,
     read_local,
 )
 from ..formats.tar.tally import tally_tar
@@ -43,7 +47,16 @@ from ..records import ShardInfo
 from ..stream.storage import LocalStorage
 from ..urls import is_remote, join_url, url_parent
 
-__all__ = ["ShardProblem", "VerifyReport", "dataset_info", "verify", "verify_shard"]
+__all__ = [
+    "KeyTally",
+    "ShardProblem",
+    "VerifyReport",
+    "dataset_info",
+    "key_columns_problem",
+    "key_file_problem",
+    "verify",
+    "verify_shard",
+]
 
 _CHUNK = 1 << 20
 
@@ -67,10 +80,13 @@ class VerifyReport:
     bytes: int
     decoded: int
     bad: list[ShardProblem]
+    #: The key file (``manifest.keys``) and what is wrong with it; None where it is good or
+    #: not listed (or the dataset is a URL: its readers never use one).
+    key_file: ShardProblem | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and self.key_file is None
 
     def summary(self) -> str:
         checks = "size, sha256, sample count" + (", decoded every image" if self.decoded else "")
@@ -80,10 +96,15 @@ class VerifyReport:
                 f"samples, {self.bytes / 1e6:.1f} MB "
                 f"in {self.out} ({checks})"
             )
-        return (
-            f"{len(self.bad)} of {self.shards} shards in {self.out} failed verification: "
-            + ", ".join(b.path for b in self.bad)
-        )
+        said = []
+        if self.bad:
+            said.append(
+                f"{len(self.bad)} of {self.shards} shards in {self.out} failed verification: "
+                + ", ".join(b.path for b in self.bad)
+            )
+        if self.key_file is not None:
+            said.append(f"the key file {self.key_file.path} of {self.out} failed verification")
+        return "; ".join(said)
 
 
 def _sha256_and_size(path: str) -> tuple[str, int]:
@@ -105,11 +126,13 @@ def verify_shard(
     *,
     decode: bool = False,
     num_classes: int | None = None,
+    keys: list[str] | None = None,
 ) -> tuple[list[str], int]:
     """Problems found in the local shard file ``path`` (empty when it is good), and images decoded.
 
     Never raises for a damaged shard: every failure becomes a problem string, so one bad shard
-    does not hide the others.
+    does not hide the others. ``keys``: each sample's key is appended to it as it is read (what
+    the key file is checked against).
     """
     if shard_format.maps_file:  # memory-mapped (LMDB): hash first, then open
         try:
@@ -129,7 +152,7 @@ def verify_shard(
         shard = ShardInfo(path, entry.samples, entry.bytes, entry.sha256, entry.index)
         index, problems = _index_record(path, entry)
         records = _keys_match(shard_format.records(LocalStorage(), shard), index, problems)
-        found, decoded = _check_records(records, entry, decode, num_classes)
+        found, decoded = _check_records(records, entry, decode, num_classes, keys)
         return problems + found, decoded
     # A stream format (tar) is hashed while it is parsed: one read of the shard, not two.
     try:
@@ -141,7 +164,7 @@ def verify_shard(
     with raw:
         hashing = HashingReader(raw)
         records = shard_format.iter_records(hashing, shard=entry.path)
-        problems, decoded = _check_records(records, entry, decode, num_classes)
+        problems, decoded = _check_records(records, entry, decode, num_classes, keys)
         try:
             hashing.drain()
         except OSError as exc:
@@ -199,8 +222,9 @@ def _digest_problems(sha: str, size: int, entry: ShardEntry) -> list[str]:
     return problems
 
 
-def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]:
-    """Problems in ``records`` (an iterator over one shard), and the images decoded."""
+def _check_records(records, entry, decode, num_classes, keys=None) -> tuple[list[str], int]:
+    """Problems in ``records`` (an iterator over one shard), and the images decoded; each
+    record's key appended to ``keys`` (where given)."""
     problems: list[str] = []
     count = decoded = 0
     bad_labels = 0
@@ -208,6 +232,8 @@ def _check_records(records, entry, decode, num_classes) -> tuple[list[str], int]
     try:
         for rec in records:
             count += 1
+            if keys is not None:
+                keys.append(rec.key)
             if num_classes is not None and not -1 <= rec.label < num_classes:
                 bad_labels += 1
             if decode:
@@ -357,6 +383,103 @@ def offset_problems(path: str, entry: ShardEntry, fix: str) -> list[str]:
     ]
 
 
+def _mixed(hashes: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of each hash (uint64, wrapping): summed a shard, an order-free
+    digest of its hashes that two errors in one bit of two hashes do not cancel in."""
+    z = np.asarray(hashes, dtype=np.uint64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class KeyTally:
+    """Per shard of a dataset, how many key hashes and the sum of their ``_mixed`` (mod 2**64):
+    what a key file's columns hold of each shard, order aside, in O(shards) memory. ``known``:
+    the shards whose hashes were added (a shard ``verify`` found bad is not compared)."""
+
+    def __init__(self, shards: int):
+        self.counts = np.zeros(shards, np.int64)
+        self.sums = np.zeros(shards, np.uint64)
+        self.known = np.zeros(shards, bool)
+
+    def add(self, shard: int, hashes: np.ndarray) -> None:
+        """The hashes of every sample of shard ``shard`` (its position in the manifest)."""
+        self.known[shard] = True
+        self.counts[shard] += len(hashes)
+        self.sums[shard] += _mixed(hashes).sum(dtype=np.uint64)
+
+    def add_columns(self, hashes: np.ndarray, shards: np.ndarray) -> None:
+        """Samples as a key file lists them: each one's hash and its shard's position."""
+        where = np.asarray(shards, dtype=np.intp)
+        self.counts += np.bincount(where, minlength=len(self.counts))
+        np.add.at(self.sums, where, _mixed(hashes))
+
+
+#: Samples a piece while a key file's columns are checked (memory-mapped, never read whole).
+_KEY_CHUNK = 1 << 18
+
+
+def key_columns_problem(
+    runs: Sequence[tuple[np.ndarray, np.ndarray]], want: KeyTally, names: Sequence[str]
+) -> str:
+    """Why a key file's columns are not what the shards' keys give; "" where they are.
+    ``runs``: its columns as ``(hashes, shards)`` pairs, each sorted by hash, equal hashes by
+    shard (today one pair, the whole file); ``want``: the shards' own hashes (``KeyTally``);
+    ``names``: the shards' paths, by position. Each shard's hashes must be its keys' exactly
+    (count and digest), in order; a shard ``want`` does not know is not compared."""
+    got = KeyTally(len(want.counts))
+    for hashes, shards in runs:
+        for i in range(0, len(hashes), _KEY_CHUNK):
+            lo = max(i - 1, 0)  # one sample back: the order across pieces too
+            h = np.asarray(hashes[lo : i + _KEY_CHUNK])
+            s = np.asarray(shards[lo : i + _KEY_CHUNK])
+            if len(s) and int(s.max()) >= len(names):
+                return f"it names shard {int(s.max())}, the manifest lists {len(names)}"
+            if np.any((h[1:] < h[:-1]) | ((h[1:] == h[:-1]) & (s[1:] < s[:-1]))):
+                return "its hashes are out of order"
+            got.add_columns(h[i - lo :], s[i - lo :])
+    bad = np.flatnonzero(want.known & ((got.counts != want.counts) | (got.sums != want.sums)))
+    if not len(bad):
+        return ""
+    k = int(bad[0])
+    more = len(bad) - 1
+    more = f" (and {more} more shard{'s' if more > 1 else ''})" if more else ""
+    return (
+        f"its hashes of {names[k]} are not that shard's keys' ({int(got.counts[k])} listed, "
+        f"the shard holds {int(want.counts[k])}){more}"
+    )
+
+
+def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardProblem | None:
+    """What is wrong with the key file the local dataset's manifest lists (None: nothing, or
+    none listed): missing, not the listed size or sha256, a head that does not name the
+    manifest's samples and shards (``key_file.problem``), or columns that are not what the
+    shards' keys give (``key_columns_problem``). No command rewrites a key file alone: growth
+    reads around one that does not serve (a warning) and writes it anew; one whose checksums
+    were recomputed over wrong columns serves, so the fix deletes it first."""
+    listed = manifest.keys
+    if not listed:
+        return None
+    name = str(listed.get("path", ""))
+    path = os.path.join(folder, name)
+    n = manifest.num_samples
+    rebuilt = (
+        "`get(key)` and growth read every shard's index instead until the next `shardkit pack "
+        "--append` or `shardkit merge` of the dataset writes it anew"
+    )
+    if not os.path.lexists(path):
+        return ShardProblem(name, [f"missing (the manifest lists it); {rebuilt}"])
+    why = problem(path, listed, n, manifest.shards)
+    if not why:
+        try:
+            why = key_columns_problem([mapped(path, n)], want, [e.path for e in manifest.shards])
+        except (OSError, ValueError) as exc:
+            why = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
+    if not why:
+        return None
+    return ShardProblem(name, [f"{why}; delete it (`rm {path}`): {rebuilt}"])
+
+
 def verify(
     out: str,
     *,
@@ -386,16 +509,22 @@ def verify(
         threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
     if threads < 1:
         raise InputError(f"threads={threads} must be at least 1")
+    # a local dataset's key file (a URL's readers use none): checked against the shards' keys
+    tally = KeyTally(len(entries)) if manifest.keys and not is_remote(os.fspath(out)) else None
+    folder = os.path.dirname(manifest_path)
 
-    def check(entry: ShardEntry) -> tuple[list[str], int]:
+    def check(entry: ShardEntry) -> tuple[list[str], int, np.ndarray | None]:
         with local(entry) as path:
             if path is None:
-                return ["missing"], 0
-            problems, n = verify_shard(path, entry, fmt, decode=decode, num_classes=num_classes)
+                return ["missing"], 0, None
+            keys: list[str] | None = None if tally is None else []
+            problems, n = verify_shard(
+                path, entry, fmt, decode=decode, num_classes=num_classes, keys=keys
+            )
             if not problems and fmt.name == "tar" and entry.path.endswith(".tar"):
                 problems = index_problems(path, entry, read_index(entry), fix)
                 problems += offset_problems(path, entry, fix)
-            return problems, n
+            return problems, n, None if keys is None or problems else key_hashes(keys)
 
     bad: list[ShardProblem] = []
     decoded = 0
@@ -404,11 +533,14 @@ def verify(
         ThreadPoolExecutor(max(1, min(threads, len(entries))), "shardkit-verify") as pool,
     ):
         try:
-            for entry, (problems, n) in zip(entries, pool.map(check, entries), strict=True):
+            checked = zip(entries, pool.map(check, entries), strict=True)
+            for k, (entry, (problems, n, hashes)) in enumerate(checked):
                 bar.update(1)
                 decoded += n
                 if problems:
                     bad.append(ShardProblem(entry.path, problems))
+                if hashes is not None:
+                    tally.add(k, hashes)
         except BaseException:  # a store that failed past its retries: no shard more is tried
             pool.shutdown(cancel_futures=True)
             raise
@@ -419,6 +551,7 @@ def verify(
         bytes=manifest.total_bytes,
         decoded=decoded,
         bad=bad,
+        key_file=None if tally is None else key_file_problem(folder, manifest, tally),
     )
 
 

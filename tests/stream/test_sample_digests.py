@@ -239,6 +239,70 @@ def test_a_flipped_byte_in_an_lmdb_sample_is_refused_by_every_partial_read(tmp_p
     assert got.exit_code != 0 and "is not the bytes packed" in got.output
 
 
+def _lmdb_train_samples(out) -> tuple[str, list[tuple[int, str]]]:
+    """(shard path, (position, key) of each train sample) of the one-shard LMDB pack ``out``,
+    from its index record."""
+    (e,) = read_manifest(out).shards
+    path = os.path.join(out, e.path)
+    env = lmdb.open(path, subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        keys = decode_lmdb_index(bytes(txn.get(INDEX_KEY)), e.path, e.samples).keys()
+    env.close()
+    return path, [(j, k) for j, k in enumerate(keys) if int(key_hashes([k])[0]) >= VAL * 2**64]
+
+
+def test_a_flipped_byte_is_refused_by_lmdb_splits_and_subsets_that_stream_their_shard(tmp_path):
+    """A train side (80% of the shard) and a subset of most of it want more than a quarter of
+    their LMDB shard, so they stream it by cursor; each sample is checked all the same."""
+    out = str(tmp_path / "lmdb")
+    quiet(pack, random_tree(tmp_path / "src", 80), out, format="lmdb", progress=False)
+    path, train_samples = _lmdb_train_samples(out)
+    j, key = train_samples[len(train_samples) // 2]
+    train = dict(_split(out, "train"))
+    keys = [k for k, _ in _split(out)] + list(train)
+    raw = open(path, "rb").read()
+    assert raw.count(train[key]) == 1
+    _flip(path, raw.index(train[key]) + 40)
+    name = os.path.basename(path)
+    expect = rf"{name}: sample {j} \(key '{key}'\) is not the bytes packed.*re-pack it"
+    for read in (lambda: _split(out, "train"), lambda: _subset(out, keys[1:])):
+        with pytest.raises(ShardFormatError, match=expect) as err:
+            read()
+        _one_line(err)
+    # a plain epoch reads whole shards: the shard's sha256 vouches for them (`shardkit verify`)
+    assert len(list(ShardDataset(out, decode="raw", order=Order(shuffle=False)))) == 80
+
+
+def test_an_lmdb_streamed_slice_checks_each_samples_fields_too(tmp_path):
+    """The digest covers a sample's fields, which sit apart from the samples: a streamed slice
+    reads them by a second cursor, those asked for and the others alike."""
+    from shardkit.write.writer import ShardWriter
+
+    out = tmp_path / "lmdb"
+    with ShardWriter(str(out), format="lmdb") as w:
+        for i in range(40):
+            extra = {"txt": b"caption %03d" % i, "json": b'{"i": %d}' % i} if i % 3 else {}
+            w.add(f"k{i:03d}", "jpg", b"\xff\xd8" + bytes([i]) * 300, i % 2, extra=extra)
+    out = str(out)
+    ds = ShardDataset(
+        Source(out, split="train", val_fraction=VAL, fields=("txt",)),
+        decode="raw",
+        with_keys=True,
+        fields=("txt",),
+    )
+    got = {s[2]: s[3] for s in ds}
+    assert len(got) > 40 * 0.25  # more than a quarter: streamed
+    assert got == {k: None if int(k[1:]) % 3 == 0 else b"caption " + k[1:].encode() for k in got}
+    path, train_samples = _lmdb_train_samples(out)
+    j, key = next((j, k) for j, k in train_samples[5:] if j % 3)  # one with fields
+    env = lmdb.open(path, subdir=False, lock=False)
+    with env.begin(write=True) as txn:  # a field not asked for, altered in place of its bytes
+        assert txn.replace(b"+%010d.json" % j, b'{"I": %d}' % j) == b'{"i": %d}' % j
+    env.close()
+    with pytest.raises(ShardFormatError, match=rf"sample {j} \(key '{key}'\) is not the bytes"):
+        list(ShardDataset(Source(out, split="train", val_fraction=VAL), decode="raw"))
+
+
 # --- packs made before the digests ------------------------------------------------------------
 
 

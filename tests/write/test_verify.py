@@ -232,3 +232,96 @@ def test_verify_passes_the_previous_releases_version_1_indexes(tmp_path):
     idx = out / read_manifest(str(out)).shards[1].path
     _flip(str(idx) + ".idx", 80)  # an offset: the v1 index is still checked
     assert [b.path for b in verify(str(out)).bad] == [idx.name]
+
+
+# --- the key file, manifest.keys ---------------------------------------------------------------
+
+
+def _key_file(out) -> tuple[str, int]:
+    """The key file's path and the dataset's sample count."""
+    m = read_manifest(str(out))
+    assert m.keys and m.keys["path"] == "manifest.keys"
+    return str(out / m.keys["path"]), m.num_samples
+
+
+def _flip_bit(path: str, at: int) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[at] ^= 1
+    open(path, "wb").write(data)
+
+
+def _key_problem(out) -> str:
+    """The one line verify gives the key file; the CLI prints it and exits non-zero."""
+    report = verify(str(out))
+    assert not report.ok and report.bad == [] and report.key_file is not None
+    (said,) = report.key_file.problems
+    assert "\n" not in said and ("delete it" in said or "missing" in said)
+    r = run_cli("verify", out, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stdout.splitlines() == [f"BAD manifest.keys: {said}"]
+    assert r.stderr.splitlines() == [
+        f"error: the key file manifest.keys of {out} failed verification"
+    ]
+    return said
+
+
+def test_verify_checks_the_key_file_its_manifest_lists(packed):
+    out, _ = packed
+    path, n = _key_file(out)
+    good = open(path, "rb").read()
+    assert verify(str(out)).ok
+    _flip_bit(path, 56 + 8 * (n // 2))  # a hash
+    assert _key_problem(out).startswith("its sha256 is not the manifest's; delete it (`rm ")
+    with open(path, "r+b") as f:
+        f.truncate(len(good) - 4)
+    assert _key_problem(out).startswith(f"not the {56 + 12 * n} bytes of {n} samples; delete it")
+    os.unlink(path)
+    said = _key_problem(out)
+    assert said.startswith("missing (the manifest lists it); `get(key)` and growth read every")
+    assert "`shardkit pack --append` or `shardkit merge`" in said
+    with open(path, "wb") as f:
+        f.write(good)
+    assert verify(str(out)).ok
+
+
+def _vouch(out, path: str, n: int) -> None:
+    """The manifest's key-file sha256 computed again from the file (as a tool that recomputes
+    checksums from the files on disk would)."""
+    from shardkit.formats.key_file import key_file_sha256
+
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["keys"]["sha256"] = key_file_sha256(path, n)
+    (out / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_verify_checks_the_key_files_columns_against_the_shards_keys(packed):
+    """A key file whose checksums agree with wrong columns (recomputed after an edit) serves
+    ``get(key)`` and growth: verify checks its columns against what the shards' keys give."""
+    out, _ = packed
+    path, n = _key_file(out)
+    good = open(path, "rb").read()
+    names = [e.path for e in read_manifest(str(out)).shards]
+    hashes = np.frombuffer(good, "<u8", n, 56)
+    shards = np.frombuffer(good, "<u4", n, 56 + 8 * n)
+    i = int(np.flatnonzero(np.diff(hashes) > 2)[n // 3]) + 1  # a hash one can flip in order
+    _flip_bit(path, 56 + 8 * i)
+    _vouch(out, path, n)
+    said = _key_problem(out)
+    assert said.startswith(f"its hashes of {names[int(shards[i])]} are not that shard's keys'")
+    # two samples of two shards with their shards exchanged: each shard's count still right
+    j = int(np.flatnonzero(shards != shards[0])[0])
+    swapped = bytearray(good)
+    a, b = 56 + 8 * n + 4 * 0, 56 + 8 * n + 4 * j
+    swapped[a : a + 4], swapped[b : b + 4] = good[b : b + 4], good[a : a + 4]
+    with open(path, "wb") as f:
+        f.write(swapped)
+    _vouch(out, path, n)
+    said = _key_problem(out)
+    assert "are not that shard's keys'" in said and "(and 1 more shard)" in said
+    # out of order
+    unsorted = bytearray(good)
+    unsorted[56 : 56 + 16] = good[64:72] + good[56:64]
+    with open(path, "wb") as f:
+        f.write(unsorted)
+    _vouch(out, path, n)
+    assert _key_problem(out).startswith("its hashes are out of order; delete it")

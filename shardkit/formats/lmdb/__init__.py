@@ -84,9 +84,10 @@ class LmdbFormat(ShardFormat):
         stop: int | None = None,
         index: Sequence[int] = (),
         fields: Sequence[str] = (),
+        digests: Any = None,
     ) -> Iterator[Record]:
         return iter_lmdb_records(
-            source, shard=shard, start=start, stop=stop, index=index, fields=fields
+            source, shard=shard, start=start, stop=stop, fields=fields, digests=digests
         )
 
     def records(
@@ -97,10 +98,13 @@ class LmdbFormat(ShardFormat):
         stop: int | None = None,
         fields: Sequence[str] = (),
         sides: ShardSides | None = None,
+        digests: Any = None,
     ) -> Iterator[Record]:
+        """``digests``: the shard's index record's (``LmdbIndex.digests``), each sample
+        checked against its own before it is handed out (a read of part of the dataset)."""
         path = storage.local_path(shard)  # now, not on the first sample: a missing file is named
-        records = self.iter_records(
-            path, shard=shard.url, start=start, stop=stop, index=shard.index, fields=fields
+        records = iter_lmdb_records(
+            path, shard=shard.url, start=start, stop=stop, fields=fields, digests=digests
         )
         return records if sides is None else on_sides(records, start, sides, shard.url)
 

@@ -15,6 +15,8 @@ import struct
 import warnings
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from ...errors import ShardFormatError
 from ...fsutil import open_regular
 from ...records import Record
@@ -282,6 +284,24 @@ class _Shard:
             out[key[len(prefix) :].decode("utf-8", "surrogateescape")] = value
         return out
 
+    def verify(self, index: int, value: bytes, every: dict[str, bytes], digest: int) -> None:
+        """Raise unless sample ``index`` (its ``value`` and ``every`` field it has) hashes to
+        ``digest``, its index record's ``lmdb_digest``: the check of every read of part of the
+        shard (a lookup, a streamed slice) before it hands the sample out. A file changed under
+        the reader says so first (``check``), not "altered"."""
+        if lmdb_digest(value, every.items()) == digest:
+            return
+        self.check(index, after_reads=True)
+        try:
+            key = repr(decode_value(value, self.shard, index).key)
+        except ShardFormatError:
+            key = "unreadable"
+        raise ShardFormatError(
+            f"{self.shard}: sample {index} (key {key}) is not the bytes packed (its digest "
+            "differs from its index record's: the shard was altered since); restore or re-pack "
+            "it (`shardkit verify` names every damaged shard)"
+        )
+
     def count(self) -> int:
         """The sample count of the ``__shardkit__`` record."""
         meta = self.get(META_KEY)
@@ -299,6 +319,40 @@ class _Shard:
 
     def close(self) -> None:
         self._file.close()
+
+
+class _FieldCursor:
+    """Every field of samples ``start``, ``start + 1``, ... in turn (``take``), read by one
+    cursor beside the samples' own: fields sort before every sample (``field_key``), in sample
+    order, so a streamed read that checks each sample's digest (which covers its fields) pays
+    no descent of the tree a sample, and nothing at all where the shard has no fields."""
+
+    def __init__(self, shard: _Shard, start: int):
+        self._items = shard.items(b"+%010d." % start)
+        self._next = next(self._items, None)
+
+    def take(self, index: int) -> dict[str, bytes]:
+        """Sample ``index``'s fields by name (every one it has); the samples before it passed."""
+        out: dict[str, bytes] = {}
+        if self._next is None:  # past the last field (or a shard without any)
+            return out
+        prefix = b"+%010d." % index
+        while self._next is not None:
+            key, value = self._next
+            if not key.startswith(b"+"):  # the samples: no fields after them
+                self._next = None
+                break
+            if key.startswith(prefix):
+                out[key[len(prefix) :].decode("utf-8", "surrogateescape")] = value
+            elif key > prefix:
+                break
+            self._next = next(self._items, None)
+        return out
+
+
+def _picked(every: dict[str, bytes], names: Sequence[tuple[str, bytes]]) -> dict[str, bytes]:
+    """The fields of ``names`` (``_names``) a sample has, of ``every`` one it has."""
+    return {n: every[n] for n, _ in names if n in every}
 
 
 def _runs_past(prefix: bytes) -> bool:
@@ -319,14 +373,20 @@ def iter_lmdb_records(
     stop: int | None = None,
     index: Sequence[int] = (),
     fields: Sequence[str] = (),
+    digests: np.ndarray | None = None,
 ) -> Iterator[Record]:
     """Yield samples ``[start, stop)``; jumps straight to ``start`` through the B-tree, so it
     needs no offset ``index`` (accepted for a uniform reader signature). ``fields``: extra
-    fields to carry in ``Record.fields`` (one lookup each: they sit apart from the samples)."""
+    fields to carry in ``Record.fields`` (one lookup each: they sit apart from the samples).
+    ``digests``: each sample's digest from the shard's index record (``LmdbIndex.digests``),
+    for a slice of a read of part of the dataset (a split, a subset): each sample is checked
+    against it (``_Shard.verify``, its fields read by a second cursor) before it is handed
+    out. None: a whole-shard epoch, which the shard's sha256 (``verify``) vouches for."""
     names = _names(fields)
     reader = _Shard(source, shard)
     shard = reader.shard
     at = start
+    sums = cursor = None
     try:
         total = reader.count()
         end = total if stop is None else min(stop, total)
@@ -335,10 +395,17 @@ def iter_lmdb_records(
                 f"{shard}: asked for samples up to {stop} but the shard holds {total}"
             )
         items = reader.items(sample_key(at)) if at < end else iter(())
+        if digests is not None and at < end:
+            sums, cursor = digests[start:end].tolist(), _FieldCursor(reader, start)
         for key, value in items:
             if key != sample_key(at):
                 break
-            extra = reader.fields(at, names) if names else None
+            if cursor is not None:
+                every = cursor.take(at)
+                reader.verify(at, value, every, sums[at - start])
+                extra = _picked(every, names) if names else None
+            else:
+                extra = reader.fields(at, names) if names else None
             reader.check(at, after_reads=True)  # the bytes read are the opened file's
             rec = decode_value(value, shard, at)
             rec.fields = extra
@@ -401,13 +468,11 @@ class LmdbSampleReader:
             extra = None
             if value is not None and digest is not None:
                 every = self._reader.fields(index, None)
-                if lmdb_digest(value, every.items()) != digest:
-                    self._reader.check(index, after_reads=True)
-                    raise self._altered(index, value)
+                self._reader.verify(index, value, every, digest)
                 if fields is None:
                     extra = every
                 elif fields:
-                    extra = {n: every[n] for n, _ in _names(fields) if n in every}
+                    extra = _picked(every, _names(fields))
             elif value is not None and (fields is None or fields):
                 extra = self._reader.fields(index, None if fields is None else _names(fields))
         except (Damaged, OSError, struct.error) as exc:
@@ -418,17 +483,6 @@ class LmdbSampleReader:
         rec = decode_value(value, self.shard, index)
         rec.fields = extra
         return rec
-
-    def _altered(self, index: int, value: bytes) -> ShardFormatError:
-        try:
-            key = repr(decode_value(value, self.shard, index).key)
-        except ShardFormatError:
-            key = "unreadable"
-        return ShardFormatError(
-            f"{self.shard}: sample {index} (key {key}) is not the bytes packed (its digest "
-            "differs from its index record's: the shard was altered since); restore or re-pack "
-            "it (`shardkit verify` names every damaged shard)"
-        )
 
     def index(self, samples: int = -1, strict: bool = False) -> LmdbIndex | None:
         """The shard's index record (every key and split hash: one lookup), checked against
