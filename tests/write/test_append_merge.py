@@ -753,25 +753,40 @@ def _key_file_sha256(data: bytes, n: int) -> str:
 
 
 def key_file(out) -> tuple[np.ndarray, np.ndarray]:
-    """The key file of ``out``, parsed as FORMAT.md says, after checking it is the one its
-    manifest vouches for and describes exactly the dataset's keys (by reading every shard)."""
+    """The key file of ``out`` (its base file and growth runs), parsed as FORMAT.md says,
+    after checking each run is the one its manifest vouches for and that together they
+    describe exactly the dataset's keys (by reading every shard); all runs' columns, merged."""
     m = read_manifest(str(out))
-    path = os.path.join(out, KEYS_NAME)
-    data = open(path, "rb").read()
-    n, count = m.num_samples, len(m.shards)
-    assert len(data) == HEAD + 12 * n
-    assert m.keys == {"path": KEYS_NAME, "sha256": _key_file_sha256(data, n), "bytes": len(data)}
-    assert data[:8] == b"SHKKEYS1"
-    assert int.from_bytes(data[8:16], "little") == n
-    assert int.from_bytes(data[16:24], "little") == count
-    doc = [[s.samples, s.sha256] for s in m.shards]
-    assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
-    hashes = np.frombuffer(data, "<u8", n, HEAD)
-    shards = np.frombuffer(data, "<u4", n, HEAD + 8 * n)
+    listed = m.keys
+    runs = [{k: listed[k] for k in ("path", "sha256", "bytes")}, *listed.get("runs", [])]
+    assert runs[0]["path"] == KEYS_NAME
+    assert all(r["path"] == f"{KEYS_NAME}.{r['path'].rsplit('.', 1)[-1]}" for r in runs[1:])
+    hashes, shards, count = [], [], len(m.shards)
+    for i, r in enumerate(runs):
+        data = open(os.path.join(out, r["path"]), "rb").read()
+        n = (len(data) - HEAD) // 12
+        assert len(data) == HEAD + 12 * n == r["bytes"]
+        assert r["sha256"] == _key_file_sha256(data, n)
+        assert data[:8] == b"SHKKEYS1"
+        assert int.from_bytes(data[8:16], "little") == n
+        named = int.from_bytes(data[16:24], "little")  # the newest names every shard
+        assert named == count if i == len(runs) - 1 else 0 < named <= count
+        doc = [[s.samples, s.sha256] for s in m.shards[:named]]
+        assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
+        hashes.append(np.frombuffer(data, "<u8", n, HEAD))
+        shards.append(np.frombuffer(data, "<u4", n, HEAD + 8 * n))
+        assert np.all(np.diff(hashes[-1].astype(np.float64)) >= 0)
+        assert np.all(shards[-1] < named)
+    for a, b in zip(runs, runs[1:]):  # the compaction rule: each run under 1/4 of the one before
+        assert 4 * (b["bytes"] - HEAD) < a["bytes"] - HEAD
+    order = np.lexsort((np.concatenate(shards), np.concatenate(hashes)))
+    hashes, shards = np.concatenate(hashes)[order], np.concatenate(shards)[order]
+    n = m.num_samples
     keys = samples(out)
     where = np.repeat(np.arange(count, dtype=np.uint32), [s.samples for s in m.shards])
     want = key_hashes([k for k, _ in keys])
     order = np.lexsort((where, want))
+    assert len(hashes) == n
     assert np.array_equal(hashes, want[order])
     assert np.array_equal(shards, where[order])
     return hashes, shards
@@ -878,16 +893,21 @@ def test_a_dataset_without_a_key_file_that_serves_is_grown_as_before_and_gets_on
     (out / "manifest.json").write_text(json.dumps(doc))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
-    assert (again.samples, again.duplicates) == (0, 12)  # nothing to append: nothing written
+        if damage == "edited":  # a run's bytes are checked where it is read whole: here, the
+            again = pack(c, str(out), shard_size="6kB", progress=False, append=True)  # merge
+            assert (again.samples, again.duplicates) == (12, 0)  # of 12 new into 12 old
+        else:
+            again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+            assert (again.samples, again.duplicates) == (0, 12)  # nothing to append
     named = [w for w in seen if issubclass(w.category, KeyFileWarning)]
     assert bool(named) == (damage != "unlisted")
     if named:
         assert str(out / KEYS_NAME) in str(named[0].message)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = packed(c, out, append=True)
-    assert report.samples == 12
+    if damage != "edited":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = packed(c, out, append=True)
+        assert report.samples == 12
     key_file(out)  # the append wrote it anew
     keys = [k for k, _ in samples(out)]
     assert len(keys) == 24 == len(set(keys))
