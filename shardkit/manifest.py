@@ -366,7 +366,8 @@ class Manifest:
     version: int = MANIFEST_VERSION
     created_by: str = field(default_factory=_version)
     #: The dataset's key file (``write.keyfile``): ``{"path", "sha256", "bytes"}``, what vouches
-    #: for it, and ``runs``, a list of those for its growth runs where it has any; ``{}``: none (older packs, ``shardkit index``), and the manifest has no ``keys``.
+    #: for it, and ``runs``, a list of those for its growth runs where it has any; ``{}``:
+    #: none (older packs, ``shardkit index``), and the manifest has no ``keys``.
     keys: dict[str, Any] = field(default_factory=dict)
 
     @property

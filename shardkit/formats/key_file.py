@@ -39,8 +39,9 @@ MAGIC = b"SHKKEYS1"
 HEAD = 56
 
 
-#: Hashes a search reads in its last step (128 bytes): below it, one read, not more halvings.
-FINAL = 16
+#: Hashes a search reads in its last step (at most 48 bytes): below it, one read, not more
+#: halvings.
+FINAL = 4
 
 
 def run_name(k: int) -> str:
@@ -122,8 +123,9 @@ def problem(
     ~0.6 us a shard); else only its size and its head's counts (one read of 56 bytes), what a
     reader that confirms every answer on the real key needs to use it, the rest left to when
     an answer is missing. ``identity``: the head's identity checked (default: ``whole``),
-    what growth checks of the runs it searches without reading them. ``last``: the newest run, whose head names every shard; an older
-    run's names the first shards, as many as the dataset had when it was written."""
+    what growth checks of the runs it searches without reading them. ``last``: the newest
+    run, whose head names every shard; an older run's names the first shards, as many as the
+    dataset had when it was written."""
     try:
         if os.path.getsize(path) != HEAD + 12 * n or listed["bytes"] != HEAD + 12 * n:
             return f"not the {HEAD + 12 * n} bytes of {n} samples"
@@ -184,8 +186,8 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``lo, hi``: where each of ``want`` (uint64, ascending) is in the sorted hashes of the
     run of ``n`` samples open as ``fd`` (``hashes[lo:hi] == want``; ``lo == hi``: absent).
     A binary search of all of them at once by ``os.pread``: each halving reads the one
-    8-byte hash at each distinct midpoint, down to runs of ``FINAL`` read whole: about
-    ``8 log2(n / FINAL) + 136`` bytes a searched hash, whatever the run's size; where that
+    8-byte hash at each distinct midpoint, down to runs of ``FINAL`` read whole with the two
+    after them: about ``8 log2(n / 4) + 48`` bytes a searched hash; where that
     is more than the whole hash column (many hashes searched in a small run), the column is
     read instead."""
     m = len(want)
@@ -193,7 +195,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not n or not m:
         return np.zeros(m, np.int64), np.zeros(m, np.int64)
     steps = max(n // FINAL, 1).bit_length()
-    if 8 * n <= m * (8 * steps + 8 * (2 * FINAL + 1)):
+    if 8 * n <= m * (8 * steps + 8 * (FINAL + 2)):
         col = np.frombuffer(_pread(fd, 8 * n, HEAD), "<u8")
         return col.searchsorted(want, "left"), col.searchsorted(want, "right")
     lo, hi = np.zeros(m, np.int64), np.full(m, n, np.int64)
@@ -210,7 +212,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a, b = lo.copy(), lo.copy()
     starts, first = np.unique(lo, return_index=True)
     for s, q0, q1 in zip(starts.tolist(), first.tolist(), [*first[1:].tolist(), m], strict=True):
-        end = min(int(hi[q0:q1].max()) + FINAL, n)  # past hi: the equal hashes that follow
+        end = min(int(hi[q0:q1].max()) + 2, n)  # past hi: the equal hashes that follow
         block = np.frombuffer(_pread(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
         w = want[q0:q1]
         a[q0:q1] = s + block.searchsorted(w, "left")
@@ -218,7 +220,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for q in range(q0, q1):  # equal hashes past the block (a collision): read on
             e = end
             while b[q] == e < n and a[q] < b[q]:
-                nxt = min(e + 4 * FINAL, n)
+                nxt = min(e + 64, n)
                 more = np.frombuffer(_pread(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
                 b[q] += int(more.searchsorted(want[q], "right"))
                 e = nxt

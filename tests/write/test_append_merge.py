@@ -591,11 +591,11 @@ def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(sr
     assert len(keys) == len(set(keys)) == 12
 
 
-def _written(out, keys):
+def _written(out, keys, shard_size="800kB"):
     """A dataset of tiny samples ``c0/kNNNNN`` in shards of ~400 (``ShardWriter``: fast)."""
     from shardkit import ShardWriter
 
-    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+    with ShardWriter(str(out), shard_size=shard_size, classes=["c0"]) as w:
         for k in keys:
             w.add(f"c0/k{k:05d}", "jpg", b"\xff\xd8 %d" % k, 0)
     return out
@@ -777,7 +777,9 @@ def key_file(out) -> tuple[np.ndarray, np.ndarray]:
         shards.append(np.frombuffer(data, "<u4", n, HEAD + 8 * n))
         assert np.all(np.diff(hashes[-1].astype(np.float64)) >= 0)
         assert np.all(shards[-1] < named)
-    for a, b in zip(runs, runs[1:]):  # the compaction rule: each run under 1/4 of the one before
+    for a, b in zip(
+        runs, runs[1:], strict=False
+    ):  # the compaction rule: each run under 1/4 of the one before
         assert 4 * (b["bytes"] - HEAD) < a["bytes"] - HEAD
     order = np.lexsort((np.concatenate(shards), np.concatenate(hashes)))
     hashes, shards = np.concatenate(hashes)[order], np.concatenate(shards)[order]
@@ -968,3 +970,131 @@ def test_an_engine_pack_and_append_write_the_key_file(srcs, tmp_path):
     packed(b, out, append=True, runner=LocalRunner(processes=2))
     key_file(out)
     assert read_manifest(str(out)).num_samples == 24
+
+
+# --- the key file's runs ---------------------------------------------------------------------
+
+
+def _runs(out) -> list[int]:
+    """The samples of each of ``out``'s key file runs, the base first."""
+    keys = read_manifest(str(out)).keys
+    return [(r["bytes"] - HEAD) // 12 for r in [keys, *keys.get("runs", [])]]
+
+
+def _view_finds(out, keys) -> dict[str, int]:
+    from shardkit import ShardView
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the key file serves: no private table built
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        try:
+            return {k: view.get(k)[2] for k in keys}
+        finally:
+            view.close()
+
+
+def test_growth_writes_runs_every_reader_searches_and_merges_them_by_the_rule(tmp_path):
+    """Merged in place and appended, a dataset of 3,000 keys gains one run a growth step
+    (each under a quarter of the one before: FORMAT.md's rule), which every reader searches:
+    ``get(key)``, the duplicate check of an append and of a merge (a key in any run refused by
+    name). A step large enough merges the runs back into one base file: same answers."""
+    big = _written(tmp_path / "big", range(3000))
+    steps = [range(5000 + 1000 * i, 5000 + 1000 * i + n) for i, n in enumerate((300, 60, 10))]
+    for i, keys in enumerate(steps):
+        merge([big, _written(tmp_path / f"s{i}", keys)], big)
+    assert _runs(big) == [3000, 300, 60, 10]
+    hashes, _ = key_file(big)  # each run vouched for, together every key
+    assert len(hashes) == 3370
+    names = sorted(n for n in os.listdir(big) if n.startswith(KEYS_NAME))
+    assert names == [KEYS_NAME, f"{KEYS_NAME}.1", f"{KEYS_NAME}.2", f"{KEYS_NAME}.3"]
+    probe = ["c0/k00007", "c0/k05001", "c0/k05150", "c0/k06005", "c0/k07009"]
+    found = _view_finds(big, probe)
+    assert found == {k: k for k in probe}
+    for key in probe[1:]:  # a key of each run refused, by name, by merge and by append
+        n = int(key[-5:])
+        with pytest.raises(InputError, match=rf"first: {key!r}"):
+            merge([big, _written(tmp_path / f"d{n}", [n, 9000 + n])], tmp_path / "refused")
+    src = tmp_path / "src"
+    for key in (probe[2], "c0/k09999"):
+        os.makedirs(src / "c0", exist_ok=True)
+        Image.new("RGB", (4, 4)).save(src / f"{key}.jpg")
+    with pytest.warns(UserWarning, match=r"left out 1 whose key"):
+        grown = pack(str(src), str(big), shard_size="800kB", progress=False, append=True)
+    assert (grown.samples, grown.duplicates) == (1, 1)
+    assert _runs(big) == [3000, 300, 60, 10, 1]  # 1 is under a quarter of 10: a run
+    merge([big, _written(tmp_path / "large", range(10000, 10800))], big)
+    assert _runs(big) == [4171]  # 800 >= 371 / 4 ... >= 3000 / 4: one base file again
+    assert names_of(big) == [KEYS_NAME]  # the runs merged are gone
+    key_file(big)
+    assert _view_finds(big, [*probe, "c0/k09999", "c0/k10500"])["c0/k05150"] == "c0/k05150"
+
+
+def names_of(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith(KEYS_NAME))
+
+
+def test_an_older_reader_of_a_manifest_with_runs_falls_back_never_answers_wrong(tmp_path):
+    """What shardkit before the runs reads of a grown manifest: ``keys`` without ``runs``
+    (its parser keeps only path, sha256 and bytes), naming the base file, whose size is not the
+    dataset's: refused with a warning by growth and by ``get(key)``, which read the shards'
+    indexes instead and still find every key and refuse every duplicate."""
+    from shardkit import ShardView
+    from shardkit.formats.key_file import problem
+
+    big = _written(tmp_path / "big", range(2000))
+    merge([big, _written(tmp_path / "s", range(5000, 5100))], big)
+    doc = json.loads((big / "manifest.json").read_text())
+    assert len(doc["keys"]["runs"]) == 1
+    m = read_manifest(str(big))
+    why = problem(str(big / KEYS_NAME), doc["keys"], m.num_samples, m.shards)  # older check
+    assert why == f"not the {HEAD + 12 * 2100} bytes of 2100 samples"
+    del doc["keys"]["runs"]  # as an older parser keeps it
+    (big / "manifest.json").write_text(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match=r"hold 2000 key hashes, not 2100; get\(key\) sorts"):
+        view = ShardView(str(big), decode="raw", with_keys=True)
+        assert view.get("c0/k05050")[2] == "c0/k05050"
+    view.close()
+    with pytest.warns(KeyFileWarning, match=r"its runs hold 2000 key hashes, not 2100"):
+        with pytest.raises(InputError, match=r"first: 'c0/k05050'"):
+            merge([big, _written(tmp_path / "d", [5050])], tmp_path / "refused")
+
+
+_READ_BYTES = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    from shardkit.write.merge import merge
+
+    def rchar():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+    merge([sys.argv[3], sys.argv[4]], sys.argv[3])  # a warm-up: every module imported
+    before = rchar()
+    merge([sys.argv[1], sys.argv[2]], sys.argv[1])
+    print(rchar() - before)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read by /proc")
+def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_path):
+    """Counted (``rchar``: every byte a read returned, in a child): growing a dataset of
+    20,000 keys by 200 reads about what growing one of 2,000 by 200 does (the old runs
+    searched by pread for the 200 hashes), not 10x; before the runs, the old key file was
+    read whole (its sha256) and written whole at every step."""
+    read = {}
+    for n in (2000, 20000):
+        old = _written(tmp_path / f"old{n}", range(n), shard_size="64MB")
+        new = _written(tmp_path / f"new{n}", range(40000, 40200), shard_size="64MB")
+        warm = [_written(tmp_path / f"w{n}{i}", range(i, 50, 2)) for i in (0, 1)]
+        r = subprocess.run(
+            [sys.executable, "-c", _READ_BYTES, str(old), str(new), *map(str, warm)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        read[n] = int(r.stdout.split()[-1])
+        assert _runs(old) == [n, 200]  # a run of its own
+    assert read[20000] < 2 * read[2000], read
