@@ -1098,3 +1098,89 @@ def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_pa
         read[n] = int(r.stdout.split()[-1])
         assert _runs(old) == [n, 200]  # a run of its own
     assert read[20000] < 2 * read[2000], read
+
+
+_KILLED_AT_STEP = textwrap.dedent(
+    """
+    import os, signal, sys, warnings
+    import shardkit.fsutil as fsutil
+    warnings.simplefilter("ignore")
+    out, when = os.path.realpath(sys.argv[1]), sys.argv[2]
+    real_write, real_replace, real_unlink = fsutil.atomic_write_bytes, os.replace, os.unlink
+    done = {"r": 0, "u": 0}
+
+    def write(path, data):  # 'pre': die as the commit point (the journal) is about to land
+        if when == "pre" and path.endswith(fsutil.JOURNAL_NAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write(path, data)
+        if when == "journal" and path.endswith(fsutil.JOURNAL_NAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def step(kind, path):  # 'r3': die after the third file moved into OUT; 'u1': removed
+        if os.path.dirname(os.path.realpath(path)) == out:
+            done[kind] += 1
+            if when == f"{kind}{done[kind]}":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def replace(a, b):
+        real_replace(a, b)
+        step("r", b)
+
+    def unlink(path, *args, **kw):
+        real_unlink(path, *args, **kw)
+        step("u", path)
+
+    fsutil.atomic_write_bytes, os.replace, os.unlink = write, replace, unlink
+    sys.argv = ["shardkit", *sys.argv[3:]]
+    from shardkit.cli import main
+    main()
+    """
+)
+
+
+@pytest.mark.slow  # child processes SIGKILLed
+def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_rerun(tmp_path):
+    """A merge in place that writes a run and removes the one it merged (runs 2,000 + 100,
+    grown by 60: the 160 keys in one new run), killed before its commit point, at it, and
+    after each file it moves into or removes from the dataset: the dataset read in between is
+    the old one or refused as interrupted, never a mix, and the same command run again leaves
+    exactly what the uninterrupted merge does."""
+    base = _written(tmp_path / "base", range(2000))
+    merge([base, _written(tmp_path / "s1", range(5000, 5100))], base)
+    step = _written(tmp_path / "s2", range(6000, 6060))
+    ref = tmp_path / "ref"
+    shutil.copytree(base, ref)
+    merge([ref, step], ref)
+    assert _runs(base) == [2000, 100] and _runs(ref) == [2000, 160]
+    assert names_of(ref) == [KEYS_NAME, f"{KEYS_NAME}.2"]  # the run of 100 merged, removed
+    kinds = ["pre", "journal", *(f"r{i}" for i in range(1, 9)), *(f"u{i}" for i in range(1, 9))]
+    killed_at = []
+    for when in kinds:
+        out = tmp_path / f"out-{when}"
+        shutil.copytree(base, out)
+        args = ["merge", str(out), str(step), str(out)]
+        r = subprocess.run(
+            [sys.executable, "-c", _KILLED_AT_STEP, str(out), when, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if r.returncode == 0:  # no such step: the merge ran to its end
+            assert digests(out) == digests(ref)
+            continue
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        killed_at.append(when)
+        try:
+            between = read_manifest(str(out))
+        except ManifestError as exc:
+            assert "interrupted while committing" in str(exc)
+        else:
+            assert between.num_samples in (2100, 2160)
+            key_file(out)  # the runs it lists are there and are its keys
+        cli(*args)
+        assert digests(out) == digests(ref), when
+        assert _view_finds(out, ["c0/k05050", "c0/k06059"]) == {
+            "c0/k05050": "c0/k05050",
+            "c0/k06059": "c0/k06059",
+        }
+    assert {"pre", "journal", "r1", "r2", "u1"} <= set(killed_at)
