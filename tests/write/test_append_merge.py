@@ -290,22 +290,43 @@ _KILLED_AFTER_COMMIT = textwrap.dedent(
     import os, signal, sys, warnings
     import shardkit.fsutil as fsutil
     warnings.simplefilter("ignore")
-    command, out, when = sys.argv[1], sys.argv[2], sys.argv[3]
-    real_roll, real_replace, moved = fsutil._roll_forward, os.replace, []
+    command, out, when = sys.argv[1], os.path.realpath(sys.argv[2]), sys.argv[3]
+    real_write, real_roll, real_replace, real_unlink = (
+        fsutil.atomic_write_bytes, fsutil._roll_forward, os.replace, os.unlink
+    )
+    done = {"shard": 0, "r": 0, "u": 0}
+
+    def write(path, data):  # 'pre': die as the commit point (the journal) is about to land
+        if when == "pre" and path.endswith(fsutil.JOURNAL_NAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write(path, data)
 
     def roll(directory, journal):  # 'journal': die right after the commit point
         if when == "journal":
             os.kill(os.getpid(), signal.SIGKILL)
         real_roll(directory, journal)
 
-    def replace(a, b):  # a number: die after moving that many shards into OUT
-        real_replace(a, b)
-        if os.path.dirname(b) == out and os.path.basename(b).startswith("shard-"):
-            moved.append(b)
-            if str(len(moved)) == when:
+    def step(kind, path):  # a number: die after moving that many shards into OUT;
+        if os.path.dirname(os.path.realpath(path)) != out:  # 'r3': after the third file
+            return  # of any name moved into OUT; 'u1': after the first removed from it
+        if kind == "r" and os.path.basename(path).startswith("shard-"):
+            done["shard"] += 1
+            if str(done["shard"]) == when:
                 os.kill(os.getpid(), signal.SIGKILL)
+        done[kind] += 1
+        if when == f"{kind}{done[kind]}":
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    fsutil._roll_forward, os.replace = roll, replace
+    def replace(a, b):
+        real_replace(a, b)
+        step("r", b)
+
+    def unlink(path, *args, **kw):
+        real_unlink(path, *args, **kw)
+        step("u", path)
+
+    fsutil.atomic_write_bytes, fsutil._roll_forward = write, roll
+    os.replace, os.unlink = replace, unlink
     sys.argv = ["shardkit", *sys.argv[4:]]
     from shardkit.cli import main
     main()
@@ -1100,44 +1121,6 @@ def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_pa
     assert read[20000] < 2 * read[2000], read
 
 
-_KILLED_AT_STEP = textwrap.dedent(
-    """
-    import os, signal, sys, warnings
-    import shardkit.fsutil as fsutil
-    warnings.simplefilter("ignore")
-    out, when = os.path.realpath(sys.argv[1]), sys.argv[2]
-    real_write, real_replace, real_unlink = fsutil.atomic_write_bytes, os.replace, os.unlink
-    done = {"r": 0, "u": 0}
-
-    def write(path, data):  # 'pre': die as the commit point (the journal) is about to land
-        if when == "pre" and path.endswith(fsutil.JOURNAL_NAME):
-            os.kill(os.getpid(), signal.SIGKILL)
-        real_write(path, data)
-        if when == "journal" and path.endswith(fsutil.JOURNAL_NAME):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def step(kind, path):  # 'r3': die after the third file moved into OUT; 'u1': removed
-        if os.path.dirname(os.path.realpath(path)) == out:
-            done[kind] += 1
-            if when == f"{kind}{done[kind]}":
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def replace(a, b):
-        real_replace(a, b)
-        step("r", b)
-
-    def unlink(path, *args, **kw):
-        real_unlink(path, *args, **kw)
-        step("u", path)
-
-    fsutil.atomic_write_bytes, os.replace, os.unlink = write, replace, unlink
-    sys.argv = ["shardkit", *sys.argv[3:]]
-    from shardkit.cli import main
-    main()
-    """
-)
-
-
 @pytest.mark.slow  # child processes SIGKILLed
 def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_rerun(tmp_path):
     """A merge in place that writes a run and removes the one it merged (runs 2,000 + 100,
@@ -1160,7 +1143,7 @@ def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_r
         shutil.copytree(base, out)
         args = ["merge", str(out), str(step), str(out)]
         r = subprocess.run(
-            [sys.executable, "-c", _KILLED_AT_STEP, str(out), when, *args],
+            [sys.executable, "-c", _KILLED_AFTER_COMMIT, "", str(out), when, *args],
             capture_output=True,
             text=True,
             timeout=120,
