@@ -13,15 +13,16 @@ from the base, so there are at most ``log4(N) + 1`` of them, and a key is rewrit
 every run into a new base: 12 bytes a sample, once in about ``N / 4`` appended keys.
 
 Looking up new keys touches only what they need: each run's hashes are binary-searched for the
-new keys' sorted hashes by ``os.pread`` (``key_file.search``: ~8 log2(n) + 136 bytes a key),
-so a step that merges nothing reads O(new) bytes of the key file. A run merged is read whole,
-and its sha256 checked first. The runs a step only searches are taken by their size and head
-(their counts, and the identity of the shards each one names: the manifest, no shard read), as
-a lookup by key takes them; their sha256 is checked where they are read whole (a merge of runs,
-``shardkit verify``). A key file that is missing, damaged, edited or another dataset's serves
-not at all: growth then reads every shard's index as before (``built``), with a warning, and
-writes one base file anew. A dataset made before the key file has none, and is read the old
-way once; a key file of one run is the file older shardkit wrote and reads.
+new keys' sorted hashes by ``os.pread`` (``key_file.search``: ~8 log2(n / 4) + 48 bytes a
+key), so a step that merges nothing reads O(new) bytes of the key file. A run merged is read
+whole, and its sha256 checked first. The runs a step only searches are taken by their size
+and head (their counts, and the identity of the shards each one names: the manifest, no shard
+read), as a lookup by key takes them; their sha256 is checked where they are read whole (a
+merge of runs; ``key_file.runs_problem`` with ``whole`` checks them all). A key file that is
+missing, damaged, edited or another dataset's serves not at all: growth then reads every
+shard's index as before (``built``), with a warning, and writes one base file anew. A dataset
+made before the key file has none, and is read the old way once; a key file of one run is the
+file older shardkit wrote and reads.
 
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).

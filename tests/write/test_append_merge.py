@@ -1167,3 +1167,21 @@ def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_r
             "c0/k06059": "c0/k06059",
         }
     assert {"pre", "journal", "r1", "r2", "u1"} <= set(killed_at)
+
+
+def test_a_run_read_whole_is_checked_by_its_sha256_first(tmp_path):
+    """A merge reads the datasets it copies whole: a run of one edited in place (its size and
+    head kept, so a search would take it) is named in a warning and that dataset's keys are
+    read from its shards instead; the merged key file is every key's, the edit not copied."""
+    a = _written(tmp_path / "a", range(1000))
+    merge([a, _written(tmp_path / "s", range(5000, 5100))], a)
+    assert _runs(a) == [1000, 100]
+    run = a / f"{KEYS_NAME}.1"
+    data = bytearray(run.read_bytes())
+    data[HEAD : HEAD + 8] = bytes(8)  # its smallest hash zeroed: still sorted
+    run.write_bytes(bytes(data))
+    b = _written(tmp_path / "b", range(7000, 7010))
+    with pytest.warns(KeyFileWarning, match=r"a run's sha256 is not the manifest's"):
+        merge([a, b], tmp_path / "m")
+    hashes, _ = key_file(tmp_path / "m")
+    assert len(hashes) == 1110 and _runs(tmp_path / "m") == [1110]
