@@ -366,7 +366,8 @@ class Manifest:
     version: int = MANIFEST_VERSION
     created_by: str = field(default_factory=_version)
     #: The dataset's key file (``write.keyfile``): ``{"path", "sha256", "bytes"}``, what vouches
-    #: for it; ``{}``: none (older packs, ``shardkit index``), and the manifest has no ``keys``.
+    #: for it, and ``runs``, a list of those for its growth runs where it has any; ``{}``:
+    #: none (older packs, ``shardkit index``), and the manifest has no ``keys``.
     keys: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -491,17 +492,31 @@ def _fields(doc: dict) -> dict[str, int]:
 
 
 def _keys(doc: dict) -> dict[str, Any]:
-    """The optional ``keys`` object: the key file's name, sha256 and size."""
+    """The optional ``keys`` object: the key file's name, sha256 and size, and its growth
+    runs' (``runs``)."""
     if "keys" not in doc:
         return {}
     keys = doc["keys"]
     if not isinstance(keys, dict):
         raise _Bad(f"'keys' is {_short(keys)}, expected an object")
-    return {
+    out = {
         "path": _name(keys.get("path"), "key file"),
         "sha256": _sha(keys.get("sha256"), "key file sha256"),
         "bytes": _count(keys.get("bytes"), "key file bytes"),
     }
+    if "runs" in keys:  # the growth runs after the base file, oldest first
+        runs = keys["runs"]
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            raise _Bad(f"'keys.runs' is {_short(runs)}, expected a list of objects")
+        out["runs"] = [
+            {
+                "path": _name(r.get("path"), "key file run"),
+                "sha256": _sha(r.get("sha256"), "key file run sha256"),
+                "bytes": _count(r.get("bytes"), "key file run bytes"),
+            }
+            for r in runs
+        ]
+    return out
 
 
 def _too_large(source: str, size: str) -> ManifestError:

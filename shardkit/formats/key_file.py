@@ -1,5 +1,7 @@
-"""The bytes of a dataset's key file, ``manifest.keys`` (FORMAT.md, "Key file"): its head, the
-sha256 its manifest lists, and its columns memory-mapped. Written by growth
+"""The bytes of a dataset's key file, ``manifest.keys`` (FORMAT.md, "Key file"): its runs (the
+base file and one file per growth step since it was last written whole), each run's head, the
+sha256 its manifest lists, its columns memory-mapped, and a search of its sorted hashes by
+``os.pread`` that reads only the bytes the searched hashes need. Written by growth
 (``write.keyfile``) and read by growth and by a view's ``get(key)`` (``stream.lookup``): both
 sides of the format in one place, below both."""
 
@@ -18,8 +20,15 @@ __all__ = [
     "MAGIC",
     "file_digest",
     "key_file_sha256",
+    "key_runs",
     "mapped",
     "problem",
+    "run_count",
+    "run_head",
+    "run_name",
+    "runs_problem",
+    "search",
+    "shard_column",
     "shards_digest",
 ]
 
@@ -30,15 +39,51 @@ MAGIC = b"SHKKEYS1"
 HEAD = 56
 
 
-def shards_digest(shards: Sequence) -> bytes:
-    """The 32 bytes naming the shards a key file describes: ``keys.identity``'s sha256."""
+#: Hashes a search reads in its last step (at most 48 bytes): below it, one read, not more
+#: halvings.
+FINAL = 4
+
+
+def run_name(k: int) -> str:
+    """The file name of a growth run: ``manifest.keys.<k>`` beside the manifest."""
+    return f"{KEYS_NAME}.{k}"
+
+
+def run_count(entry: dict) -> int:
+    """The samples of the run the manifest lists as ``entry`` (its ``bytes``: ``56 + 12 n``)."""
+    return max(int(entry["bytes"]) - HEAD, 0) // 12
+
+
+def key_runs(listed: dict) -> list[dict]:
+    """The runs a manifest's ``keys`` lists, oldest (the base, ``keys`` itself) first: each
+    ``{"path", "sha256", "bytes"}``."""
+    if not listed:
+        return []
+    base = {k: listed[k] for k in ("path", "sha256", "bytes")}
+    return [base, *(dict(r) for r in listed.get("runs", ()))]
+
+
+def _doc(shards: Sequence) -> list:
     if hasattr(shards, "sha256"):  # a parsed manifest's columns: no object a shard
-        doc = [
+        return [
             list(x) for x in zip(np.asarray(shards.samples).tolist(), shards.sha256, strict=True)
         ]
-    else:
-        doc = [[s.samples, s.sha256] for s in shards]
-    return hashlib.sha256(json.dumps(doc).encode()).digest()
+    return [[s.samples, s.sha256] for s in shards]
+
+
+def shards_digest(shards: Sequence, first: int | None = None) -> bytes:
+    """The 32 bytes naming the shards a key file describes: ``keys.identity``'s sha256 (of
+    the first ``first`` of them: what a run written when the dataset had those names)."""
+    doc = _doc(shards)
+    return hashlib.sha256(json.dumps(doc[:first]).encode()).digest()
+
+
+def run_head(n: int, shards: Sequence) -> bytes:
+    """A run's 56-byte head: the magic, its ``n`` samples, and the dataset's shards as it is
+    written (their number and their identity)."""
+    return (
+        MAGIC + n.to_bytes(8, "little") + len(shards).to_bytes(8, "little") + shards_digest(shards)
+    )
 
 
 def file_digest(hashes, shards) -> str:
@@ -63,13 +108,24 @@ def key_file_sha256(path: str, n: int) -> str:
     return file_digest(*parts)
 
 
-def problem(path: str, listed: dict, n: int, shards: Sequence, whole: bool = True) -> str:
+def problem(
+    path: str,
+    listed: dict,
+    n: int,
+    shards: Sequence,
+    whole: bool = True,
+    last: bool = True,
+    identity: bool | None = None,
+) -> str:
     """Why the key file at ``path`` is not the one the manifest lists (``listed``: its
     ``keys``) for its ``n`` samples in ``shards``; "" where it is. ``whole``: its sha256 is
     checked (12 bytes a sample read) and its head's identity of the shards (their list hashed:
     ~0.6 us a shard); else only its size and its head's counts (one read of 56 bytes), what a
     reader that confirms every answer on the real key needs to use it, the rest left to when
-    an answer is missing."""
+    an answer is missing. ``identity``: the head's identity checked (default: ``whole``),
+    what growth checks of the runs it searches without reading them. ``last``: the newest
+    run, whose head names every shard; an older run's names the first shards, as many as the
+    dataset had when it was written."""
     try:
         if os.path.getsize(path) != HEAD + 12 * n or listed["bytes"] != HEAD + 12 * n:
             return f"not the {HEAD + 12 * n} bytes of {n} samples"
@@ -80,13 +136,100 @@ def problem(path: str, listed: dict, n: int, shards: Sequence, whole: bool = Tru
         if (
             head[:8] != MAGIC
             or int.from_bytes(head[8:16], "little") != n
-            or int.from_bytes(head[16:24], "little") != len(shards)
-            or (whole and head[24:56] != shards_digest(shards))
+            or not _shards_ok(int.from_bytes(head[16:24], "little"), len(shards), last)
+            or (
+                (whole if identity is None else identity)
+                and head[24:56] != shards_digest(shards, int.from_bytes(head[16:24], "little"))
+            )
         ):
             return "its head does not name this manifest's shards"
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
     return ""
+
+
+def _shards_ok(named: int, shards: int, last: bool) -> bool:
+    return named == shards if last else 0 < named <= shards
+
+
+def runs_problem(
+    folder: str,
+    listed: dict,
+    n: int,
+    shards: Sequence,
+    whole: bool = True,
+    identity: bool | None = None,
+) -> str:
+    """Why the runs the manifest's ``keys`` lists (``key_runs``) do not serve its ``n``
+    samples in ``shards``, naming the run; "" where they do. Their counts sum to ``n``, each
+    is its listed size and head (and, ``whole``, its sha256; ``identity``, default ``whole``,
+    its head's identity of the shards)."""
+    runs = key_runs(listed)
+    if sum(run_count(r) for r in runs) != n:
+        return f"its runs hold {sum(run_count(r) for r in runs)} key hashes, not {n}"
+    for i, r in enumerate(runs):
+        path = os.path.join(folder, r["path"])
+        why = problem(path, r, run_count(r), shards, whole, i == len(runs) - 1, identity)
+        if why:
+            return why if i == 0 else f"its run {path}: {why}"
+    return ""
+
+
+def _pread(fd: int, size: int, at: int) -> bytes:
+    raw = os.pread(fd, size, at)
+    if len(raw) != size:
+        raise OSError(f"a key file cut short at byte {at + len(raw)}")
+    return raw
+
+
+def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``lo, hi``: where each of ``want`` (uint64, ascending) is in the sorted hashes of the
+    run of ``n`` samples open as ``fd`` (``hashes[lo:hi] == want``; ``lo == hi``: absent).
+    A binary search of all of them at once by ``os.pread``: each halving reads the one
+    8-byte hash at each distinct midpoint, down to runs of ``FINAL`` read whole with the two
+    after them: about ``8 log2(n / 4) + 48`` bytes a searched hash; where that
+    is more than the whole hash column (many hashes searched in a small run), the column is
+    read instead."""
+    m = len(want)
+    want = np.asarray(want, np.uint64)
+    if not n or not m:
+        return np.zeros(m, np.int64), np.zeros(m, np.int64)
+    steps = max(n // FINAL, 1).bit_length()
+    if 8 * n <= m * (8 * steps + 8 * (FINAL + 2)):
+        col = np.frombuffer(_pread(fd, 8 * n, HEAD), "<u8")
+        return col.searchsorted(want, "left"), col.searchsorted(want, "right")
+    lo, hi = np.zeros(m, np.int64), np.full(m, n, np.int64)
+    while True:  # the first hash >= want[q] is at lo[q] .. hi[q]
+        act = np.flatnonzero(hi - lo > FINAL)
+        if not len(act):
+            break
+        mid = (lo[act] + hi[act]) // 2
+        at = np.unique(mid)
+        got = b"".join([_pread(fd, 8, HEAD + 8 * i) for i in at.tolist()])
+        less = np.frombuffer(got, "<u8")[np.searchsorted(at, mid)] < want[act]
+        lo[act[less]] = mid[less] + 1
+        hi[act[~less]] = mid[~less]
+    a, b = lo.copy(), lo.copy()
+    starts, first = np.unique(lo, return_index=True)
+    for s, q0, q1 in zip(starts.tolist(), first.tolist(), [*first[1:].tolist(), m], strict=True):
+        end = min(int(hi[q0:q1].max()) + 2, n)  # past hi: the equal hashes that follow
+        block = np.frombuffer(_pread(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
+        w = want[q0:q1]
+        a[q0:q1] = s + block.searchsorted(w, "left")
+        b[q0:q1] = s + block.searchsorted(w, "right")
+        for q in range(q0, q1):  # equal hashes past the block (a collision): read on
+            e = end
+            while b[q] == e < n and a[q] < b[q]:
+                nxt = min(e + 64, n)
+                more = np.frombuffer(_pread(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
+                b[q] += int(more.searchsorted(want[q], "right"))
+                e = nxt
+    return a, b
+
+
+def shard_column(fd: int, n: int, i: int, j: int) -> np.ndarray:
+    """The shards of samples ``i .. j`` of the run of ``n`` samples open as ``fd``."""
+    return np.frombuffer(_pread(fd, 4 * (j - i), HEAD + 8 * n + 4 * i), "<u4")
 
 
 def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:

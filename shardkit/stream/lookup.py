@@ -11,7 +11,8 @@ at LAION-400M. Here:
 - ``IndexCache``: the shard indexes held, within ``indexes`` bytes.
 - ``DatasetKeys``: the dataset's own key file, ``manifest.keys`` (FORMAT.md, "Key file"),
   which pack, append and merge write beside the manifest that vouches for it: every key hash
-  sorted with its shard. A lookup is a binary search of the file's hashes by ``os.pread``
+  sorted with its shard, in a few sorted runs (the base file and the growth runs after it).
+  A lookup is a binary search of each run's hashes by ``os.pread``
   (a few 8-byte reads, then one 4 KB run: not mapped, so no page of it stays in the view's
   resident memory however many lookups touch it), so the first lookup of a view costs what
   every other does and nothing is built. It names candidate shards only: the view finds the key in
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import HEAD, problem
+from ..formats.key_file import HEAD, key_runs, run_count, runs_problem
 from ..sizes import parse_size
 
 __all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
@@ -82,26 +83,13 @@ class _ByPread:
         return state
 
 
-class DatasetKeys(_ByPread):
-    """The key file a local manifest lists, ``manifest.keys`` (see the module docstring).
-    ``open`` finds it served (its size and its head's counts: one stat, one read of 56
-    bytes); ``shards(h)``: the positions of the shards holding a key whose hash is ``h``,
-    ascending; ``vouched()``: its head names the view's shards and its sha256 is the
-    manifest's (the shard list hashed, 12 bytes a sample read, once: checked when an answer is
-    missing, the one answer a file can get wrong unseen)."""
+class _Run(_ByPread):
+    """One run of a key file (its base file, or a growth run), read by ``os.pread``."""
 
-    def __init__(self, path: str, listed: dict, n: int, shards=None):
-        self.path, self.listed, self.n = path, dict(listed), int(n)
-        self._shards = shards  # the view's table (held by the view anyway)
+    def __init__(self, path: str, n: int):
+        self.path, self.n = path, int(n)
         self._fd: int | None = None
         self._pid = os.getpid()
-        self._vouched: bool | None = None
-
-    @classmethod
-    def open(cls, path: str, listed: dict, n: int, shards) -> tuple[DatasetKeys | None, str]:
-        """The file at ``path`` and "", or None and why it does not serve."""
-        why = problem(path, listed, n, shards, whole=False)
-        return (None, why) if why else (cls(path, listed, n, shards), "")
 
     def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
         raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
@@ -109,12 +97,10 @@ class DatasetKeys(_ByPread):
             raise OSError(f"{self.path}: cut short")
         return np.frombuffer(raw, "<u8")
 
-    def shards(self, want: int) -> list[int]:
+    def shards(self, want: np.uint64) -> list[int]:
         """A binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
         to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
-        reads at 1.28M samples, ~20 at 4x10^8): nothing mapped or held, so the view's memory
-        is the same after any number of lookups."""
-        want = np.uint64(want)
+        reads at 1.28M samples, ~20 at 4x10^8)."""
         fd, lo, hi = self._file(), 0, self.n  # the first hash >= want is in lo .. hi
         while hi - lo > _BLOCK:
             mid = (lo + hi) // 2
@@ -132,12 +118,46 @@ class DatasetKeys(_ByPread):
         if a == b:
             return []
         raw = os.pread(fd, 4 * (b - a), HEAD + 8 * self.n + 4 * a)
-        return sorted(set(np.frombuffer(raw, "<u4").tolist()))
+        return np.frombuffer(raw, "<u4").tolist()
+
+
+class DatasetKeys:
+    """The key file a local manifest lists, ``manifest.keys`` and its growth runs (see the
+    module docstring). ``open`` finds it served (its runs' counts, sizes and heads: one stat
+    and one read of 56 bytes a run); ``shards(h)``: the positions of the shards holding a key
+    whose hash is ``h``, ascending, from every run; ``vouched()``: each run's head names the
+    view's shards and its sha256 is the manifest's (the shard list hashed, 12 bytes a sample
+    read, once: checked when an answer is missing, the one answer a file can get wrong
+    unseen)."""
+
+    def __init__(self, folder: str, listed: dict, n: int, shards=None):
+        self.folder, self.listed, self.n = folder, dict(listed), int(n)
+        self.path = os.path.join(folder, listed["path"])  # the base file: what names it
+        self._shards = shards  # the view's table (held by the view anyway)
+        self.runs = [_Run(os.path.join(folder, r["path"]), run_count(r)) for r in key_runs(listed)]
+        self._vouched: bool | None = None
+
+    @classmethod
+    def open(cls, folder: str, listed: dict, n: int, shards) -> tuple[DatasetKeys | None, str]:
+        """The key file the manifest in ``folder`` lists and "", or None and why it does not
+        serve."""
+        why = runs_problem(folder, listed, n, shards, whole=False)
+        return (None, why) if why else (cls(folder, listed, n, shards), "")
+
+    def shards(self, want: int) -> list[int]:
+        """Each run searched (``_Run.shards``): nothing mapped or held, so the view's memory is
+        the same after any number of lookups."""
+        want = np.uint64(want)
+        return sorted({s for run in self.runs for s in run.shards(want)})
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
 
     def vouched(self) -> bool:
         if self._vouched is None:
             try:
-                self._vouched = not problem(self.path, self.listed, self.n, self._shards)
+                self._vouched = not runs_problem(self.folder, self.listed, self.n, self._shards)
             except OSError:
                 self._vouched = False
         return self._vouched

@@ -352,7 +352,8 @@ class ShardView:
                 if listed:
                     path = os.path.join(os.path.dirname(manifest_at), listed["path"])
                     n = self._starts[-1]
-                    keys, why = DatasetKeys.open(path, listed, n, self.shards)
+                    folder = os.path.dirname(manifest_at)
+                    keys, why = DatasetKeys.open(folder, listed, n, self.shards)
                     if keys is None:
                         self._refuse_keys(path, why)
                     else:

@@ -17,7 +17,14 @@ from ..errors import InputError, OutputError
 from ..formats.sample_index import ensure_indexes
 from ..fsutil import JOURNAL_NAME, interrupted_commit, publish, write_error
 from ..manifest import MANIFEST_NAME, Manifest, SkippedFile, write_manifest
-from .keyfile import KEYS_NAME, KeyColumns, dataset_columns, new_columns, write_key_file
+from .keyfile import (
+    KEYS_NAME,
+    KeyColumns,
+    dataset_columns,
+    grow_key_file,
+    new_columns,
+    write_key_file,
+)
 from .plan import APPENDED_FIELD, JOB_PREFIX, PackPlan, ShardReceipt
 from .read import stat_pair
 
@@ -78,15 +85,16 @@ def commit_pack(
     receipts: Iterable[ShardReceipt],
     *,
     replaced: Sequence[str] = (),
-    old_keys: KeyColumns | None = None,
+    old_keys: Sequence[KeyColumns] | None = None,
 ) -> CommitResult:
     """Publish the job's shards, the key file and the manifest ``pack`` writes, all or nothing,
     manifest last.
 
     The caller holds OUT's lock (``writer.open_local_output``); ``replaced`` are the old
-    dataset's shards, deleted by the commit. An append's key file is the old dataset's
-    (``old_keys``, which its duplicate check read; else read here) with the new shards' keys
-    merged in. Other plans' job folders are removed afterwards.
+    dataset's shards, deleted by the commit. An append's key file is the old dataset's runs
+    (``old_keys``, which its duplicate check searched; else read here) and one run of the new
+    shards' keys (``keyfile.grow_key_file``: the newest runs merged into it while it is large
+    enough). Other plans' job folders are removed afterwards.
     """
     ordered = check_receipts(plan, receipts)
     scan = plan.scan
@@ -141,13 +149,13 @@ def commit_pack(
         )
     out = plan.out
     try:
-        manifest.keys = _key_file(plan, manifest, entries, old_keys)
+        manifest.keys, written, gone = _key_file(plan, manifest, entries, old_keys)
         write_manifest(manifest, plan.job)
     except OSError as exc:
         raise write_error(out, exc, MANIFEST_NAME) from None
-    names = [e.path for e in entries] + [KEYS_NAME]
+    names = [e.path for e in entries] + written
     try:
-        path = publish(out, plan.job, names, MANIFEST_NAME, remove=[*replaced, KEYS_NAME])
+        path = publish(out, plan.job, names, MANIFEST_NAME, remove=[*replaced, *gone])
     except OSError as exc:
         if interrupted_commit(out) is not None:
             raise OutputError(
@@ -159,15 +167,17 @@ def commit_pack(
     return CommitResult(path, manifest, task_skipped)
 
 
-def _key_file(plan: PackPlan, manifest: Manifest, entries: list, old_keys) -> dict:
-    """The grown (or new) dataset's key file, written into the job folder: the old dataset's
-    columns (``old_keys``, else its key file or indexes) and the new shards' (their indexes,
-    just written: O(new))."""
+def _key_file(plan: PackPlan, manifest: Manifest, entries: list, old_keys) -> tuple:
+    """The grown (or new) dataset's key file, written into the job folder: the new shards'
+    columns (their indexes, just written: O(new)) as one base file, or as a run after the
+    old dataset's runs (``old_keys``, else its key file or indexes); ``(keys, names written,
+    names removed)``."""
     first = len(plan.base.shards) if plan.base is not None else 0
-    parts = [new_columns(plan.job, manifest.shard_format, entries, first)]
-    if plan.base is not None:
-        parts.insert(0, old_keys if old_keys is not None else dataset_columns(plan.out, plan.base))
-    return write_key_file(plan.job, parts, manifest.shards)
+    new = new_columns(plan.job, manifest.shard_format, entries, first)
+    if plan.base is None:
+        return write_key_file(plan.job, [new], manifest.shards), [KEYS_NAME], [KEYS_NAME]
+    old = old_keys if old_keys is not None else dataset_columns(plan.out, plan.base)
+    return grow_key_file(plan.job, (plan.out, plan.base), old, [new], manifest.shards)
 
 
 def check_cluster_lock(out: str, mounts: str = "/proc/self/mounts") -> None:

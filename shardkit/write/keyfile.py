@@ -1,23 +1,34 @@
 """The dataset's key file, ``manifest.keys`` (FORMAT.md, "Key file"): every sample's key hash
 (the split hash, ``sample_index.key_hashes``), sorted, with the position of the shard holding
 it. Growth (``pack --append``, ``merge``) reads it to find the keys a dataset already holds,
-in place of every old shard's index: one file of 12 bytes a sample, memory-mapped, and one
-``sha256`` over it, against the index heads of 40,000 shards opened and their keys hashed.
+in place of every old shard's index.
 
-It is written by every local pack, append and merge beside the shards, before the manifest
-that lists its sha256 (``Manifest.keys``), and published with them (``fsutil.publish``): an
-interrupted growth leaves the old dataset and its key file, or the new ones. Its head names
-the shards it describes (the sha256 of their counts and digests, ``keys.identity``), so a key
-file that is missing, damaged, edited or another dataset's serves not at all: growth then
-reads every shard's index as before (``built``), with a warning, and writes the file anew. A
-dataset made before the key file has none, and is read the old way once.
+It is a short list of sorted runs: the base file, ``manifest.keys``, and one file a growth step
+since (``manifest.keys.<k>``), each listed with its sha256 by the manifest (``Manifest.keys``).
+A growth step writes a run of its new keys only, then merges the newest runs while a run is at
+least a quarter of the one before it (``grow_key_file``): the runs' sizes fall by more than 4x
+from the base, so there are at most ``log4(N) + 1`` of them, and a key is rewritten at most
+``log1.25(N)`` times over all the steps that follow (each merge it is part of leaves its run
+1.25x larger or more): O(log N) bytes written a key, amortized. The worst single step merges
+every run into a new base: 12 bytes a sample, once in about ``N / 4`` appended keys.
+
+Looking up new keys touches only what they need: each run's hashes are binary-searched for the
+new keys' sorted hashes by ``os.pread`` (``key_file.search``: ~8 log2(n / 4) + 48 bytes a
+key), so a step that merges nothing reads O(new) bytes of the key file. A run merged is read
+whole, and its sha256 checked first. The runs a step only searches are taken by their size
+and head (their counts, and the identity of the shards each one names: the manifest, no shard
+read), as a lookup by key takes them; their sha256 is checked where they are read whole (a
+merge of runs; ``key_file.runs_problem`` with ``whole`` checks them all). A key file that is
+missing, damaged, edited or another dataset's serves not at all: growth then reads every
+shard's index as before (``built``), with a warning, and writes one base file anew. A dataset
+made before the key file has none, and is read the old way once; a key file of one run is the
+file older shardkit wrote and reads.
 
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).
 
-Memory: the file is memory-mapped, never read into the heap; the new keys' hashes; and while
-the grown dataset's file is written, pieces of ``CHUNK`` samples (merged in order from the
-sorted old file and the new keys: ``_two_way``).
+Memory: the runs are searched by ``pread`` or memory-mapped, never read into the heap; the new
+keys' hashes; and while runs are merged, pieces of ``CHUNK`` samples (``_two_way``).
 """
 
 from __future__ import annotations
@@ -34,9 +45,15 @@ from ..formats.key_file import (
     HEAD,
     KEYS_NAME,
     MAGIC,
+    key_file_sha256,
+    key_runs,
     mapped,
-    problem,
-    shards_digest,
+    run_count,
+    run_head,
+    run_name,
+    runs_problem,
+    search,
+    shard_column,
 )
 from ..formats.key_file import file_digest as _digest
 from ..formats.sample_index import key_hashes
@@ -44,19 +61,25 @@ from ..manifest import Manifest, ShardEntry
 from .keys import shard_hashes, shard_table
 
 __all__ = [
+    "HEAD",
     "KEYS_NAME",
     "KeyColumns",
     "KeyFileWarning",
     "built",
     "dataset_columns",
+    "grow_key_file",
     "held_in",
     "new_columns",
+    "read_key_file",
+    "read_whole",
     "shared_keys",
     "write_key_file",
 ]
 
 #: Samples a piece while a key file is merged and written, or read to check it.
 CHUNK = 1 << 18
+#: A growth step merges its run into the one before while it is at least 1/RATIO of it.
+RATIO = 4
 
 
 class KeyFileWarning(UserWarning):
@@ -65,13 +88,18 @@ class KeyFileWarning(UserWarning):
 
 @dataclass(frozen=True)
 class KeyColumns:
-    """Every sample's key hash (``uint64``, ascending) and its shard's position in the
-    manifest (``uint32``; equal hashes by shard): a memory-map of a key file, or built."""
+    """One sorted run of key hashes (``uint64``, ascending) and each one's shard's position in
+    the manifest (``uint32``; equal hashes by shard): a run file memory-mapped (``entry``:
+    what the manifest lists of it, ``path`` the file), or built in memory."""
 
     hashes: np.ndarray
     shards: np.ndarray
     #: Added to ``shards`` where these columns are written into a larger dataset's (a merge).
     offset: int = 0
+    #: The run's file and its manifest listing ``{"path", "sha256", "bytes"}``; "" and None
+    #: where built in memory.
+    path: str = ""
+    entry: dict | None = None
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -83,16 +111,45 @@ class KeyColumns:
             shards = shards + np.uint32(self.offset)
         return np.asarray(self.hashes[i:j]), shards
 
+    def find(self, want: np.ndarray) -> dict[int, list[int]]:
+        """``shard -> positions in want`` of each of ``want`` (ascending hashes) this run holds,
+        by the shards holding it (plus ``offset``): a file run searched by ``os.pread``
+        (``key_file.search``: only the pages the hashes need), a built one in memory."""
+        n = len(self)
+        if self.path:
+            with open(self.path, "rb", buffering=0) as f:
+                lo, hi = search(f.fileno(), n, want)
+                hit = np.flatnonzero(hi > lo).tolist()
+                got = [shard_column(f.fileno(), n, int(lo[q]), int(hi[q])) for q in hit]
+        else:
+            lo = np.searchsorted(self.hashes, want, side="left")
+            hi = np.searchsorted(self.hashes, want, side="right")
+            hit = np.flatnonzero(hi > lo).tolist()
+            got = [self.shards[lo[q] : hi[q]] for q in hit]
+        by: dict[int, list[int]] = {}
+        for q, shards in zip(hit, got, strict=True):
+            for s in sorted(set(np.asarray(shards).tolist())):
+                by.setdefault(s + self.offset, []).append(q)
+        return by
 
-def read_key_file(folder: str, manifest: Manifest) -> KeyColumns | None:
-    """The key file the manifest lists, memory-mapped once its sha256, size and head are the
-    manifest's; None where it lists none, or (with a ``KeyFileWarning``) where it does not serve."""
+    def whole(self) -> bool:
+        """A file run read whole (merged): its sha256 the manifest's, checked once here."""
+        return not self.path or key_file_sha256(self.path, len(self)) == self.entry["sha256"]
+
+
+def read_key_file(folder: str, manifest: Manifest) -> list[KeyColumns] | None:
+    """The runs of the key file the manifest lists, oldest first, each memory-mapped (nothing
+    read yet) once their counts, sizes and heads are the manifest's (``key_file.runs_problem``
+    without their sha256: checked where a run is read whole); None where it lists none, or
+    (with a ``KeyFileWarning``) where they do not serve. A dataset's hashes are all the runs'
+    together: a count below a hash is the sum of each run's."""
     listed = manifest.keys
     if not listed:
         return None
-    path = os.path.join(folder, listed["path"])
-    why = problem(path, listed, manifest.num_samples, manifest.shards)
+    shards = manifest.shards
+    why = runs_problem(folder, listed, manifest.num_samples, shards, whole=False, identity=True)
     if why:
+        path = os.path.join(folder, listed["path"])
         warnings.warn(
             f"{path}: {why}; growth reads every shard's index instead, and writes the key file "
             "anew",
@@ -100,7 +157,11 @@ def read_key_file(folder: str, manifest: Manifest) -> KeyColumns | None:
             stacklevel=4,
         )
         return None
-    return KeyColumns(*mapped(path, manifest.num_samples))
+    runs = []
+    for r in key_runs(listed):
+        path = os.path.join(folder, r["path"])
+        runs.append(KeyColumns(*mapped(path, run_count(r)), path=path, entry=r))
+    return runs
 
 
 def built(folder: str, manifest: Manifest) -> KeyColumns:
@@ -129,30 +190,45 @@ def _starts(manifest: Manifest) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
 
 
-def dataset_columns(folder: str, manifest: Manifest) -> KeyColumns:
-    """The dataset's key columns: its key file where it serves, else ``built`` from its shards."""
+def dataset_columns(folder: str, manifest: Manifest) -> list[KeyColumns]:
+    """The dataset's key runs: its key file's where it serves, else one ``built`` from its
+    shards."""
     cols = read_key_file(folder, manifest)
-    return cols if cols is not None else built(folder, manifest)
+    return cols if cols is not None else [built(folder, manifest)]
 
 
-def _candidates(cols: KeyColumns, hashes: np.ndarray) -> dict[int, list[int]]:
-    """``shard -> positions in hashes`` of each of ``hashes`` the columns hold, by the shards
-    holding it."""
-    lo = np.searchsorted(cols.hashes, hashes, side="left")
-    hi = np.searchsorted(cols.hashes, hashes, side="right")
-    by: dict[int, list[int]] = {}
-    for q in np.flatnonzero(hi > lo).tolist():
-        for s in sorted(set(cols.shards[lo[q] : hi[q]].tolist())):
-            by.setdefault(s, []).append(q)
-    return by
+def read_whole(folder: str, manifest: Manifest, runs: Sequence[KeyColumns]) -> list[KeyColumns]:
+    """``runs`` to be read whole (written into another key file): each file run's sha256
+    checked first (``KeyColumns.whole``); where one is not the manifest's, a
+    ``KeyFileWarning`` and the dataset's columns ``built`` from its shards instead."""
+    if all(r.whole() for r in runs):
+        return list(runs)
+    warnings.warn(
+        f"{os.path.join(folder, manifest.keys['path'])}: a run's sha256 is not the manifest's; "
+        "its shards' indexes are read instead",
+        KeyFileWarning,
+        stacklevel=3,
+    )
+    return [built(folder, manifest)]
+
+
+def _candidates(runs: Sequence[KeyColumns], hashes: np.ndarray) -> dict[int, list[int]]:
+    """``shard -> positions in hashes`` of each of ``hashes`` (any order) the runs hold, by
+    the shards holding it."""
+    order = np.argsort(hashes, kind="stable")
+    by: dict[int, set[int]] = {}
+    for run in runs:
+        for s, qs in run.find(np.asarray(hashes)[order]).items():
+            by.setdefault(s, set()).update(order[qs].tolist())
+    return {s: sorted(qs) for s, qs in by.items()}
 
 
 def held_in(
-    folder: str, manifest: Manifest, cols: KeyColumns
+    folder: str, manifest: Manifest, cols: Sequence[KeyColumns]
 ) -> Callable[[Sequence[str]], np.ndarray]:
     """``keys -> a bool each``: which of them the dataset holds (``plan_pack``'s ``existing``).
-    Their hashes are looked up in ``cols``; a match is confirmed on the keys of the one shard
-    holding that hash (its index's key table), so a collision never leaves a key out."""
+    Their hashes are looked up in each run of ``cols``; a match is confirmed on the keys of the
+    one shard holding that hash (its index's key table), so a collision never leaves a key out."""
     fmt = manifest.shard_format
 
     def held(keys: Sequence[str]) -> np.ndarray:
@@ -166,7 +242,7 @@ def held_in(
     return held
 
 
-def _keys_with(folder: str, manifest: Manifest, cols: KeyColumns, common: np.ndarray):
+def _keys_with(folder: str, manifest: Manifest, cols, common: np.ndarray):
     """``{key: its first position in the dataset}`` of the samples whose hash is in ``common``
     (sorted): only the shards ``cols`` names for them are read."""
     fmt = manifest.shard_format
@@ -181,19 +257,22 @@ def _keys_with(folder: str, manifest: Manifest, cols: KeyColumns, common: np.nda
 
 
 def shared_keys(
-    mine: tuple[str, Manifest, KeyColumns], theirs: tuple[str, Manifest, KeyColumns]
+    mine: tuple[str, Manifest, Sequence[KeyColumns]],
+    theirs: tuple[str, Manifest, Sequence[KeyColumns]],
 ) -> list[tuple[int, str]]:
     """``(position in mine, key)`` of each of ``mine``'s keys that ``theirs`` holds too: the
-    hashes both hold (the smaller's looked up in the larger's, a ``CHUNK`` at a time), each
-    confirmed on the real keys of the shards holding it on both sides."""
+    hashes both hold (the smaller dataset's runs read a ``CHUNK`` at a time and searched in
+    each of the larger's runs), each confirmed on the real keys of the shards holding it on
+    both sides."""
     a, b = mine[2], theirs[2]
-    small, large = (a, b) if len(a) <= len(b) else (b, a)
+    small, large = (a, b) if sum(map(len, a)) <= sum(map(len, b)) else (b, a)
     common = []
-    for i in range(0, len(small), CHUNK):
-        piece = np.asarray(small.hashes[i : i + CHUNK])
-        at = np.searchsorted(large.hashes, piece).clip(0, max(len(large) - 1, 0))
-        if len(large):
-            common.append(np.unique(piece[large.hashes[at] == piece]))
+    for run in small:
+        for i in range(0, len(run), CHUNK):
+            piece = np.unique(np.asarray(run.hashes[i : i + CHUNK]))
+            for other in large:
+                held = sorted({q for qs in other.find(piece).values() for q in qs})
+                common.append(piece[held])
     common = np.unique(np.concatenate(common)) if common else np.empty(0, np.uint64)
     if not len(common):
         return []
@@ -274,5 +353,57 @@ def write_key_file(staging: str, parts: Sequence[KeyColumns], shards: Sequence[S
     from ``parts`` (each sorted, their shard positions the manifest's); returns what the
     manifest lists of it (``Manifest.keys``)."""
     path = os.path.join(staging, KEYS_NAME)
-    sha = _write(path, list(parts), shards_digest(shards), len(shards))
+    sha = _write(path, list(parts), run_head(0, shards)[24:], len(shards))
     return {"path": KEYS_NAME, "sha256": sha, "bytes": HEAD + 12 * sum(len(p) for p in parts)}
+
+
+def _run_number(name: str) -> int:
+    tail = name[len(KEYS_NAME) + 1 :]
+    return int(tail) if name.startswith(KEYS_NAME + ".") and tail.isdigit() else 0
+
+
+def grow_key_file(
+    staging: str,
+    old: tuple[str, Manifest],
+    runs: Sequence[KeyColumns],
+    new: Sequence[KeyColumns],
+    shards: Sequence[ShardEntry],
+) -> tuple[dict, list[str], list[str]]:
+    """The key file of the dataset in ``old`` (folder, manifest; its runs ``runs``) grown by
+    the columns ``new`` (sorted, their shard positions those of ``shards``, the grown
+    manifest's): ``(keys, names, remove)``: what the manifest lists, the files written into
+    ``staging`` for the commit to move, the old files it removes.
+
+    One run of the new keys is written; the newest old runs are merged into it while it is at
+    least 1/``RATIO`` of the run before it (each read whole, its sha256 checked first); where
+    that reaches the base, or the old runs were built from the shards (no key file that
+    serves), one base file is written. The new run's name is the next ``manifest.keys.<k>``
+    not in the folder: a file there, listed or not, is never replaced."""
+    folder, manifest = old
+    listed = [r["path"] for r in key_runs(manifest.keys)]
+    size, k = sum(len(c) for c in new), len(runs)
+    served = all(r.path for r in runs)
+    while k and (not served or RATIO * size >= len(runs[k - 1])):  # built: all in one
+        k -= 1
+        size += len(runs[k])
+    merged = [*runs[k:], *new]
+    if served and not all(r.whole() for r in runs[k:]):
+        warnings.warn(
+            f"{os.path.join(folder, listed[0])}: a run's sha256 is not the manifest's; growth "
+            "reads every shard's index instead, and writes the key file anew",
+            KeyFileWarning,
+            stacklevel=3,
+        )
+        served, merged = False, [built(folder, manifest), *new]
+    if not served or not k:
+        keys = write_key_file(staging, merged, shards)
+        return keys, [KEYS_NAME], sorted({KEYS_NAME, *listed})
+    number = max((_run_number(n) for n in listed), default=0) + 1
+    while os.path.lexists(os.path.join(folder, run_name(number))):
+        number += 1
+    name = run_name(number)
+    head = run_head(size, shards)
+    sha = _write(os.path.join(staging, name), merged, head[24:], len(shards))
+    entry = {"path": name, "sha256": sha, "bytes": HEAD + 12 * size}
+    keys = {**runs[0].entry, "runs": [*(r.entry for r in runs[1:k]), entry]}
+    return keys, [name], [r.entry["path"] for r in runs[k:]]

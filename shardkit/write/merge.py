@@ -27,7 +27,15 @@ from ..formats.sample_index import ensure_indexes, index_path
 from ..fsutil import STAGING_PREFIX, publish, staging_name, write_error
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, read_manifest, write_manifest
 from ..urls import is_url
-from .keyfile import KEYS_NAME, KeyColumns, dataset_columns, shared_keys, write_key_file
+from .keyfile import (
+    KEYS_NAME,
+    KeyColumns,
+    dataset_columns,
+    grow_key_file,
+    read_whole,
+    shared_keys,
+    write_key_file,
+)
 from .keys import identity
 from .writer import _within, next_shard_number, open_local_output, shard_name
 
@@ -278,15 +286,31 @@ def _merge(manifests, out, staging, classes, in_place, allow_duplicates) -> Merg
     checked = iter(ensure_indexes(staging, [e for e in entries if e.path in unchecked]))
     entries = [next(checked) if e.path in unchecked else e for e in entries]
     manifest = Manifest(base.shard_format, classes, entries, skipped, pack, fields=fields)
+    # the datasets merged in are read whole (their runs' sha256 checked); the one merged into
+    # in place keeps its runs, and gains one of the others' keys (``grow_key_file``)
     offsets = np.cumsum([0, *(len(m.shards) for _, m in datasets)]).tolist()
-    parts = [replace(c, offset=o) for c, o in zip(columns, offsets, strict=False)]
-    manifest.keys = write_key_file(staging, parts, entries)
+    parts = [
+        [replace(c, offset=o) for c in (cols if in_place and not i else read_whole(d, m, cols))]
+        for i, ((d, m), cols, o) in enumerate(zip(datasets, columns, offsets[:-1], strict=True))
+    ]
+    if in_place:
+        others = [c for cols in parts[1:] for c in cols]
+        manifest.keys, written, gone = grow_key_file(
+            staging, (out, base), parts[0], others, entries
+        )
+    else:
+        flat = [c for cols in parts for c in cols]
+        manifest.keys, written, gone = (
+            write_key_file(staging, flat, entries),
+            [KEYS_NAME],
+            [KEYS_NAME],
+        )
     write_manifest(manifest, staging)
-    path = publish(out, staging, [*added, KEYS_NAME], MANIFEST_NAME, remove=[KEYS_NAME])
+    path = publish(out, staging, [*added, *written], MANIFEST_NAME, remove=gone)
     return MergeReport(out, path, len(entries), manifest.num_samples, len(added), linked)
 
 
-def _check_keys(datasets: list[tuple[str, Manifest]], columns: list[KeyColumns]) -> None:
+def _check_keys(datasets: list[tuple[str, Manifest]], columns: list[list[KeyColumns]]) -> None:
     """Refuse datasets sharing a key (with the first one merged into, or with each other): by
     their key files (``keyfile.shared_keys``; each hash both hold confirmed on the real keys of
     the one shard on each side holding it), no shard's bytes read."""

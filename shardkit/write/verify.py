@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
-from ..formats.key_file import mapped, problem
+from ..formats.key_file import key_runs, mapped, run_count, runs_problem
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.lmdb.index import LmdbIndex, LmdbIndexError
 from ..formats.sample_index import (
@@ -467,12 +467,16 @@ def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardPr
         "`get(key)` and growth read every shard's index instead until the next `shardkit pack "
         "--append` or `shardkit merge` of the dataset writes it anew"
     )
-    if not os.path.lexists(path):
-        return ShardProblem(name, [f"missing (the manifest lists it); {rebuilt}"])
-    why = problem(path, listed, n, manifest.shards)
+    runs = key_runs(listed)
+    for run in runs:
+        if not os.path.lexists(os.path.join(folder, str(run.get("path", "")))):
+            run_name = "" if run is runs[0] else f"its run {run.get('path')}: "
+            return ShardProblem(name, [f"{run_name}missing (the manifest lists it); {rebuilt}"])
+    why = runs_problem(folder, listed, n, manifest.shards)
     if not why:
         try:
-            why = key_columns_problem([mapped(path, n)], want, [e.path for e in manifest.shards])
+            columns = [mapped(os.path.join(folder, r["path"]), run_count(r)) for r in runs]
+            why = key_columns_problem(columns, want, [e.path for e in manifest.shards])
         except (OSError, ValueError) as exc:
             why = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
     if not why:

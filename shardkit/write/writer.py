@@ -68,6 +68,7 @@ class ShardSizeWarning(UserWarning):
 
 DEFAULT_SHARD_SIZE = "256MB"
 _SHARD_NAME = re.compile(r"^shard-\d+\.(tar|lmdb)$")
+_RUN_NAME = re.compile(r"^manifest\.keys\.\d+$")  # a key file's growth run
 _FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _RESERVED = frozenset(IMAGE_EXTENSIONS) | frozenset(LABEL_EXTS)
 
@@ -544,20 +545,27 @@ def _within(path: str, parent: str) -> bool:
 
 
 def _old_outputs(out: str) -> list[str]:
-    """Files of the dataset in ``out`` that an overwrite replaces: its manifest's shards.
+    """Files of the dataset in ``out`` that an overwrite replaces: its manifest's shards and
+    its key file's growth runs (``manifest.keys.<k>``).
 
-    Only shard names shardkit writes, directly inside ``out``: a manifest listing anything else
-    (a path outside ``out``, a user's file) never gets it deleted.
+    Only shard and run names shardkit writes, directly inside ``out``: a manifest listing
+    anything else (a path outside ``out``, a user's file) never gets it deleted.
     """
     try:
         with open_regular(os.path.join(out, MANIFEST_NAME)) as f:
-            listed = json.load(f).get("shards", [])
+            doc = json.load(f)
+        listed = doc.get("shards", [])
+        runs = doc.get("keys", {}).get("runs", [])
     except (OSError, ValueError, AttributeError):
         return []
     names = {
         s["path"]
         for s in (listed if isinstance(listed, list) else [])
         if isinstance(s, dict) and isinstance(s.get("path"), str) and _SHARD_NAME.match(s["path"])
+    } | {
+        r["path"]
+        for r in (runs if isinstance(runs, list) else [])
+        if isinstance(r, dict) and isinstance(r.get("path"), str) and _RUN_NAME.match(r["path"])
     }
     return sorted(n for n in names if os.path.isfile(os.path.join(out, n)))
 

@@ -290,22 +290,43 @@ _KILLED_AFTER_COMMIT = textwrap.dedent(
     import os, signal, sys, warnings
     import shardkit.fsutil as fsutil
     warnings.simplefilter("ignore")
-    command, out, when = sys.argv[1], sys.argv[2], sys.argv[3]
-    real_roll, real_replace, moved = fsutil._roll_forward, os.replace, []
+    command, out, when = sys.argv[1], os.path.realpath(sys.argv[2]), sys.argv[3]
+    real_write, real_roll, real_replace, real_unlink = (
+        fsutil.atomic_write_bytes, fsutil._roll_forward, os.replace, os.unlink
+    )
+    done = {"shard": 0, "r": 0, "u": 0}
+
+    def write(path, data):  # 'pre': die as the commit point (the journal) is about to land
+        if when == "pre" and path.endswith(fsutil.JOURNAL_NAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write(path, data)
 
     def roll(directory, journal):  # 'journal': die right after the commit point
         if when == "journal":
             os.kill(os.getpid(), signal.SIGKILL)
         real_roll(directory, journal)
 
-    def replace(a, b):  # a number: die after moving that many shards into OUT
-        real_replace(a, b)
-        if os.path.dirname(b) == out and os.path.basename(b).startswith("shard-"):
-            moved.append(b)
-            if str(len(moved)) == when:
+    def step(kind, path):  # a number: die after moving that many shards into OUT;
+        if os.path.dirname(os.path.realpath(path)) != out:  # 'r3': after the third file
+            return  # of any name moved into OUT; 'u1': after the first removed from it
+        if kind == "r" and os.path.basename(path).startswith("shard-"):
+            done["shard"] += 1
+            if str(done["shard"]) == when:
                 os.kill(os.getpid(), signal.SIGKILL)
+        done[kind] += 1
+        if when == f"{kind}{done[kind]}":
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    fsutil._roll_forward, os.replace = roll, replace
+    def replace(a, b):
+        real_replace(a, b)
+        step("r", b)
+
+    def unlink(path, *args, **kw):
+        real_unlink(path, *args, **kw)
+        step("u", path)
+
+    fsutil.atomic_write_bytes, fsutil._roll_forward = write, roll
+    os.replace, os.unlink = replace, unlink
     sys.argv = ["shardkit", *sys.argv[4:]]
     from shardkit.cli import main
     main()
@@ -591,11 +612,11 @@ def test_growth_takes_no_stored_key_hash_that_the_manifest_does_not_vouch_for(sr
     assert len(keys) == len(set(keys)) == 12
 
 
-def _written(out, keys):
+def _written(out, keys, shard_size="800kB"):
     """A dataset of tiny samples ``c0/kNNNNN`` in shards of ~400 (``ShardWriter``: fast)."""
     from shardkit import ShardWriter
 
-    with ShardWriter(str(out), shard_size="800kB", classes=["c0"]) as w:
+    with ShardWriter(str(out), shard_size=shard_size, classes=["c0"]) as w:
         for k in keys:
             w.add(f"c0/k{k:05d}", "jpg", b"\xff\xd8 %d" % k, 0)
     return out
@@ -753,25 +774,42 @@ def _key_file_sha256(data: bytes, n: int) -> str:
 
 
 def key_file(out) -> tuple[np.ndarray, np.ndarray]:
-    """The key file of ``out``, parsed as FORMAT.md says, after checking it is the one its
-    manifest vouches for and describes exactly the dataset's keys (by reading every shard)."""
+    """The key file of ``out`` (its base file and growth runs), parsed as FORMAT.md says,
+    after checking each run is the one its manifest vouches for and that together they
+    describe exactly the dataset's keys (by reading every shard); all runs' columns, merged."""
     m = read_manifest(str(out))
-    path = os.path.join(out, KEYS_NAME)
-    data = open(path, "rb").read()
-    n, count = m.num_samples, len(m.shards)
-    assert len(data) == HEAD + 12 * n
-    assert m.keys == {"path": KEYS_NAME, "sha256": _key_file_sha256(data, n), "bytes": len(data)}
-    assert data[:8] == b"SHKKEYS1"
-    assert int.from_bytes(data[8:16], "little") == n
-    assert int.from_bytes(data[16:24], "little") == count
-    doc = [[s.samples, s.sha256] for s in m.shards]
-    assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
-    hashes = np.frombuffer(data, "<u8", n, HEAD)
-    shards = np.frombuffer(data, "<u4", n, HEAD + 8 * n)
+    listed = m.keys
+    runs = [{k: listed[k] for k in ("path", "sha256", "bytes")}, *listed.get("runs", [])]
+    assert runs[0]["path"] == KEYS_NAME
+    assert all(r["path"] == f"{KEYS_NAME}.{r['path'].rsplit('.', 1)[-1]}" for r in runs[1:])
+    hashes, shards, count = [], [], len(m.shards)
+    for i, r in enumerate(runs):
+        data = open(os.path.join(out, r["path"]), "rb").read()
+        n = (len(data) - HEAD) // 12
+        assert len(data) == HEAD + 12 * n == r["bytes"]
+        assert r["sha256"] == _key_file_sha256(data, n)
+        assert data[:8] == b"SHKKEYS1"
+        assert int.from_bytes(data[8:16], "little") == n
+        named = int.from_bytes(data[16:24], "little")  # the newest names every shard
+        assert named == count if i == len(runs) - 1 else 0 < named <= count
+        doc = [[s.samples, s.sha256] for s in m.shards[:named]]
+        assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
+        hashes.append(np.frombuffer(data, "<u8", n, HEAD))
+        shards.append(np.frombuffer(data, "<u4", n, HEAD + 8 * n))
+        assert np.all(np.diff(hashes[-1].astype(np.float64)) >= 0)
+        assert np.all(shards[-1] < named)
+    for a, b in zip(
+        runs, runs[1:], strict=False
+    ):  # the compaction rule: each run under 1/4 of the one before
+        assert 4 * (b["bytes"] - HEAD) < a["bytes"] - HEAD
+    order = np.lexsort((np.concatenate(shards), np.concatenate(hashes)))
+    hashes, shards = np.concatenate(hashes)[order], np.concatenate(shards)[order]
+    n = m.num_samples
     keys = samples(out)
     where = np.repeat(np.arange(count, dtype=np.uint32), [s.samples for s in m.shards])
     want = key_hashes([k for k, _ in keys])
     order = np.lexsort((where, want))
+    assert len(hashes) == n
     assert np.array_equal(hashes, want[order])
     assert np.array_equal(shards, where[order])
     return hashes, shards
@@ -878,16 +916,21 @@ def test_a_dataset_without_a_key_file_that_serves_is_grown_as_before_and_gets_on
     (out / "manifest.json").write_text(json.dumps(doc))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
-    assert (again.samples, again.duplicates) == (0, 12)  # nothing to append: nothing written
+        if damage == "edited":  # a run's bytes are checked where it is read whole: here, the
+            again = pack(c, str(out), shard_size="6kB", progress=False, append=True)  # merge
+            assert (again.samples, again.duplicates) == (12, 0)  # of 12 new into 12 old
+        else:
+            again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+            assert (again.samples, again.duplicates) == (0, 12)  # nothing to append
     named = [w for w in seen if issubclass(w.category, KeyFileWarning)]
     assert bool(named) == (damage != "unlisted")
     if named:
         assert str(out / KEYS_NAME) in str(named[0].message)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = packed(c, out, append=True)
-    assert report.samples == 12
+    if damage != "edited":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = packed(c, out, append=True)
+        assert report.samples == 12
     key_file(out)  # the append wrote it anew
     keys = [k for k, _ in samples(out)]
     assert len(keys) == 24 == len(set(keys))
@@ -948,3 +991,197 @@ def test_an_engine_pack_and_append_write_the_key_file(srcs, tmp_path):
     packed(b, out, append=True, runner=LocalRunner(processes=2))
     key_file(out)
     assert read_manifest(str(out)).num_samples == 24
+
+
+# --- the key file's runs ---------------------------------------------------------------------
+
+
+def _runs(out) -> list[int]:
+    """The samples of each of ``out``'s key file runs, the base first."""
+    keys = read_manifest(str(out)).keys
+    return [(r["bytes"] - HEAD) // 12 for r in [keys, *keys.get("runs", [])]]
+
+
+def _view_finds(out, keys) -> dict[str, int]:
+    from shardkit import ShardView
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the key file serves: no private table built
+        view = ShardView(str(out), decode="raw", with_keys=True)
+        try:
+            return {k: view.get(k)[2] for k in keys}
+        finally:
+            view.close()
+
+
+def test_growth_writes_runs_every_reader_searches_and_merges_them_by_the_rule(tmp_path):
+    """Merged in place and appended, a dataset of 3,000 keys gains one run a growth step
+    (each under a quarter of the one before: FORMAT.md's rule), which every reader searches:
+    ``get(key)``, the duplicate check of an append and of a merge (a key in any run refused by
+    name). A step large enough merges the runs back into one base file: same answers."""
+    big = _written(tmp_path / "big", range(3000))
+    steps = [range(5000 + 1000 * i, 5000 + 1000 * i + n) for i, n in enumerate((300, 60, 10))]
+    for i, keys in enumerate(steps):
+        merge([big, _written(tmp_path / f"s{i}", keys)], big)
+    assert _runs(big) == [3000, 300, 60, 10]
+    hashes, _ = key_file(big)  # each run vouched for, together every key
+    assert len(hashes) == 3370
+    names = sorted(n for n in os.listdir(big) if n.startswith(KEYS_NAME))
+    assert names == [KEYS_NAME, f"{KEYS_NAME}.1", f"{KEYS_NAME}.2", f"{KEYS_NAME}.3"]
+    probe = ["c0/k00007", "c0/k05001", "c0/k05150", "c0/k06005", "c0/k07009"]
+    found = _view_finds(big, probe)
+    assert found == {k: k for k in probe}
+    for key in probe[1:]:  # a key of each run refused, by name, by merge and by append
+        n = int(key[-5:])
+        with pytest.raises(InputError, match=rf"first: {key!r}"):
+            merge([big, _written(tmp_path / f"d{n}", [n, 9000 + n])], tmp_path / "refused")
+    src = tmp_path / "src"
+    for key in (probe[2], "c0/k09999"):
+        os.makedirs(src / "c0", exist_ok=True)
+        Image.new("RGB", (4, 4)).save(src / f"{key}.jpg")
+    with pytest.warns(UserWarning, match=r"left out 1 whose key"):
+        grown = pack(str(src), str(big), shard_size="800kB", progress=False, append=True)
+    assert (grown.samples, grown.duplicates) == (1, 1)
+    assert _runs(big) == [3000, 300, 60, 10, 1]  # 1 is under a quarter of 10: a run
+    merge([big, _written(tmp_path / "large", range(10000, 10800))], big)
+    assert _runs(big) == [4171]  # 800 >= 371 / 4 ... >= 3000 / 4: one base file again
+    assert names_of(big) == [KEYS_NAME]  # the runs merged are gone
+    key_file(big)
+    assert _view_finds(big, [*probe, "c0/k09999", "c0/k10500"])["c0/k05150"] == "c0/k05150"
+
+
+def names_of(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith(KEYS_NAME))
+
+
+def test_an_older_reader_of_a_manifest_with_runs_falls_back_never_answers_wrong(tmp_path):
+    """What shardkit before the runs reads of a grown manifest: ``keys`` without ``runs``
+    (its parser keeps only path, sha256 and bytes), naming the base file, whose size is not the
+    dataset's: refused with a warning by growth and by ``get(key)``, which read the shards'
+    indexes instead and still find every key and refuse every duplicate."""
+    from shardkit import ShardView
+    from shardkit.formats.key_file import problem
+
+    big = _written(tmp_path / "big", range(2000))
+    merge([big, _written(tmp_path / "s", range(5000, 5100))], big)
+    doc = json.loads((big / "manifest.json").read_text())
+    assert len(doc["keys"]["runs"]) == 1
+    m = read_manifest(str(big))
+    why = problem(str(big / KEYS_NAME), doc["keys"], m.num_samples, m.shards)  # older check
+    assert why == f"not the {HEAD + 12 * 2100} bytes of 2100 samples"
+    del doc["keys"]["runs"]  # as an older parser keeps it
+    (big / "manifest.json").write_text(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match=r"hold 2000 key hashes, not 2100; get\(key\) sorts"):
+        view = ShardView(str(big), decode="raw", with_keys=True)
+        assert view.get("c0/k05050")[2] == "c0/k05050"
+    view.close()
+    with pytest.warns(KeyFileWarning, match=r"its runs hold 2000 key hashes, not 2100"):
+        with pytest.raises(InputError, match=r"first: 'c0/k05050'"):
+            merge([big, _written(tmp_path / "d", [5050])], tmp_path / "refused")
+
+
+_READ_BYTES = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    from shardkit.write.merge import merge
+
+    def rchar():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+    merge([sys.argv[3], sys.argv[4]], sys.argv[3])  # a warm-up: every module imported
+    before = rchar()
+    merge([sys.argv[1], sys.argv[2]], sys.argv[1])
+    print(rchar() - before)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read by /proc")
+def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_path):
+    """Counted (``rchar``: every byte a read returned, in a child): growing a dataset of
+    20,000 keys by 200 reads about what growing one of 2,000 by 200 does (the old runs
+    searched by pread for the 200 hashes), not 10x; before the runs, the old key file was
+    read whole (its sha256) and written whole at every step."""
+    read = {}
+    for n in (2000, 20000):
+        old = _written(tmp_path / f"old{n}", range(n), shard_size="64MB")
+        new = _written(tmp_path / f"new{n}", range(40000, 40200), shard_size="64MB")
+        warm = [_written(tmp_path / f"w{n}{i}", range(i, 50, 2)) for i in (0, 1)]
+        r = subprocess.run(
+            [sys.executable, "-c", _READ_BYTES, str(old), str(new), *map(str, warm)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        read[n] = int(r.stdout.split()[-1])
+        assert _runs(old) == [n, 200]  # a run of its own
+    assert read[20000] < 2 * read[2000], read
+
+
+@pytest.mark.slow  # child processes SIGKILLed
+def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_rerun(tmp_path):
+    """A merge in place that writes a run and removes the one it merged (runs 2,000 + 100,
+    grown by 60: the 160 keys in one new run), killed before its commit point, at it, and
+    after each file it moves into or removes from the dataset: the dataset read in between is
+    the old one or refused as interrupted, never a mix, and the same command run again leaves
+    exactly what the uninterrupted merge does."""
+    base = _written(tmp_path / "base", range(2000))
+    merge([base, _written(tmp_path / "s1", range(5000, 5100))], base)
+    step = _written(tmp_path / "s2", range(6000, 6060))
+    ref = tmp_path / "ref"
+    shutil.copytree(base, ref)
+    merge([ref, step], ref)
+    assert _runs(base) == [2000, 100] and _runs(ref) == [2000, 160]
+    assert names_of(ref) == [KEYS_NAME, f"{KEYS_NAME}.2"]  # the run of 100 merged, removed
+    kinds = ["pre", "journal", *(f"r{i}" for i in range(1, 9)), *(f"u{i}" for i in range(1, 9))]
+    killed_at = []
+    for when in kinds:
+        out = tmp_path / f"out-{when}"
+        shutil.copytree(base, out)
+        args = ["merge", str(out), str(step), str(out)]
+        r = subprocess.run(
+            [sys.executable, "-c", _KILLED_AFTER_COMMIT, "", str(out), when, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if r.returncode == 0:  # no such step: the merge ran to its end
+            assert digests(out) == digests(ref)
+            continue
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        killed_at.append(when)
+        try:
+            between = read_manifest(str(out))
+        except ManifestError as exc:
+            assert "interrupted while committing" in str(exc)
+        else:
+            assert between.num_samples in (2100, 2160)
+            key_file(out)  # the runs it lists are there and are its keys
+        cli(*args)
+        assert digests(out) == digests(ref), when
+        assert _view_finds(out, ["c0/k05050", "c0/k06059"]) == {
+            "c0/k05050": "c0/k05050",
+            "c0/k06059": "c0/k06059",
+        }
+    assert {"pre", "journal", "r1", "r2", "u1"} <= set(killed_at)
+
+
+def test_a_run_read_whole_is_checked_by_its_sha256_first(tmp_path):
+    """A merge reads the datasets it copies whole: a run of one edited in place (its size and
+    head kept, so a search would take it) is named in a warning and that dataset's keys are
+    read from its shards instead; the merged key file is every key's, the edit not copied."""
+    a = _written(tmp_path / "a", range(1000))
+    merge([a, _written(tmp_path / "s", range(5000, 5100))], a)
+    assert _runs(a) == [1000, 100]
+    run = a / f"{KEYS_NAME}.1"
+    data = bytearray(run.read_bytes())
+    data[HEAD : HEAD + 8] = bytes(8)  # its smallest hash zeroed: still sorted
+    run.write_bytes(bytes(data))
+    b = _written(tmp_path / "b", range(7000, 7010))
+    with pytest.warns(KeyFileWarning, match=r"a run's sha256 is not the manifest's"):
+        merge([a, b], tmp_path / "m")
+    hashes, _ = key_file(tmp_path / "m")
+    assert len(hashes) == 1110 and _runs(tmp_path / "m") == [1110]

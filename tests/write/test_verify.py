@@ -325,3 +325,18 @@ def test_verify_checks_the_key_files_columns_against_the_shards_keys(packed):
         f.write(unsorted)
     _vouch(out, path, n)
     assert _key_problem(out).startswith("its hashes are out of order; delete it")
+
+
+def test_verify_reads_every_run_of_a_grown_key_file(packed, tmp_path):
+    """A dataset grown in place keeps its key file as runs (FORMAT.md, "Runs"): verify takes
+    the runs together (a grown dataset is good) and names a run whose bytes changed."""
+    out, _ = packed
+    more = tmp_path / "more"
+    _tree(more, {"class_9": 3}, seed=5)
+    _pack(more, out, format=read_manifest(str(out)).shard_format, append=True)
+    runs = read_manifest(str(out)).keys["runs"]
+    assert len(runs) == 1
+    assert verify(str(out)).ok
+    _flip_bit(str(out / runs[0]["path"]), 56)  # the run's first hash
+    said = _key_problem(out)
+    assert said.startswith(f"its run {out / runs[0]['path']}: its sha256 is not the manifest's")
