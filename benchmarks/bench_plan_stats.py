@@ -1,16 +1,8 @@
 #!/usr/bin/env python3
-"""The driver's own CPU time for planning a pack, with the plan's ``stat`` calls on the driver
-or on an engine (``map_chunks``: ``LocalRunner``'s pool, a local Ray cluster).
-
-Uses ``data.table``'s N-row CSV (images: hard links under ``img/<class>/``) as the
-table source, and its ``img`` folder as the class-per-folder source. Each measurement runs in
-a fresh child process; the engine is started before the clock (a Ray cluster's start-up and
-a pool's fork are reported apart, not counted). Per source and engine it reports the driver's
-CPU seconds (``RUSAGE_SELF``: user + system, this process only, so work done by pool workers
-or Ray workers is not in it; Ray's own driver threads are) for the whole ``plan_pack``, and
-apart (measured again after it) for the scan and for the stats, with the stats' wall time
-and the driver's peak resident memory (with Ray: its libraries' too).
-Rounds are interleaved:
+"""The driver's own CPU for planning a pack (``data.table``'s N-row CSV and its class
+folders), with the plan's ``stat`` calls on the driver or on an engine (``LocalRunner``'s pool,
+a local Ray cluster), each in a fresh child, the engine started before the clock: the whole
+``plan_pack``, the scan and the stats apart, the stats' wall time and the driver's peak.
 
     python benchmarks/bench_plan_stats.py --rows 200000 --repeats 3
 """
@@ -97,40 +89,22 @@ def main(a: PlanStats) -> None:
 
 
 def report(results: dict, engines: list[str], sources: dict) -> None:
-    load = harness.load_now()
-    print(f"load average {load.text()}; {load.cpu_count} CPUs")
-    print(
-        f"{'source engine':<16}{'files':>9}{'scan cpu':>10}{'stat cpu':>10}{'plan cpu':>10}"
-        f"{'stat wall':>11}{'start s':>9}{'peak MB':>9}"
-    )
+    """The best of the rounds per source and engine; each engine's driver CPU over none's."""
+    print(f"load average {harness.load_now().text()}")
     best = {}
     for key, runs in results.items():
-        keys = ("scan_cpu", "stats_cpu", "stats_wall", "plan_cpu")
-        b = {k: min(r[k] for r in runs) for k in keys}
-        b["engine_start"] = min(r["engine_start"] for r in runs)
-        b["peak_mb"] = min(r["peak_mb"] for r in runs)
-        best[key] = b
-        print(
-            f"{key:<16}{runs[0]['files']:>9}{b['scan_cpu']:>10.2f}{b['stats_cpu']:>10.2f}"
-            f"{b['plan_cpu']:>10.2f}{b['stats_wall']:>11.2f}"
-            f"{b['engine_start']:>9.1f}{b['peak_mb']:>9.0f}"
-        )
-        if len({r["sum"] for r in runs}) != 1:
-            print(f"  {key}: the stats DIFFER between rounds")
-    for name in sources:
-        base = best.get(f"{name} none")
-        for engine in engines:
-            b = best.get(f"{name} {engine}")
-            if engine == "none" or base is None or b is None:
-                continue
-            plan = b["plan_cpu"] / base["plan_cpu"]
-            stat = b["stats_cpu"] / base["stats_cpu"]
-            print(f"{name} {engine}/none: driver CPU stats x{stat:.3f}, whole plan x{plan:.3f}")
-    sums = {k.split()[0]: set() for k in results}
-    for k, runs in results.items():
-        sums[k.split()[0]].update((r["sum"], r["fp"]) for r in runs)
-    for name, s in sums.items():
-        print(f"{name}: stats and fingerprints {'agree' if len(s) == 1 else 'DIFFER'}")
+        best[key] = {k: min(r[k] for r in runs) for k in runs[0] if k not in ("fp", "sum")}
+        name, engine = key.split()
+        base = results.get(f"{name} none")
+        if base and engine != "none":
+            for k in ("stats_cpu", "plan_cpu"):
+                best[key][f"{k} x none"] = best[key][k] / min(r[k] for r in base)
+        agree = len({(r["sum"], r["fp"]) for r in runs + (base or [])}) == 1
+        best[key]["stats and fingerprints"] = "agree" if agree else "DIFFER"
+    cols = ["files", "scan_cpu:.2f", "stats_cpu:.2f", "plan_cpu:.2f", "stats_wall:.2f",
+            "engine_start:.1f", "peak_mb:.0f", "stats_cpu x none:.3f", "plan_cpu x none:.3f",
+            "stats and fingerprints"]  # fmt: skip
+    harness.table(best, cols)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,13 @@
 #!/usr/bin/env python3
-"""Streaming benchmark: ShardDataset against WebDataset, the decode ceiling and FolderDataset.
+"""ShardDataset against WebDataset, the PIL decode ceiling and FolderDataset, in one run: raw
+reads (``decode="raw"``, one process, page cache; goal >= 10x ``WebDataset(shards)``), end to
+end (DataLoader, ``decode="tensor"``, batch 64, 2 workers against the PIL ceiling; goal >= 80%;
+with "2 processes decoding at once" and DataLoader transport alone as diagnostics), worker
+memory over epochs and by shuffle buffer, and shuffle quality per buffer size. Figures:
+docs/benchmarks.md ("Streaming") and docs/stream.md.
 
-Every comparison is a ratio of two measurements taken side by side in this one
-run (repeats interleaved, median of the per-repeat ratios), so a busy machine moves both sides:
-
-- raw: ShardDataset(decode="raw"), one process, shards in the page cache, against
-  ``webdataset.WebDataset(shards)`` iterated raw on the same shards. Goal >= 10x.
-- end to end: DataLoader(ShardDataset(decode="tensor"), batch 64, 2 workers) against the decode
-  ceiling (one process decoding the same JPEG bytes with PIL to uint8 arrays, times the worker
-  count). Goal >= 80%. Also FolderDataset with the same decode and loader.
-- worker memory: VmRSS / VmHWM of each DataLoader worker after each of 5 epochs (flat within 5%)
-  and peak worker memory for several buffer sizes (bounded by the shuffle buffer).
-- shuffle quality per buffer size: how far samples move from the order they come off the shards,
-  and how many distinct shards and classes a batch of 64 mixes.
-
-    python benchmarks/bench_stream.py                       # data/lfw (made if missing)
     python benchmarks/bench_stream.py --repeats 7 --json bench-out/bench_stream.json
     python benchmarks/bench_stream.py --only raw --only shuffle     # some parts only
-
-Diagnostics printed beside the goals, because this runs on shared machines: "2 processes decoding
-at once" (what the cores really give right now), "DataLoader transport only" (the same loader
-over constant tensors: the cost of moving batches through shared memory), and CPU microseconds per
-image of the workers and the main process, which contention does not change much.
 """
 
 from __future__ import annotations
@@ -40,22 +26,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from shardkit.bench.pagecache import prime  # noqa: E402
 from shardkit.formats import get_format  # noqa: E402
 from shardkit.manifest import read_manifest  # noqa: E402
 from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
 from shardkit.stream.shuffle import Order  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
-
-
-def warm(paths: list[str]) -> int:
-    """Read files once so every measurement sees them in the page cache."""
-    total = 0
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(4 << 20):
-                total += len(chunk)
-    return total
 
 
 # --- measurements -----------------------------------------------------------------------------
@@ -379,18 +356,9 @@ def main(args: Stream) -> None:
     data.packed(data.lfw(src), shards, shard_size=args.shard_size, workers=2)
     manifest = read_manifest(str(shards))
     urls = [str(shards / e.path) for e in manifest.shards]
-    shard_bytes = warm(urls)
-    data.jpeg_bytes(src)  # the folder contender's files in the page cache too
-    mean_bytes = shard_bytes / manifest.num_samples
-    fmt = get_format("tar")
-    blobs = []
-    for u in urls:
-        for r in fmt.iter_records(u):
-            blobs.append(r.data)
-            if len(blobs) >= args.decode_samples:
-                break
-        if len(blobs) >= args.decode_samples:
-            break
+    prime(urls)  # every measurement sees the shards in the page cache
+    blobs = data.jpeg_bytes(src)[: args.decode_samples]  # the folder's files cached too
+    mean_bytes = manifest.total_bytes / manifest.num_samples
     results: dict = {
         "dataset": {
             "src": str(src),
@@ -425,92 +393,36 @@ def main(args: Stream) -> None:
 
 
 def report(r: dict) -> None:
-    for part in ("raw", "end_to_end", "memory", "shuffle"):
-        if part in r:
-            globals()[f"report_{part}"](r[part])
-
-
-def report_raw(raw: dict) -> None:
-    print(f"\n== raw iteration, one process, page cache (median of {raw['repeats']}) ==")
-    for name, v in raw["samples_per_s"].items():
-        print(f"  {name:55s} {v:>10,.0f} samples/s")
-    print(
-        f"  ratio default / WebDataset            {raw['ratio_default_vs_webdataset']:6.1f}x"
-        "  (goal >= 10x)"
-    )
-    print(f"  ratio shuffle=False / WebDataset      {raw['ratio_noshuffle_vs_webdataset']:6.1f}x")
-    print(
-        f"  ratio default / WebDataset.shuffle    "
-        f"{raw['ratio_default_vs_webdataset_shuffled']:6.1f}x"
-    )
-
-
-def report_end_to_end(e2e: dict) -> None:
-    w = e2e["workers"]
-    print(
-        f"\n== end to end: DataLoader, uint8 CHW tensors {e2e['image_shape']}, batch "
-        f"{e2e['batch_size']}, {w} workers (median of {e2e['repeats']}) =="
-    )
-    ceiling, parallel = e2e["decode_ceiling_per_s"], e2e["parallel_decode_per_s"]
-    print(f"  decode ceiling (1 process x {w})         {ceiling:>8,.0f} images/s")
-    print(f"  {w} processes decoding at once           {parallel:>8,.0f} images/s")
-    print(
-        f"  ShardDataset                           {e2e['shard_loader_per_s']:>8,.0f} images/s"
-        f"  {e2e['ratio_shards_vs_ceiling']:6.1%} of ceiling (goal >= 80%), "
-        f"{e2e['ratio_shards_vs_parallel']:6.1%} of parallel decode"
-    )
-    print(
-        f"  FolderDataset                          {e2e['folder_loader_per_s']:>8,.0f} images/s"
-        f"  {e2e['ratio_folder_vs_ceiling']:6.1%} of ceiling"
-    )
-    print(f"  DataLoader transport only (no decode)  {e2e['transport_only_per_s']:>8,.0f} images/s")
-    print(f"  ShardDataset / FolderDataset           {e2e['ratio_shards_vs_folder']:6.2f}x")
-    cpu = e2e["cpu_us_per_image"]
-    print(
-        f"  CPU per image: decode alone {cpu['ceiling_decode']:.0f} us; ShardDataset "
-        f"{cpu['shards_workers']:.0f} (workers) + {cpu['shards_main']:.0f} (main); "
-        f"FolderDataset {cpu['folder_workers']:.0f} + {cpu['folder_main']:.0f}; "
-        f"transport only {cpu['transport_workers']:.0f} + {cpu['transport_main']:.0f}"
-    )
-
-
-def report_memory(mem: dict) -> None:
-    print(f"\n== worker memory over {mem['epochs']} epochs (decode=tensor, default buffer) ==")
-    rows = zip(
-        mem["rss_kb_per_epoch"],
-        mem["end_uss_kb_per_epoch"],
-        mem["peak_uss_kb_per_epoch"],
-        strict=True,
-    )
-    for e, cols in enumerate(rows):
-        cells = "   ".join(
-            f"w{i}: RSS {r / 1024:5.1f}, USS {u / 1024:5.1f} (peak {p / 1024:5.1f})"
-            for i, (r, u, p) in enumerate(zip(*cols, strict=True))
+    """The parts' figures (medians of the rounds; goals: raw >= 10x WebDataset, end to end
+    >= 80% of the ceiling, worker memory flat within 5% over the epochs)."""
+    if "raw" in r:
+        rows = {k: {"samples/s": v} for k, v in r["raw"]["samples_per_s"].items()}
+        harness.table(rows, ["samples/s:,.0f"], "raw iteration, one process, page cache")
+        harness.table({k: {"ratio": v} for k, v in r["raw"].items() if k.startswith("ratio")},
+                      ["ratio:.1f"])  # fmt: skip
+    if "end_to_end" in r:
+        e = r["end_to_end"]
+        rows = {k: {"value": v} for k, v in e.items() if k.endswith("_per_s") or "ratio" in k}
+        rows.update({f"CPU us/image {k}": {"value": v} for k, v in e["cpu_us_per_image"].items()})
+        title = f"end to end: DataLoader {e['image_shape']}, batch {e['batch_size']}"
+        harness.table(rows, ["value:,.2f"], f"{title}, {e['workers']} workers")
+    if "memory" in r:
+        m = r["memory"]
+        cols = ("rss_kb", "end_uss_kb", "peak_uss_kb")
+        per = zip(*(m[f"{c}_per_epoch"] for c in cols), strict=True)
+        rows = {f"epoch {i}": dict(zip(cols, x, strict=True)) for i, x in enumerate(per)}
+        rows.update({f"spread {k}": {"rss_kb": v} for k, v in m.items() if k.endswith("spread")})
+        rows.update(
+            {f"buffer {k}": {"peak_uss_kb": v} for k, v in m["peak_uss_kb_by_buffer"].items()}
         )
-        print(f"  epoch {e}: {cells}  MB")
-    print(
-        f"  largest spread across epochs (max-min over mean): RSS {mem['rss_spread']:.2%}, "
-        f"USS at epoch end {mem['end_uss_spread']:.2%} (goal <= 5%); "
-        f"USS peak {mem['peak_uss_spread']:.2%}"
-    )
-    print("  peak worker USS by shuffle buffer (decode=raw): growth over no buffer vs bytes held")
-    for size, (grow, buf) in mem["uss_growth_mb_vs_buffer_mb"].items():
-        peak = mem["peak_uss_kb_by_buffer"][size] / 1024
-        print(
-            f"    buffer {size:>5}: peak {peak:6.1f} MB  (+{grow:5.1f} MB; buffer holds "
-            f"{buf:5.1f} MB)"
+        harness.table(
+            rows, ["rss_kb", "end_uss_kb", "peak_uss_kb"], "worker memory (kB per worker)"
         )
-
-
-def report_shuffle(shuf: dict) -> None:
-    print("\n== shuffle quality, epoch 1: displacement from the order read off the shards ==")
-    print("  buffer    mean     p50     p90     p99  shards/batch  classes/batch")
-    for size, q in shuf.items():
-        print(
-            f"  {size:>6} {q['mean_displacement']:7.0f} {q['p50_displacement']:7.0f} "
-            f"{q['p90_displacement']:7.0f} {q['p99_displacement']:7.0f} "
-            f"{q['distinct_shards_per_batch']:13.1f} {q['distinct_classes_per_batch']:14.1f}"
-        )
+    if "shuffle" in r:
+        cols = ["mean_displacement:.0f", "p50_displacement:.0f", "p90_displacement:.0f",
+                "p99_displacement:.0f", "distinct_shards_per_batch:.1f",
+                "distinct_classes_per_batch:.1f"]  # fmt: skip
+        harness.table({f"buffer {k}": q for k, q in r["shuffle"].items()}, cols, "shuffle, epoch 1")
 
 
 if __name__ == "__main__":

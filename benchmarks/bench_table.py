@@ -1,24 +1,11 @@
 #!/usr/bin/env python3
-"""Table pack at scale: peak memory and time of planning and packing an N-row CSV.
-
-Makes (once, under ``--work``) a CSV of N rows ``image,caption,label`` whose images are hard
-links to a handful of real tiny JPEGs (one inode each: an N-file tree costs directory entries,
-not disk), then runs each contender in a fresh child process:
-
-- ``plan``: ``plan_pack`` alone (the scan and the plan, nothing read or written);
-- ``pack``: ``shardkit pack table.csv OUT`` (scan, plan, read, write, commit).
-
-and reports each child's peak resident memory (``ru_maxrss``) and wall time. ``--against DIR``
-runs the same children on another checkout (``git worktree add /tmp/main-wt main``) in the same
-run, interleaved, so old and new code are compared on the same data and load:
+"""Table pack at scale: each child's peak resident memory (``ru_maxrss``) and time for
+planning (``plan_pack`` alone) and packing an N-row CSV whose images are hard links to a few
+tiny JPEGs, in fresh child processes, interleaved with ``--against DIR``'s; the memory law as
+bytes per row above ``--base-rows``'s peak. ``--engine local|ray`` plans (and packs) on a pool
+or a Ray cluster, with the driver's CPU and its workers' peak. Figures: docs/benchmarks.md.
 
     python benchmarks/bench_table.py --rows 1280000 --against /tmp/main-wt
-
-The memory law is printed as bytes per row above a small table's peak (``--base-rows``).
-``--engine local`` plans (and packs) on a pool of 2 processes: the table is scanned there in
-spans, and the plan reports the driver's own CPU and its workers' peak beside the driver's.
-``--engine ray`` plans on a local Ray cluster of 2 CPUs (its workers are the raylet's children,
-so the workers' column reads what the driver waited for, not them).
 """
 
 from __future__ import annotations
@@ -129,32 +116,27 @@ def main(a: Table) -> None:
 
 
 def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: int) -> None:
-    load = harness.load_now()
-    print(f"load average {load.text()}; {load.cpu_count} CPUs")
-    head = f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'CPU s':>8}{'wkr MB':>8}"
-    print(head + f"{'pack s':>9}{'pack MB':>9}")
+    """The best of the rounds (seconds and peak each), bytes per row above the small table's
+    peak, and whether every contender planned the same table alike."""
+    print(f"load average {harness.load_now().text()}")
+    best = {}
     for key, res in results.items():
-        line = f"{key:<22}"
-        for what in ("plan", "pack"):  # the best of the repeats: seconds and peak each
-            if res[what]:
-                line += f"{min(r['seconds'] for r in res[what]):>9.1f}"
-                line += f"{min(r['peak_mb'] for r in res[what]):>9.0f}"
-            if what == "plan" and res[what]:  # the driver's own CPU; its workers' peak
-                line += f"{min(r.get('driver_cpu_s', 0) for r in res[what]):>8.1f}"
-                line += f"{min(r.get('workers_mb', 0) for r in res[what]):>8.0f}"
-        print(line)
+        best[key] = {f"{what} {k}": min(r.get(k, 0) for r in res[what])
+                     for what in ("plan", "pack") if res[what]
+                     for k in ("seconds", "peak_mb", "driver_cpu_s", "workers_mb")}  # fmt: skip
+        n = key.rsplit(" ", 1)[1]
+        fps = {r["plan"][0]["fp"] for k, r in results.items() if k.endswith(f" {n}")}
+        best[key]["fingerprints"] = "agree" if len(fps) == 1 else "DIFFER"
     for name in contenders:
-        small, big = results[f"{name} {base_rows}"], results[f"{name} {rows}"]
+        small, big = best[f"{name} {base_rows}"], best[f"{name} {rows}"]
         for what in ("plan", "pack"):
-            if not big[what]:
-                continue
-            d = min(r["peak_mb"] for r in big[what]) - min(r["peak_mb"] for r in small[what])
-            per = d * 2**20 / (rows - base_rows)
-            print(f"{name} {what}: {per:.0f} B/row above a {base_rows}-row table's peak")
-    fps = {k: r["plan"][0]["fp"] for k, r in results.items()}
-    for n in tables:
-        same = {v for k, v in fps.items() if k.endswith(f" {n}")}
-        print(f"{n} rows: fingerprints {'agree' if len(same) == 1 else 'DIFFER'}")
+            if f"{what} peak_mb" in big:
+                d = big[f"{what} peak_mb"] - small[f"{what} peak_mb"]
+                big[f"{what} B/row"] = d * 2**20 / (rows - base_rows)
+    cols = ["plan seconds:.1f", "plan peak_mb:.0f", "plan driver_cpu_s:.1f",
+            "plan workers_mb:.0f", "pack seconds:.1f", "pack peak_mb:.0f", "plan B/row:.0f",
+            "pack B/row:.0f", "fingerprints"]  # fmt: skip
+    harness.table(best, cols)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,13 @@
 #!/usr/bin/env python3
-"""Where users train: loaders across core counts, and feeding a real model on the GPU.
-
-``--scaling``: for N = 1, 2, 4, ... up to the usable CPUs (or ``--workers``), interleaved in one
-run: the ceiling (N processes decoding the same JPEG bytes at once with simplejpeg), ShardLoader
-(N workers) and DataLoader(ShardDataset(batch_size=B), N workers), on two workloads: (a) LFW-shaped
-full decode and (b) ImageNet-shaped random-resized-crop 224 + flip (its ceiling is the FULL
-decode, as in bench_loader.py). Per contender: images/s, the ratio to the ceiling, the training
-process's CPU per image against one decode's, and per-worker efficiency: the CPU a worker spends
-per image against a bare loop making the same decoder call on the same bytes in one process.
-
-``--train resnet50,resnet18`` (needs CUDA and torchvision; says so and skips otherwise): the
-batch already on the GPU (the GPU's own speed) vs ShardLoader(device="cuda") vs
-DataLoader(ShardDataset, pin_memory=True); bf16 autocast, channels_last, SGD, batch 256, epochs
-of at least ``--samples`` (shards replicated), full batches only (a new batch shape makes
-cudnn.benchmark re-tune). Reported: images/s, the share of step time the GPU waited for data
-(CUDA events around each step's compute: the gaps between steps), and what the loader did and
-said of the run (``loader.stats()``: its wait share, verdict and where the time went).
-``--train tiny --device cpu`` runs the same loop with a small CNN on the CPU (a smoke test).
+"""Where users train: loaders across core counts (``--scaling``: for N = 1, 2, 4... workers,
+ShardLoader and DataLoader(ShardDataset) against N processes decoding at once, (a) LFW full
+decode and (b) ImageNet RRC-224 + flip, with per-worker efficiency against a bare decoder loop)
+and feeding a real model (``--train resnet50,resnet18``: the batch resident on the GPU vs
+ShardLoader(device=) vs DataLoader(pin_memory=True), bf16, channels_last; images/s, the GPU's
+wait share from CUDA events, ``loader.stats()``). ``--train tiny --device cpu`` runs the loop
+on any machine.
 
     python benchmarks/bench_train.py --scaling --lfw /tmp/bl/lfw --imagenet /tmp/bl/imagenet
-    python benchmarks/bench_train.py --train resnet50,resnet18 --imagenet data/imagenet
-
-Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``--plot``.
 """
 
 from __future__ import annotations
@@ -170,18 +156,17 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
 
 
 def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
+    table = {}
     for r in range(args.rounds):
         for n in counts:
             c = rows[n]["ceiling"][r]
-            s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
-            print(
-                f"  [{part} {r + 1}/{args.rounds}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
-                f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
-                f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
-                f"{s['main_cpu_share']:.3f} of a decode  load {s['load_1min']:.1f}",
-                flush=True,
-            )
+            for name in ("ShardLoader", "DataLoader"):
+                x = rows[n][name][r]
+                table[f"[{part} {r + 1}/{args.rounds}] N={n} {name}"] = {
+                    **x, "ceiling": c, "of ceiling": x["images_per_s"] / c}  # fmt: skip
+    cols = ["ceiling:.0f", "images_per_s:.0f", "of ceiling:.2f", "worker_efficiency:.2f",
+            "main_cpu_share:.3f", "load_1min:.1f"]  # fmt: skip
+    harness.table(table, cols)
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
@@ -210,36 +195,6 @@ def _summary(row: dict) -> dict:
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if k in SUMMED}
         out[name] = {**med, "ratio_to_ceiling": statistics.median(ratios), "runs": runs}
     return out
-
-
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: no plot (pip install -e '.[bench]')")
-        return
-    parts = result["workloads"]
-    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.2), squeeze=False)
-    for ax, (part, w) in zip(axes[0], parts.items(), strict=True):
-        ns = [int(n) for n in w["by_workers"]]
-        rows = list(w["by_workers"].values())
-        ax.plot(ns, [r["ceiling_images_per_s"] for r in rows], "k--", label="ceiling (N decoders)")
-        for name, style in (("ShardLoader", "o-"), ("DataLoader", "s-")):
-            ax.plot(ns, [r[name]["images_per_s"] for r in rows], style, label=name)
-        ax.set_title(f"({part}) {w['title']}")
-        ax.set_xlabel("workers N")
-        ax.set_ylabel("images/s")
-        ax.set_xticks(ns)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
 
 
 # --- --train ---------------------------------------------------------------------------------
@@ -450,19 +405,17 @@ class Train(harness.Bench):
         "--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
         "(device and auto need shardkit[gpu])",
     )
-    plot: Path = ROOT / "bench-out" / "bench_train.png"
 
 
 def main(args: Train) -> None:
     if args.smoke:
-        args = replace(args, plot=args.json.with_suffix(".png"), train=args.train and "tiny")
+        args = replace(args, train=args.train and "tiny")
     if not args.scaling and not args.train:
         raise SystemExit("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     result: dict = {"load_start": harness.loadavg(), "cpus": harness.cores()}
     if args.scaling:
         result["scaling"] = scaling(args)
-        plot(result["scaling"], args.plot)
     if args.train:
         result["train"] = train(argparse.Namespace(**{**vars(args), "batch": 256}))
     harness.write_result(args.json, "bench_train", args, result)

@@ -89,6 +89,7 @@ __all__ = [
     "cpu_seconds",
     "checkouts",
     "side_by_side",
+    "table",
     "in_child",
     "interleave",
     "available",
@@ -352,6 +353,23 @@ def checkouts(case: Bench) -> dict[str, Path]:
     if case.against is None and not case.smoke:
         raise SystemExit("--against DIR is required (another checkout)")
     return {"this": ROOT, "against": Path(case.against or ROOT).resolve()}
+
+
+def table(rows: dict[str, dict], columns: Sequence[str], title: str = "") -> None:
+    """THE report printer: one line per row, one column per ``"key:format"`` (``"rate:.0f"``;
+    no format: ``str``), "-" where a row lacks the key; a case declares its columns."""
+    cols = [c.partition(":")[::2] for c in columns]
+    width = max([len(str(name)) for name in rows] + [4])
+    if title:
+        print(f"\n{title}")
+    print(" " * width, *(f"{k:>{max(8, len(k))}}" for k, _ in cols))
+    for name, row in rows.items():
+        cells = []
+        for k, fmt in cols:
+            v = row.get(k)
+            text = "-" if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+            cells.append(f"{text:>{max(8, len(k))}}")
+        print(f"{str(name):{width}}", *cells, flush=True)
 
 
 def side_by_side(rounds: Rounds, this: str, other: str, key: str = "rate") -> dict:

@@ -37,8 +37,7 @@ CASES = [s.removeprefix("bench_").removesuffix(".py") for s in SCRIPTS]
 EXTRA = {
     name: ["--against", str(ROOT)]
     for name in (
-        "against", "crops", "open", "sample_transform", "scale", "split", "stats_overhead",
-        "table",
+        "against", "crops", "open", "scale", "split", "table",
     )
 }  # fmt: skip
 
