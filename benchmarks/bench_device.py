@@ -1,34 +1,16 @@
 #!/usr/bin/env python3
 """Everything a lent GPU machine should measure, in one call: one JSON, a table printed last.
 
-Sections (``--sections``, default all; each is timed and its errors recorded, never fatal):
-
-- ``tests``: the CUDA tests (``pytest -k cuda tests/loader``), pass/fail counts.
-- ``cpu``: the machine's CPUs (model, logical and physical cores: 16 "CPUs" may be 8 cores
-  with two threads each) and one process's RRC-224 decode rate on one thread, the unit of
-  worker efficiency: the loader's workers-mode images/s over (workers x that rate).
-- ``probe``: nvImageCodec alone on a batch of random-resized-crop regions of the synthetic
-  ImageNet set, for each decoder option set (fancy upsampling, fancy on the hardware engine,
-  ``:fancy_upsampling=0``) and backend list: images decoded of the batch, images/s, and the
-  calling thread's CPU per image; whole-image decodes beside them; the nvJPEG files loaded.
-- ``pipeline``: shardkit's device path without a loader (``DeviceDecoder.decode``, the padded
-  batch, ``resize_batch``): images/s and the training thread's CPU per image, float16 against
-  float32 resize, and the mean difference per image from the CPU path (fancy and fast).
-- ``loader``: ShardLoader without a model, RRC-224 + flip, batch 256, epochs of ``--samples``:
-  decode_on workers / device / auto, images/s, ``feed_counts`` (where each image was decoded,
-  the trainer's CPU per image).
-- ``stub`` (alone: ``--stub``, no GPU needed): decode_on="device" on the CPU with
-  ``StandInDecoder(stub=True)`` and the batch resize stubbed too: the decode thread's own CPU
-  per image (``time.thread_time`` in that thread), the Python of the device path around the
-  decode and resize calls, which runs alike on a GPU.
-- ``train``: ``bench_train.train`` (ResNet-18/50, bf16, channels_last) for each decode_on.
-
-torchvision is imported first (``--no-torchvision`` to skip), as every training script that
-takes its models from it does: it brings its own older nvJPEG, which decides nvImageCodec's
-answers. The data (``--imagenet``) is made on the machine when missing.
+Sections (``--sections``; each timed, its errors recorded, never fatal): ``tests`` (the CUDA
+tests), ``cpu`` (the CPUs and one process's RRC-224 decode on one thread: the unit of worker
+efficiency), ``probe`` (nvImageCodec alone per option set and backend list), ``pipeline``
+(``DeviceDecoder`` and ``resize_batch`` without a loader, against the CPU path), ``loader``
+(ShardLoader per ``decode_on``, no model), ``cpu_backend``, ``stub`` (alone: ``--stub``, no GPU:
+the decode thread's own Python with the decode and resize stubbed) and ``train``
+(``bench_train.train``). torchvision is imported first (``--no-torchvision`` to skip), as
+training scripts do: its older nvJPEG decides nvImageCodec's answers. Figures: docs/loader.md.
 
     python benchmarks/bench_device.py --json $OUT/device.json
-    python benchmarks/bench_device.py --sections probe,pipeline --samples 20000
     python benchmarks/bench_device.py --stub --samples 5000 --workers 1   # any machine
 """
 
@@ -68,9 +50,9 @@ TORCHVISION = _early_torchvision(sys.argv)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_loader import RRC  # noqa: E402
-from bench_train import MEAN_STD  # noqa: E402
+from bench_train import trainer_loader  # noqa: E402
 
-from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import Decode, Order, RandomResizedCrop, ShardDataset  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
 from shardkit.images.geometry import CropBox  # noqa: E402
 
@@ -291,20 +273,6 @@ def _urls(args) -> list[str]:
     return makers.replicated(args.shards, args.samples, dest)[0]
 
 
-def _loader(urls, decode_on: str, workers: int, batch: int, device="cuda"):
-    ds = ShardDataset(urls, **GEO)
-    return ds, ShardLoader(
-        ds,
-        batch,
-        num_workers=workers,
-        device=device,
-        drop_last=True,
-        normalize=MEAN_STD,
-        channels_last=True,
-        decode_on=decode_on,
-    )
-
-
 def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
     """``steps`` batches after ``warmup``: images/s, the calling thread's and the process's CPU
     per image (the process: the decode thread and nvImageCodec's threads too)."""
@@ -362,7 +330,7 @@ def loader(args) -> dict:
     out: dict = {"num_workers": n}  # not "workers": that is decode_on="workers"'s row
     for mode in [*args.decode_on, "device-nothread"]:
         epoch_mod.DECODE_THREADS = 1 if mode != "device-nothread" else 0
-        ds, ld = _loader(urls, mode.split("-")[0], n, args.batch)
+        ds, ld = trainer_loader(urls, mode.split("-")[0], n, args.batch)
         try:
             out[mode] = row = _drain(ld, args.warmup, args.steps, args.batch)
         finally:
@@ -380,7 +348,7 @@ def loader(args) -> dict:
 def cpu_backend(args) -> dict:
     """decode_on="device" on nvImageCodec's CPU backend (no GPU): the training thread's CPU."""
     n = args.workers or max(1, harness.cores() - 1)
-    ds, ld = _loader(_urls(args), "device", n, args.batch, device=None)
+    ds, ld = trainer_loader(_urls(args), "device", n, args.batch, None)
     try:
         row = _drain(ld, 2, 6, args.batch)
     finally:
@@ -440,16 +408,9 @@ def stub(args) -> dict:
         device_feed.DeviceFeed._stage_encoded, real_resize = staged, device_feed.resize_batch
         device_feed.resize_batch = resize
         try:
-            ds = ShardDataset(urls, decode=Decode(crop=RandomResizedCrop(size), flip=True))
-            ld = ShardLoader(
-                ds,
-                args.batch,
-                num_workers=n,
-                drop_last=True,
-                normalize=MEAN_STD,
-                channels_last=True,
-                decode_on="device",
-                _decoder_factory=factory,
+            decode = Decode(crop=RandomResizedCrop(size), flip=True)
+            _, ld = trainer_loader(
+                urls, "device", n, args.batch, None, decode, _decoder_factory=factory
             )
             try:
                 it = iter(ld)
@@ -527,10 +488,11 @@ def summary(r: dict) -> None:
     """The figures that matter, last in the output (a lent machine's reply carries its end)."""
     print("\n== summary", r.get("gpu"), r.get("cpus"), "cpus,", r.get("versions"))
     print("tests:", (r.get("tests") or {}).get("tail", ["-"])[-1:])
-    c, one = r.get("cpu") or {}, (r.get("cpu") or {}).get("one_process_rrc_images_per_s")
-    print(f"cpu {c.get('model')}: {c.get('usable')} usable, {c.get('physical_cores')} cores; "
-          f"one process RRC-224 {one} images/s (worker efficiency: loader workers' images/s "
-          "over workers x this)")  # fmt: skip
+    c = r.get("cpu") or {}
+    if "model" in c:
+        print(f"cpu {c['model']}: {c['usable']} usable, {c['physical_cores']} cores; one process "
+              f"RRC-224 {c['one_process_rrc_images_per_s']:.0f} images/s (worker efficiency: "
+              "the loader workers' images/s over workers x this)")  # fmt: skip
     rows = {n: v for s in SECTIONS[2:] for n, v in _rows(r.get(s), s)}
     harness.table(rows, COLUMNS)
     for name in SECTIONS:

@@ -27,6 +27,7 @@ import harness
 
 ROOT = harness.ROOT
 
+import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -225,7 +226,24 @@ def _dl_shard(shards: Path, decode):
     return _once(build)
 
 
-def contenders_a(src: Path, shards: Path) -> dict:
+class ConstantImages(torch.utils.data.IterableDataset):
+    """``n`` copies of one uint8 CHW tensor, split across workers: DataLoader transport alone."""
+
+    def __init__(self, n: int, shape: tuple[int, int, int]):
+        self.n, self.shape = n, shape
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, k = (info.id, info.num_workers) if info else (0, 1)
+        img = torch.zeros(self.shape, dtype=torch.uint8)
+        for _ in range(w * self.n // k, (w + 1) * self.n // k):
+            yield img, 0
+
+
+def contenders_a(src: Path, shards: Path, datas: list[bytes]) -> dict:
+    h, w = simplejpeg.decode_jpeg_header(datas[0])[:2]
+    transport = ConstantImages(len(datas), (3, h, w))
+
     def dl_folder(epoch):
         g = torch.Generator().manual_seed(epoch)
         ds = FolderDataset(str(src), decode="tensor")
@@ -241,6 +259,10 @@ def contenders_a(src: Path, shards: Path) -> dict:
         "DataLoader(ShardDataset)": _dl_shard(shards, "tensor"),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
+        # the same loader over constant tensors: what moving batches through shared memory costs
+        "DataLoader transport only": lambda e: DataLoader(
+            transport, batch_size=BATCH, num_workers=WORKERS
+        ),
     }
     return out
 
@@ -444,38 +466,29 @@ def measure(
 
 
 def memory(shards: Path, epochs: int) -> dict:
-    """RSS after each epoch of every process: ShardLoader (main + its persistent workers) and
-    DataLoader with persistent workers (main + each worker)."""
-    ds = ShardDataset(str(shards), decode="tensor")
-    loader = ShardLoader(ds, BATCH, num_workers=WORKERS)
-    ours, ours_workers = [], []
-    for e in range(epochs):
-        loader.set_epoch(e)
-        for _ in loader:
-            pass
-        ours.append(rss_mb())
-        ours_workers.append([rss_mb(p) for p in loader.worker_pids])
-    ring = repr(loader.ring)
-    loader.close()
-    ds2 = ShardDataset(str(shards), decode="tensor")
-    dl = DataLoader(ds2, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
-    main, workers = [], []
-    for e in range(epochs):
-        ds2.set_epoch(e)
-        it = iter(dl)
-        for _ in it:
-            pass
-        main.append(rss_mb())
-        pids = [w.pid for w in getattr(it, "_workers", [])]
-        workers.append([rss_mb(p) for p in pids])
-    del dl
-    return {
-        "shardloader_rss_mb": ours,
-        "shardloader_workers_rss_mb": ours_workers,
-        "ring": ring,
-        "dataloader_main_rss_mb": main,
-        "workers_rss_mb": workers,
-    }
+    """RSS after each epoch of every process (MB): ShardLoader's main process and its persistent
+    workers, and DataLoader's with persistent workers."""
+    out: dict = {}
+    for name in ("shardloader", "dataloader"):
+        ds = ShardDataset(str(shards), decode="tensor")
+        if name == "shardloader":
+            loader = ShardLoader(ds, BATCH, num_workers=WORKERS)
+        else:
+            loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
+        main, workers = out[f"{name}_rss_mb"], out[f"{name}_workers_rss_mb"] = [], []
+        for e in range(epochs):
+            ds.set_epoch(e)
+            it = iter(loader)
+            for _ in it:
+                pass
+            main.append(rss_mb())
+            pids = getattr(loader, "worker_pids", [w.pid for w in getattr(it, "_workers", [])])
+            workers.append([rss_mb(p) for p in pids])
+        if name == "shardloader":
+            out["ring"] = repr(loader.ring)
+            loader.close()
+        del it, loader
+    return out
 
 
 def chosen(contenders: dict, names: str | None) -> dict:
@@ -547,7 +560,7 @@ def main(args: Loader) -> None:
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
         datas = data.jpeg_bytes(args.lfw)  # the folder contender's files cached too
-        contenders = contenders_a(args.lfw, lfw_shards)
+        contenders = contenders_a(args.lfw, lfw_shards, datas)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""ShardDataset against WebDataset, the PIL decode ceiling and FolderDataset, in one run: raw
-reads (``decode="raw"``, one process, page cache; goal >= 10x ``WebDataset(shards)``), end to
-end (DataLoader, ``decode="tensor"``, batch 64, 2 workers against the PIL ceiling; goal >= 80%;
-with "2 processes decoding at once" and DataLoader transport alone as diagnostics), worker
-memory over epochs and by shuffle buffer, and shuffle quality per buffer size. Figures:
-docs/benchmarks.md ("Streaming") and docs/stream.md.
+"""ShardDataset against WebDataset, in one run: raw reads (``decode="raw"``, one process, page
+cache; goal >= 10x ``WebDataset(shards)``), DataLoader worker memory over epochs and by shuffle
+buffer (flat within 5%; bounded by the buffer), and shuffle quality per buffer size. End to end
+against the decode ceiling (and FolderDataset, and DataLoader transport alone) is
+``bench_loader.py --only a``. Figures: docs/benchmarks.md ("Streaming") and docs/stream.md.
 
     python benchmarks/bench_stream.py --repeats 7 --json bench-out/bench_stream.json
     python benchmarks/bench_stream.py --only raw --only shuffle     # some parts only
@@ -29,7 +28,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from shardkit.bench.pagecache import prime  # noqa: E402
 from shardkit.formats import get_format  # noqa: E402
 from shardkit.manifest import read_manifest  # noqa: E402
-from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.stream.dataset import ShardDataset  # noqa: E402
 from shardkit.stream.shuffle import Order  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
@@ -98,107 +97,6 @@ class _Epochs:
         if self.ds is not None:
             self.ds.set_epoch(self.next)
         self.next += 1
-
-
-def loader_pass(loader: DataLoader, epochs: _Epochs) -> tuple[float, float, float]:
-    """One timed epoch of a persistent-worker loader: (images/s, worker CPU s, main CPU s)."""
-    epochs()
-    e = harness.epoch(
-        loader, pids=lambda: _worker_pids(loader) if loader._iterator is not None else []
-    )
-    return e["rate"], e["workers_cpu_s"], e["main_cpu_s"]
-
-
-class ConstantImages(torch.utils.data.IterableDataset):
-    """``n`` copies of one uint8 CHW tensor, split across workers: DataLoader transport alone."""
-
-    def __init__(self, n: int, shape: tuple[int, int, int]):
-        self.n, self.shape = n, shape
-
-    def __iter__(self):
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        w, k = (info.id, info.num_workers) if info else (0, 1)
-        img = torch.zeros(self.shape, dtype=torch.uint8)
-        for _ in range(w * self.n // k, (w + 1) * self.n // k):
-            yield img, 0
-
-
-def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, blobs) -> dict:
-    ds = ShardDataset(urls, decode="tensor")
-    shape = tuple(ds_first_shape(ds))
-    folder = FolderDataset(str(src), decode="tensor")
-    loaders = {
-        "shards": (
-            DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True),
-            _Epochs(ds),
-        ),
-        "folder": (
-            DataLoader(
-                folder,
-                batch_size=batch,
-                num_workers=workers,
-                shuffle=True,
-                persistent_workers=True,
-            ),
-            _Epochs(),
-        ),
-        "transport": (
-            DataLoader(
-                ConstantImages(len(folder), shape),
-                batch_size=batch,
-                num_workers=workers,
-                persistent_workers=True,
-            ),
-            _Epochs(),
-        ),
-    }
-    for loader, epochs in loaders.values():  # warm-up: start the workers, fill caches
-        loader_pass(loader, epochs)
-    n = len(folder)
-
-    def ceiling(r: int) -> dict:  # PIL decodes, as FolderDataset's and the workers' decode
-        c = harness.ceiling(blobs, decoder="pil", processes=workers, at_once=True)
-        return {"ceiling": c.scaled, "ceiling_cpu": c.cpu_us / 1e6, "parallel": c.at_once}
-
-    def side(name):
-        def run(r: int) -> dict:
-            rate_, wcpu, mcpu = loader_pass(*loaders[name])
-            return {"rate": rate_, "workers_cpu": wcpu / n, "main_cpu": mcpu / n}
-
-        return run
-
-    sides = {"(ceiling)": ceiling, **{name: side(name) for name in loaders}}
-    rounds = harness.interleave(sides, repeats, first=["(ceiling)"], quiet=True)
-    loaders.clear()  # the persistent workers go with the loaders
-    med, ratio, ceil = rounds.median, rounds.ratio, "(ceiling)"
-
-    cpu = {"ceiling_decode": med(ceil, "ceiling_cpu") * 1e6}
-    for name in ("shards", "folder", "transport"):
-        cpu[f"{name}_workers"] = med(name, "workers_cpu") * 1e6
-        cpu[f"{name}_main"] = med(name, "main_cpu") * 1e6
-    return {
-        "decode_ceiling_per_s": med(ceil, "ceiling"),
-        "parallel_decode_per_s": med(ceil, "parallel"),
-        "shard_loader_per_s": med("shards"),
-        "folder_loader_per_s": med("folder"),
-        "transport_only_per_s": med("transport"),
-        "ratio_shards_vs_ceiling": ratio("shards", ceil, b_key="ceiling"),
-        "ratio_folder_vs_ceiling": ratio("folder", ceil, b_key="ceiling"),
-        "ratio_shards_vs_parallel": ratio("shards", ceil, b_key="parallel"),
-        "ratio_shards_vs_folder": ratio("shards", "folder"),
-        "cpu_us_per_image": cpu,
-        "image_shape": list(shape),
-        "workers": workers,
-        "batch_size": batch,
-        "repeats": repeats,
-    }
-
-
-def ds_first_shape(ds: ShardDataset) -> torch.Size:
-    probe = ShardDataset(list(ds.urls)[:1], decode="tensor", order=Order(shuffle=False))
-    return next(iter(probe))[0].shape
 
 
 def _worker_pids(loader: DataLoader) -> list[int]:
@@ -325,13 +223,11 @@ def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
 
 @harness.case(
     data="a class-per-folder tree (--src, default LFW-shaped), packed to tar at --shards",
-    measures="raw reads against WebDataset, end to end against the PIL decode ceiling, "
-    "worker memory, shuffle quality",
+    measures="raw reads against WebDataset, worker memory, shuffle quality",
     small={
         "src": str(data.root() / "lfw-smoke"),
         "shards": str(data.root() / "lfw-smoke-stream"),
         "epochs": 2,
-        "decode_samples": 50,
     },  # fmt: skip
     aliases={"rounds": ["repeats"]},
 )
@@ -343,10 +239,7 @@ class Stream(harness.Bench):
     workers: int = 2
     batch: int = 64
     epochs: int = harness.arg(5, "epochs for the memory check")
-    decode_samples: int = harness.arg(3000, "images in the ceiling")
-    only: tuple[Literal["raw", "end_to_end", "memory", "shuffle"], ...] = harness.arg(
-        (), "run only these parts"
-    )
+    only: tuple[Literal["raw", "memory", "shuffle"], ...] = harness.arg((), "run only these parts")
 
 
 def main(args: Stream) -> None:
@@ -357,7 +250,6 @@ def main(args: Stream) -> None:
     manifest = read_manifest(str(shards))
     urls = [str(shards / e.path) for e in manifest.shards]
     prime(urls)  # every measurement sees the shards in the page cache
-    blobs = data.jpeg_bytes(src)[: args.decode_samples]  # the folder's files cached too
     mean_bytes = manifest.total_bytes / manifest.num_samples
     results: dict = {
         "dataset": {
@@ -369,17 +261,12 @@ def main(args: Stream) -> None:
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
     }
     print(f"{manifest.num_samples} samples in {len(urls)} shards, {mean_bytes / 1e3:.1f} KB each")
-    parts = set(args.only or ["raw", "end_to_end", "memory", "shuffle"])
+    parts = set(args.only or ["raw", "memory", "shuffle"])
     if args.smoke and not harness.available("webdataset"):
         parts.discard("raw")
     if "raw" in parts:
         print("raw iteration ...", flush=True)
         results["raw"] = bench_raw(urls, args.rounds)
-    if "end_to_end" in parts:
-        print("end to end ...", flush=True)
-        results["end_to_end"] = bench_end_to_end(
-            urls, src, args.workers, args.batch, args.rounds, blobs
-        )
     if "memory" in parts:
         print("worker memory ...", flush=True)
         results["memory"] = bench_memory(
@@ -400,12 +287,6 @@ def report(r: dict) -> None:
         harness.table(rows, ["samples/s:,.0f"], "raw iteration, one process, page cache")
         harness.table({k: {"ratio": v} for k, v in r["raw"].items() if k.startswith("ratio")},
                       ["ratio:.1f"])  # fmt: skip
-    if "end_to_end" in r:
-        e = r["end_to_end"]
-        rows = {k: {"value": v} for k, v in e.items() if k.endswith("_per_s") or "ratio" in k}
-        rows.update({f"CPU us/image {k}": {"value": v} for k, v in e["cpu_us_per_image"].items()})
-        title = f"end to end: DataLoader {e['image_shape']}, batch {e['batch_size']}"
-        harness.table(rows, ["value:,.2f"], f"{title}, {e['workers']} workers")
     if "memory" in r:
         m = r["memory"]
         cols = ("rss_kb", "end_uss_kb", "peak_uss_kb")

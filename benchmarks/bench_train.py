@@ -272,6 +272,16 @@ def train(args) -> dict:
     return out
 
 
+def trainer_loader(
+    urls, decode_on="workers", workers=1, batch=256, device="cuda", decode=RRC, **kw
+):
+    """ShardLoader as a trainer builds it: normalised, channels_last, on ``device``, full
+    batches (RRC-224 + flip unless ``decode``); (the dataset, the loader)."""
+    ds = ShardDataset(urls, decode=decode)
+    how = dict(device=device, drop_last=True, normalize=MEAN_STD, channels_last=True, **kw)
+    return ds, ShardLoader(ds, batch, num_workers=workers, decode_on=decode_on, **how)
+
+
 def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device, sink=None):
     """An endless iterator of (images float NCHW channels_last normalised, labels) on device;
     the ShardLoader built goes into ``sink["loader"]`` (its ``feed_counts``)."""
@@ -282,22 +292,13 @@ def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device
         y = torch.randint(0, 1000, (batch,), device=device)
         while True:
             yield x, y
-    shard_loader = kind.startswith("ShardLoader")
-    ds = ShardDataset(urls, **geo) if shard_loader else ShardDataset(urls, batch_size=batch, **geo)
-    if shard_loader:
-        loader = ShardLoader(
-            ds,
-            batch,
-            num_workers=n,
-            device=device,
-            drop_last=True,
-            normalize=MEAN_STD,
-            channels_last=True,
-            decode_on=kind.split()[1] if " " in kind else "workers",
-        )
+    if kind.startswith("ShardLoader"):
+        where = kind.split()[1] if " " in kind else "workers"
+        ds, loader = trainer_loader(urls, where, n, batch, device, **geo)
         if sink is not None:
             sink["loader"] = loader
     else:
+        ds = ShardDataset(urls, batch_size=batch, **geo)
         loader = DataLoader(
             ds,
             batch_size=batch,
