@@ -28,7 +28,7 @@ def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
     loader = ShardLoader(ds, batch, num_workers=workers)
     try:
         loader.set_epoch(epoch)
-        return _rate(loader)
+        return harness.epoch(loader)["steady_rate"]  # after the first batch: the steady epoch
     finally:
         loader.close()
 
@@ -79,11 +79,6 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
         .map_tuple(_ClipTransform(), lambda t: t)
     )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    return _rate(loader)
-
-
-def _rate(loader) -> float:
-    """Images/s after the first batch (workers started, shards open): the steady epoch."""
     return harness.epoch(loader)["steady_rate"]
 
 

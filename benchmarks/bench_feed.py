@@ -140,10 +140,10 @@ def main(args: Feed) -> None:
         what = "of step and loader in turn" if name.startswith("cpu") else "of the loader alone"
         out[name] = {"images_per_s": rate, "ratio": rate / bound, "ratio_of": what}
         out[name]["trainer_cpu_us_per_image"] = cpu
-        print(
-            f"{name:22s} {rate:7.0f} img/s  {rate / bound:.3f} {what}, "
-            f"trainer CPU {cpu:.1f} us/image"
-        )
+    rows = {k: v for k, v in out.items() if isinstance(v, dict)}
+    harness.table(
+        rows, ["images_per_s:.0f", "ratio:.3f", "ratio_of", "trainer_cpu_us_per_image:.1f"]
+    )
     harness.write_result(args.json, "bench_feed", args, out, rounds)
     print(f"wrote {args.json}")
 

@@ -292,13 +292,12 @@ def report(r: dict) -> None:
         cols = ("rss_kb", "end_uss_kb", "peak_uss_kb")
         per = zip(*(m[f"{c}_per_epoch"] for c in cols), strict=True)
         rows = {f"epoch {i}": dict(zip(cols, x, strict=True)) for i, x in enumerate(per)}
-        rows.update({f"spread {k}": {"rss_kb": v} for k, v in m.items() if k.endswith("spread")})
         rows.update(
             {f"buffer {k}": {"peak_uss_kb": v} for k, v in m["peak_uss_kb_by_buffer"].items()}
         )
-        harness.table(
-            rows, ["rss_kb", "end_uss_kb", "peak_uss_kb"], "worker memory (kB per worker)"
-        )
+        harness.table(rows, cols, "worker memory (kB per worker; spread: max-min over the mean)")
+        spreads = {k: {"spread": v} for k, v in m.items() if k.endswith("spread")}
+        harness.table(spreads, ["spread:.2%"])
     if "shuffle" in r:
         cols = ["mean_displacement:.0f", "p50_displacement:.0f", "p90_displacement:.0f",
                 "p99_displacement:.0f", "distinct_shards_per_batch:.1f",

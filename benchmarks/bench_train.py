@@ -25,13 +25,12 @@ import harness
 ROOT = harness.ROOT
 
 import numpy as np  # noqa: E402
-import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import RRC, ensure, timed_epoch  # noqa: E402
+from bench_loader import RRC, WorkerLoop, ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import ShardDataset, ShardLoader  # noqa: E402
-from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
+from shardkit.stream.world import World  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 WORKLOADS = {
@@ -51,36 +50,17 @@ def worker_counts(limit: int) -> list[int]:
 # --- the ceiling and the bare loop --------------------------------------------------------------
 
 
-def bare_cpu_us(datas: list[bytes], kw: dict, batch: int) -> tuple[float, float, float]:
-    """CPU us per image in this process of: simplejpeg alone (into one reused, cache-hot
-    array), the workers' own decoder call into that array, and the same call into the images of
-    three batch-sized arrays in turn (as any loader must write its batches: cold memory)."""
-    plain = harness.ceiling(datas, processes=1).cpu_us
-    size = kw.get("size")
-    geometry = Geometry(size, kw["crop"], kw["flip"]) if size else None
-    decoder = TensorDecoder(geometry, 0, 0, 0)
-    h, w, _, _ = simplejpeg.decode_jpeg_header(datas[0])
-    shape = (3, size, size) if size else (3, h, w)
-    fits = [d for d in datas if size or simplejpeg.decode_jpeg_header(d)[:2] == (h, w)]
-    results = []
-    for arrays in ([torch.empty(shape, dtype=torch.uint8)], _batches(3, batch, shape)):
-        c = time.thread_time()
-        for i, d in enumerate(fits):
-            out = arrays[i % len(arrays)]
-            if size:
-                decoder(d, str(i), out)
-            else:
-                decoder.into_planes(d, str(i), out.numpy())
-        results.append((time.thread_time() - c) / len(fits) * 1e6)
-    return plain, results[0], results[1]
-
-
-def _batches(n: int, batch: int, shape: tuple) -> list[torch.Tensor]:
-    """The images of ``n`` batch buffers, batch after batch."""
-    buffers = [torch.empty((batch, *shape), dtype=torch.uint8) for _ in range(n)]
-    for b in buffers:
-        b.fill_(0)  # fault the pages in now, as a loader's ring is after its first epoch
-    return [img for b in buffers for img in b.unbind(0)]
+def bare_cpu_us(shards: Path, kw: dict) -> float:
+    """CPU us per image of the workers' own decoder calls on the same bytes into batch
+    buffers, in this process (``bench_loader.WorkerLoop.bare``: the per-worker bare loop)."""
+    ds = ShardDataset(str(shards), **kw)
+    loop = WorkerLoop(
+        ds, [(r.data, r.key) for r in ds.records_from(World(0, 1, 0, 1), 0, None)], False
+    )
+    try:
+        return loop.bare(0)
+    finally:
+        loop.close()
 
 
 # --- --scaling --------------------------------------------------------------------------------
@@ -99,13 +79,9 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     src = args.lfw if part == "a" else args.imagenet
     shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
     datas = data.jpeg_bytes(src)
-    plain, hot, own = bare_cpu_us(datas, kw, args.batch)
-    print(
-        f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
-        f"(simplejpeg), the workers' decoder call {hot:.0f} into one array, {own:.0f} "
-        "into batch buffers",
-        flush=True,
-    )
+    plain, own = harness.ceiling(datas, processes=1).cpu_us, bare_cpu_us(shards, kw)
+    print(f"({part}) {title}: {len(datas)} images; a decode {plain:.0f} CPU us/image "
+          f"(simplejpeg), the workers' decoder calls into batch buffers {own:.0f}")  # fmt: skip
     names = ["ShardLoader", "DataLoader"]
     loaders: dict = {}
 
@@ -121,7 +97,6 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
             res = timed_epoch(_epoch(*loaders[key], r + 1))
             if getattr(loaders[key][1], "worker_pids", []):
                 workers = res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
-                res["worker_efficiency_hot"] = hot / workers
                 res["worker_efficiency"] = own / workers
             res["main_cpu_share"] = res["main_cpu_us_per_image"] / plain
             return res
@@ -149,7 +124,6 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     return {
         "title": title,
         "bare_cpu_us_simplejpeg": plain,
-        "bare_cpu_us_decoder_one_array": hot,
         "bare_cpu_us_decoder_batches": own,
         "by_workers": {str(n): _summary(rows[n]) for n in counts},
     }
