@@ -1,23 +1,8 @@
 #!/usr/bin/env python3
-"""A CLIP recipe through ShardLoader against WebDataset, the same tar shards.
-
-ImageNet-shaped photos (``shardkit synth``: mostly 500x375) with a caption and img2dataset-style
-JSON metadata each, written once as img2dataset writes them (``000000000.jpg/.txt/.json`` per
-sample, no class) and indexed with ``shardkit index``: both sides read the very same tar files.
-
-- shardkit: ``ShardDataset(decode=Decode(crop=RandomResizedCrop(224, scale=(0.9, 1.0),
-  interpolation="bicubic"), flip=True), fields=("txt",))`` through ``ShardLoader``.
-- WebDataset (open_clip's pipeline, torchvision's transforms written out: torchvision cannot
-  install here): ``WebDataset(urls, shardshuffle=True).shuffle(1000).decode("pil")
-  .to_tuple("jpg", "txt")``, then RandomResizedCrop's box by ``get_params`` and PIL's bicubic
-  resize of that box (what ``torchvision.transforms.RandomResizedCrop`` does to a PIL image),
-  a flip, ``to_tensor``-like uint8 CHW, through ``DataLoader(batch_size, num_workers)``.
-
-One epoch per contender and round, interleaved (the order alternates every round), images/s
-over the epoch after its first batch, the load average of every round; the ratio is the median
-of per-round ratios. CPU per image (this process and its joined workers over the whole epoch,
-start-up included) is the figure a busy machine moves least. Goal: shardkit >= 2.5x
-WebDataset on 2 cores.
+"""A CLIP recipe through ShardLoader against WebDataset (open_clip's pipeline, torchvision's
+RandomResizedCrop written out), on the very same img2dataset-style tar shards (a caption and
+JSON metadata per photo), one epoch per contender and round, interleaved: images/s after the
+first batch, CPU per image, the median of per-round ratios. Goal: >= 2.5x on 2 cores.
 
     python benchmarks/bench_clip.py --imagenet /tmp/bench-crops/inet --rounds 3
 """
@@ -43,7 +28,7 @@ def _shardkit_epoch(source: str, workers: int, batch: int, epoch: int) -> float:
     loader = ShardLoader(ds, batch, num_workers=workers)
     try:
         loader.set_epoch(epoch)
-        return _rate(loader)
+        return harness.epoch(loader)["steady_rate"]  # after the first batch: the steady epoch
     finally:
         loader.close()
 
@@ -94,11 +79,6 @@ def _webdataset_epoch(source: str, workers: int, batch: int, epoch: int) -> floa
         .map_tuple(_ClipTransform(), lambda t: t)
     )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers)
-    return _rate(loader)
-
-
-def _rate(loader) -> float:
-    """Images/s after the first batch (workers started, shards open): the steady epoch."""
     return harness.epoch(loader)["steady_rate"]
 
 

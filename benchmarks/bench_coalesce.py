@@ -1,16 +1,10 @@
 """Remote sparse epochs with nearby samples coalesced into one ranged GET, against one GET a
-run of adjacent samples (``RemoteStorage(ranged_gap=0)``, the rule before coalescing).
+run of adjacent samples (``RemoteStorage(ranged_gap=0)``, the rule before): subset and split
+epochs of a few thousand small samples over the tests' loopback HTTP server, counted, not
+timed (ranged GETs per drawn sample, bytes asked over the samples' own), each epoch's samples
+checked against the local epoch's. Figures: docs/benchmarks.md ("Nearby samples in one GET").
 
-Packs a few thousand small samples (24x24 JPEGs, ~1.9 kB with their tar headers, ~100 a
-shard), serves them over the loopback HTTP server of the tests (``tests/remote_servers.py``),
-and reads subset=0.01, 0.1, 0.3 and split="val" (val_fraction 0.1) epochs with each gap.
-Counted, not timed: the ranged GETs of sample bytes the server answered a drawn sample, and
-the bytes those GETs asked for over the drawn samples' own bytes (the index heads excluded:
-the same either way). Each epoch's samples are checked to be the local epoch's.
-
-    .venv/bin/python benchmarks/bench_coalesce.py [--samples 3000] [--json out.json]
-
-Counts, not times: one round, no ``--against`` (``ranged_gap=0`` is the rule before).
+    python benchmarks/bench_coalesce.py --samples 3000
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 #!/usr/bin/env python3
-"""What the crop objects cost: each crop variant against today's RRC through ShardLoader.
-
-ImageNet-shaped photos (``shardkit synth``: mostly 500x375) packed into tar shards, one
-epoch per contender through ``ShardLoader(num_workers=--workers)``, interleaved round by round
-(every contender once, each round starting one later), with the load average of every round.
-Per contender: images/s (median over rounds), its ratio to ``crop="random"`` (today's
-RandomResizedCrop; the median of per-round ratios; goal >= 1: no more time per image) and its
-pixels' mean absolute difference from a reference on the first ``--check`` images: the same box
-cut from a full-size decode and resized by torch's antialiased kernel (torchvision's
-``resized_crop`` on a uint8 tensor; goal < 1 level).
+"""What the crop objects cost: each crop variant against ``crop="random"`` (today's
+RandomResizedCrop) through ``ShardLoader`` on ImageNet-shaped photos, one epoch per contender
+and round, interleaved: images/s, the median of per-round ratios (goal >= 1), and each variant's
+mean pixel difference from torch's antialiased resize of the same box (goal < 1 level).
+``--against DIR`` adds another checkout's ``crop="random"``; ``--breakdown`` times the box, the
+region decode and the resize per variant on one thread. Figures: docs/loader.md ("Crops").
 
     python benchmarks/bench_crops.py --imagenet /tmp/inet --rounds 3
-
-``--against DIR`` adds ``crop="random"`` run by another checkout (the issue's "today": ``git
-worktree add /tmp/base <rev>``), in a child process per round with that checkout's shardkit, so
-the variants are also compared with the RRC users had before them, in the same run.
-
-``--breakdown`` explains the ratios: on one thread in this process, per variant, the time per
-image of the header and box, the region decode and the resize, the share of the photo's pixels
-in the crop, and the share of its rows the decoder reads (every row above the crop's bottom is
-entropy-decoded, whatever its columns: the part no crop policy can skip).
 """
 
 from __future__ import annotations
@@ -208,23 +195,13 @@ def main(args: Crops) -> None:
         rows.append(row)
     result = dict(rows=rows)
     out = args.json or harness.ROOT / "bench-out" / "bench_crops.json"
-    print(f"{'contender':34} {'img/s':>8} {'vs today':>9} {'vs against':>10} {'mean diff':>10}")
-    for row in rows:
-        vs = row.get("ratio_to_against")
-        diff = row["mean_difference"]
-        print(
-            f"{row['name'][:34]:34} {row['images_per_s']:8.0f} {row['ratio_to_today']:9.2f} "
-            f"{'-' if vs is None else f'{vs:.2f}':>10} {'-' if diff is None else f'{diff:.2f}':>10}"
-        )
+    cols = ["images_per_s:.0f", "ratio_to_today:.2f", "ratio_to_against:.2f", "mean_difference:.2f"]
+    harness.table({row["name"]: row for row in rows}, cols)
     print(f"load average per round {rounds.load_text()}")
     if args.breakdown:
         result["breakdown"] = parts = _breakdown(source, cons, 200, 3)
-        print(f"one thread, us/image: {'contender':34} box decode resize  area rows-read")
-        for name, p in parts.items():
-            print(
-                f"{'':22}{name[:34]:34} {p['box']:4.0f} {p['decode']:6.0f} {p['resize']:6.0f} "
-                f"{p['crop_area']:5.2f} {p['rows_decoded']:5.2f}"
-            )
+        cols = ["box:.0f", "decode:.0f", "resize:.0f", "crop_area:.2f", "rows_decoded:.2f"]
+        harness.table(parts, cols, "one thread, us per image")
     harness.write_result(out, "bench_crops", args, result, rounds)
 
 

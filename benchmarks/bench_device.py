@@ -1,36 +1,16 @@
 #!/usr/bin/env python3
 """Everything a lent GPU machine should measure, in one call: one JSON, a table printed last.
 
-Sections (``--sections``, default all; each is timed and its errors recorded, never fatal):
-
-- ``tests``: the CUDA tests (``pytest -k cuda tests/loader``), pass/fail counts.
-- ``cpu``: the machine's CPUs (model, logical and physical cores: 16 "CPUs" may be 8 cores
-  with two threads each) and one process's RRC-224 decode rate on one thread, the unit of
-  worker efficiency: the loader's workers-mode images/s over (workers x that rate).
-- ``probe``: nvImageCodec alone on a batch of random-resized-crop regions of the synthetic
-  ImageNet set, for each decoder option set (fancy upsampling, fancy on the hardware engine,
-  ``:fancy_upsampling=0``) and backend list: images decoded of the batch, images/s, and the
-  calling thread's CPU per image; whole-image decodes beside them; the nvJPEG files loaded.
-- ``pipeline``: shardkit's device path without a loader (``DeviceDecoder.decode``, the padded
-  batch, ``resize_batch``): images/s and the training thread's CPU per image, float16 against
-  float32 resize, and the mean difference per image from the CPU path (fancy and fast).
-- ``loader``: ShardLoader without a model, RRC-224 + flip, batch 256, epochs of ``--samples``:
-  decode_on workers / device / auto, images/s, ``feed_counts`` (where each image was decoded,
-  the trainer's CPU per image).
-- ``stub`` (alone: ``--stub``, no GPU needed): decode_on="device" on the CPU with
-  ``StandInDecoder(stub=True)`` and the batch resize stubbed too: the decode thread's own CPU
-  per image (``time.thread_time`` in that thread), the Python of the device path around the
-  decode and resize calls, which runs alike on a GPU.
-- ``epochs``: the same loader (workers) on short epochs (``--short`` batches) back to back
-  against one long epoch: the bubble at each epoch boundary.
-- ``train``: ``bench_train.train`` (ResNet-18/50, bf16, channels_last) for each decode_on.
-
-torchvision is imported first (``--no-torchvision`` to skip), as every training script that
-takes its models from it does: it brings its own older nvJPEG, which decides nvImageCodec's
-answers. The data (``--imagenet``) is made on the machine when missing.
+Sections (``--sections``; each timed, its errors recorded, never fatal): ``tests`` (the CUDA
+tests), ``cpu`` (the CPUs and one process's RRC-224 decode on one thread: the unit of worker
+efficiency), ``probe`` (nvImageCodec alone per option set and backend list), ``pipeline``
+(``DeviceDecoder`` and ``resize_batch`` without a loader, against the CPU path), ``loader``
+(ShardLoader per ``decode_on``, no model), ``cpu_backend``, ``stub`` (alone: ``--stub``, no GPU:
+the decode thread's own Python with the decode and resize stubbed) and ``train``
+(``bench_train.train``). torchvision is imported first (``--no-torchvision`` to skip), as
+training scripts do: its older nvJPEG decides nvImageCodec's answers. Figures: docs/loader.md.
 
     python benchmarks/bench_device.py --json $OUT/device.json
-    python benchmarks/bench_device.py --sections probe,pipeline --samples 20000
     python benchmarks/bench_device.py --stub --samples 5000 --workers 1   # any machine
 """
 
@@ -38,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +32,7 @@ import harness
 
 ROOT = harness.ROOT
 
-SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "stub", "epochs", "train")
+SECTIONS = ("tests", "cpu", "probe", "pipeline", "loader", "cpu_backend", "stub", "train")
 
 
 def _early_torchvision(argv: list[str]) -> bool:
@@ -69,9 +50,9 @@ TORCHVISION = _early_torchvision(sys.argv)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_loader import RRC  # noqa: E402
-from bench_train import MEAN_STD  # noqa: E402
+from bench_train import trainer_loader  # noqa: E402
 
-from shardkit import Decode, Order, RandomResizedCrop, ShardDataset, ShardLoader  # noqa: E402
+from shardkit import Decode, Order, RandomResizedCrop, ShardDataset  # noqa: E402
 from shardkit.images import device as dev  # noqa: E402
 from shardkit.images.geometry import CropBox  # noqa: E402
 
@@ -287,23 +268,9 @@ def pipeline(args) -> dict:
     return out
 
 
-def _urls(args, samples: int | None = None) -> list[str]:
+def _urls(args) -> list[str]:
     dest = args.imagenet.with_name(args.imagenet.name + "-replicated")
-    return makers.replicated(args.shards, samples or args.samples, dest)[0]
-
-
-def _loader(urls, decode_on: str, workers: int, batch: int, device="cuda"):
-    ds = ShardDataset(urls, **GEO)
-    return ds, ShardLoader(
-        ds,
-        batch,
-        num_workers=workers,
-        device=device,
-        drop_last=True,
-        normalize=MEAN_STD,
-        channels_last=True,
-        decode_on=decode_on,
-    )
+    return makers.replicated(args.shards, args.samples, dest)[0]
 
 
 def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
@@ -332,24 +299,11 @@ def _drain(ld, warmup: int, steps: int, batch: int) -> dict:
 
 def cpu_facts() -> dict:
     """Model, logical CPUs usable, and physical cores (distinct (package, core) pairs)."""
-    facts: dict = {"usable": harness.cores(), "model": None, "physical_cores": None}
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return facts
-    cores, pkg, model = set(), None, None
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name, value = name.strip(), value.strip()
-        if name == "model name":
-            model = model or value
-        elif name == "physical id":
-            pkg = value
-        elif name == "core id":
-            cores.add((pkg, value))
-    facts["model"] = model
-    facts["physical_cores"] = len(cores) or None
-    return facts
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    cores = set(re.findall(r"physical id\s*:\s*(\d+)[\s\S]*?core id\s*:\s*(\d+)", text))
+    return {"usable": harness.cores(), "model": model and model.group(1),
+            "physical_cores": len(cores) or None}  # fmt: skip
 
 
 def cpu(args) -> dict:
@@ -376,7 +330,7 @@ def loader(args) -> dict:
     out: dict = {"num_workers": n}  # not "workers": that is decode_on="workers"'s row
     for mode in [*args.decode_on, "device-nothread"]:
         epoch_mod.DECODE_THREADS = 1 if mode != "device-nothread" else 0
-        ds, ld = _loader(urls, mode.split("-")[0], n, args.batch)
+        ds, ld = trainer_loader(urls, mode.split("-")[0], n, args.batch)
         try:
             out[mode] = row = _drain(ld, args.warmup, args.steps, args.batch)
         finally:
@@ -394,7 +348,7 @@ def loader(args) -> dict:
 def cpu_backend(args) -> dict:
     """decode_on="device" on nvImageCodec's CPU backend (no GPU): the training thread's CPU."""
     n = args.workers or max(1, harness.cores() - 1)
-    ds, ld = _loader(_urls(args), "device", n, args.batch, device=None)
+    ds, ld = trainer_loader(_urls(args), "device", n, args.batch, None)
     try:
         row = _drain(ld, 2, 6, args.batch)
     finally:
@@ -454,16 +408,9 @@ def stub(args) -> dict:
         device_feed.DeviceFeed._stage_encoded, real_resize = staged, device_feed.resize_batch
         device_feed.resize_batch = resize
         try:
-            ds = ShardDataset(urls, decode=Decode(crop=RandomResizedCrop(size), flip=True))
-            ld = ShardLoader(
-                ds,
-                args.batch,
-                num_workers=n,
-                drop_last=True,
-                normalize=MEAN_STD,
-                channels_last=True,
-                decode_on="device",
-                _decoder_factory=factory,
+            decode = Decode(crop=RandomResizedCrop(size), flip=True)
+            _, ld = trainer_loader(
+                urls, "device", n, args.batch, None, decode, _decoder_factory=factory
             )
             try:
                 it = iter(ld)
@@ -504,28 +451,6 @@ def _drain_more(it, steps: int, batch: int) -> dict:
     }
 
 
-def epochs(args) -> dict:
-    """Short epochs back to back against one long one, the same loader settings."""
-    n = args.workers or max(1, harness.cores() - 1)
-    short_urls = [str(p) for p in sorted(args.shards.glob("*.tar"))]
-    long_urls = _urls(args, args.epoch_samples)
-    out: dict = {"workers": n}
-    for name, urls, count in (("long", long_urls, 1), ("short", short_urls, args.short_epochs)):
-        ds, ld = _loader(urls, "workers", n, args.batch)
-        next(iter(ld))  # workers started
-        images, t = 0, time.perf_counter()
-        for e in range(count):
-            ld.set_epoch(e + 1)
-            for x, _ in ld:
-                images += x.shape[0]
-        torch.cuda.synchronize()
-        out[name] = {"images_per_s": images / (time.perf_counter() - t), "images": images}
-        ld.close()
-    out["short_of_long"] = out["short"]["images_per_s"] / out["long"]["images_per_s"]
-    print(f"  epochs: {out}", flush=True)
-    return out
-
-
 def train(args) -> dict:
     import bench_train
 
@@ -542,83 +467,34 @@ def train(args) -> dict:
     return bench_train.train(ns)
 
 
-def _num(v: dict, key: str, fmt: str = ".0f") -> str:
-    x = v.get(key)
-    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+#: The summary's columns: every section's rows that carry one of them.
+COLUMNS = ("images_per_s:.0f", "thread_cpu_us_per_image:.1f", "trainer_thread_cpu_us_per_image:.1f",
+           "process_cpu_us_per_image:.0f", "pad_and_resize_ms_per_batch:.2f",
+           "decode_thread_cpu_us_per_image:.1f", "device_path_python_us_per_image:.1f",
+           "median:.2f", "of_gpu_speed:.3f", "wait_share:.3f")  # fmt: skip
 
 
-def _summary_decode(r: dict) -> None:
-    for k, v in (r.get("probe") or {}).items():
-        if isinstance(v, dict) and "images_per_s" in v:
-            print(
-                f"probe {k:40s} {v['decoded']:3d}/{v['of']} {_num(v, 'images_per_s'):>6}/s "
-                f"cpu {_num(v, 'thread_cpu_us_per_image', '.1f')} us"
-            )
-    for up in ("fancy", "fast"):
-        row = (r.get("pipeline") or {}).get(up)
-        if row:
-            f16, f32 = row.get("float16", {}), row.get("float32", {})
-            print(
-                f"pipeline {up}: {row.get('options')!r} memcpy2d={row.get('memcpy2d')} "
-                f"{_num(f16, 'images_per_s')}/s cpu {_num(f16, 'thread_cpu_us_per_image', '.1f')}"
-                f" us resize {_num(f16, 'pad_and_resize_ms_per_batch', '.2f')} ms "
-                f"(GPU {_num(f16, 'pad_and_resize_gpu_ms_per_batch', '.2f')} ms, "
-                f"host {_num(f16, 'resize_thread_cpu_us_per_image', '.1f')} us/img) "
-                f"(f32 {_num(f32, 'pad_and_resize_ms_per_batch', '.2f')}) "
-                f"diff {row.get('mean_diff_from_cpu_path')}"
-            )
-
-
-def _summary_feed(r: dict) -> None:
-    rows = dict((r.get("loader") or {}).items())
-    rows["cpu-backend"] = r.get("cpu_backend") or {}
-    for k, v in rows.items():
-        if isinstance(v, dict) and "images_per_s" in v:
-            print(
-                f"loader {k:16s} {_num(v, 'images_per_s')}/s thread "
-                f"{_num(v, 'trainer_thread_cpu_us_per_image', '.1f')} us, process "
-                f"{_num(v, 'process_cpu_us_per_image')} us {v.get('feed_counts')} "
-                f"share {v.get('share_to_workers')}"
-            )
-    c, w = r.get("cpu") or {}, (r.get("loader") or {}).get("num_workers")
-    one = c.get("one_process_rrc_images_per_s")
-    mode = (r.get("loader") or {}).get("workers")
-    if one and isinstance(w, int) and isinstance(mode, dict) and "images_per_s" in mode:
-        print(
-            f"cpu {c.get('model')}: {c.get('usable')} usable, {c.get('physical_cores')} cores; "
-            f"one process {one:.0f}/s; worker efficiency "
-            f"{mode['images_per_s'] / (w * one):.2f} ({w} workers)"
-        )
-    e = r.get("epochs") or {}
-    if "short_of_long" in e:
-        print(f"epochs short/long {e['short_of_long']:.3f} {e['short']} {e['long']}")
-    for model, feeders in (r.get("train") or {}).items():
-        for feeder, v in feeders.items() if isinstance(feeders, dict) else ():
-            if isinstance(v, dict) and "images_per_s" in v:
-                print(
-                    f"train {model} {feeder:20s} {_num(v, 'images_per_s')}/s of gpu "
-                    f"{_num(v, 'of_gpu_speed', '.3f')} wait {_num(v, 'wait_share', '.3f')} "
-                    f"{v.get('feed', '')}"
-                )
+def _rows(x, name: str):
+    """(name, row) of every dict within ``x`` that has one of the summary's columns."""
+    if not isinstance(x, dict):
+        return
+    if any(c.split(":")[0] in x for c in COLUMNS):
+        yield name, x
+    for k, v in x.items():
+        yield from _rows(v, f"{name} {k}")
 
 
 def summary(r: dict) -> None:
     """The figures that matter, last in the output (a lent machine's reply carries its end)."""
     print("\n== summary", r.get("gpu"), r.get("cpus"), "cpus,", r.get("versions"))
     print("tests:", (r.get("tests") or {}).get("tail", ["-"])[-1:])
-    _summary_decode(r)
-    _summary_feed(r)
-    for size, st in (r.get("stub") or {}).items():
-        if not isinstance(st, dict) or "decode_thread_cpu_us_per_image" not in st:
-            continue
-        print(
-            f"stub {size}: decode thread "
-            f"{_num(st, 'decode_thread_cpu_us_per_image', '.1f')} us/img, "
-            f"device path's Python {_num(st, 'device_path_python_us_per_image', '.1f')} us/img "
-            f"(decode stub {_num(st, 'in_decode_stub_us_per_image', '.1f')}, resize stub "
-            f"{_num(st, 'in_resize_stub_us_per_image', '.1f')}), trainer thread "
-            f"{_num(st, 'trainer_thread_cpu_us_per_image', '.1f')} us/img"
-        )
+    c = r.get("cpu") or {}
+    if "model" in c:
+        print(f"cpu {c['model']}: {c['usable']} usable, {c['physical_cores']} cores; one process "
+              f"RRC-224 {c['one_process_rrc_images_per_s']:.0f} images/s (worker efficiency: "
+              "the loader workers' images/s over workers x this)")  # fmt: skip
+    rows = {n: v for s in SECTIONS[2:] for n, v in _rows(r.get(s), s)}
+    harness.table(rows, COLUMNS)
     for name in SECTIONS:
         if isinstance(r.get(name), dict) and "error" in r[name]:
             print(f"{name} ERROR: {r[name]['error'][-400:]}")
@@ -634,8 +510,6 @@ def summary(r: dict) -> None:
         "batch": 16,
         "warmup": 1,
         "steps": 3,
-        "short_epochs": 2,
-        "epoch_samples": 200,
         "train_steps": 3,
         "models": "resnet18",
         "sections": "cpu,probe,pipeline,loader",
@@ -655,8 +529,6 @@ class Device(harness.Bench):
     batch: int = 256
     warmup: int = 10
     steps: int = harness.arg(60, "loader: timed batches")
-    short_epochs: int = 8
-    epoch_samples: int = harness.arg(20_000, "epochs: the long one")
     workers: int | None = None
     models: str = "resnet18,resnet50"
     train_steps: int = 100

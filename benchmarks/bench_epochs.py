@@ -1,24 +1,11 @@
 #!/usr/bin/env python3
-"""Short epochs against long ones: what epoch boundaries cost ShardLoader, with and without its
-workers filling the next epoch ahead.
-
-ShardLoader alone (no model), LFW-shaped full decode (250x250) to uint8 batches of ``--batch``
-on ``--workers`` workers: short epochs of ``--short`` batches against long epochs of ``--long``
-batches, many epochs back to back (``set_epoch`` each), with filling ahead (the default) and
-without (``loader.overlap_epochs = False``). The four sides are interleaved round by round (a
-fresh loader per side and round, whose first epoch starts the workers and is not timed), so a
-busy machine moves every side alike; each side runs about the same number of batches per round.
-Reported per side: images/s over all its epochs, boundaries included (median over rounds), and
-the mean wait for an epoch's first batch; per mode, short / long (the goal with filling ahead, on
-2 cores: >= 0.95); and the load average before and after every round (``harness.loadavg``): on a
-shared machine, read the figures with it.
+"""Short epochs against long ones: what epoch boundaries cost ShardLoader (LFW-shaped full
+decode), with its workers filling the next epoch ahead (the default) and without, many epochs
+back to back, a fresh loader per side and round, interleaved: images/s boundaries included, the
+mean wait for an epoch's first batch, and short / long per mode (goal >= 0.95 with filling
+ahead on 2 cores). Figures: docs/loader.md.
 
     python benchmarks/bench_epochs.py --lfw /tmp/bl/lfw --rounds 5
-    python benchmarks/bench_epochs.py --lfw /tmp/bl/lfw --lfw-scale 0.3 --long 12 --rounds 1
-
-Data: the first ``short x batch`` and ``long x batch`` images of the ``--lfw`` tree (made with
-shardkit synth at ``--lfw-scale`` when missing), linked into two trees beside it and packed to
-tar shards once.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 #!/usr/bin/env python3
-"""Where the feed goes under training, on the CPUs at hand: ShardLoader beside a stand-in for the
-training step, in the training process.
-
-Contenders, interleaved round by round on the same LFW-shaped shards (full decode to uint8
-batches of ``--batch``, ``--workers`` workers, long epochs):
-
-- ``alone``: the loader with nothing else in the loop (its own rate, L);
-- ``gpu-like step``: each step sleeps ``T`` (the training thread idle while a GPU works, as in
-  a CUDA step after its kernels are queued), T = one batch at L: the rate to expect is L, and
-  what is lost is the overlap the loader fails to give;
-- ``cpu step, N threads``: each step multiplies float32 matrices on the CPU for about T of one
-  core (a model on the CPU, or a trainer's own CPU work), with torch's intra-op pool at 1 thread
-  and at the cores' count: the step then competes with the workers for the cores, and a pool of
-  spinning threads competes with itself.
-
-Reported per contender: images/s (median over rounds), the ratio to what the step alone allows
-(L for the sleep; for the busy step, the rate of the step and the loader taking turns,
-``1 / (1/L + 1/S)`` with S the step's own rate: above 1, they overlapped), the
-training thread's CPU per image inside the loader (``ShardLoader.feed_counts``), and the load
-average. On a GPU node ``bench_device.py`` measures the same under a real model.
+"""Where the feed goes under training, on the CPUs at hand: ShardLoader (LFW-shaped, full
+decode) alone, beside a GPU-like step (a sleep of one batch at the loader's own rate L) and
+beside a CPU step (float32 matmuls for about that long, torch's pool at 1 thread and at the
+cores' count), interleaved; per contender images/s, the ratio to what the step alone allows
+(L, or ``1 / (1/L + 1/S)`` for the busy step: above 1 they overlapped), the training thread's
+CPU per image (``feed_counts``). Figures: docs/loader.md ("Where the feed goes under
+training"); ``bench_device.py`` measures the same under a real model on a GPU.
 
     python benchmarks/bench_feed.py --lfw /tmp/bl/lfw --rounds 3
 """
@@ -153,10 +140,10 @@ def main(args: Feed) -> None:
         what = "of step and loader in turn" if name.startswith("cpu") else "of the loader alone"
         out[name] = {"images_per_s": rate, "ratio": rate / bound, "ratio_of": what}
         out[name]["trainer_cpu_us_per_image"] = cpu
-        print(
-            f"{name:22s} {rate:7.0f} img/s  {rate / bound:.3f} {what}, "
-            f"trainer CPU {cpu:.1f} us/image"
-        )
+    rows = {k: v for k, v in out.items() if isinstance(v, dict)}
+    harness.table(
+        rows, ["images_per_s:.0f", "ratio:.3f", "ratio_of", "trainer_cpu_us_per_image:.1f"]
+    )
     harness.write_result(args.json, "bench_feed", args, out, rounds)
     print(f"wrote {args.json}")
 

@@ -1,56 +1,13 @@
 #!/usr/bin/env python3
-"""ShardLoader against DataLoader(ShardDataset), DataLoader(FolderDataset), webdataset and the
-libjpeg-turbo decode ceiling, on the cores of this machine (bench_train.py: across core counts).
-
-One interleaved run on the same images (repeat-major: every contender once, then again), so a
-busy machine moves every side; figures are medians of per-repeat ratios to the ceiling measured
-in the same repeat. Two workloads:
-
-(a) LFW-shaped full decode to uint8 [64, 3, 250, 250], 2 workers. Goal: ShardLoader
-    >= 85% of the 2-core ceiling.
-(b) ImageNet-shaped (~500x375) random-resized-crop 224 + flip, 2 workers. Goal:
-    ShardLoader >= 90% of the 2-core FULL-decode ceiling (cropping must cost less than merely
-    decoding whole images).
-
-The ceiling is one process decoding the same JPEG bytes from memory with simplejpeg, times
-min(2, cores) (the issue's definition). Beside it, "2 processes at once": what the cores really
-give right now on a shared machine, and CPU microseconds per image of each contender (workers
-included) against the decoder's own: wall-clock ratios swing with other processes' load, CPU
-per image barely does; for ShardLoader also the training process's own CPU per image against
-one decode's (its workers are other processes). Also: first-batch time, and resident memory of
-every process (main and workers, both loaders) after each of ``--epochs`` epochs. Images/s
-figures exclude the first batch (workers starting, the ring's prefill), so an epoch must be many
-batches long: hence ImageNet's ``--imagenet-per-class``.
-
-Per-worker efficiency, for (a) and (b) in both layouts: a worker's own loop (``Filler.run`` over
-a whole epoch, in this process, into a ring of 4 slots) against a bare loop making the same
-decoder calls into one batch buffer (whole images: one ``into_batch`` per batch; crops: one call
-per image), on the same records' bytes
-already in memory; and the records alone (reading and ordering, no decode). Process CPU per
-image, so what it shows is the loop's own cost, not the machine's load: efficiency is bare /
-fill, and fill - bare - records is the fill loop's own per-image Python. With ``--ffcv`` every
-contender's line also gives its images/s as a share of FFCV's (median of per-repeat ratios).
+"""ShardLoader against DataLoader(ShardDataset), DataLoader(FolderDataset), webdataset and
+the libjpeg-turbo decode ceiling, on the cores of this machine (bench_train.py: across core
+counts); (a) LFW-shaped full decode, (b) ImageNet-shaped random-resized crop 224 + flip, batch
+64, 2 workers, interleaved with the ceiling first in every round; per-worker efficiency (a
+worker's fill loop against a bare decoder loop on the same bytes) and memory over ``--epochs``.
+Method, goals, the FFCV venv (``--ffcv``, ``--ffcv-bytes``) and figures: docs/loader.md
+("Measured on 2 cores, FFCV beside").
 
     python benchmarks/bench_loader.py --lfw data/lfw --imagenet data/imagenet --repeats 3
-    python benchmarks/bench_loader.py --json bench-out/bench_loader.json --only a
-
-Optional, never in ``make test``: ``--ffcv`` adds FFCV's ``Loader`` (2 threads, random order,
-``os_cache``) to (a) and (b). FFCV is not a dependency; it builds with Debian's ``pkg-config
-libturbojpeg0-dev libopencv-dev`` and needs numba, so use a separate venv with the same torch:
-
-    python3 -m venv /tmp/ffcv-venv && /tmp/ffcv-venv/bin/pip install -c constraints.txt \
-        torch==2.13.0 numpy simplejpeg lmdb click tqdm braceexpand fsspec pillow webdataset ffcv
-    PYTHONPATH=. /tmp/ffcv-venv/bin/python benchmarks/bench_loader.py --ffcv --only a --only b
-
-Its ``.beton`` is written beside each tree from the same images; FFCV re-encodes them (quality 85
-for LFW, 93 for ImageNet, the middle of the synthetic sets' ranges), so its bytes differ: the
-mean bytes per image of both are printed. Its numba compile is excluded (one warm-up epoch when
-it is built); its decoders are FFCV's own (libjpeg-turbo; RandomResizedCrop decodes the whole
-image, then crops).
-
-Data: ``--lfw`` / ``--imagenet`` image trees (made with shardkit synth when missing: LFW at
-``--lfw-scale``, ImageNet with 20 classes x ``--imagenet-per-class`` images), packed to tar
-shards beside them; an existing tree is used as it is.
 """
 
 from __future__ import annotations
@@ -59,7 +16,6 @@ import gc
 import glob
 import itertools
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import replace
@@ -71,6 +27,7 @@ import harness
 
 ROOT = harness.ROOT
 
+import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -253,32 +210,6 @@ def add_ffcv(contenders: dict, src: Path, shards: Path, ffcv, crop: bool) -> str
     return text
 
 
-#: Another ShardLoader class to run beside ours (``--thread-loader``), e.g. the thread-based one
-#: this package had before its worker processes.
-OTHER_LOADER = None
-
-
-def load_other_loader(path: Path) -> None:
-    """``--thread-loader PATH``: a module file or a package folder defining a ``ShardLoader``
-    with our signature, e.g. the thread-based one (``git show 48bdb22:shardkit/loader.py | sed
-    's/^from \\./from shardkit./' > FILE``) or the previous commit's ``shardkit/loader/``
-    package (``git archive REV shardkit/loader | tar -x -C DIR``, then in DIR/shardkit/loader
-    ``sed -i 's/^from \\.\\./from shardkit./' *.py``), beside ours on our ``ShardDataset``."""
-    import importlib.util
-
-    global OTHER_LOADER
-    package = path.is_dir()
-    spec = importlib.util.spec_from_file_location(
-        "other_loader",
-        path / "__init__.py" if package else path,
-        submodule_search_locations=[str(path)] if package else None,
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["other_loader"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    OTHER_LOADER = module.ShardLoader
-
-
 def _shard_loader(shards: Path, decode, channels_last: bool, loader=ShardLoader):
     def build():
         ds = ShardDataset(str(shards), decode=decode)
@@ -295,12 +226,24 @@ def _dl_shard(shards: Path, decode):
     return _once(build)
 
 
-def _with_other(contenders: dict, name: str, shards: Path, decode, channels_last: bool) -> None:
-    if OTHER_LOADER is not None:
-        contenders[name] = _shard_loader(shards, decode, channels_last, OTHER_LOADER)
+class ConstantImages(torch.utils.data.IterableDataset):
+    """``n`` copies of one uint8 CHW tensor, split across workers: DataLoader transport alone."""
+
+    def __init__(self, n: int, shape: tuple[int, int, int]):
+        self.n, self.shape = n, shape
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, k = (info.id, info.num_workers) if info else (0, 1)
+        img = torch.zeros(self.shape, dtype=torch.uint8)
+        for _ in range(w * self.n // k, (w + 1) * self.n // k):
+            yield img, 0
 
 
-def contenders_a(src: Path, shards: Path) -> dict:
+def contenders_a(src: Path, shards: Path, datas: list[bytes]) -> dict:
+    h, w = simplejpeg.decode_jpeg_header(datas[0])[:2]
+    transport = ConstantImages(len(datas), (3, h, w))
+
     def dl_folder(epoch):
         g = torch.Generator().manual_seed(epoch)
         ds = FolderDataset(str(src), decode="tensor")
@@ -316,9 +259,11 @@ def contenders_a(src: Path, shards: Path) -> dict:
         "DataLoader(ShardDataset)": _dl_shard(shards, "tensor"),
         "DataLoader(FolderDataset)": dl_folder,
         "webdataset + DataLoader": lambda e: webdataset_loader(shards, e),
+        # the same loader over constant tensors: what moving batches through shared memory costs
+        "DataLoader transport only": lambda e: DataLoader(
+            transport, batch_size=BATCH, num_workers=WORKERS
+        ),
     }
-    _with_other(out, "thread ShardLoader", shards, "tensor", False)
-    _with_other(out, "thread ShardLoader channels_last", shards, "tensor", True)
     return out
 
 
@@ -335,7 +280,6 @@ def contenders_b(shards: Path) -> dict:
         ),
         "DataLoader(ShardDataset RRC224+flip)": _dl_shard(shards, RRC),
     }
-    _with_other(out, "thread ShardLoader RRC224+flip", shards, RRC, False)
     return out
 
 
@@ -522,38 +466,29 @@ def measure(
 
 
 def memory(shards: Path, epochs: int) -> dict:
-    """RSS after each epoch of every process: ShardLoader (main + its persistent workers) and
-    DataLoader with persistent workers (main + each worker)."""
-    ds = ShardDataset(str(shards), decode="tensor")
-    loader = ShardLoader(ds, BATCH, num_workers=WORKERS)
-    ours, ours_workers = [], []
-    for e in range(epochs):
-        loader.set_epoch(e)
-        for _ in loader:
-            pass
-        ours.append(rss_mb())
-        ours_workers.append([rss_mb(p) for p in loader.worker_pids])
-    ring = repr(loader.ring)
-    loader.close()
-    ds2 = ShardDataset(str(shards), decode="tensor")
-    dl = DataLoader(ds2, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
-    main, workers = [], []
-    for e in range(epochs):
-        ds2.set_epoch(e)
-        it = iter(dl)
-        for _ in it:
-            pass
-        main.append(rss_mb())
-        pids = [w.pid for w in getattr(it, "_workers", [])]
-        workers.append([rss_mb(p) for p in pids])
-    del dl
-    return {
-        "shardloader_rss_mb": ours,
-        "shardloader_workers_rss_mb": ours_workers,
-        "ring": ring,
-        "dataloader_main_rss_mb": main,
-        "workers_rss_mb": workers,
-    }
+    """RSS after each epoch of every process (MB): ShardLoader's main process and its persistent
+    workers, and DataLoader's with persistent workers."""
+    out: dict = {}
+    for name in ("shardloader", "dataloader"):
+        ds = ShardDataset(str(shards), decode="tensor")
+        if name == "shardloader":
+            loader = ShardLoader(ds, BATCH, num_workers=WORKERS)
+        else:
+            loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True)
+        main, workers = out[f"{name}_rss_mb"], out[f"{name}_workers_rss_mb"] = [], []
+        for e in range(epochs):
+            ds.set_epoch(e)
+            it = iter(loader)
+            for _ in it:
+                pass
+            main.append(rss_mb())
+            pids = getattr(loader, "worker_pids", [w.pid for w in getattr(it, "_workers", [])])
+            workers.append([rss_mb(p) for p in pids])
+        if name == "shardloader":
+            out["ring"] = repr(loader.ring)
+            loader.close()
+        del it, loader
+    return out
 
 
 def chosen(contenders: dict, names: str | None) -> dict:
@@ -566,34 +501,15 @@ def chosen(contenders: dict, names: str | None) -> dict:
 
 def report(part: str, m: dict, text: str, repeats: int) -> None:
     """The summary of workload ``part`` (``measure``'s medians)."""
-    print(f"\n({part}) medians over {repeats} repeats, load {m['load_1min']}")
-    print(f"  {text}")
-    print(
-        f"  ceiling 1 process x2: {statistics.median(m['ceiling_one_x2']):.0f}"
-        f" img/s; 2 processes at once: "
-        f"{statistics.median(m['ceiling_two_processes']):.0f} img/s; "
-        f"fast IDCT (FFCV's) 1 process x2: "
-        f"{statistics.median(m['ceiling_fastdct_one_x2']):.0f} img/s"
-    )
-    for cname, c in m["contenders"].items():
-        print(
-            f"  {cname:40s} {c['median_images_per_s']:7.0f} img/s  "
-            f"{c['median_ratio_to_ceiling']:5.2f} of ceiling  "
-            f"{c['median_ratio_to_two_processes']:5.2f} of 2 processes  "
-            f"first batch {c['median_first_batch_s']:.2f} s  "
-            f"CPU {c['median_cpu_us_per_image']:.0f} us/image = "
-            f"{c['median_cpu_efficiency']:.2f} of decode-only CPU, training process "
-            f"{c['median_main_cpu_share']:.2f} of one decode's CPU"
-            + (f"  {c['median_ratio_to_ffcv']:.2f} of FFCV" if "median_ratio_to_ffcv" in c else "")
-        )
-    for layout, e in m.get("worker_efficiency", {}).items():
-        print(
-            "  per-worker efficiency (one process, CPU per image): "
-            f"bare {e['median_bare_us_per_image']:.1f} us, "
-            f"records {e['median_records_us_per_image']:.1f} us, "
-            f"fill {e['median_fill_us_per_image']:.1f} us "
-            f"-> {e['median_efficiency']:.3f} {layout}"
-        )
+    print(f"\n({part}) medians over {repeats} repeats, load {m['load_1min']}; {text}")
+    ceil = {k: {"median_images_per_s": statistics.median(m[k])} for k in m if k[:8] == "ceiling_"}
+    cols = ["images_per_s:.0f", "ratio_to_ceiling:.2f", "ratio_to_two_processes:.2f",
+            "first_batch_s:.2f", "cpu_us_per_image:.0f", "cpu_efficiency:.2f",
+            "main_cpu_share:.2f", "ratio_to_ffcv:.2f"]  # fmt: skip
+    harness.table({**ceil, **m["contenders"]}, [f"median_{c}" for c in cols])
+    cols = ["bare_us_per_image:.1f", "records_us_per_image:.1f", "fill_us_per_image:.1f",
+            "efficiency:.3f"]  # fmt: skip
+    harness.table(m.get("worker_efficiency", {}), [f"median_{c}" for c in cols])
 
 
 @harness.case(
@@ -620,7 +536,6 @@ class Loader(harness.Bench):
     epochs: int = harness.arg(10, "epochs of the memory check")
     only: tuple[Literal["a", "b", "memory"], ...] = harness.arg((), "run only these parts")
     ffcv: bool = harness.arg(False, "add FFCV's Loader (needs ffcv)")
-    thread_loader: Path | None = harness.arg(None, "a module file with another ShardLoader")
     ffcv_bytes: bool = harness.arg(
         False, "(a) on LFW re-encoded as FFCV's writer does (needs ffcv): the same bytes for all"
     )
@@ -632,8 +547,6 @@ class Loader(harness.Bench):
 
 
 def main(args: Loader) -> None:
-    if args.thread_loader:
-        load_other_loader(args.thread_loader)
     only = set(args.only or ["a", "b", "memory"])
     torch.set_num_threads(1)  # the caller's thread only consumes; decoding runs elsewhere
     warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
@@ -647,7 +560,7 @@ def main(args: Loader) -> None:
     if "a" in only:
         print(f"(a) LFW-shaped full decode, {args.lfw}", flush=True)
         datas = data.jpeg_bytes(args.lfw)  # the folder contender's files cached too
-        contenders = contenders_a(args.lfw, lfw_shards)
+        contenders = contenders_a(args.lfw, lfw_shards, datas)
         ffcv = (85, "FFCV Loader") if args.ffcv else None
         out["a_bytes"] = add_ffcv(contenders, args.lfw, lfw_shards, ffcv, crop=False)
         contenders = harness.smoke_drop(chosen(contenders, args.contenders), args, "webdataset")
@@ -670,15 +583,8 @@ def main(args: Loader) -> None:
     if "memory" in only:
         print(f"memory over {args.epochs} epochs ...", flush=True)
         out["memory"] = memory(lfw_shards, args.epochs)
-        m = out["memory"]
-        print("  ShardLoader RSS MB per epoch:", [round(x) for x in m["shardloader_rss_mb"]])
-        print(
-            "  ShardLoader workers:",
-            [[round(x) for x in w] for w in m["shardloader_workers_rss_mb"]],
-        )
-        print("  ", m["ring"])
-        print("  DataLoader main RSS MB:", [round(x) for x in m["dataloader_main_rss_mb"]])
-        print("  DataLoader workers RSS MB:", [[round(x) for x in w] for w in m["workers_rss_mb"]])
+        for k, v in out["memory"].items():  # MB per epoch: the main process, each worker
+            print(f"  {k}:", v if k == "ring" else torch.tensor(v).round().int().tolist())
     for part in ("a", "b"):
         if part in out:
             report(part, out[part], out[part + "_bytes"], args.rounds)

@@ -1,21 +1,10 @@
 #!/usr/bin/env python3
-"""What choosing what to read costs: a mixture against one source, random access against files.
-
-(a) A 2-source mixture through ShardLoader against one source of the same bytes: the LFW-shaped
-    set packed whole (one source) and split by class into two packs mixed with weights equal to
-    their sizes and ``epoch_size`` = all images, so both read every image once per epoch, from
-    the same number of bytes. Goal: the mixture costs <= 5% images/s.
-(b) Random access: ``DataLoader(ShardView(tar))`` against ``DataLoader(FolderDataset(folder))``,
-    the same images, the same seeded ``RandomSampler``, batch size and workers; warm page cache
-    (every file read once before) and cold (each file's pages evicted with posix_fadvise before
-    every run, no root needed). Goal: the view >= the folder rate when warm.
-
-One interleaved run (repeat-major: every contender once, then again), so a busy machine moves
-every side alike; the figures are medians over repeats, and the ratio is the median of per-repeat
-ratios. The load average before and after is printed with the table.
+"""What choosing what to read costs: (a) a 2-source mixture through ShardLoader against one
+source of the same bytes (goal: <= 5% images/s); (b) ``DataLoader(ShardView(tar))`` against
+``DataLoader(FolderDataset)`` on the same seeded random order, warm and cold page cache (goal:
+the view >= the folder warm). Interleaved rounds, medians, per-round ratios.
 
     python benchmarks/bench_mix.py --lfw data/lfw --repeats 5
-    python benchmarks/bench_mix.py --lfw /tmp/lfw --lfw-scale 0.15 --json bench-out/bench_mix.json
 """
 
 from __future__ import annotations
@@ -172,33 +161,21 @@ def main(args: Mix) -> None:
 
 
 def _print(result: dict) -> None:
-    def row(name, rates):
-        med = statistics.median(rates)
-        return f"{name:<28} {med:>10,.0f}   (min {min(rates):,.0f}, max {max(rates):,.0f})"
-
-    print(f"{result['workers']} workers, batch {result['batch']}, {result['cpus']} CPUs")
-    if "mixture" in result:
-        m = result["mixture"]
-        print("\n(a) ShardLoader, full decode; images/s (median of repeats)")
-        for name, rates in m["rates"].items():
-            cpu = statistics.median(m["cpu_us"][name])
-            print(row(f"{name} ({m['samples'][name]} img)", rates) + f"  {cpu:,.0f} CPU us/img")
-        print(
-            f"mixture / one source: {m['ratio']:.3f} images/s, {m['cpu_ratio']:.3f} CPU per image"
-        )
-    if "random_access" in result:
-        print("\n(b) DataLoader + RandomSampler, full decode; images/s (median of repeats)")
-        for cache, r in result["random_access"].items():
-            for name, rates in r["rates"].items():
-                label = "ShardView(tar)" if name == "view" else "FolderDataset"
-                cpu = statistics.median(r["cpu_us"][name])
-                print(row(f"{cache}: {label}", rates) + f"  {cpu:,.0f} CPU us/img")
-            print(
-                f"{cache}: view / folder: {r['ratio']:.3f} images/s, "
-                f"{r['cpu_ratio']:.3f} CPU per image"
-            )
+    """Images/s and CPU us per image (medians of the rounds), the ratios (medians of per-round
+    ratios): (a) the mixture over one source, (b) the view over the folder, warm and cold."""
+    parts = {"(a) ShardLoader": result.get("mixture")}
+    parts.update({f"(b) {k}": v for k, v in result.get("random_access", {}).items()})
+    rows = {}
+    for part, f in parts.items():
+        for name, rates in (f or {}).get("rates", {}).items():
+            cpu = statistics.median(f["cpu_us"][name])
+            rows[f"{part} {name}"] = {"images/s": statistics.median(rates), "CPU us/img": cpu}
+        if f:
+            rows[f"{part} ratio"] = {"images/s": f["ratio"], "CPU us/img": f["cpu_ratio"]}
+    harness.table(rows, ["images/s:,.3f", "CPU us/img:,.3f"])
     la = {k: harness.load_text(v) for k, v in result["loadavg"].items()}
-    print(f"\nload average before: {la['before']}, after: {la['after']}")
+    print(f"{result['workers']} workers, batch {result['batch']}", end="; ")
+    print(f"load average before {la['before']}, after {la['after']}")
 
 
 if __name__ == "__main__":

@@ -1,52 +1,14 @@
 #!/usr/bin/env python3
 """What opening a many-shard dataset costs each process: CPU seconds and memory.
 
-Every DataLoader worker (and every rank) parses the manifest and builds the shard list, so this
-is paid per process. ``data.many_shards`` makes one real tar shard of ``--samples`` tiny samples
-(with its ``.idx``) and hard-links it ``--shards`` times under a manifest listing every link (no
-disk beyond one shard); each contender then opens it in a fresh child process
-(``harness.in_child``) and measures ``ShardDataset(DIR, decode="raw")`` and ``len()``: CPU
-seconds (user + system, so load does not move them) and peak memory over the imports.
-Contenders, interleaved round by round (each goes first in turn, each round's load recorded):
-
-- ``current``: the pack as this checkout writes it;
-- ``json-offsets``: the same shards under a manifest that also lists each shard's sparse byte
-  offsets as JSON ints (``index_every``/``index``): how packs were written before the offsets
-  were read from each shard's ``.idx``; this checkout still reads it;
-- with ``--against DIR`` (another checkout, e.g. ``git worktree add /tmp/old 16caec4``): that
-  checkout opening ``current`` (where it reads that pack) and ``json-offsets``, its own format.
-
-Reported per contender: the median CPU seconds and MB over rounds, and the median of per-round
-ratios contender / ``current`` (above 1: ``current`` opens cheaper).
+``data.many_shards`` hard-links one real tar shard ``--shards`` times under a manifest; each
+contender opens it (``ShardDataset(DIR, decode="raw")`` and ``len()``) in a fresh child process:
+``current`` (the pack as this checkout writes it), ``json-offsets`` (the same shards under a
+manifest listing JSON offsets, as packs were once written) and, with ``--against DIR``, that
+checkout opening both. Median CPU seconds and MB over interleaved rounds, and the median of
+per-round ratios to ``current``; figures in docs/benchmarks.md ("Open at 40,000 shards").
 
     python benchmarks/bench_open.py --shards 40000 --samples 10000 --against /tmp/old
-    python benchmarks/bench_open.py --shards 40000 --samples 128 --against /tmp/old
-
-10,000 samples a shard at 40,000 shards is LAION-400M's shape (157 offsets a shard, 6.3M in all);
-128 a shard (2 offsets, a 12 MB manifest) is the shape of the scale trial's 40,000-shard set.
-
-Measured 2026-11-29 on the shared 2-core VM (load 7-9, so CPU seconds run high; the ratios are
-the figures), against the tree before the offsets left the manifest (best of 3 per case, before
-this script ran on the harness):
-
-| shape | before (JSON offsets) | now | older pack, read now |
-|---|---|---|---|
-| 40,000 x 10,000 (96 MB -> 10 MB) | 1.62 s CPU, +453 MB | 0.54 s, +54 MB | 1.58 s, +453 MB |
-| 40,000 x 128 (12.2 MB -> 9.8 MB) | 0.54 s, +53 MB | 0.49 s, +52 MB | 0.57 s, +53 MB |
-
-On the harness, the same VM and day (load 8.3-8.6, 3 rounds, 40,000 x 10,000; ratios are
-medians of per-round ratios to ``current``): ``current`` 0.50-0.54 s, +54 MB; ``json-offsets``
-read now 2.97-3.19x the CPU, 8.4x the memory; ``--against`` 16caec4 opening ``json-offsets``
-6.45x (3.43 s), ``--against`` 378a9b7 (where the offsets change began) 7.09x (3.56 s), 8.4x the
-memory both. Those two trees pay more than the table's "before" column: they also predate the
-manifest check column by column that came with the offsets change, so their ratio is not the
-JSON offsets' alone.
-
-What was left was O(shards) objects: one ``ShardEntry`` and one ``ShardInfo`` per shard, one
-``stat`` per local shard, the URLs split again for the resume fingerprint. The shard list is now
-a ``ShardTable`` of columns (docs/benchmarks.md, "Scale": 0.55 -> 0.24 s CPU, 53 -> 41 MB at
-40,000 x 10,000, and the same at 40,000 x 128); what is left is the JSON parse and the columns'
-checks, in C loops.
 """
 
 from __future__ import annotations

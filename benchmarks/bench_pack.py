@@ -1,39 +1,23 @@
 #!/usr/bin/env python3
-"""Pack benchmark: ``shardkit pack`` against ``tar -cf`` of the same folder, cold cache, one run.
+"""``shardkit pack`` against ``tar -cf`` of the same folder, cold data cache, each command a
+fresh subprocess, the order rotating between repeats, ratios within a repeat (sources evicted
+with ``posix_fadvise``; directory entries stay cached; ``tar+sync`` shows what fsync costs
+tar). ``--engines``: ``--engine local --processes 2`` against the in-process pack (with and
+without ``--resize-short``); ``--ray`` adds ``--engine ray``; ``--tiny N`` makes N tiny JPEGs
+to time it on. Figures: docs/benchmarks.md ("Pack") and docs/distributed.md.
 
-Goal: pack with one worker takes at most 1.2x tar's wall time, and less than
-tar's with two. Every timed command is a fresh subprocess, timed from start to exit, so Python's
-start-up counts against pack as it would for a user. Before each command the source files are
-evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed) and ``mincore``
-confirms it; earlier outputs are deleted and synced so their write-back does not land in the next
-timing. The order of the commands rotates between repeats, and ratios are taken within a repeat.
-
-    python benchmarks/bench_pack.py                   # data/lfw (made if missing), 5 repeats
     python benchmarks/bench_pack.py --src data/lfw --repeats 7 --json bench-out/pack.json
-    python benchmarks/bench_pack.py --engines --src data/imagenet --repeats 3
-
-``--engines`` times ``--engine local --processes 2`` against today's in-process pack (reader
-threads), with and without ``--resize-short 256``, side by side in each repeat (ratio
-pack / engine: above 1 the process pool is faster), and prints the load average.
-``--engines --ray`` times ``--engine ray`` (a local 2-CPU cluster started and stopped by the
-command, in a scratch HOME and temp dir) against ``--engine local`` and the plain pack, and
-``--tiny N`` first makes a folder of N tiny JPEGs (100 classes) at ``--src`` to time it on:
-
-    python benchmarks/bench_pack.py --engines --ray --tiny 50000 --src bench-out/tiny50k
-
-Caveats printed with the result: directory entries and inodes stay cached (dropping them needs
-root and would disturb the whole machine), so this is a cold *data* cache for both commands alike;
-and our shards are fsync'ed before they are renamed, tar's archive is not (the ``tar+sync``
-column shows what that costs tar).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,35 +29,38 @@ from shardkit.bench.pagecache import evict, resident_fraction
 ROOT = harness.ROOT
 
 
-def _interleave(names: list[str], once, repeats: int, work: Path, note) -> tuple:
-    """Every command once per repeat, the order rotating; ``once(name)`` returns a dict of
-    figures with ``seconds``. Prints each repeat's seconds and ``note(seconds by name)``, empties
-    ``work``; returns per repeat ``{name: figures}``, per repeat ``{name: seconds}`` (the shape
-    the summaries read) and the rounds."""
-    rounds = harness.interleave({n: (lambda r, n=n: once(n)) for n in names}, repeats)
-    got = [{n: rounds.results[n][r] for n in names} for r in range(repeats)]
-    runs = [{n: r[n]["seconds"] for n in names} for r in got]
-    for rep, times in enumerate(runs):
-        text = "  ".join(f"{n} {times[n]:.2f}s" for n in names)
-        print(f"repeat {rep + 1}: {text}  | {note(times)}", flush=True)
-    _clean(work)
-    return got, runs, rounds
-
-
-def _commands(src: Path, work: Path, shard_size: str) -> dict[str, list[str]]:
+def _commands(args: Pack, src: Path, work: Path, scratch: str) -> tuple[dict, dict]:
+    """The mode's commands, and for each the command its time is divided by per repeat (tar;
+    with ``--engines``, ``--engine local`` with the same resize)."""
+    shard_size = args.shard_size
+    if args.engines and shard_size == "256MB":
+        shard_size = "16MB"  # tasks to share
     pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
-    common = ["-q", "--shard-size", shard_size]
-    return {
-        "tar": ["tar", "-cf", str(work / "src.tar"), "-C", str(src.parent), src.name],
-        "tar+sync": [
-            "sh",
-            "-c",
-            f'tar -cf "{work / "src_sync.tar"}" -C "{src.parent}" "{src.name}" && '
-            f'sync "{work / "src_sync.tar"}"',
-        ],
-        "pack-w1": pack + [str(work / "pack-w1"), "--threads", "1", *common],
-        "pack-w2": pack + [str(work / "pack-w2"), "--threads", "2", *common],
-    }
+    local = ["--engine", "local", "--processes", str(args.processes)]
+
+    def p(out: str, *flags: str) -> list[str]:
+        return [*pack, str(work / out), *flags, "-q", "--shard-size", shard_size]
+
+    if args.engines and args.ray:
+        ray = p("c", "--engine", "ray", "--processes", str(args.processes))
+        env = f"HOME={scratch} TMPDIR={scratch} RAY_TMPDIR={scratch}"
+        cmds = {"local": p("b", *local), "pack-t1": p("a", "--threads", "1"),
+                "ray": ["sh", "-c", f"{env} {' '.join(ray)}"]}  # fmt: skip
+    elif args.engines:
+        cmds = {}
+        for r, resize in (("", ()), ("-r256", ("--resize-short", "256"))):
+            cmds[f"local{r}"] = p(f"local{r}", *local, *resize)
+            for t in ("1", "2"):
+                cmds[f"pack-t{t}{r}"] = p(f"pack-t{t}{r}", "--threads", t, *resize)
+    else:
+        tar = ["tar", "-cf", str(work / "src.tar"), "-C", str(src.parent), src.name]
+        cmds = {
+            "tar": tar,
+            "tar+sync": ["sh", "-c", f"{shlex.join(tar)} && sync {shlex.quote(tar[2])}"],
+        }
+        cmds.update({f"pack-w{t}": p(f"pack-w{t}", "--threads", t) for t in ("1", "2")})
+    base = "local" if args.engines else "tar"
+    return cmds, {n: base + ("-r256" if n.endswith("-r256") else "") for n in cmds}
 
 
 def _clean(work: Path) -> None:
@@ -140,12 +127,12 @@ class Pack(harness.Bench):
 def main(args: Pack) -> None:
     if args.smoke and not args.tiny:
         data.lfw(Path(args.src), 0.01)
-    if args.engines:
-        return _engines(args)
     src = Path(args.src).resolve()
+    if args.tiny:  # file count, not bytes, is what is timed
+        data.noisy(src, args.tiny, 16, 12, classes=100)
     if not src.is_dir():
-        if src != (ROOT / "data" / "lfw").resolve():
-            raise SystemExit(f"error: source {src} does not exist")
+        if args.engines or src != (ROOT / "data" / "lfw").resolve():
+            raise SystemExit(f"error: source {src} does not exist (make one: shardkit synth)")
         data.lfw(src)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -157,233 +144,47 @@ def main(args: Pack) -> None:
             os.replace(copy.with_name(copy.name + ".tmp"), copy)
         src = copy
     files, size = _tree_size(src)
-    cmds = _commands(src, work, args.shard_size)
-    names = list(cmds)
-    print(
-        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats, "
-        f"cold page cache before every command",
-        flush=True,
-    )
+    scratch = tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp")  # Ray's HOME and temp dir
+    cmds, base = _commands(args, src, work, scratch)
+    load0 = harness.loadavg()
+    print(f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats", flush=True)
 
     def once(name: str) -> dict:
         _clean(work)
-        evict(src)
+        if not (args.engines and args.ray):  # cold page cache before every command
+            evict(src)
         resident = resident_fraction(src)
         return {**_time(cmds[name]), "resident": resident}
 
-    def note(t: dict) -> str:
-        return (
-            f"pack-w1/tar {t['pack-w1'] / t['tar']:.2f}  pack-w2/tar {t['pack-w2'] / t['tar']:.2f}"
-        )
-
-    got, runs, rounds = _interleave(names, once, args.rounds, work, note)
-    resident = [{n: r[n]["resident"] for n in names} for r in got]
-    residency = [x for res in resident for x in res.values()]
-
-    def ratios(name: str) -> list[float]:
-        return [r[name] / r["tar"] for r in runs]
-
-    summary = {
-        "source": str(src),
-        "files": files,
-        "bytes": size,
-        "repeats": args.rounds,
-        "max_resident_fraction_before_run": max(residency),
-        "median_seconds": {n: statistics.median(r[n] for r in runs) for n in names},
-        "ratio_median": {n: statistics.median(ratios(n)) for n in names if n != "tar"},
-        "ratio_min": {n: min(ratios(n)) for n in names if n != "tar"},
-        "ratio_max": {n: max(ratios(n)) for n in names if n != "tar"},
-        "runs": runs,
-        "resident_fraction_before": resident,
-        "cpus": os.cpu_count(),
-    }
-    harness.write_result(args.json, "bench_pack", args, summary, rounds)
-    med = summary["median_seconds"]
-    print()
-    print(f"{'command':<10} {'median s':>9} {'MB/s':>7} {'ratio to tar (median [min-max])':>34}")
-    for n in names:
-        rng = (
-            (
-                f"{summary['ratio_median'][n]:.2f} [{summary['ratio_min'][n]:.2f}-"
-                f"{summary['ratio_max'][n]:.2f}]"
-            )
-            if n != "tar"
-            else "1.00"
-        )
-        print(f"{n:<10} {med[n]:>9.2f} {size / 1e6 / med[n]:>7.1f} {rng:>34}")
-    w1, w2 = summary["ratio_median"]["pack-w1"], summary["ratio_median"]["pack-w2"]
-    print(
-        f"\ngoal pack-w1/tar <= 1.20: {w1:.2f} {'met' if w1 <= 1.2 else 'MISSED'};  "
-        f"goal pack-w2/tar < 1.00: {w2:.2f} {'met' if w2 < 1.0 else 'MISSED'}"
-    )
-    print(
-        f"page cache before each command: at most {max(residency):.1%} of the source resident; "
-        "directory entries and inodes stay cached for all commands alike"
-    )
-    print(f"raw timings: {args.json}")
-    return 0
-
-
-def _make_tiny(src: Path, n: int) -> None:
-    """``n`` 16x12 noise JPEGs in 100 class folders (file count, not bytes, is what is timed)."""
-    import numpy as np
-    from PIL import Image
-
-    if src.is_dir() and sum(len(f) for _, _, f in os.walk(src)) == n:
-        return
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        d = src / f"c{i % 100:03d}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(d / f"{i:06d}.jpg")
-
-
-def _ray_commands(src: Path, work: Path, shard_size: str, processes: int, scratch: Path) -> dict:
-    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
-    common = ["-q", "--shard-size", shard_size]
-    env = f"HOME={scratch} TMPDIR={scratch} RAY_TMPDIR={scratch}"
-    ray = [*pack, str(work / "c"), "--engine", "ray", "--processes", str(processes), *common]
-    return {
-        "pack-t1": pack + [str(work / "a"), "--threads", "1", *common],
-        "local": pack
-        + [str(work / "b"), "--engine", "local", "--processes", str(processes), *common],
-        "ray": ["sh", "-c", f"{env} {' '.join(ray)}"],
-    }
-
-
-def _engine_commands(src: Path, work: Path, shard_size: str, processes: int) -> dict:
-    pack = [sys.executable, "-m", "shardkit.cli", "pack", str(src)]
-    common = ["-q", "--shard-size", shard_size]
-    local = ["--engine", "local", "--processes", str(processes)]
-    resize = ["--resize-short", "256"]
-    return {
-        "pack-t1": pack + [str(work / "a"), "--threads", "1", *common],
-        "pack-t2": pack + [str(work / "b"), "--threads", "2", *common],
-        "local": pack + [str(work / "c"), *local, *common],
-        "pack-t1-r256": pack + [str(work / "d"), "--threads", "1", *common, *resize],
-        "pack-t2-r256": pack + [str(work / "e"), "--threads", "2", *common, *resize],
-        "local-r256": pack + [str(work / "f"), *local, *common, *resize],
-    }
-
-
-def _engines(args) -> int:
-    """--engines: the process pool against the in-process pack, cold cache, one run."""
-    src = Path(args.src).resolve()
-    if args.tiny:
-        _make_tiny(src, args.tiny)
-    if not src.is_dir():
-        raise SystemExit(f"error: source {src} does not exist (make one: shardkit synth imagenet)")
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    files, size = _tree_size(src)
-    shard_size = "16MB" if args.shard_size == "256MB" else args.shard_size  # tasks to share
-    if args.ray:
-        import tempfile
-
-        scratch = Path(tempfile.mkdtemp(prefix="sk-ray-", dir="/tmp"))
-        try:
-            return _ray_overhead(args, src, work, files, size, shard_size, scratch)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    cmds = _engine_commands(src, work, shard_size, args.processes)
-    names = list(cmds)
-    load0 = harness.loadavg()
-    print(
-        f"source: {src} ({files} files, {size / 1e6:.1f} MB); {args.rounds} repeats; "
-        f"load average before: {harness.load_text(load0)}",
-        flush=True,
-    )
-
-    def once(name: str) -> dict:
+    try:
+        rounds = harness.interleave({n: (lambda r, n=n: once(n)) for n in cmds}, args.rounds)
+    finally:
         _clean(work)
-        evict(src)
-        return _time(cmds[name])
-
-    def note(t: dict) -> str:
-        r256 = t["pack-t1-r256"] / t["local-r256"]
-        return f"pack-t1/local {t['pack-t1'] / t['local']:.2f}, r256 {r256:.2f}"
-
-    got, runs, rounds = _interleave(names, once, args.rounds, work, note)
-    cpus = [{n: r[n]["cpu"] for n in names} for r in got]
-    load1 = harness.loadavg()
-    speedups = {
-        f"{base}{r}": [run[f"{base}{r}"] / run[f"local{r}"] for run in runs]
-        for base in ("pack-t1", "pack-t2")
-        for r in ("", "-r256")
-    }
-    summary = {
-        "source": str(src),
-        "files": files,
-        "bytes": size,
-        "repeats": args.rounds,
-        "shard_size": shard_size,
-        "processes": args.processes,
-        "cpus": os.cpu_count(),
-        "runs": runs,
-        "cpu_seconds": cpus,
-        "speedup_median": {k: statistics.median(v) for k, v in speedups.items()},
-        "loadavg_before": load0,
-        "loadavg_after": load1,
-    }
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = {}
+    for n in cmds:
+        ratios = rounds.ratios(n, base[n], "seconds")
+        pairs = zip(rounds.values(n, "seconds"), rounds.values(base[n], "seconds"), strict=True)
+        minus = [a - b for a, b in pairs]
+        rows[n] = {"median s": rounds.median(n, "seconds"), "CPU s": rounds.median(n, "cpu"),
+                   "MB/s": size / 1e6 / rounds.median(n, "seconds"), "base": base[n],
+                   "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                   "minus base s": statistics.median(minus)}  # fmt: skip
+    residency = max(x["resident"] for runs in rounds.results.values() for x in runs)
+    summary = {"source": str(src), "files": files, "bytes": size, "commands": rows,
+               "max_resident_fraction_before_run": residency, "cpus": os.cpu_count(),
+               "loadavg_before": load0, "loadavg_after": harness.loadavg()}  # fmt: skip
     harness.write_result(args.json, "bench_pack", args, summary, rounds)
-    print(f"\n{'command':<14} {'median s':>9} {'CPU s':>7}")
-    for n in names:
-        wall, used = statistics.median(r[n] for r in runs), statistics.median(c[n] for c in cpus)
-        print(f"{n:<14} {wall:>9.2f} {used:>7.2f}")
-    print(
-        f"\nspeed-up of --engine local --processes {args.processes}: time of the in-process "
-        "pack / time of the engine, per repeat (median [min-max])"
-    )
-    for k, v in speedups.items():
-        print(
-            f"  {k:<14} / local{'-r256' if 'r256' in k else '':<6} "
-            f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
-        )
-    print(f"load average after: {harness.load_text(load1)}; raw: {args.json}")
-    return 0
-
-
-def _ray_overhead(args, src, work, files, size, shard_size, scratch) -> int:
-    cmds = _ray_commands(src, work, shard_size, args.processes, scratch)
-    names = list(cmds)
-    load0 = harness.loadavg()
-    print(
-        f"source: {src} ({files} files, {size / 1e6:.1f} MB), shards of {shard_size}; "
-        f"{args.rounds} repeats; load average before: {harness.load_text(load0)}",
-        flush=True,
-    )
-
-    def once(name: str) -> dict:
-        _clean(work)
-        return _time(cmds[name])
-
-    def note(t: dict) -> str:
-        return f"ray - local {t['ray'] - t['local']:+.2f}s"
-
-    _, runs, rounds = _interleave(names, once, args.rounds, work, note)
-    load1 = harness.loadavg()
-    over = [r["ray"] - r["local"] for r in runs]
-    ratio = [r["ray"] / r["local"] for r in runs]
-    summary = {
-        "source": str(src),
-        "files": files,
-        "bytes": size,
-        "shard_size": shard_size,
-        "runs": runs,
-        "ray_minus_local_s_median": statistics.median(over),
-        "ray_over_local_median": statistics.median(ratio),
-        "loadavg_before": load0,
-        "loadavg_after": load1,
-    }
-    harness.write_result(args.json, "bench_pack", args, summary, rounds)
-    for n in names:
-        print(f"{n:<8} median {statistics.median(r[n] for r in runs):.2f} s")
-    print(
-        f"ray overhead against --engine local (start-up included): median "
-        f"{statistics.median(over):+.2f} s, x{statistics.median(ratio):.2f}; load average "
-        f"after: {harness.load_text(load1)}; raw: {args.json}"
-    )
-    return 0
+    cols = ["median s:.2f", "CPU s:.2f", "MB/s:.1f", "base", "ratio:.2f", "min:.2f", "max:.2f"]
+    harness.table(rows, [*cols, "minus base s:+.2f"])
+    if "pack-w1" in rows:
+        w1, w2 = rows["pack-w1"]["ratio"], rows["pack-w2"]["ratio"]
+        print(f"goal pack-w1/tar <= 1.20: {w1:.2f} {'met' if w1 <= 1.2 else 'MISSED'};  "
+              f"goal pack-w2/tar < 1.00: {w2:.2f} {'met' if w2 < 1.0 else 'MISSED'}")  # fmt: skip
+    after = harness.load_text(summary["loadavg_after"])
+    print(f"page cache before each command: at most {residency:.1%} of the source resident "
+          "(directory entries and inodes stay cached for all commands alike); load average "
+          f"{harness.load_text(load0)}, after {after}")  # fmt: skip
 
 
 if __name__ == "__main__":

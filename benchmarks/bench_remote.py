@@ -1,35 +1,15 @@
 #!/usr/bin/env python3
-"""Remote-shard benchmark: shards over a loopback object store, side by side.
+"""Remote shards over a loopback object store (HTTP or moto S3, behind a latency proxy)
+against the raw transfer and a folder of objects, side by side in one run.
 
-A server process (moto S3 or a static HTTP server) serves the packed default LFW shards, behind a
-proxy that adds first-byte latency to every request (default 20 ms, a same-region object store).
-In this one run, repeats interleaved, medians reported:
+``decode="raw"`` throughout (bytes to the loader, not decoding): the raw transfer (every shard
+whole, the stream's concurrency) is the ceiling; the shard stream runs with ``prefetch`` on and
+off; the folder reads one object per image. ``--case sparse``: ``subset=0.01`` and
+``split="val"`` epochs as ranged GETs, one in flight against ``--ranged-gets``. Method and
+figures: docs/benchmarks.md ("Remote").
 
-- raw transfer: every shard downloaded whole with the same client (``shardkit.remote.fetch``) and
-  the same concurrency as the stream (``workers`` processes x ``prefetch + 1`` requests in
-  flight): the rate the store and link give, the ceiling for the stream.
-- shard stream: ``DataLoader(ShardDataset(url, decode="raw"), num_workers=workers)`` with
-  ``prefetch`` on, and with it off (0). Reported as MB/s and as a fraction of raw (goal >= 80%
-  with prefetch on), plus the time to the first batch.
-- folder: the same images as one object each, read through the same ``RemoteStorage`` by
-  ``FolderDataset`` (one request per image), on a random subset; shard/folder speed-up in
-  samples/s.
-
-    python benchmarks/bench_remote.py                         # HTTP server, 20 ms, 2 workers
     python benchmarks/bench_remote.py --server s3 --latency-ms 20 --repeats 3
-    python benchmarks/bench_remote.py --json bench-out/bench_remote.json
-    python benchmarks/bench_remote.py --case sparse --rounds 3   # subset/split epochs
-
-``--case sparse``: the sparse epochs, a ``subset=0.01`` and a ``split="val"`` epoch (at
-``--val-fraction``, 0.01 by default, so both draw about 1%) of ``--sparse-n`` tiny samples
-(``data.scale_set``, with sample indexes), read as ranged GETs through the same latency proxy,
-one GET at a time (``RemoteStorage(ranged_gets=1)``) against ``--ranged-gets`` in flight,
-interleaved in one process (no DataLoader workers): samples/s, ranged GETs per sample (counted
-by the server) and CPU seconds. ``--smoke`` runs both cases, tiny.
-
-decode="raw" throughout: this measures getting bytes to the loader, not JPEG decoding (see
-bench_stream.py for that). Loopback has no bandwidth limit, so the raw rate here is bounded by
-the CPUs (server, proxy and client share them), not by a network.
+    python benchmarks/bench_remote.py --case sparse --rounds 3
 """
 
 from __future__ import annotations
@@ -314,17 +294,11 @@ def main(args: Remote) -> None:
         "shards_vs_folder": rounds.ratio("stream", "folder", "samples_s"),
         "raw": results,
     }
-    print(
-        f"raw transfer          {raw:8.1f} MB/s  (same client, {args.workers} x "
-        f"{in_flight} requests in flight)\n"
-        f"shard stream (p={args.prefetch})    {summary['stream_mb_s']:8.1f} MB/s  "
-        f"{summary['stream_samples_s']:8.0f} img/s  = {summary['stream_vs_raw']:.0%} of raw "
-        f"(goal >= 80%), first batch after {summary['stream_first_batch_s']:.2f} s\n"
-        f"shard stream (p=0)    {summary['stream_p0_mb_s']:8.1f} MB/s            "
-        f"  = {summary['stream_p0_vs_raw']:.0%} of raw\n"
-        f"folder, 1 req/image   {summary['folder_samples_s']:17.0f} img/s  -> shards are "
-        f"{summary['shards_vs_folder']:.1f}x faster"
-    )
+    rows = {name: {k.removeprefix(f"{name}_"): v for k, v in summary.items() if k.startswith(name)}
+            for name in ("raw", "stream_p0", "stream", "folder", "shards")}  # fmt: skip
+    rows["stream"] = {k: v for k, v in rows["stream"].items() if not k.startswith("p0")}
+    harness.table(rows, ["mb_s:.1f", "samples_s:.0f", "vs_raw:.0%", "first_batch_s:.2f",
+                         "vs_folder:.1f"])  # fmt: skip
     if args.case == "both":
         summary["sparse"] = sparse(args)[0]
     harness.write_result(args.json, "bench_remote", args, summary, rounds)
@@ -404,14 +378,9 @@ def sparse(args) -> tuple[dict, harness.Rounds]:
             "cpu_s_1": rounds.median(one, "cpu_s"),
             f"cpu_s_{args.ranged_gets}": rounds.median(many, "cpu_s"),
         }
-        c = summary[case]
-        print(
-            f"{case:6} {c['n']:5} samples: one GET at a time {c['samples_s_1']:7.0f} samples/s, "
-            f"{args.ranged_gets} in flight {c[f'samples_s_{args.ranged_gets}']:7.0f} samples/s "
-            f"= {c['speedup']:.1f}x; ranged GETs per sample {c['gets_per_sample_1']:.3f} vs "
-            f"{c[f'gets_per_sample_{args.ranged_gets}']:.3f}; CPU s {c['cpu_s_1']:.2f} vs "
-            f"{c[f'cpu_s_{args.ranged_gets}']:.2f}"
-        )
+    harness.table({c: summary[c] for c in cases}, ["n", *[f"{k}_{g}:.{p}f" for k, p in (
+        ("samples_s", 0), ("gets_per_sample", 3), ("cpu_s", 2)) for g in (1, args.ranged_gets)],
+        "speedup:.1f"])  # fmt: skip
     print(f"load: {rounds.load_text()}")
     return summary, rounds
 

@@ -12,7 +12,6 @@ support does: iterate and discard the consumed batches (torchdata's "naive fast-
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import replace
@@ -22,6 +21,7 @@ import harness
 from torch.utils.data import DataLoader
 
 from shardkit import ShardDataset
+from shardkit.bench.pagecache import prime
 
 
 def first_batch(ds: ShardDataset, args) -> float:
@@ -55,10 +55,7 @@ def main(args: Resume) -> None:
         args = replace(args, shards=str(data.packed(lfw, shard_size="16MB")))
     if args.shards is None:
         raise SystemExit("the shard directory is required (e.g. packed LFW)")
-    for name in sorted(os.listdir(args.shards)):  # page cache: measure the loader, not the disk
-        with open(os.path.join(args.shards, name), "rb") as f:
-            while f.read(1 << 24):
-                pass
+    prime([args.shards])  # page cache: measure the loader, not the disk
     probe = make(args)
     batches = -(-len(probe) // args.batch_size)
     k = int(batches * args.at)
@@ -97,19 +94,15 @@ def main(args: Resume) -> None:
         f"resume after {k} of {batches} batches ({args.at:.0%}), batch {args.batch_size}, "
         f"{args.workers} workers, {args.rounds} interleaved repeats"
     )
-    print(f"first batch, fresh epoch:   median {f_med * 1000:7.1f} ms  {_ms(fresh)}")
-    print(f"first batch, resumed epoch: median {r_med * 1000:7.1f} ms  {_ms(resumed)}")
-    print(f"resumed / fresh = {r_med / f_med:.2f}x")
-    if naive is not None:
-        print(f"fast-forward by iterating (one run): {naive * 1000:,.0f} ms = {naive / r_med:.0f}x")
+    rows = {name: {"median ms": 1000 * statistics.median(v), "x fresh": statistics.median(v)
+                   / f_med, "rounds ms": [round(1000 * x) for x in v]}
+            for name, v in (("fresh", fresh), ("resumed", resumed), ("fast-forward", [naive]))
+            if v != [None]}  # fmt: skip
+    harness.table(rows, ["median ms:,.1f", "x fresh:.2f", "rounds ms"], "first batch")
     text = f"{harness.load_text(load_before)}, after {harness.load_text(load_after)}"
     print(f"load average before {text}")
     result = {"fresh_s": f_med, "resumed_s": r_med, "ratio": r_med / f_med, "naive_s": naive}
     harness.write_result(args.json, "bench_resume", args, result, rounds)
-
-
-def _ms(values) -> str:
-    return "[" + ", ".join(f"{v * 1000:.0f}" for v in values) + "] ms"
 
 
 if __name__ == "__main__":

@@ -73,13 +73,13 @@ def main(args: RunLength) -> None:
     }
     rounds = harness.interleave(sides, args.rounds, order="fixed")
     print(f"load per round {rounds.load_text()}, {time.time() - t0:.0f} s")
-    print("format:workers:L   mean samples/s   CV   timed samples   wall s")
-    for key in sides:
+    rows = {}
+    for key in sides:  # format:workers:L
         rates = np.array(rounds.values(key))
         cv = rates.std(ddof=1) / rates.mean() if len(rates) > 1 else float("nan")
-        samples = np.mean(rounds.values(key, "samples"))
-        wall = np.mean(rounds.values(key, "wall"))
-        print(f"{key:18s} {rates.mean():14.0f} {cv:5.2f} {samples:15.0f} {wall:8.2f}")
+        rows[key] = {"samples/s": rates.mean(), "CV": cv, "timed samples": np.mean(rounds.values(
+            key, "samples")), "wall s": np.mean(rounds.values(key, "wall"))}  # fmt: skip
+    harness.table(rows, ["samples/s:.0f", "CV:.2f", "timed samples:.0f", "wall s:.2f"])
     harness.write_result(args.json, "bench_run_length", args, {}, rounds)
 
 

@@ -1,17 +1,9 @@
 #!/usr/bin/env python3
-"""A raw epoch from each emulated object store against the same shards on local disk.
-
-The LFW-shaped set (``data.lfw`` at ``--scale``) packed once locally (``--shard-size``), then
-uploaded to moto S3 (``moto_server``), fake-gcs-server and Azurite, each its own process on
-127.0.0.1 (tests/remote_servers.py), so this process's CPU is the reader's alone. Per round,
-interleaved (each contender goes first in turn): one ``decode="raw"`` epoch in this process
-(``num_workers=0``, ``RemoteStorage(prefetch=2)``, each shard one whole-object GET verified by
-size and sha256) from each store and from the local folder. Reported: samples/s and CPU
-microseconds per sample (this process, user + system), medians over rounds, and the ratio to
-the local epoch per round. The stores' own CPU (the emulators) is not counted: it is not what
-a real store costs.
-
-    python benchmarks/bench_stores.py --rounds 3 --json bench-out/bench_stores.json
+"""A raw epoch from each emulated object store (moto S3, fake-gcs-server, Azurite, each its
+own process on loopback: tests/remote_servers.py) against the same shards on local disk:
+``decode="raw"``, ``num_workers=0``, interleaved rounds; samples/s and this process's CPU us per
+sample, medians, and the ratio to the local epoch per round (the emulators' CPU not counted).
+Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 #!/usr/bin/env python3
-"""Streaming benchmark: ShardDataset against WebDataset, the decode ceiling and FolderDataset.
+"""ShardDataset against WebDataset, in one run: raw reads (``decode="raw"``, one process, page
+cache; goal >= 10x ``WebDataset(shards)``), DataLoader worker memory over epochs and by shuffle
+buffer (flat within 5%; bounded by the buffer), and shuffle quality per buffer size. End to end
+against the decode ceiling (and FolderDataset, and DataLoader transport alone) is
+``bench_loader.py --only a``. Figures: docs/benchmarks.md ("Streaming") and docs/stream.md.
 
-Every comparison is a ratio of two measurements taken side by side in this one
-run (repeats interleaved, median of the per-repeat ratios), so a busy machine moves both sides:
-
-- raw: ShardDataset(decode="raw"), one process, shards in the page cache, against
-  ``webdataset.WebDataset(shards)`` iterated raw on the same shards. Goal >= 10x.
-- end to end: DataLoader(ShardDataset(decode="tensor"), batch 64, 2 workers) against the decode
-  ceiling (one process decoding the same JPEG bytes with PIL to uint8 arrays, times the worker
-  count). Goal >= 80%. Also FolderDataset with the same decode and loader.
-- worker memory: VmRSS / VmHWM of each DataLoader worker after each of 5 epochs (flat within 5%)
-  and peak worker memory for several buffer sizes (bounded by the shuffle buffer).
-- shuffle quality per buffer size: how far samples move from the order they come off the shards,
-  and how many distinct shards and classes a batch of 64 mixes.
-
-    python benchmarks/bench_stream.py                       # data/lfw (made if missing)
     python benchmarks/bench_stream.py --repeats 7 --json bench-out/bench_stream.json
     python benchmarks/bench_stream.py --only raw --only shuffle     # some parts only
-
-Diagnostics printed beside the goals, because this runs on shared machines: "2 processes decoding
-at once" (what the cores really give right now), "DataLoader transport only" (the same loader
-over constant tensors: the cost of moving batches through shared memory), and CPU microseconds per
-image of the workers and the main process, which contention does not change much.
 """
 
 from __future__ import annotations
@@ -40,22 +25,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from shardkit.bench.pagecache import prime  # noqa: E402
 from shardkit.formats import get_format  # noqa: E402
 from shardkit.manifest import read_manifest  # noqa: E402
-from shardkit.stream.dataset import FolderDataset, ShardDataset  # noqa: E402
+from shardkit.stream.dataset import ShardDataset  # noqa: E402
 from shardkit.stream.shuffle import Order  # noqa: E402
 
 # --- data -------------------------------------------------------------------------------------
-
-
-def warm(paths: list[str]) -> int:
-    """Read files once so every measurement sees them in the page cache."""
-    total = 0
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(4 << 20):
-                total += len(chunk)
-    return total
 
 
 # --- measurements -----------------------------------------------------------------------------
@@ -121,107 +97,6 @@ class _Epochs:
         if self.ds is not None:
             self.ds.set_epoch(self.next)
         self.next += 1
-
-
-def loader_pass(loader: DataLoader, epochs: _Epochs) -> tuple[float, float, float]:
-    """One timed epoch of a persistent-worker loader: (images/s, worker CPU s, main CPU s)."""
-    epochs()
-    e = harness.epoch(
-        loader, pids=lambda: _worker_pids(loader) if loader._iterator is not None else []
-    )
-    return e["rate"], e["workers_cpu_s"], e["main_cpu_s"]
-
-
-class ConstantImages(torch.utils.data.IterableDataset):
-    """``n`` copies of one uint8 CHW tensor, split across workers: DataLoader transport alone."""
-
-    def __init__(self, n: int, shape: tuple[int, int, int]):
-        self.n, self.shape = n, shape
-
-    def __iter__(self):
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        w, k = (info.id, info.num_workers) if info else (0, 1)
-        img = torch.zeros(self.shape, dtype=torch.uint8)
-        for _ in range(w * self.n // k, (w + 1) * self.n // k):
-            yield img, 0
-
-
-def bench_end_to_end(urls, src: Path, workers: int, batch: int, repeats: int, blobs) -> dict:
-    ds = ShardDataset(urls, decode="tensor")
-    shape = tuple(ds_first_shape(ds))
-    folder = FolderDataset(str(src), decode="tensor")
-    loaders = {
-        "shards": (
-            DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=True),
-            _Epochs(ds),
-        ),
-        "folder": (
-            DataLoader(
-                folder,
-                batch_size=batch,
-                num_workers=workers,
-                shuffle=True,
-                persistent_workers=True,
-            ),
-            _Epochs(),
-        ),
-        "transport": (
-            DataLoader(
-                ConstantImages(len(folder), shape),
-                batch_size=batch,
-                num_workers=workers,
-                persistent_workers=True,
-            ),
-            _Epochs(),
-        ),
-    }
-    for loader, epochs in loaders.values():  # warm-up: start the workers, fill caches
-        loader_pass(loader, epochs)
-    n = len(folder)
-
-    def ceiling(r: int) -> dict:  # PIL decodes, as FolderDataset's and the workers' decode
-        c = harness.ceiling(blobs, decoder="pil", processes=workers, at_once=True)
-        return {"ceiling": c.scaled, "ceiling_cpu": c.cpu_us / 1e6, "parallel": c.at_once}
-
-    def side(name):
-        def run(r: int) -> dict:
-            rate_, wcpu, mcpu = loader_pass(*loaders[name])
-            return {"rate": rate_, "workers_cpu": wcpu / n, "main_cpu": mcpu / n}
-
-        return run
-
-    sides = {"(ceiling)": ceiling, **{name: side(name) for name in loaders}}
-    rounds = harness.interleave(sides, repeats, first=["(ceiling)"], quiet=True)
-    loaders.clear()  # the persistent workers go with the loaders
-    med, ratio, ceil = rounds.median, rounds.ratio, "(ceiling)"
-
-    cpu = {"ceiling_decode": med(ceil, "ceiling_cpu") * 1e6}
-    for name in ("shards", "folder", "transport"):
-        cpu[f"{name}_workers"] = med(name, "workers_cpu") * 1e6
-        cpu[f"{name}_main"] = med(name, "main_cpu") * 1e6
-    return {
-        "decode_ceiling_per_s": med(ceil, "ceiling"),
-        "parallel_decode_per_s": med(ceil, "parallel"),
-        "shard_loader_per_s": med("shards"),
-        "folder_loader_per_s": med("folder"),
-        "transport_only_per_s": med("transport"),
-        "ratio_shards_vs_ceiling": ratio("shards", ceil, b_key="ceiling"),
-        "ratio_folder_vs_ceiling": ratio("folder", ceil, b_key="ceiling"),
-        "ratio_shards_vs_parallel": ratio("shards", ceil, b_key="parallel"),
-        "ratio_shards_vs_folder": ratio("shards", "folder"),
-        "cpu_us_per_image": cpu,
-        "image_shape": list(shape),
-        "workers": workers,
-        "batch_size": batch,
-        "repeats": repeats,
-    }
-
-
-def ds_first_shape(ds: ShardDataset) -> torch.Size:
-    probe = ShardDataset(list(ds.urls)[:1], decode="tensor", order=Order(shuffle=False))
-    return next(iter(probe))[0].shape
 
 
 def _worker_pids(loader: DataLoader) -> list[int]:
@@ -348,13 +223,11 @@ def bench_shuffle(urls: list[str], buffer_sizes, batch: int) -> dict:
 
 @harness.case(
     data="a class-per-folder tree (--src, default LFW-shaped), packed to tar at --shards",
-    measures="raw reads against WebDataset, end to end against the PIL decode ceiling, "
-    "worker memory, shuffle quality",
+    measures="raw reads against WebDataset, worker memory, shuffle quality",
     small={
         "src": str(data.root() / "lfw-smoke"),
         "shards": str(data.root() / "lfw-smoke-stream"),
         "epochs": 2,
-        "decode_samples": 50,
     },  # fmt: skip
     aliases={"rounds": ["repeats"]},
 )
@@ -366,10 +239,7 @@ class Stream(harness.Bench):
     workers: int = 2
     batch: int = 64
     epochs: int = harness.arg(5, "epochs for the memory check")
-    decode_samples: int = harness.arg(3000, "images in the ceiling")
-    only: tuple[Literal["raw", "end_to_end", "memory", "shuffle"], ...] = harness.arg(
-        (), "run only these parts"
-    )
+    only: tuple[Literal["raw", "memory", "shuffle"], ...] = harness.arg((), "run only these parts")
 
 
 def main(args: Stream) -> None:
@@ -379,18 +249,8 @@ def main(args: Stream) -> None:
     data.packed(data.lfw(src), shards, shard_size=args.shard_size, workers=2)
     manifest = read_manifest(str(shards))
     urls = [str(shards / e.path) for e in manifest.shards]
-    shard_bytes = warm(urls)
-    data.jpeg_bytes(src)  # the folder contender's files in the page cache too
-    mean_bytes = shard_bytes / manifest.num_samples
-    fmt = get_format("tar")
-    blobs = []
-    for u in urls:
-        for r in fmt.iter_records(u):
-            blobs.append(r.data)
-            if len(blobs) >= args.decode_samples:
-                break
-        if len(blobs) >= args.decode_samples:
-            break
+    prime(urls)  # every measurement sees the shards in the page cache
+    mean_bytes = manifest.total_bytes / manifest.num_samples
     results: dict = {
         "dataset": {
             "src": str(src),
@@ -401,17 +261,12 @@ def main(args: Stream) -> None:
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
     }
     print(f"{manifest.num_samples} samples in {len(urls)} shards, {mean_bytes / 1e3:.1f} KB each")
-    parts = set(args.only or ["raw", "end_to_end", "memory", "shuffle"])
+    parts = set(args.only or ["raw", "memory", "shuffle"])
     if args.smoke and not harness.available("webdataset"):
         parts.discard("raw")
     if "raw" in parts:
         print("raw iteration ...", flush=True)
         results["raw"] = bench_raw(urls, args.rounds)
-    if "end_to_end" in parts:
-        print("end to end ...", flush=True)
-        results["end_to_end"] = bench_end_to_end(
-            urls, src, args.workers, args.batch, args.rounds, blobs
-        )
     if "memory" in parts:
         print("worker memory ...", flush=True)
         results["memory"] = bench_memory(
@@ -425,92 +280,29 @@ def main(args: Stream) -> None:
 
 
 def report(r: dict) -> None:
-    for part in ("raw", "end_to_end", "memory", "shuffle"):
-        if part in r:
-            globals()[f"report_{part}"](r[part])
-
-
-def report_raw(raw: dict) -> None:
-    print(f"\n== raw iteration, one process, page cache (median of {raw['repeats']}) ==")
-    for name, v in raw["samples_per_s"].items():
-        print(f"  {name:55s} {v:>10,.0f} samples/s")
-    print(
-        f"  ratio default / WebDataset            {raw['ratio_default_vs_webdataset']:6.1f}x"
-        "  (goal >= 10x)"
-    )
-    print(f"  ratio shuffle=False / WebDataset      {raw['ratio_noshuffle_vs_webdataset']:6.1f}x")
-    print(
-        f"  ratio default / WebDataset.shuffle    "
-        f"{raw['ratio_default_vs_webdataset_shuffled']:6.1f}x"
-    )
-
-
-def report_end_to_end(e2e: dict) -> None:
-    w = e2e["workers"]
-    print(
-        f"\n== end to end: DataLoader, uint8 CHW tensors {e2e['image_shape']}, batch "
-        f"{e2e['batch_size']}, {w} workers (median of {e2e['repeats']}) =="
-    )
-    ceiling, parallel = e2e["decode_ceiling_per_s"], e2e["parallel_decode_per_s"]
-    print(f"  decode ceiling (1 process x {w})         {ceiling:>8,.0f} images/s")
-    print(f"  {w} processes decoding at once           {parallel:>8,.0f} images/s")
-    print(
-        f"  ShardDataset                           {e2e['shard_loader_per_s']:>8,.0f} images/s"
-        f"  {e2e['ratio_shards_vs_ceiling']:6.1%} of ceiling (goal >= 80%), "
-        f"{e2e['ratio_shards_vs_parallel']:6.1%} of parallel decode"
-    )
-    print(
-        f"  FolderDataset                          {e2e['folder_loader_per_s']:>8,.0f} images/s"
-        f"  {e2e['ratio_folder_vs_ceiling']:6.1%} of ceiling"
-    )
-    print(f"  DataLoader transport only (no decode)  {e2e['transport_only_per_s']:>8,.0f} images/s")
-    print(f"  ShardDataset / FolderDataset           {e2e['ratio_shards_vs_folder']:6.2f}x")
-    cpu = e2e["cpu_us_per_image"]
-    print(
-        f"  CPU per image: decode alone {cpu['ceiling_decode']:.0f} us; ShardDataset "
-        f"{cpu['shards_workers']:.0f} (workers) + {cpu['shards_main']:.0f} (main); "
-        f"FolderDataset {cpu['folder_workers']:.0f} + {cpu['folder_main']:.0f}; "
-        f"transport only {cpu['transport_workers']:.0f} + {cpu['transport_main']:.0f}"
-    )
-
-
-def report_memory(mem: dict) -> None:
-    print(f"\n== worker memory over {mem['epochs']} epochs (decode=tensor, default buffer) ==")
-    rows = zip(
-        mem["rss_kb_per_epoch"],
-        mem["end_uss_kb_per_epoch"],
-        mem["peak_uss_kb_per_epoch"],
-        strict=True,
-    )
-    for e, cols in enumerate(rows):
-        cells = "   ".join(
-            f"w{i}: RSS {r / 1024:5.1f}, USS {u / 1024:5.1f} (peak {p / 1024:5.1f})"
-            for i, (r, u, p) in enumerate(zip(*cols, strict=True))
+    """The parts' figures (medians of the rounds; goals: raw >= 10x WebDataset, end to end
+    >= 80% of the ceiling, worker memory flat within 5% over the epochs)."""
+    if "raw" in r:
+        rows = {k: {"samples/s": v} for k, v in r["raw"]["samples_per_s"].items()}
+        harness.table(rows, ["samples/s:,.0f"], "raw iteration, one process, page cache")
+        harness.table({k: {"ratio": v} for k, v in r["raw"].items() if k.startswith("ratio")},
+                      ["ratio:.1f"])  # fmt: skip
+    if "memory" in r:
+        m = r["memory"]
+        cols = ("rss_kb", "end_uss_kb", "peak_uss_kb")
+        per = zip(*(m[f"{c}_per_epoch"] for c in cols), strict=True)
+        rows = {f"epoch {i}": dict(zip(cols, x, strict=True)) for i, x in enumerate(per)}
+        rows.update(
+            {f"buffer {k}": {"peak_uss_kb": v} for k, v in m["peak_uss_kb_by_buffer"].items()}
         )
-        print(f"  epoch {e}: {cells}  MB")
-    print(
-        f"  largest spread across epochs (max-min over mean): RSS {mem['rss_spread']:.2%}, "
-        f"USS at epoch end {mem['end_uss_spread']:.2%} (goal <= 5%); "
-        f"USS peak {mem['peak_uss_spread']:.2%}"
-    )
-    print("  peak worker USS by shuffle buffer (decode=raw): growth over no buffer vs bytes held")
-    for size, (grow, buf) in mem["uss_growth_mb_vs_buffer_mb"].items():
-        peak = mem["peak_uss_kb_by_buffer"][size] / 1024
-        print(
-            f"    buffer {size:>5}: peak {peak:6.1f} MB  (+{grow:5.1f} MB; buffer holds "
-            f"{buf:5.1f} MB)"
-        )
-
-
-def report_shuffle(shuf: dict) -> None:
-    print("\n== shuffle quality, epoch 1: displacement from the order read off the shards ==")
-    print("  buffer    mean     p50     p90     p99  shards/batch  classes/batch")
-    for size, q in shuf.items():
-        print(
-            f"  {size:>6} {q['mean_displacement']:7.0f} {q['p50_displacement']:7.0f} "
-            f"{q['p90_displacement']:7.0f} {q['p99_displacement']:7.0f} "
-            f"{q['distinct_shards_per_batch']:13.1f} {q['distinct_classes_per_batch']:14.1f}"
-        )
+        harness.table(rows, cols, "worker memory (kB per worker; spread: max-min over the mean)")
+        spreads = {k: {"spread": v} for k, v in m.items() if k.endswith("spread")}
+        harness.table(spreads, ["spread:.2%"])
+    if "shuffle" in r:
+        cols = ["mean_displacement:.0f", "p50_displacement:.0f", "p90_displacement:.0f",
+                "p99_displacement:.0f", "distinct_shards_per_batch:.1f",
+                "distinct_classes_per_batch:.1f"]  # fmt: skip
+        harness.table({f"buffer {k}": q for k, q in r["shuffle"].items()}, cols, "shuffle, epoch 1")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,13 @@
 #!/usr/bin/env python3
-"""Table pack at scale: peak memory and time of planning and packing an N-row CSV.
-
-Makes (once, under ``--work``) a CSV of N rows ``image,caption,label`` whose images are hard
-links to a handful of real tiny JPEGs (one inode each: an N-file tree costs directory entries,
-not disk), then runs each contender in a fresh child process:
-
-- ``plan``: ``plan_pack`` alone (the scan and the plan, nothing read or written);
-- ``pack``: ``shardkit pack table.csv OUT`` (scan, plan, read, write, commit).
-
-and reports each child's peak resident memory (``ru_maxrss``) and wall time. ``--against DIR``
-runs the same children on another checkout (``git worktree add /tmp/main-wt main``) in the same
-run, interleaved, so old and new code are compared on the same data and load:
+"""Table pack at scale: planning (``plan_pack`` alone) and packing an N-row CSV whose images are
+hard links to a few tiny JPEGs (``--sources folder``: its class folders), each in a fresh child
+process, interleaved with ``--against DIR``'s: time, peak memory (the memory law as bytes per
+row above ``--base-rows``'s peak), the driver's CPU for the plan; ``--engine none local ray``
+plans (and packs) on each (a pool of 2 processes, a local Ray cluster of 2 CPUs, started before
+the clock), with the workers' peak; ``--stats`` also times the scan and the plan's ``stat``
+calls apart. Figures: docs/benchmarks.md and docs/pack.md.
 
     python benchmarks/bench_table.py --rows 1280000 --against /tmp/main-wt
-
-The memory law is printed as bytes per row above a small table's peak (``--base-rows``).
-``--engine local`` plans (and packs) on a pool of 2 processes: the table is scanned there in
-spans, and the plan reports the driver's own CPU and its workers' peak beside the driver's.
-``--engine ray`` plans on a local Ray cluster of 2 CPUs (its workers are the raylet's children,
-so the workers' column reads what the driver waited for, not them).
 """
 
 from __future__ import annotations
@@ -30,14 +19,20 @@ import data
 import harness
 
 _PLAN = """
-import json, resource, sys, time, warnings
+import json, warnings
 warnings.simplefilter("ignore")
-from shardkit.write.engines import LocalRunner
 from shardkit.write.plan import plan_pack
-engine = LocalRunner(2) if sys.argv[3] == "local" else None
-if sys.argv[3] == "ray":
+src, out, engine = sys.argv[1], sys.argv[2], sys.argv[3]
+t0 = time.perf_counter()
+runner = None
+if engine == "local":
+    from shardkit.write.engines import LocalRunner
+    runner = LocalRunner(2)
+elif engine == "ray":
     from shardkit.integrations.ray import RayRunner
-    engine = RayRunner(num_cpus=2)
+    runner = RayRunner(num_cpus=2)
+    runner.map_chunks(len, [("warm-up",)] * 2)  # workers started before the clock
+row = {"engine_start": time.perf_counter() - t0}
 kw = dict(shard_size="64MB", format="tar", shuffle=True, seed=0, validate="header",
           resize_short=None, on_error="skip")
 try:  # the planner takes the pack's options whole
@@ -45,18 +40,24 @@ try:  # the planner takes the pack's options whole
     how = (PackOptions(**kw, progress=False),), {}
 except ImportError:  # an older checkout (--against): its planner took them loose
     how = (), kw
-t0 = time.perf_counter()
-plan = plan_pack(sys.argv[1], sys.argv[2], *how[0], **how[1], engine=engine)
-dt = time.perf_counter() - t0
-if hasattr(engine, "close"):
-    engine.close()
+c, t0 = cpu(), time.perf_counter()
+plan = plan_pack(src, out, *how[0], **how[1], engine=runner)
+row.update(seconds=time.perf_counter() - t0, plan_cpu=cpu() - c, fp=plan.fingerprint)
+if sys.argv[4] == "stats":  # the scan and the stat calls apart, measured again after the plan
+    from shardkit.scan import scan_source
+    from shardkit.write.read import source_stats
+    c0 = cpu()
+    scan = scan_source(src, engine=runner)
+    c1, w1 = cpu(), time.perf_counter()
+    stats = source_stats(scan, runner)
+    row.update(scan_cpu=c1 - c0, stats_cpu=cpu() - c1, stats_wall=time.perf_counter() - w1,
+               fp=f"{plan.fingerprint} {int(stats.files[:, 0].sum())}")
+if hasattr(runner, "close"):
+    runner.close()
 # VmHWM: this process's own peak (ru_maxrss keeps the launching parent's across the exec)
-with open("/proc/self/status") as f:
-    peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
-workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-print(json.dumps({"seconds": dt, "peak_mb": peak, "workers_mb": workers,
-                  "driver_cpu_s": time.process_time(), "shards": plan.num_shards,
-                  "samples": len(plan.order), "fp": plan.fingerprint}))
+row.update(peak_mb=status_mb("VmHWM"), files=len(plan.order),
+           workers_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+print(json.dumps(row))
 """
 
 # The CLI pack in a child whose own peak is read from this wrapper (RUSAGE_CHILDREN).
@@ -71,21 +72,17 @@ print(json.dumps({"seconds": dt,
 """
 
 
-def plan_once(checkout: Path, table: Path, out: Path, engine: str = "") -> dict:
-    return harness.in_child(checkout, _PLAN, table, out, engine or "-")
-
-
-def pack_once(checkout: Path, table: Path, out: Path, engine: str = "") -> dict:
-    args = (table, out, "-q", "--overwrite", "--shard-size", "64MB")
-    args += ("--engine", engine) if engine else ()
-    return harness.in_child(checkout, _PACK, *args)
-
-
 @harness.case(
     data="an N-row table of hard-linked JPEGs (and a --base-rows one)",
     measures="planning's and packing's peak memory and time, bytes per row, at N rows",
-    small={"rows": 300, "base_rows": 100},
-    aliases={"rounds": ["repeats"]},
+    small={
+        "rows": 300,
+        "base_rows": 100,
+        "sources": ("table", "folder"),
+        "engines": ("local",),
+        "stats": True,
+    },  # fmt: skip
+    aliases={"rounds": ["repeats"], "engines": ["engine"]},
 )
 class Table(harness.Bench):
     rounds: int = 1
@@ -94,11 +91,11 @@ class Table(harness.Bench):
     base_rows: int = 10_000
     work: Path | None = harness.arg(None, "data (default: the data root)")
     no_pack: bool = harness.arg(False, "time the plan only")
-    engine: Literal["local", "ray"] | None = harness.arg(
-        None,
-        "plan (and pack) on --engine local, 2 processes: the driver's peak and its "
-        "workers'; or on a local Ray cluster of 2 CPUs (--engine ray: the driver's peak)",
+    engines: tuple[Literal["none", "local", "ray"], ...] = harness.arg(
+        ("none",), "plan (and pack) on each: none, a pool of 2 processes, a Ray cluster of 2 CPUs"
     )
+    sources: tuple[Literal["table", "folder"], ...] = ("table",)
+    stats: bool = harness.arg(False, "also time the scan and the stat calls apart")
 
 
 def main(a: Table) -> None:
@@ -110,51 +107,71 @@ def main(a: Table) -> None:
     sides = {}
     for n, table in tables.items():
         for name, checkout in contenders.items():
-            out = work / f"out-{name}"
-
-            def one(r, checkout=checkout, table=table, out=out) -> dict:
-                res = {"plan": plan_once(checkout, table, out, a.engine)}
-                if not a.no_pack:
-                    res["pack"] = pack_once(checkout, table, out, a.engine)
-                return res
-
-            sides[f"{name} {n}"] = one
+            for src in a.sources:  # one folder (work/img) holds every table's images
+                for engine in a.engines if src == "table" or n == a.rows else ():
+                    what = (checkout, table if src == "table" else work / "img", work / "out")
+                    sides[f"{name} {src} {engine} {n}"] = lambda r, w=what, e=engine: one(
+                        a, *w, "" if e == "none" else e
+                    )
     rounds = harness.interleave(sides, a.rounds, order="reverse")
     results = {
         k: {w: [r[w] for r in runs if w in r] for w in ("plan", "pack")}
         for k, runs in rounds.results.items()
     }
-    report(results, contenders, tables, a.rows, a.base_rows)
+    report(results, a.rows, a.base_rows)
     harness.write_result(a.json, "bench_table", a, results, rounds)
 
 
-def report(results: dict, contenders: dict, tables: dict, rows: int, base_rows: int) -> None:
-    load = harness.load_now()
-    print(f"load average {load.text()}; {load.cpu_count} CPUs")
-    head = f"{'contender':<22}{'plan s':>9}{'plan MB':>9}{'CPU s':>8}{'wkr MB':>8}"
-    print(head + f"{'pack s':>9}{'pack MB':>9}")
+def one(a: Table, checkout: Path, src: Path, out: Path, engine: str) -> dict:
+    res = {
+        "plan": harness.in_child(
+            checkout, _PLAN, src, out, engine or "-", "stats" if a.stats else "-"
+        )
+    }
+    if not a.no_pack:
+        args = (src, out, "-q", "--overwrite", "--shard-size", "64MB")
+        res["pack"] = harness.in_child(
+            checkout, _PACK, *args, *(("--engine", engine) if engine else ())
+        )
+    return res
+
+
+def report(results: dict, rows: int, base_rows: int) -> None:
+    """The best of the rounds per figure, bytes per row above the small table's peak, each
+    engine's driver CPU over none's, and whether every contender planned each source alike."""
+    print(f"load average {harness.load_now().text()}")
+    best = {}
     for key, res in results.items():
-        line = f"{key:<22}"
-        for what in ("plan", "pack"):  # the best of the repeats: seconds and peak each
-            if res[what]:
-                line += f"{min(r['seconds'] for r in res[what]):>9.1f}"
-                line += f"{min(r['peak_mb'] for r in res[what]):>9.0f}"
-            if what == "plan" and res[what]:  # the driver's own CPU; its workers' peak
-                line += f"{min(r.get('driver_cpu_s', 0) for r in res[what]):>8.1f}"
-                line += f"{min(r.get('workers_mb', 0) for r in res[what]):>8.0f}"
-        print(line)
-    for name in contenders:
-        small, big = results[f"{name} {base_rows}"], results[f"{name} {rows}"]
+        best[key] = {f"{what} {k}": min(r[k] for r in res[what])
+                     for what in ("plan", "pack") if res[what] for k in res[what][0]
+                     if isinstance(res[what][0][k], (int, float))}  # fmt: skip
+        src, n = key.split()[1], key.split()[-1]
+        fps = {
+            r["plan"][0]["fp"]
+            for k, r in results.items()
+            if f" {src} " in k and k.endswith(f" {n}")
+        }
+        best[key]["fingerprints"] = "agree" if len(fps) == 1 else "DIFFER"
+    for key, b in best.items():
+        name, src, engine, n = key.split()
+        small, none = (
+            best.get(f"{name} {src} {engine} {base_rows}"),
+            best.get(f"{name} {src} none {n}"),
+        )
         for what in ("plan", "pack"):
-            if not big[what]:
-                continue
-            d = min(r["peak_mb"] for r in big[what]) - min(r["peak_mb"] for r in small[what])
-            per = d * 2**20 / (rows - base_rows)
-            print(f"{name} {what}: {per:.0f} B/row above a {base_rows}-row table's peak")
-    fps = {k: r["plan"][0]["fp"] for k, r in results.items()}
-    for n in tables:
-        same = {v for k, v in fps.items() if k.endswith(f" {n}")}
-        print(f"{n} rows: fingerprints {'agree' if len(same) == 1 else 'DIFFER'}")
+            if f"{what} peak_mb" in b and n == str(rows) and small:
+                b[f"{what} B/row"] = (
+                    (b[f"{what} peak_mb"] - small[f"{what} peak_mb"]) * 2**20 / (rows - base_rows)
+                )
+        for k in ("plan plan_cpu", "plan stats_cpu"):
+            if none and k in b and engine != "none" and none[k]:
+                b[f"{k} x none"] = b[k] / none[k]
+    cols = ["plan seconds:.1f", "plan peak_mb:.0f", "plan plan_cpu:.1f", "plan workers_mb:.0f",
+            "plan engine_start:.1f", "plan scan_cpu:.2f", "plan stats_cpu:.2f",
+            "plan stats_wall:.2f", "plan plan_cpu x none:.3f", "plan stats_cpu x none:.3f",
+            "pack seconds:.1f", "pack peak_mb:.0f", "plan B/row:.0f", "pack B/row:.0f",
+            "fingerprints"]  # fmt: skip
+    harness.table(best, cols)
 
 
 if __name__ == "__main__":

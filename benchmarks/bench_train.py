@@ -1,27 +1,13 @@
 #!/usr/bin/env python3
-"""Where users train: loaders across core counts, and feeding a real model on the GPU.
-
-``--scaling``: for N = 1, 2, 4, ... up to the usable CPUs (or ``--workers``), interleaved in one
-run: the ceiling (N processes decoding the same JPEG bytes at once with simplejpeg), ShardLoader
-(N workers) and DataLoader(ShardDataset(batch_size=B), N workers), on two workloads: (a) LFW-shaped
-full decode and (b) ImageNet-shaped random-resized-crop 224 + flip (its ceiling is the FULL
-decode, as in bench_loader.py). Per contender: images/s, the ratio to the ceiling, the training
-process's CPU per image against one decode's, and per-worker efficiency: the CPU a worker spends
-per image against a bare loop making the same decoder call on the same bytes in one process.
-
-``--train resnet50,resnet18`` (needs CUDA and torchvision; says so and skips otherwise): the
-batch already on the GPU (the GPU's own speed) vs ShardLoader(device="cuda") vs
-DataLoader(ShardDataset, pin_memory=True); bf16 autocast, channels_last, SGD, batch 256, epochs
-of at least ``--samples`` (shards replicated), full batches only (a new batch shape makes
-cudnn.benchmark re-tune). Reported: images/s, the share of step time the GPU waited for data
-(CUDA events around each step's compute: the gaps between steps), and what the loader did and
-said of the run (``loader.stats()``: its wait share, verdict and where the time went).
-``--train tiny --device cpu`` runs the same loop with a small CNN on the CPU (a smoke test).
+"""Where users train: loaders across core counts (``--scaling``: for N = 1, 2, 4... workers,
+ShardLoader and DataLoader(ShardDataset) against N processes decoding at once, (a) LFW full
+decode and (b) ImageNet RRC-224 + flip, with per-worker efficiency against a bare decoder loop)
+and feeding a real model (``--train resnet50,resnet18``: the batch resident on the GPU vs
+ShardLoader(device=) vs DataLoader(pin_memory=True), bf16, channels_last; images/s, the GPU's
+wait share from CUDA events, ``loader.stats()``). ``--train tiny --device cpu`` runs the loop
+on any machine.
 
     python benchmarks/bench_train.py --scaling --lfw /tmp/bl/lfw --imagenet /tmp/bl/imagenet
-    python benchmarks/bench_train.py --train resnet50,resnet18 --imagenet data/imagenet
-
-Writes ``--json`` (default bench-out/bench_train.json) and, with matplotlib, ``--plot``.
 """
 
 from __future__ import annotations
@@ -39,13 +25,12 @@ import harness
 ROOT = harness.ROOT
 
 import numpy as np  # noqa: E402
-import simplejpeg  # noqa: E402
 import torch  # noqa: E402
-from bench_loader import RRC, ensure, timed_epoch  # noqa: E402
+from bench_loader import RRC, WorkerLoop, ensure, timed_epoch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import ShardDataset, ShardLoader  # noqa: E402
-from shardkit.images.geometry import Geometry, TensorDecoder  # noqa: E402
+from shardkit.stream.world import World  # noqa: E402
 
 MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 WORKLOADS = {
@@ -65,36 +50,17 @@ def worker_counts(limit: int) -> list[int]:
 # --- the ceiling and the bare loop --------------------------------------------------------------
 
 
-def bare_cpu_us(datas: list[bytes], kw: dict, batch: int) -> tuple[float, float, float]:
-    """CPU us per image in this process of: simplejpeg alone (into one reused, cache-hot
-    array), the workers' own decoder call into that array, and the same call into the images of
-    three batch-sized arrays in turn (as any loader must write its batches: cold memory)."""
-    plain = harness.ceiling(datas, processes=1).cpu_us
-    size = kw.get("size")
-    geometry = Geometry(size, kw["crop"], kw["flip"]) if size else None
-    decoder = TensorDecoder(geometry, 0, 0, 0)
-    h, w, _, _ = simplejpeg.decode_jpeg_header(datas[0])
-    shape = (3, size, size) if size else (3, h, w)
-    fits = [d for d in datas if size or simplejpeg.decode_jpeg_header(d)[:2] == (h, w)]
-    results = []
-    for arrays in ([torch.empty(shape, dtype=torch.uint8)], _batches(3, batch, shape)):
-        c = time.thread_time()
-        for i, d in enumerate(fits):
-            out = arrays[i % len(arrays)]
-            if size:
-                decoder(d, str(i), out)
-            else:
-                decoder.into_planes(d, str(i), out.numpy())
-        results.append((time.thread_time() - c) / len(fits) * 1e6)
-    return plain, results[0], results[1]
-
-
-def _batches(n: int, batch: int, shape: tuple) -> list[torch.Tensor]:
-    """The images of ``n`` batch buffers, batch after batch."""
-    buffers = [torch.empty((batch, *shape), dtype=torch.uint8) for _ in range(n)]
-    for b in buffers:
-        b.fill_(0)  # fault the pages in now, as a loader's ring is after its first epoch
-    return [img for b in buffers for img in b.unbind(0)]
+def bare_cpu_us(shards: Path, kw: dict) -> float:
+    """CPU us per image of the workers' own decoder calls on the same bytes into batch
+    buffers, in this process (``bench_loader.WorkerLoop.bare``: the per-worker bare loop)."""
+    ds = ShardDataset(str(shards), **kw)
+    loop = WorkerLoop(
+        ds, [(r.data, r.key) for r in ds.records_from(World(0, 1, 0, 1), 0, None)], False
+    )
+    try:
+        return loop.bare(0)
+    finally:
+        loop.close()
 
 
 # --- --scaling --------------------------------------------------------------------------------
@@ -113,13 +79,9 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     src = args.lfw if part == "a" else args.imagenet
     shards = ensure(src, "lfw" if part == "a" else "imagenet", args.lfw_scale)
     datas = data.jpeg_bytes(src)
-    plain, hot, own = bare_cpu_us(datas, kw, args.batch)
-    print(
-        f"({part}) {title}: {len(datas)} images; bare loop {plain:.0f} us/image "
-        f"(simplejpeg), the workers' decoder call {hot:.0f} into one array, {own:.0f} "
-        "into batch buffers",
-        flush=True,
-    )
+    plain, own = harness.ceiling(datas, processes=1).cpu_us, bare_cpu_us(shards, kw)
+    print(f"({part}) {title}: {len(datas)} images; a decode {plain:.0f} CPU us/image "
+          f"(simplejpeg), the workers' decoder calls into batch buffers {own:.0f}")  # fmt: skip
     names = ["ShardLoader", "DataLoader"]
     loaders: dict = {}
 
@@ -135,7 +97,6 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
             res = timed_epoch(_epoch(*loaders[key], r + 1))
             if getattr(loaders[key][1], "worker_pids", []):
                 workers = res["cpu_us_per_image"] - res["main_cpu_us_per_image"]
-                res["worker_efficiency_hot"] = hot / workers
                 res["worker_efficiency"] = own / workers
             res["main_cpu_share"] = res["main_cpu_us_per_image"] / plain
             return res
@@ -163,25 +124,23 @@ def _scaling_part(args, part: str, counts: list[int]) -> dict:
     return {
         "title": title,
         "bare_cpu_us_simplejpeg": plain,
-        "bare_cpu_us_decoder_one_array": hot,
         "bare_cpu_us_decoder_batches": own,
         "by_workers": {str(n): _summary(rows[n]) for n in counts},
     }
 
 
 def _print_rounds(args, part: str, counts: list[int], rows: dict) -> None:
+    table = {}
     for r in range(args.rounds):
         for n in counts:
             c = rows[n]["ceiling"][r]
-            s, d = rows[n]["ShardLoader"][r], rows[n]["DataLoader"][r]
-            print(
-                f"  [{part} {r + 1}/{args.rounds}] N={n:2d} ceiling {c:7.0f}  ShardLoader "
-                f"{s['images_per_s']:7.0f} ({s['images_per_s'] / c:.2f})  DataLoader "
-                f"{d['images_per_s']:7.0f} ({d['images_per_s'] / c:.2f})  worker eff "
-                f"{s.get('worker_efficiency', float('nan')):.2f}  trainer CPU "
-                f"{s['main_cpu_share']:.3f} of a decode  load {s['load_1min']:.1f}",
-                flush=True,
-            )
+            for name in ("ShardLoader", "DataLoader"):
+                x = rows[n][name][r]
+                table[f"[{part} {r + 1}/{args.rounds}] N={n} {name}"] = {
+                    **x, "ceiling": c, "of ceiling": x["images_per_s"] / c}  # fmt: skip
+    cols = ["ceiling:.0f", "images_per_s:.0f", "of ceiling:.2f", "worker_efficiency:.2f",
+            "main_cpu_share:.3f", "load_1min:.1f"]  # fmt: skip
+    harness.table(table, cols)
 
 
 def _build(name: str, shards: Path, kw: dict, n: int, batch: int):
@@ -210,36 +169,6 @@ def _summary(row: dict) -> dict:
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if k in SUMMED}
         out[name] = {**med, "ratio_to_ceiling": statistics.median(ratios), "runs": runs}
     return out
-
-
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: no plot (pip install -e '.[bench]')")
-        return
-    parts = result["workloads"]
-    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.2), squeeze=False)
-    for ax, (part, w) in zip(axes[0], parts.items(), strict=True):
-        ns = [int(n) for n in w["by_workers"]]
-        rows = list(w["by_workers"].values())
-        ax.plot(ns, [r["ceiling_images_per_s"] for r in rows], "k--", label="ceiling (N decoders)")
-        for name, style in (("ShardLoader", "o-"), ("DataLoader", "s-")):
-            ax.plot(ns, [r[name]["images_per_s"] for r in rows], style, label=name)
-        ax.set_title(f"({part}) {w['title']}")
-        ax.set_xlabel("workers N")
-        ax.set_ylabel("images/s")
-        ax.set_xticks(ns)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
 
 
 # --- --train ---------------------------------------------------------------------------------
@@ -317,6 +246,16 @@ def train(args) -> dict:
     return out
 
 
+def trainer_loader(
+    urls, decode_on="workers", workers=1, batch=256, device="cuda", decode=RRC, **kw
+):
+    """ShardLoader as a trainer builds it: normalised, channels_last, on ``device``, full
+    batches (RRC-224 + flip unless ``decode``); (the dataset, the loader)."""
+    ds = ShardDataset(urls, decode=decode)
+    how = dict(device=device, drop_last=True, normalize=MEAN_STD, channels_last=True, **kw)
+    return ds, ShardLoader(ds, batch, num_workers=workers, decode_on=decode_on, **how)
+
+
 def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device, sink=None):
     """An endless iterator of (images float NCHW channels_last normalised, labels) on device;
     the ShardLoader built goes into ``sink["loader"]`` (its ``feed_counts``)."""
@@ -327,22 +266,13 @@ def _feeder(kind: str, urls, geo: dict, n: int, batch: int, device: torch.device
         y = torch.randint(0, 1000, (batch,), device=device)
         while True:
             yield x, y
-    shard_loader = kind.startswith("ShardLoader")
-    ds = ShardDataset(urls, **geo) if shard_loader else ShardDataset(urls, batch_size=batch, **geo)
-    if shard_loader:
-        loader = ShardLoader(
-            ds,
-            batch,
-            num_workers=n,
-            device=device,
-            drop_last=True,
-            normalize=MEAN_STD,
-            channels_last=True,
-            decode_on=kind.split()[1] if " " in kind else "workers",
-        )
+    if kind.startswith("ShardLoader"):
+        where = kind.split()[1] if " " in kind else "workers"
+        ds, loader = trainer_loader(urls, where, n, batch, device, **geo)
         if sink is not None:
             sink["loader"] = loader
     else:
+        ds = ShardDataset(urls, batch_size=batch, **geo)
         loader = DataLoader(
             ds,
             batch_size=batch,
@@ -450,19 +380,17 @@ class Train(harness.Bench):
         "--train: ShardLoader decode_on values to run, e.g. workers,device,auto "
         "(device and auto need shardkit[gpu])",
     )
-    plot: Path = ROOT / "bench-out" / "bench_train.png"
 
 
 def main(args: Train) -> None:
     if args.smoke:
-        args = replace(args, plot=args.json.with_suffix(".png"), train=args.train and "tiny")
+        args = replace(args, train=args.train and "tiny")
     if not args.scaling and not args.train:
         raise SystemExit("give --scaling and/or --train MODELS")
     torch.set_num_threads(1)  # the bare loop and the trainer's own work: one core, as a worker
     result: dict = {"load_start": harness.loadavg(), "cpus": harness.cores()}
     if args.scaling:
         result["scaling"] = scaling(args)
-        plot(result["scaling"], args.plot)
     if args.train:
         result["train"] = train(argparse.Namespace(**{**vars(args), "batch": 256}))
     harness.write_result(args.json, "bench_train", args, result)

@@ -1,10 +1,6 @@
-"""The benchmarks' data makers, cached under one root.
-
-Every data set a benchmark reads is made here, once, under ``root()``
-(``$SHARDKIT_BENCH_DATA``, default ``/tmp/shardkit-bench``); a benchmark's own path flag
-(``--imagenet``, ``--lfw``, ``--work``...) still picks another place. A made set is reused while
-it is complete (its ``manifest.json`` or its final file exists), so a second run times the code,
-not the making. The smoke test points the root at a temporary folder.
+"""The benchmarks' data makers, each set made once under ``root()`` (``$SHARDKIT_BENCH_DATA``,
+default ``/tmp/shardkit-bench``) and reused while complete; a case's own path flag picks another
+place.
 """
 
 from __future__ import annotations
@@ -16,24 +12,6 @@ import shutil
 import tarfile
 import warnings
 from pathlib import Path
-
-__all__ = [
-    "clip_shards",
-    "imagenet",
-    "jpeg_bytes",
-    "lfw",
-    "lfw_with_captions",
-    "lfw_with_masks",
-    "noisy",
-    "packed",
-    "root",
-    "linked_copy",
-    "many_shards",
-    "scale_set",
-    "scale_tree",
-    "table",
-    "tiny_jpeg",
-]
 
 
 def root() -> Path:

@@ -1,25 +1,11 @@
-"""The one harness every benchmark in this folder runs on.
+"""The one harness every case in this folder runs on (docs/benchmarks.md, "`benchmarks/`":
+what each part does and why every figure is taken in interleaved rounds).
 
-FFCV's shape (one harness, one small file per question) with shardkit's interleaving, which
-FFCV lacks: on a shared machine two contenders timed one after the other measure the load, not
-the code, so every figure here is taken in rounds, every contender once per round in a rotating
-(or alternating) order, with the load average recorded at the start of each round, and a
-comparison is the median of per-round ratios. What lives here, once:
-
-- ``interleave(contenders, rounds)`` -> ``Rounds`` (each round's ``Load``, every result, the CPU
-  seconds of each call); ``Rounds.median``, ``Rounds.ratio`` (median of per-round ratios),
-  ``Rounds.welch`` (``shardkit.bench.stats``);
-- ``cpu_seconds()``: this process and its ended children (DataLoader workers once joined);
-- ``in_child(checkout, code, *args)``: a contender in a fresh child process with ``checkout``
-  first on ``sys.path`` (``--against`` another checkout, or a cold process of this one);
-- ``ceiling(blobs, ...)``: THE decode ceiling, one definition with its variants named;
-- ``epoch(batches)``: THE epoch timing loop (images, first-batch wait, wall and CPU seconds);
-- the registry: a case is a frozen dataclass of typed parameters (``Bench``'s ``rounds``,
-  ``json``, ``smoke`` and its own), registered by ``@case(data=, measures=, small=)``; its flags
-  are made from its fields (``--batch-size`` from ``batch_size``), ``--small`` (``--smoke``)
-  puts in the ``small`` values and one round. ``main()`` is ``python -m benchmarks list|run``;
-  ``script(__file__)`` keeps ``python benchmarks/bench_x.py ...`` working;
-- ``write_result()``: one JSON schema for every benchmark.
+``interleave`` and ``Rounds`` (medians of per-round ratios, each round's load), ``cpu_seconds``,
+``in_child`` (a contender in a fresh process of ``--against``'s checkout), ``epoch`` (THE epoch
+timing loop), ``ceiling`` (THE decode ceiling), ``table`` (THE report printer), the registry
+(``@case``, ``Bench``, ``main``: ``python -m benchmarks list|run``) and ``write_result`` (one
+JSON schema).
 """
 
 from __future__ import annotations
@@ -71,35 +57,6 @@ def load_now() -> Load:
 
     return Load.now(cores())
 
-
-__all__ = [
-    "ROOT",
-    "Ceiling",
-    "Rounds",
-    "ceiling",
-    "ceiling_at_once",
-    "Bench",
-    "arg",
-    "case",
-    "cases",
-    "epoch",
-    "main",
-    "script",
-    "cores",
-    "cpu_seconds",
-    "checkouts",
-    "side_by_side",
-    "in_child",
-    "interleave",
-    "available",
-    "live_cpu_seconds",
-    "load_now",
-    "loadavg",
-    "load_text",
-    "say",
-    "smoke_drop",
-    "write_result",
-]
 
 #: Schema version of ``write_result``'s JSON.
 SCHEMA = 1
@@ -352,6 +309,23 @@ def checkouts(case: Bench) -> dict[str, Path]:
     if case.against is None and not case.smoke:
         raise SystemExit("--against DIR is required (another checkout)")
     return {"this": ROOT, "against": Path(case.against or ROOT).resolve()}
+
+
+def table(rows: dict[str, dict], columns: Sequence[str], title: str = "") -> None:
+    """THE report printer: one line per row, one column per ``"key:format"`` (``"rate:.0f"``;
+    no format: ``str``), "-" where a row lacks the key; a case declares its columns."""
+    cols = [c.partition(":")[::2] for c in columns]
+    width = max([len(str(name)) for name in rows] + [4])
+    if title:
+        print(f"\n{title}")
+    print(" " * width, *(f"{k:>{max(8, len(k))}}" for k, _ in cols))
+    for name, row in rows.items():
+        cells = []
+        for k, fmt in cols:
+            v = row.get(k)
+            text = "-" if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+            cells.append(f"{text:>{max(8, len(k))}}")
+        print(f"{str(name):{width}}", *cells, flush=True)
 
 
 def side_by_side(rounds: Rounds, this: str, other: str, key: str = "rate") -> dict:

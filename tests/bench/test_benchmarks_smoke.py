@@ -37,8 +37,7 @@ CASES = [s.removeprefix("bench_").removesuffix(".py") for s in SCRIPTS]
 EXTRA = {
     name: ["--against", str(ROOT)]
     for name in (
-        "against", "crops", "open", "sample_transform", "scale", "split", "stats_overhead",
-        "table",
+        "against", "crops", "open", "scale", "split", "table",
     )
 }  # fmt: skip
 
@@ -329,6 +328,17 @@ def test_write_result_is_one_schema(tmp_path):
     assert back == json.loads(json.dumps(doc, default=str))
     assert set(back) == {"schema", "benchmark", "args", "machine", "load_end", "rounds", "result"}
     assert back["rounds"]["names"] == ["a"] and len(back["rounds"]["results"]["a"]) == 2
+
+
+def test_table_is_the_one_report_printer(capsys):
+    """A case declares its columns as ``key:format``; a row without a key shows "-", a value
+    that is not a number is shown as it is, and a title comes first."""
+    rows = {"ShardLoader": {"rate": 1234.5, "ratio": 0.98765, "note": "ok"}, "folder": {"rate": 7}}
+    harness.table(rows, ["rate:,.0f", "ratio:.2f", "note"], "epochs")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "epochs" and lines[2].split() == ["rate", "ratio", "note"]
+    assert lines[3].split() == ["ShardLoader", "1,234", "0.99", "ok"]
+    assert lines[4].split() == ["folder", "7", "-", "-"]
 
 
 def test_ceiling_is_one_definition_with_its_variants():
