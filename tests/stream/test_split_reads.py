@@ -102,15 +102,28 @@ def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
     assert got == BEFORE[fmt, what]
 
 
-@pytest.mark.parametrize("what", ["val", "subset30"])
+@pytest.mark.parametrize("what", ["val", "subset30", "mix"])
 def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch, what):
     """A slice whose wanted bytes pass the reader's chunk (a large shard) is read a chunk at a
-    time and parsed a few samples at a call: the same samples as in one chunk."""
+    time and parsed a few samples at a call: the same samples as in one chunk. A mixture's two
+    range readers interleave in one thread, each on its own buffer (``ranges._BUFFERS``), over
+    two epochs (the second on the buffers the first gave back)."""
     where = _make(tmp_path / "out", "tar")
     monkeypatch.setattr(ranges, "CHUNK", 5000)  # two or three samples a chunk
     monkeypatch.setattr(ranges, "BATCH", 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if what == "mix":
+            for _ in range(2):
+                got = _digest(
+                    [
+                        Source(where, subset=0.05, weight=0.5),
+                        Source(where, split="val", weight=0.5),
+                    ],
+                    epoch_size=300,
+                )
+                assert got == BEFORE["tar", what]
+            return
         kw = {"val": {"split": "val", "val_fraction": 0.1}, "subset30": {"subset": 0.3}}[what]
         assert _digest(Source(where, **kw)) == BEFORE["tar", what]
 
