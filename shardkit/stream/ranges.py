@@ -38,6 +38,11 @@ from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import columns_range, shard_columns, shard_index
 
+try:  # a local chunk's spans read in one call (the extension is optional: os.preadv without it)
+    from ..images._native import pread_spans as _pread_spans
+except ImportError:  # pragma: no cover - built without libjpeg's headers
+    _pread_spans = None
+
 __all__ = ["SKIPPED", "RangeReader", "check_sample", "read_range", "warn_undigested"]
 
 
@@ -322,10 +327,10 @@ class RangeReader:
         key hash, which C compares with the key's, is on the split's side; LMDB: each value's
         key hashed), else a ``ShardFormatError`` naming it."""
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+        # the reader's own generator, not one around it: one frame less for every record
         if self.lmdb:
-            yield from self._lmdb_records(sl, shard, want, fields, skipped, sides)
-            return
-        yield from self._tar_records(sl, shard, want, fields, skipped, sides)
+            return self._lmdb_records(sl, shard, want, fields, skipped, sides)
+        return self._tar_records(sl, shard, want, fields, skipped, sides)
 
     def _tar_records(
         self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
@@ -350,7 +355,7 @@ class RangeReader:
         while j < len(lo):
             # a chunk of spans read together: at least one, at most ``chunk`` bytes
             k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), chunk, "right")))
-            blob = self._read_spans(shard, lo[j:k].tolist(), hi[j:k].tolist())
+            blob = self._read_spans(shard, lo[j:k], hi[j:k])
             # each sample's place in ``blob``: the chunk's spans laid end to end
             size = hi[j:k] - lo[j:k]
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
@@ -388,12 +393,13 @@ class RangeReader:
         if skipped:
             yield from itertools.repeat(SKIPPED, sl.stop - done)
 
-    def _read_spans(self, shard: ShardInfo, lo: list[int], hi: list[int]) -> bytearray:
-        """Bytes ``[lo[i], hi[i])`` of the shard laid end to end, in a buffer reused from chunk
-        to chunk (the records parsed from it are copies): one ``preadv`` a span on the
-        shard's kept descriptor (local: no bytes object made and joined per span), one ranged
-        GET a span (object storage)."""
-        total = sum(hi) - sum(lo)
+    def _read_spans(self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray) -> bytearray:
+        """Bytes ``[lo[i], hi[i])`` of the shard (int64 arrays) laid end to end, in a buffer
+        reused from chunk to chunk (the records parsed from it are copies): one ``pread`` a
+        span on the shard's kept descriptor, all in one C call (``_native.pread_spans``; local:
+        no bytes object made and joined per span, no Python per span), one ranged GET a span
+        (object storage)."""
+        total = int(hi.sum() - lo.sum())
         if self._buf is None:
             self._buf = _take_buffer()
         if len(self._buf) < total:
@@ -401,14 +407,21 @@ class RangeReader:
         buf = memoryview(self._buf)
         p = 0
         if is_url(shard.url):
-            for a, b in zip(lo, hi, strict=True):
+            for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
                 buf[p : p + b - a] = self._read(shard, a, b)
                 p += b - a
             return self._buf
         fd, preadv = self._file(shard), os.preadv
         self.reads += len(lo)
         try:
-            for a, b in zip(lo, hi, strict=True):
+            if _pread_spans is not None:
+                if _pread_spans(fd, self._buf, lo, hi) != total:
+                    raise ShardFormatError(
+                        f"{shard.url}: shorter than its sample index says (truncated or "
+                        "replaced?); re-pack it"
+                    )
+                return self._buf
+            for a, b in zip(lo.tolist(), hi.tolist(), strict=True):  # pragma: no cover
                 if preadv(fd, [buf[p : p + b - a]], a) != b - a:
                     raise ShardFormatError(
                         f"{shard.url}: shorter than its sample index says (truncated or "

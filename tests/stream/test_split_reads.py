@@ -130,12 +130,21 @@ def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch,
 
 class _Preads:
     """Counts ``os.pread`` and ``os.preadv`` calls (how both readers read a local shard's
-    bytes)."""
+    bytes) and the spans the range reader's C call reads, one ``pread`` each
+    (``ranges._pread_spans``)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
         for name in ("pread", "preadv"):
             monkeypatch.setattr(os, name, self._counted(getattr(os, name)))
+        real = ranges._pread_spans
+        if real is not None:
+
+            def spans(fd, buf, lo, hi):
+                self.calls += len(lo)
+                return real(fd, buf, lo, hi)
+
+            monkeypatch.setattr(ranges, "_pread_spans", spans)
 
     def _counted(self, real):
         def counting(*args):
