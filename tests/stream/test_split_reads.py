@@ -381,3 +381,19 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
     read_all, hashed_all, keys_all = construct()
     assert hashed_all == 3000 and keys_all == keys
     assert read_all > read + 3000 * 20  # the key table (20-byte keys) read too
+
+
+def test_a_chunks_samples_are_parsed_in_calls_bounded_in_samples_and_bytes(monkeypatch):
+    """``ranges._batches``: at most ``BATCH`` samples a call, and a call ends once its bytes pass
+    ``BATCH_BYTES`` (so a chunk of large images is never all alive at once); every sample in
+    exactly one call, in order."""
+    monkeypatch.setattr(ranges, "BATCH", 4)
+    monkeypatch.setattr(ranges, "BATCH_BYTES", 1000)
+    for sizes in ([10] * 3, [10] * 9, [600] * 5, [10, 2000, 10, 10, 10, 10, 10], [5000]):
+        cuts = ranges._batches(np.array(sizes, np.int64))
+        assert cuts[0] == 0 and cuts[-1] == len(sizes) and cuts == sorted(set(cuts))
+        for c, d in zip(cuts[:-1], cuts[1:], strict=True):
+            assert d - c <= 4
+            assert sum(sizes[c : d - 1]) < 1000  # past the budget only by its last sample
+    assert ranges._batches(np.array([10] * 9, np.int64)) == [0, 4, 8, 9]
+    assert ranges._batches(np.array([600] * 5, np.int64)) == [0, 2, 4, 5]
