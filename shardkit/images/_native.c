@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 #include <jpeglib.h>
 /* XXH3-64 (seed 0), the sample index's digest of a sample's bytes (FORMAT.md): the xxHash library
  * itself (its header, vendored from the xxhash sdist, BSD-2-Clause), compiled in here so tar_at
@@ -873,6 +875,65 @@ done:
     return out;
 }
 
+/* pread_spans(fd, buf, lo, hi): the bytes ``[lo[i], hi[i])`` of the open file ``fd`` laid end to
+ * end from the start of ``buf`` (writable; ``lo`` and ``hi``: native 64-bit ints), one pread a span
+ * (again where the kernel gives less, EINTR retried), the GIL released: a sparse epoch's spans are
+ * mostly one sample each, and one os.preadv call a span from Python cost more than the parse of
+ * its sample. Returns the bytes read: fewer than the spans hold where the file ends first (the
+ * caller names the shard); OSError where a read fails. */
+static PyObject *pread_spans(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer bv, lv, hv;
+    if (!PyArg_ParseTuple(args, "iw*y*y*", &fd, &bv, &lv, &hv))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = lv.len / (Py_ssize_t)sizeof(long long), total = 0, p = 0;
+    const long long *lo = lv.buf, *hi = hv.buf;
+    int err = 0;
+    if (lv.len != hv.len || lv.len % (Py_ssize_t)sizeof(long long) != 0) {
+        PyErr_SetString(PyExc_ValueError, "pread_spans: lo and hi differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (lo[i] < 0 || hi[i] < lo[i] || hi[i] - lo[i] > bv.len - total) {
+            PyErr_SetString(PyExc_ValueError, "pread_spans: a span out of order or past the buffer");
+            goto done;
+        }
+        total += (Py_ssize_t)(hi[i] - lo[i]);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && !err; i++) {
+        long long at = lo[i], left = hi[i] - lo[i];
+        while (left > 0) {
+            ssize_t r = pread(fd, (char *)bv.buf + p, (size_t)left, (off_t)at);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0) {
+                err = errno;
+                break;
+            }
+            if (r == 0) { /* the file ends before the span: the caller sees fewer bytes */
+                err = -1;
+                break;
+            }
+            p += r, at += r, left -= r;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err > 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyLong_FromSsize_t(p);
+done:
+    PyBuffer_Release(&bv);
+    PyBuffer_Release(&lv);
+    PyBuffer_Release(&hv);
+    return result;
+}
+
 /* xxh3_64(data): the digest tar_at checks, for the test that it is xxhash's own. */
 static PyObject *xxh3_64(PyObject *self, PyObject *args)
 {
@@ -891,6 +952,8 @@ static PyMethodDef roi_methods[] = {
     {"tar_samples", tar_samples, METH_VARARGS,
      "tar_samples(buf, pos, end, done, start, stop, budget, images, labels, fields, make, shard"
      "[, bits, base, salt, threshold[, digests, offsets, origin]]) -> (records, pos, done)"},
+    {"pread_spans", pread_spans, METH_VARARGS,
+     "pread_spans(fd, buf, lo, hi) -> bytes read: spans of a file laid end to end in buf"},
     {"tar_at", tar_at, METH_VARARGS,
      "tar_at(buf, starts, ends, hashes, salt, images, labels, fields, make, shard[, digests])"
      " -> [record or None], or the first sample whose digest differs"},

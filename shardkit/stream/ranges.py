@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import stat
+import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import ShardFormatError, StorageError
+from ..formats import sample_index
 from ..formats.sample_index import (
     SPLIT_SALT,
     ShardDigests,
@@ -34,6 +37,11 @@ from ..formats.tar.reader import SampleAltered, read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
 from .indexes import columns_range, shard_columns, shard_index
+
+try:  # a local chunk's spans read in one call (the extension is optional: os.preadv without it)
+    from ..images._native import pread_spans as _pread_spans
+except ImportError:  # pragma: no cover - built without libjpeg's headers
+    _pread_spans = None
 
 __all__ = ["SKIPPED", "RangeReader", "check_sample", "read_range", "warn_undigested"]
 
@@ -93,10 +101,13 @@ SPAN = 8 << 20
 #: never held whole.
 CHUNK = 4 << 20
 
-#: Records parsed in one call: a few, as the streaming parser's budget, so their images are
-#: made and freed in small runs (a whole shard's alive at once makes glibc trim and re-fault
-#: the heap: ``formats.tar.reader._BUDGET``).
-BATCH = 16
+#: Records parsed in one call: at most ``BATCH``, and at most ``BATCH_BYTES`` of their bytes
+#: (and one sample), so their images are made and freed in runs of bounded size (a whole
+#: shard's alive at once makes glibc trim and re-fault the heap: ``formats.tar.reader._BUDGET``).
+#: Each call costs Python around it (slicing the chunk's columns, ``read_at``, the C call's
+#: arguments): about 9,000 instructions, 560 a sample at 16 a call, 140 at 64.
+BATCH = 64
+BATCH_BYTES = 1 << 20
 
 #: What a sample the plan reads through but does not want stands as (dropped by its mask).
 SKIPPED = Record("", "", b"", -1)
@@ -106,11 +117,17 @@ SKIPPED = Record("", "", b"", -1)
 class _Columns:
     """A shard's index head as the range reader uses it: offsets as int64 (``offsets[k]`` to
     ``offsets[k + 1]``: sample k's bytes) and key hashes as big-endian bytes (each key's
-    BLAKE2b digest as it comes), and each sample's digest (None: an index from before them)."""
+    BLAKE2b digest as it comes), and each sample's digest (None: an index from before them).
+    ``keys``: for each identity of the shard's file read through this index (``_identity``),
+    which samples' keys the C parser found to hash to this index's hashes, in this process.
+    A sample whose bytes hash to its digest again (checked every read) under the same index and
+    file holds the same key, so its key is not hashed again (as a streamed slice's are
+    remembered: ``sample_index.sides_checked``)."""
 
     offsets: np.ndarray
     hashes: np.ndarray
     digests: np.ndarray | None = None
+    keys: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +189,10 @@ class RangeReader:
         self._tables: dict[str, object] = {}
         self._warned: set[str] = set()
         self._fd: tuple[str, int] | None = None
-        self._buf = bytearray()  # the bytes of a chunk of spans (``_read_spans``)
+        self._who: tuple | None = None  # the kept file's identity (``_identity``)
+        #: The bytes of a chunk of spans (``_read_spans``), taken from ``_BUFFERS`` at the first
+        #: read and given back at ``close``.
+        self._buf: bytearray | None = None
         #: (url, LmdbSampleReader, its samples' digests or None)
         self._shard: tuple[str, object, np.ndarray | None] | None = None
         #: Ranges read (reads or GETs), for tests and benchmarks.
@@ -317,10 +337,10 @@ class RangeReader:
         key hash, which C compares with the key's, is on the split's side; LMDB: each value's
         key hashed), else a ``ShardFormatError`` naming it."""
         want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+        # the reader's own generator, not one around it: one frame less for every record
         if self.lmdb:
-            yield from self._lmdb_records(sl, shard, want, fields, skipped, sides)
-            return
-        yield from self._tar_records(sl, shard, want, fields, skipped, sides)
+            return self._lmdb_records(sl, shard, want, fields, skipped, sides)
+        return self._tar_records(sl, shard, want, fields, skipped, sides)
 
     def _tar_records(
         self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
@@ -345,7 +365,7 @@ class RangeReader:
         while j < len(lo):
             # a chunk of spans read together: at least one, at most ``chunk`` bytes
             k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), chunk, "right")))
-            blob = self._read_spans(shard, lo[j:k].tolist(), hi[j:k].tolist())
+            blob = self._read_spans(shard, lo[j:k], hi[j:k])
             # each sample's place in ``blob``: the chunk's spans laid end to end
             size = hi[j:k] - lo[j:k]
             shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
@@ -353,14 +373,18 @@ class RangeReader:
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
             # every byte handed out is the packer's: checked by the parse (``_read_batch``)
             span = (int(lo[j]), int(hi[j])) if is_url(shard.url) and k == j + 1 else None
-            for c in range(0, b - a, BATCH):
-                d = min(c + BATCH, b - a)  # within this chunk
+            memo = None if is_url(shard.url) else self._memo(index)
+            known = memo is not None and bool(memo[pos[a:b]].all())
+            cuts = _batches(rel_ends - rel_starts)
+            for c, d in zip(cuts[:-1], cuts[1:], strict=True):  # within this chunk
                 hashes = expect[a + c : a + d]
                 sums = None if digests is None else digests[a + c : a + d]
                 got, unchecked = self._read_batch(
                     shard, blob, (rel_starts[c:d], rel_ends[c:d]), fields, hashes, sums,
-                    pos[a + c : a + d], span,
+                    pos[a + c : a + d], span, known,
                 )  # fmt: skip
+                if memo is not None and not known:  # the keys the C parser found its index's
+                    memo[np.delete(pos[a + c : a + d], unchecked)] = True
                 if unchecked:  # those the C parser did not take (it checks the ones it takes)
                     self._check_keys(
                         [got[i] for i in unchecked], hashes[unchecked],
@@ -379,25 +403,35 @@ class RangeReader:
         if skipped:
             yield from itertools.repeat(SKIPPED, sl.stop - done)
 
-    def _read_spans(self, shard: ShardInfo, lo: list[int], hi: list[int]) -> bytearray:
-        """Bytes ``[lo[i], hi[i])`` of the shard laid end to end, in a buffer reused from chunk
-        to chunk (the records parsed from it are copies): one ``preadv`` a span on the
-        shard's kept descriptor (local: no bytes object made and joined per span), one ranged
-        GET a span (object storage)."""
-        total = sum(hi) - sum(lo)
+    def _read_spans(self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray) -> bytearray:
+        """Bytes ``[lo[i], hi[i])`` of the shard (int64 arrays) laid end to end, in a buffer
+        reused from chunk to chunk (the records parsed from it are copies): one ``pread`` a
+        span on the shard's kept descriptor, all in one C call (``_native.pread_spans``; local:
+        no bytes object made and joined per span, no Python per span), one ranged GET a span
+        (object storage)."""
+        total = int(hi.sum() - lo.sum())
+        if self._buf is None:
+            self._buf = _take_buffer()
         if len(self._buf) < total:
             self._buf = bytearray(total)
         buf = memoryview(self._buf)
         p = 0
         if is_url(shard.url):
-            for a, b in zip(lo, hi, strict=True):
+            for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
                 buf[p : p + b - a] = self._read(shard, a, b)
                 p += b - a
             return self._buf
         fd, preadv = self._file(shard), os.preadv
         self.reads += len(lo)
         try:
-            for a, b in zip(lo, hi, strict=True):
+            if _pread_spans is not None:
+                if _pread_spans(fd, self._buf, lo, hi) != total:
+                    raise ShardFormatError(
+                        f"{shard.url}: shorter than its sample index says (truncated or "
+                        "replaced?); re-pack it"
+                    )
+                return self._buf
+            for a, b in zip(lo.tolist(), hi.tolist(), strict=True):  # pragma: no cover
                 if preadv(fd, [buf[p : p + b - a]], a) != b - a:
                     raise ShardFormatError(
                         f"{shard.url}: shorter than its sample index says (truncated or "
@@ -408,7 +442,20 @@ class RangeReader:
             raise StorageError(f"{shard.url}: read of sample bytes failed: {exc}") from exc
         return self._buf
 
-    def _read_batch(self, shard, blob, at, fields, hashes, sums, pos, span):
+    def _memo(self, index: _Columns) -> np.ndarray | None:
+        """Which samples' keys were found to hash to ``index``'s hashes in the shard's file as
+        it is now (``_Columns.keys``), or None where nothing is remembered: a remote shard or
+        one just changed (no ``_who``), an index without digests (the bytes read again are not
+        known to be the same)."""
+        if self._who is None or index.digests is None:
+            return None
+        memo = index.keys.get(self._who)
+        if memo is None:
+            index.keys.clear()  # another file's: its answers do not hold for this one
+            memo = index.keys[self._who] = np.zeros(len(index.digests), bool)
+        return memo
+
+    def _read_batch(self, shard, blob, at, fields, hashes, sums, pos, span, known=False):
         """``read_at`` of the samples at ``at`` (their starts and ends in ``blob``), each checked
         against its index digest (``sums``; None: an index from before digests) as it is parsed,
         in C (one call a batch, the bytes hashed while in cache for the parse, no Python a
@@ -419,7 +466,7 @@ class RangeReader:
         and are copies)."""
         while True:
             try:
-                return read_at(blob, at[0], at[1], shard.url, fields, hashes, sums)
+                return read_at(blob, at[0], at[1], shard.url, fields, hashes, sums, known)
             except SampleAltered as exc:
                 bad = exc.args[0]
             if span is None or (shard.url, span) in self._fetched_again:
@@ -461,7 +508,7 @@ class RangeReader:
 
         if self._shard is not None and self._shard[0] == shard.url:
             return self._shard[1], self._shard[2]
-        self.close()
+        self._close_shard()
         reader = LmdbSampleReader(self.storage.local_path(shard), shard.url, walk=None)
         try:
             if shard.samples >= 0 and reader.samples != shard.samples:
@@ -541,32 +588,83 @@ class RangeReader:
         path = shard.url.removeprefix("file://")
         if self._fd is not None and self._fd[0] == path:
             return self._fd[1]
-        self.close()
+        self._close_shard()
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise StorageError(
                 f"{path}: no such file (was it moved or deleted after the dataset was built?)"
             ) from None
-        size = os.fstat(fd).st_size
-        if shard.bytes >= 0 and size != shard.bytes:
+        st = os.fstat(fd)
+        if shard.bytes >= 0 and st.st_size != shard.bytes:
             os.close(fd)
             raise ShardFormatError(
-                f"{path}: {size} bytes, its manifest says {shard.bytes}: the shard changed after "
-                "packing; re-pack it, or build the dataset again"
+                f"{path}: {st.st_size} bytes, its manifest says {shard.bytes}: the shard changed "
+                "after packing; re-pack it, or build the dataset again"
             )
         self._fd = (path, fd)
+        self._who = _identity(st)
         return fd
 
     def close(self) -> None:
+        """The reader done: its shard closed (``_close_shard``) and its buffer given back."""
+        self._close_shard()
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            _give_buffer(buf)
+
+    def _close_shard(self) -> None:
         if self.ahead is not None:
             self.ahead.close()  # GETs in flight cancelled; the plan stays (remote reads only)
         if self._fd is not None:
-            fd, self._fd = self._fd[1], None
+            fd, self._fd, self._who = self._fd[1], None, None
             os.close(fd)
         if self._shard is not None:
             reader, self._shard = self._shard[1], None
             reader.close()
+
+
+def _identity(st: os.stat_result) -> tuple | None:
+    """A shard file's identity (device, inode, size, mtime, ctime: any write, rename or
+    ``utime`` changes one), under which the keys its samples were found to hold are remembered
+    (``_Columns.keys``); None for a file changed within ``RACY_NS`` (a write in the clock's
+    granularity could leave the same stat) or not a regular file: its keys are hashed each read."""
+    if time.time_ns() - st.st_ctime_ns < sample_index.RACY_NS or not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+#: Read buffers given back by closed readers, taken by the next (``list.pop`` and ``append``
+#: are atomic, so threads share it safely): a buffer of a chunk's size is made (and zeroed) once
+#: a process, not once an epoch or a plan piece, which cost a tenth of a 10% split's
+#: instructions a sample. Each reader holds its own while it reads (two sources of a mixture
+#: interleave their readers in one thread), so at most ``BUFFERS`` are kept.
+_BUFFERS: list[bytearray] = []
+BUFFERS = 2
+
+
+def _take_buffer() -> bytearray:
+    try:
+        return _BUFFERS.pop()
+    except IndexError:
+        return bytearray()
+
+
+def _give_buffer(buf: bytearray) -> None:
+    if len(_BUFFERS) < BUFFERS and len(buf) <= 2 * CHUNK:
+        _BUFFERS.append(buf)
+
+
+def _batches(sizes: np.ndarray) -> list[int]:
+    """Where each call's samples begin in a chunk of samples of ``sizes`` bytes (and, last,
+    the chunk's end): at most ``BATCH`` samples a call, a call ending past ``BATCH_BYTES``."""
+    n = len(sizes)
+    if n and int(sizes.max()) * BATCH <= BATCH_BYTES:  # small samples: by count alone
+        return [*range(0, n, BATCH), n]
+    ends = np.cumsum(sizes)
+    bucket = (ends - sizes) // BATCH_BYTES  # the bytes before each sample, in whole budgets
+    new = (np.diff(bucket) != 0) | (np.diff(np.arange(n) // BATCH) != 0)
+    return [0, *(np.flatnonzero(new) + 1).tolist(), n]
 
 
 def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray, gap: int = GAP, cap: int = 0):

@@ -419,3 +419,39 @@ def test_a_flipped_byte_is_caught_by_the_c_parsers_digest_check(tmp_path):
             bad = bytearray(blob)
             bad[at] ^= 0x01
             assert call(bad) == i
+
+
+def test_pread_spans_lays_a_files_spans_end_to_end(tmp_path):
+    """The range reader's one call a chunk (``_native.pread_spans``): each span's bytes in order
+    from the buffer's start; fewer bytes where the file ends first (the reader names the shard);
+    a span out of order or past the buffer refused; a read that fails is an OSError."""
+    import os
+
+    import numpy as np
+
+    from shardkit.images import _native
+
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    lo = np.array([0, 700, 5000, 10000], np.int64)
+    hi = np.array([100, 1800, 5001, 10240], np.int64)
+    want = b"".join(data[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
+    buf = bytearray(len(want) + 7)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _native.pread_spans(fd, buf, lo, hi) == len(want)
+        assert bytes(buf[: len(want)]) == want
+        past = np.array([10200], np.int64), np.array([10300], np.int64)  # the file ends at 10,240
+        assert _native.pread_spans(fd, buf, *past) == 40
+        assert bytes(buf[:40]) == data[10200:]
+        with pytest.raises(ValueError, match="past the buffer"):
+            _native.pread_spans(fd, bytearray(10), lo, hi)
+        with pytest.raises(ValueError, match="out of order"):
+            _native.pread_spans(fd, buf, hi, lo)
+        with pytest.raises(ValueError, match="differ in length"):
+            _native.pread_spans(fd, buf, lo, hi[:2])
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        _native.pread_spans(fd, buf, lo, hi)  # closed

@@ -192,6 +192,66 @@ def test_a_streamed_split_checks_each_key_once_a_process_while_its_shard_is_unch
     assert set(epochs[0]) == _truth(tar_pack)[1]
 
 
+def _key_checks_at(monkeypatch) -> list[bool]:
+    """Whether each call of the C parser made by a ranged read was given the index's key
+    hashes to check each key against (``reader._tar_at``'s fourth argument: empty where the
+    keys are known to be the index's already)."""
+    from shardkit.formats.tar import reader
+
+    real, calls = reader._tar_at, []
+
+    def counting(*args):
+        calls.append(len(args[3]) > 0)
+        return real(*args)
+
+    monkeypatch.setattr(reader, "_tar_at", counting)
+    return calls
+
+
+def test_a_ranged_split_hashes_each_key_once_a_process_while_its_shard_is_unchanged(
+    tar_pack, monkeypatch
+):
+    """The val side is read as ranges, each key hashed in C and compared with its index's hash;
+    a later epoch of the same process over the same file and index checks each sample's digest
+    again (the bytes its key is part of) but hashes no key. Any change to the file (here its
+    times) is read and checked again, and the samples stay the same."""
+    from shardkit.formats import sample_index
+    from shardkit.stream import ranges
+
+    monkeypatch.setattr(sample_index, "RACY_NS", 0)  # the pack is seconds old
+    monkeypatch.setattr(ranges, "_CACHE", type(ranges._CACHE)())
+    calls = _key_checks_at(monkeypatch)
+    ds = ShardDataset(Source(tar_pack, split="val", val_fraction=VAL), decode="raw", with_keys=True)
+    (entry,) = read_manifest(tar_pack).shards
+    shard = os.path.join(tar_pack, entry.path)
+    epochs = []
+    for epoch in range(4):
+        if epoch == 2:
+            os.utime(shard, ns=(1, 1))
+        ds.set_epoch(epoch)
+        calls.clear()
+        epochs.append(sorted(s[2] for s in ds))
+        assert calls, epoch
+        assert all(calls) if epoch in (0, 2) else not any(calls), (epoch, calls)
+    assert all(keys == epochs[0] for keys in epochs)
+    assert set(epochs[0]) == _truth(tar_pack)[0]
+
+
+def test_a_column_that_lies_after_an_honest_ranged_epoch_is_still_caught(tar_pack, monkeypatch):
+    """An index edited after an honest val epoch is another index (read again, its own keys
+    remembered from nothing): a train sample its column now puts in val is hashed and named."""
+    from shardkit.formats import sample_index
+    from shardkit.stream import ranges
+
+    monkeypatch.setattr(sample_index, "RACY_NS", 0)
+    monkeypatch.setattr(ranges, "_CACHE", type(ranges._CACHE)())
+    assert _split(tar_pack, "val")  # honest: remembered
+    assert any(c.keys for c in ranges._CACHE.values() if c is not None)
+    key, _ = _lie(tar_pack, to_train=False)
+    with pytest.raises(ShardFormatError, match=repr(key)):
+        quiet(_split, tar_pack, "val")
+
+
 def test_a_column_that_lies_after_an_honest_epoch_is_still_caught(tar_pack, monkeypatch):
     """A split built after the column was edited gives its samples other bits: the slice read
     under them is not one checked before, so every key is checked again, and the moved sample

@@ -102,27 +102,49 @@ def test_split_and_subset_epochs_give_the_samples_they_gave_before(pack, what):
     assert got == BEFORE[fmt, what]
 
 
-@pytest.mark.parametrize("what", ["val", "subset30"])
+@pytest.mark.parametrize("what", ["val", "subset30", "mix"])
 def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch, what):
     """A slice whose wanted bytes pass the reader's chunk (a large shard) is read a chunk at a
-    time and parsed a few samples at a call: the same samples as in one chunk."""
+    time and parsed a few samples at a call: the same samples as in one chunk. A mixture's two
+    range readers interleave in one thread, each on its own buffer (``ranges._BUFFERS``), over
+    two epochs (the second on the buffers the first gave back)."""
     where = _make(tmp_path / "out", "tar")
     monkeypatch.setattr(ranges, "CHUNK", 5000)  # two or three samples a chunk
     monkeypatch.setattr(ranges, "BATCH", 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if what == "mix":
+            for _ in range(2):
+                got = _digest(
+                    [
+                        Source(where, subset=0.05, weight=0.5),
+                        Source(where, split="val", weight=0.5),
+                    ],
+                    epoch_size=300,
+                )
+                assert got == BEFORE["tar", what]
+            return
         kw = {"val": {"split": "val", "val_fraction": 0.1}, "subset30": {"subset": 0.3}}[what]
         assert _digest(Source(where, **kw)) == BEFORE["tar", what]
 
 
 class _Preads:
     """Counts ``os.pread`` and ``os.preadv`` calls (how both readers read a local shard's
-    bytes)."""
+    bytes) and the spans the range reader's C call reads, one ``pread`` each
+    (``ranges._pread_spans``)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
         for name in ("pread", "preadv"):
             monkeypatch.setattr(os, name, self._counted(getattr(os, name)))
+        real = ranges._pread_spans
+        if real is not None:
+
+            def spans(fd, buf, lo, hi):
+                self.calls += len(lo)
+                return real(fd, buf, lo, hi)
+
+            monkeypatch.setattr(ranges, "_pread_spans", spans)
 
     def _counted(self, real):
         def counting(*args):
@@ -359,3 +381,19 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
     read_all, hashed_all, keys_all = construct()
     assert hashed_all == 3000 and keys_all == keys
     assert read_all > read + 3000 * 20  # the key table (20-byte keys) read too
+
+
+def test_a_chunks_samples_are_parsed_in_calls_bounded_in_samples_and_bytes(monkeypatch):
+    """``ranges._batches``: at most ``BATCH`` samples a call, and a call ends once its bytes pass
+    ``BATCH_BYTES`` (so a chunk of large images is never all alive at once); every sample in
+    exactly one call, in order."""
+    monkeypatch.setattr(ranges, "BATCH", 4)
+    monkeypatch.setattr(ranges, "BATCH_BYTES", 1000)
+    for sizes in ([10] * 3, [10] * 9, [600] * 5, [10, 2000, 10, 10, 10, 10, 10], [5000]):
+        cuts = ranges._batches(np.array(sizes, np.int64))
+        assert cuts[0] == 0 and cuts[-1] == len(sizes) and cuts == sorted(set(cuts))
+        for c, d in zip(cuts[:-1], cuts[1:], strict=True):
+            assert d - c <= 4
+            assert sum(sizes[c : d - 1]) < 1000  # past the budget only by its last sample
+    assert ranges._batches(np.array([10] * 9, np.int64)) == [0, 4, 8, 9]
+    assert ranges._batches(np.array([600] * 5, np.int64)) == [0, 2, 4, 5]

@@ -413,6 +413,7 @@ def read_at(
     fields: Sequence[str] = (),
     hashes: np.ndarray | None = None,
     digests: np.ndarray | None = None,
+    known: bool = False,
 ) -> tuple[list[Record | None], list[int]]:
     """The samples of ``blob`` at ``[starts[i], ends[i])`` (int64 arrays, as a sample index
     places them; the wanted samples of a slice, apart or in runs): what ``read_sample`` gives
@@ -424,11 +425,13 @@ def read_at(
     ``read_sample``. With ``digests`` (the index's sample digests of the same samples), every
     sample's bytes are checked against its digest before any record is handed out, raising
     ``SampleAltered`` for the first that differs: in C, each sample hashed as it is parsed (no
-    Python a sample); in Python where the C parser is not built."""
+    Python a sample); in Python where the C parser is not built. ``known`` (with ``digests``):
+    the keys of these samples were found to hash to ``hashes`` before, from bytes with these
+    digests (``stream.ranges``' memo): the C parser does not hash them again."""
     out: list[Record | None]
     if _tar_at is not None:
         want = frozenset(x.lower().encode() for x in fields)
-        check = b"" if hashes is None else hashes
+        check = b"" if hashes is None or (known and digests is not None) else hashes
         sums = b"" if digests is None else np.ascontiguousarray(digests, np.uint64)
         out = _tar_at(
             blob, starts, ends, check, SPLIT_SALT, _IMAGE_EXTS, _LABEL_EXTS, want, Record, shard,
