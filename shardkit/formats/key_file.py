@@ -16,6 +16,7 @@ __all__ = [
     "HEAD",
     "KEYS_NAME",
     "MAGIC",
+    "counts_below",
     "file_digest",
     "key_file_sha256",
     "mapped",
@@ -96,3 +97,22 @@ def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty(0, np.uint64), np.empty(0, np.uint32)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     return mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n :].view("<u4")
+
+
+def counts_below(cols, threshold: int, num_shards: int) -> np.ndarray:
+    """Each shard's count of keys whose hash is below ``threshold`` (int64, ``num_shards``
+    long), from key columns (``hashes`` ascending, ``shards``, and ``offset`` added to each
+    shard where a merge numbers them on: a ``write.keyfile.KeyColumns`` or a memory-map of a
+    key file). With ``threshold`` a split's, ``ceil(val_fraction * 2**64)``, these are each
+    shard's "val" samples: the hashes below it are a prefix of the sorted column, so what is
+    read is a binary search and that prefix's shard column (4 bytes a val sample), never a
+    shard's index. Counts of several sorted runs of one dataset add up."""
+    hashes, shards = cols.hashes, cols.shards
+    end = int(np.searchsorted(hashes, np.uint64(threshold), side="left"))
+    got = np.bincount(np.asarray(shards[:end]), minlength=0).astype(np.int64)
+    out = np.zeros(num_shards, np.int64)
+    offset = int(getattr(cols, "offset", 0))
+    if offset + len(got) > num_shards:
+        raise ValueError(f"a key's shard is past the {num_shards} shards")
+    out[offset : offset + len(got)] = got
+    return out

@@ -18,6 +18,9 @@ at LAION-400M. Here:
   that shard's index and confirms it on the real key, so a stale or forged file can cost a
   search, never a wrong sample; an answer it is missing is trusted only once the file's sha256
   is the manifest's.
+- ``split_counts``: each shard's count of a split's "val" samples, from the key file's prefix
+  (the hashes below the split's threshold come first): what a split's epoch is partitioned by
+  across ranks and workers, so each reads only the indexes of the shards it reads.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
   without a manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
@@ -35,10 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import HEAD, problem
+from ..formats.key_file import HEAD, counts_below, mapped, problem, shards_digest
 from ..sizes import parse_size
 
-__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
+__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache", "split_counts"]
 
 _MAGIC = b"SKKEYS01"
 _HEAD = 32  # magic, samples, block, fences: 8 bytes each
@@ -141,6 +144,37 @@ class DatasetKeys(_ByPread):
             except OSError:
                 self._vouched = False
         return self._vouched
+
+
+def split_counts(
+    path: str, listed: dict, n: int, shards, threshold: int
+) -> tuple[np.ndarray | None, str]:
+    """Each shard's count of key hashes below ``threshold`` from the key file at ``path``
+    (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard table),
+    and ""; or None and why the file does not serve. Read: its head (56 bytes, its size and
+    the shards it names checked: nothing that needs the whole file), a binary search of its
+    hashes and the shard column of the hashes below ``threshold`` (4 bytes a val sample;
+    memory-mapped, so only those pages are read). Its sha256 is not checked (that reads every
+    byte): each count is checked instead against the shard's own index when a reader reaches
+    the shard (``indexes.ShardSplit``), and each sample read against its own key."""
+    why = problem(path, listed, n, shards, whole=False)
+    if why:
+        return None, why
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD)
+        if head[24:56] != shards_digest(shards):
+            return None, "its head does not name this manifest's shards"
+        hashes, column = mapped(path, n)
+        return counts_below(_Columns(hashes, column), threshold, len(shards)), ""
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable ({exc})"
+
+
+@dataclass(frozen=True)
+class _Columns:
+    hashes: np.ndarray
+    shards: np.ndarray
 
 
 class KeyFile(_ByPread):
