@@ -18,6 +18,8 @@ __all__ = [
     "MAGIC",
     "counts_below",
     "file_digest",
+    "first_at_least",
+    "shard_counts",
     "key_file_sha256",
     "mapped",
     "problem",
@@ -107,12 +109,32 @@ def counts_below(cols, threshold: int, num_shards: int) -> np.ndarray:
     shard's "val" samples: the hashes below it are a prefix of the sorted column, so what is
     read is a binary search and that prefix's shard column (4 bytes a val sample), never a
     shard's index. Counts of several sorted runs of one dataset add up."""
-    hashes, shards = cols.hashes, cols.shards
-    end = int(np.searchsorted(hashes, np.uint64(threshold), side="left"))
-    got = np.bincount(np.asarray(shards[:end]), minlength=0).astype(np.int64)
-    out = np.zeros(num_shards, np.int64)
-    offset = int(getattr(cols, "offset", 0))
+    end = int(np.searchsorted(cols.hashes, np.uint64(threshold), side="left"))
+    return shard_counts(cols.shards[:end], num_shards, int(getattr(cols, "offset", 0)))
+
+
+def shard_counts(shards, num_shards: int, offset: int = 0) -> np.ndarray:
+    """How many of ``shards`` (a key file's shard column, or part of it) name each of
+    ``num_shards`` shards, each numbered on by ``offset``; ValueError for one past them."""
+    got = np.bincount(np.asarray(shards), minlength=0).astype(np.int64)
     if offset + len(got) > num_shards:
         raise ValueError(f"a key's shard is past the {num_shards} shards")
+    out = np.zeros(num_shards, np.int64)
     out[offset : offset + len(got)] = got
     return out
+
+
+def first_at_least(fd: int, n: int, threshold: int) -> int:
+    """The rank of the first hash >= ``threshold`` in the key file open at ``fd`` (``n``
+    samples): a binary search by ``os.pread``, one 8-byte read a step (~log2 n reads)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        raw = os.pread(fd, 8, HEAD + 8 * mid)
+        if len(raw) != 8:
+            raise ValueError("cut short")
+        if int.from_bytes(raw, "little") < threshold:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

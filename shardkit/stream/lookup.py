@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import HEAD, counts_below, mapped, problem, shards_digest
+from ..formats.key_file import HEAD, first_at_least, problem, shard_counts, shards_digest
 from ..sizes import parse_size
 
 __all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache", "split_counts"]
@@ -151,30 +151,38 @@ def split_counts(
 ) -> tuple[np.ndarray | None, str]:
     """Each shard's count of key hashes below ``threshold`` from the key file at ``path``
     (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard table),
-    and ""; or None and why the file does not serve. Read: its head (56 bytes, its size and
-    the shards it names checked: nothing that needs the whole file), a binary search of its
-    hashes and the shard column of the hashes below ``threshold`` (4 bytes a val sample;
-    memory-mapped, so only those pages are read). Its sha256 is not checked (that reads every
-    byte): each count is checked instead against the shard's own index when a reader reaches
-    the shard (``indexes.ShardSplit``), and each sample read against its own key."""
+    and ""; or None and why the file does not serve. Read by ``os.pread``: its head (56
+    bytes: its size and the shards it names checked, nothing that needs the whole file), a
+    binary search of its hashes (~log2 n reads of 8 bytes) and the shard column of the hashes
+    below ``threshold`` (4 bytes a val sample, ``_PIECE`` at a time). Its sha256 is not
+    checked (that reads every byte): each count is checked instead against the shard's own
+    index when a reader reaches the shard (``indexes.ShardSplit``), and each sample read
+    against its own key. ``formats.key_file.counts_below`` is the same count over columns."""
     why = problem(path, listed, n, shards, whole=False)
     if why:
         return None, why
     try:
-        with open(path, "rb") as f:
-            head = f.read(HEAD)
-        if head[24:56] != shards_digest(shards):
-            return None, "its head does not name this manifest's shards"
-        hashes, column = mapped(path, n)
-        return counts_below(_Columns(hashes, column), threshold, len(shards)), ""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.pread(fd, HEAD, 0)[24:56] != shards_digest(shards):
+                return None, "its head does not name this manifest's shards"
+            end = first_at_least(fd, n, threshold)
+            counts = np.zeros(len(shards), np.int64)
+            for a in range(0, end, _PIECE):
+                b = min(end, a + _PIECE)
+                raw = os.pread(fd, 4 * (b - a), HEAD + 8 * n + 4 * a)
+                if len(raw) != 4 * (b - a):
+                    raise ValueError("cut short")
+                counts += shard_counts(np.frombuffer(raw, "<u4"), len(shards))
+            return counts, ""
+        finally:
+            os.close(fd)
     except (OSError, ValueError) as exc:
         return None, f"unreadable ({exc})"
 
 
-@dataclass(frozen=True)
-class _Columns:
-    hashes: np.ndarray
-    shards: np.ndarray
+#: Shard column entries ``split_counts`` reads at a time (4 MiB).
+_PIECE = 1 << 20
 
 
 class KeyFile(_ByPread):
