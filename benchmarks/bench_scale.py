@@ -81,7 +81,10 @@ try:  # the peak from here on, not the imports' transient one (Linux: clear_refs
         f.write("5")
 except OSError:
     pass
-r0, c0, t0 = rchar(), cpu(), time.perf_counter()
+def syscr():  # read calls so far
+    with open("/proc/self/io") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("syscr"))
+r0, s0, c0, t0 = rchar(), syscr(), cpu(), time.perf_counter()
 out = {"base_mb": status_mb("VmRSS")}  # after imports
 if what == "subset":
     ds = ShardDataset(Source(where, subset=0.01), decode="raw", with_keys=True)
@@ -91,12 +94,25 @@ if what == "subset":
     out["drawn"], out["image_bytes"], out["epoch_cpu_s"] = len(ds), n, cpu() - c1
 elif what in ("split", "split-train"):
     side = "val" if what == "split" else "train"
-    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
+    ws = int(os.environ.get("SHARDKIT_BENCH_WORLD", "1"))  # rank 0 of ws
+    ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw", rank=0,
+                      world_size=ws)
     out["len"] = len(ds)
     out["construct_rchar"] = rchar() - r0  # the manifest and the indexes, as read to build it
+    out["construct_reads"] = syscr() - s0
+    out["construct_cpu_s"] = cpu() - c0
+    from shardkit.stream.planner import worker_plan
+    from shardkit.stream.world import World
+    r1, s1, c1 = rchar(), syscr(), cpu()  # rank 0's plan (one worker): the pieces it reads
+    plan = worker_plan(ds._layout(0), World(0, ws), {})
+    for p in plan.sources:
+        for piece in p.pieces():
+            del piece
+    out["plan_rchar"], out["plan_reads"] = rchar() - r1, syscr() - s1
+    out["plan_cpu_s"] = cpu() - c1
     c1, t1 = cpu(), time.perf_counter()
     out["peak_mb"] = status_mb("VmHWM")
-    del ds
+    del ds, plan
     import tracemalloc  # again, traced: the bytes it allocates (numpy's too), not the page floor
     import shardkit.manifest  # the cap at the file's size: an older checkout read the cap whole
     shardkit.manifest.MAX_MANIFEST_BYTES = os.path.getsize(os.path.join(where, "manifest.json"))
@@ -366,10 +382,12 @@ class Scale(harness.Bench):
     new: int = harness.arg(10_000, "samples that append/merge add")
     many_shards: int = harness.arg(0, "also a set of about S shards")
     shard_size: str = harness.arg("5MB", "the main set's shard size (e.g. 128kB: ~32 samples)")
+    world_size: int = harness.arg(1, "split, split-train: built and planned as rank 0 of this")
 
 
 def main(args: Scale) -> None:
     args = replace(args, out=args.out or data.root() / "scale")
+    os.environ["SHARDKIT_BENCH_WORLD"] = str(args.world_size)  # the split children's world
     skip = {"epoch"} if args.skip_epoch else set()
     whats = [w for w in WHATS if w not in skip and (args.what is None or w in args.what)]
     grows = [w for w in GROWTH if args.what is None or w in args.what]
@@ -434,7 +452,13 @@ def _cell(what: str, r: dict, row: dict) -> str:
         per, n = more * 2**20 / row["n"], row["n"]
         traced = f"traced {r['traced_peak_b'] / n:.2f}/{r['held_b'] / n:.2f} B"
         read = f", read {r['construct_rchar'] / n:.1f} B" if "construct_rchar" in r else ""
-        return f"{r['cpu_s']:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}{read}"
+        if "plan_rchar" in r:  # construction, then rank 0's plan: reads and bytes of each
+            read += (
+                f" in {r['construct_reads']} reads; rank 0 plan {r['plan_rchar'] / n:.2f} B "
+                f"in {r['plan_reads']} reads, {r['plan_cpu_s']:.2f} s"
+            )
+        cpu = r.get("construct_cpu_s", r["cpu_s"])
+        return f"{cpu:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}{read}"
     if what == "get":
         return f"{r['lookup_cpu_s'] / r['lookups'] * 1e3:.3f} ms CPU"
     if what in GROWTH:

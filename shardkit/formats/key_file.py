@@ -18,7 +18,10 @@ __all__ = [
     "HEAD",
     "KEYS_NAME",
     "MAGIC",
+    "counts_below",
     "file_digest",
+    "first_at_least",
+    "shard_counts",
     "key_file_sha256",
     "key_runs",
     "mapped",
@@ -239,3 +242,42 @@ def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty(0, np.uint64), np.empty(0, np.uint32)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     return mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n :].view("<u4")
+
+
+def counts_below(cols, threshold: int, num_shards: int) -> np.ndarray:
+    """Each shard's count of keys whose hash is below ``threshold`` (int64, ``num_shards``
+    long), from key columns (``hashes`` ascending, ``shards``, and ``offset`` added to each
+    shard where a merge numbers them on: a ``write.keyfile.KeyColumns`` or a memory-map of a
+    key file). With ``threshold`` a split's, ``ceil(val_fraction * 2**64)``, these are each
+    shard's "val" samples: the hashes below it are a prefix of the sorted column, so what is
+    read is a binary search and that prefix's shard column (4 bytes a val sample), never a
+    shard's index. Counts of several sorted runs of one dataset add up."""
+    end = int(np.searchsorted(cols.hashes, np.uint64(threshold), side="left"))
+    return shard_counts(cols.shards[:end], num_shards, int(getattr(cols, "offset", 0)))
+
+
+def shard_counts(shards, num_shards: int, offset: int = 0) -> np.ndarray:
+    """How many of ``shards`` (a key file's shard column, or part of it) name each of
+    ``num_shards`` shards, each numbered on by ``offset``; ValueError for one past them."""
+    got = np.bincount(np.asarray(shards), minlength=0).astype(np.int64)
+    if offset + len(got) > num_shards:
+        raise ValueError(f"a key's shard is past the {num_shards} shards")
+    out = np.zeros(num_shards, np.int64)
+    out[offset : offset + len(got)] = got
+    return out
+
+
+def first_at_least(fd: int, n: int, threshold: int) -> int:
+    """The rank of the first hash >= ``threshold`` in the key file open at ``fd`` (``n``
+    samples): a binary search by ``os.pread``, one 8-byte read a step (~log2 n reads)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        raw = os.pread(fd, 8, HEAD + 8 * mid)
+        if len(raw) != 8:
+            raise ValueError("cut short")
+        if int.from_bytes(raw, "little") < threshold:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

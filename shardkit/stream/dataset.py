@@ -54,7 +54,7 @@ from .planner import (
     worker_left,
     worker_plan,
 )
-from .resume import EpochState, count_delivered, dataset_facts
+from .resume import EpochState, Facts, count_delivered, dataset_facts
 from .retired import translate
 from .selection import Selection, mixed_classes, resolve_mixed, resolve_plain, select
 from .shuffle import Order, shuffle_buffer
@@ -349,8 +349,10 @@ class ShardDataset(IterableDataset):
             )
         self._state = torch.zeros(_STATE_LEN, dtype=torch.int64).share_memory_()
         self._state[_LAST_STARTED] = -1
-        self._facts = dataset_facts(
-            self.shards, self.counts, self.shard_format, seed=self.seed, order=self.order
+        self._facts = Facts(
+            dataset_facts(
+                self.shards, self.counts, self.shard_format, seed=self.seed, order=self.order
+            )
         )
         self._resume: EpochState | None = None  # a loaded state, until each worker resumed it
         self._resume_token = 0

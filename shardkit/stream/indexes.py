@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from ..formats.lmdb.index import LmdbIndex, vouched_lmdb_hashes
 from ..formats.sample_index import (
     IndexColumns,
     SampleIndex,
+    ShardSides,
     columns_of,
     columns_size,
     decode_columns,
@@ -45,6 +47,7 @@ __all__ = [
     "split_bits",
     "split_hashes",
     "split_positions",
+    "ShardSplit",
     "val_mask",
     "warn_unindexed",
 ]
@@ -238,19 +241,70 @@ def _shard_hashes(shards, fmt, storage, storage_options, refused):
     """Each shard's split hashes in turn, checked as ``split_hashes`` says."""
     try:
         for shard in shards:
-            hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
-            if hashes is None:
-                hashes = key_hashes(_keys_read(shard, fmt, storage))
-            if not trusted and refused is not None:
-                refused.add(shard.url)
-            if shard.samples >= 0 and len(hashes) != shard.samples:
-                raise ShardFormatError(
-                    f"{shard.url}: its index holds {len(hashes)} samples, its manifest says "
-                    f"{shard.samples}; rebuild the index (`shardkit index`) or re-pack the shard"
-                )
-            yield hashes
+            yield _one_shard_hashes(shard, fmt, storage, storage_options, refused)
     finally:
         storage.close()
+
+
+def _one_shard_hashes(shard, fmt, storage, storage_options, refused):
+    """One shard's split hashes, checked as ``split_hashes`` says."""
+    hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
+    if hashes is None:
+        hashes = key_hashes(_keys_read(shard, fmt, storage))
+    if not trusted and refused is not None:
+        refused.add(shard.url)
+    if shard.samples >= 0 and len(hashes) != shard.samples:
+        raise ShardFormatError(
+            f"{shard.url}: its index holds {len(hashes)} samples, its manifest says "
+            f"{shard.samples}; rebuild the index (`shardkit index`) or re-pack the shard"
+        )
+    return hashes
+
+
+@dataclass
+class ShardSplit:
+    """Shard i's "is val" mask, read when a split's epoch first reaches the shard
+    (``members.ShardSideMembers.load``): its split hashes, checked as ``split_hashes`` checks
+    them (``refused`` gains a shard whose index was not used), under ``threshold``. The
+    shard's count of val samples must be ``val_per_shard[i]``, what the dataset's key file
+    (``keys``) says and every rank partitioned the epoch by: another count is an error naming
+    the key file, never an epoch cut by wrong counts (ranks with unequal samples hang a
+    distributed step)."""
+
+    shards: object  # a ShardTable
+    fmt: str
+    storage: Storage
+    threshold: int
+    val_per_shard: np.ndarray
+    keys: str
+    storage_options: dict | None = None
+    refused: set = field(default_factory=set)
+
+    def __call__(self, i: int) -> np.ndarray:
+        shard = self.shards[i]
+        opts = self.storage_options
+        hashes = _one_shard_hashes(shard, self.fmt, self.storage, opts, self.refused)
+        val = hashes < np.uint64(self.threshold)
+        got, said = int(np.count_nonzero(val)), int(self.val_per_shard[i])
+        if got != said:
+            self._name_the_liar(shard, val, said)
+            raise ShardFormatError(
+                f"{self.keys}: counts {said} val sample(s) in {shard.url}, whose index and keys "
+                f"hold {got}: the key file is not this dataset's; delete it (a split then reads "
+                "every shard's index, and the next append or merge writes it anew)"
+            )
+        return val
+
+    def _name_the_liar(self, shard: ShardInfo, val: np.ndarray, said: int) -> None:
+        """Where the key file's count is the shard's keys' own (its headers read, hashed), the
+        index's column lies (recomputed checksums vouch for an edited column): the error
+        names the first sample its key puts on the other side, as a reader's check would."""
+        keys = _keys_read(shard, self.fmt, self.storage)
+        truth = key_hashes(keys) < np.uint64(self.threshold)
+        if int(np.count_nonzero(truth)) != said or len(truth) != len(val):
+            return  # the key file's count is not the keys' either: it is the one named
+        n = int(np.flatnonzero(truth != val)[0])
+        raise ShardSides(np.packbits(val), 0, self.threshold).error(shard.url, n, keys[n])
 
 
 def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_options):

@@ -19,6 +19,9 @@ at LAION-400M. Here:
   that shard's index and confirms it on the real key, so a stale or forged file can cost a
   search, never a wrong sample; an answer it is missing is trusted only once the file's sha256
   is the manifest's.
+- ``split_counts``: each shard's count of a split's "val" samples, from the key file's prefix
+  (the hashes below the split's threshold come first): what a split's epoch is partitioned by
+  across ranks and workers, so each reads only the indexes of the shards it reads.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
   without a manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
@@ -36,10 +39,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import HEAD, key_runs, run_count, runs_problem
+from ..formats.key_file import (
+    HEAD,
+    first_at_least,
+    key_runs,
+    run_count,
+    runs_problem,
+    shard_counts,
+)
 from ..sizes import parse_size
 
-__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
+__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache", "split_counts"]
 
 _MAGIC = b"SKKEYS01"
 _HEAD = 32  # magic, samples, block, fences: 8 bytes each
@@ -161,6 +171,46 @@ class DatasetKeys:
             except OSError:
                 self._vouched = False
         return self._vouched
+
+
+def split_counts(
+    folder: str, listed: dict, n: int, shards, threshold: int
+) -> tuple[np.ndarray | None, str]:
+    """Each shard's count of key hashes below ``threshold`` from the key file's runs in
+    ``folder`` (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard
+    table), and ""; or None and why the runs do not serve. Read by ``os.pread``: each run's
+    head (56 bytes: its size, counts and the shards it names checked, nothing that needs the
+    whole file), a binary search of its hashes (~log2 n reads of 8 bytes) and the shard
+    column of its hashes below ``threshold`` (4 bytes a val sample, ``_PIECE`` at a time); the
+    runs' counts add up. No run's sha256 is checked (that reads every byte): each count is
+    checked instead against the shard's own index when a reader reaches the shard
+    (``indexes.ShardSplit``), and each sample read against its own key.
+    ``formats.key_file.counts_below`` is the same count over columns."""
+    why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
+    if why:
+        return None, why
+    counts = np.zeros(len(shards), np.int64)
+    try:
+        for run in key_runs(listed):
+            m = run_count(run)
+            fd = os.open(os.path.join(folder, run["path"]), os.O_RDONLY)
+            try:
+                end = first_at_least(fd, m, threshold)
+                for a in range(0, end, _PIECE):
+                    b = min(end, a + _PIECE)
+                    raw = os.pread(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
+                    if len(raw) != 4 * (b - a):
+                        raise ValueError("cut short")
+                    counts += shard_counts(np.frombuffer(raw, "<u4"), len(shards))
+            finally:
+                os.close(fd)
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable ({exc})"
+    return counts, ""
+
+
+#: Shard column entries ``split_counts`` reads at a time (4 MiB).
+_PIECE = 1 << 20
 
 
 class KeyFile(_ByPread):

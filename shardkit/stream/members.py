@@ -10,6 +10,12 @@ shard:
 - ``SideMembers``: one side of a split: the val/train bits (``np.packbits`` of every sample's
   side, 1/8 byte a sample of the dataset) and each shard's count of members.
 - ``ListedMembers``: a subset: its positions (8 bytes a drawn member).
+- ``ShardSideMembers``: one side of a split whose per-shard counts came from the dataset's
+  key file (``stream.lookup.split_counts``): a shard's sides are read from its own index only
+  when an epoch's draw first reaches it (``load(i)``), so a rank, and each of its workers,
+  reads the index heads of the shards it reads, not every shard's.
+- ``RankedMembers``: a fraction subset of such a side: the drawn ranks into it (8 bytes a
+  drawn member), a shard's positions made when it is reached.
 
 Each answers ``len``, ``shard(i)`` (shard i's members, int64 positions, ascending), ``take``
 (the members at given ranks), ``isin`` and ``chunks`` (the members shard by shard, for the
@@ -19,11 +25,18 @@ is what one holds: what the construction memory law counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-__all__ = ["Members", "AllMembers", "SideMembers", "ListedMembers"]
+__all__ = [
+    "Members",
+    "AllMembers",
+    "SideMembers",
+    "ListedMembers",
+    "ShardSideMembers",
+    "RankedMembers",
+]
 
 
 class Members:
@@ -160,3 +173,84 @@ class ListedMembers(Members):
     @property
     def nbytes(self) -> int:
         return super().nbytes + self.positions.nbytes + self._bounds.nbytes
+
+
+class ShardSideMembers(Members):
+    """One side of a split (``val``: True for "val") with each shard's count of val samples
+    given (``val_per_shard``: the key file's) and each shard's "is val" mask read when first
+    needed (``load(i)``: shard i's, bool, one a sample; it checks the count). The masks read
+    are held packed (1/8 byte a sample of the shards reached). ``loaded``: the shards read."""
+
+    def __init__(
+        self, counts: np.ndarray, val_per_shard, val: bool, load: Callable[[int], np.ndarray]
+    ):
+        counts = np.asarray(counts, dtype=np.int64)
+        val_per_shard = np.asarray(val_per_shard, dtype=np.int64)
+        super().__init__(counts, val_per_shard if val else counts - val_per_shard)
+        self.val, self.load = bool(val), load
+        self._bits: dict[int, np.ndarray] = {}
+
+    @property
+    def loaded(self) -> list[int]:
+        return sorted(self._bits)
+
+    def bits(self, i: int) -> np.ndarray:
+        """Shard ``i``'s "is val" bits, ``np.packbits`` of its samples' (read once)."""
+        got = self._bits.get(i)
+        if got is None:
+            got = self._bits[i] = np.packbits(self.load(i))
+        return got
+
+    def shard(self, i: int) -> np.ndarray:
+        n = int(self.starts[i + 1] - self.starts[i])
+        if not self.per_shard[i]:
+            return np.empty(0, np.int64)
+        bits = np.unpackbits(self.bits(i))[:n]
+        return np.flatnonzero(bits if self.val else bits == 0).astype(np.int64) + self.starts[i]
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        inside = (p >= 0) & (p < self.starts[-1])
+        out = np.zeros(len(p), dtype=bool)
+        shard_of = np.searchsorted(self.starts, p, side="right") - 1
+        for i in np.unique(shard_of[inside]).tolist():
+            at = np.flatnonzero(inside & (shard_of == i))
+            out[at] = np.isin(p[at], self.shard(i))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(b.nbytes for b in self._bits.values())
+
+
+class RankedMembers(Members):
+    """The members of ``base`` at ``ranks`` (ascending): a fraction subset of a lazily read
+    side, whose positions are made a shard at a time, when it is reached."""
+
+    def __init__(self, base: Members, ranks: np.ndarray):
+        self.base = base
+        self.ranks = np.asarray(ranks, dtype=np.int64)
+        bounds = np.searchsorted(self.ranks, np.concatenate(([0], base.ends)))
+        super().__init__(np.diff(base.starts), np.diff(bounds))
+        self._bounds = bounds
+
+    def shard(self, i: int) -> np.ndarray:
+        mine = self.ranks[self._bounds[i] : self._bounds[i + 1]]
+        if not len(mine):
+            return np.empty(0, np.int64)
+        first = int(self.base.ends[i] - self.base.per_shard[i])
+        return self.base.shard(i)[mine - first]
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        shard_of = np.searchsorted(self.starts, p, side="right") - 1
+        out = np.zeros(len(p), dtype=bool)
+        for i in np.unique(shard_of).tolist():
+            if 0 <= i < len(self.per_shard):
+                at = np.flatnonzero(shard_of == i)
+                out[at] = np.isin(p[at], self.shard(i))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.ranks.nbytes + self._bounds.nbytes + self.base.nbytes

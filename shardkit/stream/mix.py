@@ -34,6 +34,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -41,9 +42,10 @@ from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
 from ..formats.sample_index import SPLIT_SALT, ShardSides, key_hashes
 from ..records import Record, ShardInfo
-from .members import ListedMembers, Members
+from .members import ListedMembers, Members, ShardSideMembers
 from .partition import EpochLayout, MixLayout, PlanPiece, sample_counts
 from .planner import MixPlan, arrange
+from .resume import Later
 from .shuffle import Order, rng_for, shuffle_buffer
 from .stages import check_labels, manifest_unchanged, read_slices
 from .storage import Storage
@@ -59,6 +61,7 @@ __all__ = [
     "key_hashes",
     "split_members",
     "subset_members",
+    "subset_ranks",
     "mix_records",
 ]
 
@@ -177,8 +180,11 @@ class MixedSource:
     #: so each sample read is checked against its own key's hash (``sides``).
     val_bits: np.ndarray | None = None
     #: Shards whose index the split (or a key subset) refused (damaged, stale, hashes not its
-    #: keys'): streamed.
-    unindexed: frozenset[str] = frozenset()
+    #: keys'): streamed. A ``side``'s: filled as its shards are reached.
+    unindexed: frozenset[str] | set[str] = frozenset()
+    #: With ``split=`` counted by the key file: the side, whose shards' bits are read when
+    #: reached (``members.ShardSideMembers``); ``val_bits`` is then None.
+    side: ShardSideMembers | None = None
 
     @property
     def size(self) -> int:
@@ -189,9 +195,13 @@ class MixedSource:
         key against (``read_slices``). Every sample read is checked, whatever vouched for the
         index the bits came from: a manifest's ``columns_sha256`` or ``index_sha256`` may have
         been computed again from an edited file, and only the keys are the shard's."""
+        threshold = math.ceil(self.source.val_fraction * 2**64)
+        if self.side is not None:
+            side = self.side
+            return lambda i: ShardSides(side.bits(i), 0, threshold)
         if self.val_bits is None:
             return None
-        bits, threshold = self.val_bits, math.ceil(self.source.val_fraction * 2**64)
+        bits = self.val_bits
         starts = np.concatenate(([0], np.cumsum(sample_counts(self.shards)))).tolist()
         return lambda i: ShardSides(bits, starts[i], threshold)
 
@@ -241,6 +251,14 @@ def split_members(keys: Sequence[str], split: str, val_fraction: float) -> np.nd
     return split_positions(key_hashes(keys), split, val_fraction)
 
 
+def subset_ranks(members: Members, fraction: float, seed: int) -> np.ndarray:
+    """The ranks into ``members`` a ``fraction`` subset draws, ascending: ``round(f * m)``, at
+    least 1, seeded (the same every epoch)."""
+    n = max(1, int(round(float(fraction) * len(members))))
+    rng = rng_for(seed, 0, _SUBSET)
+    return np.sort(rng.choice(len(members), size=n, replace=False))
+
+
 def subset_members(
     members: Members, subset, seed: int, keys: Sequence[str] | None, where: str
 ) -> Members:
@@ -252,10 +270,7 @@ def subset_members(
         return members
     counts = np.diff(members.starts)
     if isinstance(subset, (int, float)):
-        n = max(1, int(round(float(subset) * len(members))))
-        rng = rng_for(seed, 0, _SUBSET)
-        ranks = np.sort(rng.choice(len(members), size=n, replace=False))
-        return ListedMembers(counts, members.take(ranks))
+        return ListedMembers(counts, members.take(subset_ranks(members, subset, seed)))
     wanted = list(subset)
     at = {k: i for i, k in enumerate(keys or ())}
     missing = [k for k in wanted if k not in at]
@@ -357,7 +372,14 @@ def interleave(streams: list, schedule: Iterable[np.ndarray], names: Sequence[st
 
 
 def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> dict:
-    """What a checkpoint must agree on beyond the shards: shares, subsets and label mapping."""
+    """What a checkpoint must agree on beyond the shards: shares, subsets and label mapping.
+    The digest of the members is ``Later`` (``resume.Facts``): a split counted by its key
+    file reads a shard's index only when a reader reaches it, and the digest needs them all."""
+    digest = Later(partial(_mix_digest, list(sources), list(shares), labels))
+    return {"mix": digest, "epoch_size": int(sum(shares))}
+
+
+def _mix_digest(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> str:
     blob = json.dumps(
         [
             [s.source.weight, len(s.members), int(n), s.size]
@@ -369,4 +391,4 @@ def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str
     for s in sources:  # the members' int64 positions, a shard's at a time
         for chunk in s.members.chunks():
             digest.update(np.ascontiguousarray(chunk, dtype=np.int64).tobytes())
-    return {"mix": digest.hexdigest()[:32], "epoch_size": int(sum(shares))}
+    return digest.hexdigest()[:32]

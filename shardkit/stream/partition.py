@@ -391,12 +391,15 @@ class DrawnIds:
         m = len(self.members)
         passes, rest = divmod(n, m)
         self.passes: list[tuple[np.ndarray, np.ndarray]] = []  # (shard order, member ends)
+        #: the partial pass's members as ranks into them, in ``_draw``'s order: a member's
+        #: shard follows from the counts alone, its position is asked of its shard only when
+        #: a worker reaches it (a split's shard is read then: ``members.ShardSideMembers``)
         self.partial = np.empty(0, dtype=np.int64)
         for p in range(passes + (1 if rest else 0)):
             rank = rng.permutation(len(s.shards)) if shuffle else np.arange(len(s.shards))
             if p == passes:  # a draw without replacement, kept in stored order: as _draw
-                chosen = self.members.take(np.sort(rng.choice(m, size=rest, replace=False)))
-                shard_of = np.searchsorted(self.members.starts[1:], chosen, side="right")
+                chosen = np.sort(rng.choice(m, size=rest, replace=False))
+                shard_of = np.searchsorted(self.members.ends, chosen, side="right")
                 self.partial = chosen[np.argsort(rank[shard_of], kind="stable")]
                 continue
             order = np.argsort(rank, kind="stable")
@@ -413,7 +416,9 @@ class DrawnIds:
         for q in np.unique(pass_of).tolist():
             sel = np.flatnonzero(pass_of == q)
             if q == len(self.passes):
-                out[sel] = self.partial[within[sel]]
+                ranks = self.partial[within[sel]]
+                by = np.argsort(ranks, kind="stable")
+                out[sel[by]] = self.members.take(ranks[by])
                 continue
             order, ends = self.passes[q]
             k = within[sel]

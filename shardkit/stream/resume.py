@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,12 +37,51 @@ __all__ = [
     "EpochState",
     "Progress",
     "dataset_facts",
+    "Facts",
+    "Later",
     "round_robin",
     "count_delivered",
     "merge_worker_states",
 ]
 
 STATE_FORMAT = "shardkit.resume/1"
+
+
+class Later:
+    """A fact worked out only when a state is saved, loaded or compared (``Facts``): ``make()``
+    gives it. A split's checkpoint digest covers every member's position, so it reads every
+    shard's index; no epoch needs it, only a checkpoint does."""
+
+    def __init__(self, make: Callable[[], object]):
+        self.make = make
+
+
+class Facts(Mapping):
+    """A dataset's facts (``dataset_facts``, a mixture's ``mix`` and ``epoch_size``), the
+    ``Later`` ones worked out once, when first read: a state is built with them (``EpochState
+    .start``) at every plan, but they are read only where a state is saved or loaded
+    (``EpochState.to_dict``, ``from_dict``). Pickled as it stands (a DataLoader worker works a
+    ``Later`` out itself, where a checkpoint asks it for one)."""
+
+    def __init__(self, facts: Mapping | None = None):
+        self._facts: dict = {}
+        self.update(facts or {})
+
+    def update(self, facts: Mapping) -> None:
+        self._facts.update(facts)
+
+    def __getitem__(self, key):
+        value = self._facts[key]
+        if isinstance(value, Later):
+            value = self._facts[key] = value.make()
+        return value
+
+    def __iter__(self) -> Iterator:
+        return iter(self._facts)
+
+    def __len__(self) -> int:
+        return len(self._facts)
+
 
 # --- the state ------------------------------------------------------------------------------
 

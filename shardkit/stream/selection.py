@@ -13,7 +13,9 @@ loads under the other. Anything narrower or several sources take the mixture's p
 from __future__ import annotations
 
 import copy as _copy
+import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,9 +26,10 @@ from ..formats import FORMATS
 from ..paths import check_source
 from ..records import UNKNOWN, ShardInfo, ShardTable
 from .fields import decode_field_image
-from .indexes import all_keys, split_bits, val_mask, warn_unindexed
-from .members import AllMembers, Members, SideMembers
-from .mix import LABEL_MODES, MixedSource, Source, key_hashes, subset_members
+from .indexes import ShardSplit, all_keys, split_bits, val_mask, warn_unindexed
+from .lookup import split_counts
+from .members import AllMembers, Members, RankedMembers, ShardSideMembers, SideMembers
+from .mix import LABEL_MODES, MixedSource, Source, key_hashes, subset_members, subset_ranks
 from .partition import sample_counts
 from .sources import ShardSource, resolve_source
 from .stages import count_samples, empty_as_said, file_identity
@@ -127,8 +130,13 @@ def resolve_mixed(
     # stale, is named, and its shard's headers give the keys and its samples)
     keys = all_keys(shards, r.format, store, opts, refused) if by_keys else None
     counts = sample_counts(shards)
+    lazy = None
+    if src.split is not None and keys is None:
+        lazy = _keyed_split(src, r, shards, store, opts, refused)
     if src.split is None:
         members: Members = AllMembers(counts)
+    elif lazy is not None:  # counts from the key file, a shard's index read when reached
+        members = lazy
     else:  # the indexes' hashes: no key read where they exist
         if keys is None:  # one shard's hashes at a time: the bits and a count a shard
             val_bits, per_shard = split_bits(
@@ -141,14 +149,49 @@ def resolve_mixed(
             per_shard = np.diff(np.searchsorted(np.flatnonzero(val), at))
             del val
         members = SideMembers(counts, val_bits, per_shard, src.split == "val")
-    members = subset_members(members, src.subset, seed, keys, src.name)
+    if lazy is not None and src.subset is not None:  # drawn ranks: positions when reached
+        members = RankedMembers(lazy, subset_ranks(lazy, src.subset, seed))
+    else:
+        members = subset_members(members, src.subset, seed, keys, src.name)
     if len(members) == 0:
         raise InputError(f"{src.name}: no samples to draw (empty shards, subset or split)")
     classes = tuple(r.classes) if r.classes else None
     mixed = MixedSource(src, shards, r.format, store, classes, members, offset)
     mixed.manifest = (r.manifest_path, file_identity(r.manifest_path))
     mixed.val_bits, mixed.unindexed = val_bits, frozenset(refused)
+    if lazy is not None:  # filled as shards are reached, in the process that reads them
+        mixed.side, mixed.unindexed = lazy, lazy.load.refused
     return mixed
+
+
+def _keyed_split(
+    src: Source, r: ShardSource, shards: ShardTable, store: Storage, opts, refused: set
+) -> ShardSideMembers | None:
+    """A split whose per-shard counts come from the dataset's key file (``manifest.keys``,
+    ``lookup.split_counts``), each shard's sides read from its index only when an epoch first
+    reaches it (``indexes.ShardSplit``); None (the split reads every shard's index, as
+    before) where there is none to read: shards without a manifest, a URL, a manifest that
+    lists none (older packs, ``shardkit index``), or one that does not serve (named in a
+    warning)."""
+    listed = r.manifest.keys if r.manifest is not None else None
+    if not listed or not r.manifest_path or is_url(r.manifest_path):
+        return None
+    path = os.path.join(os.path.dirname(r.manifest_path), listed["path"])
+    threshold = math.ceil(src.val_fraction * 2**64)
+    # the table, not the manifest's list: a list or glob of some of its shards has its
+    # manifest too, and the key file's head names the manifest's whole list, in order
+    n = int(shards.samples.sum())
+    per_shard, why = split_counts(os.path.dirname(path), listed, n, shards, threshold)
+    if per_shard is None:
+        warnings.warn(
+            f"{path}: {why}; the split reads every shard's index instead (the next append or "
+            "merge writes the key file anew)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    load = ShardSplit(shards, r.format, store, threshold, per_shard, path, opts, refused)
+    return ShardSideMembers(sample_counts(shards), per_shard, src.split == "val", load)
 
 
 def _options(own: dict | None, storage, name: str) -> dict | None:

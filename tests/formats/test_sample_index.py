@@ -222,6 +222,7 @@ def _without_indexes(out, to) -> str:
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc")
 def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
     from shardkit.stream.dataset import ShardDataset
+    from shardkit.stream.world import World
 
     src = random_tree(tmp_path / "src", 90)
     out = tmp_path / "out"
@@ -230,9 +231,10 @@ def test_split_and_subset_read_only_the_indexes_and_match_the_shards(tmp_path):
     shard_bytes = sum(e.bytes for e in read_manifest(str(out)).shards)
     index_bytes = sum(len(v) for v in indexes(out).values())
 
-    def made(where, **kw):
-        before = _rchar()
+    def made(where, **kw):  # built and its epoch planned (a key file's split reads each
+        before = _rchar()  # shard's index when the plan reaches the shard)
         ds = ShardDataset(where, decode="raw", with_keys=True, order=Order(shuffle=False), **kw)
+        ds.plan(World(), 0)
         return ds, _rchar() - before
 
     for kw in ({"split": "val", "val_fraction": 0.3}, {"split": "train"}, {"subset": 0.2}):

@@ -295,12 +295,13 @@ def _rchar() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts /proc/self/io")
 def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_path):
     """Counted (``rchar``): where the manifest lists each index's ``columns_sha256``, building
-    a split reads the manifest and each index's fixed-width columns (16 bytes a sample), not
-    the key table and members after them (~5x that); an entry without it reads and hashes the
-    whole index, as before. The same samples either way."""
-
+    a split and planning its epoch (where a key file counts the split, each shard's index is
+    read when the plan reaches it) reads the manifest and each index's fixed-width columns (16
+    bytes a sample), not the key table and members after them (~5x that); an entry without it
+    reads and hashes the whole index, as before. The same samples either way."""
     from shardkit.formats.sample_index import columns_size
     from shardkit.manifest import read_manifest
+    from shardkit.stream.world import World
 
     out = str(tmp_path / "out")
     data = _jpeg()
@@ -318,6 +319,7 @@ def test_split_construction_reads_the_vouched_columns_of_each_index_alone(tmp_pa
         src = Source(out, split="val", val_fraction=0.1)
         before = _rchar()
         ds = ShardDataset(src, decode="raw", with_keys=True, order=Order(shuffle=False))
+        ds.plan(World(), 0)
         read = _rchar() - before
         return read, [s[2] for s in ds]
 
@@ -342,6 +344,7 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
     import shardkit.stream.indexes as indexes_module
     from shardkit.formats.lmdb.index import lmdb_columns_size
     from shardkit.manifest import read_manifest
+    from shardkit.stream.world import World
 
     out = str(tmp_path / "out")
     data = _jpeg()
@@ -366,6 +369,7 @@ def test_lmdb_split_construction_hashes_no_key_where_the_manifest_vouches(tmp_pa
         hashed.clear()
         before = _rchar()
         ds = ShardDataset(src, decode="raw", with_keys=True, order=Order(shuffle=False))
+        ds.plan(World(), 0)  # a key file's split reads each record when its plan reaches it
         read = _rchar() - before
         return read, sum(hashed), [s[2] for s in ds]
 

@@ -1,0 +1,225 @@
+"""A split's construction and plan read the index heads of the shards a rank reads, not every
+shard's: each shard's count of val samples comes from the dataset's key file (its prefix), and
+a shard's sides from its own index when a reader first reaches it. Counted by an audit hook on
+``open`` in a child process (every ``.idx`` opened), at world size 1 and at rank 0 of 8."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from shardkit.errors import ShardFormatError
+from shardkit.formats.key_file import HEAD, counts_below, mapped
+from shardkit.stream.dataset import ShardDataset, Source
+from shardkit.stream.shuffle import Order
+from shardkit.stream.world import World
+from shardkit.write.writer import ShardWriter
+
+_CHILD = r"""
+import json, sys
+from shardkit.stream.dataset import ShardDataset, Source
+from shardkit.stream.world import World
+out, split, subset, ws, workers = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6])
+opened, on = [], [False]
+def hook(event, args):
+    if on[0] and event == "open" and str(args[0]).endswith(".idx"):
+        opened.append(str(args[0]))
+sys.addaudithook(hook)
+on[0] = True
+src = Source(out, split=split, subset=float(subset) if subset != "-" else None)
+ds = ShardDataset(src, decode="raw", rank=0, world_size=ws, seed=3)
+built = len(opened)
+read = set()
+for w in range(workers):
+    read |= {ds.shards.url(s.shard) for s in ds.plan(World(0, ws, w, workers), 0)}
+on[0] = False
+print(json.dumps({"built": built, "opened": opened, "read": sorted(read),
+                  "shards": len(ds.shards), "len": len(ds)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    """2,560 samples of fixed bytes in 64 tar shards, with the key file ShardWriter writes."""
+    out = str(tmp_path_factory.mktemp("ranklocal") / "pack")
+    with ShardWriter(out, format="tar", shard_size="84KB", classes=["x"]) as w:
+        for i in range(2560):
+            w.add(f"k{i:05d}", "jpg", b"%d" % i, 0)
+    assert 60 <= len(json.load(open(os.path.join(out, "manifest.json")))["shards"]) <= 70
+    assert os.path.exists(os.path.join(out, "manifest.keys"))
+    return out
+
+
+def _child(out: str, split: str, ws: int, workers: int = 1, subset: str = "-") -> dict:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = [sys.executable, "-c", _CHILD, out, split, subset, str(ws), str(workers)]
+    got = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    return json.loads(got.stdout)
+
+
+@pytest.mark.parametrize("split,subset", [("val", "-"), ("train", "-"), ("train", "0.3")])
+def test_rank_zero_of_eight_reads_an_eighth_of_the_heads(pack, split, subset):
+    """Construction opens no index; planning rank 0's part (two workers) opens each index of
+    the shards it reads once, and only those: at most 1/8 of world size 1's, plus two shards
+    its part's ends share. Before, construction read every shard's head in each process."""
+    whole = _child(pack, split, 1, subset=subset)
+    rank0 = _child(pack, split, 8, workers=2, subset=subset)
+    assert whole["built"] == rank0["built"] == 0
+    # world size 1 reads every shard that holds a member (a shard with none is not read)
+    assert sorted(p.removesuffix(".idx") for p in whole["opened"]) == whole["read"]
+    assert len(whole["read"]) > 0.9 * whole["shards"]
+    assert len(rank0["opened"]) == len(set(rank0["opened"]))  # each once
+    assert {p.removesuffix(".idx") for p in rank0["opened"]} <= set(rank0["read"])
+    assert len(rank0["opened"]) <= len(whole["opened"]) / 8 + 2, (rank0, whole["shards"])
+
+
+def _keys(ds, world: World, epoch: int) -> list[str]:
+    return [r.key for r in ds.records(world, epoch)]
+
+
+def _without_key_file(src: str, dst: str) -> str:
+    """A copy of ``src`` as packed before the key file: no ``manifest.keys``, no ``keys``."""
+    shutil.copytree(src, dst)
+    os.remove(os.path.join(dst, "manifest.keys"))
+    path = os.path.join(dst, "manifest.json")
+    doc = json.load(open(path))
+    del doc["keys"]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(source=Source("P", split="val", val_fraction=0.2)),
+        dict(source=Source("P", split="train", subset=0.25)),
+        dict(source=Source("P", split="val"), epoch_size=700),
+    ],
+    ids=["val", "train-subset", "val-sized"],
+)
+def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw):
+    """Every rank's and worker's samples, their order and the states are those of the same
+    pack without a key file (every shard's index read at construction, as before)."""
+    old = _without_key_file(pack, str(tmp_path / "old"))
+
+    def make(root, ws=3):
+        src = kw["source"]
+        args = {**kw, "source": Source(root, split=src.split, subset=src.subset,
+                                       val_fraction=src.val_fraction)}  # fmt: skip
+        return ShardDataset(order=Order(buffer_size=5), seed=4, rank=1, world_size=ws, **args)
+
+    new_ds, old_ds = make(pack), make(old)
+    assert new_ds.sources[0].side is not None and old_ds.sources[0].side is None
+    assert len(new_ds) == len(old_ds)
+    for epoch in (0, 1):
+        for w in (0, 1):
+            world = World(1, 3, w, 2)
+            assert _keys(new_ds, world, epoch) == _keys(old_ds, world, epoch)
+    for ds in (new_ds, old_ds):
+        ds.set_epoch(1)
+    assert new_ds.position(3, num_workers=2, batch_size=4, cut=None) == old_ds.position(
+        3, num_workers=2, batch_size=4, cut=None
+    )
+    state = old_ds.state_dict()
+    assert new_ds.state_dict() == state
+    new_ds.load_state_dict(state)  # a state saved without the key file loads with it
+
+
+def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
+    """A key file edited (its size and head intact, so it is used): where its count of a
+    shard's val samples is not the shard index's, the epoch that reaches the shard stops with
+    an error naming the key file and the fix, never an epoch cut by wrong counts."""
+    out = str(tmp_path / "forged")
+    shutil.copytree(pack, out)
+    keys = os.path.join(out, "manifest.keys")
+    n = json.load(open(os.path.join(out, "manifest.json")))["num_samples"]
+    hashes, shards = mapped(keys, n)
+    threshold = int(np.ceil(0.1 * 2**64))
+    val = int(np.searchsorted(hashes, np.uint64(threshold)))
+    column = np.array(shards[:val])
+    a = int(column[0])
+    b = next(int(s) for s in column if s != a)
+    column[column == a] = b  # shard a's val samples are said to be shard b's
+    del hashes, shards
+    with open(keys, "r+b") as f:
+        f.seek(HEAD + 8 * n)
+        f.write(column.astype("<u4").tobytes())
+    ds = ShardDataset(Source(out, split="val"), decode="raw")
+    with pytest.raises(ShardFormatError) as err:
+        list(ds)
+    assert keys in str(err.value) and "delete it" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_key_file_that_does_not_name_the_shards_is_not_used(pack, tmp_path):
+    """A key file of other shards (its head names others: a shard list narrowed or a stale
+    file) is named in a warning and the split reads every shard's index, as before."""
+    out = str(tmp_path / "stale")
+    shutil.copytree(pack, out)
+    with open(os.path.join(out, "manifest.keys"), "r+b") as f:
+        f.seek(24)
+        f.write(bytes(32))
+    with pytest.warns(RuntimeWarning, match="manifest.keys"):
+        ds = ShardDataset(Source(out, split="val"), decode="raw")
+    assert ds.sources[0].side is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = ShardDataset(Source(pack, split="val"), decode="raw", with_keys=True)
+        assert [s[2] for s in ShardDataset(Source(out, split="val"), decode="raw",
+                                           with_keys=True)] == [s[2] for s in want]  # fmt: skip
+
+
+def test_old_packs_without_a_key_file_split_as_before(pack, tmp_path):
+    old = _without_key_file(pack, str(tmp_path / "old"))
+    ds = ShardDataset(Source(old, split="val"), decode="raw", with_keys=True)
+    assert ds.sources[0].side is None and len(ds) == len(list(ds))
+
+
+def test_counts_below_adds_up_over_runs_of_a_key_file(pack):
+    """``counts_below`` over two sorted runs of one dataset (each a part of its key columns,
+    numbered in the dataset's shards) sums to the count over the whole file."""
+    n = json.load(open(os.path.join(pack, "manifest.json")))["num_samples"]
+    hashes, shards = mapped(os.path.join(pack, "manifest.keys"), n)
+    S, t = int(shards.max()) + 1, int(np.ceil(0.3 * 2**64))
+
+    class Run:
+        def __init__(self, keep):
+            order = np.argsort(hashes[keep], kind="stable")
+            self.hashes, self.shards = hashes[keep][order], shards[keep][order]
+
+    odd = np.asarray(shards) % 2 == 1
+    whole = counts_below(Run(np.ones(n, bool)), t, S)
+    assert np.array_equal(counts_below(Run(odd), t, S) + counts_below(Run(~odd), t, S), whole)
+    assert whole.sum() == np.count_nonzero(np.asarray(hashes) < np.uint64(t))
+
+
+def test_a_grown_dataset_counts_its_split_from_every_run(pack, tmp_path):
+    """A dataset grown in place holds its keys in runs (FORMAT.md, "Runs"): the split counts
+    each run's prefix, uses the key file without a warning and gives the epochs of the same
+    dataset without one."""
+    from shardkit.write.merge import merge
+
+    grown = str(tmp_path / "grown")
+    shutil.copytree(pack, grown)
+    more = str(tmp_path / "more")
+    with ShardWriter(more, format="tar", shard_size="84KB", classes=["x"]) as w:
+        for i in range(2560, 2900):
+            w.add(f"k{i:05d}", "jpg", b"%d" % i, 0)
+    merge([grown, more], grown)
+    assert len(json.load(open(os.path.join(grown, "manifest.json")))["keys"]["runs"]) == 1
+    old = _without_key_file(grown, str(tmp_path / "old"))
+    for split in ("val", "train"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new_ds = ShardDataset(Source(grown, split=split), decode="raw", seed=2)
+        old_ds = ShardDataset(Source(old, split=split), decode="raw", seed=2)
+        assert new_ds.sources[0].side is not None and len(new_ds) == len(old_ds)
+        assert _keys(new_ds, World(0, 1, 0, 1), 0) == _keys(old_ds, World(0, 1, 0, 1), 0)
