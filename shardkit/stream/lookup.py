@@ -36,7 +36,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.key_file import HEAD, key_runs, run_count, runs_problem
+from ..formats.key_file import (
+    HEAD,
+    BlockTable,
+    checked_find,
+    key_runs,
+    run_count,
+    runs_problem,
+)
 from ..sizes import parse_size
 
 __all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache"]
@@ -86,10 +93,11 @@ class _ByPread:
 class _Run(_ByPread):
     """One run of a key file (its base file, or a growth run), read by ``os.pread``."""
 
-    def __init__(self, path: str, n: int):
-        self.path, self.n = path, int(n)
+    def __init__(self, path: str, n: int, blocks: str | None = None):
+        self.path, self.n, self.blocks = path, int(n), blocks
         self._fd: int | None = None
         self._pid = os.getpid()
+        self._table: BlockTable | None = None  # read and checked at the first lookup
 
     def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
         raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
@@ -101,6 +109,8 @@ class _Run(_ByPread):
         """A binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
         to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
         reads at 1.28M samples, ~20 at 4x10^8)."""
+        if self.blocks is not None:
+            return self._checked(want)
         fd, lo, hi = self._file(), 0, self.n  # the first hash >= want is in lo .. hi
         while hi - lo > _BLOCK:
             mid = (lo + hi) // 2
@@ -120,6 +130,17 @@ class _Run(_ByPread):
         raw = os.pread(fd, 4 * (b - a), HEAD + 8 * self.n + 4 * a)
         return np.frombuffer(raw, "<u4").tolist()
 
+    def _checked(self, want: np.uint64) -> list[int]:
+        """A run with a block table: the table read once (16 bytes a block of 512 samples,
+        checked by the manifest's ``blocks_sha256``, then held: 1/32 byte a sample), then the
+        one block that may hold ``want`` (two, where equal hashes cross a fence), checked by
+        its digest before any byte of it answers: a miss is as checked as a hit."""
+        fd = self._file()
+        if self._table is None:
+            self._table = BlockTable(fd, self.path, self.n, self.blocks)
+        _, shards = checked_find(fd, self._table, np.asarray([want], np.uint64))
+        return shards[0].tolist() if shards else []
+
 
 class DatasetKeys:
     """The key file a local manifest lists, ``manifest.keys`` and its growth runs (see the
@@ -134,7 +155,10 @@ class DatasetKeys:
         self.folder, self.listed, self.n = folder, dict(listed), int(n)
         self.path = os.path.join(folder, listed["path"])  # the base file: what names it
         self._shards = shards  # the view's table (held by the view anyway)
-        self.runs = [_Run(os.path.join(folder, r["path"]), run_count(r)) for r in key_runs(listed)]
+        self.runs = [
+            _Run(os.path.join(folder, r["path"]), run_count(r), r.get("blocks_sha256"))
+            for r in key_runs(listed)
+        ]
         self._vouched: bool | None = None
 
     @classmethod
@@ -156,8 +180,13 @@ class DatasetKeys:
 
     def vouched(self) -> bool:
         if self._vouched is None:
+            # runs with block tables answered from checked bytes: only their heads' identity
+            # of the shards is left (no read); an older run's sha256 is read whole
+            whole = not all(run.blocks is not None for run in self.runs)
             try:
-                self._vouched = not runs_problem(self.folder, self.listed, self.n, self._shards)
+                self._vouched = not runs_problem(
+                    self.folder, self.listed, self.n, self._shards, whole, identity=True
+                )
             except OSError:
                 self._vouched = False
         return self._vouched

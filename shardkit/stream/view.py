@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError, ShardFormatError, StorageError, UnknownKeywordError
+from ..formats.key_file import RunUnchecked
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex, key_hashes, table_hashes
@@ -302,11 +303,15 @@ class ShardView:
         want = key_hashes([key])[0]
         keys = self._key_file_of_dataset()
         if keys is not None:
-            found = self._in_shards(key, keys.shards(want))
-            if found is not None:
-                return found
-            if not keys.vouched():  # a file the manifest does not vouch for: not again
-                self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
+            try:
+                found = self._in_shards(key, keys.shards(want))
+            except RunUnchecked as exc:  # a block or table not its digest: not again
+                self._refuse_keys(exc.path, exc.why)
+            else:
+                if found is not None:
+                    return found
+                if not keys.vouched():  # a file the manifest does not vouch for: not again
+                    self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
         # a key the key file misses (or no key file): the shards' own hash columns decide
         found = [p for p in self._key_file().candidates(want).tolist()]
         found = [p for p in found if self._at(p)[0] not in self._fixed]  # their columns lie
