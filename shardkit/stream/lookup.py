@@ -12,13 +12,15 @@ at LAION-400M. Here:
 - ``DatasetKeys``: the dataset's own key file, ``manifest.keys`` (FORMAT.md, "Key file"),
   which pack, append and merge write beside the manifest that vouches for it: every key hash
   sorted with its shard, in a few sorted runs (the base file and the growth runs after it).
-  A lookup is a binary search of each run's hashes by ``os.pread``
-  (a few 8-byte reads, then one 4 KB run: not mapped, so no page of it stays in the view's
-  resident memory however many lookups touch it), so the first lookup of a view costs what
-  every other does and nothing is built. It names candidate shards only: the view finds the key in
-  that shard's index and confirms it on the real key, so a stale or forged file can cost a
-  search, never a wrong sample; an answer it is missing is trusted only once the file's sha256
-  is the manifest's.
+  A lookup reads each run's block table once (16 bytes a block of 512 samples, checked by the
+  manifest's ``blocks_sha256``, then held: 1/32 byte a sample, 40 KB at 1.28M) and the one
+  block of 512 its hash falls in (6 KB by ``os.pread``, checked by its digest before any byte
+  of it answers: not mapped, so no page of it stays in the view's resident memory), so the
+  first lookup of a view costs what every other does and nothing is built. It names candidate
+  shards only: the view finds the key in that shard's index and confirms it on the real key,
+  so a stale or forged file can cost a search, never a wrong sample; an answer it is missing
+  comes from checked bytes (a run written before the table: trusted once its whole sha256 is
+  the manifest's, as before), and a block that fails its digest makes the file not serve.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
   without a manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
@@ -106,7 +108,8 @@ class _Run(_ByPread):
         return np.frombuffer(raw, "<u8")
 
     def shards(self, want: np.uint64) -> list[int]:
-        """A binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
+        """A run with a block table: its checked block (``_checked``). One written before the
+        table: a binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
         to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
         reads at 1.28M samples, ~20 at 4x10^8)."""
         if self.blocks is not None:
@@ -146,10 +149,10 @@ class DatasetKeys:
     """The key file a local manifest lists, ``manifest.keys`` and its growth runs (see the
     module docstring). ``open`` finds it served (its runs' counts, sizes and heads: one stat
     and one read of 56 bytes a run); ``shards(h)``: the positions of the shards holding a key
-    whose hash is ``h``, ascending, from every run; ``vouched()``: each run's head names the
-    view's shards and its sha256 is the manifest's (the shard list hashed, 12 bytes a sample
-    read, once: checked when an answer is missing, the one answer a file can get wrong
-    unseen)."""
+    whose hash is ``h``, ascending, from every run's checked blocks (``RunUnchecked`` where
+    one fails its check); ``vouched()``: each run's head names the view's shards (the shard
+    list hashed, once: checked when an answer is missing), and a run without a block table
+    has the manifest's sha256 (12 bytes a sample read, once)."""
 
     def __init__(self, folder: str, listed: dict, n: int, shards=None):
         self.folder, self.listed, self.n = folder, dict(listed), int(n)
@@ -169,10 +172,18 @@ class DatasetKeys:
         return (None, why) if why else (cls(folder, listed, n, shards), "")
 
     def shards(self, want: int) -> list[int]:
-        """Each run searched (``_Run.shards``): nothing mapped or held, so the view's memory is
-        the same after any number of lookups."""
+        """Each run searched (``_Run.shards``): nothing mapped, only each run's checked block
+        table held (1/32 byte a sample), so the view's memory is the same after the first
+        lookup as after any number of them."""
         want = np.uint64(want)
         return sorted({s for run in self.runs for s in run.shards(want)})
+
+    def checked(self) -> bool:
+        """Every run has a block table: a hash none of them holds was looked for in checked
+        bytes, and the hashes were their keys' when written (from the shards' keys), so a key
+        none holds is not in the dataset (trusted as far as the manifest vouches for the
+        runs, as growth trusts them)."""
+        return all(run.blocks is not None for run in self.runs)
 
     def close(self) -> None:
         for run in self.runs:

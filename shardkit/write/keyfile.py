@@ -12,23 +12,26 @@ from the base, so there are at most ``log4(N) + 1`` of them, and a key is rewrit
 1.25x larger or more): O(log N) bytes written a key, amortized. The worst single step merges
 every run into a new base: 12 bytes a sample, once in about ``N / 4`` appended keys.
 
-Looking up new keys touches only what they need: each run's hashes are binary-searched for the
-new keys' sorted hashes by ``os.pread`` (``key_file.search``: ~8 log2(n / 4) + 48 bytes a
-key), so a step that merges nothing reads O(new) bytes of the key file. A run merged is read
-whole, and its sha256 checked first. The runs a step only searches are taken by their size
-and head (their counts, and the identity of the shards each one names: the manifest, no shard
-read), as a lookup by key takes them; their sha256 is checked where they are read whole (a
-merge of runs; ``key_file.runs_problem`` with ``whole`` checks them all). A key file that is
-missing, damaged, edited or another dataset's serves not at all: growth then reads every
-shard's index as before (``built``), with a warning, and writes one base file anew. A dataset
-made before the key file has none, and is read the old way once; a key file of one run is the
-file older shardkit wrote and reads.
+Looking up new keys touches only what they need, and checks all of it: each run is searched
+by its block table (``key_file.checked_find``: the table, 16 bytes a block of 512 samples,
+checked by the manifest's ``blocks_sha256``; then each block a new hash falls in, 6 KB, checked
+by its digest before it answers), so a step that merges nothing reads O(new) bytes of the key
+file and trusts none unchecked: a hash or shard edited in place (bit rot, an edit) is found by
+the read of its block, the one a search for the key it hid reads. A run written before the
+table is read whole and checked by its sha256 before it is searched. A run merged is read
+whole, and its sha256 checked first. A key file that is missing, damaged, edited or another
+dataset's, or a run whose table or block fails its check (``RunUnchecked``: the runs' shared
+``state`` remembers it, ``_served``), serves not at all: growth then reads every shard's index
+as before (``built``), with a warning naming it, and writes one base file anew. A dataset made
+before the key file has none, and is read the old way once; a key file of one run is the file
+older shardkit wrote and reads.
 
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).
 
-Memory: the runs are searched by ``pread`` or memory-mapped, never read into the heap; the new
-keys' hashes; and while runs are merged, pieces of ``CHUNK`` samples (``_two_way``).
+Memory: the runs are searched by ``pread`` (each run's block table held: 1/32 byte a
+sample) or memory-mapped, never read into the heap; the new keys' hashes; and while runs are
+merged, pieces of ``CHUNK`` samples (``_two_way``).
 """
 
 from __future__ import annotations

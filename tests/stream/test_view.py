@@ -294,13 +294,12 @@ def test_a_lookup_by_key_loads_one_index_and_a_missing_key_none(packs, fmt, monk
     monkeypatch.setattr(view_mod.ShardView, "_index", lambda v, s: loads.append(s) or real(v, s))
     view = ShardView(src, decode="raw", with_keys=True)
     assert len(view.shards) > 2
-    for _ in range(3):  # the first lookup walks the hash columns, the next ones a sorted table
+    for _ in range(3):
         with pytest.raises(InputError, match="no sample with key 'nope'"):
             view.get("nope")
-    # a missing key: no hash matches, and before it is called missing every shard's column is
-    # checked by its keys once (a hash column may lie), one index at a time, none held; the
-    # lookups after answer from the hashes alone
-    assert len(loads) == len(view.shards) and len(view._tables) == 0
+    # a missing key: no hash of it in the key file's checked blocks (its hashes were the
+    # keys' when written): called missing at once, no shard's index loaded
+    assert len(loads) == 0 and len(view._tables) == 0
     loads.clear()
     last = keys[-1]
     assert view.get(last)[2] == last and len(loads) == 1  # one index: the shard holding it
