@@ -503,6 +503,7 @@ def _keys(doc: dict) -> dict[str, Any]:
         "path": _name(keys.get("path"), "key file"),
         "sha256": _sha(keys.get("sha256"), "key file sha256"),
         "bytes": _count(keys.get("bytes"), "key file bytes"),
+        **_blocks(keys, "key file"),
     }
     if "runs" in keys:  # the growth runs after the base file, oldest first
         runs = keys["runs"]
@@ -513,10 +514,19 @@ def _keys(doc: dict) -> dict[str, Any]:
                 "path": _name(r.get("path"), "key file run"),
                 "sha256": _sha(r.get("sha256"), "key file run sha256"),
                 "bytes": _count(r.get("bytes"), "key file run bytes"),
+                **_blocks(r, "key file run"),
             }
             for r in runs
         ]
     return out
+
+
+def _blocks(run: dict, what: str) -> dict[str, str]:
+    """A run's ``blocks_sha256`` (its block table's), where it has one: runs written before
+    the table have none (and no table)."""
+    if "blocks_sha256" not in run:
+        return {}
+    return {"blocks_sha256": _sha(run["blocks_sha256"], f"{what} blocks_sha256")}
 
 
 def _too_large(source: str, size: str) -> ManifestError:

@@ -13,11 +13,18 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 __all__ = [
+    "BLOCK",
     "HEAD",
     "KEYS_NAME",
     "MAGIC",
+    "BlockTable",
+    "RunUnchecked",
+    "block_table",
+    "blocks_problem",
+    "checked_find",
     "counts_below",
     "file_digest",
     "first_at_least",
@@ -29,6 +36,7 @@ __all__ = [
     "run_count",
     "run_head",
     "run_name",
+    "run_size",
     "runs_problem",
     "search",
     "shard_column",
@@ -42,6 +50,22 @@ MAGIC = b"SHKKEYS1"
 HEAD = 56
 
 
+#: Samples a block of a run's block table covers: 4 KB of hashes and 2 KB of shards, checked
+#: by one digest (FORMAT.md, "Block table").
+BLOCK = 512
+#: Bytes of the block table a block: its fence (first hash) and its digest, uint64 each.
+ENTRY = 16
+
+
+class RunUnchecked(Exception):
+    """A run whose bytes a read took are not what the manifest vouches for (its block table's
+    sha256, a block's digest; a run without a table: its whole sha256): it does not serve."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
 #: Hashes a search reads in its last step (at most 48 bytes): below it, one read, not more
 #: halvings.
 FINAL = 4
@@ -52,9 +76,23 @@ def run_name(k: int) -> str:
     return f"{KEYS_NAME}.{k}"
 
 
+def run_size(n: int, table: bool = True) -> int:
+    """The bytes of a run of ``n`` samples: ``56 + 12 n``, plus its block table (``16`` a
+    block of ``BLOCK`` samples) where it has one (every run written since the table)."""
+    return HEAD + 12 * n + (ENTRY * -(-n // BLOCK) if table else 0)
+
+
 def run_count(entry: dict) -> int:
-    """The samples of the run the manifest lists as ``entry`` (its ``bytes``: ``56 + 12 n``)."""
-    return max(int(entry["bytes"]) - HEAD, 0) // 12
+    """The samples of the run the manifest lists as ``entry``: the largest ``n`` whose
+    ``run_size`` is at most its ``bytes`` (with a block table where it lists
+    ``blocks_sha256``); a size no count fits is refused by ``problem``."""
+    size, table = int(entry["bytes"]), "blocks_sha256" in entry
+    if not table:
+        return max(size - HEAD, 0) // 12
+    n = max(size - HEAD, 0) * BLOCK // (12 * BLOCK + ENTRY)  # never below the count
+    while n and run_size(n) > size:
+        n -= 1
+    return n
 
 
 def key_runs(listed: dict) -> list[dict]:
@@ -62,7 +100,7 @@ def key_runs(listed: dict) -> list[dict]:
     ``{"path", "sha256", "bytes"}``."""
     if not listed:
         return []
-    base = {k: listed[k] for k in ("path", "sha256", "bytes")}
+    base = {k: listed[k] for k in ("path", "sha256", "bytes", "blocks_sha256") if k in listed}
     return [base, *(dict(r) for r in listed.get("runs", ()))]
 
 
@@ -129,9 +167,10 @@ def problem(
     what growth checks of the runs it searches without reading them. ``last``: the newest
     run, whose head names every shard; an older run's names the first shards, as many as the
     dataset had when it was written."""
+    size = run_size(n, "blocks_sha256" in listed)
     try:
-        if os.path.getsize(path) != HEAD + 12 * n or listed["bytes"] != HEAD + 12 * n:
-            return f"not the {HEAD + 12 * n} bytes of {n} samples"
+        if os.path.getsize(path) != size or listed["bytes"] != size:
+            return f"not the {size} bytes of {n} samples"
         if whole and key_file_sha256(path, n) != listed["sha256"]:
             return "its sha256 is not the manifest's"
         with open(path, "rb") as f:
@@ -241,7 +280,7 @@ def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     if not n:
         return np.empty(0, np.uint64), np.empty(0, np.uint32)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    return mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n :].view("<u4")
+    return mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n : HEAD + 12 * n].view("<u4")
 
 
 def counts_below(cols, threshold: int, num_shards: int) -> np.ndarray:
@@ -281,3 +320,96 @@ def first_at_least(fd: int, n: int, threshold: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _block_digest(hashes: bytes, shards: bytes) -> int:
+    return xxh3_64_intdigest(hashes + shards)
+
+
+def block_table(hashes: np.ndarray, shards: np.ndarray) -> bytes:
+    """The block table of a run's columns (``hashes`` uint64, ``shards`` uint32, in pieces
+    of whole blocks but the last): each block's first hash and the XXH3-64 of its hash bytes
+    then its shard bytes, uint64 each."""
+    h, s = hashes.astype("<u8").tobytes(), shards.astype("<u4").tobytes()
+    out = np.empty((-(-len(hashes) // BLOCK), 2), "<u8")
+    for b in range(len(out)):
+        i, j = b * BLOCK, min((b + 1) * BLOCK, len(hashes))
+        out[b] = (hashes[i], _block_digest(h[8 * i : 8 * j], s[4 * i : 4 * j]))
+    return out.tobytes()
+
+
+class BlockTable:
+    """A run's block table, read whole once and checked against the sha256 the manifest
+    lists (``blocks_sha256``): 16 bytes a block of ``BLOCK`` samples."""
+
+    def __init__(self, fd: int, path: str, n: int, sha256: str):
+        nb = -(-n // BLOCK)
+        raw = _pread(fd, ENTRY * nb, HEAD + 12 * n)
+        if hashlib.sha256(raw).hexdigest() != sha256:
+            raise RunUnchecked(path, "its block table's sha256 is not the manifest's")
+        t = np.frombuffer(raw, "<u8").reshape(nb, 2)
+        self.path, self.n, self.fences, self.digests = path, n, t[:, 0], t[:, 1]
+
+    def block(self, fd: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block ``b``'s hashes and shards (one read of each column), once its digest is the
+        table's: no byte of it trusted before."""
+        i, j = b * BLOCK, min((b + 1) * BLOCK, self.n)
+        h = _pread(fd, 8 * (j - i), HEAD + 8 * i)
+        s = _pread(fd, 4 * (j - i), HEAD + 8 * self.n + 4 * i)
+        if _block_digest(h, s) != int(self.digests[b]):
+            raise RunUnchecked(self.path, f"its block {b} (samples {i} .. {j}) is not its digest")
+        return np.frombuffer(h, "<u8"), np.frombuffer(s, "<u4")
+
+    def blocks_of(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``first, last``: the blocks ``first .. last - 1`` that may hold each of ``want``
+        (the one whose range it falls in; more only where equal hashes cross a fence)."""
+        first = np.maximum(np.searchsorted(self.fences, want, "left") - 1, 0)
+        return first, np.searchsorted(self.fences, want, "right")
+
+
+def checked_find(fd: int, table: BlockTable, want: np.ndarray) -> tuple[list[int], list]:
+    """``hit, shards``: the positions in ``want`` (uint64, ascending) of the hashes the run
+    open as ``fd`` holds, and each one's shards (uint32), from the blocks that may hold them,
+    each read and checked by its digest (``BlockTable.block``) before it answers, one at a
+    time (nothing held but the answers): at most one block of ``BLOCK`` samples (``12 *
+    BLOCK`` bytes) a searched hash, more only where equal hashes cross a fence."""
+    want = np.asarray(want, np.uint64)
+    first, last = table.blocks_of(want)
+    found: list[tuple[int, np.ndarray]] = []
+    one = np.flatnonzero(last - first == 1)  # want ascending: each block's are contiguous
+    blocks, starts = np.unique(first[one], return_index=True)
+    ends = [*starts[1:].tolist(), len(one)]
+    for b, i, j in zip(blocks.tolist(), starts.tolist(), ends, strict=True):
+        h, s = table.block(fd, b)
+        qs = one[i:j]
+        lo, hi = h.searchsorted(want[qs], "left"), h.searchsorted(want[qs], "right")
+        found += [(int(qs[k]), s[lo[k] : hi[k]].copy()) for k in np.flatnonzero(hi > lo)]
+    for q in np.flatnonzero(last - first > 1).tolist():  # equal hashes across a fence
+        got = [table.block(fd, b) for b in range(int(first[q]), int(last[q]))]
+        h, s = np.concatenate([x for x, _ in got]), np.concatenate([y for _, y in got])
+        lo, hi = int(h.searchsorted(want[q], "left")), int(h.searchsorted(want[q], "right"))
+        if hi > lo:
+            found.append((q, s[lo:hi].copy()))
+    found.sort(key=lambda x: x[0])
+    return [q for q, _ in found], [x for _, x in found]
+
+
+def blocks_problem(path: str, entry: dict, n: int) -> str:
+    """Why the block table of the run at ``path`` (listed as ``entry``, ``n`` samples) is not
+    its columns' (each block's fence and digest recomputed, ``1 << 10`` blocks at a time) or
+    the listed ``blocks_sha256``; "" where it is, or the run has none (written before it)."""
+    if "blocks_sha256" not in entry:
+        return ""
+    hashes, shards = mapped(path, n)
+    with open(path, "rb") as f:
+        f.seek(HEAD + 12 * n)
+        stored = f.read()
+    if hashlib.sha256(stored).hexdigest() != entry["blocks_sha256"]:
+        return "its block table's sha256 is not the manifest's"
+    step = BLOCK << 10
+    for i in range(0, n, step):
+        got = block_table(np.asarray(hashes[i : i + step]), np.asarray(shards[i : i + step]))
+        at = ENTRY * (i // BLOCK)
+        if got != stored[at : at + len(got)]:
+            return f"its block table is not its columns' (from sample {i})"
+    return ""

@@ -12,16 +12,19 @@ at LAION-400M. Here:
 - ``DatasetKeys``: the dataset's own key file, ``manifest.keys`` (FORMAT.md, "Key file"),
   which pack, append and merge write beside the manifest that vouches for it: every key hash
   sorted with its shard, in a few sorted runs (the base file and the growth runs after it).
-  A lookup is a binary search of each run's hashes by ``os.pread``
-  (a few 8-byte reads, then one 4 KB run: not mapped, so no page of it stays in the view's
-  resident memory however many lookups touch it), so the first lookup of a view costs what
-  every other does and nothing is built. It names candidate shards only: the view finds the key in
-  that shard's index and confirms it on the real key, so a stale or forged file can cost a
-  search, never a wrong sample; an answer it is missing is trusted only once the file's sha256
-  is the manifest's.
-- ``split_counts``: each shard's count of a split's "val" samples, from the key file's prefix
-  (the hashes below the split's threshold come first): what a split's epoch is partitioned by
-  across ranks and workers, so each reads only the indexes of the shards it reads.
+  A lookup reads each run's block table once (16 bytes a block of 512 samples, checked by the
+  manifest's ``blocks_sha256``, then held: 1/32 byte a sample, 40 KB at 1.28M) and the one
+  block of 512 its hash falls in (6 KB by ``os.pread``, checked by its digest before any byte
+  of it answers: not mapped, so no page of it stays in the view's resident memory), so the
+  first lookup of a view costs what every other does and nothing is built. It names candidate
+  shards only: the view finds the key in that shard's index and confirms it on the real key,
+  so a stale or forged file can cost a search, never a wrong sample; an answer it is missing
+  comes from checked bytes (a run written before the table: trusted once its whole sha256 is
+  the manifest's, as before), and a block that fails its digest makes the file not serve.
+- ``split_counts``: each shard's count of a split's "val" samples, from each run's prefix
+  (the hashes below the split's threshold come first), read through the same checked blocks:
+  what a split's epoch is partitioned by across ranks and workers, so each reads only the
+  indexes of the shards it reads.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
   without a manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
@@ -41,6 +44,9 @@ import numpy as np
 
 from ..formats.key_file import (
     HEAD,
+    BlockTable,
+    RunUnchecked,
+    checked_find,
     first_at_least,
     key_runs,
     run_count,
@@ -96,10 +102,11 @@ class _ByPread:
 class _Run(_ByPread):
     """One run of a key file (its base file, or a growth run), read by ``os.pread``."""
 
-    def __init__(self, path: str, n: int):
-        self.path, self.n = path, int(n)
+    def __init__(self, path: str, n: int, blocks: str | None = None):
+        self.path, self.n, self.blocks = path, int(n), blocks
         self._fd: int | None = None
         self._pid = os.getpid()
+        self._table: BlockTable | None = None  # read and checked at the first lookup
 
     def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
         raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
@@ -108,9 +115,12 @@ class _Run(_ByPread):
         return np.frombuffer(raw, "<u8")
 
     def shards(self, want: np.uint64) -> list[int]:
-        """A binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
+        """A run with a block table: its checked block (``_checked``). One written before the
+        table: a binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
         to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
         reads at 1.28M samples, ~20 at 4x10^8)."""
+        if self.blocks is not None:
+            return self._checked(want)
         fd, lo, hi = self._file(), 0, self.n  # the first hash >= want is in lo .. hi
         while hi - lo > _BLOCK:
             mid = (lo + hi) // 2
@@ -130,21 +140,35 @@ class _Run(_ByPread):
         raw = os.pread(fd, 4 * (b - a), HEAD + 8 * self.n + 4 * a)
         return np.frombuffer(raw, "<u4").tolist()
 
+    def _checked(self, want: np.uint64) -> list[int]:
+        """A run with a block table: the table read once (16 bytes a block of 512 samples,
+        checked by the manifest's ``blocks_sha256``, then held: 1/32 byte a sample), then the
+        one block that may hold ``want`` (two, where equal hashes cross a fence), checked by
+        its digest before any byte of it answers: a miss is as checked as a hit."""
+        fd = self._file()
+        if self._table is None:
+            self._table = BlockTable(fd, self.path, self.n, self.blocks)
+        _, shards = checked_find(fd, self._table, np.asarray([want], np.uint64))
+        return shards[0].tolist() if shards else []
+
 
 class DatasetKeys:
     """The key file a local manifest lists, ``manifest.keys`` and its growth runs (see the
     module docstring). ``open`` finds it served (its runs' counts, sizes and heads: one stat
     and one read of 56 bytes a run); ``shards(h)``: the positions of the shards holding a key
-    whose hash is ``h``, ascending, from every run; ``vouched()``: each run's head names the
-    view's shards and its sha256 is the manifest's (the shard list hashed, 12 bytes a sample
-    read, once: checked when an answer is missing, the one answer a file can get wrong
-    unseen)."""
+    whose hash is ``h``, ascending, from every run's checked blocks (``RunUnchecked`` where
+    one fails its check); ``vouched()``: each run's head names the view's shards (the shard
+    list hashed, once: checked when an answer is missing), and a run without a block table
+    has the manifest's sha256 (12 bytes a sample read, once)."""
 
     def __init__(self, folder: str, listed: dict, n: int, shards=None):
         self.folder, self.listed, self.n = folder, dict(listed), int(n)
         self.path = os.path.join(folder, listed["path"])  # the base file: what names it
         self._shards = shards  # the view's table (held by the view anyway)
-        self.runs = [_Run(os.path.join(folder, r["path"]), run_count(r)) for r in key_runs(listed)]
+        self.runs = [
+            _Run(os.path.join(folder, r["path"]), run_count(r), r.get("blocks_sha256"))
+            for r in key_runs(listed)
+        ]
         self._vouched: bool | None = None
 
     @classmethod
@@ -155,10 +179,18 @@ class DatasetKeys:
         return (None, why) if why else (cls(folder, listed, n, shards), "")
 
     def shards(self, want: int) -> list[int]:
-        """Each run searched (``_Run.shards``): nothing mapped or held, so the view's memory is
-        the same after any number of lookups."""
+        """Each run searched (``_Run.shards``): nothing mapped, only each run's checked block
+        table held (1/32 byte a sample), so the view's memory is the same after the first
+        lookup as after any number of them."""
         want = np.uint64(want)
         return sorted({s for run in self.runs for s in run.shards(want)})
+
+    def checked(self) -> bool:
+        """Every run has a block table: a hash none of them holds was looked for in checked
+        bytes, and the hashes were their keys' when written (from the shards' keys), so a key
+        none holds is not in the dataset (trusted as far as the manifest vouches for the
+        runs, as growth trusts them)."""
+        return all(run.blocks is not None for run in self.runs)
 
     def close(self) -> None:
         for run in self.runs:
@@ -166,8 +198,13 @@ class DatasetKeys:
 
     def vouched(self) -> bool:
         if self._vouched is None:
+            # runs with block tables answered from checked bytes: only their heads' identity
+            # of the shards is left (no read); an older run's sha256 is read whole
+            whole = not all(run.blocks is not None for run in self.runs)
             try:
-                self._vouched = not runs_problem(self.folder, self.listed, self.n, self._shards)
+                self._vouched = not runs_problem(
+                    self.folder, self.listed, self.n, self._shards, whole, identity=True
+                )
             except OSError:
                 self._vouched = False
         return self._vouched
@@ -178,35 +215,52 @@ def split_counts(
 ) -> tuple[np.ndarray | None, str]:
     """Each shard's count of key hashes below ``threshold`` from the key file's runs in
     ``folder`` (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard
-    table), and ""; or None and why the runs do not serve. Read by ``os.pread``: each run's
-    head (56 bytes: its size, counts and the shards it names checked, nothing that needs the
-    whole file), a binary search of its hashes (~log2 n reads of 8 bytes) and the shard
-    column of its hashes below ``threshold`` (4 bytes a val sample, ``_PIECE`` at a time); the
-    runs' counts add up. No run's sha256 is checked (that reads every byte): each count is
-    checked instead against the shard's own index when a reader reaches the shard
-    (``indexes.ShardSplit``), and each sample read against its own key.
-    ``formats.key_file.counts_below`` is the same count over columns."""
+    table), and ""; or None and why the runs do not serve. Read by ``os.pread``, never the
+    whole file: each run's head (its size, counts and the shards it names), its block table
+    (16 bytes a block of 512, checked by the manifest's ``blocks_sha256``) and the blocks
+    below ``threshold`` (12 bytes a val sample), each checked by its digest before it is
+    counted, so a count is what the manifest vouches for; the runs' counts add up. A run
+    written before the table: a binary search of its hashes and its prefix's shard column,
+    unchecked here. Either way each count is checked again against the shard's own index when
+    a reader reaches the shard (``indexes.ShardSplit``), and each sample read against its own
+    key. ``formats.key_file.counts_below`` is the same count over columns."""
     why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why
     counts = np.zeros(len(shards), np.int64)
     try:
         for run in key_runs(listed):
-            m = run_count(run)
-            fd = os.open(os.path.join(folder, run["path"]), os.O_RDONLY)
+            path, m = os.path.join(folder, run["path"]), run_count(run)
+            fd = os.open(path, os.O_RDONLY)
             try:
-                end = first_at_least(fd, m, threshold)
-                for a in range(0, end, _PIECE):
-                    b = min(end, a + _PIECE)
-                    raw = os.pread(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
-                    if len(raw) != 4 * (b - a):
-                        raise ValueError("cut short")
-                    counts += shard_counts(np.frombuffer(raw, "<u4"), len(shards))
+                counts += _counts_below(fd, path, m, run.get("blocks_sha256"), threshold, shards)
             finally:
                 os.close(fd)
+    except RunUnchecked as exc:
+        return None, exc.why
     except (OSError, ValueError) as exc:
         return None, f"unreadable ({exc})"
     return counts, ""
+
+
+def _counts_below(fd: int, path: str, m: int, blocks, threshold: int, shards) -> np.ndarray:
+    """One run's count a shard of its hashes below ``threshold`` (``split_counts``)."""
+    counts = np.zeros(len(shards), np.int64)
+    if blocks is not None and m:
+        table = BlockTable(fd, path, m, blocks)
+        last = int(np.searchsorted(table.fences, np.uint64(threshold), "left"))
+        for b in range(last):  # every hash of a block past ``last`` is >= threshold
+            h, s = table.block(fd, b)
+            counts += shard_counts(s[: int(h.searchsorted(np.uint64(threshold)))], len(shards))
+        return counts
+    end = first_at_least(fd, m, threshold)
+    for a in range(0, end, _PIECE):
+        b = min(end, a + _PIECE)
+        raw = os.pread(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
+        if len(raw) != 4 * (b - a):
+            raise ValueError("cut short")
+        counts += shard_counts(np.frombuffer(raw, "<u4"), len(shards))
+    return counts
 
 
 #: Shard column entries ``split_counts`` reads at a time (4 MiB).

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError, ShardFormatError, StorageError, UnknownKeywordError
+from ..formats.key_file import RunUnchecked
 from ..formats.lmdb import LmdbSampleReader, file_stamp
 from ..formats.lmdb.index import LmdbIndex
 from ..formats.sample_index import Members, SampleIndex, key_hashes, table_hashes
@@ -288,25 +289,35 @@ class ShardView:
     def index(self, key: str) -> int:
         """The position of ``key`` (the first, should two shards hold the same key), by its
         key hash. Where the manifest lists a key file (``manifest.keys``, written by pack,
-        append and merge), a binary search of its hashes (``os.pread``, nothing mapped) names
-        the shard(s) holding the hash, and the key is found in that shard's index (the bounded
-        index cache) and confirmed on the real key: nothing built, nothing written, flat in
-        memory, the first lookup as cheap as any. Without one (packed before it existed, a
-        URL, no manifest; a local manifest without one gets a warning saying how to get one),
-        or for a key it misses (a file the manifest vouches for may still have been forged
-        with it), the hashes the shards' indexes store are sorted with their positions into a
-        private temporary file, once a view (``lookup.KeyFile``). A key no hash matches is
-        looked for in every shard's keys before it is called missing (``_by_keys``): a hash
-        column may be wrong (damaged, or edited with its checksums computed again), and the
-        keys, not their stored hashes, say what the dataset holds."""
+        append and merge), the one checked block of it the hash falls in (``os.pread``, nothing
+        mapped; ``lookup.DatasetKeys``) names the shard(s) holding the hash, and the key is
+        found in that shard's index (the bounded index cache) and confirmed on the real key:
+        nothing built, nothing written, flat in memory, the first lookup as cheap as any; a
+        hash no checked block holds is a missing key at once (the file's hashes were its keys'
+        when written). Without one (packed before it existed, a URL, no manifest; a local
+        manifest without one gets a warning saying how to get one), one that fails a check, or
+        for a key whose named shard does not hold it (a file the manifest vouches for may still
+        have been forged), the hashes the shards' indexes store are sorted with their
+        positions into a private temporary file, once a view (``lookup.KeyFile``). A key no
+        hash matches there is looked for in every shard's keys before it is called missing
+        (``_by_keys``): a hash column may be wrong (damaged, or edited with its checksums
+        computed again), and the keys, not their stored hashes, say what the dataset holds."""
         want = key_hashes([key])[0]
         keys = self._key_file_of_dataset()
         if keys is not None:
-            found = self._in_shards(key, keys.shards(want))
-            if found is not None:
-                return found
-            if not keys.vouched():  # a file the manifest does not vouch for: not again
-                self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
+            try:
+                named = keys.shards(want)
+                found = self._in_shards(key, named)
+            except RunUnchecked as exc:  # a block or table not its digest: not again
+                self._refuse_keys(exc.path, exc.why)
+            else:
+                if found is not None:
+                    return found
+                if not keys.vouched():  # a file the manifest does not vouch for: not again
+                    self._refuse_keys(keys.path, "its sha256 or its shards are not the manifest's")
+                elif not named and keys.checked():  # no hash of it, from checked blocks
+                    raise self._missing(key)
+
         # a key the key file misses (or no key file): the shards' own hash columns decide
         found = [p for p in self._key_file().candidates(want).tolist()]
         found = [p for p in found if self._at(p)[0] not in self._fixed]  # their columns lie
@@ -319,8 +330,11 @@ class ShardView:
         found = self._by_keys(key)
         if found is not None:
             return found
+        raise self._missing(key)
+
+    def _missing(self, key: str) -> InputError:
         some = "" if self._members is None else " (or not in the selection its Source makes)"
-        raise InputError(
+        return InputError(
             f"no sample with key {key!r} in {self.where}{some}; `shardkit ls` lists the keys"
         )
 

@@ -12,23 +12,26 @@ from the base, so there are at most ``log4(N) + 1`` of them, and a key is rewrit
 1.25x larger or more): O(log N) bytes written a key, amortized. The worst single step merges
 every run into a new base: 12 bytes a sample, once in about ``N / 4`` appended keys.
 
-Looking up new keys touches only what they need: each run's hashes are binary-searched for the
-new keys' sorted hashes by ``os.pread`` (``key_file.search``: ~8 log2(n / 4) + 48 bytes a
-key), so a step that merges nothing reads O(new) bytes of the key file. A run merged is read
-whole, and its sha256 checked first. The runs a step only searches are taken by their size
-and head (their counts, and the identity of the shards each one names: the manifest, no shard
-read), as a lookup by key takes them; their sha256 is checked where they are read whole (a
-merge of runs; ``key_file.runs_problem`` with ``whole`` checks them all). A key file that is
-missing, damaged, edited or another dataset's serves not at all: growth then reads every
-shard's index as before (``built``), with a warning, and writes one base file anew. A dataset
-made before the key file has none, and is read the old way once; a key file of one run is the
-file older shardkit wrote and reads.
+Looking up new keys touches only what they need, and checks all of it: each run is searched
+by its block table (``key_file.checked_find``: the table, 16 bytes a block of 512 samples,
+checked by the manifest's ``blocks_sha256``; then each block a new hash falls in, 6 KB, checked
+by its digest before it answers), so a step that merges nothing reads O(new) bytes of the key
+file and trusts none unchecked: a hash or shard edited in place (bit rot, an edit) is found by
+the read of its block, the one a search for the key it hid reads. A run written before the
+table is read whole and checked by its sha256 before it is searched. A run merged is read
+whole, and its sha256 checked first. A key file that is missing, damaged, edited or another
+dataset's, or a run whose table or block fails its check (``RunUnchecked``: the runs' shared
+``state`` remembers it, ``_served``), serves not at all: growth then reads every shard's index
+as before (``built``), with a warning naming it, and writes one base file anew. A dataset made
+before the key file has none, and is read the old way once; a key file of one run is the file
+older shardkit wrote and reads.
 
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).
 
-Memory: the runs are searched by ``pread`` or memory-mapped, never read into the heap; the new
-keys' hashes; and while runs are merged, pieces of ``CHUNK`` samples (``_two_way``).
+Memory: the runs are searched by ``pread`` (each run's block table held: 1/32 byte a
+sample) or memory-mapped, never read into the heap; the new keys' hashes; and while runs are
+merged, pieces of ``CHUNK`` samples (``_two_way``).
 """
 
 from __future__ import annotations
@@ -37,20 +40,26 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..formats.key_file import (
+    BLOCK,
     HEAD,
     KEYS_NAME,
     MAGIC,
+    BlockTable,
+    RunUnchecked,
+    block_table,
+    checked_find,
     key_file_sha256,
     key_runs,
     mapped,
     run_count,
     run_head,
     run_name,
+    run_size,
     runs_problem,
     search,
     shard_column,
@@ -100,6 +109,10 @@ class KeyColumns:
     #: where built in memory.
     path: str = ""
     entry: dict | None = None
+    #: Shared by one dataset's runs (``read_key_file``): each run's checked block table, its
+    #: sha256 once checked, and ``why`` once one of them did not serve (``RunUnchecked``):
+    #: from then on the dataset's columns are ``built`` from its shards (``_served``).
+    state: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -113,14 +126,14 @@ class KeyColumns:
 
     def find(self, want: np.ndarray) -> dict[int, list[int]]:
         """``shard -> positions in want`` of each of ``want`` (ascending hashes) this run holds,
-        by the shards holding it (plus ``offset``): a file run searched by ``os.pread``
-        (``key_file.search``: only the pages the hashes need), a built one in memory."""
-        n = len(self)
+        by the shards holding it (plus ``offset``): a file run searched by its checked blocks
+        (``_searched``: only the blocks the hashes fall in), a built one in memory."""
         if self.path:
-            with open(self.path, "rb", buffering=0) as f:
-                lo, hi = search(f.fileno(), n, want)
-                hit = np.flatnonzero(hi > lo).tolist()
-                got = [shard_column(f.fileno(), n, int(lo[q]), int(hi[q])) for q in hit]
+            try:
+                hit, got = self._searched(np.asarray(want, np.uint64))
+            except RunUnchecked as exc:
+                self.state["why"] = str(exc)
+                raise
         else:
             lo = np.searchsorted(self.hashes, want, side="left")
             hi = np.searchsorted(self.hashes, want, side="right")
@@ -132,9 +145,34 @@ class KeyColumns:
                 by.setdefault(s + self.offset, []).append(q)
         return by
 
+    def _searched(self, want: np.ndarray) -> tuple[list[int], list[np.ndarray]]:
+        """The file run searched for ``want``: by its block table (each block read checked by
+        its digest, the table by the manifest's ``blocks_sha256``), or, a run written before
+        the table, by ``os.pread`` once its whole sha256 is the manifest's (``whole``): no
+        byte of it trusted unchecked."""
+        n, blocks = len(self), self.entry.get("blocks_sha256")
+        if blocks is None and not self.whole():
+            raise RunUnchecked(self.path, "its sha256 is not the manifest's")
+        with open(self.path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            if blocks is None:
+                lo, hi = search(fd, n, want)
+                hit = np.flatnonzero(hi > lo).tolist()
+                return hit, [shard_column(fd, n, int(lo[q]), int(hi[q])) for q in hit]
+            table = self.state.get(("table", self.path))
+            if table is None:
+                table = self.state[("table", self.path)] = BlockTable(fd, self.path, n, blocks)
+            return checked_find(fd, table, want)
+
     def whole(self) -> bool:
         """A file run read whole (merged): its sha256 the manifest's, checked once here."""
-        return not self.path or key_file_sha256(self.path, len(self)) == self.entry["sha256"]
+        if not self.path:
+            return True
+        done = self.state.get(("whole", self.path))
+        if done is None:
+            done = key_file_sha256(self.path, len(self)) == self.entry["sha256"]
+            self.state[("whole", self.path)] = done
+        return done
 
 
 def read_key_file(folder: str, manifest: Manifest) -> list[KeyColumns] | None:
@@ -157,10 +195,10 @@ def read_key_file(folder: str, manifest: Manifest) -> list[KeyColumns] | None:
             stacklevel=4,
         )
         return None
-    runs = []
+    runs, state = [], {}
     for r in key_runs(listed):
         path = os.path.join(folder, r["path"])
-        runs.append(KeyColumns(*mapped(path, run_count(r)), path=path, entry=r))
+        runs.append(KeyColumns(*mapped(path, run_count(r)), path=path, entry=r, state=state))
     return runs
 
 
@@ -201,6 +239,8 @@ def read_whole(folder: str, manifest: Manifest, runs: Sequence[KeyColumns]) -> l
     """``runs`` to be read whole (written into another key file): each file run's sha256
     checked first (``KeyColumns.whole``); where one is not the manifest's, a
     ``KeyFileWarning`` and the dataset's columns ``built`` from its shards instead."""
+    if runs and "why" in runs[0].state:  # a run failed its check already (and was named)
+        return _served(folder, manifest, runs)
     if all(r.whole() for r in runs):
         return list(runs)
     warnings.warn(
@@ -210,6 +250,34 @@ def read_whole(folder: str, manifest: Manifest, runs: Sequence[KeyColumns]) -> l
         stacklevel=3,
     )
     return [built(folder, manifest)]
+
+
+def _served(folder: str, manifest: Manifest, runs: Sequence[KeyColumns]) -> list[KeyColumns]:
+    """``runs``, or where one of them failed its check (``state["why"]``), the dataset's
+    columns ``built`` from its shards (once, kept in the shared state)."""
+    if not runs or "why" not in runs[0].state:
+        return list(runs)
+    if "built" not in runs[0].state:
+        runs[0].state["built"] = built(folder, manifest)
+    return [runs[0].state["built"]]
+
+
+def _unserved(exc: RunUnchecked) -> None:
+    warnings.warn(
+        f"{exc}; growth reads every shard's index instead, and writes the key file anew",
+        KeyFileWarning,
+        stacklevel=4,
+    )
+
+
+def _searched(folder: str, manifest: Manifest, runs, hashes: np.ndarray) -> dict[int, list[int]]:
+    """``_candidates`` in the runs that serve: where a block read fails its check, a warning
+    naming the run, and the dataset's columns from its shards (``_served``) instead."""
+    try:
+        return _candidates(_served(folder, manifest, runs), hashes)
+    except RunUnchecked as exc:
+        _unserved(exc)
+        return _candidates(_served(folder, manifest, runs), hashes)
 
 
 def _candidates(runs: Sequence[KeyColumns], hashes: np.ndarray) -> dict[int, list[int]]:
@@ -233,7 +301,7 @@ def held_in(
 
     def held(keys: Sequence[str]) -> np.ndarray:
         found = np.zeros(len(keys), dtype=bool)
-        for s, qs in sorted(_candidates(cols, key_hashes(keys)).items()):
+        for s, qs in sorted(_searched(folder, manifest, cols, key_hashes(keys)).items()):
             there = set(shard_table(folder, fmt, manifest.shards[s]).keys())
             for q in qs:
                 found[q] |= keys[q] in there
@@ -248,7 +316,7 @@ def _keys_with(folder: str, manifest: Manifest, cols, common: np.ndarray):
     fmt = manifest.shard_format
     starts = _starts(manifest)
     out: dict[str, int] = {}
-    for s in sorted(_candidates(cols, common)):
+    for s in sorted(_searched(folder, manifest, cols, common)):
         keys = list(shard_table(folder, fmt, manifest.shards[s]).keys())
         hashes = key_hashes(keys)
         for p in np.flatnonzero(np.isin(hashes, common)).tolist():
@@ -264,7 +332,15 @@ def shared_keys(
     hashes both hold (the smaller dataset's runs read a ``CHUNK`` at a time and searched in
     each of the larger's runs), each confirmed on the real keys of the shards holding it on
     both sides."""
-    a, b = mine[2], theirs[2]
+    while True:  # again where a run failed its check: that dataset's columns built instead
+        try:
+            return _shared(mine, theirs)
+        except RunUnchecked as exc:
+            _unserved(exc)
+
+
+def _shared(mine, theirs) -> list[tuple[int, str]]:
+    a, b = _served(*mine), _served(*theirs)
     small, large = (a, b) if sum(map(len, a)) <= sum(map(len, b)) else (b, a)
     common = []
     for run in small:
@@ -306,18 +382,18 @@ def _two_way(a: KeyColumns, b: KeyColumns) -> Iterator[tuple[np.ndarray, np.ndar
         yield y.at(i, i + CHUNK)
 
 
-def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -> str:
-    """``parts`` (each sorted) merged into one key file at ``path``: two at a time, the
-    first ones through a temporary file beside it."""
+def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -> tuple[str, str]:
+    """``parts`` (each sorted) merged into one key file at ``path``, its block table after its
+    columns: two at a time, the first ones through a temporary file beside it. Returns its
+    ``sha256`` and ``blocks_sha256`` (FORMAT.md), computed as it is written."""
     if len(parts) > 2:
         tmp = path + ".part"
         try:
             _write(tmp, parts[:-1], bytes(32), shards)
             n = sum(len(p) for p in parts[:-1])
-            mm = np.memmap(tmp, dtype=np.uint8, mode="r")
-            joined = KeyColumns(mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n :].view("<u4"))
+            joined = KeyColumns(*mapped(tmp, n))
             done = _write(path, [joined, parts[-1]], digest, shards)
-            del joined, mm
+            del joined
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -330,9 +406,10 @@ def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -
         pieces = (one.at(i, i + CHUNK) for i in range(0, n, CHUNK))
     head = MAGIC + n.to_bytes(8, "little") + shards.to_bytes(8, "little") + digest
     sha_h, sha_s = hashlib.sha256(head), hashlib.sha256()
+    table, rest = [], (np.empty(0, np.uint64), np.empty(0, np.uint32))
     with open(path, "wb") as f:
         f.write(head)
-        f.truncate(HEAD + 12 * n)
+        f.truncate(run_size(n))
         fd, at = f.fileno(), 0
         for h, s in pieces:  # in order: both columns' bytes digested as they are written
             hb, sb = h.astype("<u8").tobytes(), s.astype("<u4").tobytes()
@@ -341,11 +418,19 @@ def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -
             sha_h.update(hb)
             sha_s.update(sb)
             at += len(h)
+            h, s = np.concatenate([rest[0], h]), np.concatenate([rest[1], s])
+            whole = len(h) // BLOCK * BLOCK  # the blocks complete so far; the rest waits
+            table.append(block_table(h[:whole], s[:whole]))
+            rest = (h[whole:], s[whole:])
+        table.append(block_table(*rest))
+        blocks = b"".join(table)
+        os.pwrite(fd, blocks, HEAD + 12 * n)
+        sha_s.update(blocks)
         f.flush()
         os.fsync(fd)
     if at != n:  # pragma: no cover - a bug, never a user's
         raise AssertionError(f"{path}: wrote {at} of {n} key hashes")
-    return _digest(sha_h, sha_s)
+    return _digest(sha_h, sha_s), hashlib.sha256(blocks).hexdigest()
 
 
 def write_key_file(staging: str, parts: Sequence[KeyColumns], shards: Sequence[ShardEntry]) -> dict:
@@ -353,8 +438,9 @@ def write_key_file(staging: str, parts: Sequence[KeyColumns], shards: Sequence[S
     from ``parts`` (each sorted, their shard positions the manifest's); returns what the
     manifest lists of it (``Manifest.keys``)."""
     path = os.path.join(staging, KEYS_NAME)
-    sha = _write(path, list(parts), run_head(0, shards)[24:], len(shards))
-    return {"path": KEYS_NAME, "sha256": sha, "bytes": HEAD + 12 * sum(len(p) for p in parts)}
+    sha, blocks = _write(path, list(parts), run_head(0, shards)[24:], len(shards))
+    n = sum(len(p) for p in parts)
+    return {"path": KEYS_NAME, "sha256": sha, "bytes": run_size(n), "blocks_sha256": blocks}
 
 
 def _run_number(name: str) -> int:
@@ -382,11 +468,11 @@ def grow_key_file(
     folder, manifest = old
     listed = [r["path"] for r in key_runs(manifest.keys)]
     size, k = sum(len(c) for c in new), len(runs)
-    served = all(r.path for r in runs)
+    served = all(r.path for r in runs) and not (runs and "why" in runs[0].state)
     while k and (not served or RATIO * size >= len(runs[k - 1])):  # built: all in one
         k -= 1
         size += len(runs[k])
-    merged = [*runs[k:], *new]
+    merged = [*_served(folder, manifest, runs[k:]), *new] if k < len(runs) else [*new]
     if served and not all(r.whole() for r in runs[k:]):
         warnings.warn(
             f"{os.path.join(folder, listed[0])}: a run's sha256 is not the manifest's; growth "
@@ -403,7 +489,7 @@ def grow_key_file(
         number += 1
     name = run_name(number)
     head = run_head(size, shards)
-    sha = _write(os.path.join(staging, name), merged, head[24:], len(shards))
-    entry = {"path": name, "sha256": sha, "bytes": HEAD + 12 * size}
+    sha, blocks = _write(os.path.join(staging, name), merged, head[24:], len(shards))
+    entry = {"path": name, "sha256": sha, "bytes": run_size(size), "blocks_sha256": blocks}
     keys = {**runs[0].entry, "runs": [*(r.entry for r in runs[1:k]), entry]}
     return keys, [name], [r.entry["path"] for r in runs[k:]]

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import ShardFormat, get_format
-from ..formats.key_file import key_runs, mapped, run_count, runs_problem
+from ..formats.key_file import blocks_problem, key_runs, mapped, run_count, runs_problem
 from ..formats.lmdb import LmdbSampleReader
 from ..formats.lmdb.index import LmdbIndex, LmdbIndexError
 from ..formats.sample_index import (
@@ -477,6 +477,12 @@ def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardPr
         try:
             columns = [mapped(os.path.join(folder, r["path"]), run_count(r)) for r in runs]
             why = key_columns_problem(columns, want, [e.path for e in manifest.shards])
+            for r in runs if not why else ():
+                path_r = os.path.join(folder, r["path"])
+                why = blocks_problem(path_r, r, run_count(r))
+                if why:
+                    why = why if r is runs[0] else f"its run {r['path']}: {why}"
+                    break
         except (OSError, ValueError) as exc:
             why = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
     if not why:

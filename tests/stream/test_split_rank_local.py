@@ -134,9 +134,16 @@ def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw)
 
 
 def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
-    """A key file edited (its size and head intact, so it is used): where its count of a
-    shard's val samples is not the shard index's, the epoch that reaches the shard stops with
-    an error naming the key file and the fix, never an epoch cut by wrong counts."""
+    """A key file edited (its size and head intact): its counts come from blocks each checked
+    by its digest, so an edit is named in a warning and the split reads every shard's index
+    (the honest epoch); edited with its block table and the manifest's ``blocks_sha256``
+    computed again (vouched for), its count of a shard's val samples is not the shard index's,
+    and the epoch that reaches the shard stops with an error naming the key file and the fix,
+    never an epoch cut by wrong counts."""
+    import hashlib
+
+    from shardkit.formats.key_file import block_table
+
     out = str(tmp_path / "forged")
     shutil.copytree(pack, out)
     keys = os.path.join(out, "manifest.keys")
@@ -144,14 +151,28 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     hashes, shards = mapped(keys, n)
     threshold = int(np.ceil(0.1 * 2**64))
     val = int(np.searchsorted(hashes, np.uint64(threshold)))
-    column = np.array(shards[:val])
+    column = np.array(shards)
     a = int(column[0])
-    b = next(int(s) for s in column if s != a)
-    column[column == a] = b  # shard a's val samples are said to be shard b's
-    del hashes, shards
+    b = next(int(s) for s in column[:val] if s != a)
+    column[:val][column[:val] == a] = b  # shard a's val samples are said to be shard b's
+    hashes = np.array(hashes)
+    del shards
     with open(keys, "r+b") as f:
         f.seek(HEAD + 8 * n)
         f.write(column.astype("<u4").tobytes())
+    with pytest.warns(RuntimeWarning, match="manifest.keys.*block 0"):
+        ds = ShardDataset(Source(out, split="val"), decode="raw", with_keys=True)
+    want = ShardDataset(Source(pack, split="val"), decode="raw", with_keys=True)
+    assert ds.sources[0].side is None and [s[2] for s in ds] == [s[2] for s in want]
+    table = block_table(hashes, column)  # the forgery vouched for: table and manifest
+    with open(keys, "r+b") as f:
+        f.seek(HEAD + 12 * n)
+        f.write(table)
+    path = os.path.join(out, "manifest.json")
+    doc = json.load(open(path))
+    doc["keys"]["blocks_sha256"] = hashlib.sha256(table).hexdigest()
+    with open(path, "w") as f:
+        json.dump(doc, f)
     ds = ShardDataset(Source(out, split="val"), decode="raw")
     with pytest.raises(ShardFormatError) as err:
         list(ds)

@@ -294,13 +294,12 @@ def test_a_lookup_by_key_loads_one_index_and_a_missing_key_none(packs, fmt, monk
     monkeypatch.setattr(view_mod.ShardView, "_index", lambda v, s: loads.append(s) or real(v, s))
     view = ShardView(src, decode="raw", with_keys=True)
     assert len(view.shards) > 2
-    for _ in range(3):  # the first lookup walks the hash columns, the next ones a sorted table
+    for _ in range(3):
         with pytest.raises(InputError, match="no sample with key 'nope'"):
             view.get("nope")
-    # a missing key: no hash matches, and before it is called missing every shard's column is
-    # checked by its keys once (a hash column may lie), one index at a time, none held; the
-    # lookups after answer from the hashes alone
-    assert len(loads) == len(view.shards) and len(view._tables) == 0
+    # a missing key: no hash of it in the key file's checked blocks (its hashes were the
+    # keys' when written): called missing at once, no shard's index loaded
+    assert len(loads) == 0 and len(view._tables) == 0
     loads.clear()
     last = keys[-1]
     assert view.get(last)[2] == last and len(loads) == 1  # one index: the shard holding it
@@ -494,29 +493,36 @@ def test_the_key_file_follows_the_dataset_as_it_grows_by_append_and_merge(tmp_pa
 
 
 def test_a_forged_or_stale_key_file_costs_a_search_never_a_wrong_sample(packs, tmp_path):
+    import hashlib
     import json
 
     import numpy as np
 
-    from shardkit.formats.key_file import HEAD, key_file_sha256
+    from shardkit.formats.key_file import HEAD, block_table, key_file_sha256
 
     tar = _copy(packs[0], tmp_path / "tar")
     keys = ShardView(tar).keys()
     path = os.path.join(tar, "manifest.keys")
     data = bytearray(open(path, "rb").read())
     n = len(keys)
-    shards = np.frombuffer(bytes(data[HEAD + 8 * n :]), "<u4")
-    data[HEAD + 8 * n :] = (shards.max() - shards).astype("<u4").tobytes()  # wrong shards
+    shards = np.frombuffer(bytes(data[HEAD + 8 * n : HEAD + 12 * n]), "<u4")
+    wrong = (shards.max() - shards).astype("<u4")
+    data[HEAD + 8 * n : HEAD + 12 * n] = wrong.tobytes()  # wrong shards
     open(path, "wb").write(bytes(data))
     view = ShardView(tar, decode="raw", with_keys=True)
-    with pytest.warns(RuntimeWarning, match="manifest.keys: its sha256 or its shards are not"):
-        assert view.index(keys[40]) == 40  # a miss, then the file checked, then a table
+    with pytest.warns(RuntimeWarning, match=r"manifest.keys: its block 0 .* is not its digest"):
+        assert view.index(keys[40]) == 40  # the block read fails its digest: a table
     assert [view.index(k) for k in keys] == list(range(n))
     assert view.get(keys[5])[2] == keys[5]
 
     manifest = os.path.join(tar, "manifest.json")  # forged together with the manifest
     doc = json.load(open(manifest))
+    hashes = np.frombuffer(bytes(data[HEAD : HEAD + 8 * n]), "<u8")
+    table = block_table(hashes, wrong)  # its block table forged too
+    data[HEAD + 12 * n :] = table
+    open(path, "wb").write(bytes(data))
     doc["keys"]["sha256"] = key_file_sha256(path, n)
+    doc["keys"]["blocks_sha256"] = hashlib.sha256(table).hexdigest()
     open(manifest, "w").write(json.dumps(doc))
     view = ShardView(tar, decode="raw", with_keys=True)
     assert [view.index(k) for k in keys] == list(range(n))  # a miss: the shards' columns

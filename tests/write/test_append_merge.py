@@ -15,12 +15,14 @@ import warnings
 
 import numpy as np
 import pytest
+import xxhash
 from click.testing import CliRunner
 from PIL import Image
 
 from shardkit.cli import main
 from shardkit.errors import InputError, ManifestError, OutputError
 from shardkit.formats import get_format
+from shardkit.formats.key_file import block_table, run_count
 from shardkit.formats.sample_index import key_hashes
 from shardkit.fsutil import JOURNAL_NAME
 from shardkit.manifest import ShardEntry, read_manifest
@@ -685,13 +687,14 @@ def test_growth_reads_the_key_file_and_no_index_and_without_it_each_index_whole(
     assert all(len(s.columns_sha256) == 64 for s in shards)
     whole = sum(os.path.getsize(os.path.join(big, s.path) + ".idx") for s in shards)
     keyfile = os.path.getsize(big / "manifest.keys")
-    assert keyfile == 56 + 12 * 12000 and whole > 4 * keyfile
+    assert keyfile == 56 + 12 * 12000 + 16 * 24 and whole > 4 * keyfile
     tars = sum(s.bytes for s in shards)
     assert tars > 4 * whole
     before = _rchar()
     merge([few, big], tmp_path / "merged")
-    # beside it: the manifests, the few's key file, the package's metadata (created_by)
-    assert keyfile < _rchar() - before < keyfile + 64_000
+    # beside it: the blocks the 60 keys search (the 24 blocks, at most: 6 KB a block), the
+    # manifests, the few's key file, the package's metadata (created_by)
+    assert keyfile < _rchar() - before < 2 * keyfile + 64_000
     assert read_manifest(str(tmp_path / "merged")).shards[0].columns_sha256  # carried over
     doc = json.loads((big / "manifest.json").read_text())
     del doc["keys"]  # a dataset made before the key file
@@ -779,15 +782,25 @@ def key_file(out) -> tuple[np.ndarray, np.ndarray]:
     describe exactly the dataset's keys (by reading every shard); all runs' columns, merged."""
     m = read_manifest(str(out))
     listed = m.keys
-    runs = [{k: listed[k] for k in ("path", "sha256", "bytes")}, *listed.get("runs", [])]
+    runs = [{k: listed[k] for k in ("path", "sha256", "bytes", "blocks_sha256")}]
+    runs += listed.get("runs", [])
     assert runs[0]["path"] == KEYS_NAME
     assert all(r["path"] == f"{KEYS_NAME}.{r['path'].rsplit('.', 1)[-1]}" for r in runs[1:])
     hashes, shards, count = [], [], len(m.shards)
     for i, r in enumerate(runs):
         data = open(os.path.join(out, r["path"]), "rb").read()
-        n = (len(data) - HEAD) // 12
-        assert len(data) == HEAD + 12 * n == r["bytes"]
+        n = int.from_bytes(data[8:16], "little")
+        blocks = -(-n // 512)  # the block table: a fence and a digest a block of 512
+        assert len(data) == HEAD + 12 * n + 16 * blocks == r["bytes"]
         assert r["sha256"] == _key_file_sha256(data, n)
+        table = data[HEAD + 12 * n :]
+        assert r["blocks_sha256"] == hashlib.sha256(table).hexdigest()
+        for b, (fence, digest) in enumerate(np.frombuffer(table, "<u8").reshape(-1, 2)):
+            i, j = 512 * b, min(512 * b + 512, n)
+            h = data[HEAD + 8 * i : HEAD + 8 * j]
+            sh = data[HEAD + 8 * n + 4 * i : HEAD + 8 * n + 4 * j]
+            assert fence == int.from_bytes(h[:8], "little")
+            assert digest == xxhash.xxh3_64_intdigest(h + sh)
         assert data[:8] == b"SHKKEYS1"
         assert int.from_bytes(data[8:16], "little") == n
         named = int.from_bytes(data[16:24], "little")  # the newest names every shard
@@ -801,7 +814,7 @@ def key_file(out) -> tuple[np.ndarray, np.ndarray]:
     for a, b in zip(
         runs, runs[1:], strict=False
     ):  # the compaction rule: each run under 1/4 of the one before
-        assert 4 * (b["bytes"] - HEAD) < a["bytes"] - HEAD
+        assert 4 * run_count(b) < run_count(a)
     order = np.lexsort((np.concatenate(shards), np.concatenate(hashes)))
     hashes, shards = np.concatenate(hashes)[order], np.concatenate(shards)[order]
     n = m.num_samples
@@ -916,21 +929,17 @@ def test_a_dataset_without_a_key_file_that_serves_is_grown_as_before_and_gets_on
     (out / "manifest.json").write_text(json.dumps(doc))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        if damage == "edited":  # a run's bytes are checked where it is read whole: here, the
-            again = pack(c, str(out), shard_size="6kB", progress=False, append=True)  # merge
-            assert (again.samples, again.duplicates) == (12, 0)  # of 12 new into 12 old
-        else:
-            again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
-            assert (again.samples, again.duplicates) == (0, 12)  # nothing to append
+        # edited: the block its smallest hash is in fails its digest, whichever key searches it
+        again = pack(a, str(out), shard_size="6kB", progress=False, append=True)
+        assert (again.samples, again.duplicates) == (0, 12)  # nothing to append
     named = [w for w in seen if issubclass(w.category, KeyFileWarning)]
     assert bool(named) == (damage != "unlisted")
     if named:
         assert str(out / KEYS_NAME) in str(named[0].message)
-    if damage != "edited":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = packed(c, out, append=True)
-        assert report.samples == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = packed(c, out, append=True)
+    assert report.samples == 12
     key_file(out)  # the append wrote it anew
     keys = [k for k, _ in samples(out)]
     assert len(keys) == 24 == len(set(keys))
@@ -973,10 +982,14 @@ def test_key_files_merged_in_pieces_are_the_whole_sort(tmp_path, monkeypatch):
         "path": "manifest.keys",
         "sha256": _key_file_sha256(data, n),
         "bytes": len(data),
+        "blocks_sha256": hashlib.sha256(data[HEAD + 12 * n :]).hexdigest(),
     }
     hashes = np.concatenate([p.hashes for p in parts])
     where = np.concatenate([p.shards + np.uint32(p.offset) for p in parts])
     order = np.lexsort((where, hashes))
+    # the block table, written piece by piece (7 samples a piece), is the whole columns' table
+    assert data[HEAD + 12 * n :] == block_table(hashes[order], where[order])
+    assert len(data) == HEAD + 12 * n + 16 * 1
     assert np.array_equal(np.frombuffer(data, "<u8", n, HEAD), hashes[order])
     assert np.array_equal(np.frombuffer(data, "<u4", n, HEAD + 8 * n), where[order])
 
@@ -999,7 +1012,7 @@ def test_an_engine_pack_and_append_write_the_key_file(srcs, tmp_path):
 def _runs(out) -> list[int]:
     """The samples of each of ``out``'s key file runs, the base first."""
     keys = read_manifest(str(out)).keys
-    return [(r["bytes"] - HEAD) // 12 for r in [keys, *keys.get("runs", [])]]
+    return [run_count(r) for r in [keys, *keys.get("runs", [])]]
 
 
 def _view_finds(out, keys) -> dict[str, int]:
@@ -1068,7 +1081,7 @@ def test_an_older_reader_of_a_manifest_with_runs_falls_back_never_answers_wrong(
     assert len(doc["keys"]["runs"]) == 1
     m = read_manifest(str(big))
     why = problem(str(big / KEYS_NAME), doc["keys"], m.num_samples, m.shards)  # older check
-    assert why == f"not the {HEAD + 12 * 2100} bytes of 2100 samples"
+    assert why == f"not the {HEAD + 12 * 2100 + 16 * 5} bytes of 2100 samples"
     del doc["keys"]["runs"]  # as an older parser keeps it
     (big / "manifest.json").write_text(json.dumps(doc))
     with pytest.warns(RuntimeWarning, match=r"hold 2000 key hashes, not 2100; get\(key\) sorts"):
@@ -1101,13 +1114,14 @@ _READ_BYTES = textwrap.dedent(
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read by /proc")
 def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_path):
     """Counted (``rchar``: every byte a read returned, in a child): growing a dataset of
-    20,000 keys by 200 reads about what growing one of 2,000 by 200 does (the old runs
-    searched by pread for the 200 hashes), not 10x; before the runs, the old key file was
-    read whole (its sha256) and written whole at every step."""
+    20,000 keys by 10 reads at most what growing one of 2,000 by 10 does plus FORMAT.md's law
+    for the difference: the larger block table (16 bytes a block of 512) and at most one
+    checked block (512 samples: 6 KB) a new key, not the old run's 12 bytes a sample; before
+    the runs, the old key file was read whole (its sha256) and written whole at every step."""
     read = {}
     for n in (2000, 20000):
         old = _written(tmp_path / f"old{n}", range(n), shard_size="64MB")
-        new = _written(tmp_path / f"new{n}", range(40000, 40200), shard_size="64MB")
+        new = _written(tmp_path / f"new{n}", range(40000, 40010), shard_size="64MB")
         warm = [_written(tmp_path / f"w{n}{i}", range(i, 50, 2)) for i in (0, 1)]
         r = subprocess.run(
             [sys.executable, "-c", _READ_BYTES, str(old), str(new), *map(str, warm)],
@@ -1117,8 +1131,9 @@ def test_a_growth_step_reads_bytes_of_its_new_keys_not_of_the_old_dataset(tmp_pa
         )
         assert r.returncode == 0, r.stderr
         read[n] = int(r.stdout.split()[-1])
-        assert _runs(old) == [n, 200]  # a run of its own
-    assert read[20000] < 2 * read[2000], read
+        assert _runs(old) == [n, 10]  # a run of its own
+    law = 16 * (40 - 4) + 10 * 512 * 12
+    assert read[20000] - read[2000] <= law < 12 * (20000 - 2000), read
 
 
 @pytest.mark.slow  # child processes SIGKILLed
@@ -1181,7 +1196,123 @@ def test_a_run_read_whole_is_checked_by_its_sha256_first(tmp_path):
     data[HEAD : HEAD + 8] = bytes(8)  # its smallest hash zeroed: still sorted
     run.write_bytes(bytes(data))
     b = _written(tmp_path / "b", range(7000, 7010))
-    with pytest.warns(KeyFileWarning, match=r"a run's sha256 is not the manifest's"):
+    # named at the first read of it: the block the new keys' search reads fails its digest
+    with pytest.warns(KeyFileWarning, match=r"keys\.1: its block 0 \(samples 0 \.\. 100\) is not"):
         merge([a, b], tmp_path / "m")
     hashes, _ = key_file(tmp_path / "m")
     assert len(hashes) == 1110 and _runs(tmp_path / "m") == [1110]
+
+
+def _flip(path, at: int) -> None:
+    """One byte of ``path`` changed in place: its size, head and listing kept."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("column", ["hash", "shard"])
+def test_a_run_searched_not_merged_is_checked_by_its_blocks_never_a_duplicate(tmp_path, column):
+    """A growth step that only searches a run (1,100 keys in the base, 100 in a run; 5 new
+    keys, none merged into the base) reads the blocks its keys fall in and checks each by its
+    digest: a hash or a shard byte of the base flipped in place (its size, head and the
+    manifest untouched), in the block of a key the step appends again, is named in a warning
+    and the keys are read from the shards: the key is refused, never packed twice."""
+    a = _written(tmp_path / "a", range(1100))
+    merge([a, _written(tmp_path / "s", range(5000, 5100))], a)
+    assert _runs(a) == [1100, 100]
+    hashes, _ = key_file(a)
+    dup = 700  # a key the dataset holds: the block of its hash is damaged
+    rank = int(np.searchsorted(np.sort(hashes[:1100]), key_hashes([f"c0/k{dup:05d}"])[0]))
+    n = 1100
+    if column == "hash":  # the key's own hash: a search would miss it, and pack it again
+        _flip(a / KEYS_NAME, HEAD + 8 * rank)
+    else:  # its shard: a search would look in another shard, miss it, and pack it again
+        _flip(a / KEYS_NAME, HEAD + 8 * n + 4 * rank)
+    step = _written(tmp_path / "step", [dup, 9000, 9001, 9002, 9003])
+    with pytest.warns(KeyFileWarning, match=r"manifest\.keys: its block \d+ .* not its digest"):
+        with pytest.raises(InputError, match=rf"first: 'c0/k{dup:05d}'"):
+            merge([a, step], a)
+    src = tmp_path / "src"
+    os.makedirs(src / "c0")
+    for k in (dup, 9100):
+        Image.new("RGB", (4, 4)).save(src / f"c0/k{k:05d}.jpg")
+    with pytest.warns(KeyFileWarning, match=r"its block \d+ .* not its digest"):
+        grown = pack(str(src), str(a), shard_size="800kB", progress=False, append=True)
+    assert (grown.samples, grown.duplicates) == (1, 1)
+    key_file(a)  # written anew, whole, from the shards: every key once
+    keys = [k for k, _ in samples(a)]
+    assert len(keys) == 1201 == len(set(keys))
+
+
+def test_get_key_in_a_damaged_block_is_found_never_called_missing(tmp_path):
+    """``get(key)`` reads the one block its hash falls in and checks it: a key whose block
+    was damaged in place is found through the shards (a warning names the key file), never
+    "no sample with key"; a missing key is answered from checked blocks, the file's sha256
+    never read."""
+    from shardkit import ShardView
+
+    a = _written(tmp_path / "a", range(2000))
+    hashes, _ = key_file(a)
+    key = "c0/k01234"
+    rank = int(np.searchsorted(hashes, key_hashes([key])[0]))
+    _flip(a / KEYS_NAME, HEAD + 8 * rank)
+    view = ShardView(str(a), decode="raw", with_keys=True)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"manifest\.keys: its block \d+ .* not its digest"):
+            assert view.get(key)[2] == key
+        with pytest.raises(InputError, match="no sample with key 'c0/k09999'"):
+            view.get("c0/k09999")
+    finally:
+        view.close()
+    b = _written(tmp_path / "b", range(2000))
+    view = ShardView(str(b), decode="raw", with_keys=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the key file serves: no private table built
+            with pytest.raises(InputError, match="no sample with key 'c0/k09999'"):
+                view.get("c0/k09999")
+            assert view.get("c0/k01999")[2] == "c0/k01999"
+    finally:
+        view.close()
+
+
+def test_an_older_reader_of_runs_with_block_tables_falls_back_never_answers_wrong(tmp_path):
+    """shardkit before the block table parses ``keys`` without ``blocks_sha256`` and takes a
+    run's count from its size, ``(bytes - 56) / 12``: with the table after the columns that is
+    not the run's count, so it refuses the key file with a warning and reads the shards'
+    indexes (never a count, hash or shard taken from the table's bytes)."""
+    from shardkit.formats.key_file import problem
+
+    big = _written(tmp_path / "big", range(2000))
+    listed = dict(read_manifest(str(big)).keys)
+    del listed["blocks_sha256"]  # what an older parser keeps
+    older_n = (listed["bytes"] - HEAD) // 12
+    assert older_n != 2000 and run_count(listed) == older_n
+    m = read_manifest(str(big))
+    assert problem(str(big / KEYS_NAME), listed, 2000, m.shards).startswith("not the ")
+
+
+def test_a_run_written_before_the_block_table_is_searched_once_its_sha256_is_checked(tmp_path):
+    """A key file from shardkit before the block table (no table, no ``blocks_sha256``) is
+    still read: a run a step searches is read whole first and checked by its sha256 (12
+    bytes a sample), so a hash edited in place is named and the duplicate still refused."""
+    a = _written(tmp_path / "a", range(1000))
+    path = a / KEYS_NAME
+    data = path.read_bytes()[: HEAD + 12 * 1000]  # the columns, as older shardkit wrote them
+    path.write_bytes(data)
+    doc = json.loads((a / "manifest.json").read_text())
+    del doc["keys"]["blocks_sha256"]
+    doc["keys"].update(bytes=len(data), sha256=_key_file_sha256(data, 1000))
+    (a / "manifest.json").write_text(json.dumps(doc))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeyFileWarning)  # it serves
+        with pytest.raises(InputError, match=r"first: 'c0/k00500'"):
+            merge([a, _written(tmp_path / "d", [500, 9000])], a)
+    hashes = np.frombuffer(data, "<u8", 1000, HEAD)
+    rank = int(np.searchsorted(hashes, key_hashes(["c0/k00500"])[0]))
+    _flip(path, HEAD + 8 * rank)
+    with pytest.warns(KeyFileWarning, match=r"manifest\.keys: its sha256 is not the manifest's"):
+        with pytest.raises(InputError, match=r"first: 'c0/k00500'"):
+            merge([a, _written(tmp_path / "d2", [500, 9001])], a)

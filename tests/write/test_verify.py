@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -274,7 +275,8 @@ def test_verify_checks_the_key_file_its_manifest_lists(packed):
     assert _key_problem(out).startswith("its sha256 is not the manifest's; delete it (`rm ")
     with open(path, "r+b") as f:
         f.truncate(len(good) - 4)
-    assert _key_problem(out).startswith(f"not the {56 + 12 * n} bytes of {n} samples; delete it")
+    size = 56 + 12 * n + 16 * -(-n // 512)  # the columns and the block table
+    assert _key_problem(out).startswith(f"not the {size} bytes of {n} samples; delete it")
     os.unlink(path)
     said = _key_problem(out)
     assert said.startswith("missing (the manifest lists it); `get(key)` and growth read every")
@@ -282,6 +284,16 @@ def test_verify_checks_the_key_file_its_manifest_lists(packed):
     with open(path, "wb") as f:
         f.write(good)
     assert verify(str(out)).ok
+    _flip_bit(path, 56 + 12 * n + 8)  # the block table: the first block's digest
+    said = _key_problem(out)  # its sha256 (the file's) is not the manifest's
+    assert said.startswith("its sha256 is not the manifest's; delete it")
+    _vouch(out, path, n)  # the file's sha256 computed again: the table's is still listed
+    assert _key_problem(out).startswith("its block table's sha256 is not the manifest's")
+    doc = json.loads((out / "manifest.json").read_text())
+    table = open(path, "rb").read()[56 + 12 * n :]
+    doc["keys"]["blocks_sha256"] = hashlib.sha256(table).hexdigest()  # and the table's
+    (out / "manifest.json").write_text(json.dumps(doc))
+    assert _key_problem(out).startswith("its block table is not its columns' (from sample 0)")
 
 
 def _vouch(out, path: str, n: int) -> None:
