@@ -177,6 +177,13 @@ def test_a_streamed_split_checks_each_key_once_a_process_while_its_shard_is_unch
     ds = ShardDataset(
         Source(tar_pack, split="train", val_fraction=VAL), decode="raw", with_keys=True
     )
+    assert set(_four_epochs_checked_twice(ds, tar_pack, calls)) == _truth(tar_pack)[1]
+
+
+def _four_epochs_checked_twice(ds, tar_pack, calls: list[bool]) -> list[str]:
+    """Four epochs of ``ds`` over the one-shard ``tar_pack``, the shard's times changed
+    before the third: every C call of epochs 0 and 2 checks keys (``calls``), none of epochs 1
+    and 3, and every epoch gives the same keys (returned, sorted)."""
     (entry,) = read_manifest(tar_pack).shards
     shard = os.path.join(tar_pack, entry.path)
     epochs = []
@@ -185,12 +192,11 @@ def test_a_streamed_split_checks_each_key_once_a_process_while_its_shard_is_unch
             os.utime(shard, ns=(1, 1))
         ds.set_epoch(epoch)
         calls.clear()
-        keys = sorted(s[2] for s in ds)
-        epochs.append(keys)
+        epochs.append(sorted(s[2] for s in ds))
         assert calls, epoch
         assert all(calls) if epoch in (0, 2) else not any(calls), (epoch, calls)
     assert all(keys == epochs[0] for keys in epochs)
-    assert set(epochs[0]) == _truth(tar_pack)[1]
+    return epochs[0]
 
 
 def _key_checks_at(monkeypatch) -> list[bool]:
@@ -223,19 +229,7 @@ def test_a_ranged_split_hashes_each_key_once_a_process_while_its_shard_is_unchan
     monkeypatch.setattr(ranges, "_CACHE", type(ranges._CACHE)())
     calls = _key_checks_at(monkeypatch)
     ds = ShardDataset(Source(tar_pack, split="val", val_fraction=VAL), decode="raw", with_keys=True)
-    (entry,) = read_manifest(tar_pack).shards
-    shard = os.path.join(tar_pack, entry.path)
-    epochs = []
-    for epoch in range(4):
-        if epoch == 2:
-            os.utime(shard, ns=(1, 1))
-        ds.set_epoch(epoch)
-        calls.clear()
-        epochs.append(sorted(s[2] for s in ds))
-        assert calls, epoch
-        assert all(calls) if epoch in (0, 2) else not any(calls), (epoch, calls)
-    assert all(keys == epochs[0] for keys in epochs)
-    assert set(epochs[0]) == _truth(tar_pack)[0]
+    assert set(_four_epochs_checked_twice(ds, tar_pack, calls)) == _truth(tar_pack)[0]
 
 
 def test_a_column_that_lies_after_an_honest_ranged_epoch_is_still_caught(tar_pack, monkeypatch):
