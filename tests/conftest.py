@@ -347,6 +347,22 @@ class DecodeCount:
 # --- sample indexes as the previous release wrote them ---
 
 
+def without_key_file(src: str, dst: str) -> str:
+    """A copy of ``src`` as packed before the key file: no ``manifest.keys``, no ``keys``."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    os.remove(os.path.join(dst, "manifest.keys"))
+    path = os.path.join(dst, "manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    del doc["keys"]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return dst
+
+
 def without_index_sha256(out) -> None:
     """``out``'s manifest as the previous release wrote it: no ``index_sha256``."""
     import json

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import InputError, ShardFormatError
 from ..formats import FORMATS
+from ..formats.key_file import shards_digest
 from ..formats.sample_index import SPLIT_SALT, ShardSides, key_hashes
 from ..records import Record, ShardInfo
 from .members import ListedMembers, Members, ShardSideMembers
@@ -373,22 +374,66 @@ def interleave(streams: list, schedule: Iterable[np.ndarray], names: Sequence[st
 
 def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> dict:
     """What a checkpoint must agree on beyond the shards: shares, subsets and label mapping.
-    The digest of the members is ``Later`` (``resume.Facts``): a split counted by its key
-    file reads a shard's index only when a reader reaches it, and the digest needs them all."""
-    digest = Later(partial(_mix_digest, list(sources), list(shares), labels))
+    The digest of the members is ``Later`` (``resume.Facts``), worked out only at a checkpoint.
+    A split counted by its key file reads a shard's index only when a reader reaches it, and a
+    digest of every member's position needs them all; its digest is of what vouches for the
+    members instead (``_vouched_digest``, kind ``k1:``), which reads no index. The other kind
+    stays computable, so a state saved either way loads (``resume.Later``'s ``kinds``)."""
+    args = (list(sources), list(shares), labels)
+    positions = Later(partial(_mix_digest, *args))
+    if not any(_vouched(s) for s in sources):
+        return {"mix": positions, "epoch_size": int(sum(shares))}
+    vouched = Later(partial(_vouched_digest, *args))
+    if any(s.side is not None for s in sources):
+        digest = Later(vouched.make, kinds={"": positions})
+    else:  # every shard's index read already: the positions, as before, or a k1 state's
+        digest = Later(positions.make, kinds={"k1": vouched})
     return {"mix": digest, "epoch_size": int(sum(shares))}
 
 
-def _mix_digest(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> str:
-    blob = json.dumps(
+def _head(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> bytes:
+    return json.dumps(
         [
             [s.source.weight, len(s.members), int(n), s.size]
             for s, n in zip(sources, shares, strict=True)
         ]
         + [labels]
     ).encode()
-    digest = hashlib.sha256(blob)
+
+
+def _mix_digest(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> str:
+    digest = hashlib.sha256(_head(sources, shares, labels))
     for s in sources:  # the members' int64 positions, a shard's at a time
         for chunk in s.members.chunks():
             digest.update(np.ascontiguousarray(chunk, dtype=np.int64).tobytes())
     return digest.hexdigest()[:32]
+
+
+def _vouched(s: MixedSource) -> bool:
+    """Whether what vouches for a source's members fixes them without reading them: a split's
+    members are a pure function of its shards' keys (each key's hash alone puts it on a side),
+    so of the shards' bytes, which the manifest names by sha256 with their sample counts, and
+    of the split, its fraction and a fraction subset (drawn from the members' count by
+    ``seed``, a fact of its own). Not a split, a subset by keys, or a shard the manifest gives
+    no sha256: False."""
+    src = s.source
+    if src.split is None or (src.subset is not None and not isinstance(src.subset, float)):
+        return False
+    sha = s.shards.sha256 if hasattr(s.shards, "sha256") else [x.sha256 for x in s.shards]
+    return all(isinstance(h, str) and len(h) == 64 for h in sha)
+
+
+def _vouched_digest(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> str:
+    """The ``k1:`` digest: each split source by what vouches for its members (``_vouched``),
+    reading no index; any other source by its members' positions (``_mix_digest``)."""
+    digest = hashlib.sha256(b"k1" + _head(sources, shares, labels))
+    for s in sources:
+        if _vouched(s):
+            src = s.source
+            named = [s.format, src.split, src.val_fraction, src.subset, shards_digest(s.shards)]
+            blob = json.dumps(named[:-1]).encode() + named[-1]
+            digest.update(len(blob).to_bytes(8, "little") + blob)
+            continue
+        for chunk in s.members.chunks():
+            digest.update(np.ascontiguousarray(chunk, dtype=np.int64).tobytes())
+    return "k1:" + digest.hexdigest()[:32]

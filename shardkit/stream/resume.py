@@ -49,11 +49,17 @@ STATE_FORMAT = "shardkit.resume/1"
 
 class Later:
     """A fact worked out only when a state is saved, loaded or compared (``Facts``): ``make()``
-    gives it. A split's checkpoint digest covers every member's position, so it reads every
-    shard's index; no epoch needs it, only a checkpoint does."""
+    gives it. A mixture's digest of its members may read every shard's index; no epoch needs
+    it, only a checkpoint does.
 
-    def __init__(self, make: Callable[[], object]):
-        self.make = make
+    ``kinds``: the same fact as other kinds of it give it (a ``Later`` each, by the prefix before
+    ``:`` of the string they make, "" for none): a state saved with another kind of the fact
+    is compared with that kind, worked out only then (``EpochState.from_dict``). A split's
+    digest of what vouches for its members (``k1:``) beside the older digest of every position,
+    so a state saved before or after either loads."""
+
+    def __init__(self, make: Callable[[], object], kinds: Mapping[str, Later] | None = None):
+        self.make, self.kinds = make, dict(kinds or {})
 
 
 class Facts(Mapping):
@@ -65,10 +71,13 @@ class Facts(Mapping):
 
     def __init__(self, facts: Mapping | None = None):
         self._facts: dict = {}
+        self._kinds: dict[str, dict[str, Later]] = {}
         self.update(facts or {})
 
     def update(self, facts: Mapping) -> None:
         self._facts.update(facts)
+        for key, value in facts.items():
+            self._kinds[key] = dict(value.kinds) if isinstance(value, Later) else {}
 
     def __getitem__(self, key):
         value = self._facts[key]
@@ -81,6 +90,33 @@ class Facts(Mapping):
 
     def __len__(self) -> int:
         return len(self._facts)
+
+    def other_kind(self, key, kind: str):
+        """Fact ``key`` as its ``kind`` gives it (``Later.kinds``, worked out once), or None."""
+        kinds = self._kinds.get(key, {})
+        value = kinds.get(kind)
+        if isinstance(value, Later):
+            value = kinds[kind] = value.make()
+        return value
+
+
+def _kind(value) -> str | None:
+    """A fact's kind: the prefix before ``:`` of a string ("" for none); None: not a string."""
+    if not isinstance(value, str):
+        return None
+    head, colon, _ = value.partition(":")
+    return head if colon else ""
+
+
+def _agrees(facts: Mapping, key, saved, value) -> bool:
+    """A saved fact is this dataset's: equal, or equal to the fact as its own kind gives it."""
+    if saved == value:
+        return True
+    kind = _kind(saved)
+    if kind is None or kind == _kind(value) or not isinstance(facts, Facts):
+        return False
+    other = facts.other_kind(key, kind)
+    return other is not None and other == saved
 
 
 # --- the state ------------------------------------------------------------------------------
@@ -173,7 +209,7 @@ class EpochState:
         for key, value in facts.items():
             if key == "fingerprint":
                 continue
-            if saved.get(key) != value:
+            if not _agrees(facts, key, saved.get(key), value):
                 raise InputError(
                     f"state was saved for a dataset with {key}={saved.get(key)!r}, this one has "
                     f"{key}={value!r}: resuming would silently give another order; build the "

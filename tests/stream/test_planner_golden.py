@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -84,7 +85,35 @@ def _grid(a: str, b: str) -> dict:
     return rec
 
 
-def test_the_planner_gives_what_it_gave(packs):
-    rec = _grid(*packs)
+def test_the_planner_gives_what_it_gave(packs, tmp_path):
+    """Pinned on the packs as written before the key file (the split reads every index, the
+    checkpoint's ``mix`` digests every member's position)."""
+    from conftest import without_key_file
+
+    plain = [without_key_file(p, str(tmp_path / os.path.basename(p))) for p in packs]
+    rec = _grid(*plain)
     digest = hashlib.sha256(json.dumps(rec, sort_keys=True, default=list).encode()).hexdigest()
     assert digest == GOLDEN, (digest, len(rec))
+
+
+def test_the_key_file_changes_nothing_but_a_splits_member_digest(packs, tmp_path):
+    """With the key file (as ``ShardWriter`` writes it) every key, slice and state is the one
+    pinned above, but for a split's ``mix``, which is then of what vouches for its members
+    (``k1:``, no index read) where it was of every member's position."""
+    from conftest import without_key_file
+
+    plain = [without_key_file(p, str(tmp_path / os.path.basename(p))) for p in packs]
+    keyed, before = _grid(*packs), _grid(*plain)
+    assert keyed.keys() == before.keys()
+    kinds = set()
+    for tag, got in keyed.items():
+        was = before[tag]
+        if isinstance(got, dict) and "dataset" in got:
+            mix = got["dataset"].get("mix")
+            kinds.add((tag.split("/")[0], str(mix)[:3] == "k1:"))
+            assert str(mix)[:3] == "k1:" or mix == was["dataset"].get("mix"), tag
+            strip = {"mix": None}
+            got = {**got, "dataset": {**got["dataset"], **strip}}
+            was = {**was, "dataset": {**was["dataset"], **strip}}
+        assert got == was, tag
+    assert {c for c, k1 in kinds if k1} == {"val"}

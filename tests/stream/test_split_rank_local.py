@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import without_key_file
 
 from shardkit.errors import ShardFormatError
 from shardkit.formats.key_file import HEAD, counts_below, mapped
@@ -27,6 +28,7 @@ import json, sys
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.world import World
 out, split, subset, ws, workers = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6])
+checkpoint = sys.argv[6:] == ["checkpoint"]
 opened, on = [], [False]
 def hook(event, args):
     if on[0] and event == "open" and str(args[0]).endswith(".idx"):
@@ -39,6 +41,8 @@ built = len(opened)
 read = set()
 for w in range(workers):
     read |= {ds.shards.url(s.shard) for s in ds.plan(World(0, ws, w, workers), 0)}
+if checkpoint:  # a rank's first checkpoint saved and loaded in this process
+    ds.load_state_dict(ds.state_dict())
 on[0] = False
 print(json.dumps({"built": built, "opened": opened, "read": sorted(read),
                   "shards": len(ds.shards), "len": len(ds)}))
@@ -57,9 +61,9 @@ def pack(tmp_path_factory):
     return out
 
 
-def _child(out: str, split: str, ws: int, workers: int = 1, subset: str = "-") -> dict:
+def _child(out: str, split: str, ws: int, workers: int = 1, subset: str = "-", *more: str) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = [sys.executable, "-c", _CHILD, out, split, subset, str(ws), str(workers)]
+    args = [sys.executable, "-c", _CHILD, out, split, subset, str(ws), str(workers), *more]
     got = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
     return json.loads(got.stdout)
 
@@ -80,20 +84,80 @@ def test_rank_zero_of_eight_reads_an_eighth_of_the_heads(pack, split, subset):
     assert len(rank0["opened"]) <= len(whole["opened"]) / 8 + 2, (rank0, whole["shards"])
 
 
+@pytest.mark.parametrize("split,subset", [("val", "-"), ("train", "0.3")])
+def test_a_ranks_first_checkpoint_reads_only_its_own_shards_heads(pack, split, subset):
+    """Rank 0 of 8 builds, plans, saves its state and loads it back, opening only the indexes
+    of the shards it reads (at most 1/8 of world size 1's plus two): the checkpoint's digest of
+    a split counted by the key file is of what vouches for its members (the shards' sha256 and
+    counts, the split, its fraction and subset), not of every member's position. Before, the
+    first ``state_dict`` opened every shard's index."""
+    whole = _child(pack, split, 1, 1, subset)
+    rank0 = _child(pack, split, 8, 2, subset, "checkpoint")
+    assert len(rank0["opened"]) == len(set(rank0["opened"]))
+    assert {p.removesuffix(".idx") for p in rank0["opened"]} <= set(rank0["read"])
+    assert len(rank0["opened"]) <= len(whole["opened"]) / 8 + 2, (rank0, whole["shards"])
+
+
+def test_a_keyed_splits_state_refuses_another_dataset(pack, tmp_path):
+    """The digest of what vouches for the members still tells datasets apart: another
+    fraction, subset or seed, or shards of other bytes under the same names and counts, refuse
+    the state with the one-line error naming the fact; the same dataset takes it."""
+    from shardkit.errors import InputError
+
+    def make(root, seed=3, **kw):
+        return ShardDataset(Source(root, **{"split": "val", **kw}), decode="raw", seed=seed)
+
+    state = make(pack).state_dict()
+    assert state["dataset"]["mix"].startswith("k1:")
+    make(pack).load_state_dict(state)
+    for other in (make(pack, val_fraction=0.2), make(pack, subset=0.5), make(pack, seed=4)):
+        with pytest.raises(InputError, match="state was saved for"):
+            other.load_state_dict(state)
+    # the same names and counts (the fingerprint agrees), other keys: other shards' sha256
+    forged = str(tmp_path / "forged")
+    with ShardWriter(forged, format="tar", shard_size="84KB", classes=["x"]) as w:
+        for i in range(2560):
+            w.add(f"j{i:05d}", "jpg", b"%d" % i, 0)
+    other = make(forged)
+    assert other.state_dict()["dataset"]["fingerprint"] == state["dataset"]["fingerprint"]
+    with pytest.raises(InputError, match="state was saved for a dataset with (mix|epoch_size)="):
+        other.load_state_dict(state)
+
+
+def test_a_state_of_every_position_loads_into_a_keyed_split_and_back(pack, tmp_path):
+    """A state whose digest is of every member's position (saved before the key file's
+    digest, or by the same pack without a key file) loads into the keyed split, which then
+    works that digest out (reading every head, once); a keyed split's ``k1:`` state loads into
+    the pack without a key file. A grown dataset refuses either."""
+    from shardkit.errors import InputError
+
+    old = without_key_file(pack, str(tmp_path / "old"))
+    grown = str(tmp_path / "grown")
+    with ShardWriter(grown, format="tar", shard_size="84KB", classes=["x"]) as w:
+        for i in range(2600):
+            w.add(f"k{i:05d}", "jpg", b"%d" % i, 0)
+
+    def make(root):
+        return ShardDataset(Source(root, split="train", subset=0.5), decode="raw", seed=3)
+
+    keyed, plain = make(pack), make(old)
+    positions, vouched = plain.state_dict(), keyed.state_dict()
+    assert not positions["dataset"]["mix"].startswith("k1:")
+    assert vouched["dataset"]["mix"].startswith("k1:")
+    assert {**positions["dataset"], "mix": 0} == {**vouched["dataset"], "mix": 0}
+    keyed.load_state_dict(positions)
+    assert len(keyed.sources[0].side.loaded) == len(keyed.shards)  # every head, for that one
+    plain.load_state_dict(vouched)
+    for state in (positions, vouched):
+        with pytest.raises(InputError, match="state was saved for"):
+            make(grown).load_state_dict(state)
+    bent = {**positions, "dataset": {**positions["dataset"], "mix": "0" * 32}}
+    with pytest.raises(InputError, match="mix="):
+        make(pack).load_state_dict(bent)
+
+
 def _keys(ds, world: World, epoch: int) -> list[str]:
     return [r.key for r in ds.records(world, epoch)]
-
-
-def _without_key_file(src: str, dst: str) -> str:
-    """A copy of ``src`` as packed before the key file: no ``manifest.keys``, no ``keys``."""
-    shutil.copytree(src, dst)
-    os.remove(os.path.join(dst, "manifest.keys"))
-    path = os.path.join(dst, "manifest.json")
-    doc = json.load(open(path))
-    del doc["keys"]
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    return dst
 
 
 @pytest.mark.parametrize(
@@ -108,7 +172,7 @@ def _without_key_file(src: str, dst: str) -> str:
 def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw):
     """Every rank's and worker's samples, their order and the states are those of the same
     pack without a key file (every shard's index read at construction, as before)."""
-    old = _without_key_file(pack, str(tmp_path / "old"))
+    old = without_key_file(pack, str(tmp_path / "old"))
 
     def make(root, ws=3):
         src = kw["source"]
@@ -125,12 +189,15 @@ def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw)
             assert _keys(new_ds, world, epoch) == _keys(old_ds, world, epoch)
     for ds in (new_ds, old_ds):
         ds.set_epoch(1)
-    assert new_ds.position(3, num_workers=2, batch_size=4, cut=None) == old_ds.position(
-        3, num_workers=2, batch_size=4, cut=None
-    )
-    state = old_ds.state_dict()
-    assert new_ds.state_dict() == state
+    at = [ds.position(3, num_workers=2, batch_size=4, cut=None) for ds in (new_ds, old_ds)]
+    assert at[0]["segments"] == at[1]["segments"]
+    # the states differ in the kind of the members' digest alone: every position's without
+    # the key file, what vouches for them (``k1:``) with it; each loads into the other
+    state, keyed = old_ds.state_dict(), new_ds.state_dict()
+    assert {**keyed["dataset"], "mix": None} == {**state["dataset"], "mix": None}
+    assert {**keyed, "dataset": None} == {**state, "dataset": None}
     new_ds.load_state_dict(state)  # a state saved without the key file loads with it
+    old_ds.load_state_dict(keyed)
 
 
 def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
@@ -199,7 +266,7 @@ def test_a_key_file_that_does_not_name_the_shards_is_not_used(pack, tmp_path):
 
 
 def test_old_packs_without_a_key_file_split_as_before(pack, tmp_path):
-    old = _without_key_file(pack, str(tmp_path / "old"))
+    old = without_key_file(pack, str(tmp_path / "old"))
     ds = ShardDataset(Source(old, split="val"), decode="raw", with_keys=True)
     assert ds.sources[0].side is None and len(ds) == len(list(ds))
 
@@ -236,7 +303,7 @@ def test_a_grown_dataset_counts_its_split_from_every_run(pack, tmp_path):
             w.add(f"k{i:05d}", "jpg", b"%d" % i, 0)
     merge([grown, more], grown)
     assert len(json.load(open(os.path.join(grown, "manifest.json")))["keys"]["runs"]) == 1
-    old = _without_key_file(grown, str(tmp_path / "old"))
+    old = without_key_file(grown, str(tmp_path / "old"))
     for split in ("val", "train"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
