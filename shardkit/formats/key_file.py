@@ -27,7 +27,6 @@ __all__ = [
     "checked_find",
     "counts_below",
     "file_digest",
-    "first_at_least",
     "shard_counts",
     "key_file_sha256",
     "key_runs",
@@ -304,22 +303,6 @@ def shard_counts(shards, num_shards: int, offset: int = 0) -> np.ndarray:
     out = np.zeros(num_shards, np.int64)
     out[offset : offset + len(got)] = got
     return out
-
-
-def first_at_least(fd: int, n: int, threshold: int) -> int:
-    """The rank of the first hash >= ``threshold`` in the key file open at ``fd`` (``n``
-    samples): a binary search by ``os.pread``, one 8-byte read a step (~log2 n reads)."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        raw = os.pread(fd, 8, HEAD + 8 * mid)
-        if len(raw) != 8:
-            raise ValueError("cut short")
-        if int.from_bytes(raw, "little") < threshold:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def _block_digest(hashes: bytes, shards: bytes) -> int:

@@ -47,10 +47,11 @@ from ..formats.key_file import (
     BlockTable,
     RunUnchecked,
     checked_find,
-    first_at_least,
     key_runs,
     run_count,
     runs_problem,
+    search,
+    shard_column,
     shard_counts,
 )
 from ..sizes import parse_size
@@ -108,37 +109,17 @@ class _Run(_ByPread):
         self._pid = os.getpid()
         self._table: BlockTable | None = None  # read and checked at the first lookup
 
-    def _hashes(self, fd: int, i: int, j: int) -> np.ndarray:
-        raw = os.pread(fd, 8 * (j - i), HEAD + 8 * i)
-        if len(raw) != 8 * (j - i):
-            raise OSError(f"{self.path}: cut short")
-        return np.frombuffer(raw, "<u8")
-
     def shards(self, want: np.uint64) -> list[int]:
         """A run with a block table: its checked block (``_checked``). One written before the
-        table: a binary search of the sorted hashes by ``os.pread``: one 8-byte read a step down
-        to a run of ``_BLOCK`` hashes, then that run, then the shards of the matches (~12
-        reads at 1.28M samples, ~20 at 4x10^8)."""
+        table: growth's binary search of the sorted hashes by ``os.pread``
+        (``key_file.search``), then the shards of the matches."""
         if self.blocks is not None:
             return self._checked(want)
-        fd, lo, hi = self._file(), 0, self.n  # the first hash >= want is in lo .. hi
-        while hi - lo > _BLOCK:
-            mid = (lo + hi) // 2
-            if self._hashes(fd, mid, mid + 1)[0] < want:
-                lo = mid + 1
-            else:
-                hi = mid
-        end = min(hi + _BLOCK, self.n)
-        block = self._hashes(fd, lo, end)
-        a = lo + int(np.searchsorted(block, want, side="left"))
-        b = lo + int(np.searchsorted(block, want, side="right"))
-        while b == end < self.n:  # equal hashes past the run (a collision): read on
-            end = min(end + _BLOCK, self.n)
-            b += int(np.count_nonzero(self._hashes(fd, b, end) == want))
-        if a == b:
+        fd = self._file()
+        lo, hi = search(fd, self.n, np.asarray([want], np.uint64))
+        if lo[0] == hi[0]:
             return []
-        raw = os.pread(fd, 4 * (b - a), HEAD + 8 * self.n + 4 * a)
-        return np.frombuffer(raw, "<u4").tolist()
+        return shard_column(fd, self.n, int(lo[0]), int(hi[0])).tolist()
 
     def _checked(self, want: np.uint64) -> list[int]:
         """A run with a block table: the table read once (16 bytes a block of 512 samples,
@@ -220,10 +201,10 @@ def split_counts(
     (16 bytes a block of 512, checked by the manifest's ``blocks_sha256``) and the blocks
     below ``threshold`` (12 bytes a val sample), each checked by its digest before it is
     counted, so a count is what the manifest vouches for; the runs' counts add up. A run
-    written before the table: a binary search of its hashes and its prefix's shard column,
-    unchecked here. Either way each count is checked again against the shard's own index when
-    a reader reaches the shard (``indexes.ShardSplit``), and each sample read against its own
-    key. ``formats.key_file.counts_below`` is the same count over columns."""
+    written before the table: a binary search of its hashes (``key_file.search``) and its
+    prefix's shard column, unchecked here. Either way each count is checked again against the
+    shard's own index when a reader reaches the shard (``indexes.ShardSplit``), and each sample
+    read against its own key. ``formats.key_file.counts_below`` is the same count over columns."""
     why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why
@@ -253,7 +234,7 @@ def _counts_below(fd: int, path: str, m: int, blocks, threshold: int, shards) ->
             h, s = table.block(fd, b)
             counts += shard_counts(s[: int(h.searchsorted(np.uint64(threshold)))], len(shards))
         return counts
-    end = first_at_least(fd, m, threshold)
+    end = int(search(fd, m, np.asarray([threshold], np.uint64))[0][0])
     for a in range(0, end, _PIECE):
         b = min(end, a + _PIECE)
         raw = os.pread(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
