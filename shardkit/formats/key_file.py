@@ -25,7 +25,6 @@ __all__ = [
     "block_table",
     "blocks_problem",
     "checked_find",
-    "counts_below",
     "file_digest",
     "shard_counts",
     "key_file_sha256",
@@ -280,18 +279,6 @@ def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty(0, np.uint64), np.empty(0, np.uint32)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     return mm[HEAD : HEAD + 8 * n].view("<u8"), mm[HEAD + 8 * n : HEAD + 12 * n].view("<u4")
-
-
-def counts_below(cols, threshold: int, num_shards: int) -> np.ndarray:
-    """Each shard's count of keys whose hash is below ``threshold`` (int64, ``num_shards``
-    long), from key columns (``hashes`` ascending, ``shards``, and ``offset`` added to each
-    shard where a merge numbers them on: a ``write.keyfile.KeyColumns`` or a memory-map of a
-    key file). With ``threshold`` a split's, ``ceil(val_fraction * 2**64)``, these are each
-    shard's "val" samples: the hashes below it are a prefix of the sorted column, so what is
-    read is a binary search and that prefix's shard column (4 bytes a val sample), never a
-    shard's index. Counts of several sorted runs of one dataset add up."""
-    end = int(np.searchsorted(cols.hashes, np.uint64(threshold), side="left"))
-    return shard_counts(cols.shards[:end], num_shards, int(getattr(cols, "offset", 0)))
 
 
 def shard_counts(shards, num_shards: int, offset: int = 0) -> np.ndarray:

@@ -204,7 +204,7 @@ def split_counts(
     written before the table: a binary search of its hashes (``key_file.search``) and its
     prefix's shard column, unchecked here. Either way each count is checked again against the
     shard's own index when a reader reaches the shard (``indexes.ShardSplit``), and each sample
-    read against its own key. ``formats.key_file.counts_below`` is the same count over columns."""
+    read against its own key."""
     why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why

@@ -17,7 +17,7 @@ import pytest
 from conftest import without_key_file
 
 from shardkit.errors import ShardFormatError
-from shardkit.formats.key_file import HEAD, counts_below, mapped
+from shardkit.formats.key_file import HEAD, mapped
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.shuffle import Order
 from shardkit.stream.world import World
@@ -269,24 +269,6 @@ def test_old_packs_without_a_key_file_split_as_before(pack, tmp_path):
     old = without_key_file(pack, str(tmp_path / "old"))
     ds = ShardDataset(Source(old, split="val"), decode="raw", with_keys=True)
     assert ds.sources[0].side is None and len(ds) == len(list(ds))
-
-
-def test_counts_below_adds_up_over_runs_of_a_key_file(pack):
-    """``counts_below`` over two sorted runs of one dataset (each a part of its key columns,
-    numbered in the dataset's shards) sums to the count over the whole file."""
-    n = json.load(open(os.path.join(pack, "manifest.json")))["num_samples"]
-    hashes, shards = mapped(os.path.join(pack, "manifest.keys"), n)
-    S, t = int(shards.max()) + 1, int(np.ceil(0.3 * 2**64))
-
-    class Run:
-        def __init__(self, keep):
-            order = np.argsort(hashes[keep], kind="stable")
-            self.hashes, self.shards = hashes[keep][order], shards[keep][order]
-
-    odd = np.asarray(shards) % 2 == 1
-    whole = counts_below(Run(np.ones(n, bool)), t, S)
-    assert np.array_equal(counts_below(Run(odd), t, S) + counts_below(Run(~odd), t, S), whole)
-    assert whole.sum() == np.count_nonzero(np.asarray(hashes) < np.uint64(t))
 
 
 def test_a_grown_dataset_counts_its_split_from_every_run(pack, tmp_path):
