@@ -232,7 +232,7 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     want = ShardDataset(Source(pack, split="val"), decode="raw", with_keys=True)
     assert ds.sources[0].side is None and [s[2] for s in ds] == [s[2] for s in want]
     table = block_table(hashes, column)  # the forgery vouched for: tables and manifest
-    grid = _count_table(
+    grid = _forged_counts(
         hashes, column, len(json.load(open(os.path.join(out, "manifest.json")))["shards"]), table
     )
     with open(keys, "r+b") as f:
@@ -300,7 +300,7 @@ def test_a_grown_dataset_counts_its_split_from_every_run(pack, tmp_path):
         assert _keys(new_ds, World(0, 1, 0, 1), 0) == _keys(old_ds, World(0, 1, 0, 1), 0)
 
 
-def _count_table(hashes, shards, num_shards: int, blocks: bytes) -> bytes:
+def _forged_counts(hashes, shards, num_shards: int, blocks: bytes) -> bytes:
     """A run's count table from its columns and block table, as a writer computes it."""
     from shardkit.formats.key_file import CountTable
 
