@@ -1,9 +1,11 @@
 """The bytes of a dataset's key file, ``manifest.keys`` (FORMAT.md, "Key file"): its runs (the
 base file and one file per growth step since it was last written whole), each run's head, the
-sha256 its manifest lists, its columns memory-mapped, and a search of its sorted hashes by
-``os.pread`` that reads only the bytes the searched hashes need. Written by growth
-(``write.keyfile``) and read by growth and by a view's ``get(key)`` (``stream.lookup``): both
-sides of the format in one place, below both."""
+sha256 its manifest lists, its columns memory-mapped, its block table, its count table (each
+shard's count below a few grid points of hash space: ``CountTable``, ``counts_below``), and a
+search of its sorted hashes that reads only the bytes the searched hashes need, every partial
+read through ``read_at``. Written by growth (``write.keyfile``) and read by growth, by a
+view's ``get(key)`` and by a split's counts (``stream.lookup``): both sides of the format in
+one place, below both."""
 
 from __future__ import annotations
 
@@ -390,7 +392,10 @@ def checked_find(fd: int, table: BlockTable, want: np.ndarray) -> tuple[list[int
 def blocks_problem(path: str, entry: dict, n: int) -> str:
     """Why the block table of the run at ``path`` (listed as ``entry``, ``n`` samples) is not
     its columns' (each block's fence and digest recomputed, ``1 << 10`` blocks at a time) or
-    the listed ``blocks_sha256``; "" where it is, or the run has none (written before it)."""
+    the listed ``blocks_sha256``, or its count table (where ``counts`` is listed) not the one
+    its columns and block table give (``CountTable``, built in the same pass: its ``k``, its
+    rows' sha256, every row and vector; the first point that differs named); "" where they
+    are, or the run has none (written before them)."""
     if "blocks_sha256" not in entry:
         return ""
     hashes, shards = mapped(path, n)

@@ -29,6 +29,11 @@ older shardkit wrote and reads.
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).
 
+Every run written (the base file, a growth run, a merge's) ends with its block table and, where
+large enough, its count table (``key_file.CountTable``: each shard's count below a few grid
+points of hash space, what a split's counts read instead of the val prefix), both computed as
+the sorted columns are written, never by a second pass over the file.
+
 Memory: the runs are searched by ``pread`` (each run's block table held: 1/32 byte a
 sample) or memory-mapped, never read into the heap; the new keys' hashes; and while runs are
 merged, pieces of ``CHUNK`` samples (``_two_way``).
