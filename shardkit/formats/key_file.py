@@ -475,12 +475,13 @@ class CountTable:
         """The next samples of the run, in order (hashes ascending)."""
         if not self.k or not len(hashes):
             return
+        shards = np.asarray(shards, np.int64)
+        if int(shards.max()) >= self.shards:
+            raise ValueError(f"a key's shard is past the {self.shards} shards")
         seg = np.asarray(hashes, np.uint64) >> np.uint64(64 - self.k)
         lo, hi = int(seg[0]), int(seg[-1]) + 1
-        where = (seg.astype(np.int64) - lo) * self.shards + np.asarray(shards, np.int64)
+        where = (seg.astype(np.int64) - lo) * self.shards + shards
         got = np.bincount(where, minlength=(hi - lo) * self.shards)
-        if len(got) > (hi - lo) * self.shards:
-            raise ValueError(f"a key's shard is past the {self.shards} shards")
         self.segments[lo:hi] += got.reshape(hi - lo, self.shards).astype(np.uint32)
 
     def table(self, blocks: bytes) -> bytes:
