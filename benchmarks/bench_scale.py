@@ -17,7 +17,10 @@ machine moves least:
   its peak and holds after (numpy's arrays included; not the ~10 MB of pages the first one
   touches whatever N; the manifest's size cap set to its file's size, as an older checkout
   allocated the cap, 512 MiB, to read it), and the bytes the first one read (``rchar``: the
-  manifest and the indexes) per sample; with ``--against DIR`` also on another checkout;
+  manifest and the indexes) per sample, and the bytes of the key file a construction reads
+  at ``val_fraction`` 0.1 and 0.01 (``keys_read_b``: every ``os.pread`` of it counted: one
+  count vector and a segment's blocks where its runs have count tables, the val prefix where
+  not); with ``--against DIR`` also on another checkout;
 - ``split-plan``, ``split-train-plan``: an epoch's draw of that split (``MixLayout``, built in
   every worker) and one worker's plan of it (one rank, one worker: its part is the epoch;
   a plan made in pieces as it is read is made piece by piece, each let go), under
@@ -120,6 +123,20 @@ elif what in ("split", "split-train"):
     ds = ShardDataset(Source(where, split=side, val_fraction=0.1), decode="raw")
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    def keys_read(fraction):  # bytes of the key file a construction reads: its every pread
+        got, real = [0], os.pread
+        def pread(fd, n, at):
+            raw = real(fd, n, at)
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("manifest.keys"):
+                got[0] += len(raw)
+            return raw
+        os.pread = pread
+        try:
+            ShardDataset(Source(where, split=side, val_fraction=fraction), decode="raw")
+        finally:
+            os.pread = real
+        return got[0]
+    out["keys_read_b"] = {str(f): keys_read(f) for f in (0.1, 0.01)}
     c0, t0 = c0 + cpu() - c1, t0 + time.perf_counter() - t1  # the first construction's CPU
 elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one worker's plan
     import tracemalloc
@@ -457,6 +474,8 @@ def _cell(what: str, r: dict, row: dict) -> str:
                 f" in {r['construct_reads']} reads; rank 0 plan {r['plan_rchar'] / n:.2f} B "
                 f"in {r['plan_reads']} reads, {r['plan_cpu_s']:.2f} s"
             )
+        if "keys_read_b" in r:  # the key file's bytes a construction reads, at 0.1 and 0.01
+            read += ", key file {} / {} B".format(*r["keys_read_b"].values())
         cpu = r.get("construct_cpu_s", r["cpu_s"])
         return f"{cpu:.2f} s CPU +{more:.0f} MB ({per:.1f} B), {traced}{read}"
     if what == "get":

@@ -521,12 +521,27 @@ def _keys(doc: dict) -> dict[str, Any]:
     return out
 
 
-def _blocks(run: dict, what: str) -> dict[str, str]:
+def _blocks(run: dict, what: str) -> dict[str, Any]:
     """A run's ``blocks_sha256`` (its block table's), where it has one: runs written before
-    the table have none (and no table)."""
-    if "blocks_sha256" not in run:
-        return {}
-    return {"blocks_sha256": _sha(run["blocks_sha256"], f"{what} blocks_sha256")}
+    the table have none (and no table); and its ``counts`` (its count table's ``k``,
+    ``bytes`` and ``sha256``), where it has one: runs written before it, or too small for
+    one, have none."""
+    out: dict[str, Any] = {}
+    if "blocks_sha256" in run:
+        out["blocks_sha256"] = _sha(run["blocks_sha256"], f"{what} blocks_sha256")
+    if "counts" in run:
+        got = run["counts"]
+        if not isinstance(got, dict):
+            raise _Bad(f"'{what} counts' is {_short(got)}, expected an object")
+        k = _count(got.get("k"), f"{what} counts k")
+        if not 1 <= k <= 32:
+            raise _Bad(f"'{what} counts k' is {k}, expected 1 to 32")
+        out["counts"] = {
+            "k": k,
+            "bytes": _count(got.get("bytes"), f"{what} counts bytes"),
+            "sha256": _sha(got.get("sha256"), f"{what} counts sha256"),
+        }
+    return out
 
 
 def _too_large(source: str, size: str) -> ManifestError:

@@ -1,9 +1,11 @@
 """The bytes of a dataset's key file, ``manifest.keys`` (FORMAT.md, "Key file"): its runs (the
 base file and one file per growth step since it was last written whole), each run's head, the
-sha256 its manifest lists, its columns memory-mapped, and a search of its sorted hashes by
-``os.pread`` that reads only the bytes the searched hashes need. Written by growth
-(``write.keyfile``) and read by growth and by a view's ``get(key)`` (``stream.lookup``): both
-sides of the format in one place, below both."""
+sha256 its manifest lists, its columns memory-mapped, its block table, its count table (each
+shard's count below a few grid points of hash space: ``CountTable``, ``counts_below``), and a
+search of its sorted hashes that reads only the bytes the searched hashes need, every partial
+read through ``read_at``. Written by growth (``write.keyfile``) and read by growth, by a
+view's ``get(key)`` and by a split's counts (``stream.lookup``): both sides of the format in
+one place, below both."""
 
 from __future__ import annotations
 
@@ -21,16 +23,22 @@ __all__ = [
     "KEYS_NAME",
     "MAGIC",
     "BlockTable",
+    "CountTable",
     "RunUnchecked",
     "block_table",
     "blocks_problem",
+    "checked_block",
     "checked_find",
+    "count_bits",
+    "count_bytes",
+    "counts_below",
     "file_digest",
     "shard_counts",
     "key_file_sha256",
     "key_runs",
     "mapped",
     "problem",
+    "read_at",
     "run_count",
     "run_head",
     "run_name",
@@ -83,8 +91,9 @@ def run_size(n: int, table: bool = True) -> int:
 def run_count(entry: dict) -> int:
     """The samples of the run the manifest lists as ``entry``: the largest ``n`` whose
     ``run_size`` is at most its ``bytes`` (with a block table where it lists
-    ``blocks_sha256``); a size no count fits is refused by ``problem``."""
-    size, table = int(entry["bytes"]), "blocks_sha256" in entry
+    ``blocks_sha256``), less its count table's where it lists ``counts``; a size no count
+    fits is refused by ``problem``."""
+    size, table = int(entry["bytes"]) - _counts_of(entry), "blocks_sha256" in entry
     if not table:
         return max(size - HEAD, 0) // 12
     n = max(size - HEAD, 0) * BLOCK // (12 * BLOCK + ENTRY)  # never below the count
@@ -98,7 +107,8 @@ def key_runs(listed: dict) -> list[dict]:
     ``{"path", "sha256", "bytes"}``."""
     if not listed:
         return []
-    base = {k: listed[k] for k in ("path", "sha256", "bytes", "blocks_sha256") if k in listed}
+    fields = ("path", "sha256", "bytes", "blocks_sha256", "counts")
+    base = {k: listed[k] for k in fields if k in listed}
     return [base, *(dict(r) for r in listed.get("runs", ()))]
 
 
@@ -165,7 +175,7 @@ def problem(
     what growth checks of the runs it searches without reading them. ``last``: the newest
     run, whose head names every shard; an older run's names the first shards, as many as the
     dataset had when it was written."""
-    size = run_size(n, "blocks_sha256" in listed)
+    size = run_size(n, "blocks_sha256" in listed) + _counts_of(listed)
     try:
         if os.path.getsize(path) != size or listed["bytes"] != size:
             return f"not the {size} bytes of {n} samples"
@@ -183,6 +193,12 @@ def problem(
             )
         ):
             return "its head does not name this manifest's shards"
+        if "counts" in listed:
+            named, got = int.from_bytes(head[16:24], "little"), listed["counts"]
+            if "blocks_sha256" not in listed:
+                return "it lists a count table and no block table"
+            if count_bytes(int(got["k"]), named) != int(got["bytes"]):
+                return f"its count table is not the bytes of 2^{got['k']} points of {named} shards"
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
     return ""
@@ -215,10 +231,13 @@ def runs_problem(
     return ""
 
 
-def _pread(fd: int, size: int, at: int) -> bytes:
-    raw = os.pread(fd, size, at)
-    if len(raw) != size:
-        raise OSError(f"a key file cut short at byte {at + len(raw)}")
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes of the key file open as ``fd`` from ``offset``: every read of a run's
+    bytes goes through here (one place to read a run from elsewhere than a local file); a
+    short read is an ``OSError`` naming the byte."""
+    raw = os.pread(fd, n, offset)
+    if len(raw) != n:
+        raise OSError(f"a key file cut short at byte {offset + len(raw)}")
     return raw
 
 
@@ -236,7 +255,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(m, np.int64), np.zeros(m, np.int64)
     steps = max(n // FINAL, 1).bit_length()
     if 8 * n <= m * (8 * steps + 8 * (FINAL + 2)):
-        col = np.frombuffer(_pread(fd, 8 * n, HEAD), "<u8")
+        col = np.frombuffer(read_at(fd, 8 * n, HEAD), "<u8")
         return col.searchsorted(want, "left"), col.searchsorted(want, "right")
     lo, hi = np.zeros(m, np.int64), np.full(m, n, np.int64)
     while True:  # the first hash >= want[q] is at lo[q] .. hi[q]
@@ -245,7 +264,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             break
         mid = (lo[act] + hi[act]) // 2
         at = np.unique(mid)
-        got = b"".join([_pread(fd, 8, HEAD + 8 * i) for i in at.tolist()])
+        got = b"".join([read_at(fd, 8, HEAD + 8 * i) for i in at.tolist()])
         less = np.frombuffer(got, "<u8")[np.searchsorted(at, mid)] < want[act]
         lo[act[less]] = mid[less] + 1
         hi[act[~less]] = mid[~less]
@@ -253,7 +272,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts, first = np.unique(lo, return_index=True)
     for s, q0, q1 in zip(starts.tolist(), first.tolist(), [*first[1:].tolist(), m], strict=True):
         end = min(int(hi[q0:q1].max()) + 2, n)  # past hi: the equal hashes that follow
-        block = np.frombuffer(_pread(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
+        block = np.frombuffer(read_at(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
         w = want[q0:q1]
         a[q0:q1] = s + block.searchsorted(w, "left")
         b[q0:q1] = s + block.searchsorted(w, "right")
@@ -261,7 +280,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             e = end
             while b[q] == e < n and a[q] < b[q]:
                 nxt = min(e + 64, n)
-                more = np.frombuffer(_pread(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
+                more = np.frombuffer(read_at(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
                 b[q] += int(more.searchsorted(want[q], "right"))
                 e = nxt
     return a, b
@@ -269,7 +288,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def shard_column(fd: int, n: int, i: int, j: int) -> np.ndarray:
     """The shards of samples ``i .. j`` of the run of ``n`` samples open as ``fd``."""
-    return np.frombuffer(_pread(fd, 4 * (j - i), HEAD + 8 * n + 4 * i), "<u4")
+    return np.frombuffer(read_at(fd, 4 * (j - i), HEAD + 8 * n + 4 * i), "<u4")
 
 
 def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -314,7 +333,7 @@ class BlockTable:
 
     def __init__(self, fd: int, path: str, n: int, sha256: str):
         nb = -(-n // BLOCK)
-        raw = _pread(fd, ENTRY * nb, HEAD + 12 * n)
+        raw = read_at(fd, ENTRY * nb, HEAD + 12 * n)
         if hashlib.sha256(raw).hexdigest() != sha256:
             raise RunUnchecked(path, "its block table's sha256 is not the manifest's")
         t = np.frombuffer(raw, "<u8").reshape(nb, 2)
@@ -323,18 +342,24 @@ class BlockTable:
     def block(self, fd: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Block ``b``'s hashes and shards (one read of each column), once its digest is the
         table's: no byte of it trusted before."""
-        i, j = b * BLOCK, min((b + 1) * BLOCK, self.n)
-        h = _pread(fd, 8 * (j - i), HEAD + 8 * i)
-        s = _pread(fd, 4 * (j - i), HEAD + 8 * self.n + 4 * i)
-        if _block_digest(h, s) != int(self.digests[b]):
-            raise RunUnchecked(self.path, f"its block {b} (samples {i} .. {j}) is not its digest")
-        return np.frombuffer(h, "<u8"), np.frombuffer(s, "<u4")
+        return checked_block(fd, self.path, self.n, b, int(self.digests[b]))
 
     def blocks_of(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``first, last``: the blocks ``first .. last - 1`` that may hold each of ``want``
         (the one whose range it falls in; more only where equal hashes cross a fence)."""
         first = np.maximum(np.searchsorted(self.fences, want, "left") - 1, 0)
         return first, np.searchsorted(self.fences, want, "right")
+
+
+def checked_block(fd: int, path: str, n: int, b: int, digest: int):
+    """Block ``b`` of the run of ``n`` samples open as ``fd``: its hashes and shards (one read
+    of each column), once their digest is ``digest`` (its block-table row's)."""
+    i, j = b * BLOCK, min((b + 1) * BLOCK, n)
+    h = read_at(fd, 8 * (j - i), HEAD + 8 * i)
+    s = read_at(fd, 4 * (j - i), HEAD + 8 * n + 4 * i)
+    if _block_digest(h, s) != digest:
+        raise RunUnchecked(path, f"its block {b} (samples {i} .. {j}) is not its digest")
+    return np.frombuffer(h, "<u8"), np.frombuffer(s, "<u4")
 
 
 def checked_find(fd: int, table: BlockTable, want: np.ndarray) -> tuple[list[int], list]:
@@ -367,19 +392,156 @@ def checked_find(fd: int, table: BlockTable, want: np.ndarray) -> tuple[list[int
 def blocks_problem(path: str, entry: dict, n: int) -> str:
     """Why the block table of the run at ``path`` (listed as ``entry``, ``n`` samples) is not
     its columns' (each block's fence and digest recomputed, ``1 << 10`` blocks at a time) or
-    the listed ``blocks_sha256``; "" where it is, or the run has none (written before it)."""
+    the listed ``blocks_sha256``, or its count table (where ``counts`` is listed) not the one
+    its columns and block table give (``CountTable``, built in the same pass: its ``k``, its
+    rows' sha256, every row and vector; the first point that differs named); "" where they
+    are, or the run has none (written before them)."""
     if "blocks_sha256" not in entry:
         return ""
     hashes, shards = mapped(path, n)
     with open(path, "rb") as f:
         f.seek(HEAD + 12 * n)
-        stored = f.read()
+        stored = f.read(ENTRY * -(-n // BLOCK))
+        named = int.from_bytes(read_at(f.fileno(), 8, 16), "little")
+        listed = entry.get("counts")
+        counts = f.read(int(listed["bytes"])) if listed else b""
     if hashlib.sha256(stored).hexdigest() != entry["blocks_sha256"]:
         return "its block table's sha256 is not the manifest's"
-    step = BLOCK << 10
+    step, built = BLOCK << 10, CountTable(n, named)
     for i in range(0, n, step):
-        got = block_table(np.asarray(hashes[i : i + step]), np.asarray(shards[i : i + step]))
+        h, s = np.asarray(hashes[i : i + step]), np.asarray(shards[i : i + step])
+        got = block_table(h, s)
         at = ENTRY * (i // BLOCK)
         if got != stored[at : at + len(got)]:
             return f"its block table is not its columns' (from sample {i})"
+        built.add(h, s)
+    if not listed:  # a run written before the count table, or too small for one
+        return ""
+    if built.k != int(listed["k"]):
+        return f"its count table has 2^{listed['k']} points, its size gives 2^{built.k}"
+    if hashlib.sha256(counts[: 16 << built.k]).hexdigest() != listed["sha256"]:
+        return "its count table's sha256 is not the manifest's"
+    want = built.table(stored)
+    if counts != want:
+        j = _first_vector(counts, want, built.k, named)
+        return f"its count table is not its columns' (point {j}: the counts below it)"
     return ""
+
+
+def _first_vector(got: bytes, want: bytes, k: int, shards: int) -> int:
+    """The first grid point whose row or vector differs between two count tables."""
+    rows, bad = 16 << k, next(i for i in range(len(want)) if got[i] != want[i])
+    return bad // 16 if bad < rows else 1 + (bad - rows) // (4 * shards)
+
+
+#: The count table's vectors take at most 1/RATIO of a run's column bytes (FORMAT.md).
+COUNT_RATIO = 64
+
+
+def count_bytes(k: int, shards: int) -> int:
+    """The bytes of a count table of ``2^k`` grid points over ``shards`` shards: ``2^k``
+    rows of 16 bytes (each point's position and digest) and ``2^k - 1`` vectors of ``4 *
+    shards`` bytes (none where ``k`` is 0)."""
+    return 0 if not k else 16 * (1 << k) + 4 * shards * ((1 << k) - 1)
+
+
+def count_bits(n: int, shards: int) -> int:
+    """The ``k`` a writer gives a run of ``n`` samples over ``shards`` shards: the largest
+    with ``4^k <= n`` (no more points than reading a point's samples saves) and a table of at
+    most ``12 n / 64`` bytes (``count_bytes``); 0 (no table) where even ``k = 1`` is more:
+    a small run's prefix is small anyway."""
+    k = 0
+    while 4 ** (k + 1) <= n and count_bytes(k + 1, shards) * COUNT_RATIO <= 12 * n:
+        k += 1
+    return k
+
+
+def _counts_of(entry: dict) -> int:
+    got = entry.get("counts")
+    return int(got["bytes"]) if got else 0
+
+
+class CountTable:
+    """A run's count table built as its columns are written (or read, to check it), in
+    order, in pieces: each piece's samples counted a shard in each segment of hash space
+    between two grid points (``g_j = j * 2^(64 - k)``); ``table`` gives the bytes once the
+    block table is known. Holds ``2^k x shards`` uint32 (at most 1/64 of the run's bytes)."""
+
+    def __init__(self, n: int, shards: int):
+        self.n, self.shards, self.k = int(n), int(shards), count_bits(n, shards)
+        self.segments = np.zeros(((1 << self.k) if self.k else 0, self.shards), np.uint32)
+
+    def add(self, hashes: np.ndarray, shards: np.ndarray) -> None:
+        """The next samples of the run, in order (hashes ascending)."""
+        if not self.k or not len(hashes):
+            return
+        shards = np.asarray(shards, np.int64)
+        if int(shards.max()) >= self.shards:
+            raise ValueError(f"a key's shard is past the {self.shards} shards")
+        seg = np.asarray(hashes, np.uint64) >> np.uint64(64 - self.k)
+        lo, hi = int(seg[0]), int(seg[-1]) + 1
+        where = (seg.astype(np.int64) - lo) * self.shards + shards
+        got = np.bincount(where, minlength=(hi - lo) * self.shards)
+        self.segments[lo:hi] += got.reshape(hi - lo, self.shards).astype(np.uint32)
+
+    def table(self, blocks: bytes) -> bytes:
+        """The count table (FORMAT.md, "Count table") of the samples added, given the run's
+        block table ``blocks``: each point's position and digest, then its vector."""
+        if not self.k:
+            return b""
+        vectors = np.cumsum(self.segments[:-1], axis=0, dtype=np.uint64).astype("<u4")
+        pos = [0, *vectors.sum(axis=1, dtype=np.int64).tolist(), self.n]
+        rows = np.empty((1 << self.k, 2), "<u8")
+        for j in range(1 << self.k):
+            vec = vectors[j - 1].tobytes() if j else b""
+            b0, b1 = _segment_blocks(pos[j], pos[j + 1], self.n)
+            rows[j] = (pos[j], xxh3_64_intdigest(vec + blocks[ENTRY * b0 : ENTRY * b1]))
+        return rows.tobytes() + vectors.tobytes()
+
+
+def _segment_blocks(p: int, q: int, n: int) -> tuple[int, int]:
+    """The blocks ``b0 .. b1 - 1`` whose block-table rows a point's digest covers: from the
+    block holding its position ``p`` through the one holding the next point's ``q`` (the
+    last block where that is the run's end): every block a count below a threshold between
+    the two points reads."""
+    last = max(-(-n // BLOCK) - 1, 0)
+    return min(p // BLOCK, last), min(q // BLOCK, last) + 1
+
+
+def counts_below(fd: int, path: str, n: int, shards: int, entry: dict, threshold: int):
+    """Each of the run's ``shards`` shards' count of its hashes below ``threshold`` (the run
+    of ``n`` samples open as ``fd``, listed as ``entry`` with a ``counts`` table), from the
+    count table: its rows (16 bytes a point, checked by the listed sha256), the vector of the
+    last point at most ``threshold`` (``4 * shards`` bytes), the block-table rows of its
+    segment, both checked by the point's digest, and the blocks from the point's position to
+    ``threshold``'s, each checked by its digest: ``16 * 2^k + 4 * shards + 16 * (n / 512 /
+    2^k + 2) + 12 * (n / 2^k + 512)`` bytes at most, whatever ``threshold`` is."""
+    k, listed = int(entry["counts"]["k"]), entry["counts"]
+    nb, at = -(-n // BLOCK), HEAD + 12 * n + ENTRY * -(-n // BLOCK)
+    raw = read_at(fd, 16 << k, at)
+    if hashlib.sha256(raw).hexdigest() != listed["sha256"]:
+        raise RunUnchecked(path, "its count table's sha256 is not the manifest's")
+    rows = np.frombuffer(raw, "<u8").reshape(1 << k, 2)
+    j = min(threshold >> (64 - k), (1 << k) - 1)
+    p = int(rows[j, 0])
+    q = int(rows[j + 1, 0]) if j + 1 < len(rows) else n
+    vec = read_at(fd, 4 * shards, at + (16 << k) + 4 * shards * (j - 1)) if j else b""
+    b0, b1 = _segment_blocks(p, q, n)
+    table = read_at(fd, ENTRY * (b1 - b0), HEAD + 12 * n + ENTRY * b0) if nb else b""
+    counts = np.frombuffer(vec, "<u4").astype(np.int64) if j else np.zeros(shards, np.int64)
+    if xxh3_64_intdigest(vec + table) != int(rows[j, 1]) or int(counts.sum()) != p:
+        raise RunUnchecked(path, f"its count table's point {j} is not its digest")
+    t = np.frombuffer(table, "<u8").reshape(-1, 2)
+    point, end = np.uint64(j << (64 - k)), np.uint64(min(threshold, 2**64 - 1))
+    for b in range(b0, b1):
+        if b > b0 and ((threshold < 2**64 and t[b - b0, 0] >= end) or BLOCK * b >= q):
+            break  # every hash from this block on is at or past the threshold
+        h, s = checked_block(fd, path, n, b, int(t[b - b0, 1]))
+        lo = p - BLOCK * b if p > BLOCK * b else 0
+        if (lo and h[lo - 1] >= point) or (lo < len(h) and h[lo] < point):
+            raise RunUnchecked(path, f"its count table's point {j} is not its position")
+        upto = len(h) if threshold >= 2**64 else int(h.searchsorted(end))
+        counts += shard_counts(s[lo:upto], shards)
+        if upto < len(h):
+            break
+    return counts

@@ -21,8 +21,10 @@ at LAION-400M. Here:
   so a stale or forged file can cost a search, never a wrong sample; an answer it is missing
   comes from checked bytes (a run written before the table: trusted once its whole sha256 is
   the manifest's, as before), and a block that fails its digest makes the file not serve.
-- ``split_counts``: each shard's count of a split's "val" samples, from each run's prefix
-  (the hashes below the split's threshold come first), read through the same checked blocks:
+- ``split_counts``: each shard's count of a split's "val" samples, from each run's count
+  table (the counts a shard below each of a few grid points in hash space: one vector of
+  ``4 * shards`` bytes, then the checked blocks between it and the threshold), so a process
+  reads O(shards) bytes of the key file whatever the val fraction and the dataset's size:
   what a split's epoch is partitioned by across ranks and workers, so each reads only the
   indexes of the shards it reads.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
@@ -47,7 +49,9 @@ from ..formats.key_file import (
     BlockTable,
     RunUnchecked,
     checked_find,
+    counts_below,
     key_runs,
+    read_at,
     run_count,
     runs_problem,
     search,
@@ -196,15 +200,17 @@ def split_counts(
 ) -> tuple[np.ndarray | None, str]:
     """Each shard's count of key hashes below ``threshold`` from the key file's runs in
     ``folder`` (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard
-    table), and ""; or None and why the runs do not serve. Read by ``os.pread``, never the
-    whole file: each run's head (its size, counts and the shards it names), its block table
-    (16 bytes a block of 512, checked by the manifest's ``blocks_sha256``) and the blocks
-    below ``threshold`` (12 bytes a val sample), each checked by its digest before it is
-    counted, so a count is what the manifest vouches for; the runs' counts add up. A run
-    written before the table: a binary search of its hashes (``key_file.search``) and its
-    prefix's shard column, unchecked here. Either way each count is checked again against the
-    shard's own index when a reader reaches the shard (``indexes.ShardSplit``), and each sample
-    read against its own key."""
+    table), and ""; or None and why the runs do not serve. Read by ``key_file.read_at``, never
+    the whole file: each run's head (its size, counts and the shards it names), then a run
+    with a count table (``key_file.counts_below``: one vector of ``4 * S`` bytes and the
+    blocks between its grid point and ``threshold``, about ``12 n / 2^k`` bytes at most, each
+    checked); a run without one, its block table (16 bytes a block of 512, checked by the
+    manifest's ``blocks_sha256``) and the blocks below ``threshold`` (12 bytes a val sample),
+    each checked by its digest before it is counted, so a count is what the manifest vouches
+    for; the runs' counts add up. A run written before the block table: a binary search of
+    its hashes (``key_file.search``) and its prefix's shard column, unchecked here. Either way
+    each count is checked again against the shard's own index when a reader reaches the shard
+    (``indexes.ShardSplit``), and each sample read against its own key."""
     why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why
@@ -214,7 +220,7 @@ def split_counts(
             path, m = os.path.join(folder, run["path"]), run_count(run)
             fd = os.open(path, os.O_RDONLY)
             try:
-                counts += _counts_below(fd, path, m, run.get("blocks_sha256"), threshold, shards)
+                counts += _counts_below(fd, path, m, run, threshold, len(shards))
             finally:
                 os.close(fd)
     except RunUnchecked as exc:
@@ -224,23 +230,26 @@ def split_counts(
     return counts, ""
 
 
-def _counts_below(fd: int, path: str, m: int, blocks, threshold: int, shards) -> np.ndarray:
-    """One run's count a shard of its hashes below ``threshold`` (``split_counts``)."""
-    counts = np.zeros(len(shards), np.int64)
+def _counts_below(fd: int, path: str, m: int, run: dict, threshold: int, shards: int):
+    """One run's count a shard of its hashes below ``threshold`` (``split_counts``): from its
+    count table where it has one, else from its prefix."""
+    counts, blocks = np.zeros(shards, np.int64), run.get("blocks_sha256")
+    if "counts" in run and m:  # its head's shards: the first of the dataset's
+        named = int.from_bytes(read_at(fd, 8, 16), "little")
+        counts[:named] += counts_below(fd, path, m, named, run, threshold)
+        return counts
     if blocks is not None and m:
         table = BlockTable(fd, path, m, blocks)
         last = int(np.searchsorted(table.fences, np.uint64(threshold), "left"))
         for b in range(last):  # every hash of a block past ``last`` is >= threshold
             h, s = table.block(fd, b)
-            counts += shard_counts(s[: int(h.searchsorted(np.uint64(threshold)))], len(shards))
+            counts += shard_counts(s[: int(h.searchsorted(np.uint64(threshold)))], shards)
         return counts
     end = int(search(fd, m, np.asarray([threshold], np.uint64))[0][0])
     for a in range(0, end, _PIECE):
         b = min(end, a + _PIECE)
-        raw = os.pread(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
-        if len(raw) != 4 * (b - a):
-            raise ValueError("cut short")
-        counts += shard_counts(np.frombuffer(raw, "<u4"), len(shards))
+        raw = read_at(fd, 4 * (b - a), HEAD + 8 * m + 4 * a)
+        counts += shard_counts(np.frombuffer(raw, "<u4"), shards)
     return counts
 
 

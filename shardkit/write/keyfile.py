@@ -29,6 +29,11 @@ older shardkit wrote and reads.
 A hash is never a key: a stored hash that one of the new keys' matches is confirmed on the
 key itself, read from the one shard the file names (``held_in``, ``shared_keys``).
 
+Every run written (the base file, a growth run, a merge's) ends with its block table and, where
+large enough, its count table (``key_file.CountTable``: each shard's count below a few grid
+points of hash space, what a split's counts read instead of the val prefix), both computed as
+the sorted columns are written, never by a second pass over the file.
+
 Memory: the runs are searched by ``pread`` (each run's block table held: 1/32 byte a
 sample) or memory-mapped, never read into the heap; the new keys' hashes; and while runs are
 merged, pieces of ``CHUNK`` samples (``_two_way``).
@@ -50,6 +55,7 @@ from ..formats.key_file import (
     KEYS_NAME,
     MAGIC,
     BlockTable,
+    CountTable,
     RunUnchecked,
     block_table,
     checked_find,
@@ -382,10 +388,12 @@ def _two_way(a: KeyColumns, b: KeyColumns) -> Iterator[tuple[np.ndarray, np.ndar
         yield y.at(i, i + CHUNK)
 
 
-def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -> tuple[str, str]:
-    """``parts`` (each sorted) merged into one key file at ``path``, its block table after its
-    columns: two at a time, the first ones through a temporary file beside it. Returns its
-    ``sha256`` and ``blocks_sha256`` (FORMAT.md), computed as it is written."""
+def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -> dict:
+    """``parts`` (each sorted) merged into one key file at ``path``, its block table and its
+    count table after its columns: two at a time, the first ones through a temporary file
+    beside it. Returns what the manifest lists of it but its path: ``sha256``, ``bytes``,
+    ``blocks_sha256`` and (where it has one) ``counts`` (FORMAT.md), computed as it is
+    written, no byte read back."""
     if len(parts) > 2:
         tmp = path + ".part"
         try:
@@ -407,6 +415,7 @@ def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -
     head = MAGIC + n.to_bytes(8, "little") + shards.to_bytes(8, "little") + digest
     sha_h, sha_s = hashlib.sha256(head), hashlib.sha256()
     table, rest = [], (np.empty(0, np.uint64), np.empty(0, np.uint32))
+    counts = CountTable(n, shards)
     with open(path, "wb") as f:
         f.write(head)
         f.truncate(run_size(n))
@@ -417,6 +426,7 @@ def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -
             os.pwrite(fd, sb, HEAD + 8 * n + 4 * at)
             sha_h.update(hb)
             sha_s.update(sb)
+            counts.add(h, s)
             at += len(h)
             h, s = np.concatenate([rest[0], h]), np.concatenate([rest[1], s])
             whole = len(h) // BLOCK * BLOCK  # the blocks complete so far; the rest waits
@@ -426,11 +436,19 @@ def _write(path: str, parts: Sequence[KeyColumns], digest: bytes, shards: int) -
         blocks = b"".join(table)
         os.pwrite(fd, blocks, HEAD + 12 * n)
         sha_s.update(blocks)
+        grid = counts.table(blocks)
+        os.pwrite(fd, grid, run_size(n))
+        sha_s.update(grid)
         f.flush()
         os.fsync(fd)
     if at != n:  # pragma: no cover - a bug, never a user's
         raise AssertionError(f"{path}: wrote {at} of {n} key hashes")
-    return _digest(sha_h, sha_s), hashlib.sha256(blocks).hexdigest()
+    entry = {"sha256": _digest(sha_h, sha_s), "bytes": run_size(n) + len(grid)}
+    entry["blocks_sha256"] = hashlib.sha256(blocks).hexdigest()
+    if counts.k:
+        rows = hashlib.sha256(grid[: 16 << counts.k]).hexdigest()
+        entry["counts"] = {"k": counts.k, "bytes": len(grid), "sha256": rows}
+    return entry
 
 
 def write_key_file(staging: str, parts: Sequence[KeyColumns], shards: Sequence[ShardEntry]) -> dict:
@@ -438,9 +456,7 @@ def write_key_file(staging: str, parts: Sequence[KeyColumns], shards: Sequence[S
     from ``parts`` (each sorted, their shard positions the manifest's); returns what the
     manifest lists of it (``Manifest.keys``)."""
     path = os.path.join(staging, KEYS_NAME)
-    sha, blocks = _write(path, list(parts), run_head(0, shards)[24:], len(shards))
-    n = sum(len(p) for p in parts)
-    return {"path": KEYS_NAME, "sha256": sha, "bytes": run_size(n), "blocks_sha256": blocks}
+    return {"path": KEYS_NAME, **_write(path, list(parts), run_head(0, shards)[24:], len(shards))}
 
 
 def _run_number(name: str) -> int:
@@ -489,7 +505,6 @@ def grow_key_file(
         number += 1
     name = run_name(number)
     head = run_head(size, shards)
-    sha, blocks = _write(os.path.join(staging, name), merged, head[24:], len(shards))
-    entry = {"path": name, "sha256": sha, "bytes": run_size(size), "blocks_sha256": blocks}
+    entry = {"path": name, **_write(os.path.join(staging, name), merged, head[24:], len(shards))}
     keys = {**runs[0].entry, "runs": [*(r.entry for r in runs[1:k]), entry]}
     return keys, [name], [r.entry["path"] for r in runs[k:]]

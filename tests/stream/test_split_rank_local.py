@@ -231,13 +231,18 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
         ds = ShardDataset(Source(out, split="val"), decode="raw", with_keys=True)
     want = ShardDataset(Source(pack, split="val"), decode="raw", with_keys=True)
     assert ds.sources[0].side is None and [s[2] for s in ds] == [s[2] for s in want]
-    table = block_table(hashes, column)  # the forgery vouched for: table and manifest
+    table = block_table(hashes, column)  # the forgery vouched for: tables and manifest
+    grid = _forged_counts(
+        hashes, column, len(json.load(open(os.path.join(out, "manifest.json")))["shards"]), table
+    )
     with open(keys, "r+b") as f:
         f.seek(HEAD + 12 * n)
-        f.write(table)
+        f.write(table + grid)
     path = os.path.join(out, "manifest.json")
     doc = json.load(open(path))
     doc["keys"]["blocks_sha256"] = hashlib.sha256(table).hexdigest()
+    k = doc["keys"]["counts"]["k"]
+    doc["keys"]["counts"]["sha256"] = hashlib.sha256(grid[: 16 << k]).hexdigest()
     with open(path, "w") as f:
         json.dump(doc, f)
     ds = ShardDataset(Source(out, split="val"), decode="raw")
@@ -293,3 +298,187 @@ def test_a_grown_dataset_counts_its_split_from_every_run(pack, tmp_path):
         old_ds = ShardDataset(Source(old, split=split), decode="raw", seed=2)
         assert new_ds.sources[0].side is not None and len(new_ds) == len(old_ds)
         assert _keys(new_ds, World(0, 1, 0, 1), 0) == _keys(old_ds, World(0, 1, 0, 1), 0)
+
+
+def _forged_counts(hashes, shards, num_shards: int, blocks: bytes) -> bytes:
+    """A run's count table from its columns and block table, as a writer computes it."""
+    from shardkit.formats.key_file import CountTable
+
+    table = CountTable(len(hashes), num_shards)
+    table.add(np.asarray(hashes), np.asarray(shards))
+    return table.table(blocks)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """8,000 samples in 4 shards: a key file with a count table of 2^5 points."""
+    out = str(tmp_path_factory.mktemp("wide") / "pack")
+    with ShardWriter(out, format="tar", shard_size="4.5MB", classes=["x"]) as w:
+        for i in range(8000):
+            w.add(f"w{i:05d}", "jpg", b"%d" % i, 0)
+    keys = json.load(open(os.path.join(out, "manifest.json")))["keys"]
+    assert (
+        keys["counts"]["k"] == 5
+        and len(json.load(open(os.path.join(out, "manifest.json")))["shards"]) == 4
+    )
+    return out
+
+
+def _key_file_bytes(monkeypatch, make) -> int:
+    """The bytes ``make()`` reads from key files by ``os.pread`` (every partial read)."""
+    got, real = [], os.pread
+
+    def pread(fd, n, at):
+        raw = real(fd, n, at)
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("manifest.keys"):
+            got.append(len(raw))
+        return raw
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "pread", pread)
+        make()
+    return sum(got)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.6, 0.95])
+def test_a_split_reads_one_count_vector_not_the_val_prefix(wide, monkeypatch, fraction):
+    """A split's per-shard counts come from the key file's count table: its rows, one vector
+    of ``4 * S`` bytes, the block-table rows of one segment and the blocks between the grid
+    point and the threshold (at most two blocks of 512 here: 250 samples a point), whatever
+    the val fraction (the prefix was 12 bytes a val sample: 29 KB at 0.3); the counts are the
+    indexes'."""
+    shards, k = 4, 5
+    bound = (16 << k) + 4 * shards + 16 * 3 + 12 * 2 * 512
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read = _key_file_bytes(
+            monkeypatch,
+            lambda: ShardDataset(Source(wide, split="val", val_fraction=fraction), decode="raw"),
+        )
+    assert 0 < read <= bound, (read, bound)
+    old = ShardDataset(Source(without_key_file(wide, wide + f"-old-{fraction}"), split="val",
+                              val_fraction=fraction), decode="raw")  # fmt: skip
+    new = ShardDataset(Source(wide, split="val", val_fraction=fraction), decode="raw")
+    assert new.sources[0].side is not None and len(new) == len(old)
+    assert list(new.sources[0].members.per_shard) == list(old.sources[0].members.per_shard)
+
+
+def _vector_at(out: str, j: int) -> tuple[str, int, int, dict]:
+    """The key file, the offset of its count table, of vector ``j``, and its listing."""
+    doc = json.load(open(os.path.join(out, "manifest.json")))
+    n, shards, keys = doc["num_samples"], len(doc["shards"]), doc["keys"]
+    at = HEAD + 12 * n + 16 * -(-n // 512)
+    return os.path.join(out, "manifest.keys"), at, at + (16 << 5) + 4 * shards * (j - 1), keys
+
+
+def test_a_count_vector_edited_in_place_is_named_never_a_wrong_epoch(wide, tmp_path):
+    """A vector of the count table edited in place (one val sample moved from shard 0's count
+    to shard 1's: its sum, the point's position, kept) is not its point's digest: named in a
+    warning, the split reads every shard's index (the honest epoch). Vouched for (its digest
+    and the manifest's ``counts`` sha256 computed again), the epoch that reaches shard 0
+    stops with an error naming the key file and the fix, never an epoch cut by wrong counts;
+    and ``shardkit verify`` names it in one line (its vectors recomputed from the columns)."""
+    import hashlib
+
+    from conftest import run_cli
+    from xxhash import xxh3_64_intdigest
+
+    out = str(tmp_path / "forged")
+    shutil.copytree(wide, out)
+    j = 9  # 0.3 of hash space: the last of 32 points below it
+    keys, table, at, listed = _vector_at(out, j)
+    with open(keys, "r+b") as f:
+        f.seek(at)
+        vec = np.frombuffer(f.read(16), "<u4").copy()
+        vec[0] -= 1
+        vec[1] += 1
+        f.seek(at)
+        f.write(vec.tobytes())
+    with pytest.warns(RuntimeWarning, match=r"manifest\.keys: its count table's point 9 is not"):
+        ds = ShardDataset(Source(out, split="val", val_fraction=0.3), decode="raw",
+                          with_keys=True)  # fmt: skip
+    want = ShardDataset(Source(wide, split="val", val_fraction=0.3), decode="raw", with_keys=True)
+    assert ds.sources[0].side is None and [s[2] for s in ds] == [s[2] for s in want]
+    data = open(keys, "rb").read()  # the forgery vouched for: the point's digest, the manifest
+    rows = np.frombuffer(data[table : table + (16 << 5)], "<u8").reshape(-1, 2).copy()
+    n = json.load(open(os.path.join(out, "manifest.json")))["num_samples"]
+    b0 = int(rows[j, 0]) // 512
+    b1 = min(int(rows[j + 1, 0]) // 512, -(-n // 512) - 1) + 1
+    blocks = data[HEAD + 12 * n + 16 * b0 : HEAD + 12 * n + 16 * b1]
+    rows[j, 1] = xxh3_64_intdigest(vec.tobytes() + blocks)
+    with open(keys, "r+b") as f:
+        f.seek(table)
+        f.write(rows.tobytes())
+    path = os.path.join(out, "manifest.json")
+    doc = json.load(open(path))
+    doc["keys"]["counts"]["sha256"] = hashlib.sha256(rows.tobytes()).hexdigest()
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # vouched for: it serves
+        ds = ShardDataset(Source(out, split="val", val_fraction=0.3), decode="raw")
+    assert ds.sources[0].side is not None
+    with pytest.raises(ShardFormatError) as err:
+        list(ds)
+    assert keys in str(err.value) and "delete it" in str(err.value)
+    assert "\n" not in str(err.value)
+    r = run_cli("verify", out, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stdout.splitlines()
+    assert line.startswith("BAD manifest.keys: its sha256 is not the manifest's")
+    from shardkit.formats.key_file import key_file_sha256
+
+    doc["keys"]["sha256"] = key_file_sha256(keys, n)  # the file's sha256 computed again too
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    r = run_cli("verify", out, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stdout.splitlines() == [
+        f"BAD manifest.keys: its count table is not its columns' (point {j}: the counts below "
+        f"it); delete it (`rm {keys}`): `get(key)` and growth read every shard's index instead "
+        "until the next `shardkit pack --append` or `shardkit merge` of the dataset writes it anew"
+    ]
+
+
+def test_a_grown_dataset_with_and_without_count_tables_counts_every_run(wide, tmp_path):
+    """Runs with a count table (the base), without one (a growth run too small for one), and
+    a base from shardkit before the count table (its table cut off, ``counts`` not listed):
+    the split uses the key file without a warning, its counts every run's, and gives the
+    epochs of the same dataset without a key file."""
+    from shardkit.formats.key_file import key_file_sha256
+    from shardkit.write.merge import merge
+    from shardkit.write.verify import verify
+
+    more = str(tmp_path / "more")
+    with ShardWriter(more, format="tar", shard_size="4.5MB", classes=["x"]) as w:
+        for i in range(8000, 8100):
+            w.add(f"w{i:05d}", "jpg", b"%d" % i, 0)
+    grown, older = str(tmp_path / "grown"), str(tmp_path / "older")
+    shutil.copytree(wide, grown)
+    merge([grown, more], grown)
+    shutil.copytree(grown, older)
+    path = os.path.join(older, "manifest.json")
+    doc = json.load(open(path))
+    assert "counts" in doc["keys"] and "counts" not in doc["keys"]["runs"][0]
+    keys, n = os.path.join(older, "manifest.keys"), 8000
+    size = HEAD + 12 * n + 16 * -(-n // 512)
+    with open(keys, "r+b") as f:
+        f.truncate(size)
+    del doc["keys"]["counts"]
+    doc["keys"].update(bytes=size, sha256=key_file_sha256(keys, n))
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    assert verify(grown).ok and verify(older).ok
+    for root in (grown, older):
+        old = without_key_file(root, root + "-old")
+        for fraction in (0.02, 0.3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                new_ds = ShardDataset(Source(root, split="val", val_fraction=fraction),
+                                      decode="raw", seed=2)  # fmt: skip
+            old_ds = ShardDataset(Source(old, split="val", val_fraction=fraction),
+                                  decode="raw", seed=2)  # fmt: skip
+            assert new_ds.sources[0].side is not None and len(new_ds) == len(old_ds)
+            got, want = new_ds.sources[0].members, old_ds.sources[0].members
+            assert list(got.per_shard) == list(want.per_shard)
+            assert _keys(new_ds, World(0, 1, 0, 1), 0) == _keys(old_ds, World(0, 1, 0, 1), 0)

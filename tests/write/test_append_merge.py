@@ -681,13 +681,16 @@ def test_growth_reads_the_key_file_and_no_index_and_without_it_each_index_whole(
     stored hashes checked by its keys (a column and its ``columns_sha256`` computed again from
     an edited file agree with each other, not with the keys), and none of its shards; with or
     without ``columns_sha256`` listed. Shared keys are refused alike."""
+    from shardkit.formats.key_file import count_bits, count_bytes
+
     big = _written(tmp_path / "big", range(12000))
     few = _written(tmp_path / "few", range(20000, 20060))
     shards = read_manifest(str(big)).shards
     assert all(len(s.columns_sha256) == 64 for s in shards)
     whole = sum(os.path.getsize(os.path.join(big, s.path) + ".idx") for s in shards)
     keyfile = os.path.getsize(big / "manifest.keys")
-    assert keyfile == 56 + 12 * 12000 + 16 * 24 and whole > 4 * keyfile
+    grid = count_bytes(count_bits(12000, len(shards)), len(shards))  # its count table
+    assert grid and keyfile == 56 + 12 * 12000 + 16 * 24 + grid and whole > 4 * keyfile
     tars = sum(s.bytes for s in shards)
     assert tars > 4 * whole
     before = _rchar()
@@ -776,13 +779,54 @@ def _key_file_sha256(data: bytes, n: int) -> str:
     return hashlib.sha256(both).hexdigest()
 
 
+def _count_table(data: bytes, n: int, shards: int, listed: dict | None) -> bytes:
+    """A run's count table (FORMAT.md, "Count table"), checked as FORMAT.md gives it against
+    its columns and block table: the k its size gives, each point's position and digest,
+    each vector the counts below its point; b"" where none is listed (a run too small)."""
+    k, g = 0, 1
+    while (
+        4 ** (k + 1) <= n and 64 * (16 * 2 ** (k + 1) + 4 * shards * (2 ** (k + 1) - 1)) <= 12 * n
+    ):
+        k += 1
+    if not listed:
+        assert k == 0
+        return b""
+    g, nb = 2**k, -(-n // 512)
+    assert listed["k"] == k and listed["bytes"] == 16 * g + 4 * shards * (g - 1)
+    at = HEAD + 12 * n + 16 * nb
+    grid = data[at : at + listed["bytes"]]
+    assert listed["sha256"] == hashlib.sha256(grid[: 16 * g]).hexdigest()
+    rows = np.frombuffer(grid, "<u8", 2 * g).reshape(g, 2)
+    hashes = np.frombuffer(data, "<u8", n, HEAD)
+    column = np.frombuffer(data, "<u4", n, HEAD + 8 * n)
+    table = data[HEAD + 12 * n : at]
+    for j in range(g):
+        p = int(np.searchsorted(hashes, np.uint64(j << (64 - k))))
+        q = int(np.searchsorted(hashes, np.uint64((j + 1) << (64 - k)))) if j + 1 < g else n
+        vec = b""
+        if j:
+            vec = grid[16 * g + 4 * shards * (j - 1) : 16 * g + 4 * shards * j]
+            want = np.bincount(column[:p], minlength=shards).astype("<u4")
+            assert vec == want.tobytes()
+        b0, b1 = min(p // 512, nb - 1), min(q // 512, nb - 1)
+        assert int(rows[j, 0]) == p
+        assert int(rows[j, 1]) == xxhash.xxh3_64_intdigest(vec + table[16 * b0 : 16 * (b1 + 1)])
+    return grid
+
+
 def key_file(out) -> tuple[np.ndarray, np.ndarray]:
     """The key file of ``out`` (its base file and growth runs), parsed as FORMAT.md says,
     after checking each run is the one its manifest vouches for and that together they
     describe exactly the dataset's keys (by reading every shard); all runs' columns, merged."""
     m = read_manifest(str(out))
     listed = m.keys
-    runs = [{k: listed[k] for k in ("path", "sha256", "bytes", "blocks_sha256")}]
+    runs = [
+        {
+            k: listed[k]
+            for k in ("path", "sha256", "bytes", "blocks_sha256", "counts")
+            if k in listed
+        }
+    ]
     runs += listed.get("runs", [])
     assert runs[0]["path"] == KEYS_NAME
     assert all(r["path"] == f"{KEYS_NAME}.{r['path'].rsplit('.', 1)[-1]}" for r in runs[1:])
@@ -791,9 +835,11 @@ def key_file(out) -> tuple[np.ndarray, np.ndarray]:
         data = open(os.path.join(out, r["path"]), "rb").read()
         n = int.from_bytes(data[8:16], "little")
         blocks = -(-n // 512)  # the block table: a fence and a digest a block of 512
-        assert len(data) == HEAD + 12 * n + 16 * blocks == r["bytes"]
+        named = int.from_bytes(data[16:24], "little")
+        grid = _count_table(data, n, named, r.get("counts"))
+        assert len(data) == HEAD + 12 * n + 16 * blocks + len(grid) == r["bytes"]
         assert r["sha256"] == _key_file_sha256(data, n)
-        table = data[HEAD + 12 * n :]
+        table = data[HEAD + 12 * n : HEAD + 12 * n + 16 * blocks]
         assert r["blocks_sha256"] == hashlib.sha256(table).hexdigest()
         for b, (fence, digest) in enumerate(np.frombuffer(table, "<u8").reshape(-1, 2)):
             i, j = 512 * b, min(512 * b + 512, n)
@@ -803,7 +849,7 @@ def key_file(out) -> tuple[np.ndarray, np.ndarray]:
             assert digest == xxhash.xxh3_64_intdigest(h + sh)
         assert data[:8] == b"SHKKEYS1"
         assert int.from_bytes(data[8:16], "little") == n
-        named = int.from_bytes(data[16:24], "little")  # the newest names every shard
+        # the newest names every shard
         assert named == count if i == len(runs) - 1 else 0 < named <= count
         doc = [[s.samples, s.sha256] for s in m.shards[:named]]
         assert data[24:56] == hashlib.sha256(json.dumps(doc).encode()).digest()
@@ -1081,7 +1127,8 @@ def test_an_older_reader_of_a_manifest_with_runs_falls_back_never_answers_wrong(
     assert len(doc["keys"]["runs"]) == 1
     m = read_manifest(str(big))
     why = problem(str(big / KEYS_NAME), doc["keys"], m.num_samples, m.shards)  # older check
-    assert why == f"not the {HEAD + 12 * 2100 + 16 * 5} bytes of 2100 samples"
+    grid = doc["keys"]["counts"]["bytes"]  # the base file's count table
+    assert why == f"not the {HEAD + 12 * 2100 + 16 * 5 + grid} bytes of 2100 samples"
     del doc["keys"]["runs"]  # as an older parser keeps it
     (big / "manifest.json").write_text(json.dumps(doc))
     with pytest.warns(RuntimeWarning, match=r"hold 2000 key hashes, not 2100; get\(key\) sorts"):
@@ -1150,6 +1197,7 @@ def test_a_growth_with_runs_killed_at_every_step_is_the_uninterrupted_one_once_r
     shutil.copytree(base, ref)
     merge([ref, step], ref)
     assert _runs(base) == [2000, 100] and _runs(ref) == [2000, 160]
+    assert "counts" in read_manifest(str(base)).keys  # the base's count table, the runs' none
     assert names_of(ref) == [KEYS_NAME, f"{KEYS_NAME}.2"]  # the run of 100 merged, removed
     kinds = ["pre", "journal", *(f"r{i}" for i in range(1, 9)), *(f"u{i}" for i in range(1, 9))]
     killed_at = []
@@ -1287,11 +1335,33 @@ def test_an_older_reader_of_runs_with_block_tables_falls_back_never_answers_wron
 
     big = _written(tmp_path / "big", range(2000))
     listed = dict(read_manifest(str(big)).keys)
-    del listed["blocks_sha256"]  # what an older parser keeps
+    del listed["blocks_sha256"], listed["counts"]  # what an older parser keeps
     older_n = (listed["bytes"] - HEAD) // 12
     assert older_n != 2000 and run_count(listed) == older_n
     m = read_manifest(str(big))
     assert problem(str(big / KEYS_NAME), listed, 2000, m.shards).startswith("not the ")
+
+
+@pytest.mark.parametrize("samples", [2000, 2048, 3000])
+def test_an_older_reader_of_runs_with_count_tables_falls_back_never_answers_wrong(
+    tmp_path, samples
+):
+    """shardkit before the count table keeps ``blocks_sha256`` and not ``counts`` and takes
+    a run's count as the largest whose columns and block table fit its ``bytes``: the count
+    table after the block table makes that count more than the run's, or (where it adds no
+    sample: 2,048 is a whole number of blocks) the size not that count's, so its check fails
+    and it reads the shards' indexes; its runs' counts never sum to the dataset's."""
+    from shardkit.formats.key_file import problem, runs_problem
+
+    big = _written(tmp_path / "big", range(samples))
+    m = read_manifest(str(big))
+    listed = dict(m.keys)
+    assert listed["counts"]["bytes"] >= 36
+    del listed["counts"]  # what the previous parser keeps
+    older_n = run_count(listed)  # its rule, the same function without ``counts``
+    assert older_n > samples or problem(str(big / KEYS_NAME), listed, older_n, m.shards)
+    why = runs_problem(str(big), listed, samples, m.shards, whole=False)
+    assert why.startswith(("not the ", f"its runs hold {older_n} key hashes, not {samples}"))
 
 
 def test_a_run_written_before_the_block_table_is_searched_once_its_sha256_is_checked(tmp_path):
@@ -1303,7 +1373,7 @@ def test_a_run_written_before_the_block_table_is_searched_once_its_sha256_is_che
     data = path.read_bytes()[: HEAD + 12 * 1000]  # the columns, as older shardkit wrote them
     path.write_bytes(data)
     doc = json.loads((a / "manifest.json").read_text())
-    del doc["keys"]["blocks_sha256"]
+    del doc["keys"]["blocks_sha256"], doc["keys"]["counts"]
     doc["keys"].update(bytes=len(data), sha256=_key_file_sha256(data, 1000))
     (a / "manifest.json").write_text(json.dumps(doc))
     with warnings.catch_warnings():
