@@ -260,7 +260,8 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     (the honest epoch); edited with its block table and the manifest's ``blocks_sha256``
     computed again (vouched for), its count of a shard's val samples is not the shard index's,
     and the epoch that reaches the shard stops with an error naming the key file and the fix,
-    never an epoch cut by wrong counts."""
+    never an epoch cut by wrong counts; a subset by keys it puts in the wrong shard stops with
+    the subset's error naming the key, never a wrong sample."""
     import hashlib
 
     from shardkit.formats.key_file import block_table
@@ -298,6 +299,17 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     with pytest.raises(ShardFormatError) as err:
         list(ds)
     assert keys in str(err.value) and "delete it" in str(err.value)
+    assert "\n" not in str(err.value)
+    # a subset by keys takes the shard the key file names: the key is looked for in that
+    # shard's own index when the epoch reaches it, and one it does not hold is named there
+    from shardkit.errors import InputError
+    from shardkit.formats.sample_index import key_hashes
+
+    names = [f"k{i:05d}" for i in range(2560)]
+    moved = names[int(np.argmin(key_hashes(names)))]  # shard a's first val key, "in b"
+    ds = ShardDataset(Source(out, subset=["k00001", moved]), decode="raw")
+    with pytest.raises(InputError, match=f"subset names 1 key.*'{moved}'") as err:
+        list(ds)
     assert "\n" not in str(err.value)
 
 
