@@ -198,6 +198,9 @@ def _keyed_subset(
     if folder is None:
         return None
     wanted = list(dict.fromkeys(src.subset))  # each key once, in the order given
+    find = _KeysInShard(shards, r.format, store, opts, refused, src.name)
+    if not wanted:  # no members: nothing to look for (refused below, as before)
+        return KeyedMembers(sample_counts(shards), {}, find)
     n = int(shards.samples.sum())
     found, why = key_shards(folder, r.manifest.keys, n, shards, key_hashes(wanted))
     if found is None:
@@ -217,7 +220,6 @@ def _keyed_subset(
     by_shard: dict[int, list[str]] = {}
     for k, f in zip(wanted, found, strict=True):
         by_shard.setdefault(int(f[0]), []).append(k)
-    find = _KeysInShard(shards, r.format, store, opts, refused, src.name)
     return KeyedMembers(sample_counts(shards), by_shard, find)
 
 

@@ -246,12 +246,17 @@ def test_rank_zero_of_eight_reads_an_eighth_of_the_heads_of_keys_and_mixtures(pa
 
 
 def test_a_key_the_shards_do_not_hold_is_named(pack, tmp_path):
-    """A key the key file does not hold is named at construction, as before, in one line."""
+    """A key the key file does not hold is named at construction, as before, in one line; an
+    empty list is refused as before, the key file not searched."""
     from shardkit.errors import InputError
 
     with pytest.raises(InputError, match="subset names 1 key.*'nope'") as err:
         ShardDataset(Source(pack, subset=["k00001", "nope"]), decode="raw")
     assert "\n" not in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no key file problem: an empty list has no members
+        with pytest.raises(InputError, match="no samples to draw"):
+            ShardDataset(Source(pack, subset=[]), decode="raw")
 
 
 def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
