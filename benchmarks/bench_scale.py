@@ -27,6 +27,10 @@ machine moves least:
   ``tracemalloc``: the draw's bytes held, the plan's peak and what both hold after, per
   sample of the whole data set (``--against DIR`` too);
 - ``split-epoch``: a ``split="val"`` epoch: CPU per sample, against a full epoch's;
+- ``keys-subset`` (a subset of every 100th sample's key) and ``mix`` (a mixture of the
+  ``split="train"`` and ``split="val"`` sides, shares by size), as rank 0 of
+  ``--world-size``: the CPU seconds and the index heads (``.idx`` files) opened by the
+  construction, by rank 0's plan (one worker) and by a ``state_dict`` saved and loaded back;
 - ``view``: ``ShardView`` open: CPU and peak memory;
 - ``get``: ``ShardView.get(key)``: CPU per lookup, 200 random keys;
 - ``random``: a long-lived view's memory and its first lookups: the CPU of a first
@@ -58,6 +62,8 @@ interleaved with this one's.
     python benchmarks/bench_scale.py --n 128000 1280000 --what append merge --shard-size 128kB \
         --index-only --out /tmp/scale-keys --against /tmp/base
     python benchmarks/bench_scale.py --n 1280000 --what split split-train --against /tmp/main-wt
+    python benchmarks/bench_scale.py --n 128000 1280000 --what keys-subset mix --index-only \
+        --world-size 8 --against /tmp/main-wt
 """
 
 from __future__ import annotations
@@ -167,6 +173,33 @@ elif what in ("split-plan", "split-train-plan"):  # an epoch's draw and one work
     out["plan_cpu_s"] = cpu() - c1
     out["held_b"], out["traced_peak_b"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+elif what in ("keys-subset", "mix"):  # rank 0 of ws: index heads opened and CPU
+    from shardkit.stream.planner import worker_plan
+    from shardkit.stream.world import World
+    ws = int(os.environ.get("SHARDKIT_BENCH_WORLD", "1"))
+    if what == "keys-subset":  # every 100th sample's key (``data.scale_set``'s keys)
+        n = json.load(open(os.path.join(where, "manifest.json")))["num_samples"]
+        labels = np.random.default_rng(0).integers(0, 1000, n)
+        src = Source(where, subset=[f"n{c:08d}/n{c:08d}_{i}" for i, c in
+                                    enumerate(labels.tolist()) if i % 100 == 0])
+    else:  # the two sides of a split, shares by size
+        src = [Source(where, split="train"), Source(where, split="val")]
+    heads = []
+    sys.addaudithook(lambda e, a: heads.append(1) if e == "open" and str(a[0]).endswith(
+        ".idx") else None)
+    c1, h = cpu(), len(heads)
+    ds = ShardDataset(src, decode="raw", rank=0, world_size=ws, seed=3)
+    out["construct_cpu_s"], out["construct_heads"] = cpu() - c1, len(heads) - h
+    c1, h = cpu(), len(heads)
+    plan = worker_plan(ds._layout(0), World(0, ws), {})  # rank 0, one worker
+    for p in plan.sources:
+        for piece in p.pieces():
+            del piece
+    out["plan_cpu_s"], out["plan_heads"] = cpu() - c1, len(heads) - h
+    c1, h = cpu(), len(heads)
+    ds.load_state_dict(ds.state_dict())
+    out["state_cpu_s"], out["state_heads"] = cpu() - c1, len(heads) - h
+    out["shards"], out["len"] = len(ds.shards), len(ds)
 elif what == "split-epoch":
     ds = ShardDataset(Source(where, split="val", val_fraction=0.1), decode="raw")
     c1 = cpu()
@@ -273,6 +306,8 @@ WHATS = (
     "split-plan",
     "split-train-plan",
     "split-epoch",
+    "keys-subset",
+    "mix",
     "view",
     "get",
     "random",
@@ -284,7 +319,9 @@ WHATS = (
 GROWTH = ("append", "merge")
 MANY = ("view", "get", "ls", "show", "show-missing")
 # The figures ``--against`` measures on the other checkout too.
-AGAINST = ("split", "split-train", "split-plan", "split-train-plan", "random")
+AGAINST = ("split", "split-train", "split-plan", "split-train-plan", "random", "keys-subset", "mix")
+# Figures of rank 0 of ``--world-size``: its index heads opened and CPU, built, planned, resumed.
+RANKED = ("keys-subset", "mix")
 
 
 def make(out: Path, n: int, fmt: str = "tar") -> tuple[str, str]:
@@ -399,7 +436,9 @@ class Scale(harness.Bench):
     new: int = harness.arg(10_000, "samples that append/merge add")
     many_shards: int = harness.arg(0, "also a set of about S shards")
     shard_size: str = harness.arg("5MB", "the main set's shard size (e.g. 128kB: ~32 samples)")
-    world_size: int = harness.arg(1, "split, split-train: built and planned as rank 0 of this")
+    world_size: int = harness.arg(
+        1, "split, split-train, keys-subset, mix: built and planned as rank 0 of this"
+    )
 
 
 def main(args: Scale) -> None:
@@ -429,6 +468,8 @@ LABELS = {
     "split-plan": 'split="val" epoch plan',
     "split-train-plan": 'split="train" epoch plan',
     "split-epoch": 'split="val" epoch',
+    "keys-subset": "subset=[keys] (1%), rank 0",
+    "mix": "train+val mixture, rank 0",
     "view": "ShardView open",
     "get": "get(key), per lookup",
     "random": "long-lived view",
@@ -451,6 +492,12 @@ def _cell(what: str, r: dict, row: dict) -> str:
     if what in ("epoch", "split-epoch"):
         us = r["epoch_cpu_s"] / max(1, r["samples"]) * 1e6
         return f"{us:.1f} us CPU/sample +{more:.0f} MB"
+    if what in RANKED:  # CPU seconds and index heads opened: build, plan, state round trip
+        return (
+            f"build {r['construct_cpu_s']:.2f} s/{r['construct_heads']} heads, plan "
+            f"{r['plan_cpu_s']:.2f} s/{r['plan_heads']}, state {r['state_cpu_s']:.2f} s/"
+            f"{r['state_heads']}"
+        )
     if what.endswith("-plan"):
         n = row["n"]
         cpu = f", {r['plan_cpu_s']:.2f} s CPU" if "plan_cpu_s" in r else ""

@@ -27,6 +27,10 @@ at LAION-400M. Here:
   reads O(shards) bytes of the key file whatever the val fraction and the dataset's size:
   what a split's epoch is partitioned by across ranks and workers, so each reads only the
   indexes of the shards it reads.
+- ``key_shards``: the shards that hold each of a list of key hashes, through the same checked
+  blocks (one binary search of the block table and one block a hash: O(keys x log N) bytes):
+  what a subset by keys counts its members a shard by, so a rank reads only the indexes of the
+  shards it reads, and each key is confirmed in its shard's own index there.
 - ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
   without a manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
@@ -60,7 +64,7 @@ from ..formats.key_file import (
 )
 from ..sizes import parse_size
 
-__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache", "split_counts"]
+__all__ = ["DatasetKeys", "IndexCache", "KeyFile", "ViewCache", "key_shards", "split_counts"]
 
 _MAGIC = b"SKKEYS01"
 _HEAD = 32  # magic, samples, block, fences: 8 bytes each
@@ -255,6 +259,46 @@ def _counts_below(fd: int, path: str, m: int, run: dict, threshold: int, shards:
 
 #: Shard column entries ``split_counts`` reads at a time (4 MiB).
 _PIECE = 1 << 20
+
+
+def key_shards(
+    folder: str, listed: dict, n: int, shards, hashes: np.ndarray
+) -> tuple[list[np.ndarray] | None, str]:
+    """The shards holding each of ``hashes`` (uint32 positions in ``shards``, ascending; none
+    for a hash no run holds) from the key file's runs in ``folder`` (arguments as
+    ``split_counts``), and ""; or None and why the runs do not serve. Every run must have its
+    block table: each hash is looked for in the one checked block its fences name (12 x 512
+    bytes, checked by its digest before it answers), so a hash none holds is not in the
+    dataset, as a view's lookup trusts it; a run written before the table does not serve here
+    (its misses would be unchecked). A shard named is a candidate only: the reader confirms
+    the key in that shard's own index."""
+    why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
+    if why:
+        return None, why
+    want = np.asarray(hashes, np.uint64)
+    order = np.argsort(want, kind="stable")
+    found: list[list[np.ndarray]] = [[] for _ in range(len(want))]
+    try:
+        for run in key_runs(listed):
+            path, m = os.path.join(folder, run["path"]), run_count(run)
+            if run.get("blocks_sha256") is None:
+                return None, f"{path} was written before its block table"
+            if not m:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                table = BlockTable(fd, path, m, run["blocks_sha256"])
+                hit, got = checked_find(fd, table, want[order])
+            finally:
+                os.close(fd)
+            for q, s in zip(hit, got, strict=True):
+                found[int(order[q])].append(s)
+    except RunUnchecked as exc:
+        return None, exc.why
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable ({exc})"
+    none = np.empty(0, np.uint32)
+    return [np.unique(np.concatenate(f)) if f else none for f in found], ""
 
 
 class KeyFile(_ByPread):

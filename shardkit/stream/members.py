@@ -14,6 +14,9 @@ shard:
   key file (``stream.lookup.split_counts``): a shard's sides are read from its own index only
   when an epoch's draw first reaches it (``load(i)``), so a rank, and each of its workers,
   reads the index heads of the shards it reads, not every shard's.
+- ``KeyedMembers``: a subset by keys whose shards the dataset's key file named
+  (``stream.lookup.key_shards``): each shard's wanted keys, their positions found in the
+  shard's own index only when an epoch's draw first reaches it (``find(i, keys)``).
 - ``RankedMembers``: a fraction subset of such a side: the drawn ranks into it (8 bytes a
   drawn member), a shard's positions made when it is reached.
 
@@ -35,6 +38,7 @@ __all__ = [
     "SideMembers",
     "ListedMembers",
     "ShardSideMembers",
+    "KeyedMembers",
     "RankedMembers",
 ]
 
@@ -254,3 +258,58 @@ class RankedMembers(Members):
     @property
     def nbytes(self) -> int:
         return super().nbytes + self.ranks.nbytes + self._bounds.nbytes + self.base.nbytes
+
+
+class KeyedMembers(Members):
+    """A subset by keys: ``wanted[i]``, the keys the dataset's key file puts in shard i (their
+    count is the shard's members), found in the shard's own index when first needed
+    (``find(i, keys)``: their positions in the shard, ascending; a key it does not hold is an
+    error there). The positions found are held (8 bytes a member of the shards reached)."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        wanted: dict[int, list[str]],
+        find: Callable[[int, list[str]], np.ndarray],
+    ):
+        counts = np.asarray(counts, dtype=np.int64)
+        per_shard = np.zeros(len(counts), dtype=np.int64)
+        for i, keys in wanted.items():
+            per_shard[i] = len(keys)
+        super().__init__(counts, per_shard)
+        self.wanted, self.find = wanted, find
+        self._at: dict[int, np.ndarray] = {}
+
+    @property
+    def loaded(self) -> list[int]:
+        return sorted(self._at)
+
+    def narrowed(self, keep: Callable[[list[str]], list[str]]) -> KeyedMembers:
+        """The same subset with each shard's keys narrowed by ``keep`` (a split's side)."""
+        wanted = {i: kept for i, keys in self.wanted.items() if (kept := keep(keys))}
+        return KeyedMembers(np.diff(self.starts), wanted, self.find)
+
+    def shard(self, i: int) -> np.ndarray:
+        got = self._at.get(i)
+        if got is None:
+            keys = self.wanted.get(i)
+            if not keys:
+                return np.empty(0, np.int64)
+            found = np.asarray(self.find(i, keys), dtype=np.int64)
+            got = self._at[i] = found + self.starts[i]
+        return got
+
+    def isin(self, positions: np.ndarray) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        inside = (p >= 0) & (p < self.starts[-1])
+        out = np.zeros(len(p), dtype=bool)
+        shard_of = np.searchsorted(self.starts, p, side="right") - 1
+        for i in np.unique(shard_of[inside]).tolist():
+            at = np.flatnonzero(inside & (shard_of == i))
+            out[at] = np.isin(p[at], self.shard(i))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        keys = sum(len(k) + 56 for ks in self.wanted.values() for k in ks)
+        return super().nbytes + keys + sum(a.nbytes for a in self._at.values())

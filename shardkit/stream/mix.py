@@ -43,7 +43,7 @@ from ..formats import FORMATS
 from ..formats.key_file import shards_digest
 from ..formats.sample_index import SPLIT_SALT, ShardSides, key_hashes
 from ..records import Record, ShardInfo
-from .members import ListedMembers, Members, ShardSideMembers
+from .members import KeyedMembers, ListedMembers, Members, ShardSideMembers
 from .partition import EpochLayout, MixLayout, PlanPiece, sample_counts
 from .planner import MixPlan, arrange
 from .resume import Later
@@ -61,6 +61,7 @@ __all__ = [
     "SPLIT_SALT",
     "key_hashes",
     "split_members",
+    "missing_keys",
     "subset_members",
     "subset_ranks",
     "mix_records",
@@ -276,12 +277,17 @@ def subset_members(
     at = {k: i for i, k in enumerate(keys or ())}
     missing = [k for k in wanted if k not in at]
     if missing:
-        raise InputError(
-            f"{where}: subset names {len(missing)} key(s) the shards do not hold, e.g. "
-            f"{missing[0]!r}; list keys as `shardkit ls` or with_keys=True show them"
-        )
+        raise missing_keys(where, missing)
     chosen = np.unique(np.asarray([at[k] for k in wanted], dtype=np.int64))
     return ListedMembers(counts, chosen[members.isin(chosen)])
+
+
+def missing_keys(where: str, missing: Sequence[str]) -> InputError:
+    """The error of a subset naming keys the shards do not hold."""
+    return InputError(
+        f"{where}: subset names {len(missing)} key(s) the shards do not hold, e.g. "
+        f"{missing[0]!r}; list keys as `shardkit ls` or with_keys=True show them"
+    )
 
 
 # --- one worker's records ----------------------------------------------------------------------
@@ -375,8 +381,9 @@ def interleave(streams: list, schedule: Iterable[np.ndarray], names: Sequence[st
 def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str) -> dict:
     """What a checkpoint must agree on beyond the shards: shares, subsets and label mapping.
     The digest of the members is ``Later`` (``resume.Facts``), worked out only at a checkpoint.
-    A split counted by its key file reads a shard's index only when a reader reaches it, and a
-    digest of every member's position needs them all; its digest is of what vouches for the
+    A split counted by its key file (or a subset by keys found through it) reads a shard's
+    index only when a reader reaches it, and a digest of every member's position needs them
+    all; its digest is of what vouches for the
     members instead (``_vouched_digest``, kind ``k1:``), which reads no index. The other kind
     stays computable, so a state saved either way loads (``resume.Later``'s ``kinds``)."""
     args = (list(sources), list(shares), labels)
@@ -384,7 +391,7 @@ def mix_facts(sources: Sequence[MixedSource], shares: Sequence[int], labels: str
     if not any(_vouched(s) for s in sources):
         return {"mix": positions, "epoch_size": int(sum(shares))}
     vouched = Later(partial(_vouched_digest, *args))
-    if any(s.side is not None for s in sources):
+    if any(s.side is not None or isinstance(s.members, KeyedMembers) for s in sources):
         digest = Later(vouched.make, kinds={"": positions})
     else:  # every shard's index read already: the positions, as before, or a k1 state's
         digest = Later(positions.make, kinds={"k1": vouched})
@@ -414,10 +421,12 @@ def _vouched(s: MixedSource) -> bool:
     members are a pure function of its shards' keys (each key's hash alone puts it on a side),
     so of the shards' bytes, which the manifest names by sha256 with their sample counts, and
     of the split, its fraction and a fraction subset (drawn from the members' count by
-    ``seed``, a fact of its own). Not a split, a subset by keys, or a shard the manifest gives
-    no sha256: False."""
+    ``seed``, a fact of its own); a subset by keys is the positions of its keys in those
+    shards (on its split's side). Neither a split nor a subset by keys, or a shard the
+    manifest gives no sha256: False."""
     src = s.source
-    if src.split is None or (src.subset is not None and not isinstance(src.subset, float)):
+    by_keys = src.subset is not None and not isinstance(src.subset, float)
+    if src.split is None and not by_keys:
         return False
     sha = s.shards.sha256 if hasattr(s.shards, "sha256") else [x.sha256 for x in s.shards]
     return all(isinstance(h, str) and len(h) == 64 for h in sha)
@@ -430,7 +439,10 @@ def _vouched_digest(sources: Sequence[MixedSource], shares: Sequence[int], label
     for s in sources:
         if _vouched(s):
             src = s.source
-            named = [s.format, src.split, src.val_fraction, src.subset, shards_digest(s.shards)]
+            subset = src.subset
+            if subset is not None and not isinstance(subset, float):  # keys: a set of them
+                subset = sorted(set(subset))
+            named = [s.format, src.split, src.val_fraction, subset, shards_digest(s.shards)]
             blob = json.dumps(named[:-1]).encode() + named[-1]
             digest.update(len(blob).to_bytes(8, "little") + blob)
             continue

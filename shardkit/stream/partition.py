@@ -323,16 +323,18 @@ class MixLayout(EpochLayout):
                 source=np.broadcast_to(kind(0), (total,)), ids=ids, num_sources=1,
                 sources=tuple(sources),
             )  # fmt: skip
-        ids, times, src = [], [], []
+        drawn, times, src, ks = [], [], [], []
+        at = np.uint32 if max(shares, default=0) < 2**32 else np.int64
         for i, (s, n) in enumerate(zip(sources, shares, strict=True)):
-            drawn = _draw(s, n, rng_for(seed, epoch, _DRAW, i), order.shuffle)
-            ids.append(drawn + s.offset)
+            drawn.append(DrawnIds(s, n, rng_for(seed, epoch, _DRAW, i), order.shuffle))
             times.append((np.arange(n, dtype=np.float64) + 0.5) / max(n, 1))
             src.append(np.full(n, i, dtype=kind))
+            ks.append(np.arange(n, dtype=at))
         by_time = np.argsort(np.concatenate(times), kind="stable")  # ties: earlier source first
+        source = np.concatenate(src)[by_time]
         return cls(
-            np.asarray([total], dtype=np.int64), seed, epoch, order,
-            source=np.concatenate(src)[by_time], ids=np.concatenate(ids)[by_time],
+            np.asarray([total], dtype=np.int64), seed, epoch, order, source=source,
+            ids=MixedIds(source, np.concatenate(ks)[by_time], drawn),
             num_sources=len(sources), sources=tuple(sources),
         )  # fmt: skip
 
@@ -433,3 +435,30 @@ class DrawnIds:
                 first = int(ends[jj] - self.members.per_shard[shard])
                 out[sel[at]] = self.members.shard(shard)[k[at] - first]
         return out + self.offset
+
+
+class MixedIds:
+    """The ids of a mixed stream answered for the positions asked (``ids[p]``): position p is
+    sample ``k[p]`` of source ``source[p]``'s draw (``DrawnIds``, each source's never held
+    whole), so the stream holds 5 bytes a position (the source and its sample's number), not
+    each id (8), and a worker's part expands only the shards that part reads: a split's or a
+    key subset's shard is read when its part reaches it, as for one source alone."""
+
+    def __init__(self, source: np.ndarray, k: np.ndarray, drawn: Sequence[DrawnIds]):
+        self.source, self.k, self.drawn = source, k, list(drawn)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes
+
+    def __getitem__(self, positions) -> np.ndarray:
+        p = np.asarray(positions, dtype=np.int64)
+        src, k = self.source[p], self.k[p].astype(np.int64)
+        out = np.empty(p.shape, dtype=np.int64)
+        for i in np.unique(src).tolist():
+            sel = src == i
+            out[sel] = self.drawn[i][k[sel]]
+        return out

@@ -26,10 +26,25 @@ from ..formats import FORMATS
 from ..paths import check_source
 from ..records import UNKNOWN, ShardInfo, ShardTable
 from .fields import decode_field_image
-from .indexes import ShardSplit, all_keys, split_bits, val_mask, warn_unindexed
-from .lookup import split_counts
-from .members import AllMembers, Members, RankedMembers, ShardSideMembers, SideMembers
-from .mix import LABEL_MODES, MixedSource, Source, key_hashes, subset_members, subset_ranks
+from .indexes import ShardSplit, all_keys, shard_keys, split_bits, val_mask, warn_unindexed
+from .lookup import key_shards, split_counts
+from .members import (
+    AllMembers,
+    KeyedMembers,
+    Members,
+    RankedMembers,
+    ShardSideMembers,
+    SideMembers,
+)
+from .mix import (
+    LABEL_MODES,
+    MixedSource,
+    Source,
+    key_hashes,
+    missing_keys,
+    subset_members,
+    subset_ranks,
+)
 from .partition import sample_counts
 from .sources import ShardSource, resolve_source
 from .stages import count_samples, empty_as_said, file_identity
@@ -126,13 +141,16 @@ def resolve_mixed(
     if src.split is not None or src.subset is not None:
         warn_unindexed(shards, r.format, src.name, "split" if src.split else "subset")
     val_bits, refused = None, set()
-    # a key subset's keys: from the indexes that check out (a refused one, damaged or
-    # stale, is named, and its shard's headers give the keys and its samples)
-    keys = all_keys(shards, r.format, store, opts, refused) if by_keys else None
-    counts = sample_counts(shards)
+    # a key subset's shards from the key file, each key confirmed in its shard when reached
+    keyed = _keyed_subset(src, r, shards, store, opts, refused) if by_keys else None
     lazy = None
-    if src.split is not None and keys is None:
+    if src.split is not None and (keyed is not None or not by_keys):
         lazy = _keyed_split(src, r, shards, store, opts, refused)
+        keyed = keyed if lazy is not None else None
+    # else a key subset's keys: from the indexes that check out (a refused one, damaged or
+    # stale, is named, and its shard's headers give the keys and its samples)
+    keys = all_keys(shards, r.format, store, opts, refused) if by_keys and not keyed else None
+    counts = sample_counts(shards)
     if src.split is None:
         members: Members = AllMembers(counts)
     elif lazy is not None:  # counts from the key file, a shard's index read when reached
@@ -149,7 +167,9 @@ def resolve_mixed(
             per_shard = np.diff(np.searchsorted(np.flatnonzero(val), at))
             del val
         members = SideMembers(counts, val_bits, per_shard, src.split == "val")
-    if lazy is not None and src.subset is not None:  # drawn ranks: positions when reached
+    if keyed is not None:  # its keys on the split's side (their own hashes), if split
+        members = keyed if lazy is None else keyed.narrowed(_side_of(src))
+    elif lazy is not None and src.subset is not None:  # drawn ranks: positions when reached
         members = RankedMembers(lazy, subset_ranks(lazy, src.subset, seed))
     else:
         members = subset_members(members, src.subset, seed, keys, src.name)
@@ -159,9 +179,94 @@ def resolve_mixed(
     mixed = MixedSource(src, shards, r.format, store, classes, members, offset)
     mixed.manifest = (r.manifest_path, file_identity(r.manifest_path))
     mixed.val_bits, mixed.unindexed = val_bits, frozenset(refused)
-    if lazy is not None:  # filled as shards are reached, in the process that reads them
-        mixed.side, mixed.unindexed = lazy, lazy.load.refused
+    if lazy is not None or keyed is not None:  # filled as shards are reached, in the
+        mixed.side, mixed.unindexed = lazy, refused  # process that reads them
     return mixed
+
+
+def _keyed_subset(
+    src: Source, r: ShardSource, shards: ShardTable, store: Storage, opts, refused: set
+) -> KeyedMembers | None:
+    """A subset by keys whose shards come from the dataset's key file (``lookup.key_shards``:
+    a binary search of checked blocks a key), each key found in its shard's own index only
+    when an epoch first reaches the shard (``_KeysInShard``): a key no block holds is named
+    here, at construction, as before; one the key file puts in a shard that does not hold it
+    (its hash is another key's) is named when a reader reaches that shard. None (every
+    shard's keys read, as before) where the key file does not serve (``_key_listing``), or a
+    key's hash is in more than one shard (a key packed twice, or two keys of one hash)."""
+    folder = _key_listing(r)
+    if folder is None:
+        return None
+    wanted = list(dict.fromkeys(src.subset))  # each key once, in the order given
+    find = _KeysInShard(shards, r.format, store, opts, refused, src.name)
+    if not wanted:  # no members: nothing to look for (refused below, as before)
+        return KeyedMembers(sample_counts(shards), {}, find)
+    n = int(shards.samples.sum())
+    found, why = key_shards(folder, r.manifest.keys, n, shards, key_hashes(wanted))
+    if found is None:
+        where = os.path.join(folder, r.manifest.keys["path"])
+        warnings.warn(
+            f"{where}: {why}; the subset reads every shard's keys instead (the next append or "
+            "merge writes the key file anew)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    if any(len(f) > 1 for f in found):
+        return None
+    missing = [k for k, f in zip(wanted, found, strict=True) if not len(f)]
+    if missing:
+        raise missing_keys(src.name, missing)
+    by_shard: dict[int, list[str]] = {}
+    for k, f in zip(wanted, found, strict=True):
+        by_shard.setdefault(int(f[0]), []).append(k)
+    return KeyedMembers(sample_counts(shards), by_shard, find)
+
+
+@dataclass
+class _KeysInShard:
+    """Shard i's positions of ``keys`` (ascending), from its own keys (its index, else its
+    headers: ``indexes.shard_keys``; ``refused`` gains a shard whose index was not used); a
+    key it does not hold is the subset's one-line error, naming the key."""
+
+    shards: ShardTable
+    fmt: str
+    storage: Storage
+    storage_options: dict | None
+    refused: set
+    where: str
+
+    def __call__(self, i: int, keys: list[str]) -> np.ndarray:
+        held = shard_keys(
+            self.shards[i], self.fmt, self.storage, self.storage_options, self.refused
+        )
+        at = {k: j for j, k in enumerate(held)}  # the last, as a subset has always taken
+        missing = [k for k in keys if k not in at]
+        if missing:
+            raise missing_keys(self.where, missing)
+        return np.sort(np.asarray([at[k] for k in keys], dtype=np.int64))
+
+
+def _side_of(src: Source):
+    """The keys of a list on ``src``'s side of its split, by their own hashes."""
+    threshold = np.uint64(math.ceil(src.val_fraction * 2**64))
+    val = src.split == "val"
+
+    def keep(keys: list[str]) -> list[str]:
+        side = key_hashes(keys) < threshold
+        return [k for k, v in zip(keys, side.tolist(), strict=True) if v == val]
+
+    return keep
+
+
+def _key_listing(r: ShardSource) -> str | None:
+    """The folder of the key file a local manifest lists; None where there is none to read
+    (shards without a manifest, a URL, a manifest that lists none: older packs, ``shardkit
+    index``)."""
+    listed = r.manifest.keys if r.manifest is not None else None
+    if not listed or not r.manifest_path or is_url(r.manifest_path):
+        return None
+    return os.path.dirname(r.manifest_path)
 
 
 def _keyed_split(
@@ -173,10 +278,11 @@ def _keyed_split(
     before) where there is none to read: shards without a manifest, a URL, a manifest that
     lists none (older packs, ``shardkit index``), or one that does not serve (named in a
     warning)."""
-    listed = r.manifest.keys if r.manifest is not None else None
-    if not listed or not r.manifest_path or is_url(r.manifest_path):
+    folder = _key_listing(r)
+    if folder is None:
         return None
-    path = os.path.join(os.path.dirname(r.manifest_path), listed["path"])
+    listed = r.manifest.keys
+    path = os.path.join(folder, listed["path"])
     threshold = math.ceil(src.val_fraction * 2**64)
     # the table, not the manifest's list: a list or glob of some of its shards has its
     # manifest too, and the key file's head names the manifest's whole list, in order

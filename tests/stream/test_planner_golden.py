@@ -98,8 +98,9 @@ def test_the_planner_gives_what_it_gave(packs, tmp_path):
 
 def test_the_key_file_changes_nothing_but_a_splits_member_digest(packs, tmp_path):
     """With the key file (as ``ShardWriter`` writes it) every key, slice and state is the one
-    pinned above, but for a split's ``mix``, which is then of what vouches for its members
-    (``k1:``, no index read) where it was of every member's position."""
+    pinned above, but for a split's ``mix`` and a subset by keys', which is then of what
+    vouches for its members (``k1:``, no index read) where it was of every member's
+    position."""
     from conftest import without_key_file
 
     plain = [without_key_file(p, str(tmp_path / os.path.basename(p))) for p in packs]
@@ -116,4 +117,4 @@ def test_the_key_file_changes_nothing_but_a_splits_member_digest(packs, tmp_path
             got = {**got, "dataset": {**got["dataset"], **strip}}
             was = {**was, "dataset": {**was["dataset"], **strip}}
         assert got == was, tag
-    assert {c for c, k1 in kinds if k1} == {"val"}
+    assert {c for c, k1 in kinds if k1} == {"val", "keys"}

@@ -28,14 +28,18 @@ import json, sys
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.world import World
 out, split, subset, ws, workers = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6])
-checkpoint = sys.argv[6:] == ["checkpoint"]
+checkpoint = "checkpoint" in sys.argv[6:]
+made = [a for a in sys.argv[6:] if a != "checkpoint"]  # a source expression of ``out``
 opened, on = [], [False]
 def hook(event, args):
     if on[0] and event == "open" and str(args[0]).endswith(".idx"):
         opened.append(str(args[0]))
 sys.addaudithook(hook)
 on[0] = True
-src = Source(out, split=split, subset=float(subset) if subset != "-" else None)
+if made:
+    src = eval(made[0], {"Source": Source, "out": out})
+else:
+    src = Source(out, split=split, subset=float(subset) if subset != "-" else None)
 ds = ShardDataset(src, decode="raw", rank=0, world_size=ws, seed=3)
 built = len(opened)
 read = set()
@@ -62,6 +66,10 @@ def pack(tmp_path_factory):
 
 
 def _child(out: str, split: str, ws: int, workers: int = 1, subset: str = "-", *more: str) -> dict:
+    """Rank 0 of ``ws`` (``workers`` each) built and planned in a child process: the ``.idx``
+    files it opened building (``built``) and in all (``opened``), the shards its plans read.
+    ``more``: "checkpoint" (a state saved and loaded too) and/or a Python expression of the
+    source, in ``Source`` and ``out`` (in place of ``split`` and ``subset``)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     args = [sys.executable, "-c", _CHILD, out, split, subset, str(ws), str(workers), *more]
     got = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
@@ -160,28 +168,42 @@ def _keys(ds, world: World, epoch: int) -> list[str]:
     return [r.key for r in ds.records(world, epoch)]
 
 
+#: Constructions of a pack ``P`` that are counted by its key file, as ``Source`` expressions:
+#: a split, a subset by keys (alone, under a split), mixtures (of splits, of a key subset).
+_KEYED = {
+    "val": 'Source(P, split="val", val_fraction=0.2)',
+    "train-subset": 'Source(P, split="train", subset=0.25)',
+    "keys": 'Source(P, subset=[f"k{i:05d}" for i in range(2559, 0, -3)])',
+    "keys-val": 'Source(P, split="val", subset=[f"k{i:05d}" for i in range(0, 2560, 2)])',
+    "mix": '[Source(P, split="train"), Source(P, split="val")]',
+    "mix-weighted": '[Source(P, split="train", weight=0.7), Source(P, split="val", weight=0.3)]',
+    "mix-keys": '[Source(P, subset=[f"k{i:05d}" for i in range(0, 2560, 5)]), '
+    'Source(P, split="val", subset=0.5)]',
+}
+
+
+def _made(expr: str, root: str):
+    return eval(expr, {"Source": Source, "P": root})
+
+
 @pytest.mark.parametrize(
-    "kw",
-    [
-        dict(source=Source("P", split="val", val_fraction=0.2)),
-        dict(source=Source("P", split="train", subset=0.25)),
-        dict(source=Source("P", split="val"), epoch_size=700),
-    ],
-    ids=["val", "train-subset", "val-sized"],
-)
-def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw):
+    "name,epoch_size",
+    [("val", None), ("train-subset", None), ("val", 700), ("keys", None), ("keys-val", None),
+     ("keys", 900), ("mix", None), ("mix-weighted", None), ("mix", 1000),
+     ("mix-keys", None)],
+)  # fmt: skip
+def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, name, epoch_size):
     """Every rank's and worker's samples, their order and the states are those of the same
     pack without a key file (every shard's index read at construction, as before)."""
     old = without_key_file(pack, str(tmp_path / "old"))
 
     def make(root, ws=3):
-        src = kw["source"]
-        args = {**kw, "source": Source(root, split=src.split, subset=src.subset,
-                                       val_fraction=src.val_fraction)}  # fmt: skip
-        return ShardDataset(order=Order(buffer_size=5), seed=4, rank=1, world_size=ws, **args)
+        return ShardDataset(
+            _made(_KEYED[name], root), order=Order(buffer_size=5), seed=4, rank=1,
+            world_size=ws, epoch_size=epoch_size,
+        )  # fmt: skip
 
     new_ds, old_ds = make(pack), make(old)
-    assert new_ds.sources[0].side is not None and old_ds.sources[0].side is None
     assert len(new_ds) == len(old_ds)
     for epoch in (0, 1):
         for w in (0, 1):
@@ -194,10 +216,47 @@ def test_the_key_file_gives_the_epochs_of_every_shards_heads(pack, tmp_path, kw)
     # the states differ in the kind of the members' digest alone: every position's without
     # the key file, what vouches for them (``k1:``) with it; each loads into the other
     state, keyed = old_ds.state_dict(), new_ds.state_dict()
+    assert not state["dataset"]["mix"].startswith("k1:")
+    assert keyed["dataset"]["mix"].startswith("k1:")
     assert {**keyed["dataset"], "mix": None} == {**state["dataset"], "mix": None}
     assert {**keyed, "dataset": None} == {**state, "dataset": None}
     new_ds.load_state_dict(state)  # a state saved without the key file loads with it
     old_ds.load_state_dict(keyed)
+
+
+@pytest.mark.parametrize("name", ["keys", "keys-val", "mix", "mix-keys"])
+def test_rank_zero_of_eight_reads_an_eighth_of_the_heads_of_keys_and_mixtures(pack, name):
+    """A subset by keys finds each key's shard in the key file and a mixture draws each
+    source as one source alone does, so rank 0 of 8 (two workers) builds, plans, saves its
+    state and loads it opening only the indexes of the shards it reads, each once: at most
+    1/8 of world size 1's plus two a source (its part's ends; here each source's share is
+    its size: a source drawn more than once an epoch has a rank's part cover more of its
+    shards). Before, construction read every shard's index (a key subset) or every epoch's
+    draw did (a mixture), in each process."""
+    expr = _KEYED[name].replace("P", "out")
+    sources = expr.count("Source(")  # two of one pack: each reads its own shards' heads
+    whole = _child(pack, "-", 1, 1, "-", expr)
+    rank0 = _child(pack, "-", 8, 2, "-", "checkpoint", expr)
+    assert rank0["built"] == 0
+    assert len(whole["opened"]) > 0.6 * whole["shards"]  # the sources' shards, in all
+    assert len(rank0["opened"]) <= sources * len(set(rank0["opened"]))  # once a source
+    assert {p.removesuffix(".idx") for p in rank0["opened"]} <= set(rank0["read"])
+    bound = len(whole["opened"]) / 8 + 2 * sources
+    assert len(rank0["opened"]) <= bound, (rank0, whole["shards"])
+
+
+def test_a_key_the_shards_do_not_hold_is_named(pack, tmp_path):
+    """A key the key file does not hold is named at construction, as before, in one line; an
+    empty list is refused as before, the key file not searched."""
+    from shardkit.errors import InputError
+
+    with pytest.raises(InputError, match="subset names 1 key.*'nope'") as err:
+        ShardDataset(Source(pack, subset=["k00001", "nope"]), decode="raw")
+    assert "\n" not in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no key file problem: an empty list has no members
+        with pytest.raises(InputError, match="no samples to draw"):
+            ShardDataset(Source(pack, subset=[]), decode="raw")
 
 
 def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
@@ -206,7 +265,8 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     (the honest epoch); edited with its block table and the manifest's ``blocks_sha256``
     computed again (vouched for), its count of a shard's val samples is not the shard index's,
     and the epoch that reaches the shard stops with an error naming the key file and the fix,
-    never an epoch cut by wrong counts."""
+    never an epoch cut by wrong counts; a subset by keys it puts in the wrong shard stops with
+    the subset's error naming the key, never a wrong sample."""
     import hashlib
 
     from shardkit.formats.key_file import block_table
@@ -249,6 +309,17 @@ def test_a_key_file_whose_counts_are_not_the_shards_is_named(pack, tmp_path):
     with pytest.raises(ShardFormatError) as err:
         list(ds)
     assert keys in str(err.value) and "delete it" in str(err.value)
+    assert "\n" not in str(err.value)
+    # a subset by keys takes the shard the key file names: the key is looked for in that
+    # shard's own index when the epoch reaches it, and one it does not hold is named there
+    from shardkit.errors import InputError
+    from shardkit.formats.sample_index import key_hashes
+
+    names = [f"k{i:05d}" for i in range(2560)]
+    moved = names[int(np.argmin(key_hashes(names)))]  # shard a's first val key, "in b"
+    ds = ShardDataset(Source(out, subset=["k00001", moved]), decode="raw")
+    with pytest.raises(InputError, match=f"subset names 1 key.*'{moved}'") as err:
+        list(ds)
     assert "\n" not in str(err.value)
 
 
