@@ -19,6 +19,7 @@ import stat
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -340,12 +341,42 @@ class RangeReader:
         # the reader's own generator, not one around it: one frame less for every record
         if self.lmdb:
             return self._lmdb_records(sl, shard, want, fields, skipped, sides)
-        return self._tar_records(sl, shard, want, fields, skipped, sides)
+        if not skipped:
+            return _flat(self._tar_batches(sl, shard, want, fields, sides))
+        return self._tar_records(sl, shard, want, fields, sides)
 
-    def _tar_records(
-        self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
+    def batches(
+        self,
+        sl: ShardSlice,
+        shard: ShardInfo,
+        mask: np.ndarray | None,
+        fields=(),
+        sides: ShardSides | None = None,
     ):
-        """The wanted samples of a tar slice: their byte ranges from the index, gathered into
+        """``records(..., skipped=False)`` a list at a time: the wanted records of the slice
+        in the lists their parse made (tar: one C call's, at most ``BATCH``; LMDB: ``BATCH``
+        lookups), each checked as ``records`` checks it before its list is handed out. A
+        sparse epoch's records then pass the stages above in lists (``stages.read_batches``),
+        no generator resumed per record below the shuffle buffer."""
+        want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+        if self.lmdb:
+            return _in_lists(self._lmdb_records(sl, shard, want, fields, False, sides))
+        return (got for got, _ in self._tar_batches(sl, shard, want, fields, sides))
+
+    def _tar_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, sides):
+        """A tar slice's records with ``SKIPPED`` standing for each sample not wanted
+        (``_tar_batches``' records laid at their places)."""
+        done = sl.start  # where the SKIPPED before the next wanted sample start
+        for got, at in self._tar_batches(sl, shard, want, fields, sides):
+            for n, rec in zip(at.tolist(), got, strict=True):
+                yield from itertools.repeat(SKIPPED, n - done)
+                yield rec
+                done = n + 1
+        yield from itertools.repeat(SKIPPED, sl.stop - done)
+
+    def _tar_batches(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, sides=None):
+        """The wanted samples of a tar slice, a parse call's list at a time with their numbers
+        in the shard: their byte ranges from the index, gathered into
         spans (``spans``), read a chunk of spans at a time (one ``pread`` or GET a span) and
         parsed in one C call a chunk; the keys then hashed and compared with the index's in one
         comparison a chunk. No Python runs per sample but its key's hash. A split's: the
@@ -360,7 +391,6 @@ class RangeReader:
         # Object storage: a span at a time, so a sample waits for its own GET alone, not for
         # a chunk's (their GETs are in flight ahead together: ``plan``).
         chunk = 0 if is_url(shard.url) else CHUNK
-        done = sl.start  # where the SKIPPED before the next wanted sample start
         j = 0  # spans read so far
         while j < len(lo):
             # a chunk of spans read together: at least one, at most ``chunk`` bytes
@@ -392,16 +422,8 @@ class RangeReader:
                     )  # fmt: skip
                 if odd:
                     _keys_on_side(got, range(a + c, a + d), odd, pos, sides, shard.url)
-                if skipped:
-                    for at, rec in zip(pos[a + c : a + d].tolist(), got, strict=True):
-                        yield from itertools.repeat(SKIPPED, at - done)
-                        yield rec
-                        done = at + 1
-                else:
-                    yield from got
+                yield got, pos[a + c : a + d]
             j = k
-        if skipped:
-            yield from itertools.repeat(SKIPPED, sl.stop - done)
 
     def _read_spans(self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray) -> bytearray:
         """Bytes ``[lo[i], hi[i])`` of the shard (int64 arrays) laid end to end, in a buffer
@@ -622,6 +644,18 @@ class RangeReader:
         if self._shard is not None:
             reader, self._shard = self._shard[1], None
             reader.close()
+
+
+def _flat(batches) -> Iterator[Record]:
+    """The records of ``_tar_batches``' lists, one by one."""
+    for got, _ in batches:
+        yield from got
+
+
+def _in_lists(records: Iterator[Record]) -> Iterator[list[Record]]:
+    """``records`` in lists of at most ``BATCH``."""
+    while got := list(itertools.islice(records, BATCH)):
+        yield got
 
 
 def _identity(st: os.stat_result) -> tuple | None:
