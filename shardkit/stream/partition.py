@@ -219,13 +219,14 @@ class EpochLayout:
 
 
 def positions_to_slices(
-    layout: EpochLayout, positions: np.ndarray
+    layout: EpochLayout, positions: np.ndarray, starts: tuple | None = None
 ) -> tuple[list[ShardSlice], np.ndarray]:
     """Slices that read ``positions`` (epoch stream positions) in the given order, and a mask
-    over the records they yield of those wanted (small holes are read through, not sought)."""
+    over the records they yield of those wanted (small holes are read through, not sought).
+    ``starts``: ``_slice_starts(layout, positions)`` where the caller has it already."""
     if not len(positions):
         return [], np.zeros(0, dtype=bool)
-    shard_at, starts = _slice_starts(layout, positions)
+    shard_at, starts = _slice_starts(layout, positions) if starts is None else starts
     first = layout.ends[shard_at] - np.asarray(layout.counts)[layout.permutation[shard_at]]
     offsets = positions - first
     stops = np.concatenate((starts[1:], [len(positions)]))
@@ -273,9 +274,11 @@ def plan_pieces(layout: EpochLayout, chunks: Iterator[np.ndarray]) -> Iterator[P
         carry = np.concatenate((carry, chunk)) if len(carry) else chunk
         if len(carry) < 2:
             continue
-        cut = int(_slice_starts(layout, carry)[1][-1])
-        if cut:
-            yield PlanPiece(*positions_to_slices(layout, carry[:cut]))
+        shard_at, starts = _slice_starts(layout, carry)
+        cut = int(starts[-1])
+        if cut:  # a start depends on its two neighbours alone: the piece's are those before
+            known = (shard_at[:cut], starts[:-1])
+            yield PlanPiece(*positions_to_slices(layout, carry[:cut], known))
             carry = carry[cut:].copy()  # not a view holding the piece's array
     if len(carry):
         yield PlanPiece(*positions_to_slices(layout, carry))
@@ -418,8 +421,11 @@ class DrawnIds:
         m = len(self.members)
         out = np.empty(p.shape, dtype=np.int64)
         pass_of, within = np.divmod(p, m)
-        for q in np.unique(pass_of).tolist():
-            sel = (pass_of == q).nonzero()[0]
+        low, high = (int(pass_of.min()), int(pass_of.max())) if len(p) else (0, -1)
+        for q in range(low, high + 1):  # the passes asked, ascending (mostly one: no sort)
+            sel = (pass_of == q).nonzero()[0] if low < high else np.arange(len(p))
+            if not len(sel):
+                continue
             if q == len(self.passes):
                 ranks = self.partial[within[sel]]
                 by = np.argsort(ranks, kind="stable")
