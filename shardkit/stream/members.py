@@ -137,7 +137,7 @@ class SideMembers(Members):
     def shard(self, i: int) -> np.ndarray:
         lo, hi = int(self.starts[i]), int(self.starts[i + 1])
         bits = self.sides(lo, hi)
-        return np.flatnonzero(bits if self.val else bits == 0).astype(np.int64) + lo
+        return (bits if self.val else bits == 0).nonzero()[0].astype(np.int64, copy=False) + lo
 
     def isin(self, positions: np.ndarray) -> np.ndarray:
         p = np.asarray(positions, dtype=np.int64)
@@ -210,7 +210,8 @@ class ShardSideMembers(Members):
         if not self.per_shard[i]:
             return np.empty(0, np.int64)
         bits = np.unpackbits(self.bits(i))[:n]
-        return np.flatnonzero(bits if self.val else bits == 0).astype(np.int64) + self.starts[i]
+        got = (bits if self.val else bits == 0).nonzero()[0].astype(np.int64, copy=False)
+        return got + self.starts[i]
 
     def isin(self, positions: np.ndarray) -> np.ndarray:
         p = np.asarray(positions, dtype=np.int64)

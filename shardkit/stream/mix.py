@@ -29,6 +29,7 @@ alone.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,7 @@ from .partition import EpochLayout, MixLayout, PlanPiece, sample_counts
 from .planner import MixPlan, arrange
 from .resume import Later
 from .shuffle import Order, rng_for, shuffle_buffer
-from .stages import check_labels, manifest_unchanged, read_slices
+from .stages import check_labels, manifest_unchanged, read_batches
 from .storage import Storage
 
 __all__ = [
@@ -308,14 +309,16 @@ def mix_records(
         unchanged = manifest_unchanged(path, identity) if identity is not None else None
         have = s.source.fields
         mine = [f for f in fields if have is None or f.lower() in have]
-        recs: Iterable[Record] = _read_pieces(p.pieces(), s, mine, unchanged)
+        # a source's records pass its stages a list at a time (as read: ``read_batches``) and
+        # are laid end to end in C before its buffer: no generator resumed per record and stage
+        lists: Iterable[list[Record]] = _read_pieces(p.pieces(), s, mine, unchanged)
         if len(mine) < len(fields):
-            recs = _without(recs, [f.lower() for f in fields if f not in mine])
+            lists = _without(lists, [f.lower() for f in fields if f not in mine])
         if s.classes:
-            recs = check_labels(recs, len(s.classes))
+            lists = _labels_checked(lists, len(s.classes))
         if s.labels is not None:
-            recs = _relabel(recs, s.labels)
-        recs = arrange(recs, p.arrangement, dropped=True)
+            lists = _relabel(lists, s.labels)
+        recs = arrange(itertools.chain.from_iterable(lists), p.arrangement, dropped=True)
         if order.shuffle and order.buffer_size > 1:
             recs = shuffle_buffer(recs, order.buffer_size, p.rng, resume=p.buffer)
         streams.append(recs)
@@ -324,40 +327,65 @@ def mix_records(
 
 def _read_pieces(
     pieces: Iterable[PlanPiece], s: MixedSource, fields: list[str], unchanged
-) -> Iterator[Record]:
-    """The wanted records of a source's plan, read piece by piece as the plan makes them (each
-    piece's slices and mask, then the next piece's: a worker never holds its whole part's).
-    A split's: every sample read checked by its own key against its side (``s.sides``)."""
+) -> Iterator[list[Record]]:
+    """The wanted records of a source's plan in lists (``read_batches``), read piece by piece
+    as the plan makes them (each piece's slices and mask, then the next piece's: a worker
+    never holds its whole part's). A split's: every sample read checked by its own key
+    against its side (``s.sides``)."""
     sides = s.sides()
     for piece in pieces:
-        yield from read_slices(
+        yield from read_batches(
             piece.slices, s.shards, FORMATS[s.format], s.storage,
             fields=fields, unchanged=unchanged, keep=piece.keep,
-            unindexed=s.unindexed, drop=True, sides=sides,
+            unindexed=s.unindexed, sides=sides,
         )  # fmt: skip
 
 
-def _without(records: Iterable[Record], absent: list[str]) -> Iterator[Record]:
+def _labels_checked(lists: Iterable[list[Record]], num_classes: int) -> Iterator[list[Record]]:
+    """``check_labels`` a list at a time: the records before a bad label are handed out before
+    its error, as one by one."""
+    for got in lists:
+        labels = [rec.label for rec in got]
+        if labels and (min(labels) < -1 or max(labels) >= num_classes):
+            bad = next(i for i, v in enumerate(labels) if not -1 <= v < num_classes)
+            if bad:
+                yield got[:bad]
+            yield from check_labels(got[bad : bad + 1], num_classes)  # raises
+        yield got
+
+
+def _without(lists: Iterable[list[Record]], absent: list[str]) -> Iterator[list[Record]]:
     """The records of a source that carries none of ``absent``: those fields are None (a
     declared absence, decoded as None; a field merely missing from a sample is an error)."""
     none = dict.fromkeys(absent)
-    for rec in records:
-        rec.fields = {**(rec.fields or {}), **none}
-        yield rec
+    for got in lists:
+        for rec in got:
+            rec.fields = {**(rec.fields or {}), **none}
+        yield got
 
 
-def _relabel(records: Iterable[Record], table: np.ndarray) -> Iterator[Record]:
+def _relabel(lists: Iterable[list[Record]], table: np.ndarray) -> Iterator[list[Record]]:
     lut = table.tolist()
-    for rec in records:
-        if rec.label >= 0:
-            rec.label = lut[rec.label]
-        yield rec
+    for got in lists:
+        for rec in got:
+            if rec.label >= 0:
+                rec.label = lut[rec.label]
+        yield got
 
 
 def interleave(streams: list, schedule: Iterable[np.ndarray], names: Sequence[str]) -> Iterator:
     """Records of ``streams`` in the order ``schedule`` (arrays, a chunk at a time) names their
     stream, each marked with its stream's position (``Record.source``); every stream closes
-    when this ends or is abandoned."""
+    when this ends or is abandoned. One stream is its own order: its records come as they
+    are (``source`` 0, as read), with no layer between it and the consumer (a split or a
+    subset: the stream holds exactly the schedule's records, planned from the same positions,
+    each of its slices checked for its count as read)."""
+    if len(streams) == 1:
+        return iter(streams[0])
+    return _interleaved(streams, schedule, names)
+
+
+def _interleaved(streams: list, schedule: Iterable[np.ndarray], names: Sequence[str]) -> Iterator:
     its = [iter(s) for s in streams]
     end = object()
     try:

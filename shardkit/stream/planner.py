@@ -73,7 +73,15 @@ def arrange(
     records: Iterable[Record], how: Arrangement, dropped: bool = False
 ) -> Iterator[Record | None]:
     """``records`` as ``how`` arranges them; ``dropped``: they are the kept ones already
-    (``read_slices(drop=True)``)."""
+    (``read_slices(drop=True)``), so where the buffer's slots take them in their own order
+    (an epoch's start: slot j holds the j-th) they are passed on as they are, with no
+    generator around them."""
+    if dropped and how.slots == list(range(how.fill)):
+        return iter(records)
+    return _arranged(records, how, dropped)
+
+
+def _arranged(records: Iterable[Record], how: Arrangement, dropped: bool) -> Iterator:
     it = iter(records)
     holes = np.flatnonzero(~how.keep) if not dropped else np.empty(0, np.int64)
     checked = int(holes[-1]) + 1 if len(holes) else 0  # past the last hole, keep everything

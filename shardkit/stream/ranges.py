@@ -19,6 +19,7 @@ import stat
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -340,12 +341,42 @@ class RangeReader:
         # the reader's own generator, not one around it: one frame less for every record
         if self.lmdb:
             return self._lmdb_records(sl, shard, want, fields, skipped, sides)
-        return self._tar_records(sl, shard, want, fields, skipped, sides)
+        if not skipped:
+            return _flat(self._tar_batches(sl, shard, want, fields, sides))
+        return self._tar_records(sl, shard, want, fields, sides)
 
-    def _tar_records(
-        self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, skipped, sides=None
+    def batches(
+        self,
+        sl: ShardSlice,
+        shard: ShardInfo,
+        mask: np.ndarray | None,
+        fields=(),
+        sides: ShardSides | None = None,
     ):
-        """The wanted samples of a tar slice: their byte ranges from the index, gathered into
+        """``records(..., skipped=False)`` a list at a time: the wanted records of the slice
+        in the lists their parse made (tar: one C call's, at most ``BATCH``; LMDB: ``BATCH``
+        lookups), each checked as ``records`` checks it before its list is handed out. A
+        sparse epoch's records then pass the stages above in lists (``stages.read_batches``),
+        no generator resumed per record below the shuffle buffer."""
+        want = np.ones(sl.stop - sl.start, bool) if mask is None else mask
+        if self.lmdb:
+            return _in_lists(self._lmdb_records(sl, shard, want, fields, False, sides))
+        return (got for got, _ in self._tar_batches(sl, shard, want, fields, sides))
+
+    def _tar_records(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, sides):
+        """A tar slice's records with ``SKIPPED`` standing for each sample not wanted
+        (``_tar_batches``' records laid at their places)."""
+        done = sl.start  # where the SKIPPED before the next wanted sample start
+        for got, at in self._tar_batches(sl, shard, want, fields, sides):
+            for n, rec in zip(at.tolist(), got, strict=True):
+                yield from itertools.repeat(SKIPPED, n - done)
+                yield rec
+                done = n + 1
+        yield from itertools.repeat(SKIPPED, sl.stop - done)
+
+    def _tar_batches(self, sl: ShardSlice, shard: ShardInfo, want: np.ndarray, fields, sides=None):
+        """The wanted samples of a tar slice, a parse call's list at a time with their numbers
+        in the shard: their byte ranges from the index, gathered into
         spans (``spans``), read a chunk of spans at a time (one ``pread`` or GET a span) and
         parsed in one C call a chunk; the keys then hashed and compared with the index's in one
         comparison a chunk. No Python runs per sample but its key's hash. A split's: the
@@ -360,15 +391,18 @@ class RangeReader:
         # Object storage: a span at a time, so a sample waits for its own GET alone, not for
         # a chunk's (their GETs are in flight ahead together: ``plan``).
         chunk = 0 if is_url(shard.url) else CHUNK
-        done = sl.start  # where the SKIPPED before the next wanted sample start
+        sizes = hi - lo
+        read = sizes.cumsum()  # the bytes of the spans up to each one's end
         j = 0  # spans read so far
         while j < len(lo):
             # a chunk of spans read together: at least one, at most ``chunk`` bytes
-            k = j + max(1, int(np.searchsorted(np.cumsum(hi[j:] - lo[j:]), chunk, "right")))
-            blob = self._read_spans(shard, lo[j:k], hi[j:k])
+            before = int(read[j - 1]) if j else 0
+            k = j + max(1, int(read[j:].searchsorted(before + chunk, "right")))
+            blob = self._read_spans(shard, lo[j:k], hi[j:k], int(read[k - 1]) - before)
             # each sample's place in ``blob``: the chunk's spans laid end to end
-            size = hi[j:k] - lo[j:k]
-            shift = np.repeat(lo[j:k] - (np.cumsum(size) - size), np.diff(bounds[j : k + 1]))
+            shift = (lo[j:k] - (read[j:k] - sizes[j:k] - before)).repeat(
+                bounds[j + 1 : k + 1] - bounds[j:k]
+            )
             a, b = bounds[j], bounds[k]
             rel_starts, rel_ends = starts[a:b] - shift, ends[a:b] - shift
             # every byte handed out is the packer's: checked by the parse (``_read_batch``)
@@ -384,7 +418,8 @@ class RangeReader:
                     pos[a + c : a + d], span, known,
                 )  # fmt: skip
                 if memo is not None and not known:  # the keys the C parser found its index's
-                    memo[np.delete(pos[a + c : a + d], unchecked)] = True
+                    took = pos[a + c : a + d]
+                    memo[np.delete(took, unchecked) if unchecked else took] = True
                 if unchecked:  # those the C parser did not take (it checks the ones it takes)
                     self._check_keys(
                         [got[i] for i in unchecked], hashes[unchecked],
@@ -392,24 +427,17 @@ class RangeReader:
                     )  # fmt: skip
                 if odd:
                     _keys_on_side(got, range(a + c, a + d), odd, pos, sides, shard.url)
-                if skipped:
-                    for at, rec in zip(pos[a + c : a + d].tolist(), got, strict=True):
-                        yield from itertools.repeat(SKIPPED, at - done)
-                        yield rec
-                        done = at + 1
-                else:
-                    yield from got
+                yield got, pos[a + c : a + d]
             j = k
-        if skipped:
-            yield from itertools.repeat(SKIPPED, sl.stop - done)
 
-    def _read_spans(self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray) -> bytearray:
+    def _read_spans(
+        self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray, total: int
+    ) -> bytearray:
         """Bytes ``[lo[i], hi[i])`` of the shard (int64 arrays) laid end to end, in a buffer
         reused from chunk to chunk (the records parsed from it are copies): one ``pread`` a
         span on the shard's kept descriptor, all in one C call (``_native.pread_spans``; local:
         no bytes object made and joined per span, no Python per span), one ranged GET a span
-        (object storage)."""
-        total = int(hi.sum() - lo.sum())
+        (object storage); ``total``: their bytes."""
         if self._buf is None:
             self._buf = _take_buffer()
         if len(self._buf) < total:
@@ -624,6 +652,18 @@ class RangeReader:
             reader.close()
 
 
+def _flat(batches) -> Iterator[Record]:
+    """The records of ``_tar_batches``' lists, one by one."""
+    for got, _ in batches:
+        yield from got
+
+
+def _in_lists(records: Iterator[Record]) -> Iterator[list[Record]]:
+    """``records`` in lists of at most ``BATCH``."""
+    while got := list(itertools.islice(records, BATCH)):
+        yield got
+
+
 def _identity(st: os.stat_result) -> tuple | None:
     """A shard file's identity (device, inode, size, mtime, ctime: any write, rename or
     ``utime`` changes one), under which the keys its samples were found to hold are remembered
@@ -675,9 +715,9 @@ def _span_bounds(index: _Columns, sl: ShardSlice, want: np.ndarray, gap: int = G
     last (the next header, which closes it for the parser; a shard ends with two zero blocks,
     so it is always there). ``gap``, ``cap``: how far apart samples may lie and still share a
     read (``spans``; ``RangeReader._coalesce``)."""
-    pos = np.flatnonzero(want) + sl.start
+    pos = want.nonzero()[0] + sl.start
     starts, ends = index.offsets[pos], index.offsets[pos + 1]
-    bounds = np.append(spans(starts, ends, gap, cap), len(pos))
+    bounds = np.concatenate((spans(starts, ends, gap, cap), [len(pos)]))
     lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1] + BLOCK
     return pos, starts, ends, bounds, lo, hi
 
@@ -690,7 +730,7 @@ def _off_side(expect: np.ndarray, pos: np.ndarray, sides) -> frozenset:
         return frozenset()
     p = pos + sides.base
     bit = (sides.bits[p >> 3] >> (7 - (p & 7))) & 1
-    return frozenset(np.flatnonzero((expect < np.uint64(sides.threshold)) != bit).tolist())
+    return frozenset(((expect < np.uint64(sides.threshold)) != bit).nonzero()[0].tolist())
 
 
 def _keys_on_side(got, places, odd: frozenset, pos, sides, url: str) -> None:
@@ -718,7 +758,7 @@ def spans(starts: np.ndarray, ends: np.ndarray, gap: int = GAP, cap: int = 0) ->
         begin[1:] |= piece[1:] != piece[:-1]
     if gap > GAP:
         _join(starts, ends, begin, gap, cap)
-    return np.flatnonzero(begin)
+    return begin.nonzero()[0]
 
 
 def _join(starts: np.ndarray, ends: np.ndarray, begin: np.ndarray, gap: int, cap: int) -> None:

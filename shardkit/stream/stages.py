@@ -105,10 +105,44 @@ def read_slices(
     in the consumer, the generator collected, a DataLoader worker shutting down), so prefetch
     threads and fetched shards never outlive the iteration.
     """
+    return _read(slices, shards, fmt, storage, fields, unchanged, keep, unindexed, drop, sides)
+
+
+def read_batches(
+    slices: Sequence[ShardSlice],
+    shards: Sequence[ShardInfo],
+    fmt,
+    storage: Storage,
+    fields: Sequence[str] = (),
+    unchanged: Callable[[], None] | None = None,
+    keep: np.ndarray | None = None,
+    unindexed: frozenset[str] = frozenset(),
+    sides: Callable[[int], ShardSides] | None = None,
+) -> Iterator[list[Record]]:
+    """``read_slices(..., drop=True)``'s records in lists (ranges: as their parse made them,
+    ``RangeReader.batches``; streamed slices: up to ``BATCH`` at a time), each list checked as
+    ``read_slices`` checks its records before it is handed out. A sparse epoch's stages then
+    run a list at a time, and its records are laid end to end in C
+    (``itertools.chain.from_iterable``), not passed up through a generator a stage."""
+    return _read(slices, shards, fmt, storage, fields, unchanged, keep, unindexed, True, sides,
+                 batched=True)  # fmt: skip
+
+
+#: The most records ``read_batches`` gathers into one list from a streamed slice.
+BATCH = 64
+
+
+def _read(
+    slices, shards, fmt, storage, fields, unchanged, keep, unindexed, drop, sides, batched=False
+):
+    """``read_slices`` (``batched``: ``read_batches``)."""
     from ..formats.tar.reader import SampleAltered
     from .ranges import RangeReader, altered
 
     exact = RangeReader(getattr(fmt, "name", ""), storage, unindexed)
+    # each shard's ShardInfo made once (a ShardTable makes one each time it is indexed), not
+    # three times a slice: a sparse epoch's plan has a slice every few wanted samples
+    shards = {i: shards[i] for i in {sl.shard for sl in slices}}
     slices, masks, spans = _ranged(slices, shards, keep, exact, drop)
     upcoming = [shards[s.shard] for s in slices]
     # remote: the GETs of the ranged slices start ahead of the reader, in its order
@@ -129,17 +163,22 @@ def read_slices(
             if unchanged is not None:
                 unchanged()
             try:
-                records = (
-                    exact.records(sl, shard, masks[n], fields, not drop, side)
-                    if spans[n] is not None
-                    else _streamed(fmt, storage, shard, sl, stop, fields, side, exact, keep)
-                )
-                for rec in records:
-                    if got == want:
-                        _more_than_counted(shard.url, sl.stop)
-                    if flags is None or flags[got]:
-                        yield rec
-                    got += 1
+                ranged = spans[n] is not None
+                records = _records_of(fmt, storage, exact, shard, sl, stop, fields, side, keep,
+                                      masks[n], ranged, drop, batched)  # fmt: skip
+                if batched:
+                    got = yield from (
+                        _counted(records, want, shard.url, sl.stop)
+                        if ranged
+                        else _kept_lists(records, flags, want, shard.url, sl.stop)
+                    )
+                else:
+                    for rec in records:
+                        if got == want:
+                            _more_than_counted(shard.url, sl.stop)
+                        if flags is None or flags[got]:
+                            yield rec
+                        got += 1
             except SampleAltered as exc:
                 raise altered(shard, int(exc.args[0]), storage) from None
             except ShardkitError:
@@ -149,15 +188,68 @@ def read_slices(
             finally:
                 if records is not None:
                     records.close()  # the shard's file or mapping, before the storage closes
-            if got != want:
-                raise ShardFormatError(
-                    f"{shard.url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended "
-                    f"after {sl.start + got}: it is shorter than its manifest or count says "
-                    "(truncated or replaced after packing?); re-pack it or rebuild the manifest"
-                )
+            _all_read(shard.url, sl, got, want)
     finally:
         exact.close()
         storage.close()
+
+
+def _all_read(url: str, sl: ShardSlice, got: int, want: int) -> None:
+    """A slice that yielded fewer records than planned: its shard is shorter than counted."""
+    if got != want:
+        raise ShardFormatError(
+            f"{url}: expected samples {sl.start}..{sl.stop - 1} but the shard ended "
+            f"after {sl.start + got}: it is shorter than its manifest or count says "
+            "(truncated or replaced after packing?); re-pack it or rebuild the manifest"
+        )
+
+
+def _records_of(fmt, storage, exact, shard, sl, stop, fields, side, keep, mask, ranged, drop,
+                batched):  # fmt: skip
+    """What ``_read`` reads a slice through: its ranges' lists (``batched``, ``drop``), its
+    ranges' records, or its stream."""
+    if ranged and drop and batched:
+        return exact.batches(sl, shard, mask, fields, side)
+    if ranged:
+        return exact.records(sl, shard, mask, fields, not drop, side)
+    return _streamed(fmt, storage, shard, sl, stop, fields, side, exact, keep)
+
+
+def _kept_lists(records, flags, want: int, url: str, stop: int):
+    """A streamed slice's records that ``flags`` keeps (None: all) in lists of at most
+    ``BATCH``, each record checked as ``read_slices`` checks it (no more than ``want``);
+    returns how many were read. The records kept before an error are handed out before it,
+    as one by one."""
+    got, out = 0, []
+    try:
+        for rec in records:
+            if got == want:
+                _more_than_counted(url, stop)
+            if flags is None or flags[got]:
+                out.append(rec)
+                if len(out) == BATCH:
+                    yield out
+                    out = []
+            got += 1
+    except Exception:
+        if out:
+            yield out
+        raise
+    if out:
+        yield out
+    return got
+
+
+def _counted(lists, want: int, url: str, stop: int):
+    """``lists`` handed on, their records counted (returned); past ``want`` of them, the
+    shard holds more than counted."""
+    got = 0
+    for batch in lists:
+        got += len(batch)
+        if got > want:
+            _more_than_counted(url, stop)
+        yield batch
+    return got
 
 
 def _streamed(fmt, storage, shard, sl, stop, fields, side, exact, keep) -> Iterator[Record]:

@@ -401,3 +401,77 @@ def test_a_chunks_samples_are_parsed_in_calls_bounded_in_samples_and_bytes(monke
             assert sum(sizes[c : d - 1]) < 1000  # past the budget only by its last sample
     assert ranges._batches(np.array([10] * 9, np.int64)) == [0, 4, 8, 9]
     assert ranges._batches(np.array([600] * 5, np.int64)) == [0, 2, 4, 5]
+
+
+def _frames_per_sample(ds) -> float:
+    """Python frames entered (calls and generator resumes) per sample an epoch delivers."""
+    import sys
+
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    ds.set_epoch(1)
+    it = iter(ds)
+    next(it)  # the plan and the first shard's reads: once an epoch, not per sample
+    sys.setprofile(count)
+    try:
+        n = 1 + sum(1 for _ in it)
+    finally:
+        sys.setprofile(None)
+    return calls[0] / n
+
+
+def test_a_split_epoch_enters_about_as_many_frames_a_sample_as_a_full_epoch(tmp_path):
+    """A one-source split's records pass its stages a list at a time and are laid end to end
+    in C (``stages.read_batches``), with no mixture interleave and no arrangement around them
+    at an epoch's start: a tar val sample enters at most one Python frame more than a full
+    epoch's, the plan's and the reads' own calls counted in (it entered about 16 to the full
+    epoch's 10: a frame a stage and record for the range reader, the plan's pieces, the label
+    check, the arrangement and the interleave)."""
+    where = _make(tmp_path / "out", "tar", shard_size="400kB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        source = Source(where, split="val", val_fraction=0.1)
+        val = ShardDataset(source, decode="raw", seed=3, order=Order(shuffle=False))
+        full = ShardDataset(where, decode="raw", seed=3, order=Order(shuffle=False))
+    assert _frames_per_sample(val) <= _frames_per_sample(full) + 1
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_read_batches_hands_out_read_slices_records_in_lists(tmp_path, fmt):
+    """The same records as ``read_slices(drop=True)``, ranged slices (a few wanted samples of a
+    shard) and streamed ones (most of a shard) alike, each list at most a parse's."""
+    from shardkit.formats import FORMATS
+    from shardkit.records import ShardSlice
+    from shardkit.stream.stages import read_batches, read_slices
+    from shardkit.stream.storage import LocalStorage
+
+    where = _make(tmp_path / "out", fmt, shard_size="400kB")
+    shards = ShardDataset(where).shards
+    slices = [ShardSlice(i, 0, s.samples) for i, s in enumerate(shards)]
+    keep = np.random.default_rng(0).random(sum(s.samples for s in shards)) < 0.08
+    keep[: shards[0].samples] = True  # the first shard streamed, the others ranged
+    args = (slices, shards, FORMATS[fmt], LocalStorage())
+    one = [r.key for r in read_slices(*args, keep=keep, drop=True)]
+    lists = list(read_batches(*args, keep=keep))
+    assert [r.key for got in lists for r in got] == one
+    assert len(one) == int(keep.sum())
+    assert all(0 < len(got) <= ranges.BATCH for got in lists)
+
+
+def test_a_label_outside_the_classes_ends_a_list_after_the_records_before_it():
+    """``mix._labels_checked``: the records before a bad label are handed out, then the error
+    ``check_labels`` raises for it, as one by one."""
+    from shardkit.errors import SampleError
+    from shardkit.records import Record
+    from shardkit.stream.mix import _labels_checked
+
+    recs = [Record(f"k{i}", "jpg", b"", lab, "s.tar") for i, lab in enumerate([0, 2, 3, 1])]
+    it = _labels_checked(iter([recs[:1], recs[1:]]), 3)
+    assert next(it) == recs[:1]
+    assert next(it) == recs[1:2]
+    with pytest.raises(SampleError, match="'k2' has label 3"):
+        next(it)
