@@ -31,6 +31,8 @@ __all__ = [
     "key_runs",
     "mapped",
     "problem",
+    "head_problem",
+    "read_at",
     "run_count",
     "run_head",
     "run_name",
@@ -173,18 +175,23 @@ def problem(
             return "its sha256 is not the manifest's"
         with open(path, "rb") as f:
             head = f.read(HEAD)
-        if (
-            head[:8] != MAGIC
-            or int.from_bytes(head[8:16], "little") != n
-            or not _shards_ok(int.from_bytes(head[16:24], "little"), len(shards), last)
-            or (
-                (whole if identity is None else identity)
-                and head[24:56] != shards_digest(shards, int.from_bytes(head[16:24], "little"))
-            )
-        ):
-            return "its head does not name this manifest's shards"
+        return head_problem(head, n, shards, last, whole if identity is None else identity)
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
+
+
+def head_problem(head: bytes, n: int, shards: Sequence, last: bool, identity: bool) -> str:
+    """Why a run's 56-byte ``head`` does not name its ``n`` samples and the dataset's
+    ``shards`` (``last``, ``identity``: as ``problem`` takes them); "" where it does: what a
+    reader of the run checks of it wherever the run lies (a file, an object read by ranges)."""
+    named = int.from_bytes(head[16:24], "little")
+    if (
+        head[:8] != MAGIC
+        or int.from_bytes(head[8:16], "little") != n
+        or not _shards_ok(named, len(shards), last)
+        or (identity and head[24:56] != shards_digest(shards, named))
+    ):
+        return "its head does not name this manifest's shards"
     return ""
 
 
@@ -215,10 +222,15 @@ def runs_problem(
     return ""
 
 
-def _pread(fd: int, size: int, at: int) -> bytes:
-    raw = os.pread(fd, size, at)
-    if len(raw) != size:
-        raise OSError(f"a key file cut short at byte {at + len(raw)}")
+def read_at(fd, n: int, offset: int) -> bytes:
+    """``n`` bytes of a key file at ``offset``, every read of one made here: ``fd`` a local
+    file's descriptor (``os.pread``: no shared offset moved), or an object with a
+    ``pread(n, offset)`` method (a URL dataset's key file by ranged GETs,
+    ``remote.ranged.RangedFile``), so one reader serves both. Fewer bytes than ``n`` (a file
+    cut short) are an ``OSError``, never a short answer."""
+    raw = os.pread(fd, n, offset) if isinstance(fd, int) else fd.pread(n, offset)
+    if len(raw) != n:
+        raise OSError(f"a key file cut short at byte {offset + len(raw)}")
     return raw
 
 
@@ -236,7 +248,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(m, np.int64), np.zeros(m, np.int64)
     steps = max(n // FINAL, 1).bit_length()
     if 8 * n <= m * (8 * steps + 8 * (FINAL + 2)):
-        col = np.frombuffer(_pread(fd, 8 * n, HEAD), "<u8")
+        col = np.frombuffer(read_at(fd, 8 * n, HEAD), "<u8")
         return col.searchsorted(want, "left"), col.searchsorted(want, "right")
     lo, hi = np.zeros(m, np.int64), np.full(m, n, np.int64)
     while True:  # the first hash >= want[q] is at lo[q] .. hi[q]
@@ -245,7 +257,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             break
         mid = (lo[act] + hi[act]) // 2
         at = np.unique(mid)
-        got = b"".join([_pread(fd, 8, HEAD + 8 * i) for i in at.tolist()])
+        got = b"".join([read_at(fd, 8, HEAD + 8 * i) for i in at.tolist()])
         less = np.frombuffer(got, "<u8")[np.searchsorted(at, mid)] < want[act]
         lo[act[less]] = mid[less] + 1
         hi[act[~less]] = mid[~less]
@@ -253,7 +265,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts, first = np.unique(lo, return_index=True)
     for s, q0, q1 in zip(starts.tolist(), first.tolist(), [*first[1:].tolist(), m], strict=True):
         end = min(int(hi[q0:q1].max()) + 2, n)  # past hi: the equal hashes that follow
-        block = np.frombuffer(_pread(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
+        block = np.frombuffer(read_at(fd, 8 * (end - s), HEAD + 8 * s), "<u8")
         w = want[q0:q1]
         a[q0:q1] = s + block.searchsorted(w, "left")
         b[q0:q1] = s + block.searchsorted(w, "right")
@@ -261,7 +273,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             e = end
             while b[q] == e < n and a[q] < b[q]:
                 nxt = min(e + 64, n)
-                more = np.frombuffer(_pread(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
+                more = np.frombuffer(read_at(fd, 8 * (nxt - e), HEAD + 8 * e), "<u8")
                 b[q] += int(more.searchsorted(want[q], "right"))
                 e = nxt
     return a, b
@@ -269,7 +281,7 @@ def search(fd: int, n: int, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def shard_column(fd: int, n: int, i: int, j: int) -> np.ndarray:
     """The shards of samples ``i .. j`` of the run of ``n`` samples open as ``fd``."""
-    return np.frombuffer(_pread(fd, 4 * (j - i), HEAD + 8 * n + 4 * i), "<u4")
+    return np.frombuffer(read_at(fd, 4 * (j - i), HEAD + 8 * n + 4 * i), "<u4")
 
 
 def mapped(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -314,7 +326,7 @@ class BlockTable:
 
     def __init__(self, fd: int, path: str, n: int, sha256: str):
         nb = -(-n // BLOCK)
-        raw = _pread(fd, ENTRY * nb, HEAD + 12 * n)
+        raw = read_at(fd, ENTRY * nb, HEAD + 12 * n)
         if hashlib.sha256(raw).hexdigest() != sha256:
             raise RunUnchecked(path, "its block table's sha256 is not the manifest's")
         t = np.frombuffer(raw, "<u8").reshape(nb, 2)
@@ -324,8 +336,8 @@ class BlockTable:
         """Block ``b``'s hashes and shards (one read of each column), once its digest is the
         table's: no byte of it trusted before."""
         i, j = b * BLOCK, min((b + 1) * BLOCK, self.n)
-        h = _pread(fd, 8 * (j - i), HEAD + 8 * i)
-        s = _pread(fd, 4 * (j - i), HEAD + 8 * self.n + 4 * i)
+        h = read_at(fd, 8 * (j - i), HEAD + 8 * i)
+        s = read_at(fd, 4 * (j - i), HEAD + 8 * self.n + 4 * i)
         if _block_digest(h, s) != int(self.digests[b]):
             raise RunUnchecked(self.path, f"its block {b} (samples {i} .. {j}) is not its digest")
         return np.frombuffer(h, "<u8"), np.frombuffer(s, "<u4")
