@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import InputError, check_choice, check_int
 from ..formats import FORMATS
+from ..formats.key_file import key_runs
 from ..paths import check_source
 from ..records import UNKNOWN, ShardInfo, ShardTable
 from .fields import decode_field_image
@@ -170,28 +171,49 @@ def _keyed_split(
     """A split whose per-shard counts come from the dataset's key file (``manifest.keys``,
     ``lookup.split_counts``), each shard's sides read from its index only when an epoch first
     reaches it (``indexes.ShardSplit``); None (the split reads every shard's index, as
-    before) where there is none to read: shards without a manifest, a URL, a manifest that
-    lists none (older packs, ``shardkit index``), or one that does not serve (named in a
-    warning)."""
+    before) where there is none to read: shards without a manifest, a manifest that lists
+    none (older packs, ``shardkit index``), or one that does not serve (named in a warning).
+    A URL dataset's key file is read by ranged GETs (``remote.ranged.RangedFile``, under
+    ``store``'s retry policy): its head, block table and val-prefix blocks, not every
+    shard's index."""
     listed = r.manifest.keys if r.manifest is not None else None
-    if not listed or not r.manifest_path or is_url(r.manifest_path):
+    if not listed or not r.manifest_path:
         return None
-    path = os.path.join(os.path.dirname(r.manifest_path), listed["path"])
+    folder = os.path.dirname(r.manifest_path)
+    path = os.path.join(folder, listed["path"])
     threshold = math.ceil(src.val_fraction * 2**64)
     # the table, not the manifest's list: a list or glob of some of its shards has its
     # manifest too, and the key file's head names the manifest's whole list, in order
     n = int(shards.samples.sum())
-    per_shard, why = split_counts(os.path.dirname(path), listed, n, shards, threshold)
+    per_shard, why = split_counts(folder, listed, n, shards, threshold, _run_reader(r, store))
     if per_shard is None:
+        fix = (
+            "upload the key file its pack wrote, or pack the dataset again"
+            if is_url(path)
+            else "the next append or merge writes the key file anew"
+        )
         warnings.warn(
-            f"{path}: {why}; the split reads every shard's index instead (the next append or "
-            "merge writes the key file anew)",
+            f"{path}: {why}; the split reads every shard's index instead ({fix})",
             RuntimeWarning,
             stacklevel=4,
         )
         return None
     load = ShardSplit(shards, r.format, store, threshold, per_shard, path, opts, refused)
     return ShardSideMembers(sample_counts(shards), per_shard, src.split == "val", load)
+
+
+def _run_reader(r: ShardSource, store: Storage):
+    """How ``split_counts`` reads a key file's run: None for a local dataset (its files);
+    for a URL dataset's, by ranged GETs of the run's listed size under ``store``'s policy."""
+    if not is_url(r.manifest_path):
+        return None
+    from ..remote.ranged import RangedFile
+
+    sizes = {
+        os.path.join(os.path.dirname(r.manifest_path), run["path"]): int(run["bytes"])
+        for run in key_runs(r.manifest.keys)
+    }
+    return lambda url: RangedFile(url, store, sizes[url])
 
 
 def _options(own: dict | None, storage, name: str) -> dict | None:
