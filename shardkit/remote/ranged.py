@@ -40,8 +40,10 @@ from .storage import RemoteStorage, remote_of
 
 __all__ = ["RangedFile", "RangesAhead"]
 
-#: The fewest bytes a ``RangedFile`` GET takes (clipped to the object's size).
-WINDOW = 1 << 20
+#: The fewest bytes a ``RangedFile`` GET takes (clipped to the object's size), and the most a
+#: GET that goes on reading where the last one ended grows to (doubling each time).
+WINDOW = 64 << 10
+MOST = 8 << 20
 
 #: Seconds ``close()`` waits for cancelled GETs to end (a cancellation takes a loop turn).
 CLOSE_WAIT = 10.0
@@ -193,28 +195,35 @@ class RangedFile:
     its runs' head, block table and val-prefix blocks where a local one reads the file.
 
     ``size``: the object's bytes as the manifest lists them; no GET asks past them. Each GET
-    takes at least ``window`` bytes and the last ``keep`` are held, so a run's small reads (a
-    block's hashes, then its shards, from two columns) cost a GET a window, not two a block
-    of 512 samples: at most ``keep * window`` bytes held. A read the object is too short for
+    takes at least ``window`` bytes, twice the last one's where it goes on reading where that
+    one ended (a column read on, as a split reads its val prefix: up to ``most``), and the last
+    ``keep`` are held, so a run's small reads (a block's hashes, then its shards, from two
+    columns) cost a GET a window, not two a block of 512 samples, and a prefix of ``m`` bytes
+    about ``log2(m / window)`` GETs, reading at most twice its bytes: at most ``keep * most``
+    bytes held (or one read's, where larger). A read the object is too short for
     hands back what it holds (``read_at`` calls it cut short); a missing object is a
     ``FileNotFoundError`` naming it (the caller's "does not serve"); a store that keeps
     failing, the ``StorageError`` naming the URL, after the retries. ``gets``, ``bytes``:
     what it fetched."""
 
-    def __init__(self, url: str, storage, size: int, window: int = WINDOW, keep: int = 2):
+    def __init__(
+        self, url: str, storage, size: int, window: int = WINDOW, keep: int = 2, most: int = MOST
+    ):
         self.url, self.storage, self.size = url, remote_of(storage), int(size)
         self.window, self.keep = max(1, int(window)), max(1, int(keep))
+        self.most = max(self.window, int(most))
         self._held: deque[tuple[int, bytes]] = deque()
         self.gets = self.bytes = 0
 
     def pread(self, n: int, offset: int) -> bytes:
         for i, (at, data) in enumerate(self._held):
             if at <= offset and offset + n <= at + len(data):
-                if i:  # most recently used last
-                    del self._held[i]
-                    self._held.append((at, data))
+                del self._held[i]  # the most recently used last
+                self._held.append((at, data))
                 return data[offset - at : offset - at + n]
-        stop = max(offset + n, min(offset + self.window, self.size))
+        grow = [len(d) for at, d in self._held if at <= offset <= at + len(d)]  # read on
+        want = min(2 * max(grow), self.most) if grow else self.window
+        stop = max(offset + n, min(offset + max(want, self.window), self.size))
         try:
             data = self.storage.read_range(self.url, offset, stop)
         except ShortObjectError as exc:
