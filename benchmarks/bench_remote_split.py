@@ -12,6 +12,7 @@ dataset's split reads its key file").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from remote_servers import HttpServer
 
-from shardkit.manifest import MANIFEST_NAME
+from shardkit.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.stream.world import World
@@ -49,9 +50,7 @@ def without_keys(src: Path, dst: Path) -> None:
     for name in os.listdir(src):
         if name.startswith("shard-"):
             os.link(src / name, dst / name)
-    doc = json.loads((src / MANIFEST_NAME).read_text())
-    del doc["keys"]
-    (dst / MANIFEST_NAME).write_text(json.dumps(doc))
+    write_manifest(dataclasses.replace(read_manifest(str(src)), keys={}), str(dst))
 
 
 def _bytes(root: Path, get: tuple[str, str, str]) -> int:
