@@ -161,3 +161,26 @@ def test_a_ranged_file_reads_like_pread_by_windows(s3, packed):
         warnings.simplefilter("error")
         with pytest.raises(FileNotFoundError, match="no such object"):
             RangedFile(url + ".gone", RemoteStorage(opts, prefetch=0), 100).pread(8, 0)
+
+
+def test_verify_url_checks_the_key_file_its_manifest_lists(s3, packed, tmp_path):
+    """``verify URL`` fetches the key file and checks it as a local one's (its size, sha256,
+    head, block table, and each shard's hashes in it those of the shard's keys), naming it and
+    the fix; nothing is left in ``work_dir``."""
+    from shardkit.write.verify import verify
+
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    assert report.ok and report.key_file is None
+    body = bytearray((packed / "tar" / KEYS_NAME).read_bytes())
+    body[HEAD + 8] ^= 0x01
+    s3.client().put_object(Bucket=b, Key=f"tar/{KEYS_NAME}", Body=bytes(body))
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    (said,) = report.key_file.problems
+    assert report.key_file.path == KEYS_NAME and not report.ok
+    assert "sha256 is not the manifest's" in said and f"{url}{KEYS_NAME}, or pack" in said
+    s3.client().delete_object(Bucket=b, Key=f"tar/{KEYS_NAME}")
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    assert report.key_file.problems[0].startswith("missing (the manifest lists it); upload")
+    assert os.listdir(tmp_path) == []
