@@ -199,7 +199,7 @@ def split_counts(
 ) -> tuple[np.ndarray | None, str]:
     """Each shard's count of key hashes below ``threshold`` from the key file's runs in
     ``folder`` (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard
-    table), and ""; or None and why the runs do not serve. Read by ``os.pread``, never the
+    table), and ""; or None and why the runs do not serve. Read by ``read_at``, never the
     whole file: each run's head (its size, counts and the shards it names), its block table
     (16 bytes a block of 512, checked by the manifest's ``blocks_sha256``) and the blocks
     below ``threshold`` (12 bytes a val sample), each checked by its digest before it is
@@ -209,9 +209,10 @@ def split_counts(
     shard's own index when a reader reaches the shard (``indexes.ShardSplit``), and each sample
     read against its own key.
 
-    ``open_run(path)``: where the runs are not local files (a URL dataset's, ``folder`` its
-    URL), what reads one for ``key_file.read_at`` (ranged GETs: ``remote.ranged.RangedFile``);
-    each run's size is then the manifest's and its head is read through it and checked."""
+    ``open_run(run)``: where the runs are not local files (a URL dataset's), what reads the
+    run the manifest lists as ``run`` for ``key_file.read_at`` (ranged GETs:
+    ``remote.ranged.RangedFile``); each run's size is then the manifest's and its head is
+    read through it and checked."""
     why = "" if open_run else runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why
@@ -221,7 +222,8 @@ def split_counts(
     try:
         for i, run in enumerate(runs):
             path, m = os.path.join(folder, run["path"]), run_count(run)
-            fd = os.open(path, os.O_RDONLY) if open_run is None else open_run(path)
+            fd = os.open(path, os.O_RDONLY) if open_run is None else open_run(run)
+            path = getattr(fd, "url", path)  # a reader's own name for the run
             try:
                 if open_run is not None:
                     why = _head_problem(fd, run, m, shards, i == len(runs) - 1)

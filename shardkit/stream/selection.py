@@ -23,9 +23,9 @@ import numpy as np
 
 from ..errors import InputError, check_choice, check_int
 from ..formats import FORMATS
-from ..formats.key_file import key_runs
 from ..paths import check_source
 from ..records import UNKNOWN, ShardInfo, ShardTable
+from ..urls import join_url, url_parent
 from .fields import decode_field_image
 from .indexes import ShardSplit, all_keys, split_bits, val_mask, warn_unindexed
 from .lookup import split_counts
@@ -180,7 +180,7 @@ def _keyed_split(
     if not listed or not r.manifest_path:
         return None
     folder = os.path.dirname(r.manifest_path)
-    path = os.path.join(folder, listed["path"])
+    path = _run_path(r.manifest_path, listed["path"])
     threshold = math.ceil(src.val_fraction * 2**64)
     # the table, not the manifest's list: a list or glob of some of its shards has its
     # manifest too, and the key file's head names the manifest's whole list, in order
@@ -202,18 +202,22 @@ def _keyed_split(
     return ShardSideMembers(sample_counts(shards), per_shard, src.split == "val", load)
 
 
+def _run_path(manifest_path: str, name: str) -> str:
+    """A key-file run's path beside its manifest (a URL's: its query string kept last)."""
+    if is_url(manifest_path):
+        return join_url(url_parent(manifest_path), name)
+    return os.path.join(os.path.dirname(manifest_path), name)
+
+
 def _run_reader(r: ShardSource, store: Storage):
-    """How ``split_counts`` reads a key file's run: None for a local dataset (its files);
-    for a URL dataset's, by ranged GETs of the run's listed size under ``store``'s policy."""
+    """How ``split_counts`` reads a key file's run (as the manifest lists it): None for a
+    local dataset (its files); a URL dataset's by ranged GETs of the run's listed size under
+    ``store``'s retry policy and timeout."""
     if not is_url(r.manifest_path):
         return None
     from ..remote.ranged import RangedFile
 
-    sizes = {
-        os.path.join(os.path.dirname(r.manifest_path), run["path"]): int(run["bytes"])
-        for run in key_runs(r.manifest.keys)
-    }
-    return lambda url: RangedFile(url, store, sizes[url])
+    return lambda run: RangedFile(_run_path(r.manifest_path, run["path"]), store, int(run["bytes"]))
 
 
 def _options(own: dict | None, storage, name: str) -> dict | None:

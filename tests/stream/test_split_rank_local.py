@@ -321,14 +321,14 @@ def test_a_split_counts_the_same_through_any_pread_reader(pack):
     want, why = split_counts(pack, m.keys, n, shards, t)
     assert why == "" and want.sum() > 0
     path = os.path.join(pack, "manifest.keys")
-    got, why = split_counts(pack, m.keys, n, shards, t, lambda p: _Reads(p))
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: _Reads(path))
     assert why == "" and np.array_equal(got, want)
     cut = _Reads(path, HEAD + 4)
     with pytest.raises(OSError, match=f"cut short at byte {HEAD + 4}"):
         read_at(cut, 8, HEAD)
-    got, why = split_counts(pack, m.keys, n, shards, t, lambda p: _Reads(p, HEAD + 100))
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: _Reads(path, HEAD + 100))
     assert got is None and "cut short" in why
     other = _Reads(path)
     other.data = other.data[:24] + bytes(32) + other.data[56:]  # names no such shards
-    got, why = split_counts(pack, m.keys, n, shards, t, lambda p: other)
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: other)
     assert got is None and why == "its head does not name this manifest's shards"
