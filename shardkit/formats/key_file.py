@@ -38,6 +38,8 @@ __all__ = [
     "key_runs",
     "mapped",
     "problem",
+    "head_problem",
+    "listed_size",
     "read_at",
     "run_count",
     "run_head",
@@ -175,7 +177,7 @@ def problem(
     what growth checks of the runs it searches without reading them. ``last``: the newest
     run, whose head names every shard; an older run's names the first shards, as many as the
     dataset had when it was written."""
-    size = run_size(n, "blocks_sha256" in listed) + _counts_of(listed)
+    size = listed_size(listed, n)
     try:
         if os.path.getsize(path) != size or listed["bytes"] != size:
             return f"not the {size} bytes of {n} samples"
@@ -183,24 +185,43 @@ def problem(
             return "its sha256 is not the manifest's"
         with open(path, "rb") as f:
             head = f.read(HEAD)
-        if (
-            head[:8] != MAGIC
-            or int.from_bytes(head[8:16], "little") != n
-            or not _shards_ok(int.from_bytes(head[16:24], "little"), len(shards), last)
-            or (
-                (whole if identity is None else identity)
-                and head[24:56] != shards_digest(shards, int.from_bytes(head[16:24], "little"))
-            )
-        ):
-            return "its head does not name this manifest's shards"
-        if "counts" in listed:
-            named, got = int.from_bytes(head[16:24], "little"), listed["counts"]
-            if "blocks_sha256" not in listed:
-                return "it lists a count table and no block table"
-            if count_bytes(int(got["k"]), named) != int(got["bytes"]):
-                return f"its count table is not the bytes of 2^{got['k']} points of {named} shards"
+        why = head_problem(head, n, shards, last, whole if identity is None else identity, listed)
+        if why:
+            return why
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
+    return ""
+
+
+def listed_size(listed: dict, n: int) -> int:
+    """The bytes the run the manifest lists as ``listed`` has for ``n`` samples: its columns,
+    its block table where it lists ``blocks_sha256``, its count table where it lists
+    ``counts``."""
+    return run_size(n, "blocks_sha256" in listed) + _counts_of(listed)
+
+
+def head_problem(
+    head: bytes, n: int, shards: Sequence, last: bool, identity: bool, listed: dict
+) -> str:
+    """Why a run's 56-byte ``head`` does not name its ``n`` samples and the dataset's
+    ``shards`` (``last``, ``identity``: as ``problem`` takes them), or its listed count table
+    (``listed``: the manifest's entry) is not the size of its points over the shards the head
+    names; "" where it does: what a reader of the run checks of it wherever the run lies (a
+    file, an object read by ranges)."""
+    named = int.from_bytes(head[16:24], "little")
+    if (
+        head[:8] != MAGIC
+        or int.from_bytes(head[8:16], "little") != n
+        or not _shards_ok(named, len(shards), last)
+        or (identity and head[24:56] != shards_digest(shards, named))
+    ):
+        return "its head does not name this manifest's shards"
+    if "counts" in listed:
+        got = listed["counts"]
+        if "blocks_sha256" not in listed:
+            return "it lists a count table and no block table"
+        if count_bytes(int(got["k"]), named) != int(got["bytes"]):
+            return f"its count table is not the bytes of 2^{got['k']} points of {named} shards"
     return ""
 
 
@@ -231,11 +252,13 @@ def runs_problem(
     return ""
 
 
-def read_at(fd: int, n: int, offset: int) -> bytes:
-    """``n`` bytes of the key file open as ``fd`` from ``offset``: every read of a run's
-    bytes goes through here (one place to read a run from elsewhere than a local file); a
-    short read is an ``OSError`` naming the byte."""
-    raw = os.pread(fd, n, offset)
+def read_at(fd, n: int, offset: int) -> bytes:
+    """``n`` bytes of a key file at ``offset``, every read of one made here: ``fd`` a local
+    file's descriptor (``os.pread``: no shared offset moved), or an object with a
+    ``pread(n, offset)`` method (a URL dataset's key file by ranged GETs,
+    ``remote.ranged.RangedFile``), so one reader serves both. Fewer bytes than ``n`` (a file
+    cut short) are an ``OSError``, never a short answer."""
+    raw = os.pread(fd, n, offset) if isinstance(fd, int) else fd.pread(n, offset)
     if len(raw) != n:
         raise OSError(f"a key file cut short at byte {offset + len(raw)}")
     return raw

@@ -35,10 +35,15 @@ from concurrent.futures import Future
 
 from fsspec.asyn import sync
 
-from .fetch import fetch_range_async
+from .fetch import MissingObjectError, ShortObjectError, fetch_range_async
 from .storage import RemoteStorage, remote_of
 
-__all__ = ["RangesAhead"]
+__all__ = ["RangedFile", "RangesAhead"]
+
+#: The fewest bytes a ``RangedFile`` GET takes (clipped to the object's size), and the most a
+#: GET that goes on reading where the last one ended grows to (doubling each time).
+WINDOW = 64 << 10
+MOST = 8 << 20
 
 #: Seconds ``close()`` waits for cancelled GETs to end (a cancellation takes a loop turn).
 CLOSE_WAIT = 10.0
@@ -181,3 +186,54 @@ async def _cancel(gets: list[_Get]) -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=CLOSE_WAIT)
+
+
+class RangedFile:
+    """An object read as a file is by ``os.pread``: ``pread(n, offset)``, by ranged GETs under
+    ``storage``'s retry policy, timeout and deadline (``RemoteStorage.read_range``): what a URL
+    dataset's key file is read through (``formats.key_file.read_at``), so a remote split reads
+    its runs' head, block table and val-prefix blocks where a local one reads the file.
+
+    ``size``: the object's bytes as the manifest lists them; no GET asks past them. Each GET
+    takes at least ``window`` bytes, twice the last one's where it goes on reading where that
+    one ended (a column read on, as a split reads its val prefix: up to ``most``), and the last
+    ``keep`` are held, so a run's small reads (a block's hashes, then its shards, from two
+    columns) cost a GET a window, not two a block of 512 samples, and a prefix of ``m`` bytes
+    about ``log2(m / window)`` GETs, reading at most twice its bytes: at most ``keep * most``
+    bytes held (or one read's, where larger). A read the object is too short for
+    hands back what it holds (``read_at`` calls it cut short); a missing object is a
+    ``FileNotFoundError`` naming it (the caller's "does not serve"); a store that keeps
+    failing, the ``StorageError`` naming the URL, after the retries. ``gets``, ``bytes``:
+    what it fetched."""
+
+    def __init__(
+        self, url: str, storage, size: int, window: int = WINDOW, keep: int = 2, most: int = MOST
+    ):
+        self.url, self.storage, self.size = url, remote_of(storage), int(size)
+        self.window, self.keep = max(1, int(window)), max(1, int(keep))
+        self.most = max(self.window, int(most))
+        self._held: deque[tuple[int, bytes]] = deque()
+        self.gets = self.bytes = 0
+
+    def pread(self, n: int, offset: int) -> bytes:
+        for i, (at, data) in enumerate(self._held):
+            if at <= offset and offset + n <= at + len(data):
+                del self._held[i]  # the most recently used last
+                self._held.append((at, data))
+                return data[offset - at : offset - at + n]
+        grow = [len(d) for at, d in self._held if at <= offset <= at + len(d)]  # read on
+        want = min(2 * max(grow), self.most) if grow else self.window
+        stop = max(offset + n, min(offset + max(want, self.window), self.size))
+        try:
+            data = self.storage.read_range(self.url, offset, stop)
+        except ShortObjectError as exc:
+            data = exc.received
+        except MissingObjectError as exc:
+            raise FileNotFoundError(str(exc)) from None
+        finally:
+            self.gets += 1
+        self.bytes += len(data)
+        self._held.append((offset, data))
+        while len(self._held) > self.keep:
+            self._held.popleft()
+        return data[:n]

@@ -54,7 +54,9 @@ from ..formats.key_file import (
     RunUnchecked,
     checked_find,
     counts_below,
+    head_problem,
     key_runs,
+    listed_size,
     read_at,
     run_count,
     runs_problem,
@@ -200,7 +202,7 @@ class DatasetKeys:
 
 
 def split_counts(
-    folder: str, listed: dict, n: int, shards, threshold: int
+    folder: str, listed: dict, n: int, shards, threshold: int, open_run=None
 ) -> tuple[np.ndarray | None, str]:
     """Each shard's count of key hashes below ``threshold`` from the key file's runs in
     ``folder`` (``listed``: the manifest's ``keys``; ``n``: its samples; ``shards``: its shard
@@ -214,24 +216,49 @@ def split_counts(
     for; the runs' counts add up. A run written before the block table: a binary search of
     its hashes (``key_file.search``) and its prefix's shard column, unchecked here. Either way
     each count is checked again against the shard's own index when a reader reaches the shard
-    (``indexes.ShardSplit``), and each sample read against its own key."""
-    why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
+    (``indexes.ShardSplit``), and each sample read against its own key.
+
+    ``open_run(run)``: where the runs are not local files (a URL dataset's), what reads the
+    run the manifest lists as ``run`` for ``key_file.read_at`` (ranged GETs:
+    ``remote.ranged.RangedFile``); each run's size is then the manifest's and its head is
+    read through it and checked."""
+    why = "" if open_run else runs_problem(folder, listed, n, shards, whole=False, identity=True)
     if why:
         return None, why
-    counts = np.zeros(len(shards), np.int64)
+    counts, runs = np.zeros(len(shards), np.int64), key_runs(listed)
+    if open_run is not None and sum(run_count(r) for r in runs) != n:
+        return None, f"its runs hold {sum(run_count(r) for r in runs)} key hashes, not {n}"
     try:
-        for run in key_runs(listed):
+        for i, run in enumerate(runs):
             path, m = os.path.join(folder, run["path"]), run_count(run)
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY) if open_run is None else open_run(run)
+            path = getattr(fd, "url", path)  # a reader's own name for the run
             try:
+                if open_run is not None:
+                    why = _head_problem(fd, run, m, shards, i == len(runs) - 1)
+                    if why:
+                        return None, why if i == 0 else f"its run {path}: {why}"
                 counts += _counts_below(fd, path, m, run, threshold, len(shards))
             finally:
-                os.close(fd)
+                if isinstance(fd, int):
+                    os.close(fd)
     except RunUnchecked as exc:
         return None, exc.why
     except (OSError, ValueError) as exc:
         return None, f"unreadable ({exc})"
     return counts, ""
+
+
+def _head_problem(f, run: dict, m: int, shards, last: bool) -> str:
+    """Why a run read through ``f`` (not a local file) does not serve: its listed size is not
+    that of ``m`` samples, or its head (one read of 56 bytes) does not name them and the
+    dataset's shards; ``problem``'s checks but the file's own size, which no byte read past
+    the manifest's trusts (the block table is checked by its sha256, each block by its digest,
+    the count table by its own)."""
+    size = listed_size(run, m)
+    if int(run["bytes"]) != size:
+        return f"not the {size} bytes of {m} samples"
+    return head_problem(read_at(f, HEAD, 0), m, shards, last, True, run)
 
 
 def _counts_below(fd: int, path: str, m: int, run: dict, threshold: int, shards: int):
@@ -315,11 +342,11 @@ class KeyFile(_ByPread):
         self.path, self._fd, self._pid = path, fd, os.getpid()
         #: an unlinked file of this view's alone (read by its descriptor; not pickled)
         self.private = fd is not None
-        head = os.pread(self._file(), _HEAD, 0)
-        if len(head) != _HEAD or head[:8] != _MAGIC:
+        head = read_at(self._file(), _HEAD, 0)
+        if head[:8] != _MAGIC:
             raise OSError(f"{path}: not a key table")
         self.samples, self.block, nf = (int(x) for x in np.frombuffer(head[8:], "<u8"))
-        self.fences = np.frombuffer(os.pread(self._file(), 8 * nf, _HEAD), "<u8")
+        self.fences = np.frombuffer(read_at(self._file(), 8 * nf, _HEAD), "<u8")
         if len(self.fences) != nf or nf != -(-self.samples // self.block):
             raise OSError(f"{path}: a key table cut short")
         self._hashes_at = _HEAD + 8 * nf
@@ -362,12 +389,12 @@ class KeyFile(_ByPread):
         if hi <= lo:
             return np.empty(0, np.int64)
         fd = self._file()
-        block = np.frombuffer(os.pread(fd, 8 * (hi - lo), self._hashes_at + 8 * lo), "<u8")
+        block = np.frombuffer(read_at(fd, 8 * (hi - lo), self._hashes_at + 8 * lo), "<u8")
         a = int(np.searchsorted(block, want, side="left"))
         b = int(np.searchsorted(block, want, side="right"))
         if a == b:
             return np.empty(0, np.int64)
-        raw = os.pread(fd, 8 * (b - a), self._positions_at + 8 * (lo + a))
+        raw = read_at(fd, 8 * (b - a), self._positions_at + 8 * (lo + a))
         return np.sort(np.frombuffer(raw, "<u8").astype(np.int64))
 
 

@@ -25,6 +25,7 @@ from ..errors import InputError, check_choice, check_int
 from ..formats import FORMATS
 from ..paths import check_source
 from ..records import UNKNOWN, ShardInfo, ShardTable
+from ..urls import join_url, url_parent
 from .fields import decode_field_image
 from .indexes import ShardSplit, all_keys, shard_keys, split_bits, val_mask, warn_unindexed
 from .lookup import key_shards, split_counts
@@ -275,29 +276,53 @@ def _keyed_split(
     """A split whose per-shard counts come from the dataset's key file (``manifest.keys``,
     ``lookup.split_counts``), each shard's sides read from its index only when an epoch first
     reaches it (``indexes.ShardSplit``); None (the split reads every shard's index, as
-    before) where there is none to read: shards without a manifest, a URL, a manifest that
-    lists none (older packs, ``shardkit index``), or one that does not serve (named in a
-    warning)."""
-    folder = _key_listing(r)
-    if folder is None:
+    before) where there is none to read: shards without a manifest, a manifest that lists
+    none (older packs, ``shardkit index``), or one that does not serve (named in a warning).
+    A URL dataset's key file is read by ranged GETs (``remote.ranged.RangedFile``, under
+    ``store``'s retry policy): its head, block table and val-prefix blocks, not every
+    shard's index."""
+    listed = r.manifest.keys if r.manifest is not None else None
+    if not listed or not r.manifest_path:
         return None
-    listed = r.manifest.keys
-    path = os.path.join(folder, listed["path"])
+    folder = os.path.dirname(r.manifest_path)
+    path = _run_path(r.manifest_path, listed["path"])
     threshold = math.ceil(src.val_fraction * 2**64)
     # the table, not the manifest's list: a list or glob of some of its shards has its
     # manifest too, and the key file's head names the manifest's whole list, in order
     n = int(shards.samples.sum())
-    per_shard, why = split_counts(os.path.dirname(path), listed, n, shards, threshold)
+    per_shard, why = split_counts(folder, listed, n, shards, threshold, _run_reader(r, store))
     if per_shard is None:
+        fix = (
+            "upload the key file its pack wrote, or pack the dataset again"
+            if is_url(path)
+            else "the next append or merge writes the key file anew"
+        )
         warnings.warn(
-            f"{path}: {why}; the split reads every shard's index instead (the next append or "
-            "merge writes the key file anew)",
+            f"{path}: {why}; the split reads every shard's index instead ({fix})",
             RuntimeWarning,
             stacklevel=4,
         )
         return None
     load = ShardSplit(shards, r.format, store, threshold, per_shard, path, opts, refused)
     return ShardSideMembers(sample_counts(shards), per_shard, src.split == "val", load)
+
+
+def _run_path(manifest_path: str, name: str) -> str:
+    """A key-file run's path beside its manifest (a URL's: its query string kept last)."""
+    if is_url(manifest_path):
+        return join_url(url_parent(manifest_path), name)
+    return os.path.join(os.path.dirname(manifest_path), name)
+
+
+def _run_reader(r: ShardSource, store: Storage):
+    """How ``split_counts`` reads a key file's run (as the manifest lists it): None for a
+    local dataset (its files); a URL dataset's by ranged GETs of the run's listed size under
+    ``store``'s retry policy and timeout."""
+    if not is_url(r.manifest_path):
+        return None
+    from ..remote.ranged import RangedFile
+
+    return lambda run: RangedFile(_run_path(r.manifest_path, run["path"]), store, int(run["bytes"]))
 
 
 def _options(own: dict | None, storage, name: str) -> dict | None:

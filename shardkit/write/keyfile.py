@@ -81,6 +81,7 @@ __all__ = [
     "KeyColumns",
     "KeyFileWarning",
     "built",
+    "columns_of",
     "dataset_columns",
     "grow_key_file",
     "held_in",
@@ -216,10 +217,13 @@ def built(folder: str, manifest: Manifest) -> KeyColumns:
 
 def new_columns(root: str, fmt: str, entries: Sequence[ShardEntry], first: int) -> KeyColumns:
     """The key columns of the shards ``entries`` in ``root``, numbered from ``first``."""
-    parts, where = [], []
-    for k, entry in enumerate(entries, start=first):
-        parts.append(shard_hashes(root, fmt, entry))
-        where.append(np.full(len(parts[-1]), k, np.uint32))
+    return columns_of([shard_hashes(root, fmt, entry) for entry in entries], first)
+
+
+def columns_of(parts: Sequence[np.ndarray], first: int) -> KeyColumns:
+    """The key columns of shards whose key hashes are ``parts`` (one array a shard, in
+    order), numbered from ``first``: sorted by hash, equal hashes by shard."""
+    where = [np.full(len(p), k, np.uint32) for k, p in enumerate(parts, start=first)]
     if not parts:
         return KeyColumns(np.empty(0, np.uint64), np.empty(0, np.uint32))
     hashes, shards = np.concatenate(parts), np.concatenate(where)

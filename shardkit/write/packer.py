@@ -56,8 +56,8 @@ from .read import (
     source_stats,
     stat_pair,
 )
-from .task import run_task
-from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output
+from .task import done_receipt, run_task
+from .writer import DEFAULT_SHARD_SIZE, ShardWriter, open_local_output, shard_number
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -606,8 +606,9 @@ def _pack_to_url(src, writer: ShardWriter, o: PackOptions, started: float) -> Pa
     plan = _plan(src, writer.staging, o)  # the job folder: inside the local staging
     writer.classes = list(plan.scan.classes)
 
-    def done(path: str) -> None:
-        writer.upload(path)
+    def done(path: str) -> None:  # its receipt is written: its entry, for the key file
+        receipt = done_receipt(os.path.dirname(path), shard_number(path))
+        writer.upload(path, receipt.entry() if receipt is not None else None)
         if on_shard is not None:
             on_shard(path)
 

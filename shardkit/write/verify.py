@@ -6,9 +6,10 @@ index beside a tar shard (present where the manifest lists its sha256, that sha2
 what the shard's headers give; an older manifest's sparse offsets, where it lists them, against
 those headers), and with ``decode`` every image through PIL. ``verify_shard``
 takes one local file and one entry; for a URL dataset each shard is fetched to a temporary file
-first, the loop is the same. Then a local dataset's key file, ``manifest.keys``, where its
-manifest lists one (``key_file_problem``): ``get(key)`` and growth trust it once its size,
-sha256 and head are the manifest's, so it is checked against what the shards' keys give too.
+first, the loop is the same. Then the dataset's key file, ``manifest.keys``, where its
+manifest lists one (``key_file_problem``; a URL dataset's fetched first): ``get(key)``, growth
+and a split's counts trust it once its size, sha256 and head (or block table) are the
+manifest's, so it is checked against what the shards' keys give too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -450,13 +452,16 @@ def key_columns_problem(
     )
 
 
-def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardProblem | None:
+def key_file_problem(
+    folder: str, manifest: Manifest, want: KeyTally, fix: str = ""
+) -> ShardProblem | None:
     """What is wrong with the key file the local dataset's manifest lists (None: nothing, or
     none listed): missing, not the listed size or sha256, a head that does not name the
     manifest's samples and shards (``key_file.problem``), or columns that are not what the
     shards' keys give (``key_columns_problem``). No command rewrites a key file alone: growth
     reads around one that does not serve (a warning) and writes it anew; one whose checksums
-    were recomputed over wrong columns serves, so the fix deletes it first."""
+    were recomputed over wrong columns serves, so the fix deletes it first. ``fix``: the fix
+    named instead (a URL dataset's, whose runs ``folder`` holds copies of)."""
     listed = manifest.keys
     if not listed:
         return None
@@ -471,7 +476,9 @@ def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardPr
     for run in runs:
         if not os.path.lexists(os.path.join(folder, str(run.get("path", "")))):
             run_name = "" if run is runs[0] else f"its run {run.get('path')}: "
-            return ShardProblem(name, [f"{run_name}missing (the manifest lists it); {rebuilt}"])
+            return ShardProblem(
+                name, [f"{run_name}missing (the manifest lists it); {fix or rebuilt}"]
+            )
     why = runs_problem(folder, listed, n, manifest.shards)
     if not why:
         try:
@@ -487,7 +494,41 @@ def key_file_problem(folder: str, manifest: Manifest, want: KeyTally) -> ShardPr
             why = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
     if not why:
         return None
-    return ShardProblem(name, [f"{why}; delete it (`rm {path}`): {rebuilt}"])
+    return ShardProblem(name, [f"{why}; {fix or f'delete it (`rm {path}`): {rebuilt}'}"])
+
+
+def _key_file(out: str, manifest_path: str, manifest, tally, storage_options, work_dir):
+    """What ``verify`` reports of the dataset's key file: None where it lists none."""
+    if tally is None:
+        return None
+    if is_remote(out):
+        return _remote_key_file_problem(manifest_path, manifest, tally, storage_options, work_dir)
+    return key_file_problem(os.path.dirname(manifest_path), manifest, tally)
+
+
+def _remote_key_file_problem(
+    manifest_url: str, manifest: Manifest, want: KeyTally, storage_options, work_dir
+) -> ShardProblem | None:
+    """A URL dataset's key file checked as a local one's (``key_file_problem``): each run
+    fetched whole, as a shard is, into a temporary folder of ``work_dir`` (gone after); a run
+    the store does not hold is named missing. Its fix: the file its pack wrote uploaded again,
+    or the dataset packed again (a split reads every shard's index meanwhile)."""
+    from ..remote.fetch import MissingObjectError, fetch
+
+    base = url_parent(manifest_url)
+    fix = (
+        f"upload the key file its pack wrote to {join_url(base, manifest.keys['path'])}, or "
+        "pack the dataset again; until then a split reads every shard's index instead"
+    )
+    with tempfile.TemporaryDirectory(prefix="shardkit-verify-", dir=work_dir) as tmp:
+        for run in key_runs(manifest.keys):
+            name = os.path.basename(str(run.get("path", "")))
+            try:
+                with open(os.path.join(tmp, name), "w+b") as out:
+                    fetch(join_url(base, name), out, storage_options=storage_options)
+            except MissingObjectError:
+                os.unlink(os.path.join(tmp, name))
+        return key_file_problem(tmp, manifest, want, fix)
 
 
 def verify(
@@ -519,9 +560,8 @@ def verify(
         threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
     if threads < 1:
         raise InputError(f"threads={threads} must be at least 1")
-    # a local dataset's key file (a URL's readers use none): checked against the shards' keys
-    tally = KeyTally(len(entries)) if manifest.keys and not is_remote(os.fspath(out)) else None
-    folder = os.path.dirname(manifest_path)
+    # the dataset's key file, local or at a URL: checked against the shards' keys
+    tally = KeyTally(len(entries)) if manifest.keys else None
 
     def check(entry: ShardEntry) -> tuple[list[str], int, np.ndarray | None]:
         with local(entry) as path:
@@ -561,7 +601,9 @@ def verify(
         bytes=manifest.total_bytes,
         decoded=decoded,
         bad=bad,
-        key_file=None if tally is None else key_file_problem(folder, manifest, tally),
+        key_file=_key_file(
+            os.fspath(out), manifest_path, manifest, tally, storage_options, work_dir
+        ),
     )
 
 

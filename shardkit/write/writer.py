@@ -49,7 +49,8 @@ from ..images.checks import IMAGE_EXTENSIONS, image_ext
 from ..manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedFile, write_manifest
 from ..sizes import parse_size
 from ..urls import is_remote, join_url
-from .keyfile import KEYS_NAME, new_columns, write_key_file
+from .keyfile import KEYS_NAME, columns_of, new_columns, write_key_file
+from .keys import shard_hashes
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -59,6 +60,7 @@ __all__ = [
     "next_shard_number",
     "open_local_output",
     "shard_name",
+    "shard_number",
 ]
 
 
@@ -77,9 +79,11 @@ def shard_name(index: int, suffix: str) -> str:
     return f"shard-{index:06d}{suffix}"
 
 
-def _shard_number(name: str) -> int:
-    """``shard-000041.tar`` -> 41; -1 for a name shardkit did not give (an indexed dataset)."""
-    digits = os.path.basename(name).removeprefix("shard-").split(".", 1)[0]
+def shard_number(name: str) -> int:
+    """``shard-000041.tar`` (or a path to it) -> 41; -1 for a name shardkit did not give (an
+    indexed dataset)."""
+    name = os.path.basename(name)
+    digits = name.removeprefix("shard-").split(".", 1)[0]
     return int(digits) if name.startswith("shard-") and digits.isdigit() else -1
 
 
@@ -92,7 +96,7 @@ def next_shard_number(out: str, listed: Sequence[str]) -> int:
     except OSError:
         present = []
     names = [os.path.basename(p) for p in listed] + present
-    return max((_shard_number(n) for n in names), default=-1) + 1
+    return max((shard_number(n) for n in names), default=-1) + 1
 
 
 def _field_bytes(name: str, value: Any, key: str) -> bytes:
@@ -168,6 +172,9 @@ class ShardWriter:
         self._lock: DirLock | None = None
         self._uploader = None
         self._remote = is_remote(self.out)
+        #: a URL output's shards' key hashes, by name, taken before each upload (the local
+        #: copy is deleted once uploaded): its key file's columns
+        self._hashes: dict[str, np.ndarray] = {}
         self._replaced: list[str] = []
         self._closed = False
         if self.out.startswith("file://"):
@@ -289,9 +296,16 @@ class ShardWriter:
         for name, count in (fields or {}).items():
             self._field_counts[name] = self._field_counts.get(name, 0) + count
 
-    def upload(self, path: str) -> None:
-        """Upload the complete shard at ``path`` now (URL outputs; a no-op locally)."""
+    def upload(self, path: str, entry: ShardEntry | None = None) -> None:
+        """Upload the complete shard at ``path`` now (URL outputs; a no-op locally).
+        ``entry``: its manifest entry, whose key hashes (its index's, checked by its keys:
+        ``keys.shard_hashes``) are taken first for the key file; a shard uploaded without one
+        leaves the dataset without a key file (its readers then read every shard's index)."""
         if self._uploader is not None:
+            if entry is not None:
+                self._hashes[entry.path] = shard_hashes(
+                    os.path.dirname(path), self.format.name, entry
+                )
             if os.path.isfile(index_path(path)):  # its sample index first: readers check it
                 self._uploader.submit(index_path(path))
             self._uploader.submit(path)
@@ -330,7 +344,7 @@ class ShardWriter:
         )
         if self._on_shard is not None:
             self._on_shard(stats.path)
-        self.upload(stats.path)
+        self.upload(stats.path, self._entries[-1])
 
     # --- commit / abort ------------------------------------------------------------------------
 
@@ -344,10 +358,9 @@ class ShardWriter:
                 self._finish_shard()
             if not self._entries:
                 raise OutputError(f"no samples were written to {self.out!r}; nothing to commit")
-            keys: dict = {}  # a local dataset's key file, for the growth that may follow
             if not self._remote:  # checked (or built) here: the manifest lists their sha256
                 self._entries = ensure_indexes(self._staging, self._entries)
-                keys = self._key_file()
+            keys = self._key_file()  # for a split's counts and the growth that may follow
             classes = self.classes
             if classes is None:
                 classes = [str(i) for i in range(self._max_label + 1)]
@@ -398,9 +411,21 @@ class ShardWriter:
 
     def _key_file(self) -> dict:
         """The key file of the shards written (their indexes: checked, or built, just now),
-        in the staging folder; what the manifest lists of it."""
-        new = new_columns(self._staging, self.format.name, self._entries, 0)
-        return write_key_file(self._staging, [new], self._entries)
+        in the staging folder; what the manifest lists of it.
+
+        A URL output's: the same bytes a local pack writes (block table too), from the hashes
+        taken as each shard went up (none, {}, where a shard went up without them), submitted
+        for upload before the manifest, which ``Uploader.finish`` sends only once every upload
+        is done and its size checked: no manifest ever lists a key file that is not there."""
+        if not self._remote:
+            new = new_columns(self._staging, self.format.name, self._entries, 0)
+            return write_key_file(self._staging, [new], self._entries)
+        if not all(e.path in self._hashes for e in self._entries):
+            return {}
+        parts = [self._hashes[e.path] for e in self._entries]
+        keys = write_key_file(self._staging, [columns_of(parts, 0)], self._entries)
+        self._uploader.submit(os.path.join(self._staging, KEYS_NAME))
+        return keys
 
     def _publish_failed(self, exc: BaseException) -> BaseException:
         """Clean up after a failed local publish; the error to raise (``exc`` unless an OSError)."""

@@ -290,7 +290,8 @@ def test_pack_to_s3_uploads_shards_then_manifest(s3, data, tmp_path):
     puts = [p for m, p, _ in s3.log.entries if m == "PUT" and "/lfw/" in p]
     indexes = [p for p in puts if p.endswith(".tar.idx")]  # each shard's sample index
     assert sorted(p[: -len(".idx")] for p in indexes) == sorted(p for p in puts if p.endswith("r"))
-    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == 2 * report.shards + 1
+    assert puts[-1] == f"/{b}/lfw/manifest.json" and len(puts) == 2 * report.shards + 2
+    assert f"/{b}/lfw/manifest.keys" in puts  # the key file, before the manifest
     for e in read_manifest(f"s3://{b}/lfw/", storage_options=opts).shards:  # covered by it
         body = s3.client().get_object(Bucket=b, Key=f"lfw/{e.path}.idx")["Body"].read()
         assert e.index_sha256 == hashlib.sha256(body).hexdigest()
@@ -409,6 +410,7 @@ def test_pack_verify_and_info_take_urls_themselves(s3, data, tmp_path):
     )
     assert listed == [
         "ds/manifest.json",
+        "ds/manifest.keys",  # the new pack's, replacing the old one's
         "ds/notes.txt",
         "ds/shard-000000.tar",
         "ds/shard-000000.tar.idx",

@@ -553,3 +553,42 @@ def test_a_grown_dataset_with_and_without_count_tables_counts_every_run(wide, tm
             got, want = new_ds.sources[0].members, old_ds.sources[0].members
             assert list(got.per_shard) == list(want.per_shard)
             assert _keys(new_ds, World(0, 1, 0, 1), 0) == _keys(old_ds, World(0, 1, 0, 1), 0)
+
+
+class _Reads:
+    """A key file read through ``pread(n, offset)`` (as a URL's is, by ranged GETs), counted;
+    ``cut``: the bytes past which it holds nothing (a file cut short)."""
+
+    def __init__(self, path: str, cut: int | None = None):
+        self.data = open(path, "rb").read()[:cut]
+        self.reads = 0
+
+    def pread(self, n: int, offset: int) -> bytes:
+        self.reads += 1
+        return self.data[offset : offset + n]
+
+
+def test_a_split_counts_the_same_through_any_pread_reader(pack):
+    """``key_file.read_at`` takes a descriptor or an object with ``pread``: the counts a split
+    reads through one (its head checked there) are the file's; a reader cut short, or whose
+    head names other shards, does not serve, and says why."""
+    from shardkit.formats.key_file import read_at
+    from shardkit.manifest import read_manifest
+    from shardkit.stream.lookup import split_counts
+
+    m = read_manifest(pack)
+    shards, n, t = m.shards, m.num_samples, 2**62
+    want, why = split_counts(pack, m.keys, n, shards, t)
+    assert why == "" and want.sum() > 0
+    path = os.path.join(pack, "manifest.keys")
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: _Reads(path))
+    assert why == "" and np.array_equal(got, want)
+    cut = _Reads(path, HEAD + 4)
+    with pytest.raises(OSError, match=f"cut short at byte {HEAD + 4}"):
+        read_at(cut, 8, HEAD)
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: _Reads(path, HEAD + 100))
+    assert got is None and "cut short" in why
+    other = _Reads(path)
+    other.data = other.data[:24] + bytes(32) + other.data[56:]  # names no such shards
+    got, why = split_counts(pack, m.keys, n, shards, t, lambda run: other)
+    assert got is None and why == "its head does not name this manifest's shards"

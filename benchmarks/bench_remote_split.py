@@ -1,0 +1,133 @@
+"""A URL dataset's split construction, rank 0 of 8 against world size 1: GETs and bytes (of the
+manifest, the key file, the shards' index heads) that ``ShardDataset(Source(url, split=))``
+makes, and with its first plan (every shard it reaches: each one's index head, read when
+reached), over the tests' loopback HTTP Range server; counted, not timed. "before": the same
+dataset with no key file listed, which a URL dataset's readers were before they read one (they
+read every shard's index head at construction); "after": the key file read by ranged GETs.
+Index-only packs (a few bytes a sample, ``ShardWriter``). Figures: docs/benchmarks.md ("A URL
+dataset's split reads its key file").
+
+    python -m benchmarks run remote_split --samples 16000 160000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from remote_servers import HttpServer
+
+from shardkit.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.mix import Source
+from shardkit.stream.world import World
+from shardkit.write.writer import ShardWriter
+
+WORLD = 8
+
+
+def build(out: Path, n: int, per_shard: int) -> int:
+    """``n`` samples of a few bytes in shards of ~``per_shard`` (two members a sample, 1 KB
+    each in the tar), with their indexes and key file; the shards written."""
+    with ShardWriter(str(out), format="tar", shard_size=per_shard * 2048, classes=["x"]) as w:
+        for i in range(n):
+            w.add(f"k{i:07d}", "jpg", b"%d" % i, 0)
+    return len(json.loads((out / MANIFEST_NAME).read_text())["shards"])
+
+
+def without_keys(src: Path, dst: Path) -> None:
+    """``dst``: ``src`` (its files hard-linked) with no key file, none listed."""
+    dst.mkdir()
+    for name in os.listdir(src):
+        if name.startswith("shard-"):
+            os.link(src / name, dst / name)
+    write_manifest(dataclasses.replace(read_manifest(str(src)), keys={}), str(dst))
+
+
+def _bytes(root: Path, get: tuple[str, str, str]) -> int:
+    _, path, rng = get
+    if rng:
+        a, b = rng.removeprefix("bytes=").split("-")
+        return int(b) - int(a) + 1
+    return os.path.getsize(root / path.lstrip("/"))
+
+
+def count(http, root: Path, what: str) -> dict:
+    gets = http.log.gets()
+    idx = [g for g in gets if g[1].endswith(".idx")]
+    return {
+        what + "_gets": len(gets),
+        what + "_bytes": sum(_bytes(root, g) for g in gets),
+        what + "_idx_gets": len(idx),
+    }
+
+
+def measure(http, root: Path, name: str, split: str, world: int) -> dict:
+    url = f"{http.url}/{name}/{MANIFEST_NAME}"
+    http.log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = ShardDataset(
+            Source(url, split=split, val_fraction=0.1),
+            decode="raw",
+            rank=0,
+            world_size=world,
+            seed=3,
+        )
+    got = count(http, root, "built")
+    reached = {s.shard for s in ds.plan(World(0, world, 0, 1), 0)}
+    got |= count(http, root, "planned") | {"shards_reached": len(reached)}
+    return got
+
+
+@harness.case(
+    data="index-only tar packs of N samples (a few bytes each), served by the loopback HTTP server",
+    measures="GETs and bytes of a URL split's construction, rank 0 of 8 against world size 1",
+    small={"samples": (2000,)},
+)
+class RemoteSplit(harness.Bench):
+    rounds: int = 1
+    samples: tuple[int, ...] = harness.arg((16000, 160000), "pack sizes (samples)")
+    per_shard: int = harness.arg(250, "samples a shard")
+
+
+def main(args: RemoteSplit) -> None:
+    result: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-remote-split-") as tmp:
+        root = Path(tmp)
+        for n in args.samples:
+            shards = build(root / f"n{n}", n, args.per_shard)
+            without_keys(root / f"n{n}", root / f"n{n}-nokeys")
+            keys = os.path.getsize(root / f"n{n}" / "manifest.keys")
+            print(f"{n} samples in {shards} shards (key file {keys:,} B)", flush=True)
+            with HttpServer(root) as http:
+                for split in ("val", "train"):
+                    for label, name in (("before", f"n{n}-nokeys"), ("after", f"n{n}")):
+                        row = {}
+                        for world in (1, WORLD):
+                            got = measure(http, root, name, split, world)
+                            row[f"world{world}"] = got
+                            print(
+                                f"  {split:5} {label:6} world {world}: construction "
+                                f"{got['built_gets']} GETs ({got['built_idx_gets']} .idx) "
+                                f"{got['built_bytes']:,} B; with its plan "
+                                f"{got['planned_gets']} GETs ({got['planned_idx_gets']} .idx) "
+                                f"{got['planned_bytes']:,} B, {got['shards_reached']} shards",
+                                flush=True,
+                            )
+                        result[f"n{n}/{split}/{label}"] = row
+    harness.write_result(args.json, "bench_remote_split", args, result)
+    return 0
+
+
+if __name__ == "__main__":
+    harness.script(__file__)

@@ -1,0 +1,186 @@
+"""A URL dataset's key file (``manifest.keys``) over moto S3 on loopback: a pack to a URL
+writes and uploads it before the manifest that lists it, and a remote split reads its counts
+from it by ranged GETs, so a rank GETs only the indexes of the shards its plan reaches; a key
+file that does not serve is named, and the split reads every index as before."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+
+import pytest
+from conftest import ranged_pack
+from remote_servers import S3Server
+
+from shardkit import Order, pack
+from shardkit.errors import StorageError
+from shardkit.formats.key_file import HEAD, KEYS_NAME, read_at
+from shardkit.manifest import read_manifest
+from shardkit.remote import RemoteStorage
+from shardkit.remote.ranged import RangedFile
+from shardkit.stream.dataset import ShardDataset
+from shardkit.stream.mix import Source
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+pytestmark = [pytest.mark.slow]  # real servers on loopback
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """240 samples in ~48 small tar shards (with indexes and a key file), packed locally."""
+    root = ranged_pack(tmp_path_factory.mktemp("urlkeys"), 240, "8kB")
+    assert len(read_manifest(str(root / "tar")).shards) >= 40
+    return root
+
+
+def _bucket(s3, folder) -> str:
+    name = f"keys-{uuid.uuid4().hex[:10]}"
+    s3.upload_dir(name, "tar", folder)
+    return name
+
+
+def _ds(where, opts=None, rank=0, world_size=1, **kw) -> ShardDataset:
+    storage = RemoteStorage(opts, prefetch=0) if opts is not None else None
+    return ShardDataset(
+        Source(where, **kw),
+        decode="raw",
+        with_keys=True,
+        storage=storage,
+        order=Order(shuffle=False),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def _keys(ds) -> list[str]:
+    return [s[2] for s in ds]
+
+
+def _idx_gets(s3) -> int:
+    return len(s3.log.gets(".tar.idx"))
+
+
+def test_a_pack_to_a_url_uploads_its_key_file_before_the_manifest(s3, packed, tmp_path):
+    b = f"pack-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=b)
+    s3.log.clear()
+    opts = S3Server.options(s3.endpoint)
+    pack(
+        str(packed / "src"),
+        f"s3://{b}/ds/",
+        shard_size="8kB",
+        storage_options=opts,
+        progress=False,
+        work_dir=str(tmp_path),
+    )
+    puts = [p for m, p, _ in s3.log.entries if m == "PUT" and "/ds/" in p]
+    assert f"/{b}/ds/{KEYS_NAME}" in puts and puts[-1] == f"/{b}/ds/manifest.json"
+    remote = read_manifest(f"s3://{b}/ds/", storage_options=opts)
+    local = read_manifest(str(packed / "tar"))
+    assert remote.keys == local.keys and "blocks_sha256" in remote.keys  # the same bytes
+    body = s3.client().get_object(Bucket=b, Key=f"ds/{KEYS_NAME}")["Body"].read()
+    assert body == (packed / "tar" / KEYS_NAME).read_bytes()
+    assert os.listdir(tmp_path) == []  # the local staging copy is gone
+    s3.log.clear()
+    for split in ("train", "val"):  # read from it: the epoch of the local pack
+        ds = _ds(f"s3://{b}/ds/", opts, split=split, val_fraction=0.1)
+        assert _keys(ds) == _keys(_ds(str(packed / "tar"), split=split, val_fraction=0.1))
+    assert s3.log.gets(KEYS_NAME)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_remote_split_rank_gets_only_the_indexes_its_plan_reaches(s3, packed, split):
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    local = str(packed / "tar")
+    s3.log.clear()
+    whole = _ds(url, opts, split=split, val_fraction=0.25)
+    one = _idx_gets(s3)  # world size 1, construction: none yet; its epoch: every shard's
+    assert _keys(whole) == _keys(_ds(local, split=split, val_fraction=0.25))
+    world1 = _idx_gets(s3)
+    assert one == 0 and world1 >= 40
+    s3.log.clear()
+    ds = _ds(url, opts, rank=0, world_size=WORLD, split=split, val_fraction=0.25)
+    built = _idx_gets(s3)
+    got = _keys(ds)
+    rank0 = _idx_gets(s3)
+    # an eighth of world size 1's, plus the shards at its part's two ends (each shard's index
+    # head is read twice as the epoch reaches it: its split sides, then its samples' ranges)
+    assert built == 0 and rank0 <= world1 / WORLD + 4, (built, rank0, world1)
+    gets = [p for _, p, _ in s3.log.gets(KEYS_NAME)]
+    assert 1 <= len(gets) <= 3  # head (with the small file's columns) and its block table
+    kw = {"world_size": WORLD, "split": split, "val_fraction": 0.25}
+    for rank in range(WORLD):  # every rank's epoch is the local pack's
+        mine = got if rank == 0 else _keys(_ds(url, opts, rank=rank, **kw))
+        assert mine == _keys(_ds(local, rank=rank, **kw))
+
+
+def test_a_flipped_byte_in_the_remote_key_file_is_named_and_the_epoch_stays_right(s3, packed):
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    body = bytearray((packed / "tar" / KEYS_NAME).read_bytes())
+    body[HEAD + 8] ^= 0x01  # the second hash: the first block, which every split reads
+    s3.client().put_object(Bucket=b, Key=f"tar/{KEYS_NAME}", Body=bytes(body))
+    want = _keys(_ds(str(packed / "tar"), rank=1, world_size=WORLD, split="val"))
+    with pytest.warns(RuntimeWarning, match=rf"{url}{KEYS_NAME}: its block 0 .* digest"):
+        ds = _ds(url, opts, rank=1, world_size=WORLD, split="val")
+    assert _keys(ds) == want
+    s3.client().delete_object(Bucket=b, Key=f"tar/{KEYS_NAME}")  # gone: named too
+    with pytest.warns(RuntimeWarning, match=rf"{url}{KEYS_NAME}: unreadable .*no such object"):
+        ds = _ds(url, opts, rank=1, world_size=WORLD, split="val")
+    assert _keys(ds) == want
+
+
+def test_a_store_failing_on_the_key_file_is_one_storage_error_naming_it(s3, packed):
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    storage = RemoteStorage(opts, prefetch=0, retries=1)
+    s3.faults.set(None, 503, contains=KEYS_NAME)
+    with pytest.raises(StorageError) as err:
+        ShardDataset(Source(url, split="val"), decode="raw", storage=storage)
+    assert f"{url}{KEYS_NAME}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_ranged_file_reads_like_pread_by_windows(s3, packed):
+    b = _bucket(s3, packed / "tar")
+    opts = S3Server.options(s3.endpoint)
+    data = (packed / "tar" / KEYS_NAME).read_bytes()
+    url = f"s3://{b}/tar/{KEYS_NAME}"
+    f = RangedFile(url, RemoteStorage(opts, prefetch=0), len(data), window=256)
+    assert read_at(f, HEAD, 0) == data[:HEAD]
+    assert read_at(f, 8, 200) == data[200:208] and f.gets == 1  # within the first window
+    assert read_at(f, 16, len(data) - 16) == data[-16:] and f.gets == 2
+    assert read_at(f, 8, 100) == data[100:108] and f.gets == 2  # both windows held
+    with pytest.raises(OSError, match="cut short"):
+        read_at(RangedFile(url, RemoteStorage(opts, prefetch=0), len(data) + 8), 16, len(data) - 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(FileNotFoundError, match="no such object"):
+            RangedFile(url + ".gone", RemoteStorage(opts, prefetch=0), 100).pread(8, 0)
+
+
+def test_verify_url_checks_the_key_file_its_manifest_lists(s3, packed, tmp_path):
+    """``verify URL`` fetches the key file and checks it as a local one's (its size, sha256,
+    head, block table, and each shard's hashes in it those of the shard's keys), naming it and
+    the fix; nothing is left in ``work_dir``."""
+    from shardkit.write.verify import verify
+
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    assert report.ok and report.key_file is None
+    body = bytearray((packed / "tar" / KEYS_NAME).read_bytes())
+    body[HEAD + 8] ^= 0x01
+    s3.client().put_object(Bucket=b, Key=f"tar/{KEYS_NAME}", Body=bytes(body))
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    (said,) = report.key_file.problems
+    assert report.key_file.path == KEYS_NAME and not report.ok
+    assert "sha256 is not the manifest's" in said and f"{url}{KEYS_NAME}, or pack" in said
+    s3.client().delete_object(Bucket=b, Key=f"tar/{KEYS_NAME}")
+    report = verify(url, storage_options=opts, work_dir=str(tmp_path))
+    assert report.key_file.problems[0].startswith("missing (the manifest lists it); upload")
+    assert os.listdir(tmp_path) == []
