@@ -136,7 +136,8 @@ def merge(
     for p in paths[1:]:
         if _within(p, out) and not in_place:
             raise InputError(f"dataset {p!r} is inside the output {out!r}; choose another output")
-    lock, _ = open_local_output(out, True, None)  # finishes a commit killed after its point
+    # finishes a commit killed after its point; the old files are kept (replaced is empty)
+    lock, _ = open_local_output(out, True, None, replacing=False)
     staging = os.path.join(out, staging_name())
     try:
         manifests = [(p, read_manifest(p)) for p in paths]

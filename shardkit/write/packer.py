@@ -146,7 +146,29 @@ class PackReport:
 # --- up to date: OUT already holds this pack ----------------------------------------------------
 
 
-def _already_packed(src: str, out: str, o: PackOptions) -> PackReport | None:
+@dataclass
+class _Base:
+    """The manifest of the dataset in a local OUT as last read, and the file's identity
+    (device, inode, size, mtime) when it was: an append's up-to-date check and its plan both
+    want it, and at scale it is O(shards) to read (~1.7 KB a shard); read again only where the
+    file is no longer the one read (another writer, or a killed commit finished, between the
+    check and the pack's lock)."""
+
+    manifest: Any = None
+    identity: tuple | None = None
+
+    def read(self, out: str):
+        try:
+            st = os.stat(os.path.join(out, MANIFEST_NAME))
+            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            now = None  # read_manifest names what is wrong
+        if self.manifest is None or now is None or now != self.identity:
+            self.manifest, self.identity = read_manifest(out), now
+        return self.manifest
+
+
+def _already_packed(src: str, out: str, o: PackOptions, seen: _Base) -> PackReport | None:
     """The report of ``out`` if it holds this very pack (its manifest's fingerprint equals the
     source's now, with the options ``o``, and every shard it lists is there at its size), else
     None.
@@ -169,7 +191,7 @@ def _already_packed(src: str, out: str, o: PackOptions) -> PackReport | None:
     with DirLock(out):  # another writer into OUT: refused at once, as the pack would be
         recover(out)  # a commit killed after its commit point is finished: then compare
         try:
-            manifest = read_manifest(out)
+            manifest = seen.read(out)
         except ShardkitError:
             return None
         recorded = manifest.pack.get(FINGERPRINT_FIELD)
@@ -321,13 +343,14 @@ def pack(
         if o.append:
             _check_append(out, o.overwrite)
         with _session(o.runner):  # a cluster started for the stats serves the tasks
+            seen = _Base()  # OUT's manifest, read once where both steps want it
             if not o.overwrite and o.plan_only is None:
-                current = _already_packed(src, out, o)
+                current = _already_packed(src, out, o, seen)
                 if current is not None:
                     return current
             if not is_url(out) or out.startswith("file://"):
                 out = out.removeprefix("file://")
-                return _pack_planned(src, out, o, started)
+                return _pack_planned(src, out, o, started, seen)
         if o.runner is not None:
             raise InputError(
                 f"output {out} is a URL; an engine packs into a local or shared folder (mounted "
@@ -461,7 +484,7 @@ def _plan(src: str, out: str, o: PackOptions, **how) -> PackPlan:
     return plan_pack(src, out, o, **how)
 
 
-def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
+def _pack_planned(src, out, o: PackOptions, started: float, seen: _Base) -> PackReport:
     """Plan, run (here on reader threads, or as tasks on ``o.runner``), commit."""
     from ..progress import Progress
 
@@ -470,12 +493,12 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
 
     if getattr(runner, "cluster", False):
         check_cluster_lock(out)
-    lock, replaced = open_local_output(out, overwrite or append, src)
+    lock, replaced = open_local_output(out, overwrite or append, src, replacing=not append)
     plan: PackPlan | None = None
     old_keys = None  # an append's: the old dataset's key columns
     try:
         if append:
-            base = read_manifest(out)
+            base = seen.read(out)  # the up-to-date check's, where the file is still that one
             if base.shard_format != get_format(o.format).name:
                 raise InputError(
                     f"{out} holds {base.shard_format} shards; append with format="
@@ -484,7 +507,6 @@ def _pack_planned(src, out, o: PackOptions, started: float) -> PackReport:
             old_keys = dataset_columns(out, base)  # its key file, else every shard's index
             existing = None if o.allow_duplicates else held_in(out, base, old_keys)
             plan = _plan(src, out, o, existing=existing, engine=runner).appending(base)
-            replaced = []  # nothing already packed is touched
             if not len(plan.order):
                 _warn_duplicates(plan, src, out)
                 return _nothing_to_append(plan, out, started)

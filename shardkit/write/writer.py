@@ -492,9 +492,11 @@ class ShardWriter:
 
 
 def open_local_output(
-    out: str, overwrite: bool, forbid_inside: str | None = None
+    out: str, overwrite: bool, forbid_inside: str | None = None, replacing: bool = True
 ) -> tuple[DirLock, list[str]]:
     """Lock the local output ``out`` for one writer and make it ready: ``(lock, replaced)``.
+    ``replacing`` False (a growth, which keeps every old file): ``replaced`` is empty and the
+    old manifest is not read for it (O(shards) at scale; the growth reads it once itself).
 
     A commit killed after its commit point is finished first and dead staging removed; a
     non-empty ``out`` needs ``overwrite``; ``replaced`` are the old dataset's shards, which the
@@ -524,7 +526,7 @@ def open_local_output(
                 f"output directory {out!r} is not empty; pass overwrite=True to replace the "
                 "shards and manifest in it, or choose an empty directory"
             )
-        return lock, _old_outputs(out)
+        return lock, _old_outputs(out) if replacing else []
     except OSError as exc:
         lock.release()
         raise OutputError(f"cannot use output {out!r}: {exc.strerror}") from None

@@ -918,6 +918,24 @@ def test_an_append_reads_the_key_file_not_the_old_indexes(srcs, tmp_path):
     key_file(out)
 
 
+def test_growth_reads_the_grown_datasets_manifest_once(srcs, tmp_path):
+    """The manifest is O(shards) (~1.7 KB a shard): an append read it three times (its
+    up-to-date check, the output's lock, its plan) and a merge in place twice; once each now,
+    and again only where the file changed between the check and the lock."""
+    a, _, c = srcs
+    out = tmp_path / "out"
+    packed(a, out)
+    packed(tree(tmp_path / "b2", {"x": 2, "y": 5}, 5), tmp_path / "pb")
+    manifest = os.path.realpath(out / "manifest.json")
+    with _Opens(out) as opens:
+        packed(c, out, append=True)
+    assert opens.paths.count(manifest) == 1, opens.paths
+    with _Opens(out) as opens:
+        quiet(merge, [str(out), str(tmp_path / "pb")], str(out))
+    assert opens.paths.count(manifest) == 1, opens.paths
+    assert len(samples(out)) == 12 + 12 + 7
+
+
 def test_a_hash_the_key_file_holds_is_confirmed_on_the_key_never_taken_for_it(srcs, tmp_path):
     """A collision, made: the key file (its sha256 in the manifest made again, so it serves)
     lists a new key's hash for an old shard holding another key. The append reads that shard's

@@ -41,12 +41,13 @@ def test_pack_options_check_themselves_and_name_unknown_keywords(tmp_path):
 
 def test_the_planned_pack_takes_the_options_whole():
     """The pack hands ``PackOptions`` on whole to what writes it (a folder's plan and run,
-    a folder into a URL, a Python source's run), not its fields one by one or a dict of them."""
+    a folder into a URL, a Python source's run), not its fields one by one or a dict of them
+    (``seen``: the output's manifest as the up-to-date check read it, not an option)."""
     for fn, params in (
-        (packer._pack_planned, ["src", "out", "o", "started"]),
+        (packer._pack_planned, ["src", "out", "o", "started", "seen"]),
         (packer._pack_to_url, ["src", "writer", "o", "started"]),
         (packer._samples_run, ["source", "writer", "o"]),
-        (packer._already_packed, ["src", "out", "o"]),
+        (packer._already_packed, ["src", "out", "o", "seen"]),
         (packer._already_packed_url, ["src", "out", "o"]),
         (packer._write, ["run", "writer", "o"]),
         (packer._samples.tasks, ["source", "o", "size"]),
