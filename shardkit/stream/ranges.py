@@ -130,6 +130,12 @@ class _Columns:
     hashes: np.ndarray
     digests: np.ndarray | None = None
     keys: dict = field(default_factory=dict, compare=False, repr=False)
+    #: For each split's sides of this shard (``_off_side``'s key), the samples whose stored
+    #: hash is not on the side the split put them (sorted; nearly always none): worked out over
+    #: the whole shard once a process, not over each slice's samples each epoch (some ten numpy
+    #: calls a shard, the big-endian hashes compared through a cast: about 700 instructions a
+    #: sample of a 10% split).
+    off: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -397,7 +403,7 @@ class RangeReader:
         and checks as ``_spans_batches``."""
         expect = index.hashes[pos]
         digests = None if index.digests is None else index.digests[pos]
-        odd = _off_side(expect, pos, sides)
+        odd = _off_side_of(index, pos, sides)
         fd = self._file(shard)
         memo = self._memo(index)  # under this file's identity: after ``_file``
         if self._buf is None:
@@ -796,6 +802,31 @@ def _off_side(expect: np.ndarray, pos: np.ndarray, sides) -> frozenset:
     p = pos + sides.base
     bit = (sides.bits[p >> 3] >> (7 - (p & 7))) & 1
     return frozenset(((expect < np.uint64(sides.threshold)) != bit).nonzero()[0].tolist())
+
+
+def _off_side_of(index: _Columns, pos: np.ndarray, sides) -> frozenset:
+    """``_off_side`` of the samples ``pos`` of the shard ``index`` is the head of, from the
+    shard's own answer for these sides (``_Columns.off``: the whole shard's, worked out once)."""
+    if sides is None or not len(pos):
+        return frozenset()
+    n = len(index.hashes)
+    if len(sides.bits) * 8 < sides.base + n:  # bits short of the shard: the slice's alone
+        return _off_side(index.hashes[pos], pos, sides)
+    key = (
+        sides.threshold,
+        sides.base & 7,
+        sides.bits[sides.base >> 3 : (sides.base + n + 7) >> 3].tobytes(),
+    )
+    off = index.off.get(key)
+    if off is None:
+        every = np.arange(n, dtype=np.int64)
+        off = every[sorted(_off_side(index.hashes, every, sides))]
+        if len(index.off) > 8:  # another split's sides each time: keep a few
+            index.off.clear()
+        index.off[key] = off
+    if not len(off):
+        return frozenset()
+    return frozenset(np.isin(pos, off).nonzero()[0].tolist())
 
 
 def _keys_on_side(got, places, odd: frozenset, pos, sides, url: str) -> None:

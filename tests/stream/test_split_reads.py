@@ -563,3 +563,27 @@ def test_pread_at_checks_every_bound_before_it_reads(tmp_path):
         assert at([4], offs=np.array([0, 100, 300, 600, 1000, 3000], np.int64)) is None
     finally:
         os.close(fd)
+
+
+def test_a_shards_off_side_samples_are_worked_out_once_for_each_split():
+    """``ranges._off_side_of`` (the whole shard's samples whose stored hash is off the side the
+    split put them, kept on its index head) names the places ``_off_side`` names for any
+    wanted samples, under each split's sides in turn (another fraction, other bits, another
+    place in the bits): never another split's answer."""
+    from shardkit.formats.sample_index import ShardSides
+
+    rng = np.random.default_rng(3)
+    n = 300
+    hashes = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    index = ranges._Columns(np.arange(n + 1, dtype=np.int64), hashes.astype(">u8"))
+    for threshold in (2**62, 2**63, 2**62):
+        for base in (0, 5, 16):
+            val = (hashes < np.uint64(threshold)).astype(np.uint8)
+            val[rng.choice(n, 4, replace=False)] ^= 1  # four samples the split put elsewhere
+            bits = np.packbits(np.concatenate((np.zeros(base, np.uint8), val)))
+            sides = ShardSides(bits, base, threshold)
+            for _ in range(3):
+                pos = np.flatnonzero(rng.random(n) < 0.3)
+                want = ranges._off_side(index.hashes[pos], pos, sides)
+                assert ranges._off_side_of(index, pos, sides) == want
+            assert len(ranges._off_side_of(index, np.arange(n), sides)) == 4
