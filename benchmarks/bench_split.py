@@ -8,9 +8,10 @@ shards, with their sample indexes) and runs, each in a fresh child process
 epoch is reported, the first beside it (the first also loads the indexes and, for a split,
 checks each streamed key: a process checks a slice of an unchanged file once). Figures are CPU
 seconds (user + system) per delivered sample, so load on the machine does not move them much,
-and ``os.pread`` and ``os.preadv`` calls per delivered sample (how both formats read local
-shards). ``--against DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree
-of main).
+and reads per delivered sample: ``os.pread`` and ``os.preadv`` calls (LMDB, a streamed tar) and
+the spans a ranged tar read passes to its C calls (``_native.pread_spans``, ``pread_at``: one
+``pread`` a span; a streamed full epoch reads its shards by ``readinto``, not counted).
+``--against DIR``: the same runs on another checkout's ``shardkit`` (e.g. a worktree of main).
 
 Every (N, format, epoch, checkout) is one contender, interleaved round by round (each goes first
 in turn, each round's load recorded); reported per contender: the median over rounds of CPU per
@@ -50,6 +51,20 @@ def counted(real):
         return real(*args)
     return counting
 os.pread, os.preadv = counted(os.pread), counted(os.preadv)
+from shardkit.stream import ranges  # a tar shard's spans: read in C, one pread a span
+if getattr(ranges, "_pread_spans", None) is not None:
+    real_spans = ranges._pread_spans
+    def pread_spans(fd, buf, lo, hi):
+        calls[0] += len(lo)
+        return real_spans(fd, buf, lo, hi)
+    ranges._pread_spans = pread_spans
+if getattr(ranges, "_pread_at", None) is not None:
+    real_at = ranges._pread_at
+    def pread_at(*args):
+        got = real_at(*args)
+        calls[0] += got[3] if isinstance(got, tuple) else 0  # the spans it read
+        return got
+    ranges._pread_at = pread_at
 kw = {"full": {}, "val": {"split": "val", "val_fraction": 0.1},
       "train": {"split": "train", "val_fraction": 0.1}, "subset": {"subset": 0.01}}[what]
 ds = ShardDataset(Source(where, **kw) if kw else where, decode="raw", seed=3)

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <errno.h>
+#include <limits.h>
 #include <unistd.h>
 #include <jpeglib.h>
 /* XXH3-64 (seed 0), the sample index's digest of a sample's bytes (FORMAT.md): the xxHash library
@@ -934,6 +935,164 @@ done:
     return result;
 }
 
+/* pread_at(fd, buf, offsets, pos, first, chunk, block, batch, batch_bytes): a local shard's
+ * wanted samples ``pos[first:]`` (native 64-bit ints, ascending: sample numbers whose bytes are
+ * ``[offsets[p], offsets[p + 1])``) read in one call, as stream.ranges' Python did a shard with
+ * some twenty numpy calls: adjacent samples share a span, each span read with the block after it
+ * (the header that closes its last sample for tar_at), spans taken while their bytes stay within
+ * ``chunk`` (at least one), one pread a span into ``buf`` laid end to end (pread_spans' loop, the
+ * GIL released). Returns (stop, starts, ends, spans, cuts): the samples ``pos[first:stop]`` read,
+ * their places in ``buf`` (bytes of native 64-bit ints, for tar_at), the preads made, and where
+ * each parse call's samples begin (relative to ``first``, then the chunk's end: at most ``batch``
+ * a call; where a sample is larger than ``batch_bytes / batch``, also a call ending past each
+ * ``batch_bytes``: stream.ranges._batches' rule). The bytes the spans need where ``buf`` is
+ * smaller (nothing read: the caller grows it and asks again); None where the file ends before a
+ * span (the caller names the shard); ValueError where ``pos`` or ``offsets`` place a sample
+ * outside the index or out of order (every bound checked before a byte is read); OSError where a
+ * read fails. */
+static PyObject *pread_at(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer bv, ov, pv;
+    Py_ssize_t first, chunk, batch, batch_bytes;
+    long long block;
+    if (!PyArg_ParseTuple(args, "iw*y*y*nnLnn", &fd, &bv, &ov, &pv, &first, &chunk, &block,
+                          &batch, &batch_bytes))
+        return NULL;
+    PyObject *result = NULL, *sb = NULL, *eb = NULL, *cuts = NULL;
+    long long *lo = NULL, *hi = NULL;
+    const long long *off = ov.buf, *pos = pv.buf;
+    Py_ssize_t noff = ov.len / (Py_ssize_t)sizeof(long long);
+    Py_ssize_t npos = pv.len / (Py_ssize_t)sizeof(long long);
+    if (ov.len % (Py_ssize_t)sizeof(long long) || pv.len % (Py_ssize_t)sizeof(long long) ||
+        first < 0 || first >= npos || chunk < 0 || batch < 1 || batch_bytes < 1 || block < 0) {
+        PyErr_SetString(PyExc_ValueError, "pread_at: bad arguments");
+        goto done;
+    }
+    /* the spans: samples first..stop, their bytes within ``chunk`` (the first span always) */
+    Py_ssize_t stop = first, nspans = 0, total = 0, maxsize = 0;
+    lo = PyMem_Malloc(sizeof(long long) * (size_t)(npos - first));
+    hi = PyMem_Malloc(sizeof(long long) * (size_t)(npos - first));
+    sb = PyBytes_FromStringAndSize(NULL, (npos - first) * (Py_ssize_t)sizeof(long long));
+    eb = PyBytes_FromStringAndSize(NULL, (npos - first) * (Py_ssize_t)sizeof(long long));
+    if (!lo || !hi || !sb || !eb) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    long long *rs = (long long *)PyBytes_AS_STRING(sb), *re = (long long *)PyBytes_AS_STRING(eb);
+    long long prev = -1;
+    Py_ssize_t i = first;
+    while (i < npos) {
+        /* one span: a run of adjacent samples from i */
+        Py_ssize_t j = i;
+        long long a = 0, b = 0;
+        for (; j < npos; j++) {
+            long long p = pos[j];
+            if (p <= prev || p < 0 || p + 1 >= noff || off[p] < 0 || off[p + 1] <= off[p]) {
+                PyErr_SetString(PyExc_ValueError,
+                                "pread_at: a sample outside its index or out of order");
+                goto done;
+            }
+            if (j > i && off[p] != b)
+                break; /* a hole: the next span */
+            if (j == i)
+                a = off[p];
+            b = off[p + 1];
+            prev = p;
+        }
+        if (b > LLONG_MAX - block) {
+            PyErr_SetString(PyExc_ValueError, "pread_at: a sample outside its index");
+            goto done;
+        }
+        long long size = b + block - a;
+        if (nspans && (long long)total + size > (long long)chunk)
+            break; /* not taken: the next call starts here */
+        for (Py_ssize_t k = i; k < j; k++) { /* each sample's place in buf */
+            long long p = pos[k];
+            rs[k - first] = total + off[p] - a;
+            re[k - first] = total + off[p + 1] - a;
+            if (off[p + 1] - off[p] > maxsize)
+                maxsize = (Py_ssize_t)(off[p + 1] - off[p]);
+        }
+        lo[nspans] = a, hi[nspans] = b + block, nspans++;
+        total += (Py_ssize_t)size;
+        i = stop = j;
+    }
+    if (total > bv.len) { /* the caller grows buf to this and asks again */
+        result = PyLong_FromSsize_t(total);
+        goto done;
+    }
+    /* the parse calls: as stream.ranges._batches cuts them */
+    Py_ssize_t n = stop - first;
+    cuts = PyList_New(0);
+    if (!cuts)
+        goto done;
+    long long before = 0, was = 0; /* the samples' bytes before sample k, and before k - 1 */
+    int by_count = (long long)maxsize * batch <= (long long)batch_bytes;
+    for (Py_ssize_t k = 0; k <= n; k++) {
+        int cut = k == 0 || k == n;
+        if (k > 0)
+            was = before, before += re[k - 1] - rs[k - 1];
+        if (!cut && by_count)
+            cut = k % batch == 0;
+        else if (!cut) /* the bytes before sample k, in whole budgets; or a new count */
+            cut = before / batch_bytes != was / batch_bytes || k / batch != (k - 1) / batch;
+        if (cut) {
+            PyObject *at = PyLong_FromSsize_t(k);
+            if (!at || PyList_Append(cuts, at) < 0) {
+                Py_XDECREF(at);
+                goto done;
+            }
+            Py_DECREF(at);
+        }
+    }
+    int err = 0;
+    Py_ssize_t p = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < nspans && !err; s++) {
+        long long at = lo[s], left = hi[s] - lo[s];
+        while (left > 0) {
+            ssize_t r = pread(fd, (char *)bv.buf + p, (size_t)left, (off_t)at);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0) {
+                err = errno;
+                break;
+            }
+            if (r == 0) { /* the file ends before the span */
+                err = -1;
+                break;
+            }
+            p += r, at += r, left -= r;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err > 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    if (err < 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (_PyBytes_Resize(&sb, n * (Py_ssize_t)sizeof(long long)) < 0 ||
+        _PyBytes_Resize(&eb, n * (Py_ssize_t)sizeof(long long)) < 0)
+        goto done;
+    result = Py_BuildValue("nOOnO", stop, sb, eb, nspans, cuts);
+done:
+    PyMem_Free(lo);
+    PyMem_Free(hi);
+    Py_XDECREF(sb);
+    Py_XDECREF(eb);
+    Py_XDECREF(cuts);
+    PyBuffer_Release(&bv);
+    PyBuffer_Release(&ov);
+    PyBuffer_Release(&pv);
+    return result;
+}
+
 /* xxh3_64(data): the digest tar_at checks, for the test that it is xxhash's own. */
 static PyObject *xxh3_64(PyObject *self, PyObject *args)
 {
@@ -954,6 +1113,9 @@ static PyMethodDef roi_methods[] = {
      "[, bits, base, salt, threshold[, digests, offsets, origin]]) -> (records, pos, done)"},
     {"pread_spans", pread_spans, METH_VARARGS,
      "pread_spans(fd, buf, lo, hi) -> bytes read: spans of a file laid end to end in buf"},
+    {"pread_at", pread_at, METH_VARARGS,
+     "pread_at(fd, buf, offsets, pos, first, chunk, block, batch, batch_bytes) -> "
+     "(stop, starts, ends, spans, cuts) or None: a local shard's wanted samples read"},
     {"tar_at", tar_at, METH_VARARGS,
      "tar_at(buf, starts, ends, hashes, salt, images, labels, fields, make, shard[, digests])"
      " -> [record or None], or the first sample whose digest differs"},

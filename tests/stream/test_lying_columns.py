@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import one_shard_tar, quiet, random_tree, split_keys
+from conftest import one_shard_tar, quiet, random_tree, ranged_pack, split_keys
 
 from shardkit import Order, ShardDataset, ShardView, Source
 from shardkit.errors import InputError, ShardFormatError
@@ -230,6 +230,28 @@ def test_a_ranged_split_hashes_each_key_once_a_process_while_its_shard_is_unchan
     calls = _key_checks_at(monkeypatch)
     ds = ShardDataset(Source(tar_pack, split="val", val_fraction=VAL), decode="raw", with_keys=True)
     assert set(_four_epochs_checked_twice(ds, tar_pack, calls)) == _truth(tar_pack)[0]
+
+
+def test_a_ranged_split_over_several_shards_hashes_no_key_in_its_second_epoch(
+    tmp_path, monkeypatch
+):
+    """Each shard's keys are remembered under its own file's identity, so with several shards
+    read in turn (each closing the one before) a second epoch hashes no key either."""
+    from shardkit.formats import sample_index
+    from shardkit.stream import ranges
+
+    monkeypatch.setattr(sample_index, "RACY_NS", 0)
+    monkeypatch.setattr(ranges, "_CACHE", type(ranges._CACHE)())
+    where = str(ranged_pack(tmp_path, 120, "20kB") / "tar")
+    assert len(read_manifest(where).shards) > 2
+    calls = _key_checks_at(monkeypatch)
+    ds = ShardDataset(Source(where, split="val", val_fraction=VAL), decode="raw", seed=1)
+    first = sum(1 for _ in ds)
+    assert calls and all(calls)
+    ds.set_epoch(1)
+    calls.clear()
+    assert sum(1 for _ in ds) == first
+    assert calls and not any(calls)
 
 
 def test_a_column_that_lies_after_an_honest_ranged_epoch_is_still_caught(tar_pack, monkeypatch):

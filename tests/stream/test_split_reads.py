@@ -130,8 +130,8 @@ def test_slices_read_in_many_chunks_give_the_same_samples(tmp_path, monkeypatch,
 
 class _Preads:
     """Counts ``os.pread`` and ``os.preadv`` calls (how both readers read a local shard's
-    bytes) and the spans the range reader's C call reads, one ``pread`` each
-    (``ranges._pread_spans``)."""
+    bytes) and the spans the range reader's C calls read, one ``pread`` each
+    (``ranges._pread_spans``, ``ranges._pread_at``)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
@@ -145,6 +145,15 @@ class _Preads:
                 return real(fd, buf, lo, hi)
 
             monkeypatch.setattr(ranges, "_pread_spans", spans)
+        at = ranges._pread_at
+        if at is not None:
+
+            def pread_at(*args):
+                got = at(*args)
+                self.calls += got[3] if isinstance(got, tuple) else 0  # its spans: a pread each
+                return got
+
+            monkeypatch.setattr(ranges, "_pread_at", pread_at)
 
     def _counted(self, real):
         def counting(*args):
@@ -475,3 +484,106 @@ def test_a_label_outside_the_classes_ends_a_list_after_the_records_before_it():
     assert next(it) == recs[1:2]
     with pytest.raises(SampleError, match="'k2' has label 3"):
         next(it)
+
+
+@pytest.mark.parametrize("chunk,batch_bytes", [(5000, 1 << 20), (5000, 2500), (4 << 20, 3000)])
+def test_a_local_shards_spans_worked_out_in_c_read_and_cut_as_in_numpy(
+    tmp_path, monkeypatch, chunk, batch_bytes
+):
+    """``_local_batches`` (the spans, chunks and parse calls of a local shard worked out in one
+    C call, ``_native.pread_at``) hands out the lists ``_spans_batches`` (the same in numpy)
+    does, with the same sample numbers and the same reads, for masks sparse to dense, chunks of
+    a few samples and parse calls cut by count and by bytes."""
+    from shardkit.records import ShardSlice
+    from shardkit.stream.storage import LocalStorage
+
+    if ranges._pread_at is None:
+        pytest.skip("built without the C extension")
+    monkeypatch.setattr(ranges, "CHUNK", chunk)
+    monkeypatch.setattr(ranges, "BATCH", 3)
+    monkeypatch.setattr(ranges, "BATCH_BYTES", batch_bytes)
+    where = _make(tmp_path / "out", "tar", shard_size="400kB")
+    shards = ShardDataset(where).shards
+    rng = np.random.default_rng(5)
+    for density in (0.02, 0.1, 0.5, 1.0):
+        for shard in shards:
+            sl = ShardSlice(0, 0, shard.samples)
+            want = rng.random(shard.samples) < density
+            if not want.any():
+                continue
+            got = []
+            for path in ("_local_batches", "_spans_batches"):
+                reader = ranges.RangeReader("tar", LocalStorage())
+                assert reader.exact(sl, shard, 0)
+                index = reader._indexes[shard.url]
+                if path == "_local_batches":
+                    out = reader._local_batches(shard, index, want.nonzero()[0], (), None)
+                else:
+                    out = reader._spans_batches(sl, shard, index, want, (), None)
+                lists = [([r.key for r in recs], at.tolist()) for recs, at in out]
+                got.append((lists, reader.reads))
+                reader.close()
+            assert got[0] == got[1]
+            assert [n for _, at in got[0][0] for n in at] == want.nonzero()[0].tolist()
+
+
+def test_pread_at_checks_every_bound_before_it_reads(tmp_path):
+    """``_native.pread_at`` refuses a sample outside its index or out of order (ValueError,
+    nothing read), says what a small buffer must hold (an int), and None where the file ends
+    before a span (the reader names the shard): never a read past its buffer."""
+    from shardkit.images._native import pread_at
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 8)  # 2048 bytes
+    offsets = np.array([0, 100, 300, 600, 1000, 1500], np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(4096)
+
+        def at(pos, first=0, chunk=1 << 20, block=8, buffer=buf, offs=offsets):
+            args = (first, chunk, block, 2, 1 << 20)  # two samples a parse call
+            return pread_at(fd, buffer, offs, np.array(pos, np.int64), *args)
+
+        stop, starts, ends, spans, cuts = at([0, 1, 3])
+        assert stop == 3 and spans == 2 and cuts == [0, 2, 3]
+        s, e = memoryview(starts).cast("q").tolist(), memoryview(ends).cast("q").tolist()
+        assert (s, e) == ([0, 100, 308], [100, 300, 708])  # span [0, 308) then [600, 1008)
+        assert buf[308:708] == (bytes(range(256)) * 8)[600:1000]
+        assert at([0, 3], chunk=200)[0] == 1  # the second span past the chunk: the next call's
+        assert at([0, 3], first=1)[0] == 2
+        for bad in ([5], [-1], [3, 1], [1, 1]):
+            with pytest.raises(ValueError, match="outside its index or out of order"):
+                at(bad)
+        with pytest.raises(ValueError, match="outside its index or out of order"):
+            at([0, 1], offs=np.array([0, 100, 50], np.int64))
+        with pytest.raises(ValueError, match="bad arguments"):
+            at([0], first=1)
+        assert at([0, 1, 2, 3], buffer=bytearray(10)) == 1008  # nothing read: grow to this
+        assert at([4])[3] == 1  # [1000, 1508) of 2048 bytes
+        assert at([4], offs=np.array([0, 100, 300, 600, 1000, 3000], np.int64)) is None
+    finally:
+        os.close(fd)
+
+
+def test_a_shards_off_side_samples_are_worked_out_once_for_each_split():
+    """``ranges._off_side_of`` (the whole shard's samples whose stored hash is off the side the
+    split put them, kept on its index head) names the places ``_off_side`` names for any
+    wanted samples, under each split's sides in turn (another fraction, other bits, another
+    place in the bits): never another split's answer."""
+    from shardkit.formats.sample_index import ShardSides
+
+    rng = np.random.default_rng(3)
+    n = 300
+    hashes = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    index = ranges._Columns(np.arange(n + 1, dtype=np.int64), hashes.astype(">u8"))
+    for threshold in (2**62, 2**63, 2**62):
+        for base in (0, 5, 16):
+            val = (hashes < np.uint64(threshold)).astype(np.uint8)
+            val[rng.choice(n, 4, replace=False)] ^= 1  # four samples the split put elsewhere
+            bits = np.packbits(np.concatenate((np.zeros(base, np.uint8), val)))
+            sides = ShardSides(bits, base, threshold)
+            for _ in range(3):
+                pos = np.flatnonzero(rng.random(n) < 0.3)
+                want = ranges._off_side(index.hashes[pos], pos, sides)
+                assert ranges._off_side_of(index, pos, sides) == want
+            assert len(ranges._off_side_of(index, np.arange(n), sides)) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from collections.abc import Iterator, Sequence
@@ -430,7 +431,7 @@ def read_at(
     digests (``stream.ranges``' memo): the C parser does not hash them again."""
     out: list[Record | None]
     if _tar_at is not None:
-        want = frozenset(x.lower().encode() for x in fields)
+        want = _wanted(tuple(fields))
         check = b"" if hashes is None or (known and digests is not None) else hashes
         sums = b"" if digests is None else np.ascontiguousarray(digests, np.uint64)
         out = _tar_at(
@@ -454,6 +455,12 @@ def read_at(
             if hashes is not None and _tar_at is not None:
                 unchecked.append(i)
     return out, unchecked
+
+
+@functools.lru_cache(maxsize=64)
+def _wanted(fields: tuple[str, ...]) -> frozenset[bytes]:
+    """The extensions ``tar_at`` takes as fields: made once per field list, not once a call."""
+    return frozenset(x.lower().encode() for x in fields)
 
 
 def _slow_sample(blob: bytes, shard: str, fields: Sequence[str]) -> Record | None:
