@@ -248,3 +248,15 @@ def test_a_key_subset_at_a_url_gets_only_its_ranks_shards_indexes(s3, packed):
     built = _idx_gets(s3)
     assert _keys(ds) == _keys(_ds(local, rank=0, world_size=WORLD, subset=subset))
     assert built == 0 and _idx_gets(s3) <= world1 / WORLD + 4, (_idx_gets(s3), world1)
+
+
+@pytest.mark.parametrize("where", ["tar/manifest.json", "tar/", "tar"])
+def test_a_url_splits_construction_gets_its_manifest_once(http, packed, where):
+    """Over HTTP an existence check is a GET of the whole manifest: the manifest is read in
+    one GET (a missing one is told apart by that GET), then the key file's ranges."""
+    http.root = packed
+    ds = _ds(f"{http.url}/{where}", split="val")
+    assert len(http.log.gets("manifest.json")) == 1, http.log.gets()
+    assert _keys(ds) == _keys(_ds(str(packed / "tar"), split="val"))
+    with pytest.raises(InputError, match="no such manifest"):
+        ShardDataset(Source(f"{http.url}/tar/gone/manifest.json"), decode="raw")
