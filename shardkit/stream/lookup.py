@@ -31,8 +31,13 @@ at LAION-400M. Here:
   blocks (one binary search of the block table and one block a hash: O(keys x log N) bytes):
   what a subset by keys counts its members a shard by, so a rank reads only the indexes of the
   shards it reads, and each key is confirmed in its shard's own index there.
-- ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
-  without a manifest), every key hash sorted with its position, built at the first lookup into
+- A URL dataset's key file is read the same way through ranged GETs
+  (``remote.ranged.RangedFile``, a reader a run; ``open_run``): each run's head checked when
+  the view first looks a key up, then its block table and one block a lookup, so a view's
+  first lookup GETs the key file's head, table and block and the one shard's index, not
+  every shard's index.
+- ``KeyFile``: where a dataset has no key file (packed before it existed, shards without a
+  manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
   anywhere else: shardkit reads and writes only the paths it is given.
 """

@@ -299,11 +299,12 @@ class ShardView:
         """The position of ``key`` (the first, should two shards hold the same key), by its
         key hash. Where the manifest lists a key file (``manifest.keys``, written by pack,
         append and merge), the one checked block of it the hash falls in (``os.pread``, nothing
-        mapped; ``lookup.DatasetKeys``) names the shard(s) holding the hash, and the key is
-        found in that shard's index (the bounded index cache) and confirmed on the real key:
+        mapped; a URL's by ranged GETs; ``lookup.DatasetKeys``) names the shard(s) holding the
+        hash, and the key is found in that shard's index (the bounded index cache) and
+        confirmed on the real key:
         nothing built, nothing written, flat in memory, the first lookup as cheap as any; a
         hash no checked block holds is a missing key at once (the file's hashes were its keys'
-        when written). Without one (packed before it existed, a URL, no manifest; a local
+        when written). Without one (packed before it existed, no manifest; a local
         manifest without one gets a warning saying how to get one), one that fails a check, or
         for a key whose named shard does not hold it (a file the manifest vouches for may still
         have been forged), the hashes the shards' indexes store are sorted with their
