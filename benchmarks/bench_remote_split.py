@@ -1,13 +1,16 @@
-"""A URL dataset's split construction, rank 0 of 8 against world size 1: GETs and bytes (of the
-manifest, the key file, the shards' index heads) that ``ShardDataset(Source(url, split=))``
-makes, and with its first plan (every shard it reaches: each one's index head, read when
-reached), over the tests' loopback HTTP Range server; counted, not timed. "before": the same
-dataset with no key file listed, which a URL dataset's readers were before they read one (they
-read every shard's index head at construction); "after": the key file read by ranged GETs.
-Index-only packs (a few bytes a sample, ``ShardWriter``). Figures: docs/benchmarks.md ("A URL
-dataset's split reads its key file").
+"""A URL dataset's key file at work, counted, not timed, over the tests' loopback HTTP Range
+server. ``--what split``: the GETs and bytes (of the manifest, the key file, the shards' index
+heads) that ``ShardDataset(Source(url, split=))`` makes, rank 0 of 8 against world size 1, and
+with its first plan (every shard it reaches: each one's index head, read when reached).
+``--what keys``: the same for a key-list subset (``subset=`` every 100th key). ``--what view``:
+a ``ShardView(url)``'s construction and its first ``get(key)`` (and a second key's). "before":
+the same dataset with no key file listed, which a URL dataset's readers were before they read
+one (a split or key subset read every shard's index head at construction; a view sorted every
+shard's hashes into a private table at its first lookup); "after": the key file read by ranged
+GETs. Index-only packs (a few bytes a sample, ``ShardWriter``). Figures: docs/benchmarks.md ("A
+URL dataset's split reads its key file").
 
-    python -m benchmarks run remote_split --samples 16000 160000
+    python -m benchmarks run remote_split --samples 16000 160000 --what split keys view
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import harness
 
@@ -29,6 +33,7 @@ from remote_servers import HttpServer
 from shardkit.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
+from shardkit.stream.view import ShardView
 from shardkit.stream.world import World
 from shardkit.write.writer import ShardWriter
 
@@ -71,13 +76,20 @@ def count(http, root: Path, what: str) -> dict:
     }
 
 
-def measure(http, root: Path, name: str, split: str, world: int) -> dict:
+def measure(http, root: Path, name: str, split: str, world: int, n: int) -> dict:
     url = f"{http.url}/{name}/{MANIFEST_NAME}"
+    if split == "view":
+        return measure_view(http, root, url, n)
+    narrow = (
+        {"subset": [f"k{i:07d}" for i in range(0, n, 100)]}
+        if split == "keys"
+        else {"split": split, "val_fraction": 0.1}
+    )
     http.log.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ds = ShardDataset(
-            Source(url, split=split, val_fraction=0.1),
+            Source(url, **narrow),
             decode="raw",
             rank=0,
             world_size=world,
@@ -89,6 +101,36 @@ def measure(http, root: Path, name: str, split: str, world: int) -> dict:
     return got
 
 
+def measure_view(http, root: Path, url: str, n: int) -> dict:
+    """A view's construction, its first ``get(key)`` and a second key's, each counted."""
+    http.log.clear()
+    view = ShardView(url, decode="raw")
+    got = count(http, root, "built")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        view.index(f"k{n // 3:07d}")
+        got |= count(http, root, "first")
+        view.index(f"k{2 * n // 3:07d}")
+    return got | count(http, root, "second")
+
+
+def _said(got: dict) -> str:
+    if "first_gets" in got:  # a view: each step's own GETs
+        first = {k: got[f"first_{k}"] - got[f"built_{k}"] for k in ("gets", "idx_gets", "bytes")}
+        second = {k: got[f"second_{k}"] - got[f"first_{k}"] for k in ("gets", "idx_gets", "bytes")}
+        return (
+            f"construction {got['built_gets']} GETs {got['built_bytes']:,} B; first get(key) "
+            f"{first['gets']} GETs ({first['idx_gets']} .idx) {first['bytes']:,} B; second "
+            f"{second['gets']} GETs ({second['idx_gets']} .idx) {second['bytes']:,} B"
+        )
+    return (
+        f"construction {got['built_gets']} GETs ({got['built_idx_gets']} .idx) "
+        f"{got['built_bytes']:,} B; with its plan {got['planned_gets']} GETs "
+        f"({got['planned_idx_gets']} .idx) {got['planned_bytes']:,} B, "
+        f"{got['shards_reached']} shards"
+    )
+
+
 @harness.case(
     data="index-only tar packs of N samples (a few bytes each), served by the loopback HTTP server",
     measures="GETs and bytes of a URL split's construction, rank 0 of 8 against world size 1",
@@ -98,6 +140,9 @@ class RemoteSplit(harness.Bench):
     rounds: int = 1
     samples: tuple[int, ...] = harness.arg((16000, 160000), "pack sizes (samples)")
     per_shard: int = harness.arg(250, "samples a shard")
+    what: tuple[Literal["split", "keys", "view"], ...] = harness.arg(
+        ("split",), "split: a split's construction; keys: a key-list subset's; view: get(key)"
+    )
 
 
 def main(args: RemoteSplit) -> None:
@@ -110,23 +155,21 @@ def main(args: RemoteSplit) -> None:
             keys = os.path.getsize(root / f"n{n}" / "manifest.keys")
             print(f"{n} samples in {shards} shards (key file {keys:,} B)", flush=True)
             with HttpServer(root) as http:
-                for split in ("val", "train"):
+                for split in _kinds(args.what):
                     for label, name in (("before", f"n{n}-nokeys"), ("after", f"n{n}")):
                         row = {}
-                        for world in (1, WORLD):
-                            got = measure(http, root, name, split, world)
+                        for world in (1,) if split == "view" else (1, WORLD):
+                            got = measure(http, root, name, split, world, n)
                             row[f"world{world}"] = got
-                            print(
-                                f"  {split:5} {label:6} world {world}: construction "
-                                f"{got['built_gets']} GETs ({got['built_idx_gets']} .idx) "
-                                f"{got['built_bytes']:,} B; with its plan "
-                                f"{got['planned_gets']} GETs ({got['planned_idx_gets']} .idx) "
-                                f"{got['planned_bytes']:,} B, {got['shards_reached']} shards",
-                                flush=True,
-                            )
+                            print(f"  {split:5} {label:6} world {world}: {_said(got)}", flush=True)
                         result[f"n{n}/{split}/{label}"] = row
     harness.write_result(args.json, "bench_remote_split", args, result)
     return 0
+
+
+def _kinds(what) -> list[str]:
+    """The measured cases: ``split`` is its two sides."""
+    return [k for w in what for k in (("val", "train") if w == "split" else (w,))]
 
 
 if __name__ == "__main__":

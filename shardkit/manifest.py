@@ -571,12 +571,16 @@ def read_manifest(
     *,
     storage_options: dict | None = None,
     policy=None,
+    missing_ok: bool = False,
 ) -> Manifest:
     """The one manifest reader: ``where`` is a manifest, its directory, or a URL of either.
 
     Fetching bytes is the only part that differs by location (a local read, or
     ``shardkit.remote.read_bytes`` with retries for URLs; ``storage_options`` and the retry
     ``policy`` go there); parsing and validation are ``Manifest.from_json`` for every caller.
+    ``missing_ok``: a URL with no object there is None (its bucket there), so a reader that
+    must tell "no manifest" from "a manifest" makes one GET, not an existence check first
+    (on HTTP a GET of the whole manifest) and then the GET.
     """
     path = manifest_location(where)
     if is_url(path):
@@ -588,6 +592,8 @@ def read_manifest(
             from .remote.fetch import check_bucket
 
             check_bucket(path, storage_options)  # a missing bucket is named as such
+            if missing_ok:
+                return None
             prefix = url_path(url_parent(path)) + "/"
             raise ManifestError(
                 f"{path}: no manifest; pack into this prefix with `shardkit pack SRC {prefix}`"

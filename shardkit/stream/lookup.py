@@ -31,8 +31,13 @@ at LAION-400M. Here:
   blocks (one binary search of the block table and one block a hash: O(keys x log N) bytes):
   what a subset by keys counts its members a shard by, so a rank reads only the indexes of the
   shards it reads, and each key is confirmed in its shard's own index there.
-- ``KeyFile``: where a dataset has no key file (packed before it existed, a URL, shards
-  without a manifest), every key hash sorted with its position, built at the first lookup into
+- A URL dataset's key file is read the same way through ranged GETs
+  (``remote.ranged.RangedFile``, a reader a run; ``open_run``): each run's head checked when
+  the view first looks a key up, then its block table and one block a lookup, so a view's
+  first lookup GETs the key file's head, table and block and the one shard's index, not
+  every shard's index.
+- ``KeyFile``: where a dataset has no key file (packed before it existed, shards without a
+  manifest), every key hash sorted with its position, built at the first lookup into
   a private, unlinked temporary file of this view's (gone when the view is). Nothing is written
   anywhere else: shardkit reads and writes only the paths it is given.
 """
@@ -111,13 +116,19 @@ class _ByPread:
 
 
 class _Run(_ByPread):
-    """One run of a key file (its base file, or a growth run), read by ``os.pread``."""
+    """One run of a key file (its base file, or a growth run), read by ``os.pread``; a URL
+    dataset's through ``reader`` (``remote.ranged.RangedFile``: ranged GETs), whose ``url``
+    names it."""
 
-    def __init__(self, path: str, n: int, blocks: str | None = None):
-        self.path, self.n, self.blocks = path, int(n), blocks
+    def __init__(self, path: str, n: int, blocks: str | None = None, reader=None):
+        self.path, self.n, self.blocks = getattr(reader, "url", path), int(n), blocks
         self._fd: int | None = None
         self._pid = os.getpid()
+        self._reader = reader  # None: a local file, opened by its path
         self._table: BlockTable | None = None  # read and checked at the first lookup
+
+    def _file(self):
+        return self._reader if self._reader is not None else super()._file()
 
     def shards(self, want: np.uint64) -> list[int]:
         """A run with a block table: its checked block (``_checked``). One written before the
@@ -152,22 +163,42 @@ class DatasetKeys:
     list hashed, once: checked when an answer is missing), and a run without a block table
     has the manifest's sha256 (12 bytes a sample read, once)."""
 
-    def __init__(self, folder: str, listed: dict, n: int, shards=None):
+    def __init__(self, folder: str, listed: dict, n: int, shards=None, readers=None):
         self.folder, self.listed, self.n = folder, dict(listed), int(n)
-        self.path = os.path.join(folder, listed["path"])  # the base file: what names it
         self._shards = shards  # the view's table (held by the view anyway)
+        runs = key_runs(listed)
         self.runs = [
-            _Run(os.path.join(folder, r["path"]), run_count(r), r.get("blocks_sha256"))
-            for r in key_runs(listed)
+            _Run(os.path.join(folder, r["path"]), run_count(r), r.get("blocks_sha256"), f)
+            for r, f in zip(runs, readers or [None] * len(runs), strict=True)
         ]
-        self._vouched: bool | None = None
+        self.path = self.runs[0].path  # the base file: what names it
+        #: read through readers (a URL's): every head checked when opened, every run tabled
+        self.remote = bool(readers)
+        self._vouched: bool | None = True if self.remote else None
 
     @classmethod
-    def open(cls, folder: str, listed: dict, n: int, shards) -> tuple[DatasetKeys | None, str]:
+    def open(
+        cls, folder: str, listed: dict, n: int, shards, open_run=None
+    ) -> tuple[DatasetKeys | None, str]:
         """The key file the manifest in ``folder`` lists and "", or None and why it does not
-        serve."""
-        why = runs_problem(folder, listed, n, shards, whole=False)
-        return (None, why) if why else (cls(folder, listed, n, shards), "")
+        serve. ``open_run``: as ``split_counts`` takes it (a URL dataset's runs, by ranged
+        GETs): each run's listed size and head (one GET, 56 bytes and the window after them)
+        checked here, naming the shards by their identity, and each must have its block
+        table, so every answer after comes from checked bytes."""
+        if open_run is None:
+            why = runs_problem(folder, listed, n, shards, whole=False)
+            return (None, why) if why else (cls(folder, listed, n, shards), "")
+        readers = []
+        try:
+            for run, path, _, f in _opened(folder, listed, n, shards, open_run):
+                if run.get("blocks_sha256") is None:
+                    return None, _written_before(path)
+                readers.append(f)
+        except _Refused as exc:
+            return None, exc.why
+        except (OSError, ValueError) as exc:
+            return None, f"unreadable ({exc})"
+        return cls(folder, listed, n, shards, readers), ""
 
     def shards(self, want: int) -> list[int]:
         """Each run searched (``_Run.shards``): nothing mapped, only each run's checked block
@@ -188,7 +219,7 @@ class DatasetKeys:
             run.close()
 
     def vouched(self) -> bool:
-        if self._vouched is None:
+        if self._vouched is None:  # (a URL's: its heads' identity checked when opened)
             # runs with block tables answered from checked bytes: only their heads' identity
             # of the shards is left (no read); an older run's sha256 is read whole
             whole = not all(run.blocks is not None for run in self.runs)
@@ -222,31 +253,58 @@ def split_counts(
     run the manifest lists as ``run`` for ``key_file.read_at`` (ranged GETs:
     ``remote.ranged.RangedFile``); each run's size is then the manifest's and its head is
     read through it and checked."""
-    why = "" if open_run else runs_problem(folder, listed, n, shards, whole=False, identity=True)
-    if why:
-        return None, why
-    counts, runs = np.zeros(len(shards), np.int64), key_runs(listed)
-    if open_run is not None and sum(run_count(r) for r in runs) != n:
-        return None, f"its runs hold {sum(run_count(r) for r in runs)} key hashes, not {n}"
+    counts = np.zeros(len(shards), np.int64)
     try:
-        for i, run in enumerate(runs):
-            path, m = os.path.join(folder, run["path"]), run_count(run)
-            fd = os.open(path, os.O_RDONLY) if open_run is None else open_run(run)
-            path = getattr(fd, "url", path)  # a reader's own name for the run
-            try:
-                if open_run is not None:
-                    why = _head_problem(fd, run, m, shards, i == len(runs) - 1)
-                    if why:
-                        return None, why if i == 0 else f"its run {path}: {why}"
-                counts += _counts_below(fd, path, m, run, threshold, len(shards))
-            finally:
-                if isinstance(fd, int):
-                    os.close(fd)
-    except RunUnchecked as exc:
+        for run, path, m, fd in _opened(folder, listed, n, shards, open_run):
+            counts += _counts_below(fd, path, m, run, threshold, len(shards))
+    except (_Refused, RunUnchecked) as exc:
         return None, exc.why
     except (OSError, ValueError) as exc:
         return None, f"unreadable ({exc})"
     return counts, ""
+
+
+class _Refused(Exception):
+    """The key file's runs do not serve: ``why``, naming the run where it is not the base."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def _opened(folder: str, listed: dict, n: int, shards, open_run):
+    """Each run the manifest lists (``listed``: its ``keys``), oldest first, as ``(run, its
+    path or URL, its samples, what reads it)``, once it serves (``_Refused`` naming it where
+    not): local runs all checked first (``runs_problem``: sizes and heads, the shards'
+    identity), each then open by its descriptor until the caller moves on; read through
+    ``open_run(run)`` (a URL's), their counts against ``n`` and each one's listed size and
+    head (``_head_problem``), as it is reached."""
+    runs = key_runs(listed)
+    if open_run is None:
+        why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
+    elif sum(run_count(r) for r in runs) != n:
+        why = f"its runs hold {sum(run_count(r) for r in runs)} key hashes, not {n}"
+    else:
+        why = ""
+    if why:
+        raise _Refused(why)
+    for i, run in enumerate(runs):
+        path, m = os.path.join(folder, run["path"]), run_count(run)
+        fd = os.open(path, os.O_RDONLY) if open_run is None else open_run(run)
+        path = getattr(fd, "url", path)  # a reader's own name for the run
+        try:
+            if open_run is not None:
+                why = _head_problem(fd, run, m, shards, i == len(runs) - 1)
+                if why:
+                    raise _Refused(why if i == 0 else f"its run {path}: {why}")
+            yield run, path, m, fd
+        finally:
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _written_before(path: str) -> str:
+    return f"{path} was written before its block table"
 
 
 def _head_problem(f, run: dict, m: int, shards, last: bool) -> str:
@@ -289,7 +347,7 @@ _PIECE = 1 << 20
 
 
 def key_shards(
-    folder: str, listed: dict, n: int, shards, hashes: np.ndarray
+    folder: str, listed: dict, n: int, shards, hashes: np.ndarray, open_run=None
 ) -> tuple[list[np.ndarray] | None, str]:
     """The shards holding each of ``hashes`` (uint32 positions in ``shards``, ascending; none
     for a hash no run holds) from the key file's runs in ``folder`` (arguments as
@@ -298,29 +356,22 @@ def key_shards(
     bytes, checked by its digest before it answers), so a hash none holds is not in the
     dataset, as a view's lookup trusts it; a run written before the table does not serve here
     (its misses would be unchecked). A shard named is a candidate only: the reader confirms
-    the key in that shard's own index."""
-    why = runs_problem(folder, listed, n, shards, whole=False, identity=True)
-    if why:
-        return None, why
+    the key in that shard's own index. ``open_run``: as ``split_counts`` (a URL dataset's
+    runs by ranged GETs: a head, the block table and a block a key, not every shard's
+    keys)."""
     want = np.asarray(hashes, np.uint64)
     order = np.argsort(want, kind="stable")
     found: list[list[np.ndarray]] = [[] for _ in range(len(want))]
     try:
-        for run in key_runs(listed):
-            path, m = os.path.join(folder, run["path"]), run_count(run)
+        for run, path, m, fd in _opened(folder, listed, n, shards, open_run):
             if run.get("blocks_sha256") is None:
-                return None, f"{path} was written before its block table"
-            if not m:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
+                return None, _written_before(path)
+            if m:
                 table = BlockTable(fd, path, m, run["blocks_sha256"])
                 hit, got = checked_find(fd, table, want[order])
-            finally:
-                os.close(fd)
-            for q, s in zip(hit, got, strict=True):
-                found[int(order[q])].append(s)
-    except RunUnchecked as exc:
+                for q, s in zip(hit, got, strict=True):
+                    found[int(order[q])].append(s)
+    except (_Refused, RunUnchecked) as exc:
         return None, exc.why
     except (OSError, ValueError) as exc:
         return None, f"unreadable ({exc})"

@@ -203,12 +203,12 @@ def _keyed_subset(
     if not wanted:  # no members: nothing to look for (refused below, as before)
         return KeyedMembers(sample_counts(shards), {}, find)
     n = int(shards.samples.sum())
-    found, why = key_shards(folder, r.manifest.keys, n, shards, key_hashes(wanted))
+    read = _run_reader(r.manifest_path, store)  # a URL's by ranged GETs
+    found, why = key_shards(folder, r.manifest.keys, n, shards, key_hashes(wanted), read)
     if found is None:
-        where = os.path.join(folder, r.manifest.keys["path"])
+        where = _run_path(r.manifest_path, r.manifest.keys["path"])
         warnings.warn(
-            f"{where}: {why}; the subset reads every shard's keys instead (the next append or "
-            "merge writes the key file anew)",
+            f"{where}: {why}; the subset reads every shard's keys instead ({key_file_fix(where)})",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -261,11 +261,11 @@ def _side_of(src: Source):
 
 
 def _key_listing(r: ShardSource) -> str | None:
-    """The folder of the key file a local manifest lists; None where there is none to read
-    (shards without a manifest, a URL, a manifest that lists none: older packs, ``shardkit
-    index``)."""
+    """The folder of the key file a manifest lists (a URL's: read by ranged GETs,
+    ``_run_reader``); None where there is none to read (shards without a manifest, a manifest
+    that lists none: older packs, ``shardkit index``)."""
     listed = r.manifest.keys if r.manifest is not None else None
-    if not listed or not r.manifest_path or is_url(r.manifest_path):
+    if not listed or not r.manifest_path:
         return None
     return os.path.dirname(r.manifest_path)
 
@@ -290,21 +290,25 @@ def _keyed_split(
     # the table, not the manifest's list: a list or glob of some of its shards has its
     # manifest too, and the key file's head names the manifest's whole list, in order
     n = int(shards.samples.sum())
-    per_shard, why = split_counts(folder, listed, n, shards, threshold, _run_reader(r, store))
+    per_shard, why = split_counts(
+        folder, listed, n, shards, threshold, _run_reader(r.manifest_path, store)
+    )
     if per_shard is None:
-        fix = (
-            "upload the key file its pack wrote, or pack the dataset again"
-            if is_url(path)
-            else "the next append or merge writes the key file anew"
-        )
         warnings.warn(
-            f"{path}: {why}; the split reads every shard's index instead ({fix})",
+            f"{path}: {why}; the split reads every shard's index instead ({key_file_fix(path)})",
             RuntimeWarning,
             stacklevel=4,
         )
         return None
     load = ShardSplit(shards, r.format, store, threshold, per_shard, path, opts, refused)
     return ShardSideMembers(sample_counts(shards), per_shard, src.split == "val", load)
+
+
+def key_file_fix(path: str) -> str:
+    """How a key file at ``path`` that does not serve is written again."""
+    if is_url(path):
+        return "upload the key file its pack wrote, or pack the dataset again"
+    return "the next append or merge writes the key file anew"
 
 
 def _run_path(manifest_path: str, name: str) -> str:
@@ -314,15 +318,19 @@ def _run_path(manifest_path: str, name: str) -> str:
     return os.path.join(os.path.dirname(manifest_path), name)
 
 
-def _run_reader(r: ShardSource, store: Storage):
-    """How ``split_counts`` reads a key file's run (as the manifest lists it): None for a
-    local dataset (its files); a URL dataset's by ranged GETs of the run's listed size under
-    ``store``'s retry policy and timeout."""
-    if not is_url(r.manifest_path):
+def _run_reader(manifest_path: str, store: Storage):
+    """How ``split_counts``, ``key_shards`` and a view's ``DatasetKeys`` read a key file's run
+    (as the manifest at ``manifest_path`` lists it): None for a local dataset (its files); a
+    URL dataset's by ranged GETs of the run's listed size under ``store``'s retry policy and
+    timeout."""
+    if not is_url(manifest_path):
         return None
     from ..remote.ranged import RangedFile
 
-    return lambda run: RangedFile(_run_path(r.manifest_path, run["path"]), store, int(run["bytes"]))
+    def read(run: dict) -> RangedFile:
+        return RangedFile(_run_path(manifest_path, run["path"]), store, int(run["bytes"]))
+
+    return read
 
 
 def _options(own: dict | None, storage, name: str) -> dict | None:

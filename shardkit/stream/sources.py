@@ -73,9 +73,6 @@ class _Fs:
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(path) if self.remote else os.path.isdir(path)
 
-    def exists(self, path: str) -> bool:
-        return self.fs.exists(path) if self.remote else os.path.exists(path)
-
     def join(self, base: str, rel: str) -> str:
         return join_url(base, rel) if self.remote else os.path.join(base, rel)
 
@@ -95,8 +92,12 @@ class _Fs:
             return [os.path.join(path, n) for n in sorted(os.listdir(path))]
         return sorted(self.fs.unstrip_protocol(p) for p in self.fs.ls(path, detail=False))
 
-    def read_manifest(self, path: str) -> Manifest:
-        return read_manifest(path, storage_options=self.storage_options)
+    def read_manifest(self, path: str) -> Manifest | None:
+        """The manifest at ``path``; None where there is none (a URL's in one GET: an
+        existence check first would fetch it twice over HTTP)."""
+        if not self.remote:
+            return read_manifest(path) if os.path.exists(path) else None
+        return read_manifest(path, storage_options=self.storage_options, missing_ok=True)
 
 
 def resolve_source(
@@ -115,12 +116,14 @@ def resolve_source(
             return _from_manifest(fs, text)
         if fs.remote and not _has_pattern(text) and not is_shard_name(name):
             manifest_path = fs.join(text, MANIFEST_NAME)  # a prefix: HTTP cannot list one
-            if fs.exists(manifest_path):
-                return _from_manifest(fs, manifest_path)
+            manifest = fs.read_manifest(manifest_path)
+            if manifest is not None:
+                return _from_manifest(fs, manifest_path, manifest)
         if not _has_pattern(text) and fs.isdir(text):
             manifest_path = fs.join(text, MANIFEST_NAME)
-            if fs.exists(manifest_path):
-                return _from_manifest(fs, manifest_path)
+            manifest = fs.read_manifest(manifest_path)
+            if manifest is not None:
+                return _from_manifest(fs, manifest_path, manifest)
             if not fs.remote and interrupted_commit(text):  # shards of a killed pack: refuse
                 raise ManifestError(interrupted_message(text))
             urls = [
@@ -199,10 +202,11 @@ def _check_unique(urls: list[str], where: str) -> None:
         seen.add(u)
 
 
-def _from_manifest(fs: _Fs, manifest_path: str) -> ShardSource:
-    if not fs.exists(manifest_path):
+def _from_manifest(fs: _Fs, manifest_path: str, manifest: Manifest | None = None) -> ShardSource:
+    """The shards the manifest at ``manifest_path`` lists (``manifest``: already read)."""
+    manifest = manifest or fs.read_manifest(manifest_path)
+    if manifest is None:
         raise InputError(f"{manifest_path}: no such manifest; check the path")
-    manifest = fs.read_manifest(manifest_path)
     if manifest.shard_format not in FORMATS:
         raise ManifestError(
             f"{manifest_path}: unknown shard_format {manifest.shard_format!r}; "
@@ -266,8 +270,8 @@ def _from_urls(fs: _Fs, urls: list[str], where: str) -> ShardSource:
         d = fs.dirname(u)
         if d not in manifests:
             mpath = fs.join(d, MANIFEST_NAME)
-            if fs.exists(mpath):
-                m = fs.read_manifest(mpath)
+            m = fs.read_manifest(mpath)
+            if m is not None:
                 t = shard_entries(m.shards)
                 manifests[d] = (mpath, m, t, {name: r for r, name in enumerate(t.names)})
             else:

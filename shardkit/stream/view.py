@@ -53,7 +53,15 @@ from .lookup import DatasetKeys, IndexCache, KeyFile, ViewCache
 from .members import Members as Selected
 from .mix import Source
 from .ranges import check_sample, read_range, warn_undigested
-from .selection import _kind, _options, _storage, resolve_mixed
+from .selection import (
+    _kind,
+    _options,
+    _run_path,
+    _run_reader,
+    _storage,
+    key_file_fix,
+    resolve_mixed,
+)
 from .sources import resolve_source
 from .stages import decoded_fields, empty_as_said, sample_error
 
@@ -178,10 +186,11 @@ class ShardView:
         self._starts: list[int] = [0, *itertools.accumulate(counts)]  # bisect: no numpy per call
         self._open: dict[int, object] = {}
         self._pid = os.getpid()
-        #: ``index(key)``: where the manifest lists a key file (local): its path and listing;
-        #: the listing None until read (a narrowing Source's manifest is read when asked)
+        #: ``index(key)``: where the manifest lists a key file (a URL's read by ranged GETs):
+        #: its path and listing; the listing None until read (a narrowing Source's manifest
+        #: is read when asked)
         self._key_listing: tuple[str, dict | None] | None = (
-            None if manifest_at is None or is_url(manifest_at) else (manifest_at, listed)
+            None if manifest_at is None else (manifest_at, listed)
         )
         #: the dataset's key file (``lookup.DatasetKeys``); False: it has none that serves
         self._dataset_keys: DatasetKeys | bool | None = None
@@ -290,11 +299,12 @@ class ShardView:
         """The position of ``key`` (the first, should two shards hold the same key), by its
         key hash. Where the manifest lists a key file (``manifest.keys``, written by pack,
         append and merge), the one checked block of it the hash falls in (``os.pread``, nothing
-        mapped; ``lookup.DatasetKeys``) names the shard(s) holding the hash, and the key is
-        found in that shard's index (the bounded index cache) and confirmed on the real key:
+        mapped; a URL's by ranged GETs; ``lookup.DatasetKeys``) names the shard(s) holding the
+        hash, and the key is found in that shard's index (the bounded index cache) and
+        confirmed on the real key:
         nothing built, nothing written, flat in memory, the first lookup as cheap as any; a
         hash no checked block holds is a missing key at once (the file's hashes were its keys'
-        when written). Without one (packed before it existed, a URL, no manifest; a local
+        when written). Without one (packed before it existed, no manifest; a local
         manifest without one gets a warning saying how to get one), one that fails a check, or
         for a key whose named shard does not hold it (a file the manifest vouches for may still
         have been forged), the hashes the shards' indexes store are sorted with their
@@ -361,13 +371,17 @@ class ShardView:
             if self._key_listing is not None:
                 manifest_at, listed = self._key_listing
                 if listed is None:
-                    listed = read_manifest(manifest_at).keys
+                    opts = self.storage_options
+                    listed = read_manifest(manifest_at, storage_options=opts).keys
                     self._key_listing = (manifest_at, listed)
                 if listed:
-                    path = os.path.join(os.path.dirname(manifest_at), listed["path"])
-                    n = self._starts[-1]
-                    folder = os.path.dirname(manifest_at)
-                    keys, why = DatasetKeys.open(folder, listed, n, self.shards)
+                    path = _run_path(manifest_at, listed["path"])
+                    n, folder = self._starts[-1], os.path.dirname(manifest_at)
+                    read = _run_reader(manifest_at, self.storage)  # a URL's: ranged GETs
+                    try:
+                        keys, why = DatasetKeys.open(folder, listed, n, self.shards, read)
+                    finally:
+                        self.storage.close()
                     if keys is None:
                         self._refuse_keys(path, why)
                     else:
@@ -379,9 +393,10 @@ class ShardView:
         if isinstance(self._dataset_keys, DatasetKeys):
             self._dataset_keys.close()
         self._dataset_keys = False
+        fix = key_file_fix(path) if is_url(path) else f"write the key file again: {KEY_FILE_FIX}"
         warnings.warn(
             f"{path}: {why}; get(key) sorts every key hash into a private temporary file "
-            f"instead (write the key file again: {KEY_FILE_FIX})",
+            f"instead ({fix})",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -390,7 +405,8 @@ class ShardView:
         """Every key hash sorted with its position, built into a private temporary file:
         what a dataset without a key file costs, once a view."""
         if self._keyfile is None:
-            if self._key_listing is not None and not self._key_listing[1]:  # an older pack
+            listing = self._key_listing  # an older local pack (a URL's: read by ranges)
+            if listing is not None and not listing[1] and not is_url(listing[0]):
                 warnings.warn(
                     f"{self.where}: no key file (manifest.keys) beside its manifest; get(key) "
                     f"sorts every key hash into a private temporary file, once a view (16 bytes "

@@ -14,13 +14,14 @@ from conftest import ranged_pack
 from remote_servers import S3Server
 
 from shardkit import Order, pack
-from shardkit.errors import StorageError
+from shardkit.errors import InputError, StorageError
 from shardkit.formats.key_file import HEAD, KEYS_NAME, read_at
 from shardkit.manifest import read_manifest
 from shardkit.remote import RemoteStorage
 from shardkit.remote.ranged import RangedFile
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
+from shardkit.stream.view import ShardView
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -184,3 +185,78 @@ def test_verify_url_checks_the_key_file_its_manifest_lists(s3, packed, tmp_path)
     report = verify(url, storage_options=opts, work_dir=str(tmp_path))
     assert report.key_file.problems[0].startswith("missing (the manifest lists it); upload")
     assert os.listdir(tmp_path) == []
+
+
+def _view(where, opts=None) -> ShardView:
+    storage = RemoteStorage(opts, prefetch=0) if opts is not None else None
+    return ShardView(where, decode="raw", with_keys=True, storage=storage)
+
+
+def test_a_url_views_first_lookup_gets_the_key_file_and_one_shards_index(s3, packed):
+    """A view of a URL reads the key file its manifest lists by ranged GETs (its head, its
+    block table, the one checked block of the hash), then the one shard's index: a few GETs,
+    where it sorted every shard's index into a private table before (one .idx GET each)."""
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    local = _view(str(packed / "tar"))
+    keys = local.keys()
+    view = _view(url, opts)
+    s3.log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = view.get(keys[137])
+    assert got == local.get(keys[137])
+    assert 1 <= _idx_gets(s3) <= 2 and 1 <= len(s3.log.gets(KEYS_NAME)) <= 4, s3.log.gets()
+    s3.log.clear()
+    assert view.index(keys[3]) == 3 and view.index(keys[-1]) == len(keys) - 1
+    with pytest.raises(InputError, match="no sample with key 'nope'"):
+        view.index("nope")  # no checked block holds its hash: missing, no index read for it
+    assert _idx_gets(s3) <= 4
+
+
+def test_a_flipped_byte_in_a_url_views_key_file_is_named_and_the_answer_stays_right(s3, packed):
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    local = _view(str(packed / "tar"))
+    key = local.keys()[200]
+    body = bytearray((packed / "tar" / KEYS_NAME).read_bytes())
+    body[HEAD + 8] ^= 0x01  # block 0: the only one of 240 samples
+    s3.client().put_object(Bucket=b, Key=f"tar/{KEYS_NAME}", Body=bytes(body))
+    with pytest.warns(RuntimeWarning, match=rf"{url}{KEYS_NAME}: its block 0 .* digest.*upload"):
+        assert _view(url, opts).get(key) == local.get(key)
+    s3.client().delete_object(Bucket=b, Key=f"tar/{KEYS_NAME}")  # gone: named too
+    with pytest.warns(RuntimeWarning, match=rf"{url}{KEYS_NAME}: unreadable .*no such object"):
+        assert _view(url, opts).get(key) == local.get(key)
+
+
+def test_a_key_subset_at_a_url_gets_only_its_ranks_shards_indexes(s3, packed):
+    """``Source(url, subset=[keys])`` finds each key's shard in the key file by ranged GETs,
+    so rank 0 of 8 GETs an eighth of world size 1's .idx plus a constant, none at
+    construction (before: every shard's keys, in every rank)."""
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    local = str(packed / "tar")
+    subset = _view(local).keys()[::3]
+    s3.log.clear()
+    whole = _ds(url, opts, subset=subset)
+    built = _idx_gets(s3)
+    assert _keys(whole) == _keys(_ds(local, subset=subset))
+    world1 = _idx_gets(s3)
+    assert built == 0 and world1 >= 40
+    s3.log.clear()
+    ds = _ds(url, opts, rank=0, world_size=WORLD, subset=subset)
+    built = _idx_gets(s3)
+    assert _keys(ds) == _keys(_ds(local, rank=0, world_size=WORLD, subset=subset))
+    assert built == 0 and _idx_gets(s3) <= world1 / WORLD + 4, (_idx_gets(s3), world1)
+
+
+@pytest.mark.parametrize("where", ["tar/manifest.json", "tar/", "tar"])
+def test_a_url_splits_construction_gets_its_manifest_once(http, packed, where):
+    """Over HTTP an existence check is a GET of the whole manifest: the manifest is read in
+    one GET (a missing one is told apart by that GET), then the key file's ranges."""
+    http.root = packed
+    ds = _ds(f"{http.url}/{where}", split="val")
+    assert len(http.log.gets("manifest.json")) == 1, http.log.gets()
+    assert _keys(ds) == _keys(_ds(str(packed / "tar"), split="val"))
+    with pytest.raises(InputError, match="no such manifest"):
+        ShardDataset(Source(f"{http.url}/tar/gone/manifest.json"), decode="raw")
