@@ -1,13 +1,14 @@
 """A URL dataset's split construction, rank 0 of 8 against world size 1: GETs and bytes (of the
 manifest, the key file, the shards' index heads) that ``ShardDataset(Source(url, split=))``
 makes, and with its first plan (every shard it reaches: each one's index head, read when
-reached), over the tests' loopback HTTP Range server; counted, not timed. "before": the same
+reached; ``--epoch``: then a fresh val dataset's construction and epoch 0 read, every GET),
+over the tests' loopback HTTP Range server; counted, not timed. "before": the same
 dataset with no key file listed, which a URL dataset's readers were before they read one (they
 read every shard's index head at construction); "after": the key file read by ranged GETs.
 Index-only packs (a few bytes a sample, ``ShardWriter``). Figures: docs/benchmarks.md ("A URL
 dataset's split reads its key file").
 
-    python -m benchmarks run remote_split --samples 16000 160000
+    python -m benchmarks run remote_split --samples 16000 160000 [--epoch]
 """
 
 from __future__ import annotations
@@ -71,21 +72,30 @@ def count(http, root: Path, what: str) -> dict:
     }
 
 
-def measure(http, root: Path, name: str, split: str, world: int) -> dict:
-    url = f"{http.url}/{name}/{MANIFEST_NAME}"
-    http.log.clear()
+def _dataset(url: str, split: str, world: int) -> ShardDataset:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = ShardDataset(
+        return ShardDataset(
             Source(url, split=split, val_fraction=0.1),
             decode="raw",
             rank=0,
             world_size=world,
             seed=3,
         )
+
+
+def measure(http, root: Path, name: str, split: str, world: int, epoch: bool = False) -> dict:
+    url = f"{http.url}/{name}/{MANIFEST_NAME}"
+    http.log.clear()
+    ds = _dataset(url, split, world)
     got = count(http, root, "built")
     reached = {s.shard for s in ds.plan(World(0, world, 0, 1), 0)}
     got |= count(http, root, "planned") | {"shards_reached": len(reached)}
+    if epoch:  # a fresh dataset: construction and its first epoch read, every GET counted
+        http.log.clear()
+        read = sum(1 for _ in _dataset(url, split, world))
+        idx = [p for _, p, _ in http.log.gets() if p.endswith(".idx")]
+        got |= count(http, root, "epoch") | {"epoch_samples": read, "epoch_idx": len(set(idx))}
     return got
 
 
@@ -98,6 +108,7 @@ class RemoteSplit(harness.Bench):
     rounds: int = 1
     samples: tuple[int, ...] = harness.arg((16000, 160000), "pack sizes (samples)")
     per_shard: int = harness.arg(250, "samples a shard")
+    epoch: bool = harness.arg(False, "val: also construction + rank 0's epoch 0 read: GETs, bytes")
 
 
 def main(args: RemoteSplit) -> None:
@@ -114,7 +125,8 @@ def main(args: RemoteSplit) -> None:
                     for label, name in (("before", f"n{n}-nokeys"), ("after", f"n{n}")):
                         row = {}
                         for world in (1, WORLD):
-                            got = measure(http, root, name, split, world)
+                            epoch = args.epoch and split == "val"  # what a val rank reads
+                            got = measure(http, root, name, split, world, epoch)
                             row[f"world{world}"] = got
                             print(
                                 f"  {split:5} {label:6} world {world}: construction "
@@ -124,6 +136,14 @@ def main(args: RemoteSplit) -> None:
                                 f"{got['planned_bytes']:,} B, {got['shards_reached']} shards",
                                 flush=True,
                             )
+                            if epoch:
+                                print(
+                                    f"  {'':5} {'':6} {'':8}  construction + epoch "
+                                    f"{got['epoch_gets']} GETs ({got['epoch_idx_gets']} .idx "
+                                    f"of {got['epoch_idx']} shards) {got['epoch_bytes']:,} B, "
+                                    f"{got['epoch_samples']} samples",
+                                    flush=True,
+                                )
                         result[f"n{n}/{split}/{label}"] = row
     harness.write_result(args.json, "bench_remote_split", args, result)
     return 0
