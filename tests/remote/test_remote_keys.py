@@ -6,6 +6,7 @@ file that does not serve is named, and the split reads every index as before."""
 from __future__ import annotations
 
 import os
+import tarfile
 import uuid
 import warnings
 
@@ -16,6 +17,7 @@ from remote_servers import S3Server
 from shardkit import Order, pack
 from shardkit.errors import StorageError
 from shardkit.formats.key_file import HEAD, KEYS_NAME, read_at
+from shardkit.formats.sample_index import columns_size
 from shardkit.manifest import read_manifest
 from shardkit.remote import RemoteStorage
 from shardkit.remote.ranged import RangedFile
@@ -148,6 +150,30 @@ def test_a_remote_epoch_gets_each_reached_index_once(s3, packed, tmp_path, kw, c
         assert got == _keys(_ds(str(packed / "tar"), None, rank, world, **kw))
         assert paths and len(paths) == len(set(paths)), (world, sorted(paths))
         assert not indexes._HELD  # none held past the epoch
+
+
+def test_a_remote_head_that_fails_its_check_is_never_held_for_the_reader(s3, packed):
+    """A head whose bytes are not the manifest's (a digest flipped: neither its
+    ``columns_sha256`` nor the file's ``index_sha256``) is named, the split takes the shard's
+    keys from its headers and the reader streams it, checked whole: never a held head."""
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    want = _keys(_ds(str(packed / "tar"), split="val", val_fraction=0.25))
+    shards = read_manifest(str(packed / "tar")).shards
+    shard = next(s for s in shards if _holds(packed / "tar" / s.path, want[0]))
+    name = f"tar/{shard.path}.idx"
+    body = bytearray(s3.client().get_object(Bucket=b, Key=name)["Body"].read())
+    body[columns_size(shard.samples) - 1] ^= 0x01  # its last sample's digest
+    s3.client().put_object(Bucket=b, Key=name, Body=bytes(body))
+    with pytest.warns(RuntimeWarning, match=rf"{name}: .*sample index"):
+        got = _keys(_ds(url, opts, split="val", val_fraction=0.25))
+    assert got == want
+    assert not indexes._HELD
+
+
+def _holds(path, key: str) -> bool:
+    with tarfile.open(path) as tar:
+        return any(n.startswith(key + ".") for n in tar.getnames())
 
 
 def test_a_flipped_byte_in_the_remote_key_file_is_named_and_the_epoch_stays_right(s3, packed):
