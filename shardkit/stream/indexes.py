@@ -135,7 +135,9 @@ def _columns_bytes(shard: ShardInfo, storage, read=None) -> bytes | None:
 #: same epoch reads the shard's samples through them (``shard_columns`` takes each once): one
 #: read or GET of a head an epoch where there were two. Only what a worker is about to read
 #: is held: a plan piece's shards, at most ``HELD`` bytes (the oldest dropped first, and then
-#: read again), and a shard the reader streams instead drops its own (``drop_held``).
+#: read again), and a shard the reader streams instead drops its own (``drop_held``). A head
+#: no reader takes (a plan made but not read, an epoch left part way) waits, within ``HELD``,
+#: until newer ones push it out.
 _HELD: OrderedDict[tuple, IndexColumns] = OrderedDict()
 HELD = 16 << 20
 _held = [0]

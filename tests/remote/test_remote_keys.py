@@ -63,6 +63,11 @@ def _keys(ds) -> list[str]:
     return [s[2] for s in ds]
 
 
+def _held(url: str) -> list:
+    """The heads of ``url``'s shards a split holds for its reader (``indexes._HELD``)."""
+    return [k for k in indexes._HELD if k[0].startswith(url)]
+
+
 def _idx_gets(s3) -> int:
     return len(s3.log.gets(".tar.idx"))
 
@@ -111,7 +116,7 @@ def test_a_remote_split_rank_gets_only_the_indexes_its_plan_reaches(s3, packed, 
     built = _idx_gets(s3)
     got = _keys(ds)
     rank0 = _idx_gets(s3)
-    assert not indexes._HELD  # each head held for its reader was taken, or let go (streamed)
+    assert not _held(url)  # each head held for its reader was taken, or let go (streamed)
     # an eighth of world size 1's, plus the shards at its part's two ends (each shard's index
     # head GET once as the epoch reaches it: its split sides, then its samples' ranges read
     # through the same checked head)
@@ -149,7 +154,7 @@ def test_a_remote_epoch_gets_each_reached_index_once(s3, packed, tmp_path, kw, c
         paths = [p for _, p, _ in s3.log.gets(".tar.idx")]
         assert got == _keys(_ds(str(packed / "tar"), None, rank, world, **kw))
         assert paths and len(paths) == len(set(paths)), (world, sorted(paths))
-        assert not indexes._HELD  # none held past the epoch
+        assert not _held(url)  # none held past the epoch
 
 
 def test_a_remote_head_that_fails_its_check_is_never_held_for_the_reader(s3, packed):
@@ -168,7 +173,7 @@ def test_a_remote_head_that_fails_its_check_is_never_held_for_the_reader(s3, pac
     with pytest.warns(RuntimeWarning, match=rf"{name}: .*sample index"):
         got = _keys(_ds(url, opts, split="val", val_fraction=0.25))
     assert got == want
-    assert not indexes._HELD
+    assert not _held(url)
 
 
 def _holds(path, key: str) -> bool:
