@@ -10,7 +10,10 @@ shard's hashes into a private table at its first lookup); "after": the key file 
 GETs. Index-only packs (a few bytes a sample, ``ShardWriter``). Figures: docs/benchmarks.md ("A
 URL dataset's split reads its key file").
 
+``--epoch``: for ``val``, then a fresh dataset's construction and epoch 0 read, every GET.
+
     python -m benchmarks run remote_split --samples 16000 160000 --what split keys view
+    python -m benchmarks run remote_split --samples 16000 160000 --epoch
 """
 
 from __future__ import annotations
@@ -76,7 +79,21 @@ def count(http, root: Path, what: str) -> dict:
     }
 
 
-def measure(http, root: Path, name: str, split: str, world: int, n: int) -> dict:
+def _dataset(url: str, narrow: dict, world: int) -> ShardDataset:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ShardDataset(
+            Source(url, **narrow),
+            decode="raw",
+            rank=0,
+            world_size=world,
+            seed=3,
+        )
+
+
+def measure(
+    http, root: Path, name: str, split: str, world: int, n: int, epoch: bool = False
+) -> dict:
     url = f"{http.url}/{name}/{MANIFEST_NAME}"
     if split == "view":
         return measure_view(http, root, url, n)
@@ -86,18 +103,15 @@ def measure(http, root: Path, name: str, split: str, world: int, n: int) -> dict
         else {"split": split, "val_fraction": 0.1}
     )
     http.log.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = ShardDataset(
-            Source(url, **narrow),
-            decode="raw",
-            rank=0,
-            world_size=world,
-            seed=3,
-        )
+    ds = _dataset(url, narrow, world)
     got = count(http, root, "built")
     reached = {s.shard for s in ds.plan(World(0, world, 0, 1), 0)}
     got |= count(http, root, "planned") | {"shards_reached": len(reached)}
+    if epoch:  # a fresh dataset: construction and its first epoch read, every GET counted
+        http.log.clear()
+        read = sum(1 for _ in _dataset(url, narrow, world))
+        idx = [p for _, p, _ in http.log.gets() if p.endswith(".idx")]
+        got |= count(http, root, "epoch") | {"epoch_samples": read, "epoch_idx": len(set(idx))}
     return got
 
 
@@ -128,6 +142,11 @@ def _said(got: dict) -> str:
         f"{got['built_bytes']:,} B; with its plan {got['planned_gets']} GETs "
         f"({got['planned_idx_gets']} .idx) {got['planned_bytes']:,} B, "
         f"{got['shards_reached']} shards"
+    ) + (
+        f"; construction + epoch {got['epoch_gets']} GETs ({got['epoch_idx_gets']} .idx of "
+        f"{got['epoch_idx']} shards) {got['epoch_bytes']:,} B, {got['epoch_samples']} samples"
+        if "epoch_gets" in got
+        else ""
     )
 
 
@@ -143,6 +162,7 @@ class RemoteSplit(harness.Bench):
     what: tuple[Literal["split", "keys", "view"], ...] = harness.arg(
         ("split",), "split: a split's construction; keys: a key-list subset's; view: get(key)"
     )
+    epoch: bool = harness.arg(False, "val: also construction + rank 0's epoch 0 read: GETs, bytes")
 
 
 def main(args: RemoteSplit) -> None:
@@ -159,7 +179,8 @@ def main(args: RemoteSplit) -> None:
                     for label, name in (("before", f"n{n}-nokeys"), ("after", f"n{n}")):
                         row = {}
                         for world in (1,) if split == "view" else (1, WORLD):
-                            got = measure(http, root, name, split, world, n)
+                            epoch = args.epoch and split == "val"  # what a val rank reads
+                            got = measure(http, root, name, split, world, n, epoch)
                             row[f"world{world}"] = got
                             print(f"  {split:5} {label:6} world {world}: {_said(got)}", flush=True)
                         result[f"n{n}/{split}/{label}"] = row

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,8 @@ __all__ = [
     "split_hashes",
     "split_positions",
     "ShardSplit",
+    "drop_held",
+    "held_columns",
     "val_mask",
     "warn_unindexed",
 ]
@@ -84,9 +88,13 @@ def shard_columns(
 ) -> IndexColumns | None:
     """The head of ``shard``'s index (byte ranges and key hashes, 16 bytes a sample, not the
     key table): one read, or one ranged GET (``read(where, n)``: that GET, made already);
-    None where there is none or it is not this shard's (a warning names it)."""
+    None where there is none or it is not this shard's (a warning names it). A head a split
+    read and checked in this process a moment ago (``held_columns``) is taken instead: no
+    second read or GET of the same bytes."""
     if (found := columns_range(shard)) is None:
         return None
+    if (held := _take_held(shard)) is not None:
+        return held
     data = _columns_bytes(shard, storage, read)
     if data is None:  # no index, or unreadable: the shard is read instead
         return None
@@ -120,6 +128,62 @@ def _columns_bytes(shard: ShardInfo, storage, read=None) -> bytes | None:
             return f.read(n)
     except OSError:  # no index (FileNotFoundError), or unreadable
         return None
+
+
+#: Index heads a split read for a shard's sides (``ShardSplit``), their sha256 the manifest's
+#: ``columns_sha256`` (or the whole file's its ``index_sha256``), held until the reader of the
+#: same epoch reads the shard's samples through them (``shard_columns`` takes each once): one
+#: read or GET of a head an epoch where there were two. Only what a worker is about to read
+#: is held: a plan piece's shards, at most ``HELD`` bytes (the oldest dropped first, and then
+#: read again), and a shard the reader streams instead drops its own (``drop_held``). A head
+#: no reader takes (a plan made but not read, an epoch left part way) waits, within ``HELD``,
+#: until newer ones push it out.
+_HELD: OrderedDict[tuple, IndexColumns] = OrderedDict()
+HELD = 16 << 20
+_held = [0]
+_held_lock = threading.Lock()
+
+
+def _held_key(shard: ShardInfo) -> tuple:
+    """What names a head: the shard's manifest facts (another pack at the URL: another key)."""
+    return (shard.url, shard.sha256, shard.samples, shard.bytes, shard.index_sha256,
+            shard.columns_sha256)  # fmt: skip
+
+
+def _head_bytes(cols: IndexColumns) -> int:
+    extra = 0 if cols.digests is None else cols.digests.nbytes
+    return cols.offsets.nbytes + cols.hashes.nbytes + extra
+
+
+def _hold(shard: ShardInfo, cols: IndexColumns) -> None:
+    """Hold ``shard``'s checked head for its reader (``_HELD``)."""
+    key, size = _held_key(shard), _head_bytes(cols)
+    with _held_lock:
+        old = _HELD.pop(key, None)
+        _held[0] += size - (0 if old is None else _head_bytes(old))
+        _HELD[key] = cols
+        while _held[0] > HELD and len(_HELD) > 1:
+            _, gone = _HELD.popitem(last=False)
+            _held[0] -= _head_bytes(gone)
+
+
+def _take_held(shard: ShardInfo) -> IndexColumns | None:
+    with _held_lock:
+        got = _HELD.pop(_held_key(shard), None)
+        if got is not None:
+            _held[0] -= _head_bytes(got)
+    return got
+
+
+def held_columns(shard: ShardInfo) -> bool:
+    """Whether a checked head of ``shard`` is held for its reader (nothing to fetch)."""
+    with _held_lock:
+        return _held_key(shard) in _HELD
+
+
+def drop_held(shard: ShardInfo) -> None:
+    """Let go of ``shard``'s held head: its reader streams the shard instead."""
+    _take_held(shard)
 
 
 def remote_bytes(url: str, storage) -> bytes | None:
@@ -246,9 +310,10 @@ def _shard_hashes(shards, fmt, storage, storage_options, refused):
         storage.close()
 
 
-def _one_shard_hashes(shard, fmt, storage, storage_options, refused):
-    """One shard's split hashes, checked as ``split_hashes`` says."""
-    hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options)
+def _one_shard_hashes(shard, fmt, storage, storage_options, refused, hold=False):
+    """One shard's split hashes, checked as ``split_hashes`` says (``hold``: a checked tar
+    head is held for the epoch's reader, ``_HELD``)."""
+    hashes, trusted = _checked_hashes(shard, fmt, storage, storage_options, hold)
     if hashes is None:
         hashes = key_hashes(_keys_read(shard, fmt, storage))
     if not trusted and refused is not None:
@@ -283,7 +348,7 @@ class ShardSplit:
     def __call__(self, i: int) -> np.ndarray:
         shard = self.shards[i]
         opts = self.storage_options
-        hashes = _one_shard_hashes(shard, self.fmt, self.storage, opts, self.refused)
+        hashes = _one_shard_hashes(shard, self.fmt, self.storage, opts, self.refused, True)
         val = hashes < np.uint64(self.threshold)
         got, said = int(np.count_nonzero(val)), int(self.val_per_shard[i])
         if got != said:
@@ -307,10 +372,11 @@ class ShardSplit:
         raise ShardSides(np.packbits(val), 0, self.threshold).error(shard.url, n, keys[n])
 
 
-def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_options):
+def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_options, hold=False):
     """``shard``'s split hashes from its index, checked (``split_hashes``), and whether the
     index holds them as they are; (None, False) where it has no usable index (a warning has
-    named a damaged or stale one)."""
+    named a damaged or stale one). ``hold``: a head whose sha256 was the manifest's is held
+    for the reader (``_hold``); one checked no other way never is."""
     if fmt == "lmdb" and shard.columns_sha256 and shard.samples >= 0:
         hashes = vouched_lmdb_hashes(
             lmdb_index_front(storage.local_path(shard), shard.url, shard.samples),
@@ -328,13 +394,13 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
     ):
         cols = _listed_columns(shard, storage)  # 16 bytes a sample, not ~90
         if cols is not None:
-            return cols.hashes.astype(np.uint64), True
+            return _vouched(shard, cols, hold)
     if fmt == "tar" and shard.index_sha256 and shard.sha256 and shard.url.endswith(".tar"):
         data = _index_bytes(shard, storage)  # the packer's file: its head is enough
         if data is not None and hashlib.sha256(data).hexdigest() == shard.index_sha256:
             head, where = data[: columns_size(shard.samples)], index_path(shard.url)
             cols = decode_columns(head, where, shard.samples, shard.bytes, shard.sha256)
-            return (None, False) if cols is None else (cols.hashes.astype(np.uint64), True)
+            return (None, False) if cols is None else _vouched(shard, cols, hold)
     if fmt == "lmdb":
         index = lmdb_index(shard, storage)
     else:
@@ -356,6 +422,14 @@ def _checked_hashes(shard: ShardInfo, fmt: str, storage: Storage, storage_option
             stacklevel=4,
         )
     return hashes, trusted
+
+
+def _vouched(shard: ShardInfo, cols: IndexColumns, hold: bool) -> tuple[np.ndarray, bool]:
+    """The split hashes of a head whose sha256 is the manifest's, trusted (``hold``: the head
+    held for the epoch's reader, ``_hold``)."""
+    if hold:
+        _hold(shard, cols)
+    return cols.hashes.astype(np.uint64), True
 
 
 def _listed_columns(shard: ShardInfo, storage) -> IndexColumns | None:

@@ -37,7 +37,7 @@ from ..formats.tar.parse import BLOCK
 from ..formats.tar.reader import SampleAltered, read_at
 from ..records import Record, ShardInfo, ShardSlice
 from ..urls import is_url
-from .indexes import columns_range, shard_columns, shard_index
+from .indexes import columns_range, drop_held, held_columns, shard_columns, shard_index
 
 try:  # a local chunk's spans read in one call (the extension is optional: os.preadv without it)
     from ..images._native import pread_at as _pread_at
@@ -167,6 +167,7 @@ def _columns(shard: ShardInfo, storage, read=None) -> _Columns | None:
                    st.st_ino, st.st_mtime_ns, st.st_size)  # fmt: skip
             if key in _CACHE:
                 _CACHE.move_to_end(key)
+                drop_held(shard)  # a head its split held for it: the same, read before
                 return _CACHE[key]
     index = shard_columns(shard, storage, read)
     got = None
@@ -241,7 +242,10 @@ class RangeReader:
             if sl.stop <= sl.start or count > RANGED_SHARE * shard.samples or not is_url(url):
                 continue
             if url not in self._indexes and url not in self.unindexed and columns_range(shard):
-                todo[url] = shard
+                if held_columns(shard):  # its split read it a moment ago: no GET
+                    self._indexes[url] = _columns(shard, self.storage)
+                else:
+                    todo[url] = shard
         if len(todo) < 2:
             return
         from ..remote.ranged import RangesAhead
@@ -286,6 +290,8 @@ class RangeReader:
         if not (self.tar or self.lmdb) or sl.stop <= sl.start:
             return False
         if wanted > (LMDB_RANGED_SHARE if self.lmdb else RANGED_SHARE) * shard.samples:
+            if is_url(shard.url):
+                drop_held(shard)  # streamed and checked whole: its split's head is let go
             return False  # the index is not even read
         if shard.url in self.unindexed:
             return False

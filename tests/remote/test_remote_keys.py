@@ -6,6 +6,7 @@ file that does not serve is named, and the split reads every index as before."""
 from __future__ import annotations
 
 import os
+import tarfile
 import uuid
 import warnings
 
@@ -16,9 +17,11 @@ from remote_servers import S3Server
 from shardkit import Order, pack
 from shardkit.errors import InputError, StorageError
 from shardkit.formats.key_file import HEAD, KEYS_NAME, read_at
+from shardkit.formats.sample_index import columns_size
 from shardkit.manifest import read_manifest
 from shardkit.remote import RemoteStorage
 from shardkit.remote.ranged import RangedFile
+from shardkit.stream import indexes
 from shardkit.stream.dataset import ShardDataset
 from shardkit.stream.mix import Source
 from shardkit.stream.view import ShardView
@@ -44,8 +47,8 @@ def _bucket(s3, folder) -> str:
     return name
 
 
-def _ds(where, opts=None, rank=0, world_size=1, **kw) -> ShardDataset:
-    storage = RemoteStorage(opts, prefetch=0) if opts is not None else None
+def _ds(where, opts=None, rank=0, world_size=1, cache_dir=None, **kw) -> ShardDataset:
+    storage = RemoteStorage(opts, prefetch=0, cache_dir=cache_dir) if opts is not None else None
     return ShardDataset(
         Source(where, **kw),
         decode="raw",
@@ -59,6 +62,11 @@ def _ds(where, opts=None, rank=0, world_size=1, **kw) -> ShardDataset:
 
 def _keys(ds) -> list[str]:
     return [s[2] for s in ds]
+
+
+def _held(url: str) -> list:
+    """The heads of ``url``'s shards a split holds for its reader (``indexes._HELD``)."""
+    return [k for k in indexes._HELD if k[0].startswith(url)]
 
 
 def _idx_gets(s3) -> int:
@@ -109,15 +117,69 @@ def test_a_remote_split_rank_gets_only_the_indexes_its_plan_reaches(s3, packed, 
     built = _idx_gets(s3)
     got = _keys(ds)
     rank0 = _idx_gets(s3)
+    assert not _held(url)  # each head held for its reader was taken, or let go (streamed)
     # an eighth of world size 1's, plus the shards at its part's two ends (each shard's index
-    # head is read twice as the epoch reaches it: its split sides, then its samples' ranges)
-    assert built == 0 and rank0 <= world1 / WORLD + 4, (built, rank0, world1)
+    # head GET once as the epoch reaches it: its split sides, then its samples' ranges read
+    # through the same checked head)
+    assert built == 0 and rank0 <= world1 / WORLD + 2, (built, rank0, world1)
     gets = [p for _, p, _ in s3.log.gets(KEYS_NAME)]
     assert 1 <= len(gets) <= 3  # head (with the small file's columns) and its block table
     kw = {"world_size": WORLD, "split": split, "val_fraction": 0.25}
     for rank in range(WORLD):  # every rank's epoch is the local pack's
         mine = got if rank == 0 else _keys(_ds(url, opts, rank=rank, **kw))
         assert mine == _keys(_ds(local, rank=rank, **kw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"split": "val", "val_fraction": 0.25},
+        {"split": "val", "val_fraction": 0.25, "subset": 0.5},
+        {"subset": 0.3},
+    ],
+    ids=["val", "val-subset", "subset"],
+)
+@pytest.mark.parametrize("cached", [False, True], ids=["", "cache_dir"])
+def test_a_remote_epoch_gets_each_reached_index_once(s3, packed, tmp_path, kw, cached):
+    """The head a split reads for a shard's sides (checked against the manifest's
+    ``columns_sha256``) is the one its samples' ranges are read through: one GET of each
+    reached shard's index an epoch, at rank 0 of 8 and at world size 1, with or without a
+    ``cache_dir`` (which holds shards, never index heads); the epochs are the local pack's."""
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    cache = str(tmp_path / "cache") if cached else None
+    for rank, world in ((0, WORLD), (0, 1)):
+        s3.log.clear()
+        ds = _ds(url, opts, rank, world, cache, **kw)
+        got = _keys(ds)
+        paths = [p for _, p, _ in s3.log.gets(".tar.idx")]
+        assert got == _keys(_ds(str(packed / "tar"), None, rank, world, **kw))
+        assert paths and len(paths) == len(set(paths)), (world, sorted(paths))
+        assert not _held(url)  # none held past the epoch
+
+
+def test_a_remote_head_that_fails_its_check_is_never_held_for_the_reader(s3, packed):
+    """A head whose bytes are not the manifest's (a digest flipped: neither its
+    ``columns_sha256`` nor the file's ``index_sha256``) is named, the split takes the shard's
+    keys from its headers and the reader streams it, checked whole: never a held head."""
+    b = _bucket(s3, packed / "tar")
+    opts, url = S3Server.options(s3.endpoint), f"s3://{b}/tar/"
+    want = _keys(_ds(str(packed / "tar"), split="val", val_fraction=0.25))
+    shards = read_manifest(str(packed / "tar")).shards
+    shard = next(s for s in shards if _holds(packed / "tar" / s.path, want[0]))
+    name = f"tar/{shard.path}.idx"
+    body = bytearray(s3.client().get_object(Bucket=b, Key=name)["Body"].read())
+    body[columns_size(shard.samples) - 1] ^= 0x01  # its last sample's digest
+    s3.client().put_object(Bucket=b, Key=name, Body=bytes(body))
+    with pytest.warns(RuntimeWarning, match=rf"{name}: .*sample index"):
+        got = _keys(_ds(url, opts, split="val", val_fraction=0.25))
+    assert got == want
+    assert not _held(url)
+
+
+def _holds(path, key: str) -> bool:
+    with tarfile.open(path) as tar:
+        return any(n.startswith(key + ".") for n in tar.getnames())
 
 
 def test_a_flipped_byte_in_the_remote_key_file_is_named_and_the_epoch_stays_right(s3, packed):

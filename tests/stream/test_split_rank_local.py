@@ -28,8 +28,8 @@ import json, sys
 from shardkit.stream.dataset import ShardDataset, Source
 from shardkit.stream.world import World
 out, split, subset, ws, workers = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6])
-checkpoint = "checkpoint" in sys.argv[6:]
-made = [a for a in sys.argv[6:] if a != "checkpoint"]  # a source expression of ``out``
+checkpoint, epoch = "checkpoint" in sys.argv[6:], "epoch" in sys.argv[6:]
+made = [a for a in sys.argv[6:] if a not in ("checkpoint", "epoch")]  # a source of ``out``
 opened, on = [], [False]
 def hook(event, args):
     if on[0] and event == "open" and str(args[0]).endswith(".idx"):
@@ -47,6 +47,8 @@ for w in range(workers):
     read |= {ds.shards.url(s.shard) for s in ds.plan(World(0, ws, w, workers), 0)}
 if checkpoint:  # a rank's first checkpoint saved and loaded in this process
     ds.load_state_dict(ds.state_dict())
+if epoch:  # rank 0's epoch 0 read, in this process
+    sum(1 for _ in ds)
 on[0] = False
 print(json.dumps({"built": built, "opened": opened, "read": sorted(read),
                   "shards": len(ds.shards), "len": len(ds)}))
@@ -68,8 +70,9 @@ def pack(tmp_path_factory):
 def _child(out: str, split: str, ws: int, workers: int = 1, subset: str = "-", *more: str) -> dict:
     """Rank 0 of ``ws`` (``workers`` each) built and planned in a child process: the ``.idx``
     files it opened building (``built``) and in all (``opened``), the shards its plans read.
-    ``more``: "checkpoint" (a state saved and loaded too) and/or a Python expression of the
-    source, in ``Source`` and ``out`` (in place of ``split`` and ``subset``)."""
+    ``more``: "checkpoint" (a state saved and loaded too), "epoch" (epoch 0 read too) and/or a
+    Python expression of the source, in ``Source`` and ``out`` (in place of ``split`` and
+    ``subset``)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     args = [sys.executable, "-c", _CHILD, out, split, subset, str(ws), str(workers), *more]
     got = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
@@ -90,6 +93,17 @@ def test_rank_zero_of_eight_reads_an_eighth_of_the_heads(pack, split, subset):
     assert len(rank0["opened"]) == len(set(rank0["opened"]))  # each once
     assert {p.removesuffix(".idx") for p in rank0["opened"]} <= set(rank0["read"])
     assert len(rank0["opened"]) <= len(whole["opened"]) / 8 + 2, (rank0, whole["shards"])
+
+
+@pytest.mark.parametrize("ws", [1, 8])
+def test_a_val_epoch_opens_each_reached_index_once(pack, ws):
+    """Rank 0 of ``ws`` plans and reads its val epoch opening each reached shard's index once:
+    the head its split read for the shard's sides (checked by the manifest's
+    ``columns_sha256``) is the one its samples' ranges are read through. Before, each twice
+    (the range reader's own read, from the page cache)."""
+    got = _child(pack, "val", ws, 1, "-", "epoch")
+    assert got["opened"] and len(got["opened"]) == len(set(got["opened"])), got["opened"]
+    assert {p.removesuffix(".idx") for p in got["opened"]} == set(got["read"])
 
 
 @pytest.mark.parametrize("split,subset", [("val", "-"), ("train", "0.3")])
