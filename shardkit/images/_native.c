@@ -876,6 +876,29 @@ done:
     return out;
 }
 
+/* The spans [lo[i], hi[i]) of ``fd`` read one after another into ``buf`` from ``*p`` (advanced by
+ * the bytes read), one pread a span, again where the kernel gives less, EINTR retried; called
+ * with the GIL released. Returns 0, errno where a read fails, or -1 where the file ends before a
+ * span (the caller sees fewer bytes). pread_spans and pread_at read through it. */
+static int read_spans(int fd, char *buf, const long long *lo, const long long *hi, Py_ssize_t n,
+                      Py_ssize_t *p)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long at = lo[i], left = hi[i] - lo[i];
+        while (left > 0) {
+            ssize_t r = pread(fd, buf + *p, (size_t)left, (off_t)at);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0)
+                return errno;
+            if (r == 0)
+                return -1;
+            *p += r, at += r, left -= r;
+        }
+    }
+    return 0;
+}
+
 /* pread_spans(fd, buf, lo, hi): the bytes ``[lo[i], hi[i])`` of the open file ``fd`` laid end to
  * end from the start of ``buf`` (writable; ``lo`` and ``hi``: native 64-bit ints), one pread a span
  * (again where the kernel gives less, EINTR retried), the GIL released: a sparse epoch's spans are
@@ -904,23 +927,7 @@ static PyObject *pread_spans(PyObject *self, PyObject *args)
         total += (Py_ssize_t)(hi[i] - lo[i]);
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !err; i++) {
-        long long at = lo[i], left = hi[i] - lo[i];
-        while (left > 0) {
-            ssize_t r = pread(fd, (char *)bv.buf + p, (size_t)left, (off_t)at);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r < 0) {
-                err = errno;
-                break;
-            }
-            if (r == 0) { /* the file ends before the span: the caller sees fewer bytes */
-                err = -1;
-                break;
-            }
-            p += r, at += r, left -= r;
-        }
-    }
+    err = read_spans(fd, bv.buf, lo, hi, n, &p);
     Py_END_ALLOW_THREADS
     if (err > 0) {
         errno = err;
@@ -1050,23 +1057,7 @@ static PyObject *pread_at(PyObject *self, PyObject *args)
     int err = 0;
     Py_ssize_t p = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t s = 0; s < nspans && !err; s++) {
-        long long at = lo[s], left = hi[s] - lo[s];
-        while (left > 0) {
-            ssize_t r = pread(fd, (char *)bv.buf + p, (size_t)left, (off_t)at);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r < 0) {
-                err = errno;
-                break;
-            }
-            if (r == 0) { /* the file ends before the span */
-                err = -1;
-                break;
-            }
-            p += r, at += r, left -= r;
-        }
-    }
+    err = read_spans(fd, bv.buf, lo, hi, nspans, &p);
     Py_END_ALLOW_THREADS
     if (err > 0) {
         errno = err;
