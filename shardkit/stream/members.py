@@ -96,6 +96,18 @@ class Members:
         """Which of ``positions`` are members."""
         raise NotImplementedError
 
+    def _isin_by_shard(self, positions: np.ndarray) -> np.ndarray:
+        """``isin`` through ``shard(i)`` of only the shards ``positions`` fall in: for members
+        read a shard at a time when first needed (a keyed split's, a key subset's)."""
+        p = np.asarray(positions, dtype=np.int64)
+        inside = (p >= 0) & (p < self.starts[-1])
+        out = np.zeros(len(p), dtype=bool)
+        shard_of = np.searchsorted(self.starts, p, side="right") - 1
+        for i in np.unique(shard_of[inside]).tolist():
+            at = np.flatnonzero(inside & (shard_of == i))
+            out[at] = np.isin(p[at], self.shard(i))
+        return out
+
     @property
     def nbytes(self) -> int:
         """The bytes this holds (its arrays'): what the construction memory law counts."""
@@ -214,14 +226,7 @@ class ShardSideMembers(Members):
         return got + self.starts[i]
 
     def isin(self, positions: np.ndarray) -> np.ndarray:
-        p = np.asarray(positions, dtype=np.int64)
-        inside = (p >= 0) & (p < self.starts[-1])
-        out = np.zeros(len(p), dtype=bool)
-        shard_of = np.searchsorted(self.starts, p, side="right") - 1
-        for i in np.unique(shard_of[inside]).tolist():
-            at = np.flatnonzero(inside & (shard_of == i))
-            out[at] = np.isin(p[at], self.shard(i))
-        return out
+        return self._isin_by_shard(positions)
 
     @property
     def nbytes(self) -> int:
@@ -301,14 +306,7 @@ class KeyedMembers(Members):
         return got
 
     def isin(self, positions: np.ndarray) -> np.ndarray:
-        p = np.asarray(positions, dtype=np.int64)
-        inside = (p >= 0) & (p < self.starts[-1])
-        out = np.zeros(len(p), dtype=bool)
-        shard_of = np.searchsorted(self.starts, p, side="right") - 1
-        for i in np.unique(shard_of[inside]).tolist():
-            at = np.flatnonzero(inside & (shard_of == i))
-            out[at] = np.isin(p[at], self.shard(i))
-        return out
+        return self._isin_by_shard(positions)
 
     @property
     def nbytes(self) -> int:
