@@ -55,13 +55,19 @@ print(json.dumps({"built": built, "opened": opened, "read": sorted(read),
 """
 
 
+def _written(out: str, prefix: str, n: int, shard_size: str) -> str:
+    """``n`` samples of fixed bytes (keys ``<prefix>00000``...) in tar shards of
+    ``shard_size``, with the key file ShardWriter writes."""
+    with ShardWriter(out, format="tar", shard_size=shard_size, classes=["x"]) as w:
+        for i in range(n):
+            w.add(f"{prefix}{i:05d}", "jpg", b"%d" % i, 0)
+    return out
+
+
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
     """2,560 samples of fixed bytes in 64 tar shards, with the key file ShardWriter writes."""
-    out = str(tmp_path_factory.mktemp("ranklocal") / "pack")
-    with ShardWriter(out, format="tar", shard_size="84KB", classes=["x"]) as w:
-        for i in range(2560):
-            w.add(f"k{i:05d}", "jpg", b"%d" % i, 0)
+    out = _written(str(tmp_path_factory.mktemp("ranklocal") / "pack"), "k", 2560, "84KB")
     assert 60 <= len(json.load(open(os.path.join(out, "manifest.json")))["shards"]) <= 70
     assert os.path.exists(os.path.join(out, "manifest.keys"))
     return out
@@ -397,10 +403,7 @@ def _forged_counts(hashes, shards, num_shards: int, blocks: bytes) -> bytes:
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """8,000 samples in 4 shards: a key file with a count table of 2^5 points."""
-    out = str(tmp_path_factory.mktemp("wide") / "pack")
-    with ShardWriter(out, format="tar", shard_size="4.5MB", classes=["x"]) as w:
-        for i in range(8000):
-            w.add(f"w{i:05d}", "jpg", b"%d" % i, 0)
+    out = _written(str(tmp_path_factory.mktemp("wide") / "pack"), "w", 8000, "4.5MB")
     keys = json.load(open(os.path.join(out, "manifest.json")))["keys"]
     assert (
         keys["counts"]["k"] == 5
