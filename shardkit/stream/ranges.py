@@ -440,22 +440,11 @@ class RangeReader:
             known = memo is not None and bool(memo[pos[j:k]].all())
             for c, d in zip(cuts[:-1], cuts[1:], strict=True):  # within this chunk
                 a, b = j + c, j + d
-                hashes = expect[a:b]
-                got, unchecked = self._read_batch(
-                    shard, self._buf, (rel_starts[c:d], rel_ends[c:d]), fields, hashes,
-                    None if digests is None else digests[a:b], pos[a:b], None, known,
-                )  # fmt: skip
-                if memo is not None and not known:  # the keys the C parser found its index's
-                    took = pos[a:b]
-                    memo[np.delete(took, unchecked) if unchecked else took] = True
-                if unchecked:  # those the C parser did not take (it checks the ones it takes)
-                    self._check_keys(
-                        [got[i] for i in unchecked], hashes[unchecked], pos[a:b][unchecked],
-                        shard, sides,
-                    )  # fmt: skip
-                if odd:
-                    _keys_on_side(got, range(a, b), odd, pos, sides, shard.url)
-                yield got, pos[a:b]
+                rel = (rel_starts[c:d], rel_ends[c:d])
+                yield self._checked(
+                    shard, self._buf, rel, fields, expect, digests, pos, a, b, None, known,
+                    memo, sides, odd,
+                ), pos[a:b]  # fmt: skip
             j = k
 
     def _spans_batches(self, sl, shard, index, want, fields, sides):
@@ -488,24 +477,38 @@ class RangeReader:
             known = memo is not None and bool(memo[pos[a:b]].all())
             cuts = _batches(rel_ends - rel_starts)
             for c, d in zip(cuts[:-1], cuts[1:], strict=True):  # within this chunk
-                hashes = expect[a + c : a + d]
-                sums = None if digests is None else digests[a + c : a + d]
-                got, unchecked = self._read_batch(
-                    shard, blob, (rel_starts[c:d], rel_ends[c:d]), fields, hashes, sums,
-                    pos[a + c : a + d], span, known,
-                )  # fmt: skip
-                if memo is not None and not known:  # the keys the C parser found its index's
-                    took = pos[a + c : a + d]
-                    memo[np.delete(took, unchecked) if unchecked else took] = True
-                if unchecked:  # those the C parser did not take (it checks the ones it takes)
-                    self._check_keys(
-                        [got[i] for i in unchecked], hashes[unchecked],
-                        pos[a + c : a + d][unchecked], shard, sides,
-                    )  # fmt: skip
-                if odd:
-                    _keys_on_side(got, range(a + c, a + d), odd, pos, sides, shard.url)
-                yield got, pos[a + c : a + d]
+                rel = (rel_starts[c:d], rel_ends[c:d])
+                yield self._checked(
+                    shard, blob, rel, fields, expect, digests, pos, a + c, a + d, span, known,
+                    memo, sides, odd,
+                ), pos[a + c : a + d]  # fmt: skip
             j = k
+
+    def _checked(
+        self, shard, blob, rel, fields, expect, digests, pos, a, b, span, known, memo, sides, odd
+    ) -> list:
+        """The records of one parse call, samples ``a .. b`` of ``pos`` (their places in
+        ``blob``: ``rel``), each checked before the list is handed out: by the C parse (its
+        digest, and its key against the index's hash), a key it did not take by its own hash
+        (``_check_keys``), and a sample the split put on the other side than its stored hash
+        says by its key (``_keys_on_side``); the keys found the index's are remembered under
+        the file's identity (``memo``) so a later epoch hashes none. What ``_local_batches``
+        and ``_spans_batches`` do with each list, whichever way its bytes were read."""
+        hashes = expect[a:b]
+        got, unchecked = self._read_batch(
+            shard, blob, rel, fields, hashes, None if digests is None else digests[a:b],
+            pos[a:b], span, known,
+        )  # fmt: skip
+        if memo is not None and not known:  # the keys the C parser found its index's
+            took = pos[a:b]
+            memo[np.delete(took, unchecked) if unchecked else took] = True
+        if unchecked:  # those the C parser did not take (it checks the ones it takes)
+            self._check_keys(
+                [got[i] for i in unchecked], hashes[unchecked], pos[a:b][unchecked], shard, sides
+            )
+        if odd:
+            _keys_on_side(got, range(a, b), odd, pos, sides, shard.url)
+        return got
 
     def _read_spans(
         self, shard: ShardInfo, lo: np.ndarray, hi: np.ndarray, total: int
